@@ -1,0 +1,161 @@
+"""Group-relative advantage estimators (registered; chosen by ``algo.advantage``).
+
+All estimators see the rewards of the whole batch (gathered across processes) and the group id of each sample.
+Shared conventions (DESIGN.md):
+
+* population std (ddof 0), ``A = (r − mean) / (std + 1e-4)`` (Flow-GRPO, arXiv 2505.05470, eq. 6);
+* a group whose valid rewards are all equal (max == min, an exact test: float means of equal values are not
+  exact) gets advantage exactly 0;
+* a NaN reward is left out of its group's statistics and its sample gets advantage 0 (and no training);
+* advantages are clipped to ±``clip``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from flowgrpo.records import Advantages, Rewards
+from flowgrpo.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+STD_EPS = 1e-4
+
+# An estimator maps (rewards (B,) float64 with NaN, group_ids (B,), global_std) -> advantages (B,) float64,
+# meaningful only on valid samples of groups with spread.
+Estimator = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+
+
+def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    return inv, len(uniq)
+
+
+def _group_stats(r: torch.Tensor, inv: torch.Tensor, n: int):
+    """Per-sample (count, mean, population std, max, min) of its group over valid (non-NaN) rewards."""
+    valid = ~torch.isnan(r)
+    rz = torch.where(valid, r, torch.zeros_like(r))
+    cnt = torch.zeros(n, dtype=r.dtype).index_add_(0, inv, valid.to(r.dtype))
+    s = torch.zeros(n, dtype=r.dtype).index_add_(0, inv, rz)
+    mean = s / cnt.clamp(min=1)
+    dev = torch.where(valid, (r - mean[inv]) ** 2, torch.zeros_like(r))
+    var = torch.zeros(n, dtype=r.dtype).index_add_(0, inv, dev) / cnt.clamp(min=1)
+    big = torch.finfo(r.dtype).max
+    mx = torch.full((n,), -big, dtype=r.dtype).scatter_reduce(0, inv, torch.where(valid, r, -big), "amax")
+    mn = torch.full((n,), big, dtype=r.dtype).scatter_reduce(0, inv, torch.where(valid, r, big), "amin")
+    return cnt[inv], mean[inv], var.sqrt()[inv], mx[inv], mn[inv]
+
+
+def _batch_std(r: torch.Tensor) -> torch.Tensor:
+    v = r[~torch.isnan(r)]
+    return v.std(unbiased=False) if v.numel() else torch.zeros((), dtype=r.dtype)
+
+
+@ESTIMATORS.register("grpo")
+def grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False) -> torch.Tensor:
+    """GRPO (Shao et al., arXiv 2402.03300, Sec. 4.1.2; Flow-GRPO eq. 6): ``(r − mean_g) / (std + 1e-4)``,
+    std of the group (population) or, with ``global_std``, of the whole batch."""
+    inv, n = _group_index(group_ids)
+    _, mean, std, _, _ = _group_stats(r, inv, n)
+    if global_std:
+        std = _batch_std(r).expand_as(r)
+    return (r - mean) / (std + STD_EPS)
+
+
+@ESTIMATORS.register("dr_grpo")
+def dr_grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False) -> torch.Tensor:
+    """Dr. GRPO (Liu et al., arXiv 2503.20783, Sec. 3.2): ``r − mean_g``, no division by the std."""
+    inv, n = _group_index(group_ids)
+    _, mean, _, _, _ = _group_stats(r, inv, n)
+    return r - mean
+
+
+@ESTIMATORS.register("rloo")
+def rloo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False) -> torch.Tensor:
+    """REINFORCE leave-one-out (Ahmadian et al., arXiv 2402.14740, eq. 9): ``r_i − mean_{j≠i} r_j``
+    over the group's valid samples, i.e. ``n/(n−1)·(r_i − mean_g)``."""
+    inv, n = _group_index(group_ids)
+    cnt, mean, _, _, _ = _group_stats(r, inv, n)
+    return (r - mean) * cnt / (cnt - 1).clamp(min=1)
+
+
+def _check_groups(group_ids: torch.Tensor) -> None:
+    _, counts = torch.unique(group_ids, return_counts=True)
+    if bool((counts < 2).any()):
+        raise ValueError(
+            f"every group needs G >= 2 samples for group-relative advantages; group sizes found: "
+            f"{sorted(set(counts.tolist()))} (raise train.group_size)"
+        )
+
+
+def _normalize(r: torch.Tensor, group_ids: torch.Tensor, estimator: str, global_std: bool) -> torch.Tensor:
+    inv, n = _group_index(group_ids)
+    _, _, _, mx, mn = _group_stats(r, inv, n)
+    a = ESTIMATORS.get(estimator)(r, group_ids, global_std)
+    flat = (mx == mn) | torch.isnan(r)
+    return torch.where(flat, torch.zeros_like(a), a)
+
+
+def compute_advantages(
+    rewards: Rewards,
+    group_ids: torch.Tensor,
+    *,
+    estimator: str = "grpo",
+    global_std: bool = False,
+    multi_reward: str = "sum_then_normalize",
+    clip: float = 5.0,
+    drop_zero_spread: bool = False,
+) -> Advantages:
+    """Advantages (B,) for the batch's rewards.
+
+    Args:
+        rewards: the composed rewards; ``rewards.total`` (B,) is used by ``sum_then_normalize``; ``gdpo`` uses
+            the components.
+        group_ids: (B,) long group of each sample.
+        estimator: a registered estimator (``grpo``, ``dr_grpo``, ``rloo``).
+        multi_reward: ``sum_then_normalize`` (weighted composition, then group statistics) or ``gdpo`` (each
+            component normalised within its groups, weighted sum, renormalised over the batch: Liu et al.,
+            arXiv 2601.05242, eq. 4–5).
+        clip: advantages are clipped to ±clip.
+        drop_zero_spread: zero-spread groups get ``train_mask`` False (DAPO's dynamic sampling, arXiv 2503.14476).
+
+    Raises:
+        ValueError: a group with fewer than 2 samples, or an unknown ``multi_reward``.
+    """
+    _check_groups(group_ids)
+    total = rewards.total.double()
+    inv, n = _group_index(group_ids)
+    _, _, _, mx, mn = _group_stats(total, inv, n)
+    valid = ~torch.isnan(total)
+    zero_spread = (mx == mn) | (mx < mn)  # mx < mn: a group with no valid reward at all
+    if multi_reward == "sum_then_normalize":
+        adv = _normalize(total, group_ids, estimator, global_std)
+    elif multi_reward == "gdpo":
+        adv = torch.zeros_like(total)
+        wsum = 0.0
+        for name, comp in rewards.components.items():
+            w = rewards.weights[name]
+            part = _normalize(comp.double(), group_ids, estimator, global_std)
+            adv = adv + w * part
+            wsum += abs(w)
+        std = _batch_std(torch.where(valid, adv, torch.full_like(adv, float("nan"))))
+        mean = adv[valid].mean() if bool(valid.any()) else torch.zeros((), dtype=adv.dtype)
+        adv = (adv - mean) / (std + STD_EPS)
+        adv = torch.where(zero_spread | ~valid, torch.zeros_like(adv), adv)
+    else:
+        raise ValueError(f"multi_reward must be 'sum_then_normalize' or 'gdpo', got {multi_reward!r}")
+    adv = adv.clamp(-clip, clip).float()
+    train_mask = valid.clone()
+    if drop_zero_spread:
+        train_mask &= ~zero_spread
+    group_zero = torch.zeros(n, dtype=torch.bool).index_fill_(0, inv[zero_spread], True)
+    nan_frac = float((~valid).double().mean())
+    if nan_frac > 0:
+        logger.warning("%.1f%% of samples have a NaN reward: advantage 0, left out of the update", 100 * nan_frac)
+    return Advantages(
+        values=adv, train_mask=train_mask, zero_spread_frac=float(group_zero.double().mean()), nan_frac=nan_frac
+    )

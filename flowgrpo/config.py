@@ -1,0 +1,303 @@
+"""The typed training configuration: YAML is only data, this schema is the contract.
+
+``load_config(path, overrides)`` reads a YAML file, applies dotted ``key=value`` overrides (values parsed as YAML,
+so ``train.lr=1e-4`` is a float), validates every field, derives the batch sizes, and raises
+:class:`ConfigError` with the offending key, what is allowed, and the closest valid key for a typo.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run: unknown key, wrong type, or impossible combination."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    """Which model to train and how."""
+
+    pretrained: str = Field(
+        "digits",
+        description="diffusers folder or hub id (FLUX.1 or SD3.5), or an embedded model: 'digits' (built and "
+        "cached on first use) or 'tiny' (random weights, for plumbing tests)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the transformer's weights and forward; SDE arithmetic is always float32"
+    )
+    height: int | None = Field(None, description="image height in pixels (default: the pipeline's sample size)")
+    width: int | None = Field(None, description="image width in pixels (default: the pipeline's sample size)")
+    max_sequence_length: int = Field(512, description="T5 tokens per prompt (clipped to the tokenizer's max)")
+    finetune: Literal["lora", "full"] = Field("lora", description="train a LoRA adapter or all transformer weights")
+    lora_rank: int = Field(8, ge=1, description="LoRA rank r")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / r)")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
+        description="module names (peft target_modules) that receive LoRA",
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+
+
+class SamplingConfig(_Section):
+    """How trajectories are sampled for training."""
+
+    num_steps: int = Field(10, ge=1, description="T, denoising steps per trajectory")
+    guidance_scale: float = Field(3.5, description="FLUX guidance embedding / SD3 CFG scale")
+    sde_kind: str = Field("flow_sde", description="registered SDE kind: flow_sde, dance_sde, cps, ode")
+    noise_level: float = Field(0.7, ge=0, description="SDE noise: a for flow_sde and cps, eta for dance_sde")
+    logprob_reduction: Literal["mean", "sum"] = Field("mean", description="reduce log-probs over latent dims")
+    cps_simplified_logprob: bool = Field(
+        False, description="CPS reference code's -(x-mean)^2 surrogate log-prob (needs a ~1e-5 clip range)"
+    )
+    same_noise_in_group: bool = Field(False, description="all G samples of a group start from one initial noise")
+
+
+class EvalSamplingConfig(_Section):
+    """How images are sampled for evaluation (ODE: no noise)."""
+
+    num_steps: int = Field(40, ge=1, description="denoising steps for evaluation images")
+    guidance_scale: float = Field(3.5, description="guidance for evaluation images")
+
+
+class GrouperConfig(_Section):
+    """Which transitions are stochastic and trained, and which share one importance ratio."""
+
+    name: str = Field("per_step", description="registered grouper: per_step, chunk, trajectory, window")
+    timestep_fraction: float = Field(1.0, gt=0, le=1, description="per_step: fraction of stochastic steps trained")
+    step_selection: Literal["first", "random"] = Field(
+        "first", description="per_step: train the first steps of the fraction or a random subset per sample"
+    )
+    chunk_sizes: list[int] | None = Field(None, description="chunk: fixed chunk sizes summing to T (else adaptive)")
+    min_chunk_size: int = Field(2, ge=1, description="chunk (adaptive): smallest chunk the recursion produces")
+    chunk_fraction: float = Field(
+        1.0, gt=0, le=1, description="chunk: fraction of chunks trained per trajectory (weighted by mean L1_rel)"
+    )
+    window_size: int = Field(4, ge=1, description="window: SDE steps inside the sliding window")
+    window_stride: int = Field(1, ge=1, description="window: steps the window advances each shift")
+    window_shift_every: int = Field(1, ge=1, description="window: epochs between shifts")
+    drop_last_step: bool = Field(False, description="never train the last transition (GCPO's 17-step setting)")
+
+
+class AlgoConfig(_Section):
+    """Advantages and the policy loss."""
+
+    advantage: str = Field("grpo", description="registered estimator: grpo, dr_grpo, rloo")
+    global_std: bool = Field(False, description="grpo: divide by the batch's std instead of each group's")
+    multi_reward: Literal["sum_then_normalize", "gdpo"] = Field(
+        "sum_then_normalize", description="several rewards: weighted sum first, or GDPO per-component norm"
+    )
+    advantage_clip: float = Field(5.0, gt=0, description="advantages clipped to +-this")
+    drop_zero_spread_groups: bool = Field(False, description="leave groups with equal rewards out of the update")
+    clip_range: float = Field(1e-4, gt=0, description="epsilon of the clipped surrogate (both sides)")
+    clip_range_low: float | None = Field(None, gt=0, description="epsilon_low (default clip_range)")
+    clip_range_high: float | None = Field(None, gt=0, description="epsilon_high (default clip_range)")
+    kl_beta: float = Field(0.0, ge=0, description="beta of the KL to the reference policy on transition means")
+    recompute_old_log_probs: bool = Field(
+        False, description="recompute old log-probs with the training batch layout before the first update"
+    )
+
+
+class TrainConfig(_Section):
+    """The loop, batch sizes and optimiser."""
+
+    num_epochs: int = Field(10, ge=1, description="epochs (rollout + update rounds)")
+    prompts_per_epoch: int = Field(8, ge=1, description="P, prompts sampled per epoch (over all processes)")
+    group_size: int = Field(4, ge=2, description="G, samples per prompt (a group needs G >= 2)")
+    rollout_batch_size: int = Field(8, ge=1, description="trajectories per transformer call while sampling")
+    train_batch_size: int | None = Field(None, ge=1, description="samples per training forward (default rollout)")
+    inner_epochs: int = Field(1, ge=1, description="passes over one rollout (passes after the first are off-policy)")
+    optimizer_steps_per_epoch: int = Field(
+        1, ge=1, description="optimizer steps per pass; each takes an equal share of the samples"
+    )
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup, in optimizer steps")
+    seed: int = Field(0, description="seed of every random draw (prompts, noise, chunk sampling)")
+
+
+class RewardSpec(_Section):
+    """One reward: a registered name (entry point) or 'module:attr', its weight and constructor kwargs."""
+
+    name: str = Field(description="entry-point name in group flowgrpo.rewards, or 'module:attr'")
+    weight: float = Field(1.0, description="weight in the composition")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward")
+
+
+class DataConfig(_Section):
+    """Prompt files: plain text (one prompt a line) or JSONL (a 'prompt' field plus metadata)."""
+
+    train_prompts: str = Field("digits", description="prompt file, or an embedded set: digits, t2i_compbench")
+    eval_prompts: str | None = Field(None, description="held-out prompt file for periodic evaluation")
+    eval_num_prompts: int = Field(200, ge=1, description="evaluation prompts (cycled with new seeds if fewer)")
+
+
+class LoggingConfig(_Section):
+    """What is written where."""
+
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="accelerate trackers")
+    eval_every: int = Field(0, ge=0, description="evaluate every N epochs (0: only before and after)")
+    save_every: int = Field(0, ge=0, description="checkpoint every N epochs (0: only at the end)")
+    progress: bool = Field(True, description="progress bars on the main process")
+
+
+class Config(_Section):
+    """A whole training run."""
+
+    output_dir: str = Field("runs/default", description="run folder: config, metrics, images, weights")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    eval_sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
+    grouper: GrouperConfig = Field(default_factory=GrouperConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="digit_correctness")], description="rewards optimised"
+    )
+    eval_rewards: list[RewardSpec] = Field(
+        default_factory=list, description="extra rewards scored at evaluation only (reward-hacking watch)"
+    )
+    data: DataConfig = Field(default_factory=DataConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _derive(self) -> Config:
+        t = self.train
+        b = t.prompts_per_epoch * t.group_size
+        if b % t.rollout_batch_size:
+            raise ValueError(
+                f"train.rollout_batch_size={t.rollout_batch_size} must divide the batch "
+                f"B = prompts_per_epoch*group_size = {b}"
+            )
+        tb = self.train_batch_size
+        if b % tb:
+            raise ValueError(f"train.train_batch_size={tb} must divide the batch B = {b}")
+        if (b // tb) % t.optimizer_steps_per_epoch:
+            raise ValueError(
+                f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
+                f"training micro-batches B / train_batch_size = {b // tb}"
+            )
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward is needed")
+        names = [r.name for r in self.rewards + self.eval_rewards]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"rewards: each reward may appear once (in rewards or eval_rewards), repeated: {dup}")
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        """B = P·G, trajectories per epoch over all processes."""
+        return self.train.prompts_per_epoch * self.train.group_size
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.train.train_batch_size or self.train.rollout_batch_size
+
+    @property
+    def clip_low(self) -> float:
+        return self.algo.clip_range_low if self.algo.clip_range_low is not None else self.algo.clip_range
+
+    @property
+    def clip_high(self) -> float:
+        return self.algo.clip_range_high if self.algo.clip_range_high is not None else self.algo.clip_range
+
+
+def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, f in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _valid_keys(ann, prefix + name + ".")
+    return keys
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    valid = _valid_keys(Config)
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            leaf = str(e["loc"][-1])
+            parent = ".".join(str(p) for p in e["loc"][:-1] if not isinstance(p, int))
+            candidates = [k for k in valid if k.startswith(parent + ".")] if parent else valid
+            close = difflib.get_close_matches(
+                (parent + "." if parent else "") + leaf, candidates, n=1, cutoff=0.6
+            ) or difflib.get_close_matches(leaf, [c.split(".")[-1] for c in valid], n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"unknown config key {loc!r}{hint}")
+        elif e["type"] == "value_error":
+            lines.append(str(e["msg"]).removeprefix("Value error, "))
+        else:
+            lines.append(f"config field {loc!r}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``'a.b.c=value'`` → (['a', 'b', 'c'], YAML-parsed value). Raises :class:`ConfigError` without ``=``."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like dotted.key=value")
+    key, value = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(value) if value.strip() else ""
+
+
+def build_config(data: dict | None = None, overrides: list[str] = ()) -> Config:
+    """Validate a config dict after applying dotted overrides. Raises :class:`ConfigError`."""
+    data = dict(data or {})
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for p in path[:-1]:
+            if not isinstance(node.setdefault(p, {}), dict):
+                raise ConfigError(f"override {text!r}: {p!r} is not a section")
+            node = node[p]
+        node[path[-1]] = value
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read YAML ``path`` (or the defaults when None), apply overrides, validate. Raises :class:`ConfigError`."""
+    data = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
+    return build_config(data, overrides)
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (every field, defaults included)."""
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every field, for ``--help``."""
+    rows = []
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += describe_fields(ann, prefix + name + ".")
+            continue
+        default = f.default_factory() if f.default_factory is not None else f.default
+        if isinstance(default, list) and default and isinstance(default[0], BaseModel):
+            default = [d.model_dump() for d in default]
+        rows.append((prefix + name, repr(default), f.description or ""))
+    return rows

@@ -1,0 +1,114 @@
+"""Prompt datasets and the P×G group sampler.
+
+A prompt file is plain text (one prompt a line; blank lines skipped) or JSONL (``.jsonl``: each line an object
+with a ``prompt`` string; every other field is metadata handed to the rewards). Embedded sets: ``digits`` (the
+digits task), ``digits_eval`` (its held-out phrasings) and ``t2i_compbench`` (T2I-CompBench validation prompts,
+MIT, see ``flowgrpo/assets/prompts/t2i_compbench/LICENSE``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from flowgrpo.rng import make_generator
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Prompts with their metadata dicts (``{}`` for plain text)."""
+
+    prompts: list[str]
+    metadata: list[dict]
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def _assets() -> Path:
+    return Path(str(resources.files("flowgrpo") / "assets"))
+
+
+EMBEDDED = {
+    "digits": lambda: [_assets() / "digits" / "prompts.jsonl"],
+    "digits_eval": lambda: [_assets() / "digits" / "eval.jsonl"],
+    "t2i_compbench": lambda: sorted((_assets() / "prompts" / "t2i_compbench").glob("*_val.txt")),
+}
+
+
+def _read_jsonl(path: Path) -> tuple[list[str], list[dict]]:
+    prompts, meta = [], []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise ValueError(f"{path}:{lineno}: each JSONL line needs a string field 'prompt'")
+        prompts.append(obj.pop("prompt"))
+        meta.append(obj)
+    return prompts, meta
+
+
+def load_prompts(name_or_path: str) -> PromptSet:
+    """Read a prompt file or an embedded set. Raises ``ValueError`` for a missing/empty/malformed file."""
+    paths = EMBEDDED[name_or_path]() if name_or_path in EMBEDDED else [Path(name_or_path)]
+    prompts: list[str] = []
+    meta: list[dict] = []
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(
+                f"prompt file {str(path)!r} does not exist (embedded sets: {sorted(EMBEDDED)})"
+            )
+        if path.suffix == ".jsonl":
+            p, m = _read_jsonl(path)
+        else:
+            p = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+            m = [{} for _ in p]
+        prompts += p
+        meta += m
+    if not prompts:
+        raise ValueError(f"prompt set {name_or_path!r} holds no prompts")
+    return PromptSet(prompts, meta, name_or_path)
+
+
+class GroupSampler:
+    """Draws P prompts per epoch, without replacement within a pass over the set (a fresh seeded permutation
+    each pass), so every prompt is seen equally often. Each prompt becomes one group of G samples.
+
+    The state is the number of prompts drawn so far (``position``), saved in checkpoints.
+    """
+
+    def __init__(self, num_prompts: int, prompts_per_epoch: int, seed: int) -> None:
+        if num_prompts < 1:
+            raise ValueError("the prompt set is empty")
+        self.n = num_prompts
+        self.p = prompts_per_epoch
+        self.seed = seed
+        self.position = 0
+
+    def _perm(self, pass_index: int) -> torch.Tensor:
+        return torch.randperm(self.n, generator=make_generator(self.seed, "prompts", pass_index))
+
+    def next_prompt_ids(self) -> torch.Tensor:
+        """(P,) long global prompt indices of the next epoch."""
+        ids = []
+        for pos in range(self.position, self.position + self.p):
+            ids.append(int(self._perm(pos // self.n)[pos % self.n]))
+        self.position += self.p
+        return torch.tensor(ids, dtype=torch.long)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "n": self.n, "p": self.p}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n"] != self.n or state["p"] != self.p or state["seed"] != self.seed:
+            raise ValueError(f"sampler state {state} does not match this run (n={self.n}, p={self.p})")
+        self.position = int(state["position"])

@@ -1,0 +1,111 @@
+"""Model loading: a diffusers folder or hub id → the adapter of its pipeline class.
+
+Adapters are registered by the pipeline class named in the folder's ``model_index.json``; the embedded models
+(``digits``, ``tiny``) are built offline on first use and cached, then loaded through the same
+``from_pretrained`` path as a real FLUX.1 folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from flowgrpo.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+ADAPTERS: Registry = Registry("pipeline class")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@ADAPTERS.register("FluxPipeline")
+def _flux(path: str, *, dtype, height, width, max_sequence_length):
+    from diffusers import FluxPipeline
+
+    from flowgrpo.models.flux import FluxAdapter
+
+    pipe = FluxPipeline.from_pretrained(path, torch_dtype=dtype)
+    size = pipe.default_sample_size * pipe.vae_scale_factor
+    msl = min(max_sequence_length, pipe.tokenizer_2.model_max_length)
+    return FluxAdapter(pipe, height=height or size, width=width or size, max_sequence_length=msl)
+
+
+@ADAPTERS.register("StableDiffusion3Pipeline")
+def _sd3(path: str, *, dtype, height, width, max_sequence_length):
+    from flowgrpo.models.sd3 import load_sd3_adapter
+
+    return load_sd3_adapter(path, dtype=dtype, height=height, width=width,
+                            max_sequence_length=max_sequence_length)
+
+
+def cache_dir() -> Path:
+    """``$FLOWGRPO_CACHE``, else ``$XDG_CACHE_HOME/flowgrpo``, else ``~/.cache/flowgrpo``."""
+    if os.environ.get("FLOWGRPO_CACHE"):
+        return Path(os.environ["FLOWGRPO_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowgrpo"
+
+
+def ensure_tiny_model() -> Path:
+    """The random tiny FLUX pipeline, built into the cache on first use (atomically)."""
+    from flowgrpo.models.tiny import build_tiny_flux
+
+    target = cache_dir() / "tiny-flux-v1"
+    if not (target / "model_index.json").exists():
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        build_tiny_flux(tmp)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race; its folder is complete
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_pretrained(name: str) -> str:
+    """A local folder for the embedded names, else ``name`` unchanged (a folder or hub id)."""
+    if name == "tiny":
+        return str(ensure_tiny_model())
+    if name == "digits":
+        from flowgrpo.models.digits import ensure_digits_model
+
+        return str(ensure_digits_model())
+    return name
+
+
+def pipeline_class_name(path: str) -> str:
+    """The ``_class_name`` of a diffusers folder or hub repo. Raises ``ValueError`` naming the model when it
+    cannot be read (missing folder, no network to reach a hub id)."""
+    local = Path(path)
+    try:
+        if local.is_dir():
+            index = local / "model_index.json"
+        else:
+            from huggingface_hub import hf_hub_download
+
+            index = Path(hf_hub_download(path, "model_index.json"))
+        return json.loads(index.read_text())["_class_name"]
+    except Exception as err:  # noqa: BLE001 - any failure to reach the model is reported the same way
+        raise ValueError(
+            f"cannot read model {path!r}: not a local diffusers folder, and the hub could not be reached or has "
+            f"no such repo ({type(err).__name__}: {err}). Download it first (huggingface-cli download {path}) "
+            "or pass a local folder."
+        ) from err
+
+
+def load_model(name: str, *, dtype: str = "float32", height: int | None = None, width: int | None = None,
+               max_sequence_length: int = 512):
+    """Load ``name`` (folder, hub id, ``digits`` or ``tiny``) and wrap it in the adapter of its pipeline class."""
+    if dtype not in DTYPES:
+        raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    path = resolve_pretrained(name)
+    cls = pipeline_class_name(path)
+    adapter = ADAPTERS.get(cls)(path, dtype=DTYPES[dtype], height=height, width=width,
+                                max_sequence_length=max_sequence_length)
+    adapter.pipe.set_progress_bar_config(disable=True)
+    return adapter

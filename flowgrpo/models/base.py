@@ -1,0 +1,91 @@
+"""The model adapter interface: the only place model-specific code lives.
+
+An adapter wraps one diffusers flow-matching pipeline and exposes the five operations the sampler and trainer
+need. Rollout and training both call :meth:`ModelAdapter.velocity`, so the importance ratio is exactly 1
+on-policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class PromptEmbeds:
+    """Text conditioning for a batch: named tensors whose first dim is the batch B.
+
+    FLUX holds ``prompt_embeds`` (B, L, D) and ``pooled_prompt_embeds`` (B, D'); SD3 adds the negative-prompt
+    pair for classifier-free guidance. ``shared`` holds tensors common to the whole batch (FLUX's text ids).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"prompt embeddings disagree on the batch size: {sizes}")
+
+    def __len__(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key] if key in self.tensors else self.shared[key]
+
+    def index(self, idx: torch.Tensor | slice) -> PromptEmbeds:
+        """Rows ``idx`` of every batched tensor (a slice or a (B',) long tensor)."""
+        return PromptEmbeds({k: v[idx] for k, v in self.tensors.items()}, self.shared)
+
+    def repeat_interleave(self, n: int) -> PromptEmbeds:
+        """Each row repeated ``n`` times in place: (P, …) → (P·n, …), the P×G group layout."""
+        return PromptEmbeds({k: v.repeat_interleave(n, dim=0) for k, v in self.tensors.items()}, self.shared)
+
+    def to(self, device: torch.device | str) -> PromptEmbeds:
+        return PromptEmbeds(
+            {k: v.to(device) for k, v in self.tensors.items()}, {k: v.to(device) for k, v in self.shared.items()}
+        )
+
+
+class ModelAdapter(Protocol):
+    """What the sampler and trainer need from a text-to-image flow-matching model.
+
+    Latents are kept in the transformer's own layout (FLUX: packed (B, N, 4·C) tokens; SD3: (B, C, h, w)).
+    """
+
+    transformer: torch.nn.Module
+    height: int
+    width: int
+
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """Text embeddings for B prompts, computed without gradient."""
+
+    def initial_latents(self, batch_size: int, generator) -> torch.Tensor:
+        """(B, …) float32 standard normal latents at σ = 1, one generator per sample."""
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
+                 guidance_scale: float) -> torch.Tensor:
+        """(B, …) float32 velocity v = ε − x₀ at (latents, σ); σ is (B,) float in (0, 1]."""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) float32 images in [0, 1] from clean latents (σ = 0)."""
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """(T+1,) float32 σ grid of the model's scheduler for ``num_steps`` steps, from 1 down to 0."""
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        """Context in which :meth:`velocity` is the frozen reference policy (LoRA disabled, or a frozen copy)."""
+
+
+@contextlib.contextmanager
+def lora_disabled(module: torch.nn.Module) -> Iterator[None]:
+    """Run ``module`` with its peft adapters disabled (the reference policy), re-enabling them after."""
+    module.disable_adapters()
+    try:
+        yield
+    finally:
+        module.enable_adapters()

@@ -1,0 +1,476 @@
+"""The embedded default model: a small FLUX-architecture pipeline pretrained on handwritten digits.
+
+It gives the toolkit a task whose success can be verified without any downloaded model: "a handwritten digit
+seven" should produce a seven, and a classifier can tell. The pipeline uses exactly the diffusers classes of FLUX.1
+(``FluxTransformer2DModel``, ``AutoencoderKL``, CLIP + T5 text encoders, ``FlowMatchEulerDiscreteScheduler``) and
+loads with ``FluxPipeline.from_pretrained``, so it exercises the real loading and sampling code.
+
+Data: scikit-learn's bundled ``load_digits`` (1,797 8×8 greyscale digits, values 0–16; UCI "Optical Recognition
+of Handwritten Digits", Alpaydin & Kaynak 1998). Each digit is upscaled bilinearly to 32×32 and drawn as dark ink
+on white paper, replicated to 3 channels (:func:`digits_to_images`); :func:`images_to_digits` is the
+least-squares inverse of that upscaling, used by the classifiers and the diversity measure.
+
+Recipe (:func:`pretrain`), about 3 minutes on 2 CPU cores:
+
+1. frozen random text encoders (:func:`flowgrpo.models.tiny.build_text_encoders`) whose tokenizers know the words
+   of the prompts; T5 sequences are :data:`MAX_SEQUENCE_LENGTH` tokens (the pipeline must be called with
+   ``max_sequence_length=MAX_SEQUENCE_LENGTH``: the T5 encoder runs without an attention mask, so the padding
+   length changes the embeddings);
+2. an ``AutoencoderKL`` (3 blocks of 16, 32, 32 channels, 4 latent channels, 4× downsampling, no attention)
+   trained on the training digits with an L1 + MSE reconstruction loss and a small KL term (Kingma & Welling
+   2014); its ``shift_factor``/``scaling_factor`` are the mean and inverse standard deviation of the training
+   latents, so the transformer sees latents of zero mean and unit variance, as in FLUX.1 / SD3;
+3. a ``FluxTransformer2DModel`` (2 double + 4 single blocks, 4 heads × 32; 16 packed tokens of 16 channels)
+   trained by rectified flow (Liu et al. 2023; Lipman et al. 2023): x_σ = (1−σ)·x₀ + σ·ε, target v = ε − x₀,
+   σ drawn logit-normal(0, 1) (Esser et al. 2024, SD3 paper, §3.1), AdamW; stopped early on purpose, so that the
+   base model is imperfect and reinforcement learning has headroom.
+
+Scheduler: ``FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)``, i.e. no timestep shift.
+The SD3/FLUX shift moves sampling steps towards high noise for images with many more pixels than the training
+resolution (SD3 paper §5.3.2: shift grows with √(pixels / base pixels)); this model samples at the single
+resolution it was trained on, with 16 image tokens, and FLUX.1's own resolution-dependent rule
+(``calculate_shift``) extrapolated to 16 tokens gives exp(0.46) ≈ 1.6, close to no shift. The sampler therefore
+uses the plain grid σ_i = 1 − i/T.
+
+Split of the 1,797 digits (per class, fixed permutation): 40 % ``reward`` (the reward classifier's training
+data), 40 % ``judge`` (the judge's training data), 20 % ``test`` (held out from everything). The generator
+trains on ``train`` = ``reward`` ∪ ``judge``.
+
+    python -m flowgrpo.models.digits [OUT_DIR] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+DIGIT_WORDS: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+"""The English word for each digit 0–9, as the prompts name it."""
+
+PHRASINGS: tuple[str, ...] = (
+    "a handwritten digit {word}",
+    "the number {digit} written by hand",
+    "a scan of a handwritten {word}",
+)
+"""Prompt templates; ``{word}`` is the digit's English word, ``{digit}`` its numeral. The first is canonical."""
+
+NATIVE_SIZE = 8  # load_digits' resolution
+IMAGE_SIZE = 32  # the pipeline's resolution (4× upscaled)
+MAX_SEQUENCE_LENGTH = 16  # T5 tokens per prompt; every caller of the pipeline must use this value
+RECIPE_VERSION = 1  # bump when the recipe changes: the cache folder name carries it
+SPLIT_FRACTIONS = {"reward": 0.4, "judge": 0.4, "test": 0.2}
+SPLITS = ("reward", "judge", "test", "train", "all")
+MARKER_FILE = "flowgrpo_digits.json"  # written last into a finished model folder: recipe and sampling settings
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "digits"
+PROMPT_FILES = {"train": ASSETS / "prompts.jsonl", "eval": ASSETS / "eval.jsonl"}
+
+# Training recipe defaults (measured on 2 CPU cores; see .notes/digits_figures.md).
+VAE_STEPS = 600
+TRANSFORMER_STEPS = 150
+BATCH_SIZE = 128
+
+
+# --------------------------------------------------------------------------------------------------- prompts
+def digit_prompt(digit: int, phrasing: int = 0) -> str:
+    """The prompt for ``digit`` (0–9) in template ``PHRASINGS[phrasing]``, e.g. ``"a handwritten digit seven"``."""
+    check_digit(digit, "digit")
+    return PHRASINGS[phrasing].format(word=DIGIT_WORDS[digit], digit=digit)
+
+
+def prompt_records(split: str = "train") -> list[dict]:
+    """The prompt file's lines as dicts ``{"prompt": str, "digit": int}``.
+
+    ``train`` (:data:`PROMPT_FILES` ``["train"]``) holds every phrasing of every digit (30 prompts), ``eval`` the
+    canonical phrasing once per digit (10 prompts). The eval phrasings are a subset of the training ones, not held
+    out: the frozen random text encoders carry no language knowledge, so an unseen phrasing would be noise.
+    Raises ``ValueError`` for another split name.
+    """
+    if split not in PROMPT_FILES:
+        raise ValueError(f"unknown digits prompt split {split!r}; choose one of {sorted(PROMPT_FILES)}")
+    with open(PROMPT_FILES[split], encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def check_digit(value, field: str = "digit") -> int:
+    """``value`` as an int if it is an integer 0–9 (bool excluded), else ``ValueError`` naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= 9:
+        raise ValueError(f"{field} must be an integer digit 0–9, got {value!r}")
+    return int(value)
+
+
+# ------------------------------------------------------------------------------------------------------ data
+@functools.lru_cache(maxsize=1)
+def _load_digits() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return d.images.astype(np.float32), d.target.astype(np.int64)
+
+
+@functools.lru_cache(maxsize=1)
+def _split_indices() -> dict[str, np.ndarray]:
+    """Per class: a fixed permutation (numpy PCG64, seed 0) cut 40/40/20 into reward/judge/test."""
+    _, y = _load_digits()
+    rng = np.random.default_rng(0)
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in SPLIT_FRACTIONS}
+    for c in range(10):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        a = round(SPLIT_FRACTIONS["reward"] * len(idx))
+        b = round((SPLIT_FRACTIONS["reward"] + SPLIT_FRACTIONS["judge"]) * len(idx))
+        parts["reward"].append(idx[:a])
+        parts["judge"].append(idx[a:b])
+        parts["test"].append(idx[b:])
+    out = {k: np.sort(np.concatenate(v)) for k, v in parts.items()}
+    out["train"] = np.sort(np.concatenate([out["reward"], out["judge"]]))
+    out["all"] = np.arange(len(y))
+    return out
+
+
+def load_digit_split(split: str) -> tuple[np.ndarray, np.ndarray]:
+    """Real digits of one split: ``(grids (N, 8, 8) float32 in [0, 16], labels (N,) int64)``.
+
+    Splits: ``reward`` (719), ``judge`` (719), ``test`` (359), ``train`` = reward ∪ judge (1,438), ``all``
+    (1,797). Raises ``ValueError`` for another name.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown digits split {split!r}; choose one of {list(SPLITS)}")
+    x, y = _load_digits()
+    idx = _split_indices()[split]
+    return x[idx].copy(), y[idx].copy()
+
+
+@functools.lru_cache(maxsize=8)
+def _upsample_matrix(size: int) -> torch.Tensor:
+    """(size, 8) float64 1-D bilinear upsampling matrix U (half-pixel centres, as ``F.interpolate(
+    mode="linear", align_corners=False)``): column j is the upsampled unit vector e_j."""
+    eye = torch.eye(NATIVE_SIZE, dtype=torch.float64).reshape(NATIVE_SIZE, 1, NATIVE_SIZE)
+    up = torch.nn.functional.interpolate(eye, size=size, mode="linear", align_corners=False)
+    return up.reshape(NATIVE_SIZE, size).T.contiguous()
+
+
+@functools.lru_cache(maxsize=8)
+def _downsample_matrix(size: int) -> torch.Tensor:
+    """(8, size) float64 P = U⁺, the Moore–Penrose pseudo-inverse of :func:`_upsample_matrix` (U has full column
+    rank, condition number 1.7 at size 32): P·U = I, and P·x is the least-squares 8-sample signal for x."""
+    return torch.linalg.pinv(_upsample_matrix(size))
+
+
+def digits_to_images(grids: torch.Tensor | np.ndarray, size: int = IMAGE_SIZE) -> torch.Tensor:
+    """8×8 digits (N, 8, 8) in load_digits' 0–16 ink scale → images (N, 3, size, size) float32 in [0, 1].
+
+    Image = 1 − U·(g/16)·Uᵀ replicated to 3 channels (dark ink on white), U the bilinear upsampling matrix; a
+    bilinear interpolation is a convex combination, so values stay in [0, 1]. Raises ``ValueError`` on a shape
+    other than (N, 8, 8).
+    """
+    g = torch.as_tensor(grids, dtype=torch.float64)
+    if g.ndim != 3 or g.shape[1:] != (NATIVE_SIZE, NATIVE_SIZE):
+        raise ValueError(f"digit grids must be (N, 8, 8), got {tuple(g.shape)}")
+    u = _upsample_matrix(size)
+    ink = u @ (g / 16.0) @ u.T  # (N, size, size)
+    return (1.0 - ink).clamp(0.0, 1.0).to(torch.float32).unsqueeze(1).expand(-1, 3, -1, -1).contiguous()
+
+
+def images_to_digits(images: torch.Tensor) -> torch.Tensor:
+    """Images (N, 3, H, H) float in [0, 1] → digits (N, 8, 8) float32 in load_digits' 0–16 ink scale.
+
+    The inverse of :func:`digits_to_images`: grey = channel mean, ink = 1 − grey, g = 16·P·ink·Pᵀ with P the
+    pseudo-inverse of the bilinear upsampling matrix, clipped to [0, 16] (exact, up to float rounding, on images
+    made by :func:`digits_to_images`). Raises ``ValueError`` unless images are (N, 3, H, H) with H ≥ 8.
+    """
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"images must be a (N, 3, H, H) tensor in [0, 1], got {shape}")
+    h, w = images.shape[-2:]
+    if h != w or h < NATIVE_SIZE:
+        raise ValueError(f"images must be square and at least 8 pixels, got {h}×{w}")
+    p = _downsample_matrix(int(h)).to(images.device)
+    ink = 1.0 - images.detach().to(torch.float64).mean(dim=1)  # (N, H, H)
+    return (16.0 * (p @ ink @ p.T)).clamp(0.0, 16.0).to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- model folder
+def cache_root() -> Path:
+    """``$FLOWGRPO_CACHE``, else ``$XDG_CACHE_HOME/flowgrpo``, else ``~/.cache/flowgrpo``."""
+    if os.environ.get("FLOWGRPO_CACHE"):
+        return Path(os.environ["FLOWGRPO_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "flowgrpo"
+
+
+def default_model_dir(seed: int = 0) -> Path:
+    """Where the pretrained digits pipeline for ``seed`` is cached: ``cache_root()/digits-v{RECIPE_VERSION}-seed{seed}``."""
+    return cache_root() / f"digits-v{RECIPE_VERSION}-seed{seed}"
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a finished digits pipeline (its marker file, written last, exists)."""
+    return (Path(folder) / MARKER_FILE).is_file() and (Path(folder) / "model_index.json").is_file()
+
+
+def read_model_info(folder: str | os.PathLike) -> dict:
+    """The marker file of a digits pipeline folder: recipe, seed and sampling settings (height, width,
+    ``max_sequence_length``, ``num_inference_steps``). Raises ``FileNotFoundError`` if the folder is not one."""
+    path = Path(folder) / MARKER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} is not a finished digits pipeline (no {MARKER_FILE})")
+    return json.loads(path.read_text())
+
+
+def ensure_digits_model(seed: int = 0, folder: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The pretrained digits pipeline folder for ``seed``, pretrained first (minutes) if it is absent.
+
+    ``folder`` defaults to :func:`default_model_dir`. The build writes into a temporary sibling folder and renames
+    it into place, so a crash never leaves a half-written model and concurrent builders cannot mix their files
+    (the first rename wins; the others discard their copy).
+    """
+    target = Path(folder) if folder is not None else default_model_dir(seed)
+    if is_complete(target):
+        return target
+    if target.exists():
+        raise FileExistsError(f"{target} exists but is not a finished digits pipeline; remove it to rebuild")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("digits pipeline not found at %s: pretraining it (a few minutes, once)", target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        pretrain(tmp, seed=seed, progress=progress)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not is_complete(target):
+                raise
+            logger.info("another process finished %s first; using its copy", target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------- pretraining
+def build_vae():
+    """The digits ``AutoencoderKL``: 3 blocks (16, 32, 32), 4 latent channels, 4× downsampling, no attention
+    (≈ 234 K parameters); random weights from the global torch RNG."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(16, 32, 32), layers_per_block=1, norm_num_groups=8, sample_size=IMAGE_SIZE,
+        mid_block_add_attention=False, use_quant_conv=False, use_post_quant_conv=False,
+        scaling_factor=1.0, shift_factor=0.0, force_upcast=False,
+    )
+
+
+def build_transformer():
+    """The digits ``FluxTransformer2DModel``: 2 double + 4 single blocks, 4 heads × 32, 16 input channels (2×2
+    patches of 4 latent channels), no guidance embedding (≈ 2.3 M parameters); random weights."""
+    from diffusers import FluxTransformer2DModel
+
+    from flowgrpo.models.tiny import TEXT_DIM
+
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=32,
+        num_attention_heads=4, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
+        guidance_embeds=False, axes_dims_rope=(8, 12, 12),
+    )
+
+
+def build_scheduler():
+    """Euler flow-matching scheduler without timestep shift (see the module docstring for why)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
+
+
+def _prompt_words() -> list[str]:
+    words = {w for r in prompt_records("train") + prompt_records("eval") for w in r["prompt"].split()}
+    return sorted(words)
+
+
+def _train_vae(vae, images: torch.Tensor, steps: int, batch_size: int, gen: torch.Generator, progress: bool):
+    """Reconstruction training: loss = mean |x̂−x| + mean (x̂−x)² + 1e-4·mean KL(q(z|x) ‖ N(0, I)), x in [−1, 1]."""
+    from tqdm.auto import tqdm
+
+    opt = torch.optim.AdamW(vae.parameters(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=max(steps, 1), pct_start=0.1)
+    x_all = images * 2.0 - 1.0
+    vae.train()
+    bar = tqdm(range(steps), desc="digits VAE", disable=not progress, leave=False)
+    for _ in bar:
+        idx = torch.randint(len(x_all), (batch_size,), generator=gen)
+        x = x_all[idx]
+        post = vae.encode(x).latent_dist
+        z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
+        rec = vae.decode(z).sample
+        kl = 0.5 * (post.mean.pow(2) + post.var - 1.0 - post.logvar).mean()
+        loss = (rec - x).abs().mean() + (rec - x).pow(2).mean() + 1e-4 * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    vae.eval()
+    return float(loss.item()) if steps else float("nan")
+
+
+@torch.no_grad()
+def _encode_latents(vae, images: torch.Tensor) -> torch.Tensor:
+    """(N, 4, 8, 8) posterior means of ``images`` (N, 3, 32, 32) in [0, 1]."""
+    return torch.cat([vae.encode(x * 2.0 - 1.0).latent_dist.mean for x in images.split(256)])
+
+
+def _train_transformer(transformer, x0: torch.Tensor, labels: torch.Tensor, embeds: dict[str, torch.Tensor],
+                       steps: int, batch_size: int, gen: torch.Generator, progress: bool) -> float:
+    """Rectified-flow training on packed latents ``x0`` (N, 16, 16) with text ``embeds`` per (digit, phrasing)."""
+    from tqdm.auto import tqdm
+
+    opt = torch.optim.AdamW(transformer.parameters(), lr=1e-3, weight_decay=0.0)
+    warmup = max(1, min(20, steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup))
+    n_phr = embeds["prompt_embeds"].shape[1]
+    transformer.train()
+    bar = tqdm(range(steps), desc="digits transformer", disable=not progress, leave=False)
+    loss = torch.tensor(float("nan"))
+    for _ in bar:
+        idx = torch.randint(len(x0), (batch_size,), generator=gen)
+        phr = torch.randint(n_phr, (batch_size,), generator=gen)
+        d = labels[idx]
+        sigma = torch.sigmoid(torch.randn(batch_size, generator=gen))  # logit-normal(0, 1), SD3 §3.1
+        eps = torch.randn(x0[idx].shape, generator=gen)
+        s = sigma[:, None, None]
+        x_t = (1.0 - s) * x0[idx] + s * eps
+        v = transformer(
+            hidden_states=x_t, timestep=sigma, guidance=None,
+            pooled_projections=embeds["pooled_prompt_embeds"][d, phr],
+            encoder_hidden_states=embeds["prompt_embeds"][d, phr],
+            txt_ids=embeds["text_ids"], img_ids=embeds["img_ids"], return_dict=False,
+        )[0]
+        loss = (v - (eps - x0[idx])).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    transformer.eval()
+    return float(loss.item())
+
+
+def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_STEPS,
+             steps: int = TRANSFORMER_STEPS, batch_size: int = BATCH_SIZE, progress: bool = True) -> Path:
+    """Pretrain the digits pipeline and ``save_pretrained`` it into ``out_dir`` (created); return the folder.
+
+    ``vae_steps`` and ``steps`` (transformer) are optimizer steps at ``batch_size``; the defaults are the
+    recipe of the cached model (about 1 + 1 minutes on 2 CPU cores); tests pass a few steps. Every random draw
+    comes from torch generators seeded from ``seed``, so a run is repeatable; it is bit-exact on the same
+    machine, torch version and thread count (see .notes/digits_figures.md for what was checked).
+    The marker file :data:`MARKER_FILE` is written last.
+    """
+    from diffusers import FluxPipeline
+
+    from flowgrpo.models.tiny import build_text_encoders
+
+    for name, v in {"vae_steps": vae_steps, "steps": steps, "batch_size": batch_size}.items():
+        if not isinstance(v, int) or v < (1 if name == "batch_size" else 0):
+            raise ValueError(f"{name} must be a non-negative integer (batch_size ≥ 1), got {v!r}")
+    out = Path(out_dir)
+    t_start = time.perf_counter()
+
+    # 1. data: the training split, upscaled
+    grids, labels = load_digit_split("train")
+    images = digits_to_images(grids)  # (N, 3, 32, 32)
+    labels_t = torch.from_numpy(labels)
+
+    # 2. frozen text encoders and the 10 × len(PHRASINGS) prompt embeddings
+    clip_tok, clip, t5_tok, t5 = build_text_encoders(_prompt_words(), t5_max_length=MAX_SEQUENCE_LENGTH, seed=seed)
+    torch.manual_seed(seed + 1)
+    vae = build_vae()
+    torch.manual_seed(seed + 2)
+    transformer = build_transformer()
+    pipe = FluxPipeline(scheduler=build_scheduler(), vae=vae, text_encoder=clip, tokenizer=clip_tok,
+                        text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer)
+    prompts = [digit_prompt(d, p) for d in range(10) for p in range(len(PHRASINGS))]
+    with torch.no_grad():
+        pe, pooled, text_ids = pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    n_phr = len(PHRASINGS)
+    embeds = {
+        "prompt_embeds": pe.reshape(10, n_phr, *pe.shape[1:]),  # (10, n_phr, L, 32)
+        "pooled_prompt_embeds": pooled.reshape(10, n_phr, -1),  # (10, n_phr, 32)
+        "text_ids": text_ids,  # (L, 3)
+        "img_ids": FluxPipeline._prepare_latent_image_ids(1, IMAGE_SIZE // 8, IMAGE_SIZE // 8, "cpu", torch.float32),
+    }
+
+    # 3. the VAE, then latent statistics → scaling/shift factors
+    t0 = time.perf_counter()
+    vae_loss = _train_vae(vae, images, vae_steps, batch_size, torch.Generator().manual_seed(seed * 1000 + 11),
+                          progress)
+    vae.requires_grad_(False)
+    lat = _encode_latents(vae, images)  # (N, 4, 8, 8)
+    shift, std = float(lat.mean()), float(lat.std())
+    scale = 1.0 / std if std > 0 else 1.0
+    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    t_vae = time.perf_counter() - t0
+    logger.info("VAE: %d steps, final loss %.4f, %.1f s; latent mean %.4f std %.4f", vae_steps, vae_loss, t_vae,
+                shift, std)
+
+    # 4. the transformer by rectified flow on packed, normalised latents
+    t0 = time.perf_counter()
+    x0 = FluxPipeline._pack_latents((lat - shift) * scale, len(lat), 4, 8, 8)  # (N, 16, 16)
+    tr_loss = _train_transformer(transformer, x0, labels_t, embeds, steps, batch_size,
+                                 torch.Generator().manual_seed(seed * 1000 + 12), progress)
+    transformer.requires_grad_(False)
+    t_tr = time.perf_counter() - t0
+    logger.info("transformer: %d steps, final loss %.4f, %.1f s", steps, tr_loss, t_tr)
+
+    # 5. save; the marker last
+    pipe.save_pretrained(out)
+    info = {
+        "recipe": f"flowgrpo digits v{RECIPE_VERSION}", "seed": seed, "vae_steps": vae_steps, "steps": steps,
+        "batch_size": batch_size, "height": IMAGE_SIZE, "width": IMAGE_SIZE,
+        "max_sequence_length": MAX_SEQUENCE_LENGTH, "num_inference_steps": 8, "guidance_scale": None,
+        "final_vae_loss": vae_loss, "final_transformer_loss": tr_loss,
+    }
+    (out / MARKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    logger.info("digits pipeline saved to %s (%.1f s in all)", out, time.perf_counter() - t_start)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m flowgrpo.models.digits [OUT_DIR] [--seed S] [--force]``: pretrain and cache the digits model."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", nargs="?", help="model folder (default: the cache folder for the seed)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    parser.add_argument("--vae-steps", type=int, default=VAE_STEPS)
+    parser.add_argument("--steps", type=int, default=TRANSFORMER_STEPS, help="transformer optimizer steps")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    target = Path(args.out_dir) if args.out_dir else default_model_dir(args.seed)
+    if args.vae_steps != VAE_STEPS or args.steps != TRANSFORMER_STEPS:
+        if target.exists() and not args.force:
+            parser.error(f"{target} exists; pass --force to overwrite it with a non-default recipe")
+        if target.exists():
+            shutil.rmtree(target)
+        pretrain(target, seed=args.seed, vae_steps=args.vae_steps, steps=args.steps)
+    else:
+        if args.force and target.exists():
+            shutil.rmtree(target)
+        ensure_digits_model(args.seed, folder=target)
+    logger.info("digits pipeline ready at %s", target)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The FLUX.1 adapter: a diffusers ``FluxPipeline`` behind the :class:`~flowgrpo.models.base.ModelAdapter` interface.
+
+Everything FLUX-specific lives here: latent packing into 2×2 patches, text/image position ids, the guidance
+embedding (FLUX.1-dev is guidance-distilled: no doubled CFG batch), the transformer's timestep = σ convention (it
+multiplies by 1000 inside), and the resolution-dependent shifted σ grid (``calculate_shift``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import numpy as np
+import torch
+from diffusers import FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from diffusers.utils.torch_utils import randn_tensor
+
+from flowgrpo.models.base import PromptEmbeds, lora_disabled
+
+
+class FluxAdapter:
+    """Adapter for a loaded :class:`diffusers.FluxPipeline`.
+
+    Args:
+        pipe: the pipeline (its transformer may carry a peft LoRA adapter).
+        height, width: image size in pixels (multiples of 2·vae_scale_factor).
+        max_sequence_length: T5 tokens per prompt.
+    Raises:
+        ValueError: a height or width that the VAE and 2×2 packing cannot represent.
+    """
+
+    def __init__(self, pipe: FluxPipeline, *, height: int, width: int, max_sequence_length: int = 512) -> None:
+        step = pipe.vae_scale_factor * 2
+        if height % step or width % step or height <= 0 or width <= 0:
+            raise ValueError(f"FLUX image size must be a positive multiple of {step}, got {height}x{width}")
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.height, self.width = height, width
+        self.max_sequence_length = max_sequence_length
+        self.latent_h = 2 * (height // step)
+        self.latent_w = 2 * (width // step)
+        self.num_channels = pipe.transformer.config.in_channels // 4
+        self.frozen_reference: torch.nn.Module | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """CLIP pooled (B, 768) and T5 sequence (B, L, 4096) embeddings (sizes of FLUX.1), no gradient."""
+        prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=list(prompts), prompt_2=None, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return PromptEmbeds(
+            {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}, {"text_ids": text_ids}
+        )
+
+    def initial_latents(self, batch_size: int, generator) -> torch.Tensor:
+        """(B, N, 4·C) float32 packed standard-normal latents, drawn as ``FluxPipeline.prepare_latents`` does."""
+        shape = (batch_size, self.num_channels, self.latent_h, self.latent_w)
+        noise = randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+        return FluxPipeline._pack_latents(noise, batch_size, self.num_channels, self.latent_h, self.latent_w)
+
+    def _image_ids(self) -> torch.Tensor:
+        return FluxPipeline._prepare_latent_image_ids(
+            1, self.latent_h // 2, self.latent_w // 2, self.device, self.dtype
+        )
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
+                 guidance_scale: float) -> torch.Tensor:
+        """(B, N, 4·C) float32 velocity; ``sigma`` (B,) is passed as the timestep (FLUX scales it by 1000)."""
+        return self._forward(self.transformer, latents, sigma, embeds, guidance_scale)
+
+    def _forward(self, transformer, latents, sigma, embeds, guidance_scale):
+        b = latents.shape[0]
+        dtype = self.dtype
+        guidance = None
+        if transformer.config.guidance_embeds:
+            guidance = torch.full((b,), float(guidance_scale), device=latents.device, dtype=torch.float32)
+        out = transformer(
+            hidden_states=latents.to(dtype),
+            timestep=torch.as_tensor(sigma, device=latents.device).expand(b).to(dtype),
+            guidance=guidance,
+            pooled_projections=embeds["pooled_prompt_embeds"].to(dtype),
+            encoder_hidden_states=embeds["prompt_embeds"].to(dtype),
+            txt_ids=embeds["text_ids"],
+            img_ids=self._image_ids(),
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) float32 in [0, 1], as ``FluxPipeline`` decodes (unpack, unscale, VAE, [-1, 1] → [0, 1])."""
+        vae = self.pipe.vae
+        x = FluxPipeline._unpack_latents(latents, self.height, self.width, self.pipe.vae_scale_factor)
+        x = x / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(x.to(vae.dtype), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """(T+1,) float32 σ grid exactly as ``FluxPipeline.__call__`` builds it (resolution shift, terminal 0)."""
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        cfg = scheduler.config
+        seq_len = (self.latent_h // 2) * (self.latent_w // 2)
+        mu = calculate_shift(
+            seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15),
+        )
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        if cfg.get("use_dynamic_shifting", False):
+            scheduler.set_timesteps(num_steps, sigmas=sigmas, mu=mu)
+        else:
+            scheduler.set_timesteps(num_steps, sigmas=sigmas)
+        return scheduler.sigmas.float().cpu()
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        """The frozen reference policy: the base model with LoRA disabled, or the frozen copy (full fine-tuning)."""
+        if self.frozen_reference is not None:
+            return _swap_transformer(self, self.frozen_reference)
+        return lora_disabled(self.transformer)
+
+
+@contextlib.contextmanager
+def _swap_transformer(adapter, module):
+    trained = adapter.transformer
+    adapter.transformer = module
+    try:
+        yield
+    finally:
+        adapter.transformer = trained

@@ -1,0 +1,59 @@
+"""Trainable parameters: a peft LoRA adapter on the transformer, or full fine-tuning with a frozen reference."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+
+def setup_trainable(adapter, *, finetune: str, rank: int, alpha: float, target_modules: list[str],
+                    need_reference: bool, gradient_checkpointing: bool = False) -> list[torch.nn.Parameter]:
+    """Make the adapter's transformer trainable; return the trained parameters.
+
+    ``lora``: freeze the base weights and add a peft adapter (Hu et al., arXiv 2106.09685; scale α/r);
+    the reference policy is the same module with the adapter disabled. ``full``: train every transformer
+    weight; when ``need_reference`` (KL β > 0) a frozen copy serves as the reference.
+
+    Raises:
+        ValueError: unknown ``finetune``, or target modules that match nothing in the transformer.
+    """
+    from peft import LoraConfig
+
+    pipe = adapter.pipe
+    for m in (pipe.vae, getattr(pipe, "text_encoder", None), getattr(pipe, "text_encoder_2", None),
+              getattr(pipe, "text_encoder_3", None)):
+        if m is not None:
+            m.requires_grad_(False)
+    tr = adapter.transformer
+    if gradient_checkpointing:
+        tr.enable_gradient_checkpointing()
+    if finetune == "lora":
+        tr.requires_grad_(False)
+        names = {n.rsplit(".", 1)[-1] for n, _ in tr.named_modules()} | {n for n, _ in tr.named_modules()}
+        if not any(t in names or any(n.endswith("." + t) for n in names) for t in target_modules):
+            raise ValueError(f"LoRA target modules {target_modules} match no module of the transformer")
+        tr.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
+                                  target_modules=list(target_modules)))
+        return [p for p in tr.parameters() if p.requires_grad]
+    if finetune == "full":
+        if need_reference:
+            adapter.frozen_reference = copy.deepcopy(tr).requires_grad_(False).eval()
+        tr.requires_grad_(True)
+        return list(tr.parameters())
+    raise ValueError(f"finetune must be 'lora' or 'full', got {finetune!r}")
+
+
+def save_lora(adapter, folder: str | Path) -> None:
+    """Write the LoRA as ``pytorch_lora_weights.safetensors`` in the form ``Pipeline.load_lora_weights`` reads
+    (with the adapter metadata, so α survives the round trip)."""
+    from peft.utils import get_peft_model_state_dict
+
+    tr = adapter.transformer
+    type(adapter.pipe).save_lora_weights(
+        str(folder),
+        transformer_lora_layers=get_peft_model_state_dict(tr),
+        transformer_lora_adapter_metadata=tr.peft_config["default"].to_dict(),
+        safe_serialization=True,
+    )

@@ -1,0 +1,119 @@
+"""Typed records passed between the phases of an epoch (rollout → reward → advantage → plan → update).
+
+Glossary (STYLE.md): B trajectories = P prompts × G samples, T sampling steps, K trained chunks, σ noise level
+(σ = 1 pure noise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flowgrpo.models.base import PromptEmbeds
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """A batch of sampled denoising trajectories with everything the update needs.
+
+    Attributes:
+        latents: (B, T+1, …) float32; ``latents[:, t]`` is x at ``sigmas[t]``; index 0 is the initial noise.
+        log_probs: (B, T) float32, log-density of each transition under the rollout policy (0 where deterministic).
+        sigmas: (T+1,) float32 σ grid, 1 → 0.
+        stochastic: (B, T) bool, transitions sampled by an SDE (std > 0); only these can be trained.
+        jump: (B, T) long, grid steps each transition spans: 1 normally, m for an E-GRPO merged jump starting
+            there, 0 for the steps inside a jump (their latents repeat the jump's end).
+        group_ids: (B,) long, global id of the sample's group (a prompt, or a prompt and branch step).
+        prompt_ids: (B,) long, global index of the sample's prompt.
+        embeds: prompt embeddings for the B samples.
+        images: (B, 3, H, W) float32 in [0, 1], the decoded final latents.
+        prompts: the B prompts; metadata: their B metadata dicts.
+        guidance_scale: the guidance the rollout used (training must reuse it).
+    """
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    sigmas: torch.Tensor
+    stochastic: torch.Tensor
+    jump: torch.Tensor
+    group_ids: torch.Tensor
+    prompt_ids: torch.Tensor
+    embeds: PromptEmbeds
+    images: torch.Tensor
+    prompts: list[str]
+    metadata: list[dict]
+    guidance_scale: float
+
+    @property
+    def batch_size(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        return self.log_probs.shape[1]
+
+
+@dataclass(frozen=True)
+class Rewards:
+    """Scores of B samples.
+
+    Attributes:
+        components: name → (B,) float32 raw scores of each reward (NaN = not applicable).
+        weights: name → weight from the config.
+        total: (B,) float32 weighted mean of the components present (NaN when none is).
+    """
+
+    components: dict[str, torch.Tensor]
+    weights: dict[str, float]
+    total: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """Per-sample advantages and their bookkeeping.
+
+    Attributes:
+        values: (B,) float32 advantages (0 for invalid samples and zero-spread groups).
+        train_mask: (B,) bool, samples that take part in the update (False for NaN rewards and, when dropping is
+            on, for zero-spread groups).
+        zero_spread_frac: fraction of groups whose valid rewards are all equal.
+        nan_frac: fraction of samples whose composed reward is NaN.
+    """
+
+    values: torch.Tensor
+    train_mask: torch.Tensor
+    zero_spread_frac: float
+    nan_frac: float
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Which transitions are trained and which share one importance ratio.
+
+    Attributes:
+        chunks: K chunks, each a tuple of transition indices (shared by all samples).
+        selected: (B, K) bool, whether sample b trains chunk k.
+    """
+
+    chunks: tuple[tuple[int, ...], ...]
+    selected: torch.Tensor
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """The policy loss of one micro-batch and its statistics (summed, so micro-batches add up).
+
+    Attributes:
+        loss: scalar with gradient: Σ over pairs of the clipped surrogate + β·KL, divided by the update's pair count.
+        num_pairs: trained (sample, chunk) pairs in the micro-batch.
+        stats: name → float sums over pairs (ratio, clipped, approx_kl, kl_ref) for the metrics.
+    """
+
+    loss: torch.Tensor
+    num_pairs: int
+    stats: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,184 @@
+"""Sampling: P prompts × G samples through the SDE sampler, recording what the update needs.
+
+The loop is the diffusers denoising loop with :func:`~flowgrpo.sampling.sde.sde_step` in place of the scheduler's
+step: the same velocity function and the same step function that training calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from flowgrpo.models.base import PromptEmbeds
+from flowgrpo.records import Trajectory
+from flowgrpo.rng import make_generator
+from flowgrpo.sampling.sde import sde_step
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """How a trajectory is sampled.
+
+    Attributes:
+        num_steps: T.
+        guidance_scale: guidance passed to the adapter's velocity.
+        kind: SDE kind of the stochastic transitions (``ode`` transitions are deterministic).
+        noise_level: a (flow_sde, cps) or η (dance_sde).
+        reduction, simplified_log_prob: log-prob options of :func:`sde_step`.
+    """
+
+    num_steps: int
+    guidance_scale: float
+    kind: str = "flow_sde"
+    noise_level: float = 0.7
+    reduction: str = "mean"
+    simplified_log_prob: bool = False
+
+
+def denoise(
+    adapter,
+    latents: torch.Tensor,
+    embeds: PromptEmbeds,
+    sigmas: torch.Tensor,
+    settings: SamplerSettings,
+    sde_steps: torch.Tensor,
+    generators: Sequence[torch.Generator] | None,
+    *,
+    record: bool = True,
+):
+    """Run T transitions from ``latents`` (B, …) at σ = sigmas[0].
+
+    Args:
+        sde_steps: (T,) bool, transitions sampled with ``settings.kind``; the others are ODE steps.
+        generators: one per sample for the SDE noise (None only when no step is stochastic).
+        record: keep every latent and log-prob (training) or only the last latent (evaluation).
+
+    Returns:
+        (latents (B, T+1, …) or (B, …) final, log_probs (B, T), stochastic (B, T) bool).
+    """
+    b = latents.shape[0]
+    t_count = len(sigmas) - 1
+    x = latents.float()
+    all_x = [x] if record else None
+    log_probs = torch.zeros(b, t_count)
+    stochastic = torch.zeros(b, t_count, dtype=torch.bool)
+    for t in range(t_count):
+        sigma = sigmas[t].expand(b).to(x.device)
+        v = adapter.velocity(x, sigma, embeds, settings.guidance_scale)
+        kind = settings.kind if bool(sde_steps[t]) else "ode"
+        out = sde_step(
+            x, v, sigmas[t].item(), sigmas[t + 1].item(), kind=kind, noise_level=settings.noise_level,
+            generator=list(generators) if generators is not None else None, reduction=settings.reduction,
+            simplified_log_prob=settings.simplified_log_prob,
+        )
+        x = out.prev_latents
+        log_probs[:, t] = out.log_prob.cpu()
+        stochastic[:, t] = (out.std > 0).cpu()
+        if record:
+            all_x.append(x)
+    return (torch.stack(all_x, dim=1) if record else x), log_probs, stochastic
+
+
+@torch.no_grad()
+def rollout(
+    adapter,
+    prompts: list[str],
+    metadata: list[dict],
+    prompt_ids: torch.Tensor,
+    sample_index: torch.Tensor,
+    *,
+    settings: SamplerSettings,
+    sde_steps: torch.Tensor,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    same_noise_in_group: bool = False,
+    progress: bool = False,
+) -> Trajectory:
+    """Sample one trajectory per entry: B samples, sample b of prompt ``prompt_ids[b]``.
+
+    Args:
+        prompts, metadata: B prompts and metadata dicts (the G samples of a group repeat their prompt).
+        prompt_ids: (B,) long global prompt indices; they are the group ids.
+        sample_index: (B,) long index of each sample within its group (0..G−1); with ``prompt_ids`` and
+            ``epoch`` it seeds the sample's noise, so a sample is the same whichever process or batch draws it.
+        sde_steps: (T,) bool, which transitions are stochastic (from the grouper).
+        batch_size: trajectories per transformer call.
+        same_noise_in_group: the G samples of a prompt share their initial noise (their SDE noise differs).
+
+    Returns:
+        A :class:`~flowgrpo.records.Trajectory` (latents on the adapter's device, images on the CPU).
+    """
+    b = len(prompts)
+    if len(metadata) != b or prompt_ids.shape != (b,) or sample_index.shape != (b,):
+        raise ValueError(
+            f"rollout got {b} prompts, {len(metadata)} metadata dicts, prompt_ids {tuple(prompt_ids.shape)}, "
+            f"sample_index {tuple(sample_index.shape)}"
+        )
+    if batch_size < 1 or b % batch_size:
+        raise ValueError(f"rollout batch_size {batch_size} must divide the {b} samples")
+    sigmas = adapter.sigmas(settings.num_steps)
+    unique = list(dict.fromkeys(prompts))
+    where = torch.tensor([unique.index(q) for q in prompts])
+    embeds = adapter.encode_prompts(unique).index(where.to(adapter.device))
+    pairs = list(zip(prompt_ids.tolist(), sample_index.tolist(), strict=True))
+    init_gens = [make_generator(seed, epoch, pid, "init", 0 if same_noise_in_group else j) for pid, j in pairs]
+    noise_gens = [make_generator(seed, epoch, pid, "sde", j) for pid, j in pairs]
+    chunks_x, chunks_lp, chunks_st, images = [], [], [], []
+    for start in tqdm(range(0, b, batch_size), desc="rollout", disable=not progress, leave=False):
+        sl = slice(start, start + batch_size)
+        x0 = adapter.initial_latents(batch_size, init_gens[sl])
+        xs, lp, st = denoise(adapter, x0, embeds.index(sl), sigmas, settings, sde_steps, noise_gens[sl])
+        chunks_x.append(xs)
+        chunks_lp.append(lp)
+        chunks_st.append(st)
+        images.append(adapter.decode(xs[:, -1]).cpu())
+    stochastic = torch.cat(chunks_st)
+    return Trajectory(
+        latents=torch.cat(chunks_x),
+        log_probs=torch.cat(chunks_lp),
+        sigmas=sigmas,
+        stochastic=stochastic,
+        jump=torch.ones_like(stochastic, dtype=torch.long),
+        group_ids=prompt_ids.clone(),
+        prompt_ids=prompt_ids.clone(),
+        embeds=embeds,
+        images=torch.cat(images),
+        prompts=list(prompts),
+        metadata=list(metadata),
+        guidance_scale=settings.guidance_scale,
+    )
+
+
+@torch.no_grad()
+def generate_images(
+    adapter,
+    prompts: list[str],
+    seeds: Sequence[int],
+    *,
+    num_steps: int,
+    guidance_scale: float,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> torch.Tensor:
+    """ODE samples, one per (prompt, seed): (B, 3, H, W) float32 in [0, 1] on the CPU.
+
+    The initial noise of image i comes from ``make_generator(seed_i, "eval")``, so an image depends only on its
+    prompt and seed, never on the batch it was generated in.
+    """
+    if len(prompts) != len(seeds):
+        raise ValueError(f"generate_images needs one seed per prompt, got {len(prompts)} prompts, {len(seeds)} seeds")
+    settings = SamplerSettings(num_steps=num_steps, guidance_scale=guidance_scale, kind="ode")
+    sigmas = adapter.sigmas(num_steps)
+    no_sde = torch.zeros(num_steps, dtype=torch.bool)
+    out = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="sample", disable=not progress, leave=False):
+        ps = list(prompts[start : start + batch_size])
+        gens = [make_generator(int(s), "eval") for s in seeds[start : start + batch_size]]
+        x0 = adapter.initial_latents(len(ps), gens)
+        x, _, _ = denoise(adapter, x0, adapter.encode_prompts(ps), sigmas, settings, no_sde, None, record=False)
+        out.append(adapter.decode(x).cpu())
+    return torch.cat(out)

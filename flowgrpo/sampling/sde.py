@@ -1,0 +1,231 @@
+"""One denoising transition of a flow-matching model as a Gaussian policy step.
+
+Convention (diffusers' flow matching): ``x_σ = (1 − σ)·x₀ + σ·ε``, σ = 1 is pure noise, the model predicts the
+velocity ``v = ε − x₀``, and a step goes from σ to σ_next < σ, so ``dt = σ_next − σ < 0``.
+
+Every kind below defines the transition ``x_next ~ N(mean(x, v, σ, σ_next), std²·I)``; :func:`sde_step` samples
+it (or scores a given ``prev_latents``) and returns its log-density. All arithmetic is float32 whatever the model's
+dtype, and the functions are pure: no step counter, no scheduler state. Rollout and training both call
+:func:`sde_step`, so the importance ratio is exactly 1 on-policy.
+
+The log-density is the Gaussian log-density **averaged over the latent dimensions** (``reduction="mean"``, the
+convention of Flow-GRPO, DanceGRPO and their descendants: a sum over ~10⁵ dimensions makes clip ranges of 1e-4
+meaningless) or summed (``reduction="sum"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from flowgrpo.registry import Registry
+
+__all__ = [
+    "SDEStepOutput",
+    "SDE_KINDS",
+    "sde_step",
+    "transition_moments",
+    "gaussian_log_prob",
+    "gaussian_entropy_per_dim",
+    "kl_between_means",
+]
+
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@dataclass(frozen=True)
+class SDEStepOutput:
+    """The result of one transition.
+
+    Attributes:
+        prev_latents: (B, …) float32, the latents at σ_next (sampled, or the ``prev_latents`` passed in).
+        log_prob: (B,) float32, log N(prev_latents; mean, std²) reduced over latent dims (0 where std = 0).
+        mean: (B, …) float32, the transition mean.
+        std: (B,) float32, the transition standard deviation (the same for every latent dim).
+    """
+
+    prev_latents: torch.Tensor
+    log_prob: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+# A kind maps (x, v, σ, σ_next, noise_level) -> (mean, std); σ, σ_next are (B, 1, …) float32 broadcastable to x.
+MomentsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], tuple]
+SDE_KINDS: Registry[MomentsFn] = Registry("SDE kind")
+
+
+@SDE_KINDS.register("ode")
+def _ode_moments(x, v, sigma, sigma_next, noise_level):
+    """Deterministic Euler step ``x + (σ_next − σ)·v``: diffusers' ``FlowMatchEulerDiscreteScheduler.step``."""
+    return x + (sigma_next - sigma) * v, torch.zeros_like(sigma)
+
+
+@SDE_KINDS.register("flow_sde")
+def _flow_sde_moments(x, v, sigma, sigma_next, noise_level):
+    """Flow-GRPO's reverse SDE, Euler–Maruyama (Liu et al., arXiv 2505.05470, eq. 9 and App. A).
+
+    ``s = a·√(σ / (1 − σ))``, ``mean = x·(1 + s²·dt/(2σ)) + v·(1 + s²·(1 − σ)/(2σ))·dt``, ``std = s·√(−dt)``
+    with ``a = noise_level``. At σ = 1 the ratio is infinite; as in the reference code the denominator then
+    uses 1 − σ_next.
+    """
+    dt = sigma_next - sigma
+    denom = torch.where(sigma >= 1.0, 1.0 - sigma_next, 1.0 - sigma)
+    s = noise_level * torch.sqrt(sigma / denom)
+    mean = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
+    return mean, s * torch.sqrt(-dt)
+
+
+@SDE_KINDS.register("dance_sde")
+def _dance_sde_moments(x, v, sigma, sigma_next, noise_level):
+    """DanceGRPO's SDE step (Xue et al., arXiv 2505.07818, Sec. 3 and its released sampler).
+
+    ``std = η·√(σ − σ_next)``; ``x̂₀ = x − σ·v``; score ``= −(x − (1 − σ)·x̂₀)/σ²``;
+    ``mean = x + dt·v − ½·η²·score·dt`` with ``η = noise_level``. Algebraically ``flow_sde`` with ``s ≡ η``.
+    """
+    dt = sigma_next - sigma
+    x0 = x - sigma * v
+    score = -(x - (1 - sigma) * x0) / sigma**2
+    mean = x + dt * v - 0.5 * noise_level**2 * score * dt
+    return mean, noise_level * torch.sqrt(sigma - sigma_next)
+
+
+@SDE_KINDS.register("cps")
+def _cps_moments(x, v, sigma, sigma_next, noise_level):
+    """Coefficients-Preserving Sampling (Wang & Yu, arXiv 2509.05952, eq. 8).
+
+    ``std = σ_next·sin(a·π/2)``; ``x̂₀ = x − σ·v``, ``x̂₁ = x + (1 − σ)·v``;
+    ``mean = (1 − σ_next)·x̂₀ + √(σ_next² − std²)·x̂₁``. With a = 0 this is the Euler step; at σ_next = 0 the
+    std is 0, so the last transition is never stochastic.
+    """
+    std = sigma_next * math.sin(noise_level * math.pi / 2)
+    x0 = x - sigma * v
+    x1 = x + (1 - sigma) * v
+    mean = (1 - sigma_next) * x0 + torch.sqrt(torch.clamp(sigma_next**2 - std**2, min=0.0)) * x1
+    return mean, std
+
+
+def _as_batch_sigma(sigma, batch: int, ndim: int, device) -> torch.Tensor:
+    """σ as a (B, 1, …, 1) float32 tensor; accepts a float, a 0-d tensor or a (B,) tensor."""
+    s = torch.as_tensor(sigma, dtype=torch.float32, device=device)
+    if s.ndim == 0:
+        s = s.expand(batch)
+    if s.shape != (batch,):
+        raise ValueError(f"sigma must be a float or a ({batch},) tensor, got shape {tuple(s.shape)}")
+    return s.reshape(batch, *([1] * (ndim - 1)))
+
+
+def transition_moments(
+    latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    kind: str = "flow_sde",
+    noise_level: float = 0.7,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean (B, …) and std (B,) of the transition from σ to σ_next, float32.
+
+    Raises:
+        KeyError: ``kind`` is not a registered SDE kind (the message lists them).
+        ValueError: σ_next ≥ σ, or σ outside (0, 1].
+    """
+    x = latents.float()
+    v = velocity.float()
+    b = x.shape[0]
+    s = _as_batch_sigma(sigma, b, x.ndim, x.device)
+    sn = _as_batch_sigma(sigma_next, b, x.ndim, x.device)
+    if not bool(torch.all(sn < s)) or not bool(torch.all((s > 0) & (s <= 1))):
+        raise ValueError(
+            f"a transition needs 0 <= sigma_next < sigma <= 1, got sigma={s.flatten().tolist()}, "
+            f"sigma_next={sn.flatten().tolist()}"
+        )
+    mean, std = SDE_KINDS.get(kind)(x, v, s, sn, float(noise_level))
+    return mean, torch.as_tensor(std, dtype=torch.float32, device=x.device).reshape(b)
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, *, reduction: str = "mean",
+                      simplified: bool = False) -> torch.Tensor:
+    """log N(x; mean, std²·I) reduced over all non-batch dims; (B,) float32, 0 where std = 0.
+
+    ``simplified=True`` is the reference CPS code's surrogate ``−(x − mean)²`` (no 1/(2·std²), no normaliser):
+    its values are ~1/(2·std²) times smaller than true log-ratios, so its importance ratios barely move and the
+    clip range must be correspondingly smaller (the CPS paper uses 1e-5 with it; see the README).
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"log-prob reduction must be 'mean' or 'sum', got {reduction!r}")
+    x, mean = x.float(), mean.float()
+    std_b = std.float().reshape(-1, *([1] * (x.ndim - 1)))
+    stochastic = std_b > 0
+    safe_std = torch.where(stochastic, std_b, torch.ones_like(std_b))
+    if simplified:
+        lp = -((x - mean) ** 2)
+    else:
+        lp = -((x - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
+    lp = torch.where(stochastic, lp, torch.zeros_like(lp))
+    dims = tuple(range(1, x.ndim))
+    return lp.mean(dim=dims) if reduction == "mean" else lp.sum(dim=dims)
+
+
+def gaussian_entropy_per_dim(std: torch.Tensor) -> torch.Tensor:
+    """Differential entropy of N(·, std²) per latent dimension, ``h = ½·log(2πe·std²)``, same shape as ``std``.
+
+    E-GRPO (arXiv 2601.00423, Sec. 3.2) uses (D/2)·log(2πe·σ²); dividing by D keeps its threshold τ independent
+    of the latent size.
+    """
+    return 0.5 * torch.log(2 * math.pi * math.e * std.float() ** 2)
+
+
+def kl_between_means(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL(N(mean, std²) ‖ N(ref_mean, std²)) per latent dimension, ``(mean − ref_mean)² / (2·std²)``, averaged
+    over the latent dims; (B,) float32, 0 where std = 0 (Flow-GRPO, arXiv 2505.05470, eq. 11)."""
+    std_b = std.float().reshape(-1, *([1] * (mean.ndim - 1)))
+    safe = torch.where(std_b > 0, std_b, torch.ones_like(std_b))
+    kl = (mean.float() - ref_mean.float()) ** 2 / (2 * safe**2)
+    kl = torch.where(std_b > 0, kl, torch.zeros_like(kl))
+    return kl.mean(dim=tuple(range(1, mean.ndim)))
+
+
+def sde_step(
+    latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    kind: str = "flow_sde",
+    noise_level: float = 0.7,
+    prev_latents: torch.Tensor | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    reduction: str = "mean",
+    simplified_log_prob: bool = False,
+) -> SDEStepOutput:
+    """Take (or score) one transition from σ to σ_next.
+
+    Args:
+        latents: (B, …) the current latents x at σ (any float dtype; computed in float32).
+        velocity: (B, …) the model's velocity prediction at (x, σ).
+        sigma, sigma_next: floats or (B,) tensors with 0 ≤ σ_next < σ ≤ 1 (a (B,) σ_next serves merged jumps).
+        kind: a registered SDE kind: ``flow_sde`` (a = ``noise_level``), ``dance_sde`` (η = ``noise_level``),
+            ``cps`` (a = ``noise_level``) or ``ode``.
+        prev_latents: (B, …) if given, score this x_next instead of sampling one (the training pass).
+        generator: one generator, or one per sample (as diffusers' ``randn_tensor``), for the sampled noise.
+        reduction: ``mean`` (default) or ``sum`` of the log-density over latent dims.
+        simplified_log_prob: the CPS reference code's ``−(x − mean)²`` surrogate (see :func:`gaussian_log_prob`).
+
+    Returns:
+        :class:`SDEStepOutput`. Where std = 0 (``ode``, or ``cps`` at σ_next = 0), ``prev_latents`` is the mean
+        and ``log_prob`` is 0.
+    """
+    mean, std = transition_moments(latents, velocity, sigma, sigma_next, kind=kind, noise_level=noise_level)
+    if prev_latents is None:
+        if bool(torch.any(std > 0)):
+            noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+            prev_latents = mean + std.reshape(-1, *([1] * (mean.ndim - 1))) * noise
+        else:
+            prev_latents = mean
+    log_prob = gaussian_log_prob(prev_latents, mean, std, reduction=reduction, simplified=simplified_log_prob)
+    return SDEStepOutput(prev_latents=prev_latents.float(), log_prob=log_prob, mean=mean, std=std)

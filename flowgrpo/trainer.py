@@ -1,0 +1,399 @@
+"""The epoch loop: one trainer for every model adapter, grouper, SDE kind and reward.
+
+An epoch is a flat list of timed phases (as verl's driver loop): ``rollout`` → ``reward`` → ``advantage`` →
+``plan`` → ``recompute`` (optional) → ``update``, with ``eval`` and ``save`` around it. The update is the clipped
+surrogate of :mod:`flowgrpo.algo.losses` over the grouper's chunks; every log-prob, in rollout and training,
+comes from the adapter's ``velocity`` and :func:`~flowgrpo.sampling.sde.sde_step`, so the first ratio of an
+on-policy update is exactly 1 when the training batch layout equals the rollout's (``policy/logprob_mismatch_max``
+reports it).
+
+Update semantics (``train.*``): the B local samples are cut into micro-batches of ``train_batch_size``
+consecutive samples; ``optimizer_steps_per_epoch`` optimizer steps each take an equal, consecutive share of the
+micro-batches (gradients accumulate over that share and all its chunks); ``inner_epochs`` repeats the whole pass
+over the same rollout. Only the first optimizer step of the first pass is on-policy; the ratio statistics of the
+later ones are logged under ``policy_later/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from flowgrpo import dist
+from flowgrpo.algo.advantages import compute_advantages
+from flowgrpo.algo.losses import clipped_surrogate
+from flowgrpo.config import Config, save_config
+from flowgrpo.data.prompts import GroupSampler, PromptSet
+from flowgrpo.metrics import MetricsSink, read_metrics
+from flowgrpo.records import Advantages, ChunkPlan, Rewards, Trajectory
+from flowgrpo.rewards.compose import ComposedReward, compose_rewards
+from flowgrpo.rng import derive_seed, make_generator
+from flowgrpo.sampling.rollout import SamplerSettings, generate_images, rollout
+from flowgrpo.sampling.sde import kl_between_means, sde_step, transition_moments
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Accum:
+    """Sums over trained pairs of one group of optimizer steps (on-policy first step, or the later ones)."""
+
+    pairs: float = 0.0
+    ratio: float = 0.0
+    clipped: float = 0.0
+    approx_kl: float = 0.0
+    kl_ref: float = 0.0
+    loss: float = 0.0
+
+    def add(self, terms, mask: torch.Tensor, loss_sum: float) -> None:
+        m = mask.float()
+        self.pairs += float(m.sum())
+        self.ratio += float((terms.ratio * m).sum())
+        self.clipped += float((terms.clipped.float() * m).sum())
+        self.approx_kl += float((terms.approx_kl * m).sum())
+        self.kl_ref += float((terms.kl_ref * m).sum())
+        self.loss += loss_sum
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        t = dist.all_reduce_sum(torch.tensor([self.pairs, self.ratio, self.clipped, self.approx_kl,
+                                              self.kl_ref, self.loss], dtype=torch.float64))
+        n = float(t[0])
+        if n == 0:
+            return {}
+        return {
+            f"{prefix}/ratio_mean": float(t[1]) / n,
+            f"{prefix}/clipfrac": float(t[2]) / n,
+            f"{prefix}/approx_kl": float(t[3]) / n,
+            f"{prefix}/kl_ref": float(t[4]) / n,
+            f"{prefix}/pairs": n,
+        }
+
+
+class Trainer:
+    """GRPO-family trainer.
+
+    Args:
+        config: the validated :class:`~flowgrpo.config.Config`.
+        adapter: a model adapter whose transformer is already set up for training (LoRA or full).
+        params: the trained parameters.
+        rewards: the optimised rewards; eval_rewards: rewards scored only at evaluation (may be None).
+        grouper: the step grouper strategy.
+        prompts: the training prompt set; eval_prompts: held-out prompts (None: no evaluation).
+        accelerator: an ``accelerate.Accelerator``.
+        reward_origins: provenance of every reward plugin, written to ``rewards.json``.
+    """
+
+    def __init__(self, config: Config, *, adapter, params, rewards: ComposedReward,
+                 eval_rewards: ComposedReward | None, grouper, prompts: PromptSet, eval_prompts: PromptSet | None,
+                 accelerator, reward_origins: list | None = None) -> None:
+        self.cfg = config
+        self.adapter = adapter
+        self.params = params
+        self.rewards = rewards
+        self.eval_rewards = eval_rewards
+        self.grouper = grouper
+        self.prompts = prompts
+        self.eval_prompts = eval_prompts
+        self.accelerator = accelerator
+        self.out = Path(config.output_dir)
+        self.main = accelerator.is_main_process
+        t = config.train
+        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                                           weight_decay=t.weight_decay)
+        warm = t.warmup_steps
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
+        )
+        self.model, self.optimizer = accelerator.prepare(adapter.transformer, self.optimizer)
+        self.sampler = GroupSampler(len(prompts), t.prompts_per_epoch, t.seed)
+        self.epoch = 0
+        self.settings = SamplerSettings(
+            num_steps=config.sampling.num_steps, guidance_scale=config.sampling.guidance_scale,
+            kind=config.sampling.sde_kind, noise_level=config.sampling.noise_level,
+            reduction=config.sampling.logprob_reduction,
+            simplified_log_prob=config.sampling.cps_simplified_logprob,
+        )
+        self.recompute = config.algo.recompute_old_log_probs or grouper.needs_recompute
+        self.metrics = MetricsSink(self.out / "metrics.jsonl", accelerator, self.main)
+        self.reward_origins = reward_origins or []
+
+    # ------------------------------------------------------------------ phases
+    def rollout_phase(self) -> Trajectory:
+        """Sample this process's share of the epoch's P×G trajectories."""
+        t = self.cfg.train
+        prompt_ids = self.sampler.next_prompt_ids()
+        all_pids = prompt_ids.repeat_interleave(t.group_size)  # (B,) global layout: groups adjacent
+        all_j = torch.arange(t.group_size).repeat(t.prompts_per_epoch)
+        local = dist.local_slice(len(all_pids))
+        pids, js = all_pids[local], all_j[local]
+        return rollout(
+            self.adapter, [self.prompts.prompts[i] for i in pids], [self.prompts.metadata[i] for i in pids],
+            pids, js, settings=self.settings,
+            sde_steps=self.grouper.sde_steps(self.settings.num_steps, self.epoch),
+            batch_size=t.rollout_batch_size, seed=t.seed, epoch=self.epoch,
+            same_noise_in_group=self.cfg.sampling.same_noise_in_group, progress=self.cfg.logging.progress and
+            self.main,
+        )
+
+    def reward_phase(self, traj: Trajectory) -> tuple[Rewards, torch.Tensor]:
+        """Score the local images, then gather components and group ids of the whole batch."""
+        comps = self.rewards.score_components(traj.images, traj.prompts, traj.metadata)
+        gathered = {k: dist.gather_cat(v) for k, v in comps.items()}
+        return compose_rewards(gathered, self.rewards.weights), dist.gather_cat(traj.group_ids)
+
+    def advantage_phase(self, rewards: Rewards, group_ids: torch.Tensor) -> Advantages:
+        a = self.cfg.algo
+        return compute_advantages(
+            rewards, group_ids, estimator=a.advantage, global_std=a.global_std, multi_reward=a.multi_reward,
+            clip=a.advantage_clip, drop_zero_spread=a.drop_zero_spread_groups,
+        )
+
+    # ------------------------------------------------------------------ log-probs under the training layout
+    def chunk_forward(self, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], *, with_ref: bool):
+        """Log-probs (n, k) of ``rows``' transitions ``chunk`` in one batched forward, and KL (n, k) or None.
+
+        The batch is sample-major: row r·k + j is sample ``rows[r]`` at step ``chunk[j]``; for k = 1 and rows a
+        rollout micro-batch this is exactly the rollout's layout.
+        """
+        n, k = len(rows), len(chunk)
+        steps = torch.tensor(chunk)
+        ends = steps + traj.jump[rows][:, steps]  # (n, k)
+        dev = traj.latents.device
+        x = traj.latents[rows.to(dev)][:, steps.to(dev)].flatten(0, 1)  # (n·k, …)
+        x_next = torch.stack([traj.latents[int(r), ends[i]] for i, r in enumerate(rows)]).flatten(0, 1)
+        sigma = traj.sigmas[steps].repeat(n).to(dev)  # (n·k,)
+        sigma_next = traj.sigmas[ends.flatten()].to(dev)
+        embeds = traj.embeds.index(rows.to(dev)).repeat_interleave(k)
+        v = self.adapter.velocity(x, sigma, embeds, traj.guidance_scale)
+        out = sde_step(x, v, sigma, sigma_next, kind=self.settings.kind, noise_level=self.settings.noise_level,
+                       prev_latents=x_next, reduction=self.settings.reduction,
+                       simplified_log_prob=self.settings.simplified_log_prob)
+        kl = None
+        if with_ref:
+            with torch.no_grad(), self.adapter.reference():
+                v_ref = self.adapter.velocity(x, sigma, embeds, traj.guidance_scale)
+            ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=self.settings.kind,
+                                             noise_level=self.settings.noise_level)
+            kl = kl_between_means(out.mean, ref_mean, out.std).reshape(n, k)
+        return out.log_prob.reshape(n, k), kl
+
+    def _micro_batches(self, b: int) -> list[torch.Tensor]:
+        tb = self.cfg.train_batch_size
+        return [torch.arange(s, s + tb) for s in range(0, b, tb)]
+
+    @torch.no_grad()
+    def recompute_old_log_probs(self, traj: Trajectory, plan: ChunkPlan) -> torch.Tensor:
+        """Old log-probs (B, T) recomputed with the training layout, so the first ratio is exactly 1."""
+        old = traj.log_probs.clone()
+        for rows in self._micro_batches(traj.batch_size):
+            for chunk in plan.chunks:
+                lp, _ = self.chunk_forward(traj, rows, chunk, with_ref=False)
+                old[rows.unsqueeze(1), torch.tensor(chunk).unsqueeze(0)] = lp.cpu()
+        return old
+
+    def update_phase(self, traj: Trajectory, adv: Advantages, plan: ChunkPlan, old_log_probs: torch.Tensor):
+        """Inner epochs × optimizer steps of the clipped surrogate over the plan's chunks."""
+        cfg, t = self.cfg, self.cfg.train
+        local = dist.local_slice(len(adv.values))
+        advantages, train_mask = adv.values[local], adv.train_mask[local]
+        pair_mask = plan.selected & train_mask.unsqueeze(1)  # (B, K)
+        mbs = self._micro_batches(traj.batch_size)
+        per_step = len(mbs) // t.optimizer_steps_per_epoch
+        with_ref = cfg.algo.kl_beta > 0
+        first, later = _Accum(), _Accum()
+        mismatch = torch.zeros(())
+        self.model.train()
+        bar = tqdm(total=t.inner_epochs * len(mbs), desc="update", leave=False,
+                   disable=not (cfg.logging.progress and self.main))
+        grad_norms = []
+        for inner in range(t.inner_epochs):
+            for u in range(t.optimizer_steps_per_epoch):
+                share = mbs[u * per_step : (u + 1) * per_step]
+                rows_all = torch.cat(share)
+                global_pairs = float(dist.all_reduce_sum(pair_mask[rows_all].sum().double()))
+                acc = first if inner == 0 and u == 0 else later
+                work = [(rows, k) for rows in share for k in range(plan.num_chunks) if pair_mask[rows, k].any()]
+                for i, (rows, k) in enumerate(work):
+                    chunk = plan.chunks[k]
+                    sync = i == len(work) - 1
+                    ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
+                    with ctx:
+                        new_lp, kl = self.chunk_forward(traj, rows, chunk, with_ref=with_ref)
+                        terms = clipped_surrogate(
+                            new_lp, old_log_probs[rows][:, list(chunk)].to(new_lp.device),
+                            advantages[rows].to(new_lp.device), clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                            kl_ref=kl, kl_beta=cfg.algo.kl_beta,
+                        )
+                        m = pair_mask[rows, k].to(new_lp.device)
+                        loss_sum = (terms.loss * m).sum()
+                        scale = dist.world_size() / max(global_pairs, 1.0)
+                        self.accelerator.backward(loss_sum * scale)
+                    acc.add(terms, m.cpu(), float(loss_sum.detach()))
+                    if acc is first:
+                        lr_max = terms.log_ratio_abs_max.cpu()[m.cpu()]
+                        if lr_max.numel():
+                            mismatch = torch.maximum(mismatch, lr_max.max())
+                if work:
+                    gn = self.accelerator.clip_grad_norm_(self.params, t.max_grad_norm)
+                    grad_norms.append(float(gn))
+                    self.optimizer.step()
+                    self.lr_scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                bar.update(len(share))
+        bar.close()
+        out = {**first.metrics("policy"), **later.metrics("policy_later")}
+        out["policy/logprob_mismatch_max"] = float(_all_max(mismatch))
+        if grad_norms:
+            out["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["train/lr"] = self.lr_scheduler.get_last_lr()[0]
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, tag: str) -> tuple[dict[str, float], torch.Tensor, list[str]]:
+        """ODE images of the fixed evaluation set, scored by every reward and eval reward.
+
+        Returns (metrics ``eval/<name>/mean`` and batch metrics, the images, captions)."""
+        if self.eval_prompts is None:
+            return {}, torch.empty(0), []
+        n = self.cfg.data.eval_num_prompts
+        ps = [self.eval_prompts.prompts[i % len(self.eval_prompts)] for i in range(n)]
+        meta = [self.eval_prompts.metadata[i % len(self.eval_prompts)] for i in range(n)]
+        seeds = [derive_seed(self.cfg.train.seed, "eval", i) for i in range(n)]
+        self.model.eval()
+        images = generate_images(
+            self.adapter, ps, seeds, num_steps=self.cfg.eval_sampling.num_steps,
+            guidance_scale=self.cfg.eval_sampling.guidance_scale, batch_size=self.cfg.train.rollout_batch_size,
+            progress=self.cfg.logging.progress and self.main,
+        )
+        out: dict[str, float] = {}
+        for composed in (self.rewards, self.eval_rewards):
+            if composed is None:
+                continue
+            for name, scores in composed.score_components(images, ps, meta).items():
+                valid = scores[~torch.isnan(scores)]
+                out[f"eval/{name}/mean"] = float(valid.mean()) if valid.numel() else float("nan")
+            for name, reward in composed.rewards.items():
+                if hasattr(reward, "batch_metrics"):
+                    for k, v in reward.batch_metrics(images, ps, meta).items():
+                        out[f"eval/{name}/{k}"] = float(v)
+        captions = [p[:40] for p in ps]
+        logger.info("eval (%s): %s", tag, ", ".join(f"{k}={v:.4f}" for k, v in out.items()))
+        return out, images, captions
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        """Train for ``train.num_epochs`` epochs; returns the summary also written to ``summary.json``."""
+        cfg = self.cfg
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out / "config.yaml")
+            (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
+        before, img_before, captions = self.evaluate("before")
+        for epoch in range(self.epoch, cfg.train.num_epochs):
+            self.epoch = epoch
+            self.train_epoch(epoch)
+            if cfg.logging.eval_every and (epoch + 1) % cfg.logging.eval_every == 0 and epoch + 1 < cfg.train.num_epochs:
+                mid, _, _ = self.evaluate(f"epoch {epoch}")
+                self.metrics.log(mid)
+                self.metrics.commit(epoch)
+        after, img_after, _ = self.evaluate("after")
+        with self.metrics.timed("save"):
+            self.save_weights()
+        summary = self.write_summary(before, after, img_before, img_after, captions)
+        return summary
+
+    def train_epoch(self, epoch: int) -> dict:
+        cfg = self.cfg
+        m = self.metrics
+        with m.timed("rollout"):
+            traj = self.rollout_phase()
+        with m.timed("reward"):
+            rewards, group_ids = self.reward_phase(traj)
+        with m.timed("advantage"):
+            adv = self.advantage_phase(rewards, group_ids)
+        with m.timed("plan"):
+            plan = self.grouper.plan(traj, epoch, make_generator(cfg.train.seed, epoch, dist.rank(), "plan"))
+        old = traj.log_probs
+        if self.recompute:
+            with m.timed("recompute"):
+                old = self.recompute_old_log_probs(traj, plan)
+        with m.timed("update"):
+            upd = self.update_phase(traj, adv, plan, old)
+        m.log(_reward_metrics(rewards))
+        m.log({"adv/zero_spread_frac": adv.zero_spread_frac, "adv/nan_frac": adv.nan_frac,
+               "adv/kept_frac": float(adv.train_mask.double().mean()), "adv/abs_mean": float(adv.values.abs().mean()),
+               "plan/chunks": plan.num_chunks, "plan/trained_frac": float(plan.selected.double().mean())})
+        m.log(upd)
+        record = m.commit(epoch)
+        if self.main:
+            from flowgrpo.plots import reward_curve, sample_grid
+
+            reward_curve(read_metrics(self.out / "metrics.jsonl"), self.out / "reward_curve.png")
+            k = min(16, traj.batch_size)
+            caps = [f"{p[:28]}\n{r:.3g}" for p, r in zip(traj.prompts[:k], rewards.total[:k].tolist(), strict=True)]
+            sample_grid(traj.images[:k], caps, self.out / "samples_latest.png", title=f"epoch {epoch}")
+        return record
+
+    def save_weights(self) -> None:
+        """The trained LoRA (diffusers ``load_lora_weights`` format) or full transformer (``from_pretrained``)."""
+        if not self.main:
+            return
+        from flowgrpo.models.lora import save_lora
+
+        tr = self.accelerator.unwrap_model(self.model)
+        if self.cfg.model.finetune == "lora":
+            save_lora(self.adapter, self.out / "lora")
+        else:
+            tr.save_pretrained(self.out / "transformer")
+
+    def write_summary(self, before, after, img_before, img_after, captions) -> dict:
+        summary: dict = {}
+        for key in sorted(set(before) | set(after)):
+            short = key.removeprefix("eval/").replace("/", "_")
+            if key in before:
+                summary[f"{short}_before"] = before[key]
+            if key in after:
+                summary[f"{short}_after"] = after[key]
+        records = read_metrics(self.out / "metrics.jsonl") if self.main else []
+        summary["epochs"] = self.cfg.train.num_epochs
+        summary["train_seconds"] = sum(v for r in records for k, v in r.items()
+                                       if k.startswith("timing/") and v is not None)
+        if self.main:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            if img_before.numel():
+                from flowgrpo.plots import sample_grid
+
+                k = min(20, img_before.shape[0])
+                sample_grid(torch.cat([img_before[:k], img_after[:k]]),
+                            [f"before: {c}" for c in captions[:k]] + [f"after: {c}" for c in captions[:k]],
+                            self.out / "before_after.png", ncols=10, title="ODE samples before (top) / after")
+        return summary
+
+
+def _reward_metrics(rewards: Rewards) -> dict[str, float]:
+    out = {}
+    items = {**rewards.components, "total": rewards.total}
+    for name, r in items.items():
+        valid = r[~torch.isnan(r)]
+        out[f"reward/{name}/mean"] = float(valid.mean()) if valid.numel() else math.nan
+        out[f"reward/{name}/std"] = float(valid.std(unbiased=False)) if valid.numel() else math.nan
+        out[f"reward/{name}/nan_frac"] = float(torch.isnan(r).double().mean())
+    return out
+
+
+def _all_max(t: torch.Tensor) -> torch.Tensor:
+    if not dist.is_distributed():
+        return t
+    import torch.distributed as td
+
+    out = t.double().clone().reshape(1)
+    td.all_reduce(out, op=td.ReduceOp.MAX)
+    return out[0]

@@ -1,0 +1,1 @@
+"""Built-in reward plugins of flowgrpo, found through the ``flowgrpo.rewards`` entry-point group."""
