@@ -85,6 +85,20 @@ class GrouperConfig(_Section):
     window_stride: int = Field(1, ge=1, description="window: steps the window advances each shift")
     window_shift_every: int = Field(1, ge=1, description="window: epochs between shifts")
     drop_last_step: bool = Field(False, description="never train the last transition (GCPO's 17-step setting)")
+    entropy_threshold: float | None = Field(
+        None, description="entropy_merge: tau, the entropy per latent dim 0.5*log(2*pi*e*std^2) a merged SDE jump "
+        "must reach (E-GRPO); set this or merge_steps"
+    )
+    sde_fraction: float = Field(
+        0.5, gt=0, le=1, description="entropy_merge: entropy-rule jumps lie within the first ceil(fraction*T) "
+        "steps (E-GRPO: the first half)"
+    )
+    merge_steps: list[int] | None = Field(
+        None, description="entropy_merge: hand-set branch steps, increasing (the E-GRPO code's eta_step_list)"
+    )
+    merge_lengths: list[int] | None = Field(
+        None, description="entropy_merge: grid steps each hand-set jump spans (eta_step_merge_list; default 1s)"
+    )
 
 
 class AlgoConfig(_Section):
@@ -125,6 +139,12 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup, in optimizer steps")
     seed: int = Field(0, description="seed of every random draw (prompts, noise, chunk sampling)")
+    ema_decay: float | None = Field(
+        None, ge=0, lt=1, description="EMA of the trained weights (e.g. 0.9), used for evaluation and saving"
+    )
+    resume_from: str | None = Field(
+        None, description="checkpoint folder, or a checkpoints root holding 'latest', to resume from"
+    )
 
 
 class RewardSpec(_Section):
@@ -149,6 +169,7 @@ class LoggingConfig(_Section):
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="accelerate trackers")
     eval_every: int = Field(0, ge=0, description="evaluate every N epochs (0: only before and after)")
     save_every: int = Field(0, ge=0, description="checkpoint every N epochs (0: only at the end)")
+    checkpoints_total_limit: int = Field(2, ge=1, description="newest checkpoints kept")
     progress: bool = Field(True, description="progress bars on the main process")
 
 

@@ -101,6 +101,20 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _quiet_libraries() -> None:
+    """Keep the console for our metrics: silence the libraries' per-call notices (truncated prompts, loading
+    bars, deprecations), not their errors."""
+    import warnings
+
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
+
+
 def print_summary(summary: dict) -> None:
     metrics = sorted({k.rsplit("_", 1)[0] for k in summary if k.endswith(("_before", "_after"))})
     if not metrics:
@@ -124,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         args.overrides.insert(0, args.config)
         args.config = None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    _quiet_libraries()
     from flowgrpo.config import ConfigError, load_config
 
     try:

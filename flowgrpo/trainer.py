@@ -29,13 +29,15 @@ from tqdm.auto import tqdm
 from flowgrpo import dist
 from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.algo.losses import clipped_surrogate
+from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
 from flowgrpo.config import Config, save_config
 from flowgrpo.data.prompts import GroupSampler, PromptSet
+from flowgrpo.ema import EMA
 from flowgrpo.metrics import MetricsSink, read_metrics
 from flowgrpo.records import Advantages, ChunkPlan, Rewards, Trajectory
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rng import derive_seed, make_generator
-from flowgrpo.sampling.rollout import SamplerSettings, generate_images, rollout
+from flowgrpo.sampling.rollout import SamplerSettings, generate_images
 from flowgrpo.sampling.sde import kl_between_means, sde_step, transition_moments
 
 logger = logging.getLogger(__name__)
@@ -123,6 +125,22 @@ class Trainer:
         self.recompute = config.algo.recompute_old_log_probs or grouper.needs_recompute
         self.metrics = MetricsSink(self.out / "metrics.jsonl", accelerator, self.main)
         self.reward_origins = reward_origins or []
+        self.ema = EMA(params, t.ema_decay) if t.ema_decay is not None else None
+        if t.resume_from:
+            self.epoch = 1 + load_checkpoint(t.resume_from, model=accelerator.unwrap_model(self.model),
+                                             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                                             sampler=self.sampler, ema=self.ema)
+            logger.info("resumed from %s at epoch %d", t.resume_from, self.epoch)
+
+    def _eval_weights(self):
+        """The weights evaluation and saving use: the EMA when on, else the trained ones."""
+        return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
+
+    def save_checkpoint(self, epoch: int) -> None:
+        if self.main:
+            save_checkpoint(self.out / "checkpoints", epoch, model=self.accelerator.unwrap_model(self.model),
+                            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, sampler=self.sampler,
+                            ema=self.ema, keep=self.cfg.logging.checkpoints_total_limit)
 
     # ------------------------------------------------------------------ phases
     def rollout_phase(self) -> Trajectory:
@@ -133,13 +151,11 @@ class Trainer:
         all_j = torch.arange(t.group_size).repeat(t.prompts_per_epoch)
         local = dist.local_slice(len(all_pids))
         pids, js = all_pids[local], all_j[local]
-        return rollout(
+        return self.grouper.rollout(
             self.adapter, [self.prompts.prompts[i] for i in pids], [self.prompts.metadata[i] for i in pids],
-            pids, js, settings=self.settings,
-            sde_steps=self.grouper.sde_steps(self.settings.num_steps, self.epoch),
-            batch_size=t.rollout_batch_size, seed=t.seed, epoch=self.epoch,
-            same_noise_in_group=self.cfg.sampling.same_noise_in_group, progress=self.cfg.logging.progress and
-            self.main,
+            pids, js, settings=self.settings, batch_size=t.rollout_batch_size, seed=t.seed, epoch=self.epoch,
+            same_noise_in_group=self.cfg.sampling.same_noise_in_group,
+            progress=self.cfg.logging.progress and self.main,
         )
 
     def reward_phase(self, traj: Trajectory) -> tuple[Rewards, torch.Tensor]:
@@ -186,6 +202,8 @@ class Trainer:
 
     def _micro_batches(self, b: int) -> list[torch.Tensor]:
         tb = self.cfg.train_batch_size
+        if b % tb:
+            raise ValueError(f"train_batch_size={tb} must divide the {b} trajectories this process sampled")
         return [torch.arange(s, s + tb) for s in range(0, b, tb)]
 
     @torch.no_grad()
@@ -205,7 +223,10 @@ class Trainer:
         advantages, train_mask = adv.values[local], adv.train_mask[local]
         pair_mask = plan.selected & train_mask.unsqueeze(1)  # (B, K)
         mbs = self._micro_batches(traj.batch_size)
-        per_step = len(mbs) // t.optimizer_steps_per_epoch
+        if len(mbs) < t.optimizer_steps_per_epoch:
+            raise ValueError(f"optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} exceeds the {len(mbs)} "
+                             "training micro-batches of this epoch")
+        shares = [list(x) for x in torch.arange(len(mbs)).tensor_split(t.optimizer_steps_per_epoch)]
         with_ref = cfg.algo.kl_beta > 0
         first, later = _Accum(), _Accum()
         mismatch = torch.zeros(())
@@ -215,7 +236,7 @@ class Trainer:
         grad_norms = []
         for inner in range(t.inner_epochs):
             for u in range(t.optimizer_steps_per_epoch):
-                share = mbs[u * per_step : (u + 1) * per_step]
+                share = [mbs[i] for i in shares[u]]
                 rows_all = torch.cat(share)
                 global_pairs = float(dist.all_reduce_sum(pair_mask[rows_all].sum().double()))
                 acc = first if inner == 0 and u == 0 else later
@@ -245,6 +266,8 @@ class Trainer:
                     grad_norms.append(float(gn))
                     self.optimizer.step()
                     self.lr_scheduler.step()
+                    if self.ema is not None:
+                        self.ema.update()
                 self.optimizer.zero_grad(set_to_none=True)
                 bar.update(len(share))
         bar.close()
@@ -268,11 +291,12 @@ class Trainer:
         meta = [self.eval_prompts.metadata[i % len(self.eval_prompts)] for i in range(n)]
         seeds = [derive_seed(self.cfg.train.seed, "eval", i) for i in range(n)]
         self.model.eval()
-        images = generate_images(
-            self.adapter, ps, seeds, num_steps=self.cfg.eval_sampling.num_steps,
-            guidance_scale=self.cfg.eval_sampling.guidance_scale, batch_size=self.cfg.train.rollout_batch_size,
-            progress=self.cfg.logging.progress and self.main,
-        )
+        with self._eval_weights():
+            images = generate_images(
+                self.adapter, ps, seeds, num_steps=self.cfg.eval_sampling.num_steps,
+                guidance_scale=self.cfg.eval_sampling.guidance_scale, batch_size=self.cfg.train.rollout_batch_size,
+                progress=self.cfg.logging.progress and self.main,
+            )
         out: dict[str, float] = {}
         for composed in (self.rewards, self.eval_rewards):
             if composed is None:
@@ -297,20 +321,22 @@ class Trainer:
             save_config(cfg, self.out / "config.yaml")
             (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
         before, img_before, captions = self.evaluate("before")
+        last = cfg.train.num_epochs - 1
         for epoch in range(self.epoch, cfg.train.num_epochs):
             self.epoch = epoch
-            self.train_epoch(epoch)
-            if cfg.logging.eval_every and (epoch + 1) % cfg.logging.eval_every == 0 and epoch + 1 < cfg.train.num_epochs:
-                mid, _, _ = self.evaluate(f"epoch {epoch}")
-                self.metrics.log(mid)
-                self.metrics.commit(epoch)
+            every = cfg.logging.eval_every
+            self.train_epoch(epoch, evaluate=bool(every) and (epoch + 1) % every == 0 and epoch < last)
+            if cfg.logging.save_every and (epoch + 1) % cfg.logging.save_every == 0 and epoch < last:
+                self.save_checkpoint(epoch)
         after, img_after, _ = self.evaluate("after")
-        with self.metrics.timed("save"):
+        self.save_checkpoint(last)
+        with self._eval_weights():
             self.save_weights()
         summary = self.write_summary(before, after, img_before, img_after, captions)
         return summary
 
-    def train_epoch(self, epoch: int) -> dict:
+    def train_epoch(self, epoch: int, evaluate: bool = False) -> dict:
+        """One epoch's phases; with ``evaluate`` the held-out evaluation joins the epoch's record."""
         cfg = self.cfg
         m = self.metrics
         with m.timed("rollout"):
@@ -332,6 +358,9 @@ class Trainer:
                "adv/kept_frac": float(adv.train_mask.double().mean()), "adv/abs_mean": float(adv.values.abs().mean()),
                "plan/chunks": plan.num_chunks, "plan/trained_frac": float(plan.selected.double().mean())})
         m.log(upd)
+        if evaluate:
+            with m.timed("eval"):
+                m.log(self.evaluate(f"epoch {epoch}")[0])
         record = m.commit(epoch)
         if self.main:
             from flowgrpo.plots import reward_curve, sample_grid

@@ -1,27 +1,43 @@
 """Finding reward plugins: the ``flowgrpo.rewards`` entry-point group, or an explicit ``module:attr``.
 
-Plugins are imported lazily, only when a config names them, so a broken plugin never affects runs that do not use
-it. Two distributions registering the same name is an error naming both.
+Plugins are imported lazily, only when a config names them, so a plugin that fails to import never affects runs
+that do not use it (the pattern of lm-eval-harness's registry and pluggy). Listing the group reads installed
+metadata only; it imports nothing.
+
+Two *distributions* registering the same name is an error naming both packages and versions. It is raised when
+that name is asked for (a clash between two plugins a run does not use does not stop the run) and by
+:func:`registered_rewards`, which lists the whole group. The same distribution seen twice (one package visible on
+two ``sys.path`` entries) is not a clash.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
 from flowgrpo.registry import did_you_mean
 
+logger = logging.getLogger(__name__)
+
 GROUP = "flowgrpo.rewards"
 
 
 class RewardLoadError(RuntimeError):
-    """A reward that cannot be found, is registered twice, or fails to import."""
+    """A reward that cannot be found, is registered twice, fails to import, or rejects its kwargs."""
 
 
 @dataclass(frozen=True)
 class RewardOrigin:
-    """Where a reward came from, recorded in the run folder: entry-point name, target, distribution, version."""
+    """Where a reward came from, recorded in the run folder (``rewards.json``).
+
+    Attributes:
+        name: the name the config used (an entry-point name or ``module:attr``).
+        target: the ``module:attr`` that was imported.
+        distribution: the installed distribution that provides it (None for a module that is not installed).
+        version: that distribution's version (None likewise).
+    """
 
     name: str
     target: str
@@ -34,64 +50,114 @@ def _dist_of(ep: EntryPoint) -> tuple[str | None, str | None]:
     return (dist.metadata["Name"], dist.version) if dist is not None else (None, None)
 
 
-def registered_rewards() -> dict[str, EntryPoint]:
-    """Name → entry point of every installed reward plugin. Raises :class:`RewardLoadError` on a duplicate name."""
-    found: dict[str, EntryPoint] = {}
+def _describe(ep: EntryPoint) -> str:
+    dist, ver = _dist_of(ep)
+    return f"{dist or '<unknown distribution>'} {ver or ''}".rstrip() + f" ({ep.value})"
+
+
+def _scan() -> dict[str, list[EntryPoint]]:
+    """Name → the entry points registering it, one per distinct distribution. Imports nothing."""
+    found: dict[str, list[EntryPoint]] = {}
     for ep in entry_points(group=GROUP):
-        if ep.name in found and found[ep.name].value != ep.value:
-            a, b = _dist_of(found[ep.name])[0], _dist_of(ep)[0]
-            raise RewardLoadError(
-                f"reward {ep.name!r} is registered twice: by {a} ({found[ep.name].value}) and by {b} ({ep.value})"
-            )
-        found[ep.name] = ep
+        same = found.setdefault(ep.name, [])
+        if any(_dist_of(e)[0] == _dist_of(ep)[0] and e.value == ep.value for e in same):
+            continue  # one distribution visible twice on sys.path
+        same.append(ep)
     return found
+
+
+def _clash_error(name: str, eps: list[EntryPoint]) -> RewardLoadError:
+    who = " and by ".join(_describe(e) for e in eps)
+    return RewardLoadError(
+        f"reward {name!r} is registered twice in {GROUP!r}: by {who}; uninstall one of them, or name the one "
+        "you want as 'module:attr' in the config"
+    )
+
+
+def registered_rewards() -> dict[str, EntryPoint]:
+    """Name → entry point of every installed reward plugin; nothing is imported.
+
+    Raises:
+        RewardLoadError: two distributions register the same name (the message names both).
+    """
+    out: dict[str, EntryPoint] = {}
+    for name, eps in _scan().items():
+        if len(eps) > 1:
+            raise _clash_error(name, eps)
+        out[name] = eps[0]
+    return out
+
+
+def _resolve_module_attr(name: str):
+    module, _, attr = name.partition(":")
+    if not module or not attr:
+        raise RewardLoadError(f"reward {name!r} is not a valid 'module:attr' (both parts are needed)")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as err:  # an import-time failure of any kind is reported with the name asked for
+        raise RewardLoadError(f"cannot import reward {name!r}: {type(err).__name__}: {err}") from err
+    dist = ver = None
+    try:  # provenance is best effort for ad-hoc modules (a local file belongs to no distribution)
+        from importlib.metadata import packages_distributions, version
+
+        dists = packages_distributions().get(module.split(".")[0], [])
+        if dists:
+            dist, ver = dists[0], version(dists[0])
+    except Exception as err:  # noqa: BLE001
+        logger.debug("no distribution found for %s: %s", name, err)
+    return obj, RewardOrigin(name, name, dist, ver)
 
 
 def resolve_reward_factory(name: str):
     """The class/factory for ``name`` and its :class:`RewardOrigin`, importing only that plugin.
 
-    Raises:
-        RewardLoadError: unknown name (lists registered ones and the closest match), or an import failure.
-    """
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            obj = importlib.import_module(module)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as err:
-            raise RewardLoadError(f"cannot import reward {name!r}: {err}") from err
-        top = module.split(".")[0]
-        try:
-            from importlib.metadata import packages_distributions, version
+    ``name`` is an entry-point name of the ``flowgrpo.rewards`` group, or ``module:attr`` (``attr`` may be dotted).
 
-            dists = packages_distributions().get(top, [])
-            dist = dists[0] if dists else None
-            return obj, RewardOrigin(name, name, dist, version(dist) if dist else None)
-        except Exception:  # noqa: BLE001 - provenance is best effort for ad-hoc modules
-            return obj, RewardOrigin(name, name, None, None)
-    eps = registered_rewards()
-    if name not in eps:
+    Raises:
+        RewardLoadError: unknown name (the message lists the registered names and the closest match), a name
+            registered by two distributions (naming both), or an import failure of that plugin.
+    """
+    if not isinstance(name, str) or not name:
+        raise RewardLoadError(f"a reward name must be a non-empty string, got {name!r}")
+    if ":" in name:
+        return _resolve_module_attr(name)
+    found = _scan()
+    if name not in found:
         raise RewardLoadError(
-            f"unknown reward {name!r}; registered in {GROUP!r}: {sorted(eps)}{did_you_mean(name, eps)}. "
+            f"unknown reward {name!r}; registered in {GROUP!r}: {sorted(found)}{did_you_mean(name, found)}. "
             "A reward may also be named as 'module:attr'."
         )
-    ep = eps[name]
+    if len(found[name]) > 1:
+        raise _clash_error(name, found[name])
+    ep = found[name][0]
     try:
         obj = ep.load()
     except Exception as err:
-        raise RewardLoadError(f"reward {name!r} ({ep.value}) failed to import: {err}") from err
+        raise RewardLoadError(
+            f"reward {name!r} from {_describe(ep)} failed to import: {type(err).__name__}: {err}"
+        ) from err
     dist, ver = _dist_of(ep)
     return obj, RewardOrigin(name, ep.value, dist, ver)
 
 
 def load_reward(name: str, **kwargs):
-    """Construct the reward ``name`` with ``kwargs`` (no weights are loaded until ``setup``)."""
+    """Construct the reward ``name`` with ``kwargs``; no weights are loaded until its ``setup(device)``.
+
+    Returns:
+        (reward, :class:`RewardOrigin`).
+
+    Raises:
+        RewardLoadError: see :func:`resolve_reward_factory`; also when the factory rejects ``kwargs`` (a
+            ``TypeError``) or builds an object without ``setup()`` and ``__call__()``.
+        ValueError: a kwarg value the reward itself rejects.
+    """
     factory, origin = resolve_reward_factory(name)
     try:
         reward = factory(**kwargs)
     except TypeError as err:
         raise RewardLoadError(f"reward {name!r} rejected its kwargs {kwargs}: {err}") from err
-    if not callable(reward) or not hasattr(reward, "setup"):
+    if not callable(reward) or not callable(getattr(reward, "setup", None)):
         raise RewardLoadError(f"reward {name!r} built a {type(reward).__name__} without setup() and __call__()")
     return reward, origin

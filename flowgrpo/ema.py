@@ -1,0 +1,51 @@
+"""An exponential moving average of the trained parameters, used for evaluation and saving.
+
+``ema ← decay·ema + (1 − decay)·θ`` after every optimizer step (Polyak averaging, as Flow-GRPO's ``ema`` option),
+kept in float32 whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+class EMA:
+    """EMA of ``params`` with ``decay`` in [0, 1). Raises ``ValueError`` for a decay outside it."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
+        self.params = list(params)
+        self.decay = decay
+        self.shadow = [p.detach().float().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for s, p in zip(self.shadow, self.params, strict=True):
+            s.mul_(self.decay).add_(p.detach().float(), alpha=1.0 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Run with the EMA weights in the model, restoring the trained weights after."""
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for s, p in zip(self.shadow, self.params, strict=True):
+                p.copy_(s.to(p.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, p in zip(backup, self.params, strict=True):
+                    p.copy_(b)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"ema.{i}": s for i, s in enumerate(self.shadow)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if len(state) != len(self.shadow):
+            raise ValueError(f"EMA state holds {len(state)} tensors, the model trains {len(self.shadow)}")
+        for i, s in enumerate(self.shadow):
+            s.copy_(state[f"ema.{i}"])

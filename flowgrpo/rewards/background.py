@@ -1,0 +1,190 @@
+"""Background reward scoring: score one batch while the next is being sampled.
+
+The trainer submits each rollout micro-batch's decoded images as soon as they exist and collects the scores once
+the rollout is done, so reward time (PNG encoding and HTTP for a remote reward, CPU-bound scorers, Python
+overhead) overlaps with sampling, in the manner of the asynchronous reward workers of verl and OpenRLHF::
+
+    scorer = AsyncRewardScorer(composed)           # composed.setup(device) already called
+    handles = []
+    for batch in micro_batches:
+        images = sample(batch)                     # (b, 3, H, W) in [0, 1]
+        handles.append(scorer.submit(images, prompts_of(batch), metadata_of(batch)))
+    components = scorer.gather(handles)            # name -> (B,) float32, in submission order
+    scorer.close()
+
+One worker thread scores the batches one after another, in submission order. A reward that raises is re-raised
+in the thread that asks for the result as :class:`RewardError`, which names the reward (the original exception
+is its ``__cause__``). A GPU reward runs on the device's default stream, so its kernels queue behind the
+sampler's and never read images before they are written; what overlaps is the host-side work.
+
+The images passed to :meth:`AsyncRewardScorer.submit` are read later, from the worker: do not modify them in
+place before their result has been collected.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from flowgrpo.rewards.base import check_reward_inputs
+from flowgrpo.rewards.compose import ComposedReward
+
+logger = logging.getLogger(__name__)
+
+
+class RewardError(RuntimeError):
+    """A reward failed while scoring a batch. ``reward_name`` is the name it has in the config's composition.
+
+    The original exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, reward_name: str, message: str) -> None:
+        super().__init__(message)
+        self.reward_name = reward_name
+
+
+def score_components_named(composed: ComposedReward, images: torch.Tensor, prompts: list[str],
+                           metadata: list[dict]) -> dict[str, torch.Tensor]:
+    """Score every component of ``composed``; a failing reward raises :class:`RewardError` naming it.
+
+    Returns:
+        name → (B,) float32 CPU scores, in the composition's order.
+
+    Raises:
+        RewardError: a reward raised, or returned something that is not B scores.
+    """
+    b = images.shape[0]
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():  # grad mode is thread-local; rewards never need gradients here
+        for name, reward in composed.rewards.items():
+            try:
+                raw = reward(images, prompts, metadata)
+                scores = torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
+            except Exception as err:
+                raise RewardError(name, f"reward {name!r} failed on a batch of {b}: {type(err).__name__}: {err}") \
+                    from err
+            if scores.shape != (b,):
+                raise RewardError(name, f"reward {name!r} returned shape {tuple(scores.shape)}, expected ({b},)")
+            out[name] = scores
+    return out
+
+
+class ScoreHandle:
+    """The pending scores of one submitted batch (returned by :meth:`AsyncRewardScorer.submit`).
+
+    Attributes:
+        index: submission number (0, 1, …) within its scorer.
+        batch_size: B, the number of images submitted.
+    """
+
+    def __init__(self, future: Future, index: int, batch_size: int) -> None:
+        self._future = future
+        self.index = index
+        self.batch_size = batch_size
+
+    def done(self) -> bool:
+        """Whether scoring has finished (successfully or not); never blocks."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """Block until scored; name → (B,) float32 CPU scores of each component.
+
+        Raises:
+            RewardError: the reward named in it failed on this batch.
+            TimeoutError: not done within ``timeout`` seconds.
+        """
+        components, _ = self._future.result(timeout)
+        return components
+
+    @property
+    def seconds(self) -> float:
+        """Wall-clock seconds the worker spent scoring this batch (blocks until it is done)."""
+        return self._future.result()[1]
+
+
+class AsyncRewardScorer:
+    """Scores batches with a :class:`~flowgrpo.rewards.compose.ComposedReward` on one background thread.
+
+    Args:
+        composed: the rewards, already ``setup`` on their device.
+        max_pending: at most this many submitted batches not yet scored; :meth:`submit` blocks beyond it (bounds
+            the images held in memory). None: no bound.
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, composed: ComposedReward, *, max_pending: int | None = None) -> None:
+        if max_pending is not None and max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1 or None, got {max_pending}")
+        self.composed = composed
+        self.weights = composed.weights
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowgrpo-reward")
+        self._slots = threading.BoundedSemaphore(max_pending) if max_pending else None
+        self._count = 0
+        self._closed = False
+
+    def _work(self, images, prompts, metadata):
+        try:
+            t0 = time.perf_counter()
+            comps = score_components_named(self.composed, images, prompts, metadata)
+            return comps, time.perf_counter() - t0
+        finally:
+            if self._slots is not None:
+                self._slots.release()
+
+    def submit(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> ScoreHandle:
+        """Queue a batch for scoring and return at once (or after a slot frees, with ``max_pending``).
+
+        Args:
+            images: (B, 3, H, W) float in [0, 1], any device; not to be modified until its result is collected.
+            prompts: B strings. metadata: B dicts.
+
+        Raises:
+            ValueError: lengths differ from B or the images are not (B, 3, H, W) (checked here, at once).
+            RuntimeError: the scorer is closed.
+        """
+        if self._closed:
+            raise RuntimeError("AsyncRewardScorer is closed")
+        check_reward_inputs(images, prompts, metadata)
+        if self._slots is not None:
+            self._slots.acquire()
+        try:
+            fut = self._executor.submit(self._work, images.detach(), list(prompts), list(metadata))
+        except BaseException:
+            if self._slots is not None:
+                self._slots.release()
+            raise
+        handle = ScoreHandle(fut, self._count, images.shape[0])
+        self._count += 1
+        return handle
+
+    def gather(self, handles: list[ScoreHandle], timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """Concatenate the components of ``handles`` in the order given: name → (ΣB,) float32.
+
+        Raises:
+            RewardError: from the first (in the order given) batch whose reward failed.
+            ValueError: ``handles`` is empty.
+        """
+        if not handles:
+            raise ValueError("gather() needs at least one handle")
+        parts = [h.result(timeout) for h in handles]
+        return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
+        """Submit and wait: the same as ``ComposedReward.score_components`` with named errors."""
+        return self.submit(images, prompts, metadata).result()
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker; with ``wait`` finish the batches already submitted. Idempotent."""
+        self._closed = True
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+
+    def __enter__(self) -> AsyncRewardScorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(wait=exc[0] is None)

@@ -1,0 +1,84 @@
+"""The Reward protocol's conformance suite (flowgrpo.rewards.conformance) over the weight-free JPEG rewards.
+
+Model rewards join by subclassing ``RewardConformance`` with a factory that points at tiny checkpoints.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flowgrpo_rewards.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
+
+from flowgrpo.rewards.conformance import RewardConformance
+
+
+class TestJpegCompressibility(RewardConformance):
+    reward_factory = JpegCompressibility
+
+
+class TestJpegIncompressibilityQuality50(RewardConformance):
+    reward_factory = staticmethod(lambda: JpegIncompressibility(quality=50))
+    image_size = (48, 80)
+
+
+def test_conformance_inputs_give_distinct_jpeg_scores():
+    """The suite's default images differ in detail, so its order tests can see a permutation."""
+    images, _, _ = TestJpegCompressibility().make_inputs(5)
+    assert torch.unique(jpeg_size_kb(images)).numel() == 5
+
+
+class _ShuffledReward(JpegCompressibility):
+    """A broken reward that returns the scores in reverse order: the suite must catch it."""
+
+    def score(self, images, prompts, metadata):
+        return super().score(images, prompts, metadata).flip(0)
+
+
+class _WeightsInInit(JpegCompressibility):
+    """A broken reward that builds a model in __init__."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Linear(512, 512)
+
+
+def test_suite_catches_a_reward_that_breaks_batch_order():
+    suite = TestJpegCompressibility()
+    reward = _ShuffledReward()
+    with pytest.raises(AssertionError, match="permuted"):
+        suite.test_batch_order_equivariance(reward)
+
+
+def test_suite_catches_weights_built_in_init(monkeypatch):
+    class Suite(RewardConformance):
+        reward_factory = _WeightsInInit
+
+    with pytest.raises(AssertionError, match="before setup"):
+        Suite().test_init_loads_no_weights(monkeypatch)
+
+
+def test_suite_catches_a_checkpoint_read_in_init(monkeypatch, tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.zeros(2)}, path)
+
+    class Loads(JpegCompressibility):
+        def __init__(self):
+            super().__init__()
+            self.state = torch.load(path)
+
+    class Suite(RewardConformance):
+        reward_factory = Loads
+
+    with pytest.raises(AssertionError, match="read weights"):
+        Suite().test_init_loads_no_weights(monkeypatch)
+
+
+def test_suite_catches_undocumented_nan():
+    class NanSometimes(JpegCompressibility):
+        def score(self, images, prompts, metadata):
+            s = super().score(images, prompts, metadata)
+            s[-1] = torch.nan
+            return s
+
+    with pytest.raises(AssertionError, match="NaN on ordinary inputs"):
+        TestJpegCompressibility().test_no_nan_unless_documented(NanSometimes())
