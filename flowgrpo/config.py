@@ -45,6 +45,9 @@ class ModelConfig(_Section):
         description="module names (peft target_modules) that receive LoRA",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    cfg_detach_uncond: bool = Field(
+        False, description="SD3 true CFG: unconditional branch without gradient (its own no-grad forward)"
+    )
 
 
 class SamplingConfig(_Section):

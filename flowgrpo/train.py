@@ -64,7 +64,7 @@ def run(config) -> dict:
     set_seed(config.train.seed)
     m = config.model
     adapter = load_model(m.pretrained, dtype=m.dtype, height=m.height, width=m.width,
-                         max_sequence_length=m.max_sequence_length)
+                         max_sequence_length=m.max_sequence_length, cfg_detach_uncond=m.cfg_detach_uncond)
     adapter.pipe.to(accelerator.device)
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,

@@ -35,6 +35,7 @@ from flowgrpo.data.prompts import GroupSampler, PromptSet
 from flowgrpo.ema import EMA
 from flowgrpo.metrics import MetricsSink, read_metrics
 from flowgrpo.records import Advantages, ChunkPlan, Rewards, Trajectory
+from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rng import derive_seed, make_generator
 from flowgrpo.sampling.rollout import SamplerSettings, generate_images
@@ -114,6 +115,7 @@ class Trainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
         self.model, self.optimizer = accelerator.prepare(adapter.transformer, self.optimizer)
+        adapter.forward_module = self.model  # forward through the distributed wrapper (gradient sync)
         self.sampler = GroupSampler(len(prompts), t.prompts_per_epoch, t.seed)
         self.epoch = 0
         self.settings = SamplerSettings(
@@ -126,6 +128,7 @@ class Trainer:
         self.metrics = MetricsSink(self.out / "metrics.jsonl", accelerator, self.main)
         self.reward_origins = reward_origins or []
         self.ema = EMA(params, t.ema_decay) if t.ema_decay is not None else None
+        self.scorer = AsyncRewardScorer(rewards)
         if t.resume_from:
             self.epoch = 1 + load_checkpoint(t.resume_from, model=accelerator.unwrap_model(self.model),
                                              optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
@@ -143,24 +146,36 @@ class Trainer:
                             ema=self.ema, keep=self.cfg.logging.checkpoints_total_limit)
 
     # ------------------------------------------------------------------ phases
-    def rollout_phase(self) -> Trajectory:
-        """Sample this process's share of the epoch's P×G trajectories."""
+    def rollout_phase(self) -> tuple[Trajectory, list]:
+        """Sample this process's share of the epoch's P×G trajectories; each decoded micro-batch is handed to the
+        background reward scorer at once. Returns the trajectory and the score handles in sample order."""
         t = self.cfg.train
         prompt_ids = self.sampler.next_prompt_ids()
         all_pids = prompt_ids.repeat_interleave(t.group_size)  # (B,) global layout: groups adjacent
         all_j = torch.arange(t.group_size).repeat(t.prompts_per_epoch)
         local = dist.local_slice(len(all_pids))
         pids, js = all_pids[local], all_j[local]
-        return self.grouper.rollout(
-            self.adapter, [self.prompts.prompts[i] for i in pids], [self.prompts.metadata[i] for i in pids],
-            pids, js, settings=self.settings, batch_size=t.rollout_batch_size, seed=t.seed, epoch=self.epoch,
-            same_noise_in_group=self.cfg.sampling.same_noise_in_group,
-            progress=self.cfg.logging.progress and self.main,
-        )
+        prompts = [self.prompts.prompts[i] for i in pids]
+        metadata = [self.prompts.metadata[i] for i in pids]
+        handles = []
 
-    def reward_phase(self, traj: Trajectory) -> tuple[Rewards, torch.Tensor]:
-        """Score the local images, then gather components and group ids of the whole batch."""
-        comps = self.rewards.score_components(traj.images, traj.prompts, traj.metadata)
+        def score_in_background(sl: slice, images: torch.Tensor) -> None:
+            handles.append(self.scorer.submit(images, prompts[sl], metadata[sl]))
+
+        traj = self.grouper.rollout(
+            self.adapter, prompts, metadata, pids, js, settings=self.settings, batch_size=t.rollout_batch_size,
+            seed=t.seed, epoch=self.epoch, same_noise_in_group=self.cfg.sampling.same_noise_in_group,
+            progress=self.cfg.logging.progress and self.main, on_images=score_in_background,
+        )
+        return traj, handles
+
+    def reward_phase(self, traj: Trajectory, handles: list) -> tuple[Rewards, torch.Tensor]:
+        """Wait for the background scores of the local images (scored during the rollout; a grouper that did not
+        report its micro-batches is scored here), then gather components and group ids of the whole batch."""
+        if sum(h.batch_size for h in handles) == traj.batch_size:
+            comps = self.scorer.gather(handles)
+        else:
+            comps = score_components_named(self.rewards, traj.images, traj.prompts, traj.metadata)
         gathered = {k: dist.gather_cat(v) for k, v in comps.items()}
         return compose_rewards(gathered, self.rewards.weights), dist.gather_cat(traj.group_ids)
 
@@ -301,7 +316,7 @@ class Trainer:
         for composed in (self.rewards, self.eval_rewards):
             if composed is None:
                 continue
-            for name, scores in composed.score_components(images, ps, meta).items():
+            for name, scores in score_components_named(composed, images, ps, meta).items():
                 valid = scores[~torch.isnan(scores)]
                 out[f"eval/{name}/mean"] = float(valid.mean()) if valid.numel() else float("nan")
             for name, reward in composed.rewards.items():
@@ -333,6 +348,7 @@ class Trainer:
         with self._eval_weights():
             self.save_weights()
         summary = self.write_summary(before, after, img_before, img_after, captions)
+        self.scorer.close()
         return summary
 
     def train_epoch(self, epoch: int, evaluate: bool = False) -> dict:
@@ -340,9 +356,9 @@ class Trainer:
         cfg = self.cfg
         m = self.metrics
         with m.timed("rollout"):
-            traj = self.rollout_phase()
-        with m.timed("reward"):
-            rewards, group_ids = self.reward_phase(traj)
+            traj, handles = self.rollout_phase()
+        with m.timed("reward"):  # only the wait for scores not finished during the rollout
+            rewards, group_ids = self.reward_phase(traj, handles)
         with m.timed("advantage"):
             adv = self.advantage_phase(rewards, group_ids)
         with m.timed("plan"):

@@ -54,7 +54,7 @@ class _Grouper:
 
     def rollout(self, adapter, prompts: list[str], metadata: list[dict], prompt_ids: torch.Tensor,
                 sample_index: torch.Tensor, *, settings, batch_size: int, seed: int, epoch: int,
-                same_noise_in_group: bool = False, progress: bool = False) -> Trajectory:
+                same_noise_in_group: bool = False, progress: bool = False, on_images=None) -> Trajectory:
         """Sample the epoch's trajectories (B = P·G, groups = prompts) with this grouper's SDE steps.
 
         Arguments as :func:`flowgrpo.sampling.rollout.rollout`; a grouper that changes the rollout itself
@@ -64,7 +64,8 @@ class _Grouper:
 
         return rollout(adapter, prompts, metadata, prompt_ids, sample_index, settings=settings,
                        sde_steps=self.sde_steps(settings.num_steps, epoch), batch_size=batch_size, seed=seed,
-                       epoch=epoch, same_noise_in_group=same_noise_in_group, progress=progress)
+                       epoch=epoch, same_noise_in_group=same_noise_in_group, progress=progress,
+                       on_images=on_images)
 
 
 @GROUPERS.register("per_step")

@@ -23,7 +23,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @ADAPTERS.register("FluxPipeline")
-def _flux(path: str, *, dtype, height, width, max_sequence_length):
+def _flux(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
     from diffusers import FluxPipeline
 
     from flowgrpo.models.flux import FluxAdapter
@@ -35,11 +35,11 @@ def _flux(path: str, *, dtype, height, width, max_sequence_length):
 
 
 @ADAPTERS.register("StableDiffusion3Pipeline")
-def _sd3(path: str, *, dtype, height, width, max_sequence_length):
+def _sd3(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
     from flowgrpo.models.sd3 import load_sd3_adapter
 
     return load_sd3_adapter(path, dtype=dtype, height=height, width=width,
-                            max_sequence_length=max_sequence_length)
+                            max_sequence_length=max_sequence_length, cfg_detach_uncond=cfg_detach_uncond)
 
 
 def cache_dir() -> Path:
@@ -99,13 +99,16 @@ def pipeline_class_name(path: str) -> str:
 
 
 def load_model(name: str, *, dtype: str = "float32", height: int | None = None, width: int | None = None,
-               max_sequence_length: int = 512):
-    """Load ``name`` (folder, hub id, ``digits`` or ``tiny``) and wrap it in the adapter of its pipeline class."""
+               max_sequence_length: int = 512, cfg_detach_uncond: bool = False):
+    """Load ``name`` (folder, hub id, ``digits`` or ``tiny``) and wrap it in the adapter of its pipeline class.
+
+    ``cfg_detach_uncond`` applies to models with true classifier-free guidance (SD3); FLUX.1 has a guidance
+    embedding instead and ignores it."""
     if dtype not in DTYPES:
         raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = resolve_pretrained(name)
     cls = pipeline_class_name(path)
     adapter = ADAPTERS.get(cls)(path, dtype=DTYPES[dtype], height=height, width=width,
-                                max_sequence_length=max_sequence_length)
+                                max_sequence_length=max_sequence_length, cfg_detach_uncond=cfg_detach_uncond)
     adapter.pipe.set_progress_bar_config(disable=True)
     return adapter

@@ -89,3 +89,44 @@ def lora_disabled(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         module.enable_adapters()
+
+
+class AdapterBase:
+    """What every adapter shares: the pipeline, its transformer, the reference policy, and the module that runs
+    the forward pass.
+
+    ``transformer`` is always the bare diffusers module (its config, its peft adapters, its parameters);
+    ``forward_module`` is what is called, the same module or the trainer's distributed wrapper of it
+    (``accelerator.prepare``), so that gradients are synchronised across processes.
+    """
+
+    def __init__(self, pipe) -> None:
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.forward_module: torch.nn.Module = pipe.transformer
+        self.frozen_reference: torch.nn.Module | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        """The frozen reference policy: the base model with LoRA disabled, or the frozen copy (full
+        fine-tuning, created by :func:`flowgrpo.models.lora.setup_trainable` when β > 0)."""
+        if self.frozen_reference is not None:
+            return _forward_with(self, self.frozen_reference)
+        return lora_disabled(self.transformer)
+
+
+@contextlib.contextmanager
+def _forward_with(adapter: AdapterBase, module: torch.nn.Module) -> Iterator[None]:
+    current = adapter.forward_module
+    adapter.forward_module = module
+    try:
+        yield
+    finally:
+        adapter.forward_module = current

@@ -45,7 +45,6 @@ import argparse
 import functools
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile

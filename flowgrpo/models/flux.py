@@ -7,7 +7,6 @@ multiplies by 1000 inside), and the resolution-dependent shifted σ grid (``calc
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import numpy as np
@@ -16,10 +15,10 @@ from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowgrpo.models.base import PromptEmbeds, lora_disabled
+from flowgrpo.models.base import AdapterBase, PromptEmbeds
 
 
-class FluxAdapter:
+class FluxAdapter(AdapterBase):
     """Adapter for a loaded :class:`diffusers.FluxPipeline`.
 
     Args:
@@ -34,22 +33,13 @@ class FluxAdapter:
         step = pipe.vae_scale_factor * 2
         if height % step or width % step or height <= 0 or width <= 0:
             raise ValueError(f"FLUX image size must be a positive multiple of {step}, got {height}x{width}")
-        self.pipe = pipe
-        self.transformer = pipe.transformer
+        super().__init__(pipe)
         self.height, self.width = height, width
         self.max_sequence_length = max_sequence_length
         self.latent_h = 2 * (height // step)
         self.latent_w = 2 * (width // step)
         self.num_channels = pipe.transformer.config.in_channels // 4
-        self.frozen_reference: torch.nn.Module | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        self.guidance_embeds = bool(pipe.transformer.config.guidance_embeds)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
@@ -76,15 +66,12 @@ class FluxAdapter:
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
                  guidance_scale: float) -> torch.Tensor:
         """(B, N, 4·C) float32 velocity; ``sigma`` (B,) is passed as the timestep (FLUX scales it by 1000)."""
-        return self._forward(self.transformer, latents, sigma, embeds, guidance_scale)
-
-    def _forward(self, transformer, latents, sigma, embeds, guidance_scale):
         b = latents.shape[0]
         dtype = self.dtype
         guidance = None
-        if transformer.config.guidance_embeds:
+        if self.guidance_embeds:
             guidance = torch.full((b,), float(guidance_scale), device=latents.device, dtype=torch.float32)
-        out = transformer(
+        out = self.forward_module(
             hidden_states=latents.to(dtype),
             timestep=torch.as_tensor(sigma, device=latents.device).expand(b).to(dtype),
             guidance=guidance,
@@ -122,19 +109,3 @@ class FluxAdapter:
         else:
             scheduler.set_timesteps(num_steps, sigmas=sigmas)
         return scheduler.sigmas.float().cpu()
-
-    def reference(self) -> contextlib.AbstractContextManager:
-        """The frozen reference policy: the base model with LoRA disabled, or the frozen copy (full fine-tuning)."""
-        if self.frozen_reference is not None:
-            return _swap_transformer(self, self.frozen_reference)
-        return lora_disabled(self.transformer)
-
-
-@contextlib.contextmanager
-def _swap_transformer(adapter, module):
-    trained = adapter.transformer
-    adapter.transformer = module
-    try:
-        yield
-    finally:
-        adapter.transformer = trained

@@ -6,7 +6,7 @@ step: the same velocity function and the same step function that training calls.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +97,7 @@ def rollout(
     epoch: int,
     same_noise_in_group: bool = False,
     progress: bool = False,
+    on_images: Callable[[slice, torch.Tensor], None] | None = None,
 ) -> Trajectory:
     """Sample one trajectory per entry: B samples, sample b of prompt ``prompt_ids[b]``.
 
@@ -108,6 +109,8 @@ def rollout(
         sde_steps: (T,) bool, which transitions are stochastic (from the grouper).
         batch_size: trajectories per transformer call.
         same_noise_in_group: the G samples of a prompt share their initial noise (their SDE noise differs).
+        on_images: called with (sample slice, images) as soon as each micro-batch is decoded, so rewards can be
+            scored in the background while the next micro-batch is sampled.
 
     Returns:
         A :class:`~flowgrpo.records.Trajectory` (latents on the adapter's device, images on the CPU).
@@ -136,6 +139,8 @@ def rollout(
         chunks_lp.append(lp)
         chunks_st.append(st)
         images.append(adapter.decode(xs[:, -1]).cpu())
+        if on_images is not None:
+            on_images(sl, images[-1])
     stochastic = torch.cat(chunks_st)
     return Trajectory(
         latents=torch.cat(chunks_x),
