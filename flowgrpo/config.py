@@ -174,6 +174,10 @@ class LoggingConfig(_Section):
     save_every: int = Field(0, ge=0, description="checkpoint every N epochs (0: only at the end)")
     checkpoints_total_limit: int = Field(2, ge=1, description="newest checkpoints kept")
     progress: bool = Field(True, description="progress bars on the main process")
+    save_rollout_stats: bool = Field(
+        False, description="write each epoch's gathered rewards, advantages, group ids and initial noise to "
+        "rollouts/epoch_<N>.safetensors (for analysis and the multi-process equivalence test)"
+    )
 
 
 class Config(_Section):

@@ -369,6 +369,8 @@ class Trainer:
                 old = self.recompute_old_log_probs(traj, plan)
         with m.timed("update"):
             upd = self.update_phase(traj, adv, plan, old)
+        if cfg.logging.save_rollout_stats:
+            self.save_rollout_stats(epoch, traj, rewards, group_ids, adv)
         m.log(_reward_metrics(rewards))
         m.log({"adv/zero_spread_frac": adv.zero_spread_frac, "adv/nan_frac": adv.nan_frac,
                "adv/kept_frac": float(adv.train_mask.double().mean()), "adv/abs_mean": float(adv.values.abs().mean()),
@@ -386,6 +388,22 @@ class Trainer:
             caps = [f"{p[:28]}\n{r:.3g}" for p, r in zip(traj.prompts[:k], rewards.total[:k].tolist(), strict=True)]
             sample_grid(traj.images[:k], caps, self.out / "samples_latest.png", title=f"epoch {epoch}")
         return record
+
+    def save_rollout_stats(self, epoch: int, traj: Trajectory, rewards: Rewards, group_ids: torch.Tensor,
+                           adv: Advantages) -> None:
+        """Gathered per-sample statistics of the epoch (global sample order) as safetensors."""
+        from safetensors.torch import save_file
+
+        init = dist.gather_cat(traj.latents[:, 0].float().contiguous())
+        if not self.main:
+            return
+        folder = self.out / "rollouts"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({"reward_total": rewards.total.contiguous(), "advantages": adv.values.contiguous(),
+                   "group_ids": group_ids.contiguous(), "train_mask": adv.train_mask.contiguous(),
+                   "initial_latents": init.cpu().contiguous(),
+                   **{f"reward/{k}": v.contiguous() for k, v in rewards.components.items()}},
+                  folder / f"epoch_{epoch}.safetensors")
 
     def save_weights(self) -> None:
         """The trained LoRA (diffusers ``load_lora_weights`` format) or full transformer (``from_pretrained``)."""

@@ -1,0 +1,172 @@
+"""Speed of flowgrpo's own machinery against the bare diffusers/torch work it wraps (a table; never a test).
+
+    python bench/speed.py [--json PATH] [--repeats 5]
+
+(a) an SDE rollout recording log-probs and decoding vs ``FluxPipeline.__call__`` (same model, prompts, steps,
+    batch, resolution; target ≤ 1.05×);
+(b) one policy update vs the bare forward + backward of the same trained transitions (target ≤ 1.15×);
+(c) epoch time as G and as T double (expect linear growth);
+(d) transformer calls per group in E-GRPO's shared prefix vs per-step GRPO.
+All on the tiny random FLUX model, on this machine's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+
+    from flowgrpo.config import build_config
+    from flowgrpo.models import load_model
+    from flowgrpo.models.lora import setup_trainable
+    from flowgrpo.models.tiny import build_tiny_flux
+    from flowgrpo.sampling.rollout import SamplerSettings, rollout
+    from flowgrpo.train import _quiet_libraries
+
+    _quiet_libraries()
+    torch.manual_seed(0)
+    folder = build_tiny_flux(Path(tempfile.mkdtemp()) / "tiny")
+    adapter = load_model(str(folder), max_sequence_length=32, height=64, width=64)
+    pipe = adapter.pipe
+    b, t = args.batch, args.steps
+    prompts = [f"a photo of object {i}" for i in range(b)]
+    settings = SamplerSettings(num_steps=t, guidance_scale=3.5, kind="flow_sde", noise_level=0.7)
+    rows = {}
+
+    def ours():
+        rollout(adapter, prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long), settings=settings,
+                sde_steps=torch.ones(t, dtype=torch.bool), batch_size=b, seed=0, epoch=0)
+
+    def theirs():
+        with torch.no_grad():
+            pipe(prompts, height=64, width=64, num_inference_steps=t, guidance_scale=3.5, output_type="pt",
+                 max_sequence_length=32, generator=torch.Generator().manual_seed(0))
+
+    pipe.set_progress_bar_config(disable=True)
+    a_ours, a_theirs = _median_seconds(ours, args.repeats), _median_seconds(theirs, args.repeats)
+    rows["a_rollout_vs_pipeline"] = (a_ours, a_theirs, 1.05)
+
+    # (b) one update (the trainer's chunk_forward + clipped surrogate + backward + step) vs bare fwd+bwd
+    from accelerate import Accelerator
+
+    from flowgrpo.algo.chunkers import build_grouper
+    from flowgrpo.records import Advantages
+    from flowgrpo.rewards.compose import ComposedReward
+    from flowgrpo.trainer import Trainer
+
+    cfg = build_config({"model": {"pretrained": str(folder)}, "sampling": {"num_steps": t},
+                        "train": {"prompts_per_epoch": b // 2, "group_size": 2, "rollout_batch_size": b},
+                        "rewards": [{"name": "jpeg_compressibility"}], "logging": {"progress": False}})
+    params = setup_trainable(adapter, finetune="lora", rank=8, alpha=16, target_modules=cfg.model.lora_target_modules,
+                             need_reference=False)
+
+    class _NoReward:
+        name = "none"
+
+        def setup(self, device):
+            pass
+
+        def __call__(self, images, prompts, metadata):
+            return torch.zeros(len(prompts))
+
+    from flowgrpo.data.prompts import PromptSet
+
+    trainer = Trainer(cfg, adapter=adapter, params=params,
+                      rewards=ComposedReward({"none": _NoReward()}, {"none": 1}), eval_rewards=None,
+                      grouper=build_grouper(cfg.grouper), prompts=PromptSet(prompts, [{}] * b, "bench"),
+                      eval_prompts=None, accelerator=Accelerator(cpu=True))
+    traj = rollout(adapter, prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long), settings=settings,
+                   sde_steps=torch.ones(t, dtype=torch.bool), batch_size=b, seed=0, epoch=0)
+    adv = Advantages(values=torch.randn(b), train_mask=torch.ones(b, dtype=torch.bool), zero_spread_frac=0.0,
+                     nan_frac=0.0)
+    plan = trainer.grouper.plan(traj, 0, torch.Generator().manual_seed(0))
+
+    def update():
+        trainer.update_phase(traj, adv, plan, traj.log_probs)
+
+    def bare():
+        for (step,) in plan.chunks:
+            x = traj.latents[:, step]
+            v = adapter.velocity(x, traj.sigmas[step].expand(b), traj.embeds, 3.5)
+            v.square().mean().backward()
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+    b_ours, b_bare = _median_seconds(update, args.repeats), _median_seconds(bare, args.repeats)
+    rows["b_update_vs_bare_fwd_bwd"] = (b_ours, b_bare, 1.15)
+
+    # (c) epoch scaling: rollout + update for G and T doubled
+    def epoch_time(g: int, steps: int) -> float:
+        s = SamplerSettings(num_steps=steps, guidance_scale=3.5, kind="flow_sde", noise_level=0.7)
+        n = 4 * g
+        ps = [prompts[i % b] for i in range(n)]
+
+        def run():
+            tr = rollout(adapter, ps, [{}] * n, torch.arange(n) // g, torch.arange(n) % g, settings=s,
+                         sde_steps=torch.ones(steps, dtype=torch.bool), batch_size=g, seed=0, epoch=0)
+            pl = trainer.grouper.plan(tr, 0, torch.Generator().manual_seed(0))
+            a = Advantages(values=torch.randn(n), train_mask=torch.ones(n, dtype=torch.bool), zero_spread_frac=0.0,
+                           nan_frac=0.0)
+            trainer.cfg.train.train_batch_size = g
+            trainer.update_phase(tr, a, pl, tr.log_probs)
+
+        return _median_seconds(run, max(1, args.repeats // 2))
+
+    base_g, base_t = 4, 4
+    e0 = epoch_time(base_g, base_t)
+    eg = epoch_time(2 * base_g, base_t)
+    et = epoch_time(base_g, 2 * base_t)
+    figures = {
+        "a_rollout_s": a_ours, "a_pipeline_s": a_theirs, "a_ratio": a_ours / a_theirs,
+        "b_update_s": b_ours, "b_bare_s": b_bare, "b_ratio": b_ours / b_bare,
+        "c_epoch_s": e0, "c_epoch_2G_s": eg, "c_epoch_2T_s": et, "c_ratio_2G": eg / e0, "c_ratio_2T": et / e0,
+        "batch": b, "steps": t, "threads": torch.get_num_threads(),
+    }
+    lines = [
+        "| measure | flowgrpo | reference | ratio | target |",
+        "|---|---|---|---|---|",
+        f"| (a) SDE rollout + log-probs + decode vs FluxPipeline.__call__ (B={b}, T={t}, 64²) | {a_ours*1e3:.0f} ms | "
+        f"{a_theirs*1e3:.0f} ms | {a_ours/a_theirs:.2f}× | ≤ 1.05× |",
+        f"| (b) policy update vs bare forward+backward of the same {b}×{t} transitions | {b_ours*1e3:.0f} ms | "
+        f"{b_bare*1e3:.0f} ms | {b_ours/b_bare:.2f}× | ≤ 1.15× |",
+        f"| (c) epoch, G {base_g}→{2*base_g} (4 prompts, T={base_t}) | {eg:.2f} s | {e0:.2f} s | {eg/e0:.2f}× | ≈ 2× |",
+        f"| (c) epoch, T {base_t}→{2*base_t} (4 prompts, G={base_g}) | {et:.2f} s | {e0:.2f} s | {et/e0:.2f}× | ≈ 2× |",
+    ]
+    try:
+        from flowgrpo.algo.chunkers import GROUPERS
+
+        if "entropy_merge" in GROUPERS:
+            lines.append("| (d) E-GRPO shared prefix: see bench/learning.py (transformer calls per epoch) | | | | |")
+    except ImportError:
+        pass
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
