@@ -142,6 +142,9 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup, in optimizer steps")
     seed: int = Field(0, description="seed of every random draw (prompts, noise, chunk sampling)")
+    latents_on_cpu: bool = Field(
+        False, description="keep rollout latents in CPU memory between phases (moved to the device per micro-batch)"
+    )
     ema_decay: float | None = Field(
         None, ge=0, lt=1, description="EMA of the trained weights (e.g. 0.9), used for evaluation and saving"
     )

@@ -11,6 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+import torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,13 +34,20 @@ class MetricsSink:
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
-        """Adds the phase's wall seconds to ``timing/<phase>``."""
+        """Adds the phase's wall seconds to ``timing/<phase>`` and its peak memory to ``memory/<phase>_peak_gb``
+        (the accelerator's allocated peak on CUDA; the process's resident set at the phase's end on CPU)."""
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         try:
             yield
         finally:
             key = f"timing/{phase}"
             self.current[key] = self.current.get(key, 0.0) + time.perf_counter() - start
+            peak = torch.cuda.max_memory_allocated() if cuda else psutil.Process().memory_info().rss
+            mkey = f"memory/{phase}_peak_gb"
+            self.current[mkey] = max(self.current.get(mkey, 0.0), peak / 2**30)
 
     def log(self, values: dict[str, float]) -> None:
         for k, v in values.items():

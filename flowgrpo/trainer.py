@@ -166,6 +166,7 @@ class Trainer:
             self.adapter, prompts, metadata, pids, js, settings=self.settings, batch_size=t.rollout_batch_size,
             seed=t.seed, epoch=self.epoch, same_noise_in_group=self.cfg.sampling.same_noise_in_group,
             progress=self.cfg.logging.progress and self.main, on_images=score_in_background,
+            latents_on_cpu=t.latents_on_cpu,
         )
         return traj, handles
 
@@ -196,12 +197,13 @@ class Trainer:
         n, k = len(rows), len(chunk)
         steps = torch.tensor(chunk)
         ends = steps + traj.jump[rows][:, steps]  # (n, k)
-        dev = traj.latents.device
-        x = traj.latents[rows.to(dev)][:, steps.to(dev)].flatten(0, 1)  # (n·k, …)
-        x_next = torch.stack([traj.latents[int(r), ends[i]] for i, r in enumerate(rows)]).flatten(0, 1)
+        dev = self.adapter.device
+        src = traj.latents.device
+        x = traj.latents[rows.to(src)][:, steps.to(src)].flatten(0, 1).to(dev)  # (n·k, …)
+        x_next = torch.stack([traj.latents[int(r), ends[i].to(src)] for i, r in enumerate(rows)]).flatten(0, 1).to(dev)
         sigma = traj.sigmas[steps].repeat(n).to(dev)  # (n·k,)
         sigma_next = traj.sigmas[ends.flatten()].to(dev)
-        embeds = traj.embeds.index(rows.to(dev)).repeat_interleave(k)
+        embeds = traj.embeds.index(rows.to(traj.embeds.device)).repeat_interleave(k)
         v = self.adapter.velocity(x, sigma, embeds, traj.guidance_scale)
         out = sde_step(x, v, sigma, sigma_next, kind=self.settings.kind, noise_level=self.settings.noise_level,
                        prev_latents=x_next, reduction=self.settings.reduction,

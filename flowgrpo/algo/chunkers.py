@@ -54,7 +54,8 @@ class _Grouper:
 
     def rollout(self, adapter, prompts: list[str], metadata: list[dict], prompt_ids: torch.Tensor,
                 sample_index: torch.Tensor, *, settings, batch_size: int, seed: int, epoch: int,
-                same_noise_in_group: bool = False, progress: bool = False, on_images=None) -> Trajectory:
+                same_noise_in_group: bool = False, progress: bool = False, on_images=None,
+                latents_on_cpu: bool = False) -> Trajectory:
         """Sample the epoch's trajectories (B = P·G, groups = prompts) with this grouper's SDE steps.
 
         Arguments as :func:`flowgrpo.sampling.rollout.rollout`; a grouper that changes the rollout itself
@@ -65,7 +66,7 @@ class _Grouper:
         return rollout(adapter, prompts, metadata, prompt_ids, sample_index, settings=settings,
                        sde_steps=self.sde_steps(settings.num_steps, epoch), batch_size=batch_size, seed=seed,
                        epoch=epoch, same_noise_in_group=same_noise_in_group, progress=progress,
-                       on_images=on_images)
+                       on_images=on_images, latents_on_cpu=latents_on_cpu)
 
 
 @GROUPERS.register("per_step")
@@ -396,6 +397,8 @@ class EntropyMerge(_Grouper):
     ``train_batch_size`` that divides G (the per-process share of a group): each micro-batch then holds one
     (prompt, branch step) and forwards no unused row in the update. Old log-probs are recomputed in the training
     layout (the rollout scores the jump with the anchor's batched velocity), so ``needs_recompute`` is True.
+    With several processes, choose P divisible by the process count so that no group is split: a prompt whose
+    samples fall on two processes gets its anchor computed on each, equal only up to batching round-off.
 
     Differences from the released code (shengjun-zhang/VisualGRPO): its multi-granularity rewards
     (``granular_list``) are not implemented (one ODE continuation on the full grid); at σ = 1 the flow_sde std
@@ -436,7 +439,8 @@ class EntropyMerge(_Grouper):
     @torch.no_grad()
     def rollout(self, adapter, prompts: list[str], metadata: list[dict], prompt_ids: torch.Tensor,
                 sample_index: torch.Tensor, *, settings, batch_size: int, seed: int, epoch: int,
-                same_noise_in_group: bool = False, progress: bool = False) -> Trajectory:
+                same_noise_in_group: bool = False, progress: bool = False, on_images=None,
+                latents_on_cpu: bool = False) -> Trajectory:
         """Shared-anchor branching (see the class docstring): n input samples → n·|S| trajectories.
 
         Args:
@@ -445,6 +449,8 @@ class EntropyMerge(_Grouper):
                 (p, s, j), one per branch step.
             settings: :class:`~flowgrpo.sampling.rollout.SamplerSettings` (``kind`` must be flow_sde or dance_sde).
             batch_size: the most trajectories (anchors, or branches) per transformer call.
+            on_images: not called: the n·|S| rows do not map onto slices of the n inputs the callback indexes,
+                so the trainer scores this rollout's images after it (its fallback).
 
         Returns:
             A :class:`~flowgrpo.records.Trajectory` of B = n·|S| rows (latents on the adapter's device).

@@ -34,6 +34,10 @@ class PromptEmbeds:
     def __len__(self) -> int:
         return next(iter(self.tensors.values())).shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
+
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key] if key in self.tensors else self.shared[key]
 

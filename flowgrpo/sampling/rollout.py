@@ -98,6 +98,7 @@ def rollout(
     same_noise_in_group: bool = False,
     progress: bool = False,
     on_images: Callable[[slice, torch.Tensor], None] | None = None,
+    latents_on_cpu: bool = False,
 ) -> Trajectory:
     """Sample one trajectory per entry: B samples, sample b of prompt ``prompt_ids[b]``.
 
@@ -111,6 +112,8 @@ def rollout(
         same_noise_in_group: the G samples of a prompt share their initial noise (their SDE noise differs).
         on_images: called with (sample slice, images) as soon as each micro-batch is decoded, so rewards can be
             scored in the background while the next micro-batch is sampled.
+        latents_on_cpu: move each micro-batch's (b, T+1, …) latents to CPU memory once it is sampled (the
+            trainer moves the rows it trains back to the device).
 
     Returns:
         A :class:`~flowgrpo.records.Trajectory` (latents on the adapter's device, images on the CPU).
@@ -135,10 +138,10 @@ def rollout(
         sl = slice(start, start + batch_size)
         x0 = adapter.initial_latents(batch_size, init_gens[sl])
         xs, lp, st = denoise(adapter, x0, embeds.index(sl), sigmas, settings, sde_steps, noise_gens[sl])
-        chunks_x.append(xs)
+        chunks_x.append(xs.cpu() if latents_on_cpu else xs)
         chunks_lp.append(lp)
         chunks_st.append(st)
-        images.append(adapter.decode(xs[:, -1]).cpu())
+        images.append(adapter.decode(xs[:, -1].to(adapter.device)).cpu())
         if on_images is not None:
             on_images(sl, images[-1])
     stochastic = torch.cat(chunks_st)

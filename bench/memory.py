@@ -1,0 +1,87 @@
+"""Peak memory of rollout and update, at two resolutions, with and without gradient checkpointing and with
+latents kept on the CPU between phases (a table; never a test).
+
+    python bench/memory.py [--json PATH]
+
+Each cell runs in a fresh subprocess so peaks do not leak between settings. On a CUDA machine the figure is
+``torch.cuda.max_memory_allocated`` of the phase; on a CPU machine it is the process's peak resident set
+(``ru_maxrss``) after the phase, which includes the Python and library baseline (shown in its own column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+CHILD = r"""
+import json, resource, sys, tempfile, torch
+from pathlib import Path
+from flowgrpo.train import _quiet_libraries
+_quiet_libraries()
+size, ckpt, on_cpu = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
+cuda = torch.cuda.is_available()
+dev = "cuda" if cuda else "cpu"
+from flowgrpo.models import load_model
+from flowgrpo.models.lora import setup_trainable
+from flowgrpo.models.tiny import build_tiny_flux
+from flowgrpo.sampling.rollout import SamplerSettings, rollout
+from flowgrpo.algo.losses import clipped_surrogate
+from flowgrpo.sampling.sde import sde_step
+torch.manual_seed(0)
+folder = build_tiny_flux(Path(tempfile.mkdtemp()) / "tiny", sample_size=size)
+adapter = load_model(str(folder), max_sequence_length=32, height=size, width=size)
+adapter.pipe.to(dev)
+params = setup_trainable(adapter, finetune="lora", rank=8, alpha=16, target_modules=["to_q", "to_k", "to_v"],
+                         need_reference=False, gradient_checkpointing=ckpt)
+def peak():
+    if cuda:
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+base = peak()
+b, t = 16, 8
+s = SamplerSettings(num_steps=t, guidance_scale=3.5)
+traj = rollout(adapter, ["a cat"] * b, [{}] * b, torch.arange(b) // 4, torch.arange(b) % 4, settings=s,
+               sde_steps=torch.ones(t, dtype=torch.bool), batch_size=b, seed=0, epoch=0, latents_on_cpu=on_cpu)
+roll = peak()
+if cuda:
+    torch.cuda.reset_peak_memory_stats()
+adapter.transformer.train()
+for step in range(t):
+    x = traj.latents[:, step].to(dev)
+    v = adapter.velocity(x, traj.sigmas[step].expand(b).to(dev), traj.embeds, 3.5)
+    out = sde_step(x, v, traj.sigmas[step].item(), traj.sigmas[step + 1].item(),
+                   prev_latents=traj.latents[:, step + 1].to(dev))
+    terms = clipped_surrogate(out.log_prob[:, None], traj.log_probs[:, step:step + 1].to(dev), torch.randn(b, device=dev),
+                              clip_low=1e-4, clip_high=1e-4)
+    terms.loss.mean().backward()
+upd = peak()
+print(json.dumps({"baseline_mb": base, "rollout_mb": roll, "update_mb": upd}))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
+    args = parser.parse_args()
+    rows = []
+    print("| image | grad. checkpointing | latents on CPU | baseline MB | rollout peak MB | update peak MB |")
+    print("|---|---|---|---|---|---|")
+    for size in args.sizes:
+        for ckpt in (0, 1):
+            for on_cpu in (0, 1):
+                out = subprocess.run([sys.executable, "-c", CHILD, str(size), str(ckpt), str(on_cpu)],
+                                     capture_output=True, text=True, check=True)
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                rows.append({"size": size, "checkpointing": bool(ckpt), "latents_on_cpu": bool(on_cpu), **r})
+                print(f"| {size}² | {'yes' if ckpt else 'no'} | {'yes' if on_cpu else 'no'} | "
+                      f"{r['baseline_mb']:.0f} | {r['rollout_mb']:.0f} | {r['update_mb']:.0f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
