@@ -74,7 +74,9 @@ class EvalSamplingConfig(_Section):
 class GrouperConfig(_Section):
     """Which transitions are stochastic and trained, and which share one importance ratio."""
 
-    name: str = Field("per_step", description="registered grouper: per_step, chunk, trajectory, window")
+    name: str = Field(
+        "per_step", description="registered grouper: per_step, chunk, trajectory, window, entropy_merge"
+    )
     timestep_fraction: float = Field(1.0, gt=0, le=1, description="per_step: fraction of stochastic steps trained")
     step_selection: Literal["first", "random"] = Field(
         "first", description="per_step: train the first steps of the fraction or a random subset per sample"

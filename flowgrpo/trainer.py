@@ -159,8 +159,8 @@ class Trainer:
         metadata = [self.prompts.metadata[i] for i in pids]
         handles = []
 
-        def score_in_background(sl: slice, images: torch.Tensor) -> None:
-            handles.append(self.scorer.submit(images, prompts[sl], metadata[sl]))
+        def score_in_background(images: torch.Tensor, batch_prompts: list[str], batch_meta: list[dict]) -> None:
+            handles.append(self.scorer.submit(images, batch_prompts, batch_meta))
 
         traj = self.grouper.rollout(
             self.adapter, prompts, metadata, pids, js, settings=self.settings, batch_size=t.rollout_batch_size,
@@ -228,9 +228,11 @@ class Trainer:
         """Old log-probs (B, T) recomputed with the training layout, so the first ratio is exactly 1."""
         old = traj.log_probs.clone()
         for rows in self._micro_batches(traj.batch_size):
-            for chunk in plan.chunks:
-                lp, _ = self.chunk_forward(traj, rows, chunk, with_ref=False)
-                old[rows.unsqueeze(1), torch.tensor(chunk).unsqueeze(0)] = lp.cpu()
+            for k, chunk in enumerate(plan.chunks):
+                fwd = rows[plan.selected[rows, k]]
+                if len(fwd):
+                    lp, _ = self.chunk_forward(traj, fwd, chunk, with_ref=False)
+                    old[fwd.unsqueeze(1), torch.tensor(chunk).unsqueeze(0)] = lp.cpu()
         return old
 
     def update_phase(self, traj: Trajectory, adv: Advantages, plan: ChunkPlan, old_log_probs: torch.Tensor):
@@ -257,7 +259,10 @@ class Trainer:
                 rows_all = torch.cat(share)
                 global_pairs = float(dist.all_reduce_sum(pair_mask[rows_all].sum().double()))
                 acc = first if inner == 0 and u == 0 else later
-                work = [(rows, k) for rows in share for k in range(plan.num_chunks) if pair_mask[rows, k].any()]
+                # the rows a chunk is forwarded for are those the plan selects (the layout the recompute used);
+                # samples left out by their advantage (NaN reward, dropped group) are forwarded and masked
+                work = [(rows[plan.selected[rows, k]], k) for rows in share for k in range(plan.num_chunks)
+                        if pair_mask[rows, k].any()]
                 for i, (rows, k) in enumerate(work):
                     chunk = plan.chunks[k]
                     sync = i == len(work) - 1
@@ -433,6 +438,8 @@ class Trainer:
                                        if k.startswith("timing/") and v is not None)
         if self.main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            if img_after.numel():  # what `flowgrpo sample --run` reproduces
+                torch.save(img_after, self.out / "eval_images_after.pt")
             if img_before.numel():
                 from flowgrpo.plots import sample_grid
 

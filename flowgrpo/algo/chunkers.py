@@ -78,6 +78,10 @@ class PerStep(_Grouper):
     DanceGRPO's ``timestep_fraction``).
     """
 
+    @property
+    def needs_recompute(self) -> bool:  # a random subset per sample forwards fewer rows than the rollout did
+        return self.cfg.step_selection == "random" and self.cfg.timestep_fraction < 1
+
     def plan(self, traj: Trajectory, epoch: int, generator: torch.Generator) -> ChunkPlan:
         steps = trainable_steps(traj, self.cfg.drop_last_step)
         k = len(steps)
@@ -449,8 +453,7 @@ class EntropyMerge(_Grouper):
                 (p, s, j), one per branch step.
             settings: :class:`~flowgrpo.sampling.rollout.SamplerSettings` (``kind`` must be flow_sde or dance_sde).
             batch_size: the most trajectories (anchors, or branches) per transformer call.
-            on_images: not called: the n·|S| rows do not map onto slices of the n inputs the callback indexes,
-                so the trainer scores this rollout's images after it (its fallback).
+            on_images: called with (images, prompts, metadata) of each decoded batch of rows, in row order.
 
         Returns:
             A :class:`~flowgrpo.records.Trajectory` of B = n·|S| rows (latents on the adapter's device).
@@ -547,8 +550,14 @@ class EntropyMerge(_Grouper):
                 jump[idx, s] = m
                 jump[idx, s + 1 : s + m] = 0
 
-        images = torch.cat([adapter.decode(latents[i : i + batch_size, -1]).cpu() for i in range(0, b, batch_size)])
         src = [i for _, _, i in rows]
+        decoded = []
+        for i in range(0, b, batch_size):
+            decoded.append(adapter.decode(latents[i : i + batch_size, -1]).cpu())
+            if on_images is not None:
+                part = src[i : i + batch_size]
+                on_images(decoded[-1], [prompts[j] for j in part], [metadata[j] for j in part])
+        images = torch.cat(decoded)
         row_pid = torch.tensor([pids[i] for i in src], dtype=torch.long)
         row_step = torch.tensor([plan[k][0] for _, k, _ in rows], dtype=torch.long)
         return Trajectory(

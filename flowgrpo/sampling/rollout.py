@@ -97,7 +97,7 @@ def rollout(
     epoch: int,
     same_noise_in_group: bool = False,
     progress: bool = False,
-    on_images: Callable[[slice, torch.Tensor], None] | None = None,
+    on_images: Callable[[torch.Tensor, list[str], list[dict]], None] | None = None,
     latents_on_cpu: bool = False,
 ) -> Trajectory:
     """Sample one trajectory per entry: B samples, sample b of prompt ``prompt_ids[b]``.
@@ -110,8 +110,8 @@ def rollout(
         sde_steps: (T,) bool, which transitions are stochastic (from the grouper).
         batch_size: trajectories per transformer call.
         same_noise_in_group: the G samples of a prompt share their initial noise (their SDE noise differs).
-        on_images: called with (sample slice, images) as soon as each micro-batch is decoded, so rewards can be
-            scored in the background while the next micro-batch is sampled.
+        on_images: called with (images, prompts, metadata) of each micro-batch, in sample order, as soon as it is
+            decoded, so rewards are scored in the background while the next micro-batch is sampled.
         latents_on_cpu: move each micro-batch's (b, T+1, …) latents to CPU memory once it is sampled (the
             trainer moves the rows it trains back to the device).
 
@@ -143,7 +143,7 @@ def rollout(
         chunks_st.append(st)
         images.append(adapter.decode(xs[:, -1].to(adapter.device)).cpu())
         if on_images is not None:
-            on_images(sl, images[-1])
+            on_images(images[-1], list(prompts[sl]), list(metadata[sl]))
     stochastic = torch.cat(chunks_st)
     return Trajectory(
         latents=torch.cat(chunks_x),
