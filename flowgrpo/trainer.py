@@ -129,11 +129,18 @@ class Trainer:
         self.reward_origins = reward_origins or []
         self.ema = EMA(params, t.ema_decay) if t.ema_decay is not None else None
         self.scorer = AsyncRewardScorer(rewards)
+        self.forward_count = [0, 0]  # transformer calls and rows, for the rollout/update cost metrics
+        adapter.transformer.register_forward_pre_hook(self._count_forward, with_kwargs=True)
         if t.resume_from:
             self.epoch = 1 + load_checkpoint(t.resume_from, model=accelerator.unwrap_model(self.model),
                                              optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                                              sampler=self.sampler, ema=self.ema)
             logger.info("resumed from %s at epoch %d", t.resume_from, self.epoch)
+
+    def _count_forward(self, module, args, kwargs) -> None:
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        self.forward_count[0] += 1
+        self.forward_count[1] += 0 if x is None else x.shape[0]
 
     def _eval_weights(self):
         """The weights evaluation and saving use: the EMA when on, else the trained ones."""
@@ -362,8 +369,11 @@ class Trainer:
         """One epoch's phases; with ``evaluate`` the held-out evaluation joins the epoch's record."""
         cfg = self.cfg
         m = self.metrics
+        calls0, rows0 = self.forward_count
         with m.timed("rollout"):
             traj, handles = self.rollout_phase()
+        m.log({"rollout/transformer_calls": self.forward_count[0] - calls0,
+               "rollout/transformer_rows": self.forward_count[1] - rows0, "rollout/trajectories": traj.batch_size})
         with m.timed("reward"):  # only the wait for scores not finished during the rollout
             rewards, group_ids = self.reward_phase(traj, handles)
         with m.timed("advantage"):
