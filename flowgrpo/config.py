@@ -7,7 +7,9 @@ so ``train.lr=1e-4`` is a float), validates every field, derives the batch sizes
 
 from __future__ import annotations
 
+import copy
 import difflib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -248,12 +250,14 @@ class Config(_Section):
 
 
 def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of the schema; the fields of list items appear under the list's name."""
     keys = []
     for name, f in model.model_fields.items():
         keys.append(prefix + name)
-        ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys += _valid_keys(ann, prefix + name + ".")
+        for ann in (f.annotation, *typing.get_args(f.annotation)):
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                keys += _valid_keys(ann, prefix + name + ".")
+                break
     return keys
 
 
@@ -262,7 +266,7 @@ def _format_error(err: ValidationError) -> str:
     valid = _valid_keys(Config)
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden":  # locations of list items carry their index: rewards.0.wieght
             leaf = str(e["loc"][-1])
             parent = ".".join(str(p) for p in e["loc"][:-1] if not isinstance(p, int))
             candidates = [k for k in valid if k.startswith(parent + ".")] if parent else valid
@@ -288,7 +292,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def build_config(data: dict | None = None, overrides: list[str] = ()) -> Config:
     """Validate a config dict after applying dotted overrides. Raises :class:`ConfigError`."""
-    data = dict(data or {})
+    data = copy.deepcopy(data or {})
     for text in overrides:
         path, value = parse_override(text)
         node = data

@@ -32,6 +32,11 @@ def trainable_steps(traj: Trajectory, drop_last_step: bool = False) -> list[int]
     return steps
 
 
+def fraction_count(fraction: float, k: int) -> int:
+    """⌈fraction·k⌉, at least 1, computed so that float noise (0.28·25 = 7.000000000000001) does not add one."""
+    return max(1, math.ceil(round(fraction * k, 9)))
+
+
 def _plan(chunks: list[tuple[int, ...]], selected: torch.Tensor) -> ChunkPlan:
     if not chunks:
         raise ValueError("the grouper found no stochastic transition to train (check sde_kind and noise_level)")
@@ -85,7 +90,7 @@ class PerStep(_Grouper):
     def plan(self, traj: Trajectory, epoch: int, generator: torch.Generator) -> ChunkPlan:
         steps = trainable_steps(traj, self.cfg.drop_last_step)
         k = len(steps)
-        n = max(1, math.ceil(self.cfg.timestep_fraction * k))
+        n = fraction_count(self.cfg.timestep_fraction, k)
         b = traj.batch_size
         selected = torch.zeros(b, k, dtype=torch.bool)
         if self.cfg.step_selection == "first":
@@ -191,7 +196,7 @@ class Chunk(_Grouper):
         chunks, weights = self.chunk_bounds(traj)
         k = len(chunks)
         b = traj.batch_size
-        n = max(1, math.ceil(self.cfg.chunk_fraction * k))
+        n = fraction_count(self.cfg.chunk_fraction, k)
         if n == k:
             return _plan(chunks, torch.ones(b, k, dtype=torch.bool))
         selected = torch.zeros(b, k, dtype=torch.bool)
@@ -427,7 +432,7 @@ class EntropyMerge(_Grouper):
         """The epoch's (branch step, jump length) list for the σ grid and SDE (see :func:`merge_plan`)."""
         t_count = len(sigmas) - 1
         return merge_plan(sigmas, kind=kind, noise_level=noise_level, tau=self.cfg.entropy_threshold,
-                          limit=max(1, math.ceil(self.cfg.sde_fraction * t_count)), steps=self.cfg.merge_steps,
+                          limit=fraction_count(self.cfg.sde_fraction, t_count), steps=self.cfg.merge_steps,
                           lengths=self.cfg.merge_lengths)
 
     def sde_steps(self, num_steps: int, epoch: int) -> torch.Tensor:

@@ -139,7 +139,7 @@ def transition_moments(
     b = x.shape[0]
     s = _as_batch_sigma(sigma, b, x.ndim, x.device)
     sn = _as_batch_sigma(sigma_next, b, x.ndim, x.device)
-    if not bool(torch.all(sn < s)) or not bool(torch.all((s > 0) & (s <= 1))):
+    if not bool(torch.all((sn < s) & (sn >= 0))) or not bool(torch.all((s > 0) & (s <= 1))):
         raise ValueError(
             f"a transition needs 0 <= sigma_next < sigma <= 1, got sigma={s.flatten().tolist()}, "
             f"sigma_next={sn.flatten().tolist()}"

@@ -1,0 +1,303 @@
+"""Specification of the step groupers (flowgrpo.algo.chunkers).
+
+Chunk boundaries of ``adaptive_chunks`` are derived on paper from the rule in its docstring (the derivations are
+in the comments); sampling frequencies are checked with a chi-square test against probabilities computed by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from flowgrpo.algo.chunkers import (
+    GROUPERS,
+    adaptive_chunks,
+    build_grouper,
+    relative_l1,
+    trainable_steps,
+)
+from flowgrpo.config import GrouperConfig
+from flowgrpo.models.base import PromptEmbeds
+from flowgrpo.records import Trajectory
+
+
+def _traj(latents: torch.Tensor, stochastic: torch.Tensor | None = None) -> Trajectory:
+    b, t1 = latents.shape[:2]
+    t = t1 - 1
+    if stochastic is None:
+        stochastic = torch.ones(b, t, dtype=torch.bool)
+    elif stochastic.ndim == 1:
+        stochastic = stochastic.expand(b, t).clone()
+    return Trajectory(
+        latents=latents, log_probs=torch.zeros(b, t), sigmas=torch.linspace(1, 0, t + 1), stochastic=stochastic,
+        jump=torch.ones(b, t, dtype=torch.long), group_ids=torch.arange(b), prompt_ids=torch.arange(b),
+        embeds=PromptEmbeds({"e": torch.zeros(b, 1)}), images=torch.zeros(b, 3, 2, 2), prompts=[""] * b,
+        metadata=[{}] * b, guidance_scale=1.0,
+    )
+
+
+def _random_traj(b=3, t=8, seed=0, stochastic=None):
+    return _traj(torch.randn(b, t + 1, 4, 2, generator=torch.Generator().manual_seed(seed)), stochastic)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------- relative L1
+
+
+def test_relative_l1_by_hand():
+    # L1_rel(t) = ‖x_{t+1} − x_t‖₁ / ‖x_{t+1}‖₁, averaged over the batch.
+    # sample 0: x0 = [1, −1], x1 = [2, 0], x2 = [2, 2]: t=0: (1 + 1)/(2 + 0) = 1;   t=1: (0 + 2)/(2 + 2) = 0.5
+    # sample 1: x0 = [0, 4],  x1 = [1, 3], x2 = [1, 2]: t=0: (1 + 1)/(1 + 3) = 0.5; t=1: (0 + 1)/(1 + 2) = 1/3
+    # mean: [0.75, 5/12]. Latents carry extra dims (B, T+1, 1, 2): every non-(B, T) dim is summed.
+    x = torch.tensor([[[1.0, -1.0], [2.0, 0.0], [2.0, 2.0]], [[0.0, 4.0], [1.0, 3.0], [1.0, 2.0]]]).unsqueeze(2)
+    torch.testing.assert_close(relative_l1(x).double(), torch.tensor([0.75, 5 / 12], dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------------------------- adaptive chunks
+
+
+def test_adaptive_chunks_monotone_curve():
+    # Monotone curve, 8 positions, min_size 2 (rule: split when n ≥ 2·2 = 4).
+    # top, order 1: d = [−40, −25, −15, −8, −4, −2, −1], one sign → no turn → midpoint 4: [0,4) [4,8).
+    # [0,4) order 2: curve [100, 60, 35, 20], d1 = [−40, −25, −15], d2 = [15, 10], one sign → midpoint 2.
+    # [4,8) order 2: curve [12, 8, 6, 5], d2 = [2, 1] → midpoint 6. Pieces of 2 < 4 stop.
+    curve = torch.tensor([100.0, 60, 35, 20, 12, 8, 6, 5], dtype=torch.float64)
+    assert adaptive_chunks(curve, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # min_size 3 on 10 positions: top d all negative → midpoint 5; pieces of 5 < 6 stop.
+    curve10 = torch.linspace(1.0, 0.1, 10, dtype=torch.float64) ** 2
+    assert adaptive_chunks(curve10, 3) == [(0, 5), (5, 10)]
+
+
+def test_adaptive_chunks_one_bump():
+    # 16 positions, min_size 3 (split when n ≥ 6).
+    c = [1, 2, 4, 6.5, 9.5, 13, 15, 16, 14, 11, 7.5, 6, 4.8, 4.5, 4.25, 4.125]
+    # top, order 1: d = [1, 2, 2.5, 3, 3.5, 2, 1, −2, −3, −3.5, −1.5, −1.2, −0.3, −0.25, −0.125];
+    #   the sign turns between d[6] and d[7] → boundary 0 + 6 + 1 + 1//2 = 7 (the peak opens the next chunk);
+    #   sides 7 and 9 ≥ 3 → accepted: [0,7) [7,16).
+    # [0,7) order 2: d1 = [1, 2, 2.5, 3, 3.5, 2], d2 = [1, .5, .5, .5, −1.5]; turn at i = 3 → 0 + 3 + 1 + 1 = 5;
+    #   right side 7 − 5 = 2 < 3 → rejected; no boundary → midpoint 0 + 7//2 = 3: [0,3) [3,7) (3 and 4 < 6: stop).
+    # [7,16) order 2: curve [16, 14, 11, 7.5, 6, 4.8, 4.5, 4.25, 4.125]; d1 = [−2, −3, −3.5, −1.5, −1.2, −.3,
+    #   −.25, −.125]; d2 = [−1, −.5, 2, .3, .9, .05, .125]: turn at i = 1 → 7 + 1 + 1 + 1 = 10; sides 3 and 6 →
+    #   accepted: [7,10) (3 < 6: stop) and [10,16).
+    # [10,16) order 3: curve [7.5, 6, 4.8, 4.5, 4.25, 4.125]; d1 = [−1.5, −1.2, −.3, −.25, −.125];
+    #   d2 = [.3, .9, .05, .125]; d3 = [.6, −.85, .075]: turns at i = 0 → 10 + 0 + 1 + 3//2 = 12 (left side
+    #   2 < 3: rejected) and i = 1 → 13 (sides 3 and 3: accepted): [10,13) [13,16).
+    curve = torch.tensor(c, dtype=torch.float64)
+    assert adaptive_chunks(curve, 3) == [(0, 3), (3, 7), (7, 10), (10, 13), (13, 16)]
+
+
+def test_adaptive_chunks_noisy_curve():
+    # A zig-zag (noise on every step), 12 positions, min_size 3.
+    # top, order 1: d = [2, −3, 2, −3, 2, −3, 2, −3, 2, −3, 2]: a turn at every i, boundary candidate i + 1.
+    #   left to right with last = 0: 1 (1 < 3 no), 2 (no), 3 (yes, last = 3), 4, 5 (no), 6 (yes), 7, 8 (no),
+    #   9 (yes: 9 − 6 = 3, 12 − 9 = 3), 10 (12 − 10 = 2 < 3: no) → [0,3) [3,6) [6,9) [9,12), all < 6: stop.
+    zigzag = torch.tensor([10.0, 12, 9, 11, 8, 10, 7, 9, 6, 8, 5, 7], dtype=torch.float64)
+    assert adaptive_chunks(zigzag, 3) == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    # A decreasing curve with one blip at position 4, min_size 3:
+    # top: d = [−1, −1, −1, .5, −1.5, −1, −1, −1, −1, −1, −1]: turns at i = 2 → 3 (accepted: 3, 9) and
+    #   i = 3 → 4 (4 − 3 = 1: rejected) → [0,3) [3,12).
+    # [3,12) order 2: curve [9, 9.5, 8, 7, 6, 5, 4, 3, 2], d2 = [−2, .5, 0, 0, 0, 0, 0]: turns at i = 0 → 3 + 0 +
+    #   1 + 1 = 5 (5 − 3 = 2: rejected) and i = 1 (+ → 0) → 6 (accepted: 3, 6) → [3,6) [6,12).
+    # [6,12) order 3: curve [7, 6, 5, 4, 3, 2] is linear, d3 = [0, 0, 0]: no turn → midpoint 9.
+    blip = torch.tensor([12.0, 11, 10, 9, 9.5, 8, 7, 6, 5, 4, 3, 2], dtype=torch.float64)
+    assert adaptive_chunks(blip, 3) == [(0, 3), (3, 6), (6, 9), (9, 12)]
+
+
+def test_adaptive_chunks_short_curve_is_one_chunk():
+    assert adaptive_chunks(torch.tensor([3.0, 1.0, 2.0]), 2) == [(0, 3)]
+
+
+@pytest.mark.parametrize("min_size", [1, 2, 3, 4])
+def test_adaptive_chunks_partition_and_sizes(min_size):
+    # the docstring's invariant: contiguous, covering, each chunk between min_size and 2·min_size − 1 long
+    g = _gen(min_size)
+    for n in range(2 * min_size, 30):
+        curve = torch.rand(n, generator=g, dtype=torch.float64)
+        chunks = adaptive_chunks(curve, min_size)
+        assert chunks[0][0] == 0 and chunks[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(chunks[:-1], chunks[1:], strict=True))
+        assert all(min_size <= hi - lo <= 2 * min_size - 1 for lo, hi in chunks), (n, chunks)
+
+
+def test_adaptive_chunks_rejects_min_size_zero():
+    with pytest.raises(ValueError, match="min_chunk_size"):
+        adaptive_chunks(torch.ones(6), 0)
+
+
+# ----------------------------------------------------------------------------------------------- chunk grouper
+
+
+def test_fixed_chunk_sizes_map_to_trainable_steps():
+    plan = build_grouper(GrouperConfig(name="chunk", chunk_sizes=[2, 3, 3])).plan(_random_traj(t=8), 0, _gen())
+    assert plan.chunks == ((0, 1), (2, 3, 4), (5, 6, 7))
+    assert plan.selected.shape == (3, 3) and plan.selected.all()
+    # with the last step dropped, the sizes cover 7 trainable steps
+    cfg = GrouperConfig(name="chunk", chunk_sizes=[3, 4], drop_last_step=True)
+    assert build_grouper(cfg).plan(_random_traj(t=8), 0, _gen()).chunks == ((0, 1, 2), (3, 4, 5, 6))
+
+
+def test_fixed_chunk_sizes_that_do_not_sum_raise():
+    with pytest.raises(ValueError, match=r"\[2, 3\].*8"):
+        build_grouper(GrouperConfig(name="chunk", chunk_sizes=[2, 3])).plan(_random_traj(t=8), 0, _gen())
+
+
+def test_chunks_skip_deterministic_steps():
+    # steps 0 and 5 are ODE for everyone, step 3 only for sample 1: trainable = [1, 2, 4, 6, 7]
+    st = torch.ones(3, 8, dtype=torch.bool)
+    st[:, 0] = st[:, 5] = False
+    st[1, 3] = False
+    traj = _random_traj(t=8, stochastic=st)
+    assert trainable_steps(traj) == [1, 2, 4, 6, 7]
+    plan = build_grouper(GrouperConfig(name="chunk", chunk_sizes=[2, 3])).plan(traj, 0, _gen())
+    assert plan.chunks == ((1, 2), (4, 6, 7))
+
+
+def _latents_with_l1(l1: list[float], b: int) -> torch.Tensor:
+    # x_{t+1} = x_t / (1 − l) makes ‖x_{t+1} − x_t‖₁ / ‖x_{t+1}‖₁ = l for positive latents
+    xs = [1.0]
+    for v in l1:
+        xs.append(xs[-1] / (1 - v))
+    return torch.tensor(xs, dtype=torch.float64).float().reshape(1, -1, 1).expand(b, -1, 1).clone()
+
+
+def test_weighted_chunk_sampling_follows_mean_l1_one_chunk_each():
+    # chunks [0,1] [2,3] [4,5] with mean L1_rel 0.1, 0.2, 0.5 → probabilities 1/8, 2/8, 5/8.
+    b = 4000
+    traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], b))
+    cfg = GrouperConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=1 / 3)
+    plan = build_grouper(cfg).plan(traj, 0, _gen(1))
+    assert plan.selected.sum(1).tolist() == [1] * b
+    counts = plan.selected.sum(0).double()
+    expected = torch.tensor([1 / 8, 2 / 8, 5 / 8], dtype=torch.float64) * b
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+    # the same draw under uniform probabilities would be rejected outright (the test has power)
+    assert chisquare(counts.numpy(), torch.full((3,), b / 3, dtype=torch.float64).numpy()).pvalue < 1e-6
+
+
+def test_weighted_chunk_sampling_without_replacement():
+    # two of three chunks per trajectory, drawn one after the other without replacement (p = 1/8, 2/8, 5/8):
+    # P({i, j}) = p_i·p_j/(1 − p_i) + p_j·p_i/(1 − p_j):
+    #   {0,1}: (2/64)/(7/8) + (2/64)/(6/8) = 2/56 + 2/48;  {0,2}: 5/56 + 5/24;  {1,2}: 10/48 + 10/24
+    b = 4000
+    traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], b))
+    cfg = GrouperConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=2 / 3)
+    plan = build_grouper(cfg).plan(traj, 0, _gen(2))
+    assert plan.selected.sum(1).tolist() == [2] * b  # never the same chunk twice
+    pair = {(0, 1): 0, (0, 2): 1, (1, 2): 2}
+    counts = torch.zeros(3)
+    for row in plan.selected:
+        counts[pair[tuple(row.nonzero().flatten().tolist())]] += 1
+    probs = [2 / 56 + 2 / 48, 5 / 56 + 5 / 24, 10 / 48 + 10 / 24]
+    assert sum(probs) == pytest.approx(1.0)
+    assert chisquare(counts.numpy(), (torch.tensor(probs, dtype=torch.float64) * b).numpy()).pvalue > 1e-3
+
+
+def test_chunk_plan_is_reproducible_from_the_generator():
+    traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], 16))
+    grouper = build_grouper(GrouperConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=0.5))
+    assert torch.equal(grouper.plan(traj, 0, _gen(5)).selected, grouper.plan(traj, 0, _gen(5)).selected)
+
+
+def test_adaptive_chunk_grouper_uses_the_batch_l1_curve():
+    # the grouper must cut where adaptive_chunks cuts the batch's L1_rel curve over the trainable steps
+    traj = _random_traj(b=4, t=10, seed=3)
+    plan = build_grouper(GrouperConfig(name="chunk", min_chunk_size=2)).plan(traj, 0, _gen())
+    bounds = adaptive_chunks(relative_l1(traj.latents), 2)
+    assert plan.chunks == tuple(tuple(range(lo, hi)) for lo, hi in bounds)
+
+
+# ----------------------------------------------------------------------------------------------- trajectory
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_trajectory_grouper_is_chunk_with_one_chunk(drop_last):
+    st = torch.ones(3, 8, dtype=torch.bool)
+    st[:, 2] = False
+    traj = _random_traj(t=8, stochastic=st)
+    k = 6 if drop_last else 7
+    whole = build_grouper(GrouperConfig(name="trajectory", drop_last_step=drop_last)).plan(traj, 0, _gen())
+    one = build_grouper(GrouperConfig(name="chunk", chunk_sizes=[k], drop_last_step=drop_last)).plan(traj, 0, _gen())
+    assert whole.chunks == one.chunks == (tuple(t for t in range(8 - drop_last) if t != 2),)
+    assert torch.equal(whole.selected, one.selected) and whole.selected.shape == (3, 1)
+    assert GROUPERS.get("trajectory").needs_recompute and GROUPERS.get("chunk").needs_recompute
+
+
+# ----------------------------------------------------------------------------------------------- window
+
+
+def test_window_moves_on_schedule():
+    # T = 10, w = 4, stride 2, shift every 3 epochs: start = min(2·⌊epoch/3⌋, 10 − 4)
+    grouper = build_grouper(GrouperConfig(name="window", window_size=4, window_stride=2, window_shift_every=3))
+    expected_start = {0: 0, 1: 0, 2: 0, 3: 2, 5: 2, 6: 4, 8: 4, 9: 6, 11: 6, 12: 6, 100: 6}
+    for epoch, start in expected_start.items():
+        mask = grouper.sde_steps(10, epoch)
+        assert mask.tolist() == [start <= t < start + 4 for t in range(10)], epoch
+
+
+def test_window_trains_only_the_window_steps():
+    grouper = build_grouper(GrouperConfig(name="window", window_size=3, window_stride=1, window_shift_every=1))
+    mask = grouper.sde_steps(8, 2)  # start 2: steps 2, 3, 4
+    plan = grouper.plan(_random_traj(t=8, stochastic=mask), 2, _gen())
+    assert plan.chunks == ((2,), (3,), (4,))
+    assert plan.selected.all()
+    assert not grouper.needs_recompute
+
+
+def test_window_larger_than_the_trajectory_raises():
+    grouper = build_grouper(GrouperConfig(name="window", window_size=12))
+    with pytest.raises(ValueError, match="window_size=12"):
+        grouper.sde_steps(10, 0)
+
+
+# ----------------------------------------------------------------------------------------------- per_step
+
+
+def test_per_step_trains_every_step_by_default():
+    plan = build_grouper(GrouperConfig(name="per_step")).plan(_random_traj(t=6), 0, _gen())
+    assert plan.chunks == tuple((t,) for t in range(6)) and plan.selected.all()
+    dropped = build_grouper(GrouperConfig(name="per_step", drop_last_step=True)).plan(_random_traj(t=6), 0, _gen())
+    assert dropped.chunks == tuple((t,) for t in range(5))
+
+
+def test_per_step_fraction_first():
+    # ⌈0.5·6⌉ = 3: the first three transitions for every sample
+    plan = build_grouper(GrouperConfig(name="per_step", timestep_fraction=0.5)).plan(_random_traj(t=6), 0, _gen())
+    assert plan.selected.tolist() == [[True] * 3 + [False] * 3] * 3
+    # ⌈0.4·6⌉ = ⌈2.4⌉ = 3 as well; ⌈0.1·6⌉ = 1
+    plan = build_grouper(GrouperConfig(name="per_step", timestep_fraction=0.4)).plan(_random_traj(t=6), 0, _gen())
+    assert plan.selected.sum(1).tolist() == [3, 3, 3]
+    plan = build_grouper(GrouperConfig(name="per_step", timestep_fraction=0.1)).plan(_random_traj(t=6), 0, _gen())
+    assert plan.selected.tolist() == [[True] + [False] * 5] * 3
+
+
+def test_per_step_fraction_random_is_a_uniform_subset_per_sample():
+    b, t = 3000, 6
+    traj = _traj(torch.randn(b, t + 1, 1, generator=_gen(0)))
+    cfg = GrouperConfig(name="per_step", timestep_fraction=0.5, step_selection="random")
+    plan = build_grouper(cfg).plan(traj, 0, _gen(7))
+    assert plan.selected.sum(1).tolist() == [3] * b
+    assert len({tuple(r.tolist()) for r in plan.selected[:50]}) > 10  # samples differ
+    counts = plan.selected.sum(0).double()  # each step is chosen with probability 3/6
+    assert chisquare(counts.numpy(), torch.full((t,), b / 2, dtype=torch.float64).numpy()).pvalue > 1e-3
+
+
+def test_per_step_fraction_count_is_the_exact_ceiling():
+    # The docstring promises ⌈fraction·K⌉; 0.28·25 = 7 exactly, but the float product is 7.000000000000001.
+    plan = build_grouper(GrouperConfig(name="per_step", timestep_fraction=0.28)).plan(_random_traj(t=25), 0, _gen())
+    assert plan.selected.sum(1).tolist() == [7, 7, 7]
+
+
+def test_a_plan_without_stochastic_steps_is_an_error():
+    traj = _random_traj(t=4, stochastic=torch.zeros(4, dtype=torch.bool))
+    for name in ("per_step", "trajectory", "window"):
+        with pytest.raises(ValueError, match="no stochastic transition"):
+            build_grouper(GrouperConfig(name=name)).plan(traj, 0, _gen())
+
+
+def test_unknown_grouper_suggests():
+    with pytest.raises(KeyError, match="did you mean 'per_step'"):
+        build_grouper(GrouperConfig(name="per-step"))

@@ -1,0 +1,177 @@
+"""Specification of the typed configuration (flowgrpo.config) and of ``train.py --help``."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from flowgrpo.config import Config, ConfigError, build_config, load_config, parse_override, save_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_valid_and_derive_the_batch_sizes():
+    cfg = build_config()
+    assert cfg.batch_size == cfg.train.prompts_per_epoch * cfg.train.group_size
+    assert cfg.train_batch_size == cfg.train.rollout_batch_size  # train_batch_size defaults to the rollout's
+    assert cfg.clip_low == cfg.clip_high == cfg.algo.clip_range
+    cfg = build_config({"algo": {"clip_range": 1e-4, "clip_range_high": 3e-4}, "train": {"train_batch_size": 4}})
+    assert (cfg.clip_low, cfg.clip_high, cfg.train_batch_size) == (1e-4, 3e-4, 4)
+
+
+@pytest.mark.parametrize(
+    ("data", "overrides", "bad", "hint"),
+    [
+        ({"train": {"grup_size": 4}}, [], "train.grup_size", "train.group_size"),
+        ({}, ["samplng.num_steps=4"], "samplng", "sampling"),
+        ({}, ["algo.clip_rnge=0.1"], "algo.clip_rnge", "algo.clip_range"),
+        ({"model": {"lora_rnak": 4}}, [], "model.lora_rnak", "model.lora_rank"),
+    ],
+)
+def test_unknown_key_fails_with_a_suggestion(data, overrides, bad, hint):
+    with pytest.raises(ConfigError) as err:
+        build_config(data, overrides)
+    msg = str(err.value)
+    assert f"unknown config key '{bad}'" in msg
+    assert f"did you mean '{hint}'" in msg
+
+
+def test_unknown_key_in_a_reward_spec_suggests_the_spec_field():
+    with pytest.raises(ConfigError) as err:
+        build_config({"rewards": [{"name": "jpeg_compressibility", "wieght": 2.0}]})
+    msg = str(err.value)
+    assert "unknown config key 'rewards.0.wieght'" in msg
+    assert re.search(r"did you mean '(rewards\.(0\.)?)?weight'", msg), msg
+
+
+def test_unknown_key_in_a_yaml_file(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("train:\n  num_epoch: 3\n")
+    with pytest.raises(ConfigError, match=r"train\.num_epoch.*did you mean 'train\.num_epochs'"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("train.num_epochs=ten", "train.num_epochs"),
+        ("sampling.noise_level=-1", "sampling.noise_level"),
+        ("model.dtype=float64", "model.dtype"),
+        ("train.group_size=1", "train.group_size"),
+        ("grouper.timestep_fraction=1.5", "grouper.timestep_fraction"),
+    ],
+)
+def test_bad_value_names_the_field_and_the_value(override, field):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, [override])
+    msg = str(err.value)
+    assert field in msg
+    assert override.split("=", 1)[1] in msg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        # B = 3·3 = 9 is not divisible by 2
+        (["train.prompts_per_epoch=3", "train.group_size=3", "train.rollout_batch_size=2"],
+         ["rollout_batch_size=2", "9"]),
+        # B = 8·4 = 32, train_batch_size 5 does not divide it
+        (["train.prompts_per_epoch=8", "train.group_size=4", "train.rollout_batch_size=8", "train.train_batch_size=5"],
+         ["train_batch_size=5", "32"]),
+        # 32 / 8 = 4 micro-batches cannot be shared by 3 optimizer steps
+        (["train.prompts_per_epoch=8", "train.group_size=4", "train.rollout_batch_size=8",
+          "train.optimizer_steps_per_epoch=3"], ["optimizer_steps_per_epoch=3", "4"]),
+    ],
+)
+def test_impossible_batch_combination_names_the_values(overrides, needles):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, overrides)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_overrides_parse_yaml_types():
+    assert parse_override("train.seed=7") == (["train", "seed"], 7)
+    assert parse_override("a.b=0.5") == (["a", "b"], 0.5)
+    assert parse_override("a=true") == (["a"], True)
+    assert parse_override("a=null") == (["a"], None)
+    assert parse_override("a=[2, 3, 4, 7]") == (["a"], [2, 3, 4, 7])
+    assert parse_override("a={x: 1}") == (["a"], {"x": 1})
+    assert parse_override("a=x=y") == (["a"], "x=y")  # only the first '=' splits
+    cfg = build_config({}, ["train.lr=1e-4", "grouper.chunk_sizes=[2,3,4,7]", "model.height=null",
+                            "algo.drop_zero_spread_groups=true", "train.seed=3", "logging.trackers=[tensorboard]"])
+    assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.grouper.chunk_sizes == [2, 3, 4, 7]
+    assert cfg.model.height is None
+    assert cfg.algo.drop_zero_spread_groups is True
+    assert cfg.train.seed == 3
+    assert cfg.logging.trackers == ["tensorboard"]
+
+
+def test_overrides_apply_on_top_of_the_file(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("train:\n  lr: 0.01\n  seed: 5\nsampling: {num_steps: 6}\n")
+    cfg = load_config(path, ["train.lr=0.5", "sampling.guidance_scale=1"])
+    assert (cfg.train.lr, cfg.train.seed, cfg.sampling.num_steps, cfg.sampling.guidance_scale) == (0.5, 5, 6, 1.0)
+
+
+def test_overrides_do_not_modify_the_callers_dict():
+    base = {"train": {"lr": 0.1}}
+    first = build_config(base, ["train.seed=3"])
+    second = build_config(base)  # a sweep reusing one base config
+    assert first.train.seed == 3
+    assert base == {"train": {"lr": 0.1}}
+    assert second.train.seed == 0
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        build_config({}, ["train.lr"])
+
+
+def test_missing_file_and_non_mapping_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+def test_saved_config_loads_back_equal(tmp_path):
+    cfg = build_config({}, ["train.lr=0.003", "grouper.name=chunk", "grouper.chunk_sizes=[4, 6]",
+                            "rewards=[{name: jpeg_compressibility, weight: 2.0}]"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["lr"] == 0.003
+
+
+def _schema_keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, description) of every leaf field, walked from the pydantic schema here in the test."""
+    rows = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += _schema_keys(ann, f"{prefix}{name}.")
+        else:
+            rows.append((prefix + name, field.description or ""))
+    return rows
+
+
+def test_train_help_lists_every_field():
+    out = subprocess.run([sys.executable, str(REPO / "flowgrpo" / "train.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    keys = _schema_keys(Config)
+    assert len(keys) > 50
+    lines = out.stdout.splitlines()
+    for key, description in keys:
+        line = next((ln for ln in lines if ln.split() and ln.split()[0] == key), None)
+        assert line is not None, f"--help does not list {key}"
+        assert description[:30] in line, f"--help does not describe {key}"
