@@ -79,6 +79,7 @@ def run(config) -> dict:
         if r is not None:
             r.setup(accelerator.device)
     prompts = load_prompts(config.data.train_prompts)
+    _warn_benchmark_overlap(prompts)
     eval_prompts = load_prompts(config.data.eval_prompts) if config.data.eval_prompts else None
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_flat(config.model_dump(mode="json")))
@@ -89,6 +90,19 @@ def run(config) -> dict:
     summary = trainer.fit()
     accelerator.end_training()
     return summary
+
+
+def _warn_benchmark_overlap(prompts) -> None:
+    """Warn when training prompts overlap GenEval's evaluation prompts (training on them inflates the score)."""
+    try:
+        from flowgrpo_rewards.geneval.prompts import check_overlap
+    except ImportError:  # the rewards distribution is not installed: nothing to compare against
+        return
+    records = [{"prompt": p, **m} for p, m in zip(prompts.prompts, prompts.metadata, strict=True)]
+    overlap = check_overlap(records)
+    if overlap:
+        logger.warning("%d training prompts of %r overlap GenEval's evaluation set (e.g. %r): scores on GenEval "
+                       "will be inflated", len(overlap), prompts.source, overlap[0])
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

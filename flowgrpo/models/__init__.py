@@ -29,7 +29,8 @@ def _flux(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_un
     from flowgrpo.models.flux import FluxAdapter
 
     pipe = FluxPipeline.from_pretrained(path, torch_dtype=dtype)
-    size = pipe.default_sample_size * pipe.vae_scale_factor
+    # the VAE's sample size is the model's native resolution (1024 for FLUX.1, 64 for the tiny model)
+    size = int(pipe.vae.config.get("sample_size") or pipe.default_sample_size * pipe.vae_scale_factor)
     msl = min(max_sequence_length, pipe.tokenizer_2.model_max_length)
     return FluxAdapter(pipe, height=height or size, width=width or size, max_sequence_length=msl)
 
