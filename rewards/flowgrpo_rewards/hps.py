@@ -1,0 +1,110 @@
+"""HPSv2 / HPSv2.1: Human Preference Score v2 (Wu et al. 2023, arXiv 2306.09341).
+
+The model is an open_clip ``ViT-H-14`` fine-tuned on human preference pairs (HPD v2). The released
+checkpoints ``HPS_v2_compressed.pt`` (v2.0) and ``HPS_v2.1_compressed.pt`` (v2.1) in the hub repo
+``xswu/HPSv2`` hold the full CLIP state dict under the key ``state_dict``.
+
+Score (``hpsv2/img_score.py`` of github.com/tgxs002/HPSv2, used unchanged by Flow-GRPO's
+``flow_grpo/hpsv2_scorer.py`` and DanceGRPO/MixGRPO's ``hps_score.py``)::
+
+    hps = <f_img / |f_img|, f_txt / |f_txt|>        # cosine of the normalised features, no temperature
+
+so scores are about 0.2 - 0.35 for real images. Preprocessing is HPSv2's ``preprocess_val`` (the
+``light_augmentation=True`` branch of its ``create_model_and_transforms``): resize the longest edge to 224
+(bicubic), pad the short edge with black to 224 x 224, normalise with the openai CLIP mean/std. The text is
+tokenised with open_clip's CLIP BPE tokenizer (77 tokens). This module does not import the ``hpsv2``
+package (it pins old pytest/protobuf and downloads 3.9 GB of LAION weights it then overwrites); it builds
+the same architecture with ``open_clip.create_model("ViT-H-14", pretrained=<checkpoint>)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowgrpo.rewards.base import BaseReward
+from flowgrpo_rewards._clip_common import (
+    check_positive_int,
+    cosine_rows,
+    encode_unique,
+    in_chunks,
+    load_open_clip,
+    log_loaded,
+    n_parameters,
+    parse_dtype,
+    resolve_file,
+)
+
+#: Hub repo of the official HPSv2 checkpoints.
+HPS_HUB_REPO = "xswu/HPSv2"
+#: Checkpoint file of each HPS version (as in ``hpsv2/utils.py``'s ``hps_version_map``).
+HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
+#: open_clip architecture of both versions.
+HPS_ARCHITECTURE = "ViT-H-14"
+
+
+class HPSv2Reward(BaseReward):
+    """HPSv2 / HPSv2.1 preference score: cosine of normalised open_clip ViT-H-14 image and text features.
+
+    Args:
+        version: ``"v2.1"`` (default; ``HPS_v2.1_compressed.pt``) or ``"v2.0"`` (``HPS_v2_compressed.pt``).
+        checkpoint: where the checkpoint is: ``None`` (download from the hub repo ``xswu/HPSv2``), a hub
+            repo id holding the version's file, a local folder holding it, or the path of the ``.pt`` file.
+        architecture: open_clip model-config keys (``embed_dim``, ``vision_cfg``, ``text_cfg``) that replace
+            those of ``ViT-H-14``; for tiny test models. ``None`` for the released checkpoints.
+        dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``; the official scorer runs under fp16
+            autocast on GPU.
+        batch_size: images per forward pass.
+
+    Calling it: ``images`` (B, 3, H, W) float in [0, 1], ``prompts`` B strings -> (B,) float32 in [-1, 1].
+
+    Raises:
+        ValueError: unknown ``version`` or ``dtype``, non-positive ``batch_size`` (at construction).
+        FileNotFoundError / OSError: the checkpoint cannot be found or downloaded (in :meth:`setup`).
+        RuntimeError: the reward is called before :meth:`setup`.
+    """
+
+    name = "hpsv2"
+
+    def __init__(
+        self,
+        version: str = "v2.1",
+        checkpoint: str | None = None,
+        architecture: dict | None = None,
+        dtype: str = "float32",
+        batch_size: int = 32,
+    ) -> None:
+        if version not in HPS_FILES:
+            raise ValueError(f"HPS version {version!r} is not one of {sorted(HPS_FILES)}")
+        self.version = version
+        self.checkpoint = checkpoint or HPS_HUB_REPO
+        self.architecture = architecture
+        self.dtype = parse_dtype(dtype)
+        self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.clip = None
+
+    def setup(self, device: torch.device) -> None:
+        """Download (if needed) and load the checkpoint onto ``device``."""
+        super().setup(device)
+        path = resolve_file(self.checkpoint, HPS_FILES[self.version], f"HPS{self.version} checkpoint")
+        self.clip = load_open_clip(
+            HPS_ARCHITECTURE,
+            pretrained=path,
+            architecture=self.architecture,
+            device=self.device,
+            dtype=self.dtype,
+            # HPSv2's preprocess_val: ResizeMaxSize (longest edge) + black padding, bicubic, openai mean/std.
+            preprocess_overrides={"resize_mode": "longest", "interpolation": "bicubic", "fill": 0.0},
+        )
+        log_loaded(self.name, path, n_parameters(self.clip.model))
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """HPS of each (image, prompt) pair: (B,) float32 on the CPU."""
+        if self.clip is None:
+            raise RuntimeError("HPSv2Reward.setup(device) must be called before scoring")
+        text = encode_unique(prompts, self.clip.text_features)  # (B, D), normalised
+
+        def chunk(imgs: torch.Tensor, sl: slice) -> torch.Tensor:
+            pixels = self.clip.preprocess(imgs.to(self.device)).to(self.dtype)
+            return cosine_rows(self.clip.image_features(pixels), text[sl])
+
+        return in_chunks(images, self.batch_size, chunk).cpu()
