@@ -47,6 +47,10 @@ class ModelConfig(_Section):
         description="module names (peft target_modules) that receive LoRA",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    scheduler_shift: float | None = Field(
+        None, gt=0, description="static timestep shift s (sigma' = s*sigma/(1+(s-1)*sigma)) in place of the "
+        "scheduler's own (FLUX: resolution-dependent); DanceGRPO and GCPO use 3 on FLUX.1-dev"
+    )
     cfg_detach_uncond: bool = Field(
         False, description="SD3 true CFG: unconditional branch without gradient (its own no-grad forward)"
     )

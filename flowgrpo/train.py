@@ -20,6 +20,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(_here.parent))
 
 logger = logging.getLogger("flowgrpo.train")
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
 
 
 def _help_text() -> str:
@@ -64,7 +65,8 @@ def run(config) -> dict:
     set_seed(config.train.seed)
     m = config.model
     adapter = load_model(m.pretrained, dtype=m.dtype, height=m.height, width=m.width,
-                         max_sequence_length=m.max_sequence_length, cfg_detach_uncond=m.cfg_detach_uncond)
+                         max_sequence_length=m.max_sequence_length, cfg_detach_uncond=m.cfg_detach_uncond,
+                         scheduler_shift=m.scheduler_shift)
     adapter.pipe.to(accelerator.device)
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
@@ -74,6 +76,10 @@ def run(config) -> dict:
         for p in params:
             p.data = p.data.float()
     rewards, origins = build_rewards(config.rewards)
+    for name, reward in rewards.rewards.items():
+        if getattr(reward, "eval_only", False):
+            raise ValueError(f"reward {name!r} is for evaluation only (an independent judge): list it under "
+                             "eval_rewards, not rewards")
     eval_rewards, eval_origins = build_rewards(config.eval_rewards)
     for r in (rewards, eval_rewards):
         if r is not None:
@@ -130,14 +136,19 @@ def _quiet_libraries() -> None:
 
 
 def print_summary(summary: dict) -> None:
+    """The before/after table of the evaluation figures (and reference figures such as real-data diversity)."""
     metrics = sorted({k.rsplit("_", 1)[0] for k in summary if k.endswith(("_before", "_after"))})
     if not metrics:
         return
-    width = max(len(m) for m in metrics)
+    refs = [k for k in summary if k.endswith("_real")]
+    width = max(len(m) for m in metrics + refs)
+
+    def cell(v) -> str:
+        return f"{v:>10.4f}" if isinstance(v, float | int) else f"{'-':>10}"
+
     lines = [f"{'metric':<{width}}  {'before':>10}  {'after':>10}"]
-    for m in metrics:
-        b, a = summary.get(f"{m}_before"), summary.get(f"{m}_after")
-        lines.append(f"{m:<{width}}  {b if b is None else f'{b:10.4f}'}  {a if a is None else f'{a:10.4f}'}")
+    lines += [f"{m:<{width}}  {cell(summary.get(f'{m}_before'))}  {cell(summary.get(f'{m}_after'))}" for m in metrics]
+    lines += [f"{r:<{width}}  {cell(summary[r])}  {cell(summary[r])}" for r in refs]
     print("\n".join(lines))  # noqa: T201 - the script's result table
 
 
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     from flowgrpo.config import ConfigError, load_config
 
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
     except ConfigError as err:
         parser.exit(2, f"error: {err}\n")
     summary = run(config)

@@ -333,10 +333,10 @@ class Trainer:
             for name, scores in score_components_named(composed, images, ps, meta).items():
                 valid = scores[~torch.isnan(scores)]
                 out[f"eval/{name}/mean"] = float(valid.mean()) if valid.numel() else float("nan")
-            for name, reward in composed.rewards.items():
-                if hasattr(reward, "batch_metrics"):
+            for reward in composed.rewards.values():
+                if hasattr(reward, "batch_metrics"):  # whole-set figures (correctness, diversity) under their own name
                     for k, v in reward.batch_metrics(images, ps, meta).items():
-                        out[f"eval/{name}/{k}"] = float(v)
+                        out[f"eval/{k}"] = float(v)
         captions = [p[:40] for p in ps]
         logger.info("eval (%s): %s", tag, ", ".join(f"{k}={v:.4f}" for k, v in out.items()))
         return out, images, captions
@@ -438,6 +438,9 @@ class Trainer:
         summary: dict = {}
         for key in sorted(set(before) | set(after)):
             short = key.removeprefix("eval/").replace("/", "_")
+            if short.endswith("_real"):  # a reference figure of real data: the same before and after
+                summary[short] = after.get(key, before.get(key))
+                continue
             if key in before:
                 summary[f"{short}_before"] = before[key]
             if key in after:

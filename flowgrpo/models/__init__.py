@@ -100,16 +100,24 @@ def pipeline_class_name(path: str) -> str:
 
 
 def load_model(name: str, *, dtype: str = "float32", height: int | None = None, width: int | None = None,
-               max_sequence_length: int = 512, cfg_detach_uncond: bool = False):
+               max_sequence_length: int = 512, cfg_detach_uncond: bool = False,
+               scheduler_shift: float | None = None):
     """Load ``name`` (folder, hub id, ``digits`` or ``tiny``) and wrap it in the adapter of its pipeline class.
 
     ``cfg_detach_uncond`` applies to models with true classifier-free guidance (SD3); FLUX.1 has a guidance
-    embedding instead and ignores it."""
+    embedding instead and ignores it. ``scheduler_shift`` replaces the scheduler's shift by a static one
+    (``FlowMatchEulerDiscreteScheduler(shift=s, use_dynamic_shifting=False)``, Esser et al. 2024 eq. 23)."""
     if dtype not in DTYPES:
         raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = resolve_pretrained(name)
     cls = pipeline_class_name(path)
     adapter = ADAPTERS.get(cls)(path, dtype=DTYPES[dtype], height=height, width=width,
                                 max_sequence_length=max_sequence_length, cfg_detach_uncond=cfg_detach_uncond)
+    if scheduler_shift is not None:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        adapter.pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            adapter.pipe.scheduler.config, shift=float(scheduler_shift), use_dynamic_shifting=False
+        )
     adapter.pipe.set_progress_bar_config(disable=True)
     return adapter

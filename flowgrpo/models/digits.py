@@ -78,8 +78,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets" / "digits"
 PROMPT_FILES = {"train": ASSETS / "prompts.jsonl", "eval": ASSETS / "eval.jsonl"}
 
 # Training recipe defaults (measured on 2 CPU cores; see .notes/digits_figures.md).
-VAE_STEPS = 600
-TRANSFORMER_STEPS = 150
+VAE_STEPS = 250
+VAE_BATCH_SIZE = 32
+TRANSFORMER_STEPS = 225
 BATCH_SIZE = 128
 
 
@@ -211,7 +212,8 @@ def cache_root() -> Path:
 
 
 def default_model_dir(seed: int = 0) -> Path:
-    """Where the pretrained digits pipeline for ``seed`` is cached: ``cache_root()/digits-v{RECIPE_VERSION}-seed{seed}``."""
+    """The cache folder of the pretrained digits pipeline for ``seed``:
+    ``cache_root() / f"digits-v{RECIPE_VERSION}-seed{seed}"``."""
     return cache_root() / f"digits-v{RECIPE_VERSION}-seed{seed}"
 
 
@@ -369,10 +371,12 @@ def _train_transformer(transformer, x0: torch.Tensor, labels: torch.Tensor, embe
 
 
 def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_STEPS,
-             steps: int = TRANSFORMER_STEPS, batch_size: int = BATCH_SIZE, progress: bool = True) -> Path:
+             steps: int = TRANSFORMER_STEPS, batch_size: int = BATCH_SIZE, vae_batch_size: int = VAE_BATCH_SIZE,
+             progress: bool = True) -> Path:
     """Pretrain the digits pipeline and ``save_pretrained`` it into ``out_dir`` (created); return the folder.
 
-    ``vae_steps`` and ``steps`` (transformer) are optimizer steps at ``batch_size``; the defaults are the
+    ``vae_steps`` (at ``vae_batch_size``) and ``steps`` (the transformer's, at ``batch_size``) count optimizer
+    steps; the defaults are the
     recipe of the cached model (about 1 + 1 minutes on 2 CPU cores); tests pass a few steps. Every random draw
     comes from torch generators seeded from ``seed``, so a run is repeatable; it is bit-exact on the same
     machine, torch version and thread count (see .notes/digits_figures.md for what was checked).
@@ -382,9 +386,11 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
 
     from flowgrpo.models.tiny import build_text_encoders
 
-    for name, v in {"vae_steps": vae_steps, "steps": steps, "batch_size": batch_size}.items():
-        if not isinstance(v, int) or v < (1 if name == "batch_size" else 0):
-            raise ValueError(f"{name} must be a non-negative integer (batch_size ≥ 1), got {v!r}")
+    sizes = {"vae_steps": vae_steps, "steps": steps, "batch_size": batch_size, "vae_batch_size": vae_batch_size}
+    for name, v in sizes.items():
+        low = 1 if "batch" in name else 0
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an integer ≥ {low}, got {v!r}")
     out = Path(out_dir)
     t_start = time.perf_counter()
 
@@ -414,8 +420,8 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
 
     # 3. the VAE, then latent statistics → scaling/shift factors
     t0 = time.perf_counter()
-    vae_loss = _train_vae(vae, images, vae_steps, batch_size, torch.Generator().manual_seed(seed * 1000 + 11),
-                          progress)
+    vae_loss = _train_vae(vae, images, vae_steps, vae_batch_size,
+                          torch.Generator().manual_seed(seed * 1000 + 11), progress)
     vae.requires_grad_(False)
     lat = _encode_latents(vae, images)  # (N, 4, 8, 8)
     shift, std = float(lat.mean()), float(lat.std())
@@ -438,7 +444,7 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
     pipe.save_pretrained(out)
     info = {
         "recipe": f"flowgrpo digits v{RECIPE_VERSION}", "seed": seed, "vae_steps": vae_steps, "steps": steps,
-        "batch_size": batch_size, "height": IMAGE_SIZE, "width": IMAGE_SIZE,
+        "batch_size": batch_size, "vae_batch_size": vae_batch_size, "height": IMAGE_SIZE, "width": IMAGE_SIZE,
         "max_sequence_length": MAX_SEQUENCE_LENGTH, "num_inference_steps": 8, "guidance_scale": None,
         "final_vae_loss": vae_loss, "final_transformer_loss": tr_loss,
     }
