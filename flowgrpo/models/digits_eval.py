@@ -77,15 +77,16 @@ def classifier_accuracies() -> dict[str, float]:
 def digit_probabilities(images: torch.Tensor) -> torch.Tensor:
     """Reward classifier probabilities p(digit | image): (B, 10) float32 on the CPU, rows sum to 1.
 
-    Multinomial logistic regression: p = softmax(W·f + b), f = :func:`images_to_digits` (images) / 16 flattened
-    (B, 64), W (10, 64), b (10,) from :func:`reward_classifier`. Computed in float64 on the images' device.
+    Multinomial logistic regression (Bishop 2006, §4.3.4): p = softmax(W·f + b), f = :func:`images_to_digits`
+    (images) / 16 flattened (B, 64), W (10, 64), b (10,) from :func:`reward_classifier`. Computed in float64 on
+    the CPU.
     ``images``: (B, 3, H, H) float in [0, 1]; raises ``ValueError`` on another shape.
     """
     clf = reward_classifier()
     feats = images_to_digits(images).to(torch.float64).reshape(len(images), -1) / 16.0  # (B, 64)
-    w = torch.as_tensor(clf.coef_, dtype=torch.float64, device=feats.device)  # (10, 64)
-    b = torch.as_tensor(clf.intercept_, dtype=torch.float64, device=feats.device)  # (10,)
-    return torch.softmax(feats @ w.T + b, dim=1).to(torch.float32).cpu()
+    w = torch.as_tensor(clf.coef_, dtype=torch.float64)  # (10, 64)
+    b = torch.as_tensor(clf.intercept_, dtype=torch.float64)  # (10,)
+    return torch.softmax(feats @ w.T + b, dim=1).to(torch.float32)
 
 
 def _labels(labels) -> np.ndarray:

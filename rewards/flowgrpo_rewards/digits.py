@@ -1,0 +1,90 @@
+"""Digit correctness: does the image show the digit its prompt asks for?
+
+The reward of the embedded digits task (:mod:`flowgrpo.models.digits`). The intended digit comes from the prompt
+file's metadata (``{"prompt": "a handwritten digit seven", "digit": 7}``), never from the prompt text or the
+image's position in the batch. Images are brought back to load_digits' 8×8 grid
+(:func:`flowgrpo.models.digits.images_to_digits`) and scored by the reward classifier, a multinomial logistic
+regression trained on the ``reward`` split of the real digits (:func:`flowgrpo.models.digits_eval.reward_classifier`,
+held-out accuracy 0.967). Correctness reported for evaluation should come from the independent judge
+(:func:`flowgrpo.models.digits_eval.judge_correctness`), which this reward never uses.
+
+Entry points: ``digit_correctness`` (probability of the intended digit, in [0, 1]; ``strict=True`` gives the 0/1
+variant) and ``digit_correctness_strict`` (always 0/1).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from flowgrpo.rewards.base import BaseReward
+
+DIGIT_FIELD = "digit"
+
+
+def labels_from_metadata(metadata: list[dict], reward_name: str = "digit_correctness") -> torch.Tensor:
+    """The intended digit of each sample, ``metadata[i]["digit"]``: (B,) int64.
+
+    Raises ``ValueError`` naming the field, the sample index and the allowed range when a dict lacks the field or
+    its value is not an integer 0–9 (``True``, ``7.0`` and ``"7"`` are rejected too: bad input is not repaired).
+    """
+    out = []
+    for i, meta in enumerate(metadata):
+        if not isinstance(meta, dict) or DIGIT_FIELD not in meta:
+            keys = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+            raise ValueError(
+                f"{reward_name} needs metadata[{DIGIT_FIELD!r}] (an integer digit 0–9) for every prompt; "
+                f"sample {i} has {keys}"
+            )
+        value = meta[DIGIT_FIELD]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= 9:
+            raise ValueError(
+                f"{reward_name}: metadata[{DIGIT_FIELD!r}] of sample {i} must be an integer 0–9, got {value!r}"
+            )
+        out.append(int(value))
+    return torch.tensor(out, dtype=torch.int64)
+
+
+class DigitCorrectness(BaseReward):
+    """Reward = p(intended digit | image) under the reward classifier, or 1[argmax = intended] if ``strict``.
+
+    ``__call__(images (B, 3, H, H) float in [0, 1], prompts, metadata) -> (B,) float32`` on the CPU, in [0, 1].
+    Each ``metadata[i]`` needs ``"digit"``: an integer 0–9 (``ValueError`` otherwise). The classifier is fitted in
+    :meth:`setup` (well under a second; cached per process), not in ``__init__``.
+    """
+
+    name = "digit_correctness"
+
+    def __init__(self, strict: bool = False) -> None:
+        if not isinstance(strict, bool):
+            raise ValueError(f"digit_correctness: strict must be true or false, got {strict!r}")
+        self.strict = strict
+        self.name = "digit_correctness_strict" if strict else "digit_correctness"
+        self._ready = False
+
+    def setup(self, device: torch.device) -> None:
+        from flowgrpo.models.digits_eval import reward_classifier
+
+        super().setup(device)
+        reward_classifier()  # fit now (cached), so the first scoring is not slower than the rest
+        self._ready = True
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        from flowgrpo.models.digits_eval import digit_probabilities
+
+        labels = labels_from_metadata(metadata, self.name)
+        if not self._ready:
+            self.setup(images.device)
+        probs = digit_probabilities(images)  # (B, 10) float32, CPU
+        if self.strict:
+            return (probs.argmax(dim=1) == labels).to(torch.float32)
+        return probs[torch.arange(len(labels)), labels].contiguous()
+
+
+class DigitCorrectnessStrict(DigitCorrectness):
+    """:class:`DigitCorrectness` with ``strict=True``: 1.0 when the reward classifier's most probable digit is the
+    intended one, else 0.0."""
+
+    def __init__(self) -> None:
+        super().__init__(strict=True)
