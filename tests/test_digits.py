@@ -308,7 +308,7 @@ def test_ensure_digits_model_builds_once_atomically_into_the_cache(tmp_path, mon
         digits.ensure_digits_model(seed=6)
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # nothing half-written remains
     (tmp_path / "half").mkdir()
-    with pytest.raises(FileExistsError, match="not a finished digits pipeline"):
+    with pytest.raises(FileExistsError, match="not a finished model folder"):
         digits.ensure_digits_model(folder=tmp_path / "half")
 
 

@@ -2,8 +2,9 @@
 
 A prompt file is plain text (one prompt a line; blank lines skipped) or JSONL (``.jsonl``: each line an object
 with a ``prompt`` string; every other field is metadata handed to the rewards). Embedded sets: ``digits`` (the
-digits task), ``digits_eval`` (the canonical phrasing of each digit (a subset of the training phrasings: the frozen random text encoders cannot generalise to unseen ones)) and ``t2i_compbench`` (T2I-CompBench validation prompts,
-MIT, see ``flowgrpo/assets/prompts/t2i_compbench/LICENSE``).
+digits task), ``digits_eval`` (the canonical phrasing of each digit, a subset of the training phrasings: the
+frozen random text encoders cannot generalise to unseen ones) and ``t2i_compbench`` (T2I-CompBench validation
+prompts, MIT, see ``flowgrpo/assets/prompts/t2i_compbench/LICENSE``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -46,26 +48,42 @@ def _sd3(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_unc
 def cache_dir() -> Path:
     """``$FLOWGRPO_CACHE``, else ``$XDG_CACHE_HOME/flowgrpo``, else ``~/.cache/flowgrpo``."""
     if os.environ.get("FLOWGRPO_CACHE"):
-        return Path(os.environ["FLOWGRPO_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flowgrpo"
+        return Path(os.environ["FLOWGRPO_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "flowgrpo"
+
+
+def build_once(target: Path, build, is_complete=lambda p: (p / "model_index.json").exists()) -> Path:
+    """``target``, built by ``build(tmp_folder)`` into a temporary sibling and renamed into place when absent:
+    a crash never leaves a half-written model, and of concurrent builders the first rename wins.
+
+    Raises:
+        FileExistsError: ``target`` exists but is not complete (remove it to rebuild).
+    """
+    if is_complete(target):
+        return target
+    if target.exists():
+        raise FileExistsError(f"{target} exists but is not a finished model folder; remove it to rebuild")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not is_complete(target):
+                raise
+            logger.info("another process finished %s first; using its copy", target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def ensure_tiny_model() -> Path:
-    """The random tiny FLUX pipeline, built into the cache on first use (atomically)."""
+    """The random tiny FLUX pipeline, built into the cache on first use."""
     from flowgrpo.models.tiny import build_tiny_flux
 
-    target = cache_dir() / "tiny-flux-v1"
-    if not (target / "model_index.json").exists():
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        build_tiny_flux(tmp)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process won the race; its folder is complete
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(cache_dir() / "tiny-flux-v1", build_tiny_flux)
 
 
 def resolve_pretrained(name: str) -> str:

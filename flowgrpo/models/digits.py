@@ -49,7 +49,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -206,11 +205,10 @@ def images_to_digits(images: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- model folder
 def cache_root() -> Path:
-    """``$FLOWGRPO_CACHE``, else ``$XDG_CACHE_HOME/flowgrpo``, else ``~/.cache/flowgrpo``."""
-    if os.environ.get("FLOWGRPO_CACHE"):
-        return Path(os.environ["FLOWGRPO_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "flowgrpo"
+    """The flowgrpo cache folder (:func:`flowgrpo.models.cache_dir`)."""
+    from flowgrpo.models import cache_dir
+
+    return cache_dir()
 
 
 def default_model_dir(seed: int = 0) -> Path:
@@ -240,26 +238,12 @@ def ensure_digits_model(seed: int = 0, folder: str | os.PathLike | None = None, 
     it into place, so a crash never leaves a half-written model and concurrent builders cannot mix their files
     (the first rename wins; the others discard their copy).
     """
+    from flowgrpo.models import build_once
+
     target = Path(folder) if folder is not None else default_model_dir(seed)
-    if is_complete(target):
-        return target
-    if target.exists():
-        raise FileExistsError(f"{target} exists but is not a finished digits pipeline; remove it to rebuild")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("digits pipeline not found at %s: pretraining it (a few minutes, once)", target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        pretrain(tmp, seed=seed, progress=progress)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not is_complete(target):
-                raise
-            logger.info("another process finished %s first; using its copy", target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    if not is_complete(target):
+        logger.info("digits pipeline not found at %s: pretraining it (a few minutes, once)", target)
+    return build_once(target, lambda tmp: pretrain(tmp, seed=seed, progress=progress), is_complete=is_complete)
 
 
 # ---------------------------------------------------------------------------------------------- pretraining
