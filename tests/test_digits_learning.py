@@ -1,0 +1,38 @@
+"""The embedded default learns: a short GRPO run on the digits task raises the independent judge's strict
+correctness by a stated margin.
+
+The base model is the cached pretrained digits pipeline (``ensure_digits_model``: built once, about 2 minutes,
+into ``$FLOWGRPO_CACHE``). The run is deterministic for its seed on a given machine; the margin (+0.06 on 200
+ODE images, 20 per digit) is about half the gain measured with these settings (see the README), so the test
+fails when learning breaks, not when rounding changes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from flowgrpo.config import build_config
+
+MARGIN = 0.06
+
+
+@pytest.mark.slow
+def test_short_grpo_run_raises_judge_correctness(tmp_path):
+    from flowgrpo.train import DEFAULT_CONFIG, run
+
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cfg = build_config(data, [
+        f"output_dir={tmp_path / 'run'}", "train.num_epochs=12", "train.prompts_per_epoch=8",
+        "train.rollout_batch_size=32", "train.optimizer_steps_per_epoch=2", "train.lr=2e-4",
+        "algo.clip_range=2e-4", "logging.progress=false", "train.seed=0",
+    ])
+    summary = run(cfg)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+    before, after = summary["correctness_before"], summary["correctness_after"]
+    assert after >= before + MARGIN, (before, after)
+    assert summary["diversity_after"] >= 0.5 * summary["diversity_real"]
+    for png in ("reward_curve.png", "before_after.png", "samples_latest.png"):
+        assert (tmp_path / "run" / png).stat().st_size > 1000
