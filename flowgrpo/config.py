@@ -311,17 +311,39 @@ def build_config(data: dict | None = None, overrides: list[str] = ()) -> Config:
         raise ConfigError(_format_error(err)) from None
 
 
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """A config file as a dict. A top-level ``base: OTHER.yaml`` (relative to the file) is read first and this
+    file's keys are merged over it (sections merge key by key; lists and values replace). Raises
+    :class:`ConfigError` for a missing file, a non-mapping, or a cycle of bases."""
+    p = Path(path).resolve()
+    if not p.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if p in _seen:
+        raise ConfigError(f"config file {str(p)!r} is its own base (cycle {[str(x) for x in _seen]})")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"config file {str(path)!r}: 'base' must be a file name, got {base!r}")
+        data = _deep_merge(read_yaml(p.parent / base, (*_seen, p)), data)
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Read YAML ``path`` (or the defaults when None), apply overrides, validate. Raises :class:`ConfigError`."""
-    data = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
-    return build_config(data, overrides)
+    return build_config(read_yaml(path) if path is not None else {}, overrides)
 
 
 def save_config(config: Config, path: str | Path) -> None:

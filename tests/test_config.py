@@ -175,3 +175,15 @@ def test_train_help_lists_every_field():
         line = next((ln for ln in lines if ln.split() and ln.split()[0] == key), None)
         assert line is not None, f"--help does not list {key}"
         assert description[:30] in line, f"--help does not describe {key}"
+
+
+def test_base_config_is_merged_key_by_key(tmp_path):
+    from flowgrpo.config import load_config
+
+    (tmp_path / "parent.yaml").write_text("train: {lr: 0.5, seed: 7}\nsampling: {num_steps: 6}\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\ntrain: {lr: 0.25}\n")
+    cfg = load_config(tmp_path / "child.yaml")
+    assert (cfg.train.lr, cfg.train.seed, cfg.sampling.num_steps) == (0.25, 7, 6)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="its own base"):
+        load_config(tmp_path / "loop.yaml")
