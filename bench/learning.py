@@ -23,10 +23,9 @@ ROWS: dict[str, list[str]] = {
     "chunk": ["grouper.name=chunk", "grouper.min_chunk_size=2"],
     "chunk_fixed": ["grouper.name=chunk", "grouper.chunk_sizes=[2,2,4]"],
     "trajectory": ["grouper.name=trajectory"],
-    "window": ["grouper.name=window", "grouper.window_size=4", "grouper.window_shift_every=10"],
-    "entropy_merge": ["grouper.name=entropy_merge", "grouper.entropy_threshold=-0.5", "grouper.sde_fraction=0.5",
-                      "train.group_size=8", "train.prompts_per_epoch=8", "train.rollout_batch_size=16",
-                      "train.train_batch_size=8"],
+    "window": ["grouper.name=window", "grouper.window_size=4", "grouper.window_shift_every=20"],
+    "entropy_merge": ["grouper.name=entropy_merge", "grouper.entropy_threshold=0.9", "grouper.sde_fraction=0.5",
+                      "train.prompts_per_epoch=8", "train.rollout_batch_size=16", "train.train_batch_size=8"],
     "dance_sde": ["sampling.sde_kind=dance_sde", "sampling.noise_level=0.7"],
     "cps": ["sampling.sde_kind=cps", "sampling.noise_level=0.8", "grouper.drop_last_step=true"],
     "dr_grpo": ["algo.advantage=dr_grpo"],
@@ -59,11 +58,13 @@ def run_row(name: str, overrides: list[str], epochs: int, seed: int, out_root: P
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=60)
+    parser.add_argument("--epochs", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--out", default=None, help="run folders (default: a temporary folder)")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="overrides applied to every row before its own (e.g. a smaller budget)")
     args = parser.parse_args()
     out_root = Path(args.out or tempfile.mkdtemp(prefix="flowgrpo_learning_"))
     results = []
@@ -71,7 +72,7 @@ def main() -> None:
               "calls/epoch | rows/epoch |\n|---|---|---|---|---|---|---|")
     print(header, flush=True)
     for name in args.rows:
-        r = run_row(name, ROWS[name], args.epochs, args.seed, out_root)
+        r = run_row(name, [*args.set, *ROWS[name]], args.epochs, args.seed, out_root)
         results.append(r)
         print(f"| {name} | {' '.join(ROWS[name]) or 'digits.yaml'} | {r['correctness_before']:.3f} → "
               f"{r['correctness_after']:.3f} | {r['diversity_after']:.1f} ({r['diversity_real']:.1f}) | "
