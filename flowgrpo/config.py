@@ -184,6 +184,7 @@ class LoggingConfig(_Section):
     eval_every: int = Field(0, ge=0, description="evaluate every N epochs (0: only before and after)")
     save_every: int = Field(0, ge=0, description="checkpoint every N epochs (0: only at the end)")
     checkpoints_total_limit: int = Field(2, ge=1, description="newest checkpoints kept")
+    overwrite: bool = Field(False, description="start a new run in an output_dir that holds an old one")
     progress: bool = Field(True, description="progress bars on the main process")
     save_rollout_stats: bool = Field(
         False, description="write each epoch's gathered rewards, advantages, group ids and initial noise to "
@@ -291,7 +292,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like dotted.key=value")
     key, value = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(value) if value.strip() else ""
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(
+            f"override {text!r}: the value is not valid YAML ({str(err).splitlines()[0]}); quote the whole "
+            f"override for the shell, e.g. '{key}=[{{name: x}}]'"
+        ) from None
+    return key.strip().split("."), parsed
 
 
 def build_config(data: dict | None = None, overrides: list[str] = ()) -> Config:

@@ -21,6 +21,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 logger = logging.getLogger("flowgrpo.train")
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
+_SETUP_DONE = False  # set once the run is built: errors after it are bugs and keep their traceback
 
 
 def _help_text() -> str:
@@ -49,18 +50,32 @@ def build_rewards(specs):
     return ComposedReward(rewards, weights), origins
 
 
+def check_strategies(config):
+    """Resolve every registered name of the config and let the grouper check its settings, before any model or
+    data is loaded (a typo must not cost a model load and an evaluation). Returns the grouper."""
+    from flowgrpo.algo.advantages import ESTIMATORS
+    from flowgrpo.algo.chunkers import build_grouper
+    from flowgrpo.sampling.sde import SDE_KINDS
+
+    SDE_KINDS.get(config.sampling.sde_kind)
+    ESTIMATORS.get(config.algo.advantage)
+    grouper = build_grouper(config.grouper)
+    grouper.validate(config.sampling.num_steps, config.sampling.sde_kind)
+    return grouper
+
+
 def run(config) -> dict:
     """Build every part from ``config`` and train; returns the summary."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from flowgrpo.algo.chunkers import build_grouper
     from flowgrpo.data.prompts import load_prompts
     from flowgrpo.models import load_model
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.trainer import Trainer
 
+    grouper = check_strategies(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
     set_seed(config.train.seed)
     m = config.model
@@ -90,9 +105,11 @@ def run(config) -> dict:
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_flat(config.model_dump(mode="json")))
     trainer = Trainer(config, adapter=adapter, params=params, rewards=rewards, eval_rewards=eval_rewards,
-                      grouper=build_grouper(config.grouper), prompts=prompts, eval_prompts=eval_prompts,
+                      grouper=grouper, prompts=prompts, eval_prompts=eval_prompts,
                       accelerator=accelerator, reward_origins=origins + eval_origins)
     torch.set_grad_enabled(True)
+    global _SETUP_DONE
+    _SETUP_DONE = True
     summary = trainer.fit()
     accelerator.end_training()
     return summary
@@ -164,13 +181,19 @@ def main(argv: list[str] | None = None) -> None:
         args.config = None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     _quiet_libraries()
+    from flowgrpo.checkpoint import CheckpointError
     from flowgrpo.config import ConfigError, load_config
+    from flowgrpo.rewards.registry import RewardLoadError
 
     try:
         config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
-    except ConfigError as err:
+        summary = run(config)
+    except (ConfigError, RewardLoadError, CheckpointError, FileExistsError) as err:
         parser.exit(2, f"error: {err}\n")
-    summary = run(config)
+    except (KeyError, ValueError) as err:
+        if not _SETUP_DONE:  # bad input found while setting up (names, prompt files, models): no traceback
+            parser.exit(2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n")
+        raise
     print_summary(summary)
 
 

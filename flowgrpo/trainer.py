@@ -135,6 +135,11 @@ class Trainer:
             self.epoch = 1 + load_checkpoint(t.resume_from, model=accelerator.unwrap_model(self.model),
                                              optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                                              sampler=self.sampler, ema=self.ema)
+            for group in self.optimizer.param_groups:  # this run's optimiser settings win over the checkpoint's
+                group.update(betas=tuple(t.adam_betas), eps=t.adam_eps, weight_decay=t.weight_decay)
+            self.lr_scheduler.base_lrs = [t.lr] * len(self.optimizer.param_groups)
+            for group in self.optimizer.param_groups:
+                group["lr"] = t.lr * self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
             logger.info("resumed from %s at epoch %d", t.resume_from, self.epoch)
 
     def _count_forward(self, module, args, kwargs) -> None:
@@ -292,6 +297,11 @@ class Trainer:
                             mismatch = torch.maximum(mismatch, lr_max.max())
                 if work:
                     gn = self.accelerator.clip_grad_norm_(self.params, t.max_grad_norm)
+                    if not math.isfinite(float(gn)):  # never let one bad batch overwrite the weights
+                        raise FloatingPointError(
+                            f"epoch {self.epoch}: the gradient norm is {float(gn)}; the weights were not updated "
+                            "(last checkpoint intact). Check the rewards and lower train.lr."
+                        )
                     grad_norms.append(float(gn))
                     self.optimizer.step()
                     self.lr_scheduler.step()
@@ -342,11 +352,27 @@ class Trainer:
         return out, images, captions
 
     # ------------------------------------------------------------------ the loop
+    def _claim_output_dir(self) -> None:
+        """Refuse a folder that holds another run; when resuming into it, drop the records of epochs after the
+        checkpoint (a run killed mid-epoch left them), so ``metrics.jsonl`` holds each epoch once."""
+        metrics = self.out / "metrics.jsonl"
+        if self.cfg.train.resume_from and metrics.exists():
+            kept = [r for r in read_metrics(metrics) if r["epoch"] < self.epoch]
+            metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif (self.out / "config.yaml").exists() and not self.cfg.logging.overwrite:
+            raise FileExistsError(
+                f"output_dir {str(self.out)!r} already holds a run; choose another output_dir, resume it with "
+                f"train.resume_from={self.out / 'checkpoints'}, or set logging.overwrite=true"
+            )
+        elif self.cfg.logging.overwrite and metrics.exists():
+            metrics.unlink()
+        self.out.mkdir(parents=True, exist_ok=True)
+
     def fit(self) -> dict:
         """Train for ``train.num_epochs`` epochs; returns the summary also written to ``summary.json``."""
         cfg = self.cfg
         if self.main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            self._claim_output_dir()
             save_config(cfg, self.out / "config.yaml")
             (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
         before, img_before, captions = self.evaluate("before")
@@ -450,7 +476,8 @@ class Trainer:
         summary["train_seconds"] = sum(v for r in records for k, v in r.items()
                                        if k.startswith("timing/") and v is not None)
         if self.main:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+            (self.out / "summary.json").write_text(json.dumps(clean, indent=1))
             if img_after.numel():  # what `flowgrpo sample --run` reproduces
                 torch.save(img_after, self.out / "eval_images_after.pt")
             if img_before.numel():

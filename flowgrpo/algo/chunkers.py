@@ -57,6 +57,10 @@ class _Grouper:
     def sde_steps(self, num_steps: int, epoch: int) -> torch.Tensor:
         return torch.ones(num_steps, dtype=torch.bool)
 
+    def validate(self, num_steps: int, kind: str) -> None:
+        """Reject settings this grouper cannot run, before any model is loaded (raises ``ValueError``)."""
+        self.sde_steps(num_steps, 0)
+
     def rollout(self, adapter, prompts: list[str], metadata: list[dict], prompt_ids: torch.Tensor,
                 sample_index: torch.Tensor, *, settings, batch_size: int, seed: int, epoch: int,
                 same_noise_in_group: bool = False, progress: bool = False, on_images=None,
@@ -173,6 +177,17 @@ class Chunk(_Grouper):
     """
 
     needs_recompute = True
+
+    def validate(self, num_steps: int, kind: str) -> None:
+        sizes = self.cfg.chunk_sizes
+        if sizes is None:
+            return
+        # cps never makes its last transition stochastic; drop_last_step leaves it out too
+        trainable = num_steps - int(self.cfg.drop_last_step or kind == "cps")
+        if min(sizes) < 1 or sum(sizes) != trainable:
+            raise ValueError(f"grouper.chunk_sizes {list(sizes)} must be positive and sum to the {trainable} "
+                             f"trainable transitions of {num_steps} steps (sde_kind {kind!r}, drop_last_step "
+                             f"{self.cfg.drop_last_step})")
 
     def chunk_bounds(self, traj: Trajectory) -> tuple[list[tuple[int, ...]], torch.Tensor]:
         steps = trainable_steps(traj, self.cfg.drop_last_step)
@@ -434,6 +449,13 @@ class EntropyMerge(_Grouper):
         return merge_plan(sigmas, kind=kind, noise_level=noise_level, tau=self.cfg.entropy_threshold,
                           limit=fraction_count(self.cfg.sde_fraction, t_count), steps=self.cfg.merge_steps,
                           lengths=self.cfg.merge_lengths)
+
+    def validate(self, num_steps: int, kind: str) -> None:
+        if kind in ("cps", "ode"):
+            raise ValueError(f"grouper 'entropy_merge' cannot use sde_kind {kind!r}: cps's std shrinks as a jump "
+                             "grows (and ode has none); use flow_sde or dance_sde")
+        if self.cfg.merge_steps is not None and max(self.cfg.merge_steps) >= num_steps:
+            raise ValueError(f"grouper.merge_steps {list(self.cfg.merge_steps)} must be < num_steps {num_steps}")
 
     def sde_steps(self, num_steps: int, epoch: int) -> torch.Tensor:
         """(T,) bool, the branch steps; only for hand-set lists (the entropy rule needs the σ grid and the SDE:

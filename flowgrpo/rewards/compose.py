@@ -63,6 +63,9 @@ class ComposedReward:
                 raise ValueError(
                     f"reward {name!r} returned shape {tuple(scores.shape)}, expected ({images.shape[0]},)"
                 )
+            if bool(torch.isinf(scores).any()):
+                raise ValueError(f"reward {name!r} returned an infinite score: {scores.tolist()} (NaN means "
+                                 "'not applicable'; an infinite reward has no meaning)")
             out[name] = scores
         return out
 

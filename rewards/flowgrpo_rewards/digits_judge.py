@@ -10,7 +10,11 @@ correct.
 
 from __future__ import annotations
 
+import logging
+
 from flowgrpo.rewards.base import BaseReward
+
+logger = logging.getLogger(__name__)
 
 
 def _labels(metadata: list[dict]) -> list[int]:
@@ -39,8 +43,13 @@ class DigitJudge(BaseReward):
         from flowgrpo.models.digits_eval import intra_digit_diversity, real_diversity
 
         labels = _labels(metadata)
+        if max(labels.count(d) for d in set(labels)) < 2:  # diversity needs two samples of some digit
+            logger.warning("digit_judge: no digit has two samples; diversity not measured (raise eval_num_prompts)")
+            diversity = float("nan")
+        else:
+            diversity = intra_digit_diversity(images.detach().float().cpu(), labels)
         return {
             "correctness": float(self.score(images, prompts, metadata).mean()),
-            "diversity": intra_digit_diversity(images.detach().float().cpu(), labels),
+            "diversity": diversity,
             "diversity_real": real_diversity(),
         }
