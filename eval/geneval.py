@@ -110,19 +110,14 @@ def load_specs(path: Path | None) -> list[dict]:
     """
     if path is None:
         return evaluation_metadata()
+    from flowgrpo.data.prompts import iter_jsonl
+
     specs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                spec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed metadata line ({e})") from None
-            validate_metadata(spec, f"{path}:{lineno}")
-            if "prompt" not in spec:
-                raise ValueError(f"{path}:{lineno}: missing field 'prompt'")
-            specs.append(spec)
+    for lineno, spec in iter_jsonl(path):
+        validate_metadata(spec, f"{path}:{lineno}")
+        if "prompt" not in spec:
+            raise ValueError(f"{path}:{lineno}: missing field 'prompt'")
+        specs.append(spec)
     return specs
 
 

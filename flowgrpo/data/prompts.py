@@ -10,6 +10,7 @@ prompts, MIT, see ``flowgrpo/assets/prompts/t2i_compbench/LICENSE``).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -42,15 +43,22 @@ EMBEDDED = {
 }
 
 
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) for each non-blank line of a JSONL file; a line that is not JSON raises
+    ``ValueError`` naming ``path:line``."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+
+
 def _read_jsonl(path: Path) -> tuple[list[str], list[dict]]:
     prompts, meta = [], []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+    for lineno, obj in iter_jsonl(path):
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise ValueError(f"{path}:{lineno}: each JSONL line needs a string field 'prompt'")
         prompts.append(obj.pop("prompt"))

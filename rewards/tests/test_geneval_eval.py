@@ -137,7 +137,7 @@ def test_malformed_prompt_file_names_file_and_line(tmp_path):
     good = json.dumps(evaluation_metadata()[0])
     path = tmp_path / "prompts.jsonl"
     path.write_text(good + "\n" + '{"tag": "colors", "include": [}' + "\n")
-    with pytest.raises(ValueError, match=r"prompts\.jsonl:2: malformed metadata line"):
+    with pytest.raises(ValueError, match=r"prompts\.jsonl:2: not valid JSON"):
         cli.load_specs(path)
     path.write_text(good + "\n\n" + json.dumps({"tag": "colors", "include": [{"class": "car", "count": 1}]}))
     with pytest.raises(ValueError, match=r"prompts\.jsonl:3: missing field 'prompt'"):

@@ -172,18 +172,13 @@ def read_results(path: str | Path) -> list[dict]:
         ValueError: a line that is not a JSON object with ``tag`` and a boolean ``correct`` (names the file
             and line).
     """
+    from flowgrpo.data.prompts import iter_jsonl
+
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
-            if not isinstance(row, dict) or "tag" not in row or not isinstance(row.get("correct"), bool):
-                raise ValueError(f"{path}:{lineno}: a result needs 'tag' and a boolean 'correct'")
-            rows.append(row)
+    for lineno, row in iter_jsonl(path):
+        if not isinstance(row, dict) or "tag" not in row or not isinstance(row.get("correct"), bool):
+            raise ValueError(f"{path}:{lineno}: a result needs 'tag' and a boolean 'correct'")
+        rows.append(row)
     return rows
 
 
