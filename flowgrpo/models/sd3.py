@@ -20,7 +20,6 @@ Everything SD3-specific lives here:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import os
@@ -298,15 +297,9 @@ def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir")
-    parser.add_argument("--prompts", help="a prompt file whose words become T5 pieces")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    words = Path(args.prompts).read_text().split() if args.prompts else ()
-    logging.basicConfig(level=logging.INFO)
-    logger.info("tiny SD3 pipeline saved to %s", build_tiny_sd3(args.out_dir, args.seed, words=words))
+    from flowgrpo.models.tiny import builder_main
+
+    builder_main(lambda out, words, seed: build_tiny_sd3(out, seed, words=words), "SD3", __doc__, argv)
 
 
 if __name__ == "__main__":

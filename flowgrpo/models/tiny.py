@@ -125,15 +125,21 @@ def build_tiny_flux(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sa
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def builder_main(build, what: str, doc: str, argv: list[str] | None = None) -> None:
+    """The command line of a tiny-model builder: ``OUT_DIR [--prompts FILE] [--seed N]``;
+    ``build(out_dir, words=..., seed=...)`` writes the pipeline."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--prompts", help="a prompt file whose words become T5 pieces")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     words = Path(args.prompts).read_text().split() if args.prompts else ()
     logging.basicConfig(level=logging.INFO)
-    logger.info("tiny FLUX pipeline saved to %s", build_tiny_flux(args.out_dir, words=words, seed=args.seed))
+    logger.info("tiny %s pipeline saved to %s", what, build(args.out_dir, words=words, seed=args.seed))
+
+
+def main(argv: list[str] | None = None) -> None:
+    builder_main(build_tiny_flux, "FLUX", __doc__, argv)
 
 
 if __name__ == "__main__":
