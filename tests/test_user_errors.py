@@ -1,0 +1,95 @@
+"""Faults a new user hit on a fresh clone, each kept as a case: bad input fails at once, clearly, before any model
+is loaded, and nothing is silently fixed or lost."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowgrpo.config import ConfigError, build_config, parse_override
+from flowgrpo.rewards.compose import ComposedReward
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Const:
+    name = "const"
+
+    def __init__(self, values):
+        self.values = values
+
+    def setup(self, device):
+        pass
+
+    def __call__(self, images, prompts, metadata):
+        return torch.tensor(self.values, dtype=torch.float32)
+
+
+def test_an_infinite_reward_is_an_error_naming_the_reward():
+    composed = ComposedReward({"bad": _Const([1.0, float("inf")])}, {"bad": 1.0})
+    with pytest.raises(ValueError, match="reward 'bad' returned an infinite score"):
+        composed(torch.zeros(2, 3, 8, 8), ["a", "b"], [{}, {}])
+
+
+def test_nan_stays_not_applicable():
+    composed = ComposedReward({"ok": _Const([1.0, float("nan")])}, {"ok": 1.0})
+    out = composed(torch.zeros(2, 3, 8, 8), ["a", "b"], [{}, {}])
+    assert out.total[0] == 1.0 and torch.isnan(out.total[1])
+
+
+def test_an_override_that_is_not_yaml_names_itself_and_suggests_quoting():
+    with pytest.raises(ConfigError, match=r"override 'rewards=\[\{name:': the value is not valid YAML.*quote"):
+        parse_override("rewards=[{name:")
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["sampling.sde_kind=fow_sde"], "unknown SDE kind 'fow_sde'"),
+    (["algo.advantage=grpoo"], "unknown advantage estimator 'grpoo'"),
+    (["grouper.name=chunk", "grouper.chunk_sizes=[2,3]"], "must be positive and sum to the 8"),
+    (["grouper.name=window", "grouper.window_size=20"], "exceeds sampling.num_steps=8"),
+    (["grouper.name=entropy_merge", "grouper.entropy_threshold=0.9", "sampling.sde_kind=cps"], "cannot use"),
+])
+def test_strategy_errors_come_before_any_model_loads(overrides, needle):
+    from flowgrpo.train import check_strategies
+
+    cfg = build_config({"sampling": {"num_steps": 8}}, overrides)
+    with pytest.raises((KeyError, ValueError), match=needle):
+        check_strategies(cfg)
+
+
+def test_the_script_prints_one_error_line_for_a_setup_mistake(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "flowgrpo/train.py", "sampling.sde_kind=fow_sde", f"output_dir={tmp_path / 'r'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "error: unknown SDE kind 'fow_sde'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _trainer_stub(tmp_path, **train):
+    from flowgrpo.trainer import Trainer
+
+    cfg = build_config({"output_dir": str(tmp_path), "train": train})
+    stub = Trainer.__new__(Trainer)
+    stub.cfg, stub.out, stub.epoch = cfg, Path(cfg.output_dir), 3
+    return stub
+
+
+def test_an_output_dir_holding_a_run_is_refused(tmp_path):
+    (tmp_path / "config.yaml").write_text("{}\n")
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        _trainer_stub(tmp_path)._claim_output_dir()
+
+
+def test_resuming_into_the_folder_drops_records_after_the_checkpoint(tmp_path):
+    (tmp_path / "config.yaml").write_text("{}\n")
+    lines = [json.dumps({"epoch": e}) for e in (0, 1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    _trainer_stub(tmp_path, resume_from=str(tmp_path / "checkpoints"))._claim_output_dir()
+    kept = [json.loads(x)["epoch"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == [0, 1, 2]  # the stub resumes at epoch 3
