@@ -181,3 +181,15 @@ def test_registry_lists_names_suggests_and_refuses_duplicates():
     assert "did you mean 'alpha'" in str(err.value)
     with pytest.raises(ValueError, match="twice"):
         reg.register("alpha")(3)
+
+
+def test_an_infinite_reward_is_an_error_naming_the_reward():
+    composed = ComposedReward({"bad": _Const([1.0, float("inf")])}, {"bad": 1.0})
+    with pytest.raises(ValueError, match="reward 'bad' returned an infinite score"):
+        composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+
+
+def test_nan_stays_not_applicable():
+    composed = ComposedReward({"ok": _Const([1.0, float("nan")])}, {"ok": 1.0})
+    out = composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+    assert out.total[0] == 1.0 and torch.isnan(out.total[1])
