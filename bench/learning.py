@@ -1,4 +1,4 @@
-"""GRPO on the digits task for a fixed budget, one row per grouper, SDE kind and estimator (a table; never a test).
+"""GRPO on the digits task for a fixed budget, one row per chunker, SDE kind and estimator (a table; never a test).
 
     python bench/learning.py [--epochs 60] [--seed 0] [--rows per_step chunk ...] [--json PATH]
 
@@ -20,14 +20,14 @@ import yaml
 
 ROWS: dict[str, list[str]] = {
     "per_step": [],
-    "chunk": ["grouper.name=chunk", "grouper.min_chunk_size=2"],
-    "chunk_fixed": ["grouper.name=chunk", "grouper.chunk_sizes=[2,2,4]"],
-    "trajectory": ["grouper.name=trajectory"],
-    "window": ["grouper.name=window", "grouper.window_size=4", "grouper.window_shift_every=20"],
-    "entropy_merge": ["grouper.name=entropy_merge", "grouper.entropy_threshold=0.9", "grouper.sde_fraction=0.5",
+    "chunk": ["chunker.name=chunk", "chunker.min_chunk_size=2"],
+    "chunk_fixed": ["chunker.name=chunk", "chunker.chunk_sizes=[2,2,4]"],
+    "trajectory": ["chunker.name=trajectory"],
+    "window": ["chunker.name=window", "chunker.window_size=4", "chunker.window_shift_every=20"],
+    "entropy_merge": ["chunker.name=entropy_merge", "chunker.entropy_threshold=0.9", "chunker.sde_fraction=0.5",
                       "train.prompts_per_epoch=8", "train.rollout_batch_size=16", "train.train_batch_size=8"],
     "dance_sde": ["sampling.sde_kind=dance_sde", "sampling.noise_level=0.7"],
-    "cps": ["sampling.sde_kind=cps", "sampling.noise_level=0.8", "grouper.drop_last_step=true"],
+    "cps": ["sampling.sde_kind=cps", "sampling.noise_level=0.8", "chunker.drop_last_step=true"],
     "dr_grpo": ["algo.advantage=dr_grpo"],
     "rloo": ["algo.advantage=rloo"],
     "grpo_global_std": ["algo.global_std=true"],

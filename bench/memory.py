@@ -52,7 +52,7 @@ for step in range(t):
     x = traj.latents[:, step].to(dev)
     v = adapter.velocity(x, traj.sigmas[step].expand(b).to(dev), traj.embeds, 3.5)
     out = sde_step(x, v, traj.sigmas[step].item(), traj.sigmas[step + 1].item(),
-                   prev_latents=traj.latents[:, step + 1].to(dev))
+                   next_latents=traj.latents[:, step + 1].to(dev))
     old = traj.log_probs[:, step:step + 1].to(dev)
     terms = clipped_surrogate(out.log_prob[:, None], old, torch.randn(b, device=dev), clip_low=1e-4, clip_high=1e-4)
     terms.loss.mean().backward()

@@ -54,7 +54,7 @@ def main() -> None:
     pipe = adapter.pipe
     b, t = args.batch, args.steps
     prompts = [f"a photo of object {i}" for i in range(b)]
-    settings = SamplerSettings(num_steps=t, guidance_scale=3.5, kind="flow_sde", noise_level=0.7)
+    settings = SamplerSettings(num_steps=t, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
     rows = {}
 
     def ours():
@@ -73,7 +73,7 @@ def main() -> None:
     # (b) one update (the trainer's chunk_forward + clipped surrogate + backward + step) vs bare fwd+bwd
     from accelerate import Accelerator
 
-    from flowgrpo.algo.chunkers import build_grouper
+    from flowgrpo.algo.chunkers import build_chunker
     from flowgrpo.records import Advantages
     from flowgrpo.rewards.compose import ComposedReward
     from flowgrpo.trainer import Trainer
@@ -97,13 +97,13 @@ def main() -> None:
 
     trainer = Trainer(cfg, adapter=adapter, params=params,
                       rewards=ComposedReward({"none": _NoReward()}, {"none": 1}), eval_rewards=None,
-                      grouper=build_grouper(cfg.grouper), prompts=PromptSet(prompts, [{}] * b, "bench"),
+                      chunker=build_chunker(cfg.chunker), prompts=PromptSet(prompts, [{}] * b, "bench"),
                       eval_prompts=None, accelerator=Accelerator(cpu=True))
     traj = rollout(adapter, prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long), settings=settings,
                    sde_steps=torch.ones(t, dtype=torch.bool), batch_size=b, seed=0, epoch=0)
     adv = Advantages(values=torch.randn(b), train_mask=torch.ones(b, dtype=torch.bool), zero_spread_frac=0.0,
                      nan_frac=0.0)
-    plan = trainer.grouper.plan(traj, 0, torch.Generator().manual_seed(0))
+    plan = trainer.chunker.plan(traj, 0, torch.Generator().manual_seed(0))
 
     def update():
         trainer.update_phase(traj, adv, plan, traj.log_probs)
@@ -121,14 +121,14 @@ def main() -> None:
 
     # (c) epoch scaling: rollout + update for G and T doubled
     def epoch_time(g: int, steps: int) -> float:
-        s = SamplerSettings(num_steps=steps, guidance_scale=3.5, kind="flow_sde", noise_level=0.7)
+        s = SamplerSettings(num_steps=steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
         n = 4 * g
         ps = [prompts[i % b] for i in range(n)]
 
         def run():
             tr = rollout(adapter, ps, [{}] * n, torch.arange(n) // g, torch.arange(n) % g, settings=s,
                          sde_steps=torch.ones(steps, dtype=torch.bool), batch_size=g, seed=0, epoch=0)
-            pl = trainer.grouper.plan(tr, 0, torch.Generator().manual_seed(0))
+            pl = trainer.chunker.plan(tr, 0, torch.Generator().manual_seed(0))
             a = Advantages(values=torch.randn(n), train_mask=torch.ones(n, dtype=torch.bool), zero_spread_frac=0.0,
                            nan_frac=0.0)
             trainer.cfg.train.train_batch_size = g
@@ -157,9 +157,9 @@ def main() -> None:
         f"| (c) epoch, T {base_t}→{2*base_t} (4 prompts, G={base_g}) | {et:.2f} s | {e0:.2f} s | {et/e0:.2f}× | ≈ 2× |",
     ]
     try:
-        from flowgrpo.algo.chunkers import GROUPERS
+        from flowgrpo.algo.chunkers import CHUNKERS
 
-        if "entropy_merge" in GROUPERS:
+        if "entropy_merge" in CHUNKERS:
             lines.append("| (d) E-GRPO shared prefix: see bench/learning.py (transformer calls per epoch) | | | | |")
     except ImportError:
         pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,11 +78,11 @@ class EvalSamplingConfig(_Section):
     guidance_scale: float = Field(3.5, description="guidance for evaluation images")
 
 
-class GrouperConfig(_Section):
+class ChunkerConfig(_Section):
     """Which transitions are stochastic and trained, and which share one importance ratio."""
 
     name: str = Field(
-        "per_step", description="registered grouper: per_step, chunk, trajectory, window, entropy_merge"
+        "per_step", description="registered chunker: per_step, chunk, trajectory, window, entropy_merge"
     )
     timestep_fraction: float = Field(1.0, gt=0, le=1, description="per_step: fraction of stochastic steps trained")
     step_selection: Literal["first", "random"] = Field(
@@ -199,7 +200,7 @@ class Config(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     eval_sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
-    grouper: GrouperConfig = Field(default_factory=GrouperConfig)
+    chunker: ChunkerConfig = Field(default_factory=ChunkerConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     rewards: list[RewardSpec] = Field(
@@ -302,11 +303,32 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), parsed
 
 
+#: renamed top-level sections: old key -> new key (the old one still works, with a warning)
+RENAMED_SECTIONS = {"grouper": "chunker"}
+
+
+def _renamed(key: str, where: str) -> str:
+    new = RENAMED_SECTIONS.get(key)
+    if new is None:
+        return key
+    warnings.warn(f"{where}: the config section {key!r} is now called {new!r}; the old name will be removed",
+                  FutureWarning, stacklevel=3)
+    return new
+
+
 def build_config(data: dict | None = None, overrides: list[str] = ()) -> Config:
-    """Validate a config dict after applying dotted overrides. Raises :class:`ConfigError`."""
+    """Validate a config dict after applying dotted overrides. Raises :class:`ConfigError`.
+
+    Renamed sections (:data:`RENAMED_SECTIONS`) are accepted under their old name with a ``FutureWarning``."""
     data = copy.deepcopy(data or {})
+    for old in [k for k in data if k in RENAMED_SECTIONS]:
+        new = _renamed(old, "config")
+        if new in data:
+            raise ConfigError(f"config has both {old!r} and its new name {new!r}; keep only {new!r}")
+        data[new] = data.pop(old)
     for text in overrides:
         path, value = parse_override(text)
+        path[0] = _renamed(path[0], f"override {text!r}")
         node = data
         for p in path[:-1]:
             if not isinstance(node.setdefault(p, {}), dict):

@@ -51,17 +51,17 @@ def build_rewards(specs):
 
 
 def check_strategies(config):
-    """Resolve every registered name of the config and let the grouper check its settings, before any model or
-    data is loaded (a typo must not cost a model load and an evaluation). Returns the grouper."""
+    """Resolve every registered name of the config and let the chunker check its settings, before any model or
+    data is loaded (a typo must not cost a model load and an evaluation). Returns the chunker."""
     from flowgrpo.algo.advantages import ESTIMATORS
-    from flowgrpo.algo.chunkers import build_grouper
+    from flowgrpo.algo.chunkers import build_chunker
     from flowgrpo.sampling.sde import SDE_KINDS
 
     SDE_KINDS.get(config.sampling.sde_kind)
     ESTIMATORS.get(config.algo.advantage)
-    grouper = build_grouper(config.grouper)
-    grouper.validate(config.sampling.num_steps, config.sampling.sde_kind)
-    return grouper
+    chunker = build_chunker(config.chunker)
+    chunker.validate(config.sampling.num_steps, config.sampling.sde_kind)
+    return chunker
 
 
 def run(config) -> dict:
@@ -75,7 +75,7 @@ def run(config) -> dict:
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.trainer import Trainer
 
-    grouper = check_strategies(config)
+    chunker = check_strategies(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
     set_seed(config.train.seed)
     m = config.model
@@ -105,7 +105,7 @@ def run(config) -> dict:
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_flat(config.model_dump(mode="json")))
     trainer = Trainer(config, adapter=adapter, params=params, rewards=rewards, eval_rewards=eval_rewards,
-                      grouper=grouper, prompts=prompts, eval_prompts=eval_prompts,
+                      chunker=chunker, prompts=prompts, eval_prompts=eval_prompts,
                       accelerator=accelerator, reward_origins=origins + eval_origins)
     torch.set_grad_enabled(True)
     global _SETUP_DONE

@@ -1,8 +1,8 @@
-"""The epoch loop: one trainer for every model adapter, grouper, SDE kind and reward.
+"""The epoch loop: one trainer for every model adapter, chunker, SDE kind and reward.
 
 An epoch is a flat list of timed phases (as verl's driver loop): ``rollout`` → ``reward`` → ``advantage`` →
 ``plan`` → ``recompute`` (optional) → ``update``, with ``eval`` and ``save`` around it. The update is the clipped
-surrogate of :mod:`flowgrpo.algo.losses` over the grouper's chunks; every log-prob, in rollout and training,
+surrogate of :mod:`flowgrpo.algo.losses` over the chunker's chunks; every log-prob, in rollout and training,
 comes from the adapter's ``velocity`` and :func:`~flowgrpo.sampling.sde.sde_step`, so the first ratio of an
 on-policy update is exactly 1 when the training batch layout equals the rollout's (``policy/logprob_mismatch_max``
 reports it).
@@ -87,21 +87,21 @@ class Trainer:
         adapter: a model adapter whose transformer is already set up for training (LoRA or full).
         params: the trained parameters.
         rewards: the optimised rewards; eval_rewards: rewards scored only at evaluation (may be None).
-        grouper: the step grouper strategy.
+        chunker: the step chunker strategy.
         prompts: the training prompt set; eval_prompts: held-out prompts (None: no evaluation).
         accelerator: an ``accelerate.Accelerator``.
         reward_origins: provenance of every reward plugin, written to ``rewards.json``.
     """
 
     def __init__(self, config: Config, *, adapter, params, rewards: ComposedReward,
-                 eval_rewards: ComposedReward | None, grouper, prompts: PromptSet, eval_prompts: PromptSet | None,
+                 eval_rewards: ComposedReward | None, chunker, prompts: PromptSet, eval_prompts: PromptSet | None,
                  accelerator, reward_origins: list | None = None) -> None:
         self.cfg = config
         self.adapter = adapter
         self.params = params
         self.rewards = rewards
         self.eval_rewards = eval_rewards
-        self.grouper = grouper
+        self.chunker = chunker
         self.prompts = prompts
         self.eval_prompts = eval_prompts
         self.accelerator = accelerator
@@ -118,13 +118,8 @@ class Trainer:
         adapter.forward_module = self.model  # forward through the distributed wrapper (gradient sync)
         self.sampler = GroupSampler(len(prompts), t.prompts_per_epoch, t.seed)
         self.epoch = 0
-        self.settings = SamplerSettings(
-            num_steps=config.sampling.num_steps, guidance_scale=config.sampling.guidance_scale,
-            kind=config.sampling.sde_kind, noise_level=config.sampling.noise_level,
-            reduction=config.sampling.logprob_reduction,
-            simplified_log_prob=config.sampling.cps_simplified_logprob,
-        )
-        self.recompute = config.algo.recompute_old_log_probs or grouper.needs_recompute
+        self.settings = SamplerSettings.from_config(config.sampling)
+        self.recompute = config.algo.recompute_old_log_probs or chunker.needs_recompute
         self.metrics = MetricsSink(self.out / "metrics.jsonl", accelerator, self.main)
         self.reward_origins = reward_origins or []
         self.ema = EMA(params, t.ema_decay) if t.ema_decay is not None else None
@@ -174,7 +169,7 @@ class Trainer:
         def score_in_background(images: torch.Tensor, batch_prompts: list[str], batch_meta: list[dict]) -> None:
             handles.append(self.scorer.submit(images, batch_prompts, batch_meta))
 
-        traj = self.grouper.rollout(
+        traj = self.chunker.rollout(
             self.adapter, prompts, metadata, pids, js, settings=self.settings, batch_size=t.rollout_batch_size,
             seed=t.seed, epoch=self.epoch, same_noise_in_group=self.cfg.sampling.same_noise_in_group,
             progress=self.cfg.logging.progress and self.main, on_images=score_in_background,
@@ -183,7 +178,7 @@ class Trainer:
         return traj, handles
 
     def reward_phase(self, traj: Trajectory, handles: list) -> tuple[Rewards, torch.Tensor]:
-        """Wait for the background scores of the local images (scored during the rollout; a grouper that did not
+        """Wait for the background scores of the local images (scored during the rollout; a chunker that did not
         report its micro-batches is scored here), then gather components and group ids of the whole batch."""
         if sum(h.batch_size for h in handles) == traj.batch_size:
             comps = self.scorer.gather(handles)
@@ -217,14 +212,14 @@ class Trainer:
         sigma_next = traj.sigmas[ends.flatten()].to(dev)
         embeds = traj.embeds.index(rows.to(traj.embeds.device)).repeat_interleave(k)
         v = self.adapter.velocity(x, sigma, embeds, traj.guidance_scale)
-        out = sde_step(x, v, sigma, sigma_next, kind=self.settings.kind, noise_level=self.settings.noise_level,
-                       prev_latents=x_next, reduction=self.settings.reduction,
-                       simplified_log_prob=self.settings.simplified_log_prob)
+        out = sde_step(x, v, sigma, sigma_next, kind=self.settings.sde_kind, noise_level=self.settings.noise_level,
+                       next_latents=x_next, reduction=self.settings.logprob_reduction,
+                       simplified_log_prob=self.settings.cps_simplified_logprob)
         kl = None
         if with_ref:
             with torch.no_grad(), self.adapter.reference():
                 v_ref = self.adapter.velocity(x, sigma, embeds, traj.guidance_scale)
-            ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=self.settings.kind,
+            ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=self.settings.sde_kind,
                                              noise_level=self.settings.noise_level)
             kl = kl_between_means(out.mean, ref_mean, out.std).reshape(n, k)
         return out.log_prob.reshape(n, k), kl
@@ -405,7 +400,7 @@ class Trainer:
         with m.timed("advantage"):
             adv = self.advantage_phase(rewards, group_ids)
         with m.timed("plan"):
-            plan = self.grouper.plan(traj, epoch, make_generator(cfg.train.seed, epoch, dist.rank(), "plan"))
+            plan = self.chunker.plan(traj, epoch, make_generator(cfg.train.seed, epoch, dist.rank(), "plan"))
         old = traj.log_probs
         if self.recompute:
             with m.timed("recompute"):

@@ -1,4 +1,4 @@
-"""Specification of the step groupers (flowgrpo.algo.chunkers).
+"""Specification of the step chunkers (flowgrpo.algo.chunkers).
 
 Chunk boundaries of ``adaptive_chunks`` are derived on paper from the rule in its docstring (the derivations are
 in the comments); sampling frequencies are checked with a chi-square test against probabilities computed by hand.
@@ -11,13 +11,13 @@ import torch
 from scipy.stats import chisquare
 
 from flowgrpo.algo.chunkers import (
-    GROUPERS,
+    CHUNKERS,
     adaptive_chunks,
-    build_grouper,
+    build_chunker,
     relative_l1,
     trainable_steps,
 )
-from flowgrpo.config import GrouperConfig
+from flowgrpo.config import ChunkerConfig
 from flowgrpo.models.base import PromptEmbeds
 from flowgrpo.records import Trajectory
 
@@ -128,21 +128,21 @@ def test_adaptive_chunks_rejects_min_size_zero():
         adaptive_chunks(torch.ones(6), 0)
 
 
-# ----------------------------------------------------------------------------------------------- chunk grouper
+# ----------------------------------------------------------------------------------------------- chunk chunker
 
 
 def test_fixed_chunk_sizes_map_to_trainable_steps():
-    plan = build_grouper(GrouperConfig(name="chunk", chunk_sizes=[2, 3, 3])).plan(_random_traj(t=8), 0, _gen())
+    plan = build_chunker(ChunkerConfig(name="chunk", chunk_sizes=[2, 3, 3])).plan(_random_traj(t=8), 0, _gen())
     assert plan.chunks == ((0, 1), (2, 3, 4), (5, 6, 7))
     assert plan.selected.shape == (3, 3) and plan.selected.all()
     # with the last step dropped, the sizes cover 7 trainable steps
-    cfg = GrouperConfig(name="chunk", chunk_sizes=[3, 4], drop_last_step=True)
-    assert build_grouper(cfg).plan(_random_traj(t=8), 0, _gen()).chunks == ((0, 1, 2), (3, 4, 5, 6))
+    cfg = ChunkerConfig(name="chunk", chunk_sizes=[3, 4], drop_last_step=True)
+    assert build_chunker(cfg).plan(_random_traj(t=8), 0, _gen()).chunks == ((0, 1, 2), (3, 4, 5, 6))
 
 
 def test_fixed_chunk_sizes_that_do_not_sum_raise():
     with pytest.raises(ValueError, match=r"\[2, 3\].*8"):
-        build_grouper(GrouperConfig(name="chunk", chunk_sizes=[2, 3])).plan(_random_traj(t=8), 0, _gen())
+        build_chunker(ChunkerConfig(name="chunk", chunk_sizes=[2, 3])).plan(_random_traj(t=8), 0, _gen())
 
 
 def test_chunks_skip_deterministic_steps():
@@ -152,7 +152,7 @@ def test_chunks_skip_deterministic_steps():
     st[1, 3] = False
     traj = _random_traj(t=8, stochastic=st)
     assert trainable_steps(traj) == [1, 2, 4, 6, 7]
-    plan = build_grouper(GrouperConfig(name="chunk", chunk_sizes=[2, 3])).plan(traj, 0, _gen())
+    plan = build_chunker(ChunkerConfig(name="chunk", chunk_sizes=[2, 3])).plan(traj, 0, _gen())
     assert plan.chunks == ((1, 2), (4, 6, 7))
 
 
@@ -168,8 +168,8 @@ def test_weighted_chunk_sampling_follows_mean_l1_one_chunk_each():
     # chunks [0,1] [2,3] [4,5] with mean L1_rel 0.1, 0.2, 0.5 → probabilities 1/8, 2/8, 5/8.
     b = 4000
     traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], b))
-    cfg = GrouperConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=1 / 3)
-    plan = build_grouper(cfg).plan(traj, 0, _gen(1))
+    cfg = ChunkerConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=1 / 3)
+    plan = build_chunker(cfg).plan(traj, 0, _gen(1))
     assert plan.selected.sum(1).tolist() == [1] * b
     counts = plan.selected.sum(0).double()
     expected = torch.tensor([1 / 8, 2 / 8, 5 / 8], dtype=torch.float64) * b
@@ -184,8 +184,8 @@ def test_weighted_chunk_sampling_without_replacement():
     #   {0,1}: (2/64)/(7/8) + (2/64)/(6/8) = 2/56 + 2/48;  {0,2}: 5/56 + 5/24;  {1,2}: 10/48 + 10/24
     b = 4000
     traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], b))
-    cfg = GrouperConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=2 / 3)
-    plan = build_grouper(cfg).plan(traj, 0, _gen(2))
+    cfg = ChunkerConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=2 / 3)
+    plan = build_chunker(cfg).plan(traj, 0, _gen(2))
     assert plan.selected.sum(1).tolist() == [2] * b  # never the same chunk twice
     pair = {(0, 1): 0, (0, 2): 1, (1, 2): 2}
     counts = torch.zeros(3)
@@ -198,14 +198,14 @@ def test_weighted_chunk_sampling_without_replacement():
 
 def test_chunk_plan_is_reproducible_from_the_generator():
     traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], 16))
-    grouper = build_grouper(GrouperConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=0.5))
-    assert torch.equal(grouper.plan(traj, 0, _gen(5)).selected, grouper.plan(traj, 0, _gen(5)).selected)
+    chunker = build_chunker(ChunkerConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=0.5))
+    assert torch.equal(chunker.plan(traj, 0, _gen(5)).selected, chunker.plan(traj, 0, _gen(5)).selected)
 
 
-def test_adaptive_chunk_grouper_uses_the_batch_l1_curve():
-    # the grouper must cut where adaptive_chunks cuts the batch's L1_rel curve over the trainable steps
+def test_adaptive_chunk_chunker_uses_the_batch_l1_curve():
+    # the chunker must cut where adaptive_chunks cuts the batch's L1_rel curve over the trainable steps
     traj = _random_traj(b=4, t=10, seed=3)
-    plan = build_grouper(GrouperConfig(name="chunk", min_chunk_size=2)).plan(traj, 0, _gen())
+    plan = build_chunker(ChunkerConfig(name="chunk", min_chunk_size=2)).plan(traj, 0, _gen())
     bounds = adaptive_chunks(relative_l1(traj.latents), 2)
     assert plan.chunks == tuple(tuple(range(lo, hi)) for lo, hi in bounds)
 
@@ -214,16 +214,16 @@ def test_adaptive_chunk_grouper_uses_the_batch_l1_curve():
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_trajectory_grouper_is_chunk_with_one_chunk(drop_last):
+def test_trajectory_chunker_is_chunk_with_one_chunk(drop_last):
     st = torch.ones(3, 8, dtype=torch.bool)
     st[:, 2] = False
     traj = _random_traj(t=8, stochastic=st)
     k = 6 if drop_last else 7
-    whole = build_grouper(GrouperConfig(name="trajectory", drop_last_step=drop_last)).plan(traj, 0, _gen())
-    one = build_grouper(GrouperConfig(name="chunk", chunk_sizes=[k], drop_last_step=drop_last)).plan(traj, 0, _gen())
+    whole = build_chunker(ChunkerConfig(name="trajectory", drop_last_step=drop_last)).plan(traj, 0, _gen())
+    one = build_chunker(ChunkerConfig(name="chunk", chunk_sizes=[k], drop_last_step=drop_last)).plan(traj, 0, _gen())
     assert whole.chunks == one.chunks == (tuple(t for t in range(8 - drop_last) if t != 2),)
     assert torch.equal(whole.selected, one.selected) and whole.selected.shape == (3, 1)
-    assert GROUPERS.get("trajectory").needs_recompute and GROUPERS.get("chunk").needs_recompute
+    assert CHUNKERS.get("trajectory").needs_recompute and CHUNKERS.get("chunk").needs_recompute
 
 
 # ----------------------------------------------------------------------------------------------- window
@@ -231,54 +231,54 @@ def test_trajectory_grouper_is_chunk_with_one_chunk(drop_last):
 
 def test_window_moves_on_schedule():
     # T = 10, w = 4, stride 2, shift every 3 epochs: start = min(2·⌊epoch/3⌋, 10 − 4)
-    grouper = build_grouper(GrouperConfig(name="window", window_size=4, window_stride=2, window_shift_every=3))
+    chunker = build_chunker(ChunkerConfig(name="window", window_size=4, window_stride=2, window_shift_every=3))
     expected_start = {0: 0, 1: 0, 2: 0, 3: 2, 5: 2, 6: 4, 8: 4, 9: 6, 11: 6, 12: 6, 100: 6}
     for epoch, start in expected_start.items():
-        mask = grouper.sde_steps(10, epoch)
+        mask = chunker.sde_steps(10, epoch)
         assert mask.tolist() == [start <= t < start + 4 for t in range(10)], epoch
 
 
 def test_window_trains_only_the_window_steps():
-    grouper = build_grouper(GrouperConfig(name="window", window_size=3, window_stride=1, window_shift_every=1))
-    mask = grouper.sde_steps(8, 2)  # start 2: steps 2, 3, 4
-    plan = grouper.plan(_random_traj(t=8, stochastic=mask), 2, _gen())
+    chunker = build_chunker(ChunkerConfig(name="window", window_size=3, window_stride=1, window_shift_every=1))
+    mask = chunker.sde_steps(8, 2)  # start 2: steps 2, 3, 4
+    plan = chunker.plan(_random_traj(t=8, stochastic=mask), 2, _gen())
     assert plan.chunks == ((2,), (3,), (4,))
     assert plan.selected.all()
-    assert not grouper.needs_recompute
+    assert not chunker.needs_recompute
 
 
 def test_window_larger_than_the_trajectory_raises():
-    grouper = build_grouper(GrouperConfig(name="window", window_size=12))
+    chunker = build_chunker(ChunkerConfig(name="window", window_size=12))
     with pytest.raises(ValueError, match="window_size=12"):
-        grouper.sde_steps(10, 0)
+        chunker.sde_steps(10, 0)
 
 
 # ----------------------------------------------------------------------------------------------- per_step
 
 
 def test_per_step_trains_every_step_by_default():
-    plan = build_grouper(GrouperConfig(name="per_step")).plan(_random_traj(t=6), 0, _gen())
+    plan = build_chunker(ChunkerConfig(name="per_step")).plan(_random_traj(t=6), 0, _gen())
     assert plan.chunks == tuple((t,) for t in range(6)) and plan.selected.all()
-    dropped = build_grouper(GrouperConfig(name="per_step", drop_last_step=True)).plan(_random_traj(t=6), 0, _gen())
+    dropped = build_chunker(ChunkerConfig(name="per_step", drop_last_step=True)).plan(_random_traj(t=6), 0, _gen())
     assert dropped.chunks == tuple((t,) for t in range(5))
 
 
 def test_per_step_fraction_first():
     # ⌈0.5·6⌉ = 3: the first three transitions for every sample
-    plan = build_grouper(GrouperConfig(name="per_step", timestep_fraction=0.5)).plan(_random_traj(t=6), 0, _gen())
+    plan = build_chunker(ChunkerConfig(name="per_step", timestep_fraction=0.5)).plan(_random_traj(t=6), 0, _gen())
     assert plan.selected.tolist() == [[True] * 3 + [False] * 3] * 3
     # ⌈0.4·6⌉ = ⌈2.4⌉ = 3 as well; ⌈0.1·6⌉ = 1
-    plan = build_grouper(GrouperConfig(name="per_step", timestep_fraction=0.4)).plan(_random_traj(t=6), 0, _gen())
+    plan = build_chunker(ChunkerConfig(name="per_step", timestep_fraction=0.4)).plan(_random_traj(t=6), 0, _gen())
     assert plan.selected.sum(1).tolist() == [3, 3, 3]
-    plan = build_grouper(GrouperConfig(name="per_step", timestep_fraction=0.1)).plan(_random_traj(t=6), 0, _gen())
+    plan = build_chunker(ChunkerConfig(name="per_step", timestep_fraction=0.1)).plan(_random_traj(t=6), 0, _gen())
     assert plan.selected.tolist() == [[True] + [False] * 5] * 3
 
 
 def test_per_step_fraction_random_is_a_uniform_subset_per_sample():
     b, t = 3000, 6
     traj = _traj(torch.randn(b, t + 1, 1, generator=_gen(0)))
-    cfg = GrouperConfig(name="per_step", timestep_fraction=0.5, step_selection="random")
-    plan = build_grouper(cfg).plan(traj, 0, _gen(7))
+    cfg = ChunkerConfig(name="per_step", timestep_fraction=0.5, step_selection="random")
+    plan = build_chunker(cfg).plan(traj, 0, _gen(7))
     assert plan.selected.sum(1).tolist() == [3] * b
     assert len({tuple(r.tolist()) for r in plan.selected[:50]}) > 10  # samples differ
     counts = plan.selected.sum(0).double()  # each step is chosen with probability 3/6
@@ -287,7 +287,7 @@ def test_per_step_fraction_random_is_a_uniform_subset_per_sample():
 
 def test_per_step_fraction_count_is_the_exact_ceiling():
     # The docstring promises ⌈fraction·K⌉; 0.28·25 = 7 exactly, but the float product is 7.000000000000001.
-    plan = build_grouper(GrouperConfig(name="per_step", timestep_fraction=0.28)).plan(_random_traj(t=25), 0, _gen())
+    plan = build_chunker(ChunkerConfig(name="per_step", timestep_fraction=0.28)).plan(_random_traj(t=25), 0, _gen())
     assert plan.selected.sum(1).tolist() == [7, 7, 7]
 
 
@@ -295,9 +295,9 @@ def test_a_plan_without_stochastic_steps_is_an_error():
     traj = _random_traj(t=4, stochastic=torch.zeros(4, dtype=torch.bool))
     for name in ("per_step", "trajectory", "window"):
         with pytest.raises(ValueError, match="no stochastic transition"):
-            build_grouper(GrouperConfig(name=name)).plan(traj, 0, _gen())
+            build_chunker(ChunkerConfig(name=name)).plan(traj, 0, _gen())
 
 
-def test_unknown_grouper_suggests():
+def test_unknown_chunker_suggests():
     with pytest.raises(KeyError, match="did you mean 'per_step'"):
-        build_grouper(GrouperConfig(name="per-step"))
+        build_chunker(ChunkerConfig(name="per-step"))

@@ -64,7 +64,7 @@ def test_unknown_key_in_a_yaml_file(tmp_path):
         ("sampling.noise_level=-1", "sampling.noise_level"),
         ("model.dtype=float64", "model.dtype"),
         ("train.group_size=1", "train.group_size"),
-        ("grouper.timestep_fraction=1.5", "grouper.timestep_fraction"),
+        ("chunker.timestep_fraction=1.5", "chunker.timestep_fraction"),
     ],
 )
 def test_bad_value_names_the_field_and_the_value(override, field):
@@ -104,10 +104,10 @@ def test_overrides_parse_yaml_types():
     assert parse_override("a=[2, 3, 4, 7]") == (["a"], [2, 3, 4, 7])
     assert parse_override("a={x: 1}") == (["a"], {"x": 1})
     assert parse_override("a=x=y") == (["a"], "x=y")  # only the first '=' splits
-    cfg = build_config({}, ["train.lr=1e-4", "grouper.chunk_sizes=[2,3,4,7]", "model.height=null",
+    cfg = build_config({}, ["train.lr=1e-4", "chunker.chunk_sizes=[2,3,4,7]", "model.height=null",
                             "algo.drop_zero_spread_groups=true", "train.seed=3", "logging.trackers=[tensorboard]"])
     assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
-    assert cfg.grouper.chunk_sizes == [2, 3, 4, 7]
+    assert cfg.chunker.chunk_sizes == [2, 3, 4, 7]
     assert cfg.model.height is None
     assert cfg.algo.drop_zero_spread_groups is True
     assert cfg.train.seed == 3
@@ -145,7 +145,7 @@ def test_missing_file_and_non_mapping_file(tmp_path):
 
 
 def test_saved_config_loads_back_equal(tmp_path):
-    cfg = build_config({}, ["train.lr=0.003", "grouper.name=chunk", "grouper.chunk_sizes=[4, 6]",
+    cfg = build_config({}, ["train.lr=0.003", "chunker.name=chunk", "chunker.chunk_sizes=[4, 6]",
                             "rewards=[{name: jpeg_compressibility, weight: 2.0}]"])
     save_config(cfg, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == cfg
@@ -187,3 +187,15 @@ def test_base_config_is_merged_key_by_key(tmp_path):
     (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
     with pytest.raises(ConfigError, match="its own base"):
         load_config(tmp_path / "loop.yaml")
+
+
+def test_old_grouper_section_is_an_alias_that_warns():
+    """The strategy section was renamed grouper -> chunker; the old key (file or override) still works, warning."""
+    with pytest.warns(FutureWarning, match="'grouper' is now called 'chunker'"):
+        cfg = build_config({"grouper": {"name": "chunk"}})
+    assert cfg.chunker.name == "chunk"
+    with pytest.warns(FutureWarning, match="chunker"):
+        cfg = build_config({}, ["grouper.name=window"])
+    assert cfg.chunker.name == "window"
+    with pytest.raises(ConfigError, match="keep only 'chunker'"), pytest.warns(FutureWarning):
+        build_config({"grouper": {"name": "chunk"}, "chunker": {"name": "window"}})

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flowgrpo.algo.advantages import ESTIMATORS
-from flowgrpo.algo.chunkers import GROUPERS
+from flowgrpo.algo.chunkers import CHUNKERS
 from flowgrpo.config import load_config
 from flowgrpo.rewards.registry import load_reward
 from flowgrpo.sampling.sde import SDE_KINDS
@@ -29,7 +29,7 @@ def test_the_expected_configs_ship():
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_config_is_valid_and_names_registered_strategies(path):
     cfg = load_config(path)
-    assert cfg.grouper.name in GROUPERS
+    assert cfg.chunker.name in CHUNKERS
     assert cfg.sampling.sde_kind in SDE_KINDS
     assert cfg.algo.advantage in ESTIMATORS
     for spec in cfg.rewards + cfg.eval_rewards:

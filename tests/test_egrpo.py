@@ -1,5 +1,5 @@
 """Specification of E-GRPO (Zhang et al., arXiv 2601.00423): entropy-merged SDE jumps, shared-anchor branching
-and (prompt, branch step) groups — the ``entropy_merge`` grouper.
+and (prompt, branch step) groups — the ``entropy_merge`` chunker.
 
 Expected values are derived by hand from the closed forms (transition std of flow_sde / dance_sde, Gaussian
 entropy, torch.distributions.Normal for the log-density), from the authors' released hand-set lists, or by
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from flowgrpo.algo.advantages import compute_advantages
-from flowgrpo.algo.chunkers import EntropyMerge, build_grouper, merge_plan, step_entropies
-from flowgrpo.config import GrouperConfig, build_config
+from flowgrpo.algo.chunkers import EntropyMerge, build_chunker, merge_plan, step_entropies
+from flowgrpo.config import ChunkerConfig, build_config
 from flowgrpo.models.base import PromptEmbeds
 from flowgrpo.records import Rewards
 from flowgrpo.rng import make_generator
@@ -56,15 +56,15 @@ class FakeAdapter:
 
 def _rollout(adapter, *, steps=(0, 1, 4), lengths=(1, 3, 1), num_prompts=2, group=3, num_steps=6, batch_size=4,
              kind="flow_sde", seed=5, epoch=2):
-    cfg = GrouperConfig(name="entropy_merge", merge_steps=list(steps), merge_lengths=list(lengths))
-    grouper = build_grouper(cfg)
+    cfg = ChunkerConfig(name="entropy_merge", merge_steps=list(steps), merge_lengths=list(lengths))
+    chunker = build_chunker(cfg)
     pids = torch.tensor([10, 11, 12, 13][:num_prompts]).repeat_interleave(group)
     js = torch.arange(group).repeat(num_prompts)
     prompts = [f"prompt {int(p)}" for p in pids]
-    settings = SamplerSettings(num_steps=num_steps, guidance_scale=1.0, kind=kind, noise_level=A)
-    traj = grouper.rollout(adapter, prompts, [{} for _ in prompts], pids, js, settings=settings,
+    settings = SamplerSettings(num_steps=num_steps, guidance_scale=1.0, sde_kind=kind, noise_level=A)
+    traj = chunker.rollout(adapter, prompts, [{} for _ in prompts], pids, js, settings=settings,
                            batch_size=batch_size, seed=seed, epoch=epoch)
-    return grouper, traj
+    return chunker, traj
 
 
 def _branch_step(traj) -> torch.Tensor:
@@ -150,15 +150,15 @@ def test_hand_lists():
         merge_plan(UNIFORM, steps=[0, 2], lengths=[1], **kw)
 
 
-def test_grouper_construction_checks_the_config():
+def test_chunker_construction_checks_the_config():
     with pytest.raises(ValueError, match="exactly one"):
-        EntropyMerge(GrouperConfig(name="entropy_merge"))
+        EntropyMerge(ChunkerConfig(name="entropy_merge"))
     with pytest.raises(ValueError, match="exactly one"):
-        EntropyMerge(GrouperConfig(name="entropy_merge", entropy_threshold=1.0, merge_steps=[0]))
+        EntropyMerge(ChunkerConfig(name="entropy_merge", entropy_threshold=1.0, merge_steps=[0]))
     with pytest.raises(ValueError, match="merge_lengths needs"):
-        EntropyMerge(GrouperConfig(name="entropy_merge", entropy_threshold=1.0, merge_lengths=[2]))
-    cfg = build_config({"grouper": {"name": "entropy_merge", "entropy_threshold": 0.9, "sde_fraction": 0.5}})
-    assert isinstance(build_grouper(cfg.grouper), EntropyMerge)
+        EntropyMerge(ChunkerConfig(name="entropy_merge", entropy_threshold=1.0, merge_lengths=[2]))
+    cfg = build_config({"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9, "sde_fraction": 0.5}})
+    assert isinstance(build_chunker(cfg.chunker), EntropyMerge)
 
 
 def test_cps_is_rejected_before_any_model_call():
@@ -271,7 +271,7 @@ def test_rollout_does_not_depend_on_batch_size():
 
 def test_groups_are_prompt_and_branch_step():
     fake = FakeAdapter()
-    grouper, traj = _rollout(fake)
+    chunker, traj = _rollout(fake)
     plan = [(0, 1), (1, 3), (4, 1)]
     g, t_count = 3, 6
     steps = _branch_step(traj)
@@ -288,7 +288,7 @@ def test_groups_are_prompt_and_branch_step():
     expected = (j.double() - 1) / (math.sqrt(2 / 3) + 1e-4)
     torch.testing.assert_close(adv.values.double(), expected, atol=1e-6, rtol=0)
     # the plan: one chunk per branch step, each sample trains only its own jump
-    cp = grouper.plan(traj, 0, torch.Generator())
+    cp = chunker.plan(traj, 0, torch.Generator())
     assert cp.chunks == ((0,), (1,), (4,))
     for b in range(traj.batch_size):
         assert cp.selected[b].tolist() == [int(steps[b]) == s for s, _ in plan]
@@ -302,20 +302,20 @@ def test_configs_give_the_released_branch_steps():
     from flowgrpo.config import load_config
 
     cfg = load_config("configs/flux_egrpo.yaml")
-    grouper = build_grouper(cfg.grouper)
+    chunker = build_chunker(cfg.chunker)
     released = [(0, 1), (1, 1), (2, 2), (4, 3)]  # --eta_step_list 0 1 2 4 --eta_step_merge_list 1 1 2 3
     t = torch.linspace(1, 0, 17, dtype=torch.float64)
-    assert grouper.branch_plan((3 * t / (1 + 2 * t)).float(), "flow_sde", 0.7) == released  # released grid
+    assert chunker.branch_plan((3 * t / (1 + 2 * t)).float(), "flow_sde", 0.7) == released  # released grid
     # FLUX.1-dev's scheduler (its scheduler_config.json) at 720 px: 45×45 packed tokens, mu by linear interpolation
     sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                                             base_image_seq_len=256, max_image_seq_len=4096)
     mu = 0.5 + (1.15 - 0.5) * (45 * 45 - 256) / (4096 - 256)
     sched.set_timesteps(16, sigmas=np.linspace(1.0, 1 / 16, 16), mu=mu)
-    assert grouper.branch_plan(sched.sigmas.float(), cfg.sampling.sde_kind, cfg.sampling.noise_level) == released
+    assert chunker.branch_plan(sched.sigmas.float(), cfg.sampling.sde_kind, cfg.sampling.noise_level) == released
     assert cfg.train.group_size == 12 and cfg.sampling.num_steps == 16
     assert cfg.train.group_size % cfg.train_batch_size == 0
     digits = load_config("configs/digits_egrpo.yaml")
-    assert isinstance(build_grouper(digits.grouper), EntropyMerge)
+    assert isinstance(build_chunker(digits.chunker), EntropyMerge)
     assert digits.model.pretrained == "digits" and digits.rewards[0].name == "digit_correctness"
 
 
@@ -332,7 +332,7 @@ def test_training_run_tiny_flux(tiny_flux_dir, tmp_path):
                   "lora_rank": 4, "lora_alpha": 8},
         "sampling": {"num_steps": 4, "guidance_scale": 3.5, "sde_kind": "flow_sde", "noise_level": A},
         "eval_sampling": {"num_steps": 2},
-        "grouper": {"name": "entropy_merge", "entropy_threshold": 1.0, "sde_fraction": 1.0},
+        "chunker": {"name": "entropy_merge", "entropy_threshold": 1.0, "sde_fraction": 1.0},
         "algo": {"clip_range": 1e-3},
         "train": {"num_epochs": 2, "prompts_per_epoch": 1, "group_size": 2, "rollout_batch_size": 2,
                   "train_batch_size": 2, "lr": 1e-3},

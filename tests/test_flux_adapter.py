@@ -61,7 +61,7 @@ def _noise(adapter, seeds):
 
 
 def _ode(adapter, prompts, latents, steps=STEPS, guidance=GUIDANCE):
-    settings = SamplerSettings(num_steps=steps, guidance_scale=guidance, kind="ode")
+    settings = SamplerSettings(num_steps=steps, guidance_scale=guidance, sde_kind="ode")
     with torch.no_grad():
         x, log_probs, stochastic = denoise(adapter, latents, adapter.encode_prompts(prompts), adapter.sigmas(steps),
                                            settings, torch.zeros(steps, dtype=torch.bool), None)
@@ -127,7 +127,7 @@ def test_generate_images_depend_on_prompt_and_seed_only(tiny_flux, pipe):
 
 @pytest.fixture(scope="module")
 def sde_rollout(tiny_flux):
-    settings = SamplerSettings(num_steps=STEPS, guidance_scale=GUIDANCE, kind="flow_sde", noise_level=0.7)
+    settings = SamplerSettings(num_steps=STEPS, guidance_scale=GUIDANCE, sde_kind="flow_sde", noise_level=0.7)
     prompts = [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
     traj = rollout(tiny_flux, prompts, [{}] * 4, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]),
                    settings=settings, sde_steps=torch.ones(STEPS, dtype=torch.bool), batch_size=4, seed=0, epoch=0)
@@ -139,8 +139,8 @@ def _score(adapter, traj, settings, rows, t):
     x = traj.latents[rows, t]
     with torch.no_grad():
         v = adapter.velocity(x, traj.sigmas[t].expand(len(rows)), traj.embeds.index(rows), traj.guidance_scale)
-    return sde_step(x, v, traj.sigmas[t].item(), traj.sigmas[t + 1].item(), kind=settings.kind,
-                    noise_level=settings.noise_level, prev_latents=traj.latents[rows, t + 1]).log_prob
+    return sde_step(x, v, traj.sigmas[t].item(), traj.sigmas[t + 1].item(), kind=settings.sde_kind,
+                    noise_level=settings.noise_level, next_latents=traj.latents[rows, t + 1]).log_prob
 
 
 def test_rollout_record(sde_rollout):

@@ -51,7 +51,7 @@ def _generators(seeds):
 
 def _ode_images(adapter, prompts, seeds, num_steps, guidance):
     x0 = adapter.initial_latents(len(prompts), _generators(seeds))
-    settings = SamplerSettings(num_steps=num_steps, guidance_scale=guidance, kind="ode")
+    settings = SamplerSettings(num_steps=num_steps, guidance_scale=guidance, sde_kind="ode")
     with torch.no_grad():
         x, _, _ = denoise(adapter, x0, adapter.encode_prompts(prompts), adapter.sigmas(num_steps), settings,
                           torch.zeros(num_steps, dtype=torch.bool), None, record=False)

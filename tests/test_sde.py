@@ -111,7 +111,7 @@ def test_flow_sde_tends_to_ode_as_noise_vanishes():
     assert stds[0] > stds[1] > stds[2]
     # a = 0 exactly is the Euler step with no noise and log-prob 0
     out = sde_step(x, v, sigma, sigma_next, kind="flow_sde", noise_level=0.0)
-    torch.testing.assert_close(out.prev_latents.double(), ode, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.next_latents.double(), ode, rtol=1e-6, atol=1e-6)
     assert torch.equal(out.std, torch.zeros(3)) and torch.equal(out.log_prob, torch.zeros(3))
 
 
@@ -123,12 +123,12 @@ def test_flow_sde_tends_to_ode_as_noise_vanishes():
 def test_log_prob_is_normal_log_density_reduced_over_dims(kind, reduction):
     x, v = _xv(seed=2)
     prev = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
-    out = sde_step(x, v, GRID[1], GRID[2], kind=kind, noise_level=0.7, prev_latents=prev, reduction=reduction)
+    out = sde_step(x, v, GRID[1], GRID[2], kind=kind, noise_level=0.7, next_latents=prev, reduction=reduction)
     dens = Normal(out.mean.double(), out.std.double().reshape(-1, 1, 1)).log_prob(prev.double())
     expected = dens.mean(dim=(1, 2)) if reduction == "mean" else dens.sum(dim=(1, 2))
     torch.testing.assert_close(out.log_prob.double(), expected, rtol=1e-5, atol=1e-5)
     assert out.log_prob.shape == (3,) and out.log_prob.dtype == torch.float32
-    assert torch.equal(out.prev_latents, prev)
+    assert torch.equal(out.next_latents, prev)
 
 
 def test_gaussian_log_prob_with_per_sample_std():
@@ -159,9 +159,9 @@ def test_ode_equals_diffusers_scheduler_step_over_a_schedule():
         v = torch.randn(2, 16, 8, generator=g)
         ref = scheduler.step(v, t, ref, return_dict=False)[0]
         out = sde_step(ours, v, sigmas[i].item(), sigmas[i + 1].item(), kind="ode")
-        ours = out.prev_latents
+        ours = out.next_latents
         # σ as (B,) tensors (the training layout) gives the same step
-        ours_vec = sde_step(ours_vec, v, sigmas[i].expand(2), sigmas[i + 1].expand(2), kind="ode").prev_latents
+        ours_vec = sde_step(ours_vec, v, sigmas[i].expand(2), sigmas[i + 1].expand(2), kind="ode").next_latents
         assert torch.equal(ours, ref), f"step {i}: max diff {(ours - ref).abs().max()}"
         assert torch.equal(ours_vec, ref)
         assert torch.equal(out.std, torch.zeros(2)) and torch.equal(out.log_prob, torch.zeros(2))
@@ -220,7 +220,7 @@ def test_cps_with_a_zero_is_the_euler_step(sigma, sigma_next):
     x, v = _xv(seed=8)
     cps = sde_step(x, v, sigma, sigma_next, kind="cps", noise_level=0.0)
     ode = sde_step(x, v, sigma, sigma_next, kind="ode")
-    torch.testing.assert_close(cps.prev_latents, ode.prev_latents, rtol=0, atol=2e-6)
+    torch.testing.assert_close(cps.next_latents, ode.next_latents, rtol=0, atol=2e-6)
     assert torch.equal(cps.std, torch.zeros(3)) and torch.equal(cps.log_prob, torch.zeros(3))
 
 
@@ -233,9 +233,9 @@ def test_cps_last_transition_is_deterministic(simplified):
     assert torch.equal(out.std, torch.zeros(3))
     assert torch.equal(out.log_prob, torch.zeros(3))
     # at σ_next = 0 the mean is x̂₀ = x − σ·v and nothing is added to it
-    torch.testing.assert_close(out.prev_latents.double(), x.double() - sigma * v.double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.next_latents.double(), x.double() - sigma * v.double(), rtol=1e-6, atol=1e-6)
     # scoring any other x_next still gives log-prob 0 (the transition is never trained)
-    scored = sde_step(x, v, sigma, 0.0, kind="cps", noise_level=0.8, prev_latents=x,
+    scored = sde_step(x, v, sigma, 0.0, kind="cps", noise_level=0.8, next_latents=x,
                       simplified_log_prob=simplified)
     assert torch.equal(scored.log_prob, torch.zeros(3))
 
@@ -243,7 +243,7 @@ def test_cps_last_transition_is_deterministic(simplified):
 def test_cps_simplified_log_prob_is_negative_mean_squared_error():
     x, v = _xv(seed=10)
     prev = torch.randn(x.shape, generator=torch.Generator().manual_seed(11))
-    out = sde_step(x, v, GRID[2], GRID[3], kind="cps", noise_level=0.8, prev_latents=prev,
+    out = sde_step(x, v, GRID[2], GRID[3], kind="cps", noise_level=0.8, next_latents=prev,
                    simplified_log_prob=True)
     exp_mean, _ = _cps_by_hand(x, v, GRID[2], GRID[3], 0.8)
     _close(out.log_prob, -((prev.double() - exp_mean) ** 2).mean(dim=(1, 2)))
@@ -266,8 +266,8 @@ def test_sampled_latents_have_the_transition_mean_and_std(kind):
     else:
         exp_mean = _flow_mean_with_s(x[:1].double(), v[:1].double(), sigma, sigma_next, 0.7)
         exp_std = 0.7 * math.sqrt(sigma - sigma_next)
-    emp_mean = out.prev_latents.double().mean(0)
-    emp_std = out.prev_latents.double().std(0)
+    emp_mean = out.next_latents.double().mean(0)
+    emp_std = out.next_latents.double().std(0)
     # 5 standard errors: the mean's is std/√n, the std's is std/√(2n)
     assert (emp_mean - exp_mean[0]).abs().max() < 5 * exp_std / math.sqrt(n)
     assert (emp_std - exp_std).abs().max() < 5 * exp_std / math.sqrt(2 * n)
@@ -280,14 +280,14 @@ def test_per_sample_generators_make_each_sample_independent_of_its_batch():
     def gens(ss):
         return [torch.Generator().manual_seed(s) for s in ss]
 
-    full = sde_step(x, v, GRID[1], GRID[2], generator=gens(seeds)).prev_latents
-    alone = sde_step(x[1:2], v[1:2], GRID[1], GRID[2], generator=gens([202])).prev_latents
-    reordered = sde_step(x[[2, 0]], v[[2, 0]], GRID[1], GRID[2], generator=gens([303, 101])).prev_latents
+    full = sde_step(x, v, GRID[1], GRID[2], generator=gens(seeds)).next_latents
+    alone = sde_step(x[1:2], v[1:2], GRID[1], GRID[2], generator=gens([202])).next_latents
+    reordered = sde_step(x[[2, 0]], v[[2, 0]], GRID[1], GRID[2], generator=gens([303, 101])).next_latents
     assert torch.equal(full[1:2], alone)
     assert torch.equal(full[[2, 0]], reordered)
-    again = sde_step(x, v, GRID[1], GRID[2], generator=gens(seeds)).prev_latents
+    again = sde_step(x, v, GRID[1], GRID[2], generator=gens(seeds)).next_latents
     assert torch.equal(full, again)
-    other = sde_step(x, v, GRID[1], GRID[2], generator=gens([1, 2, 3])).prev_latents
+    other = sde_step(x, v, GRID[1], GRID[2], generator=gens([1, 2, 3])).next_latents
     assert not torch.equal(full, other)
 
 
@@ -297,10 +297,10 @@ def test_per_sample_sigma_tensors_equal_scalar_calls():
     prev = torch.randn(x.shape, generator=torch.Generator().manual_seed(15))
     sig = torch.tensor([GRID[0], GRID[1], GRID[2]])
     nxt = torch.tensor([GRID[1], GRID[4], GRID[6]])
-    batched = sde_step(x, v, sig, nxt, kind="flow_sde", noise_level=0.7, prev_latents=prev)
+    batched = sde_step(x, v, sig, nxt, kind="flow_sde", noise_level=0.7, next_latents=prev)
     for b in range(3):
         one = sde_step(x[b : b + 1], v[b : b + 1], sig[b].item(), nxt[b].item(), kind="flow_sde",
-                       noise_level=0.7, prev_latents=prev[b : b + 1])
+                       noise_level=0.7, next_latents=prev[b : b + 1])
         exp_mean, exp_std = _flow_sde_by_hand(x[b : b + 1], v[b : b + 1], sig[b].item(), nxt[b].item(), 0.7)
         torch.testing.assert_close(batched.mean[b : b + 1], one.mean)
         torch.testing.assert_close(batched.log_prob[b : b + 1], one.log_prob)
@@ -311,9 +311,9 @@ def test_per_sample_sigma_tensors_equal_scalar_calls():
 def test_arithmetic_is_float32_whatever_the_input_dtype():
     x, v = _xv(seed=16)
     xb, vb = x.bfloat16(), v.bfloat16()
-    low = sde_step(xb, vb, GRID[2], GRID[3], kind="flow_sde", noise_level=0.7, prev_latents=x)
-    ref = sde_step(xb.float(), vb.float(), GRID[2], GRID[3], kind="flow_sde", noise_level=0.7, prev_latents=x)
-    assert low.mean.dtype == low.log_prob.dtype == low.prev_latents.dtype == torch.float32
+    low = sde_step(xb, vb, GRID[2], GRID[3], kind="flow_sde", noise_level=0.7, next_latents=x)
+    ref = sde_step(xb.float(), vb.float(), GRID[2], GRID[3], kind="flow_sde", noise_level=0.7, next_latents=x)
+    assert low.mean.dtype == low.log_prob.dtype == low.next_latents.dtype == torch.float32
     assert torch.equal(low.mean, ref.mean) and torch.equal(low.log_prob, ref.log_prob)
 
 

@@ -23,9 +23,9 @@ def test_an_override_that_is_not_yaml_names_itself_and_suggests_quoting():
 @pytest.mark.parametrize("overrides, needle", [
     (["sampling.sde_kind=fow_sde"], "unknown SDE kind 'fow_sde'"),
     (["algo.advantage=grpoo"], "unknown advantage estimator 'grpoo'"),
-    (["grouper.name=chunk", "grouper.chunk_sizes=[2,3]"], "must be positive and sum to the 8"),
-    (["grouper.name=window", "grouper.window_size=20"], "exceeds sampling.num_steps=8"),
-    (["grouper.name=entropy_merge", "grouper.entropy_threshold=0.9", "sampling.sde_kind=cps"], "cannot use"),
+    (["chunker.name=chunk", "chunker.chunk_sizes=[2,3]"], "must be positive and sum to the 8"),
+    (["chunker.name=window", "chunker.window_size=20"], "exceeds sampling.num_steps=8"),
+    (["chunker.name=entropy_merge", "chunker.entropy_threshold=0.9", "sampling.sde_kind=cps"], "cannot use"),
 ])
 def test_strategy_errors_come_before_any_model_loads(overrides, needle):
     from flowgrpo.train import check_strategies

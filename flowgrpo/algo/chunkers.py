@@ -1,6 +1,6 @@
-"""Step groupers: which transitions are stochastic, which are trained, and which share one importance ratio.
+"""Step chunkers: which transitions are stochastic, which are trained, and which share one importance ratio.
 
-A grouper is a registered strategy with two questions to answer:
+A chunker is a registered strategy with two questions to answer:
 
 * ``sde_steps(T, epoch) -> (T,) bool``: which transitions the rollout samples with the SDE (the others are ODE
   steps; only SDE transitions have a log-probability and can be trained);
@@ -21,7 +21,7 @@ import torch
 from flowgrpo.records import ChunkPlan, Trajectory
 from flowgrpo.registry import Registry
 
-GROUPERS: Registry = Registry("grouper")
+CHUNKERS: Registry = Registry("chunker")
 
 
 def trainable_steps(traj: Trajectory, drop_last_step: bool = False) -> list[int]:
@@ -39,11 +39,11 @@ def fraction_count(fraction: float, k: int) -> int:
 
 def _plan(chunks: list[tuple[int, ...]], selected: torch.Tensor) -> ChunkPlan:
     if not chunks:
-        raise ValueError("the grouper found no stochastic transition to train (check sde_kind and noise_level)")
+        raise ValueError("the chunker found no stochastic transition to train (check sde_kind and noise_level)")
     return ChunkPlan(chunks=tuple(chunks), selected=selected)
 
 
-class _Grouper:
+class _Chunker:
     """Shared defaults: SDE at every step; the standard P×G rollout; the training layout equals the rollout's
     (no recompute needed)."""
 
@@ -58,16 +58,16 @@ class _Grouper:
         return torch.ones(num_steps, dtype=torch.bool)
 
     def validate(self, num_steps: int, kind: str) -> None:
-        """Reject settings this grouper cannot run, before any model is loaded (raises ``ValueError``)."""
+        """Reject settings this chunker cannot run, before any model is loaded (raises ``ValueError``)."""
         self.sde_steps(num_steps, 0)
 
     def rollout(self, adapter, prompts: list[str], metadata: list[dict], prompt_ids: torch.Tensor,
                 sample_index: torch.Tensor, *, settings, batch_size: int, seed: int, epoch: int,
                 same_noise_in_group: bool = False, progress: bool = False, on_images=None,
                 latents_on_cpu: bool = False) -> Trajectory:
-        """Sample the epoch's trajectories (B = P·G, groups = prompts) with this grouper's SDE steps.
+        """Sample the epoch's trajectories (B = P·G, groups = prompts) with this chunker's SDE steps.
 
-        Arguments as :func:`flowgrpo.sampling.rollout.rollout`; a grouper that changes the rollout itself
+        Arguments as :func:`flowgrpo.sampling.rollout.rollout`; a chunker that changes the rollout itself
         (E-GRPO's shared-anchor branching) overrides this.
         """
         from flowgrpo.sampling.rollout import rollout
@@ -78,8 +78,8 @@ class _Grouper:
                        on_images=on_images, latents_on_cpu=latents_on_cpu)
 
 
-@GROUPERS.register("per_step")
-class PerStep(_Grouper):
+@CHUNKERS.register("per_step")
+class PerStep(_Chunker):
     """Every stochastic transition is its own chunk (Flow-GRPO, arXiv 2505.05470, eq. 7; DanceGRPO).
 
     ``timestep_fraction`` < 1 trains ⌈fraction·K⌉ of the K stochastic transitions per sample: the first ones
@@ -164,8 +164,8 @@ def adaptive_chunks(l1: torch.Tensor, min_size: int) -> list[tuple[int, int]]:
     return split(0, len(curve), 1)
 
 
-@GROUPERS.register("chunk")
-class Chunk(_Grouper):
+@CHUNKERS.register("chunk")
+class Chunk(_Chunker):
     """Contiguous chunks of transitions share one ratio (Chunk-GRPO / GCPO, Luo et al., arXiv 2510.21583, eq. 6:
     ``r_chunk = exp(mean_{t∈chunk}(log p_θ − log p_old))``, the geometric mean of the step ratios).
 
@@ -185,7 +185,7 @@ class Chunk(_Grouper):
         # cps never makes its last transition stochastic; drop_last_step leaves it out too
         trainable = num_steps - int(self.cfg.drop_last_step or kind == "cps")
         if min(sizes) < 1 or sum(sizes) != trainable:
-            raise ValueError(f"grouper.chunk_sizes {list(sizes)} must be positive and sum to the {trainable} "
+            raise ValueError(f"chunker.chunk_sizes {list(sizes)} must be positive and sum to the {trainable} "
                              f"trainable transitions of {num_steps} steps (sde_kind {kind!r}, drop_last_step "
                              f"{self.cfg.drop_last_step})")
 
@@ -196,7 +196,7 @@ class Chunk(_Grouper):
             sizes = list(self.cfg.chunk_sizes)
             if sum(sizes) != len(steps) or min(sizes) < 1:
                 raise ValueError(
-                    f"grouper.chunk_sizes {sizes} must be positive and sum to the {len(steps)} trainable "
+                    f"chunker.chunk_sizes {sizes} must be positive and sum to the {len(steps)} trainable "
                     f"transitions (num_steps minus deterministic/dropped ones)"
                 )
             edges = [0, *torch.tensor(sizes).cumsum(0).tolist()]
@@ -221,8 +221,8 @@ class Chunk(_Grouper):
         return _plan(chunks, selected)
 
 
-@GROUPERS.register("trajectory")
-class WholeTrajectory(_Grouper):
+@CHUNKERS.register("trajectory")
+class WholeTrajectory(_Chunker):
     """One ratio for the whole trajectory: ``exp(mean over all trained steps of the log-ratio)``, the
     sequence-level ratio of GSPO (Zheng et al., arXiv 2507.18071, eq. 7) — ``chunk`` with a single chunk."""
 
@@ -233,8 +233,8 @@ class WholeTrajectory(_Grouper):
         return _plan([tuple(steps)] if steps else [], torch.ones(traj.batch_size, 1, dtype=torch.bool))
 
 
-@GROUPERS.register("window")
-class SlidingWindow(_Grouper):
+@CHUNKERS.register("window")
+class SlidingWindow(_Chunker):
     """MixGRPO's sliding window (Li et al., arXiv 2507.21802, Sec. 3.2): SDE only on ``window_size``
     transitions starting at ``l = min(stride·⌊epoch / shift_every⌋, T − w)``, ODE elsewhere; only the window
     is trained, one ratio per step. The window moves from high noise (t = 0) toward low noise and stays at the
@@ -244,7 +244,7 @@ class SlidingWindow(_Grouper):
     def window_start(self, num_steps: int, epoch: int) -> int:
         w = self.cfg.window_size
         if w > num_steps:
-            raise ValueError(f"grouper.window_size={w} exceeds sampling.num_steps={num_steps}")
+            raise ValueError(f"chunker.window_size={w} exceeds sampling.num_steps={num_steps}")
         return min(self.cfg.window_stride * (epoch // self.cfg.window_shift_every), num_steps - w)
 
     def sde_steps(self, num_steps: int, epoch: int) -> torch.Tensor:
@@ -258,9 +258,9 @@ class SlidingWindow(_Grouper):
         return _plan([(t,) for t in steps], torch.ones(traj.batch_size, len(steps), dtype=torch.bool))
 
 
-def build_grouper(cfg):
-    """The grouper named by ``cfg.name`` (a :class:`~flowgrpo.config.GrouperConfig`)."""
-    return GROUPERS.get(cfg.name)(cfg)
+def build_chunker(cfg):
+    """The chunker named by ``cfg.name`` (a :class:`~flowgrpo.config.ChunkerConfig`)."""
+    return CHUNKERS.get(cfg.name)(cfg)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ _NO_MERGE_KINDS = {
 def _check_merge_kind(kind: str) -> None:
     if kind in _NO_MERGE_KINDS:
         raise ValueError(
-            f"grouper 'entropy_merge' is not defined for sampling.sde_kind={kind!r}: {_NO_MERGE_KINDS[kind]}; "
+            f"chunker 'entropy_merge' is not defined for sampling.sde_kind={kind!r}: {_NO_MERGE_KINDS[kind]}; "
             "use flow_sde or dance_sde"
         )
 
@@ -344,14 +344,14 @@ def merge_plan(sigmas: torch.Tensor, *, kind: str, noise_level: float, tau: floa
     _check_merge_kind(kind)
     t_count = len(sigmas) - 1
     if (tau is None) == (steps is None):
-        raise ValueError("entropy_merge needs exactly one of grouper.entropy_threshold (the entropy rule) or "
-                         f"grouper.merge_steps (hand-set branch steps); got entropy_threshold={tau}, "
+        raise ValueError("entropy_merge needs exactly one of chunker.entropy_threshold (the entropy rule) or "
+                         f"chunker.merge_steps (hand-set branch steps); got entropy_threshold={tau}, "
                          f"merge_steps={steps}")
     if steps is not None:
         lengths = [1] * len(steps) if lengths is None else list(lengths)
         steps = list(steps)
         if not steps or len(lengths) != len(steps):
-            raise ValueError(f"grouper.merge_steps {steps} and merge_lengths {lengths} must be non-empty lists of "
+            raise ValueError(f"chunker.merge_steps {steps} and merge_lengths {lengths} must be non-empty lists of "
                              "equal length")
         plan = list(zip(steps, lengths, strict=True))
         for k, (s, m) in enumerate(plan):
@@ -385,12 +385,12 @@ def merge_plan(sigmas: torch.Tensor, *, kind: str, noise_level: float, tau: floa
     if not plan:
         raise ValueError(f"no jump within the first {limit} steps reaches entropy_threshold={tau} (the largest "
                          f"reachable entropy per dimension is {best:.4f}); lower the threshold, raise "
-                         "sampling.noise_level or grouper.sde_fraction")
+                         "sampling.noise_level or chunker.sde_fraction")
     return plan
 
 
-@GROUPERS.register("entropy_merge")
-class EntropyMerge(_Grouper):
+@CHUNKERS.register("entropy_merge")
+class EntropyMerge(_Chunker):
     """E-GRPO (Zhang et al., arXiv 2601.00423): entropy-merged SDE jumps, shared-anchor branching, and groups
     of (prompt, branch step).
 
@@ -437,11 +437,11 @@ class EntropyMerge(_Grouper):
         has_tau = cfg.entropy_threshold is not None
         has_steps = cfg.merge_steps is not None
         if has_tau == has_steps:
-            raise ValueError("grouper 'entropy_merge' needs exactly one of grouper.entropy_threshold (the entropy "
-                             "rule) or grouper.merge_steps (hand-set branch steps); got entropy_threshold="
+            raise ValueError("chunker 'entropy_merge' needs exactly one of chunker.entropy_threshold (the entropy "
+                             "rule) or chunker.merge_steps (hand-set branch steps); got entropy_threshold="
                              f"{cfg.entropy_threshold}, merge_steps={cfg.merge_steps}")
         if cfg.merge_lengths is not None and not has_steps:
-            raise ValueError("grouper.merge_lengths needs grouper.merge_steps")
+            raise ValueError("chunker.merge_lengths needs chunker.merge_steps")
 
     def branch_plan(self, sigmas: torch.Tensor, kind: str, noise_level: float) -> list[tuple[int, int]]:
         """The epoch's (branch step, jump length) list for the σ grid and SDE (see :func:`merge_plan`)."""
@@ -452,10 +452,10 @@ class EntropyMerge(_Grouper):
 
     def validate(self, num_steps: int, kind: str) -> None:
         if kind in ("cps", "ode"):
-            raise ValueError(f"grouper 'entropy_merge' cannot use sde_kind {kind!r}: cps's std shrinks as a jump "
+            raise ValueError(f"chunker 'entropy_merge' cannot use sde_kind {kind!r}: cps's std shrinks as a jump "
                              "grows (and ode has none); use flow_sde or dance_sde")
         if self.cfg.merge_steps is not None and max(self.cfg.merge_steps) >= num_steps:
-            raise ValueError(f"grouper.merge_steps {list(self.cfg.merge_steps)} must be < num_steps {num_steps}")
+            raise ValueError(f"chunker.merge_steps {list(self.cfg.merge_steps)} must be < num_steps {num_steps}")
 
     def sde_steps(self, num_steps: int, epoch: int) -> torch.Tensor:
         """(T,) bool, the branch steps; only for hand-set lists (the entropy rule needs the σ grid and the SDE:
@@ -486,7 +486,7 @@ class EntropyMerge(_Grouper):
             A :class:`~flowgrpo.records.Trajectory` of B = n·|S| rows (latents on the adapter's device).
 
         Raises:
-            ValueError: mismatched inputs, batch_size < 1, ``settings.kind`` cps/ode, a sample whose prompt id
+            ValueError: mismatched inputs, batch_size < 1, ``settings.sde_kind`` cps/ode, a sample whose prompt id
                 appears with two different prompts, or a merge plan error (:func:`merge_plan`).
         """
         from tqdm.auto import tqdm
@@ -503,10 +503,10 @@ class EntropyMerge(_Grouper):
             )
         if batch_size < 1:
             raise ValueError(f"rollout batch_size must be >= 1, got {batch_size}")
-        _check_merge_kind(settings.kind)
+        _check_merge_kind(settings.sde_kind)
         t_count = settings.num_steps
         sigmas = adapter.sigmas(t_count)
-        plan = self.branch_plan(sigmas, settings.kind, settings.noise_level)
+        plan = self.branch_plan(sigmas, settings.sde_kind, settings.noise_level)
         s_max = plan[-1][0]
         dev = adapter.device
 
@@ -537,7 +537,7 @@ class EntropyMerge(_Grouper):
                     a_vel[t].append(v.float())
                 if t < s_max:
                     x = sde_step(x, v, sigmas[t].item(), sigmas[t + 1].item(), kind="ode",
-                                 noise_level=settings.noise_level, reduction=settings.reduction).prev_latents
+                                 noise_level=settings.noise_level, reduction=settings.logprob_reduction).next_latents
                     xs.append(x)
             a_lat.append(torch.stack(xs, dim=1))
         anchor_lat = torch.cat(a_lat)  # (P_u, s_max+1, …)
@@ -564,13 +564,14 @@ class EntropyMerge(_Grouper):
                 gens = [make_generator(seed, epoch, pids[rows[r][2]], "branch", s, js[rows[r][2]])
                         for r in idx.tolist()]
                 out = sde_step(anchor_lat[a_idx, s], anchor_vel[s][a_idx], sigmas[s].item(), sigmas[s + m].item(),
-                               kind=settings.kind, noise_level=settings.noise_level, generator=gens,
-                               reduction=settings.reduction, simplified_log_prob=settings.simplified_log_prob)
-                rest, _, _ = denoise(adapter, out.prev_latents, row_embeds.index(idx.to(dev)), sigmas[s + m :],
+                               kind=settings.sde_kind, noise_level=settings.noise_level, generator=gens,
+                               reduction=settings.logprob_reduction,
+                               simplified_log_prob=settings.cps_simplified_logprob)
+                rest, _, _ = denoise(adapter, out.next_latents, row_embeds.index(idx.to(dev)), sigmas[s + m :],
                                      settings, no_sde[s + m :], None)  # (n_b, T−s−m+1, …)
                 i_dev = idx.to(dev)
                 latents[i_dev, : s + 1] = anchor_lat[a_idx, : s + 1]
-                latents[i_dev, s + 1 : s + m + 1] = out.prev_latents.unsqueeze(1)
+                latents[i_dev, s + 1 : s + m + 1] = out.next_latents.unsqueeze(1)
                 latents[i_dev, s + m :] = rest
                 log_probs[idx, s] = out.log_prob.cpu()
                 stochastic[idx, s] = (out.std > 0).cpu()

@@ -25,17 +25,24 @@ class SamplerSettings:
     Attributes:
         num_steps: T.
         guidance_scale: guidance passed to the adapter's velocity.
-        kind: SDE kind of the stochastic transitions (``ode`` transitions are deterministic).
+        sde_kind: SDE kind of the stochastic transitions (``ode`` transitions are deterministic).
         noise_level: a (flow_sde, cps) or η (dance_sde).
-        reduction, simplified_log_prob: log-prob options of :func:`sde_step`.
+        logprob_reduction, cps_simplified_logprob: log-prob options of :func:`sde_step`.
+
+    The field names are those of :class:`~flowgrpo.config.SamplingConfig`; :meth:`from_config` builds one.
     """
 
     num_steps: int
     guidance_scale: float
-    kind: str = "flow_sde"
+    sde_kind: str = "flow_sde"
     noise_level: float = 0.7
-    reduction: str = "mean"
-    simplified_log_prob: bool = False
+    logprob_reduction: str = "mean"
+    cps_simplified_logprob: bool = False
+
+    @classmethod
+    def from_config(cls, sampling) -> SamplerSettings:
+        """The settings of a :class:`~flowgrpo.config.SamplingConfig` (same field names)."""
+        return cls(**{f: getattr(sampling, f) for f in cls.__dataclass_fields__})
 
 
 def denoise(
@@ -52,7 +59,7 @@ def denoise(
     """Run T transitions from ``latents`` (B, …) at σ = sigmas[0].
 
     Args:
-        sde_steps: (T,) bool, transitions sampled with ``settings.kind``; the others are ODE steps.
+        sde_steps: (T,) bool, transitions sampled with ``settings.sde_kind``; the others are ODE steps.
         generators: one per sample for the SDE noise (None only when no step is stochastic).
         record: keep every latent and log-prob (training) or only the last latent (evaluation).
 
@@ -68,13 +75,13 @@ def denoise(
     for t in range(t_count):
         sigma = sigmas[t].expand(b).to(x.device)
         v = adapter.velocity(x, sigma, embeds, settings.guidance_scale)
-        kind = settings.kind if bool(sde_steps[t]) else "ode"
+        kind = settings.sde_kind if bool(sde_steps[t]) else "ode"
         out = sde_step(
             x, v, sigmas[t].item(), sigmas[t + 1].item(), kind=kind, noise_level=settings.noise_level,
-            generator=list(generators) if generators is not None else None, reduction=settings.reduction,
-            simplified_log_prob=settings.simplified_log_prob,
+            generator=list(generators) if generators is not None else None, reduction=settings.logprob_reduction,
+            simplified_log_prob=settings.cps_simplified_logprob,
         )
-        x = out.prev_latents
+        x = out.next_latents
         log_probs[:, t] = out.log_prob.cpu()
         stochastic[:, t] = (out.std > 0).cpu()
         if record:
@@ -107,7 +114,7 @@ def rollout(
         prompt_ids: (B,) long global prompt indices; they are the group ids.
         sample_index: (B,) long index of each sample within its group (0..G−1); with ``prompt_ids`` and
             ``epoch`` it seeds the sample's noise, so a sample is the same whichever process or batch draws it.
-        sde_steps: (T,) bool, which transitions are stochastic (from the grouper).
+        sde_steps: (T,) bool, which transitions are stochastic (from the chunker).
         batch_size: trajectories per transformer call.
         same_noise_in_group: the G samples of a prompt share their initial noise (their SDE noise differs).
         on_images: called with (images, prompts, metadata) of each micro-batch, in sample order, as soon as it is
@@ -179,7 +186,7 @@ def generate_images(
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"generate_images needs one seed per prompt, got {len(prompts)} prompts, {len(seeds)} seeds")
-    settings = SamplerSettings(num_steps=num_steps, guidance_scale=guidance_scale, kind="ode")
+    settings = SamplerSettings(num_steps=num_steps, guidance_scale=guidance_scale, sde_kind="ode")
     sigmas = adapter.sigmas(num_steps)
     no_sde = torch.zeros(num_steps, dtype=torch.bool)
     out = []

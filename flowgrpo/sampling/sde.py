@@ -4,7 +4,7 @@ Convention (diffusers' flow matching): ``x_σ = (1 − σ)·x₀ + σ·ε``, σ 
 velocity ``v = ε − x₀``, and a step goes from σ to σ_next < σ, so ``dt = σ_next − σ < 0``.
 
 Every kind below defines the transition ``x_next ~ N(mean(x, v, σ, σ_next), std²·I)``; :func:`sde_step` samples
-it (or scores a given ``prev_latents``) and returns its log-density. All arithmetic is float32 whatever the model's
+it (or scores a given ``next_latents``) and returns its log-density. All arithmetic is float32 whatever the model's
 dtype, and the functions are pure: no step counter, no scheduler state. Rollout and training both call
 :func:`sde_step`, so the importance ratio is exactly 1 on-policy.
 
@@ -42,13 +42,13 @@ class SDEStepOutput:
     """The result of one transition.
 
     Attributes:
-        prev_latents: (B, …) float32, the latents at σ_next (sampled, or the ``prev_latents`` passed in).
-        log_prob: (B,) float32, log N(prev_latents; mean, std²) reduced over latent dims (0 where std = 0).
+        next_latents: (B, …) float32, the latents at σ_next (sampled, or the ``next_latents`` passed in).
+        log_prob: (B,) float32, log N(next_latents; mean, std²) reduced over latent dims (0 where std = 0).
         mean: (B, …) float32, the transition mean.
         std: (B,) float32, the transition standard deviation (the same for every latent dim).
     """
 
-    prev_latents: torch.Tensor
+    next_latents: torch.Tensor
     log_prob: torch.Tensor
     mean: torch.Tensor
     std: torch.Tensor
@@ -198,7 +198,7 @@ def sde_step(
     *,
     kind: str = "flow_sde",
     noise_level: float = 0.7,
-    prev_latents: torch.Tensor | None = None,
+    next_latents: torch.Tensor | None = None,
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     reduction: str = "mean",
     simplified_log_prob: bool = False,
@@ -211,21 +211,21 @@ def sde_step(
         sigma, sigma_next: floats or (B,) tensors with 0 ≤ σ_next < σ ≤ 1 (a (B,) σ_next serves merged jumps).
         kind: a registered SDE kind: ``flow_sde`` (a = ``noise_level``), ``dance_sde`` (η = ``noise_level``),
             ``cps`` (a = ``noise_level``) or ``ode``.
-        prev_latents: (B, …) if given, score this x_next instead of sampling one (the training pass).
+        next_latents: (B, …) if given, score this x_next instead of sampling one (the training pass).
         generator: one generator, or one per sample (as diffusers' ``randn_tensor``), for the sampled noise.
         reduction: ``mean`` (default) or ``sum`` of the log-density over latent dims.
         simplified_log_prob: the CPS reference code's ``−(x − mean)²`` surrogate (see :func:`gaussian_log_prob`).
 
     Returns:
-        :class:`SDEStepOutput`. Where std = 0 (``ode``, or ``cps`` at σ_next = 0), ``prev_latents`` is the mean
+        :class:`SDEStepOutput`. Where std = 0 (``ode``, or ``cps`` at σ_next = 0), ``next_latents`` is the mean
         and ``log_prob`` is 0.
     """
     mean, std = transition_moments(latents, velocity, sigma, sigma_next, kind=kind, noise_level=noise_level)
-    if prev_latents is None:
+    if next_latents is None:
         if bool(torch.any(std > 0)):
             noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
-            prev_latents = mean + std.reshape(-1, *([1] * (mean.ndim - 1))) * noise
+            next_latents = mean + std.reshape(-1, *([1] * (mean.ndim - 1))) * noise
         else:
-            prev_latents = mean
-    log_prob = gaussian_log_prob(prev_latents, mean, std, reduction=reduction, simplified=simplified_log_prob)
-    return SDEStepOutput(prev_latents=prev_latents.float(), log_prob=log_prob, mean=mean, std=std)
+            next_latents = mean
+    log_prob = gaussian_log_prob(next_latents, mean, std, reduction=reduction, simplified=simplified_log_prob)
+    return SDEStepOutput(next_latents=next_latents.float(), log_prob=log_prob, mean=mean, std=std)
