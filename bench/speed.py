@@ -44,7 +44,7 @@ def main() -> None:
     from flowgrpo.models import load_model
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.models.tiny import build_tiny_flux
-    from flowgrpo.sampling.rollout import SamplerSettings, rollout
+    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
     from flowgrpo.train import _quiet_libraries
 
     _quiet_libraries()
@@ -58,8 +58,8 @@ def main() -> None:
     rows = {}
 
     def ours():
-        rollout(adapter, prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long), settings=settings,
-                sde_steps=torch.ones(t, dtype=torch.bool), batch_size=b, seed=0, epoch=0)
+        rollout(adapter, RolloutRequest(prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long),
+                settings=settings, batch_size=b, seed=0, epoch=0), torch.ones(t, dtype=torch.bool))
 
     def theirs():
         with torch.no_grad():
@@ -99,8 +99,8 @@ def main() -> None:
                       rewards=ComposedReward({"none": _NoReward()}, {"none": 1}), eval_rewards=None,
                       chunker=build_chunker(cfg.chunker), prompts=PromptSet(prompts, [{}] * b, "bench"),
                       eval_prompts=None, accelerator=Accelerator(cpu=True))
-    traj = rollout(adapter, prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long), settings=settings,
-                   sde_steps=torch.ones(t, dtype=torch.bool), batch_size=b, seed=0, epoch=0)
+    traj = rollout(adapter, RolloutRequest(prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long),
+            settings=settings, batch_size=b, seed=0, epoch=0), torch.ones(t, dtype=torch.bool))
     adv = Advantages(values=torch.randn(b), train_mask=torch.ones(b, dtype=torch.bool), zero_spread_frac=0.0,
                      nan_frac=0.0)
     plan = trainer.chunker.plan(traj, 0, torch.Generator().manual_seed(0))
@@ -126,8 +126,8 @@ def main() -> None:
         ps = [prompts[i % b] for i in range(n)]
 
         def run():
-            tr = rollout(adapter, ps, [{}] * n, torch.arange(n) // g, torch.arange(n) % g, settings=s,
-                         sde_steps=torch.ones(steps, dtype=torch.bool), batch_size=g, seed=0, epoch=0)
+            tr = rollout(adapter, RolloutRequest(ps, [{}] * n, torch.arange(n) // g, torch.arange(n) % g,
+                    settings=s, batch_size=g, seed=0, epoch=0), torch.ones(steps, dtype=torch.bool))
             pl = trainer.chunker.plan(tr, 0, torch.Generator().manual_seed(0))
             a = Advantages(values=torch.randn(n), train_mask=torch.ones(n, dtype=torch.bool), zero_spread_frac=0.0,
                            nan_frac=0.0)

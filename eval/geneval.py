@@ -188,7 +188,7 @@ def generate(adapter, prompts: list[tuple[int, dict]], folder: Path, *, samples:
 
 def tiny_scorer_models() -> tuple[str, str]:
     """(detector folder, CLIP model name) of the tiny random scorer, built once into flowgrpo's cache."""
-    from flowgrpo.models import cache_dir
+    from flowgrpo.cache import cache_dir
 
     root = cache_dir() / "geneval-tiny-v1"
     det, clip = root / "mask2former", root / "clip"

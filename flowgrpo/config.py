@@ -15,18 +15,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run: unknown key, wrong type, or impossible combination."""
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A config section: unknown keys are errors, assignments are validated."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Which model to train and how."""
 
     pretrained: str = Field(
@@ -57,7 +59,20 @@ class ModelConfig(_Section):
     )
 
 
-class SamplingConfig(_Section):
+def _registered(registry_path: str, key: str, name: str) -> str:
+    """``name`` if registered in the registry at ``module:attr``, else a ValueError naming ``key`` and listing the
+    valid names (the registry's own message)."""
+    import importlib
+
+    module, attr = registry_path.split(":")
+    try:
+        getattr(importlib.import_module(module), attr).get(name)
+    except KeyError as err:
+        raise ValueError(f"{key}: {err.args[0]}") from None
+    return name
+
+
+class SamplingConfig(Section):
     """How trajectories are sampled for training."""
 
     num_steps: int = Field(10, ge=1, description="T, denoising steps per trajectory")
@@ -70,50 +85,20 @@ class SamplingConfig(_Section):
     )
     same_noise_in_group: bool = Field(False, description="all G samples of a group start from one initial noise")
 
+    @field_validator("sde_kind")
+    @classmethod
+    def _known_kind(cls, name: str) -> str:
+        return _registered("flowgrpo.sampling.sde:SDE_KINDS", "sampling.sde_kind", name)
 
-class EvalSamplingConfig(_Section):
+
+class EvalSamplingConfig(Section):
     """How images are sampled for evaluation (ODE: no noise)."""
 
     num_steps: int = Field(40, ge=1, description="denoising steps for evaluation images")
     guidance_scale: float = Field(3.5, description="guidance for evaluation images")
 
 
-class ChunkerConfig(_Section):
-    """Which transitions are stochastic and trained, and which share one importance ratio."""
-
-    name: str = Field(
-        "per_step", description="registered chunker: per_step, chunk, trajectory, window, entropy_merge"
-    )
-    timestep_fraction: float = Field(1.0, gt=0, le=1, description="per_step: fraction of stochastic steps trained")
-    step_selection: Literal["first", "random"] = Field(
-        "first", description="per_step: train the first steps of the fraction or a random subset per sample"
-    )
-    chunk_sizes: list[int] | None = Field(None, description="chunk: fixed chunk sizes summing to T (else adaptive)")
-    min_chunk_size: int = Field(2, ge=1, description="chunk (adaptive): smallest chunk the recursion produces")
-    chunk_fraction: float = Field(
-        1.0, gt=0, le=1, description="chunk: fraction of chunks trained per trajectory (weighted by mean L1_rel)"
-    )
-    window_size: int = Field(4, ge=1, description="window: SDE steps inside the sliding window")
-    window_stride: int = Field(1, ge=1, description="window: steps the window advances each shift")
-    window_shift_every: int = Field(1, ge=1, description="window: epochs between shifts")
-    drop_last_step: bool = Field(False, description="never train the last transition (GCPO's 17-step setting)")
-    entropy_threshold: float | None = Field(
-        None, description="entropy_merge: tau, the entropy per latent dim 0.5*log(2*pi*e*std^2) a merged SDE jump "
-        "must reach (E-GRPO); set this or merge_steps"
-    )
-    sde_fraction: float = Field(
-        0.5, gt=0, le=1, description="entropy_merge: entropy-rule jumps lie within the first ceil(fraction*T) "
-        "steps (E-GRPO: the first half)"
-    )
-    merge_steps: list[int] | None = Field(
-        None, description="entropy_merge: hand-set branch steps, increasing (the E-GRPO code's eta_step_list)"
-    )
-    merge_lengths: list[int] | None = Field(
-        None, description="entropy_merge: grid steps each hand-set jump spans (eta_step_merge_list; default 1s)"
-    )
-
-
-class AlgoConfig(_Section):
+class AlgoConfig(Section):
     """Advantages and the policy loss."""
 
     advantage: str = Field("grpo", description="registered estimator: grpo, dr_grpo, rloo")
@@ -131,8 +116,13 @@ class AlgoConfig(_Section):
         False, description="recompute old log-probs with the training batch layout before the first update"
     )
 
+    @field_validator("advantage")
+    @classmethod
+    def _known_estimator(cls, name: str) -> str:
+        return _registered("flowgrpo.algo.advantages:ESTIMATORS", "algo.advantage", name)
 
-class TrainConfig(_Section):
+
+class TrainConfig(Section):
     """The loop, batch sizes and optimiser."""
 
     num_epochs: int = Field(10, ge=1, description="epochs (rollout + update rounds)")
@@ -162,7 +152,7 @@ class TrainConfig(_Section):
     )
 
 
-class RewardSpec(_Section):
+class RewardSpec(Section):
     """One reward: a registered name (entry point) or 'module:attr', its weight and constructor kwargs."""
 
     name: str = Field(description="entry-point name in group flowgrpo.rewards, or 'module:attr'")
@@ -170,7 +160,7 @@ class RewardSpec(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward")
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """Prompt files: plain text (one prompt a line) or JSONL (a 'prompt' field plus metadata)."""
 
     train_prompts: str = Field("digits", description="prompt file, or an embedded set: digits, t2i_compbench")
@@ -178,7 +168,7 @@ class DataConfig(_Section):
     eval_num_prompts: int = Field(200, ge=1, description="evaluation prompts (cycled with new seeds if fewer)")
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     """What is written where."""
 
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="accelerate trackers")
@@ -193,14 +183,43 @@ class LoggingConfig(_Section):
     )
 
 
-class Config(_Section):
+def _chunker_settings(section: dict) -> Section:
+    """Validate a ``chunker:`` section against the settings model of the strategy its ``name`` selects.
+
+    Raises:
+        ValueError: an unknown strategy (listing the registered ones) or a key the strategy does not have
+            (naming the strategies that do, or the closest key).
+    """
+    from flowgrpo.algo.chunkers import CHUNKERS, chunker_config_class
+    from flowgrpo.registry import did_you_mean
+
+    name = section.get("name", "per_step")
+    try:
+        settings = chunker_config_class(name)
+    except KeyError as err:
+        raise ValueError(f"chunker.name: {err.args[0]}") from None
+    for key in section:
+        if key in settings.model_fields:
+            continue
+        owners = [n for n in CHUNKERS if key in chunker_config_class(n).model_fields]
+        hint = (f"; it belongs to chunker {' / '.join(map(repr, owners))}" if owners
+                else did_you_mean(key, settings.model_fields).replace(" (", "; ").rstrip(")"))
+        raise ValueError(f"unknown config key 'chunker.{key}' for chunker {name!r} (its keys: "
+                         f"{sorted(settings.model_fields)}){hint}")
+    return settings.model_validate(section)
+
+
+class Config(Section):
     """A whole training run."""
 
     output_dir: str = Field("runs/default", description="run folder: config, metrics, images, weights")
     model: ModelConfig = Field(default_factory=ModelConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     eval_sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
-    chunker: ChunkerConfig = Field(default_factory=ChunkerConfig)
+    chunker: SerializeAsAny[Section] = Field(
+        default_factory=lambda: _chunker_settings({}), description="the chunker strategy and its own settings "
+        "(one section per strategy; see flowgrpo.algo.chunkers)"
+    )
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     rewards: list[RewardSpec] = Field(
@@ -211,6 +230,11 @@ class Config(_Section):
     )
     data: DataConfig = Field(default_factory=DataConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("chunker", mode="before")
+    @classmethod
+    def _chunker_section(cls, value):
+        return _chunker_settings(value) if isinstance(value, dict) else value
 
     @model_validator(mode="after")
     def _derive(self) -> Config:
@@ -386,6 +410,9 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[t
     rows = []
     for name, f in model.model_fields.items():
         ann = f.annotation
+        if model is Config and name == "chunker":
+            rows += _describe_chunkers()
+            continue
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows += describe_fields(ann, prefix + name + ".")
             continue
@@ -393,4 +420,23 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[t
         if isinstance(default, list) and default and isinstance(default[0], BaseModel):
             default = [d.model_dump() for d in default]
         rows.append((prefix + name, repr(default), f.description or ""))
+    return rows
+
+
+def _describe_chunkers() -> list[tuple[str, str, str]]:
+    """``chunker.*`` rows: each strategy's own settings, marked with the strategies that have them."""
+    from flowgrpo.algo.chunkers import CHUNKERS, chunker_config_class
+
+    owners: dict[str, list[str]] = {}
+    fields = {}
+    for strategy in CHUNKERS:
+        for key, f in chunker_config_class(strategy).model_fields.items():
+            owners.setdefault(key, []).append(strategy)
+            fields.setdefault(key, f)
+    rows = []
+    for key, f in fields.items():
+        default = "'per_step'" if key == "name" else repr(f.default)
+        where = "" if key == "name" else f"[{', '.join(owners[key])}] "
+        text = f.description or (chunker_config_class("per_step").__mro__[2].model_fields[key].description or "")
+        rows.append((f"chunker.{key}", default, where + text))
     return rows

@@ -1,6 +1,6 @@
 """Typed records passed between the phases of an epoch (rollout → reward → advantage → plan → update).
 
-Glossary (STYLE.md): B trajectories = P prompts × G samples, T sampling steps, K trained chunks, σ noise level
+Glossary (docs/design.md): B trajectories = P prompts × G samples, T sampling steps, K trained chunks, σ noise level
 (σ = 1 pure noise).
 """
 
@@ -10,7 +10,45 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowgrpo.models.base import PromptEmbeds
+
+@dataclass(frozen=True)
+class PromptEmbeds:
+    """Text conditioning for a batch: named tensors whose first dim is the batch B.
+
+    FLUX holds ``prompt_embeds`` (B, L, D) and ``pooled_prompt_embeds`` (B, D'); SD3 adds the negative-prompt
+    pair for classifier-free guidance. ``shared`` holds tensors common to the whole batch (FLUX's text ids).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"prompt embeddings disagree on the batch size: {sizes}")
+
+    def __len__(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tensors.values())).device
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key] if key in self.tensors else self.shared[key]
+
+    def index(self, idx: torch.Tensor | slice) -> PromptEmbeds:
+        """Rows ``idx`` of every batched tensor (a slice or a (B',) long tensor)."""
+        return PromptEmbeds({k: v[idx] for k, v in self.tensors.items()}, self.shared)
+
+    def repeat_interleave(self, n: int) -> PromptEmbeds:
+        """Each row repeated ``n`` times in place: (P, …) → (P·n, …), the P×G group layout."""
+        return PromptEmbeds({k: v.repeat_interleave(n, dim=0) for k, v in self.tensors.items()}, self.shared)
+
+    def to(self, device: torch.device | str) -> PromptEmbeds:
+        return PromptEmbeds(
+            {k: v.to(device) for k, v in self.tensors.items()}, {k: v.to(device) for k, v in self.shared.items()}
+        )
 
 
 @dataclass(frozen=True)
@@ -102,18 +140,3 @@ class ChunkPlan:
     @property
     def num_chunks(self) -> int:
         return len(self.chunks)
-
-
-@dataclass(frozen=True)
-class LossOutput:
-    """The policy loss of one micro-batch and its statistics (summed, so micro-batches add up).
-
-    Attributes:
-        loss: scalar with gradient: Σ over pairs of the clipped surrogate + β·KL, divided by the update's pair count.
-        num_pairs: trained (sample, chunk) pairs in the micro-batch.
-        stats: name → float sums over pairs (ratio, clipped, approx_kl, kl_ref) for the metrics.
-    """
-
-    loss: torch.Tensor
-    num_pairs: int
-    stats: dict[str, float] = field(default_factory=dict)

@@ -51,14 +51,11 @@ def build_rewards(specs):
 
 
 def check_strategies(config):
-    """Resolve every registered name of the config and let the chunker check its settings, before any model or
-    data is loaded (a typo must not cost a model load and an evaluation). Returns the chunker."""
-    from flowgrpo.algo.advantages import ESTIMATORS
+    """Let the chunker check its settings against the sampling settings, before any model or data is loaded (a
+    mistake must not cost a model load and an evaluation; registered names are checked by the schema itself).
+    Returns the chunker."""
     from flowgrpo.algo.chunkers import build_chunker
-    from flowgrpo.sampling.sde import SDE_KINDS
 
-    SDE_KINDS.get(config.sampling.sde_kind)
-    ESTIMATORS.get(config.algo.advantage)
     chunker = build_chunker(config.chunker)
     chunker.validate(config.sampling.num_steps, config.sampling.sde_kind)
     return chunker

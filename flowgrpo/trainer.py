@@ -38,7 +38,7 @@ from flowgrpo.records import Advantages, ChunkPlan, Rewards, Trajectory
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rng import derive_seed, make_generator
-from flowgrpo.sampling.rollout import SamplerSettings, generate_images
+from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, generate_images
 from flowgrpo.sampling.sde import kl_between_means, sde_step, transition_moments
 
 logger = logging.getLogger(__name__)
@@ -169,12 +169,13 @@ class Trainer:
         def score_in_background(images: torch.Tensor, batch_prompts: list[str], batch_meta: list[dict]) -> None:
             handles.append(self.scorer.submit(images, batch_prompts, batch_meta))
 
-        traj = self.chunker.rollout(
-            self.adapter, prompts, metadata, pids, js, settings=self.settings, batch_size=t.rollout_batch_size,
-            seed=t.seed, epoch=self.epoch, same_noise_in_group=self.cfg.sampling.same_noise_in_group,
-            progress=self.cfg.logging.progress and self.main, on_images=score_in_background,
-            latents_on_cpu=t.latents_on_cpu,
+        request = RolloutRequest(
+            prompts=prompts, metadata=metadata, prompt_ids=pids, sample_index=js, settings=self.settings,
+            batch_size=t.rollout_batch_size, seed=t.seed, epoch=self.epoch,
+            same_noise_in_group=self.cfg.sampling.same_noise_in_group, progress=self.cfg.logging.progress and self.main,
+            on_images=score_in_background, latents_on_cpu=t.latents_on_cpu,
         )
+        traj = self.chunker.rollout(self.adapter, request)
         return traj, handles
 
     def reward_phase(self, traj: Trajectory, handles: list) -> tuple[Rewards, torch.Tensor]:

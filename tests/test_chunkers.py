@@ -14,12 +14,11 @@ from flowgrpo.algo.chunkers import (
     CHUNKERS,
     adaptive_chunks,
     build_chunker,
+    chunker_settings,
     relative_l1,
     trainable_steps,
 )
-from flowgrpo.config import ChunkerConfig
-from flowgrpo.models.base import PromptEmbeds
-from flowgrpo.records import Trajectory
+from flowgrpo.records import PromptEmbeds, Trajectory
 
 
 def _traj(latents: torch.Tensor, stochastic: torch.Tensor | None = None) -> Trajectory:
@@ -132,17 +131,17 @@ def test_adaptive_chunks_rejects_min_size_zero():
 
 
 def test_fixed_chunk_sizes_map_to_trainable_steps():
-    plan = build_chunker(ChunkerConfig(name="chunk", chunk_sizes=[2, 3, 3])).plan(_random_traj(t=8), 0, _gen())
+    plan = build_chunker(chunker_settings(name="chunk", chunk_sizes=[2, 3, 3])).plan(_random_traj(t=8), 0, _gen())
     assert plan.chunks == ((0, 1), (2, 3, 4), (5, 6, 7))
     assert plan.selected.shape == (3, 3) and plan.selected.all()
     # with the last step dropped, the sizes cover 7 trainable steps
-    cfg = ChunkerConfig(name="chunk", chunk_sizes=[3, 4], drop_last_step=True)
+    cfg = chunker_settings(name="chunk", chunk_sizes=[3, 4], drop_last_step=True)
     assert build_chunker(cfg).plan(_random_traj(t=8), 0, _gen()).chunks == ((0, 1, 2), (3, 4, 5, 6))
 
 
 def test_fixed_chunk_sizes_that_do_not_sum_raise():
     with pytest.raises(ValueError, match=r"\[2, 3\].*8"):
-        build_chunker(ChunkerConfig(name="chunk", chunk_sizes=[2, 3])).plan(_random_traj(t=8), 0, _gen())
+        build_chunker(chunker_settings(name="chunk", chunk_sizes=[2, 3])).plan(_random_traj(t=8), 0, _gen())
 
 
 def test_chunks_skip_deterministic_steps():
@@ -152,7 +151,7 @@ def test_chunks_skip_deterministic_steps():
     st[1, 3] = False
     traj = _random_traj(t=8, stochastic=st)
     assert trainable_steps(traj) == [1, 2, 4, 6, 7]
-    plan = build_chunker(ChunkerConfig(name="chunk", chunk_sizes=[2, 3])).plan(traj, 0, _gen())
+    plan = build_chunker(chunker_settings(name="chunk", chunk_sizes=[2, 3])).plan(traj, 0, _gen())
     assert plan.chunks == ((1, 2), (4, 6, 7))
 
 
@@ -168,7 +167,7 @@ def test_weighted_chunk_sampling_follows_mean_l1_one_chunk_each():
     # chunks [0,1] [2,3] [4,5] with mean L1_rel 0.1, 0.2, 0.5 → probabilities 1/8, 2/8, 5/8.
     b = 4000
     traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], b))
-    cfg = ChunkerConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=1 / 3)
+    cfg = chunker_settings(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=1 / 3)
     plan = build_chunker(cfg).plan(traj, 0, _gen(1))
     assert plan.selected.sum(1).tolist() == [1] * b
     counts = plan.selected.sum(0).double()
@@ -184,7 +183,7 @@ def test_weighted_chunk_sampling_without_replacement():
     #   {0,1}: (2/64)/(7/8) + (2/64)/(6/8) = 2/56 + 2/48;  {0,2}: 5/56 + 5/24;  {1,2}: 10/48 + 10/24
     b = 4000
     traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], b))
-    cfg = ChunkerConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=2 / 3)
+    cfg = chunker_settings(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=2 / 3)
     plan = build_chunker(cfg).plan(traj, 0, _gen(2))
     assert plan.selected.sum(1).tolist() == [2] * b  # never the same chunk twice
     pair = {(0, 1): 0, (0, 2): 1, (1, 2): 2}
@@ -198,14 +197,14 @@ def test_weighted_chunk_sampling_without_replacement():
 
 def test_chunk_plan_is_reproducible_from_the_generator():
     traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], 16))
-    chunker = build_chunker(ChunkerConfig(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=0.5))
+    chunker = build_chunker(chunker_settings(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=0.5))
     assert torch.equal(chunker.plan(traj, 0, _gen(5)).selected, chunker.plan(traj, 0, _gen(5)).selected)
 
 
 def test_adaptive_chunk_chunker_uses_the_batch_l1_curve():
     # the chunker must cut where adaptive_chunks cuts the batch's L1_rel curve over the trainable steps
     traj = _random_traj(b=4, t=10, seed=3)
-    plan = build_chunker(ChunkerConfig(name="chunk", min_chunk_size=2)).plan(traj, 0, _gen())
+    plan = build_chunker(chunker_settings(name="chunk", min_chunk_size=2)).plan(traj, 0, _gen())
     bounds = adaptive_chunks(relative_l1(traj.latents), 2)
     assert plan.chunks == tuple(tuple(range(lo, hi)) for lo, hi in bounds)
 
@@ -219,8 +218,8 @@ def test_trajectory_chunker_is_chunk_with_one_chunk(drop_last):
     st[:, 2] = False
     traj = _random_traj(t=8, stochastic=st)
     k = 6 if drop_last else 7
-    whole = build_chunker(ChunkerConfig(name="trajectory", drop_last_step=drop_last)).plan(traj, 0, _gen())
-    one = build_chunker(ChunkerConfig(name="chunk", chunk_sizes=[k], drop_last_step=drop_last)).plan(traj, 0, _gen())
+    whole = build_chunker(chunker_settings(name="trajectory", drop_last_step=drop_last)).plan(traj, 0, _gen())
+    one = build_chunker(chunker_settings(name="chunk", chunk_sizes=[k], drop_last_step=drop_last)).plan(traj, 0, _gen())
     assert whole.chunks == one.chunks == (tuple(t for t in range(8 - drop_last) if t != 2),)
     assert torch.equal(whole.selected, one.selected) and whole.selected.shape == (3, 1)
     assert CHUNKERS.get("trajectory").needs_recompute and CHUNKERS.get("chunk").needs_recompute
@@ -231,7 +230,7 @@ def test_trajectory_chunker_is_chunk_with_one_chunk(drop_last):
 
 def test_window_moves_on_schedule():
     # T = 10, w = 4, stride 2, shift every 3 epochs: start = min(2·⌊epoch/3⌋, 10 − 4)
-    chunker = build_chunker(ChunkerConfig(name="window", window_size=4, window_stride=2, window_shift_every=3))
+    chunker = build_chunker(chunker_settings(name="window", window_size=4, window_stride=2, window_shift_every=3))
     expected_start = {0: 0, 1: 0, 2: 0, 3: 2, 5: 2, 6: 4, 8: 4, 9: 6, 11: 6, 12: 6, 100: 6}
     for epoch, start in expected_start.items():
         mask = chunker.sde_steps(10, epoch)
@@ -239,7 +238,7 @@ def test_window_moves_on_schedule():
 
 
 def test_window_trains_only_the_window_steps():
-    chunker = build_chunker(ChunkerConfig(name="window", window_size=3, window_stride=1, window_shift_every=1))
+    chunker = build_chunker(chunker_settings(name="window", window_size=3, window_stride=1, window_shift_every=1))
     mask = chunker.sde_steps(8, 2)  # start 2: steps 2, 3, 4
     plan = chunker.plan(_random_traj(t=8, stochastic=mask), 2, _gen())
     assert plan.chunks == ((2,), (3,), (4,))
@@ -248,7 +247,7 @@ def test_window_trains_only_the_window_steps():
 
 
 def test_window_larger_than_the_trajectory_raises():
-    chunker = build_chunker(ChunkerConfig(name="window", window_size=12))
+    chunker = build_chunker(chunker_settings(name="window", window_size=12))
     with pytest.raises(ValueError, match="window_size=12"):
         chunker.sde_steps(10, 0)
 
@@ -257,27 +256,27 @@ def test_window_larger_than_the_trajectory_raises():
 
 
 def test_per_step_trains_every_step_by_default():
-    plan = build_chunker(ChunkerConfig(name="per_step")).plan(_random_traj(t=6), 0, _gen())
+    plan = build_chunker(chunker_settings(name="per_step")).plan(_random_traj(t=6), 0, _gen())
     assert plan.chunks == tuple((t,) for t in range(6)) and plan.selected.all()
-    dropped = build_chunker(ChunkerConfig(name="per_step", drop_last_step=True)).plan(_random_traj(t=6), 0, _gen())
+    dropped = build_chunker(chunker_settings(name="per_step", drop_last_step=True)).plan(_random_traj(t=6), 0, _gen())
     assert dropped.chunks == tuple((t,) for t in range(5))
 
 
 def test_per_step_fraction_first():
     # ⌈0.5·6⌉ = 3: the first three transitions for every sample
-    plan = build_chunker(ChunkerConfig(name="per_step", timestep_fraction=0.5)).plan(_random_traj(t=6), 0, _gen())
+    plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.5)).plan(_random_traj(t=6), 0, _gen())
     assert plan.selected.tolist() == [[True] * 3 + [False] * 3] * 3
     # ⌈0.4·6⌉ = ⌈2.4⌉ = 3 as well; ⌈0.1·6⌉ = 1
-    plan = build_chunker(ChunkerConfig(name="per_step", timestep_fraction=0.4)).plan(_random_traj(t=6), 0, _gen())
+    plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.4)).plan(_random_traj(t=6), 0, _gen())
     assert plan.selected.sum(1).tolist() == [3, 3, 3]
-    plan = build_chunker(ChunkerConfig(name="per_step", timestep_fraction=0.1)).plan(_random_traj(t=6), 0, _gen())
+    plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.1)).plan(_random_traj(t=6), 0, _gen())
     assert plan.selected.tolist() == [[True] + [False] * 5] * 3
 
 
 def test_per_step_fraction_random_is_a_uniform_subset_per_sample():
     b, t = 3000, 6
     traj = _traj(torch.randn(b, t + 1, 1, generator=_gen(0)))
-    cfg = ChunkerConfig(name="per_step", timestep_fraction=0.5, step_selection="random")
+    cfg = chunker_settings(name="per_step", timestep_fraction=0.5, step_selection="random")
     plan = build_chunker(cfg).plan(traj, 0, _gen(7))
     assert plan.selected.sum(1).tolist() == [3] * b
     assert len({tuple(r.tolist()) for r in plan.selected[:50]}) > 10  # samples differ
@@ -287,7 +286,7 @@ def test_per_step_fraction_random_is_a_uniform_subset_per_sample():
 
 def test_per_step_fraction_count_is_the_exact_ceiling():
     # The docstring promises ⌈fraction·K⌉; 0.28·25 = 7 exactly, but the float product is 7.000000000000001.
-    plan = build_chunker(ChunkerConfig(name="per_step", timestep_fraction=0.28)).plan(_random_traj(t=25), 0, _gen())
+    plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.28)).plan(_random_traj(t=25), 0, _gen())
     assert plan.selected.sum(1).tolist() == [7, 7, 7]
 
 
@@ -295,9 +294,9 @@ def test_a_plan_without_stochastic_steps_is_an_error():
     traj = _random_traj(t=4, stochastic=torch.zeros(4, dtype=torch.bool))
     for name in ("per_step", "trajectory", "window"):
         with pytest.raises(ValueError, match="no stochastic transition"):
-            build_chunker(ChunkerConfig(name=name)).plan(traj, 0, _gen())
+            build_chunker(chunker_settings(name=name)).plan(traj, 0, _gen())
 
 
 def test_unknown_chunker_suggests():
     with pytest.raises(KeyError, match="did you mean 'per_step'"):
-        build_chunker(ChunkerConfig(name="per-step"))
+        build_chunker(chunker_settings(name="per-step"))

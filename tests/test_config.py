@@ -104,7 +104,7 @@ def test_overrides_parse_yaml_types():
     assert parse_override("a=[2, 3, 4, 7]") == (["a"], [2, 3, 4, 7])
     assert parse_override("a={x: 1}") == (["a"], {"x": 1})
     assert parse_override("a=x=y") == (["a"], "x=y")  # only the first '=' splits
-    cfg = build_config({}, ["train.lr=1e-4", "chunker.chunk_sizes=[2,3,4,7]", "model.height=null",
+    cfg = build_config({}, ["train.lr=1e-4", "chunker.name=chunk", "chunker.chunk_sizes=[2,3,4,7]", "model.height=null",
                             "algo.drop_zero_spread_groups=true", "train.seed=3", "logging.trackers=[tensorboard]"])
     assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
     assert cfg.chunker.chunk_sizes == [2, 3, 4, 7]
@@ -199,3 +199,25 @@ def test_old_grouper_section_is_an_alias_that_warns():
     assert cfg.chunker.name == "window"
     with pytest.raises(ConfigError, match="keep only 'chunker'"), pytest.warns(FutureWarning):
         build_config({"grouper": {"name": "chunk"}, "chunker": {"name": "window"}})
+
+
+def test_each_chunker_has_its_own_section():
+    """A knob of another strategy is an error naming its owner (it used to be silently ignored); a typo gets a
+    suggestion; the section's values round-trip through the saved YAML."""
+    with pytest.raises(ConfigError, match="'chunker.window_size' for chunker 'per_step'.*belongs to chunker 'window'"):
+        build_config({"chunker": {"name": "per_step", "window_size": 8}})
+    with pytest.raises(ConfigError, match="did you mean 'min_chunk_size'"):
+        build_config({"chunker": {"name": "chunk", "min_chunk_sise": 3}})
+    with pytest.raises(ConfigError, match="unknown chunker 'per_stp'.*did you mean 'per_step'"):
+        build_config({"chunker": {"name": "per_stp"}})
+    with pytest.raises(ConfigError, match="exactly one of chunker.entropy_threshold"):
+        build_config({"chunker": {"name": "entropy_merge"}})
+    cfg = build_config({"chunker": {"name": "window", "window_size": 3}})
+    assert build_config(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))).chunker == cfg.chunker
+
+
+def test_registered_names_are_checked_by_the_schema():
+    with pytest.raises(ConfigError, match="sampling.sde_kind: unknown SDE kind 'flow_sd'.*did you mean 'flow_sde'"):
+        build_config({}, ["sampling.sde_kind=flow_sd"])
+    with pytest.raises(ConfigError, match="algo.advantage: unknown advantage estimator 'grp'"):
+        build_config({}, ["algo.advantage=grp"])

@@ -15,12 +15,11 @@ import pytest
 import torch
 
 from flowgrpo.algo.advantages import compute_advantages
-from flowgrpo.algo.chunkers import EntropyMerge, build_chunker, merge_plan, step_entropies
-from flowgrpo.config import ChunkerConfig, build_config
-from flowgrpo.models.base import PromptEmbeds
-from flowgrpo.records import Rewards
+from flowgrpo.algo.chunkers import EntropyMerge, build_chunker, chunker_settings, merge_plan, step_entropies
+from flowgrpo.config import build_config
+from flowgrpo.records import PromptEmbeds, Rewards
 from flowgrpo.rng import make_generator
-from flowgrpo.sampling.rollout import SamplerSettings
+from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
 
 A = 0.7  # flow_sde noise level a
 
@@ -56,14 +55,15 @@ class FakeAdapter:
 
 def _rollout(adapter, *, steps=(0, 1, 4), lengths=(1, 3, 1), num_prompts=2, group=3, num_steps=6, batch_size=4,
              kind="flow_sde", seed=5, epoch=2):
-    cfg = ChunkerConfig(name="entropy_merge", merge_steps=list(steps), merge_lengths=list(lengths))
+    cfg = chunker_settings(name="entropy_merge", merge_steps=list(steps), merge_lengths=list(lengths))
     chunker = build_chunker(cfg)
     pids = torch.tensor([10, 11, 12, 13][:num_prompts]).repeat_interleave(group)
     js = torch.arange(group).repeat(num_prompts)
     prompts = [f"prompt {int(p)}" for p in pids]
     settings = SamplerSettings(num_steps=num_steps, guidance_scale=1.0, sde_kind=kind, noise_level=A)
-    traj = chunker.rollout(adapter, prompts, [{} for _ in prompts], pids, js, settings=settings,
-                           batch_size=batch_size, seed=seed, epoch=epoch)
+    request = RolloutRequest(prompts, [{} for _ in prompts], pids, js, settings=settings, batch_size=batch_size,
+                             seed=seed, epoch=epoch)
+    traj = chunker.rollout(adapter, request)
     return chunker, traj
 
 
@@ -152,11 +152,11 @@ def test_hand_lists():
 
 def test_chunker_construction_checks_the_config():
     with pytest.raises(ValueError, match="exactly one"):
-        EntropyMerge(ChunkerConfig(name="entropy_merge"))
+        chunker_settings(name="entropy_merge")
     with pytest.raises(ValueError, match="exactly one"):
-        EntropyMerge(ChunkerConfig(name="entropy_merge", entropy_threshold=1.0, merge_steps=[0]))
+        chunker_settings(name="entropy_merge", entropy_threshold=1.0, merge_steps=[0])
     with pytest.raises(ValueError, match="merge_lengths needs"):
-        EntropyMerge(ChunkerConfig(name="entropy_merge", entropy_threshold=1.0, merge_lengths=[2]))
+        chunker_settings(name="entropy_merge", entropy_threshold=1.0, merge_lengths=[2])
     cfg = build_config({"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9, "sde_fraction": 0.5}})
     assert isinstance(build_chunker(cfg.chunker), EntropyMerge)
 

@@ -3,7 +3,7 @@ training batch has the rollout's layout (float32 and bf16 models, SDE arithmetic
 when it does not, and 0 again in recompute mode. Also: shared-noise groups start from identical latents.
 
 On this CPU a training micro-batch of 2 instead of the rollout's 4 changes the matrix-multiply blocking and
-leaves a mismatch of about 1e-7 (DESIGN.md, "Exactness"); a different BLAS may round differently, but not to 0
+leaves a mismatch of about 1e-7 (docs/design.md, "Exactness"); a different BLAS may round differently, but not to 0
 on every row and step.
 """
 

@@ -20,7 +20,7 @@ from diffusers import FluxPipeline
 from flowgrpo.models import load_model
 from flowgrpo.models.lora import save_lora, setup_trainable
 from flowgrpo.rng import make_generator
-from flowgrpo.sampling.rollout import SamplerSettings, denoise, generate_images, rollout
+from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, denoise, generate_images, rollout
 from flowgrpo.sampling.sde import sde_step
 from flowgrpo.trainer import Trainer
 
@@ -129,8 +129,8 @@ def test_generate_images_depend_on_prompt_and_seed_only(tiny_flux, pipe):
 def sde_rollout(tiny_flux):
     settings = SamplerSettings(num_steps=STEPS, guidance_scale=GUIDANCE, sde_kind="flow_sde", noise_level=0.7)
     prompts = [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
-    traj = rollout(tiny_flux, prompts, [{}] * 4, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]),
-                   settings=settings, sde_steps=torch.ones(STEPS, dtype=torch.bool), batch_size=4, seed=0, epoch=0)
+    traj = rollout(tiny_flux, RolloutRequest(prompts, [{}] * 4, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]),
+            settings=settings, batch_size=4, seed=0, epoch=0), torch.ones(STEPS, dtype=torch.bool))
     return traj, settings
 
 
@@ -168,7 +168,7 @@ def test_on_policy_log_probs_are_exact_with_the_rollout_layout(tiny_flux, sde_ro
 
 
 def test_another_batch_layout_leaves_a_tiny_mismatch(tiny_flux, sde_rollout, record_property):
-    # DESIGN.md ("Exactness"): a different layout (batch of 2 instead of 4, or a chunk's steps in one forward)
+    # docs/design.md ("Exactness"): a different layout (batch of 2 instead of 4, or a chunk's steps in one forward)
     # changes float32 reductions; the mismatch is tiny, and recomputing with that layout makes it exact.
     traj, settings = sde_rollout
     halves = max(float((_score(tiny_flux, traj, settings, rows, t) - traj.log_probs[rows, t]).abs().max())

@@ -30,9 +30,8 @@ def test_an_override_that_is_not_yaml_names_itself_and_suggests_quoting():
 def test_strategy_errors_come_before_any_model_loads(overrides, needle):
     from flowgrpo.train import check_strategies
 
-    cfg = build_config({"sampling": {"num_steps": 8}}, overrides)
     with pytest.raises((KeyError, ValueError), match=needle):
-        check_strategies(cfg)
+        check_strategies(build_config({"sampling": {"num_steps": 8}}, overrides))
 
 
 def test_the_script_prints_one_error_line_for_a_setup_mistake(tmp_path):
@@ -41,7 +40,7 @@ def test_the_script_prints_one_error_line_for_a_setup_mistake(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2
-    assert "error: unknown SDE kind 'fow_sde'" in proc.stderr and "Traceback" not in proc.stderr
+    assert "error: sampling.sde_kind: unknown SDE kind 'fow_sde'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def _trainer_stub(tmp_path, **train):

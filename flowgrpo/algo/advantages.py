@@ -1,7 +1,7 @@
 """Group-relative advantage estimators (registered; chosen by ``algo.advantage``).
 
 All estimators see the rewards of the whole batch (gathered across processes) and the group id of each sample.
-Shared conventions (DESIGN.md):
+Shared conventions (docs/design.md, "Advantages and loss"):
 
 * population std (ddof 0), ``A = (r − mean) / (std + 1e-4)`` (Flow-GRPO, arXiv 2505.05470, eq. 6);
 * a group whose valid rewards are all equal (max == min, an exact test: float means of equal values are not

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from flowgrpo.cache import build_once, cache_dir
 from flowgrpo.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -43,40 +41,6 @@ def _sd3(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_unc
 
     return load_sd3_adapter(path, dtype=dtype, height=height, width=width,
                             max_sequence_length=max_sequence_length, cfg_detach_uncond=cfg_detach_uncond)
-
-
-def cache_dir() -> Path:
-    """``$FLOWGRPO_CACHE``, else ``$XDG_CACHE_HOME/flowgrpo``, else ``~/.cache/flowgrpo``."""
-    if os.environ.get("FLOWGRPO_CACHE"):
-        return Path(os.environ["FLOWGRPO_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "flowgrpo"
-
-
-def build_once(target: Path, build, is_complete=lambda p: (p / "model_index.json").exists()) -> Path:
-    """``target``, built by ``build(tmp_folder)`` into a temporary sibling and renamed into place when absent:
-    a crash never leaves a half-written model, and of concurrent builders the first rename wins.
-
-    Raises:
-        FileExistsError: ``target`` exists but is not complete (remove it to rebuild).
-    """
-    if is_complete(target):
-        return target
-    if target.exists():
-        raise FileExistsError(f"{target} exists but is not a finished model folder; remove it to rebuild")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        build(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not is_complete(target):
-                raise
-            logger.info("another process finished %s first; using its copy", target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def ensure_tiny_model() -> Path:

@@ -9,50 +9,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from flowgrpo.records import PromptEmbeds
 
-@dataclass(frozen=True)
-class PromptEmbeds:
-    """Text conditioning for a batch: named tensors whose first dim is the batch B.
-
-    FLUX holds ``prompt_embeds`` (B, L, D) and ``pooled_prompt_embeds`` (B, D'); SD3 adds the negative-prompt
-    pair for classifier-free guidance. ``shared`` holds tensors common to the whole batch (FLUX's text ids).
-    """
-
-    tensors: dict[str, torch.Tensor]
-    shared: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
-        if len(set(sizes.values())) > 1:
-            raise ValueError(f"prompt embeddings disagree on the batch size: {sizes}")
-
-    def __len__(self) -> int:
-        return next(iter(self.tensors.values())).shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.tensors.values())).device
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.tensors[key] if key in self.tensors else self.shared[key]
-
-    def index(self, idx: torch.Tensor | slice) -> PromptEmbeds:
-        """Rows ``idx`` of every batched tensor (a slice or a (B',) long tensor)."""
-        return PromptEmbeds({k: v[idx] for k, v in self.tensors.items()}, self.shared)
-
-    def repeat_interleave(self, n: int) -> PromptEmbeds:
-        """Each row repeated ``n`` times in place: (P, …) → (P·n, …), the P×G group layout."""
-        return PromptEmbeds({k: v.repeat_interleave(n, dim=0) for k, v in self.tensors.items()}, self.shared)
-
-    def to(self, device: torch.device | str) -> PromptEmbeds:
-        return PromptEmbeds(
-            {k: v.to(device) for k, v in self.tensors.items()}, {k: v.to(device) for k, v in self.shared.items()}
-        )
+__all__ = ["AdapterBase", "ModelAdapter", "PromptEmbeds"]  # PromptEmbeds lives in flowgrpo.records
 
 
 class ModelAdapter(Protocol):

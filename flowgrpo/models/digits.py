@@ -78,7 +78,7 @@ MARKER_FILE = "flowgrpo_digits.json"  # written last into a finished model folde
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "digits"
 PROMPT_FILES = {"train": ASSETS / "prompts.jsonl", "eval": ASSETS / "eval.jsonl"}
 
-# Training recipe defaults (measured on 2 CPU cores; see .notes/digits_figures.md).
+# Training recipe defaults (measured on 2 CPU cores; the figures are in README, "The digits task").
 VAE_STEPS = 250
 VAE_BATCH_SIZE = 32
 TRANSFORMER_STEPS = 225
@@ -205,8 +205,8 @@ def images_to_digits(images: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- model folder
 def cache_root() -> Path:
-    """The flowgrpo cache folder (:func:`flowgrpo.models.cache_dir`)."""
-    from flowgrpo.models import cache_dir
+    """The flowgrpo cache folder (:func:`flowgrpo.cache.cache_dir`)."""
+    from flowgrpo.cache import cache_dir
 
     return cache_dir()
 
@@ -238,7 +238,7 @@ def ensure_digits_model(seed: int = 0, folder: str | os.PathLike | None = None, 
     it into place, so a crash never leaves a half-written model and concurrent builders cannot mix their files
     (the first rename wins; the others discard their copy).
     """
-    from flowgrpo.models import build_once
+    from flowgrpo.cache import build_once
 
     target = Path(folder) if folder is not None else default_model_dir(seed)
     if not is_complete(target):

@@ -1,7 +1,8 @@
 """Weighted composition of several rewards into one :class:`~flowgrpo.records.Rewards` record.
 
-NaN semantics (DESIGN.md): a NaN component means "not applicable to this sample"; the composed reward is the
-weighted mean of the components present, ``Σ_present w_i·r_i / Σ_present w_i``; a sample with no component
+NaN semantics (docs/design.md, "Advantages and loss"): a NaN component means "not applicable to this sample";
+the composed reward is the weighted mean of the components present,
+``Σ_present w_i·r_i / Σ_present w_i``; a sample with no component
 present has a NaN composed reward, which the advantage estimator leaves out of its group's statistics. With one
 reward of weight w the composed reward is that reward itself.
 """

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from flowgrpo.models.base import PromptEmbeds
-from flowgrpo.records import Trajectory
+from flowgrpo.records import PromptEmbeds, Trajectory
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.sde import sde_step
 
@@ -89,68 +88,98 @@ def denoise(
     return (torch.stack(all_x, dim=1) if record else x), log_probs, stochastic
 
 
-@torch.no_grad()
-def rollout(
-    adapter,
-    prompts: list[str],
-    metadata: list[dict],
-    prompt_ids: torch.Tensor,
-    sample_index: torch.Tensor,
-    *,
-    settings: SamplerSettings,
-    sde_steps: torch.Tensor,
-    batch_size: int,
-    seed: int,
-    epoch: int,
-    same_noise_in_group: bool = False,
-    progress: bool = False,
-    on_images: Callable[[torch.Tensor, list[str], list[dict]], None] | None = None,
-    latents_on_cpu: bool = False,
-) -> Trajectory:
-    """Sample one trajectory per entry: B samples, sample b of prompt ``prompt_ids[b]``.
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What one epoch's rollout is asked for: B local samples, sample b of prompt ``prompt_ids[b]``.
 
-    Args:
+    Attributes:
         prompts, metadata: B prompts and metadata dicts (the G samples of a group repeat their prompt).
         prompt_ids: (B,) long global prompt indices; they are the group ids.
-        sample_index: (B,) long index of each sample within its group (0..G−1); with ``prompt_ids`` and
-            ``epoch`` it seeds the sample's noise, so a sample is the same whichever process or batch draws it.
-        sde_steps: (T,) bool, which transitions are stochastic (from the chunker).
+        sample_index: (B,) long index of each sample within its group (0..G−1); with ``prompt_ids``, ``seed``
+            and ``epoch`` it seeds the sample's noise, so a sample is the same whichever process or batch
+            draws it.
+        settings: how to sample (:class:`SamplerSettings`).
         batch_size: trajectories per transformer call.
+        seed, epoch: the run seed and the epoch, for the noise generators.
         same_noise_in_group: the G samples of a prompt share their initial noise (their SDE noise differs).
-        on_images: called with (images, prompts, metadata) of each micro-batch, in sample order, as soon as it is
-            decoded, so rewards are scored in the background while the next micro-batch is sampled.
-        latents_on_cpu: move each micro-batch's (b, T+1, …) latents to CPU memory once it is sampled (the
-            trainer moves the rows it trains back to the device).
+        progress: show a progress bar.
+        on_images: called with (images, prompts, metadata) of each micro-batch, in sample order, as soon as it
+            is decoded, so rewards are scored in the background while the next micro-batch is sampled.
+        latents_on_cpu: move each micro-batch's (b, T+1, …) latents to CPU memory once sampled (the trainer
+            moves the rows it trains back to the device).
+
+    Raises:
+        ValueError: on construction, when the lengths disagree or ``batch_size`` < 1.
+    """
+
+    prompts: list[str]
+    metadata: list[dict]
+    prompt_ids: torch.Tensor
+    sample_index: torch.Tensor
+    settings: SamplerSettings
+    batch_size: int
+    seed: int
+    epoch: int
+    same_noise_in_group: bool = False
+    progress: bool = False
+    on_images: Callable[[torch.Tensor, list[str], list[dict]], None] | None = None
+    latents_on_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        b = len(self.prompts)
+        if len(self.metadata) != b or self.prompt_ids.shape != (b,) or self.sample_index.shape != (b,):
+            raise ValueError(
+                f"rollout got {b} prompts, {len(self.metadata)} metadata dicts, prompt_ids "
+                f"{tuple(self.prompt_ids.shape)}, sample_index {tuple(self.sample_index.shape)}"
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"rollout batch_size must be >= 1, got {self.batch_size}")
+
+
+def decode_and_report(adapter, final_latents: torch.Tensor, prompts: list[str], metadata: list[dict],
+                      request: RolloutRequest) -> torch.Tensor:
+    """Decode (B, …) final latents in micro-batches of ``request.batch_size``, handing each decoded batch to
+    ``request.on_images`` at once. Returns (B, 3, H, W) float32 images in [0, 1] on the CPU."""
+    out = []
+    for i in range(0, final_latents.shape[0], request.batch_size):
+        sl = slice(i, i + request.batch_size)
+        out.append(adapter.decode(final_latents[sl].to(adapter.device)).cpu())
+        if request.on_images is not None:
+            request.on_images(out[-1], list(prompts[sl]), list(metadata[sl]))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def rollout(adapter, request: RolloutRequest, sde_steps: torch.Tensor) -> Trajectory:
+    """Sample one trajectory per requested sample, SDE at ``sde_steps`` ((T,) bool), ODE elsewhere.
 
     Returns:
-        A :class:`~flowgrpo.records.Trajectory` (latents on the adapter's device, images on the CPU).
+        A :class:`~flowgrpo.records.Trajectory` (latents on the adapter's device, or on the CPU with
+        ``latents_on_cpu``; images on the CPU).
+
+    Raises:
+        ValueError: ``request.batch_size`` does not divide the B samples.
     """
-    b = len(prompts)
-    if len(metadata) != b or prompt_ids.shape != (b,) or sample_index.shape != (b,):
-        raise ValueError(
-            f"rollout got {b} prompts, {len(metadata)} metadata dicts, prompt_ids {tuple(prompt_ids.shape)}, "
-            f"sample_index {tuple(sample_index.shape)}"
-        )
-    if batch_size < 1 or b % batch_size:
-        raise ValueError(f"rollout batch_size {batch_size} must divide the {b} samples")
+    r, settings = request, request.settings
+    b = len(r.prompts)
+    if b % r.batch_size:
+        raise ValueError(f"rollout batch_size {r.batch_size} must divide the {b} samples")
     sigmas = adapter.sigmas(settings.num_steps)
-    unique = list(dict.fromkeys(prompts))
-    where = torch.tensor([unique.index(q) for q in prompts])
+    unique = list(dict.fromkeys(r.prompts))
+    where = torch.tensor([unique.index(q) for q in r.prompts])
     embeds = adapter.encode_prompts(unique).index(where.to(adapter.device))
-    pairs = list(zip(prompt_ids.tolist(), sample_index.tolist(), strict=True))
-    init_gens = [make_generator(seed, epoch, pid, "init", 0 if same_noise_in_group else j) for pid, j in pairs]
-    noise_gens = [make_generator(seed, epoch, pid, "sde", j) for pid, j in pairs]
+    pairs = list(zip(r.prompt_ids.tolist(), r.sample_index.tolist(), strict=True))
+    init_gens = [make_generator(r.seed, r.epoch, pid, "init", 0 if r.same_noise_in_group else j) for pid, j in pairs]
+    noise_gens = [make_generator(r.seed, r.epoch, pid, "sde", j) for pid, j in pairs]
     chunks_x, chunks_lp, chunks_st, images = [], [], [], []
-    for start in tqdm(range(0, b, batch_size), desc="rollout", disable=not progress, leave=False):
-        sl = slice(start, start + batch_size)
-        x0 = adapter.initial_latents(batch_size, init_gens[sl])
+    for start in tqdm(range(0, b, r.batch_size), desc="rollout", disable=not r.progress, leave=False):
+        sl = slice(start, start + r.batch_size)
+        x0 = adapter.initial_latents(r.batch_size, init_gens[sl])
         xs, lp, st = denoise(adapter, x0, embeds.index(sl), sigmas, settings, sde_steps, noise_gens[sl])
-        chunks_x.append(xs.cpu() if latents_on_cpu else xs)
+        chunks_x.append(xs.cpu() if r.latents_on_cpu else xs)
         chunks_lp.append(lp)
         chunks_st.append(st)
-        images.append(adapter.decode(xs[:, -1].to(adapter.device)).cpu())
-        if on_images is not None:
-            on_images(images[-1], list(prompts[sl]), list(metadata[sl]))
+        images.append(decode_and_report(adapter, xs[:, -1], r.prompts[sl], r.metadata[sl], r))
     stochastic = torch.cat(chunks_st)
     return Trajectory(
         latents=torch.cat(chunks_x),
@@ -158,12 +187,12 @@ def rollout(
         sigmas=sigmas,
         stochastic=stochastic,
         jump=torch.ones_like(stochastic, dtype=torch.long),
-        group_ids=prompt_ids.clone(),
-        prompt_ids=prompt_ids.clone(),
+        group_ids=r.prompt_ids.clone(),
+        prompt_ids=r.prompt_ids.clone(),
         embeds=embeds,
         images=torch.cat(images),
-        prompts=list(prompts),
-        metadata=list(metadata),
+        prompts=list(r.prompts),
+        metadata=list(r.metadata),
         guidance_scale=settings.guidance_scale,
     )
 

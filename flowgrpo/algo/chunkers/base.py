@@ -1,0 +1,125 @@
+"""What every chunker shares: the protocol the trainer uses, the base class, the config base, and helpers.
+
+A chunker is a registered strategy (:data:`CHUNKERS`) that answers three questions:
+
+* which transitions the rollout samples with the SDE (the others are ODE steps; only SDE transitions have a
+  log-probability and can be trained) — :meth:`Chunker.rollout`;
+* which transitions are trained and which share one importance ratio
+  ``r = exp(mean over the chunk of (log p_new − log p_old))`` — :meth:`Chunker.plan`, a
+  :class:`~flowgrpo.records.ChunkPlan`;
+* whether the training forward batches transitions differently from the rollout, so the old log-probs must be
+  recomputed with the training layout for the first ratio to be exactly 1 — :attr:`Chunker.needs_recompute`
+  (see ``docs/design.md``, "Exactness").
+
+Each strategy declares its settings as a pydantic model (its ``Config`` attribute, a subclass of
+:class:`ChunkerConfig`); the run config's ``chunker:`` section is validated against the model of the strategy its
+``name`` selects, so a knob of another strategy is an error, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+from pydantic import Field
+
+from flowgrpo.config import Section
+from flowgrpo.records import ChunkPlan, Trajectory
+from flowgrpo.registry import Registry
+from flowgrpo.sampling.rollout import RolloutRequest, rollout
+
+CHUNKERS: Registry = Registry("chunker")
+
+
+class ChunkerConfig(Section):
+    """Settings every chunker has. Subclasses add their own and fix ``name`` to their registered name."""
+
+    name: str = Field("per_step", description="registered chunker: per_step, chunk, trajectory, window, "
+                      "entropy_merge (or one a plugin registers)")
+
+
+class DropLastConfig(ChunkerConfig):
+    """Settings of the chunkers that train a subset of a full SDE trajectory."""
+
+    drop_last_step: bool = Field(
+        False, description="never train the last transition (GCPO's 17-step setting, arXiv 2510.21583, Sec. 5.1)"
+    )
+
+
+@runtime_checkable
+class Chunker(Protocol):
+    """What the trainer uses of a chunker."""
+
+    needs_recompute: bool
+
+    def validate(self, num_steps: int, sde_kind: str) -> None:
+        """Reject settings this chunker cannot run with T = ``num_steps`` and ``sde_kind``, before any model loads.
+
+        Raises:
+            ValueError: naming the setting and what is allowed.
+        """
+
+    def rollout(self, adapter, request: RolloutRequest) -> Trajectory:
+        """Sample the epoch's trajectories for ``request``."""
+
+    def plan(self, traj: Trajectory, epoch: int, generator: torch.Generator) -> ChunkPlan:
+        """The chunks of ``traj`` and which samples train which chunk."""
+
+
+def trainable_steps(traj: Trajectory, drop_last_step: bool = False) -> list[int]:
+    """Transitions stochastic for every sample (the grid positions a shared chunk plan can use)."""
+    steps = [t for t in range(traj.num_steps) if bool(traj.stochastic[:, t].all())]
+    if drop_last_step and steps and steps[-1] == traj.num_steps - 1:
+        steps = steps[:-1]
+    return steps
+
+
+def fraction_count(fraction: float, k: int) -> int:
+    """⌈fraction·k⌉, at least 1, computed so that float noise (0.28·25 = 7.000000000000001) does not add one."""
+    return max(1, math.ceil(round(fraction * k, 9)))
+
+
+def make_plan(chunks: list[tuple[int, ...]], selected: torch.Tensor) -> ChunkPlan:
+    """A :class:`ChunkPlan`; raises ``ValueError`` when there is nothing to train."""
+    if not chunks:
+        raise ValueError("the chunker found no stochastic transition to train (check sde_kind and noise_level)")
+    return ChunkPlan(chunks=tuple(chunks), selected=selected)
+
+
+class BaseChunker:
+    """Shared defaults: SDE at every step, the standard P×G rollout, the training layout equal to the rollout's.
+
+    Subclasses set ``Config`` (their settings model) and override :meth:`sde_steps` / :meth:`plan`."""
+
+    Config: ClassVar[type[ChunkerConfig]] = ChunkerConfig
+    needs_recompute = False
+
+    def __init__(self, cfg: ChunkerConfig) -> None:
+        self.cfg = cfg
+
+    def sde_steps(self, num_steps: int, epoch: int) -> torch.Tensor:
+        """(T,) bool: which transitions the rollout samples with the SDE."""
+        return torch.ones(num_steps, dtype=torch.bool)
+
+    def validate(self, num_steps: int, sde_kind: str) -> None:
+        self.sde_steps(num_steps, 0)
+
+    def rollout(self, adapter, request: RolloutRequest) -> Trajectory:
+        """The standard rollout (:func:`flowgrpo.sampling.rollout.rollout`) with this chunker's SDE steps."""
+        return rollout(adapter, request, self.sde_steps(request.settings.num_steps, request.epoch))
+
+
+def chunker_config_class(name: str) -> type[ChunkerConfig]:
+    """The settings model of the chunker registered as ``name`` (``KeyError`` listing the valid names)."""
+    return CHUNKERS.get(name).Config
+
+
+def chunker_settings(name: str = "per_step", **settings) -> ChunkerConfig:
+    """The validated settings of chunker ``name`` (``ValueError`` for a key or value the strategy refuses)."""
+    return chunker_config_class(name).model_validate({"name": name, **settings})
+
+
+def build_chunker(cfg: ChunkerConfig) -> Chunker:
+    """The chunker named by ``cfg.name``, constructed with its settings."""
+    return CHUNKERS.get(cfg.name)(cfg)

@@ -1,0 +1,377 @@
+"""``entropy_merge``: E-GRPO's entropy-merged SDE jumps and shared-anchor branching (Zhang et al., arXiv 2601.00423).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from tqdm.auto import tqdm
+
+from flowgrpo.algo.chunkers.base import CHUNKERS, BaseChunker, ChunkerConfig, fraction_count, make_plan
+from flowgrpo.records import ChunkPlan, PromptEmbeds, Trajectory
+from flowgrpo.rng import make_generator
+from flowgrpo.sampling.rollout import RolloutRequest, decode_and_report, denoise
+from flowgrpo.sampling.sde import gaussian_entropy_per_dim, sde_step, transition_moments
+
+#: SDE kinds ``entropy_merge`` refuses, with the reason.
+_NO_MERGE_KINDS = {
+    "cps": "its std σ_next·sin(aπ/2) shrinks as a jump grows, so merging steps lowers the entropy instead of "
+    "raising it",
+    "ode": "it has no noise (std 0, entropy −∞), so no step can reach the threshold",
+}
+
+
+def _check_merge_kind(kind: str) -> None:
+    if kind in _NO_MERGE_KINDS:
+        raise ValueError(
+            f"chunker 'entropy_merge' cannot use sampling.sde_kind={kind!r}: {_NO_MERGE_KINDS[kind]}; "
+            "use flow_sde or dance_sde"
+        )
+
+
+def jump_entropy(sigmas: torch.Tensor, start: int, length: int, *, kind: str, noise_level: float) -> float:
+    """Entropy per latent dimension of one SDE jump from ``sigmas[start]`` to ``sigmas[start + length]``.
+
+    ``h = ½·log(2πe·std²)`` (:func:`~flowgrpo.sampling.sde.gaussian_entropy_per_dim`; E-GRPO, arXiv 2601.00423,
+    Sec. 3.2, divided by the latent size D), where std is the transition std of ``kind`` with σ_next the grid
+    value ``length`` steps on: a merged jump is the ordinary transition over a longer interval. The std of every
+    kind here depends on σ alone, not on the latents. float; −inf where std = 0.
+
+    Raises:
+        ValueError: ``start``/``length`` outside the grid (0 ≤ start, 1 ≤ length, start + length ≤ T).
+        KeyError: unknown ``kind``.
+    """
+    t_count = len(sigmas) - 1
+    if start < 0 or length < 1 or start + length > t_count:
+        raise ValueError(f"a jump needs 0 <= start, 1 <= length, start + length <= T={t_count}; "
+                         f"got start={start}, length={length}")
+    zero = torch.zeros(1, 1)
+    _, std = transition_moments(zero, zero, float(sigmas[start]), float(sigmas[start + length]), kind=kind,
+                                noise_level=noise_level)
+    return float(gaussian_entropy_per_dim(std)[0])
+
+
+def step_entropies(sigmas: torch.Tensor, *, kind: str, noise_level: float) -> torch.Tensor:
+    """(T,) float32 entropy per latent dimension of each single grid step (:func:`jump_entropy` with m = 1)."""
+    return torch.tensor([jump_entropy(sigmas, i, 1, kind=kind, noise_level=noise_level)
+                         for i in range(len(sigmas) - 1)], dtype=torch.float32)
+
+
+def merge_plan(sigmas: torch.Tensor, *, kind: str, noise_level: float, tau: float | None = None,
+               limit: int | None = None, steps: list[int] | None = None,
+               lengths: list[int] | None = None) -> list[tuple[int, int]]:
+    """E-GRPO's branch steps: a list of (step s, jump length m), s increasing, jumps not overlapping.
+
+    Entropy rule (``tau`` set; E-GRPO, arXiv 2601.00423, Sec. 3.2–3.3, "merge consecutive low entropy steps to
+    formulate one high entropy step"): walk the grid from s = 0; at each candidate s take the smallest m with
+    ``jump_entropy(s, m) ≥ τ`` and ``s + m ≤ limit``, select (s, m) and continue at s + m (the merged steps are
+    used up). When no such m exists (the window ends before the entropy reaches τ), s is left to the ODE and the
+    walk continues at s + 1. Every other step is an ODE step. ``limit`` (default T) confines the jumps to the
+    first ``limit`` steps: the paper samples with the SDE only in the first half. With ``flow_sde``, a = 0.7, 16
+    steps of the FLUX.1 grid (720 or 1024 px), τ = 0.9 and limit 8 this gives [(0, 1), (1, 1), (2, 2), (4, 3)],
+    the released training script's hand-set lists (``--eta_step_list 0 1 2 4 --eta_step_merge_list 1 1 2 3``).
+
+    Hand lists (``steps`` set, the authors' ``eta_step_list`` / ``eta_step_merge_list``; ``lengths`` defaults to
+    all 1): returned as given after validation; ``limit`` does not apply.
+
+    Args:
+        sigmas: (T+1,) σ grid, 1 → 0.
+        kind, noise_level: the SDE of the jumps (``flow_sde`` or ``dance_sde``).
+        tau: entropy threshold per latent dimension.
+        limit: jumps end at or before this grid index (1..T).
+
+    Raises:
+        ValueError: ``kind`` is ``cps`` or ``ode``; both or neither of ``tau`` and ``steps``; hand lists of
+            different lengths, out of the grid, not increasing, or overlapping (s_k + m_k > s_{k+1}); ``limit``
+            outside 1..T; no step reaches τ (the message gives the largest reachable entropy).
+    """
+    _check_merge_kind(kind)
+    t_count = len(sigmas) - 1
+    if (tau is None) == (steps is None):
+        raise ValueError("entropy_merge needs exactly one of chunker.entropy_threshold (the entropy rule) or "
+                         f"chunker.merge_steps (hand-set branch steps); got entropy_threshold={tau}, "
+                         f"merge_steps={steps}")
+    if steps is not None:
+        lengths = [1] * len(steps) if lengths is None else list(lengths)
+        steps = list(steps)
+        if not steps or len(lengths) != len(steps):
+            raise ValueError(f"chunker.merge_steps {steps} and merge_lengths {lengths} must be non-empty lists of "
+                             "equal length")
+        plan = list(zip(steps, lengths, strict=True))
+        for k, (s, m) in enumerate(plan):
+            if s < 0 or m < 1 or s + m > t_count:
+                raise ValueError(f"hand-set jump (step {s}, length {m}) leaves the grid of T={t_count} steps "
+                                 "(need step >= 0, length >= 1, step + length <= T)")
+            if k and plan[k - 1][0] + plan[k - 1][1] > s:
+                raise ValueError(f"hand-set jumps overlap: (step {plan[k - 1][0]}, length {plan[k - 1][1]}) "
+                                 f"reaches past step {s}; branch steps must increase and each jump must end at "
+                                 "or before the next branch step")
+        return plan
+    limit = t_count if limit is None else int(limit)
+    if not 1 <= limit <= t_count:
+        raise ValueError(f"the entropy_merge window must cover 1..T={t_count} steps, got {limit}")
+    plan: list[tuple[int, int]] = []
+    best = -math.inf
+    s = 0
+    while s < limit:
+        chosen = None
+        for m in range(1, limit - s + 1):
+            h = jump_entropy(sigmas, s, m, kind=kind, noise_level=noise_level)
+            best = max(best, h)
+            if h >= tau:
+                chosen = m
+                break
+        if chosen is None:
+            s += 1
+        else:
+            plan.append((s, chosen))
+            s += chosen
+    if not plan:
+        raise ValueError(f"no jump within the first {limit} steps reaches entropy_threshold={tau} (the largest "
+                         f"reachable entropy per dimension is {best:.4f}); lower the threshold, raise "
+                         "sampling.noise_level or chunker.sde_fraction")
+    return plan
+
+
+class EntropyMergeConfig(ChunkerConfig):
+    """Settings of ``entropy_merge`` (E-GRPO, arXiv 2601.00423): the entropy rule (``entropy_threshold``) or
+    hand-set branch steps (``merge_steps``), exactly one of them."""
+
+    name: Literal["entropy_merge"] = "entropy_merge"
+    entropy_threshold: float | None = Field(
+        None, description="tau, the entropy per latent dim 0.5*log(2*pi*e*std^2) a merged SDE jump must reach "
+        "(E-GRPO Sec. 3.2, divided by the latent size)"
+    )
+    sde_fraction: float = Field(
+        0.5, gt=0, le=1, description="entropy-rule jumps lie within the first ceil(fraction*T) steps (E-GRPO: the "
+        "first half)"
+    )
+    merge_steps: list[int] | None = Field(
+        None, description="hand-set branch steps, increasing (the E-GRPO code's eta_step_list)"
+    )
+    merge_lengths: list[int] | None = Field(
+        None, description="grid steps each hand-set jump spans (eta_step_merge_list; default all 1)"
+    )
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> EntropyMergeConfig:
+        if (self.entropy_threshold is None) == (self.merge_steps is None):
+            raise ValueError("chunker 'entropy_merge' needs exactly one of chunker.entropy_threshold (the entropy "
+                             "rule) or chunker.merge_steps (hand-set branch steps); got entropy_threshold="
+                             f"{self.entropy_threshold}, merge_steps={self.merge_steps}")
+        if self.merge_lengths is not None and self.merge_steps is None:
+            raise ValueError("chunker.merge_lengths needs chunker.merge_steps")
+        return self
+
+
+@CHUNKERS.register("entropy_merge")
+class EntropyMerge(BaseChunker):
+    """E-GRPO (Zhang et al., arXiv 2601.00423): entropy-merged SDE jumps, shared-anchor branching, and groups
+    of (prompt, branch step).
+
+    Rollout (:meth:`rollout`), for each prompt:
+
+    1. one ODE anchor trajectory from the prompt's initial noise (``make_generator(seed, epoch, prompt, "init",
+       0)``), batched over prompts, run up to the last branch step; its velocity at each branch step is kept;
+    2. for each branch step (s, m) of :func:`merge_plan`, G samples jump from the anchor latent x_s with one SDE
+       transition to σ_grid[s + m], each with its own noise (``make_generator(seed, epoch, prompt, "branch", s,
+       j)``), reusing the anchor's velocity at x_s (the same input, so the same velocity: the jump costs no
+       transformer call), then continue by ODE to σ = 0.
+
+    The shared prefix costs one transformer call per step per prompt, not G; the whole rollout costs
+    (s_max + 1) + G·Σ_(s,m) (T − s − m) calls per prompt, against G·T for the per-step SDE rollout.
+
+    Record (B = P_local·|S|·G rows, in the order prompt → branch step → sample): ``latents[b, :s+1]`` are the
+    anchor's latents (bit-identical copies), ``latents[b, s+1 : s+m+1]`` the jump's end (repeated inside the
+    jump), then the ODE continuation; ``jump[b, s] = m``, 0 inside the jump, 1 elsewhere; ``stochastic[b, t]``
+    is True only at t = s; ``log_probs[b, s]`` is the jump's log-density (0 elsewhere); ``group_ids =
+    prompt_id·(T+1) + s``, so advantages are normalised within the G samples of one (prompt, branch step)
+    (the paper's "multi-step group normalized advantage"). ``same_noise_in_group`` is implied (every sample of a
+    prompt starts from the anchor's noise).
+
+    Plan (:meth:`plan`): one chunk per branch step; each sample trains exactly its own jump.
+
+    Batch sizes: the trainer cuts the B_local rows into micro-batches of ``train.train_batch_size``, which must
+    divide B_local = P_local·|S|·G. A micro-batch scores a chunk for all its rows, so choose a
+    ``train_batch_size`` that divides G (the per-process share of a group): each micro-batch then holds one
+    (prompt, branch step) and forwards no unused row in the update. Old log-probs are recomputed in the training
+    layout (the rollout scores the jump with the anchor's batched velocity), so ``needs_recompute`` is True.
+    With several processes, choose P divisible by the process count so that no group is split: a prompt whose
+    samples fall on two processes gets its anchor computed on each, equal only up to batching round-off.
+
+    Differences from the released code (shengjun-zhang/VisualGRPO): its multi-granularity rewards
+    (``granular_list``) are not implemented (one ODE continuation on the full grid); at σ = 1 the flow_sde std
+    uses this project's guard (denominator 1 − σ_next, so a jump from σ = 1 keeps std = a whatever m), where the
+    released code uses 1 − σ_grid[1].
+    """
+
+    Config = EntropyMergeConfig
+    needs_recompute = True
+
+    def branch_plan(self, sigmas: torch.Tensor, kind: str, noise_level: float) -> list[tuple[int, int]]:
+        """The epoch's (branch step, jump length) list for the σ grid and SDE (see :func:`merge_plan`)."""
+        t_count = len(sigmas) - 1
+        return merge_plan(sigmas, kind=kind, noise_level=noise_level, tau=self.cfg.entropy_threshold,
+                          limit=fraction_count(self.cfg.sde_fraction, t_count), steps=self.cfg.merge_steps,
+                          lengths=self.cfg.merge_lengths)
+
+    def validate(self, num_steps: int, sde_kind: str) -> None:
+        _check_merge_kind(sde_kind)
+        if self.cfg.merge_steps is not None and max(self.cfg.merge_steps) >= num_steps:
+            raise ValueError(f"chunker.merge_steps {list(self.cfg.merge_steps)} must be < num_steps {num_steps}")
+
+    def sde_steps(self, num_steps: int, epoch: int) -> torch.Tensor:
+        """(T,) bool, the branch steps; only for hand-set lists (the entropy rule needs the σ grid and the SDE:
+        use :meth:`branch_plan`)."""
+        if self.cfg.merge_steps is None:
+            raise ValueError("entropy_merge's SDE steps follow from the σ grid and the SDE kind: call "
+                             "branch_plan(sigmas, kind, noise_level)")
+        mask = torch.zeros(num_steps, dtype=torch.bool)
+        mask[list(self.cfg.merge_steps)] = True
+        return mask
+
+    @torch.no_grad()
+    def rollout(self, adapter, request: RolloutRequest) -> Trajectory:
+        """Shared-anchor branching (see the class docstring): n requested samples → n·|S| trajectories.
+
+        ``request`` holds the n = P_local·G local samples as :func:`flowgrpo.sampling.rollout.rollout` takes them;
+        sample (p, j) becomes |S| trajectories (p, s, j), one per branch step; ``request.batch_size`` is the most
+        trajectories (anchors, or branches) per transformer call; ``on_images`` is called with each decoded
+        batch of rows, in row order.
+
+        Returns:
+            A :class:`~flowgrpo.records.Trajectory` of B = n·|S| rows (latents on the adapter's device).
+
+        Raises:
+            ValueError: mismatched inputs, sde_kind cps/ode, a prompt id that appears with two different
+                prompts, or a merge plan error (:func:`merge_plan`).
+        """
+        settings = request.settings
+        _check_merge_kind(settings.sde_kind)
+        sigmas = adapter.sigmas(settings.num_steps)
+        plan = self.branch_plan(sigmas, settings.sde_kind, settings.noise_level)
+        anchors = _Anchors.sample(adapter, request, sigmas, plan)
+        rows = [(a, k, i) for a, p in enumerate(anchors.prompt_ids) for k in range(len(plan))
+                for i in anchors.members[p]]  # prompt → branch step → sample
+        rec = _branch(adapter, request, sigmas, plan, anchors, rows)
+        src = [i for _, _, i in rows]
+        images = decode_and_report(adapter, rec["latents"][:, -1], [request.prompts[i] for i in src],
+                                   [request.metadata[i] for i in src], request)
+        pids = request.prompt_ids.tolist()
+        row_pid = torch.tensor([pids[i] for i in src], dtype=torch.long)
+        row_step = torch.tensor([plan[k][0] for _, k, _ in rows], dtype=torch.long)
+        return Trajectory(
+            **rec, sigmas=sigmas, group_ids=row_pid * (settings.num_steps + 1) + row_step, prompt_ids=row_pid,
+            images=images, prompts=[request.prompts[i] for i in src], metadata=[request.metadata[i] for i in src],
+            guidance_scale=settings.guidance_scale,
+        )
+
+    def plan(self, traj: Trajectory, epoch: int, generator: torch.Generator) -> ChunkPlan:
+        """One chunk ``(s,)`` per branch step s; ``selected[b, k]`` is True only for the samples that branched at
+        chunk k's step (each sample trains its one stochastic jump).
+
+        Raises:
+            ValueError: a sample without exactly one stochastic transition (not an entropy_merge rollout).
+        """
+        per_row = traj.stochastic.sum(dim=1)
+        if not bool((per_row == 1).all()):
+            raise ValueError("entropy_merge plans need exactly one stochastic transition per sample (its branch "
+                             f"jump); found counts {sorted(set(per_row.tolist()))}")
+        steps = [t for t in range(traj.num_steps) if bool(traj.stochastic[:, t].any())]
+        return make_plan([(t,) for t in steps], traj.stochastic[:, steps].clone())
+
+
+@dataclass(frozen=True)
+class _Anchors:
+    """One ODE anchor per distinct prompt id, run from the prompt's initial noise up to the last branch step.
+
+    Attributes:
+        prompt_ids: the P_u distinct prompt ids, in order of first appearance.
+        members: prompt id → indices of its samples in the request.
+        embeds: (P_u, …) prompt embeddings.
+        latents: (P_u, s_max+1, …) float32 anchor latents on the adapter's device.
+        velocity: branch step s → (P_u, …) float32 velocity at the anchor latent x_s.
+    """
+
+    prompt_ids: list[int]
+    members: dict[int, list[int]]
+    embeds: PromptEmbeds
+    latents: torch.Tensor
+    velocity: dict[int, torch.Tensor]
+
+    @classmethod
+    def sample(cls, adapter, request: RolloutRequest, sigmas: torch.Tensor, plan) -> _Anchors:
+        s_max = plan[-1][0]
+        settings = request.settings
+        pids = request.prompt_ids.tolist()
+        anchors = list(dict.fromkeys(pids))
+        members = {p: [i for i in range(len(pids)) if pids[i] == p] for p in anchors}
+        for p, idx in members.items():
+            if len({request.prompts[i] for i in idx}) > 1:
+                raise ValueError(f"prompt id {p} appears with different prompts: "
+                                 f"{sorted({request.prompts[i] for i in idx})}")
+        texts = [request.prompts[members[p][0]] for p in anchors]
+        unique = list(dict.fromkeys(texts))
+        dev = adapter.device
+        embeds = adapter.encode_prompts(unique).index(torch.tensor([unique.index(t) for t in texts]).to(dev))
+        branch_at = {s for s, _ in plan}
+        lat, vel = [], {s: [] for s in branch_at}
+        bs = request.batch_size
+        for start in tqdm(range(0, len(anchors), bs), desc="anchors", disable=not request.progress, leave=False):
+            part = anchors[start : start + bs]
+            emb = embeds.index(slice(start, start + len(part)))
+            gens = [make_generator(request.seed, request.epoch, p, "init", 0) for p in part]
+            x = adapter.initial_latents(len(part), gens).float()
+            xs = [x]
+            for t in range(s_max + 1):
+                v = adapter.velocity(x, sigmas[t].expand(len(part)).to(x.device), emb, settings.guidance_scale)
+                if t in branch_at:
+                    vel[t].append(v.float())
+                if t < s_max:
+                    x = sde_step(x, v, sigmas[t].item(), sigmas[t + 1].item(), kind="ode",
+                                 noise_level=settings.noise_level).next_latents
+                    xs.append(x)
+            lat.append(torch.stack(xs, dim=1))
+        return cls(anchors, members, embeds, torch.cat(lat), {s: torch.cat(v) for s, v in vel.items()})
+
+
+def _branch(adapter, request: RolloutRequest, sigmas: torch.Tensor, plan, anchors: _Anchors, rows) -> dict:
+    """For each branch step (s, m): one SDE jump of every row of that step from its anchor latent x_s to
+    σ_grid[s + m], reusing the anchor's velocity, then ODE to σ = 0. Returns the record's per-row fields."""
+    settings = request.settings
+    t_count, dev = settings.num_steps, adapter.device
+    b = len(rows)
+    latents = torch.empty(b, t_count + 1, *anchors.latents.shape[2:], dtype=torch.float32, device=dev)
+    log_probs = torch.zeros(b, t_count)
+    stochastic = torch.zeros(b, t_count, dtype=torch.bool)
+    jump = torch.ones(b, t_count, dtype=torch.long)
+    row_anchor = torch.tensor([a for a, _, _ in rows])
+    row_embeds = anchors.embeds.index(row_anchor.to(dev))
+    pids, js = request.prompt_ids.tolist(), request.sample_index.tolist()
+    no_sde = torch.zeros(t_count, dtype=torch.bool)
+    for k, (s, m) in enumerate(tqdm(plan, desc="branches", disable=not request.progress, leave=False)):
+        idx_k = [r for r in range(b) if rows[r][1] == k]
+        for start in range(0, len(idx_k), request.batch_size):
+            idx = torch.tensor(idx_k[start : start + request.batch_size])
+            a_idx, i_dev = row_anchor[idx].to(dev), idx.to(dev)
+            gens = [make_generator(request.seed, request.epoch, pids[rows[r][2]], "branch", s, js[rows[r][2]])
+                    for r in idx.tolist()]
+            out = sde_step(anchors.latents[a_idx, s], anchors.velocity[s][a_idx], sigmas[s].item(),
+                           sigmas[s + m].item(), kind=settings.sde_kind, noise_level=settings.noise_level,
+                           generator=gens, reduction=settings.logprob_reduction,
+                           simplified_log_prob=settings.cps_simplified_logprob)
+            rest, _, _ = denoise(adapter, out.next_latents, row_embeds.index(i_dev), sigmas[s + m :], settings,
+                                 no_sde[s + m :], None)  # (n_b, T−s−m+1, …)
+            latents[i_dev, : s + 1] = anchors.latents[a_idx, : s + 1]
+            latents[i_dev, s + 1 : s + m + 1] = out.next_latents.unsqueeze(1)
+            latents[i_dev, s + m :] = rest
+            log_probs[idx, s] = out.log_prob.cpu()
+            stochastic[idx, s] = (out.std > 0).cpu()
+            jump[idx, s] = m
+            jump[idx, s + 1 : s + m] = 0
+    return {"latents": latents, "log_probs": log_probs, "stochastic": stochastic, "jump": jump,
+            "embeds": row_embeds}
