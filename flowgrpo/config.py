@@ -12,10 +12,19 @@ import difflib
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -59,17 +68,25 @@ class ModelConfig(Section):
     )
 
 
-def _registered(registry_path: str, key: str, name: str) -> str:
-    """``name`` if registered in the registry at ``module:attr``, else a ValueError naming ``key`` and listing the
-    valid names (the registry's own message)."""
-    import importlib
+def registered_name(registry_path: str, key: str):
+    """A ``str`` field type whose value must be registered in the registry at ``module:attr`` (imported on first
+    validation); otherwise a ValueError naming ``key`` with the registry's own message (valid names, closest)."""
 
-    module, attr = registry_path.split(":")
-    try:
-        getattr(importlib.import_module(module), attr).get(name)
-    except KeyError as err:
-        raise ValueError(f"{key}: {err.args[0]}") from None
-    return name
+    def check(name: str) -> str:
+        import importlib
+
+        module, attr = registry_path.split(":")
+        try:
+            getattr(importlib.import_module(module), attr).get(name)
+        except KeyError as err:
+            raise ValueError(f"{key}: {err.args[0]}") from None
+        return name
+
+    return Annotated[str, AfterValidator(check)]
+
+
+SdeKindName = registered_name("flowgrpo.sampling.sde:SDE_KINDS", "sampling.sde_kind")
+EstimatorName = registered_name("flowgrpo.algo.advantages:ESTIMATORS", "algo.advantage")
 
 
 class SamplingConfig(Section):
@@ -77,18 +94,13 @@ class SamplingConfig(Section):
 
     num_steps: int = Field(10, ge=1, description="T, denoising steps per trajectory")
     guidance_scale: float = Field(3.5, description="FLUX guidance embedding / SD3 CFG scale")
-    sde_kind: str = Field("flow_sde", description="registered SDE kind: flow_sde, dance_sde, cps, ode")
+    sde_kind: SdeKindName = Field("flow_sde", description="registered SDE kind: flow_sde, dance_sde, cps, ode")
     noise_level: float = Field(0.7, ge=0, description="SDE noise: a for flow_sde and cps, eta for dance_sde")
     logprob_reduction: Literal["mean", "sum"] = Field("mean", description="reduce log-probs over latent dims")
     cps_simplified_logprob: bool = Field(
         False, description="CPS reference code's -(x-mean)^2 surrogate log-prob (needs a ~1e-5 clip range)"
     )
     same_noise_in_group: bool = Field(False, description="all G samples of a group start from one initial noise")
-
-    @field_validator("sde_kind")
-    @classmethod
-    def _known_kind(cls, name: str) -> str:
-        return _registered("flowgrpo.sampling.sde:SDE_KINDS", "sampling.sde_kind", name)
 
 
 class EvalSamplingConfig(Section):
@@ -101,7 +113,7 @@ class EvalSamplingConfig(Section):
 class AlgoConfig(Section):
     """Advantages and the policy loss."""
 
-    advantage: str = Field("grpo", description="registered estimator: grpo, dr_grpo, rloo")
+    advantage: EstimatorName = Field("grpo", description="registered estimator: grpo, dr_grpo, rloo")
     global_std: bool = Field(False, description="grpo: divide by the batch's std instead of each group's")
     multi_reward: Literal["sum_then_normalize", "gdpo"] = Field(
         "sum_then_normalize", description="several rewards: weighted sum first, or GDPO per-component norm"
@@ -115,11 +127,6 @@ class AlgoConfig(Section):
     recompute_old_log_probs: bool = Field(
         False, description="recompute old log-probs with the training batch layout before the first update"
     )
-
-    @field_validator("advantage")
-    @classmethod
-    def _known_estimator(cls, name: str) -> str:
-        return _registered("flowgrpo.algo.advantages:ESTIMATORS", "algo.advantage", name)
 
 
 class TrainConfig(Section):

@@ -96,24 +96,34 @@ def merge_plan(sigmas: torch.Tensor, *, kind: str, noise_level: float, tau: floa
                          f"chunker.merge_steps (hand-set branch steps); got entropy_threshold={tau}, "
                          f"merge_steps={steps}")
     if steps is not None:
-        lengths = [1] * len(steps) if lengths is None else list(lengths)
-        steps = list(steps)
-        if not steps or len(lengths) != len(steps):
-            raise ValueError(f"chunker.merge_steps {steps} and merge_lengths {lengths} must be non-empty lists of "
-                             "equal length")
-        plan = list(zip(steps, lengths, strict=True))
-        for k, (s, m) in enumerate(plan):
-            if s < 0 or m < 1 or s + m > t_count:
-                raise ValueError(f"hand-set jump (step {s}, length {m}) leaves the grid of T={t_count} steps "
-                                 "(need step >= 0, length >= 1, step + length <= T)")
-            if k and plan[k - 1][0] + plan[k - 1][1] > s:
-                raise ValueError(f"hand-set jumps overlap: (step {plan[k - 1][0]}, length {plan[k - 1][1]}) "
-                                 f"reaches past step {s}; branch steps must increase and each jump must end at "
-                                 "or before the next branch step")
-        return plan
+        return _hand_plan(list(steps), [1] * len(steps) if lengths is None else list(lengths), t_count)
     limit = t_count if limit is None else int(limit)
     if not 1 <= limit <= t_count:
         raise ValueError(f"the entropy_merge window must cover 1..T={t_count} steps, got {limit}")
+    return _entropy_rule_plan(sigmas, kind, noise_level, tau, limit)
+
+
+def _hand_plan(steps: list[int], lengths: list[int], t_count: int) -> list[tuple[int, int]]:
+    """The hand-set (step, length) list after validation (see :func:`merge_plan`)."""
+    if not steps or len(lengths) != len(steps):
+        raise ValueError(f"chunker.merge_steps {steps} and merge_lengths {lengths} must be non-empty lists of "
+                         "equal length")
+    plan = list(zip(steps, lengths, strict=True))
+    for k, (s, m) in enumerate(plan):
+        if s < 0 or m < 1 or s + m > t_count:
+            raise ValueError(f"hand-set jump (step {s}, length {m}) leaves the grid of T={t_count} steps "
+                             "(need step >= 0, length >= 1, step + length <= T)")
+        if k and plan[k - 1][0] + plan[k - 1][1] > s:
+            raise ValueError(f"hand-set jumps overlap: (step {plan[k - 1][0]}, length {plan[k - 1][1]}) "
+                             f"reaches past step {s}; branch steps must increase and each jump must end at "
+                             "or before the next branch step")
+    return plan
+
+
+def _entropy_rule_plan(sigmas: torch.Tensor, kind: str, noise_level: float, tau: float,
+                       limit: int) -> list[tuple[int, int]]:
+    """E-GRPO's walk over the grid (see :func:`merge_plan`): the smallest jump from each free step whose entropy
+    reaches ``tau`` within ``limit`` steps."""
     plan: list[tuple[int, int]] = []
     best = -math.inf
     s = 0
