@@ -87,6 +87,9 @@ def registered_name(registry_path: str, key: str):
 
 SdeKindName = registered_name("flowgrpo.sampling.sde:SDE_KINDS", "sampling.sde_kind")
 EstimatorName = registered_name("flowgrpo.algo.advantages:ESTIMATORS", "algo.advantage")
+PolicyLossName = registered_name("flowgrpo.algo.losses:POLICY_LOSSES", "algo.policy_loss")
+GroupFilterName = registered_name("flowgrpo.algo.filters:GROUP_FILTERS", "algo.group_filter.name")
+SelectionName = registered_name("flowgrpo.algo.filters:SELECTIONS", "algo.group_filter.select")
 
 
 class SamplingConfig(Section):
@@ -110,6 +113,30 @@ class EvalSamplingConfig(Section):
     guidance_scale: float = Field(3.5, description="guidance for evaluation images")
 
 
+class GroupFilterConfig(Section):
+    """Which samples of each group enter the advantages (GFPO: sample more, keep the best)."""
+
+    name: GroupFilterName = Field(
+        "none", description="registered group filter (flowgrpo.algo.filters.GROUP_FILTERS): none, or gfpo (Group "
+        "Filtered Policy Optimization, arXiv 2508.09726: sample train.group_size = G' per prompt, keep `keep`)"
+    )
+    keep: int | None = Field(None, ge=2, description="gfpo: G, samples kept per group (< train.group_size)")
+    metric: str = Field(
+        "total", description="gfpo: what ranks the samples: 'total' (the composed reward) or a reward's name "
+        "(add a reward used only for filtering with weight 0)"
+    )
+    select: SelectionName = Field(
+        "top", description="gfpo: registered selection (flowgrpo.algo.filters.SELECTIONS): top (highest metric), "
+        "bottom (lowest, e.g. a cost), max_spread (the subset of largest metric variance, PODS arXiv 2504.13818)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GroupFilterConfig:
+        if self.name != "none" and self.keep is None:
+            raise ValueError(f"algo.group_filter.keep is needed for the filter {self.name!r}")
+        return self
+
+
 class AlgoConfig(Section):
     """Advantages and the policy loss."""
 
@@ -124,6 +151,19 @@ class AlgoConfig(Section):
     clip_range_low: float | None = Field(None, gt=0, description="epsilon_low (default clip_range)")
     clip_range_high: float | None = Field(None, gt=0, description="epsilon_high (default clip_range)")
     kl_beta: float = Field(0.0, ge=0, description="beta of the KL to the reference policy on transition means")
+    policy_loss: PolicyLossName = Field(
+        "clipped", description="registered policy loss (flowgrpo.algo.losses.POLICY_LOSSES): clipped (PPO/Flow-GRPO), "
+        "dual_clip (Ye et al. 2020, arXiv 1912.09729), sapo (arXiv 2511.20347), grpo_guard (arXiv 2510.22319)"
+    )
+    sapo_tau_pos: float = Field(
+        1.0, gt=0, description="sapo: gate temperature for A > 0 (paper: 1.0 for LLM token ratios; flow-model "
+        "ratios move ~1e-4 from 1, so a temperature near 1/clip_range gives a comparable trust region)"
+    )
+    sapo_tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature for A <= 0 (paper: 1.05)")
+    dual_clip_c: float = Field(
+        3.0, gt=1, description="dual_clip: lower bound c on the objective of negative-advantage pairs (paper: 3)"
+    )
+    group_filter: GroupFilterConfig = Field(default_factory=lambda: GroupFilterConfig())
     recompute_old_log_probs: bool = Field(
         False, description="recompute old log-probs with the training batch layout before the first update"
     )
@@ -262,6 +302,14 @@ class Config(Section):
             )
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
+        gf = self.algo.group_filter
+        if gf.name != "none" and gf.keep >= t.group_size:
+            raise ValueError(f"algo.group_filter.keep={gf.keep} must be below train.group_size={t.group_size} "
+                             "(the samples drawn per prompt)")
+        keys = [r.name.split(":")[-1] for r in self.rewards]  # the names the composition gives the rewards
+        if gf.name != "none" and gf.metric != "total" and gf.metric not in keys:
+            raise ValueError(f"algo.group_filter.metric={gf.metric!r} is neither 'total' nor one of the rewards "
+                             f"{keys}; add it to rewards with weight 0")
         names = [r.name for r in self.rewards + self.eval_rewards]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

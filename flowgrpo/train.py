@@ -55,7 +55,9 @@ def check_strategies(config):
     mistake must not cost a model load and an evaluation; registered names are checked by the schema itself).
     Returns the chunker."""
     from flowgrpo.algo.chunkers import build_chunker
+    from flowgrpo.algo.losses import POLICY_LOSSES, check_config
 
+    check_config(POLICY_LOSSES.get(config.algo.policy_loss), config)
     chunker = build_chunker(config.chunker)
     chunker.validate(config.sampling.num_steps, config.sampling.sde_kind)
     return chunker

@@ -28,7 +28,8 @@ from tqdm.auto import tqdm
 
 from flowgrpo import dist
 from flowgrpo.algo.advantages import compute_advantages
-from flowgrpo.algo.losses import clipped_surrogate
+from flowgrpo.algo.filters import GROUP_FILTERS, advantages_of_kept
+from flowgrpo.algo.losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
 from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
 from flowgrpo.config import Config, save_config
 from flowgrpo.data.prompts import GroupSampler, PromptSet
@@ -42,6 +43,23 @@ from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, generate_
 from flowgrpo.sampling.sde import kl_between_means, sde_step, transition_moments
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkForward:
+    """One batched forward of n samples' k chunk steps under the training layout.
+
+    Attributes:
+        log_probs: (n, k) float32, with gradient.
+        kl: (n, k) float32 KL to the reference, or None.
+        means: (n, k, …) float32 transition means; stds: (n, k) transition stds; dts: (n, k) σ_next − σ.
+    """
+
+    log_probs: torch.Tensor
+    kl: torch.Tensor | None
+    means: torch.Tensor
+    stds: torch.Tensor
+    dts: torch.Tensor
 
 
 @dataclass
@@ -119,7 +137,13 @@ class Trainer:
         self.sampler = GroupSampler(len(prompts), t.prompts_per_epoch, t.seed)
         self.epoch = 0
         self.settings = SamplerSettings.from_config(config.sampling)
-        self.recompute = config.algo.recompute_old_log_probs or chunker.needs_recompute
+        self.policy_loss = POLICY_LOSSES.get(config.algo.policy_loss)
+        self.loss_settings = LossSettings.from_config(config)
+        self.group_filter = GROUP_FILTERS.get(config.algo.group_filter.name)
+        # a loss that reads the rollout policy's transition means gets them from the recompute pass
+        self.recompute = config.algo.recompute_old_log_probs or chunker.needs_recompute or needs_moments(
+            self.policy_loss)
+        self.old_means: torch.Tensor | None = None  # (B, T, …) rollout-policy means, for such a loss
         self.metrics = MetricsSink(self.out / "metrics.jsonl", accelerator, self.main)
         self.reward_origins = reward_origins or []
         self.ema = EMA(params, t.ema_decay) if t.ema_decay is not None else None
@@ -188,16 +212,22 @@ class Trainer:
         gathered = {k: dist.gather_cat(v) for k, v in comps.items()}
         return compose_rewards(gathered, self.rewards.weights), dist.gather_cat(traj.group_ids)
 
-    def advantage_phase(self, rewards: Rewards, group_ids: torch.Tensor) -> Advantages:
+    def advantage_phase(self, rewards: Rewards, group_ids: torch.Tensor, keep: torch.Tensor) -> Advantages:
+        """Advantages from the samples the group filter kept (all of them without a filter)."""
         a = self.cfg.algo
-        return compute_advantages(
-            rewards, group_ids, estimator=a.advantage, global_std=a.global_std, multi_reward=a.multi_reward,
-            clip=a.advantage_clip, drop_zero_spread=a.drop_zero_spread_groups,
-        )
+
+        def compute(r: Rewards, g: torch.Tensor) -> Advantages:
+            return compute_advantages(r, g, estimator=a.advantage, global_std=a.global_std,
+                                      multi_reward=a.multi_reward, clip=a.advantage_clip,
+                                      drop_zero_spread=a.drop_zero_spread_groups)
+
+        return advantages_of_kept(compute, rewards, group_ids, keep)
 
     # ------------------------------------------------------------------ log-probs under the training layout
-    def chunk_forward(self, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], *, with_ref: bool):
-        """Log-probs (n, k) of ``rows``' transitions ``chunk`` in one batched forward, and KL (n, k) or None.
+    def chunk_forward(self, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], *,
+                      with_ref: bool) -> ChunkForward:
+        """Log-probs (n, k) of ``rows``' transitions ``chunk`` in one batched forward, KL (n, k) or None, and the
+        transitions' moments.
 
         The batch is sample-major: row r·k + j is sample ``rows[r]`` at step ``chunk[j]``; for k = 1 and rows a
         rollout micro-batch this is exactly the rollout's layout.
@@ -223,7 +253,20 @@ class Trainer:
             ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=self.settings.sde_kind,
                                              noise_level=self.settings.noise_level)
             kl = kl_between_means(out.mean, ref_mean, out.std).reshape(n, k)
-        return out.log_prob.reshape(n, k), kl
+        return ChunkForward(out.log_prob.reshape(n, k), kl, out.mean.reshape(n, k, *out.mean.shape[1:]),
+                            out.std.reshape(n, k), (sigma_next - sigma).reshape(n, k))
+
+    def _loss_input(self, fwd: ChunkForward, rows: torch.Tensor, chunk: tuple[int, ...],
+                    old_log_probs: torch.Tensor, advantages: torch.Tensor) -> PolicyLossInput:
+        """The policy loss's view of one forward (moments only for a loss that declares it reads them)."""
+        dev = fwd.log_probs.device
+        old = old_log_probs[rows][:, list(chunk)].to(dev)
+        if not needs_moments(self.policy_loss):
+            return PolicyLossInput(fwd.log_probs, old, advantages[rows].to(dev), kl_ref=fwd.kl)
+        old_means = self.old_means[rows.to(self.old_means.device)][:, list(chunk)].to(dev)  # (n, k, …)
+        drift = ((fwd.means - old_means) ** 2).flatten(2).mean(dim=2)
+        return PolicyLossInput(fwd.log_probs, old, advantages[rows].to(dev), kl_ref=fwd.kl, std=fwd.stds,
+                               dt=fwd.dts, mean_drift_sq=drift)
 
     def _micro_batches(self, b: int) -> list[torch.Tensor]:
         tb = self.cfg.train_batch_size
@@ -233,14 +276,21 @@ class Trainer:
 
     @torch.no_grad()
     def recompute_old_log_probs(self, traj: Trajectory, plan: ChunkPlan) -> torch.Tensor:
-        """Old log-probs (B, T) recomputed with the training layout, so the first ratio is exactly 1."""
+        """Old log-probs (B, T) recomputed with the training layout, so the first ratio is exactly 1; for a loss
+        that reads moments, the rollout policy's transition means go to ``self.old_means`` (B, T, …)."""
         old = traj.log_probs.clone()
+        keep_means = needs_moments(self.policy_loss)
+        self.old_means = torch.zeros_like(traj.latents[:, :-1]) if keep_means else None
         for rows in self._micro_batches(traj.batch_size):
             for k, chunk in enumerate(plan.chunks):
                 fwd = rows[plan.selected[rows, k]]
                 if len(fwd):
-                    lp, _ = self.chunk_forward(traj, fwd, chunk, with_ref=False)
-                    old[fwd.unsqueeze(1), torch.tensor(chunk).unsqueeze(0)] = lp.cpu()
+                    out = self.chunk_forward(traj, fwd, chunk, with_ref=False)
+                    idx = (fwd.unsqueeze(1), torch.tensor(chunk).unsqueeze(0))
+                    old[idx] = out.log_probs.cpu()
+                    if keep_means:
+                        self.old_means[idx[0].to(self.old_means.device), idx[1].to(self.old_means.device)] = \
+                            out.means.to(self.old_means)
         return old
 
     def update_phase(self, traj: Trajectory, adv: Advantages, plan: ChunkPlan, old_log_probs: torch.Tensor):
@@ -276,13 +326,10 @@ class Trainer:
                     sync = i == len(work) - 1
                     ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
                     with ctx:
-                        new_lp, kl = self.chunk_forward(traj, rows, chunk, with_ref=with_ref)
-                        terms = clipped_surrogate(
-                            new_lp, old_log_probs[rows][:, list(chunk)].to(new_lp.device),
-                            advantages[rows].to(new_lp.device), clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                            kl_ref=kl, kl_beta=cfg.algo.kl_beta,
-                        )
-                        m = pair_mask[rows, k].to(new_lp.device)
+                        fwd = self.chunk_forward(traj, rows, chunk, with_ref=with_ref)
+                        terms = self.policy_loss(self._loss_input(fwd, rows, chunk, old_log_probs, advantages),
+                                                 self.loss_settings)
+                        m = pair_mask[rows, k].to(fwd.log_probs.device)
                         loss_sum = (terms.loss * m).sum()
                         scale = dist.world_size() / max(global_pairs, 1.0)
                         self.accelerator.backward(loss_sum * scale)
@@ -398,10 +445,15 @@ class Trainer:
                "rollout/transformer_rows": self.forward_count[1] - rows0, "rollout/trajectories": traj.batch_size})
         with m.timed("reward"):  # only the wait for scores not finished during the rollout
             rewards, group_ids = self.reward_phase(traj, handles)
+        with m.timed("filter"):
+            kept = self.group_filter(rewards, group_ids, cfg.algo.group_filter)
         with m.timed("advantage"):
-            adv = self.advantage_phase(rewards, group_ids)
+            adv = self.advantage_phase(rewards, group_ids, kept.keep)
         with m.timed("plan"):
             plan = self.chunker.plan(traj, epoch, make_generator(cfg.train.seed, epoch, dist.rank(), "plan"))
+        if not bool(kept.keep.all()):  # filtered-out samples are not forwarded in training at all
+            plan = ChunkPlan(plan.chunks, plan.selected & kept.keep[dist.local_slice(len(kept.keep))].unsqueeze(1))
+        m.log(kept.metrics)
         old = traj.log_probs
         if self.recompute:
             with m.timed("recompute"):

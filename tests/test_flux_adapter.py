@@ -162,7 +162,8 @@ def test_on_policy_log_probs_are_exact_with_the_rollout_layout(tiny_flux, sde_ro
     trainer = SimpleNamespace(adapter=tiny_flux, settings=settings)
     for t in range(STEPS):
         with torch.no_grad():
-            lp, kl = Trainer.chunk_forward(trainer, traj, rows, (t,), with_ref=False)
+            fwd = Trainer.chunk_forward(trainer, traj, rows, (t,), with_ref=False)
+            lp, kl = fwd.log_probs, fwd.kl
         assert kl is None and lp.shape == (4, 1)
         assert torch.equal(lp[:, 0], traj.log_probs[:, t]), t
 
@@ -176,8 +177,8 @@ def test_another_batch_layout_leaves_a_tiny_mismatch(tiny_flux, sde_rollout, rec
     trainer = SimpleNamespace(adapter=tiny_flux, settings=settings)
     chunk = tuple(range(STEPS))
     with torch.no_grad():
-        lp, _ = Trainer.chunk_forward(trainer, traj, torch.arange(4), chunk, with_ref=False)
-        again, _ = Trainer.chunk_forward(trainer, traj, torch.arange(4), chunk, with_ref=False)
+        lp = Trainer.chunk_forward(trainer, traj, torch.arange(4), chunk, with_ref=False).log_probs
+        again = Trainer.chunk_forward(trainer, traj, torch.arange(4), chunk, with_ref=False).log_probs
     chunked = float((lp - traj.log_probs).abs().max())
     record_property("mismatch_batch_of_2", halves)
     record_property("mismatch_chunk_layout", chunked)

@@ -1,20 +1,50 @@
-"""The clipped policy-gradient surrogate over chunks, with the KL penalty to the reference policy.
+"""Policy losses over chunks: registered strategies chosen by ``algo.policy_loss`` (verl's ``core_algos`` pattern).
 
-For a trained (sample, chunk) pair with advantage A and per-step log-ratios Δ_t = log p_θ − log p_old:
+Every loss maps one :class:`PolicyLossInput` (N trained (sample, chunk) pairs, each with the log-probs of its k
+chunk steps) and the :class:`LossSettings` to :class:`PairTerms` (per-pair loss with gradient, and detached
+statistics). The trainer averages ``PairTerms.loss`` over the trained pairs of an optimizer step and adds nothing
+else, so a new loss (GSPO-, CISPO-style, …) is one registered function and no trainer edit::
 
-    r = exp(mean_{t∈chunk} Δ_t)                                  (Chunk-GRPO eq. 6; one step: the PPO ratio)
-    L = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))             (PPO, Schulman et al. 2017, eq. 7; Flow-GRPO eq. 7;
-                                                                  asymmetric ε: DAPO, arXiv 2503.14476, eq. 10)
-    loss = mean over pairs of L + β·mean over pairs of KL_pair   (Flow-GRPO eq. 11)
+    from flowgrpo.algo.losses import POLICY_LOSSES, clipped_terms
 
-where ``KL_pair`` is the mean over the chunk's steps of :func:`~flowgrpo.sampling.sde.kl_between_means`.
+    @POLICY_LOSSES.register("my_loss")
+    def my_loss(inp, settings):
+        ...                                   # return PairTerms(...), e.g. via clipped_terms(...)
+
+Shared definitions, for a pair with advantage A and per-step log-ratios Δ_t = log p_θ − log p_old:
+
+    r = exp(mean_{t∈chunk} Δ_t)              (Chunk-GRPO, arXiv 2510.21583, eq. 6; one step: the PPO ratio)
+    loss = L(r, A) + β·mean_t KL_t           (Flow-GRPO, arXiv 2505.05470, eq. 11)
+
+where ``KL_t`` is :func:`~flowgrpo.sampling.sde.kl_between_means` to the reference. The registered ``L``:
+
+* ``clipped`` (default): ``max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))`` (PPO, Schulman et al. 2017,
+  arXiv 1707.06347, eq. 7; Flow-GRPO eq. 7; asymmetric ε: DAPO, arXiv 2503.14476, eq. 10).
+* ``dual_clip``: for A < 0 the clipped objective is bounded below by c·A (Ye et al. 2020, "Mastering Complex
+  Control in MOBA Games with Deep RL", arXiv 1912.09729, the dual-clip objective): in loss form
+  ``min(max(−A·r, −A·clip(r)), −c·A)`` for A < 0, the ``clipped`` loss for A ≥ 0; c > 1.
+* ``sapo``: ``−A·(4/τ)·sigmoid(τ·(r − 1))`` with τ = τ_pos for A > 0 and τ_neg otherwise (Soft Adaptive Policy
+  Optimization, Gao et al., arXiv 2511.20347, the soft-gate objective, Sec. 3): a smooth gate in place of the hard
+  clip; its gradient weight ``4·s·(1 − s)``, s = sigmoid(τ(r − 1)), is 1 at r = 1 and decays as r leaves 1.
+* ``grpo_guard``: RatioNorm and step re-weighting (Wang et al., arXiv 2510.22319, GRPO-Guard). Per step, with
+  transition std ``std_t`` (= s_t·√(−dt) for ``flow_sde``), ``dt = σ_next − σ`` and the mean drift
+  ``b_t = mean_d(μ_θ − μ_old)² / (2·std_t²)`` (the left shift of E[Δ_t]):
+  ``ℓ_t = (Δ_t + b_t)·std_t`` (= mean_d(ε ⊙ (μ_θ − μ_old)), whose scale no longer depends on the step),
+  ``r = exp(mean_t ℓ_t)``, ``loss = w·max(−A·r, −A·clip(r))`` with ``w = mean_t 1/(−dt_t)``.
+  The Flow-GRPO release (yifan123/flow_grpo, its GRPO-Guard training script) computes the same per step but with
+  scalars shared by the micro-batch: the batch mean of s_t and of √(−dt), and it divides the micro-batch's mean
+  loss by mean(√(−dt))². For a micro-batch of one step (how the release trains: every sample at the same step)
+  the two agree; with chunks or per-sample steps this module uses each pair's own values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from flowgrpo.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -22,10 +52,10 @@ class PairTerms:
     """Per-pair quantities (N pairs), float32.
 
     Attributes:
-        loss: (N,) clipped surrogate (+ β·KL), with gradient.
+        loss: (N,) policy loss (+ β·KL), with gradient.
         ratio: (N,) importance ratio (detached).
-        clipped: (N,) bool, the clipped branch is active (the ratio left [1 − ε_low, 1 + ε_high] in the
-            direction the advantage pushes).
+        clipped: (N,) bool, the loss's trust region is active for the pair (hard clip: the clipped branch is the
+            max; ``sapo``: the gate has cut the gradient weight below one half).
         approx_kl: (N,) ½·mean_t Δ_t² (detached), the k2 estimator of KL(old ‖ new) per step.
         kl_ref: (N,) KL to the reference per latent dim (detached; 0 without a reference).
         log_ratio_abs_max: (N,) max_t |Δ_t| (detached), the log-prob mismatch diagnostic at the first update.
@@ -39,6 +69,167 @@ class PairTerms:
     log_ratio_abs_max: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PolicyLossInput:
+    """What a policy loss sees for N (sample, chunk) pairs of k steps each. All float32 on one device.
+
+    Attributes:
+        new_log_probs, old_log_probs: (N, k) log-probs under the trained and the rollout policy.
+        advantages: (N,).
+        kl_ref: (N, k) per-step KL to the reference, or None (β = 0).
+        std: (N, k) transition std of each step (latent units), or None when the loss does not ask for moments.
+        dt: (N, k) σ_next − σ of each step (< 0), or None likewise.
+        mean_drift_sq: (N, k) mean over latent dims of (μ_θ − μ_old)², the squared drift of the transition mean
+            from the rollout policy's, or None likewise.
+    """
+
+    new_log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    advantages: torch.Tensor
+    kl_ref: torch.Tensor | None = None
+    std: torch.Tensor | None = None
+    dt: torch.Tensor | None = None
+    mean_drift_sq: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The knobs of the registered losses (from ``algo.*``; see :class:`~flowgrpo.config.AlgoConfig`)."""
+
+    clip_low: float = 1e-4
+    clip_high: float = 1e-4
+    kl_beta: float = 0.0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    dual_clip_c: float = 3.0
+
+    @classmethod
+    def from_config(cls, config) -> LossSettings:
+        a = config.algo
+        return cls(clip_low=config.clip_low, clip_high=config.clip_high, kl_beta=a.kl_beta,
+                   sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg, dual_clip_c=a.dual_clip_c)
+
+
+PolicyLoss = Callable[[PolicyLossInput, LossSettings], PairTerms]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def needs_moments(loss: PolicyLoss) -> bool:
+    """Whether ``loss`` reads ``std``, ``dt`` and ``mean_drift_sq`` (the trainer then keeps the rollout means)."""
+    return bool(getattr(loss, "needs_moments", False))
+
+
+def check_input(inp: PolicyLossInput, settings: LossSettings) -> None:
+    """Raise ``ValueError`` on mismatched shapes or negative clip ranges."""
+    new, old, adv = inp.new_log_probs, inp.old_log_probs, inp.advantages
+    if new.shape != old.shape or new.ndim != 2 or new.shape[0] != adv.shape[0]:
+        raise ValueError(f"log-prob shapes {tuple(new.shape)}, {tuple(old.shape)} and advantages "
+                         f"{tuple(adv.shape)} disagree")
+    if settings.clip_low < 0 or settings.clip_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got {settings.clip_low}, {settings.clip_high}")
+
+
+def clipped_terms(inp: PolicyLossInput, settings: LossSettings, loss: torch.Tensor, ratio: torch.Tensor,
+                  clipped: torch.Tensor) -> PairTerms:
+    """Assemble :class:`PairTerms` from a loss's per-pair ``loss`` (N,), ``ratio`` (N,) and ``clipped`` (N,) bool:
+    adds β·mean_t KL_t and the shared statistics (helper for registered losses)."""
+    delta = (inp.new_log_probs.float() - inp.old_log_probs.float()).detach()
+    kl = torch.zeros_like(ratio) if inp.kl_ref is None else inp.kl_ref.float().mean(dim=1)
+    if inp.kl_ref is not None and settings.kl_beta:
+        loss = loss + settings.kl_beta * kl
+    return PairTerms(loss=loss, ratio=ratio.detach(), clipped=clipped.detach(), approx_kl=(0.5 * delta**2).mean(1),
+                     kl_ref=kl.detach(), log_ratio_abs_max=delta.abs().amax(dim=1))
+
+
+def _ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, settings: LossSettings):
+    """(loss, clipped) of PPO's eq. 7 with asymmetric ε."""
+    unclipped = -adv * ratio
+    clipped_loss = -adv * torch.clamp(ratio, 1.0 - settings.clip_low, 1.0 + settings.clip_high)
+    return torch.maximum(unclipped, clipped_loss), clipped_loss > unclipped
+
+
+def _chunk_ratio(inp: PolicyLossInput) -> torch.Tensor:
+    return torch.exp((inp.new_log_probs.float() - inp.old_log_probs.float()).mean(dim=1))
+
+
+@POLICY_LOSSES.register("clipped")
+def clipped_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
+    """PPO's clipped surrogate with asymmetric ε (module docstring, ``clipped``)."""
+    check_input(inp, settings)
+    ratio = _chunk_ratio(inp)
+    loss, clipped = _ppo_clip(ratio, inp.advantages.float(), settings)
+    return clipped_terms(inp, settings, loss, ratio, clipped)
+
+
+@POLICY_LOSSES.register("dual_clip")
+def dual_clip_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729): for A < 0 the loss is at most −c·A, so a ratio far above
+    1 + ε cannot produce an unbounded push-down. ``clipped`` also counts pairs held at the lower bound c.
+
+    Raises:
+        ValueError: c <= 1 (the bound would cut the ordinary clipped region), or bad shapes.
+    """
+    check_input(inp, settings)
+    c = settings.dual_clip_c
+    if c <= 1:
+        raise ValueError(f"algo.dual_clip_c must be > 1, got {c}")
+    ratio = _chunk_ratio(inp)
+    adv = inp.advantages.float()
+    ppo, clipped = _ppo_clip(ratio, adv, settings)
+    bound = -c * adv
+    capped = (adv < 0) & (ppo > bound)
+    loss = torch.where(capped, bound, ppo)
+    return clipped_terms(inp, settings, loss, ratio, clipped | capped)
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
+    """SAPO's soft gate (Gao et al., arXiv 2511.20347): ``−A·(4/τ)·sigmoid(τ(r − 1))``, τ by the sign of A.
+
+    Raises:
+        ValueError: a temperature <= 0, or bad shapes.
+    """
+    check_input(inp, settings)
+    if settings.sapo_tau_pos <= 0 or settings.sapo_tau_neg <= 0:
+        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={settings.sapo_tau_pos}, "
+                         f"tau_neg={settings.sapo_tau_neg}")
+    ratio = _chunk_ratio(inp)
+    adv = inp.advantages.float()
+    tau = torch.where(adv > 0, torch.full_like(adv, settings.sapo_tau_pos), torch.full_like(adv, settings.sapo_tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0))
+    loss = -adv * gate * (4.0 / tau)
+    weight = 4.0 * gate * (1.0 - gate)  # d gate-term / d r; 1 on-policy
+    return clipped_terms(inp, settings, loss, ratio, weight < 0.5)
+
+
+def _grpo_guard(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
+    """GRPO-Guard (Wang et al., arXiv 2510.22319): RatioNorm ``ℓ_t = (Δ_t + b_t)·std_t``, ``r = exp(mean_t ℓ_t)``,
+    the clipped surrogate on r, re-weighted by ``mean_t 1/(−dt_t)`` (module docstring).
+
+    Raises:
+        ValueError: the input lacks ``std``/``dt``/``mean_drift_sq``, a deterministic step (std = 0, dt = 0) is
+            in a chunk, or bad shapes.
+    """
+    check_input(inp, settings)
+    if inp.std is None or inp.dt is None or inp.mean_drift_sq is None:
+        raise ValueError("grpo_guard needs std, dt and mean_drift_sq for every step (the trainer passes them when "
+                         "the loss declares needs_moments)")
+    std, dt = inp.std.float(), inp.dt.float()
+    if bool((std <= 0).any()) or bool((dt >= 0).any()):
+        raise ValueError("grpo_guard: every trained step must be stochastic (std > 0) and go down in sigma (dt < 0)")
+    delta = inp.new_log_probs.float() - inp.old_log_probs.float()
+    bias = inp.mean_drift_sq.float() / (2 * std**2)
+    ratio = torch.exp(((delta + bias) * std).mean(dim=1))
+    loss, clipped = _ppo_clip(ratio, inp.advantages.float(), settings)
+    weight = (1.0 / -dt).mean(dim=1)
+    return clipped_terms(inp, settings, weight * loss, ratio, clipped)
+
+
+_grpo_guard.needs_moments = True
+POLICY_LOSSES.register("grpo_guard")(_grpo_guard)
+grpo_guard_loss = _grpo_guard
+
+
 def clipped_surrogate(
     new_log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -49,7 +240,7 @@ def clipped_surrogate(
     kl_ref: torch.Tensor | None = None,
     kl_beta: float = 0.0,
 ) -> PairTerms:
-    """Per-pair loss terms.
+    """The ``clipped`` loss with plain arguments.
 
     Args:
         new_log_probs, old_log_probs: (N, k) float32 log-probs of each pair's k chunk steps.
@@ -59,27 +250,5 @@ def clipped_surrogate(
     Raises:
         ValueError: mismatched shapes or a negative clip range.
     """
-    if new_log_probs.shape != old_log_probs.shape or new_log_probs.shape[0] != advantages.shape[0]:
-        raise ValueError(
-            f"log-prob shapes {tuple(new_log_probs.shape)}, {tuple(old_log_probs.shape)} and advantages "
-            f"{tuple(advantages.shape)} disagree"
-        )
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip ranges must be >= 0, got {clip_low}, {clip_high}")
-    delta = new_log_probs.float() - old_log_probs.float()
-    ratio = torch.exp(delta.mean(dim=1))
-    adv = advantages.float()
-    unclipped = -adv * ratio
-    clipped_loss = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped_loss)
-    kl = torch.zeros_like(ratio) if kl_ref is None else kl_ref.float().mean(dim=1)
-    if kl_ref is not None and kl_beta:
-        loss = loss + kl_beta * kl
-    return PairTerms(
-        loss=loss,
-        ratio=ratio.detach(),
-        clipped=(clipped_loss > unclipped).detach(),
-        approx_kl=(0.5 * delta.detach() ** 2).mean(dim=1),
-        kl_ref=kl.detach(),
-        log_ratio_abs_max=delta.detach().abs().amax(dim=1),
-    )
+    inp = PolicyLossInput(new_log_probs, old_log_probs, advantages, kl_ref=kl_ref)
+    return clipped_loss(inp, LossSettings(clip_low=clip_low, clip_high=clip_high, kl_beta=kl_beta))

@@ -1,0 +1,152 @@
+"""Group filters: which of the G' samples drawn per prompt enter the advantages (a phase between reward and
+advantage; registered strategies chosen by ``algo.group_filter``).
+
+GFPO (Group Filtered Policy Optimization, Shrivastava et al., arXiv 2508.09726, Sec. 3, eq. 2–3): sample a larger
+group of G' per prompt, keep the subset S of G samples that a metric prefers, and compute the advantages from the
+kept samples only, ``A_i = (r_i − mean_S r) / std_S r`` for i ∈ S and ``A_i = 0`` (no training) outside S. The
+extra cost is the rollout and scoring of G' − G samples per prompt; the rejected samples are not trained.
+
+Selections (``algo.group_filter.select``), each a registered rule over one group's metric values:
+
+* ``top``: the G highest (GFPO with a quality metric; NaN ranks last);
+* ``bottom``: the G lowest (GFPO's own use: shortest responses; here e.g. a cost such as file size);
+* ``max_spread``: the G samples whose metric values have the largest population variance (max-variance
+  down-sampling, PODS, Xu et al., arXiv 2504.13818, Sec. 3.2, which proves the optimum takes the i highest and the
+  G − i lowest values for some i, so checking the G + 1 such splits is exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flowgrpo.records import Advantages, Rewards
+from flowgrpo.registry import Registry
+
+# A selection maps one group's metric values (n,) float64 (NaN allowed) and G to the kept positions (G,) long.
+Selection = Callable[[torch.Tensor, int], torch.Tensor]
+SELECTIONS: Registry[Selection] = Registry("group-filter selection")
+
+
+@dataclass(frozen=True)
+class FilterResult:
+    """Which samples the advantages use.
+
+    Attributes:
+        keep: (B,) bool over the gathered batch.
+        metrics: ``filter/…`` figures: samples drawn and kept per group, the extra rollout cost, and the metric and
+            reward means of the drawn and the kept samples (the filter's effect).
+    """
+
+    keep: torch.Tensor
+    metrics: dict[str, float]
+
+
+GroupFilter = Callable[[Rewards, torch.Tensor, object], FilterResult]
+GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter")
+
+
+def _nan_last(values: torch.Tensor, sign: float) -> torch.Tensor:
+    v = sign * values.double()
+    return torch.where(torch.isnan(v), torch.full_like(v, -torch.inf), v)
+
+
+@SELECTIONS.register("top")
+def select_top(values: torch.Tensor, keep: int) -> torch.Tensor:
+    """The ``keep`` highest values (ties: the earlier sample first; NaN last)."""
+    return torch.sort(_nan_last(values, 1.0), descending=True, stable=True).indices[:keep]
+
+
+@SELECTIONS.register("bottom")
+def select_bottom(values: torch.Tensor, keep: int) -> torch.Tensor:
+    """The ``keep`` lowest values (ties: the earlier sample first; NaN last)."""
+    return torch.sort(_nan_last(values, -1.0), descending=True, stable=True).indices[:keep]
+
+
+@SELECTIONS.register("max_spread")
+def select_max_spread(values: torch.Tensor, keep: int) -> torch.Tensor:
+    """The ``keep`` values of largest population variance: the best of the splits "i highest + keep − i lowest"
+    (PODS, arXiv 2504.13818, Sec. 3.2). NaN values are taken only when fewer than ``keep`` are valid."""
+    valid = torch.nonzero(~torch.isnan(values)).flatten()
+    if len(valid) <= keep:
+        return select_top(values, keep)
+    order = valid[torch.sort(values[valid].double(), stable=True).indices]  # ascending
+    best, best_var = None, -1.0
+    for i in range(keep + 1):
+        idx = torch.cat([order[len(order) - i:], order[: keep - i]]) if i else order[:keep]
+        var = float(values[idx].double().var(unbiased=False))
+        if var > best_var:
+            best, best_var = idx, var
+    return best
+
+
+@GROUP_FILTERS.register("none")
+def no_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterResult:
+    """Keep every sample (plain GRPO)."""
+    return FilterResult(keep=torch.ones(len(group_ids), dtype=torch.bool), metrics={})
+
+
+def _metric(rewards: Rewards, name: str) -> torch.Tensor:
+    if name == "total":
+        return rewards.total
+    if name not in rewards.components:
+        raise ValueError(f"group filter metric {name!r} is not a reward component; have {sorted(rewards.components)}")
+    return rewards.components[name]
+
+
+def _mean(x: torch.Tensor) -> float:
+    v = x[~torch.isnan(x)].double()
+    return float(v.mean()) if v.numel() else float("nan")
+
+
+@GROUP_FILTERS.register("gfpo")
+def gfpo_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterResult:
+    """GFPO (arXiv 2508.09726): keep ``settings.keep`` samples per group by ``settings.metric`` and
+    ``settings.select`` (see the module docstring).
+
+    Args:
+        rewards: the composed rewards of the gathered batch (B,).
+        group_ids: (B,) long.
+        settings: :class:`~flowgrpo.config.GroupFilterConfig`.
+
+    Raises:
+        ValueError: a group with fewer than ``keep`` samples, or an unknown metric.
+    """
+    metric = _metric(rewards, settings.metric)
+    select = SELECTIONS.get(settings.select)
+    keep = torch.zeros(len(group_ids), dtype=torch.bool)
+    uniq, counts = torch.unique(group_ids, return_counts=True)
+    if bool((counts < settings.keep).any()):
+        raise ValueError(f"gfpo keeps {settings.keep} samples per group but some groups have only "
+                         f"{int(counts.min())}; raise train.group_size above algo.group_filter.keep")
+    for g in uniq:
+        members = torch.nonzero(group_ids == g).flatten()
+        keep[members[select(metric[members], settings.keep)]] = True
+    drawn = float(counts.double().mean())
+    return FilterResult(keep=keep, metrics={
+        "filter/drawn_per_group": drawn,
+        "filter/kept_per_group": float(settings.keep),
+        "filter/extra_sample_frac": drawn / settings.keep - 1.0,  # rollout+reward cost over plain GRPO with G
+        "filter/metric_mean_drawn": _mean(metric),
+        "filter/metric_mean_kept": _mean(metric[keep]),
+        "filter/reward_mean_drawn": _mean(rewards.total),
+        "filter/reward_mean_kept": _mean(rewards.total[keep]),
+    })
+
+
+def advantages_of_kept(compute: Callable[[Rewards, torch.Tensor], Advantages], rewards: Rewards,
+                       group_ids: torch.Tensor, keep: torch.Tensor) -> Advantages:
+    """Advantages computed from the kept samples only and scattered back to (B,): a rejected sample gets 0 and
+    ``train_mask`` False (GFPO eq. 3). ``compute(rewards, group_ids)`` is the configured estimator."""
+    if bool(keep.all()):
+        return compute(rewards, group_ids)
+    sub = Rewards(components={k: v[keep] for k, v in rewards.components.items()}, weights=rewards.weights,
+                  total=rewards.total[keep])
+    a = compute(sub, group_ids[keep])
+    values = torch.zeros(len(keep), dtype=a.values.dtype)
+    values[keep] = a.values
+    mask = torch.zeros(len(keep), dtype=torch.bool)
+    mask[keep] = a.train_mask
+    return Advantages(values=values, train_mask=mask, zero_spread_frac=a.zero_spread_frac, nan_frac=a.nan_frac)
