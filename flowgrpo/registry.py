@@ -31,6 +31,11 @@ class Registry(Generic[T]):
 
         return deco
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (a plugin's or a test's own registration). Raises KeyError for an unknown name."""
+        self.get(name)
+        del self._items[name]
+
     def get(self, name: str) -> T:
         try:
             return self._items[name]

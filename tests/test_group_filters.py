@@ -1,0 +1,79 @@
+"""Specification of the group filters (flowgrpo.algo.filters): GFPO (arXiv 2508.09726) keeps G of the G' samples
+of each group by a metric, and the advantages come from the kept samples only; max_spread is PODS' max-variance
+down-sampling (arXiv 2504.13818), checked here against brute force over all subsets."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from flowgrpo.algo.advantages import compute_advantages
+from flowgrpo.algo.filters import GROUP_FILTERS, SELECTIONS, advantages_of_kept
+from flowgrpo.config import GroupFilterConfig
+from flowgrpo.records import Rewards
+
+
+def test_top_and_bottom_with_nan_last():
+    v = torch.tensor([0.3, float("nan"), 0.9, 0.1, 0.9])
+    assert sorted(SELECTIONS.get("top")(v, 2).tolist()) == [2, 4]
+    assert sorted(SELECTIONS.get("bottom")(v, 2).tolist()) == [0, 3]
+    assert 1 not in SELECTIONS.get("top")(v, 4).tolist()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_max_spread_is_the_max_variance_subset(seed):
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(7, generator=g, dtype=torch.float64)
+    for keep in (2, 3, 4):
+        best_var = max(float(v[list(c)].var(unbiased=False)) for c in itertools.combinations(range(7), keep))
+        got = SELECTIONS.get("max_spread")(v, keep)
+        assert len(set(got.tolist())) == keep
+        assert float(v[got].var(unbiased=False)) == pytest.approx(best_var, rel=1e-12)
+
+
+def _rewards(total, **components):
+    comps = {"r": torch.tensor(total)} | {k: torch.tensor(v) for k, v in components.items()}
+    return Rewards(components=comps, weights={k: (1.0 if k == "r" else 0.0) for k in comps},
+                   total=torch.tensor(total))
+
+
+def test_gfpo_keeps_by_another_reward_and_normalises_over_the_kept():
+    # two groups of G' = 4; keep 2 by the lowest "cost" (e.g. an image-size proxy), GFPO's own use
+    total = [1.0, 0.0, 0.5, 0.2, 0.3, 0.9, 0.9, 0.1]
+    cost = [5.0, 1.0, 2.0, 9.0, 0.5, 0.1, 7.0, 3.0]
+    rewards = _rewards(total, cost=cost)
+    gids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    res = GROUP_FILTERS.get("gfpo")(rewards, gids, GroupFilterConfig(name="gfpo", keep=2, metric="cost",
+                                                                     select="bottom"))
+    assert res.keep.tolist() == [False, True, True, False, True, True, False, False]
+    assert res.metrics["filter/extra_sample_frac"] == 1.0
+    assert res.metrics["filter/metric_mean_kept"] == pytest.approx((1 + 2 + 0.5 + 0.1) / 4)
+
+    def compute(r, g):
+        return compute_advantages(r, g)
+
+    adv = advantages_of_kept(compute, rewards, gids, res.keep)
+    # kept group 0: rewards (0.0, 0.5): mean 0.25, population std 0.25 → A = ∓0.25/(0.25+1e-4)
+    a = 0.25 / (0.25 + 1e-4)
+    b = 0.3 / (0.3 + 1e-4)  # kept group 1: (0.3, 0.9)
+    torch.testing.assert_close(adv.values, torch.tensor([0.0, -a, a, 0.0, -b, b, 0.0, 0.0]))
+    assert adv.train_mask.tolist() == res.keep.tolist()
+
+
+def test_gfpo_refuses_groups_smaller_than_keep():
+    with pytest.raises(ValueError, match="only 2"):
+        GROUP_FILTERS.get("gfpo")(_rewards([0.0, 1.0]), torch.tensor([0, 0]),
+                                  GroupFilterConfig(name="gfpo", keep=3))
+
+
+def test_config_checks_keep_and_metric():
+    from flowgrpo.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="keep=4 must be below train.group_size=4"):
+        build_config({}, ["algo.group_filter.name=gfpo", "algo.group_filter.keep=4"])
+    with pytest.raises(ConfigError, match="add it to rewards with weight 0"):
+        build_config({}, ["algo.group_filter.name=gfpo", "algo.group_filter.keep=2", "algo.group_filter.metric=x"])
+    with pytest.raises(ConfigError, match="keep is needed"):
+        build_config({}, ["algo.group_filter.name=gfpo"])
