@@ -209,8 +209,13 @@ class Trainer:
             comps = self.scorer.gather(handles)
         else:
             comps = score_components_named(self.rewards, traj.images, traj.prompts, traj.metadata)
-        gathered = {k: dist.gather_cat(v) for k, v in comps.items()}
-        return compose_rewards(gathered, self.rewards.weights), dist.gather_cat(traj.group_ids)
+        group_ids = dist.gather_cat(traj.group_ids)
+        if self.rewards.group_wise:  # scored now that every group is complete (point-wise ones skipped them)
+            _check_whole_groups(traj.group_ids, group_ids, self.rewards.group_wise)
+            comps.update(score_components_named(_only(self.rewards, self.rewards.group_wise), traj.images,
+                                                traj.prompts, traj.metadata, traj.group_ids))
+        gathered = {k: dist.gather_cat(comps[k]) for k in self.rewards.rewards}
+        return compose_rewards(gathered, self.rewards.weights), group_ids
 
     def advantage_phase(self, rewards: Rewards, group_ids: torch.Tensor, keep: torch.Tensor) -> Advantages:
         """Advantages from the samples the group filter kept (all of them without a filter)."""
@@ -547,6 +552,19 @@ def _reward_metrics(rewards: Rewards) -> dict[str, float]:
         out[f"reward/{name}/std"] = float(valid.std(unbiased=False)) if valid.numel() else math.nan
         out[f"reward/{name}/nan_frac"] = float(torch.isnan(r).double().mean())
     return out
+
+
+def _only(composed: ComposedReward, names: list[str]) -> ComposedReward:
+    return ComposedReward({k: composed.rewards[k] for k in names}, {k: composed.weights[k] for k in names})
+
+
+def _check_whole_groups(local_ids: torch.Tensor, all_ids: torch.Tensor, names: list[str]) -> None:
+    """A group-wise reward needs each process to hold whole groups (else it would rank part of a group)."""
+    uniq, local_counts = torch.unique(local_ids, return_counts=True)
+    total = torch.stack([(all_ids == g).sum() for g in uniq])
+    if not torch.equal(local_counts, total):
+        raise ValueError(f"rewards {names} score whole groups, but a group is split over processes; choose "
+                         "train.prompts_per_epoch divisible by the number of processes")
 
 
 def _all_max(t: torch.Tensor) -> torch.Tensor:

@@ -87,3 +87,16 @@ def test_gfpo_draws_more_and_trains_only_the_kept(tmp_path, tiny_flux_dir):
     assert rec["filter/reward_mean_kept"] >= rec["filter/reward_mean_drawn"]  # top-2 by the reward itself
     assert rec["adv/kept_frac"] == pytest.approx(0.5)
     assert rec["policy/pairs"] == 2 * 2 * 3  # P·G kept samples × 3 steps: the rejected are not forwarded
+
+
+@pytest.mark.slow
+def test_a_group_wise_reward_trains_with_gdpo(tmp_path, tiny_flux_dir):
+    from flowgrpo.train import run
+
+    rewards = [{"name": "flowgrpo_rewards.group:GroupRank", "kwargs": {"base": "jpeg_incompressibility"}},
+               {"name": "jpeg_incompressibility", "weight": 0.5}]
+    run(_config(tmp_path, tiny_flux_dir, group_size=3, multi_reward="gdpo", rewards=rewards))
+    rec = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    # the ranks of each complete group average 0.5 (scored after the rollout, not per micro-batch)
+    assert rec["reward/GroupRank/mean"] == pytest.approx(0.5)
+    assert rec["reward/GroupRank/nan_frac"] == 0.0 and rec["policy/pairs"] > 0

@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from flowgrpo.rewards.base import check_reward_inputs
+from flowgrpo.rewards.base import check_reward_inputs, is_group_wise, score_groups
 from flowgrpo.rewards.compose import ComposedReward
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,12 @@ class RewardError(RuntimeError):
 
 
 def score_components_named(composed: ComposedReward, images: torch.Tensor, prompts: list[str],
-                           metadata: list[dict]) -> dict[str, torch.Tensor]:
-    """Score every component of ``composed``; a failing reward raises :class:`RewardError` naming it.
+                           metadata: list[dict], group_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Score the components of ``composed``; a failing reward raises :class:`RewardError` naming it.
+
+    Point-wise rewards are always scored. Group-wise ones (:func:`~flowgrpo.rewards.base.is_group_wise`) are
+    scored group by group when ``group_ids`` (B,) is given, and left out otherwise (a micro-batch of the rollout
+    may hold part of a group; evaluation images have no groups).
 
     Returns:
         name → (B,) float32 CPU scores, in the composition's order.
@@ -61,8 +65,14 @@ def score_components_named(composed: ComposedReward, images: torch.Tensor, promp
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():  # grad mode is thread-local; rewards never need gradients here
         for name, reward in composed.rewards.items():
+            group_wise = is_group_wise(reward)
+            if group_wise and group_ids is None:
+                continue
             try:
-                raw = reward(images, prompts, metadata)
+                if group_wise:
+                    raw = score_groups(reward, images, prompts, metadata, group_ids)
+                else:
+                    raw = reward(images, prompts, metadata)
                 scores = torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
             except Exception as err:
                 raise RewardError(name, f"reward {name!r} failed on a batch of {b}: {type(err).__name__}: {err}") \

@@ -12,6 +12,11 @@ A reward scores a batch of decoded images against their prompts::
 * returns (B,) float32 on the CPU. ``NaN`` means "not applicable to this sample" (see
   :mod:`flowgrpo.rewards.compose`).
 
+A **group-wise** reward sets the class attribute ``group_wise = True``: it is then called once per group with the G
+images of one prompt (all ``prompts`` equal) and scores them relative to each other (a rank, a win rate), so its
+scores depend on the other members of the group. The trainer scores group-wise rewards after the rollout, when
+every group is complete (:func:`score_groups`); evaluation images have no groups, so evaluation leaves them out.
+
 Plugins are classes (or factories) registered in the ``flowgrpo.rewards`` entry-point group; they are constructed
 with the keyword arguments of the config's ``rewards[i].kwargs`` and must not load weights in ``__init__``:
 heavy state is loaded in :meth:`Reward.setup`, which the trainer calls once with the device to use.
@@ -53,6 +58,44 @@ class BaseReward:
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         raise NotImplementedError
+
+
+def is_group_wise(reward) -> bool:
+    """Whether ``reward`` scores whole groups (its ``group_wise`` attribute is True)."""
+    return getattr(reward, "group_wise", False) is True
+
+
+def score_groups(reward, images: torch.Tensor, prompts: list[str], metadata: list[dict],
+                 group_ids: torch.Tensor) -> torch.Tensor:
+    """Call a group-wise ``reward`` once per group and put the scores back in batch order.
+
+    Args:
+        images: (B, 3, H, W) float in [0, 1]; prompts, metadata: B each.
+        group_ids: (B,) long; the members of a group need not be adjacent.
+
+    Returns:
+        (B,) float32 on the CPU.
+
+    Raises:
+        ValueError: the lengths differ, a group mixes prompts, or the reward returns other than (G,) scores.
+    """
+    check_reward_inputs(images, prompts, metadata)
+    if group_ids.shape != (images.shape[0],):
+        raise ValueError(f"group_ids has shape {tuple(group_ids.shape)}, expected ({images.shape[0]},)")
+    out = torch.full((images.shape[0],), float("nan"))
+    for g in torch.unique(group_ids):
+        idx = torch.nonzero(group_ids == g).flatten()
+        group_prompts = [prompts[i] for i in idx]
+        if len(set(group_prompts)) > 1:
+            raise ValueError(f"group {int(g)} mixes prompts {sorted(set(group_prompts))}; a group is the samples "
+                             "of one prompt")
+        scores = torch.as_tensor(reward(images[idx], group_prompts, [metadata[i] for i in idx]),
+                                 dtype=torch.float32).cpu()
+        if scores.shape != (len(idx),):
+            raise ValueError(f"group-wise reward {getattr(reward, 'name', reward)!r} returned shape "
+                             f"{tuple(scores.shape)} for a group of {len(idx)}")
+        out[idx] = scores
+    return out
 
 
 def check_reward_inputs(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> None:

@@ -14,6 +14,7 @@ import logging
 import torch
 
 from flowgrpo.records import Rewards
+from flowgrpo.rewards.base import is_group_wise, score_groups
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,22 @@ class ComposedReward:
         for r in self.rewards.values():
             r.setup(device)
 
-    def score_components(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+    @property
+    def group_wise(self) -> list[str]:
+        """Names of the components that score whole groups."""
+        return [k for k, r in self.rewards.items() if is_group_wise(r)]
+
+    def score_components(self, images: torch.Tensor, prompts: list[str], metadata: list[dict],
+                         group_ids: torch.Tensor | None = None):
+        """name → (B,) float32 scores of every component; ``group_ids`` (B,) is needed when a component is
+        group-wise. Raises ValueError for bad shapes, infinite scores or missing group ids."""
+        if self.group_wise and group_ids is None:
+            raise ValueError(f"rewards {self.group_wise} score whole groups: pass group_ids")
         out = {}
         for name, reward in self.rewards.items():
-            scores = torch.as_tensor(reward(images, prompts, metadata), dtype=torch.float32).cpu()
+            raw = score_groups(reward, images, prompts, metadata, group_ids) if is_group_wise(reward) else \
+                reward(images, prompts, metadata)
+            scores = torch.as_tensor(raw, dtype=torch.float32).cpu()
             if scores.shape != (images.shape[0],):
                 raise ValueError(
                     f"reward {name!r} returned shape {tuple(scores.shape)}, expected ({images.shape[0]},)"
@@ -70,5 +83,6 @@ class ComposedReward:
             out[name] = scores
         return out
 
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> Rewards:
-        return compose_rewards(self.score_components(images, prompts, metadata), self.weights)
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict],
+                 group_ids: torch.Tensor | None = None) -> Rewards:
+        return compose_rewards(self.score_components(images, prompts, metadata, group_ids), self.weights)

@@ -21,6 +21,11 @@ and run ``pytest``. Every ``test_*`` method checks one clause of the protocol (:
 * bad input (wrong image shape, lengths that differ, a missing metadata field) raises ``ValueError``, naming the
   field for a missing one.
 
+A group-wise reward (``group_wise = True``, :mod:`flowgrpo.rewards.base`) gets inputs that form one group (one
+prompt and one metadata dict repeated); the batch-independence clause does not apply to it (its scores depend on
+the group by design) and is replaced by: scored through the trainer's per-group path with two interleaved groups,
+each group's scores equal those of the group scored alone, and composition (also GDPO) accepts them.
+
 Class attributes to set (plain functions must be wrapped in ``staticmethod``; classes need not be):
 
 ``reward_factory``  () → a new, not yet set up reward. Required.
@@ -53,7 +58,7 @@ try:
 except ImportError as err:  # pragma: no cover - the class is only useful under pytest
     raise ImportError('flowgrpo.rewards.conformance needs pytest: pip install "flowgrpo[test]"') from err
 
-from flowgrpo.rewards.base import Reward
+from flowgrpo.rewards.base import Reward, is_group_wise, score_groups
 
 _PROMPTS = [
     "a photo of a cat",
@@ -154,13 +159,25 @@ class RewardConformance:
             raise TypeError(f"{type(self).__name__} must set reward_factory (a class or a staticmethod)")
         return factory()
 
-    def make_inputs(self, n: int, seed: int | None = None):
-        """(images (n, 3, H, W) CPU, prompts, metadata) from the factories."""
+    def is_group_wise(self) -> bool:
+        """Whether the reward under test scores whole groups (asked of a fresh, not set-up instance)."""
+        cache = type(self).__dict__.get("_group_wise_cache")
+        if cache is None:
+            cache = is_group_wise(self.make_reward())
+            type(self)._group_wise_cache = cache
+        return cache
+
+    def make_inputs(self, n: int, seed: int | None = None, *, group: int = 0):
+        """(images (n, 3, H, W) CPU, prompts, metadata) from the factories; for a group-wise reward the n samples
+        form one group: the factories' entry ``group`` repeated."""
         g = torch.Generator().manual_seed(self.seed if seed is None else seed)
         h, w = self.image_size
         images = (self._hook("image_factory") or default_images)(n, h, w, g)
-        prompts = (self._hook("prompt_factory") or (lambda k: [_PROMPTS[i % len(_PROMPTS)] for i in range(k)]))(n)
-        metadata = (self._hook("metadata_factory") or (lambda k: [{} for _ in range(k)]))(n)
+        k = n + group if self.is_group_wise() else n
+        prompts = (self._hook("prompt_factory") or (lambda m: [_PROMPTS[i % len(_PROMPTS)] for i in range(m)]))(k)
+        metadata = (self._hook("metadata_factory") or (lambda m: [{} for _ in range(m)]))(k)
+        if self.is_group_wise():
+            return images, [prompts[group]] * n, [dict(metadata[group]) for _ in range(n)]
         return images, list(prompts), list(metadata)
 
     @pytest.fixture(scope="class")
@@ -234,6 +251,8 @@ class RewardConformance:
             pytest.skip(f"every image scored {float(s[0])}: order equivariance is not observable on these inputs")
 
     def test_scores_do_not_depend_on_batch(self, reward):
+        if self.is_group_wise():
+            pytest.skip("a group-wise reward scores relative to its group (see test_group_wise_*)")
         images, prompts, metadata = self.make_inputs(4)
         together = reward(images.to(self.device), prompts, metadata)
         alone = torch.cat([reward(images[i : i + 1].to(self.device), prompts[i : i + 1], metadata[i : i + 1])
@@ -297,3 +316,40 @@ class RewardConformance:
             broken[1].pop(field, None)
             with pytest.raises(ValueError, match=field):
                 reward(images.to(self.device), prompts, broken)
+
+    # ------------------------------------------------------------------ group-wise rewards
+    def test_group_wise_flag_is_a_bool(self):
+        flag = getattr(self.make_reward(), "group_wise", False)
+        assert isinstance(flag, bool), f"group_wise must be True or False, got {flag!r}"
+
+    def test_group_wise_interleaved_groups_score_as_alone(self, reward):
+        if not self.is_group_wise():
+            pytest.skip("a point-wise reward")
+        a = self.make_inputs(3, seed=self.seed, group=0)
+        b = self.make_inputs(3, seed=self.seed + 1, group=1)
+        order = torch.tensor([0, 3, 1, 4, 2, 5])  # a0 b0 a1 b1 a2 b2
+        images = torch.cat([a[0], b[0]])[order].to(self.device)
+        prompts = [(a[1] + b[1])[i] for i in order]
+        metadata = [(a[2] + b[2])[i] for i in order]
+        group_ids = torch.tensor([0, 1, 0, 1, 0, 1])
+        together = self.assert_scores(score_groups(reward, images, prompts, metadata, group_ids), 6)
+        alone_a = reward(a[0].to(self.device), a[1], a[2])
+        alone_b = reward(b[0].to(self.device), b[1], b[2])
+        assert self._close(together[0::2], alone_a, self.atol, self.rtol), f"{together[0::2]} vs {alone_a}"
+        assert self._close(together[1::2], alone_b, self.atol, self.rtol), f"{together[1::2]} vs {alone_b}"
+
+    def test_group_wise_composes_and_feeds_gdpo(self, reward):
+        if not self.is_group_wise():
+            pytest.skip("a point-wise reward")
+        from flowgrpo.algo.advantages import compute_advantages
+        from flowgrpo.rewards.compose import ComposedReward
+
+        images, prompts, metadata = self.make_inputs(4)
+        group_ids = torch.zeros(4, dtype=torch.long)
+        composed = ComposedReward({"g": reward}, {"g": 1.0})
+        with pytest.raises(ValueError, match="group_ids"):
+            composed(images.to(self.device), prompts, metadata)
+        rewards = composed(images.to(self.device), prompts, metadata, group_ids)
+        assert rewards.components["g"].shape == (4,)
+        adv = compute_advantages(rewards, group_ids, multi_reward="gdpo")
+        assert torch.isfinite(adv.values).all()

@@ -283,6 +283,20 @@ def test_pickscore_matches_clipmodel_logits(ckpts, hf_reference, divisor):
     torch.testing.assert_close(scores, by_hand / divisor, atol=1e-3 / divisor, rtol=1e-5)
 
 
+def test_pickscore_rank_is_the_rank_of_pickscore_within_the_group(ckpts, hf_reference):
+    from flowgrpo_rewards.group import pickscore_rank
+
+    images = smooth_images(5, 32, 32, seed=33)
+    prompts = ["a photo of a cat"] * 5
+    reward = pickscore_rank(checkpoint=str(ckpts / "hf_clip"), processor=str(ckpts / "hf_proc"))
+    assert reward.group_wise and reward.name == "pickscore_rank"
+    reward.setup("cpu")
+    logits = hf_reference(images, prompts).logits_per_image[:, 0]  # the transformers reference PickScore
+    assert torch.unique(logits).numel() == 5
+    rank = torch.argsort(torch.argsort(logits)).double()  # 0 = lowest
+    torch.testing.assert_close(reward(images, prompts, [{}] * 5), (rank / 4).float())
+
+
 def test_pickscore_preprocessing_chunking_and_prompt_dedup(ckpts):
     images = smooth_images(5, 40, 36, seed=32)
     prompts = PROMPTS + ["a photo of a cat"]
