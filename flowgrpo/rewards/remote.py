@@ -53,6 +53,43 @@ class RemoteRewardError(RuntimeError):
     """The reward server could not be reached after the retries, replied malformed data, or reported a failure."""
 
 
+def send_with_retries(http, method: str, url: str, *, content: bytes | None = None, headers: dict | None = None,
+                      retries: int, backoff: float, max_backoff: float, retry_status=RETRY_STATUS,
+                      what: str = "remote reward", error_cls: type[Exception] = RemoteRewardError):
+    """Send one HTTP request, retrying timeouts, connection errors and ``retry_status`` replies ``retries`` times
+    with exponential backoff (``min(backoff·2^k, max_backoff)`` seconds before retry k+1; the loop is bounded).
+
+    Args:
+        http: an ``httpx.Client`` (its timeout applies to each attempt).
+
+    Returns:
+        the first ``httpx.Response`` whose status is not in ``retry_status`` (the caller checks it).
+
+    Raises:
+        error_cls: every attempt failed; the message names ``what``, the URL, the attempts and the last error.
+    """
+    import httpx
+
+    attempts = retries + 1
+    last = ""
+    for k in range(attempts):
+        if k:
+            time.sleep(min(backoff * 2 ** (k - 1), max_backoff))
+        try:
+            r = http.request(method, url, content=content, headers=headers)
+        except httpx.TimeoutException as err:
+            last = f"timed out after {http.timeout.read:g} s ({type(err).__name__})"
+            continue
+        except httpx.TransportError as err:
+            last = f"{type(err).__name__}: {err}"
+            continue
+        if r.status_code in retry_status:
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+            continue
+        return r
+    raise error_cls(f"{what} at {url} failed after {attempts} attempts; last error: {last}")
+
+
 def images_to_png_b64(images: torch.Tensor, compress_level: int = 1) -> list[str]:
     """Base64 strings of the 8-bit RGB PNG encodings of ``images`` (B, 3, H, W) float in [0, 1].
 
@@ -193,36 +230,17 @@ class RemoteReward:
 
     def _request(self, method: str, path: str, body: bytes | None):
         """One logical request with retries; returns the decoded JSON reply of a 200."""
-        import httpx
-
-        http = self._http()
         url = self.url + path
         headers = {"Content-Type": "application/json"} if body is not None else None
-        attempts = self.retries + 1
-        last = ""
-        for k in range(attempts):
-            if k:
-                time.sleep(min(self.backoff * 2 ** (k - 1), self.max_backoff))
-            try:
-                r = http.request(method, url, content=body, headers=headers)
-            except httpx.TimeoutException as err:
-                last = f"timed out after {self.timeout:g} s ({type(err).__name__})"
-                continue
-            except httpx.TransportError as err:
-                last = f"{type(err).__name__}: {err}"
-                continue
-            if r.status_code in RETRY_STATUS:
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-                continue
-            if r.status_code != 200:
-                self._raise_for_error(r, url)
-            try:
-                return r.json()
-            except ValueError:
-                raise RemoteRewardError(
-                    f"remote reward at {url} sent a malformed reply (not JSON): {r.text[:200]!r}"
-                ) from None
-        raise RemoteRewardError(f"remote reward at {url} failed after {attempts} attempts; last error: {last}")
+        r = send_with_retries(self._http(), method, url, content=body, headers=headers, retries=self.retries,
+                              backoff=self.backoff, max_backoff=self.max_backoff)
+        if r.status_code != 200:
+            self._raise_for_error(r, url)
+        try:
+            return r.json()
+        except ValueError:
+            raise RemoteRewardError(f"remote reward at {url} sent a malformed reply (not JSON): {r.text[:200]!r}") \
+                from None
 
     @staticmethod
     def _raise_for_error(r, url: str):
