@@ -1,6 +1,6 @@
 """GRPO on the digits task for a fixed budget, one row per chunker, SDE kind and estimator (a table; never a test).
 
-    python bench/learning.py [--epochs 60] [--seed 0] [--rows per_step chunk ...] [--json PATH]
+    python bench/learning.py [--epochs 60] [--seed 0 1 2] [--rows per_step sapo gfpo ...] [--json PATH]
 
 Every row starts from the same pretrained base model (``flowgrpo/configs/digits.yaml``) and changes only the
 settings named in its row. Correctness is the independent judge's strict correctness on 200 seeded ODE images
@@ -31,6 +31,14 @@ ROWS: dict[str, list[str]] = {
     "dr_grpo": ["algo.advantage=dr_grpo"],
     "rloo": ["algo.advantage=rloo"],
     "grpo_global_std": ["algo.global_std=true"],
+    # policy losses (flowgrpo.algo.losses) beside the clipped default; SAPO's temperature ~1/clip_range, since
+    # flow-model ratios move ~1e-4 from 1 (the paper's 1.0/1.05 are for LLM token ratios)
+    "sapo": ["algo.policy_loss=sapo", "algo.sapo_tau_pos=5000", "algo.sapo_tau_neg=5250"],
+    "dual_clip": ["algo.policy_loss=dual_clip", "algo.dual_clip_c=3"],
+    "grpo_guard": ["algo.policy_loss=grpo_guard"],
+    # GFPO: draw G' = 16 per prompt, keep the 8 of largest reward spread (PODS max-variance selection)
+    "gfpo": ["train.group_size=16", "algo.group_filter.name=gfpo", "algo.group_filter.keep=8",
+             "algo.group_filter.select=max_spread"],
 }
 
 
@@ -53,13 +61,14 @@ def run_row(name: str, overrides: list[str], epochs: int, seed: int, out_root: P
         "wall_s": wall, "calls_per_epoch": recs[-1].get("rollout/transformer_calls"),
         "rows_per_epoch": recs[-1].get("rollout/transformer_rows"),
         "trajectories_per_epoch": recs[-1].get("rollout/trajectories"),
+        "extra_sample_frac": recs[-1].get("filter/extra_sample_frac", 0.0),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=80)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, nargs="+", default=[0], help="RL seeds (one row per seed)")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--out", default=None, help="run folders (default: a temporary folder)")
     parser.add_argument("--json", help="write the rows here")
@@ -68,15 +77,17 @@ def main() -> None:
     args = parser.parse_args()
     out_root = Path(args.out or tempfile.mkdtemp(prefix="flowgrpo_learning_"))
     results = []
-    header = ("| row | settings | judge correctness before → after | diversity after (real) | wall | "
-              "calls/epoch | rows/epoch |\n|---|---|---|---|---|---|---|")
+    header = ("| row | seed | settings | judge correctness before → after | diversity after (real) | wall | "
+              "calls/epoch | rows/epoch | extra samples |\n|---|---|---|---|---|---|---|---|---|")
     print(header, flush=True)
     for name in args.rows:
-        r = run_row(name, [*args.set, *ROWS[name]], args.epochs, args.seed, out_root)
-        results.append(r)
-        print(f"| {name} | {' '.join(ROWS[name]) or 'digits.yaml'} | {r['correctness_before']:.3f} → "
-              f"{r['correctness_after']:.3f} | {r['diversity_after']:.1f} ({r['diversity_real']:.1f}) | "
-              f"{r['wall_s'] / 60:.1f} min | {r['calls_per_epoch']} | {r['rows_per_epoch']} |", flush=True)
+        for seed in args.seed:
+            r = run_row(name, [*args.set, *ROWS[name]], args.epochs, seed, out_root / f"seed{seed}")
+            results.append(r)
+            print(f"| {name} | {seed} | {' '.join(ROWS[name]) or 'digits.yaml'} | {r['correctness_before']:.3f} → "
+                  f"{r['correctness_after']:.3f} | {r['diversity_after']:.1f} ({r['diversity_real']:.1f}) | "
+                  f"{r['wall_s'] / 60:.1f} min | {r['calls_per_epoch']} | {r['rows_per_epoch']} | "
+                  f"{r['extra_sample_frac']:.0%} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -1,8 +1,10 @@
 """The epoch loop: one trainer for every model adapter, chunker, SDE kind and reward.
 
-An epoch is a flat list of timed phases (as verl's driver loop): ``rollout`` → ``reward`` → ``advantage`` →
-``plan`` → ``recompute`` (optional) → ``update``, with ``eval`` and ``save`` around it. The update is the clipped
-surrogate of :mod:`flowgrpo.algo.losses` over the chunker's chunks; every log-prob, in rollout and training,
+An epoch is a flat list of timed phases (as verl's driver loop): ``rollout`` → ``reward`` → ``filter`` →
+``advantage`` → ``plan`` → ``recompute`` (optional) → ``update``, with ``eval`` and ``save`` around it. The filter
+(:mod:`flowgrpo.algo.filters`, ``algo.group_filter``) picks the samples of each group the advantages use; the
+update minimises the registered policy loss (:mod:`flowgrpo.algo.losses`, ``algo.policy_loss``) over the chunker's
+chunks; every log-prob, in rollout and training,
 comes from the adapter's ``velocity`` and :func:`~flowgrpo.sampling.sde.sde_step`, so the first ratio of an
 on-policy update is exactly 1 when the training batch layout equals the rollout's (``policy/logprob_mismatch_max``
 reports it).
