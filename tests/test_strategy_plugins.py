@@ -61,6 +61,15 @@ def test_unknown_policy_loss_fails_before_any_model_load(tmp_path, tiny_flux_dir
         check_strategies(_config(tmp_path, tiny_flux_dir, policy_loss="grpo_gaurd"))
 
 
+def test_grpo_guard_rejects_non_gaussian_log_probs(tmp_path, tiny_flux_dir):
+    from flowgrpo.train import check_strategies
+
+    cfg = _config(tmp_path, tiny_flux_dir, policy_loss="grpo_guard")
+    cfg.sampling.logprob_reduction = "sum"
+    with pytest.raises(ValueError, match="grpo_guard needs sampling.logprob_reduction=mean"):
+        check_strategies(cfg)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dual_clip", "sapo", "grpo_guard"])
 def test_each_registered_loss_trains_one_epoch(tmp_path, tiny_flux_dir, name):

@@ -11,6 +11,11 @@ else, so a new loss (GSPO-, CISPO-style, …) is one registered function and no 
     def my_loss(inp, settings):
         ...                                   # return PairTerms(...), e.g. via clipped_terms(...)
 
+A loss may carry two optional attributes: ``needs_moments = True`` (the trainer then passes each step's transition
+std, dt and the squared drift of the transition mean from the rollout policy's, recomputing the rollout means
+before the update) and ``check_config(config)`` (raise ``ValueError`` for settings it cannot work with; called
+before any model is loaded).
+
 Shared definitions, for a pair with advantage A and per-step log-ratios Δ_t = log p_θ − log p_old:
 
     r = exp(mean_{t∈chunk} Δ_t)              (Chunk-GRPO, arXiv 2510.21583, eq. 6; one step: the PPO ratio)
@@ -112,6 +117,13 @@ class LossSettings:
 
 PolicyLoss = Callable[[PolicyLossInput, LossSettings], PairTerms]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def check_config(loss: PolicyLoss, config) -> None:
+    """Let ``loss`` reject settings it cannot work with (its optional ``check_config(config)``); ValueError."""
+    hook = getattr(loss, "check_config", None)
+    if hook is not None:
+        hook(config)
 
 
 def needs_moments(loss: PolicyLoss) -> bool:
@@ -225,7 +237,18 @@ def _grpo_guard(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     return clipped_terms(inp, settings, weight * loss, ratio, clipped)
 
 
+def _grpo_guard_check(config) -> None:
+    """RatioNorm reads Δ as a Gaussian log-density averaged over latent dims (the drift bias is a mean too)."""
+    smp = config.sampling
+    if smp.logprob_reduction != "mean" or smp.cps_simplified_logprob:
+        raise ValueError("algo.policy_loss=grpo_guard needs sampling.logprob_reduction=mean and "
+                         "sampling.cps_simplified_logprob=false (its ratio normalisation assumes the Gaussian "
+                         f"log-density averaged over latent dims); got {smp.logprob_reduction!r}, "
+                         f"{smp.cps_simplified_logprob}")
+
+
 _grpo_guard.needs_moments = True
+_grpo_guard.check_config = _grpo_guard_check
 POLICY_LOSSES.register("grpo_guard")(_grpo_guard)
 grpo_guard_loss = _grpo_guard
 
