@@ -1,7 +1,7 @@
 """Group filters: which of the G' samples drawn per prompt enter the advantages (a phase between reward and
 advantage; registered strategies chosen by ``algo.group_filter``).
 
-GFPO (Group Filtered Policy Optimization, Shrivastava et al., arXiv 2508.09726, Sec. 3, eq. 2–3): sample a larger
+GFPO (Group Filtered Policy Optimization, Shrivastava et al., arXiv 2508.09726, its GFPO objective): sample a larger
 group of G' per prompt, keep the subset S of G samples that a metric prefers, and compute the advantages from the
 kept samples only, ``A_i = (r_i − mean_S r) / std_S r`` for i ∈ S and ``A_i = 0`` (no training) outside S. The
 extra cost is the rollout and scoring of G' − G samples per prompt; the rejected samples are not trained.
@@ -11,7 +11,7 @@ Selections (``algo.group_filter.select``), each a registered rule over one group
 * ``top``: the G highest (GFPO with a quality metric; NaN ranks last);
 * ``bottom``: the G lowest (GFPO's own use: shortest responses; here e.g. a cost such as file size);
 * ``max_spread``: the G samples whose metric values have the largest population variance (max-variance
-  down-sampling, PODS, Xu et al., arXiv 2504.13818, Sec. 3.2, which proves the optimum takes the i highest and the
+  down-sampling of PODS, Xu et al., arXiv 2504.13818, which proves the optimum takes the i highest and the
   G − i lowest values for some i, so checking the G + 1 such splits is exact).
 """
 
@@ -68,7 +68,7 @@ def select_bottom(values: torch.Tensor, keep: int) -> torch.Tensor:
 @SELECTIONS.register("max_spread")
 def select_max_spread(values: torch.Tensor, keep: int) -> torch.Tensor:
     """The ``keep`` values of largest population variance: the best of the splits "i highest + keep − i lowest"
-    (PODS, arXiv 2504.13818, Sec. 3.2). NaN values are taken only when fewer than ``keep`` are valid."""
+    (PODS, arXiv 2504.13818). NaN values are taken only when fewer than ``keep`` are valid."""
     valid = torch.nonzero(~torch.isnan(values)).flatten()
     if len(valid) <= keep:
         return select_top(values, keep)
@@ -139,7 +139,7 @@ def gfpo_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterRe
 def advantages_of_kept(compute: Callable[[Rewards, torch.Tensor], Advantages], rewards: Rewards,
                        group_ids: torch.Tensor, keep: torch.Tensor) -> Advantages:
     """Advantages computed from the kept samples only and scattered back to (B,): a rejected sample gets 0 and
-    ``train_mask`` False (GFPO eq. 3). ``compute(rewards, group_ids)`` is the configured estimator."""
+    ``train_mask`` False (GFPO's masked advantage). ``compute(rewards, group_ids)`` is the configured estimator."""
     if bool(keep.all()):
         return compute(rewards, group_ids)
     sub = Rewards(components={k: v[keep] for k, v in rewards.components.items()}, weights=rewards.weights,

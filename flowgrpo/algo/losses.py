@@ -29,8 +29,8 @@ where ``KL_t`` is :func:`~flowgrpo.sampling.sde.kl_between_means` to the referen
   Control in MOBA Games with Deep RL", arXiv 1912.09729, the dual-clip objective): in loss form
   ``min(max(−A·r, −A·clip(r)), −c·A)`` for A < 0, the ``clipped`` loss for A ≥ 0; c > 1.
 * ``sapo``: ``−A·(4/τ)·sigmoid(τ·(r − 1))`` with τ = τ_pos for A > 0 and τ_neg otherwise (Soft Adaptive Policy
-  Optimization, Gao et al., arXiv 2511.20347, the soft-gate objective, Sec. 3): a smooth gate in place of the hard
-  clip; its gradient weight ``4·s·(1 − s)``, s = sigmoid(τ(r − 1)), is 1 at r = 1 and decays as r leaves 1.
+  Optimization, Gao et al., arXiv 2511.20347, its soft gate f(r) = sigmoid(τ(r − 1))·4/τ): a smooth gate in place
+  of the hard clip; its gradient weight ``4·s·(1 − s)``, s = sigmoid(τ(r − 1)), is 1 at r = 1 and decays as r leaves 1.
 * ``grpo_guard``: RatioNorm and step re-weighting (Wang et al., arXiv 2510.22319, GRPO-Guard). Per step, with
   transition std ``std_t`` (= s_t·√(−dt) for ``flow_sde``), ``dt = σ_next − σ`` and the mean drift
   ``b_t = mean_d(μ_θ − μ_old)² / (2·std_t²)`` (the left shift of E[Δ_t]):
@@ -214,7 +214,8 @@ def sapo_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     return clipped_terms(inp, settings, loss, ratio, weight < 0.5)
 
 
-def _grpo_guard(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
+@POLICY_LOSSES.register("grpo_guard")
+def grpo_guard_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     """GRPO-Guard (Wang et al., arXiv 2510.22319): RatioNorm ``ℓ_t = (Δ_t + b_t)·std_t``, ``r = exp(mean_t ℓ_t)``,
     the clipped surrogate on r, re-weighted by ``mean_t 1/(−dt_t)`` (module docstring).
 
@@ -247,10 +248,8 @@ def _grpo_guard_check(config) -> None:
                          f"{smp.cps_simplified_logprob}")
 
 
-_grpo_guard.needs_moments = True
-_grpo_guard.check_config = _grpo_guard_check
-POLICY_LOSSES.register("grpo_guard")(_grpo_guard)
-grpo_guard_loss = _grpo_guard
+grpo_guard_loss.needs_moments = True
+grpo_guard_loss.check_config = _grpo_guard_check
 
 
 def clipped_surrogate(
