@@ -54,11 +54,12 @@ def test_an_outside_policy_loss_trains_one_epoch(tmp_path, tiny_flux_dir, toy_lo
     assert rec["policy/pairs"] > 0 and rec["policy/grad_norm"] > 0
 
 
-def test_unknown_policy_loss_fails_before_any_model_load(tmp_path, tiny_flux_dir):
-    from flowgrpo.train import check_strategies
+def test_unknown_policy_loss_fails_in_the_schema(tmp_path, tiny_flux_dir):
+    from flowgrpo.config import ConfigError
 
-    with pytest.raises(KeyError, match="unknown policy loss 'grpo_gaurd'.*did you mean 'grpo_guard'"):
-        check_strategies(_config(tmp_path, tiny_flux_dir, policy_loss="grpo_gaurd"))
+    with pytest.raises(ConfigError, match="algo.policy_loss: unknown policy loss 'grpo_gaurd'.*did you mean "
+                                          "'grpo_guard'"):
+        _config(tmp_path, tiny_flux_dir, policy_loss="grpo_gaurd")
 
 
 def test_grpo_guard_rejects_non_gaussian_log_probs(tmp_path, tiny_flux_dir):
