@@ -110,3 +110,12 @@ def test_a_group_wise_reward_trains_with_gdpo(tmp_path, tiny_flux_dir):
     # the ranks of each complete group average 0.5 (scored after the rollout, not per micro-batch)
     assert rec["reward/GroupRank/mean"] == pytest.approx(0.5)
     assert rec["reward/GroupRank/nan_frac"] == 0.0 and rec["policy/pairs"] > 0
+
+
+def test_a_group_split_over_processes_is_refused_for_group_wise_rewards():
+    from flowgrpo.trainer import _check_whole_groups
+
+    _check_whole_groups(torch.tensor([0, 0, 1, 1]), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), ["rank"])
+    # this process holds samples 0-2 of a 4-sample layout whose group 1 continues on the next process
+    with pytest.raises(ValueError, match="split over processes.*prompts_per_epoch"):
+        _check_whole_groups(torch.tensor([0, 0, 1]), torch.tensor([0, 0, 1, 1, 2, 2]), ["rank"])
