@@ -49,6 +49,12 @@ def labels_from_metadata(metadata: list[dict], reward_name: str = "digit_correct
 class DigitCorrectness(BaseReward):
     """Reward = p(intended digit | image) under the reward classifier, or 1[argmax = intended] if ``strict``.
 
+    ``cap`` < 1 scores ``min(p, cap)``: once the classifier is that sure, a sample is as good as any other, so a
+    group whose samples all pass the cap has zero spread and stops pulling its digit toward the classifier's most
+    confident prototype. This is the threshold ("proxy point") form of constrained reward optimisation against
+    reward over-optimisation (Moskovitz et al., "Confronting Reward Model Overoptimization with Constrained
+    RLHF", ICLR 2024, arXiv 2310.04373): optimise the proxy up to the point where it stops tracking the goal.
+
     ``__call__(images (B, 3, H, H) float in [0, 1], prompts, metadata) -> (B,) float32`` on the CPU, in [0, 1].
     Each ``metadata[i]`` needs ``"digit"``: an integer 0–9 (``ValueError`` otherwise). The classifier is fitted in
     :meth:`setup` (well under a second; cached per process), not in ``__init__``.
@@ -56,10 +62,15 @@ class DigitCorrectness(BaseReward):
 
     name = "digit_correctness"
 
-    def __init__(self, strict: bool = False) -> None:
+    def __init__(self, strict: bool = False, cap: float = 1.0) -> None:
         if not isinstance(strict, bool):
             raise ValueError(f"digit_correctness: strict must be true or false, got {strict!r}")
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not 0 < cap <= 1:
+            raise ValueError(f"digit_correctness: cap must be a number in (0, 1], got {cap!r}")
+        if strict and cap != 1.0:
+            raise ValueError("digit_correctness: cap applies to the probability reward, not to strict=true")
         self.strict = strict
+        self.cap = float(cap)
         self.name = "digit_correctness_strict" if strict else "digit_correctness"
         self._ready = False
 
@@ -79,7 +90,8 @@ class DigitCorrectness(BaseReward):
         probs = digit_probabilities(images)  # (B, 10) float32, CPU
         if self.strict:
             return (probs.argmax(dim=1) == labels).to(torch.float32)
-        return probs[torch.arange(len(labels)), labels].contiguous()
+        p = probs[torch.arange(len(labels)), labels]
+        return p.clamp(max=self.cap).contiguous() if self.cap < 1 else p.contiguous()
 
 
 class DigitCorrectnessStrict(DigitCorrectness):
