@@ -104,6 +104,10 @@ class SamplingConfig(Section):
         False, description="CPS reference code's -(x-mean)^2 surrogate log-prob (needs a ~1e-5 clip range)"
     )
     same_noise_in_group: bool = Field(False, description="all G samples of a group start from one initial noise")
+    final_decode: str = Field(
+        "sample", description="latents decoded into the rewarded image: sample (the last SDE sample, Flow-GRPO) or "
+        "x0_pred (x - sigma*v predicted at the last step, DanceGRPO/GCPO/MixGRPO/E-GRPO)"
+    )
 
 
 class EvalSamplingConfig(Section):
@@ -164,6 +168,18 @@ class AlgoConfig(Section):
         3.0, gt=1, description="dual_clip: lower bound c on the objective of negative-advantage pairs (paper: 3)"
     )
     group_filter: GroupFilterConfig = Field(default_factory=lambda: GroupFilterConfig())
+    kl_form: str = Field(
+        "flow_grpo", description="registered KL form: flow_grpo (Flow-GRPO's scripts: (mu-mu_ref)^2 / "
+        "(2*std_dev_t^2), std_dev_t = a*sqrt(sigma/(1-sigma)), no dt) or gaussian (exact Gaussian KL with the "
+        "transition std; 1/(sigma-sigma_next) times larger for flow_sde and dance_sde)"
+    )
+    std_ddof: Literal[0, 1] = Field(
+        0, description="delta degrees of freedom of the advantage std: 0 population (Flow-GRPO), 1 unbiased "
+        "(DanceGRPO, MixGRPO, GCPO, E-GRPO, GDPO)"
+    )
+    std_eps: float = Field(
+        1e-4, gt=0, description="added to the advantage std: 1e-4 (Flow-GRPO, GDPO) or 1e-8 (DanceGRPO family)"
+    )
     recompute_old_log_probs: bool = Field(
         False, description="recompute old log-probs with the training batch layout before the first update"
     )

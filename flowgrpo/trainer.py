@@ -42,7 +42,7 @@ from flowgrpo.rewards.background import AsyncRewardScorer, score_components_name
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rng import derive_seed, make_generator
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, generate_images
-from flowgrpo.sampling.sde import kl_between_means, sde_step, transition_moments
+from flowgrpo.sampling.sde import kl_to_reference, sde_step, transition_moments
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,8 @@ class Trainer:
         def compute(r: Rewards, g: torch.Tensor) -> Advantages:
             return compute_advantages(r, g, estimator=a.advantage, global_std=a.global_std,
                                       multi_reward=a.multi_reward, clip=a.advantage_clip,
-                                      drop_zero_spread=a.drop_zero_spread_groups)
+                                      drop_zero_spread=a.drop_zero_spread_groups, std_ddof=a.std_ddof,
+                                      std_eps=a.std_eps)
 
         return advantages_of_kept(compute, rewards, group_ids, keep)
 
@@ -259,7 +260,8 @@ class Trainer:
                 v_ref = self.adapter.velocity(x, sigma, embeds, traj.guidance_scale)
             ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=self.settings.sde_kind,
                                              noise_level=self.settings.noise_level)
-            kl = kl_between_means(out.mean, ref_mean, out.std).reshape(n, k)
+            kl = kl_to_reference(out.mean, ref_mean, out.std, sigma, sigma_next, kind=self.settings.sde_kind,
+                                 form=self.cfg.algo.kl_form).reshape(n, k)
         return ChunkForward(out.log_prob.reshape(n, k), kl, out.mean.reshape(n, k, *out.mean.shape[1:]),
                             out.std.reshape(n, k), (sigma_next - sigma).reshape(n, k))
 

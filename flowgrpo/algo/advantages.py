@@ -3,7 +3,9 @@
 All estimators see the rewards of the whole batch (gathered across processes) and the group id of each sample.
 Shared conventions (docs/design.md, "Advantages and loss"):
 
-* population std (ddof 0), ``A = (r − mean) / (std + 1e-4)`` (Flow-GRPO, arXiv 2505.05470, eq. 6);
+* ``A = (r − mean) / (std + eps)`` with the population std and eps = 1e-4 by default (Flow-GRPO, arXiv
+  2505.05470, eq. 6; its ``np.std``), or the unbiased std (``ddof=1``) and eps = 1e-8 as the DanceGRPO family
+  (DanceGRPO, MixGRPO, GCPO, E-GRPO: ``torch.std()`` + 1e-8) — ``algo.std_ddof`` and ``algo.std_eps``;
 * a group whose valid rewards are all equal (max == min, an exact test: float means of equal values are not
   exact) gets advantage exactly 0;
 * a NaN reward is left out of its group's statistics and its sample gets advantage 0 (and no training);
@@ -24,8 +26,8 @@ logger = logging.getLogger(__name__)
 
 STD_EPS = 1e-4
 
-# An estimator maps (rewards (B,) float64 with NaN, group_ids (B,), global_std) -> advantages (B,) float64,
-# meaningful only on valid samples of groups with spread.
+# An estimator maps (rewards (B,) float64 with NaN, group_ids (B,), global_std, *, ddof, eps) -> advantages (B,)
+# float64, meaningful only on valid samples of groups with spread.
 Estimator = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 
@@ -35,39 +37,40 @@ def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inv, len(uniq)
 
 
-def _group_stats(r: torch.Tensor, inv: torch.Tensor, n: int):
-    """Per-sample (count, mean, population std, max, min) of its group over valid (non-NaN) rewards."""
+def _group_stats(r: torch.Tensor, inv: torch.Tensor, n: int, ddof: int = 0):
+    """Per-sample (count, mean, std with ``ddof``, max, min) of its group over valid (non-NaN) rewards."""
     valid = ~torch.isnan(r)
     rz = torch.where(valid, r, torch.zeros_like(r))
     cnt = torch.zeros(n, dtype=r.dtype).index_add_(0, inv, valid.to(r.dtype))
     s = torch.zeros(n, dtype=r.dtype).index_add_(0, inv, rz)
     mean = s / cnt.clamp(min=1)
     dev = torch.where(valid, (r - mean[inv]) ** 2, torch.zeros_like(r))
-    var = torch.zeros(n, dtype=r.dtype).index_add_(0, inv, dev) / cnt.clamp(min=1)
+    var = torch.zeros(n, dtype=r.dtype).index_add_(0, inv, dev) / (cnt - ddof).clamp(min=1)
     big = torch.finfo(r.dtype).max
     mx = torch.full((n,), -big, dtype=r.dtype).scatter_reduce(0, inv, torch.where(valid, r, -big), "amax")
     mn = torch.full((n,), big, dtype=r.dtype).scatter_reduce(0, inv, torch.where(valid, r, big), "amin")
     return cnt[inv], mean[inv], var.sqrt()[inv], mx[inv], mn[inv]
 
 
-def _batch_std(r: torch.Tensor) -> torch.Tensor:
+def _batch_std(r: torch.Tensor, ddof: int = 0) -> torch.Tensor:
     v = r[~torch.isnan(r)]
-    return v.std(unbiased=False) if v.numel() else torch.zeros((), dtype=r.dtype)
+    return v.std(correction=ddof) if v.numel() > ddof else torch.zeros((), dtype=r.dtype)
 
 
 @ESTIMATORS.register("grpo")
-def grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False) -> torch.Tensor:
-    """GRPO (Shao et al., arXiv 2402.03300, Sec. 4.1.2; Flow-GRPO eq. 6): ``(r − mean_g) / (std + 1e-4)``,
-    std of the group (population) or, with ``global_std``, of the whole batch."""
+def grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, *, ddof: int = 0,
+         eps: float = STD_EPS) -> torch.Tensor:
+    """GRPO (Shao et al., arXiv 2402.03300, Sec. 4.1.2; Flow-GRPO eq. 6): ``(r − mean_g) / (std + eps)``,
+    std (with ``ddof``) of the group or, with ``global_std``, of the whole batch."""
     inv, n = _group_index(group_ids)
-    _, mean, std, _, _ = _group_stats(r, inv, n)
+    _, mean, std, _, _ = _group_stats(r, inv, n, ddof)
     if global_std:
-        std = _batch_std(r).expand_as(r)
-    return (r - mean) / (std + STD_EPS)
+        std = _batch_std(r, ddof).expand_as(r)
+    return (r - mean) / (std + eps)
 
 
 @ESTIMATORS.register("dr_grpo")
-def dr_grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False) -> torch.Tensor:
+def dr_grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, **_std) -> torch.Tensor:
     """Dr. GRPO (Liu et al., arXiv 2503.20783, Sec. 3.2): ``r − mean_g``, no division by the std."""
     inv, n = _group_index(group_ids)
     _, mean, _, _, _ = _group_stats(r, inv, n)
@@ -75,7 +78,7 @@ def dr_grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False) 
 
 
 @ESTIMATORS.register("rloo")
-def rloo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False) -> torch.Tensor:
+def rloo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, **_std) -> torch.Tensor:
     """REINFORCE leave-one-out (Ahmadian et al., arXiv 2402.14740, eq. 9): ``r_i − mean_{j≠i} r_j``
     over the group's valid samples, i.e. ``n/(n−1)·(r_i − mean_g)``."""
     inv, n = _group_index(group_ids)
@@ -92,12 +95,35 @@ def _check_groups(group_ids: torch.Tensor) -> None:
         )
 
 
-def _normalize(r: torch.Tensor, group_ids: torch.Tensor, estimator: str, global_std: bool) -> torch.Tensor:
+def _flat_groups(r: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the sample's group has no spread in ``r`` (max == min over valid rewards, or none valid)."""
     inv, n = _group_index(group_ids)
     _, _, _, mx, mn = _group_stats(r, inv, n)
-    a = ESTIMATORS.get(estimator)(r, group_ids, global_std)
-    flat = (mx == mn) | torch.isnan(r)
+    return mx <= mn
+
+
+def _normalize(r: torch.Tensor, group_ids: torch.Tensor, estimator: str, global_std: bool, ddof: int,
+               eps: float) -> torch.Tensor:
+    a = ESTIMATORS.get(estimator)(r, group_ids, global_std, ddof=ddof, eps=eps)
+    flat = _flat_groups(r, group_ids) | torch.isnan(r)
     return torch.where(flat, torch.zeros_like(a), a)
+
+
+def _gdpo(rewards: Rewards, group_ids: torch.Tensor, valid: torch.Tensor, estimator: str, global_std: bool,
+          ddof: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (Liu et al., arXiv 2601.05242, eq. 4–5; NVlabs/GDPO ``grpo_trainer.py``): each component normalised
+    within its groups, weighted sum, then ``(A − mean_batch) / (std_batch + eps)``. Returns (advantages (B,),
+    zero-spread (B,) bool: the group is flat in every component, so a flat total whose components vary trains)."""
+    adv = torch.zeros_like(rewards.total, dtype=torch.float64)
+    flat = torch.ones_like(valid)
+    for name, comp in rewards.components.items():
+        c = comp.double()
+        adv = adv + rewards.weights[name] * _normalize(c, group_ids, estimator, global_std, ddof, eps)
+        flat &= _flat_groups(c, group_ids)
+    masked = torch.where(valid, adv, torch.full_like(adv, float("nan")))
+    mean = adv[valid].mean() if bool(valid.any()) else torch.zeros((), dtype=adv.dtype)
+    adv = (adv - mean) / (_batch_std(masked, ddof) + eps)
+    return torch.where(flat | ~valid, torch.zeros_like(adv), adv), flat
 
 
 def compute_advantages(
@@ -109,6 +135,8 @@ def compute_advantages(
     multi_reward: str = "sum_then_normalize",
     clip: float = 5.0,
     drop_zero_spread: bool = False,
+    std_ddof: int = 0,
+    std_eps: float = STD_EPS,
 ) -> Advantages:
     """Advantages (B,) for the batch's rewards.
 
@@ -122,30 +150,24 @@ def compute_advantages(
             arXiv 2601.05242, eq. 4–5).
         clip: advantages are clipped to ±clip.
         drop_zero_spread: zero-spread groups get ``train_mask`` False (DAPO's dynamic sampling, arXiv 2503.14476).
+            Under ``gdpo`` a group is zero-spread only when every component is flat in it.
+        std_ddof, std_eps: the std's delta degrees of freedom (0 population, 1 unbiased) and the eps added to it,
+            in the group statistics and in GDPO's batch renormalisation.
 
     Raises:
-        ValueError: a group with fewer than 2 samples, or an unknown ``multi_reward``.
+        ValueError: a group with fewer than 2 samples, an unknown ``multi_reward``, or ``std_ddof`` not 0 or 1.
     """
+    if std_ddof not in (0, 1):
+        raise ValueError(f"std_ddof must be 0 (population std) or 1 (unbiased std), got {std_ddof!r}")
     _check_groups(group_ids)
     total = rewards.total.double()
     inv, n = _group_index(group_ids)
-    _, _, _, mx, mn = _group_stats(total, inv, n)
     valid = ~torch.isnan(total)
-    zero_spread = (mx == mn) | (mx < mn)  # mx < mn: a group with no valid reward at all
+    zero_spread = _flat_groups(total, group_ids)  # includes a group with no valid reward at all
     if multi_reward == "sum_then_normalize":
-        adv = _normalize(total, group_ids, estimator, global_std)
+        adv = _normalize(total, group_ids, estimator, global_std, std_ddof, std_eps)
     elif multi_reward == "gdpo":
-        adv = torch.zeros_like(total)
-        wsum = 0.0
-        for name, comp in rewards.components.items():
-            w = rewards.weights[name]
-            part = _normalize(comp.double(), group_ids, estimator, global_std)
-            adv = adv + w * part
-            wsum += abs(w)
-        std = _batch_std(torch.where(valid, adv, torch.full_like(adv, float("nan"))))
-        mean = adv[valid].mean() if bool(valid.any()) else torch.zeros((), dtype=adv.dtype)
-        adv = (adv - mean) / (std + STD_EPS)
-        adv = torch.where(zero_spread | ~valid, torch.zeros_like(adv), adv)
+        adv, zero_spread = _gdpo(rewards, group_ids, valid, estimator, global_std, std_ddof, std_eps)
     else:
         raise ValueError(f"multi_reward must be 'sum_then_normalize' or 'gdpo', got {multi_reward!r}")
     adv = adv.clamp(-clip, clip).float()

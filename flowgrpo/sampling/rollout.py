@@ -13,8 +13,29 @@ import torch
 from tqdm.auto import tqdm
 
 from flowgrpo.records import PromptEmbeds, Trajectory
+from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
-from flowgrpo.sampling.sde import sde_step
+from flowgrpo.sampling.sde import SDEStepOutput, sde_step
+
+# What the images are decoded from: (x (B, …) at the last step's σ, its velocity v, that σ, the last step's output)
+# -> (B, …) latents.
+FINAL_DECODES: Registry[Callable[[torch.Tensor, torch.Tensor, float, SDEStepOutput], torch.Tensor]] = Registry(
+    "final decode"
+)
+
+
+@FINAL_DECODES.register("sample")
+def _decode_sample(x, v, sigma, out):
+    """The last transition's sample x_T (Flow-GRPO: its pipeline decodes the final SDE latent)."""
+    return out.next_latents
+
+
+@FINAL_DECODES.register("x0_pred")
+def _decode_x0_pred(x, v, sigma, out):
+    """The clean latent predicted at the last step, ``x̂₀ = x − σ·v`` (DanceGRPO, GCPO, MixGRPO, E-GRPO: their
+    sampler returns ``pred_original_sample`` of the last step). Equals ``sample`` when the last step is an ODE step
+    to σ = 0; differs by the last step's noise (std a·√(σ/(1−σ))·√σ for flow_sde) when it is stochastic."""
+    return x - sigma * v
 
 
 @dataclass(frozen=True)
@@ -27,6 +48,7 @@ class SamplerSettings:
         sde_kind: SDE kind of the stochastic transitions (``ode`` transitions are deterministic).
         noise_level: a (flow_sde, cps) or η (dance_sde).
         logprob_reduction, cps_simplified_logprob: log-prob options of :func:`sde_step`.
+        final_decode: a registered :data:`FINAL_DECODES` name: which latents of the last step are decoded.
 
     The field names are those of :class:`~flowgrpo.config.SamplingConfig`; :meth:`from_config` builds one.
     """
@@ -37,6 +59,7 @@ class SamplerSettings:
     noise_level: float = 0.7
     logprob_reduction: str = "mean"
     cps_simplified_logprob: bool = False
+    final_decode: str = "sample"
 
     @classmethod
     def from_config(cls, sampling) -> SamplerSettings:
@@ -54,6 +77,7 @@ def denoise(
     generators: Sequence[torch.Generator] | None,
     *,
     record: bool = True,
+    return_final: bool = False,
 ):
     """Run T transitions from ``latents`` (B, …) at σ = sigmas[0].
 
@@ -61,9 +85,11 @@ def denoise(
         sde_steps: (T,) bool, transitions sampled with ``settings.sde_kind``; the others are ODE steps.
         generators: one per sample for the SDE noise (None only when no step is stochastic).
         record: keep every latent and log-prob (training) or only the last latent (evaluation).
+        return_final: also return the (B, …) latents to decode, chosen by ``settings.final_decode``.
 
     Returns:
-        (latents (B, T+1, …) or (B, …) final, log_probs (B, T), stochastic (B, T) bool).
+        (latents (B, T+1, …) or (B, …) final, log_probs (B, T), stochastic (B, T) bool), and with
+        ``return_final`` the latents to decode as a fourth item.
     """
     b = latents.shape[0]
     t_count = len(sigmas) - 1
@@ -75,6 +101,7 @@ def denoise(
         sigma = sigmas[t].expand(b).to(x.device)
         v = adapter.velocity(x, sigma, embeds, settings.guidance_scale)
         kind = settings.sde_kind if bool(sde_steps[t]) else "ode"
+        prev = x
         out = sde_step(
             x, v, sigmas[t].item(), sigmas[t + 1].item(), kind=kind, noise_level=settings.noise_level,
             generator=list(generators) if generators is not None else None, reduction=settings.logprob_reduction,
@@ -85,7 +112,11 @@ def denoise(
         stochastic[:, t] = (out.std > 0).cpu()
         if record:
             all_x.append(x)
-    return (torch.stack(all_x, dim=1) if record else x), log_probs, stochastic
+    result = (torch.stack(all_x, dim=1) if record else x), log_probs, stochastic
+    if not return_final:
+        return result
+    decode = FINAL_DECODES.get(settings.final_decode)
+    return (*result, decode(prev, v, sigmas[t_count - 1].item(), out))
 
 
 @dataclass(frozen=True)
@@ -175,11 +206,12 @@ def rollout(adapter, request: RolloutRequest, sde_steps: torch.Tensor) -> Trajec
     for start in tqdm(range(0, b, r.batch_size), desc="rollout", disable=not r.progress, leave=False):
         sl = slice(start, start + r.batch_size)
         x0 = adapter.initial_latents(r.batch_size, init_gens[sl])
-        xs, lp, st = denoise(adapter, x0, embeds.index(sl), sigmas, settings, sde_steps, noise_gens[sl])
+        xs, lp, st, final = denoise(adapter, x0, embeds.index(sl), sigmas, settings, sde_steps, noise_gens[sl],
+                                    return_final=True)
         chunks_x.append(xs.cpu() if r.latents_on_cpu else xs)
         chunks_lp.append(lp)
         chunks_st.append(st)
-        images.append(decode_and_report(adapter, xs[:, -1], r.prompts[sl], r.metadata[sl], r))
+        images.append(decode_and_report(adapter, final, r.prompts[sl], r.metadata[sl], r))
     stochastic = torch.cat(chunks_st)
     return Trajectory(
         latents=torch.cat(chunks_x),

@@ -32,6 +32,9 @@ __all__ = [
     "gaussian_log_prob",
     "gaussian_entropy_per_dim",
     "kl_between_means",
+    "KL_FORMS",
+    "KL_STD",
+    "kl_to_reference",
 ]
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
@@ -188,6 +191,80 @@ def kl_between_means(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
     kl = (mean.float() - ref_mean.float()) ** 2 / (2 * safe**2)
     kl = torch.where(std_b > 0, kl, torch.zeros_like(kl))
     return kl.mean(dim=tuple(range(1, mean.ndim)))
+
+
+# The std that Flow-GRPO's KL divides by, per SDE kind: (std (B,), σ (B,), σ_next (B,)) -> (B,).
+KL_STD: Registry[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = Registry("SDE kind (KL std)")
+
+
+@KL_STD.register("flow_sde")
+@KL_STD.register("dance_sde")
+def _diffusion_coefficient(std, sigma, sigma_next):
+    """Euler–Maruyama kinds (std = g·√(σ − σ_next)): the diffusion coefficient g, i.e. Flow-GRPO's ``std_dev_t``
+    = a·√(σ/(1 − σ)) for ``flow_sde`` (its σ = 1 guard included, since ``std`` carries it) and η for
+    ``dance_sde``. No Δσ: this is the release's KL scale, 1/(σ − σ_next) times the exact Gaussian KL."""
+    return std / torch.sqrt(sigma - sigma_next)
+
+
+@KL_STD.register("cps")
+@KL_STD.register("ode")
+def _transition_std(std, sigma, sigma_next):
+    """CPS (Flow-GRPO's ``sde_type='cps'`` returns ``std_dev_t = σ_next·sin(aπ/2)``, the transition std itself) and
+    ODE (std 0: KL 0)."""
+    return std
+
+
+# A KL form maps (std, σ, σ_next, kind) to the std the squared mean difference is divided by.
+KL_FORMS: Registry[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]] = Registry("KL form")
+
+
+@KL_FORMS.register("flow_grpo")
+def _flow_grpo_kl_std(std, sigma, sigma_next, kind):
+    """Flow-GRPO's training scripts: ``mean_dims((μθ − μref)²) / (2·std_dev_t²)`` with the kind's ``KL_STD``."""
+    return KL_STD.get(kind)(std, sigma, sigma_next)
+
+
+@KL_FORMS.register("gaussian")
+def _gaussian_kl_std(std, sigma, sigma_next, kind):
+    """The exact KL between the two Gaussian transitions, divided by the transition's own std."""
+    return std
+
+
+def kl_to_reference(
+    mean: torch.Tensor,
+    ref_mean: torch.Tensor,
+    std: torch.Tensor,
+    sigma,
+    sigma_next,
+    *,
+    kind: str,
+    form: str = "flow_grpo",
+) -> torch.Tensor:
+    """The per-step KL penalty to the reference policy, (B,) float32, averaged over latent dims.
+
+    ``KL = mean_dims((mean − ref_mean)²) / (2·d²)`` (Flow-GRPO, arXiv 2505.05470, eq. 11), where d is
+
+    * ``form="flow_grpo"`` (default, the released training scripts): for ``flow_sde`` Flow-GRPO's
+      ``std_dev_t = a·√(σ/(1 − σ))`` (at σ = 1 the denominator uses 1 − σ_next, which on a per-step grid is the
+      release's ``1 − sigmas[1]``), for ``dance_sde`` η, for ``cps`` the transition std σ_next·sin(aπ/2);
+    * ``form="gaussian"``: the transition std (``flow_sde``: std_dev_t·√(σ − σ_next)), i.e. the exact
+      KL(N(mean, d²) ‖ N(ref_mean, d²)) per dim; 1/(σ − σ_next) times the ``flow_grpo`` form for the
+      Euler–Maruyama kinds.
+
+    Args:
+        mean, ref_mean: (B, …) the policy's and the reference's transition means.
+        std: (B,) the transition std (from :func:`transition_moments`).
+        sigma, sigma_next: floats or (B,) tensors of the transition.
+        kind: the registered SDE kind the transition used; form: a registered KL form.
+
+    Raises:
+        KeyError: an unknown ``form``, or a ``kind`` without a registered KL std (the message lists them).
+    """
+    b = mean.shape[0]
+    s = _as_batch_sigma(sigma, b, 1, mean.device)
+    sn = _as_batch_sigma(sigma_next, b, 1, mean.device)
+    d = KL_FORMS.get(form)(std.float().reshape(b), s, sn, kind)
+    return kl_between_means(mean, ref_mean, d)
 
 
 def sde_step(
