@@ -146,8 +146,10 @@ class AlgoConfig(Section):
 
     advantage: EstimatorName = Field("grpo", description="registered estimator: grpo, dr_grpo, rloo")
     global_std: bool = Field(False, description="grpo: divide by the batch's std instead of each group's")
-    multi_reward: Literal["sum_then_normalize", "gdpo"] = Field(
-        "sum_then_normalize", description="several rewards: weighted sum first, or GDPO per-component norm"
+    multi_reward: Literal["sum_then_normalize", "gdpo", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="several rewards: weighted sum first; gdpo (each normalised in its group, "
+        "weighted sum, renormalised over the batch); or normalize_then_sum (gdpo without the batch renormalisation, "
+        "MixGRPO's advantage_aggr)"
     )
     advantage_clip: float = Field(5.0, gt=0, description="advantages clipped to +-this")
     drop_zero_spread_groups: bool = Field(False, description="leave groups with equal rewards out of the update")

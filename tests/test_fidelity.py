@@ -227,6 +227,26 @@ def test_gdpo_zero_spread_means_every_component_flat():
     assert adv.train_mask.tolist() == [False, False, True, True]
 
 
+def test_normalize_then_sum_is_mixgrpos_advantage_aggr():
+    """MixGRPO train_grpo_flux.py (advantage_aggr): per reward, (r − group mean) / (group torch.std() + 1e-8),
+    summed with the reward weights; no batch renormalisation."""
+    comps = {"hps": [0.30, 0.31, 0.29, 0.25, 0.27, 0.26], "ir": [1.2, -0.3, 0.4, 0.9, 0.8, 1.5],
+             "pick": [21.0, 22.5, 21.7, 20.1, 20.9, 20.0]}
+    weights = {"hps": 1.0, "ir": 1.0, "pick": 0.5}
+    expected = [0.0] * 6
+    for name, r in comps.items():
+        for start in (0, 3):
+            grp = r[start : start + 3]
+            m, sd = statistics.fmean(grp), statistics.stdev(grp)
+            for i in range(start, start + 3):
+                expected[i] += weights[name] * (r[i] - m) / (sd + 1e-8)
+    total = torch.tensor([sum(weights[k] * comps[k][i] for k in comps) / 2.5 for i in range(6)], dtype=torch.float64)
+    rewards = Rewards({k: torch.tensor(v, dtype=torch.float64) for k, v in comps.items()}, weights, total)
+    adv = compute_advantages(rewards, torch.tensor([0, 0, 0, 1, 1, 1]), multi_reward="normalize_then_sum",
+                             std_ddof=1, std_eps=1e-8)
+    torch.testing.assert_close(adv.values.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------ 5. std ddof
 def test_std_ddof_1_matches_dancegrpo_and_ddof_0_matches_flow_grpo():
     r = [0.3, 0.9, 0.4, 0.8, 0.1, 0.5, 0.7, 0.2, 0.6, 1.0, 0.0, 0.55]  # G = 12, one group

@@ -109,17 +109,25 @@ def _normalize(r: torch.Tensor, group_ids: torch.Tensor, estimator: str, global_
     return torch.where(flat, torch.zeros_like(a), a)
 
 
-def _gdpo(rewards: Rewards, group_ids: torch.Tensor, valid: torch.Tensor, estimator: str, global_std: bool,
-          ddof: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """GDPO (Liu et al., arXiv 2601.05242, eq. 4–5; NVlabs/GDPO ``grpo_trainer.py``): each component normalised
-    within its groups, weighted sum, then ``(A − mean_batch) / (std_batch + eps)``. Returns (advantages (B,),
-    zero-spread (B,) bool: the group is flat in every component, so a flat total whose components vary trains)."""
+def _per_component(rewards: Rewards, group_ids: torch.Tensor, estimator: str, global_std: bool, ddof: int,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each component normalised within its groups, then summed with the weights (MixGRPO's
+    ``advantage_aggr``). Returns (advantages (B,) float64, zero-spread (B,) bool: the group is flat in every
+    component, so a flat total whose components vary still trains)."""
     adv = torch.zeros_like(rewards.total, dtype=torch.float64)
-    flat = torch.ones_like(valid)
+    flat = torch.ones_like(rewards.total, dtype=torch.bool)
     for name, comp in rewards.components.items():
         c = comp.double()
         adv = adv + rewards.weights[name] * _normalize(c, group_ids, estimator, global_std, ddof, eps)
         flat &= _flat_groups(c, group_ids)
+    return adv, flat
+
+
+def _gdpo(rewards: Rewards, group_ids: torch.Tensor, valid: torch.Tensor, estimator: str, global_std: bool,
+          ddof: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (Liu et al., arXiv 2601.05242, eq. 4–5; NVlabs/GDPO ``grpo_trainer.py``): :func:`_per_component`,
+    then ``(A − mean_batch) / (std_batch + eps)``. Returns (advantages (B,), zero-spread (B,) bool)."""
+    adv, flat = _per_component(rewards, group_ids, estimator, global_std, ddof, eps)
     masked = torch.where(valid, adv, torch.full_like(adv, float("nan")))
     mean = adv[valid].mean() if bool(valid.any()) else torch.zeros((), dtype=adv.dtype)
     adv = (adv - mean) / (_batch_std(masked, ddof) + eps)
@@ -147,7 +155,8 @@ def compute_advantages(
         estimator: a registered estimator (``grpo``, ``dr_grpo``, ``rloo``).
         multi_reward: ``sum_then_normalize`` (weighted composition, then group statistics) or ``gdpo`` (each
             component normalised within its groups, weighted sum, renormalised over the batch: Liu et al.,
-            arXiv 2601.05242, eq. 4–5).
+            arXiv 2601.05242, eq. 4–5) or ``normalize_then_sum`` (GDPO without the batch renormalisation:
+            MixGRPO's ``advantage_aggr``).
         clip: advantages are clipped to ±clip.
         drop_zero_spread: zero-spread groups get ``train_mask`` False (DAPO's dynamic sampling, arXiv 2503.14476).
             Under ``gdpo`` a group is zero-spread only when every component is flat in it.
@@ -168,8 +177,12 @@ def compute_advantages(
         adv = _normalize(total, group_ids, estimator, global_std, std_ddof, std_eps)
     elif multi_reward == "gdpo":
         adv, zero_spread = _gdpo(rewards, group_ids, valid, estimator, global_std, std_ddof, std_eps)
+    elif multi_reward == "normalize_then_sum":
+        adv, zero_spread = _per_component(rewards, group_ids, estimator, global_std, std_ddof, std_eps)
+        adv = torch.where(zero_spread | ~valid, torch.zeros_like(adv), adv)
     else:
-        raise ValueError(f"multi_reward must be 'sum_then_normalize' or 'gdpo', got {multi_reward!r}")
+        raise ValueError(f"multi_reward must be 'sum_then_normalize', 'gdpo' or 'normalize_then_sum', got "
+                         f"{multi_reward!r}")
     adv = adv.clamp(-clip, clip).float()
     train_mask = valid.clone()
     if drop_zero_spread:
