@@ -275,3 +275,26 @@ def test_default_config_is_flow_grpo():
     cfg = load_config()
     assert (cfg.algo.kl_form, cfg.algo.std_ddof, cfg.algo.std_eps) == ("flow_grpo", 0, 1e-4)
     assert cfg.sampling.final_decode == "sample"
+
+
+# ------------------------------------------------------------------------------------------------ 6. E-GRPO jump std
+def _shift3_grid(num_steps: int = 16) -> torch.Tensor:
+    """DanceGRPO-family σ grid: sd3_time_shift(3, linspace(1, 0, T + 1))."""
+    t = torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+    return 3 * t / (1 + 2 * t)
+
+
+@pytest.mark.parametrize(("m", "issue_value"), [(1, 0.700), (2, 1.012), (3, 1.269)])
+def test_merged_jump_from_sigma_one_has_the_releases_std_with_the_grid_guard(m, issue_value):
+    """VisualGRPO flux_sampler.py _flow_grpo_step: std_dev_t = eta·√(σ/(1 − σ')), σ' = sigmas[1] where σ == 1, times
+    √(σ − sigmas[index + merge_step])."""
+    sig = _shift3_grid()
+    a = 0.7
+    release = a * math.sqrt(1 / (1 - float(sig[1]))) * math.sqrt(1 - float(sig[m]))
+    assert release == pytest.approx(issue_value, abs=5e-4)
+    x = torch.zeros(1, 4)
+    _, std = transition_moments(x, x, 1.0, float(sig[m]), kind="flow_sde", noise_level=a,
+                                sigma_one_next=float(sig[1]))
+    assert float(std) == pytest.approx(release, rel=1e-5)
+    _, ours = transition_moments(x, x, 1.0, float(sig[m]), kind="flow_sde", noise_level=a)  # guard: the jump's σ_next
+    assert float(ours) == pytest.approx(a, rel=1e-6)

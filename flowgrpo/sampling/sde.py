@@ -57,34 +57,37 @@ class SDEStepOutput:
     std: torch.Tensor
 
 
-# A kind maps (x, v, σ, σ_next, noise_level) -> (mean, std); σ, σ_next are (B, 1, …) float32 broadcastable to x.
-MomentsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], tuple]
+# A kind maps (x, v, σ, σ_next, noise_level, *, sigma_one_next) -> (mean, std); σ, σ_next, sigma_one_next are
+# (B, 1, …) float32 broadcastable to x (sigma_one_next: see transition_moments).
+MomentsFn = Callable[..., tuple]
 SDE_KINDS: Registry[MomentsFn] = Registry("SDE kind")
 
 
 @SDE_KINDS.register("ode")
-def _ode_moments(x, v, sigma, sigma_next, noise_level):
+def _ode_moments(x, v, sigma, sigma_next, noise_level, *, sigma_one_next=None):
     """Deterministic Euler step ``x + (σ_next − σ)·v``: diffusers' ``FlowMatchEulerDiscreteScheduler.step``."""
     return x + (sigma_next - sigma) * v, torch.zeros_like(sigma)
 
 
 @SDE_KINDS.register("flow_sde")
-def _flow_sde_moments(x, v, sigma, sigma_next, noise_level):
+def _flow_sde_moments(x, v, sigma, sigma_next, noise_level, *, sigma_one_next=None):
     """Flow-GRPO's reverse SDE, Euler–Maruyama (Liu et al., arXiv 2505.05470, eq. 9 and App. A).
 
     ``s = a·√(σ / (1 − σ))``, ``mean = x·(1 + s²·dt/(2σ)) + v·(1 + s²·(1 − σ)/(2σ))·dt``, ``std = s·√(−dt)``
-    with ``a = noise_level``. At σ = 1 the ratio is infinite; as in the reference code the denominator then
-    uses 1 − σ_next.
+    with ``a = noise_level``. At σ = 1 the ratio is infinite; the denominator then uses 1 − ``sigma_one_next``
+    (default σ_next; the reference code's ``sigma_max = sigmas[1]``, the grid's second σ, which is σ_next on a
+    one-step transition from σ = 1).
     """
     dt = sigma_next - sigma
-    denom = torch.where(sigma >= 1.0, 1.0 - sigma_next, 1.0 - sigma)
+    guard = sigma_next if sigma_one_next is None else sigma_one_next
+    denom = torch.where(sigma >= 1.0, 1.0 - guard, 1.0 - sigma)
     s = noise_level * torch.sqrt(sigma / denom)
     mean = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
     return mean, s * torch.sqrt(-dt)
 
 
 @SDE_KINDS.register("dance_sde")
-def _dance_sde_moments(x, v, sigma, sigma_next, noise_level):
+def _dance_sde_moments(x, v, sigma, sigma_next, noise_level, *, sigma_one_next=None):
     """DanceGRPO's SDE step (Xue et al., arXiv 2505.07818, Sec. 3 and its released sampler).
 
     ``std = η·√(σ − σ_next)``; ``x̂₀ = x − σ·v``; score ``= −(x − (1 − σ)·x̂₀)/σ²``;
@@ -98,7 +101,7 @@ def _dance_sde_moments(x, v, sigma, sigma_next, noise_level):
 
 
 @SDE_KINDS.register("cps")
-def _cps_moments(x, v, sigma, sigma_next, noise_level):
+def _cps_moments(x, v, sigma, sigma_next, noise_level, *, sigma_one_next=None):
     """Coefficients-Preserving Sampling (Wang & Yu, arXiv 2509.05952, eq. 8).
 
     ``std = σ_next·sin(a·π/2)``; ``x̂₀ = x − σ·v``, ``x̂₁ = x + (1 − σ)·v``;
@@ -130,8 +133,13 @@ def transition_moments(
     *,
     kind: str = "flow_sde",
     noise_level: float = 0.7,
+    sigma_one_next=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean (B, …) and std (B,) of the transition from σ to σ_next, float32.
+
+    ``sigma_one_next`` (float or (B,), optional): for ``flow_sde`` at σ = 1, the σ whose 1 − σ replaces the
+    infinite 1 − σ in s = a·√(σ/(1 − σ)). Default: this transition's σ_next. The releases use the grid's σ₁ (their
+    ``sigma_max = sigmas[1]``): the same on a one-step transition, a larger std on a merged jump from σ = 1.
 
     Raises:
         KeyError: ``kind`` is not a registered SDE kind (the message lists them).
@@ -147,7 +155,8 @@ def transition_moments(
             f"a transition needs 0 <= sigma_next < sigma <= 1, got sigma={s.flatten().tolist()}, "
             f"sigma_next={sn.flatten().tolist()}"
         )
-    mean, std = SDE_KINDS.get(kind)(x, v, s, sn, float(noise_level))
+    guard = None if sigma_one_next is None else _as_batch_sigma(sigma_one_next, b, x.ndim, x.device)
+    mean, std = SDE_KINDS.get(kind)(x, v, s, sn, float(noise_level), sigma_one_next=guard)
     return mean, torch.as_tensor(std, dtype=torch.float32, device=x.device).reshape(b)
 
 
@@ -279,6 +288,7 @@ def sde_step(
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     reduction: str = "mean",
     simplified_log_prob: bool = False,
+    sigma_one_next=None,
 ) -> SDEStepOutput:
     """Take (or score) one transition from σ to σ_next.
 
@@ -292,12 +302,14 @@ def sde_step(
         generator: one generator, or one per sample (as diffusers' ``randn_tensor``), for the sampled noise.
         reduction: ``mean`` (default) or ``sum`` of the log-density over latent dims.
         simplified_log_prob: the CPS reference code's ``−(x − mean)²`` surrogate (see :func:`gaussian_log_prob`).
+        sigma_one_next: ``flow_sde``'s σ = 1 guard (see :func:`transition_moments`).
 
     Returns:
         :class:`SDEStepOutput`. Where std = 0 (``ode``, or ``cps`` at σ_next = 0), ``next_latents`` is the mean
         and ``log_prob`` is 0.
     """
-    mean, std = transition_moments(latents, velocity, sigma, sigma_next, kind=kind, noise_level=noise_level)
+    mean, std = transition_moments(latents, velocity, sigma, sigma_next, kind=kind, noise_level=noise_level,
+                                   sigma_one_next=sigma_one_next)
     if next_latents is None:
         if bool(torch.any(std > 0)):
             noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
