@@ -104,6 +104,11 @@ class SamplingConfig(Section):
         False, description="CPS reference code's -(x-mean)^2 surrogate log-prob (needs a ~1e-5 clip range)"
     )
     same_noise_in_group: bool = Field(False, description="all G samples of a group start from one initial noise")
+    sigma_one_guard: Literal["grid", "next"] = Field(
+        "grid", description="flow_sde at sigma = 1, where s = a*sqrt(sigma/(1-sigma)) is infinite: 1-sigma uses the "
+        "grid's second sigma (grid: the releases' sigma_max = sigmas[1]) or the transition's sigma_next (next); "
+        "they differ only on a merged jump from sigma = 1 (E-GRPO)"
+    )
     final_decode: str = Field(
         "sample", description="latents decoded into the rewarded image: sample (the last SDE sample, Flow-GRPO) or "
         "x0_pred (x - sigma*v predicted at the last step, DanceGRPO/GCPO/MixGRPO/E-GRPO)"

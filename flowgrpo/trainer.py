@@ -251,15 +251,16 @@ class Trainer:
         sigma_next = traj.sigmas[ends.flatten()].to(dev)
         embeds = traj.embeds.index(rows.to(traj.embeds.device)).repeat_interleave(k)
         v = self.adapter.velocity(x, sigma, embeds, traj.guidance_scale)
+        guard = self.settings.guard(traj.sigmas)
         out = sde_step(x, v, sigma, sigma_next, kind=self.settings.sde_kind, noise_level=self.settings.noise_level,
                        next_latents=x_next, reduction=self.settings.logprob_reduction,
-                       simplified_log_prob=self.settings.cps_simplified_logprob)
+                       simplified_log_prob=self.settings.cps_simplified_logprob, sigma_one_next=guard)
         kl = None
         if with_ref:
             with torch.no_grad(), self.adapter.reference():
                 v_ref = self.adapter.velocity(x, sigma, embeds, traj.guidance_scale)
             ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=self.settings.sde_kind,
-                                             noise_level=self.settings.noise_level)
+                                             noise_level=self.settings.noise_level, sigma_one_next=guard)
             kl = kl_to_reference(out.mean, ref_mean, out.std, sigma, sigma_next, kind=self.settings.sde_kind,
                                  form=self.cfg.algo.kl_form).reshape(n, k)
         return ChunkForward(out.log_prob.reshape(n, k), kl, out.mean.reshape(n, k, *out.mean.shape[1:]),

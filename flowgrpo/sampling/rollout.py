@@ -49,6 +49,7 @@ class SamplerSettings:
         noise_level: a (flow_sde, cps) or η (dance_sde).
         logprob_reduction, cps_simplified_logprob: log-prob options of :func:`sde_step`.
         final_decode: a registered :data:`FINAL_DECODES` name: which latents of the last step are decoded.
+        sigma_one_guard: ``grid`` or ``next``, flow_sde's σ = 1 guard (see :meth:`guard`).
 
     The field names are those of :class:`~flowgrpo.config.SamplingConfig`; :meth:`from_config` builds one.
     """
@@ -60,6 +61,14 @@ class SamplerSettings:
     logprob_reduction: str = "mean"
     cps_simplified_logprob: bool = False
     final_decode: str = "sample"
+    sigma_one_guard: str = "grid"
+
+    def guard(self, sigmas: torch.Tensor) -> float | None:
+        """``sigma_one_next`` for :func:`~flowgrpo.sampling.sde.sde_step` on the grid ``sigmas`` (T+1,): its σ₁
+        (``grid``, the releases' ``sigmas[1]``) or None (``next``: each transition's own σ_next)."""
+        if self.sigma_one_guard not in ("grid", "next"):
+            raise ValueError(f"sigma_one_guard must be 'grid' or 'next', got {self.sigma_one_guard!r}")
+        return float(sigmas[1]) if self.sigma_one_guard == "grid" and len(sigmas) > 1 else None
 
     @classmethod
     def from_config(cls, sampling) -> SamplerSettings:
@@ -97,6 +106,7 @@ def denoise(
     all_x = [x] if record else None
     log_probs = torch.zeros(b, t_count)
     stochastic = torch.zeros(b, t_count, dtype=torch.bool)
+    guard = settings.guard(sigmas)
     for t in range(t_count):
         sigma = sigmas[t].expand(b).to(x.device)
         v = adapter.velocity(x, sigma, embeds, settings.guidance_scale)
@@ -105,7 +115,7 @@ def denoise(
         out = sde_step(
             x, v, sigmas[t].item(), sigmas[t + 1].item(), kind=kind, noise_level=settings.noise_level,
             generator=list(generators) if generators is not None else None, reduction=settings.logprob_reduction,
-            simplified_log_prob=settings.cps_simplified_logprob,
+            simplified_log_prob=settings.cps_simplified_logprob, sigma_one_next=guard,
         )
         x = out.next_latents
         log_probs[:, t] = out.log_prob.cpu()
