@@ -89,6 +89,8 @@ SdeKindName = registered_name("flowgrpo.sampling.sde:SDE_KINDS", "sampling.sde_k
 EstimatorName = registered_name("flowgrpo.algo.advantages:ESTIMATORS", "algo.advantage")
 PolicyLossName = registered_name("flowgrpo.algo.losses:POLICY_LOSSES", "algo.policy_loss")
 GroupFilterName = registered_name("flowgrpo.algo.filters:GROUP_FILTERS", "algo.group_filter.name")
+FinalDecodeName = registered_name("flowgrpo.sampling.rollout:FINAL_DECODES", "sampling.final_decode")
+KlFormName = registered_name("flowgrpo.sampling.sde:KL_FORMS", "algo.kl_form")
 SelectionName = registered_name("flowgrpo.algo.filters:SELECTIONS", "algo.group_filter.select")
 
 
@@ -109,7 +111,7 @@ class SamplingConfig(Section):
         "grid's second sigma (grid: the releases' sigma_max = sigmas[1]) or the transition's sigma_next (next); "
         "they differ only on a merged jump from sigma = 1 (E-GRPO)"
     )
-    final_decode: str = Field(
+    final_decode: FinalDecodeName = Field(
         "sample", description="latents decoded into the rewarded image: sample (the last SDE sample, Flow-GRPO) or "
         "x0_pred (x - sigma*v predicted at the last step, DanceGRPO/GCPO/MixGRPO/E-GRPO)"
     )
@@ -175,7 +177,7 @@ class AlgoConfig(Section):
         3.0, gt=1, description="dual_clip: lower bound c on the objective of negative-advantage pairs (paper: 3)"
     )
     group_filter: GroupFilterConfig = Field(default_factory=lambda: GroupFilterConfig())
-    kl_form: str = Field(
+    kl_form: KlFormName = Field(
         "flow_grpo", description="registered KL form: flow_grpo (Flow-GRPO's scripts: (mu-mu_ref)^2 / "
         "(2*std_dev_t^2), std_dev_t = a*sqrt(sigma/(1-sigma)), no dt) or gaussian (exact Gaussian KL with the "
         "transition std; 1/(sigma-sigma_next) times larger for flow_sde and dance_sde)"

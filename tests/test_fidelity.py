@@ -14,9 +14,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.config import load_config
-from flowgrpo.models.base import PromptEmbeds
-from flowgrpo.records import Rewards
-from flowgrpo.sampling.rollout import SamplerSettings, rollout
+from flowgrpo.records import PromptEmbeds, Rewards
+from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
 from flowgrpo.sampling.sde import kl_to_reference, transition_moments
 
 
@@ -103,8 +102,9 @@ def test_the_trainer_uses_the_configured_kl_form(tiny_flux):
 
     steps = 3
     settings = SamplerSettings(num_steps=steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
-    traj = rollout(tiny_flux, ["a red cube"] * 2, [{}] * 2, torch.tensor([0, 0]), torch.tensor([0, 1]),
-                   settings=settings, sde_steps=torch.ones(steps, dtype=torch.bool), batch_size=2, seed=0, epoch=0)
+    request = RolloutRequest(["a red cube"] * 2, [{}] * 2, torch.tensor([0, 0]), torch.tensor([0, 1]),
+                             settings=settings, batch_size=2, seed=0, epoch=0)
+    traj = rollout(tiny_flux, request, torch.ones(steps, dtype=torch.bool))
     ref_shift = torch.zeros(())
 
     class Ref:  # the "reference" adds a constant to the velocity, so the KL is known in closed form
@@ -156,8 +156,9 @@ class LinearAdapter:
 def _decode_rollout(final_decode: str, sde_steps: torch.Tensor, kind: str = "dance_sde"):
     settings = SamplerSettings(num_steps=len(sde_steps), guidance_scale=1.0, sde_kind=kind, noise_level=0.7,
                                final_decode=final_decode)
-    return rollout(LinearAdapter(), ["p"] * 2, [{}] * 2, torch.tensor([0, 0]), torch.tensor([0, 1]),
-                   settings=settings, sde_steps=sde_steps, batch_size=2, seed=3, epoch=0)
+    request = RolloutRequest(["p"] * 2, [{}] * 2, torch.tensor([0, 0]), torch.tensor([0, 1]), settings=settings,
+                             batch_size=2, seed=3, epoch=0)
+    return rollout(LinearAdapter(), request, sde_steps)
 
 
 @pytest.mark.parametrize("kind", ["dance_sde", "flow_sde"])
