@@ -167,7 +167,8 @@ def test_weighted_chunk_sampling_follows_mean_l1_one_chunk_each():
     # chunks [0,1] [2,3] [4,5] with mean L1_rel 0.1, 0.2, 0.5 → probabilities 1/8, 2/8, 5/8.
     b = 4000
     traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], b))
-    cfg = chunker_settings(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=1 / 3)
+    cfg = chunker_settings(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=1 / 3, chunk_selection="weighted",
+                           weight_reference="x_next_batch")
     plan = build_chunker(cfg).plan(traj, 0, _gen(1))
     assert plan.selected.sum(1).tolist() == [1] * b
     counts = plan.selected.sum(0).double()
@@ -183,7 +184,8 @@ def test_weighted_chunk_sampling_without_replacement():
     #   {0,1}: (2/64)/(7/8) + (2/64)/(6/8) = 2/56 + 2/48;  {0,2}: 5/56 + 5/24;  {1,2}: 10/48 + 10/24
     b = 4000
     traj = _traj(_latents_with_l1([0.1, 0.1, 0.2, 0.2, 0.5, 0.5], b))
-    cfg = chunker_settings(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=2 / 3)
+    cfg = chunker_settings(name="chunk", chunk_sizes=[2, 2, 2], chunk_fraction=2 / 3, chunk_selection="weighted",
+                           weight_reference="x_next_batch")
     plan = build_chunker(cfg).plan(traj, 0, _gen(2))
     assert plan.selected.sum(1).tolist() == [2] * b  # never the same chunk twice
     pair = {(0, 1): 0, (0, 2): 1, (1, 2): 2}
@@ -229,8 +231,9 @@ def test_trajectory_chunker_is_chunk_with_one_chunk(drop_last):
 
 
 def test_window_moves_on_schedule():
-    # T = 10, w = 4, stride 2, shift every 3 epochs: start = min(2·⌊epoch/3⌋, 10 − 4)
-    chunker = build_chunker(chunker_settings(name="window", window_size=4, window_stride=2, window_shift_every=3))
+    # T = 10, w = 4, stride 2, shift every 3 epochs, window_end stay: start = min(2·⌊epoch/3⌋, 10 − 4)
+    chunker = build_chunker(chunker_settings(name="window", window_size=4, window_stride=2, window_shift_every=3,
+                                             window_end="stay"))
     expected_start = {0: 0, 1: 0, 2: 0, 3: 2, 5: 2, 6: 4, 8: 4, 9: 6, 11: 6, 12: 6, 100: 6}
     for epoch, start in expected_start.items():
         mask = chunker.sde_steps(10, epoch)
@@ -263,14 +266,14 @@ def test_per_step_trains_every_step_by_default():
 
 
 def test_per_step_fraction_first():
-    # ⌈0.5·6⌉ = 3: the first three transitions for every sample
+    # int(0.5·6) = 3: the first three transitions for every sample (the releases' int(K·fraction))
     plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.5)).plan(_random_traj(t=6), 0, _gen())
     assert plan.selected.tolist() == [[True] * 3 + [False] * 3] * 3
-    # ⌈0.4·6⌉ = ⌈2.4⌉ = 3 as well; ⌈0.1·6⌉ = 1
+    # int(0.4·6) = int(2.4) = 2; int(0.1·6) = 0 trains nothing: an error naming the setting
     plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.4)).plan(_random_traj(t=6), 0, _gen())
-    assert plan.selected.sum(1).tolist() == [3, 3, 3]
-    plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.1)).plan(_random_traj(t=6), 0, _gen())
-    assert plan.selected.tolist() == [[True] + [False] * 5] * 3
+    assert plan.selected.sum(1).tolist() == [2, 2, 2]
+    with pytest.raises(ValueError, match="chunker.timestep_fraction=0.1 trains int"):
+        build_chunker(chunker_settings(name="per_step", timestep_fraction=0.1)).plan(_random_traj(t=6), 0, _gen())
 
 
 def test_per_step_fraction_random_is_a_uniform_subset_per_sample():
@@ -284,10 +287,14 @@ def test_per_step_fraction_random_is_a_uniform_subset_per_sample():
     assert chisquare(counts.numpy(), torch.full((t,), b / 2, dtype=torch.float64).numpy()).pvalue > 1e-3
 
 
-def test_per_step_fraction_count_is_the_exact_ceiling():
-    # The docstring promises ⌈fraction·K⌉; 0.28·25 = 7 exactly, but the float product is 7.000000000000001.
+def test_per_step_fraction_count_is_the_releases_int_of_the_float_product():
+    # int(0.28·25) = int(7.000000000000001) = 7; int(0.29·100) = int(28.999999999999996) = 28, as the releases count
     plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.28)).plan(_random_traj(t=25), 0, _gen())
     assert plan.selected.sum(1).tolist() == [7, 7, 7]
+    assert 0.29 * 100 < 29
+    plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.29)).plan(_random_traj(t=100), 0,
+                                                                                            _gen())
+    assert plan.selected.sum(1).tolist() == [28, 28, 28]
 
 
 def test_a_plan_without_stochastic_steps_is_an_error():

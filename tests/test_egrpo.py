@@ -54,8 +54,8 @@ class FakeAdapter:
 
 
 def _rollout(adapter, *, steps=(0, 1, 4), lengths=(1, 3, 1), num_prompts=2, group=3, num_steps=6, batch_size=4,
-             kind="flow_sde", seed=5, epoch=2):
-    cfg = chunker_settings(name="entropy_merge", merge_steps=list(steps), merge_lengths=list(lengths))
+             kind="flow_sde", seed=5, epoch=2, **chunker):
+    cfg = chunker_settings(name="entropy_merge", merge_steps=list(steps), merge_lengths=list(lengths), **chunker)
     chunker = build_chunker(cfg)
     pids = torch.tensor([10, 11, 12, 13][:num_prompts]).repeat_interleave(group)
     js = torch.arange(group).repeat(num_prompts)
@@ -238,11 +238,14 @@ def test_group_shares_anchor_bit_for_bit_and_differs_after():
                     assert not torch.isclose(traj.latents[i, t], traj.latents[group[0], t]).any()
 
 
-def test_transformer_calls_one_per_shared_prefix_step_per_prompt():
+@pytest.mark.parametrize("ode_after_jump", ["landing", "next_step"])
+def test_transformer_calls_one_per_shared_prefix_step_per_prompt(ode_after_jump):
     fake = FakeAdapter()
     plan = [(0, 1), (1, 3), (4, 1)]
     p, g, t_count = 2, 3, 6
-    _rollout(fake, num_prompts=p, group=g, batch_size=4)
+    _rollout(fake, num_prompts=p, group=g, batch_size=4, ode_after_jump=ode_after_jump)
+    # the ODE after a jump (s, m) starts at grid step s + m (landing) or s + 1 (next_step, the release)
+    ode_from = {(s, m): s + m if ode_after_jump == "landing" else s + 1 for s, m in plan}
     sig = fake.sigmas(t_count).tolist()
     rows = {}  # (prompt tag, step) -> rows evaluated
     for tags, sigmas in fake.calls:
@@ -254,10 +257,12 @@ def test_transformer_calls_one_per_shared_prefix_step_per_prompt():
         for t in range(t_count):
             # the anchor: one row per step up to the last branch step; each branch: G rows per ODE step after
             # its jump (the jump itself reuses the anchor's velocity)
-            expected = int(t <= s_max) + g * sum(1 for s, m in plan if s + m <= t)
+            expected = int(t <= s_max) + g * sum(1 for jump in plan if ode_from[jump] <= t)
             assert rows.get((tag, t), 0) == expected, (tag, t)
     total = sum(rows.values())
-    assert total == p * ((s_max + 1) + g * sum(t_count - s - m for s, m in plan))  # 58 rows for 18 samples
+    # landing: 58 rows for 18 samples; next_step: 2 more per sample of the (1, 3) jump, 70 rows
+    assert total == p * ((s_max + 1) + g * sum(t_count - ode_from[jump] for jump in plan))
+    assert total == {"landing": 58, "next_step": 70}[ode_after_jump]
     # calls are batched: no call holds more than batch_size rows
     assert max(len(tags) for tags, _ in fake.calls) <= 4
 

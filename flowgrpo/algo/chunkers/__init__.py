@@ -27,9 +27,10 @@ from flowgrpo.algo.chunkers.base import (
     chunker_settings,
     fraction_count,
     make_plan,
+    release_count,
     trainable_steps,
 )
-from flowgrpo.algo.chunkers.chunk import Chunk, ChunkConfig, adaptive_chunks, relative_l1
+from flowgrpo.algo.chunkers.chunk import Chunk, ChunkConfig, adaptive_chunks, chunk_weights, relative_l1
 from flowgrpo.algo.chunkers.entropy_merge import (
     EntropyMerge,
     EntropyMergeConfig,
@@ -43,8 +44,8 @@ from flowgrpo.algo.chunkers.window import SlidingWindow, WindowConfig
 
 __all__ = [
     "CHUNKERS", "BaseChunker", "Chunker", "ChunkerConfig", "DropLastConfig", "build_chunker",
-    "chunker_config_class", "chunker_settings", "fraction_count", "make_plan", "trainable_steps",
-    "Chunk", "ChunkConfig", "adaptive_chunks", "relative_l1",
+    "chunker_config_class", "chunker_settings", "fraction_count", "make_plan", "release_count", "trainable_steps",
+    "Chunk", "ChunkConfig", "adaptive_chunks", "chunk_weights", "relative_l1",
     "EntropyMerge", "EntropyMergeConfig", "jump_entropy", "merge_plan", "step_entropies",
     "PerStep", "PerStepConfig", "TrajectoryConfig", "WholeTrajectory", "SlidingWindow", "WindowConfig",
 ]

@@ -80,6 +80,22 @@ def fraction_count(fraction: float, k: int) -> int:
     return max(1, math.ceil(round(fraction * k, 9)))
 
 
+def release_count(fraction: float, k: int, key: str) -> int:
+    """``int(k·fraction)``: how the releases count the transitions or chunks they train, float product included
+    (int(0.29·100) = 28): Flow-GRPO ``int(num_steps * timestep_fraction)`` over all T steps (its 0.99 leaves
+    the last step out), DanceGRPO ``int(len(timesteps) * timestep_fraction)`` over its T − 1 trainable steps,
+    GCPO ``int(num_chunks * timestep_fraction)``. ``k`` is the number of trainable transitions (chunks).
+
+    Raises:
+        ValueError: the count is 0 while k > 0 (naming ``key``): nothing would be trained.
+    """
+    n = int(k * fraction)
+    if n < 1 and k > 0:
+        raise ValueError(f"{key}={fraction} trains int({k} * {fraction}) = 0 of the {k} trainable "
+                         f"{'chunks' if 'chunk' in key else 'transitions'}; raise it to at least {1 / k:.4g}")
+    return n
+
+
 def make_plan(chunks: list[tuple[int, ...]], selected: torch.Tensor) -> ChunkPlan:
     """A :class:`ChunkPlan`; raises ``ValueError`` when there is nothing to train."""
     if not chunks:

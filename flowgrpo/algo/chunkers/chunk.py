@@ -11,8 +11,8 @@ from flowgrpo.algo.chunkers.base import (
     CHUNKERS,
     BaseChunker,
     DropLastConfig,
-    fraction_count,
     make_plan,
+    release_count,
     trainable_steps,
 )
 from flowgrpo.records import ChunkPlan, Trajectory
@@ -27,8 +27,17 @@ class ChunkConfig(DropLastConfig):
     )
     min_chunk_size: int = Field(2, ge=1, description="adaptive chunks: the smallest chunk the recursion produces")
     chunk_fraction: float = Field(
-        1.0, gt=0, le=1, description="fraction of chunks trained per trajectory, drawn with probability "
-        "proportional to the chunk's mean L1_rel (weighted sampling, Sec. 4.3)"
+        1.0, gt=0, le=1, description="int(K*fraction) of the K chunks trained per trajectory (GCPO's "
+        "int(num_chunks * timestep_fraction))"
+    )
+    chunk_selection: Literal["uniform", "weighted"] = Field(
+        "uniform", description="which chunks a trajectory trains when chunk_fraction < 1: uniformly at random "
+        "(GCPO's script: randperm) or without replacement with probability proportional to the chunk's mean "
+        "L1_rel (--sample_weight, Sec. 4.3)"
+    )
+    weight_reference: Literal["x_t", "x_next_batch"] = Field(
+        "x_t", description="weighted selection's L1_rel(t): mean|x_{t+1}-x_t| / (mean|x_t| + 1e-8) per sample "
+        "(x_t, GCPO's code) or ||x_{t+1}-x_t||_1 / ||x_{t+1}||_1 averaged over the batch (x_next_batch)"
     )
 
 
@@ -49,6 +58,35 @@ def relative_l1(latents: torch.Tensor) -> torch.Tensor:
     num = (x[:, 1:] - x[:, :-1]).abs().sum(-1)
     den = x[:, 1:].abs().sum(-1).clamp(min=1e-12)
     return (num / den).mean(0)
+
+
+def chunk_weights(latents: torch.Tensor, steps: list[int], bounds: list[tuple[int, int]],
+                  reference: str = "x_t") -> torch.Tensor:
+    """Selection probabilities (B, K) float32 of each sample's K chunks for weighted chunk sampling.
+
+    GCPO (arXiv 2510.21583, Sec. 4.3; xingzhejun/GCPO ``train_grpo_flux_hpsv3.py``, ``--sample_weight``):
+    ``L1(t) = mean|x_{t+1} − x_t| / (mean|x_t| + 1e-8)`` per sample (``reference="x_t"``); a chunk's weight is
+    the mean of L1 over its transitions plus 1e-8; weights are normalised to sum 1 per sample. With
+    ``reference="x_next_batch"`` L1 is :func:`relative_l1` (‖x_{t+1} − x_t‖₁/‖x_{t+1}‖₁, batch mean), the same
+    for every sample.
+
+    Args:
+        latents: (B, T+1, …) trajectory latents.
+        steps: the trainable transitions (positions of the L1 curve); bounds: chunks as ``[lo, hi)`` into steps.
+
+    Raises:
+        ValueError: an unknown ``reference``.
+    """
+    x = latents.float().flatten(2)
+    if reference == "x_t":
+        l1 = (x[:, 1:] - x[:, :-1]).abs().mean(-1) / (x[:, :-1].abs().mean(-1) + 1e-8)  # (B, T)
+    elif reference == "x_next_batch":
+        l1 = relative_l1(latents).expand(x.shape[0], -1)
+    else:
+        raise ValueError(f"weight_reference must be 'x_t' or 'x_next_batch', got {reference!r}")
+    l1 = l1[:, steps]
+    w = torch.stack([l1[:, lo:hi].mean(1) for lo, hi in bounds], dim=1) + 1e-8  # (B, K)
+    return w / w.sum(1, keepdim=True)
 
 
 def adaptive_chunks(l1: torch.Tensor, min_size: int) -> list[tuple[int, int]]:
@@ -104,9 +142,10 @@ class Chunk(BaseChunker):
 
     Sizes are fixed (``chunk_sizes``, summing to the number of trainable transitions) or adaptive from the
     batch's L1_rel curve (:func:`adaptive_chunks`). With ``chunk_fraction`` < 1, each trajectory trains
-    ⌈fraction·K⌉ chunks drawn without replacement with probability ∝ the chunk's mean L1_rel (the paper's
-    weighted sampling, Sec. 4.3). A chunk's transitions go through the transformer as one batch, a different
-    layout from the rollout's, so old log-probs are recomputed first.
+    int(fraction·K) chunks (GCPO's count), chosen uniformly at random per trajectory (``chunk_selection:
+    uniform``, GCPO's script) or drawn without replacement with the probabilities of :func:`chunk_weights`
+    (``weighted``, the paper's Sec. 4.3). A chunk's transitions go through the transformer as one batch, a
+    different layout from the rollout's, so old log-probs are recomputed first.
     """
 
     Config = ChunkConfig
@@ -118,32 +157,35 @@ class Chunk(BaseChunker):
             trainable = num_steps - int(self.cfg.drop_last_step or sde_kind == "cps")
             _check_sizes(self.cfg.chunk_sizes, trainable, f"of {num_steps} steps (sde_kind {sde_kind!r}, "
                          f"drop_last_step {self.cfg.drop_last_step})")
+            release_count(self.cfg.chunk_fraction, len(self.cfg.chunk_sizes), "chunker.chunk_fraction")
 
-    def chunk_bounds(self, traj: Trajectory) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    def chunk_bounds(self, traj: Trajectory) -> tuple[list[tuple[int, ...]], list[int], list[tuple[int, int]]]:
+        """(chunks as tuples of transitions, the trainable transitions, chunks as ``[lo, hi)`` into them)."""
         steps = trainable_steps(traj, self.cfg.drop_last_step)
-        l1 = relative_l1(traj.latents)[steps]
         if self.cfg.chunk_sizes is not None:
             sizes = list(self.cfg.chunk_sizes)
             _check_sizes(sizes, len(steps), "(num_steps minus deterministic/dropped ones)")
             edges = [0, *torch.tensor(sizes).cumsum(0).tolist()]
             bounds = list(zip(edges[:-1], edges[1:], strict=True))
         else:
-            bounds = adaptive_chunks(l1, self.cfg.min_chunk_size)
-        chunks = [tuple(steps[i] for i in range(lo, hi)) for lo, hi in bounds]
-        weights = torch.stack([l1[lo:hi].mean() for lo, hi in bounds]).float()
-        return chunks, weights
+            bounds = adaptive_chunks(relative_l1(traj.latents)[steps], self.cfg.min_chunk_size)
+        return [tuple(steps[i] for i in range(lo, hi)) for lo, hi in bounds], steps, bounds
 
     def plan(self, traj: Trajectory, epoch: int, generator: torch.Generator) -> ChunkPlan:
-        chunks, weights = self.chunk_bounds(traj)
+        chunks, steps, bounds = self.chunk_bounds(traj)
         k = len(chunks)
         b = traj.batch_size
-        n = fraction_count(self.cfg.chunk_fraction, k)
+        n = release_count(self.cfg.chunk_fraction, k, "chunker.chunk_fraction")
         if n == k:
             return make_plan(chunks, torch.ones(b, k, dtype=torch.bool))
         selected = torch.zeros(b, k, dtype=torch.bool)
-        w = weights.clamp(min=1e-12)
-        for i in range(b):
-            selected[i, torch.multinomial(w, n, replacement=False, generator=generator)] = True
+        if self.cfg.chunk_selection == "uniform":
+            for i in range(b):
+                selected[i, torch.randperm(k, generator=generator)[:n]] = True
+        else:
+            w = chunk_weights(traj.latents, steps, bounds, self.cfg.weight_reference).cpu()
+            for i in range(b):
+                selected[i, torch.multinomial(w[i], n, replacement=False, generator=generator)] = True
         return make_plan(chunks, selected)
 
 

@@ -33,13 +33,15 @@ def _check_merge_kind(kind: str) -> None:
         )
 
 
-def jump_entropy(sigmas: torch.Tensor, start: int, length: int, *, kind: str, noise_level: float) -> float:
+def jump_entropy(sigmas: torch.Tensor, start: int, length: int, *, kind: str, noise_level: float,
+                 sigma_one_next: float | None = None) -> float:
     """Entropy per latent dimension of one SDE jump from ``sigmas[start]`` to ``sigmas[start + length]``.
 
     ``h = ½·log(2πe·std²)`` (:func:`~flowgrpo.sampling.sde.gaussian_entropy_per_dim`; E-GRPO, arXiv 2601.00423,
     Sec. 3.2, divided by the latent size D), where std is the transition std of ``kind`` with σ_next the grid
     value ``length`` steps on: a merged jump is the ordinary transition over a longer interval. The std of every
-    kind here depends on σ alone, not on the latents. float; −inf where std = 0.
+    kind here depends on σ alone, not on the latents. float; −inf where std = 0. ``sigma_one_next``: flow_sde's
+    σ = 1 guard (:func:`~flowgrpo.sampling.sde.transition_moments`), None for the jump's own σ_next.
 
     Raises:
         ValueError: ``start``/``length`` outside the grid (0 ≤ start, 1 ≤ length, start + length ≤ T).
@@ -51,7 +53,7 @@ def jump_entropy(sigmas: torch.Tensor, start: int, length: int, *, kind: str, no
                          f"got start={start}, length={length}")
     zero = torch.zeros(1, 1)
     _, std = transition_moments(zero, zero, float(sigmas[start]), float(sigmas[start + length]), kind=kind,
-                                noise_level=noise_level)
+                                noise_level=noise_level, sigma_one_next=sigma_one_next)
     return float(gaussian_entropy_per_dim(std)[0])
 
 
@@ -62,8 +64,8 @@ def step_entropies(sigmas: torch.Tensor, *, kind: str, noise_level: float) -> to
 
 
 def merge_plan(sigmas: torch.Tensor, *, kind: str, noise_level: float, tau: float | None = None,
-               limit: int | None = None, steps: list[int] | None = None,
-               lengths: list[int] | None = None) -> list[tuple[int, int]]:
+               limit: int | None = None, steps: list[int] | None = None, lengths: list[int] | None = None,
+               sigma_one_next: float | None = None) -> list[tuple[int, int]]:
     """E-GRPO's branch steps: a list of (step s, jump length m), s increasing, jumps not overlapping.
 
     Entropy rule (``tau`` set; E-GRPO, arXiv 2601.00423, Sec. 3.2–3.3, "merge consecutive low entropy steps to
@@ -83,6 +85,7 @@ def merge_plan(sigmas: torch.Tensor, *, kind: str, noise_level: float, tau: floa
         kind, noise_level: the SDE of the jumps (``flow_sde`` or ``dance_sde``).
         tau: entropy threshold per latent dimension.
         limit: jumps end at or before this grid index (1..T).
+        sigma_one_next: flow_sde's σ = 1 guard for the jumps' entropy (see :func:`jump_entropy`).
 
     Raises:
         ValueError: ``kind`` is ``cps`` or ``ode``; both or neither of ``tau`` and ``steps``; hand lists of
@@ -130,7 +133,7 @@ def _entropy_rule_plan(sigmas: torch.Tensor, kind: str, noise_level: float, tau:
     while s < limit:
         chosen = None
         for m in range(1, limit - s + 1):
-            h = jump_entropy(sigmas, s, m, kind=kind, noise_level=noise_level)
+            h = jump_entropy(sigmas, s, m, kind=kind, noise_level=noise_level, sigma_one_next=sigma_one_next)
             best = max(best, h)
             if h >= tau:
                 chosen = m
@@ -165,6 +168,11 @@ class EntropyMergeConfig(ChunkerConfig):
     )
     merge_lengths: list[int] | None = Field(
         None, description="grid steps each hand-set jump spans (eta_step_merge_list; default all 1)"
+    )
+    ode_after_jump: Literal["next_step", "landing"] = Field(
+        "next_step", description="after a merged jump from step s to sigma_{s+m}, the ODE runs on the grid from "
+        "step s+1 (next_step: the released sampler's _run_ode_sample, which treats the landed latent as if at "
+        "sigma_{s+1}) or from sigma_{s+m}, where the latent is (landing); the same for m = 1"
     )
 
     @model_validator(mode="after")
@@ -213,21 +221,24 @@ class EntropyMerge(BaseChunker):
     With several processes, choose P divisible by the process count so that no group is split: a prompt whose
     samples fall on two processes gets its anchor computed on each, equal only up to batching round-off.
 
-    Differences from the released code (shengjun-zhang/VisualGRPO): its multi-granularity rewards
-    (``granular_list``) are not implemented (one ODE continuation on the full grid); at σ = 1 the flow_sde std
-    uses this project's guard (denominator 1 − σ_next, so a jump from σ = 1 keeps std = a whatever m), where the
-    released code uses 1 − σ_grid[1].
+    Against the released code (shengjun-zhang/VisualGRPO): a merged jump from σ = 1 uses its guard 1 − σ_grid[1]
+    (``sampling.sigma_one_guard: grid``; ``next`` keeps std = a whatever m) and the ODE after a merged jump runs
+    from grid step s + 1 as its ``_run_ode_sample`` (``ode_after_jump: next_step``; ``landing`` continues from
+    σ_{s+m}; with ``next_step`` the record's latents after s + m are that continuation's last T − s − m states,
+    m − 1 more transformer calls per row). Its multi-granularity rewards (``granular_list``) are not implemented
+    (one ODE continuation on the full grid).
     """
 
     Config = EntropyMergeConfig
     needs_recompute = True
 
-    def branch_plan(self, sigmas: torch.Tensor, kind: str, noise_level: float) -> list[tuple[int, int]]:
+    def branch_plan(self, sigmas: torch.Tensor, kind: str, noise_level: float,
+                    sigma_one_next: float | None = None) -> list[tuple[int, int]]:
         """The epoch's (branch step, jump length) list for the σ grid and SDE (see :func:`merge_plan`)."""
         t_count = len(sigmas) - 1
         return merge_plan(sigmas, kind=kind, noise_level=noise_level, tau=self.cfg.entropy_threshold,
                           limit=fraction_count(self.cfg.sde_fraction, t_count), steps=self.cfg.merge_steps,
-                          lengths=self.cfg.merge_lengths)
+                          lengths=self.cfg.merge_lengths, sigma_one_next=sigma_one_next)
 
     def validate(self, num_steps: int, sde_kind: str) -> None:
         _check_merge_kind(sde_kind)
@@ -263,13 +274,13 @@ class EntropyMerge(BaseChunker):
         settings = request.settings
         _check_merge_kind(settings.sde_kind)
         sigmas = adapter.sigmas(settings.num_steps)
-        plan = self.branch_plan(sigmas, settings.sde_kind, settings.noise_level)
+        plan = self.branch_plan(sigmas, settings.sde_kind, settings.noise_level, settings.guard(sigmas))
         anchors = _Anchors.sample(adapter, request, sigmas, plan)
         rows = [(a, k, i) for a, p in enumerate(anchors.prompt_ids) for k in range(len(plan))
                 for i in anchors.members[p]]  # prompt → branch step → sample
-        rec = _branch(adapter, request, sigmas, plan, anchors, rows)
+        rec = _branch(adapter, request, sigmas, plan, anchors, rows, self.cfg.ode_after_jump)
         src = [i for _, _, i in rows]
-        images = decode_and_report(adapter, rec["latents"][:, -1], [request.prompts[i] for i in src],
+        images = decode_and_report(adapter, rec.pop("final"), [request.prompts[i] for i in src],
                                    [request.metadata[i] for i in src], request)
         pids = request.prompt_ids.tolist()
         row_pid = torch.tensor([pids[i] for i in src], dtype=torch.long)
@@ -349,13 +360,18 @@ class _Anchors:
         return cls(anchors, members, embeds, torch.cat(lat), {s: torch.cat(v) for s, v in vel.items()})
 
 
-def _branch(adapter, request: RolloutRequest, sigmas: torch.Tensor, plan, anchors: _Anchors, rows) -> dict:
+def _branch(adapter, request: RolloutRequest, sigmas: torch.Tensor, plan, anchors: _Anchors, rows,
+            ode_after_jump: str = "next_step") -> dict:
     """For each branch step (s, m): one SDE jump of every row of that step from its anchor latent x_s to
-    σ_grid[s + m], reusing the anchor's velocity, then ODE to σ = 0. Returns the record's per-row fields."""
+    σ_grid[s + m], reusing the anchor's velocity, then ODE to σ = 0 from grid step s + 1 (``next_step``) or
+    s + m (``landing``). Returns the record's per-row fields and ``final`` (B, …), the ODE's last latent, which
+    is decoded (with ``next_step`` and a merged jump ending at σ = 0 it is not in the record: position T holds
+    the jump's landing, which training scores)."""
     settings = request.settings
     t_count, dev = settings.num_steps, adapter.device
     b = len(rows)
     latents = torch.empty(b, t_count + 1, *anchors.latents.shape[2:], dtype=torch.float32, device=dev)
+    final = torch.empty(b, *anchors.latents.shape[2:], dtype=torch.float32, device=dev)
     log_probs = torch.zeros(b, t_count)
     stochastic = torch.zeros(b, t_count, dtype=torch.bool)
     jump = torch.ones(b, t_count, dtype=torch.long)
@@ -363,6 +379,7 @@ def _branch(adapter, request: RolloutRequest, sigmas: torch.Tensor, plan, anchor
     row_embeds = anchors.embeds.index(row_anchor.to(dev))
     pids, js = request.prompt_ids.tolist(), request.sample_index.tolist()
     no_sde = torch.zeros(t_count, dtype=torch.bool)
+    guard = settings.guard(sigmas)
     for k, (s, m) in enumerate(tqdm(plan, desc="branches", disable=not request.progress, leave=False)):
         idx_k = [r for r in range(b) if rows[r][1] == k]
         for start in range(0, len(idx_k), request.batch_size):
@@ -373,15 +390,17 @@ def _branch(adapter, request: RolloutRequest, sigmas: torch.Tensor, plan, anchor
             out = sde_step(anchors.latents[a_idx, s], anchors.velocity[s][a_idx], sigmas[s].item(),
                            sigmas[s + m].item(), kind=settings.sde_kind, noise_level=settings.noise_level,
                            generator=gens, reduction=settings.logprob_reduction,
-                           simplified_log_prob=settings.cps_simplified_logprob)
-            rest, _, _ = denoise(adapter, out.next_latents, row_embeds.index(i_dev), sigmas[s + m :], settings,
-                                 no_sde[s + m :], None)  # (n_b, T−s−m+1, …)
+                           simplified_log_prob=settings.cps_simplified_logprob, sigma_one_next=guard)
+            start = s + 1 if ode_after_jump == "next_step" else s + m
+            rest, _, _ = denoise(adapter, out.next_latents, row_embeds.index(i_dev), sigmas[start:], settings,
+                                 no_sde[start:], None)  # (n_b, T−start+1, …), rest[:, 0] the landed latent
             latents[i_dev, : s + 1] = anchors.latents[a_idx, : s + 1]
             latents[i_dev, s + 1 : s + m + 1] = out.next_latents.unsqueeze(1)
-            latents[i_dev, s + m :] = rest
+            latents[i_dev, s + m + 1 :] = rest[:, s + m + 1 - start :]
+            final[i_dev] = rest[:, -1]
             log_probs[idx, s] = out.log_prob.cpu()
             stochastic[idx, s] = (out.std > 0).cpu()
             jump[idx, s] = m
             jump[idx, s + 1 : s + m] = 0
     return {"latents": latents, "log_probs": log_probs, "stochastic": stochastic, "jump": jump,
-            "embeds": row_embeds}
+            "embeds": row_embeds, "final": final}

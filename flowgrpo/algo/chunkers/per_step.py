@@ -11,8 +11,8 @@ from flowgrpo.algo.chunkers.base import (
     CHUNKERS,
     BaseChunker,
     DropLastConfig,
-    fraction_count,
     make_plan,
+    release_count,
     trainable_steps,
 )
 from flowgrpo.records import ChunkPlan, Trajectory
@@ -23,8 +23,9 @@ class PerStepConfig(DropLastConfig):
 
     name: Literal["per_step"] = "per_step"
     timestep_fraction: float = Field(
-        1.0, gt=0, le=1, description="fraction of the stochastic steps trained per sample (Flow-GRPO "
-        "config.train.timestep_fraction; DanceGRPO --timestep_fraction)"
+        1.0, gt=0, le=1, description="int(K*fraction) of the K trainable steps are trained per sample, as the "
+        "releases count: Flow-GRPO config.train.timestep_fraction over all T steps (0.99 of 10 trains 9), "
+        "DanceGRPO --timestep_fraction over T-1 (set drop_last_step)"
     )
     step_selection: Literal["first", "random"] = Field(
         "first", description="train the first steps of the fraction (Flow-GRPO) or a random subset per sample "
@@ -36,12 +37,19 @@ class PerStepConfig(DropLastConfig):
 class PerStep(BaseChunker):
     """Every stochastic transition is its own chunk (Flow-GRPO, arXiv 2505.05470, eq. 7; DanceGRPO).
 
-    ``timestep_fraction`` < 1 trains ⌈fraction·K⌉ of the K stochastic transitions per sample: the first ones
-    (``step_selection='first'``, Flow-GRPO's default) or a uniformly random subset per sample (``'random'``,
-    DanceGRPO's ``timestep_fraction``).
+    ``timestep_fraction`` < 1 trains int(K·fraction) of the K trainable transitions per sample (the releases'
+    count, :func:`~flowgrpo.algo.chunkers.base.release_count`): the first ones (``step_selection='first'``,
+    Flow-GRPO: K = T, so 0.99 of T = 10 trains steps 0–8) or a uniformly random subset per sample
+    (``'random'``, DanceGRPO: its samples drop the last transition, so ``drop_last_step: true`` and
+    K = T − 1).
     """
 
     Config = PerStepConfig
+
+    def validate(self, num_steps: int, sde_kind: str) -> None:
+        # cps never makes its last transition stochastic; drop_last_step leaves it out too
+        trainable = num_steps - int(self.cfg.drop_last_step or sde_kind == "cps")
+        release_count(self.cfg.timestep_fraction, trainable, "chunker.timestep_fraction")
 
     @property
     def needs_recompute(self) -> bool:  # a random subset per sample forwards fewer rows than the rollout did
@@ -50,7 +58,7 @@ class PerStep(BaseChunker):
     def plan(self, traj: Trajectory, epoch: int, generator: torch.Generator) -> ChunkPlan:
         steps = trainable_steps(traj, self.cfg.drop_last_step)
         k = len(steps)
-        n = fraction_count(self.cfg.timestep_fraction, k)
+        n = release_count(self.cfg.timestep_fraction, k, "chunker.timestep_fraction")
         b = traj.batch_size
         selected = torch.zeros(b, k, dtype=torch.bool)
         if self.cfg.step_selection == "first":
