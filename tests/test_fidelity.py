@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from flowgrpo.config import load_config
 from flowgrpo.records import PromptEmbeds, Rewards
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
 from flowgrpo.sampling.sde import kl_to_reference, transition_moments
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _sd35_sigmas(num_steps: int = 10) -> torch.Tensor:
@@ -299,3 +302,212 @@ def test_merged_jump_from_sigma_one_has_the_releases_std_with_the_grid_guard(m, 
     assert float(std) == pytest.approx(release, rel=1e-5)
     _, ours = transition_moments(x, x, 1.0, float(sig[m]), kind="flow_sde", noise_level=a)  # guard: the jump's σ_next
     assert float(ours) == pytest.approx(a, rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ chunkers
+def _traj(latents: torch.Tensor, sigmas: torch.Tensor | None = None, stochastic: torch.Tensor | None = None):
+    from flowgrpo.records import Trajectory
+
+    b, t = latents.shape[0], latents.shape[1] - 1
+    stochastic = torch.ones(b, t, dtype=torch.bool) if stochastic is None else stochastic.expand(b, t).clone()
+    return Trajectory(
+        latents=latents, log_probs=torch.zeros(b, t), stochastic=stochastic,
+        sigmas=torch.linspace(1, 0, t + 1) if sigmas is None else sigmas, jump=torch.ones(b, t, dtype=torch.long),
+        group_ids=torch.arange(b), prompt_ids=torch.arange(b), embeds=PromptEmbeds({"e": torch.zeros(b, 1)}),
+        images=torch.zeros(b, 3, 2, 2), prompts=[""] * b, metadata=[{}] * b, guidance_scale=1.0,
+    )
+
+
+def _plan(cfg, traj, epoch: int = 0, seed: int = 0, **settings):
+    """The plan of chunker settings ``cfg`` (a settings object, or a name with ``settings``)."""
+    from flowgrpo.algo.chunkers import build_chunker, chunker_settings
+
+    cfg = chunker_settings(cfg, **settings) if isinstance(cfg, str) else cfg
+    return build_chunker(cfg).plan(traj, epoch, torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------------ 3. fractions
+def test_a_flow_grpo_port_trains_nine_steps_with_the_releases_kl():
+    """Flow-GRPO's geneval_sd3 (timestep_fraction 0.99, beta 0.04, T = 10): train_sd3.py trains steps
+    range(int(10 * 0.99)) = 0..8 with kl = mean((mu - mu_ref)^2) / (2 std_dev_t^2)."""
+    cfg = load_config(REPO / "configs" / "sd35_grpo.yaml")
+    assert (cfg.chunker.timestep_fraction, cfg.sampling.num_steps, cfg.algo.kl_beta) == (0.99, 10, 0.04)
+    sigmas = _sd35_sigmas(10)
+    traj = _traj(torch.randn(2, 11, 4, generator=torch.Generator().manual_seed(0)), sigmas)
+    plan = _plan(cfg.chunker, traj)
+    release_steps = list(range(int(cfg.sampling.num_steps * 0.99)))
+    trained = [plan.chunks[k][0] for k in range(plan.num_chunks) if bool(plan.selected[:, k].all())]
+    assert trained == release_steps == list(range(9))
+    assert not plan.selected[:, 9:].any()
+    for t in trained:  # and each trained step's KL has the release's magnitude
+        s, sn = float(sigmas[t]), float(sigmas[t + 1])
+        mean, ref_mean, std = _means(t, s, sn, "flow_sde", cfg.sampling.noise_level)
+        ours = kl_to_reference(mean, ref_mean, std, s, sn, kind="flow_sde", form=cfg.algo.kl_form)
+        torch.testing.assert_close(ours.double(), _release_flow_grpo_kl(mean, ref_mean, s, sigmas, 0.7), rtol=1e-5,
+                                   atol=0)
+
+
+def test_dancegrpo_count_is_int_of_t_minus_one_times_the_fraction_random_per_sample():
+    """DanceGRPO train_grpo_flux.py: samples drop the last transition ([:, :-1]), each sample's steps are permuted
+    (randperm) and the first int(len(timesteps) * timestep_fraction) are trained."""
+    t_count, fraction = 16, 0.6
+    traj = _traj(torch.randn(400, t_count + 1, 2, generator=torch.Generator().manual_seed(1)))
+    plan = _plan("per_step", traj, timestep_fraction=fraction, step_selection="random", drop_last_step=True)
+    n = int((t_count - 1) * fraction)
+    assert n == 9 and plan.num_chunks == t_count - 1
+    assert plan.selected.sum(1).tolist() == [n] * 400
+    assert len({tuple(r.tolist()) for r in plan.selected}) > 300  # a new subset per sample
+    freq = plan.selected.double().mean(0)  # each of the 15 steps with probability 9/15
+    assert float((freq - n / (t_count - 1)).abs().max()) < 0.1
+
+
+# ------------------------------------------------------------------------------------------------ 7. GCPO
+def _release_gcpo_weights(latents: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """GCPO train_grpo_flux_hpsv3.py (--sample_weight normalized): on the trained steps ([:, :-1]),
+    l1 = |next - latents|.mean(latent dims) / (|latents|.mean(latent dims) + 1e-8); split by chunk sizes; chunk
+    mean + 1e-8; F.normalize(p=1) per sample."""
+    lat, nxt = latents[:, :-1][:, :-1], latents[:, 1:][:, :-1]
+    dims = tuple(range(2, latents.ndim))
+    l1 = (nxt - lat).abs().mean(dim=dims) / (lat.abs().mean(dim=dims) + 1e-8)
+    w = torch.cat([c.mean(dim=1, keepdim=True) for c in torch.split(l1, sizes, dim=1)], dim=1) + 1e-8
+    return torch.nn.functional.normalize(w, p=1, dim=1)
+
+
+def test_gcpo_chunk_weights_are_the_releases_per_sample_x_t_weights():
+    from flowgrpo.algo.chunkers import chunk_weights
+
+    sizes = [2, 3, 4, 7]
+    latents = torch.randn(5, 18, 6, 4, generator=torch.Generator().manual_seed(2)).cumsum(1)
+    steps = list(range(16))
+    edges = [0, 2, 5, 9, 16]
+    ours = chunk_weights(latents, steps, list(zip(edges[:-1], edges[1:], strict=True)), "x_t")
+    torch.testing.assert_close(ours, _release_gcpo_weights(latents, sizes), rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(ours[0], ours[1])  # per sample, not one curve for the batch
+
+
+def test_gcpo_script_trains_two_uniformly_chosen_chunks_per_sample():
+    """finetune_hpsv3_chunk.sh: --timestep_fraction 0.5 over 4 chunks → int(4 * 0.5) = 2 per sample, from
+    randperm(4) (uniform, --sample_weight off)."""
+    cfg = load_config(REPO / "configs" / "flux_chunk.yaml")
+    b = 3000
+    traj = _traj(torch.randn(b, 18, 2, generator=torch.Generator().manual_seed(3)))
+    plan = _plan(cfg.chunker, traj, seed=4)
+    assert plan.chunks == (tuple(range(0, 2)), tuple(range(2, 5)), tuple(range(5, 9)), tuple(range(9, 16)))
+    assert plan.selected.sum(1).tolist() == [int(4 * 0.5)] * b
+    pairs = torch.tensor([[int(a), int(c)] for a, c in (r.nonzero().flatten().tolist() for r in plan.selected)])
+    counts = torch.bincount(pairs[:, 0] * 4 + pairs[:, 1], minlength=16).double()
+    observed = counts[[1, 2, 3, 6, 7, 11]]  # the 6 unordered pairs, each 1/6 under uniform choice
+    assert float((observed / b - 1 / 6).abs().max()) < 0.03
+
+
+# ------------------------------------------------------------------------------------------------ 8. MixGRPO
+def _release_mixgrpo_windows(num_steps: int, iterations: int, size=4, overlap_step=1, every=25) -> list[list[int]]:
+    """MixGRPO grpo_states.py GRPOTrainingStates (progressive, prog_overlap, roll_back), max_timesteps = T − 2:
+    each iteration takes get_current_timesteps() = range(cur, min(cur + size, max)), then update_iteration()."""
+    max_t, cur, it_in_group, out = num_steps - 2, 0, 0, []
+    for _ in range(iterations):
+        out.append(list(range(cur, min(cur + size, max_t))))
+        it_in_group += 1
+        if it_in_group >= every:
+            it_in_group = 0
+            cur += overlap_step
+        if cur > max_t:
+            cur, it_in_group = 0, 0
+    return out
+
+
+def test_mixgrpo_window_follows_the_release_until_its_empty_window():
+    from flowgrpo.algo.chunkers import build_chunker
+
+    cfg = load_config(REPO / "configs" / "flux_mix.yaml")
+    chunker = build_chunker(cfg.chunker)
+    t_count = cfg.sampling.num_steps
+    release = _release_mixgrpo_windows(t_count, 1300)
+    assert release[500] == [20, 21, 22]  # the issue's figure
+    ours = [chunker.sde_steps(t_count, e).nonzero().flatten().tolist() for e in range(1300)]
+    first_empty = release.index([])
+    assert first_empty == 23 * 25
+    assert ours[:first_empty] == release[:first_empty]
+    # the release trains nothing for 25 iterations at start T − 2, then rolls back; ours rolls back at once
+    assert ours[first_empty : first_empty + 25] == release[first_empty + 25 : first_empty + 50] == [[0, 1, 2, 3]] * 25
+    stay = build_chunker(cfg.chunker.model_copy(update={"window_end": "stay"}))
+    assert stay.sde_steps(t_count, 500).nonzero().flatten().tolist() == [20, 21, 22, 23]
+
+
+# ------------------------------------------------------------------------------------------------ 6. E-GRPO
+class TanhAdapter(LinearAdapter):
+    """v = tanh(x)·(1 + σ): nonlinear, so an ODE run from the wrong σ gives a different latent."""
+
+    def velocity(self, latents, sigma, embeds, guidance_scale):
+        return torch.tanh(latents) * (1 + sigma.view(-1, 1, 1, 1))
+
+
+def _egrpo(adapter, ode_after_jump: str, guard: str, steps=(0, 3), lengths=(3, 2), t_count=8):
+    from flowgrpo.algo.chunkers import build_chunker, chunker_settings
+
+    chunker = build_chunker(chunker_settings("entropy_merge", merge_steps=list(steps), merge_lengths=list(lengths),
+                                             ode_after_jump=ode_after_jump))
+    settings = SamplerSettings(num_steps=t_count, guidance_scale=1.0, sde_kind="flow_sde", noise_level=0.7,
+                               sigma_one_guard=guard)
+    request = RolloutRequest(["p"] * 2, [{}] * 2, torch.tensor([0, 0]), torch.tensor([0, 1]), settings=settings,
+                             batch_size=2, seed=1, epoch=0)
+    return chunker.rollout(adapter, request)
+
+
+def test_egrpo_jump_from_sigma_one_has_the_releases_mean_and_std():
+    """flux_sampler.py _flow_grpo_step with merge_step m from index 0: std_dev_t = eta·√(1/(1 − sigmas[1])),
+    mean = x(1 + s²dt/2) + v·dt (σ = 1), sample std s·√(−dt), dt = sigmas[m] − 1; log-prob mean over dims."""
+    adapter = TanhAdapter()
+    traj = _egrpo(adapter, "next_step", "grid")
+    sig = traj.sigmas.double()
+    for row in range(2):  # the two rows of branch step 0 (jump of 3 grid steps from σ = 1)
+        assert int(traj.jump[row, 0]) == 3 and bool(traj.stochastic[row, 0])
+        x = traj.latents[row, 0].double()
+        v = torch.tanh(x) * 2.0
+        s = 0.7 * math.sqrt(1 / (1 - float(sig[1])))
+        dt = float(sig[3]) - 1.0
+        mean = x * (1 + s**2 * dt / 2) + v * dt
+        std = s * math.sqrt(-dt)
+        expected = torch.distributions.Normal(mean, std).log_prob(traj.latents[row, 3].double()).mean()
+        assert float(traj.log_probs[row, 0]) == pytest.approx(float(expected), rel=1e-5)
+    ours = _egrpo(adapter, "next_step", "next")  # the jump's own σ_next: std = a
+    assert not torch.allclose(ours.log_probs[:2, 0], traj.log_probs[:2, 0])
+
+
+def test_egrpo_ode_after_a_merged_jump_runs_from_the_next_grid_step_as_the_release():
+    """flux_sampler.py _run_ode_sample(input = the jump's output, start_step = s): for i in s+1 .. T−1,
+    x ← x + (σ_{i+1} − σ_i)·v(x, σ_i); its last x̂₀ is decoded (the last step is to σ = 0, so x̂₀ = x)."""
+    adapter = TanhAdapter()
+    t_count = 8
+    traj = _egrpo(adapter, "next_step", "grid", t_count=t_count)
+    sig = traj.sigmas.double()
+
+    def ode(x, start):
+        for i in range(start, t_count):
+            x = x + (sig[i + 1] - sig[i]) * torch.tanh(x) * (1 + sig[i])
+        return x
+
+    for row, (s, m) in [(0, (0, 3)), (2, (3, 2))]:
+        landed = traj.latents[row, s + m].double()
+        torch.testing.assert_close(traj.images[row].double(), ode(landed, s + 1), rtol=1e-5, atol=1e-5)
+        assert float((traj.images[row].double() - ode(landed, s + m)).abs().max()) > 1e-3
+    landing = _egrpo(adapter, "landing", "grid", t_count=t_count)
+    for row, (s, m) in [(0, (0, 3)), (2, (3, 2))]:
+        torch.testing.assert_close(landing.images[row].double(), ode(landing.latents[row, s + m].double(), s + m),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("guard", ["grid", "next"])
+def test_egrpo_training_scores_a_merged_jump_from_sigma_one_with_the_rollouts_guard(guard):
+    from types import SimpleNamespace
+
+    from flowgrpo.trainer import Trainer
+
+    adapter = TanhAdapter()
+    traj = _egrpo(adapter, "next_step", guard)
+    settings = SamplerSettings(num_steps=8, guidance_scale=1.0, sde_kind="flow_sde", noise_level=0.7,
+                               sigma_one_guard=guard)
+    trainer = SimpleNamespace(adapter=adapter, settings=settings)
+    with torch.no_grad():
+        lp, _ = Trainer.chunk_forward(trainer, traj, torch.arange(2), (0,), with_ref=False)
+    torch.testing.assert_close(lp[:, 0], traj.log_probs[:2, 0], rtol=1e-6, atol=1e-6)

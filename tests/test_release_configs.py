@@ -34,6 +34,8 @@ RELEASES: dict[str, dict[str, object]] = {
         "train.optimizer_steps_per_epoch": 2, "train.inner_epochs": 1,
         "train.lr": 3e-4, "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,
         "train.max_grad_norm": 1.0, "train.ema_decay": 0.9, "train.seed": 42,
+        "chunker.name": "per_step", "chunker.timestep_fraction": 0.99, "chunker.drop_last_step": False,
+        "chunker.step_selection": "first", "sampling.sigma_one_guard": "grid",
     },
     # yifan123/flow_grpo: config/grpo.py geneval_sd3, config/base.py, scripts/train_sd3.py
     "sd35_grpo": {
@@ -50,6 +52,8 @@ RELEASES: dict[str, dict[str, object]] = {
         "train.optimizer_steps_per_epoch": 2, "train.inner_epochs": 1,
         "train.lr": 3e-4, "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,
         "train.max_grad_norm": 1.0, "train.ema_decay": 0.9, "train.seed": 42,
+        "chunker.name": "per_step", "chunker.timestep_fraction": 0.99, "chunker.drop_last_step": False,
+        "chunker.step_selection": "first",
     },
     # xingzhejun/GCPO: scripts/finetune/finetune_hpsv3_chunk.sh, fastvideo/train_grpo_flux_hpsv3.py
     "flux_chunk": {
@@ -63,7 +67,8 @@ RELEASES: dict[str, dict[str, object]] = {
         "train.group_size": 12, "batch_size": 16 * 12, "train.optimizer_steps_per_epoch": 2,
         "train.lr": 1e-5, "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,
         "train.max_grad_norm": 0.01, "train.warmup_steps": 0, "train.seed": 42, "train.num_epochs": 151,
-        "chunker.chunk_sizes": [2, 3, 4, 7], "chunker.drop_last_step": True,
+        "chunker.name": "chunk", "chunker.chunk_sizes": [2, 3, 4, 7], "chunker.drop_last_step": True,
+        "chunker.chunk_fraction": 0.5, "chunker.chunk_selection": "uniform",
     },
     # Tencent-Hunyuan/MixGRPO: scripts/finetune/finetune_flux_grpo_MixGRPO.sh, fastvideo/train_grpo_flux.py
     "flux_mix": {
@@ -79,7 +84,7 @@ RELEASES: dict[str, dict[str, object]] = {
         "train.lr": 1e-5, "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,
         "train.max_grad_norm": 1.0, "train.warmup_steps": 0, "train.seed": 714, "train.num_epochs": 300,
         "chunker.name": "window", "chunker.window_size": 4, "chunker.window_stride": 1,
-        "chunker.window_shift_every": 25,
+        "chunker.window_shift_every": 25, "chunker.window_end": "roll_back",
     },
     # shengjun-zhang/VisualGRPO: fastvideo/config/config.yaml, algorithm/grpo_merge.yaml,
     # workers/sampler/flux_sampler.py, workers/rollout_buffer.py, scripts/finetune/finetune_g2rpo_hps_merge.sh
@@ -93,6 +98,7 @@ RELEASES: dict[str, dict[str, object]] = {
         "algo.clip_range": 1e-4, "algo.kl_beta": 0.0,
         "train.group_size": 12, "train.lr": 2e-6, "train.weight_decay": 1e-4, "train.max_grad_norm": 1.0,
         "train.warmup_steps": 0, "train.seed": 42, "chunker.name": "entropy_merge",
+        "chunker.ode_after_jump": "next_step", "sampling.sigma_one_guard": "grid",
     },
 }
 
