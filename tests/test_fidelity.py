@@ -124,7 +124,7 @@ def test_the_trainer_uses_the_configured_kl_form(tiny_flux):
         cfg = SimpleNamespace(algo=SimpleNamespace(kl_form=form))
         trainer = SimpleNamespace(adapter=adapter, settings=settings, cfg=cfg)
         with torch.no_grad():
-            _, kl = Trainer.chunk_forward(trainer, traj, torch.arange(2), (1,), with_ref=True)
+            kl = Trainer.chunk_forward(trainer, traj, torch.arange(2), (1,), with_ref=True).kl
         s, sn = float(traj.sigmas[1]), float(traj.sigmas[2])
         std_dev_t = 0.7 * math.sqrt(s / (1 - s))
         # μ depends on v through v·(1 + std_dev_t²·(1 − σ)/(2σ))·dt, so Δμ = 0.1·that coefficient everywhere
@@ -509,5 +509,5 @@ def test_egrpo_training_scores_a_merged_jump_from_sigma_one_with_the_rollouts_gu
                                sigma_one_guard=guard)
     trainer = SimpleNamespace(adapter=adapter, settings=settings)
     with torch.no_grad():
-        lp, _ = Trainer.chunk_forward(trainer, traj, torch.arange(2), (0,), with_ref=False)
+        lp = Trainer.chunk_forward(trainer, traj, torch.arange(2), (0,), with_ref=False).log_probs
     torch.testing.assert_close(lp[:, 0], traj.log_probs[:2, 0], rtol=1e-6, atol=1e-6)
