@@ -103,7 +103,7 @@ def merge_plan(sigmas: torch.Tensor, *, kind: str, noise_level: float, tau: floa
     limit = t_count if limit is None else int(limit)
     if not 1 <= limit <= t_count:
         raise ValueError(f"the entropy_merge window must cover 1..T={t_count} steps, got {limit}")
-    return _entropy_rule_plan(sigmas, kind, noise_level, tau, limit)
+    return _entropy_rule_plan(sigmas, kind, noise_level, tau, limit, sigma_one_next)
 
 
 def _hand_plan(steps: list[int], lengths: list[int], t_count: int) -> list[tuple[int, int]]:
@@ -123,8 +123,8 @@ def _hand_plan(steps: list[int], lengths: list[int], t_count: int) -> list[tuple
     return plan
 
 
-def _entropy_rule_plan(sigmas: torch.Tensor, kind: str, noise_level: float, tau: float,
-                       limit: int) -> list[tuple[int, int]]:
+def _entropy_rule_plan(sigmas: torch.Tensor, kind: str, noise_level: float, tau: float, limit: int,
+                       sigma_one_next: float | None = None) -> list[tuple[int, int]]:
     """E-GRPO's walk over the grid (see :func:`merge_plan`): the smallest jump from each free step whose entropy
     reaches ``tau`` within ``limit`` steps."""
     plan: list[tuple[int, int]] = []
