@@ -21,7 +21,8 @@ Shared definitions, for a pair with advantage A and per-step log-ratios Δ_t = l
     r = exp(mean_{t∈chunk} Δ_t)              (Chunk-GRPO, arXiv 2510.21583, eq. 6; one step: the PPO ratio)
     loss = L(r, A) + β·mean_t KL_t           (Flow-GRPO, arXiv 2505.05470, eq. 11)
 
-where ``KL_t`` is :func:`~flowgrpo.sampling.sde.kl_between_means` to the reference. The registered ``L``:
+where ``KL_t`` is :func:`~flowgrpo.sampling.sde.kl_to_reference` (``algo.kl_form``) to the reference. The
+registered ``L``:
 
 * ``clipped`` (default): ``max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))`` (PPO, Schulman et al. 2017,
   arXiv 1707.06347, eq. 7; Flow-GRPO eq. 7; asymmetric ε: DAPO, arXiv 2503.14476, eq. 10).
