@@ -276,20 +276,10 @@ def kl_to_reference(
     return kl_between_means(mean, ref_mean, d)
 
 
-def sde_step(
-    latents: torch.Tensor,
-    velocity: torch.Tensor,
-    sigma,
-    sigma_next,
-    *,
-    kind: str = "flow_sde",
-    noise_level: float = 0.7,
-    next_latents: torch.Tensor | None = None,
-    generator: torch.Generator | Sequence[torch.Generator] | None = None,
-    reduction: str = "mean",
-    simplified_log_prob: bool = False,
-    sigma_one_next=None,
-) -> SDEStepOutput:
+def sde_step(latents: torch.Tensor, velocity: torch.Tensor, sigma, sigma_next, *, kind: str = "flow_sde",
+             noise_level: float = 0.7, next_latents: torch.Tensor | None = None,
+             generator: torch.Generator | Sequence[torch.Generator] | None = None, reduction: str = "mean",
+             simplified_log_prob: bool = False, sigma_one_next=None) -> SDEStepOutput:
     """Take (or score) one transition from σ to σ_next.
 
     Args:

@@ -7,14 +7,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from flowgrpo.algo.chunkers.base import (
-    CHUNKERS,
-    BaseChunker,
-    DropLastConfig,
-    make_plan,
-    release_count,
-    trainable_steps,
-)
+from flowgrpo.algo.chunkers.base import CHUNKERS, BaseChunker, DropLastConfig, make_plan, release_count, trainable_steps
 from flowgrpo.records import ChunkPlan, Trajectory
 
 
