@@ -358,6 +358,46 @@ def _train_transformer(transformer, x0: torch.Tensor, labels: torch.Tensor, embe
     return float(loss.item())
 
 
+def _checked_sizes(**sizes: int) -> dict[str, int]:
+    """``sizes`` when every step count is an integer ≥ 0 and every batch size ≥ 1, else ``ValueError``."""
+    for name, v in sizes.items():
+        low = 1 if "batch" in name else 0
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an integer ≥ {low}, got {v!r}")
+    return sizes
+
+
+def _random_pipeline(seed: int):
+    """The untrained digits FluxPipeline: frozen random text encoders, a VAE and a transformer, seeded in order."""
+    from diffusers import FluxPipeline
+
+    from flowgrpo.models.tiny import build_text_encoders
+
+    clip_tok, clip, t5_tok, t5 = build_text_encoders(_prompt_words(), t5_max_length=MAX_SEQUENCE_LENGTH, seed=seed)
+    torch.manual_seed(seed + 1)
+    vae = build_vae()
+    torch.manual_seed(seed + 2)
+    transformer = build_transformer()
+    return FluxPipeline(scheduler=build_scheduler(), vae=vae, text_encoder=clip, tokenizer=clip_tok,
+                        text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer)
+
+
+def _prompt_embeddings(pipe) -> dict[str, torch.Tensor]:
+    """The embeddings of every (digit, phrasing) prompt, as the transformer's pretraining batches take them."""
+    from diffusers import FluxPipeline
+
+    prompts = [digit_prompt(d, p) for d in range(10) for p in range(len(PHRASINGS))]
+    with torch.no_grad():
+        pe, pooled, text_ids = pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    n_phr = len(PHRASINGS)
+    return {
+        "prompt_embeds": pe.reshape(10, n_phr, *pe.shape[1:]),  # (10, n_phr, L, 32)
+        "pooled_prompt_embeds": pooled.reshape(10, n_phr, -1),  # (10, n_phr, 32)
+        "text_ids": text_ids,  # (L, 3)
+        "img_ids": FluxPipeline._prepare_latent_image_ids(1, IMAGE_SIZE // 8, IMAGE_SIZE // 8, "cpu", torch.float32),
+    }
+
+
 def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_STEPS,
              steps: int = TRANSFORMER_STEPS, batch_size: int = BATCH_SIZE, vae_batch_size: int = VAE_BATCH_SIZE,
              progress: bool = True) -> Path:
@@ -373,13 +413,7 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
     """
     from diffusers import FluxPipeline
 
-    from flowgrpo.models.tiny import build_text_encoders
-
-    sizes = {"vae_steps": vae_steps, "steps": steps, "batch_size": batch_size, "vae_batch_size": vae_batch_size}
-    for name, v in sizes.items():
-        low = 1 if "batch" in name else 0
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"{name} must be an integer ≥ {low}, got {v!r}")
+    sizes = _checked_sizes(vae_steps=vae_steps, steps=steps, batch_size=batch_size, vae_batch_size=vae_batch_size)
     out = Path(out_dir)
     t_start = time.perf_counter()
 
@@ -389,23 +423,9 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
     labels_t = torch.from_numpy(labels)
 
     # 2. frozen text encoders and the 10 × len(PHRASINGS) prompt embeddings
-    clip_tok, clip, t5_tok, t5 = build_text_encoders(_prompt_words(), t5_max_length=MAX_SEQUENCE_LENGTH, seed=seed)
-    torch.manual_seed(seed + 1)
-    vae = build_vae()
-    torch.manual_seed(seed + 2)
-    transformer = build_transformer()
-    pipe = FluxPipeline(scheduler=build_scheduler(), vae=vae, text_encoder=clip, tokenizer=clip_tok,
-                        text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer)
-    prompts = [digit_prompt(d, p) for d in range(10) for p in range(len(PHRASINGS))]
-    with torch.no_grad():
-        pe, pooled, text_ids = pipe.encode_prompt(prompts, prompt_2=None, max_sequence_length=MAX_SEQUENCE_LENGTH)
-    n_phr = len(PHRASINGS)
-    embeds = {
-        "prompt_embeds": pe.reshape(10, n_phr, *pe.shape[1:]),  # (10, n_phr, L, 32)
-        "pooled_prompt_embeds": pooled.reshape(10, n_phr, -1),  # (10, n_phr, 32)
-        "text_ids": text_ids,  # (L, 3)
-        "img_ids": FluxPipeline._prepare_latent_image_ids(1, IMAGE_SIZE // 8, IMAGE_SIZE // 8, "cpu", torch.float32),
-    }
+    pipe = _random_pipeline(seed)
+    vae, transformer = pipe.vae, pipe.transformer
+    embeds = _prompt_embeddings(pipe)
 
     # 3. the VAE, then latent statistics → scaling/shift factors
     t0 = time.perf_counter()
@@ -432,10 +452,9 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
     # 5. save; the marker last
     pipe.save_pretrained(out)
     info = {
-        "recipe": f"flowgrpo digits v{RECIPE_VERSION}", "seed": seed, "vae_steps": vae_steps, "steps": steps,
-        "batch_size": batch_size, "vae_batch_size": vae_batch_size, "height": IMAGE_SIZE, "width": IMAGE_SIZE,
-        "max_sequence_length": MAX_SEQUENCE_LENGTH, "num_inference_steps": 8, "guidance_scale": None,
-        "final_vae_loss": vae_loss, "final_transformer_loss": tr_loss,
+        "recipe": f"flowgrpo digits v{RECIPE_VERSION}", "seed": seed, **sizes, "height": IMAGE_SIZE,
+        "width": IMAGE_SIZE, "max_sequence_length": MAX_SEQUENCE_LENGTH, "num_inference_steps": 8,
+        "guidance_scale": None, "final_vae_loss": vae_loss, "final_transformer_loss": tr_loss,
     }
     (out / MARKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
     logger.info("digits pipeline saved to %s (%.1f s in all)", out, time.perf_counter() - t_start)
