@@ -45,7 +45,8 @@ class Reward(Protocol):
 
 
 class BaseReward:
-    """Optional convenience base: a no-op :meth:`setup` and input validation shared by the built-ins."""
+    """Optional convenience base: a no-op :meth:`setup` and the shared input check (:func:`check_reward_inputs`)
+    before :meth:`score`, so a subclass only ever sees (B, 3, H, W) float images in [0, 1]."""
 
     name: str = "reward"
 
@@ -53,7 +54,7 @@ class BaseReward:
         self.device = torch.device(device)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        check_reward_inputs(images, prompts, metadata)
+        check_reward_inputs(images, prompts, metadata, self.name)
         return self.score(images, prompts, metadata)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
@@ -79,7 +80,7 @@ def score_groups(reward, images: torch.Tensor, prompts: list[str], metadata: lis
     Raises:
         ValueError: the lengths differ, a group mixes prompts, or the reward returns other than (G,) scores.
     """
-    check_reward_inputs(images, prompts, metadata)
+    check_reward_inputs(images, prompts, metadata, getattr(reward, "name", "reward"))
     if group_ids.shape != (images.shape[0],):
         raise ValueError(f"group_ids has shape {tuple(group_ids.shape)}, expected ({images.shape[0]},)")
     out = torch.full((images.shape[0],), float("nan"))
@@ -98,12 +99,35 @@ def score_groups(reward, images: torch.Tensor, prompts: list[str], metadata: lis
     return out
 
 
-def check_reward_inputs(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> None:
-    """Raise ``ValueError`` unless ``images`` is (B, 3, H, W) and ``prompts``/``metadata`` have length B."""
+def check_reward_inputs(
+    images: torch.Tensor, prompts: list[str], metadata: list[dict], name: str = "reward"
+) -> None:
+    """The input contract every reward shares: raise ``ValueError`` naming the reward ``name`` unless
+
+    * ``images`` is a (B, 3, H, W) tensor of a floating dtype (float32, float16, bfloat16, float64): 8-bit
+      (``uint8``) or integer images are refused, since a reward that rescales them silently sees other pixels
+      than the official scorer;
+    * every value is in [0, 1] (NaN is out of range): values in [0, 255] or [-1, 1] are refused, not rescaled;
+    * ``prompts`` and ``metadata`` have length B.
+
+    The range check reads the tensor's min and max (one device synchronisation per call).
+    """
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
         shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"reward images must be a (B, 3, H, W) tensor in [0, 1], got {shape}")
+        raise ValueError(f"{name}: images must be a (B, 3, H, W) float tensor in [0, 1], got {shape}")
+    if not images.is_floating_point():
+        raise ValueError(
+            f"{name}: images must be a float tensor with values in [0, 1], got dtype {images.dtype}; convert 8-bit "
+            "images with images.float() / 255"
+        )
+    if images.numel():
+        low, high = torch.aminmax(images.detach())
+        if not (bool(low >= 0) and bool(high <= 1)):  # False for NaN as well
+            raise ValueError(
+                f"{name}: image values must lie in [0, 1], got min {float(low):.6g}, max {float(high):.6g} "
+                "(NaN counts as out of range); map [-1, 1] decoder output with (x + 1) / 2 and clamp"
+            )
     if len(prompts) != images.shape[0] or len(metadata) != images.shape[0]:
         raise ValueError(
-            f"reward got {images.shape[0]} images but {len(prompts)} prompts and {len(metadata)} metadata dicts"
+            f"{name}: got {images.shape[0]} images but {len(prompts)} prompts and {len(metadata)} metadata dicts"
         )

@@ -10,18 +10,29 @@
 
 Preprocessing and the reference implementations
 -----------------------------------------------
-The reference scorers convert generated images to 8-bit PIL images and resize them with PIL's bicubic filter
-(transformers' ``CLIPImageProcessor``, open_clip's ``image_transform``, HPSv2's ``preprocess_val``, the openai
-``clip`` package). Here the resize is ``torch.nn.functional.interpolate(..., antialias=True)``, whose bicubic
-kernel (a = -0.5, support widened when downsampling) is PIL's. Measured on this project's machines, a
-512x512 smooth image resized to 224x224 differs from PIL's result by at most 1/255 (PIL rounds to 8 bits;
-we keep floats), and by up to about 4/255 on pure pixel noise. Results are clamped to [0, 1] after the
-resize, as PIL clamps to [0, 255]. Images already at the model's size are not resampled at all, so for them
-the two paths agree exactly (up to the 8-bit quantisation the reference applies).
-Center crops use the floor offset ``(H - h) // 2`` of transformers' ``center_crop``; torchvision's
-``CenterCrop`` (openai ``clip``, open_clip ``shortest`` mode) rounds half to even, a one-pixel shift when the
-margin is odd. Square generated images resized to a square model input are never cropped, so this only
-matters for non-square images.
+Two kinds of reference pipeline exist, and :class:`ImagePreprocess` reproduces each one's arithmetic:
+
+* **8-bit PIL pipelines** (transformers' ``CLIPImageProcessor``: PickScore, openai CLIP score, aesthetic;
+  open_clip's ``image_transform``: DFN5B): the generated image is saved as an 8-bit PIL image and resized
+  with PIL's bicubic filter, which clamps to [0, 255]. Here the resize is
+  ``torch.nn.functional.interpolate(..., antialias=True)`` on the float tensor, whose bicubic kernel
+  (a = -0.5, support widened when downsampling) is PIL's, then a clamp to [0, 1] (``clamp_after_resize``).
+  PIL resizes in two separable passes through an 8-bit intermediate; this path keeps floats, so the two
+  differ after a resize: measured at most about 3/255 on smooth images, and up to 16/255 on sharp edges and
+  20/255 on pixel noise (256 -> 224); the score tables of ``docs/rewards.md`` give the effect per reward.
+  Images already at the model's size are not resampled at all, so there the paths agree up to the 8-bit
+  quantisation the reference applies (exactly, for images on the 8-bit grid).
+* **float-tensor pipelines** (HPSv2's ``preprocess_val``: ``ToTensor`` first, then a bicubic resize of the
+  float tensor; Flow-GRPO's CLIP score: torchvision ``Resize`` on the float tensor): the resize is the same
+  torch call and nothing is clamped (``clamp_after_resize=False``), so bicubic overshoot below 0 and above 1
+  is kept as the reference keeps it; these agree to float rounding.
+
+Center crops: transformers' ``center_crop`` takes the floor offset ``(H - h) // 2``; torchvision's
+``CenterCrop`` (openai ``clip``, open_clip's ``shortest`` mode, Flow-GRPO's CLIP score) takes
+``int(round((H - h) / 2))`` with Python's round-half-to-even, which is one pixel further only when the margin
+``H - h`` is 3 mod 4 (``(H - h) / 2`` = k + 0.5 with k odd): 1216x832 and 1344x704 resized to a 224 short edge
+have margins 103 and 203. ``crop_offset`` picks the rule. Square images resized to a square input are never
+cropped.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 RESIZE_MODES = ("shortest", "longest", "squash")
 INTERPOLATIONS = ("bicubic", "bilinear")
+CROP_OFFSETS = ("floor", "round")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -145,12 +157,18 @@ class ImagePreprocess:
               ``int(shortest_edge * long / short)``), then center-crop ``size``. transformers'
               ``CLIPImageProcessor``, openai ``clip``, open_clip's default.
             * ``"longest"``: resize so the image fits in ``size`` keeping its aspect ratio (each edge becomes
-              ``round(edge / max(H / h, W / w))``), then pad the rest with ``fill``, centered. HPSv2's
-              ``preprocess_val`` (``ResizeMaxSize``), open_clip's ``resize_mode="longest"``.
+              ``round(edge * min(h / H, w / W))``, HPSv2's ``ResizeMaxSize`` rounding), then pad the rest with
+              ``fill``, centered. HPSv2's ``preprocess_val``. (open_clip's own ``resize_mode="longest"``
+              computes ``round(edge / max(H / h, W / w))``, which differs on .5 ties such as 768 x 420.)
             * ``"squash"``: resize to exactly ``size``, ignoring the aspect ratio. DFN5B's open_clip config.
         interpolation: ``"bicubic"`` or ``"bilinear"``; always antialiased.
         shortest_edge: target of the shortest edge in ``"shortest"`` mode (defaults to ``min(size)``).
         fill: pad value in [0, 1] pixel space (before normalisation) for ``"longest"`` mode.
+        crop_offset: ``"floor"`` (transformers' ``center_crop``: ``(H - h) // 2``) or ``"round"``
+            (torchvision's ``CenterCrop``: ``int(round((H - h) / 2))``, half to even).
+        clamp_after_resize: clamp the resized image to [0, 1], as a reference that resizes 8-bit PIL images
+            does; ``False`` for references that resize the float tensor (HPSv2, Flow-GRPO's CLIP score) and
+            keep the bicubic overshoot.
     """
 
     size: tuple[int, int]
@@ -160,6 +178,8 @@ class ImagePreprocess:
     interpolation: str = "bicubic"
     shortest_edge: int | None = None
     fill: float = 0.0
+    crop_offset: str = "floor"
+    clamp_after_resize: bool = True
 
     def __post_init__(self) -> None:
         size = (self.size, self.size) if isinstance(self.size, int) else tuple(int(s) for s in self.size)
@@ -168,6 +188,8 @@ class ImagePreprocess:
         object.__setattr__(self, "size", size)
         if self.resize_mode not in RESIZE_MODES:
             raise ValueError(f"resize_mode {self.resize_mode!r} is not one of {RESIZE_MODES}")
+        if self.crop_offset not in CROP_OFFSETS:
+            raise ValueError(f"crop_offset {self.crop_offset!r} is not one of {CROP_OFFSETS}")
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation {self.interpolation!r} is not one of {INTERPOLATIONS}")
         for name in ("mean", "std"):
@@ -184,8 +206,10 @@ class ImagePreprocess:
         if self.resize_mode == "squash":
             return target_h, target_w
         if self.resize_mode == "longest":
-            ratio = max(height / target_h, width / target_w)
-            return round(height / ratio), round(width / ratio)
+            # HPSv2's ResizeMaxSize: scale = size / max(H, W), each edge round(edge * scale); min() of the two
+            # correctly rounded quotients is that scale exactly for a square target
+            scale = min(target_h / height, target_w / width)
+            return round(height * scale), round(width * scale)
         edge = self.shortest_edge or min(self.size)
         if height <= width:
             return edge, int(edge * width / height)
@@ -201,24 +225,31 @@ class ImagePreprocess:
         new_h, new_w = self.resized_size(height, width)
         if (new_h, new_w) != (height, width):
             x = F.interpolate(x, size=(new_h, new_w), mode=self.interpolation, antialias=True, align_corners=False)
-            x = x.clamp(0.0, 1.0)  # bicubic overshoots; PIL clamps to the 8-bit range
-        x = center_crop_or_pad(x, self.size, self.fill)
+            if self.clamp_after_resize:  # bicubic overshoots; PIL clamps to the 8-bit range, a float tensor not
+                x = x.clamp(0.0, 1.0)
+        x = center_crop_or_pad(x, self.size, self.fill, self.crop_offset)
         mean = torch.tensor(self.mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
         std = torch.tensor(self.std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
         return (x - mean) / std
 
 
-def center_crop_or_pad(x: torch.Tensor, size: tuple[int, int], fill: float = 0.0) -> torch.Tensor:
+def center_crop_or_pad(
+    x: torch.Tensor, size: tuple[int, int], fill: float = 0.0, offset: str = "floor"
+) -> torch.Tensor:
     """Pad ``x`` (..., H, W) with ``fill`` up to ``size``, centered (extra pixel right/bottom), then crop the
-    center ``size`` with floor offsets. Padding as open_clip's ``center_crop_or_pad`` / HPSv2's
-    ``ResizeMaxSize``; crop offsets as transformers' ``center_crop``."""
+    center ``size``. Padding as open_clip's ``center_crop_or_pad`` / HPSv2's ``ResizeMaxSize`` / torchvision's
+    ``CenterCrop``. Crop offsets: ``offset="floor"`` takes ``(H - h) // 2`` (transformers' ``center_crop``),
+    ``offset="round"`` takes ``int(round((H - h) / 2))``, half to even (torchvision's ``CenterCrop``)."""
     target_h, target_w = size
     height, width = x.shape[-2:]
     pad_h, pad_w = max(target_h - height, 0), max(target_w - width, 0)
     if pad_h or pad_w:
         x = F.pad(x, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=fill)
         height, width = x.shape[-2:]
-    top, left = (height - target_h) // 2, (width - target_w) // 2
+    if offset == "round":
+        top, left = int(round((height - target_h) / 2.0)), int(round((width - target_w) / 2.0))
+    else:
+        top, left = (height - target_h) // 2, (width - target_w) // 2
     return x[..., top : top + target_h, left : left + target_w]
 
 
@@ -417,6 +448,7 @@ def load_open_clip(
         "resize_mode": cfg.get("resize_mode", "shortest"),
         "interpolation": "bilinear" if cfg.get("interpolation") == "bilinear" else "bicubic",
         "fill": float(cfg.get("fill_color", 0)) / 255.0,
+        "crop_offset": "round",  # open_clip's image_transform crops with torchvision's CenterCrop
     }
     fields.update(preprocess_overrides or {})
     return OpenClip(model=model, tokenizer=tokenizer, preprocess=ImagePreprocess(**fields))

@@ -29,6 +29,7 @@ import logging
 import numpy as np
 import torch
 
+from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import BaseReward
 
 logger = logging.getLogger(__name__)
@@ -102,8 +103,7 @@ def ocr_text_reward(recognized: str, target: str) -> float:
 def images_to_bgr_uint8(images: torch.Tensor) -> list[np.ndarray]:
     """(B, 3, H, W) float in [0, 1] (RGB) -> B contiguous (H, W, 3) uint8 BGR arrays (OpenCV's order, which
     RapidOCR assumes for arrays). Rounds to the nearest level, as Flow-GRPO's ``(x * 255).round()``."""
-    u8 = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-    return [np.ascontiguousarray(img.permute(1, 2, 0).numpy()[:, :, ::-1]) for img in u8]
+    return [np.ascontiguousarray(img[:, :, ::-1]) for img in to_uint8(images)]
 
 
 class OcrReward(BaseReward):
