@@ -24,6 +24,9 @@ heavy state is loaded in :meth:`Reward.setup`, which the trainer calls once with
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -131,3 +134,71 @@ def check_reward_inputs(
         raise ValueError(
             f"{name}: got {images.shape[0]} images but {len(prompts)} prompts and {len(metadata)} metadata dicts"
         )
+
+
+class MissingWeightsError(OSError):
+    """A reward's weights are not on this machine and cannot be downloaded (offline, or no such hub repo).
+
+    The message is one line: which reward, what is missing, the ``hf download`` command that fetches it, and the
+    reward's config key that takes the local path instead. The training script prints it without a traceback.
+    ``reward`` and ``key`` hold the reward's name and that keyword argument.
+    """
+
+    def __init__(self, message: str, reward: str = "", key: str = "") -> None:
+        super().__init__(message)
+        self.reward, self.key = reward, key
+
+
+def is_local_path(spec: str) -> bool:
+    """True for an existing path or anything shaped like a path (``./x``, ``/x``, ``~/x``, ``a/b/c``, ``x.pt``);
+    False for a hub repo id ``name`` or ``owner/name``."""
+    if Path(spec).expanduser().exists():
+        return True
+    return spec.startswith((".", "/", "~", "\\")) or spec.count("/") > 1 or "\\" in spec or spec.endswith(
+        (".pt", ".pth", ".bin", ".safetensors", ".json"))
+
+
+@contextlib.contextmanager
+def hub_weights(reward: str, key: str, repo: str, files: Sequence[str] = (), local_hint: str = "DIR") -> Iterator[None]:
+    """Turn a failed hub download inside the block into a one-line :class:`MissingWeightsError`.
+
+    Args:
+        reward: the reward's name (``hpsv2``).
+        key: the reward's keyword argument (config ``rewards[i].kwargs.<key>``) that takes a local path.
+        repo: the hub repo id the block downloads from; nothing is converted when it is a local path
+            (:func:`is_local_path`): errors about local files keep their own message.
+        files: the files to download (empty: the whole repo).
+        local_hint: what to set ``key`` to once downloaded (``DIR`` or ``DIR/<file>``).
+
+    Raises:
+        MissingWeightsError: the block raised ``OSError`` (what the hub client and transformers raise offline,
+            for unknown repos and missing files), or an error caused by one (open_clip wraps it in a
+            ``RuntimeError``), and ``repo`` is a hub id.
+    """
+    try:
+        yield
+    except MissingWeightsError:
+        raise
+    except Exception as err:
+        if is_local_path(repo) or not _caused_by_os_error(err):
+            raise
+        cause = " ".join(str(err).split())
+        cause = cause if len(cause) <= 160 else cause[:157] + "..."
+        command = " ".join(["hf download", repo, *files, "--local-dir DIR"])
+        raise MissingWeightsError(
+            f"reward {reward!r}: cannot get {', '.join(files) or 'the weights'} from the Hugging Face hub repo "
+            f"{repo!r} ({type(err).__name__}: {cause}). On a machine with network run `{command}`, copy DIR here "
+            f"and set `{key}: {local_hint}` in this reward's kwargs (rewards[].kwargs.{key}).",
+            reward, key,
+        ) from err
+
+
+def _caused_by_os_error(err: BaseException) -> bool:
+    """True when ``err`` or an exception in its ``__cause__`` / ``__context__`` chain is an ``OSError``."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False

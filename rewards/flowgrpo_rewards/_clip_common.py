@@ -37,6 +37,7 @@ cropped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -46,6 +47,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from flowgrpo.rewards.base import hub_weights, is_local_path
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +85,7 @@ def check_positive_int(value: Any, name: str) -> int:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _looks_like_local_path(spec: str) -> bool:
-    """A hub repo id is ``name`` or ``org/name``; anything else (``./x``, ``/x``, ``~/x``, ``a/b/c``) is a path."""
-    return spec.startswith((".", "/", "~", "\\")) or spec.count("/") > 1 or "\\" in spec
-
-
-def resolve_file(spec: str, filename: str, what: str) -> str:
+def resolve_file(spec: str, filename: str, what: str, *, reward: str = "reward", key: str = "checkpoint") -> str:
     """Find one checkpoint file given a local file, a local folder or a Hugging Face hub repo id.
 
     Args:
@@ -95,13 +93,16 @@ def resolve_file(spec: str, filename: str, what: str) -> str:
             which ``filename`` is downloaded with ``huggingface_hub.hf_hub_download`` (cached).
         filename: the file's name inside a folder or hub repo.
         what: words for error messages (``"HPSv2 checkpoint"``).
+        reward, key: the reward's name and the keyword argument that takes ``spec``, for the
+            :class:`~flowgrpo.rewards.base.MissingWeightsError` message.
 
     Returns:
         The local path of the file.
 
     Raises:
         FileNotFoundError: ``spec`` is a local path that does not exist, or a folder without ``filename``.
-        OSError: the hub download failed (offline, unknown repo); the message says to pass a local path.
+        MissingWeightsError: the hub download failed (offline, unknown repo); one line with the ``hf download``
+            command and the config key that takes the local path.
     """
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"{what}: expected a local path or a hub repo id, got {spec!r}")
@@ -114,17 +115,17 @@ def resolve_file(spec: str, filename: str, what: str) -> str:
             return str(candidate)
         present = sorted(p.name for p in path.iterdir())[:20]
         raise FileNotFoundError(f"{what}: folder {path} has no file {filename!r} (it holds {present})")
-    if _looks_like_local_path(spec):
+    if is_local_path(spec):
         raise FileNotFoundError(f"{what}: no file or folder at {spec!r}")
-    try:
-        from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download
 
-        return hf_hub_download(repo_id=spec, filename=filename)
-    except Exception as err:  # offline, unknown repo, missing file: say what to do instead
-        raise OSError(
-            f"{what}: could not get {filename!r} from the Hugging Face hub repo {spec!r} ({err}). "
-            "Download it once and pass its local path instead."
-        ) from err
+    with hub_weights(reward, key, spec, [filename]):
+        try:
+            return hf_hub_download(repo_id=spec, filename=filename)
+        except OSError:
+            raise
+        except Exception as err:  # e.g. an invalid repo id (ValueError): also "cannot get it from the hub"
+            raise OSError(f"{what}: {err}") from err
 
 
 def open_clip_model_name(spec: str) -> str:
@@ -134,7 +135,7 @@ def open_clip_model_name(spec: str) -> str:
     path = Path(spec).expanduser()
     if path.is_dir():
         return f"local-dir:{path}"
-    if _looks_like_local_path(spec):
+    if is_local_path(spec):
         raise FileNotFoundError(f"open_clip model folder {spec!r} does not exist")
     return f"hf-hub:{spec}"
 
@@ -353,6 +354,8 @@ def load_hf_clip(
     architecture: dict | None,
     device: torch.device,
     dtype: torch.dtype,
+    reward: str = "reward",
+    keys: tuple[str, str] = ("checkpoint", "processor"),
 ) -> HFClip:
     """Load a transformers ``CLIPModel`` folder (hub id or local path) and the tokenizer + image processor
     of ``processor_spec``.
@@ -360,17 +363,21 @@ def load_hf_clip(
     Args:
         architecture: a ``transformers.CLIPConfig`` dict that replaces the checkpoint's ``config.json``
             (``None``: use the checkpoint's own). The weights must fit it.
+        reward, keys: the reward's name and its keyword arguments for ``model_spec`` and ``processor_spec``
+            (named by the error when a hub download fails).
 
     Raises:
         RuntimeError: a weight of the architecture is missing from the checkpoint or has another shape.
-        OSError: the checkpoint or processor cannot be found or downloaded.
+        MissingWeightsError: a hub id that cannot be downloaded (offline, unknown repo).
+        OSError: a local checkpoint or processor folder that is incomplete.
     """
     from transformers import AutoTokenizer, CLIPConfig, CLIPModel
 
     kwargs = {}
     if architecture is not None:
         kwargs["config"] = CLIPConfig(**architecture)
-    model, info = CLIPModel.from_pretrained(model_spec, output_loading_info=True, **kwargs)
+    with hub_weights(reward, keys[0], model_spec):
+        model, info = CLIPModel.from_pretrained(model_spec, output_loading_info=True, **kwargs)
     # transformers re-initialises missing or mis-shaped weights at random with only a report; a reward model
     # with random layers would silently score garbage, so those are errors here. Unexpected keys (such as the
     # position_ids buffers of older checkpoints) are harmless.
@@ -382,8 +389,9 @@ def load_hf_clip(
         )
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(processor_spec)
-    preprocess = hf_image_preprocess(processor_spec)
+    with hub_weights(reward, keys[1], processor_spec):
+        tokenizer = AutoTokenizer.from_pretrained(processor_spec)
+        preprocess = hf_image_preprocess(processor_spec)
     max_length = int(model.config.text_config.max_position_embeddings)
     return HFClip(model=model, tokenizer=tokenizer, preprocess=preprocess, max_length=max_length)
 
@@ -415,6 +423,8 @@ def load_open_clip(
     device: torch.device,
     dtype: torch.dtype,
     preprocess_overrides: dict | None = None,
+    reward: str = "reward",
+    key: str = "checkpoint",
 ) -> OpenClip:
     """Build an open_clip model with ``open_clip.create_model`` and its official checkpoint loading.
 
@@ -426,17 +436,21 @@ def load_open_clip(
         architecture: open_clip model-config keys (``embed_dim``, ``vision_cfg``, ``text_cfg``,
             ``quick_gelu`` ...) that replace those of ``model_name``'s config.
         preprocess_overrides: ``ImagePreprocess`` fields that replace the model's preprocess config.
+        reward, key: the reward's name and the keyword argument that takes ``model_name``, for the
+            :class:`~flowgrpo.rewards.base.MissingWeightsError` of an ``hf-hub:`` model that cannot be downloaded.
     """
     import open_clip
 
-    model = open_clip.create_model(
-        model_name,
-        pretrained=pretrained,
-        precision="fp32",
-        device="cpu",
-        require_pretrained=True,
-        **(architecture or {}),
-    )
+    from_hub = model_name.startswith("hf-hub:")
+    with hub_weights(reward, key, model_name.removeprefix("hf-hub:")) if from_hub else contextlib.nullcontext():
+        model = open_clip.create_model(
+            model_name,
+            pretrained=pretrained,
+            precision="fp32",
+            device="cpu",
+            require_pretrained=True,
+            **(architecture or {}),
+        )
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     tokenizer = open_clip.get_tokenizer(model_name, context_length=model.context_length)

@@ -146,10 +146,12 @@ class AestheticReward(BaseReward):
     def setup(self, device: torch.device) -> None:
         """Load CLIP ViT-L/14 and the MLP head onto ``device``."""
         super().setup(device)
-        path = resolve_file(self.mlp_checkpoint, self.mlp_filename, "aesthetic MLP checkpoint")
+        path = resolve_file(self.mlp_checkpoint, self.mlp_filename, "aesthetic MLP checkpoint",
+                            reward=self.name, key="mlp_checkpoint")
         self.mlp = load_aesthetic_mlp(path, self.mlp_dims).to(self.device)
         self.clip = load_hf_clip(
-            self.clip_checkpoint, self.clip_processor, self.clip_architecture, self.device, self.dtype
+            self.clip_checkpoint, self.clip_processor, self.clip_architecture, self.device, self.dtype,
+            reward=self.name, keys=("clip_checkpoint", "clip_processor"),
         )
         log_loaded(self.name, f"{self.clip_checkpoint} + {path}", n_parameters(self.clip.model))
 

@@ -133,12 +133,15 @@ class ClipScoreReward(BaseReward):
         """Load the variant's model, tokenizer and preprocessing onto ``device``."""
         super().setup(device)
         if self.spec.backend == "hf":
-            clip = load_hf_clip(self.checkpoint, self.processor, self.architecture, self.device, self.dtype)
+            clip = load_hf_clip(
+                self.checkpoint, self.processor, self.architecture, self.device, self.dtype, reward=self.name
+            )
             if self.spec.tensor_transform:
                 clip.preprocess = flowgrpo_tensor_preprocess(clip.preprocess)
         else:
             clip = load_open_clip(
-                open_clip_model_name(self.checkpoint), None, self.architecture, self.device, self.dtype
+                open_clip_model_name(self.checkpoint), None, self.architecture, self.device, self.dtype,
+                reward=self.name, key="checkpoint",
             )
         self.clip = clip
         log_loaded(f"{self.name}[{self.variant}]", self.checkpoint, n_parameters(clip.model))

@@ -93,7 +93,8 @@ class HPSv2Reward(BaseReward):
     def setup(self, device: torch.device) -> None:
         """Download (if needed) and load the checkpoint onto ``device``."""
         super().setup(device)
-        path = resolve_file(self.checkpoint, HPS_FILES[self.version], f"HPS{self.version} checkpoint")
+        path = resolve_file(self.checkpoint, HPS_FILES[self.version], f"HPS{self.version} checkpoint",
+                            reward=self.name, key="checkpoint")
         self.clip = load_open_clip(
             HPS_ARCHITECTURE,
             pretrained=path,

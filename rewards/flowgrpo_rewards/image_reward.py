@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowgrpo.rewards.base import BaseReward
+from flowgrpo.rewards.base import BaseReward, hub_weights
 
 logger = logging.getLogger(__name__)
 
@@ -474,8 +474,10 @@ class ImageReward(BaseReward):
     def setup(self, device: torch.device) -> None:
         """Load the tokenizer and the checkpoint onto ``device``; raises as :func:`load_image_reward` does."""
         super().setup(device)
-        self.tokenizer = load_tokenizer(self.tokenizer_name)
-        self.model = load_image_reward(self.model_name, self.vision_config, self.device, self.dtype)
+        with hub_weights(self.name, "tokenizer", self.tokenizer_name):
+            self.tokenizer = load_tokenizer(self.tokenizer_name)
+        with hub_weights(self.name, "model", self.model_name, [CHECKPOINT_FILE, MED_CONFIG_FILE]):
+            self.model = load_image_reward(self.model_name, self.vision_config, self.device, self.dtype)
         vocab = self.model.text_encoder.config.vocab_size
         if len(self.tokenizer) != vocab:
             raise ValueError(

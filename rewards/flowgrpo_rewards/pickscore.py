@@ -78,7 +78,9 @@ class PickScoreReward(BaseReward):
     def setup(self, device: torch.device) -> None:
         """Load the model, tokenizer and image processor onto ``device``."""
         super().setup(device)
-        self.clip = load_hf_clip(self.checkpoint, self.processor, self.architecture, self.device, self.dtype)
+        self.clip = load_hf_clip(
+            self.checkpoint, self.processor, self.architecture, self.device, self.dtype, reward=self.name
+        )
         log_loaded(self.name, self.checkpoint, n_parameters(self.clip.model))
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
