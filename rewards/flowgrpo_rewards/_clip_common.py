@@ -45,9 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import hub_weights, is_local_path
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 RESIZE_MODES = ("shortest", "longest", "squash")
 INTERPOLATIONS = ("bicubic", "bilinear")
 CROP_OFFSETS = ("floor", "round")
+RESIZE_BACKENDS = ("torch", "pil")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,6 +74,13 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     return DTYPES[dtype]
+
+
+def check_resize_backend(value: Any) -> str:
+    """Return ``value`` if it is one of :data:`RESIZE_BACKENDS` (``"torch"``, ``"pil"``), else raise ``ValueError``."""
+    if value not in RESIZE_BACKENDS:
+        raise ValueError(f"resize_backend must be one of {list(RESIZE_BACKENDS)}, got {value!r}")
+    return value
 
 
 def check_positive_int(value: Any, name: str) -> int:
@@ -170,6 +180,10 @@ class ImagePreprocess:
         clamp_after_resize: clamp the resized image to [0, 1], as a reference that resizes 8-bit PIL images
             does; ``False`` for references that resize the float tensor (HPSv2, Flow-GRPO's CLIP score) and
             keep the bicubic overshoot.
+        resize_backend: ``"torch"`` (default: antialiased ``interpolate`` on the float tensor, on the images'
+            device, differentiable) or ``"pil"``: the 8-bit PIL path of the PIL-based references, exactly:
+            quantise with :func:`flowgrpo.images.to_uint8`, resize each image with PIL's filter, back to
+            floats (k / 255), then crop or pad and normalise. CPU-bound and not differentiable.
     """
 
     size: tuple[int, int]
@@ -181,6 +195,7 @@ class ImagePreprocess:
     fill: float = 0.0
     crop_offset: str = "floor"
     clamp_after_resize: bool = True
+    resize_backend: str = "torch"
 
     def __post_init__(self) -> None:
         size = (self.size, self.size) if isinstance(self.size, int) else tuple(int(s) for s in self.size)
@@ -189,6 +204,8 @@ class ImagePreprocess:
         object.__setattr__(self, "size", size)
         if self.resize_mode not in RESIZE_MODES:
             raise ValueError(f"resize_mode {self.resize_mode!r} is not one of {RESIZE_MODES}")
+        if self.resize_backend not in RESIZE_BACKENDS:
+            raise ValueError(f"resize_backend {self.resize_backend!r} is not one of {RESIZE_BACKENDS}")
         if self.crop_offset not in CROP_OFFSETS:
             raise ValueError(f"crop_offset {self.crop_offset!r} is not one of {CROP_OFFSETS}")
         if self.interpolation not in INTERPOLATIONS:
@@ -217,14 +234,14 @@ class ImagePreprocess:
         return int(edge * height / width), edge
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        """Preprocess ``images`` (B, 3, H, W) float in [0, 1] into (B, 3, h, w) float32 model input.
-
-        Works on any device and keeps the autograd graph (no 8-bit quantisation, no PIL).
-        """
+        """Preprocess ``images`` (B, 3, H, W) float in [0, 1] into (B, 3, h, w) float32 model input on the
+        images' device. The torch backend keeps the autograd graph (no 8-bit quantisation, no PIL)."""
         x = images.float()
         height, width = x.shape[-2:]
         new_h, new_w = self.resized_size(height, width)
-        if (new_h, new_w) != (height, width):
+        if self.resize_backend == "pil":
+            x = pil_resize(x, (new_h, new_w), self.interpolation)
+        elif (new_h, new_w) != (height, width):
             x = F.interpolate(x, size=(new_h, new_w), mode=self.interpolation, antialias=True, align_corners=False)
             if self.clamp_after_resize:  # bicubic overshoots; PIL clamps to the 8-bit range, a float tensor not
                 x = x.clamp(0.0, 1.0)
@@ -232,6 +249,23 @@ class ImagePreprocess:
         mean = torch.tensor(self.mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
         std = torch.tensor(self.std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
         return (x - mean) / std
+
+
+def pil_resize(images: torch.Tensor, size: tuple[int, int], interpolation: str = "bicubic") -> torch.Tensor:
+    """The 8-bit PIL resize of the PIL-based reference processors: (B, 3, H, W) float in [0, 1] -> (B, 3, h, w)
+    float32 multiples of 1/255 on the same device. Quantised with :func:`flowgrpo.images.to_uint8` (as an image
+    saved and reopened), resized with ``PIL.Image.resize`` (bicubic or bilinear; no resize when the size is
+    already ``size``, as PIL returns a copy then)."""
+    from PIL import Image
+
+    resample = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}[interpolation]
+    out = []
+    for array in to_uint8(images):  # (H, W, 3) uint8 each
+        image = Image.fromarray(array)
+        if image.size != (size[1], size[0]):
+            image = image.resize((size[1], size[0]), resample=resample)
+        out.append(np.asarray(image))
+    return (torch.from_numpy(np.stack(out)).permute(0, 3, 1, 2).float() / 255.0).to(images.device)
 
 
 def center_crop_or_pad(

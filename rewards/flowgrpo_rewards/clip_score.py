@@ -39,6 +39,7 @@ from flowgrpo.rewards.base import BaseReward
 from flowgrpo_rewards._clip_common import (
     ImagePreprocess,
     check_positive_int,
+    check_resize_backend,
     cosine_rows,
     encode_unique,
     in_chunks,
@@ -95,6 +96,9 @@ class ClipScoreReward(BaseReward):
             open_clip model-config keys for ``dfn5b``); for tiny test models.
         dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
         batch_size: images per forward pass.
+        resize_backend: ``"torch"`` (default: antialiased resize of the float tensor on the device, within the
+            bounds of ``docs/rewards.md`` of the reference) or ``"pil"`` (the reference's own 8-bit PIL resize,
+            exact, on the CPU; not for ``flowgrpo``, whose reference resizes the float tensor).
 
     Calling it: ``images`` (B, 3, H, W) float in [0, 1], ``prompts`` B strings -> (B,) float32.
 
@@ -114,6 +118,7 @@ class ClipScoreReward(BaseReward):
         architecture: dict | None = None,
         dtype: str = "float32",
         batch_size: int = 32,
+        resize_backend: str = "torch",
     ) -> None:
         if variant not in CLIP_SCORE_VARIANTS:
             raise ValueError(f"clip_score variant {variant!r} is not one of {sorted(CLIP_SCORE_VARIANTS)}")
@@ -127,6 +132,10 @@ class ClipScoreReward(BaseReward):
         self.architecture = architecture
         self.dtype = parse_dtype(dtype)
         self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.resize_backend = check_resize_backend(resize_backend)
+        if spec.tensor_transform and resize_backend != "torch":
+            raise ValueError(f"clip_score variant {variant!r} follows a float-tensor pipeline (torchvision on "
+                             "tensors): resize_backend must be 'torch'")
         self.clip = None
 
     def setup(self, device: torch.device) -> None:
@@ -143,6 +152,7 @@ class ClipScoreReward(BaseReward):
                 open_clip_model_name(self.checkpoint), None, self.architecture, self.device, self.dtype,
                 reward=self.name, key="checkpoint",
             )
+        clip.preprocess = replace(clip.preprocess, resize_backend=self.resize_backend)
         self.clip = clip
         log_loaded(f"{self.name}[{self.variant}]", self.checkpoint, n_parameters(clip.model))
 

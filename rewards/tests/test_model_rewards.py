@@ -330,6 +330,28 @@ def test_pickscore_preprocessing_chunking_and_prompt_dedup(ckpts):
     torch.testing.assert_close(chunked(images, prompts, [{}] * 5), together, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("reward_cls", ["pickscore", "clip_score", "aesthetic"])
+def test_pil_resize_backend_scores_resized_images_as_the_pil_reference(ckpts, hf_reference, reward_cls):
+    """resize_backend='pil' reproduces the PIL processor's pixels, so resized images score as the reference."""
+    images = smooth_images(3, 48, 37, seed=34)  # resized and cropped to 32 x 32
+    kwargs = {"checkpoint": str(ckpts / "hf_clip"), "processor": str(ckpts / "hf_proc"), "resize_backend": "pil"}
+    if reward_cls == "pickscore":
+        reward = PickScoreReward(**kwargs)
+    elif reward_cls == "clip_score":
+        reward = ClipScoreReward("openai", **kwargs)
+    else:
+        reward = AestheticReward(clip_checkpoint=kwargs["checkpoint"], clip_processor=kwargs["processor"],
+                                 mlp_checkpoint=str(ckpts), architecture={"mlp_dims": MLP_DIMS}, resize_backend="pil")
+    reward.setup("cpu")
+    assert reward.clip.preprocess.resize_backend == "pil"
+    processor = PilClipImageProcessor.from_pretrained(str(ckpts / "hf_proc"))
+    reference_pixels = processor(images=[to_pil(im) for im in images], return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(reward.clip.preprocess(images), reference_pixels.float(), atol=1e-5, rtol=0)
+    if reward_cls == "pickscore":
+        expected = hf_reference(images, PROMPTS[:3]).logits_per_image.diagonal()
+        torch.testing.assert_close(reward(images, PROMPTS[:3], [{}] * 3), expected, atol=1e-4, rtol=1e-5)
+
+
 def test_hf_architecture_override_replaces_config_json(ckpts):
     """``architecture`` (a CLIPConfig dict) is used instead of config.json; weights that do not fit it fail."""
     images = smooth_images(2, 32, 32, seed=33)

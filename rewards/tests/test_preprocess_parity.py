@@ -224,3 +224,49 @@ def test_images_at_the_model_size_or_an_exact_multiple_are_bit_exact_on_the_8bit
         torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
     else:  # a real resize: PIL's 8-bit two-pass result differs, by the measured noise bound at most
         torch.testing.assert_close(ours, expected, atol=21 / 255 / min(OPENAI_CLIP_STD), rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# resize_backend="pil": the PIL references' own 8-bit resize, exactly
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SIZES)
+@pytest.mark.parametrize("kind", ["sharp", "noise_8bit", "noise_float"])
+def test_pil_backend_equals_transformers_pil_processor_exactly(shape, kind):
+    transformers = pytest.importorskip("transformers")
+    processor_cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    image = {"sharp": lambda: sharp_square(*shape), "noise_8bit": lambda: noise(*shape, 8, True),
+             "noise_float": lambda: noise(*shape, 9, False)}[kind]()
+    expected = processor_cls()(images=[to_pil(image[0])], return_tensors="pt")["pixel_values"].float()
+    ours = ImagePreprocess(size=224, resize_backend="pil")(image)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(512, 512), (1216, 832), (1344, 704)])
+def test_pil_backend_equals_open_clip_and_image_reward_transforms_exactly(shape):
+    open_clip = pytest.importorskip("open_clip")
+    from flowgrpo_rewards.image_reward import preprocess as image_reward_preprocess
+
+    image = noise(*shape, 10, False)
+    squash = open_clip.image_transform(378, is_train=False, resize_mode="squash")
+    ours = ImagePreprocess(size=378, resize_mode="squash", crop_offset="round", resize_backend="pil")(image)
+    torch.testing.assert_close(ours, squash(to_pil(image[0]))[None], atol=1e-5, rtol=0)
+    blip = tv.Compose([tv.Resize(224, interpolation=tv.InterpolationMode.BICUBIC), tv.CenterCrop(224), tv.ToTensor(),
+                       tv.Normalize(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)])  # ImageReward's _transform
+    torch.testing.assert_close(image_reward_preprocess(image, 224, "pil"), blip(to_pil(image[0]))[None],
+                               atol=1e-5, rtol=0)
+
+
+def test_resize_backend_is_checked_and_wired():
+    with pytest.raises(ValueError, match="resize_backend 'cv2'"):
+        ImagePreprocess(size=224, resize_backend="cv2")
+    from flowgrpo_rewards.clip_score import ClipScoreReward
+    from flowgrpo_rewards.image_reward import ImageReward
+    from flowgrpo_rewards.pickscore import PickScoreReward
+
+    with pytest.raises(ValueError, match="resize_backend must be one of"):
+        PickScoreReward(resize_backend="PIL")
+    with pytest.raises(ValueError, match="float-tensor pipeline"):
+        ClipScoreReward("flowgrpo", resize_backend="pil")
+    assert ImageReward(resize_backend="pil").resize_backend == "pil"
