@@ -4,9 +4,10 @@
 
 For every built-in image reward, the reference pipeline is rebuilt from its published settings (PIL 8-bit
 processors for transformers' CLIPImageProcessor, open_clip's and ImageReward's transforms; float-tensor
-torchvision transforms for HPSv2 and Flow-GRPO's CLIP score) and run on 21 images: smooth colour fields, a sharp
-white square on black and uniform pixel noise, at 224², 256², 512², 1024², 1216x832, 832x1216 and 1344x704. The
-images are given once on the 8-bit grid (k/255, as decoded images are once saved) and once as arbitrary floats.
+torchvision transforms for HPSv2 and Flow-GRPO's CLIP score) and run on 28 images: smooth colour fields, a sharp
+white square on black, 8-pixel black/white blocks (like rendered text) and uniform pixel noise, at 224², 256²,
+512², 1024², 1216x832, 832x1216 and 1344x704. The images are given once on the 8-bit grid (k/255, as decoded
+images are once saved) and once as arbitrary floats. A first table gives the torch-vs-PIL resize alone, by image.
 
 Reported per reward and input kind: the largest pixel difference (in 1/255 units, before normalisation) over the
 square and over the non-square sizes, and the largest score difference as a percentage of the spread (max - min)
@@ -36,7 +37,10 @@ def images(height: int, width: int, seed: int) -> dict[str, torch.Tensor]:
     sharp = torch.zeros(1, 3, height, width)
     sharp[..., height // 3 : height - height // 3, width // 3 : width - width // 3] = 1.0
     noise = torch.rand(1, 3, height, width, generator=g)
-    return {"smooth": smooth, "sharp": sharp, "noise": noise}
+    # 8 x 8 pixel black/white blocks, like rendered text: many sharp edges at every phase
+    cells = (torch.rand(1, 1, -(-height // 8), -(-width // 8), generator=g) > 0.5).float()
+    blocks = cells.repeat_interleave(8, 2).repeat_interleave(8, 3)[..., :height, :width].expand(1, 3, -1, -1)
+    return {"smooth": smooth, "sharp": sharp, "blocks": blocks.contiguous(), "noise": noise}
 
 
 def pil(image: torch.Tensor) -> Image.Image:
@@ -144,7 +148,7 @@ def resize_bound() -> list[str]:
     scale = torch.tensor(std).view(1, 3, 1, 1) * 255
     sizes = SQUARE[1:] + NON_SQUARE
     lines = ["| image | " + " | ".join(f"{h}x{w}" for h, w in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
-    for kind in ("smooth", "sharp", "noise"):
+    for kind in ("smooth", "sharp", "blocks", "noise"):
         cells = []
         for i, (h, w) in enumerate(sizes):
             x = images(h, w, seed=i)[kind]

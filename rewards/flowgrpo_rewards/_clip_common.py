@@ -18,8 +18,9 @@ Two kinds of reference pipeline exist, and :class:`ImagePreprocess` reproduces e
   ``torch.nn.functional.interpolate(..., antialias=True)`` on the float tensor, whose bicubic kernel
   (a = -0.5, support widened when downsampling) is PIL's, then a clamp to [0, 1] (``clamp_after_resize``).
   PIL resizes in two separable passes through an 8-bit intermediate; this path keeps floats, so the two
-  differ after a resize: measured at most about 3/255 on smooth images, and up to 16/255 on sharp edges and
-  20/255 on pixel noise (256 -> 224); the score tables of ``docs/rewards.md`` give the effect per reward.
+  differ after a resize: measured about 1/255 on smooth images, up to 20/255 on sharp edges (black/white
+  blocks) and 22/255 on pixel noise (256 -> 224); ``docs/rewards.md`` gives the effect on each reward's score.
+  ``resize_backend="pil"`` runs PIL's own resize on the 8-bit image instead and is exact.
   Images already at the model's size are not resampled at all, so there the paths agree up to the 8-bit
   quantisation the reference applies (exactly, for images on the 8-bit grid).
 * **float-tensor pipelines** (HPSv2's ``preprocess_val``: ``ToTensor`` first, then a bicubic resize of the
