@@ -61,6 +61,7 @@ try:
 except ImportError as err:  # pragma: no cover - the class is only useful under pytest
     raise ImportError('flowgrpo.rewards.conformance needs pytest: pip install "flowgrpo[test]"') from err
 
+from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import Reward, is_group_wise, score_groups
 
 _PROMPTS = [
@@ -81,7 +82,7 @@ def default_images(n: int, height: int, width: int, generator: torch.Generator) 
     x = torch.nn.functional.interpolate(low, size=(height, width), mode="bilinear", align_corners=False)
     amp = torch.linspace(0.0, 0.5, n).view(n, 1, 1, 1) if n > 1 else torch.full((1, 1, 1, 1), 0.25)
     x = x + amp * (torch.rand(n, 3, height, width, generator=generator) - 0.5)
-    return (x.clamp(0, 1) * 255).round() / 255
+    return torch.from_numpy(to_uint8(x)).permute(0, 3, 1, 2).float() / 255  # on the 8-bit grid
 
 
 def _tensor_elements(obj, seen: set[int], depth: int = 0) -> int:
