@@ -14,7 +14,9 @@ so scores are about 0.2 - 0.35 for real images. Preprocessing is HPSv2's ``prepr
 edge is 224 (bicubic, antialiased, each edge ``round(edge * 224 / max(H, W))``, no clamp: values may overshoot
 [0, 1] as in HPSv2), pad the short edge with black to 224 x 224, normalise with the openai CLIP mean/std. The
 image reaches HPSv2 as a float tensor, so no 8-bit step is involved and the two agree to float rounding.
-(HPSv2 resizes with torchvision's tensor ``resize``, antialiased since torchvision 0.17, the version matched.)
+(HPSv2 resizes with torchvision's tensor ``resize``, antialiased since torchvision 0.17, the version matched.
+HPSv2 leaves an image whose longest edge is already 224 unpadded, which its ViT cannot take when the image is
+not square; here such an image is padded like any other.)
 The text is
 tokenised with open_clip's CLIP BPE tokenizer (77 tokens). This module does not import the ``hpsv2``
 package (it pins old pytest/protobuf and downloads 3.9 GB of LAION weights it then overwrites); it builds

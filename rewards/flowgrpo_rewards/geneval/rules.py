@@ -248,8 +248,8 @@ def select_objects(
     As the original: scores are float32 (the detector's dtype; other dtypes are cast) and compared with the
     threshold in float32, so a score equal to float32(0.3) is not above 0.3. The order is the original's
     ``argsort(scores)[::-1]`` over the class's detections in detector order: equal scores come last-detected
-    first (NumPy sorts the original's at most 16-element per-class arrays stably; a stable sort is used here
-    for any length).
+    first. (NumPy's default sort is stable on arrays of at most 16 elements and may order ties otherwise on
+    longer ones; a stable sort is used here for any length, so ties are deterministic.)
 
     Detector labels are mapped to names by COCO index (``classnames[label]``, default :func:`object_names`),
     never by the detector's own label strings. With ``nms_threshold < 1`` a greedy per-class NMS then drops
