@@ -4,7 +4,9 @@ A reward scores a batch of decoded images against their prompts::
 
     scores = reward(images, prompts, metadata)   # (B,) float32
 
-* ``images``: (B, 3, H, W) float32 in [0, 1], on any device (a reward moves them where it needs them).
+* ``images``: (B, 3, H, W) float32 in [0, 1], on any device (a reward moves them where it needs them). Anything
+  else (``uint8`` or other non-float tensors, values outside [0, 1], NaN) is a ``ValueError`` naming the reward
+  (:func:`check_reward_inputs`, which :class:`BaseReward` calls and the conformance suite checks).
 * ``prompts``: list of B strings.
 * ``metadata``: list of B dicts, the extra fields of the prompt file's JSONL lines (``{}`` for plain text
   prompts). A reward that needs a field raises ``ValueError`` naming the field when it is absent: bad input is
