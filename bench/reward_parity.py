@@ -67,8 +67,8 @@ def references():
                        tv.Normalize(MEAN, STD)])
     flowgrpo = tv.Compose([tv.Resize(224), tv.CenterCrop(224), tv.Normalize(MEAN, STD)])
 
-    def hpsv2(x):
-        x = x[0]
+    def hpsv2(x):  # preprocess_val gets a PIL image (hpsv2's img_score, Flow-GRPO's scorer): ToTensor of 8 bits
+        x = torch.from_numpy(to_uint8(x[0])).permute(2, 0, 1).float() / 255
         height, width = x.shape[1:]
         scale = 224 / float(max(height, width))
         if scale != 1.0:
@@ -79,7 +79,8 @@ def references():
         return tv.Normalize(MEAN, STD)(x)[None]
 
     return {
-        "hpsv2": ("HPSv2 `preprocess_val` (float tensor)", ImagePreprocess(size=224, **HPSV2_PREPROCESS), hpsv2, 224),
+        "hpsv2": ("HPSv2 `preprocess_val` (8-bit PIL to tensor, resized as float)",
+                  ImagePreprocess(size=224, **HPSV2_PREPROCESS), hpsv2, 224),
         "pickscore, clip_score `openai`, aesthetic": (
             "transformers `CLIPImageProcessor` (8-bit PIL)", ImagePreprocess(size=224),
             lambda x: hf(images=[pil(x)], return_tensors="pt")["pixel_values"].float(), 224),

@@ -23,10 +23,11 @@ Two kinds of reference pipeline exist, and :class:`ImagePreprocess` reproduces e
   ``resize_backend="pil"`` runs PIL's own resize on the 8-bit image instead and is exact.
   Images already at the model's size are not resampled at all, so there the paths agree up to the 8-bit
   quantisation the reference applies (exactly, for images on the 8-bit grid).
-* **float-tensor pipelines** (HPSv2's ``preprocess_val``: ``ToTensor`` first, then a bicubic resize of the
-  float tensor; Flow-GRPO's CLIP score: torchvision ``Resize`` on the float tensor): the resize is the same
-  torch call and nothing is clamped (``clamp_after_resize=False``), so bicubic overshoot below 0 and above 1
-  is kept as the reference keeps it; these agree to float rounding.
+* **float-tensor pipelines** (HPSv2's ``preprocess_val``: ``ToTensor`` of the 8-bit image first, then a
+  bicubic resize of the float tensor; Flow-GRPO's CLIP score: torchvision ``Resize`` on the float tensor): the
+  resize is the same torch call and nothing is clamped (``clamp_after_resize=False``), so bicubic overshoot
+  below 0 and above 1 is kept as the reference keeps it; these agree to float rounding (HPSv2: for images on
+  the 8-bit grid).
 
 Center crops: transformers' ``center_crop`` takes the floor offset ``(H - h) // 2``; torchvision's
 ``CenterCrop`` (openai ``clip``, open_clip's ``shortest`` mode, Flow-GRPO's CLIP score) takes

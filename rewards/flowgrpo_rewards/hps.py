@@ -12,8 +12,10 @@ Score (``hpsv2/img_score.py`` of github.com/tgxs002/HPSv2, used unchanged by Flo
 so scores are about 0.2 - 0.35 for real images. Preprocessing is HPSv2's ``preprocess_val`` (its
 ``image_transform`` with ``resize_longest_max=True``): convert to a float tensor, resize it so the longest
 edge is 224 (bicubic, antialiased, each edge ``round(edge * 224 / max(H, W))``, no clamp: values may overshoot
-[0, 1] as in HPSv2), pad the short edge with black to 224 x 224, normalise with the openai CLIP mean/std. The
-image reaches HPSv2 as a float tensor, so no 8-bit step is involved and the two agree to float rounding.
+[0, 1] as in HPSv2), pad the short edge with black to 224 x 224, normalise with the openai CLIP mean/std. HPSv2
+gets the image as 8-bit PIL and resizes the float tensor of those 8 bits, so images on the 8-bit grid agree to
+float rounding; other float images differ by the 8-bit rounding the reference applies (at most 0.62/255 after
+the resize, measured by ``bench/reward_parity.py``).
 (HPSv2 resizes with torchvision's tensor ``resize``, antialiased since torchvision 0.17, the version matched.
 HPSv2 leaves an image whose longest edge is already 224 unpadded, which its ViT cannot take when the image is
 not square; here such an image is padded like any other.)
