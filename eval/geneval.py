@@ -32,6 +32,8 @@ from flowgrpo_rewards.geneval.detector import DEFAULT_DETECTOR, DEFAULT_SCALE, b
 from flowgrpo_rewards.geneval.reward import GenEvalScorer, to_pil
 from flowgrpo_rewards.geneval.rules import TASKS, RuleConfig, details, evaluation_metadata, validate_metadata
 
+from flowgrpo.rewards.base import MissingWeightsError
+
 logger = logging.getLogger("geneval")
 
 TINY_SCALE = (64, 64)
@@ -250,7 +252,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         generate(adapter, prompts, folder, samples=args.samples, steps=args.steps, guidance=args.guidance,
                  seed=args.seed, batch_size=args.gen_batch_size)
         del adapter
-    scorer = build_scorer(args)
+    try:
+        scorer = build_scorer(args)
+    except MissingWeightsError as err:  # one line, with this script's flag for the local path
+        raise SystemExit(f"geneval.py: {err} Here: --{err.key.replace('_', '-')} DIR") from None
     rows = score_folder(scorer, folder, batch_size=max(args.batch_size, 1))
     outdir.mkdir(parents=True, exist_ok=True)
     ev.write_results(outdir / "results.jsonl", rows)

@@ -67,9 +67,10 @@ def _sample(args: argparse.Namespace) -> None:
     sample_grid(images[:40], [p[:30] for p in prompts[:40]], out / "grid.png", ncols=10)
     from PIL import Image
 
+    from flowgrpo.images import to_uint8
+
     for i, img in enumerate(images):
-        arr = (img.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
-        Image.fromarray(arr).save(out / f"{i:05d}.png")
+        Image.fromarray(to_uint8(img)).save(out / f"{i:05d}.png")
     logger.info("wrote %d images to %s", len(images), out)
 
 

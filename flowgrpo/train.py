@@ -182,12 +182,13 @@ def main(argv: list[str] | None = None) -> None:
     _quiet_libraries()
     from flowgrpo.checkpoint import CheckpointError
     from flowgrpo.config import ConfigError, load_config
+    from flowgrpo.rewards.base import MissingWeightsError
     from flowgrpo.rewards.registry import RewardLoadError
 
     try:
         config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
         summary = run(config)
-    except (ConfigError, RewardLoadError, CheckpointError, FileExistsError) as err:
+    except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError) as err:
         parser.exit(2, f"error: {err}\n")
     except (KeyError, ValueError) as err:
         if not _SETUP_DONE:  # bad input found while setting up (names, prompt files, models): no traceback

@@ -159,7 +159,7 @@ class AsyncRewardScorer:
         """
         if self._closed:
             raise RuntimeError("AsyncRewardScorer is closed")
-        check_reward_inputs(images, prompts, metadata)
+        check_reward_inputs(images, prompts, metadata, "reward scorer")
         if self._slots is not None:
             self._slots.acquire()
         try:

@@ -4,7 +4,9 @@ A reward scores a batch of decoded images against their prompts::
 
     scores = reward(images, prompts, metadata)   # (B,) float32
 
-* ``images``: (B, 3, H, W) float32 in [0, 1], on any device (a reward moves them where it needs them).
+* ``images``: (B, 3, H, W) float32 in [0, 1], on any device (a reward moves them where it needs them). Anything
+  else (``uint8`` or other non-float tensors, values outside [0, 1], NaN) is a ``ValueError`` naming the reward
+  (:func:`check_reward_inputs`, which :class:`BaseReward` calls and the conformance suite checks).
 * ``prompts``: list of B strings.
 * ``metadata``: list of B dicts, the extra fields of the prompt file's JSONL lines (``{}`` for plain text
   prompts). A reward that needs a field raises ``ValueError`` naming the field when it is absent: bad input is
@@ -24,6 +26,9 @@ heavy state is loaded in :meth:`Reward.setup`, which the trainer calls once with
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -45,7 +50,8 @@ class Reward(Protocol):
 
 
 class BaseReward:
-    """Optional convenience base: a no-op :meth:`setup` and input validation shared by the built-ins."""
+    """Optional convenience base: a no-op :meth:`setup` and the shared input check (:func:`check_reward_inputs`)
+    before :meth:`score`, so a subclass only ever sees (B, 3, H, W) float images in [0, 1]."""
 
     name: str = "reward"
 
@@ -53,7 +59,7 @@ class BaseReward:
         self.device = torch.device(device)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        check_reward_inputs(images, prompts, metadata)
+        check_reward_inputs(images, prompts, metadata, self.name)
         return self.score(images, prompts, metadata)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
@@ -79,7 +85,7 @@ def score_groups(reward, images: torch.Tensor, prompts: list[str], metadata: lis
     Raises:
         ValueError: the lengths differ, a group mixes prompts, or the reward returns other than (G,) scores.
     """
-    check_reward_inputs(images, prompts, metadata)
+    check_reward_inputs(images, prompts, metadata, getattr(reward, "name", "reward"))
     if group_ids.shape != (images.shape[0],):
         raise ValueError(f"group_ids has shape {tuple(group_ids.shape)}, expected ({images.shape[0]},)")
     out = torch.full((images.shape[0],), float("nan"))
@@ -98,12 +104,103 @@ def score_groups(reward, images: torch.Tensor, prompts: list[str], metadata: lis
     return out
 
 
-def check_reward_inputs(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> None:
-    """Raise ``ValueError`` unless ``images`` is (B, 3, H, W) and ``prompts``/``metadata`` have length B."""
+def check_reward_inputs(
+    images: torch.Tensor, prompts: list[str], metadata: list[dict], name: str = "reward"
+) -> None:
+    """The input contract every reward shares: raise ``ValueError`` naming the reward ``name`` unless
+
+    * ``images`` is a (B, 3, H, W) tensor of a floating dtype (float32, float16, bfloat16, float64): 8-bit
+      (``uint8``) or integer images are refused, since a reward that rescales them silently sees other pixels
+      than the official scorer;
+    * every value is in [0, 1] (NaN is out of range): values in [0, 255] or [-1, 1] are refused, not rescaled;
+    * ``prompts`` and ``metadata`` have length B.
+
+    The range check reads the tensor's min and max (one device synchronisation per call).
+    """
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
         shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"reward images must be a (B, 3, H, W) tensor in [0, 1], got {shape}")
+        raise ValueError(f"{name}: images must be a (B, 3, H, W) float tensor in [0, 1], got {shape}")
+    if not images.is_floating_point():
+        raise ValueError(
+            f"{name}: images must be a float tensor with values in [0, 1], got dtype {images.dtype}; convert 8-bit "
+            "images with images.float() / 255"
+        )
+    if images.numel():
+        low, high = torch.aminmax(images.detach())
+        if not (bool(low >= 0) and bool(high <= 1)):  # False for NaN as well
+            raise ValueError(
+                f"{name}: image values must lie in [0, 1], got min {float(low):.6g}, max {float(high):.6g} "
+                "(NaN counts as out of range); map [-1, 1] decoder output with (x + 1) / 2 and clamp"
+            )
     if len(prompts) != images.shape[0] or len(metadata) != images.shape[0]:
         raise ValueError(
-            f"reward got {images.shape[0]} images but {len(prompts)} prompts and {len(metadata)} metadata dicts"
+            f"{name}: got {images.shape[0]} images but {len(prompts)} prompts and {len(metadata)} metadata dicts"
         )
+
+
+class MissingWeightsError(OSError):
+    """A reward's weights are not on this machine and cannot be downloaded (offline, or no such hub repo).
+
+    The message is one line: which reward, what is missing, the ``hf download`` command that fetches it, and the
+    reward's config key that takes the local path instead. The training script prints it without a traceback.
+    ``reward`` and ``key`` hold the reward's name and that keyword argument.
+    """
+
+    def __init__(self, message: str, reward: str = "", key: str = "") -> None:
+        super().__init__(message)
+        self.reward, self.key = reward, key
+
+
+def is_local_path(spec: str) -> bool:
+    """True for an existing path or anything shaped like a path (``./x``, ``/x``, ``~/x``, ``a/b/c``, ``x.pt``);
+    False for a hub repo id ``name`` or ``owner/name``."""
+    if Path(spec).expanduser().exists():
+        return True
+    return spec.startswith((".", "/", "~", "\\")) or spec.count("/") > 1 or "\\" in spec or spec.endswith(
+        (".pt", ".pth", ".bin", ".safetensors", ".json"))
+
+
+@contextlib.contextmanager
+def hub_weights(reward: str, key: str, repo: str, files: Sequence[str] = (), local_hint: str = "DIR") -> Iterator[None]:
+    """Turn a failed hub download inside the block into a one-line :class:`MissingWeightsError`.
+
+    Args:
+        reward: the reward's name (``hpsv2``).
+        key: the reward's keyword argument (config ``rewards[i].kwargs.<key>``) that takes a local path.
+        repo: the hub repo id the block downloads from; nothing is converted when it is a local path
+            (:func:`is_local_path`): errors about local files keep their own message.
+        files: the files to download (empty: the whole repo).
+        local_hint: what to set ``key`` to once downloaded (``DIR`` or ``DIR/<file>``).
+
+    Raises:
+        MissingWeightsError: the block raised ``OSError`` (what the hub client and transformers raise offline,
+            for unknown repos and missing files), or an error caused by one (open_clip wraps it in a
+            ``RuntimeError``), and ``repo`` is a hub id.
+    """
+    try:
+        yield
+    except MissingWeightsError:
+        raise
+    except Exception as err:
+        if is_local_path(repo) or not _caused_by_os_error(err):
+            raise
+        cause = " ".join(str(err).split())
+        cause = cause if len(cause) <= 160 else cause[:157] + "..."
+        command = " ".join(["hf download", repo, *files, "--local-dir DIR"])
+        raise MissingWeightsError(
+            f"reward {reward!r}: cannot get {', '.join(files) or 'the weights'} from the Hugging Face hub repo "
+            f"{repo!r} ({type(err).__name__}: {cause}). On a machine with network run `{command}`, copy DIR here "
+            f"and set `{key}: {local_hint}` in this reward's kwargs (rewards[].kwargs.{key}).",
+            reward, key,
+        ) from err
+
+
+def _caused_by_os_error(err: BaseException) -> bool:
+    """True when ``err`` or an exception in its ``__cause__`` / ``__context__`` chain is an ``OSError``."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False

@@ -18,8 +18,10 @@ and run ``pytest``. Every ``test_*`` method checks one clause of the protocol (:
 * the same input gives the same scores, also from another thread (the background scorer's worker);
 * NaN appears only where the reward documents it (:attr:`RewardConformance.nan_case`);
 * the inputs are not modified;
-* bad input (wrong image shape, lengths that differ, a missing metadata field) raises ``ValueError``, naming the
-  field for a missing one.
+* bad input raises ``ValueError``: a wrong image shape, lengths that differ, a missing metadata field (named in
+  the message), and images that are not float in [0, 1] (uint8, integer or bool tensors; values on the 0-255 or
+  [-1, 1] scale, above 1 or NaN), whose message names the reward (``reward.name``).
+  :func:`flowgrpo.rewards.base.check_reward_inputs` (called by ``BaseReward``) does all of these.
 
 A group-wise reward (``group_wise = True``, :mod:`flowgrpo.rewards.base`) gets inputs that form one group (one
 prompt and one metadata dict repeated); the batch-independence clause does not apply to it (its scores depend on
@@ -48,6 +50,7 @@ Needs pytest (``pip install "flowgrpo[test]"``).
 from __future__ import annotations
 
 import inspect
+import re
 import threading
 from collections.abc import Callable
 
@@ -58,6 +61,7 @@ try:
 except ImportError as err:  # pragma: no cover - the class is only useful under pytest
     raise ImportError('flowgrpo.rewards.conformance needs pytest: pip install "flowgrpo[test]"') from err
 
+from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import Reward, is_group_wise, score_groups
 
 _PROMPTS = [
@@ -78,7 +82,7 @@ def default_images(n: int, height: int, width: int, generator: torch.Generator) 
     x = torch.nn.functional.interpolate(low, size=(height, width), mode="bilinear", align_corners=False)
     amp = torch.linspace(0.0, 0.5, n).view(n, 1, 1, 1) if n > 1 else torch.full((1, 1, 1, 1), 0.25)
     x = x + amp * (torch.rand(n, 3, height, width, generator=generator) - 0.5)
-    return (x.clamp(0, 1) * 255).round() / 255
+    return torch.from_numpy(to_uint8(x)).permute(0, 3, 1, 2).float() / 255  # on the 8-bit grid
 
 
 def _tensor_elements(obj, seen: set[int], depth: int = 0) -> int:
@@ -299,6 +303,24 @@ class RewardConformance:
         wrong = {"one_channel": images[:, :1], "no_batch_dim": images[0], "not_a_tensor": images.numpy()}[bad]
         with pytest.raises(ValueError):
             reward(wrong, prompts, metadata)
+
+    @pytest.mark.parametrize("bad", ["uint8", "int64", "bool"])
+    def test_non_float_images_raise_value_error_naming_the_reward(self, reward, bad):
+        images, prompts, metadata = self.make_inputs(2)
+        dtype = {"uint8": torch.uint8, "int64": torch.int64, "bool": torch.bool}[bad]
+        wrong = (images * 255).round().to(dtype) if bad != "bool" else images > 0.5
+        with pytest.raises(ValueError, match=re.escape(reward.name)):
+            reward(wrong.to(self.device), prompts, metadata)
+
+    @pytest.mark.parametrize("bad", ["0_255", "minus1_1", "above_1", "nan"])
+    def test_out_of_range_images_raise_value_error_naming_the_reward(self, reward, bad):
+        images, prompts, metadata = self.make_inputs(2)
+        # the whole batch on another scale, or one pixel of one image outside [0, 1]
+        wrong = {"0_255": images * 255, "minus1_1": images * 2 - 1}.get(bad, images.clone())
+        extreme = {"0_255": 255.0, "minus1_1": -1.0, "above_1": 1.0 + 1e-6, "nan": float("nan")}[bad]
+        wrong[1, 0, 0, 0] = extreme
+        with pytest.raises(ValueError, match=re.escape(reward.name)):
+            reward(wrong.to(self.device), prompts, metadata)
 
     def test_length_mismatch_raises_value_error(self, reward):
         images, prompts, metadata = self.make_inputs(3)

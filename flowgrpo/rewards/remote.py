@@ -40,6 +40,7 @@ import time
 import numpy as np
 import torch
 
+from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import check_reward_inputs
 
 logger = logging.getLogger(__name__)
@@ -98,11 +99,10 @@ def images_to_png_b64(images: torch.Tensor, compress_level: int = 1) -> list[str
     """
     from PIL import Image
 
-    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     out = []
-    for a in arr:
+    for a in to_uint8(images):
         buf = io.BytesIO()
-        Image.fromarray(np.ascontiguousarray(a), mode="RGB").save(buf, format="PNG", compress_level=compress_level)
+        Image.fromarray(a, mode="RGB").save(buf, format="PNG", compress_level=compress_level)
         out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
     return out
 
@@ -297,7 +297,7 @@ class RemoteReward:
                 reward (e.g. a missing metadata field; the server's message is kept).
             RemoteRewardError: unreachable after the retries, a malformed reply, or the server's reward failed.
         """
-        check_reward_inputs(images, prompts, metadata)
+        check_reward_inputs(images, prompts, metadata, self.name)
         if self.server_info is None:
             self.setup()
         encoded = images_to_png_b64(images, self.compress_level)

@@ -19,12 +19,15 @@ renamed. The CLIP model is transformers' ``openai/clip-vit-large-patch14`` (the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from flowgrpo.rewards.base import BaseReward
 from flowgrpo_rewards._clip_common import (
     check_positive_int,
+    check_resize_backend,
     in_chunks,
     load_hf_clip,
     log_loaded,
@@ -105,6 +108,9 @@ class AestheticReward(BaseReward):
             test models.
         dtype: dtype of the CLIP model (``"float32"`` default); the MLP always runs in float32.
         batch_size: images per forward pass.
+        resize_backend: ``"torch"`` (default: antialiased resize of the float tensor on the device, within the
+            bounds of ``docs/rewards.md`` of the reference) or ``"pil"`` (the reference's own 8-bit PIL resize,
+            exact, on the CPU).
 
     Calling it: ``images`` (B, 3, H, W) float in [0, 1] -> (B,) float32 (prompts and metadata unused).
 
@@ -125,6 +131,7 @@ class AestheticReward(BaseReward):
         architecture: dict | None = None,
         dtype: str = "float32",
         batch_size: int = 32,
+        resize_backend: str = "torch",
     ) -> None:
         architecture = dict(architecture or {})
         unknown = set(architecture) - {"clip", "mlp_dims"}
@@ -140,17 +147,21 @@ class AestheticReward(BaseReward):
         self.mlp_filename = mlp_filename
         self.dtype = parse_dtype(dtype)
         self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.resize_backend = check_resize_backend(resize_backend)
         self.clip = None
         self.mlp = None
 
     def setup(self, device: torch.device) -> None:
         """Load CLIP ViT-L/14 and the MLP head onto ``device``."""
         super().setup(device)
-        path = resolve_file(self.mlp_checkpoint, self.mlp_filename, "aesthetic MLP checkpoint")
+        path = resolve_file(self.mlp_checkpoint, self.mlp_filename, "aesthetic MLP checkpoint",
+                            reward=self.name, key="mlp_checkpoint")
         self.mlp = load_aesthetic_mlp(path, self.mlp_dims).to(self.device)
         self.clip = load_hf_clip(
-            self.clip_checkpoint, self.clip_processor, self.clip_architecture, self.device, self.dtype
+            self.clip_checkpoint, self.clip_processor, self.clip_architecture, self.device, self.dtype,
+            reward=self.name, keys=("clip_checkpoint", "clip_processor"),
         )
+        self.clip.preprocess = replace(self.clip.preprocess, resize_backend=self.resize_backend)
         log_loaded(self.name, f"{self.clip_checkpoint} + {path}", n_parameters(self.clip.model))
 
     @torch.no_grad()

@@ -20,8 +20,9 @@ variant        model                                     score                  
   clamp at 0. The original CLIPScore of Hessel et al. 2021 (arXiv 2104.08718) is ``2.5 * max(cos, 0)`` with
   ViT-B/32: yet another number.
 * ``flowgrpo``: Flow-GRPO's training reward ``flow_grpo/clip_scorer.py`` (``logits_per_image.diagonal() / 30``),
-  with its preprocessing: torchvision ``Resize(224)`` — *bilinear*, antialiased — on the float tensors, center
-  crop, openai mean/std (the other variants resize bicubic, as their processors do).
+  with its preprocessing: torchvision ``Resize(224)`` — *bilinear*, antialiased — on the float tensors,
+  torchvision ``CenterCrop(224)`` (offset rounded half to even, not floored), openai mean/std (the other
+  variants resize bicubic, as their processors do).
 * ``dfn5b``: MixGRPO's evaluation ``fastvideo/models/reward_model/clip_score.py``: open_clip
   ``create_model_from_pretrained("hf-hub:apple/DFN5B-CLIP-ViT-H-14-384")``, its preprocess (squash-resize to
   378 x 378, bicubic, openai mean/std), plain cosine. The hub repo was renamed ``...-378``; the old name
@@ -36,7 +37,9 @@ import torch
 
 from flowgrpo.rewards.base import BaseReward
 from flowgrpo_rewards._clip_common import (
+    ImagePreprocess,
     check_positive_int,
+    check_resize_backend,
     cosine_rows,
     encode_unique,
     in_chunks,
@@ -57,16 +60,25 @@ class ClipScoreVariant:
     checkpoint: str
     processor: str | None  # hf only: tokenizer + image-processor source
     scale: str  # "100", "logit_scale/30" or "1": the factor applied to the cosine
-    interpolation: str | None = None  # overrides the processor's resize filter (flowgrpo: bilinear)
+    # True: torchvision's Resize (bilinear) + CenterCrop (rounded offset) on float tensors instead of the processor's
+    # PIL pipeline (Flow-GRPO's clip_scorer.py)
+    tensor_transform: bool = False
 
 
 CLIP_SCORE_VARIANTS = {
     "openai": ClipScoreVariant("hf", "openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14", "100"),
     "flowgrpo": ClipScoreVariant(
-        "hf", "openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14", "logit_scale/30", "bilinear"
+        "hf", "openai/clip-vit-large-patch14", "openai/clip-vit-large-patch14", "logit_scale/30", True
     ),
     "dfn5b": ClipScoreVariant("open_clip", "apple/DFN5B-CLIP-ViT-H-14-378", None, "1"),
 }
+
+
+def flowgrpo_tensor_preprocess(preprocess: ImagePreprocess) -> ImagePreprocess:
+    """``preprocess`` (the processor's size, mean, std) with Flow-GRPO's ``clip_scorer.py`` transform: torchvision
+    ``Resize`` (bilinear, antialiased) and ``CenterCrop`` (offset rounded half to even) on the float tensor, no
+    clamp (a bilinear resize cannot overshoot)."""
+    return replace(preprocess, interpolation="bilinear", crop_offset="round", clamp_after_resize=False)
 
 
 class ClipScoreReward(BaseReward):
@@ -84,6 +96,9 @@ class ClipScoreReward(BaseReward):
             open_clip model-config keys for ``dfn5b``); for tiny test models.
         dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
         batch_size: images per forward pass.
+        resize_backend: ``"torch"`` (default: antialiased resize of the float tensor on the device, within the
+            bounds of ``docs/rewards.md`` of the reference) or ``"pil"`` (the reference's own 8-bit PIL resize,
+            exact, on the CPU; not for ``flowgrpo``, whose reference resizes the float tensor).
 
     Calling it: ``images`` (B, 3, H, W) float in [0, 1], ``prompts`` B strings -> (B,) float32.
 
@@ -103,6 +118,7 @@ class ClipScoreReward(BaseReward):
         architecture: dict | None = None,
         dtype: str = "float32",
         batch_size: int = 32,
+        resize_backend: str = "torch",
     ) -> None:
         if variant not in CLIP_SCORE_VARIANTS:
             raise ValueError(f"clip_score variant {variant!r} is not one of {sorted(CLIP_SCORE_VARIANTS)}")
@@ -116,19 +132,27 @@ class ClipScoreReward(BaseReward):
         self.architecture = architecture
         self.dtype = parse_dtype(dtype)
         self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.resize_backend = check_resize_backend(resize_backend)
+        if spec.tensor_transform and resize_backend != "torch":
+            raise ValueError(f"clip_score variant {variant!r} follows a float-tensor pipeline (torchvision on "
+                             "tensors): resize_backend must be 'torch'")
         self.clip = None
 
     def setup(self, device: torch.device) -> None:
         """Load the variant's model, tokenizer and preprocessing onto ``device``."""
         super().setup(device)
         if self.spec.backend == "hf":
-            clip = load_hf_clip(self.checkpoint, self.processor, self.architecture, self.device, self.dtype)
-            if self.spec.interpolation is not None:
-                clip.preprocess = replace(clip.preprocess, interpolation=self.spec.interpolation)
+            clip = load_hf_clip(
+                self.checkpoint, self.processor, self.architecture, self.device, self.dtype, reward=self.name
+            )
+            if self.spec.tensor_transform:
+                clip.preprocess = flowgrpo_tensor_preprocess(clip.preprocess)
         else:
             clip = load_open_clip(
-                open_clip_model_name(self.checkpoint), None, self.architecture, self.device, self.dtype
+                open_clip_model_name(self.checkpoint), None, self.architecture, self.device, self.dtype,
+                reward=self.name, key="checkpoint",
             )
+        clip.preprocess = replace(clip.preprocess, resize_backend=self.resize_backend)
         self.clip = clip
         log_loaded(f"{self.name}[{self.variant}]", self.checkpoint, n_parameters(clip.model))
 

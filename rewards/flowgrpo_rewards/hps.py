@@ -9,9 +9,17 @@ Score (``hpsv2/img_score.py`` of github.com/tgxs002/HPSv2, used unchanged by Flo
 
     hps = <f_img / |f_img|, f_txt / |f_txt|>        # cosine of the normalised features, no temperature
 
-so scores are about 0.2 - 0.35 for real images. Preprocessing is HPSv2's ``preprocess_val`` (the
-``light_augmentation=True`` branch of its ``create_model_and_transforms``): resize the longest edge to 224
-(bicubic), pad the short edge with black to 224 x 224, normalise with the openai CLIP mean/std. The text is
+so scores are about 0.2 - 0.35 for real images. Preprocessing is HPSv2's ``preprocess_val`` (its
+``image_transform`` with ``resize_longest_max=True``): convert to a float tensor, resize it so the longest
+edge is 224 (bicubic, antialiased, each edge ``round(edge * 224 / max(H, W))``, no clamp: values may overshoot
+[0, 1] as in HPSv2), pad the short edge with black to 224 x 224, normalise with the openai CLIP mean/std. HPSv2
+gets the image as 8-bit PIL and resizes the float tensor of those 8 bits, so images on the 8-bit grid agree to
+float rounding; other float images differ by the 8-bit rounding the reference applies (at most 0.62/255 after
+the resize, measured by ``bench/reward_parity.py``).
+(HPSv2 resizes with torchvision's tensor ``resize``, antialiased since torchvision 0.17, the version matched.
+HPSv2 leaves an image whose longest edge is already 224 unpadded, which its ViT cannot take when the image is
+not square; here such an image is padded like any other.)
+The text is
 tokenised with open_clip's CLIP BPE tokenizer (77 tokens). This module does not import the ``hpsv2``
 package (it pins old pytest/protobuf and downloads 3.9 GB of LAION weights it then overwrites); it builds
 the same architecture with ``open_clip.create_model("ViT-H-14", pretrained=<checkpoint>)``.
@@ -40,6 +48,10 @@ HPS_HUB_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
 #: open_clip architecture of both versions.
 HPS_ARCHITECTURE = "ViT-H-14"
+#: HPSv2's ``preprocess_val`` as :class:`~flowgrpo_rewards._clip_common.ImagePreprocess` fields (on top of
+#: ViT-H-14's 224 px and the openai mean/std): ``ToTensor``, then ``ResizeMaxSize`` (longest edge to 224, bicubic,
+#: on the float tensor, overshoot kept), black padding.
+HPSV2_PREPROCESS = {"resize_mode": "longest", "interpolation": "bicubic", "fill": 0.0, "clamp_after_resize": False}
 
 
 class HPSv2Reward(BaseReward):
@@ -85,15 +97,15 @@ class HPSv2Reward(BaseReward):
     def setup(self, device: torch.device) -> None:
         """Download (if needed) and load the checkpoint onto ``device``."""
         super().setup(device)
-        path = resolve_file(self.checkpoint, HPS_FILES[self.version], f"HPS{self.version} checkpoint")
+        path = resolve_file(self.checkpoint, HPS_FILES[self.version], f"HPS{self.version} checkpoint",
+                            reward=self.name, key="checkpoint")
         self.clip = load_open_clip(
             HPS_ARCHITECTURE,
             pretrained=path,
             architecture=self.architecture,
             device=self.device,
             dtype=self.dtype,
-            # HPSv2's preprocess_val: ResizeMaxSize (longest edge) + black padding, bicubic, openai mean/std.
-            preprocess_overrides={"resize_mode": "longest", "interpolation": "bicubic", "fill": 0.0},
+            preprocess_overrides=HPSV2_PREPROCESS,
         )
         log_loaded(self.name, path, n_parameters(self.clip.model))
 

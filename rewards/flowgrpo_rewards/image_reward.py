@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from flowgrpo.rewards.base import BaseReward
+from flowgrpo.rewards.base import BaseReward, hub_weights
+from flowgrpo_rewards._clip_common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImagePreprocess, check_resize_backend
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 IMAGE_REWARD_MEAN = 0.16717362830052426
 IMAGE_REWARD_STD = 1.0333394966054072
 #: CLIP's per-channel mean and std, which ImageReward's preprocessing uses.
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+CLIP_MEAN = OPENAI_CLIP_MEAN
+CLIP_STD = OPENAI_CLIP_STD
 #: Prompts are padded and truncated to this many tokens, [CLS] and [SEP] included.
 MAX_PROMPT_TOKENS = 35
 
@@ -92,7 +92,7 @@ def _transformers():
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def preprocess(images: torch.Tensor, size: int = 224) -> torch.Tensor:
+def preprocess(images: torch.Tensor, size: int = 224, resize_backend: str = "torch") -> torch.Tensor:
     """ImageReward's image preprocessing, in torch: shorter side to ``size``, centre crop, CLIP normalisation.
 
     The original (``ImageReward._transform``) applies to a PIL image ``Resize(size, BICUBIC)`` (shorter side to
@@ -102,28 +102,19 @@ def preprocess(images: torch.Tensor, size: int = 224) -> torch.Tensor:
     resampling filter, cubic coefficient −0.5) on the float image, followed by a clamp to [0, 1] (PIL saturates
     its 8-bit output). What remains different from PIL: PIL resamples 8-bit pixels and rounds its output to 8 bits.
     An image already ``size`` pixels on its shorter side is not resampled, exactly as in the original.
+    ``resize_backend="pil"`` runs the original's own 8-bit PIL resize instead (exact; CPU, not differentiable).
 
     Args:
         images: (B, 3, H, W) float tensor in [0, 1].
         size: output side, the ViT's input size (224 for ImageReward).
+        resize_backend: ``"torch"`` or ``"pil"`` (see :class:`~flowgrpo_rewards._clip_common.ImagePreprocess`).
 
     Returns:
         (B, 3, size, size) float32 tensor, normalised with CLIP's mean and std, on ``images``' device.
     """
-    images = images.float()
-    h, w = images.shape[-2:]
-    short, long = (h, w) if h <= w else (w, h)
-    if short != size:
-        new_short, new_long = size, int(size * long / short)
-        new_hw = (new_short, new_long) if h <= w else (new_long, new_short)
-        images = F.interpolate(images, size=new_hw, mode="bicubic", align_corners=False, antialias=True)
-        images = images.clamp(0.0, 1.0)
-        h, w = new_hw
-    top, left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))
-    images = images[..., top : top + size, left : left + size]
-    mean = torch.tensor(CLIP_MEAN, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(CLIP_STD, device=images.device).view(1, 3, 1, 1)
-    return (images - mean) / std
+    # torchvision's Resize + CenterCrop: shortest edge, rounded crop offset; 8-bit PIL resize: clamp afterwards
+    return ImagePreprocess(size=size, mean=CLIP_MEAN, std=CLIP_STD, crop_offset="round",
+                           resize_backend=resize_backend)(images)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -440,6 +431,9 @@ class ImageReward(BaseReward):
         vision_config: ViT size overrides for tiny test checkpoints (see :func:`load_image_reward`).
         dtype: ``"float32"`` (default, as published), ``"bfloat16"`` or ``"float16"`` for the encoders.
         batch_size: pairs per forward pass.
+        resize_backend: ``"torch"`` (default: antialiased resize of the float tensor on the device, within the
+            bounds of ``docs/rewards.md`` of the original) or ``"pil"`` (the original's own 8-bit PIL resize,
+            exact, on the CPU).
 
     Raises:
         ValueError: an unknown ``dtype``, ``batch_size`` < 1; in :meth:`setup`, as :func:`load_image_reward`, or a
@@ -458,6 +452,7 @@ class ImageReward(BaseReward):
         vision_config: dict | None = None,
         dtype: str = "float32",
         batch_size: int = 32,
+        resize_backend: str = "torch",
     ):
         if dtype not in _DTYPES:
             raise ValueError(f"image_reward dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -468,14 +463,17 @@ class ImageReward(BaseReward):
         self.vision_config = dict(vision_config) if vision_config else None
         self.dtype = _DTYPES[dtype]
         self.batch_size = batch_size
+        self.resize_backend = check_resize_backend(resize_backend)
         self.model: ImageRewardModel | None = None
         self.tokenizer = None
 
     def setup(self, device: torch.device) -> None:
         """Load the tokenizer and the checkpoint onto ``device``; raises as :func:`load_image_reward` does."""
         super().setup(device)
-        self.tokenizer = load_tokenizer(self.tokenizer_name)
-        self.model = load_image_reward(self.model_name, self.vision_config, self.device, self.dtype)
+        with hub_weights(self.name, "tokenizer", self.tokenizer_name):
+            self.tokenizer = load_tokenizer(self.tokenizer_name)
+        with hub_weights(self.name, "model", self.model_name, [CHECKPOINT_FILE, MED_CONFIG_FILE]):
+            self.model = load_image_reward(self.model_name, self.vision_config, self.device, self.dtype)
         vocab = self.model.text_encoder.config.vocab_size
         if len(self.tokenizer) != vocab:
             raise ValueError(
@@ -504,7 +502,7 @@ class ImageReward(BaseReward):
         out = []
         for start in range(0, images.shape[0], self.batch_size):
             stop = start + self.batch_size
-            pixels = preprocess(images[start:stop].to(self.device), self.model.image_size)
+            pixels = preprocess(images[start:stop].to(self.device), self.model.image_size, self.resize_backend)
             ids, mask = input_ids[start:stop].to(self.device), attention_mask[start:stop].to(self.device)
             result = self.model(pixels, ids, mask)
             out.append(result.score.float().cpu())

@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import torch
 from PIL import Image
 
+from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import BaseReward
 
 
 def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     """(B,) float32 JPEG sizes in kB (1 kB = 1000 bytes) of (B, 3, H, W) images in [0, 1], as 8-bit RGB."""
-    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     sizes = []
-    for a in arr:
+    for a in to_uint8(images):
         buf = io.BytesIO()
-        Image.fromarray(np.ascontiguousarray(a)).save(buf, format="JPEG", quality=quality)
+        Image.fromarray(a).save(buf, format="JPEG", quality=quality)
         sizes.append(buf.tell() / 1000.0)
     return torch.tensor(sizes, dtype=torch.float32)
 

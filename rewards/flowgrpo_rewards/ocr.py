@@ -4,7 +4,9 @@ Source: Flow-GRPO (Liu et al. 2025, arXiv 2505.05470), ``flow_grpo/ocr.py`` (``O
 
 * target ``t`` = the text between the first pair of double quotes (``"``) of the prompt;
 * recognised ``r`` = the texts of all detected lines, in detection order, joined with nothing;
-* both with spaces removed and lowercased; then::
+* both with spaces removed and lowercased (here: in the Unicode-canonical form of :func:`flowgrpo.text.fold_text`,
+  so curly quotes in the prompt, a no-break space or a full-width letter cannot keep a perfect rendering
+  below 1); then::
 
       reward = 1                                   if t is a substring of r
              = 1 - min(lev(r, t), len(t)) / len(t)  otherwise
@@ -29,7 +31,9 @@ import logging
 import numpy as np
 import torch
 
+from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import BaseReward
+from flowgrpo.text import DOUBLE_QUOTES, fold_text
 
 logger = logging.getLogger(__name__)
 
@@ -55,24 +59,28 @@ def _require(module: str, package: str):
 
 
 def quoted_text(prompt: str) -> str:
-    """The text between the first pair of double quotes of ``prompt``.
+    """The text between the first pair of double quotes of ``prompt``: straight ``"`` as in Flow-GRPO, or any
+    other double-quote form (``“…”``, ``„…“``, ``«…»``, ``＂…＂``; :data:`flowgrpo.text.DOUBLE_QUOTES`).
 
     Raises:
-        ValueError: the prompt has fewer than two ``"`` characters (no quoted target), or the quoted text is
-            empty once spaces are removed (the reward would divide by zero).
+        ValueError: the prompt has fewer than two double quotes (no quoted target), or the quoted text is
+            empty once normalised (the reward would divide by zero).
     """
-    parts = prompt.split('"')
-    if len(parts) < 3:
+    marks = [i for i, c in enumerate(prompt) if c in DOUBLE_QUOTES]
+    if len(marks) < 2:
         raise ValueError(f'the ocr reward needs the target text in double quotes ("...") in the prompt; got {prompt!r}')
-    target = parts[1]
+    target = prompt[marks[0] + 1 : marks[1]]
     if not normalize_text(target):
         raise ValueError(f"the ocr reward's quoted target text is empty in prompt {prompt!r}")
     return target
 
 
 def normalize_text(text: str) -> str:
-    """Remove space characters and lowercase, as Flow-GRPO does before comparing."""
-    return text.replace(" ", "").lower()
+    """Flow-GRPO's comparison form (spaces removed, lower case) on the Unicode-canonical text: every form of
+    whitespace removed, quotes, dashes and full-width characters unified, case-folded
+    (:func:`flowgrpo.text.fold_text`). For plain ASCII text this is exactly Flow-GRPO's ``replace(" ", "").lower()``
+    except that tabs and newlines are removed too."""
+    return fold_text(text).replace(" ", "")
 
 
 def ocr_text_reward(recognized: str, target: str) -> float:
@@ -102,8 +110,7 @@ def ocr_text_reward(recognized: str, target: str) -> float:
 def images_to_bgr_uint8(images: torch.Tensor) -> list[np.ndarray]:
     """(B, 3, H, W) float in [0, 1] (RGB) -> B contiguous (H, W, 3) uint8 BGR arrays (OpenCV's order, which
     RapidOCR assumes for arrays). Rounds to the nearest level, as Flow-GRPO's ``(x * 255).round()``."""
-    u8 = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-    return [np.ascontiguousarray(img.permute(1, 2, 0).numpy()[:, :, ::-1]) for img in u8]
+    return [np.ascontiguousarray(img[:, :, ::-1]) for img in to_uint8(images)]
 
 
 class OcrReward(BaseReward):

@@ -16,11 +16,14 @@ Preprocessing is the laion processor's: shortest edge to 224 (bicubic), center c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from flowgrpo.rewards.base import BaseReward
 from flowgrpo_rewards._clip_common import (
     check_positive_int,
+    check_resize_backend,
     cosine_rows,
     encode_unique,
     in_chunks,
@@ -45,6 +48,9 @@ class PickScoreReward(BaseReward):
         divisor: the score is divided by this (1 = the paper's score; 26 = Flow-GRPO's reward).
         dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
         batch_size: images per forward pass.
+        resize_backend: ``"torch"`` (default: antialiased resize of the float tensor on the device, within the
+            bounds of ``docs/rewards.md`` of the reference) or ``"pil"`` (the reference's own 8-bit PIL resize,
+            exact, on the CPU).
 
     Calling it: ``images`` (B, 3, H, W) float in [0, 1], ``prompts`` B strings -> (B,) float32.
 
@@ -64,6 +70,7 @@ class PickScoreReward(BaseReward):
         divisor: float = 1.0,
         dtype: str = "float32",
         batch_size: int = 32,
+        resize_backend: str = "torch",
     ) -> None:
         if not float(divisor) > 0:
             raise ValueError(f"divisor must be positive, got {divisor!r}")
@@ -73,12 +80,16 @@ class PickScoreReward(BaseReward):
         self.divisor = float(divisor)
         self.dtype = parse_dtype(dtype)
         self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.resize_backend = check_resize_backend(resize_backend)
         self.clip = None
 
     def setup(self, device: torch.device) -> None:
         """Load the model, tokenizer and image processor onto ``device``."""
         super().setup(device)
-        self.clip = load_hf_clip(self.checkpoint, self.processor, self.architecture, self.device, self.dtype)
+        self.clip = load_hf_clip(
+            self.checkpoint, self.processor, self.architecture, self.device, self.dtype, reward=self.name
+        )
+        self.clip.preprocess = replace(self.clip.preprocess, resize_backend=self.resize_backend)
         log_loaded(self.name, self.checkpoint, n_parameters(self.clip.model))
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:

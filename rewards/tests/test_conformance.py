@@ -5,6 +5,8 @@ Model rewards join by subclassing ``RewardConformance`` with a factory that poin
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from flowgrpo_rewards.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
@@ -82,3 +84,32 @@ def test_suite_catches_undocumented_nan():
 
     with pytest.raises(AssertionError, match="NaN on ordinary inputs"):
         TestJpegCompressibility().test_no_nan_unless_documented(NanSometimes())
+
+
+# the keyword arguments a built-in reward cannot be constructed without
+_REQUIRED_KWARGS = {
+    "group_rank": {"base": "jpeg_compressibility"},
+    "pairwise_preference": {"base": "jpeg_compressibility"},
+    "remote": {"url": "http://127.0.0.1:9"},
+}
+_GENEVAL_META = {"tag": "single_object", "include": [{"class": "dog", "count": 1}]}
+
+
+def _builtin_reward_names() -> list[str]:
+    from importlib.metadata import entry_points
+
+    return sorted(ep.name for ep in entry_points(group="flowgrpo.rewards")
+                  if ep.value.startswith(("flowgrpo_rewards.", "flowgrpo.")))
+
+
+@pytest.mark.parametrize("bad", ["uint8", "0_255"])
+@pytest.mark.parametrize("name", _builtin_reward_names())
+def test_every_builtin_reward_refuses_8bit_and_out_of_range_images_by_name(name, bad):
+    """Before any weights are loaded: the input check comes first, and its message names the reward."""
+    from flowgrpo.rewards.registry import load_reward
+
+    reward, _ = load_reward(name, **_REQUIRED_KWARGS.get(name, {}))
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 255
+    images = images.round().to(torch.uint8) if bad == "uint8" else images
+    with pytest.raises(ValueError, match=re.escape(f"{reward.name}: image")):
+        reward(images, ['a sign that says "b"'] * 2, [dict(_GENEVAL_META)] * 2)

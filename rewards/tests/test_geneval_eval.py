@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
@@ -83,6 +84,20 @@ def test_summary_of_a_hand_made_results_file(tmp_path):
     assert s["missing_tasks"] == []
     text = ev.format_summary(s)
     assert "| position | 0.7500 | 3 / 4 |" in text and "0.4167" in text and "62.50%" in text
+
+
+def test_overall_is_numpy_mean_of_task_accuracies_in_order_of_appearance():
+    """summary_scores.py: task accuracies in groupby(sort=False) order (first appearance), then np.mean. With these
+    counts that differs in the last bit from an exact (fsum) sum."""
+    counts = {"single_object": (5, 5), "two_object": (1, 10), "counting": (0, 7), "colors": (2, 2),
+              "position": (0, 9), "color_attr": (5, 9)}
+    order = ["counting", "colors", "position", "two_object", "color_attr", "single_object"]
+    rows = [{"tag": t, "prompt": f"{t}{i}", "correct": i < counts[t][0]} for t in order for i in range(counts[t][1])]
+    expected = float(np.mean([counts[t][0] / counts[t][1] for t in order]))
+    s = ev.summarize(rows)
+    assert s["overall"] == expected
+    assert expected != math.fsum(counts[t][0] / counts[t][1] for t in TASKS) / 6  # an exact sum differs here
+    assert list(s["tasks"]) == list(TASKS)  # the table stays in GenEval's task order
 
 
 def test_summary_with_missing_tasks_and_bad_rows(tmp_path):

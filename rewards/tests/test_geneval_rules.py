@@ -18,6 +18,7 @@ from flowgrpo_rewards.geneval.rules import (
     Detection,
     ImageDetections,
     RuleConfig,
+    box_iou,
     evaluate,
     evaluation_metadata,
     object_names,
@@ -397,3 +398,89 @@ def test_rule_config_rejects_bad_options():
         RuleConfig(counting_threshold=1.5)
     with pytest.raises(ValueError, match="max_objects"):
         RuleConfig(max_objects=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Selection order and numeric precision, as the original computes them
+
+
+def test_equal_scores_are_taken_last_detected_first():
+    """The original orders a class's detections by argsort(score)[::-1]; NumPy sorts its (at most 16-element)
+    per-class arrays stably, so of two equal scores the later detection comes first, and it is the one a
+    count-1 clause checks."""
+    boxes = np.array([[300, 0, 310, 10], [200, 0, 210, 10], [100, 0, 110, 10], [50, 0, 60, 10]], dtype=np.float32)
+    scores = np.array([0.8, 0.8, 0.5, 0.8], dtype=np.float32)
+    dog, cat = object_names().index("dog"), object_names().index("cat")
+    dets = ImageDetections(boxes, scores, np.array([dog, dog, cat, dog]))
+    objects = select_objects(dets, 0.3)
+    assert [o.box[0] for o in objects["dog"]] == [50.0, 200.0, 300.0]  # rows 3, 1, 0
+    # "a dog left of a cat": the cat is at x 100-110; row 3 (x 50, left of it) is checked, not row 0 (x 300)
+    md = {"tag": "position", "include": [{"class": "cat", "count": 1},
+                                         {"class": "dog", "count": 1, "position": ["left of", 0]}]}
+    assert evaluate(objects, md, one_hot_colors({})).correct
+
+
+def test_scores_are_compared_with_the_threshold_in_float32():
+    """mmdet's scores are float32: float32(0.3) is not above 0.3 and float32(0.90000004) is above 0.9, even when
+    given as float64."""
+    eps_above_09 = float(np.nextafter(np.float32(0.9), np.float32(1)))
+    dets = ImageDetections(np.zeros((3, 4), np.float32) + [0, 0, 5, 5], np.array([0.3, 0.3000001, eps_above_09]),
+                           np.array([0, 0, 0]))
+    assert [o.score for o in select_objects(dets, 0.3)["person"]] == [eps_above_09, pytest.approx(0.3000001)]
+    assert len(select_objects(dets, 0.9)["person"]) == 1
+
+
+def official_relative_position_float32(box_a, box_b, threshold=0.1):
+    """GenEval's relative_position restated on float32 arrays (the detector's dtype), step by step."""
+    boxes = np.array([box_a, box_b], dtype=np.float32).reshape(2, 2, 2)
+    center_a, center_b = boxes.mean(axis=-2)
+    dim_a, dim_b = np.abs(np.diff(boxes, axis=-2))[..., 0, :]
+    offset = center_a - center_b
+    revised = np.maximum(np.abs(offset) - np.float32(threshold) * (dim_a + dim_b), np.float32(0)) * np.sign(offset)
+    if np.all(np.abs(revised) < np.float32(1e-3)):
+        return set()
+    dx, dy = revised / np.linalg.norm(offset)
+    return {name for name, hit in (("left of", dx < -0.5), ("right of", dx > 0.5), ("above", dy < -0.5),
+                                   ("below", dy > 0.5)) if hit}
+
+
+def near_boundary_boxes(n, seed):
+    """Pairs of float32 boxes whose horizontal component dx lies within rounding of 0.5."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        wa, wb = rng.uniform(1, 300, 2)
+        norm = rng.uniform(0.2 * (wa + wb) + 1, 600)
+        ox = 0.5 * norm + 0.1 * (wa + wb)  # (|ox| - 0.1 (wa + wb)) / norm = 0.5 exactly in real numbers
+        if ox >= norm:
+            continue
+        oy = math.sqrt(norm * norm - ox * ox)
+        a = np.float32([ox - wa / 2, oy, ox + wa / 2, oy + 5]).tolist()
+        b = np.float32([-wb / 2, 0, wb / 2, 5]).tolist()
+        yield a, b
+
+
+def test_relative_position_is_float32_arithmetic_at_the_boundaries():
+    float64_differs = 0
+    for a, b in near_boundary_boxes(400, seed=3):
+        expected = official_relative_position_float32(a, b)
+        assert relative_position(a, b) == expected, (a, b)
+        float64_differs += relative_position(np.float64(a), np.float64(b)) != expected  # same: cast inside
+        boxes = np.array([a, b], dtype=np.float64).reshape(2, 2, 2)
+        off = boxes.mean(axis=-2)[0] - boxes.mean(axis=-2)[1]
+        dims = np.abs(np.diff(boxes, axis=-2))[..., 0, :]
+        rev = np.maximum(np.abs(off) - 0.1 * dims.sum(axis=0), 0) * np.sign(off)
+        float64_differs += bool((rev[0] / np.linalg.norm(off) > 0.5) != ("right of" in expected))
+    assert float64_differs > 0  # these cases tell float32 from float64 arithmetic
+
+
+def test_box_iou_is_the_originals_inclusive_float32_iou():
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        a = np.sort(rng.uniform(0, 100, (2, 2)), axis=0).T.reshape(-1)[[0, 2, 1, 3]].astype(np.float32)
+        b = np.sort(rng.uniform(0, 100, (2, 2)), axis=0).T.reshape(-1)[[0, 2, 1, 3]].astype(np.float32)
+        inter_w = max(min(a[2], b[2]) - max(a[0], b[0]) + np.float32(1), np.float32(0))
+        inter_h = max(min(a[3], b[3]) - max(a[1], b[1]) + np.float32(1), np.float32(0))
+        inter = inter_w * inter_h
+        union = (a[2] - a[0] + np.float32(1)) * (a[3] - a[1] + np.float32(1)) + \
+            (b[2] - b[0] + np.float32(1)) * (b[3] - b[1] + np.float32(1)) - inter
+        assert box_iou(a, b) == float(inter / union)

@@ -130,8 +130,9 @@ def test_shortest_edge_preprocess_matches_at_the_released_224_size():
 
 
 @pytest.mark.parametrize("shape", [(48, 40), (20, 64), (32, 32)])
-def test_longest_edge_preprocess_matches_hpsv2_preprocess_val(shape):
-    """HPSv2's preprocess_val = open_clip image_transform(resize_mode='longest'): fit, pad with black."""
+def test_longest_edge_preprocess_matches_open_clip_longest_mode(shape):
+    """open_clip image_transform(resize_mode='longest') on PIL images: fit, pad with black. (HPSv2's own
+    preprocess_val resizes the float tensor instead: test_preprocess_parity.py.)"""
     images = smooth_images(2, *shape, seed=13)
     transform = open_clip.image_transform(32, is_train=False, resize_mode="longest")
     expected = torch.stack([transform(to_pil(im)) for im in images])
@@ -194,17 +195,32 @@ def test_tiny_tokenizer_is_the_real_clip_bpe(ckpts):
 # ------------------------------------------------------------------------------------------------------------
 
 
+def hpsv2_preprocess_val(image: torch.Tensor, size: int = 32) -> torch.Tensor:
+    """HPSv2's eval transform on a (3, H, W) float image (ToTensor's output): ResizeMaxSize on the tensor
+    (scale = size / max(H, W), edges round(edge * scale), bicubic, no clamp), pad with 0 centered, Normalize."""
+    tv = pytest.importorskip("torchvision.transforms")
+    tvf = pytest.importorskip("torchvision.transforms.functional")
+    height, width = image.shape[1:]
+    scale = size / float(max(height, width))
+    if scale != 1.0:
+        new_size = [round(dim * scale) for dim in (height, width)]
+        image = tvf.resize(image, new_size, interpolation=tv.InterpolationMode.BICUBIC, antialias=True)
+        pad_h, pad_w = size - new_size[0], size - new_size[1]
+        image = tvf.pad(image, [pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2], fill=0)
+    return tv.Normalize(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)(image)
+
+
 def hps_reference(checkpoint: str, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-    """hpsv2/img_score.py: open_clip CLIP, load_state_dict(checkpoint['state_dict']), preprocess_val on PIL,
+    """hpsv2/img_score.py: open_clip CLIP, load_state_dict(checkpoint['state_dict']), preprocess_val,
     logits = image_features @ text_features.T (both normalised by output_dict), diagonal."""
     model = open_clip.model.CLIP(**tm.TINY_OPEN_CLIP, output_dict=True).eval()
     model.load_state_dict(torch.load(checkpoint, weights_only=True)["state_dict"])
-    preprocess_val = open_clip.image_transform(32, is_train=False, resize_mode="longest")
+    preprocess_val = hpsv2_preprocess_val
     tokenizer = open_clip.get_tokenizer("ViT-H-14")
     scores = []
     with torch.no_grad():
         for image, prompt in zip(images, prompts, strict=True):
-            out = model(preprocess_val(to_pil(image)).unsqueeze(0), tokenizer([prompt]))
+            out = model(preprocess_val(image).unsqueeze(0), tokenizer([prompt]))
             scores.append(torch.diagonal(out["image_features"] @ out["text_features"].T)[0])
     return torch.stack(scores)
 
@@ -231,17 +247,17 @@ def test_hpsv2_versions_load_different_files(ckpts):
     assert not torch.allclose(scores["v2.0"], scores["v2.1"], atol=1e-3)
 
 
-def test_hpsv2_resized_images_stay_close_to_reference(ckpts):
-    """Non-square 48x64 images go through resize + pad; torch vs PIL resampling moves the cosine little."""
-    images = smooth_images(3, 48, 64, seed=23)
+@pytest.mark.parametrize("shape", [(48, 64), (64, 48), (61, 37)])
+def test_hpsv2_resized_images_score_as_the_reference(ckpts, shape):
+    """Non-square images go through resize + pad, on the float tensor in both: equal to float rounding."""
+    images = torch.rand(3, 3, *shape, generator=torch.Generator().manual_seed(23))
     path = ckpts / "hps" / "HPS_v2.1_compressed.pt"
     reward = HPSv2Reward(checkpoint=str(path), architecture=tm.TINY_OPEN_CLIP, batch_size=2)
     reward.setup("cpu")
-    preprocess_val = open_clip.image_transform(32, is_train=False, resize_mode="longest")
-    reference_pixels = torch.stack([preprocess_val(to_pil(im)) for im in images])
-    torch.testing.assert_close(reward.clip.preprocess(images), reference_pixels, atol=PIXEL_ATOL, rtol=0)
+    reference_pixels = torch.stack([hpsv2_preprocess_val(im) for im in images])
+    torch.testing.assert_close(reward.clip.preprocess(images), reference_pixels, atol=2e-6, rtol=0)
     scores = reward(images, PROMPTS[:3], [{}] * 3)
-    torch.testing.assert_close(scores, hps_reference(str(path), images, PROMPTS[:3]), atol=5e-3, rtol=0)
+    torch.testing.assert_close(scores, hps_reference(str(path), images, PROMPTS[:3]), atol=1e-5, rtol=0)
 
 
 def test_hpsv2_rejects_bad_settings_and_missing_files(ckpts, tmp_path):
@@ -312,6 +328,28 @@ def test_pickscore_preprocessing_chunking_and_prompt_dedup(ckpts):
     one_by_one = torch.cat([whole(images[i : i + 1], prompts[i : i + 1], [{}]) for i in range(5)])
     torch.testing.assert_close(together, one_by_one, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(chunked(images, prompts, [{}] * 5), together, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reward_cls", ["pickscore", "clip_score", "aesthetic"])
+def test_pil_resize_backend_scores_resized_images_as_the_pil_reference(ckpts, hf_reference, reward_cls):
+    """resize_backend='pil' reproduces the PIL processor's pixels, so resized images score as the reference."""
+    images = smooth_images(3, 48, 37, seed=34)  # resized and cropped to 32 x 32
+    kwargs = {"checkpoint": str(ckpts / "hf_clip"), "processor": str(ckpts / "hf_proc"), "resize_backend": "pil"}
+    if reward_cls == "pickscore":
+        reward = PickScoreReward(**kwargs)
+    elif reward_cls == "clip_score":
+        reward = ClipScoreReward("openai", **kwargs)
+    else:
+        reward = AestheticReward(clip_checkpoint=kwargs["checkpoint"], clip_processor=kwargs["processor"],
+                                 mlp_checkpoint=str(ckpts), architecture={"mlp_dims": MLP_DIMS}, resize_backend="pil")
+    reward.setup("cpu")
+    assert reward.clip.preprocess.resize_backend == "pil"
+    processor = PilClipImageProcessor.from_pretrained(str(ckpts / "hf_proc"))
+    reference_pixels = processor(images=[to_pil(im) for im in images], return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(reward.clip.preprocess(images), reference_pixels.float(), atol=1e-5, rtol=0)
+    if reward_cls == "pickscore":
+        expected = hf_reference(images, PROMPTS[:3]).logits_per_image.diagonal()
+        torch.testing.assert_close(reward(images, PROMPTS[:3], [{}] * 3), expected, atol=1e-4, rtol=1e-5)
 
 
 def test_hf_architecture_override_replaces_config_json(ckpts):

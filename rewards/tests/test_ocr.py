@@ -83,6 +83,42 @@ def test_quoted_text_is_the_first_double_quoted_span():
     assert quoted_text('"Open 24 Hours" neon sign') == "Open 24 Hours"
 
 
+@pytest.mark.parametrize("prompt", [
+    "a sign that says \u201cJoe\u2019s Diner\u201d",  # curly double quotes, curly apostrophe inside
+    "a sign that says \u201eJoe's Diner\u201c",  # German quotes
+    "a sign that says \u00abJoe's Diner\u00bb",  # guillemets
+    "a sign that says \uff02Joe's Diner\uff02",  # full-width quotation marks
+])
+def test_quoted_text_accepts_every_double_quote_form(prompt):
+    assert normalize_text(quoted_text(prompt)) == "joe'sdiner"
+
+
+@pytest.mark.parametrize("recognized,target", [
+    ("Hello World", "Hello\u00a0World"),  # no-break space
+    ("Hello World", "Hello\u3000World"),  # ideographic space
+    ("Hello World", "Hello\u2009\u200bWorld"),  # thin space, zero-width space
+    ("Hello World", "Hello\tWorld\n"),
+    ("Hello World", "\uff28\uff45\uff4c\uff4c\uff4f World"),  # full-width letters
+    ("Joe's Diner", "Joe\u2019s Diner"),  # right single quotation mark as apostrophe
+    ("Joe\u2018s Diner", "Joe's Diner"),  # the reading has the curly form
+    ("ON-SITE", "ON\u2013SITE"),  # en dash
+    ("ON-SITE", "ON\u2011SITE"),  # non-breaking hyphen
+    ("Wait...", "Wait\u2026"),  # ellipsis
+    ("STRASSE", "Stra\u00dfe"),  # case folding, not only lower()
+])
+def test_every_unicode_form_of_whitespace_quotes_and_punctuation_matches(recognized, target):
+    """Reading and target in different Unicode forms of the same text: a perfect match, reward 1."""
+    pytest.importorskip("rapidfuzz")
+    assert normalize_text(recognized) == normalize_text(target)
+    assert ocr_text_reward(recognized, target) == 1.0
+    assert ocr_text_reward(target, recognized) == 1.0
+
+
+def test_punctuation_itself_still_counts():
+    pytest.importorskip("rapidfuzz")
+    assert ocr_text_reward("Open", "Open!") == pytest.approx(1 - 1 / 5)
+
+
 @pytest.mark.parametrize("prompt", ["a cat on a mat", 'one "quote only', 'empty "" target', 'spaces "   " only'])
 def test_prompt_without_quoted_text_is_an_error(prompt):
     with pytest.raises(ValueError, match="ocr reward"):
@@ -144,6 +180,22 @@ def test_ocr_reads_rendered_text_and_scores_near_misses(ocr_reward):
     scores = ocr_reward(images, [prompt] * len(cases), [{}] * len(cases))
     assert scores.dtype == torch.float32 and scores.shape == (len(cases),)
     torch.testing.assert_close(scores, torch.tensor([e for _, e in cases], dtype=torch.float32), atol=1e-6, rtol=0)
+
+
+def test_a_perfect_rendering_scores_1_whatever_unicode_form_the_prompt_uses(ocr_reward):
+    """The image shows the plain ASCII text; the prompts quote it with curly quotes, no-break spaces, a curly
+    apostrophe, an en dash, full-width letters or zero-width spaces."""
+    cases = [
+        ("Hello World", "a neon sign that says \u201cHello World\u201d"),
+        ("Hello World", 'a neon sign that says "Hello\u00a0World"'),
+        ("Hello World", "a neon sign that says \u201e\uff28\uff45llo World\u201c"),
+        ("Hello World", 'a neon sign that says "Hello\u200b World"'),
+        ("Joe's Diner", "a sign that says \u00abJoe\u2019s Diner\u00bb"),
+        ("ON-SITE", 'a sign that says "ON\u2013SITE"'),
+    ]
+    images = torch.stack([render([text]) for text, _ in cases])
+    scores = ocr_reward(images, [prompt for _, prompt in cases], [{}] * len(cases))
+    torch.testing.assert_close(scores, torch.ones(len(cases)), atol=0, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------------------------

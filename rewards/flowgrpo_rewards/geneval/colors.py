@@ -15,6 +15,7 @@ loaded OpenAI's weights with the QuickGELU activation they were trained with; op
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from flowgrpo.rewards.base import hub_weights
 from flowgrpo_rewards.geneval.rules import COLORS, ColorScorer, Detection
 
 logger = logging.getLogger(__name__)
@@ -102,9 +104,15 @@ class ClipColorClassifier:
 
         self.device = torch.device(device)
         local = self.model_name.startswith("local-dir:")
-        model, _, transform = open_clip.create_model_and_transforms(
-            self.model_name, pretrained=None if local else self.pretrained, device=self.device
-        )
+        pretrained = None if local else self.pretrained
+        # a tag such as "openai" is downloaded from the hub repo of open_clip's pretrained config
+        hub = (open_clip.get_pretrained_cfg(self.model_name, pretrained) if pretrained else {}).get("hf_hub", "")
+        repo = "/".join(hub.strip("/").split("/")[:2])
+        fetching = hub_weights("geneval", "clip_pretrained", repo, local_hint="DIR/<its checkpoint file>")
+        with fetching if repo else contextlib.nullcontext():
+            model, _, transform = open_clip.create_model_and_transforms(
+                self.model_name, pretrained=pretrained, device=self.device
+            )
         self.model = model.eval()
         self.transform = transform
         self.tokenizer = open_clip.get_tokenizer(self.model_name)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from flowgrpo.rewards.base import hub_weights
 from flowgrpo_rewards.geneval.rules import ImageDetections, object_names
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,8 @@ class Mask2FormerDetector:
         from transformers import Mask2FormerForUniversalSegmentation
 
         self.device = torch.device(device)
-        model = Mask2FormerForUniversalSegmentation.from_pretrained(self.model_name)
+        with hub_weights("geneval", "detector", self.model_name):
+            model = Mask2FormerForUniversalSegmentation.from_pretrained(self.model_name)
         n = model.config.num_labels
         if n != len(object_names()):
             raise ValueError(

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flowgrpo.text import fold_text
 from flowgrpo_rewards.geneval.rules import COLORS, RELATIONS, TASKS, evaluation_metadata, object_names
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,9 @@ def prompt_key(metadata: Mapping) -> tuple:
 
 
 def normalize_text(prompt: str) -> str:
-    """Lower case, single spaces, no trailing full stop: the form in which prompt texts are compared."""
-    return " ".join(prompt.lower().split()).rstrip(".").strip()
+    """The form in which prompt texts are compared: Unicode-canonical (:func:`flowgrpo.text.fold_text`: every
+    whitespace form a single space, quote/dash/full-width forms unified, case-folded), no trailing full stop."""
+    return fold_text(prompt).rstrip(".").strip()
 
 
 @functools.cache

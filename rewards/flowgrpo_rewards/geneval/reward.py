@@ -21,10 +21,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from PIL import Image
 
+from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import BaseReward
 from flowgrpo_rewards.geneval.colors import DEFAULT_CLIP_MODEL, DEFAULT_CLIP_PRETRAINED, ClipColorClassifier
 from flowgrpo_rewards.geneval.detector import DEFAULT_DETECTOR, DEFAULT_SCALE, Mask2FormerDetector
@@ -60,9 +60,7 @@ class ImageResult:
 
 def to_pil(images: torch.Tensor) -> list[Image.Image]:
     """(B, 3, H, W) float in [0, 1] → B RGB PIL images, quantised as saved PNGs are (round(255·x))."""
-    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
-    arr = arr.permute(0, 2, 3, 1).cpu().numpy()  # (B, H, W, 3) uint8
-    return [Image.fromarray(np.ascontiguousarray(a)) for a in arr]
+    return [Image.fromarray(a) for a in to_uint8(images)]  # (H, W, 3) uint8 each
 
 
 class GenEvalScorer:

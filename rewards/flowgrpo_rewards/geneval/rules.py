@@ -8,6 +8,9 @@ checking the prompt's clauses. This module reproduces the rules of the benchmark
 * **Selection** (:func:`select_objects`): per class, detections with score **strictly above** 0.3 (0.9
   when the prompt's tag is ``counting``), most confident first, at most 16 per class; non-maximum
   suppression is off (IoU threshold 1.0) unless asked for.
+* **Numeric precision**: the original works on mmdet's float32 detection arrays, so scores are compared with
+  the thresholds in float32, and box centres, sizes, offsets, norms and IoUs are float32 arithmetic here too
+  (a float64 re-computation flips relations whose components lie within float32 rounding of a boundary).
 * **Include clauses** are ANDed: a clause ``{class, count}`` needs at least ``count`` detections of the class.
   Colour and position are checked only on the ``count`` most confident of them.
 * **Colour**: each of those objects is classified among :data:`COLORS` (zero-shot CLIP, see
@@ -219,18 +222,21 @@ def validate_metadata(metadata: Mapping, where: str = "metadata") -> None:
 
 
 def box_iou(box_a: Sequence[float], box_b: Sequence[float]) -> float:
-    """IoU of two (x1, y1, x2, y2) boxes with the original's inclusive-pixel convention (width = x2 − x1 + 1).
+    """IoU of two (x1, y1, x2, y2) boxes with the original's inclusive-pixel convention (width = x2 − x1 + 1),
+    in float32 arithmetic as the original computes it on the detector's float32 boxes.
 
     Used only by the optional NMS (off by default), as in ``compute_iou`` of GenEval's scorer.
     """
+    a = np.asarray(box_a[:4], dtype=np.float32)
+    b = np.asarray(box_b[:4], dtype=np.float32)
+    one, zero = np.float32(1), np.float32(0)
 
-    def area(b):
-        return max(b[2] - b[0] + 1, 0) * max(b[3] - b[1] + 1, 0)
+    def area(x1, y1, x2, y2):
+        return max(x2 - x1 + one, zero) * max(y2 - y1 + one, zero)
 
-    inter = area((max(box_a[0], box_b[0]), max(box_a[1], box_b[1]), min(box_a[2], box_b[2]),
-                  min(box_a[3], box_b[3])))
-    union = area(box_a) + area(box_b) - inter
-    return inter / union if union else 0.0
+    inter = area(max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), min(a[3], b[3]))
+    union = area(*a) + area(*b) - inter
+    return float(inter / union) if union else 0.0
 
 
 def select_objects(
@@ -239,7 +245,11 @@ def select_objects(
 ) -> dict[str, list[Detection]]:
     """GenEval's selection: per class, score > ``threshold``, most confident first, at most ``max_objects``.
 
-    The comparison is made in the scores' dtype (float32 from the detector), as in the original.
+    As the original: scores are float32 (the detector's dtype; other dtypes are cast) and compared with the
+    threshold in float32, so a score equal to float32(0.3) is not above 0.3. The order is the original's
+    ``argsort(scores)[::-1]`` over the class's detections in detector order: equal scores come last-detected
+    first. (NumPy's default sort is stable on arrays of at most 16 elements and may order ties otherwise on
+    longer ones; a stable sort is used here for any length, so ties are deterministic.)
 
     Detector labels are mapped to names by COCO index (``classnames[label]``, default :func:`object_names`),
     never by the detector's own label strings. With ``nms_threshold < 1`` a greedy per-class NMS then drops
@@ -256,18 +266,14 @@ def select_objects(
     labels = np.asarray(detections.labels)
     if labels.size and (labels.min() < 0 or labels.max() >= len(names)):
         raise ValueError(f"detector label out of range [0, {len(names)}): {labels.min()}..{labels.max()}")
-    scores = np.asarray(detections.scores)
-    if not np.issubdtype(scores.dtype, np.floating):
-        scores = scores.astype(np.float64)
-    # compare in the scores' own precision, as NumPy compares a float32 array with a Python float: a float32
-    # score equal to float32(0.3) is not above the threshold
-    above = scores > scores.dtype.type(threshold)
+    scores = np.asarray(detections.scores, dtype=np.float32)
     selected: dict[str, list[Detection]] = {}
     for index, name in enumerate(names):
-        rows = np.flatnonzero((labels == index) & above)
-        if rows.size == 0:
+        rows = np.flatnonzero(labels == index)  # the class's detections in detector order
+        rows = rows[np.argsort(scores[rows], kind="stable")[::-1]]  # descending; ties: later detection first
+        rows = rows[scores[rows] > np.float32(threshold)][:max_objects].tolist()
+        if not rows:
             continue
-        rows = rows[np.argsort(-scores[rows], kind="stable")][:max_objects].tolist()
         kept: list[int] = []
         while rows:
             best = rows.pop(0)
@@ -291,7 +297,7 @@ def select_objects(
 
 
 def relative_position(box_a: Sequence[float], box_b: Sequence[float], threshold: float = 0.1) -> set[str]:
-    """The relations of object A to object B (``relative_position`` of GenEval's scorer).
+    """The relations of object A to object B (``relative_position`` of GenEval's scorer), in float32.
 
     With centres c = ((x1+x2)/2, (y1+y2)/2), sizes s = (x2−x1, y2−y1) and offset o = c_A − c_B (image y grows
     downwards), the dead-zone-reduced offset is r = sign(o)·max(|o| − threshold·(s_A + s_B), 0) per axis.
@@ -302,11 +308,11 @@ def relative_position(box_a: Sequence[float], box_b: Sequence[float], threshold:
     Returns:
         a subset of :data:`RELATIONS`.
     """
-    a = np.asarray(box_a[:4], dtype=np.float64).reshape(2, 2)
-    b = np.asarray(box_b[:4], dtype=np.float64).reshape(2, 2)
+    a = np.asarray(box_a[:4], dtype=np.float32).reshape(2, 2)  # float32 throughout, as the original
+    b = np.asarray(box_b[:4], dtype=np.float32).reshape(2, 2)
     offset = a.mean(axis=0) - b.mean(axis=0)
     size_a, size_b = a[1] - a[0], b[1] - b[0]
-    dead_zone = threshold * (np.abs(size_a) + np.abs(size_b))
+    dead_zone = np.float32(threshold) * (np.abs(size_a) + np.abs(size_b))
     revised = np.maximum(np.abs(offset) - dead_zone, 0.0) * np.sign(offset)
     if np.all(np.abs(revised) < 1e-3):
         return set()

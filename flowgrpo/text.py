@@ -1,0 +1,48 @@
+"""One canonical form of text for every comparison of texts (OCR targets and readings, prompt look-ups).
+
+A prompt typed on a phone has curly quotes, a non-breaking space or a full-width letter; an OCR engine reads a
+straight apostrophe or an en dash where the prompt had another form. Texts that a reader sees as the same must
+compare equal, so :func:`fold_text` maps every Unicode form of whitespace, quotes, dashes and the common
+full-width/compatibility punctuation to one ASCII form:
+
+1. quote and dash variants become ``'``, ``"`` and ``-`` (:data:`QUOTE_AND_DASH`), before and after step 2;
+2. NFKC compatibility normalisation (Unicode Standard Annex #15): full-width ``Ａ１！`` → ``A1!``, ligatures,
+   ``…`` → ``...``, no-break and other fixed-width spaces → space;
+3. invisible format characters (Unicode category ``Cf``: zero-width space and joiners, soft hyphen, BOM) are
+   removed;
+4. every run of Unicode whitespace becomes one space, leading and trailing whitespace is dropped;
+5. :meth:`str.casefold` (Unicode case folding: ``Straße`` and ``STRASSE`` compare equal).
+
+Punctuation itself is kept (``"Open!"`` and ``"Open"`` still differ): only its forms are unified.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+#: Single quotes, double quotes and dashes of other forms, to their ASCII form.
+QUOTE_AND_DASH = {
+    **dict.fromkeys("\u2018\u2019\u201a\u201b\u2032\u2035\u00b4\u0060\uff07\u02bc", "'"),
+    **dict.fromkeys("\u201c\u201d\u201e\u201f\u2033\u2036\u00ab\u00bb\u301d\u301e\u301f\uff02", '"'),
+    **dict.fromkeys("\u2010\u2011\u2012\u2013\u2014\u2015\u2212\ufe58\ufe63\uff0d", "-"),
+    "\u3002": ".",  # ideographic full stop
+    "\u3001": ",",  # ideographic comma
+}
+_TABLE = str.maketrans(QUOTE_AND_DASH)
+
+#: Every character that opens or closes a double-quoted span in a prompt (straight, curly, guillemets, CJK).
+DOUBLE_QUOTES = frozenset(c for c, ascii_form in QUOTE_AND_DASH.items() if ascii_form == '"') | {'"'}
+
+
+def fold_text(text: str) -> str:
+    """The canonical form of ``text`` (see the module docstring): ASCII quotes and dashes, NFKC, no format
+    characters, single spaces, case-folded.
+
+    Raises:
+        TypeError: ``text`` is not a string.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"fold_text needs a str, got {type(text).__name__}")
+    text = unicodedata.normalize("NFKC", text.translate(_TABLE)).translate(_TABLE)
+    text = "".join(c for c in text if unicodedata.category(c) != "Cf")
+    return " ".join(text.split()).casefold()
