@@ -520,7 +520,8 @@ def test_remote_server_down_fails_clearly_after_retries_with_backoff():
     url = f"http://127.0.0.1:{free_port()}"
     remote = RemoteReward(url, timeout=1.0, retries=2, backoff=0.1)
     t0 = time.perf_counter()
-    with pytest.raises(RemoteRewardError, match=rf"{re.escape(url)}/health failed after 3 attempts.*Connect"):
+    pattern = rf"{re.escape(url)}/health failed after 3 attempts; last error: Connect.*to retry; deadline 900 s\)"
+    with pytest.raises(RemoteRewardError, match=pattern):
         remote.setup("cpu")
     assert time.perf_counter() - t0 >= 0.1 + 0.2  # backoff before retries 1 and 2
 
