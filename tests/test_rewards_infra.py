@@ -592,6 +592,7 @@ def test_remote_retries_busy_servers_then_succeeds():
 def test_remote_kwargs_are_checked_at_construction():
     for kwargs, match in (({"url": "127.0.0.1:80"}, "http://"), ({"timeout": 0}, "timeout"),
                           ({"retries": -1}, "retries"), ({"backoff": -1}, "backoff"), ({"batch_size": 0}, "batch"),
+                          ({"deadline": 0}, "deadline"),
                           ({"backoff": 2.0, "max_backoff": 1.0}, "max_backoff")):
         with pytest.raises(ValueError, match=match):
             RemoteReward(**{"url": "http://127.0.0.1:1", **kwargs})

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -255,7 +256,15 @@ def create_app(reward, *, reward_name: str, origin: dict | None = None, device: 
     info = {"status": "ok", "reward": reward_name, "origin": origin, "wire_version": WIRE_VERSION,
             "max_request_bytes": int(max_request_bytes), "batch_size": int(batch_size),
             "max_image_pixels": int(max_image_pixels), "flowgrpo_version": _flowgrpo_version(),
-            **{k: v for k, v in serving.__dict__.items()}}
+            **dataclasses.asdict(serving)}
+    _add_routes(app, info, metrics, endpoint)
+    app.state.admission, app.state.metrics = admission, metrics
+    return app
+
+
+def _add_routes(app, info: dict, metrics: ServerMetrics, endpoint: _ScoreEndpoint) -> None:
+    """``GET /health`` (``info``), ``GET /metrics`` (Prometheus text) and ``POST /score`` (``endpoint``)."""
+    from fastapi.responses import Response
 
     @app.get("/health")
     async def health():
@@ -263,8 +272,6 @@ def create_app(reward, *, reward_name: str, origin: dict | None = None, device: 
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        from fastapi.responses import Response
-
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 
@@ -272,8 +279,6 @@ def create_app(reward, *, reward_name: str, origin: dict | None = None, device: 
         return await endpoint(request)
 
     app.add_route("/score", score, methods=["POST"])
-    app.state.admission, app.state.metrics = admission, metrics
-    return app
 
 
 async def _start_scorer(reward, reward_name: str, device, serving: ServingConfig, worker_spec):

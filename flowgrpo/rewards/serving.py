@@ -82,7 +82,8 @@ class ServerMetrics:
     Exported (``GET /metrics``, text format 0.0.4): ``flowgrpo_reward_queue_depth`` and
     ``flowgrpo_reward_in_flight`` (gauges, requests), ``flowgrpo_reward_requests_total{code}``,
     ``flowgrpo_reward_refusals_total{reason}`` (``queue_full``, ``queue_timeout``, ``too_large``,
-    ``unsupported_media``, ``bad_request``), ``flowgrpo_reward_images_scored_total``,
+    ``unsupported_media``, ``bad_request``, ``reward_failed``, ``disconnected``),
+    ``flowgrpo_reward_images_scored_total``,
     ``flowgrpo_reward_request_seconds`` and ``flowgrpo_reward_queue_wait_seconds`` (histograms, seconds),
     ``flowgrpo_reward_batch_images`` (histogram of images per reward call) and
     ``flowgrpo_reward_recent_latency_seconds{quantile}`` (p50/p90/p99 of the last 1024 answered requests).
