@@ -520,7 +520,8 @@ def test_remote_server_down_fails_clearly_after_retries_with_backoff():
     url = f"http://127.0.0.1:{free_port()}"
     remote = RemoteReward(url, timeout=1.0, retries=2, backoff=0.1)
     t0 = time.perf_counter()
-    with pytest.raises(RemoteRewardError, match=rf"{re.escape(url)}/health failed after 3 attempts.*Connect"):
+    pattern = rf"{re.escape(url)}/health failed after 3 attempts; last error: Connect.*to retry; deadline 900 s\)"
+    with pytest.raises(RemoteRewardError, match=pattern):
         remote.setup("cpu")
     assert time.perf_counter() - t0 >= 0.1 + 0.2  # backoff before retries 1 and 2
 
@@ -591,6 +592,7 @@ def test_remote_retries_busy_servers_then_succeeds():
 def test_remote_kwargs_are_checked_at_construction():
     for kwargs, match in (({"url": "127.0.0.1:80"}, "http://"), ({"timeout": 0}, "timeout"),
                           ({"retries": -1}, "retries"), ({"backoff": -1}, "backoff"), ({"batch_size": 0}, "batch"),
+                          ({"deadline": 0}, "deadline"),
                           ({"backoff": 2.0, "max_backoff": 1.0}, "max_backoff")):
         with pytest.raises(ValueError, match=match):
             RemoteReward(**{"url": "http://127.0.0.1:1", **kwargs})

@@ -6,7 +6,7 @@ names them as::
     rewards:
       - name: remote
         weight: 1.0
-        kwargs: {url: "http://127.0.0.1:8765", timeout: 60, retries: 3, backoff: 0.5, batch_size: 16}
+        kwargs: {url: "http://127.0.0.1:8765", timeout: 120, deadline: 900, batch_size: 16}
 
 Wire format (version 1; JSON both ways, never pickle):
 
@@ -14,16 +14,18 @@ Wire format (version 1; JSON both ways, never pickle):
   ``{"images": [<base64 PNG>, …], "prompts": [str, …], "metadata": [{…}, …]}``: B 8-bit RGB PNG images of one
   size, each ``round(255·x)`` of the (3, H, W) float image (the same quantisation as saving the image), B prompts
   and B JSON objects. Reply ``200 {"scores": [float | null, …], "reward": name}``, ``null`` meaning NaN ("not
-  applicable"). Errors reply ``{"error": message, "error_type": name}`` with 400 (bad input; ``error_type``
-  ``ValueError`` is re-raised here as ``ValueError``), 413 (request too large), 415 (not JSON) or 500 (the reward
-  failed).
+  applicable"). Errors reply ``{"error": message, "error_type": name}`` with 400 (bad input, every image that
+  cannot be decoded included; ``error_type`` ``ValueError`` is re-raised here as ``ValueError``), 413 (request too
+  large), 415 (not JSON), 503 with ``Retry-After`` (the server's queue is full) or 500 (the reward failed).
 * ``GET /health``: ``{"status": "ok", "reward": name, "origin": {…}, "max_request_bytes": n, …}``.
+* ``GET /metrics``: the server's load in the Prometheus text format.
 
 A batch is sent in requests of at most ``batch_size`` images, and smaller when the server's request size limit
 (read from ``/health`` at setup) needs it. Timeouts, connection errors and replies 429/502/503/504 are retried
-``retries`` times with exponential backoff (``min(backoff·2^k, max_backoff)`` seconds before retry k+1); then
-:class:`RemoteRewardError` names the URL, the attempts and the last error. A malformed reply or another error
-status is not retried.
+with jittered exponential backoff that honours the server's ``Retry-After`` (:meth:`RemoteReward.retry_wait`),
+until the request's total ``deadline`` (900 s by default: a shared server may be busy for minutes) or an
+optional count of ``retries``; then :class:`RemoteRewardError` names the URL, the attempts, how long they took
+and waited, and the last error. A malformed reply or another error status is not retried.
 
 The client needs ``httpx`` (``pip install "flowgrpo[server]"``).
 """
@@ -31,11 +33,15 @@ The client needs ``httpx`` (``pip install "flowgrpo[server]"``).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import logging
 import math
+import random
+import struct
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -54,41 +60,85 @@ class RemoteRewardError(RuntimeError):
     """The reward server could not be reached after the retries, replied malformed data, or reported a failure."""
 
 
+@dataclasses.dataclass
+class RetryStats:
+    """What :func:`send_with_retries` did: retries made and seconds waited before them."""
+
+    retries: int = 0
+    waited_s: float = 0.0
+
+
+def retry_wait(k: int, retry_after: float | None, backoff: float, max_backoff: float, rng=random) -> float:
+    """Seconds before retry ``k`` (0-based): ``max(Retry-After, min(backoff·2^k, max_backoff))·(1 + U/2)``.
+
+    U is uniform in [0, 1) from ``rng``. The jitter spreads clients that were refused together (exponential
+    backoff with jitter, AWS Architecture Blog "Exponential Backoff and Jitter"); the wait is never shorter than
+    the server's ``Retry-After`` (RFC 9110 §10.2.3).
+    """
+    base = max(retry_after or 0.0, min(backoff * 2**k, max_backoff))
+    return base * (1.0 + 0.5 * rng.random())
+
+
+def _attempt(http, method: str, url: str, content, headers, retry_status):
+    """One HTTP attempt: ``(reply, None, None)``, or ``(None, why, Retry-After seconds)`` when it may be retried."""
+    import httpx
+
+    try:
+        r = http.request(method, url, content=content, headers=headers)
+    except httpx.TimeoutException as err:
+        return None, f"timed out after {http.timeout.read:g} s ({type(err).__name__})", None
+    except httpx.TransportError as err:
+        return None, f"{type(err).__name__}: {err}", None
+    if r.status_code in retry_status:
+        return None, f"HTTP {r.status_code}: {r.text[:200]}", parse_retry_after(r.headers.get("retry-after"))
+    return r, None, None
+
+
 def send_with_retries(http, method: str, url: str, *, content: bytes | None = None, headers: dict | None = None,
-                      retries: int, backoff: float, max_backoff: float, retry_status=RETRY_STATUS,
-                      what: str = "remote reward", error_cls: type[Exception] = RemoteRewardError):
-    """Send one HTTP request, retrying timeouts, connection errors and ``retry_status`` replies ``retries`` times
-    with exponential backoff (``min(backoff·2^k, max_backoff)`` seconds before retry k+1; the loop is bounded).
+                      retries: int | None, backoff: float, max_backoff: float, deadline: float | None = None,
+                      retry_status=RETRY_STATUS, what: str = "remote reward",
+                      error_cls: type[Exception] = RemoteRewardError, rng=None, stats: RetryStats | None = None):
+    """Send one HTTP request, retrying timeouts, connection errors and ``retry_status`` replies with jittered
+    exponential backoff that honours ``Retry-After`` (:func:`retry_wait`), at most ``retries`` times (None: no
+    count) and while the next wait ends within ``deadline`` seconds of the start (None: no deadline). At least one
+    of the two bounds must be given, so the loop is bounded.
 
     Args:
         http: an ``httpx.Client`` (its timeout applies to each attempt).
+        rng: the jitter's source (default: the OS's, so processes seeded alike do not retry in lockstep).
+        stats: filled with the retries made and the seconds waited.
 
     Returns:
         the first ``httpx.Response`` whose status is not in ``retry_status`` (the caller checks it).
 
     Raises:
-        error_cls: every attempt failed; the message names ``what``, the URL, the attempts and the last error.
+        error_cls: every attempt failed; the message names ``what``, the URL, the attempts, the last error, the
+            elapsed time and the time spent waiting.
+        ValueError: neither ``retries`` nor ``deadline`` given.
     """
-    import httpx
-
-    attempts = retries + 1
-    last = ""
-    for k in range(attempts):
-        if k:
-            time.sleep(min(backoff * 2 ** (k - 1), max_backoff))
-        try:
-            r = http.request(method, url, content=content, headers=headers)
-        except httpx.TimeoutException as err:
-            last = f"timed out after {http.timeout.read:g} s ({type(err).__name__})"
-            continue
-        except httpx.TransportError as err:
-            last = f"{type(err).__name__}: {err}"
-            continue
-        if r.status_code in retry_status:
-            last = f"HTTP {r.status_code}: {r.text[:200]}"
-            continue
-        return r
-    raise error_cls(f"{what} at {url} failed after {attempts} attempts; last error: {last}")
+    if retries is None and deadline is None:
+        raise ValueError("send_with_retries needs retries or a deadline")
+    rng = rng or random.SystemRandom()
+    stats = stats if stats is not None else RetryStats()
+    t0 = time.monotonic()
+    while True:
+        r, last, retry_after = _attempt(http, method, url, content, headers, retry_status)
+        if r is not None:
+            if stats.retries:
+                logger.info("%s %s: answered after %d retries; waited %.1f s for a busy or unreachable server",
+                            what, url, stats.retries, stats.waited_s)
+            return r
+        k, elapsed = stats.retries, time.monotonic() - t0
+        wait = retry_wait(k, retry_after, backoff, max_backoff, rng)
+        if (retries is not None and k >= retries) or (deadline is not None and elapsed + wait > deadline):
+            limit = f"; deadline {deadline:g} s" if deadline is not None else ""
+            raise error_cls(f"{what} at {url} failed after {k + 1} attempts; last error: {last} ({elapsed:.1f} s "
+                            f"in all, {stats.waited_s:.1f} s of it waiting to retry{limit})")
+        log = logger.warning if (k + 1) & k == 0 else logger.debug  # retries 1, 2, 4, 8, ...: not every one
+        log("%s %s: %s; retry %d in %.1f s", what, url, last, k + 1, wait)
+        time.sleep(wait)
+        stats.retries += 1
+        stats.waited_s += wait
 
 
 def images_to_png_b64(images: torch.Tensor, compress_level: int = 1) -> list[str]:
@@ -107,18 +157,29 @@ def images_to_png_b64(images: torch.Tensor, compress_level: int = 1) -> list[str
     return out
 
 
-def png_b64_to_images(items: list, max_pixels: int = 4096 * 4096) -> torch.Tensor:
-    """(B, 3, H, W) float32 in [0, 1] from base64 8-bit RGB PNG strings, all of one size.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
-    The image header is checked before any pixel is decoded, so a small PNG that would expand to a huge image
-    (a decompression bomb) is refused cheaply.
+
+def _png_header_size(raw: bytes, i: int) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk, read without PIL (PNG spec, section 11.2.2: the first chunk)."""
+    if raw[:8] != PNG_SIGNATURE or raw[12:16] != b"IHDR" or len(raw) < 24:
+        raise ValueError(f"images[{i}] is not a PNG image (no PNG signature and IHDR header)")
+    width, height = struct.unpack(">II", raw[16:24])
+    return width, height
+
+
+def decode_png_b64(items: list, max_pixels: int = 4096 * 4096) -> np.ndarray:
+    """(B, H, W, 3) uint8 pixels of base64 8-bit RGB PNG strings, all of one size.
+
+    The declared size is read from the PNG header and checked against ``max_pixels`` before PIL opens the
+    image, so a small PNG that declares a huge image (a decompression bomb) is refused cheaply; any failure to
+    open or decode a client's bytes is a ``ValueError`` (the server answers it with 400), never another error.
 
     Raises:
-        ValueError: not a list of base64 strings, not a PNG, not 8-bit RGB, more than ``max_pixels`` pixels,
-            or sizes that differ (the message names the index and what is allowed).
+        ValueError: not a list of base64 strings, not a PNG, not 8-bit RGB, more than ``max_pixels`` pixels
+            (width·height, the message names the limit), corrupt data, or sizes that differ (the message names
+            the index and what is allowed).
     """
-    from PIL import Image, UnidentifiedImageError
-
     if not isinstance(items, list) or not items:
         raise ValueError("'images' must be a non-empty list of base64-encoded PNG strings")
     arrays = []
@@ -130,24 +191,63 @@ def png_b64_to_images(items: list, max_pixels: int = 4096 * 4096) -> torch.Tenso
             raw = base64.b64decode(s, validate=True)
         except ValueError as err:
             raise ValueError(f"images[{i}] is not valid base64: {err}") from None
-        try:
-            img = Image.open(io.BytesIO(raw), formats=["PNG"])
-        except (UnidentifiedImageError, OSError) as err:
-            raise ValueError(f"images[{i}] is not a PNG image: {err}") from None
-        if img.mode != "RGB":
-            raise ValueError(f"images[{i}] has PNG mode {img.mode!r}; only 8-bit 'RGB' is accepted")
-        if img.width * img.height > max_pixels:
-            raise ValueError(f"images[{i}] is {img.width}x{img.height}, over the limit of {max_pixels} pixels")
+        width, height = _png_header_size(raw, i)
+        if width * height > max_pixels:
+            raise ValueError(f"images[{i}] declares {width}x{height} = {width * height} pixels, over the limit of "
+                             f"{max_pixels} pixels (width·height; the server's --max-image-pixels)")
         if size is None:
-            size = img.size
-        elif img.size != size:
-            raise ValueError(f"images[{i}] is {img.size[0]}x{img.size[1]} but images[0] is {size[0]}x{size[1]}")
-        try:
-            arrays.append(np.asarray(img, dtype=np.uint8))
-        except (OSError, SyntaxError) as err:
-            raise ValueError(f"images[{i}] is a truncated or corrupt PNG: {err}") from None
-    batch = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)  # (B, 3, H, W) uint8
-    return batch.float() / 255.0
+            size = (width, height)
+        elif (width, height) != size:
+            raise ValueError(f"images[{i}] is {width}x{height} but images[0] is {size[0]}x{size[1]}")
+        arrays.append(_decode_png(raw, i))
+    return np.stack(arrays)
+
+
+def _decode_png(raw: bytes, i: int) -> np.ndarray:
+    """(H, W, 3) uint8 of one PNG whose header has been checked; every decoding failure is a ValueError."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():  # the size is checked against our own limit already
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(raw), formats=["PNG"])
+            if img.mode != "RGB":
+                raise ValueError(f"images[{i}] has PNG mode {img.mode!r}; only 8-bit 'RGB' is accepted")
+            return np.asarray(img, dtype=np.uint8)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever PIL raises on a client's bytes is bad input, not a crash
+        raise ValueError(f"images[{i}] is a truncated or corrupt PNG: {type(err).__name__}: {err}") from None
+
+
+def pixels_to_images(pixels: np.ndarray) -> torch.Tensor:
+    """(B, 3, H, W) float32 in [0, 1] (value/255) from (B, H, W, 3) uint8 pixels."""
+    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(0, 3, 1, 2).float() / 255.0
+
+
+def png_b64_to_images(items: list, max_pixels: int = 4096 * 4096) -> torch.Tensor:
+    """(B, 3, H, W) float32 in [0, 1] from base64 8-bit RGB PNG strings, all of one size.
+
+    Raises:
+        ValueError: as :func:`decode_png_b64`.
+    """
+    return pixels_to_images(decode_png_b64(items, max_pixels))
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (RFC 9110 §10.2.3: delay-seconds or an HTTP-date); None if absent/bad."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        from email.utils import parsedate_to_datetime
+
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(when.timestamp() - time.time(), 0.0)
 
 
 class RemoteReward:
@@ -155,27 +255,37 @@ class RemoteReward:
 
     Args:
         url: the server's base URL, e.g. ``http://127.0.0.1:8765``.
-        timeout: seconds allowed for each phase of a request (connect, send, wait for the reply). > 0.
-        retries: how many times a timed-out, refused or 429/502/503/504 request is retried (>= 0).
-        backoff: seconds before the first retry; doubled before each next one (>= 0).
+        timeout: seconds allowed for each phase of one attempt (connect, send, wait for the reply). > 0. A busy
+            server keeps a request in its queue for up to its ``--max-queue-wait`` (60 s by default) before it
+            answers, so keep this above that.
+        deadline: seconds one request may take in all, retries and waits included (> 0; default 900). Retrying
+            stops when the next wait would pass it.
+        retries: at most this many retries (>= 0); ``None`` (default): as many as the deadline allows.
+        backoff: seconds before the first retry; doubled before each next one, up to ``max_backoff`` (>= 0).
         batch_size: at most this many images per request (>= 1).
         name: the reward's name in metrics (default ``"remote"``; the config's key is what the trainer uses).
         compress_level: PNG compression 0–9 (pixels are the same at every level; 1 is fast).
-        max_backoff: the longest wait between two attempts, in seconds (default 30).
+        max_backoff: the longest wait between two attempts, in seconds (default 30), except where the
+            server's ``Retry-After`` asks for longer.
+
+    Attributes:
+        waited_s: seconds spent waiting before retries since construction (a busy server shows here).
+        retried: how many retries were made since construction.
 
     Raises:
         ValueError: a kwarg out of range (at construction; nothing is contacted before :meth:`setup`).
     """
 
-    def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
+    def __init__(self, url: str, timeout: float = 120.0, retries: int | None = None, backoff: float = 0.5,
                  batch_size: int = 16, name: str = "remote", compress_level: int = 1,
-                 max_backoff: float = 30.0) -> None:
+                 max_backoff: float = 30.0, deadline: float = 900.0) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"remote reward url must start with http:// or https://, got {url!r}")
-        if not (isinstance(timeout, int | float) and timeout > 0):
-            raise ValueError(f"remote reward timeout must be > 0 seconds, got {timeout!r}")
-        if not (isinstance(retries, int) and retries >= 0):
-            raise ValueError(f"remote reward retries must be an integer >= 0, got {retries!r}")
+        for key, value in (("timeout", timeout), ("deadline", deadline)):
+            if not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"remote reward {key} must be > 0 seconds, got {value!r}")
+        if not (retries is None or (isinstance(retries, int) and retries >= 0)):
+            raise ValueError(f"remote reward retries must be an integer >= 0 or None, got {retries!r}")
         if not (isinstance(backoff, int | float) and backoff >= 0):
             raise ValueError(f"remote reward backoff must be >= 0 seconds, got {backoff!r}")
         if not (isinstance(max_backoff, int | float) and max_backoff >= backoff):
@@ -186,6 +296,7 @@ class RemoteReward:
             raise ValueError(f"remote reward compress_level must be in 0..9, got {compress_level!r}")
         self.url = url.rstrip("/")
         self.timeout = float(timeout)
+        self.deadline = float(deadline)
         self.retries = retries
         self.backoff = float(backoff)
         self.max_backoff = float(max_backoff)
@@ -194,7 +305,12 @@ class RemoteReward:
         self.compress_level = compress_level
         self.server_info: dict | None = None  # the server's /health reply, after setup
         self.max_request_bytes: int | None = None
+        self.waited_s = 0.0
+        self.retried = 0
         self._client = None
+        # Jitter must differ between the processes of one run (seeded alike, they would retry in lockstep), so it
+        # comes from the OS, not from the run's seed; it never affects a score.
+        self._jitter = random.SystemRandom()
 
     # ------------------------------------------------------------------ connection
     def _http(self):
@@ -228,19 +344,30 @@ class RemoteReward:
             self._client.close()
             self._client = None
 
+    def retry_wait(self, k: int, retry_after: float | None) -> float:
+        """Seconds to wait before retry ``k`` (0-based): see :func:`retry_wait`."""
+        return retry_wait(k, retry_after, self.backoff, self.max_backoff, self._jitter)
+
     def _request(self, method: str, path: str, body: bytes | None):
-        """One logical request with retries; returns the decoded JSON reply of a 200."""
+        """One logical request with retries until :attr:`deadline`; returns the decoded JSON reply of a 200."""
         url = self.url + path
         headers = {"Content-Type": "application/json"} if body is not None else None
-        r = send_with_retries(self._http(), method, url, content=body, headers=headers, retries=self.retries,
-                              backoff=self.backoff, max_backoff=self.max_backoff)
+        stats = RetryStats()
+        try:
+            r = send_with_retries(self._http(), method, url, content=body, headers=headers, retries=self.retries,
+                                  backoff=self.backoff, max_backoff=self.max_backoff, deadline=self.deadline,
+                                  rng=self._jitter, stats=stats)
+        finally:
+            self.waited_s += stats.waited_s
+            self.retried += stats.retries
         if r.status_code != 200:
             self._raise_for_error(r, url)
         try:
             return r.json()
         except ValueError:
-            raise RemoteRewardError(f"remote reward at {url} sent a malformed reply (not JSON): {r.text[:200]!r}") \
-                from None
+            raise RemoteRewardError(
+                f"remote reward at {url} sent a malformed reply (not JSON): {r.text[:200]!r}"
+            ) from None
 
     @staticmethod
     def _raise_for_error(r, url: str):

@@ -8,36 +8,52 @@
 The wire format is in :mod:`flowgrpo.rewards.remote`: JSON with base64 PNG images, never pickle. The server
 binds 127.0.0.1 unless ``--host`` says otherwise; it has no authentication, so bind another address only on a
 trusted network. The reward is built from the registry (entry-point name or ``module:attr``) and ``setup`` on
-``--device`` once at startup, before the first request is accepted.
+``--device`` once at startup (once in each of ``--workers`` processes), before the first request is accepted.
 
-Requests are checked before their bodies are read: a content type other than ``application/json`` (a pickle,
-``application/octet-stream``, a form) gets 415, a declared or streamed body over ``--max-request-mb`` gets 413,
-and more than ``--max-concurrency`` requests in flight get 503 (which the client retries). Decoding and scoring
-run on a worker thread, one request at a time, in slices of at most ``--batch-size`` images, so ``/health``
-answers while a batch is being scored.
+Checks, in order, each answered with a complete HTTP response: a content type other than ``application/json``
+(a pickle, ``application/octet-stream``, a form) gets 415; a declared or streamed body over
+``--max-request-mb`` gets 413; a request that finds ``--max-concurrency`` requests in flight and ``--max-queue``
+waiting, or that waits ``--max-queue-wait`` seconds, gets 503 with ``Retry-After``; bad JSON, bad fields and any
+image that cannot be decoded (not a PNG, corrupt, over ``--max-image-pixels`` by its header) get 400. Before a
+refusal the server reads the rest of the body and discards it, so the client always reads the answer (a client
+that keeps sending past 4× the size limit is answered and disconnected). Admission, cross-request batching and
+the scoring workers are in :mod:`flowgrpo.rewards.serving`; ``GET /metrics`` exports the load in the Prometheus
+text format.
 
-Built on FastAPI (Starlette) and uvicorn.
+Built on FastAPI (Starlette) and uvicorn; docs/reward_server.md says why not a serving framework.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
-import math
 import socket
 import threading
 import time
 
 import torch
 
-from flowgrpo.rewards.remote import WIRE_VERSION, png_b64_to_images
+from flowgrpo.rewards.remote import WIRE_VERSION, decode_png_b64
+from flowgrpo.rewards.serving import (
+    Admission,
+    Batcher,
+    ProcessScorer,
+    QueueTimeout,
+    RewardFailed,
+    ServerMetrics,
+    ServingConfig,
+    ThreadScorer,
+)
 
 logger = logging.getLogger(__name__)
 
 _INSTALL = 'pip install "flowgrpo[server]"'
+#: a refused request's body is read and discarded up to this many times the size limit, then the connection closes
+DRAIN_FACTOR = 4
 
 
 def _require_server_deps():
@@ -48,129 +64,247 @@ def _require_server_deps():
         raise ImportError(f"the reward server needs FastAPI and uvicorn: {_INSTALL}") from err
 
 
-class _Scorer:
-    """Decodes a request's payload and scores it, serialised by a lock (rewards need not be thread-safe)."""
+def parse_score_request(body: bytes, max_image_pixels: int):
+    """(pixels (B, H, W, 3) uint8, prompts, metadata) of a ``POST /score`` body.
 
-    def __init__(self, reward, batch_size: int, max_image_pixels: int) -> None:
-        self.reward = reward
-        self.batch_size = batch_size
-        self.max_image_pixels = max_image_pixels
-        self.lock = threading.Lock()
+    Raises:
+        ValueError: not JSON, a missing or mistyped field, lengths that differ, or an image that cannot be
+            decoded (see :func:`~flowgrpo.rewards.remote.decode_png_b64`).
+    """
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"the request body is not valid JSON: {str(err)[:200]}") from None
+    if not isinstance(payload, dict):
+        raise ValueError("the request body must be a JSON object with 'images', 'prompts' and 'metadata'")
+    missing = [k for k in ("images", "prompts", "metadata") if k not in payload]
+    if missing:
+        raise ValueError(f"the request is missing {missing}; it needs 'images', 'prompts' and 'metadata'")
+    prompts, metadata = payload["prompts"], payload["metadata"]
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError("'prompts' must be a list of strings")
+    if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
+        raise ValueError("'metadata' must be a list of JSON objects")
+    pixels = decode_png_b64(payload["images"], max_image_pixels)
+    b = pixels.shape[0]
+    if len(prompts) != b or len(metadata) != b:
+        raise ValueError(f"the request has {b} images but {len(prompts)} prompts and {len(metadata)} metadata")
+    return pixels, prompts, metadata
 
-    def __call__(self, payload) -> list[float | None]:
-        if not isinstance(payload, dict):
-            raise ValueError("the request body must be a JSON object with 'images', 'prompts' and 'metadata'")
-        missing = [k for k in ("images", "prompts", "metadata") if k not in payload]
-        if missing:
-            raise ValueError(f"the request is missing {missing}; it needs 'images', 'prompts' and 'metadata'")
-        prompts, metadata = payload["prompts"], payload["metadata"]
-        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-            raise ValueError("'prompts' must be a list of strings")
-        if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
-            raise ValueError("'metadata' must be a list of JSON objects")
-        images = png_b64_to_images(payload["images"], self.max_image_pixels)
-        b = images.shape[0]
-        if len(prompts) != b or len(metadata) != b:
-            raise ValueError(f"the request has {b} images but {len(prompts)} prompts and {len(metadata)} metadata")
-        out = []
-        with self.lock, torch.no_grad():
-            for s in range(0, b, self.batch_size):
-                e = min(s + self.batch_size, b)
-                scores = torch.as_tensor(self.reward(images[s:e], prompts[s:e], metadata[s:e]), dtype=torch.float32)
-                if scores.shape != (e - s,):
-                    raise RuntimeError(f"the reward returned shape {tuple(scores.shape)}, expected ({e - s},)")
-                out.extend(scores.cpu().tolist())
-        return [None if math.isnan(v) else v for v in out]
+
+class _Refusal(Exception):
+    """An answer other than 200: HTTP status, message, error type, metrics reason, extra headers."""
+
+    def __init__(self, status: int, message: str, kind: str, reason: str, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.reason, self.headers = status, message, kind, reason, headers
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its body arrived."""
+
+
+async def read_body(receive, limit: int, drain_limit: int) -> bytes | None:
+    """The request body from ASGI ``receive``; None if it is over ``limit`` bytes (then read on and discarded up to
+    ``drain_limit`` bytes, so the answer can be read by the client). Raises _ClientGone on a disconnect."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        data = message.get("body", b"")
+        size += len(data)
+        if size <= limit:
+            chunks.append(data)
+        if not message.get("more_body", False) or size > drain_limit:
+            return b"".join(chunks) if size <= limit else None
+
+
+class _ScoreEndpoint:
+    """``POST /score``: checks, admission, decoding, batching; every answer counted in the metrics."""
+
+    def __init__(self, *, reward_name, admission, batcher, metrics, max_request_bytes, max_image_pixels) -> None:
+        self.reward_name, self.admission, self.batcher, self.metrics = reward_name, admission, batcher, metrics
+        self.limit, self.max_image_pixels = max_request_bytes, max_image_pixels
+        self.drain_limit = DRAIN_FACTOR * max_request_bytes
+
+    async def __call__(self, request):
+        from fastapi.responses import JSONResponse
+
+        t0 = time.monotonic()
+        try:
+            scores = await self._handle(request)
+        except _Refusal as ref:
+            self.metrics.answered(ref.status, time.monotonic() - t0, ref.reason)
+            return JSONResponse({"error": ref.message, "error_type": ref.kind}, status_code=ref.status,
+                                headers=ref.headers)
+        self.metrics.answered(200, time.monotonic() - t0)
+        return JSONResponse({"scores": scores, "reward": self.reward_name})
+
+    async def _refuse_after_drain(self, request, refusal: _Refusal) -> None:
+        with contextlib.suppress(_ClientGone):
+            await read_body(request.receive, 0, self.drain_limit)
+        raise refusal
+
+    def _busy(self, message: str, reason: str) -> _Refusal:
+        retry_after = self.admission.retry_after()
+        return _Refusal(503, f"{message}; retry after {retry_after} s", "ServerBusy", reason,
+                        {"Retry-After": str(retry_after)})
+
+    async def _check_headers(self, request) -> None:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            await self._refuse_after_drain(request, _Refusal(
+                415, f"Content-Type must be application/json, got {ctype or 'none'!r}; the wire format is JSON "
+                     "with base64 PNG images (pickle is never accepted)", "UnsupportedMediaType", "unsupported_media"))
+        declared = request.headers.get("content-length")
+        if declared is not None and not declared.isdigit():
+            raise _Refusal(400, f"invalid Content-Length {declared!r}", "ValueError", "bad_request")
+        if declared is not None and int(declared) > self.limit:
+            refusal = _Refusal(413, f"request of {int(declared)} bytes is over the limit of {self.limit} bytes",
+                               "RequestTooLarge", "too_large")
+            if int(declared) > self.drain_limit:
+                raise refusal  # answered without reading: uvicorn closes the connection after the answer
+            await self._refuse_after_drain(request, refusal)
+
+    async def _handle(self, request) -> list:
+        import anyio
+
+        await self._check_headers(request)
+        if not self.admission.try_enter():
+            cfg = self.admission.config
+            await self._refuse_after_drain(request, self._busy(
+                f"the server is busy: {cfg.max_concurrency} requests in flight and {cfg.max_queue} waiting",
+                "queue_full"))
+        try:
+            try:
+                body = await read_body(request.receive, self.limit, self.drain_limit)
+            except _ClientGone:
+                raise _Refusal(400, "the client disconnected", "ClientDisconnected", "disconnected") from None
+            if body is None:
+                raise _Refusal(413, f"request body is over the limit of {self.limit} bytes", "RequestTooLarge",
+                               "too_large")
+            async with self.admission.slot() as waited:
+                self.metrics.queue_wait.observe(waited)
+                pixels, prompts, metadata = await anyio.to_thread.run_sync(
+                    parse_score_request, body, self.max_image_pixels)
+                del body
+                scores = await self.batcher.score(pixels, prompts, metadata)
+                self.metrics.images.inc(len(scores))
+                return scores
+        except QueueTimeout as err:
+            raise self._busy(f"the server is busy: {err}", "queue_timeout") from None
+        except ValueError as err:
+            raise _Refusal(400, str(err), "ValueError", "bad_request") from None
+        except RewardFailed as err:
+            logger.error("reward %r failed: %s: %s", self.reward_name, err.kind, err)
+            raise _Refusal(500, f"reward {self.reward_name!r} failed: {err.kind}: {err}", err.kind,
+                           "reward_failed") from None
+        finally:
+            self.admission.leave()
 
 
 def create_app(reward, *, reward_name: str, origin: dict | None = None, device: str | None = "cpu",
-               max_request_bytes: int = 64 * 2**20, batch_size: int = 64, max_image_pixels: int = 4096 * 4096):
+               max_request_bytes: int = 64 * 2**20, batch_size: int = 64, max_image_pixels: int = 4096 * 4096,
+               serving: ServingConfig | None = None, worker_spec: tuple[str, dict] | None = None):
     """The FastAPI app serving ``reward`` (not yet set up: ``setup(device)`` runs at startup unless device is None).
 
     Args:
-        reward: an object of the Reward protocol.
+        reward: an object of the Reward protocol (unused when ``serving.workers > 1``: the workers build theirs).
         reward_name: reported by ``/health`` and in every reply.
         origin: provenance reported by ``/health`` (a :class:`~flowgrpo.rewards.registry.RewardOrigin` as dict).
         device: the device for ``reward.setup``; None: the caller has set it up already.
         max_request_bytes: larger bodies get 413 (checked on Content-Length, and while streaming).
         batch_size: the reward is called on at most this many images at a time.
-        max_image_pixels: larger images (width·height) get 400 before their pixels are decoded.
+        max_image_pixels: larger images (width·height, read from the PNG header) get 400 before decoding.
+        serving: in-flight limit, queue, cross-request batching and workers (default :class:`ServingConfig`).
+        worker_spec: ``(registry name or module:attr, kwargs)`` each worker process builds; needed when
+            ``serving.workers > 1``.
 
     Raises:
-        ImportError: FastAPI is not installed (the message gives the pip command).
-        ValueError: a limit below 1.
+        ImportError: FastAPI or prometheus_client is not installed (the message gives the pip command).
+        ValueError: a limit below 1, or workers > 1 without a worker_spec.
     """
     _require_server_deps()
-    import anyio
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi import FastAPI
 
     for k, v in (("max_request_bytes", max_request_bytes), ("batch_size", batch_size),
                  ("max_image_pixels", max_image_pixels)):
         if int(v) < 1:
             raise ValueError(f"{k} must be >= 1, got {v}")
-    scorer = _Scorer(reward, int(batch_size), int(max_image_pixels))
+    serving = serving or ServingConfig()
+    if serving.workers > 1 and worker_spec is None:
+        raise ValueError(f"workers={serving.workers} needs worker_spec=(reward name or module:attr, kwargs)")
+    admission = Admission(serving)
+    metrics = ServerMetrics(admission.queue_depth, lambda: admission.in_flight)
+    endpoint = _ScoreEndpoint(reward_name=reward_name, admission=admission, batcher=None, metrics=metrics,
+                              max_request_bytes=int(max_request_bytes), max_image_pixels=int(max_image_pixels))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if device is not None:
-            t0 = time.perf_counter()
-            await anyio.to_thread.run_sync(reward.setup, torch.device(device))
-            logger.info("reward %r set up on %s in %.1f s", reward_name, device, time.perf_counter() - t0)
-        yield
+        scorer = await _start_scorer(reward, reward_name, device, serving, worker_spec)
+        endpoint.batcher = Batcher(scorer, serving, int(batch_size), on_batch=metrics.batch_images.observe)
+        endpoint.batcher.start()
+        try:
+            yield
+        finally:
+            await endpoint.batcher.stop()
+            scorer.close()
 
     app = FastAPI(title="flowgrpo reward server", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    info = {"status": "ok", "reward": reward_name, "origin": origin, "wire_version": WIRE_VERSION,
+            "max_request_bytes": int(max_request_bytes), "batch_size": int(batch_size),
+            "max_image_pixels": int(max_image_pixels), "flowgrpo_version": _flowgrpo_version(),
+            **dataclasses.asdict(serving)}
+    _add_routes(app, info, metrics, endpoint)
+    app.state.admission, app.state.metrics = admission, metrics
+    return app
 
-    def error(status: int, message: str, kind: str) -> JSONResponse:
-        return JSONResponse({"error": message, "error_type": kind}, status_code=status)
 
-    try:
-        from importlib.metadata import version
-
-        flowgrpo_version = version("flowgrpo")
-    except Exception:  # noqa: BLE001 - running from a source tree that is not installed
-        flowgrpo_version = None
+def _add_routes(app, info: dict, metrics: ServerMetrics, endpoint: _ScoreEndpoint) -> None:
+    """``GET /health`` (``info``), ``GET /metrics`` (Prometheus text) and ``POST /score`` (``endpoint``)."""
+    from fastapi.responses import Response
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "reward": reward_name, "origin": origin, "wire_version": WIRE_VERSION,
-                "max_request_bytes": int(max_request_bytes), "batch_size": int(batch_size),
-                "max_image_pixels": int(max_image_pixels), "flowgrpo_version": flowgrpo_version}
+        return info
 
-    async def score(request: Request) -> JSONResponse:  # a plain Starlette route: the body is read by hand
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            return error(415, f"Content-Type must be application/json, got {ctype or 'none'!r}; the wire format "
-                              "is JSON with base64 PNG images (pickle is never accepted)", "UnsupportedMediaType")
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                return error(400, f"invalid Content-Length {declared!r}", "ValueError")
-            if int(declared) > max_request_bytes:
-                return error(413, f"request of {int(declared)} bytes is over the limit of {max_request_bytes} "
-                                  "bytes", "RequestTooLarge")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_request_bytes:
-                return error(413, f"request body is over the limit of {max_request_bytes} bytes", "RequestTooLarge")
-            chunks.append(chunk)
-        try:
-            payload = json.loads(b"".join(chunks))
-        except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
-            return error(400, f"the request body is not valid JSON: {str(err)[:200]}", "ValueError")
-        try:
-            scores = await anyio.to_thread.run_sync(scorer, payload)
-        except ValueError as err:
-            return error(400, str(err), "ValueError")
-        except Exception as err:  # the reward failed: report it, keep serving
-            logger.exception("reward %r failed", reward_name)
-            return error(500, f"reward {reward_name!r} failed: {type(err).__name__}: {err}", type(err).__name__)
-        return JSONResponse({"scores": scores, "reward": reward_name})
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    async def score(request):  # a plain Starlette route: the body is read by hand
+        return await endpoint(request)
 
     app.add_route("/score", score, methods=["POST"])
-    return app
+
+
+async def _start_scorer(reward, reward_name: str, device, serving: ServingConfig, worker_spec):
+    """A started ThreadScorer (the reward set up here) or ProcessScorer (set up in each worker)."""
+    import anyio
+
+    t0 = time.perf_counter()
+    if serving.workers > 1:
+        scorer = ProcessScorer(worker_spec[0], worker_spec[1], str(device or "cpu"), serving.workers)
+        await scorer.start()
+    else:
+        if device is not None:
+            await anyio.to_thread.run_sync(reward.setup, torch.device(device))
+        scorer = ThreadScorer(reward)
+    logger.info("reward %r set up on %s in %.1f s (%d worker%s)", reward_name, device, time.perf_counter() - t0,
+                serving.workers, "s" if serving.workers > 1 else "")
+    return scorer
+
+
+def _flowgrpo_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("flowgrpo")
+    except Exception:  # noqa: BLE001 - running from a source tree that is not installed
+        return None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -179,9 +313,22 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(128)
+    sock.listen(2048)  # many training processes may connect at once
     sock.set_inheritable(True)
     return sock
+
+
+def uvicorn_config(app, *, log_level: str, access_log: bool, graceful_s: float):
+    """uvicorn settings shared by the command and :class:`ServerThread`.
+
+    No ``limit_concurrency``: uvicorn's own 503 answers before the body is read and then closes the connection,
+    which the client sees as a reset; the app's admission queue answers instead. Keep-alive (75 s) outlives the
+    HTTP client's pooled connections (httpx: 5 s), so a client never reuses a connection the server is closing.
+    """
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, lifespan="on", limit_concurrency=None, backlog=2048,
+                          timeout_keep_alive=75, timeout_graceful_shutdown=graceful_s, access_log=access_log)
 
 
 class ServerThread:
@@ -191,22 +338,21 @@ class ServerThread:
             RemoteReward(srv.url)(images, prompts, metadata)
 
     Args:
-        app: an ASGI app. host: bind address (default loopback). port: 0 picks a free port.
-        max_concurrency: requests in flight beyond this get 503. startup_timeout: seconds to wait for startup.
+        app: an ASGI app (admission limits are the app's: :func:`create_app`'s ``serving``).
+        host: bind address (default loopback). port: 0 picks a free port.
+        startup_timeout: seconds to wait for startup (worker processes included).
 
     Raises:
         RuntimeError: the server did not start (e.g. the reward's setup failed) within ``startup_timeout``.
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, max_concurrency: int = 16,
-                 startup_timeout: float = 30.0) -> None:
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 120.0) -> None:
         _require_server_deps()
         import uvicorn
 
         self._sock = bind_socket(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", limit_concurrency=max_concurrency,
-                                timeout_graceful_shutdown=2, access_log=False)
+        config = uvicorn_config(app, log_level="warning", access_log=False, graceful_s=2)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
                                         name="flowgrpo-reward-server")
@@ -254,7 +400,18 @@ def _parse_args(argv):
     p.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body in MiB (default 64)")
     p.add_argument("--batch-size", type=int, default=64, help="images per reward call (default 64)")
     p.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="largest image, width·height")
-    p.add_argument("--max-concurrency", type=int, default=16, help="requests in flight before 503 (default 16)")
+    p.add_argument("--max-concurrency", type=int, default=16,
+                   help="requests in flight (decoded, batched or scored) at once (default 16)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait beyond --max-concurrency; one more gets 503 (default 256)")
+    p.add_argument("--max-queue-wait", type=float, default=60.0,
+                   help="seconds a request may wait for a slot before 503 (default 60)")
+    p.add_argument("--cross-request-batching", action=argparse.BooleanOptionalAction, default=True,
+                   help="merge concurrent requests into reward calls of up to --batch-size images (default on)")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0,
+                   help="how long a free worker waits for more images to merge (default 5)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="scoring processes, each with its own reward (for CPU rewards; default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log every request (default on)")
@@ -283,9 +440,15 @@ def main(argv: list[str] | None = None) -> None:
         reward, origin = load_reward(args.reward, **kwargs)
     except (RewardLoadError, ValueError) as err:
         raise SystemExit(f"flowgrpo-reward-server: {err}") from None
-    app = create_app(reward, reward_name=args.reward, origin=origin.__dict__, device=device,
-                     max_request_bytes=int(args.max_request_mb * 2**20), batch_size=args.batch_size,
-                     max_image_pixels=args.max_image_pixels)
+    try:
+        serving = ServingConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                                max_queue_wait=args.max_queue_wait, cross_request_batching=args.cross_request_batching,
+                                batch_wait_s=args.batch_wait_ms / 1000.0, workers=args.workers)
+        app = create_app(reward, reward_name=args.reward, origin=origin.__dict__, device=device,
+                         max_request_bytes=int(args.max_request_mb * 2**20), batch_size=args.batch_size,
+                         max_image_pixels=args.max_image_pixels, serving=serving, worker_spec=(args.reward, kwargs))
+    except ValueError as err:
+        raise SystemExit(f"flowgrpo-reward-server: {err}") from None
     with contextlib.suppress(ValueError):
         if not ipaddress.ip_address(args.host).is_loopback:
             logger.warning("binding %s: the reward server has no authentication; anyone who can reach this "
@@ -297,8 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     port = sock.getsockname()[1]
     logger.info("flowgrpo-reward-server: serving %r (%s) on http://%s:%d", args.reward, origin.target,
                 f"[{args.host}]" if ":" in args.host else args.host, port)
-    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", limit_concurrency=args.max_concurrency,
-                            timeout_graceful_shutdown=5, access_log=args.access_log)
+    config = uvicorn_config(app, log_level=args.log_level, access_log=args.access_log, graceful_s=5)
     uvicorn.Server(config).run(sockets=[sock])
 
 
