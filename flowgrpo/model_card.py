@@ -24,19 +24,19 @@ def _is_hub_id(name: str) -> bool:
     return name.count("/") == 1 and not Path(name).exists() and not name.startswith((".", "/"))
 
 
-def _load_snippet(base: str, pipeline_class: str, finetune: str, repo: str) -> str:
+def _load_snippet(base: str, pipeline_class: str, finetune: str, repo: str, prompt: str) -> str:
     if finetune == "lora":
         return (f"import torch\nfrom diffusers import {pipeline_class}\n\n"
                 f'pipe = {pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16)\n'
                 f'pipe.load_lora_weights("{repo}")  # this folder, or its Hub repo id\n'
-                'image = pipe("a photo of a cat").images[0]\n')
+                f"image = pipe({prompt!r}).images[0]\n")
     transformer_class = {"FluxPipeline": "FluxTransformer2DModel",
                          "StableDiffusion3Pipeline": "SD3Transformer2DModel"}.get(pipeline_class,
                                                                                    "FluxTransformer2DModel")
     return (f"import torch\nfrom diffusers import {pipeline_class}, {transformer_class}\n\n"
             f'transformer = {transformer_class}.from_pretrained("{repo}")  # this folder, or its Hub repo id\n'
             f'pipe = {pipeline_class}.from_pretrained("{base}", transformer=transformer)\n'
-            'image = pipe("a photo of a cat").images[0]\n')
+            f"image = pipe({prompt!r}).images[0]\n")
 
 
 def _figures_table(summary: dict) -> str:
@@ -53,7 +53,8 @@ def _figures_table(summary: dict) -> str:
 
 
 def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", repo: str = ".",
-               figures: tuple[str, ...] = FIGURES) -> str:
+               figures: tuple[str, ...] = FIGURES, base_folder: str | None = None,
+               prompt: str = "a photo of a cat") -> str:
     """The card's text (``README.md``) for a run's weights.
 
     Args:
@@ -64,6 +65,8 @@ def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", r
             ``StableDiffusion3Pipeline``).
         repo: how the loading snippet names the weights (a folder or a Hub repo id).
         figures: picture files beside the card to show.
+        base_folder: where an embedded base model (``digits``, ``tiny``) lives, for the loading code.
+        prompt: the example prompt of the loading code.
     """
     m, s, a, t = config.model, config.sampling, config.algo, config.train
     base = m.pretrained
@@ -83,7 +86,7 @@ def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", r
 
 Trained with flowgrpo — GRPO-family reinforcement learning for flow-matching models.
 
-* **Base model:** `{base}` ({pipeline_class})
+* **Base model:** `{base}` ({pipeline_class}{", built by flowgrpo in " + base_folder if base_folder else ""})
 * **Weights:** {"LoRA (rank " + str(m.lora_rank) + ", alpha " + str(m.lora_alpha) + ")" if m.finetune == "lora"
                 else "the full transformer"}
 * **Algorithm:** SDE `{s.sde_kind}` (noise level {s.noise_level:g}, {s.num_steps} steps), chunker
@@ -99,7 +102,7 @@ Trained with flowgrpo — GRPO-family reinforcement learning for flow-matching m
 {pics}## How to load
 
 ```python
-{_load_snippet(base, pipeline_class, m.finetune, repo)}```
+{_load_snippet(base_folder or base, pipeline_class, m.finetune, repo, prompt)}```
 
 ## Config
 
@@ -113,9 +116,11 @@ Trained with flowgrpo — GRPO-family reinforcement learning for flow-matching m
 
 
 def write_model_card(config, summary: dict, weights_dir: str | Path, run_dir: str | Path, *,
-                     pipeline_class: str = "FluxPipeline") -> Path | None:
+                     pipeline_class: str = "FluxPipeline", prompt: str = "a photo of a cat") -> Path | None:
     """Write ``weights_dir/README.md`` (:func:`model_card`) and copy the run's figures beside it. Returns the
     card's path, or None (with a warning) when ``weights_dir`` does not exist."""
+    from flowgrpo.models import resolve_pretrained
+
     weights_dir, run_dir = Path(weights_dir), Path(run_dir)
     if not weights_dir.is_dir():
         logger.warning("no weights in %s: no model card written", weights_dir)
@@ -124,6 +129,8 @@ def write_model_card(config, summary: dict, weights_dir: str | Path, run_dir: st
     for name in figures:
         shutil.copyfile(run_dir / name, weights_dir / name)
     path = weights_dir / "README.md"
+    base = config.model.pretrained
+    folder = resolve_pretrained(base) if base in ("digits", "tiny") else None  # already built for training
     path.write_text(model_card(config, summary, pipeline_class=pipeline_class, repo=str(weights_dir),
-                               figures=figures))
+                               figures=figures, base_folder=folder, prompt=prompt))
     return path

@@ -38,32 +38,31 @@ def smooth(values: list[float], window: int) -> list[float]:
 def reward_curve_figure(records: list[dict]):
     """One panel per optimised reward component (``reward/<name>/mean``; ``total`` only when there are several
     components, since with one it is the same curve) with the per-epoch value and a smoothed line (trailing mean
-    over about a tenth of the epochs), and one panel of the evaluation figures (``eval/…/mean``, points).
-    Returns the matplotlib figure."""
+    over √(epochs) epochs), then one panel per evaluation figure (``eval/<name>/mean`` and whole-set figures such
+    as ``eval/correctness``; per-digit and real-data figures left out), as points. Returns the matplotlib
+    figure."""
     comps = sorted({k.split("/")[1] for r in records for k in r
                     if k.startswith("reward/") and k.endswith("/mean") and r[k] is not None} - {"total"})
     if len(comps) > 1:
         comps.append("total")
-    evals = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/mean")})
-    panels = [f"reward/{c}/mean" for c in comps] + (["eval"] if evals else [])
+    evals = sorted({k for r in records for k in r if k.startswith("eval/") and not k.endswith("_real")
+                    and (k.endswith("/mean") or k.count("/") == 1)})
+    panels = [f"reward/{c}/mean" for c in comps] + evals
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.5 * max(1, len(panels)), 3.4), squeeze=False,
                              layout="constrained")
     for ax, key in zip(axes.flat, panels, strict=False):
-        if key == "eval":
-            for k in evals:
-                pts = [(r["epoch"], r[k]) for r in records if r.get(k) is not None]
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=k.removeprefix("eval/").removesuffix("/mean"))
-            ax.set_title("evaluation (held-out)", fontsize=9)
-            ax.legend(fontsize=7)
+        pts = [(r["epoch"], r[key]) for r in records if r.get(key) is not None]
+        if key.startswith("eval/"):
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", color="C1")
+            ax.set_title(f"evaluation: {key.removeprefix('eval/').removesuffix('/mean')}", fontsize=9)
         else:
-            pts = [(r["epoch"], r[key]) for r in records if r.get(key) is not None]
             if pts:
                 xs, ys = (list(v) for v in zip(*pts, strict=True))
                 ax.plot(xs, ys, color="C0", alpha=0.3, label="per epoch")
-                ax.plot(xs, smooth(ys, max(1, len(ys) // 10)), color="C0", label="smoothed")
+                ax.plot(xs, smooth(ys, max(1, round(len(ys) ** 0.5))), color="C0", label="smoothed")
                 ax.legend(fontsize=7)
-            ax.set_title(key.split("/")[1], fontsize=9)
+            ax.set_title(f"reward: {key.split('/')[1]}", fontsize=9)
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
     return fig

@@ -132,6 +132,7 @@ def run(config) -> dict:
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.trainer import Trainer
 
+    _quiet_libraries()
     config = resolve_auto_resume(config)
     chunker = check_strategies(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)

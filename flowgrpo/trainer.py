@@ -472,7 +472,7 @@ class Trainer:
             from flowgrpo.model_card import write_model_card
 
             write_model_card(self.cfg, summary, self.weights_dir, self.out,
-                             pipeline_class=type(self.adapter.pipe).__name__)
+                             pipeline_class=type(self.adapter.pipe).__name__, prompt=self.prompts.prompts[0])
         self.scorer.close()
         return summary
 
@@ -581,7 +581,9 @@ class Trainer:
         summary["train_seconds"] = sum(v for k, v in phases.items() if k != "eval")
         for k, v in (extra_seconds or {}).items():
             phases[k] = phases.get(k, 0.0) + v
-        summary["phase_seconds"] = phases
+        rank = {p: i for i, p in enumerate(("rollout", "reward", "advantage", "plan", "recompute", "update", "eval",
+                                            "save"))}  # the order the phases run in
+        summary["phase_seconds"] = dict(sorted(phases.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
         summary["outputs"] = self._outputs()
         if self.main:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}

@@ -46,9 +46,10 @@ def _real_grids(per_digit: int):
 
 
 def test_digit_judge_batch_metrics_per_digit_and_min_ratio():
+    from flowgrpo_rewards.digits_judge import DigitJudge
+
     from flowgrpo.models.digits import digits_to_images, images_to_digits
     from flowgrpo.models.digits_eval import judge_predict
-    from flowgrpo_rewards.digits_judge import DigitJudge
 
     grids, labels = _real_grids(4)
     grids[labels == 3] = grids[labels == 3][0]  # digit 3 collapsed to one prototype: diversity 0
@@ -134,12 +135,13 @@ def test_reward_curve_one_panel_per_component_no_duplicate_total():
     one = [{"epoch": e, "reward/jpeg/mean": float(e), "reward/total/mean": float(e)} for e in range(20)]
     fig = reward_curve_figure(one)
     titles = [ax.get_title() for ax in fig.axes]
-    assert titles == ["jpeg"]
+    assert titles == ["reward: jpeg"]
     labels = [ln.get_label() for ln in fig.axes[0].get_lines()]
     assert labels == ["per epoch", "smoothed"]
-    two = [{**r, "reward/clip/mean": 1.0, "eval/jpeg/mean": 2.0} for r in one]
-    assert [ax.get_title() for ax in reward_curve_figure(two).axes] == ["clip", "jpeg", "total",
-                                                                        "evaluation (held-out)"]
+    two = [{**r, "reward/clip/mean": 1.0, "eval/jpeg/mean": 2.0, "eval/correctness": 0.5,
+            "eval/digit_3/diversity": 1.0, "eval/diversity_real": 36.0} for r in one]
+    assert [ax.get_title() for ax in reward_curve_figure(two).axes] == [
+        "reward: clip", "reward: jpeg", "reward: total", "evaluation: correctness", "evaluation: jpeg"]
 
 
 def _overlap(a, b) -> bool:
@@ -260,3 +262,87 @@ def test_quiet_libraries_hides_http_request_lines_unless_debugging():
     finally:
         root.setLevel(old)
         logging.getLogger("httpx").setLevel(logging.NOTSET)
+
+
+# ------------------------------------------------------------------ a whole run without evaluation prompts
+def _python_block(markdown: str) -> str:
+    return markdown.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_run_without_eval_prompts_reports_card_and_auto_resume(tmp_path, tiny_flux_dir, caplog):
+    """A LoRA run on training prompts only: the summary compares the training reward before/after on held-out
+    seeds, times every phase, says where everything went; the model card's loading code works with diffusers;
+    ``train.resume_from=auto`` continues the run with its saved config."""
+    import json
+
+    from flowgrpo.config import build_config
+    from flowgrpo.train import format_report, resolve_auto_resume, run
+
+    out = tmp_path / "run"
+    data = {
+        "output_dir": str(out),
+        "model": {"pretrained": str(tiny_flux_dir), "max_sequence_length": 16, "height": 32, "width": 32,
+                  "finetune": "lora", "lora_rank": 2},
+        "sampling": {"num_steps": 3}, "eval_sampling": {"num_steps": 3},
+        "train": {"num_epochs": 2, "prompts_per_epoch": 2, "group_size": 2, "rollout_batch_size": 2,
+                  "optimizer_steps_per_epoch": 2, "lr": 1e-2},
+        "rewards": [{"name": "jpeg_compressibility"}],
+        "data": {"train_prompts": "t2i_compbench", "eval_num_prompts": 3},
+        "logging": {"progress": False, "save_every": 1},
+    }
+    with caplog.at_level(logging.INFO, logger="flowgrpo.trainer"):
+        summary = run(build_config(data))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch ")]
+    assert [ln.split(" · ")[0] for ln in lines] == ["epoch 1/2", "epoch 2/2"]
+    assert all("ETA" in ln and "reward " in ln and "later clip" in ln for ln in lines)
+    assert {"jpeg_compressibility_mean_before", "jpeg_compressibility_mean_after"} <= set(summary)
+    assert json.loads((out / "summary.json").read_text())["outputs"]["weights"] == str(out / "lora")
+    assert {"rollout", "reward", "update", "eval", "save"} <= set(summary["phase_seconds"])
+    assert summary["train_seconds"] == pytest.approx(sum(v for k, v in summary["phase_seconds"].items()
+                                                         if k not in ("eval", "save")))
+    for path in summary["outputs"].values():
+        assert Path(path).exists(), path
+    report = format_report(summary)
+    assert "jpeg_compressibility_mean" in report and str(out / "lora" / "README.md") in report
+
+    card = (out / "lora" / "README.md").read_text()
+    assert str(tiny_flux_dir) in card and "jpeg_compressibility" in card
+    assert (out / "lora" / "reward_curve.png").exists() and (out / "lora" / "before_after.png").exists()
+    code = _python_block(card).replace("torch.bfloat16", "torch.float32").rsplit("image = ", 1)[0]
+    scope: dict = {}
+    exec(code, scope)  # noqa: S102 - the card's own loading code, run as a user would
+    assert any("lora" in n for n, _ in scope["pipe"].transformer.named_parameters())
+
+    again = resolve_auto_resume(build_config({"output_dir": str(out), "train": {"resume_from": "auto"}}),
+                                ["train.num_epochs=3"])
+    assert again.train.resume_from == str(out / "checkpoints")
+    assert again.model.finetune == "lora" and again.train.num_epochs == 3  # the saved config, plus the override
+    summary = run(again)
+    epochs = [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == [0, 1, 2]
+    fresh = resolve_auto_resume(build_config({"output_dir": str(tmp_path / "new"), "train": {"resume_from": "auto"}}))
+    assert fresh.train.resume_from is None
+
+
+def test_docs_point_at_the_weights_layout_we_write():
+    """docs/geneval.md's --lora is the config's ``<output_dir>/lora`` (a run writes no ``checkpoint-N/lora``)."""
+    import re
+
+    import yaml
+
+    text = (REPO / "docs" / "geneval.md").read_text()
+    out = yaml.safe_load((REPO / "configs" / "sd35_grpo.yaml").read_text())["output_dir"]
+    loras = re.findall(r"--lora (\S+)", text)
+    assert loras and all(p == f"{out}/lora" for p in loras), loras
+    assert "checkpoint-" not in text
+
+
+def test_configs_name_the_command_that_builds_their_prompt_files():
+    import yaml
+
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        train = (data.get("data") or {}).get("train_prompts", "")
+        if train.startswith("data/"):
+            assert "flowgrpo prompts" in path.read_text() or "geneval.prompts" in path.read_text(), path
