@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> None:
                         formatter_class=DefaultsHelpFormatter,
                         description="sets: hpd (HPDv2 train.json/test.json), pickapic (Pick-a-Pic parquet/JSONL/CSV "
                                     "'caption'), ocr (quoted-text prompts), geneval (generated, no source)")
-    pr.add_argument("set", choices=["hpd", "pickapic", "ocr", "geneval"])
+    from flowgrpo.data.public_prompts import PROMPT_SETS
+
+    pr.add_argument("set", choices=[*PROMPT_SETS.names(), "geneval"])
     pr.add_argument("sources", nargs="*", help="the dataset's files (local copies)")
     pr.add_argument("--out", required=True, type=Path, help="prompt file to write (.txt; geneval: .jsonl)")
     pr.add_argument("--per-task", type=int, default=1000, help="geneval: prompts per task")

@@ -113,9 +113,9 @@ def sample_grid(images: torch.Tensor, captions: list[str], path: str | Path, nco
     _save(sample_grid_figure(images, captions, ncols, title, footer), Path(path))
 
 
-def per_digit_footer(rows: list[dict], collapse_ratio: float = 0.6) -> list[str]:
+def per_digit_footer(rows: list[dict]) -> list[str]:
     """One text per digit column from :func:`flowgrpo.trainer.per_digit_rows`: judge correctness and diversity
-    before → after and the diversity ratio to real digits, marked ``collapsed`` below ``collapse_ratio``."""
+    before → after and the diversity ratio to real digits, marked ``collapsed`` as the row says."""
 
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
@@ -123,7 +123,7 @@ def per_digit_footer(rows: list[dict], collapse_ratio: float = 0.6) -> list[str]
     out = []
     for r in rows:
         ratio = r["ratio_after"]
-        flag = " collapsed" if ratio is not None and ratio < collapse_ratio else ""
+        flag = " collapsed" if r["collapsed"] else ""
         out.append(f"digit {r['digit']}\ncorrect {f(r['correctness_before'], '.2f')}→{f(r['correctness_after'], '.2f')}"
                    f"\ndiversity {f(r['diversity_before'], '.0f')}→{f(r['diversity_after'], '.0f')}"
                    f"\n{f(ratio, '.2f')}× real{flag}")

@@ -257,7 +257,7 @@ def format_report(summary: dict) -> str:
     if rows:
         lines = ["digit  correct before  after  diversity before  after   real  after/real"]
         for r in rows:
-            flag = "  <- collapsed" if r["ratio_after"] is not None and r["ratio_after"] < 0.6 else ""
+            flag = "  <- collapsed" if r["collapsed"] else ""
             lines.append(f"{r['digit']:>5}  {_cell(r['correctness_before'], '>14.3f')}  "
                          f"{_cell(r['correctness_after'], '>5.3f')}  {_cell(r['diversity_before'], '>16.1f')}  "
                          f"{_cell(r['diversity_after'], '>5.1f')}  {_cell(r['diversity_real'], '>5.1f')}  "

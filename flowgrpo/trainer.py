@@ -442,10 +442,9 @@ class Trainer:
             self._claim_output_dir()
             save_config(cfg, self.out / "config.yaml")
             (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
-        with self.metrics.timed("eval"):
-            before, img_before, captions = self.evaluate("before")
-        eval_seconds = self.metrics.current.pop("timing/eval")
-        self.metrics.current.pop("memory/eval_peak_gb", None)
+        t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
+        before, img_before, captions = self.evaluate("before")
+        eval_seconds = time.perf_counter() - t0
         last, first = cfg.train.num_epochs - 1, self.epoch
         start = time.perf_counter()
         for epoch in range(self.epoch, cfg.train.num_epochs):
@@ -606,10 +605,14 @@ class Trainer:
         return {k: str(self.out / v) if v else str(self.out) for k, v in names.items()}
 
 
+COLLAPSE_RATIO = 0.6  # a digit less varied than this fraction of the same digit's real digits is flagged
+
+
 def per_digit_rows(summary: dict) -> list[dict[str, float | None]]:
     """Per-digit figures of a digits summary, one dict per digit 0–9 found (``digit``, ``correctness_before``,
     ``correctness_after``, ``diversity_before``, ``diversity_after``, ``diversity_real``, ``ratio_after`` =
-    diversity_after / diversity_real); empty for other tasks."""
+    diversity_after / diversity_real, ``collapsed`` = ratio_after < :data:`COLLAPSE_RATIO`); empty for other
+    tasks."""
     rows = []
     for d in range(10):
         real = summary.get(f"digit_{d}_diversity_real")
@@ -622,6 +625,7 @@ def per_digit_rows(summary: dict) -> list[dict[str, float | None]]:
             "diversity_before": summary.get(f"digit_{d}_diversity_before"), "diversity_after": div_after,
             "diversity_real": real, "ratio_after": None if div_after is None or not real else div_after / real,
         })
+        rows[-1]["collapsed"] = rows[-1]["ratio_after"] is not None and rows[-1]["ratio_after"] < COLLAPSE_RATIO
     return rows
 
 

@@ -122,6 +122,19 @@ def test_report_says_where_what_per_digit_and_how_long():
 
 
 # ------------------------------------------------------------------ pictures
+def test_before_after_has_a_per_digit_row(tmp_path):
+    from flowgrpo.plots import before_after, per_digit_footer
+    from flowgrpo.trainer import per_digit_rows
+
+    footer = per_digit_footer(per_digit_rows(SUMMARY))
+    assert len(footer) == 10
+    assert footer[4] == "digit 4\ncorrect 0.50→1.00\ndiversity 38→10\n0.25× real collapsed"  # 10 / 40
+    assert footer[3].endswith("0.75× real")  # 30 / 40, not flagged
+    before_after(torch.rand(20, 3, 32, 32), torch.rand(20, 3, 32, 32), ["p"] * 20, tmp_path / "ba.png",
+                 per_digit=per_digit_rows(SUMMARY))
+    assert (tmp_path / "ba.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_smooth_is_a_trailing_mean():
     from flowgrpo.plots import smooth
 
