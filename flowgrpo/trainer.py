@@ -580,8 +580,8 @@ class Trainer:
         summary["train_seconds"] = sum(v for k, v in phases.items() if k != "eval")
         for k, v in (extra_seconds or {}).items():
             phases[k] = phases.get(k, 0.0) + v
-        rank = {p: i for i, p in enumerate(("rollout", "reward", "advantage", "plan", "recompute", "update", "eval",
-                                            "save"))}  # the order the phases run in
+        rank = {p: i for i, p in enumerate(("rollout", "reward", "filter", "advantage", "plan", "recompute", "update",
+                                            "eval", "save"))}  # the order the phases run in
         summary["phase_seconds"] = dict(sorted(phases.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
         summary["outputs"] = self._outputs()
         if self.main:
