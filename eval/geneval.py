@@ -32,6 +32,7 @@ from flowgrpo_rewards.geneval.detector import DEFAULT_DETECTOR, DEFAULT_SCALE, b
 from flowgrpo_rewards.geneval.reward import GenEvalScorer, to_pil
 from flowgrpo_rewards.geneval.rules import TASKS, RuleConfig, details, evaluation_metadata, validate_metadata
 
+from flowgrpo.cli import DefaultsHelpFormatter
 from flowgrpo.rewards.base import MissingWeightsError
 
 logger = logging.getLogger("geneval")
@@ -41,7 +42,7 @@ TINY_IMAGE_SIZE = 64
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
     src = p.add_argument_group("what to evaluate (one of)")
     src.add_argument("--model", help="diffusers folder or hub id (or 'tiny', 'digits') to generate with")
     src.add_argument("--images", type=Path, help="score this existing folder in GenEval's layout instead")
@@ -61,7 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     gen.add_argument("--seed", type=int, default=0, help="image j of prompt i uses seed (seed, i, j)")
     gen.add_argument("--height", type=int, help="image height (default: the model's)")
     gen.add_argument("--width", type=int, help="image width (default: the model's)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     gen.add_argument("--gen-batch-size", type=int, default=8, help="images per sampler batch")
 
     sc = p.add_argument_group("scoring")
@@ -72,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     sc.add_argument("--image-scale", type=int, nargs=2, metavar=("LONG", "SHORT"),
                     help=f"detector resize limits (default {DEFAULT_SCALE[0]} {DEFAULT_SCALE[1]}, as mmdet)")
     sc.add_argument("--batch-size", type=int, default=8, help="images per detector batch")
-    sc.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    sc.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="scoring device")
     defaults = RuleConfig()
     sc.add_argument("--threshold", type=float, default=defaults.threshold)
     sc.add_argument("--counting-threshold", type=float, default=defaults.counting_threshold)

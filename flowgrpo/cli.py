@@ -1,4 +1,5 @@
-"""The ``flowgrpo`` command: ``flowgrpo train …``, ``flowgrpo sample …``.
+"""The ``flowgrpo`` command: ``flowgrpo train …``, ``flowgrpo sample …``, ``flowgrpo prompts …``,
+``flowgrpo push …``.
 
 ``flowgrpo sample`` draws ODE images from a base model plus (optionally) a trained LoRA or full transformer, for
 given prompts and seeds, to compare before and after training. With the run's evaluation settings and seeds it
@@ -14,6 +15,19 @@ import sys
 from pathlib import Path
 
 logger = logging.getLogger("flowgrpo.cli")
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions as written and appends ``(default: X)`` to every option whose default is a value
+    (not None, not False, not already in the help text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default is None or default is False or default == argparse.SUPPRESS \
+                or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _sample(args: argparse.Namespace) -> None:
@@ -33,8 +47,10 @@ def _sample(args: argparse.Namespace) -> None:
         steps, guidance = cfg.eval_sampling.num_steps, cfg.eval_sampling.guidance_scale
         seed = cfg.train.seed
         weights = Path(args.run) / ("lora" if cfg.model.finetune == "lora" else "transformer")
-        prompt_file = args.prompts or cfg.data.eval_prompts
-        count = args.num_images or cfg.data.eval_num_prompts
+        prompt_file = args.prompts or cfg.data.eval_prompts or cfg.data.train_prompts
+        default_count = cfg.data.eval_num_prompts if cfg.data.eval_prompts else min(cfg.data.eval_num_prompts,
+                                                                                     cfg.batch_size)
+        count = args.num_images or default_count
     else:
         if not args.model:
             raise SystemExit("flowgrpo sample: give --run RUN_DIR or --model")
@@ -74,12 +90,59 @@ def _sample(args: argparse.Namespace) -> None:
     logger.info("wrote %d images to %s", len(images), out)
 
 
+def _prompts(args: argparse.Namespace) -> None:
+    if args.set == "geneval":
+        try:
+            from flowgrpo_rewards.geneval.prompts import main as geneval_main
+        except ImportError:
+            raise SystemExit("flowgrpo prompts geneval: needs the flowgrpo-rewards distribution "
+                             "(pip install -e ./rewards)") from None
+        if args.sources:
+            raise SystemExit("flowgrpo prompts geneval: the generator reads no source files")
+        geneval_main([str(args.out), "--per-task", str(args.per_task), "--seed", str(args.seed), "--allow-fewer"])
+        return
+    from flowgrpo.data.public_prompts import build_prompt_file
+
+    try:
+        build_prompt_file(args.set, args.sources, args.out)
+    except (KeyError, ValueError) as err:
+        raise SystemExit(f"flowgrpo prompts: {err.args[0] if isinstance(err, KeyError) else err}") from None
+
+
+def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str | None = None,
+             endpoint: str | None = None, commit_message: str | None = None) -> str:
+    """Upload a run's weights folder (``lora/`` or ``transformer/``, with its model card ``README.md`` and
+    figures) to the Hugging Face Hub repository ``repo_id`` (created when missing). ``endpoint`` selects
+    another Hub API server (default: huggingface_hub's, i.e. ``HF_ENDPOINT``). Returns the commit URL.
+    Raises ``SystemExit`` when huggingface_hub is missing or the run has no weights."""
+    try:
+        from huggingface_hub import CommitOperationAdd, HfApi
+    except ImportError:
+        raise SystemExit('flowgrpo push needs huggingface_hub (pip install "huggingface_hub>=0.20")') from None
+    run = Path(run)
+    weights = next((run / d for d in ("lora", "transformer") if (run / d).is_dir()), None)
+    if weights is None:
+        raise SystemExit(f"flowgrpo push: {str(run)!r} holds no lora/ or transformer/ folder (is it a run folder?)")
+    if not (weights / "README.md").exists():
+        logger.warning("%s has no model card README.md (runs of older versions): pushing the weights alone", weights)
+    api = HfApi(endpoint=endpoint, token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    ops = [CommitOperationAdd(path_in_repo=f.relative_to(weights).as_posix(), path_or_fileobj=str(f))
+           for f in sorted(weights.rglob("*")) if f.is_file()]
+    info = api.create_commit(repo_id, operations=ops,
+                             commit_message=commit_message or f"flowgrpo run {run.name}")
+    logger.info("pushed %d files of %s to %s", len(ops), weights, info.commit_url)
+    return info.commit_url
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="flowgrpo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="train (same as flowgrpo/train.py)", add_help=False)
-    s = sub.add_parser("sample", help="ODE images from a base model plus a trained LoRA")
+    sub.add_parser("train", help="train (same as flowgrpo/train.py; flowgrpo train --help lists the config)",
+                   add_help=False)
+    s = sub.add_parser("sample", help="ODE images from a base model plus a trained LoRA",
+                       formatter_class=DefaultsHelpFormatter)
     s.add_argument("--run", help="a run folder: model, LoRA, evaluation settings and seeds from its config.yaml")
     s.add_argument("--model", help="diffusers folder, hub id, 'digits' or 'tiny'")
     s.add_argument("--lora", help="folder with pytorch_lora_weights.safetensors (or a full transformer folder)")
@@ -95,18 +158,42 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-sequence-length", type=int, default=512)
     s.add_argument("--batch-size", type=int, default=8)
     s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt)")
+    pr = sub.add_parser("prompts", help="build a config's prompt file from a local copy of a public prompt set",
+                        formatter_class=DefaultsHelpFormatter,
+                        description="sets: hpd (HPDv2 train.json/test.json), pickapic (Pick-a-Pic parquet/JSONL/CSV "
+                                    "'caption'), ocr (quoted-text prompts), geneval (generated, no source)")
+    from flowgrpo.data.public_prompts import PROMPT_SETS
+
+    pr.add_argument("set", choices=[*PROMPT_SETS.names(), "geneval"])
+    pr.add_argument("sources", nargs="*", help="the dataset's files (local copies)")
+    pr.add_argument("--out", required=True, type=Path, help="prompt file to write (.txt; geneval: .jsonl)")
+    pr.add_argument("--per-task", type=int, default=1000, help="geneval: prompts per task")
+    pr.add_argument("--seed", type=int, default=0, help="geneval: generator seed")
+    pu = sub.add_parser("push", help="upload a run's weights and model card to the Hugging Face Hub",
+                        formatter_class=DefaultsHelpFormatter)
+    pu.add_argument("run", help="the run folder (its lora/ or transformer/ folder is uploaded)")
+    pu.add_argument("repo_id", help="Hub repository, user/name (created when missing)")
+    pu.add_argument("--private", action="store_true", help="create the repository private")
+    pu.add_argument("--token", help="Hub token (default: HF_TOKEN or the huggingface-cli login)")
+    pu.add_argument("--endpoint", help="Hub API server (default: huggingface_hub's, HF_ENDPOINT)")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "train":
         from flowgrpo.train import main as train_main
 
-        train_main(argv[1:])
+        train_main(argv[1:], prog="flowgrpo train")
         return
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from flowgrpo.train import _quiet_libraries
 
     _quiet_libraries()
-    _sample(args)
+    if args.command == "sample":
+        _sample(args)
+    elif args.command == "prompts":
+        _prompts(args)
+    else:
+        print(push_run(args.run, args.repo_id, private=args.private, token=args.token,  # noqa: T201 - the result
+                       endpoint=args.endpoint))
 
 
 if __name__ == "__main__":

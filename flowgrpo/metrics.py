@@ -64,10 +64,43 @@ class MetricsSink:
             if self.accelerator is not None and self.accelerator.trackers:
                 self.accelerator.log({k: v for k, v in record.items() if v is not None and k != "epoch"},
                                      step=epoch)
-            brief = {k: record[k] for k in ("reward/total/mean", "policy/clipfrac", "policy/approx_kl")
-                     if record.get(k) is not None}
-            logger.info("epoch %d %s", epoch, " ".join(f"{k}={v:.4g}" for k, v in brief.items()))
         return record
+
+
+def _clock(seconds: float) -> str:
+    """``m:ss`` (or ``h:mm:ss``) of a duration in seconds."""
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: float) -> str:
+    """The console line of one epoch, from its ``metrics.jsonl`` record::
+
+        epoch 5/80 · 0:31 elapsed · ETA 7:44 · reward 0.612 ± 0.301 · trained 100% of samples, 100% of steps
+        · later clip 0.031 kl 1.2e-06
+
+    ``epoch`` is 0-based (shown 1-based); ``elapsed`` and ``eta`` in seconds. The ``reward`` is the composed
+    reward's mean ± population std over the epoch's B samples; ``trained`` the samples whose advantage is used
+    (``adv/kept_frac``) and the transitions the chunker trains (``plan/trained_frac``); ``later clip`` and
+    ``kl`` the clip fraction and approximate KL (½·mean Δlog p²) of the off-policy optimizer steps
+    (``policy_later/*``: the first step of an epoch is on-policy, its ratio exactly 1); ``kl_ref`` when a KL
+    penalty is on; ``first-update mismatch`` only when ``policy/logprob_mismatch_max`` is not 0 (the training
+    layout differs from the rollout's and old log-probs were not recomputed)."""
+    parts = [f"epoch {epoch + 1}/{num_epochs}", f"{_clock(elapsed)} elapsed", f"ETA {_clock(eta)}"]
+    mean, std = record.get("reward/total/mean"), record.get("reward/total/std")
+    if mean is not None:
+        parts.append(f"reward {mean:.4g} ± {std:.3g}" if std is not None else f"reward {mean:.4g}")
+    kept, steps = record.get("adv/kept_frac"), record.get("plan/trained_frac")
+    if kept is not None and steps is not None:
+        parts.append(f"trained {kept:.0%} of samples, {steps:.0%} of steps")
+    if record.get("policy_later/clipfrac") is not None:
+        parts.append(f"later clip {record['policy_later/clipfrac']:.3g} kl {record['policy_later/approx_kl']:.2g}")
+    if record.get("policy/kl_ref"):
+        parts.append(f"kl_ref {record['policy/kl_ref']:.2g}")
+    if record.get("policy/logprob_mismatch_max"):
+        parts.append(f"first-update mismatch {record['policy/logprob_mismatch_max']:.2g}")
+    return " · ".join(parts)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -1,8 +1,10 @@
-"""Pictures for the run folder: the reward curve and captioned sample grids (matplotlib)."""
+"""Pictures for the run folder: the reward curve, captioned sample grids and the before/after comparison
+(matplotlib, Agg backend)."""
 
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -11,43 +13,130 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+CAPTION_CHARS = 22  # characters per caption line at font size 6 under a 1.6-inch-wide image
+CAPTION_LINES = 3
+
 
 def _save(fig, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
+    fig.savefig(tmp, dpi=100)
     plt.close(fig)
     os.replace(tmp, path)
 
 
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average: element i is the mean of ``values[max(0, i − window + 1) : i + 1]``."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def reward_curve_figure(records: list[dict]):
+    """One panel per optimised reward component (``reward/<name>/mean``; ``total`` only when there are several
+    components, since with one it is the same curve) with the per-epoch value and a smoothed line (trailing mean
+    over √(epochs) epochs), then one panel per evaluation figure (``eval/<name>/mean`` and whole-set figures such
+    as ``eval/correctness``; per-digit and real-data figures left out), as points. Returns the matplotlib
+    figure."""
+    comps = sorted({k.split("/")[1] for r in records for k in r
+                    if k.startswith("reward/") and k.endswith("/mean") and r[k] is not None} - {"total"})
+    if len(comps) > 1:
+        comps.append("total")
+    evals = sorted({k for r in records for k in r if k.startswith("eval/") and not k.endswith("_real")
+                    and (k.endswith("/mean") or k.count("/") == 1)})
+    panels = [f"reward/{c}/mean" for c in comps] + evals
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.5 * max(1, len(panels)), 3.4), squeeze=False,
+                             layout="constrained")
+    for ax, key in zip(axes.flat, panels, strict=False):
+        pts = [(r["epoch"], r[key]) for r in records if r.get(key) is not None]
+        if key.startswith("eval/"):
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", color="C1")
+            ax.set_title(f"evaluation: {key.removeprefix('eval/').removesuffix('/mean')}", fontsize=9)
+        else:
+            if pts:
+                xs, ys = (list(v) for v in zip(*pts, strict=True))
+                ax.plot(xs, ys, color="C0", alpha=0.3, label="per epoch")
+                ax.plot(xs, smooth(ys, max(1, round(len(ys) ** 0.5))), color="C0", label="smoothed")
+                ax.legend(fontsize=7)
+            ax.set_title(f"reward: {key.split('/')[1]}", fontsize=9)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    return fig
+
+
 def reward_curve(records: list[dict], path: str | Path) -> None:
-    """Plot every ``reward/<name>/mean`` (and ``eval/…``) over epochs into ``path`` (PNG)."""
-    keys = sorted({k for r in records for k in r if k.endswith("/mean") and k.startswith(("reward/", "eval/"))})
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for k in keys:
-        pts = [(r["epoch"], r[k]) for r in records if r.get(k) is not None]
-        if pts:
-            xs, ys = zip(*pts, strict=True)
-            ax.plot(xs, ys, marker="o" if k.startswith("eval/") else None, label=k)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("reward")
-    ax.grid(alpha=0.3)
-    if keys:
-        ax.legend(fontsize=7)
-    _save(fig, Path(path))
+    """Save :func:`reward_curve_figure` of the ``metrics.jsonl`` records to ``path`` (PNG)."""
+    _save(reward_curve_figure(records), Path(path))
 
 
-def sample_grid(images: torch.Tensor, captions: list[str], path: str | Path, ncols: int = 8,
-                title: str | None = None) -> None:
-    """Save (N, 3, H, W) images in [0, 1] as a grid with one caption under each image."""
+def _wrap(caption: str) -> str:
+    lines = []
+    for part in caption.split("\n"):
+        lines += textwrap.wrap(part, CAPTION_CHARS) or [""]
+    if len(lines) > CAPTION_LINES:
+        lines = lines[:CAPTION_LINES]
+        lines[-1] = lines[-1][: CAPTION_CHARS - 1] + "…"
+    return "\n".join(lines)
+
+
+def sample_grid_figure(images: torch.Tensor, captions: list[str], ncols: int = 8, title: str | None = None,
+                       footer: list[str] | None = None):
+    """A grid of (N, 3, H, W) images in [0, 1], each captioned below (wrapped to at most three lines of
+    :data:`CAPTION_CHARS` characters, so captions never run into each other), and an optional ``footer`` row of
+    text panels, one per column. Returns the matplotlib figure."""
     n = images.shape[0]
     ncols = max(1, min(ncols, n))
-    nrows = (n + ncols - 1) // ncols
-    fig, axes = plt.subplots(nrows, ncols, figsize=(1.6 * ncols, 1.9 * nrows), squeeze=False)
+    nrows = (n + ncols - 1) // ncols + (1 if footer else 0)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(1.6 * ncols, 2.1 * nrows), squeeze=False,
+                             layout="constrained")
     for i, ax in enumerate(axes.flat):
         ax.axis("off")
         if i < n:
             ax.imshow(images[i].permute(1, 2, 0).clamp(0, 1).cpu().numpy())
-            ax.set_title(captions[i], fontsize=6)
+            ax.text(0.5, -0.03, _wrap(captions[i]), transform=ax.transAxes, ha="center", va="top", fontsize=6)
+    if footer:
+        for ax, text in zip(axes[-1], footer, strict=False):
+            ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=7,
+                    color="red" if "collapsed" in text else "black")
     if title:
         fig.suptitle(title, fontsize=9)
-    _save(fig, Path(path))
+    return fig
+
+
+def sample_grid(images: torch.Tensor, captions: list[str], path: str | Path, ncols: int = 8,
+                title: str | None = None, footer: list[str] | None = None) -> None:
+    """Save :func:`sample_grid_figure` to ``path`` (PNG)."""
+    _save(sample_grid_figure(images, captions, ncols, title, footer), Path(path))
+
+
+def per_digit_footer(rows: list[dict]) -> list[str]:
+    """One text per digit column from :func:`flowgrpo.trainer.per_digit_rows`: judge correctness and diversity
+    before → after and the diversity ratio to real digits, marked ``collapsed`` as the row says."""
+
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    out = []
+    for r in rows:
+        ratio = r["ratio_after"]
+        flag = " collapsed" if r["collapsed"] else ""
+        out.append(f"digit {r['digit']}\ncorrect {f(r['correctness_before'], '.2f')}→{f(r['correctness_after'], '.2f')}"
+                   f"\ndiversity {f(r['diversity_before'], '.0f')}→{f(r['diversity_after'], '.0f')}"
+                   f"\n{f(ratio, '.2f')}× real{flag}")
+    return out
+
+
+def before_after(img_before: torch.Tensor, img_after: torch.Tensor, captions: list[str], path: str | Path,
+                 per_digit: list[dict] | None = None, k: int = 20) -> None:
+    """``before_after.png``: the first ``k`` evaluation images before (top rows) and after (next rows), ten a
+    row, and for the digits task a last row of per-digit figures (:func:`per_digit_footer`; the digits
+    evaluation set cycles the digits 0–9, so column d shows digit d)."""
+    k = min(k, img_before.shape[0])
+    footer = per_digit_footer(per_digit) if per_digit else None
+    sample_grid(torch.cat([img_before[:k], img_after[:k]]),
+                [f"before: {c}" for c in captions[:k]] + [f"after: {c}" for c in captions[:k]], path,
+                ncols=10, title="ODE samples before (top) / after (below), same seeds", footer=footer)

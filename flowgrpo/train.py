@@ -1,7 +1,7 @@
 """Train a flow-matching text-to-image model with the GRPO family.
 
     accelerate launch flowgrpo/train.py [CONFIG.yaml] [dotted.key=value ...]
-    python flowgrpo/train.py --help          # every config field with its default and description
+    python flowgrpo/train.py [CONFIG.yaml] --help   # every config field with the value this run would use
 
 With no config the embedded default runs: the digits task (a small FLUX-architecture model that draws
 handwritten digits, pretrained and cached on first use) with the digit-correctness reward.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable, drop flowgrpo/ from the path
@@ -24,13 +25,70 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
 _SETUP_DONE = False  # set once the run is built: errors after it are bugs and keep their traceback
 
 
-def _help_text() -> str:
-    from flowgrpo.config import describe_fields
+CONFIG_HELP = """config files:
+  A config is YAML holding any of the fields below; unknown keys fail with the closest valid one.
+  A top-level `base: OTHER.yaml` (a path relative to the file) reads that file first and merges this one over
+  it: sections merge key by key, lists and plain values replace (configs/digits_chunk.yaml extends digits.yaml).
+  dotted.key=value overrides apply last (values are YAML: train.lr=1e-4, 'rewards=[{name: jpeg_compressibility}]').
 
+resume:
+  train.resume_from=runs/x/checkpoints     continue from the newest checkpoint there (or give epoch_N)
+  train.resume_from=auto                   continue the run in output_dir with its saved config.yaml (the
+                                           command's other overrides apply on top, e.g. train.num_epochs=120);
+                                           a fresh start when output_dir holds no checkpoint yet"""
+
+
+def _help_text(config_path: str | None, overrides: list[str]) -> str:
+    """Every config field with the value this command line would use: the given config's (with its bases and
+    the overrides), or the embedded digits default's without one; the schema's value when the config cannot be
+    read. Then the config-file and resume notes and the installed reward plugins."""
+    from flowgrpo.config import describe_fields, load_config
+
+    source = config_path or f"{DEFAULT_CONFIG} (the embedded default)"
+    try:
+        values = _flat(load_config(config_path or DEFAULT_CONFIG, [o for o in overrides if "=" in o])
+                       .model_dump(mode="json"))
+    except Exception as err:  # noqa: BLE001 - help must print whatever is wrong with the config
+        values, source = {}, f"schema defaults ({source} could not be read: {err})"
     rows = describe_fields()
     width = max(len(r[0]) for r in rows)
-    lines = [f"  {k:<{width}}  {d}  [default: {v}]" for k, v, d in rows]
-    return "config fields (set in YAML or as dotted.key=value):\n" + "\n".join(lines)
+    lines = [f"  {k:<{width}}  {d}  [{values[k] if k in values else v}]" for k, v, d in rows]
+    return (f"config fields (set in YAML or as dotted.key=value), [values this command uses: {source}]:\n"
+            + "\n".join(lines) + "\n\n" + CONFIG_HELP + "\n\n" + _rewards_help())
+
+
+def _rewards_help() -> str:
+    try:
+        from flowgrpo.rewards.registry import registered_rewards
+
+        names = sorted(registered_rewards())
+    except Exception as err:  # noqa: BLE001 - a broken plugin must not hide the help
+        return f"registered rewards: could not be listed ({err})"
+    return ("registered rewards (entry-point group flowgrpo.rewards; any 'module:attr' works too):\n  "
+            + "\n  ".join(textwrap.wrap(", ".join(names), 110)))
+
+
+def resolve_auto_resume(config, overrides: list[str] = ()):
+    """``train.resume_from=auto``: continue the run in ``config.output_dir``. When that folder holds a
+    checkpoint (``checkpoints/latest``), the run's saved ``config.yaml`` is used, with ``overrides`` applied
+    on top and ``train.resume_from`` pointing at ``output_dir/checkpoints``; when it holds none, the run
+    starts afresh (``resume_from`` cleared). Any other ``resume_from`` is returned unchanged.
+    Raises :class:`~flowgrpo.config.ConfigError` when a checkpoint exists but no ``config.yaml`` beside it."""
+    from flowgrpo.config import ConfigError, build_config, read_yaml
+
+    if config.train.resume_from != "auto":
+        return config
+    out = Path(config.output_dir)
+    if not (out / "checkpoints" / "latest").exists():
+        logger.info("train.resume_from=auto: no checkpoint in %s; starting a new run", out)
+        return config.model_copy(update={"train": config.train.model_copy(update={"resume_from": None})})
+    if not (out / "config.yaml").exists():
+        raise ConfigError(f"train.resume_from=auto: {out / 'checkpoints'} exists but {out / 'config.yaml'} "
+                          "does not; give train.resume_from=<checkpoint folder> and the run's config instead")
+    resumed = build_config(read_yaml(out / "config.yaml"),
+                           [*overrides, f"train.resume_from={out / 'checkpoints'}"])
+    logger.info("train.resume_from=auto: continuing %s with its saved config.yaml", out)
+    return resumed
 
 
 def build_rewards(specs):
@@ -74,6 +132,8 @@ def run(config) -> dict:
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.trainer import Trainer
 
+    _quiet_libraries()
+    config = resolve_auto_resume(config)
     chunker = check_strategies(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
     set_seed(config.train.seed)
@@ -137,40 +197,95 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+LIBRARY_PROGRESS_ENV = "FLOWGRPO_LIBRARY_PROGRESS"
+
+
 def _quiet_libraries() -> None:
-    """Keep the console for our metrics: silence the libraries' per-call notices (truncated prompts, loading
-    bars, deprecations), not their errors."""
+    """Keep the console for our metrics: silence the libraries' per-call notices (truncated prompts,
+    deprecations), their progress bars (weight loading, downloads; shown again with ``FLOWGRPO_LIBRARY_PROGRESS=1``)
+    and httpx's line per HTTP request of a remote reward (shown when the root logger is at DEBUG), not their
+    errors."""
+    import os
     import warnings
 
     import diffusers
     import transformers
 
     diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+    if os.environ.get(LIBRARY_PROGRESS_ENV, "0") != "1":
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+        try:
+            from huggingface_hub.utils import disable_progress_bars
+        except ImportError:  # pragma: no cover - huggingface_hub comes with diffusers
+            pass
+        else:
+            disable_progress_bars()
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
 
 
+def _cell(v, fmt: str = ">10.4f") -> str:
+    return format(v, fmt) if isinstance(v, float | int) else format("-", fmt[0] + fmt[1:].split(".")[0])
+
+
+def format_report(summary: dict) -> str:
+    """The end-of-run report: where everything was written, the before/after table of the evaluation figures
+    (reference figures such as real-data diversity in both columns), the digits task's per-digit table, and the
+    wall time of each phase. ``summary`` is what :meth:`~flowgrpo.trainer.Trainer.write_summary` returns."""
+    from flowgrpo.trainer import per_digit_rows
+
+    blocks = []
+    outputs = summary.get("outputs", {})
+    if outputs:
+        width = max(map(len, outputs))
+        blocks.append("written:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in outputs.items()))
+    metrics = sorted({k.rsplit("_", 1)[0] for k in summary if k.endswith(("_before", "_after"))
+                      and not k.startswith("digit_")})
+    if metrics:
+        refs = [k for k in summary if k.endswith("_real") and not k.startswith("digit_")]
+        width = max(len(m) for m in metrics + refs)
+        lines = [f"{'metric':<{width}}  {'before':>10}  {'after':>10}"]
+        lines += [f"{m:<{width}}  {_cell(summary.get(f'{m}_before'))}  {_cell(summary.get(f'{m}_after'))}"
+                  for m in metrics]
+        lines += [f"{r:<{width}}  {_cell(summary[r])}  {_cell(summary[r])}" for r in refs]
+        blocks.append("\n".join(lines))
+    rows = per_digit_rows(summary)
+    if rows:
+        lines = ["digit  correct before  after  diversity before  after   real  after/real"]
+        for r in rows:
+            flag = "  <- collapsed" if r["collapsed"] else ""
+            lines.append(f"{r['digit']:>5}  {_cell(r['correctness_before'], '>14.3f')}  "
+                         f"{_cell(r['correctness_after'], '>5.3f')}  {_cell(r['diversity_before'], '>16.1f')}  "
+                         f"{_cell(r['diversity_after'], '>5.1f')}  {_cell(r['diversity_real'], '>5.1f')}  "
+                         f"{_cell(r['ratio_after'], '>10.2f')}{flag}")
+        blocks.append("\n".join(lines))
+    phases = summary.get("phase_seconds", {})
+    if phases:
+        total = sum(phases.values())
+        lines = ["phase       seconds   share"]
+        lines += [f"{k:<10}  {v:>7.1f}  {v / total if total else 0:>6.1%}" for k, v in phases.items()]
+        lines.append(f"{'all':<10}  {total:>7.1f}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 def print_summary(summary: dict) -> None:
-    """The before/after table of the evaluation figures (and reference figures such as real-data diversity)."""
-    metrics = sorted({k.rsplit("_", 1)[0] for k in summary if k.endswith(("_before", "_after"))})
-    if not metrics:
-        return
-    refs = [k for k in summary if k.endswith("_real")]
-    width = max(len(m) for m in metrics + refs)
-
-    def cell(v) -> str:
-        return f"{v:>10.4f}" if isinstance(v, float | int) else f"{'-':>10}"
-
-    lines = [f"{'metric':<{width}}  {'before':>10}  {'after':>10}"]
-    lines += [f"{m:<{width}}  {cell(summary.get(f'{m}_before'))}  {cell(summary.get(f'{m}_after'))}" for m in metrics]
-    lines += [f"{r:<{width}}  {cell(summary[r])}  {cell(summary[r])}" for r in refs]
-    print("\n".join(lines))  # noqa: T201 - the script's result table
+    """Print :func:`format_report` (the script's result, on stdout)."""
+    print(format_report(summary))  # noqa: T201 - the script's result table
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """The training command; ``prog`` names it in usage lines (``flowgrpo train`` from the CLI)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    positional = [a for a in argv if not a.startswith("-")]
+    config_path = positional[0] if positional and "=" not in positional[0] else None
     parser = argparse.ArgumentParser(
-        description=__doc__, epilog=_help_text(), formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, epilog=_help_text(config_path, positional) if _wants_help(argv) else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("config", nargs="?", help="YAML config (omit for the embedded digits default)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
@@ -186,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     from flowgrpo.rewards.registry import RewardLoadError
 
     try:
-        config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        config = resolve_auto_resume(load_config(args.config or DEFAULT_CONFIG, args.overrides), args.overrides)
         summary = run(config)
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError) as err:
         parser.exit(2, f"error: {err}\n")
@@ -195,6 +310,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.exit(2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n")
         raise
     print_summary(summary)
+
+
+def _wants_help(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help") for a in argv)
 
 
 if __name__ == "__main__":

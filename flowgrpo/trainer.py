@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
 from flowgrpo.config import Config, save_config
 from flowgrpo.data.prompts import GroupSampler, PromptSet
 from flowgrpo.ema import EMA
-from flowgrpo.metrics import MetricsSink, read_metrics
+from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
 from flowgrpo.records import Advantages, ChunkPlan, Rewards, Trajectory
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
@@ -371,17 +372,27 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ evaluation
+    def _eval_set(self) -> tuple[list[str], list[dict]]:
+        """The evaluation prompts and metadata: ``data.eval_num_prompts`` held-out prompts, cycled; without
+        evaluation prompts, the training prompts (cycled, at most one epoch's B = P·G of them), which the seeds
+        below still make held-out images."""
+        if self.eval_prompts is not None:
+            source, n = self.eval_prompts, self.cfg.data.eval_num_prompts
+        else:
+            source, n = self.prompts, min(self.cfg.data.eval_num_prompts, self.cfg.batch_size)
+        idx = [i % len(source) for i in range(n)]
+        return [source.prompts[i] for i in idx], [source.metadata[i] for i in idx]
+
     @torch.no_grad()
     def evaluate(self, tag: str) -> tuple[dict[str, float], torch.Tensor, list[str]]:
-        """ODE images of the fixed evaluation set, scored by every reward and eval reward.
+        """ODE images of the fixed evaluation set (:meth:`_eval_set`; image i seeded
+        ``derive_seed(train.seed, "eval", i)``, never a training seed), scored by every reward and eval reward.
 
-        Returns (metrics ``eval/<name>/mean`` and batch metrics, the images, captions)."""
-        if self.eval_prompts is None:
-            return {}, torch.empty(0), []
-        n = self.cfg.data.eval_num_prompts
-        ps = [self.eval_prompts.prompts[i % len(self.eval_prompts)] for i in range(n)]
-        meta = [self.eval_prompts.metadata[i % len(self.eval_prompts)] for i in range(n)]
-        seeds = [derive_seed(self.cfg.train.seed, "eval", i) for i in range(n)]
+        Returns (metrics ``eval/<name>/mean`` and batch metrics, the images (N, 3, H, W) in [0, 1], captions).
+        A reward with ``batch_metrics`` reports its whole-set figures under their own names (``eval/correctness``,
+        ``eval/digit_3/diversity`` …) instead of its per-image mean."""
+        ps, meta = self._eval_set()
+        seeds = [derive_seed(self.cfg.train.seed, "eval", i) for i in range(len(ps))]
         self.model.eval()
         with self._eval_weights():
             images = generate_images(
@@ -394,6 +405,8 @@ class Trainer:
             if composed is None:
                 continue
             for name, scores in score_components_named(composed, images, ps, meta).items():
+                if hasattr(composed.rewards.get(name), "batch_metrics"):
+                    continue
                 valid = scores[~torch.isnan(scores)]
                 out[f"eval/{name}/mean"] = float(valid.mean()) if valid.numel() else float("nan")
             for reward in composed.rewards.values():
@@ -401,7 +414,8 @@ class Trainer:
                     for k, v in reward.batch_metrics(images, ps, meta).items():
                         out[f"eval/{k}"] = float(v)
         captions = [p[:40] for p in ps]
-        logger.info("eval (%s): %s", tag, ", ".join(f"{k}={v:.4f}" for k, v in out.items()))
+        logger.info("eval (%s): %s", tag, ", ".join(f"{k}={v:.4f}" for k, v in out.items()
+                                                       if not k.startswith("eval/digit_")))
         return out, images, captions
 
     # ------------------------------------------------------------------ the loop
@@ -422,25 +436,45 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
 
     def fit(self) -> dict:
-        """Train for ``train.num_epochs`` epochs; returns the summary also written to ``summary.json``."""
+        """Train for ``train.num_epochs`` epochs; returns the summary also written to ``summary.json``.
+
+        Logs one line per epoch (:func:`~flowgrpo.metrics.epoch_line`: progress, elapsed time and ETA, reward,
+        trained fraction, the off-policy updates' clip fraction and KL)."""
         cfg = self.cfg
         if self.main:
             self._claim_output_dir()
             save_config(cfg, self.out / "config.yaml")
             (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
+        t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
         before, img_before, captions = self.evaluate("before")
-        last = cfg.train.num_epochs - 1
+        eval_seconds = time.perf_counter() - t0
+        last, first = cfg.train.num_epochs - 1, self.epoch
+        start = time.perf_counter()
         for epoch in range(self.epoch, cfg.train.num_epochs):
             self.epoch = epoch
             every = cfg.logging.eval_every
-            self.train_epoch(epoch, evaluate=bool(every) and (epoch + 1) % every == 0 and epoch < last)
+            record = self.train_epoch(epoch, evaluate=bool(every) and (epoch + 1) % every == 0 and epoch < last)
             if cfg.logging.save_every and (epoch + 1) % cfg.logging.save_every == 0 and epoch < last:
                 self.save_checkpoint(epoch)
+            if self.main:
+                elapsed = time.perf_counter() - start
+                eta = elapsed / (epoch + 1 - first) * (last - epoch)
+                logger.info("%s", epoch_line(record, epoch, cfg.train.num_epochs, elapsed, eta))
+        t0 = time.perf_counter()
         after, img_after, _ = self.evaluate("after")
+        eval_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.save_checkpoint(last)
         with self._eval_weights():
             self.save_weights()
-        summary = self.write_summary(before, after, img_before, img_after, captions)
+        save_seconds = time.perf_counter() - t0
+        summary = self.write_summary(before, after, img_before, img_after, captions,
+                                     extra_seconds={"eval": eval_seconds, "save": save_seconds})
+        if self.main:
+            from flowgrpo.model_card import write_model_card
+
+            write_model_card(self.cfg, summary, self.weights_dir, self.out,
+                             pipeline_class=type(self.adapter.pipe).__name__, prompt=self.prompts.prompts[0])
         self.scorer.close()
         return summary
 
@@ -506,6 +540,11 @@ class Trainer:
                    **{f"reward/{k}": v.contiguous() for k, v in rewards.components.items()}},
                   folder / f"epoch_{epoch}.safetensors")
 
+    @property
+    def weights_dir(self) -> Path:
+        """Where the final weights go: ``output_dir/lora`` (LoRA) or ``output_dir/transformer`` (full)."""
+        return self.out / ("lora" if self.cfg.model.finetune == "lora" else "transformer")
+
     def save_weights(self) -> None:
         """The trained LoRA (diffusers ``load_lora_weights`` format) or full transformer (``from_pretrained``)."""
         if not self.main:
@@ -514,11 +553,16 @@ class Trainer:
 
         tr = self.accelerator.unwrap_model(self.model)
         if self.cfg.model.finetune == "lora":
-            save_lora(self.adapter, self.out / "lora")
+            save_lora(self.adapter, self.weights_dir)
         else:
-            tr.save_pretrained(self.out / "transformer")
+            tr.save_pretrained(self.weights_dir)
 
-    def write_summary(self, before, after, img_before, img_after, captions) -> dict:
+    def write_summary(self, before, after, img_before, img_after, captions,
+                      extra_seconds: dict[str, float] | None = None) -> dict:
+        """``summary.json``: every evaluation figure before and after (``<name>_before`` / ``_after``; reference
+        figures such as ``diversity_real`` once), ``epochs``, ``train_seconds`` (the epochs' phases),
+        ``phase_seconds`` (wall seconds per phase over the run, evaluation and the final save included) and
+        ``outputs`` (where each product of the run was written); plus ``before_after.png``."""
         summary: dict = {}
         for key in sorted(set(before) | set(after)):
             short = key.removeprefix("eval/").replace("/", "_")
@@ -531,21 +575,61 @@ class Trainer:
                 summary[f"{short}_after"] = after[key]
         records = read_metrics(self.out / "metrics.jsonl") if self.main else []
         summary["epochs"] = self.cfg.train.num_epochs
-        summary["train_seconds"] = sum(v for r in records for k, v in r.items()
-                                       if k.startswith("timing/") and v is not None)
+        phases: dict[str, float] = {}
+        for r in records:
+            for k, v in r.items():
+                if k.startswith("timing/") and v is not None:
+                    phases[k.removeprefix("timing/")] = phases.get(k.removeprefix("timing/"), 0.0) + v
+        summary["train_seconds"] = sum(v for k, v in phases.items() if k != "eval")
+        for k, v in (extra_seconds or {}).items():
+            phases[k] = phases.get(k, 0.0) + v
+        rank = {p: i for i, p in enumerate(("rollout", "reward", "filter", "advantage", "plan", "recompute", "update",
+                                            "eval", "save"))}  # the order the phases run in
+        summary["phase_seconds"] = dict(sorted(phases.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
+        summary["outputs"] = self._outputs()
         if self.main:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
             (self.out / "summary.json").write_text(json.dumps(clean, indent=1))
             if img_after.numel():  # what `flowgrpo sample --run` reproduces
                 torch.save(img_after, self.out / "eval_images_after.pt")
             if img_before.numel():
-                from flowgrpo.plots import sample_grid
+                from flowgrpo.plots import before_after
 
-                k = min(20, img_before.shape[0])
-                sample_grid(torch.cat([img_before[:k], img_after[:k]]),
-                            [f"before: {c}" for c in captions[:k]] + [f"after: {c}" for c in captions[:k]],
-                            self.out / "before_after.png", ncols=10, title="ODE samples before (top) / after")
+                before_after(img_before, img_after, captions, self.out / "before_after.png",
+                             per_digit=per_digit_rows(summary))
         return summary
+
+    def _outputs(self) -> dict[str, str]:
+        """The run's products by name: path (as strings)."""
+        names = {"run folder": "", "weights": self.weights_dir.name, "model card": f"{self.weights_dir.name}/README.md",
+                 "checkpoints": "checkpoints", "config": "config.yaml", "metrics": "metrics.jsonl",
+                 "summary": "summary.json", "reward curve": "reward_curve.png", "before/after": "before_after.png",
+                 "last rollout": "samples_latest.png"}
+        return {k: str(self.out / v) if v else str(self.out) for k, v in names.items()}
+
+
+COLLAPSE_RATIO = 0.6  # a digit less varied than this fraction of the same digit's real digits is flagged
+
+
+def per_digit_rows(summary: dict) -> list[dict[str, float | None]]:
+    """Per-digit figures of a digits summary, one dict per digit 0–9 found (``digit``, ``correctness_before``,
+    ``correctness_after``, ``diversity_before``, ``diversity_after``, ``diversity_real``, ``ratio_after`` =
+    diversity_after / diversity_real, ``collapsed`` = ratio_after < :data:`COLLAPSE_RATIO`); empty for other
+    tasks."""
+    rows = []
+    for d in range(10):
+        real = summary.get(f"digit_{d}_diversity_real")
+        if real is None:
+            continue
+        div_after = summary.get(f"digit_{d}_diversity_after")
+        rows.append({
+            "digit": d, "correctness_before": summary.get(f"digit_{d}_correctness_before"),
+            "correctness_after": summary.get(f"digit_{d}_correctness_after"),
+            "diversity_before": summary.get(f"digit_{d}_diversity_before"), "diversity_after": div_after,
+            "diversity_real": real, "ratio_after": None if div_after is None or not real else div_after / real,
+        })
+        rows[-1]["collapsed"] = rows[-1]["ratio_after"] is not None and rows[-1]["ratio_after"] < COLLAPSE_RATIO
+    return rows
 
 
 def _reward_metrics(rewards: Rewards) -> dict[str, float]:

@@ -4,13 +4,17 @@ Per image: 1.0 when the judge (an RBF SVM on a split of the real digits disjoint
 see :mod:`flowgrpo.models.digits_eval`) reads the digit named in ``metadata["digit"]``, else 0.0 — the task's
 strict correctness. Per batch (:meth:`DigitJudge.batch_metrics`): ``correctness`` (the mean), ``diversity``
 (intra-digit diversity of the images, 0–16 ink units at 8×8) and ``diversity_real`` (the same measure on the
-real digits). ``eval_only``: the trainer refuses to optimise it, so images that fool the reward cannot count as
-correct.
+real digits); per digit d, ``digit_<d>/correctness``, ``digit_<d>/diversity`` and ``digit_<d>/diversity_real``;
+and ``diversity_min_ratio``, the minimum over digits of the images' diversity divided by the same digit's real
+diversity (near 0: some digit collapsed to one prototype, which the average hides). ``eval_only``: the
+trainer refuses to optimise it, so images that fool the reward cannot count as correct.
 """
 
 from __future__ import annotations
 
 import logging
+
+import torch
 
 from flowgrpo.rewards.base import BaseReward
 
@@ -40,16 +44,30 @@ class DigitJudge(BaseReward):
         return judge_correctness(images.detach().float().cpu(), _labels(metadata)).float()
 
     def batch_metrics(self, images, prompts, metadata) -> dict[str, float]:
-        from flowgrpo.models.digits_eval import intra_digit_diversity, real_diversity
+        """Whole-set figures of ``images`` (B, 3, H, H) in [0, 1] (see the module docstring); diversity figures
+        need two samples of a digit and are NaN (with a warning) when no digit has them."""
+        from flowgrpo.models.digits_eval import (
+            min_diversity_ratio,
+            per_digit_diversity,
+            real_diversity,
+            real_diversity_per_digit,
+        )
 
         labels = _labels(metadata)
-        if max(labels.count(d) for d in set(labels)) < 2:  # diversity needs two samples of some digit
+        ok = self.score(images, prompts, metadata)  # (B,) float32 0/1
+        per_digit = per_digit_diversity(images.detach().float().cpu(), labels)
+        real = real_diversity_per_digit()
+        if not per_digit:
             logger.warning("digit_judge: no digit has two samples; diversity not measured (raise eval_num_prompts)")
-            diversity = float("nan")
-        else:
-            diversity = intra_digit_diversity(images.detach().float().cpu(), labels)
-        return {
-            "correctness": float(self.score(images, prompts, metadata).mean()),
-            "diversity": diversity,
+        out = {
+            "correctness": float(ok.mean()),
+            "diversity": sum(per_digit.values()) / len(per_digit) if per_digit else float("nan"),
             "diversity_real": real_diversity(),
+            "diversity_min_ratio": min_diversity_ratio(per_digit, real) if per_digit else float("nan"),
         }
+        lab = torch.tensor(labels)
+        for d in sorted(set(labels)):
+            out[f"digit_{d}/correctness"] = float(ok[lab == d].mean())
+            out[f"digit_{d}/diversity"] = per_digit.get(d, float("nan"))
+            out[f"digit_{d}/diversity_real"] = real[d]
+        return out

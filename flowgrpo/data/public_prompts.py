@@ -1,0 +1,134 @@
+"""Prompt files for the shipped configs, built from a local copy of the public prompt sets they come from.
+
+``flowgrpo prompts SET SOURCE... --out FILE`` reads the dataset's own files (downloaded by the user, e.g. with
+``huggingface-cli download``; nothing is fetched here) and writes one prompt a line (``.txt``), the format
+``data.train_prompts`` / ``data.eval_prompts`` read. Prompts are stripped, empty ones dropped, duplicates
+dropped keeping the first, and the order of the source kept, so the output is deterministic.
+
+* ``hpd`` — HPDv2 (the ``ymhao/HPDv2`` dataset, Wu et al. 2023, arXiv 2306.09341): ``train.json`` /
+  ``test.json``, a JSON list of records with ``prompt`` (plus ``human_preference`` and ``file_path``, or
+  ``image_path``, ``rank`` and ``raw_annotations``), or the HPSv2 benchmark files (``anime.json`` …), JSON lists
+  of prompt strings. Output: every record's ``prompt``.
+* ``pickapic`` — Pick-a-Pic (``yuvalkirstain/pickapic_v1`` / ``_v2``, Kirstain et al. 2023, arXiv 2305.01569):
+  parquet shards (reading them needs ``pyarrow``), or JSONL / CSV exports, with a ``caption`` column. One row is
+  one pair of images, so captions repeat: each is kept once.
+* ``ocr`` — text-rendering prompts, one a line (``.txt``) or JSONL with ``prompt`` or ``caption``: the prompts
+  that quote their target text in double quotes (what the ``ocr`` reward reads); the others are dropped and
+  counted in a warning.
+* ``geneval`` — no source files: GenEval-style training prompts with metadata from the generator of
+  ``flowgrpo_rewards.geneval.prompts`` (``flowgrpo prompts geneval --out data/geneval_train.jsonl``), never an
+  evaluation prompt.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from flowgrpo.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+PROMPT_SETS: Registry[Callable[[list[Path]], list[str]]] = Registry("prompt set")
+
+
+def _unique(prompts: Iterable) -> list[str]:
+    seen, out = set(), []
+    for p in prompts:
+        if not isinstance(p, str):
+            continue
+        p = " ".join(p.split())
+        if p and p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+def _records(path: Path, fields: tuple[str, ...]) -> list[str]:
+    """The first of ``fields`` present in each record of a JSON list, JSONL, CSV or parquet file."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        table = pq.read_table(path)
+        field = next((f for f in fields if f in table.column_names), None)
+        if field is None:
+            raise ValueError(f"{path}: no column {' or '.join(fields)} (columns: {table.column_names})")
+        return table.column(field).to_pylist()
+    if suffix == ".csv":
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    elif suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    elif suffix == ".json":
+        rows = _read_json(path)
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: expected a JSON list of records, got {type(rows).__name__}")
+    else:
+        return path.read_text(encoding="utf-8").splitlines()
+    out = []
+    for i, row in enumerate(rows):
+        if isinstance(row, str):  # HPSv2 benchmark files: a list of prompt strings
+            out.append(row)
+            continue
+        field = next((f for f in fields if isinstance(row, dict) and f in row), None)
+        if field is None:
+            raise ValueError(f"{path}: record {i} has no field {' or '.join(fields)}")
+        out.append(row[field])
+    return out
+
+
+@PROMPT_SETS.register("hpd")
+def hpd_prompts(sources: list[Path]) -> list[str]:
+    """HPDv2 prompts from ``train.json`` / ``test.json`` (records with ``prompt``) or benchmark string lists."""
+    return _unique(p for s in sources for p in _records(s, ("prompt",)))
+
+
+@PROMPT_SETS.register("pickapic")
+def pickapic_prompts(sources: list[Path]) -> list[str]:
+    """Pick-a-Pic captions (``caption`` column of parquet shards, JSONL or CSV), each once."""
+    return _unique(p for s in sources for p in _records(s, ("caption",)))
+
+
+@PROMPT_SETS.register("ocr")
+def ocr_prompts(sources: list[Path]) -> list[str]:
+    """Text-rendering prompts that quote a non-empty target text in double quotes."""
+    prompts = _unique(p for s in sources for p in _records(s, ("prompt", "caption")))
+    kept = [p for p in prompts if p.count('"') >= 2 and p.split('"')[1].strip()]
+    if len(kept) < len(prompts):
+        logger.warning("ocr: dropped %d of %d prompts without a quoted target text", len(prompts) - len(kept),
+                       len(prompts))
+    return kept
+
+
+def build_prompt_file(name: str, sources: list[str | Path], out: str | Path) -> int:
+    """Write the prompts of set ``name`` (:data:`PROMPT_SETS`) read from ``sources`` to ``out``, one a line.
+    Returns the number written. Raises ``ValueError`` for a missing source file, a file without the set's
+    field, or no prompts at all; ``KeyError`` (with the valid names) for an unknown set."""
+    build = PROMPT_SETS.get(name)
+    paths = [Path(s) for s in sources]
+    if not paths:
+        raise ValueError(f"prompt set {name!r} needs at least one source file")
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise ValueError(f"prompt set {name!r}: no such file {missing}")
+    prompts = build(paths)
+    if not prompts:
+        raise ValueError(f"prompt set {name!r}: no prompts found in {[str(p) for p in paths]}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(p + "\n" for p in prompts), encoding="utf-8")
+    logger.info("wrote %d %s prompts to %s", len(prompts), name, out)
+    return len(prompts)

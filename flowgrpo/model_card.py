@@ -1,0 +1,136 @@
+"""The model card written beside every saved LoRA or full transformer: ``README.md`` in the weights folder, the
+Hugging Face Hub convention (YAML metadata between ``---`` lines, then Markdown), so ``flowgrpo push`` uploads
+the weights and their description together.
+
+The card states the base model, the algorithm and its settings, the before/after evaluation figures, the
+reward curve and before/after pictures (copied into the folder so the links work on the Hub), the full
+resolved config, and how to load the weights with diffusers.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+FIGURES = ("reward_curve.png", "before_after.png")
+
+
+def _is_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not Path(name).exists() and not name.startswith((".", "/"))
+
+
+def _load_snippet(base: str, pipeline_class: str, finetune: str, repo: str, prompt: str) -> str:
+    if finetune == "lora":
+        return (f"import torch\nfrom diffusers import {pipeline_class}\n\n"
+                f'pipe = {pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16)\n'
+                f'pipe.load_lora_weights("{repo}")  # this folder, or its Hub repo id\n'
+                f"image = pipe({prompt!r}).images[0]\n")
+    transformer_class = {"FluxPipeline": "FluxTransformer2DModel",
+                         "StableDiffusion3Pipeline": "SD3Transformer2DModel"}.get(pipeline_class,
+                                                                                   "FluxTransformer2DModel")
+    return (f"import torch\nfrom diffusers import {pipeline_class}, {transformer_class}\n\n"
+            f'transformer = {transformer_class}.from_pretrained("{repo}")  # this folder, or its Hub repo id\n'
+            f'pipe = {pipeline_class}.from_pretrained("{base}", transformer=transformer)\n'
+            f"image = pipe({prompt!r}).images[0]\n")
+
+
+def _figures_table(summary: dict) -> str:
+    keys = sorted({k.rsplit("_", 1)[0] for k in summary if k.endswith(("_before", "_after"))
+                   and not k.startswith("digit_")})
+    if not keys:
+        return "No evaluation figures were recorded.\n"
+
+    def cell(v):
+        return f"{v:.4g}" if isinstance(v, float | int) else "-"
+
+    rows = [f"| {k} | {cell(summary.get(f'{k}_before'))} | {cell(summary.get(f'{k}_after'))} |" for k in keys]
+    return "| figure | before | after |\n|---|---|---|\n" + "\n".join(rows) + "\n"
+
+
+def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", repo: str = ".",
+               figures: tuple[str, ...] = FIGURES, base_folder: str | None = None,
+               prompt: str = "a photo of a cat") -> str:
+    """The card's text (``README.md``) for a run's weights.
+
+    Args:
+        config: the run's :class:`~flowgrpo.config.Config`.
+        summary: the run's summary (``summary.json``): figures ``<name>_before`` / ``<name>_after``, ``epochs``,
+            ``phase_seconds``.
+        pipeline_class: the diffusers pipeline class of the base model (``FluxPipeline``,
+            ``StableDiffusion3Pipeline``).
+        repo: how the loading snippet names the weights (a folder or a Hub repo id).
+        figures: picture files beside the card to show.
+        base_folder: where an embedded base model (``digits``, ``tiny``) lives, for the loading code.
+        prompt: the example prompt of the loading code.
+    """
+    m, s, a, t = config.model, config.sampling, config.algo, config.train
+    base = m.pretrained
+    meta = {"library_name": "diffusers", "tags": ["flowgrpo", "text-to-image", "reinforcement-learning",
+                                                  "lora" if m.finetune == "lora" else "full-finetune"]}
+    if _is_hub_id(base):
+        meta["base_model"] = base
+    rewards = ", ".join(f"`{r.name}` (weight {r.weight:g})" for r in config.rewards)
+    evals = ", ".join(f"`{r.name}`" for r in config.eval_rewards) or "none"
+    pics = "".join(f"![{f.removesuffix('.png').replace('_', ' ')}]({f})\n\n" for f in figures)
+    config_yaml = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    return f"""---
+{yaml.safe_dump(meta, sort_keys=False).strip()}
+---
+
+# {Path(config.output_dir).name}: {m.finetune} fine-tune of `{base}` by reinforcement learning
+
+Trained with flowgrpo — GRPO-family reinforcement learning for flow-matching models.
+
+* **Base model:** `{base}` ({pipeline_class}{", built by flowgrpo in " + base_folder if base_folder else ""})
+* **Weights:** {"LoRA (rank " + str(m.lora_rank) + ", alpha " + str(m.lora_alpha) + ")" if m.finetune == "lora"
+                else "the full transformer"}
+* **Algorithm:** SDE `{s.sde_kind}` (noise level {s.noise_level:g}, {s.num_steps} steps), chunker
+  `{config.chunker.name}`, advantages `{a.advantage}`, clip range {config.clip_low:g}/{config.clip_high:g},
+  KL β {a.kl_beta:g}
+* **Training:** {summary.get("epochs", t.num_epochs)} epochs of {t.prompts_per_epoch} prompts × G = {t.group_size},
+  AdamW lr {t.lr:g}, seed {t.seed}; prompts `{config.data.train_prompts}`
+* **Rewards optimised:** {rewards}; scored at evaluation only: {evals}
+
+## Results (held-out evaluation, the same seeds before and after)
+
+{_figures_table(summary)}
+{pics}## How to load
+
+```python
+{_load_snippet(base_folder or base, pipeline_class, m.finetune, repo, prompt)}```
+
+## Config
+
+<details><summary>the resolved training config</summary>
+
+```yaml
+{config_yaml}```
+
+</details>
+"""
+
+
+def write_model_card(config, summary: dict, weights_dir: str | Path, run_dir: str | Path, *,
+                     pipeline_class: str = "FluxPipeline", prompt: str = "a photo of a cat") -> Path | None:
+    """Write ``weights_dir/README.md`` (:func:`model_card`) and copy the run's figures beside it. Returns the
+    card's path, or None (with a warning) when ``weights_dir`` does not exist."""
+    from flowgrpo.models import resolve_pretrained
+
+    weights_dir, run_dir = Path(weights_dir), Path(run_dir)
+    if not weights_dir.is_dir():
+        logger.warning("no weights in %s: no model card written", weights_dir)
+        return None
+    figures = tuple(name for name in FIGURES if (run_dir / name).exists())
+    for name in figures:
+        shutil.copyfile(run_dir / name, weights_dir / name)
+    path = weights_dir / "README.md"
+    base = config.model.pretrained
+    folder = resolve_pretrained(base) if base in ("digits", "tiny") else None  # already built for training
+    path.write_text(model_card(config, summary, pipeline_class=pipeline_class, repo=str(weights_dir),
+                               figures=figures, base_folder=folder, prompt=prompt))
+    return path
