@@ -241,7 +241,7 @@ def _clip_with_projection(tokenizer, hidden: int, seed: int):
 
 
 def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable[str] = (),
-                   sample_size: int = 64, t5_max_length: int = 32) -> Path:
+                   sample_size: int = 64, t5_max_length: int = 32, transformer_kwargs: dict | None = None) -> Path:
     """Build a random tiny SD3.5-architecture pipeline and ``save_pretrained`` it into ``out_dir``; return it.
 
     Same classes as stabilityai/stable-diffusion-3.5-medium: ``SD3Transformer2DModel`` (2 joint blocks, the
@@ -249,7 +249,7 @@ def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable
     downsampling and SD3's scaling/shift factors, two ``CLIPTextModelWithProjection`` (the real 49,408-token
     CLIP BPE tokenizer), a ``T5EncoderModel`` with a small in-memory unigram tokenizer (``words`` become
     single pieces), and ``FlowMatchEulerDiscreteScheduler(shift=3.0)``. Images are ``sample_size`` pixels
-    square.
+    square. ``transformer_kwargs`` override the transformer's constructor arguments (benchmarks at real size).
 
     Raises:
         ValueError: ``sample_size`` not a positive multiple of 16.
@@ -273,12 +273,12 @@ def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable
     ).eval()
     latent = sample_size // 8
     torch.manual_seed(seed + 3)
-    transformer = SD3Transformer2DModel(
-        sample_size=latent, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8,
-        num_attention_heads=4, joint_attention_dim=_T5, caption_projection_dim=32,
-        pooled_projection_dim=_CLIP_L + _CLIP_G, out_channels=16, pos_embed_max_size=max(latent // 2, 8),
-        dual_attention_layers=(0,), qk_norm="rms_norm",
-    )
+    transformer = SD3Transformer2DModel(**{
+        "sample_size": latent, "patch_size": 2, "in_channels": 16, "num_layers": 2, "attention_head_dim": 8,
+        "num_attention_heads": 4, "joint_attention_dim": _T5, "caption_projection_dim": 32,
+        "pooled_projection_dim": _CLIP_L + _CLIP_G, "out_channels": 16, "pos_embed_max_size": max(latent // 2, 8),
+        "dual_attention_layers": (0,), "qk_norm": "rms_norm", **(transformer_kwargs or {}),
+    })
     torch.manual_seed(seed + 4)
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=16,

@@ -91,20 +91,22 @@ def build_text_encoders(words: Iterable[str] = (), t5_max_length: int = 32, seed
 
 
 def build_tiny_flux(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sample_size: int = 64,
-                    seed: int = 0) -> Path:
+                    seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
     """Build a random tiny FLUX pipeline and ``save_pretrained`` it into ``out_dir``; return the folder.
 
     The image is ``sample_size`` pixels square; the VAE downsamples 8× to 16 latent channels, which pack into
-    (sample_size/16)² tokens of 64 channels, as in FLUX.1.
+    (sample_size/16)² tokens of 64 channels, as in FLUX.1. ``transformer_kwargs`` override the transformer's
+    constructor arguments (e.g. FLUX.1's ``num_layers=19, num_single_layers=38, attention_head_dim=128,
+    num_attention_heads=24, axes_dims_rope=(16, 56, 56)`` for a real-size random transformer).
     """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     clip_tok, clip, t5_tok, t5 = build_text_encoders(words, seed=seed)
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
-        guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+        **{"patch_size": 1, "in_channels": 64, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+           "num_attention_heads": 2, "joint_attention_dim": TEXT_DIM, "pooled_projection_dim": TEXT_DIM,
+           "guidance_embeds": True, "axes_dims_rope": (4, 6, 6), **(transformer_kwargs or {})},
     )
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=16,

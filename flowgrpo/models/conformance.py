@@ -1,0 +1,218 @@
+"""A conformance test class for model adapters: every adapter runs it, so every model is verified the same way.
+
+A new adapter adds one :class:`~flowgrpo.models.zoo.ConformanceCase` to ``flowgrpo.models.zoo.CASES`` (how to
+build its tiny random pipeline folder and how to call its pipeline) and one line in
+``tests/test_model_conformance.py``::
+
+    class TestMyModel(AdapterConformance): case = CASES["my_model"]
+
+Each ``test_*`` method checks one clause of the adapter contract (``docs/new_model.md``) against diffusers itself,
+never against a snapshot of the adapter's own output:
+
+* the folder's ``model_index.json`` class selects the adapter (registry lookup, ``from_pretrained`` load);
+* **parity**: the ODE rollout (our σ grid, initial noise, velocity and Euler step) reproduces every step's
+  latents and the decoded images of ``Pipeline.__call__`` with the same prompts, generators, steps, guidance
+  and size, to ``case.parity_atol`` (1e-6 unless a case documents why not);
+* the SDE rollout at noise level 0 is the ODE rollout, bit for bit;
+* **on-policy exactness**: re-scoring a rollout's transitions with the trainer's own training forward gives
+  the rollout's log-probs bit for bit (importance ratio exactly 1);
+* **LoRA**: a LoRA saved by :func:`flowgrpo.models.lora.save_lora` and loaded by the pipeline's own
+  ``load_lora_weights`` gives the same images as the adapter, to 1e-5, and the LoRA matters;
+* **training**: one epoch through the real trainer (``flowgrpo.train.run``) with the ``per_step`` and ``chunk``
+  strategies, with a log-prob mismatch of exactly 0.0 at the first update.
+
+Needs pytest (``pip install "flowgrpo[test]"``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+try:
+    import pytest
+except ImportError as err:  # pragma: no cover - the class is only useful under pytest
+    raise ImportError('flowgrpo.models.conformance needs pytest: pip install "flowgrpo[test]"') from err
+
+from flowgrpo.models.zoo import ConformanceCase
+
+
+def _generators(seeds) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+
+class AdapterConformance:
+    """Subclass with ``case = <ConformanceCase>`` (the subclass name must start with ``Test``)."""
+
+    case: ConformanceCase
+
+    # ------------------------------------------------------------------ fixtures
+    @pytest.fixture(scope="class", autouse=True)
+    def _one_thread(self):
+        """Tiny models gain nothing from intra-op threads, and lose much on a busy machine."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        yield
+        torch.set_num_threads(before)
+
+    @pytest.fixture(scope="class")
+    def folder(self, tmp_path_factory) -> Path:
+        return Path(self.case.build(tmp_path_factory.mktemp(f"tiny_{self.case.name}") / "pipeline"))
+
+    def load(self, folder: Path):
+        from flowgrpo.models import load_model
+
+        c = self.case
+        return load_model(str(folder), height=c.size, width=c.size, max_sequence_length=c.max_sequence_length,
+                          **c.load_kwargs)
+
+    @pytest.fixture(scope="class")
+    def adapter(self, folder):
+        """Shared by the read-only tests; a test that adds LoRA or trains loads its own copy."""
+        return self.load(folder)
+
+    def call_pipeline(self, pipe, prompts, seeds, *, guidance: float, steps: int | None = None):
+        """``Pipeline.__call__`` → (images (B, 3, H, W) in [0, 1], the latents after every step)."""
+        c = self.case
+        per_step = []
+
+        def keep(_pipe, i, t, kwargs):
+            per_step.append(kwargs["latents"].clone())
+            return {}
+
+        with torch.no_grad():
+            images = pipe(prompt=list(prompts), generator=_generators(seeds), num_inference_steps=steps or c.num_steps,
+                          height=c.size, width=c.size, output_type="pt", callback_on_step_end=keep,
+                          **c.call_kwargs(guidance)).images
+        return images, per_step
+
+    def ode(self, adapter, prompts, seeds, *, guidance: float, kind: str = "ode", noise_level: float = 0.0):
+        """Our sampler from the adapter's noise: (latents (B, T+1, …), images)."""
+        from flowgrpo.sampling.rollout import SamplerSettings, denoise
+
+        t = self.case.num_steps
+        x0 = adapter.initial_latents(len(prompts), _generators(seeds))
+        settings = SamplerSettings(num_steps=t, guidance_scale=guidance, kind=kind, noise_level=noise_level)
+        with torch.no_grad():
+            xs, _, _ = denoise(adapter, x0, adapter.encode_prompts(list(prompts)), adapter.sigmas(t), settings,
+                               torch.ones(t, dtype=torch.bool), _generators([s + 100 for s in seeds]))
+            images = adapter.decode(xs[:, -1])
+        return xs, images
+
+    # ------------------------------------------------------------------ clauses
+    def test_registered_by_pipeline_class(self, folder, adapter):
+        from flowgrpo.models import ADAPTERS, pipeline_class_name
+
+        name = pipeline_class_name(str(folder))
+        assert name in ADAPTERS.names()
+        assert type(adapter.pipe).__name__ == name
+        assert adapter.height == adapter.width == self.case.size
+
+    def test_ode_rollout_equals_pipeline_call(self, adapter):
+        c = self.case
+        seeds = [3, 11]
+        xs, images = self.ode(adapter, c.prompts, seeds, guidance=c.guidance_scale)
+        ref_images, ref_steps = self.call_pipeline(adapter.pipe, c.prompts, seeds, guidance=c.guidance_scale)
+        assert torch.equal(adapter.sigmas(c.num_steps), adapter.pipe.scheduler.sigmas.float())
+        assert len(ref_steps) == c.num_steps
+        for t, ref in enumerate(ref_steps):  # every step of the trajectory, not only the end
+            torch.testing.assert_close(xs[:, t + 1], ref.float().reshape(xs[:, t + 1].shape), rtol=0,
+                                       atol=c.parity_atol, msg=lambda m, t=t: f"step {t}: {m}")
+        assert images.shape == ref_images.shape == (2, 3, c.size, c.size)
+        torch.testing.assert_close(images, ref_images.float(), rtol=0, atol=c.parity_atol)
+        # the comparison has power: the steps move the latents and the prompts and seeds differ
+        assert float((xs[:, -1] - xs[:, 0]).abs().max()) > 1e3 * c.parity_atol
+        assert float((images[0] - images[1]).abs().max()) > 1e3 * c.parity_atol
+
+    def test_guidance_changes_the_velocity(self, adapter):
+        c = self.case
+        x = adapter.initial_latents(2, _generators([5, 6]))
+        embeds = adapter.encode_prompts(list(c.prompts))
+        with torch.no_grad():
+            v1 = adapter.velocity(x, torch.full((2,), 0.7), embeds, 1.0)
+            v2 = adapter.velocity(x, torch.full((2,), 0.7), embeds, c.guidance_scale)
+        assert v1.dtype == torch.float32 and v1.shape == x.shape
+        assert float((v1 - v2).abs().max()) > 1e-4
+
+    def test_sde_at_noise_zero_equals_ode(self, adapter):
+        c = self.case
+        ode, _ = self.ode(adapter, c.prompts, [1, 2], guidance=c.guidance_scale)
+        for kind in ("flow_sde", "dance_sde"):  # (cps at a = 0 is the ODE up to rounding: another formula)
+            sde, _ = self.ode(adapter, c.prompts, [1, 2], guidance=c.guidance_scale, kind=kind, noise_level=0.0)
+            assert torch.equal(sde, ode), kind
+
+    def test_on_policy_log_probs_are_exact(self, adapter):
+        from flowgrpo.sampling.rollout import SamplerSettings, rollout
+        from flowgrpo.trainer import Trainer
+
+        c = self.case
+        settings = SamplerSettings(num_steps=c.num_steps, guidance_scale=c.guidance_scale, kind="flow_sde",
+                                   noise_level=0.7)
+        prompts = [c.prompts[0]] * 2 + [c.prompts[1]] * 2
+        traj = rollout(adapter, prompts, [{}] * 4, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]),
+                       settings=settings, sde_steps=torch.ones(c.num_steps, dtype=torch.bool), batch_size=2,
+                       seed=0, epoch=0)
+        assert torch.isfinite(traj.log_probs).all() and traj.stochastic.all()
+        trainer = SimpleNamespace(adapter=adapter, settings=settings)
+        for rows in (torch.arange(0, 2), torch.arange(2, 4)):  # the rollout's micro-batches
+            for t in range(c.num_steps):
+                with torch.no_grad():
+                    lp, _ = Trainer.chunk_forward(trainer, traj, rows, (t,), with_ref=False)
+                assert torch.equal(lp[:, 0], traj.log_probs[rows, t]), (rows.tolist(), t)
+
+    def test_lora_round_trip_through_the_pipeline_loader(self, folder, tmp_path):
+        from flowgrpo.models.lora import save_lora, setup_trainable
+
+        c = self.case
+        adapter = self.load(folder)
+        params = setup_trainable(adapter, finetune="lora", rank=4, alpha=8.0,
+                                 target_modules=list(c.lora_target_modules), need_reference=False)
+        assert params
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # lora_B starts at 0 (an identity adapter): give it values that change the model
+            for name, p in adapter.transformer.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        seeds = [21, 22]
+        _, ours = self.ode(adapter, c.prompts, seeds, guidance=c.guidance_scale)
+        with adapter.reference():
+            _, ours_base = self.ode(adapter, c.prompts, seeds, guidance=c.guidance_scale)
+        save_lora(adapter, tmp_path / "lora")
+        fresh = type(adapter.pipe).from_pretrained(str(folder))
+        fresh.set_progress_bar_config(disable=True)
+        base, _ = self.call_pipeline(fresh, c.prompts, seeds, guidance=c.guidance_scale)
+        fresh.load_lora_weights(str(tmp_path / "lora"))
+        theirs, _ = self.call_pipeline(fresh, c.prompts, seeds, guidance=c.guidance_scale)
+        torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=1e-5)
+        assert float((theirs - base).abs().max()) > 1e-3  # the LoRA matters: a lost or mis-scaled one fails above
+        torch.testing.assert_close(ours_base, base.float(), rtol=0, atol=1e-5)  # reference = the base model
+
+    @pytest.mark.parametrize("strategy", ["per_step", "chunk"])
+    def test_one_epoch_of_training(self, folder, tmp_path, strategy):
+        from flowgrpo.config import build_config
+        from flowgrpo.train import run
+
+        c = self.case
+        prompt_file = tmp_path / "prompts.txt"
+        prompt_file.write_text("\n".join(c.prompts) + "\n")
+        out = tmp_path / "run"
+        chunk = f"{{name: chunk, chunk_sizes: [1, {c.num_steps - 1}]}}"
+        grouper = "{name: per_step}" if strategy == "per_step" else chunk
+        cfg = build_config({}, [
+            f"model.pretrained={folder}", f"model.max_sequence_length={c.max_sequence_length}",
+            f"model.height={c.size}", f"model.width={c.size}", "model.lora_rank=4", "model.lora_alpha=8",
+            f"model.lora_target_modules={json.dumps(list(c.lora_target_modules))}",
+            f"sampling.num_steps={c.num_steps}", f"sampling.guidance_scale={c.guidance_scale}",
+            f"grouper={grouper}", "train.num_epochs=1", "train.group_size=2", "train.prompts_per_epoch=2",
+            "train.rollout_batch_size=2", "train.lr=1e-3", "rewards=[{name: jpeg_compressibility}]",
+            f"data.train_prompts={prompt_file}", f"output_dir={out}", "logging.progress=false",
+        ])
+        run(cfg)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["epoch"] for r in records] == [0]
+        assert records[0]["policy/logprob_mismatch_max"] == 0.0
+        assert records[0]["adv/abs_mean"] > 0  # the update had a signal
+        assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()

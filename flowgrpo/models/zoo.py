@@ -1,0 +1,151 @@
+"""Random pipelines of every supported model family, built offline in the real diffusers folder format.
+
+Two uses:
+
+* the adapter conformance suite (:mod:`flowgrpo.models.conformance`) builds each family's tiny pipeline from
+  its :class:`ConformanceCase` in :data:`CASES`;
+* benchmarks build a random pipeline at any size with :func:`build_random_pipeline` (``transformer_kwargs``
+  override the tiny transformer's configuration, e.g. the real model's layer count and widths), then load it
+  through ``from_pretrained`` like a downloaded folder.
+
+    python -m flowgrpo.models.zoo qwenimage OUT_DIR [--size 64] [--transformer '{"num_layers": 4}']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_PROMPTS = ("a red cube on a blue table", "two green dogs")
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    """How the conformance suite builds, loads and calls one model family.
+
+    Attributes:
+        name: a short label (test ids, temporary folder names).
+        build: ``build(out_dir) -> folder``: writes the tiny random pipeline with ``save_pretrained``.
+        size: image height = width in pixels for every test.
+        max_sequence_length: text tokens per prompt, passed to ``load_model`` and to the pipeline.
+        guidance_scale: the guidance of the parity and training runs (true CFG scale or guidance embedding).
+        call_kwargs: ``call_kwargs(guidance_scale) -> dict``: the pipeline-specific ``__call__`` arguments that
+            select this guidance and the adapter's conventions (e.g. ``{"true_cfg_scale": s, "negative_prompt":
+            " "}``); prompt, generator, steps, size and output type are added by the suite.
+        lora_target_modules: peft target modules of the LoRA tests (must exist in the transformer).
+        num_steps: T of the parity and training runs.
+        parity_atol: tolerance of the pipeline-parity test (latents and images).
+        prompts: two different prompts.
+        load_kwargs: extra keyword arguments of :func:`flowgrpo.models.load_model`.
+    """
+
+    name: str
+    build: Callable[[Path], Path]
+    size: int
+    max_sequence_length: int
+    guidance_scale: float
+    call_kwargs: Callable[[float], dict]
+    lora_target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    num_steps: int = 3
+    parity_atol: float = 1e-6
+    prompts: tuple[str, ...] = _PROMPTS
+    load_kwargs: dict = field(default_factory=dict)
+
+
+def _words() -> list[str]:
+    return " ".join(_PROMPTS).split()
+
+
+def _flux(out: Path, *, sample_size: int = 64, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
+    from flowgrpo.models.tiny import build_tiny_flux
+
+    return build_tiny_flux(out, words=_words(), sample_size=sample_size, seed=seed,
+                           transformer_kwargs=transformer_kwargs)
+
+
+def _sd3(out: Path, *, sample_size: int = 64, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
+    from flowgrpo.models.sd3 import build_tiny_sd3
+
+    return build_tiny_sd3(out, seed, words=_words(), sample_size=sample_size, transformer_kwargs=transformer_kwargs)
+
+
+def _qwenimage(out: Path, *, sample_size: int = 32, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
+    from flowgrpo.models.qwenimage import build_tiny_qwenimage
+
+    return build_tiny_qwenimage(out, words=_words(), sample_size=sample_size, seed=seed,
+                                transformer_kwargs=transformer_kwargs)
+
+
+def _zimage(out: Path, *, sample_size: int = 32, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
+    from flowgrpo.models.zimage import build_tiny_zimage
+
+    return build_tiny_zimage(out, words=_words(), sample_size=sample_size, seed=seed,
+                             transformer_kwargs=transformer_kwargs)
+
+
+#: name → builder ``(out_dir, *, sample_size, seed, transformer_kwargs) -> folder``
+BUILDERS: dict[str, Callable[..., Path]] = {"flux": _flux, "sd3": _sd3, "qwenimage": _qwenimage, "zimage": _zimage}
+
+CASES: dict[str, ConformanceCase] = {
+    "flux": ConformanceCase(
+        name="flux", build=_flux, size=64, max_sequence_length=32, guidance_scale=3.5,
+        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 32},
+    ),
+    "sd3": ConformanceCase(
+        name="sd3", build=_sd3, size=64, max_sequence_length=12, guidance_scale=4.5,
+        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 12},
+    ),
+    "qwenimage": ConformanceCase(
+        name="qwenimage", build=_qwenimage, size=32, max_sequence_length=64, guidance_scale=4.0,
+        call_kwargs=lambda s: {"true_cfg_scale": s, "negative_prompt": " ", "max_sequence_length": 64},
+    ),
+    "zimage": ConformanceCase(
+        name="zimage", build=_zimage, size=32, max_sequence_length=64, guidance_scale=4.0,
+        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 64},
+    ),
+}
+
+
+def build_random_pipeline(name: str, out_dir: str | Path, *, sample_size: int | None = None, seed: int = 0,
+                          transformer_kwargs: dict | None = None) -> Path:
+    """Write a random pipeline of family ``name`` (a key of :data:`BUILDERS`) into ``out_dir``; return it.
+
+    ``sample_size`` is the image size in pixels the VAE reports as native (default: the tiny size);
+    ``transformer_kwargs`` override the tiny transformer's constructor arguments (layers, heads, widths), so
+    the same builder gives a toy model for tests or a real-size random one for speed and memory benchmarks.
+    Text encoders and VAE stay tiny (they run once per prompt / image, not once per step).
+
+    Raises:
+        ValueError: an unknown ``name``.
+    """
+    if name not in BUILDERS:
+        raise ValueError(f"unknown model family {name!r}; known: {sorted(BUILDERS)}")
+    kwargs = {"seed": seed, "transformer_kwargs": transformer_kwargs}
+    if sample_size is not None:
+        kwargs["sample_size"] = sample_size
+    return BUILDERS[name](Path(out_dir), **kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("family", choices=sorted(BUILDERS))
+    parser.add_argument("out_dir")
+    parser.add_argument("--size", type=int, default=None, help="native image size in pixels")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transformer", default=None, help="JSON object of transformer constructor overrides")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    tk = json.loads(args.transformer) if args.transformer else None
+    out = build_random_pipeline(args.family, args.out_dir, sample_size=args.size, seed=args.seed,
+                                transformer_kwargs=tk)
+    logger.info("random %s pipeline saved to %s", args.family, out)
+
+
+if __name__ == "__main__":
+    main()

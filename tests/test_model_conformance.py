@@ -1,0 +1,19 @@
+"""Every model adapter runs the shared conformance suite (flowgrpo.models.conformance) on its tiny random
+pipeline: registry, pipeline parity, SDE at noise 0, exact on-policy log-probs, LoRA round trip through the
+pipeline's loader, one epoch of training with the per_step and chunk strategies.
+
+A new adapter: one case in flowgrpo.models.zoo.CASES and one line here.
+"""
+
+from __future__ import annotations
+
+from flowgrpo.models.conformance import AdapterConformance
+from flowgrpo.models.zoo import CASES
+
+
+class TestFlux(AdapterConformance):
+    case = CASES["flux"]
+
+
+class TestSD3(AdapterConformance):
+    case = CASES["sd3"]
