@@ -17,3 +17,7 @@ class TestFlux(AdapterConformance):
 
 class TestSD3(AdapterConformance):
     case = CASES["sd3"]
+
+
+class TestQwenImage(AdapterConformance):
+    case = CASES["qwenimage"]

@@ -43,6 +43,14 @@ def _sd3(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_unc
                             max_sequence_length=max_sequence_length, cfg_detach_uncond=cfg_detach_uncond)
 
 
+@ADAPTERS.register("QwenImagePipeline")
+def _qwenimage(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
+    from flowgrpo.models.qwenimage import load_qwenimage_adapter
+
+    return load_qwenimage_adapter(path, dtype=dtype, height=height, width=width,
+                                  max_sequence_length=max_sequence_length)
+
+
 def ensure_tiny_model() -> Path:
     """The random tiny FLUX pipeline, built into the cache on first use."""
     from flowgrpo.models.tiny import build_tiny_flux

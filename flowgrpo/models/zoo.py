@@ -103,7 +103,7 @@ CASES: dict[str, ConformanceCase] = {
     ),
     "qwenimage": ConformanceCase(
         name="qwenimage", build=_qwenimage, size=32, max_sequence_length=64, guidance_scale=4.0,
-        call_kwargs=lambda s: {"true_cfg_scale": s, "negative_prompt": " ", "max_sequence_length": 64},
+        call_kwargs=lambda s: {"true_cfg_scale": s, "negative_prompt": [" "] * 2, "max_sequence_length": 64},
     ),
     "zimage": ConformanceCase(
         name="zimage", build=_zimage, size=32, max_sequence_length=64, guidance_scale=4.0,

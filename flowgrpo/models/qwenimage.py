@@ -1,0 +1,291 @@
+"""The Qwen-Image adapter: a diffusers ``QwenImagePipeline`` behind the :class:`~flowgrpo.models.base.ModelAdapter`
+interface.
+
+Everything Qwen-Image-specific lives here, as ``QwenImagePipeline.__call__`` (diffusers 0.42) does it:
+
+* one text encoder, Qwen2.5-VL, through the pipeline's ``encode_prompt``: the prompt inside the pipeline's chat
+  template, the last hidden state without the template's 34 system tokens, padded to the longest prompt of the
+  batch with an attention mask (dropped when nothing is padded), cut to ``max_sequence_length`` (≤ 1024);
+* **true classifier-free guidance with a negative prompt** (Qwen-Image is not guidance-distilled): two separate
+  transformer calls, ``v_cfg = v_u + s·(v_c − v_u)`` (Ho & Salimans, arXiv 2207.12598, eq. 6) rescaled per token
+  to the conditional prediction's norm, ``v = v_cfg · ‖v_c‖ / ‖v_cfg‖`` (norms over the channel dim; the
+  pipeline's rule, Qwen-Image technical report arXiv 2508.02324); guidance is on when s > 1;
+* the timestep ``(σ·1000)/1000`` (the transformer takes σ in [0, 1], as FLUX);
+* latents packed into 2×2 patches: (B, (h/2)·(w/2), 4·C) tokens, from noise drawn in the VAE's (B, 1, C, h, w)
+  video layout; the VAE (Wan-style, 8× down) un-normalises with per-channel ``latents_mean`` / ``latents_std``;
+* the σ grid ``linspace(1, 1/T, T)`` with the dynamic (resolution-dependent) exponential shift ``mu`` of
+  ``calculate_shift(image tokens)`` and the scheduler's terminal stretch (Qwen-Image: ``shift_terminal`` 0.02).
+
+    python -m flowgrpo.models.zoo qwenimage OUT_DIR     # a tiny random QwenImagePipeline folder
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from diffusers import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+from diffusers.utils.torch_utils import randn_tensor
+
+from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
+
+__all__ = ["QwenImageAdapter", "load_qwenimage_adapter", "build_tiny_qwenimage", "build_qwen_tokenizer"]
+
+
+class QwenImageAdapter(AdapterBase):
+    """Adapter for a loaded :class:`diffusers.QwenImagePipeline`.
+
+    Args:
+        pipe: the pipeline (its transformer may carry a peft LoRA adapter).
+        height, width: image size in pixels, positive multiples of ``2·vae_scale_factor`` (16 for Qwen-Image).
+        max_sequence_length: text tokens per prompt after the template, in [1, 1024] (the pipeline's limit).
+        negative_prompt: the unconditional prompt of true CFG (``" "``, the Qwen-Image model card's and
+            Flow-GRPO's choice).
+    Raises:
+        ValueError: a size the VAE and 2×2 packing cannot represent, or ``max_sequence_length`` outside [1, 1024].
+    """
+
+    def __init__(self, pipe: QwenImagePipeline, *, height: int, width: int, max_sequence_length: int = 512,
+                 negative_prompt: str = " ") -> None:
+        step = pipe.vae_scale_factor * 2
+        if height <= 0 or width <= 0 or height % step or width % step:
+            raise ValueError(f"Qwen-Image size must be a positive multiple of {step}, got {height}x{width}")
+        if not 1 <= max_sequence_length <= 1024:
+            raise ValueError(f"Qwen-Image max_sequence_length must be in [1, 1024], got {max_sequence_length}")
+        super().__init__(pipe)
+        self.height, self.width = height, width
+        self.max_sequence_length = max_sequence_length
+        self.negative_prompt = negative_prompt
+        self.latent_h = 2 * (height // step)
+        self.latent_w = 2 * (width // step)
+        self.num_channels = pipe.transformer.config.in_channels // 4
+        if pipe.transformer.config.guidance_embeds:
+            raise ValueError("a guidance-distilled QwenImage transformer (guidance_embeds=True) is not supported")
+
+    def _encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, mask = self.pipe.encode_prompt(prompts, device=self.device,
+                                               max_sequence_length=self.max_sequence_length)
+        if mask is None:  # the pipeline drops an all-ones mask; keep it explicit, velocity drops it again
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return embeds, mask
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """Qwen2.5-VL embeddings of B prompts and of the negative prompt, no gradient.
+
+        Returns batched ``prompt_embeds`` (B, L, D) (L: the longest prompt of this batch, ≤
+        ``max_sequence_length``; D = 3584 for Qwen-Image) and ``prompt_mask`` (B, L) long (1 = token, 0 = padding);
+        shared ``negative_prompt_embeds`` (1, L', D) and ``negative_prompt_mask`` (1, L').
+
+        Raises:
+            ValueError: an empty prompt list.
+        """
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("encode_prompts needs at least one prompt")
+        pos, mask = self._encode(prompts)
+        neg, neg_mask = self._encode([self.negative_prompt])
+        return PromptEmbeds({"prompt_embeds": pos, "prompt_mask": mask},
+                            {"negative_prompt_embeds": neg, "negative_prompt_mask": neg_mask})
+
+    def initial_latents(self, batch_size: int, generator) -> torch.Tensor:
+        """(B, N, 4·C) float32 packed standard-normal latents, drawn as ``QwenImagePipeline.prepare_latents``
+        does: ``randn_tensor`` of shape (B, 1, C, h, w), then 2×2 packing.
+
+        Raises:
+            ValueError: a generator list whose length is not ``batch_size``.
+        """
+        if isinstance(generator, list | tuple) and len(generator) != batch_size:
+            raise ValueError(f"got {len(generator)} generators for a batch of {batch_size} latents")
+        gen = list(generator) if isinstance(generator, tuple) else generator
+        shape = (batch_size, 1, self.num_channels, self.latent_h, self.latent_w)
+        noise = randn_tensor(shape, generator=gen, device=self.device, dtype=torch.float32)
+        return QwenImagePipeline._pack_latents(noise, batch_size, self.num_channels, self.latent_h, self.latent_w)
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
+                 guidance_scale: float) -> torch.Tensor:
+        """(B, N, 4·C) float32 velocity at (latents, σ): for s > 1 the renormalised true-CFG combination of a
+        conditional and a negative-prompt forward (module docstring), else the conditional prediction alone.
+
+        Args:
+            latents: (B, N, 4·C) packed latents, any float dtype.
+            sigma: (B,) or scalar σ in (0, 1].
+            embeds: B rows of :meth:`encode_prompts` output.
+        Raises:
+            ValueError: embeds whose batch size differs from the latents'.
+        """
+        b = latents.shape[0]
+        if len(embeds) != b:
+            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
+        t = sigma * 1000 / 1000  # the pipeline's timestep / 1000 with timestep = σ·1000 (bitwise the same)
+        v_c = self._forward(latents, t, embeds["prompt_embeds"], embeds["prompt_mask"])
+        if guidance_scale <= 1:
+            return v_c
+        neg = embeds["negative_prompt_embeds"].expand(b, -1, -1).contiguous()
+        neg_mask = embeds["negative_prompt_mask"].expand(b, -1).contiguous()
+        v_u = self._forward(latents, t, neg, neg_mask)
+        v = v_u + guidance_scale * (v_c - v_u)
+        return v * (v_c.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
+
+    def _forward(self, latents, t, prompt_embeds, mask) -> torch.Tensor:
+        dtype = self.dtype
+        b = latents.shape[0]
+        out = self.forward_module(
+            hidden_states=latents.to(dtype),
+            timestep=t.to(dtype),
+            guidance=None,
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            encoder_hidden_states=prompt_embeds.to(dtype),
+            img_shapes=[[(1, self.latent_h // 2, self.latent_w // 2)]] * b,
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) float32 in [0, 1], as ``QwenImagePipeline`` decodes: unpack to (B, C, 1, h, w),
+        ``x·std + mean`` per channel, VAE decode of the single frame, ``[-1, 1] → [0, 1]`` clamped."""
+        vae = self.pipe.vae
+        x = QwenImagePipeline._unpack_latents(latents, self.height, self.width, self.pipe.vae_scale_factor)
+        x = x.to(vae.dtype)
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(x.device, x.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(x.device, x.dtype)
+        image = vae.decode(x / inv_std + mean, return_dict=False)[0][:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """(T+1,) float32 σ grid exactly as ``QwenImagePipeline.__call__`` builds it: ``linspace(1, 1/T, T)``,
+        the scheduler's shift with ``mu = calculate_shift((h/2)·(w/2))`` (Qwen-Image: dynamic, exponential,
+        base/max shift 0.5/0.9 over 256…8192 tokens, terminal σ stretched to 0.02), then 0.
+
+        Raises:
+            ValueError: ``num_steps`` < 1.
+        """
+        cfg = self.pipe.scheduler.config
+        mu = calculate_shift((self.latent_h // 2) * (self.latent_w // 2), cfg.get("base_image_seq_len", 256),
+                             cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
+                             cfg.get("max_shift", 1.15))
+        return scheduler_sigmas(self.pipe.scheduler, num_steps, mu=mu)
+
+
+def load_qwenimage_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
+                           max_sequence_length: int) -> QwenImageAdapter:
+    """``QwenImagePipeline.from_pretrained(path)`` in ``dtype``, wrapped; the size defaults to the pipeline's
+    (``default_sample_size`` 128 × ``vae_scale_factor`` 8 = 1024 px); ``max_sequence_length`` is clipped to the
+    pipeline's limit of 1024."""
+    pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=dtype)
+    size = pipe.default_sample_size * pipe.vae_scale_factor
+    return QwenImageAdapter(pipe, height=height or size, width=width or size,
+                            max_sequence_length=min(max_sequence_length, 1024))
+
+
+# ---------------------------------------------------------------------------------------------- tiny builder
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|image_pad|>")
+
+
+def build_qwen_tokenizer(texts: Iterable[str], vocab_size: int = 512):
+    """A small byte-level BPE ``Qwen2Tokenizer`` trained in memory on ``texts`` (with the ``tokenizers`` library),
+    carrying Qwen's chat and vision special tokens (``<|endoftext|>`` is id 0 and the padding token). Words of
+    ``texts`` become single tokens, so a chat template's system prefix has the real tokenizer's token count."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    plain = list(texts)
+    for s in QWEN_SPECIAL_TOKENS:
+        plain = [t.replace(s, "\n") for t in plain]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=list(QWEN_SPECIAL_TOKENS), show_progress=False)
+    bpe.train_from_iterator(plain, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]])
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    return tok
+
+
+def build_qwen25vl_encoder(tokenizer, hidden: int = 16, seed: int = 0):
+    """A random 2-layer ``Qwen2_5_VLForConditionalGeneration`` of width ``hidden`` (a 2-block vision tower)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
+    torch.manual_seed(seed)
+    config = Qwen2_5_VLConfig(
+        text_config={"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": len(tokenizer),
+                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                     "rope_theta": 1000000.0},
+        vision_config={"depth": 2, "hidden_size": hidden, "intermediate_size": hidden, "num_heads": 2,
+                       "out_hidden_size": hidden},
+        hidden_size=hidden, vocab_size=len(tokenizer), vision_start_token_id=ids[0], vision_end_token_id=ids[1],
+        image_token_id=ids[2], vision_token_id=ids[2],
+    )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def build_qwenimage_vae(seed: int = 0, z_dim: int = 4):
+    """A random tiny ``AutoencoderKLQwenImage`` (8× spatial downsampling, ``z_dim`` channels, non-trivial
+    per-channel mean/std so that a missing un-normalisation fails the parity tests)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(seed)
+    return AutoencoderKLQwenImage(
+        base_dim=z_dim * 6, z_dim=z_dim, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1 * (i % 3) - 0.1 for i in range(z_dim)],
+        latents_std=[1.0 + 0.5 * (i % 2) for i in range(z_dim)],
+    )
+
+
+def build_tiny_qwenimage(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sample_size: int = 32,
+                         seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
+    """Build a random tiny Qwen-Image pipeline and ``save_pretrained`` it into ``out_dir``; return the folder.
+
+    ``sample_size`` is only checked (the Qwen-Image VAE config has no size; the pipeline's default is 1024 px,
+    so pass ``model.height``/``model.width``).
+
+    The real classes at toy size: ``QwenImageTransformer2DModel`` (2 blocks), ``AutoencoderKLQwenImage`` (8×
+    down, 4 channels → 16 packed), ``Qwen2_5_VLForConditionalGeneration`` (width 16), a ``Qwen2Tokenizer`` trained
+    in memory on the pipeline's template and ``words``, and Qwen-Image's scheduler configuration
+    (``FlowMatchEulerDiscreteScheduler``: dynamic exponential shift, base/max shift 0.5/0.9 over 256…8192 tokens,
+    ``shift_terminal`` 0.02). ``transformer_kwargs`` override the transformer's constructor arguments.
+
+    Raises:
+        ValueError: ``sample_size`` not a positive multiple of 16.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    if sample_size <= 0 or sample_size % 16:
+        raise ValueError(f"tiny Qwen-Image sample_size must be a positive multiple of 16, got {sample_size}")
+    tok = build_qwen_tokenizer([_QWEN_TEMPLATE.format(" ".join(words)), " "])
+    encoder = build_qwen25vl_encoder(tok, hidden=16, seed=seed)
+    vae = build_qwenimage_vae(seed)
+    torch.manual_seed(seed + 1)
+    transformer = QwenImageTransformer2DModel(**{
+        "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
+        "num_attention_heads": 2, "joint_attention_dim": 16, "guidance_embeds": False, "axes_dims_rope": (8, 4, 4),
+        **(transformer_kwargs or {}),
+    })
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tok,
+                             transformer=transformer)
+    out = Path(out_dir)
+    pipe.save_pretrained(out)
+    return out
+
+
+# the chat template QwenImagePipeline.__init__ sets (prompt_template_encode), used only to train the toy tokenizer
+_QWEN_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
