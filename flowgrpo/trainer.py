@@ -165,9 +165,9 @@ class Trainer:
             logger.info("resumed from %s at epoch %d", t.resume_from, self.epoch)
 
     def _count_forward(self, module, args, kwargs) -> None:
-        x = kwargs.get("hidden_states", args[0] if args else None)
+        x = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
         self.forward_count[0] += 1
-        self.forward_count[1] += 0 if x is None else x.shape[0]
+        self.forward_count[1] += 0 if x is None else len(x)  # a batch tensor, or a list of samples (Z-Image)
 
     def _eval_weights(self):
         """The weights evaluation and saving use: the EMA when on, else the trained ones."""

@@ -21,3 +21,7 @@ class TestSD3(AdapterConformance):
 
 class TestQwenImage(AdapterConformance):
     case = CASES["qwenimage"]
+
+
+class TestZImage(AdapterConformance):
+    case = CASES["zimage"]

@@ -51,6 +51,14 @@ def _qwenimage(path: str, *, dtype, height, width, max_sequence_length, cfg_deta
                                   max_sequence_length=max_sequence_length)
 
 
+@ADAPTERS.register("ZImagePipeline")
+def _zimage(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
+    from flowgrpo.models.zimage import load_zimage_adapter
+
+    return load_zimage_adapter(path, dtype=dtype, height=height, width=width,
+                               max_sequence_length=max_sequence_length)
+
+
 def ensure_tiny_model() -> Path:
     """The random tiny FLUX pipeline, built into the cache on first use."""
     from flowgrpo.models.tiny import build_tiny_flux

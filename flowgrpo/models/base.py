@@ -100,12 +100,12 @@ def _forward_with(adapter: AdapterBase, module: torch.nn.Module) -> Iterator[Non
 
 
 def scheduler_sigmas(scheduler, num_steps: int, *, mu: float | None = None,
-                     custom_grid: bool = True) -> torch.Tensor:
+                     grid: list[float] | None = None) -> torch.Tensor:
     """(T+1,) float32 σ grid that ``scheduler.set_timesteps`` builds, on a copy (the pipeline's scheduler keeps
     its state).
 
-    ``custom_grid``: pass ``sigmas = linspace(1, 1/T, T)`` as the FLUX-family pipelines do (else the scheduler's
-    own ``linspace(σ_max, σ_min, T)``, as SD3's); ``mu``: the resolution-dependent shift, used only when the
+    ``grid``: the unshifted σ the pipeline passes (default ``numpy.linspace(1, 1/T, T)``, as the FLUX-family
+    pipelines do); ``mu``: the resolution-dependent shift, used only when the
     scheduler has ``use_dynamic_shifting`` (Esser et al., arXiv 2403.03206, sec. 5.3.2; the pipelines'
     ``calculate_shift``). The scheduler then applies its own static or dynamic shift and terminal stretch.
 
@@ -119,7 +119,7 @@ def scheduler_sigmas(scheduler, num_steps: int, *, mu: float | None = None,
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     scheduler = copy.deepcopy(scheduler)
-    kwargs = {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps)} if custom_grid else {}
+    kwargs = {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps) if grid is None else grid}
     if scheduler.config.get("use_dynamic_shifting", False):
         kwargs["mu"] = mu
     scheduler.set_timesteps(num_steps, **kwargs)
