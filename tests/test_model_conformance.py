@@ -25,3 +25,7 @@ class TestQwenImage(AdapterConformance):
 
 class TestZImage(AdapterConformance):
     case = CASES["zimage"]
+
+
+class TestFlux2Klein(AdapterConformance):
+    case = CASES["flux2_klein"]

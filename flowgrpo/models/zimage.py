@@ -172,7 +172,7 @@ def load_zimage_adapter(path: str, *, dtype: torch.dtype, height: int | None, wi
 # ---------------------------------------------------------------------------------------------- tiny builder
 # A minimal Qwen3-style chat template (user turns, generation prompt, the thinking switch), written for the toy
 # tokenizer; ZImagePipeline applies it with add_generation_prompt=True, enable_thinking=True.
-_CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
@@ -201,7 +201,7 @@ def build_tiny_zimage(out_dir: str | os.PathLike, *, words: Iterable[str] = (), 
         raise ValueError(f"tiny Z-Image sample_size must be a positive multiple of 16, got {sample_size}")
     words = list(words)
     tok = build_qwen_tokenizer([f"user\n{' '.join(words)}\nassistant\n<think>\n\n</think>\n\n"])
-    tok.chat_template = _CHAT_TEMPLATE
+    tok.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     encoder = Qwen3Model(Qwen3Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, num_key_value_heads=2, head_dim=8,
