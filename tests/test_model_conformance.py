@@ -29,3 +29,7 @@ class TestZImage(AdapterConformance):
 
 class TestFlux2Klein(AdapterConformance):
     case = CASES["flux2_klein"]
+
+
+class TestFlux2(AdapterConformance):
+    case = CASES["flux2"]

@@ -67,6 +67,14 @@ def _flux2_klein(path: str, *, dtype, height, width, max_sequence_length, cfg_de
                               max_sequence_length=max_sequence_length)
 
 
+@ADAPTERS.register("Flux2Pipeline")
+def _flux2(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
+    from flowgrpo.models.flux2 import load_flux2_adapter
+
+    return load_flux2_adapter(path, "Flux2Pipeline", dtype=dtype, height=height, width=width,
+                              max_sequence_length=max_sequence_length)
+
+
 def ensure_tiny_model() -> Path:
     """The random tiny FLUX pipeline, built into the cache on first use."""
     from flowgrpo.models.tiny import build_tiny_flux

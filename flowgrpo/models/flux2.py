@@ -136,12 +136,13 @@ class Flux2Adapter(AdapterBase):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) float32 in [0, 1], as the pipelines decode: tokens scattered back to (B, 4·C, h/2, w/2)
-        by their ids, ``x·√(var + eps) + mean`` with the VAE's BatchNorm running statistics, un-patchify,
+        """(B, 3, H, W) float32 in [0, 1], as the pipelines decode: tokens put back to (B, 4·C, h/2, w/2) at their
+        (row-major) position ids, ``x·√(var + eps) + mean`` with the VAE's BatchNorm running statistics, un-patchify,
         VAE decode, ``[-1, 1] → [0, 1]`` clamped."""
         pipe, vae = self.pipe, self.pipe.vae
-        ids = self.latent_ids.to(latents.device).expand(latents.shape[0], -1, -1)
-        x = type(pipe)._unpack_latents_with_ids(latents, ids, self.latent_h // 2, self.latent_w // 2)
+        b, _, c = latents.shape
+        # the ids are row-major (h, w): scattering tokens by id is this reshape (pure data movement)
+        x = latents.transpose(1, 2).reshape(b, c, self.latent_h // 2, self.latent_w // 2)
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(x.device, x.dtype)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(x.device, x.dtype)
         x = type(pipe)._unpatchify_latents(x * std + mean)
@@ -245,6 +246,79 @@ def build_tiny_flux2_klein(out_dir: str | os.PathLike, *, words: Iterable[str] =
         transformer=build_flux2_transformer(seed + 2, joint_attention_dim=3 * 16, guidance_embeds=False,
                                             transformer_kwargs=transformer_kwargs),
         is_distilled=is_distilled,
+    )
+    out = Path(out_dir)
+    pipe.save_pretrained(out)
+    return out
+
+
+# A minimal Mistral-style chat template (system prompt, user turns; text parts of list contents), written for the
+# toy tokenizer; Flux2Pipeline applies it with add_generation_prompt=False.
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set text = m['content'] if m['content'] is string else m['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+_MISTRAL_SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                     "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+
+
+def build_pixtral_processor(texts: Iterable[str], vocab_size: int = 600):
+    """A ``PixtralProcessor`` around a small byte-level BPE tokenizer trained in memory on ``texts`` (with Mistral's
+    chat and image special tokens and the chat template above)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=list(_MISTRAL_SPECIALS), show_progress=False)
+    bpe.train_from_iterator(list(texts), trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    return PixtralProcessor(image_processor=PixtralImageProcessor(), tokenizer=tok,
+                            chat_template=MISTRAL_CHAT_TEMPLATE, patch_size=16)
+
+
+def build_tiny_flux2(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sample_size: int = 32,
+                     seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
+    """Build a random tiny FLUX.2 [dev] pipeline and ``save_pretrained`` it into ``out_dir``; return the folder.
+
+    The real classes at toy size: ``Flux2Transformer2DModel`` with the guidance embedding,
+    ``AutoencoderKLFlux2``, a ``Mistral3ForConditionalGeneration`` with a 30-layer language model of width 16
+    (the pipeline reads layers 10, 20 and 30: 48 channels) and a 1-layer Pixtral vision tower, a
+    ``PixtralProcessor`` with a tokenizer trained in memory on the pipeline's system message and ``words``, and
+    FLUX.2's scheduler configuration. ``sample_size`` is only checked (the default size is 1024 px).
+
+    Raises:
+        ValueError: ``sample_size`` not a positive multiple of 16.
+    """
+    from diffusers import Flux2Pipeline
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    if sample_size <= 0 or sample_size % 16:
+        raise ValueError(f"tiny FLUX.2 sample_size must be a positive multiple of 16, got {sample_size}")
+    proc = build_pixtral_processor([SYSTEM_MESSAGE, " ".join(words)])
+    tok = proc.tokenizer
+    config = Mistral3Config(
+        text_config={"model_type": "mistral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 30,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": len(tok),
+                     "max_position_embeddings": 1024},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 8, "patch_size": 16, "image_size": 64},
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1,
+    )
+    torch.manual_seed(seed)
+    encoder = Mistral3ForConditionalGeneration(config).eval()
+    pipe = Flux2Pipeline(
+        scheduler=_flux2_scheduler(), vae=build_flux2_vae(seed + 1), text_encoder=encoder, tokenizer=proc,
+        transformer=build_flux2_transformer(seed + 2, joint_attention_dim=3 * 16, guidance_embeds=True,
+                                            transformer_kwargs=transformer_kwargs),
     )
     out = Path(out_dir)
     pipe.save_pretrained(out)

@@ -96,9 +96,16 @@ def _flux2_klein(out: Path, *, sample_size: int = 32, seed: int = 0, transformer
                                   transformer_kwargs=transformer_kwargs)
 
 
+def _flux2(out: Path, *, sample_size: int = 32, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
+    from flowgrpo.models.flux2 import build_tiny_flux2
+
+    return build_tiny_flux2(out, words=_words(), sample_size=sample_size, seed=seed,
+                            transformer_kwargs=transformer_kwargs)
+
+
 #: name → builder ``(out_dir, *, sample_size, seed, transformer_kwargs) -> folder``
 BUILDERS: dict[str, Callable[..., Path]] = {"flux": _flux, "sd3": _sd3, "qwenimage": _qwenimage, "zimage": _zimage,
-                                        "flux2_klein": _flux2_klein}
+                                        "flux2_klein": _flux2_klein, "flux2": _flux2}
 
 CASES: dict[str, ConformanceCase] = {
     "flux": ConformanceCase(
@@ -120,6 +127,10 @@ CASES: dict[str, ConformanceCase] = {
     "flux2_klein": ConformanceCase(
         name="flux2_klein", build=_flux2_klein, size=32, max_sequence_length=32, guidance_scale=4.0,
         call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 32},
+    ),
+    "flux2": ConformanceCase(
+        name="flux2", build=_flux2, size=32, max_sequence_length=64, guidance_scale=4.0,
+        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 64},
     ),
 }
 
