@@ -398,7 +398,7 @@ class Trainer:
             images = generate_images(
                 self.adapter, ps, seeds, num_steps=self.cfg.eval_sampling.num_steps,
                 guidance_scale=self.cfg.eval_sampling.guidance_scale, batch_size=self.cfg.train.rollout_batch_size,
-                progress=self.cfg.logging.progress and self.main,
+                progress=self.cfg.logging.progress and self.main, metadata=meta,
             )
         out: dict[str, float] = {}
         for composed in (self.rewards, self.eval_rewards):

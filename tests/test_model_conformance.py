@@ -33,3 +33,7 @@ class TestFlux2Klein(AdapterConformance):
 
 class TestFlux2(AdapterConformance):
     case = CASES["flux2"]
+
+
+class TestKontext(AdapterConformance):
+    case = CASES["kontext"]

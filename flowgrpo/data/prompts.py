@@ -1,7 +1,9 @@
 """Prompt datasets and the P×G group sampler.
 
 A prompt file is plain text (one prompt a line; blank lines skipped) or JSONL (``.jsonl``: each line an object
-with a ``prompt`` string; every other field is metadata handed to the rewards). Embedded sets: ``digits`` (the
+with a ``prompt`` string; every other field is metadata handed to the rewards). An editing record names its
+conditioning image(s) with ``image`` (a path) or ``images`` (a list), relative to the prompt file; the loader
+checks they exist and hands them on as ``images``, a list of absolute paths. Embedded sets: ``digits`` (the
 digits task), ``digits_eval`` (the canonical phrasing of each digit, a subset of the training phrasings: the
 frozen random text encoders cannot generalise to unseen ones) and ``t2i_compbench`` (T2I-CompBench validation
 prompts, MIT, see ``flowgrpo/assets/prompts/t2i_compbench/LICENSE``).
@@ -56,12 +58,31 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
 
 
+def _resolve_images(obj: dict, path: Path, lineno: int) -> None:
+    """Conditioning images of an editing record: ``image`` (a path) or ``images`` (a list of paths), relative to
+    the prompt file's folder; replaced in place by ``images``, the list of absolute paths of existing files."""
+    if "image" in obj and "images" in obj:
+        raise ValueError(f"{path}:{lineno}: give 'image' or 'images', not both")
+    if "image" not in obj and "images" not in obj:
+        return
+    raw = [obj.pop("image")] if "image" in obj else obj.pop("images")
+    if not isinstance(raw, list) or not raw or not all(isinstance(p, str) and p for p in raw):
+        raise ValueError(f"{path}:{lineno}: 'image' must be a path and 'images' a non-empty list of paths, "
+                         f"got {raw!r}")
+    files = [(path.parent / p).resolve() for p in raw]
+    for given, f in zip(raw, files, strict=True):
+        if not f.is_file():
+            raise ValueError(f"{path}:{lineno}: conditioning image {given!r} not found (looked for {f})")
+    obj["images"] = [str(f) for f in files]
+
+
 def _read_jsonl(path: Path) -> tuple[list[str], list[dict]]:
     prompts, meta = [], []
     for lineno, obj in iter_jsonl(path):
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise ValueError(f"{path}:{lineno}: each JSONL line needs a string field 'prompt'")
         prompts.append(obj.pop("prompt"))
+        _resolve_images(obj, path, lineno)
         meta.append(obj)
     return prompts, meta
 

@@ -75,6 +75,14 @@ def _flux2(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_u
                               max_sequence_length=max_sequence_length)
 
 
+@ADAPTERS.register("FluxKontextPipeline")
+def _kontext(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
+    from flowgrpo.models.kontext import load_kontext_adapter
+
+    return load_kontext_adapter(path, dtype=dtype, height=height, width=width,
+                                max_sequence_length=max_sequence_length)
+
+
 def ensure_tiny_model() -> Path:
     """The random tiny FLUX pipeline, built into the cache on first use."""
     from flowgrpo.models.tiny import build_tiny_flux

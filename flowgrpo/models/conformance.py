@@ -74,10 +74,37 @@ class AdapterConformance:
         """Shared by the read-only tests; a test that adds LoRA or trains loads its own copy."""
         return self.load(folder)
 
-    def call_pipeline(self, pipe, prompts, seeds, *, guidance: float, steps: int | None = None):
+    @pytest.fixture(scope="class")
+    def sources(self, tmp_path_factory) -> list[Path] | None:
+        """For an editing model: two different source images (PNG files of the output size), else None."""
+        if self.case.condition is None:
+            return None
+        from PIL import Image
+
+        from flowgrpo.rewards.conformance import default_images
+
+        folder = tmp_path_factory.mktemp(f"sources_{self.case.name}")
+        pixels = default_images(2, self.case.size, self.case.size, torch.Generator().manual_seed(0))
+        paths = []
+        for i, img in enumerate(pixels):
+            paths.append(folder / f"source{i}.png")
+            Image.fromarray((img.permute(1, 2, 0) * 255).round().byte().numpy()).save(paths[-1])
+        return paths
+
+    @staticmethod
+    def metadata(sources, n: int = 2) -> list[dict]:
+        """n metadata dicts: row i conditioned on source i mod 2 (editing models), else empty."""
+        return [{} if sources is None else {"images": [str(sources[i % len(sources)])]} for i in range(n)]
+
+    def call_pipeline(self, pipe, prompts, seeds, sources, *, guidance: float, steps: int | None = None):
         """``Pipeline.__call__`` → (images (B, 3, H, W) in [0, 1], the latents after every step)."""
+        from flowgrpo.sampling.rollout import load_condition_images
+
         c = self.case
         per_step = []
+        extra = {}
+        if sources is not None:
+            extra = c.condition([load_condition_images(m["images"]) for m in self.metadata(sources, len(prompts))])
 
         def keep(_pipe, i, t, kwargs):
             per_step.append(kwargs["latents"].clone())
@@ -86,18 +113,20 @@ class AdapterConformance:
         with torch.no_grad():
             images = pipe(prompt=list(prompts), generator=_generators(seeds), num_inference_steps=steps or c.num_steps,
                           height=c.size, width=c.size, output_type="pt", callback_on_step_end=keep,
-                          **c.call_kwargs(guidance)).images
+                          **c.call_kwargs(guidance), **extra).images
         return images, per_step
 
-    def ode(self, adapter, prompts, seeds, *, guidance: float, kind: str = "ode", noise_level: float = 0.0):
+    def ode(self, adapter, prompts, seeds, sources, *, guidance: float, kind: str = "ode",
+            noise_level: float = 0.0):
         """Our sampler from the adapter's noise: (latents (B, T+1, …), images)."""
-        from flowgrpo.sampling.rollout import SamplerSettings, denoise
+        from flowgrpo.sampling.rollout import SamplerSettings, denoise, encode_rows
 
         t = self.case.num_steps
         x0 = adapter.initial_latents(len(prompts), _generators(seeds))
         settings = SamplerSettings(num_steps=t, guidance_scale=guidance, kind=kind, noise_level=noise_level)
         with torch.no_grad():
-            xs, _, _ = denoise(adapter, x0, adapter.encode_prompts(list(prompts)), adapter.sigmas(t), settings,
+            embeds = encode_rows(adapter, list(prompts), self.metadata(sources, len(prompts)))
+            xs, _, _ = denoise(adapter, x0, embeds, adapter.sigmas(t), settings,
                                torch.ones(t, dtype=torch.bool), _generators([s + 100 for s in seeds]))
             images = adapter.decode(xs[:, -1])
         return xs, images
@@ -111,11 +140,12 @@ class AdapterConformance:
         assert type(adapter.pipe).__name__ == name
         assert adapter.height == adapter.width == self.case.size
 
-    def test_ode_rollout_equals_pipeline_call(self, adapter):
+    def test_ode_rollout_equals_pipeline_call(self, adapter, sources):
         c = self.case
         seeds = [3, 11]
-        xs, images = self.ode(adapter, c.prompts, seeds, guidance=c.guidance_scale)
-        ref_images, ref_steps = self.call_pipeline(adapter.pipe, c.prompts, seeds, guidance=c.guidance_scale)
+        xs, images = self.ode(adapter, c.prompts, seeds, sources, guidance=c.guidance_scale)
+        ref_images, ref_steps = self.call_pipeline(adapter.pipe, c.prompts, seeds, sources,
+                                                   guidance=c.guidance_scale)
         assert torch.equal(adapter.sigmas(c.num_steps), adapter.pipe.scheduler.sigmas.float())
         assert len(ref_steps) == c.num_steps
         for t, ref in enumerate(ref_steps):  # every step of the trajectory, not only the end
@@ -127,24 +157,27 @@ class AdapterConformance:
         assert float((xs[:, -1] - xs[:, 0]).abs().max()) > 1e3 * c.parity_atol
         assert float((images[0] - images[1]).abs().max()) > 1e3 * c.parity_atol
 
-    def test_guidance_changes_the_velocity(self, adapter):
+    def test_guidance_changes_the_velocity(self, adapter, sources):
+        from flowgrpo.sampling.rollout import encode_rows
+
         c = self.case
         x = adapter.initial_latents(2, _generators([5, 6]))
-        embeds = adapter.encode_prompts(list(c.prompts))
+        embeds = encode_rows(adapter, list(c.prompts), self.metadata(sources))
         with torch.no_grad():
             v1 = adapter.velocity(x, torch.full((2,), 0.7), embeds, 1.0)
             v2 = adapter.velocity(x, torch.full((2,), 0.7), embeds, c.guidance_scale)
         assert v1.dtype == torch.float32 and v1.shape == x.shape
         assert float((v1 - v2).abs().max()) > 1e-4
 
-    def test_sde_at_noise_zero_equals_ode(self, adapter):
+    def test_sde_at_noise_zero_equals_ode(self, adapter, sources):
         c = self.case
-        ode, _ = self.ode(adapter, c.prompts, [1, 2], guidance=c.guidance_scale)
+        ode, _ = self.ode(adapter, c.prompts, [1, 2], sources, guidance=c.guidance_scale)
         for kind in ("flow_sde", "dance_sde"):  # (cps at a = 0 is the ODE up to rounding: another formula)
-            sde, _ = self.ode(adapter, c.prompts, [1, 2], guidance=c.guidance_scale, kind=kind, noise_level=0.0)
+            sde, _ = self.ode(adapter, c.prompts, [1, 2], sources, guidance=c.guidance_scale, kind=kind,
+                              noise_level=0.0)
             assert torch.equal(sde, ode), kind
 
-    def test_on_policy_log_probs_are_exact(self, adapter):
+    def test_on_policy_log_probs_are_exact(self, adapter, sources):
         from flowgrpo.sampling.rollout import SamplerSettings, rollout
         from flowgrpo.trainer import Trainer
 
@@ -152,7 +185,8 @@ class AdapterConformance:
         settings = SamplerSettings(num_steps=c.num_steps, guidance_scale=c.guidance_scale, kind="flow_sde",
                                    noise_level=0.7)
         prompts = [c.prompts[0]] * 2 + [c.prompts[1]] * 2
-        traj = rollout(adapter, prompts, [{}] * 4, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]),
+        meta = [m for m in self.metadata(sources) for _ in range(2)]
+        traj = rollout(adapter, prompts, meta, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]),
                        settings=settings, sde_steps=torch.ones(c.num_steps, dtype=torch.bool), batch_size=2,
                        seed=0, epoch=0)
         assert torch.isfinite(traj.log_probs).all() and traj.stochastic.all()
@@ -163,7 +197,7 @@ class AdapterConformance:
                     lp, _ = Trainer.chunk_forward(trainer, traj, rows, (t,), with_ref=False)
                 assert torch.equal(lp[:, 0], traj.log_probs[rows, t]), (rows.tolist(), t)
 
-    def test_lora_round_trip_through_the_pipeline_loader(self, folder, tmp_path):
+    def test_lora_round_trip_through_the_pipeline_loader(self, folder, sources, tmp_path):
         from flowgrpo.models.lora import save_lora, setup_trainable
 
         c = self.case
@@ -177,27 +211,33 @@ class AdapterConformance:
                 if "lora_B" in name:
                     p.copy_(0.3 * torch.randn(p.shape, generator=g))
         seeds = [21, 22]
-        _, ours = self.ode(adapter, c.prompts, seeds, guidance=c.guidance_scale)
+        _, ours = self.ode(adapter, c.prompts, seeds, sources, guidance=c.guidance_scale)
         with adapter.reference():
-            _, ours_base = self.ode(adapter, c.prompts, seeds, guidance=c.guidance_scale)
+            _, ours_base = self.ode(adapter, c.prompts, seeds, sources, guidance=c.guidance_scale)
         save_lora(adapter, tmp_path / "lora")
         fresh = type(adapter.pipe).from_pretrained(str(folder))
         fresh.set_progress_bar_config(disable=True)
-        base, _ = self.call_pipeline(fresh, c.prompts, seeds, guidance=c.guidance_scale)
+        base, _ = self.call_pipeline(fresh, c.prompts, seeds, sources, guidance=c.guidance_scale)
         fresh.load_lora_weights(str(tmp_path / "lora"))
-        theirs, _ = self.call_pipeline(fresh, c.prompts, seeds, guidance=c.guidance_scale)
+        theirs, _ = self.call_pipeline(fresh, c.prompts, seeds, sources, guidance=c.guidance_scale)
         torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=1e-5)
         assert float((theirs - base).abs().max()) > 1e-3  # the LoRA matters: a lost or mis-scaled one fails above
         torch.testing.assert_close(ours_base, base.float(), rtol=0, atol=1e-5)  # reference = the base model
 
     @pytest.mark.parametrize("strategy", ["per_step", "chunk"])
-    def test_one_epoch_of_training(self, folder, tmp_path, strategy):
+    def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
         from flowgrpo.config import build_config
         from flowgrpo.train import run
 
         c = self.case
-        prompt_file = tmp_path / "prompts.txt"
-        prompt_file.write_text("\n".join(c.prompts) + "\n")
+        prompt_file = tmp_path / "prompts.jsonl"
+        records = [{"prompt": p} for p in c.prompts]
+        if sources is not None:  # editing: paths relative to the prompt file, as users write them
+            (tmp_path / "img").mkdir()
+            for i, (r, src) in enumerate(zip(records, sources, strict=False)):
+                (tmp_path / "img" / f"s{i}.png").write_bytes(src.read_bytes())
+                r["image"] = f"img/s{i}.png"
+        prompt_file.write_text("".join(json.dumps(r) + "\n" for r in records))
         out = tmp_path / "run"
         chunk = f"{{name: chunk, chunk_sizes: [1, {c.num_steps - 1}]}}"
         grouper = "{name: per_step}" if strategy == "per_step" else chunk

@@ -43,6 +43,9 @@ class ConformanceCase:
         parity_atol: tolerance of the pipeline-parity test (latents and images).
         prompts: two different prompts.
         load_kwargs: extra keyword arguments of :func:`flowgrpo.models.load_model`.
+        condition: editing models only: ``condition(images) -> dict``, the ``__call__`` arguments that pass B
+            lists of source PIL images (one list per prompt) the way the adapter uses them; None for
+            text-to-image models.
     """
 
     name: str
@@ -56,6 +59,7 @@ class ConformanceCase:
     parity_atol: float = 1e-6
     prompts: tuple[str, ...] = _PROMPTS
     load_kwargs: dict = field(default_factory=dict)
+    condition: Callable[[list[list]], dict] | None = None
 
 
 def _words() -> list[str]:
@@ -103,9 +107,16 @@ def _flux2(out: Path, *, sample_size: int = 32, seed: int = 0, transformer_kwarg
                             transformer_kwargs=transformer_kwargs)
 
 
+def _kontext(out: Path, *, sample_size: int = 64, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
+    from flowgrpo.models.kontext import build_tiny_kontext
+
+    return build_tiny_kontext(out, words=_words(), sample_size=sample_size, seed=seed,
+                              transformer_kwargs=transformer_kwargs)
+
+
 #: name → builder ``(out_dir, *, sample_size, seed, transformer_kwargs) -> folder``
 BUILDERS: dict[str, Callable[..., Path]] = {"flux": _flux, "sd3": _sd3, "qwenimage": _qwenimage, "zimage": _zimage,
-                                        "flux2_klein": _flux2_klein, "flux2": _flux2}
+                                        "flux2_klein": _flux2_klein, "flux2": _flux2, "kontext": _kontext}
 
 CASES: dict[str, ConformanceCase] = {
     "flux": ConformanceCase(
@@ -131,6 +142,13 @@ CASES: dict[str, ConformanceCase] = {
     "flux2": ConformanceCase(
         name="flux2", build=_flux2, size=32, max_sequence_length=64, guidance_scale=4.0,
         call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 64},
+    ),
+    "kontext": ConformanceCase(
+        name="kontext", build=_kontext, size=64, max_sequence_length=32, guidance_scale=2.5,
+        prompts=("make the cube red", "add two dogs"),
+        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 32, "max_area": 64 * 64},
+        # one source per prompt at the output size, no snapping to Kontext's preferred resolutions
+        condition=lambda images: {"image": [imgs[0] for imgs in images], "_auto_resize": False},
     ),
 }
 

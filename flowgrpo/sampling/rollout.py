@@ -129,6 +129,44 @@ def denoise(
     return (*result, decode(prev, v, sigmas[t_count - 1].item(), out))
 
 
+def load_condition_images(paths) -> list:
+    """The RGB PIL images of a prompt record's ``images`` paths (absolute, as the prompt loader resolves them)."""
+    from PIL import Image
+
+    return [Image.open(p).convert("RGB") for p in paths]
+
+
+@torch.no_grad()
+def encode_rows(adapter, prompts: list[str], metadata: list[dict] | None = None) -> PromptEmbeds:
+    """Conditioning of B rows, each distinct one encoded once: B :class:`PromptEmbeds` rows on the adapter's
+    device, shared by every row (the G samples of a group) that has the same prompt and conditioning images.
+
+    An adapter with ``image_conditioned = True`` (an editing model) is given the images of each record's
+    ``images`` paths (``encode_prompts(prompts, images=...)``); for the others the text alone is the key.
+
+    Raises:
+        ValueError: an image-conditioned adapter and a record without ``images``, or metadata of another length.
+    """
+    metadata = [{} for _ in prompts] if metadata is None else list(metadata)
+    if len(metadata) != len(prompts):
+        raise ValueError(f"encode_rows got {len(prompts)} prompts but {len(metadata)} metadata dicts")
+    conditioned = bool(getattr(adapter, "image_conditioned", False))
+    if conditioned:
+        missing = [p for p, m in zip(prompts, metadata, strict=True) if not m.get("images")]
+        if missing:
+            raise ValueError(f"{type(adapter).__name__} edits images: every prompt record needs 'image' or "
+                             f"'images' (first without: {missing[0]!r})")
+    keys = [(p, tuple(m.get("images", ())) if conditioned else ()) for p, m in zip(prompts, metadata, strict=True)]
+    unique = list(dict.fromkeys(keys))
+    where = torch.tensor([unique.index(k) for k in keys])
+    texts = [k[0] for k in unique]
+    if conditioned:
+        embeds = adapter.encode_prompts(texts, images=[load_condition_images(k[1]) for k in unique])
+    else:
+        embeds = adapter.encode_prompts(texts)
+    return embeds.index(where.to(embeds.device))
+
+
 @dataclass(frozen=True)
 class RolloutRequest:
     """What one epoch's rollout is asked for: B local samples, sample b of prompt ``prompt_ids[b]``.
@@ -206,9 +244,7 @@ def rollout(adapter, request: RolloutRequest, sde_steps: torch.Tensor) -> Trajec
     if b % r.batch_size:
         raise ValueError(f"rollout batch_size {r.batch_size} must divide the {b} samples")
     sigmas = adapter.sigmas(settings.num_steps)
-    unique = list(dict.fromkeys(r.prompts))
-    where = torch.tensor([unique.index(q) for q in r.prompts])
-    embeds = adapter.encode_prompts(unique).index(where.to(adapter.device))
+    embeds = encode_rows(adapter, list(r.prompts), list(r.metadata))
     pairs = list(zip(r.prompt_ids.tolist(), r.sample_index.tolist(), strict=True))
     init_gens = [make_generator(r.seed, r.epoch, pid, "init", 0 if r.same_noise_in_group else j) for pid, j in pairs]
     noise_gens = [make_generator(r.seed, r.epoch, pid, "sde", j) for pid, j in pairs]
@@ -249,11 +285,13 @@ def generate_images(
     guidance_scale: float,
     batch_size: int = 8,
     progress: bool = False,
+    metadata: list[dict] | None = None,
 ) -> torch.Tensor:
     """ODE samples, one per (prompt, seed): (B, 3, H, W) float32 in [0, 1] on the CPU.
 
     The initial noise of image i comes from ``make_generator(seed_i, "eval")``, so an image depends only on its
-    prompt and seed, never on the batch it was generated in.
+    prompt and seed, never on the batch it was generated in. ``metadata`` (one dict per prompt) carries the
+    conditioning ``images`` of an image-conditioned (editing) model.
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"generate_images needs one seed per prompt, got {len(prompts)} prompts, {len(seeds)} seeds")
@@ -263,8 +301,9 @@ def generate_images(
     out = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="sample", disable=not progress, leave=False):
         ps = list(prompts[start : start + batch_size])
+        meta = None if metadata is None else list(metadata[start : start + batch_size])
         gens = [make_generator(int(s), "eval") for s in seeds[start : start + batch_size]]
         x0 = adapter.initial_latents(len(ps), gens)
-        x, _, _ = denoise(adapter, x0, adapter.encode_prompts(ps), sigmas, settings, no_sde, None, record=False)
+        x, _, _ = denoise(adapter, x0, encode_rows(adapter, ps, meta), sigmas, settings, no_sde, None, record=False)
         out.append(adapter.decode(x).cpu())
     return torch.cat(out)

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from flowgrpo.algo.chunkers.base import CHUNKERS, BaseChunker, ChunkerConfig, fraction_count, make_plan
 from flowgrpo.records import ChunkPlan, PromptEmbeds, Trajectory
 from flowgrpo.rng import make_generator
-from flowgrpo.sampling.rollout import RolloutRequest, decode_and_report, denoise
+from flowgrpo.sampling.rollout import RolloutRequest, decode_and_report, denoise, encode_rows
 from flowgrpo.sampling.sde import gaussian_entropy_per_dim, sde_step, transition_moments
 
 #: SDE kinds ``entropy_merge`` refuses, with the reason.
@@ -335,10 +335,8 @@ class _Anchors:
             if len({request.prompts[i] for i in idx}) > 1:
                 raise ValueError(f"prompt id {p} appears with different prompts: "
                                  f"{sorted({request.prompts[i] for i in idx})}")
-        texts = [request.prompts[members[p][0]] for p in anchors]
-        unique = list(dict.fromkeys(texts))
-        dev = adapter.device
-        embeds = adapter.encode_prompts(unique).index(torch.tensor([unique.index(t) for t in texts]).to(dev))
+        first = [members[p][0] for p in anchors]
+        embeds = encode_rows(adapter, [request.prompts[i] for i in first], [request.metadata[i] for i in first])
         branch_at = {s for s, _ in plan}
         lat, vel = [], {s: [] for s in branch_at}
         bs = request.batch_size
