@@ -140,3 +140,20 @@ def before_after(img_before: torch.Tensor, img_after: torch.Tensor, captions: li
     sample_grid(torch.cat([img_before[:k], img_after[:k]]),
                 [f"before: {c}" for c in captions[:k]] + [f"after: {c}" for c in captions[:k]], path,
                 ncols=10, title="ODE samples before (top) / after (below), same seeds", footer=footer)
+
+
+def edits_before_after(sources: list[torch.Tensor], img_before: torch.Tensor, img_after: torch.Tensor,
+                       captions: list[str], path: str | Path) -> None:
+    """``before_after.png`` of an editing run: one column per prompt (at most ``len(sources)``), its source image
+    ((H', W', 3) uint8, resized to the generated size) on top of the images before and after training."""
+    k = min(len(sources), img_before.shape[0])
+    size = tuple(img_before.shape[-2:])
+    src = torch.cat([
+        torch.nn.functional.interpolate(s.permute(2, 0, 1).unsqueeze(0).float() / 255, size=size, mode="bilinear",
+                                        antialias=True, align_corners=False)
+        for s in sources[:k]
+    ]).clamp(0, 1)
+    sample_grid(torch.cat([src, img_before[:k], img_after[:k]]),
+                [f"source: {c}" for c in captions[:k]] + [f"before: {c}" for c in captions[:k]]
+                + [f"after: {c}" for c in captions[:k]], path, ncols=k,
+                title="edits: source (top), before training, after training")

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -593,11 +594,22 @@ class Trainer:
             if img_after.numel():  # what `flowgrpo sample --run` reproduces
                 torch.save(img_after, self.out / "eval_images_after.pt")
             if img_before.numel():
-                from flowgrpo.plots import before_after
-
-                before_after(img_before, img_after, captions, self.out / "before_after.png",
-                             per_digit=per_digit_rows(summary))
+                self._write_before_after(img_before, img_after, captions, summary)
         return summary
+
+    def _write_before_after(self, img_before, img_after, captions, summary) -> None:
+        """``before_after.png``; for an editing model (evaluation records with ``images``) one column per prompt
+        with its source image on top of its before and after images."""
+        from flowgrpo.plots import before_after, edits_before_after
+        from flowgrpo.sampling.rollout import load_condition_images
+
+        meta = [self.eval_prompts.metadata[i % len(self.eval_prompts)] for i in range(img_before.shape[0])]
+        if not all(m.get("images") for m in meta):
+            before_after(img_before, img_after, captions, self.out / "before_after.png",
+                         per_digit=per_digit_rows(summary))
+            return
+        sources = [torch.from_numpy(np.asarray(load_condition_images(m["images"][:1])[0]).copy()) for m in meta[:10]]
+        edits_before_after(sources, img_before, img_after, captions, self.out / "before_after.png")
 
     def _outputs(self) -> dict[str, str]:
         """The run's products by name: path (as strings)."""

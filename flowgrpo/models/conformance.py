@@ -39,6 +39,16 @@ except ImportError as err:  # pragma: no cover - the class is only useful under 
 
 from flowgrpo.models.zoo import ConformanceCase
 
+_BUILT: dict[tuple[str, str], Path] = {}
+
+
+def tiny_folder(case: ConformanceCase, tmp_path_factory) -> Path:
+    """The case's tiny pipeline folder, built once per test session (other tests reuse the suite's build)."""
+    key = (str(tmp_path_factory.getbasetemp()), case.name)
+    if key not in _BUILT:
+        _BUILT[key] = Path(case.build(tmp_path_factory.mktemp(f"tiny_{case.name}") / "pipeline"))
+    return _BUILT[key]
+
 
 def _generators(seeds) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(int(s)) for s in seeds]
@@ -60,7 +70,7 @@ class AdapterConformance:
 
     @pytest.fixture(scope="class")
     def folder(self, tmp_path_factory) -> Path:
-        return Path(self.case.build(tmp_path_factory.mktemp(f"tiny_{self.case.name}") / "pipeline"))
+        return tiny_folder(self.case, tmp_path_factory)
 
     def load(self, folder: Path):
         from flowgrpo.models import load_model
