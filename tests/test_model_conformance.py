@@ -37,3 +37,7 @@ class TestFlux2(AdapterConformance):
 
 class TestKontext(AdapterConformance):
     case = CASES["kontext"]
+
+
+class TestQwenImageEditPlus(AdapterConformance):
+    case = CASES["qwenimage_edit_plus"]

@@ -83,6 +83,14 @@ def _kontext(path: str, *, dtype, height, width, max_sequence_length, cfg_detach
                                 max_sequence_length=max_sequence_length)
 
 
+@ADAPTERS.register("QwenImageEditPlusPipeline")
+def _qwenimage_edit_plus(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
+    from flowgrpo.models.qwenimage_edit import load_qwenimage_edit_plus_adapter
+
+    return load_qwenimage_edit_plus_adapter(path, dtype=dtype, height=height, width=width,
+                                            max_sequence_length=max_sequence_length)
+
+
 def ensure_tiny_model() -> Path:
     """The random tiny FLUX pipeline, built into the cache on first use."""
     from flowgrpo.models.tiny import build_tiny_flux

@@ -68,6 +68,18 @@ class AdapterConformance:
         yield
         torch.set_num_threads(before)
 
+    @pytest.fixture(scope="class", autouse=True)
+    def _module_patches(self):
+        """The case's ``module_patches`` (pipeline-module constants such as a conditioning image area) for the
+        class's duration, seen alike by the pipeline and the adapter."""
+        import importlib
+
+        with pytest.MonkeyPatch.context() as mp:
+            for target, value in self.case.module_patches.items():
+                module, attr = target.split(":")
+                mp.setattr(importlib.import_module(module), attr, value)
+            yield
+
     @pytest.fixture(scope="class")
     def folder(self, tmp_path_factory) -> Path:
         return tiny_folder(self.case, tmp_path_factory)
@@ -111,20 +123,27 @@ class AdapterConformance:
         from flowgrpo.sampling.rollout import load_condition_images
 
         c = self.case
-        per_step = []
-        extra = {}
+        conditions = None
         if sources is not None:
-            extra = c.condition([load_condition_images(m["images"]) for m in self.metadata(sources, len(prompts))])
+            conditions = [load_condition_images(m["images"]) for m in self.metadata(sources, len(prompts))]
+        n = c.pipeline_batch_size or len(prompts)
+        images, per_step = [], []
+        for start in range(0, len(prompts), n):  # pipelines that take one prompt per call are called per prompt
+            sl = slice(start, start + n)
+            extra = {} if conditions is None else c.condition(conditions[sl])
+            steps_here = []
 
-        def keep(_pipe, i, t, kwargs):
-            per_step.append(kwargs["latents"].clone())
-            return {}
+            def keep(_pipe, i, t, kwargs, steps_here=steps_here):
+                steps_here.append(kwargs["latents"].clone())
+                return {}
 
-        with torch.no_grad():
-            images = pipe(prompt=list(prompts), generator=_generators(seeds), num_inference_steps=steps or c.num_steps,
-                          height=c.size, width=c.size, output_type="pt", callback_on_step_end=keep,
-                          **c.call_kwargs(guidance), **extra).images
-        return images, per_step
+            with torch.no_grad():
+                images.append(pipe(prompt=list(prompts[sl]), generator=_generators(seeds[sl]),
+                                   num_inference_steps=steps or c.num_steps, height=c.size, width=c.size,
+                                   output_type="pt", callback_on_step_end=keep, **c.call_kwargs(guidance),
+                                   **extra).images)
+            per_step.append(steps_here)
+        return torch.cat(images), [torch.cat(step) for step in zip(*per_step, strict=True)]
 
     def ode(self, adapter, prompts, seeds, sources, *, guidance: float, kind: str = "ode",
             noise_level: float = 0.0):

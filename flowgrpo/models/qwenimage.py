@@ -123,28 +123,35 @@ class QwenImageAdapter(AdapterBase):
             raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
         t = sigma * 1000 / 1000  # the pipeline's timestep / 1000 with timestep = σ·1000 (bitwise the same)
-        v_c = self._forward(latents, t, embeds["prompt_embeds"], embeds["prompt_mask"])
+        v_c = self._forward(latents, t, embeds["prompt_embeds"], embeds["prompt_mask"], embeds)
         if guidance_scale <= 1:
             return v_c
+        # a shared (1, L') negative prompt (text to image) or one per row (editing: it sees the source images)
         neg = embeds["negative_prompt_embeds"].expand(b, -1, -1).contiguous()
         neg_mask = embeds["negative_prompt_mask"].expand(b, -1).contiguous()
-        v_u = self._forward(latents, t, neg, neg_mask)
+        v_u = self._forward(latents, t, neg, neg_mask, embeds)
         v = v_u + guidance_scale * (v_c - v_u)
         return v * (v_c.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
 
-    def _forward(self, latents, t, prompt_embeds, mask) -> torch.Tensor:
+    def _context(self, embeds: PromptEmbeds) -> tuple[torch.Tensor | None, list[tuple[int, int, int]]]:
+        """Image tokens appended after the target's (none for text to image) and their (frames, h, w) shapes."""
+        return None, []
+
+    def _forward(self, latents, t, prompt_embeds, mask, embeds) -> torch.Tensor:
         dtype = self.dtype
-        b = latents.shape[0]
+        b, n = latents.shape[:2]
+        context, shapes = self._context(embeds)
+        x = latents if context is None else torch.cat([latents, context], dim=1)
         out = self.forward_module(
-            hidden_states=latents.to(dtype),
+            hidden_states=x.to(dtype),
             timestep=t.to(dtype),
             guidance=None,
             encoder_hidden_states_mask=None if bool(mask.all()) else mask,
             encoder_hidden_states=prompt_embeds.to(dtype),
-            img_shapes=[[(1, self.latent_h // 2, self.latent_w // 2)]] * b,
+            img_shapes=[[(1, self.latent_h // 2, self.latent_w // 2), *shapes]] * b,
             return_dict=False,
         )[0]
-        return out.float()
+        return out[:, :n].float()
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -220,6 +227,8 @@ def build_qwen25vl_encoder(tokenizer, hidden: int = 16, seed: int = 0):
     config = Qwen2_5_VLConfig(
         text_config={"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": 2,
                      "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": len(tokenizer),
+                     "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                     "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
                      "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
                      "rope_theta": 1000000.0},
         vision_config={"depth": 2, "hidden_size": hidden, "intermediate_size": hidden, "num_heads": 2,

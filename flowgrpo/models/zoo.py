@@ -46,6 +46,11 @@ class ConformanceCase:
         condition: editing models only: ``condition(images) -> dict``, the ``__call__`` arguments that pass B
             lists of source PIL images (one list per prompt) the way the adapter uses them; None for
             text-to-image models.
+        pipeline_batch_size: prompts per ``__call__`` when the pipeline takes fewer than the test's two
+            (Qwen-Image-Edit-Plus: 1); None: all at once.
+        module_patches: ``{"module:ATTR": value}`` set for the suite's duration (pipeline-module constants,
+            e.g. a conditioning image area, scaled down to the tiny model); the adapter must read them the
+            same way the pipeline does.
     """
 
     name: str
@@ -60,6 +65,8 @@ class ConformanceCase:
     prompts: tuple[str, ...] = _PROMPTS
     load_kwargs: dict = field(default_factory=dict)
     condition: Callable[[list[list]], dict] | None = None
+    pipeline_batch_size: int | None = None
+    module_patches: dict = field(default_factory=dict)
 
 
 def _words() -> list[str]:
@@ -114,9 +121,20 @@ def _kontext(out: Path, *, sample_size: int = 64, seed: int = 0, transformer_kwa
                               transformer_kwargs=transformer_kwargs)
 
 
+def _qwenimage_edit_plus(out: Path, *, sample_size: int = 32, seed: int = 0,
+                         transformer_kwargs: dict | None = None) -> Path:
+    from flowgrpo.models.qwenimage_edit import build_tiny_qwenimage_edit_plus
+
+    return build_tiny_qwenimage_edit_plus(out, words=_words(), sample_size=sample_size, seed=seed,
+                                          transformer_kwargs=transformer_kwargs)
+
+
+_EDIT_PLUS = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus"
+
 #: name → builder ``(out_dir, *, sample_size, seed, transformer_kwargs) -> folder``
 BUILDERS: dict[str, Callable[..., Path]] = {"flux": _flux, "sd3": _sd3, "qwenimage": _qwenimage, "zimage": _zimage,
-                                        "flux2_klein": _flux2_klein, "flux2": _flux2, "kontext": _kontext}
+                                        "flux2_klein": _flux2_klein, "flux2": _flux2, "kontext": _kontext,
+                                        "qwenimage_edit_plus": _qwenimage_edit_plus}
 
 CASES: dict[str, ConformanceCase] = {
     "flux": ConformanceCase(
@@ -149,6 +167,14 @@ CASES: dict[str, ConformanceCase] = {
         call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 32, "max_area": 64 * 64},
         # one source per prompt at the output size, no snapping to Kontext's preferred resolutions
         condition=lambda images: {"image": [imgs[0] for imgs in images], "_auto_resize": False},
+    ),
+    "qwenimage_edit_plus": ConformanceCase(
+        name="qwenimage_edit_plus", build=_qwenimage_edit_plus, size=32, max_sequence_length=64,
+        guidance_scale=4.0, prompts=("make the cube red", "add two dogs"),
+        call_kwargs=lambda s: {"true_cfg_scale": s, "negative_prompt": " "},
+        condition=lambda images: {"image": images[0]}, pipeline_batch_size=1,
+        # the pipeline's 384² (vision encoder) and 1024² (VAE) source areas, scaled to the tiny 32² model
+        module_patches={f"{_EDIT_PLUS}:CONDITION_IMAGE_SIZE": 56 * 56, f"{_EDIT_PLUS}:VAE_IMAGE_SIZE": 32 * 32},
     ),
 }
 
