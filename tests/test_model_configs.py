@@ -16,7 +16,7 @@ from flowgrpo.models.zoo import CASES
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_OF = {"qwenimage": "qwenimage", "zimage": "zimage", "flux2_klein": "flux2_klein", "flux2": "flux2",
-             "kontext": "kontext"}
+             "kontext": "kontext", "qwenimage_edit_plus": "qwenimage_edit_plus"}
 
 
 @pytest.fixture(autouse=True)
