@@ -8,7 +8,7 @@ Two uses:
   override the tiny transformer's configuration, e.g. the real model's layer count and widths), then load it
   through ``from_pretrained`` like a downloaded folder.
 
-    python -m flowgrpo.models.zoo qwenimage OUT_DIR [--size 64] [--transformer '{"num_layers": 4}']
+    python -m flowgrpo.models.zoo qwenimage OUT_DIR [--size 64] [--transformer '{"num_layers": 4}'] [--real-size]
 """
 
 from __future__ import annotations
@@ -179,6 +179,27 @@ CASES: dict[str, ConformanceCase] = {
 }
 
 
+#: The released transformers' body sizes (blocks, heads, head width) per family, for ``transformer_kwargs``: a
+#: random pipeline with the real model's per-step compute. Text and latent widths stay the tiny encoders' and
+#: VAE's (they must match them). From the diffusers configs of FLUX.1-dev, SD3.5 Medium, Qwen-Image, Z-Image and
+#: FLUX.2 [dev] (the last two are their classes' constructor defaults); FLUX.2 [klein] and Kontext (= FLUX.1) are
+#: left to the caller.
+REAL_SIZE: dict[str, dict] = {
+    "flux": {"num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24,
+             "axes_dims_rope": (16, 56, 56)},
+    "sd3": {"num_layers": 24, "attention_head_dim": 64, "num_attention_heads": 24, "caption_projection_dim": 1536,
+            "dual_attention_layers": tuple(range(13)), "pos_embed_max_size": 384},
+    "qwenimage": {"num_layers": 60, "attention_head_dim": 128, "num_attention_heads": 24,
+                  "axes_dims_rope": (16, 56, 56)},
+    "zimage": {"dim": 3840, "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30,
+               "axes_dims": [32, 48, 48], "axes_lens": [1536, 512, 512]},
+    "flux2": {"num_layers": 8, "num_single_layers": 48, "attention_head_dim": 128, "num_attention_heads": 48,
+              "axes_dims_rope": (32, 32, 32, 32), "timestep_guidance_channels": 256},
+}
+REAL_SIZE["kontext"] = REAL_SIZE["flux"]
+REAL_SIZE["qwenimage_edit_plus"] = REAL_SIZE["qwenimage"]
+
+
 def build_random_pipeline(name: str, out_dir: str | Path, *, sample_size: int | None = None, seed: int = 0,
                           transformer_kwargs: dict | None = None) -> Path:
     """Write a random pipeline of family ``name`` (a key of :data:`BUILDERS`) into ``out_dir``; return it.
@@ -206,9 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", type=int, default=None, help="native image size in pixels")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transformer", default=None, help="JSON object of transformer constructor overrides")
+    parser.add_argument("--real-size", action="store_true", help="the released transformer's body (REAL_SIZE)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    tk = json.loads(args.transformer) if args.transformer else None
+    if args.real_size and args.family not in REAL_SIZE:
+        parser.error(f"no real size recorded for {args.family!r}; give --transformer")
+    tk = {**(REAL_SIZE[args.family] if args.real_size else {}), **json.loads(args.transformer or "{}")} or None
     out = build_random_pipeline(args.family, args.out_dir, sample_size=args.size, seed=args.seed,
                                 transformer_kwargs=tk)
     logger.info("random %s pipeline saved to %s", args.family, out)
