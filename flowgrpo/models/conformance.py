@@ -152,7 +152,7 @@ class AdapterConformance:
 
         t = self.case.num_steps
         x0 = adapter.initial_latents(len(prompts), _generators(seeds))
-        settings = SamplerSettings(num_steps=t, guidance_scale=guidance, kind=kind, noise_level=noise_level)
+        settings = SamplerSettings(num_steps=t, guidance_scale=guidance, sde_kind=kind, noise_level=noise_level)
         with torch.no_grad():
             embeds = encode_rows(adapter, list(prompts), self.metadata(sources, len(prompts)))
             xs, _, _ = denoise(adapter, x0, embeds, adapter.sigmas(t), settings,
@@ -207,17 +207,18 @@ class AdapterConformance:
             assert torch.equal(sde, ode), kind
 
     def test_on_policy_log_probs_are_exact(self, adapter, sources):
-        from flowgrpo.sampling.rollout import SamplerSettings, rollout
+        from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
         from flowgrpo.trainer import Trainer
 
         c = self.case
-        settings = SamplerSettings(num_steps=c.num_steps, guidance_scale=c.guidance_scale, kind="flow_sde",
+        settings = SamplerSettings(num_steps=c.num_steps, guidance_scale=c.guidance_scale, sde_kind="flow_sde",
                                    noise_level=0.7)
         prompts = [c.prompts[0]] * 2 + [c.prompts[1]] * 2
         meta = [m for m in self.metadata(sources) for _ in range(2)]
-        traj = rollout(adapter, prompts, meta, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]),
-                       settings=settings, sde_steps=torch.ones(c.num_steps, dtype=torch.bool), batch_size=2,
-                       seed=0, epoch=0)
+        request = RolloutRequest(prompts=prompts, metadata=meta, prompt_ids=torch.tensor([0, 0, 1, 1]),
+                                 sample_index=torch.tensor([0, 1, 0, 1]), settings=settings, batch_size=2, seed=0,
+                                 epoch=0)
+        traj = rollout(adapter, request, torch.ones(c.num_steps, dtype=torch.bool))
         assert torch.isfinite(traj.log_probs).all() and traj.stochastic.all()
         trainer = SimpleNamespace(adapter=adapter, settings=settings)
         for rows in (torch.arange(0, 2), torch.arange(2, 4)):  # the rollout's micro-batches
@@ -269,13 +270,13 @@ class AdapterConformance:
         prompt_file.write_text("".join(json.dumps(r) + "\n" for r in records))
         out = tmp_path / "run"
         chunk = f"{{name: chunk, chunk_sizes: [1, {c.num_steps - 1}]}}"
-        grouper = "{name: per_step}" if strategy == "per_step" else chunk
+        chunker = "{name: per_step}" if strategy == "per_step" else chunk
         cfg = build_config({}, [
             f"model.pretrained={folder}", f"model.max_sequence_length={c.max_sequence_length}",
             f"model.height={c.size}", f"model.width={c.size}", "model.lora_rank=4", "model.lora_alpha=8",
             f"model.lora_target_modules={json.dumps(list(c.lora_target_modules))}",
             f"sampling.num_steps={c.num_steps}", f"sampling.guidance_scale={c.guidance_scale}",
-            f"grouper={grouper}", "train.num_epochs=1", "train.group_size=2", "train.prompts_per_epoch=2",
+            f"chunker={chunker}", "train.num_epochs=1", "train.group_size=2", "train.prompts_per_epoch=2",
             "train.rollout_batch_size=2", "train.lr=1e-3", "rewards=[{name: jpeg_compressibility}]",
             f"data.train_prompts={prompt_file}", f"output_dir={out}", "logging.progress=false",
         ])
