@@ -41,3 +41,29 @@ class TestKontext(AdapterConformance):
 
 class TestQwenImageEditPlus(AdapterConformance):
     case = CASES["qwenimage_edit_plus"]
+
+
+def test_flux2_klein_distilled_ignores_guidance_as_its_pipeline(tmp_path_factory):
+    """A step-distilled klein (``is_distilled``) runs no CFG: the adapter's velocity does not depend on the
+    guidance scale, and its ODE rollout still equals the pipeline's (which skips CFG for such a model)."""
+    import torch
+    from diffusers import Flux2KleinPipeline
+
+    from flowgrpo.models.conformance import tiny_folder
+    from flowgrpo.models.flux2 import Flux2Adapter
+
+    case = CASES["flux2_klein"]
+    pipe = Flux2KleinPipeline.from_pretrained(str(tiny_folder(case, tmp_path_factory)))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.register_to_config(is_distilled=True)
+    adapter = Flux2Adapter(pipe, height=case.size, width=case.size, max_sequence_length=case.max_sequence_length)
+    assert not adapter.true_cfg
+    suite = TestFlux2Klein()
+    xs, images = suite.ode(adapter, case.prompts, [3, 11], None, guidance=4.0)
+    ref, _ = suite.call_pipeline(pipe, case.prompts, [3, 11], None, guidance=4.0)
+    torch.testing.assert_close(images, ref, rtol=0, atol=case.parity_atol)
+    x = xs[:, 1]
+    embeds = adapter.encode_prompts(list(case.prompts))
+    with torch.no_grad():
+        assert torch.equal(adapter.velocity(x, torch.full((2,), 0.5), embeds, 4.0),
+                           adapter.velocity(x, torch.full((2,), 0.5), embeds, 1.0))
