@@ -230,7 +230,7 @@ class AdapterConformance:
         for rows in (torch.arange(0, 2), torch.arange(2, 4)):  # the rollout's micro-batches
             for t in range(c.num_steps):
                 with torch.no_grad():
-                    lp, _ = Trainer.chunk_forward(trainer, traj, rows, (t,), with_ref=False)
+                    lp = Trainer.chunk_forward(trainer, traj, rows, (t,), with_ref=False).log_probs
                 assert torch.equal(lp[:, 0], traj.log_probs[rows, t]), (rows.tolist(), t)
 
     def test_lora_round_trip_through_the_pipeline_loader(self, folder, sources, tmp_path):
