@@ -603,7 +603,7 @@ class Trainer:
         from flowgrpo.plots import before_after, edits_before_after
         from flowgrpo.sampling.rollout import load_condition_images
 
-        meta = [self.eval_prompts.metadata[i % len(self.eval_prompts)] for i in range(img_before.shape[0])]
+        _, meta = self._eval_set()
         if not all(m.get("images") for m in meta):
             before_after(img_before, img_after, captions, self.out / "before_after.png",
                          per_digit=per_digit_rows(summary))
