@@ -21,6 +21,29 @@ logger = logging.getLogger(__name__)
 ADAPTERS: Registry = Registry("pipeline class")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: The private diffusers helpers the adapters call (pipeline class → static methods), with their parameters.
+#: They are not a stable API: ``tests/test_diffusers_private_api.py`` checks each one's presence, signature and
+#: behaviour against an independent reshape, so a diffusers release that changes one fails a test by name.
+DIFFUSERS_PRIVATE_API: dict[str, dict[str, tuple[str, ...]]] = {
+    "FluxPipeline": {
+        "_pack_latents": ("latents", "batch_size", "num_channels_latents", "height", "width"),
+        "_unpack_latents": ("latents", "height", "width", "vae_scale_factor"),
+        "_prepare_latent_image_ids": ("batch_size", "height", "width", "device", "dtype"),
+    },
+    "FluxKontextPipeline": {"_pack_latents": ("latents", "batch_size", "num_channels_latents", "height", "width")},
+    "QwenImagePipeline": {
+        "_pack_latents": ("latents", "batch_size", "num_channels_latents", "height", "width"),
+        "_unpack_latents": ("latents", "height", "width", "vae_scale_factor"),
+    },
+    "QwenImageEditPlusPipeline": {
+        "_pack_latents": ("latents", "batch_size", "num_channels_latents", "height", "width"),
+    },
+    "Flux2Pipeline": {"_pack_latents": ("latents",), "_unpatchify_latents": ("latents",),
+                      "_prepare_latent_ids": ("latents",)},
+    "Flux2KleinPipeline": {"_pack_latents": ("latents",), "_unpatchify_latents": ("latents",),
+                           "_prepare_latent_ids": ("latents",)},
+}
+
 
 @ADAPTERS.register("FluxPipeline")
 def _flux(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
