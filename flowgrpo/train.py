@@ -118,7 +118,116 @@ def check_strategies(config):
     check_config(POLICY_LOSSES.get(config.algo.policy_loss), config)
     chunker = build_chunker(config.chunker)
     chunker.validate(config.sampling.num_steps, config.sampling.sde_kind)
+    _check_noise(config, chunker)
     return chunker
+
+
+def _check_noise(config, chunker) -> None:
+    """Refuse settings under which no transition the chunker makes stochastic has any noise (nothing to train):
+    the SDE kind's std on a uniform σ grid of ``num_steps`` steps, at the chunker's SDE steps."""
+    import torch
+
+    from flowgrpo.sampling.sde import SDE_KINDS
+
+    s = config.sampling
+    sigma = torch.linspace(1.0, 0.0, s.num_steps + 1)
+    try:
+        steps = chunker.sde_steps(s.num_steps, 0)
+    except ValueError:  # a chunker whose steps follow from the model's σ grid: every step may be stochastic
+        steps = torch.ones(s.num_steps, dtype=torch.bool)
+    x = torch.zeros(s.num_steps, 1)
+    _, std = SDE_KINDS.get(s.sde_kind)(x, x, sigma[:-1, None], sigma[1:, None], float(s.noise_level))
+    std = torch.as_tensor(std, dtype=torch.float32).expand(s.num_steps, 1)[:, 0]
+    if not bool((std[steps] > 0).any()):
+        raise ValueError(
+            f"sampling.sde_kind={s.sde_kind!r} with sampling.noise_level={s.noise_level} leaves no stochastic "
+            f"transition among the chunker's {int(steps.sum())} SDE steps: there is nothing to train. Use an SDE "
+            "kind with noise (flow_sde, dance_sde, cps) and a noise_level that gives it some (e.g. 0.7)"
+        )
+
+
+def check_rewards(specs) -> None:
+    """Resolve every reward name and check its kwargs against the constructor's signature, without constructing
+    it (no weights load). Raises :class:`~flowgrpo.rewards.registry.RewardLoadError` with a suggestion."""
+    import inspect
+
+    from flowgrpo.registry import did_you_mean
+    from flowgrpo.rewards.registry import RewardLoadError, resolve_reward_factory
+
+    for spec in specs:
+        factory, _ = resolve_reward_factory(spec.name)
+        try:
+            sig = inspect.signature(factory)
+        except (TypeError, ValueError):  # a builtin or C factory: its own call checks the kwargs
+            continue
+        params = sig.parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            continue
+        allowed = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for key in spec.kwargs:
+            if key not in allowed:
+                raise RewardLoadError(f"reward {spec.name!r} has no keyword argument {key!r} (rewards[].kwargs); "
+                                      f"it accepts {allowed}{did_you_mean(key, allowed)}")
+        try:
+            sig.bind(**spec.kwargs)
+        except TypeError as err:
+            raise RewardLoadError(f"reward {spec.name!r}: {err} (rewards[].kwargs); it accepts {allowed}") from None
+
+
+def check_batch(config, world_size: int) -> None:
+    """The batch invariants of :class:`~flowgrpo.config.Config`, per process: each of ``world_size`` processes
+    samples B/W trajectories in micro-batches of ``rollout_batch_size`` and trains them in micro-batches of
+    ``train_batch_size``, ``optimizer_steps_per_epoch`` equal shares of them."""
+    t, b = config.train, config.batch_size
+    if b % world_size:
+        raise ValueError(f"the batch B = prompts_per_epoch*group_size = {b} cannot be split evenly over "
+                         f"{world_size} processes; make B a multiple of {world_size}")
+    local, tb = b // world_size, config.train_batch_size
+    where = f"the {local} trajectories each of the {world_size} processes samples (B = {b})"
+    if local % t.rollout_batch_size:
+        raise ValueError(f"train.rollout_batch_size={t.rollout_batch_size} must divide {where}")
+    if local % tb:
+        raise ValueError(f"train.train_batch_size={tb} must divide {where}")
+    if (local // tb) % t.optimizer_steps_per_epoch:
+        raise ValueError(f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the "
+                         f"{local // tb} training micro-batches of {where}; lower train.rollout_batch_size "
+                         "(or train.train_batch_size) or optimizer_steps_per_epoch")
+
+
+def check_trackers(trackers) -> None:
+    """Every tracker asked for is installed (else a run would go on without it)."""
+    import importlib.util
+
+    from flowgrpo.config import ConfigError
+
+    missing = [t for t in trackers if importlib.util.find_spec(t) is None]
+    if missing:
+        raise ConfigError(f"logging.trackers={list(trackers)}: {missing} not installed (pip install "
+                          f"{' '.join(missing)}), or remove it from logging.trackers")
+
+
+def _load_prompt_field(config, field: str):
+    from flowgrpo.data.prompts import load_prompts
+
+    value = getattr(config.data, field)
+    try:
+        return load_prompts(value) if value else None
+    except ValueError as err:
+        raise ValueError(f"data.{field}: {err}") from None
+
+
+def preflight(config, world_size: int | None = None):
+    """Everything the run will need, checked before any model loads: strategy names and settings, reward names
+    and kwargs, prompt files, trackers and the per-process batch layout. Returns (chunker, prompts,
+    eval_prompts). ``world_size``: the process count (default: the launcher's ``WORLD_SIZE``, else 1)."""
+    import os
+
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    chunker = check_strategies(config)
+    check_batch(config, world)
+    check_rewards(config.rewards + config.eval_rewards)
+    check_trackers(config.logging.trackers)
+    return chunker, _load_prompt_field(config, "train_prompts"), _load_prompt_field(config, "eval_prompts")
 
 
 def run(config) -> dict:
@@ -127,14 +236,13 @@ def run(config) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from flowgrpo.data.prompts import load_prompts
     from flowgrpo.models import load_model
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.trainer import Trainer
 
     _quiet_libraries()
     config = resolve_auto_resume(config)
-    chunker = check_strategies(config)
+    chunker, prompts, eval_prompts = preflight(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
     set_seed(config.train.seed)
     m = config.model
@@ -158,9 +266,7 @@ def run(config) -> dict:
     for r in (rewards, eval_rewards):
         if r is not None:
             r.setup(accelerator.device)
-    prompts = load_prompts(config.data.train_prompts)
     _warn_benchmark_overlap(prompts)
-    eval_prompts = load_prompts(config.data.eval_prompts) if config.data.eval_prompts else None
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_flat(config.model_dump(mode="json")))
     trainer = Trainer(config, adapter=adapter, params=params, rewards=rewards, eval_rewards=eval_rewards,
