@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -23,6 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 logger = logging.getLogger("flowgrpo.train")
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
 _SETUP_DONE = False  # set once the run is built: errors after it are bugs and keep their traceback
+_TRAINER = None  # the running trainer, for the one-line report of an interrupted run
 
 
 CONFIG_HELP = """config files:
@@ -175,9 +177,9 @@ def check_rewards(specs) -> None:
 
 
 def check_batch(config, world_size: int) -> None:
-    """The batch invariants of :class:`~flowgrpo.config.Config`, per process: each of ``world_size`` processes
-    samples B/W trajectories in micro-batches of ``rollout_batch_size`` and trains them in micro-batches of
-    ``train_batch_size``, ``optimizer_steps_per_epoch`` equal shares of them."""
+    """The batch layout, per process: each of ``world_size`` processes samples B/W trajectories in micro-batches
+    of ``rollout_batch_size`` and trains them in micro-batches of ``train_batch_size``, cut into
+    ``optimizer_steps_per_epoch`` consecutive shares (unequal shares are warned about). Raises ``ValueError``."""
     t, b = config.train, config.batch_size
     if b % world_size:
         raise ValueError(f"the batch B = prompts_per_epoch*group_size = {b} cannot be split evenly over "
@@ -188,10 +190,14 @@ def check_batch(config, world_size: int) -> None:
         raise ValueError(f"train.rollout_batch_size={t.rollout_batch_size} must divide {where}")
     if local % tb:
         raise ValueError(f"train.train_batch_size={tb} must divide {where}")
-    if (local // tb) % t.optimizer_steps_per_epoch:
-        raise ValueError(f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the "
-                         f"{local // tb} training micro-batches of {where}; lower train.rollout_batch_size "
-                         "(or train.train_batch_size) or optimizer_steps_per_epoch")
+    steps = t.optimizer_steps_per_epoch
+    if local // tb < steps:
+        raise ValueError(f"train.optimizer_steps_per_epoch={steps} exceeds the {local // tb} training "
+                         f"micro-batches of {where}; lower train.rollout_batch_size (or train.train_batch_size) "
+                         "or optimizer_steps_per_epoch")
+    if (local // tb) % steps:
+        logger.warning("with %d processes the %d training micro-batches of each process split unequally into "
+                       "train.optimizer_steps_per_epoch=%d optimizer steps", world_size, local // tb, steps)
 
 
 def check_trackers(trackers) -> None:
@@ -236,7 +242,7 @@ def run(config) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from flowgrpo.models import load_model
+    from flowgrpo.models import load_model_from_config
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.trainer import Trainer
 
@@ -246,9 +252,7 @@ def run(config) -> dict:
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
     set_seed(config.train.seed)
     m = config.model
-    adapter = load_model(m.pretrained, dtype=m.dtype, height=m.height, width=m.width,
-                         max_sequence_length=m.max_sequence_length, cfg_detach_uncond=m.cfg_detach_uncond,
-                         scheduler_shift=m.scheduler_shift)
+    adapter = load_model_from_config(m)
     adapter.pipe.to(accelerator.device)
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
@@ -273,8 +277,8 @@ def run(config) -> dict:
                       chunker=chunker, prompts=prompts, eval_prompts=eval_prompts,
                       accelerator=accelerator, reward_origins=origins + eval_origins)
     torch.set_grad_enabled(True)
-    global _SETUP_DONE
-    _SETUP_DONE = True
+    global _SETUP_DONE, _TRAINER
+    _SETUP_DONE, _TRAINER = True, trainer
     summary = trainer.fit()
     accelerator.end_training()
     return summary
@@ -404,18 +408,44 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from flowgrpo.checkpoint import CheckpointError
     from flowgrpo.config import ConfigError, load_config
     from flowgrpo.rewards.base import MissingWeightsError
+    from flowgrpo.rewards.compose import RewardError
     from flowgrpo.rewards.registry import RewardLoadError
 
+    main_process = os.environ.get("RANK", "0") == "0"
     try:
         config = resolve_auto_resume(load_config(args.config or DEFAULT_CONFIG, args.overrides), args.overrides)
         summary = run(config)
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError) as err:
         parser.exit(2, f"error: {err}\n")
+    except RewardError as err:
+        if err.__cause__ is not None:  # the plugin itself raised: its traceback is what its author needs
+            raise
+        parser.exit(2, f"error: {err}\n")  # an impossible score (±inf, wrong shape): the message says it all
     except (KeyError, ValueError) as err:
         if not _SETUP_DONE:  # bad input found while setting up (names, prompt files, models): no traceback
             parser.exit(2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n")
         raise
-    print_summary(summary)
+    except KeyboardInterrupt:
+        parser.exit(130, _interrupted_line(args) if main_process else "")
+    if main_process:
+        print_summary(summary)
+
+
+def _interrupted_line(args) -> str:
+    """One line for Ctrl-C: the epoch reached, the checkpoint left, and the command that resumes the run."""
+    import shlex
+
+    if _TRAINER is None:
+        return "interrupted while setting up; nothing was trained\n"
+    ckpt = _TRAINER.out / "checkpoints"
+    words = [sys.executable, "flowgrpo/train.py", *([args.config] if args.config else [])]
+    words += [o for o in args.overrides if not o.startswith("train.resume_from=")]
+    if (ckpt / "latest").is_file():
+        latest = (ckpt / "latest").read_text().strip()
+        resume = shlex.join([*words, f"train.resume_from={ckpt}"])
+        return f"interrupted in epoch {_TRAINER.epoch}; last checkpoint {ckpt / latest} is intact; resume: {resume}\n"
+    return (f"interrupted in epoch {_TRAINER.epoch}; no checkpoint written yet (logging.save_every="
+            f"{_TRAINER.cfg.logging.save_every}); start again with: {shlex.join([*words, 'logging.overwrite=true'])}\n")
 
 
 def _wants_help(argv: list[str]) -> bool:
