@@ -129,6 +129,21 @@ def test_zero_spread_warns_and_no_unmeasured_policy_statistic(tmp_path, tiny_flu
         assert not [k for k in rec if k.startswith("policy/")], rec  # nothing trained, nothing measured
 
 
+def test_gdpo_takes_the_compositions_weights_a_negative_one_a_penalty():
+    from flowgrpo.algo.advantages import compute_advantages
+    from flowgrpo.rewards.compose import compose_rewards
+
+    # one group of 2: quality (1, 0), penalty (1, 0), weights 1 and −2. Each component normalised in the group:
+    # ±k with k = 0.5/(0.5 + 1e-4) for both; weighted sum [k − 2k, −k + 2k] = [−k, k]; over the batch mean 0,
+    # population std k: A = [−k, k]/(k + 1e-4). The sample better on quality but penalised twice as much loses.
+    rewards = compose_rewards({"quality": torch.tensor([1.0, 0.0]), "penalty": torch.tensor([1.0, 0.0])},
+                              {"quality": 1.0, "penalty": -2.0})
+    assert rewards.total.tolist() == [-1.0, 0.0]  # the weighted sum, 1·1 − 2·1
+    adv = compute_advantages(rewards, torch.tensor([0, 0]), multi_reward="gdpo").values
+    k = 0.5 / (0.5 + 1e-4)
+    torch.testing.assert_close(adv, torch.tensor([-k / (k + 1e-4), k / (k + 1e-4)]))
+
+
 # ----------------------------------------------------------------------------------------------- sampling
 
 
