@@ -212,6 +212,21 @@ def check_trackers(trackers) -> None:
                           f"{' '.join(missing)}), or remove it from logging.trackers")
 
 
+def _check_output_dir(config) -> None:
+    """A checkpoint to resume must exist, and a folder holding another run is refused (unless resumed or
+    ``logging.overwrite``), before any model loads. Raises CheckpointError / FileExistsError."""
+    from flowgrpo.checkpoint import resolve_checkpoint
+
+    out = Path(config.output_dir)
+    if config.train.resume_from:
+        resolve_checkpoint(config.train.resume_from)
+    elif (out / "config.yaml").exists() and not config.logging.overwrite:
+        raise FileExistsError(
+            f"output_dir {str(out)!r} already holds a run; choose another output_dir, resume it with "
+            f"train.resume_from={out / 'checkpoints'}, or set logging.overwrite=true"
+        )
+
+
 def _load_prompt_field(config, field: str):
     from flowgrpo.data.prompts import load_prompts
 
@@ -233,6 +248,7 @@ def preflight(config, world_size: int | None = None):
     check_batch(config, world)
     check_rewards(config.rewards + config.eval_rewards)
     check_trackers(config.logging.trackers)
+    _check_output_dir(config)
     return chunker, _load_prompt_field(config, "train_prompts"), _load_prompt_field(config, "eval_prompts")
 
 

@@ -231,6 +231,7 @@ def test_bad_values_are_refused_by_the_schema(overrides, needle):
     (["sampling.noise_level=0"], "noise_level=0.0 leaves no stochastic transition"),
     (["sampling.sde_kind=ode"], "sde_kind='ode' with sampling.noise_level=0.7 leaves no stochastic"),
     (["sampling.sde_kind=cps", "sampling.noise_level=0"], "leaves no stochastic transition"),
+    (["train.resume_from=/nonexistent/checkpoints"], "'/nonexistent/checkpoints' is not a complete checkpoint"),
     (["logging.trackers=[wandb]"], r"logging.trackers=\['wandb'\]: \['wandb'\] not installed"),
 ])
 def test_everything_is_checked_before_any_model_loads(tmp_path, tiny_flux_dir, monkeypatch, overrides, needle):
@@ -248,6 +249,17 @@ def test_everything_is_checked_before_any_model_loads(tmp_path, tiny_flux_dir, m
     with pytest.raises(Exception, match=needle) as info:
         run(cfg)
     assert not isinstance(info.value, AssertionError)
+
+
+def test_an_occupied_output_dir_is_refused_before_any_model_loads(tmp_path, tiny_flux_dir, monkeypatch):
+    import flowgrpo.models as models
+    from flowgrpo.train import run
+
+    monkeypatch.setattr(models, "load_model_from_config", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        run(_cfg(tmp_path, tiny_flux_dir))
 
 
 def test_batch_layout_is_checked_per_process(tmp_path, tiny_flux_dir, monkeypatch):
