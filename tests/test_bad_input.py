@@ -215,7 +215,7 @@ def test_prompt_truncation_is_warned_once_per_encoder_and_counted(tmp_path, tiny
     (["train.kl_beta=0.1"], "did you mean 'algo.kl_beta'?"),
     (["sampling.eta=0.3"], "did you mean 'sampling.noise_level'?"),
     (["sampling.guidance_scale=.nan"], "finite number"),
-    (["rewards=[{name: jpeg_compressibility, weight: 0}]"], "weight 0 and would optimise nothing"),
+    (["rewards=[{name: jpeg_compressibility, weight: 0}]"], "every reward in rewards has weight 0"),
 ])
 def test_bad_values_are_refused_by_the_schema(overrides, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
