@@ -88,7 +88,8 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_s
     """Restore every part from a checkpoint; returns the epoch it was written after.
 
     Raises:
-        CheckpointError: incomplete folder, parameter names that do not match the model, or a non-tensor pickle.
+        CheckpointError: incomplete folder, parameter names or shapes that do not match the model (naming the
+            first mismatched parameter and both shapes), or a non-tensor pickle.
     """
     p = resolve_checkpoint(path)
     weights = load_file(p / "trainable.safetensors")
@@ -98,6 +99,14 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_s
     if unknown or missing:
         raise CheckpointError(f"checkpoint {str(p)!r} does not match the model: unknown {unknown[:3]}, "
                               f"missing {missing[:3]}")
+    for k in (k for k in params if k in weights):  # in the model's parameter order: the first mismatch
+        v = weights[k]
+        if tuple(v.shape) != tuple(params[k].shape):
+            raise CheckpointError(
+                f"checkpoint {str(p)!r} does not match the model: parameter {k!r} has shape {tuple(v.shape)} in "
+                f"the checkpoint but {tuple(params[k].shape)} in the model (was it written with other model "
+                "settings, e.g. model.lora_rank or model.finetune?)"
+            )
     with torch.no_grad():
         for k, v in weights.items():
             params[k].copy_(v)

@@ -35,15 +35,18 @@ def _sample(args: argparse.Namespace) -> None:
 
     from flowgrpo.config import load_config
     from flowgrpo.data.prompts import load_prompts
-    from flowgrpo.models import load_model
+    from flowgrpo.models import load_model, load_model_from_config
     from flowgrpo.plots import sample_grid
     from flowgrpo.rng import derive_seed
     from flowgrpo.sampling.rollout import generate_images
 
     if args.run:
-        cfg = load_config(Path(args.run) / "config.yaml")
-        model, dtype = cfg.model.pretrained, cfg.model.dtype
-        height, width, msl = cfg.model.height, cfg.model.width, cfg.model.max_sequence_length
+        cfg_path = Path(args.run) / "config.yaml"
+        if not cfg_path.is_file():
+            raise SystemExit(f"flowgrpo sample: {args.run!r} is not a run folder (no config.yaml in it)")
+        cfg = load_config(cfg_path)
+        def build():
+            return load_model_from_config(cfg.model)  # exactly as training built it
         steps, guidance = cfg.eval_sampling.num_steps, cfg.eval_sampling.guidance_scale
         seed = cfg.train.seed
         weights = Path(args.run) / ("lora" if cfg.model.finetune == "lora" else "transformer")
@@ -54,7 +57,9 @@ def _sample(args: argparse.Namespace) -> None:
     else:
         if not args.model:
             raise SystemExit("flowgrpo sample: give --run RUN_DIR or --model")
-        model, dtype, height, width, msl = args.model, args.dtype, args.height, args.width, args.max_sequence_length
+        def build():
+            return load_model(args.model, dtype=args.dtype, height=args.height, width=args.width,
+                              max_sequence_length=args.max_sequence_length)
         steps, guidance, seed = args.num_steps, args.guidance_scale, args.seed
         weights = Path(args.lora) if args.lora else None
         prompt_file = args.prompts
@@ -63,7 +68,8 @@ def _sample(args: argparse.Namespace) -> None:
         weights = None
     if prompt_file is None:
         raise SystemExit("flowgrpo sample: no prompts (give --prompts FILE)")
-    adapter = load_model(model, dtype=dtype, height=height, width=width, max_sequence_length=msl)
+    ps = load_prompts(prompt_file)
+    adapter = build()
     if weights is not None:
         if (weights / "pytorch_lora_weights.safetensors").exists():
             adapter.pipe.load_lora_weights(str(weights))
@@ -71,7 +77,6 @@ def _sample(args: argparse.Namespace) -> None:
             adapter.transformer.load_state_dict(type(adapter.transformer).from_pretrained(weights).state_dict())
         else:
             raise SystemExit(f"flowgrpo sample: no LoRA or transformer weights in {str(weights)!r}")
-    ps = load_prompts(prompt_file)
     count = count or len(ps)
     prompts = [ps.prompts[i % len(ps)] for i in range(count)]
     seeds = [derive_seed(seed, "eval", i) for i in range(count)]
@@ -187,8 +192,13 @@ def main(argv: list[str] | None = None) -> None:
     from flowgrpo.train import _quiet_libraries
 
     _quiet_libraries()
+    from flowgrpo.config import ConfigError
+
     if args.command == "sample":
-        _sample(args)
+        try:
+            _sample(args)
+        except (ConfigError, ValueError) as err:  # bad input (config, prompts, model folder): one line
+            parser.exit(2, f"flowgrpo sample: error: {err}\n")
     elif args.command == "prompts":
         _prompts(args)
     else:

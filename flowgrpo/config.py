@@ -34,7 +34,7 @@ class ConfigError(ValueError):
 class Section(BaseModel):
     """A config section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -48,9 +48,15 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the transformer's weights and forward; SDE arithmetic is always float32"
     )
-    height: int | None = Field(None, description="image height in pixels (default: the pipeline's sample size)")
-    width: int | None = Field(None, description="image width in pixels (default: the pipeline's sample size)")
-    max_sequence_length: int = Field(512, description="T5 tokens per prompt (clipped to the tokenizer's max)")
+    height: int | None = Field(
+        None, ge=1, description="image height in pixels (default, null: the pipeline's sample size)"
+    )
+    width: int | None = Field(
+        None, ge=1, description="image width in pixels (default, null: the pipeline's sample size)"
+    )
+    max_sequence_length: int = Field(
+        512, ge=1, le=512, description="T5 tokens per prompt (clipped to the tokenizer's max)"
+    )
     finetune: Literal["lora", "full"] = Field("lora", description="train a LoRA adapter or all transformer weights")
     lora_rank: int = Field(8, ge=1, description="LoRA rank r")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / r)")
@@ -98,7 +104,7 @@ class SamplingConfig(Section):
     """How trajectories are sampled for training."""
 
     num_steps: int = Field(10, ge=1, description="T, denoising steps per trajectory")
-    guidance_scale: float = Field(3.5, description="FLUX guidance embedding / SD3 CFG scale")
+    guidance_scale: float = Field(3.5, ge=0, description="FLUX guidance embedding / SD3 CFG scale")
     sde_kind: SdeKindName = Field("flow_sde", description="registered SDE kind: flow_sde, dance_sde, cps, ode")
     noise_level: float = Field(0.7, ge=0, description="SDE noise: a for flow_sde and cps, eta for dance_sde")
     logprob_reduction: Literal["mean", "sum"] = Field("mean", description="reduce log-probs over latent dims")
@@ -121,7 +127,7 @@ class EvalSamplingConfig(Section):
     """How images are sampled for evaluation (ODE: no noise)."""
 
     num_steps: int = Field(40, ge=1, description="denoising steps for evaluation images")
-    guidance_scale: float = Field(3.5, description="guidance for evaluation images")
+    guidance_scale: float = Field(3.5, ge=0, description="guidance for evaluation images")
 
 
 class GroupFilterConfig(Section):
@@ -160,6 +166,10 @@ class AlgoConfig(Section):
     )
     advantage_clip: float = Field(5.0, gt=0, description="advantages clipped to +-this")
     drop_zero_spread_groups: bool = Field(False, description="leave groups with equal rewards out of the update")
+    min_learning_frac: float = Field(
+        0.1, ge=0, le=1, description="warn (console and metric adv/low_signal) when the fraction of samples with a "
+        "learning signal (valid reward, group with spread) falls below this; 0: never"
+    )
     clip_range: float = Field(1e-4, gt=0, description="epsilon of the clipped surrogate (both sides)")
     clip_range_low: float | None = Field(None, gt=0, description="epsilon_low (default clip_range)")
     clip_range_high: float | None = Field(None, gt=0, description="epsilon_high (default clip_range)")
@@ -208,7 +218,7 @@ class TrainConfig(Section):
     )
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay")
-    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup, in optimizer steps")
@@ -228,7 +238,9 @@ class RewardSpec(Section):
     """One reward: a registered name (entry point) or 'module:attr', its weight and constructor kwargs."""
 
     name: str = Field(description="entry-point name in group flowgrpo.rewards, or 'module:attr'")
-    weight: float = Field(1.0, description="weight in the composition")
+    weight: float = Field(
+        1.0, description="weight w in the composed reward, the weighted sum Σ w·r (negative: a penalty)"
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward")
 
 
@@ -325,6 +337,8 @@ class Config(Section):
                 f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
                 f"training micro-batches B / train_batch_size = {b // tb}"
             )
+        if not all(0 <= beta < 1 for beta in t.adam_betas):
+            raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         gf = self.algo.group_filter
@@ -335,6 +349,9 @@ class Config(Section):
         if gf.name != "none" and gf.metric != "total" and gf.metric not in keys:
             raise ValueError(f"algo.group_filter.metric={gf.metric!r} is neither 'total' nor one of the rewards "
                              f"{keys}; add it to rewards with weight 0")
+        if all(r.weight == 0 for r in self.rewards):
+            raise ValueError("every reward in rewards has weight 0: the composed reward would be 0 and nothing "
+                             "would be optimised; give at least one a weight")
         names = [r.name for r in self.rewards + self.eval_rewards]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -371,6 +388,43 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+#: names other trainers (trl, diffusers scripts, Flow-GRPO, DanceGRPO) give to our keys: leaf -> our leaf
+ALIASES = {
+    "learning_rate": "lr", "lr_rate": "lr", "epochs": "num_epochs", "num_train_epochs": "num_epochs",
+    "max_epochs": "num_epochs", "num_generations": "group_size", "num_images_per_prompt": "group_size",
+    "group": "group_size", "batch_size": "rollout_batch_size", "sample_batch_size": "rollout_batch_size",
+    "per_device_train_batch_size": "train_batch_size", "num_inference_steps": "num_steps",
+    "sample_steps": "num_steps", "steps": "num_steps", "eta": "noise_level", "noise": "noise_level",
+    "cfg": "guidance_scale", "cfg_scale": "guidance_scale", "guidance": "guidance_scale", "beta": "kl_beta",
+    "kl_coef": "kl_beta", "kl": "kl_beta", "clip_epsilon": "clip_range", "epsilon": "clip_range",
+    "clip_eps": "clip_range", "lora_r": "lora_rank", "rank": "lora_rank", "alpha": "lora_alpha",
+    "model": "pretrained", "pretrained_model_name_or_path": "pretrained", "model_name": "pretrained",
+    "resume": "resume_from", "resume_from_checkpoint": "resume_from", "output": "output_dir",
+    "logdir": "output_dir", "save_dir": "output_dir", "grad_clip": "max_grad_norm", "clip_grad_norm": "max_grad_norm",
+    "mixed_precision": "dtype", "precision": "dtype", "prompts": "train_prompts", "prompt_file": "train_prompts",
+    "resolution": "height", "image_size": "height", "report_to": "trackers", "tracker": "trackers",
+}
+
+
+def _suggest(parent: str, leaf: str, valid: list[str]) -> str:
+    """The closest valid dotted key for an unknown ``parent.leaf``: a known alias, a typo of a key of the same
+    section, or the same leaf in another section."""
+    prefix = parent + "." if parent else ""
+    same = [k for k in valid if k.startswith(prefix) and "." not in k[len(prefix):]]
+    target = ALIASES.get(leaf.lower())
+    for name in ([target] if target else []) + [leaf]:
+        if prefix + name in same:
+            return prefix + name if name != leaf else ""
+        elsewhere = [k for k in valid if k.rsplit(".", 1)[-1] == name]
+        if elsewhere:
+            return elsewhere[0]
+    close = difflib.get_close_matches(prefix + leaf, same, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    close = difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in valid], n=1, cutoff=0.6)
+    return next((k for k in valid if close and k.rsplit(".", 1)[-1] == close[0]), "")
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
     valid = _valid_keys(Config)
@@ -379,11 +433,8 @@ def _format_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":  # locations of list items carry their index: rewards.0.wieght
             leaf = str(e["loc"][-1])
             parent = ".".join(str(p) for p in e["loc"][:-1] if not isinstance(p, int))
-            candidates = [k for k in valid if k.startswith(parent + ".")] if parent else valid
-            close = difflib.get_close_matches(
-                (parent + "." if parent else "") + leaf, candidates, n=1, cutoff=0.6
-            ) or difflib.get_close_matches(leaf, [c.split(".")[-1] for c in valid], n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            close = _suggest(parent, leaf, valid)
+            hint = f"; did you mean {close!r}?" if close else ""
             lines.append(f"unknown config key {loc!r}{hint}")
         elif e["type"] == "value_error":
             lines.append(str(e["msg"]).removeprefix("Value error, "))

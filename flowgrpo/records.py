@@ -99,7 +99,7 @@ class Rewards:
     Attributes:
         components: name → (B,) float32 raw scores of each reward (NaN = not applicable).
         weights: name → weight from the config.
-        total: (B,) float32 weighted mean of the components present (NaN when none is).
+        total: (B,) float32 weighted sum Σ w_i·r_i of the components present (NaN when none is).
     """
 
     components: dict[str, torch.Tensor]
@@ -117,12 +117,15 @@ class Advantages:
             on, for zero-spread groups).
         zero_spread_frac: fraction of groups whose valid rewards are all equal.
         nan_frac: fraction of samples whose composed reward is NaN.
+        learning_frac: fraction of samples that carry a learning signal: in ``train_mask`` and in a group whose
+            valid rewards differ (the rest have advantage 0 and move the policy only through the KL term).
     """
 
     values: torch.Tensor
     train_mask: torch.Tensor
     zero_spread_frac: float
     nan_frac: float
+    learning_frac: float = 1.0
 
 
 @dataclass(frozen=True)

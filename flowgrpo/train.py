@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -23,6 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 logger = logging.getLogger("flowgrpo.train")
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
 _SETUP_DONE = False  # set once the run is built: errors after it are bugs and keep their traceback
+_TRAINER = None  # the running trainer, for the one-line report of an interrupted run
 
 
 CONFIG_HELP = """config files:
@@ -118,7 +120,136 @@ def check_strategies(config):
     check_config(POLICY_LOSSES.get(config.algo.policy_loss), config)
     chunker = build_chunker(config.chunker)
     chunker.validate(config.sampling.num_steps, config.sampling.sde_kind)
+    _check_noise(config, chunker)
     return chunker
+
+
+def _check_noise(config, chunker) -> None:
+    """Refuse settings under which no transition the chunker makes stochastic has any noise (nothing to train):
+    the SDE kind's std on a uniform σ grid of ``num_steps`` steps, at the chunker's SDE steps."""
+    import torch
+
+    from flowgrpo.sampling.sde import SDE_KINDS
+
+    s = config.sampling
+    sigma = torch.linspace(1.0, 0.0, s.num_steps + 1)
+    try:
+        steps = chunker.sde_steps(s.num_steps, 0)
+    except ValueError:  # a chunker whose steps follow from the model's σ grid: every step may be stochastic
+        steps = torch.ones(s.num_steps, dtype=torch.bool)
+    x = torch.zeros(s.num_steps, 1)
+    _, std = SDE_KINDS.get(s.sde_kind)(x, x, sigma[:-1, None], sigma[1:, None], float(s.noise_level))
+    std = torch.as_tensor(std, dtype=torch.float32).expand(s.num_steps, 1)[:, 0]
+    if not bool((std[steps] > 0).any()):
+        raise ValueError(
+            f"sampling.sde_kind={s.sde_kind!r} with sampling.noise_level={s.noise_level} leaves no stochastic "
+            f"transition among the chunker's {int(steps.sum())} SDE steps: there is nothing to train. Use an SDE "
+            "kind with noise (flow_sde, dance_sde, cps) and a noise_level that gives it some (e.g. 0.7)"
+        )
+
+
+def check_rewards(specs) -> None:
+    """Resolve every reward name and check its kwargs against the constructor's signature, without constructing
+    it (no weights load). Raises :class:`~flowgrpo.rewards.registry.RewardLoadError` with a suggestion."""
+    import inspect
+
+    from flowgrpo.registry import did_you_mean
+    from flowgrpo.rewards.registry import RewardLoadError, resolve_reward_factory
+
+    for spec in specs:
+        factory, _ = resolve_reward_factory(spec.name)
+        try:
+            sig = inspect.signature(factory)
+        except (TypeError, ValueError):  # a builtin or C factory: its own call checks the kwargs
+            continue
+        params = sig.parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            continue
+        allowed = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for key in spec.kwargs:
+            if key not in allowed:
+                raise RewardLoadError(f"reward {spec.name!r} has no keyword argument {key!r} (rewards[].kwargs); "
+                                      f"it accepts {allowed}{did_you_mean(key, allowed)}")
+        try:
+            sig.bind(**spec.kwargs)
+        except TypeError as err:
+            raise RewardLoadError(f"reward {spec.name!r}: {err} (rewards[].kwargs); it accepts {allowed}") from None
+
+
+def check_batch(config, world_size: int) -> None:
+    """The batch layout, per process: each of ``world_size`` processes samples B/W trajectories in micro-batches
+    of ``rollout_batch_size`` and trains them in micro-batches of ``train_batch_size``, cut into
+    ``optimizer_steps_per_epoch`` consecutive shares (unequal shares are warned about). Raises ``ValueError``."""
+    t, b = config.train, config.batch_size
+    if b % world_size:
+        raise ValueError(f"the batch B = prompts_per_epoch*group_size = {b} cannot be split evenly over "
+                         f"{world_size} processes; make B a multiple of {world_size}")
+    local, tb = b // world_size, config.train_batch_size
+    where = f"the {local} trajectories each of the {world_size} processes samples (B = {b})"
+    if local % t.rollout_batch_size:
+        raise ValueError(f"train.rollout_batch_size={t.rollout_batch_size} must divide {where}")
+    if local % tb:
+        raise ValueError(f"train.train_batch_size={tb} must divide {where}")
+    steps = t.optimizer_steps_per_epoch
+    if local // tb < steps:
+        raise ValueError(f"train.optimizer_steps_per_epoch={steps} exceeds the {local // tb} training "
+                         f"micro-batches of {where}; lower train.rollout_batch_size (or train.train_batch_size) "
+                         "or optimizer_steps_per_epoch")
+    if (local // tb) % steps:
+        logger.warning("with %d processes the %d training micro-batches of each process split unequally into "
+                       "train.optimizer_steps_per_epoch=%d optimizer steps", world_size, local // tb, steps)
+
+
+def check_trackers(trackers) -> None:
+    """Every tracker asked for is installed (else a run would go on without it)."""
+    import importlib.util
+
+    from flowgrpo.config import ConfigError
+
+    missing = [t for t in trackers if importlib.util.find_spec(t) is None]
+    if missing:
+        raise ConfigError(f"logging.trackers={list(trackers)}: {missing} not installed (pip install "
+                          f"{' '.join(missing)}), or remove it from logging.trackers")
+
+
+def _check_output_dir(config) -> None:
+    """A checkpoint to resume must exist, and a folder holding another run is refused (unless resumed or
+    ``logging.overwrite``), before any model loads. Raises CheckpointError / FileExistsError."""
+    from flowgrpo.checkpoint import resolve_checkpoint
+
+    out = Path(config.output_dir)
+    if config.train.resume_from:
+        resolve_checkpoint(config.train.resume_from)
+    elif (out / "config.yaml").exists() and not config.logging.overwrite:
+        raise FileExistsError(
+            f"output_dir {str(out)!r} already holds a run; choose another output_dir, resume it with "
+            f"train.resume_from={out / 'checkpoints'}, or set logging.overwrite=true"
+        )
+
+
+def _load_prompt_field(config, field: str):
+    from flowgrpo.data.prompts import load_prompts
+
+    value = getattr(config.data, field)
+    try:
+        return load_prompts(value) if value else None
+    except ValueError as err:
+        raise ValueError(f"data.{field}: {err}") from None
+
+
+def preflight(config, world_size: int | None = None):
+    """Everything the run will need, checked before any model loads: strategy names and settings, reward names
+    and kwargs, prompt files, trackers and the per-process batch layout. Returns (chunker, prompts,
+    eval_prompts). ``world_size``: the process count (default: the launcher's ``WORLD_SIZE``, else 1)."""
+    import os
+
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    chunker = check_strategies(config)
+    check_batch(config, world)
+    check_rewards(config.rewards + config.eval_rewards)
+    check_trackers(config.logging.trackers)
+    _check_output_dir(config)
+    return chunker, _load_prompt_field(config, "train_prompts"), _load_prompt_field(config, "eval_prompts")
 
 
 def run(config) -> dict:
@@ -127,20 +258,17 @@ def run(config) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from flowgrpo.data.prompts import load_prompts
-    from flowgrpo.models import load_model
+    from flowgrpo.models import load_model_from_config
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.trainer import Trainer
 
     _quiet_libraries()
     config = resolve_auto_resume(config)
-    chunker = check_strategies(config)
+    chunker, prompts, eval_prompts = preflight(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
     set_seed(config.train.seed)
     m = config.model
-    adapter = load_model(m.pretrained, dtype=m.dtype, height=m.height, width=m.width,
-                         max_sequence_length=m.max_sequence_length, cfg_detach_uncond=m.cfg_detach_uncond,
-                         scheduler_shift=m.scheduler_shift)
+    adapter = load_model_from_config(m)
     adapter.pipe.to(accelerator.device)
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
@@ -158,17 +286,15 @@ def run(config) -> dict:
     for r in (rewards, eval_rewards):
         if r is not None:
             r.setup(accelerator.device)
-    prompts = load_prompts(config.data.train_prompts)
     _warn_benchmark_overlap(prompts)
-    eval_prompts = load_prompts(config.data.eval_prompts) if config.data.eval_prompts else None
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_flat(config.model_dump(mode="json")))
     trainer = Trainer(config, adapter=adapter, params=params, rewards=rewards, eval_rewards=eval_rewards,
                       chunker=chunker, prompts=prompts, eval_prompts=eval_prompts,
                       accelerator=accelerator, reward_origins=origins + eval_origins)
     torch.set_grad_enabled(True)
-    global _SETUP_DONE
-    _SETUP_DONE = True
+    global _SETUP_DONE, _TRAINER
+    _SETUP_DONE, _TRAINER = True, trainer
     summary = trainer.fit()
     accelerator.end_training()
     return summary
@@ -298,18 +424,44 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from flowgrpo.checkpoint import CheckpointError
     from flowgrpo.config import ConfigError, load_config
     from flowgrpo.rewards.base import MissingWeightsError
+    from flowgrpo.rewards.compose import RewardError
     from flowgrpo.rewards.registry import RewardLoadError
 
+    main_process = os.environ.get("RANK", "0") == "0"
     try:
         config = resolve_auto_resume(load_config(args.config or DEFAULT_CONFIG, args.overrides), args.overrides)
         summary = run(config)
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError) as err:
         parser.exit(2, f"error: {err}\n")
+    except RewardError as err:
+        if err.__cause__ is not None:  # the plugin itself raised: its traceback is what its author needs
+            raise
+        parser.exit(2, f"error: {err}\n")  # an impossible score (±inf, wrong shape): the message says it all
     except (KeyError, ValueError) as err:
         if not _SETUP_DONE:  # bad input found while setting up (names, prompt files, models): no traceback
             parser.exit(2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n")
         raise
-    print_summary(summary)
+    except KeyboardInterrupt:
+        parser.exit(130, _interrupted_line(args) if main_process else "")
+    if main_process:
+        print_summary(summary)
+
+
+def _interrupted_line(args) -> str:
+    """One line for Ctrl-C: the epoch reached, the checkpoint left, and the command that resumes the run."""
+    import shlex
+
+    if _TRAINER is None:
+        return "interrupted while setting up; nothing was trained\n"
+    ckpt = _TRAINER.out / "checkpoints"
+    words = [sys.executable, "flowgrpo/train.py", *([args.config] if args.config else [])]
+    words += [o for o in args.overrides if not o.startswith("train.resume_from=")]
+    if (ckpt / "latest").is_file():
+        latest = (ckpt / "latest").read_text().strip()
+        resume = shlex.join([*words, f"train.resume_from={ckpt}"])
+        return f"interrupted in epoch {_TRAINER.epoch}; last checkpoint {ckpt / latest} is intact; resume: {resume}\n"
+    return (f"interrupted in epoch {_TRAINER.epoch}; no checkpoint written yet (logging.save_every="
+            f"{_TRAINER.cfg.logging.save_every}); start again with: {shlex.join([*words, 'logging.overwrite=true'])}\n")
 
 
 def _wants_help(argv: list[str]) -> bool:

@@ -22,21 +22,23 @@ import contextlib
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from tqdm.auto import tqdm
 
 from flowgrpo import dist
 from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.algo.filters import GROUP_FILTERS, advantages_of_kept
 from flowgrpo.algo.losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
-from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
+from flowgrpo.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from flowgrpo.config import Config, save_config
-from flowgrpo.data.prompts import GroupSampler, PromptSet
+from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.ema import EMA
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
 from flowgrpo.records import Advantages, ChunkPlan, Rewards, Trajectory
@@ -152,6 +154,7 @@ class Trainer:
         self.reward_origins = reward_origins or []
         self.ema = EMA(params, t.ema_decay) if t.ema_decay is not None else None
         self.scorer = AsyncRewardScorer(rewards)
+        self._low_signal_warned = False
         self.forward_count = [0, 0]  # transformer calls and rows, for the rollout/update cost metrics
         adapter.transformer.register_forward_pre_hook(self._count_forward, with_kwargs=True)
         if t.resume_from:
@@ -186,7 +189,10 @@ class Trainer:
         background reward scorer at once. Returns the trajectory and the score handles in sample order."""
         t = self.cfg.train
         prompt_ids = self.sampler.next_prompt_ids()
-        all_pids = prompt_ids.repeat_interleave(t.group_size)  # (B,) global layout: groups adjacent
+        # a prompt drawn twice in one epoch (only when P > the set's size) is two groups with their own noise
+        keys = group_keys(prompt_ids, len(self.prompts))
+        all_keys = keys.repeat_interleave(t.group_size)  # (B,) global layout: groups adjacent
+        all_pids = prompt_ids.repeat_interleave(t.group_size)
         all_j = torch.arange(t.group_size).repeat(t.prompts_per_epoch)
         local = dist.local_slice(len(all_pids))
         pids, js = all_pids[local], all_j[local]
@@ -198,7 +204,7 @@ class Trainer:
             handles.append(self.scorer.submit(images, batch_prompts, batch_meta))
 
         request = RolloutRequest(
-            prompts=prompts, metadata=metadata, prompt_ids=pids, sample_index=js, settings=self.settings,
+            prompts=prompts, metadata=metadata, prompt_ids=all_keys[local], sample_index=js, settings=self.settings,
             batch_size=t.rollout_batch_size, seed=t.seed, epoch=self.epoch,
             same_noise_in_group=self.cfg.sampling.same_noise_in_group, progress=self.cfg.logging.progress and self.main,
             on_images=score_in_background, latents_on_cpu=t.latents_on_cpu,
@@ -366,7 +372,9 @@ class Trainer:
                 bar.update(len(share))
         bar.close()
         out = {**first.metrics("policy"), **later.metrics("policy_later")}
-        out["policy/logprob_mismatch_max"] = float(_all_max(mismatch))
+        mismatch = float(_all_max(mismatch))  # a collective: every process takes part
+        if "policy/pairs" in out:  # measured only when some pair was trained (nothing is logged otherwise)
+            out["policy/logprob_mismatch_max"] = mismatch
         if grad_norms:
             out["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["train/lr"] = self.lr_scheduler.get_last_lr()[0]
@@ -415,14 +423,21 @@ class Trainer:
                     for k, v in reward.batch_metrics(images, ps, meta).items():
                         out[f"eval/{k}"] = float(v)
         captions = [p[:40] for p in ps]
-        logger.info("eval (%s): %s", tag, ", ".join(f"{k}={v:.4f}" for k, v in out.items()
-                                                       if not k.startswith("eval/digit_")))
+        if self.main:  # every process evaluates the same images; one reports them
+            logger.info("eval (%s): %s", tag, ", ".join(f"{k}={v:.4f}" for k, v in out.items()
+                                                           if not k.startswith("eval/digit_")))
         return out, images, captions
 
     # ------------------------------------------------------------------ the loop
+    #: what a run writes into its output_dir; ``logging.overwrite=true`` removes these of the old run
+    RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "rewards.json", "eval_before.json",
+                 "eval_images_before.pt", "eval_images_after.pt", "lora", "transformer", "rollouts",
+                 "samples_latest.png", "reward_curve.png", "before_after.png")
+
     def _claim_output_dir(self) -> None:
         """Refuse a folder that holds another run; when resuming into it, drop the records of epochs after the
-        checkpoint (a run killed mid-epoch left them), so ``metrics.jsonl`` holds each epoch once."""
+        checkpoint (a run killed mid-epoch left them), so ``metrics.jsonl`` holds each epoch once; with
+        ``logging.overwrite`` remove every file of the old run (its checkpoints included)."""
         metrics = self.out / "metrics.jsonl"
         if self.cfg.train.resume_from and metrics.exists():
             kept = [r for r in read_metrics(metrics) if r["epoch"] < self.epoch]
@@ -432,22 +447,81 @@ class Trainer:
                 f"output_dir {str(self.out)!r} already holds a run; choose another output_dir, resume it with "
                 f"train.resume_from={self.out / 'checkpoints'}, or set logging.overwrite=true"
             )
-        elif self.cfg.logging.overwrite and metrics.exists():
-            metrics.unlink()
+        elif self.cfg.logging.overwrite:
+            old = [self.out / n for n in self.RUN_FILES if (self.out / n).exists()]
+            old += sorted(self.out.glob("config_resumed_at_epoch_*.yaml"))
+            for path in old:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            if old:
+                logger.warning("logging.overwrite=true: removed the old run's %s from %s",
+                               ", ".join(p.name for p in old), self.out)
         self.out.mkdir(parents=True, exist_ok=True)
+
+    def _write_config(self) -> None:
+        """``config.yaml`` is the run's original config and is never overwritten: a resume that changes settings
+        warns with the changed keys and writes its own config beside it (``config_resumed_at_epoch_<E>.yaml``)."""
+        path = self.out / "config.yaml"
+        if not path.exists():
+            save_config(self.cfg, path)
+            return
+        old = _flat(yaml.safe_load(path.read_text()) or {})
+        new = _flat(self.cfg.model_dump(mode="json"))
+        changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+                   if old.get(k) != new.get(k) and k != "train.resume_from"}
+        if changed:
+            logger.warning("resuming with settings that differ from %s: %s", path,
+                           "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        save_config(self.cfg, self.out / f"config_resumed_at_epoch_{self.epoch}.yaml")
+
+    def _before(self) -> tuple[dict[str, float], torch.Tensor, list[str]]:
+        """The base model's evaluation: measured at the start of a fresh run and kept in ``eval_before.json``;
+        a resumed run reads it from the run it resumes (its checkpoint's run folder), never re-measures it."""
+        if not self.cfg.train.resume_from:
+            before, images, captions = self.evaluate("before")
+            if self.main:
+                (self.out / "eval_before.json").write_text(json.dumps({"metrics": before, "captions": captions}))
+                torch.save(images, self.out / "eval_images_before.pt")
+            return before, images, captions
+        origin = resolve_checkpoint(self.cfg.train.resume_from).parent.parent
+        for folder in (origin, self.out):
+            if (folder / "eval_before.json").is_file():
+                rec = json.loads((folder / "eval_before.json").read_text())
+                images = folder / "eval_images_before.pt"
+                img = torch.load(images, weights_only=True) if images.is_file() else torch.empty(0)
+                if self.main and folder != self.out:
+                    (self.out / "eval_before.json").write_text(json.dumps(rec))
+                    torch.save(img, self.out / "eval_images_before.pt")
+                return rec["metrics"], img, rec["captions"]
+        logger.warning("no eval_before.json in %s: the base model's 'before' evaluation is not known to this "
+                       "resumed run; summary.json reports no 'before' figures", origin)
+        return {}, torch.empty(0), []
+
+    def _finished(self) -> bool:
+        """Whether the resumed checkpoint already ends the run (then nothing is trained or rewritten)."""
+        if self.epoch < self.cfg.train.num_epochs:
+            return False
+        logger.warning("the run of %s already finished all %d epochs (its checkpoint is after epoch %d): nothing "
+                       "to do, nothing rewritten. To train further, resume with a larger train.num_epochs.",
+                       self.cfg.train.resume_from, self.cfg.train.num_epochs, self.epoch - 1)
+        return True
 
     def fit(self) -> dict:
         """Train for ``train.num_epochs`` epochs; returns the summary also written to ``summary.json``.
 
         Logs one line per epoch (:func:`~flowgrpo.metrics.epoch_line`: progress, elapsed time and ETA, reward,
-        trained fraction, the off-policy updates' clip fraction and KL)."""
+        trained fraction, the off-policy updates' clip fraction and KL). A resumed run that is already finished
+        returns the run's existing summary (or ``{}``) untouched."""
         cfg = self.cfg
+        if self._finished():
+            self.scorer.close()
+            summary = self.out / "summary.json"
+            return json.loads(summary.read_text()) if summary.is_file() else {}
         if self.main:
             self._claim_output_dir()
-            save_config(cfg, self.out / "config.yaml")
+            self._write_config()
             (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
         t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
-        before, img_before, captions = self.evaluate("before")
+        before, img_before, captions = self._before()
         eval_seconds = time.perf_counter() - t0
         last, first = cfg.train.num_epochs - 1, self.epoch
         start = time.perf_counter()
@@ -462,14 +536,14 @@ class Trainer:
                 eta = elapsed / (epoch + 1 - first) * (last - epoch)
                 logger.info("%s", epoch_line(record, epoch, cfg.train.num_epochs, elapsed, eta))
         t0 = time.perf_counter()
-        after, img_after, _ = self.evaluate("after")
+        after, img_after, captions_after = self.evaluate("after")
         eval_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.save_checkpoint(last)
         with self._eval_weights():
             self.save_weights()
         save_seconds = time.perf_counter() - t0
-        summary = self.write_summary(before, after, img_before, img_after, captions,
+        summary = self.write_summary(before, after, img_before, img_after, captions or captions_after,
                                      extra_seconds={"eval": eval_seconds, "save": save_seconds})
         if self.main:
             from flowgrpo.model_card import write_model_card
@@ -484,10 +558,15 @@ class Trainer:
         cfg = self.cfg
         m = self.metrics
         calls0, rows0 = self.forward_count
+        truncation = getattr(self.adapter, "truncation", None)
+        cut0 = truncation.total if truncation is not None else 0
         with m.timed("rollout"):
             traj, handles = self.rollout_phase()
         m.log({"rollout/transformer_calls": self.forward_count[0] - calls0,
                "rollout/transformer_rows": self.forward_count[1] - rows0, "rollout/trajectories": traj.batch_size})
+        if truncation is not None:  # prompt encodings cut at a text encoder's limit, over all processes
+            cut = dist.all_reduce_sum(torch.tensor([float(truncation.total - cut0)], dtype=torch.float64))
+            m.log({"rollout/truncated_prompts": float(cut[0])})
         with m.timed("reward"):  # only the wait for scores not finished during the rollout
             rewards, group_ids = self.reward_phase(traj, handles)
         with m.timed("filter"):
@@ -508,7 +587,9 @@ class Trainer:
         if cfg.logging.save_rollout_stats:
             self.save_rollout_stats(epoch, traj, rewards, group_ids, adv)
         m.log(_reward_metrics(rewards))
+        self._warn_low_signal(epoch, adv)
         m.log({"adv/zero_spread_frac": adv.zero_spread_frac, "adv/nan_frac": adv.nan_frac,
+               "adv/learning_frac": adv.learning_frac,
                "adv/kept_frac": float(adv.train_mask.double().mean()), "adv/abs_mean": float(adv.values.abs().mean()),
                "plan/chunks": plan.num_chunks, "plan/trained_frac": float(plan.selected.double().mean())})
         m.log(upd)
@@ -524,6 +605,23 @@ class Trainer:
             caps = [f"{p[:28]}\n{r:.3g}" for p, r in zip(traj.prompts[:k], rewards.total[:k].tolist(), strict=True)]
             sample_grid(traj.images[:k], caps, self.out / "samples_latest.png", title=f"epoch {epoch}")
         return record
+
+    def _warn_low_signal(self, epoch: int, adv: Advantages) -> None:
+        """Metric ``adv/low_signal`` (1.0 or 0.0) each epoch; a console warning, with what to change, the first
+        epoch the fraction of samples with a learning signal falls below ``algo.min_learning_frac``."""
+        low = adv.learning_frac < self.cfg.algo.min_learning_frac
+        self.metrics.log({"adv/low_signal": float(low)})
+        if not low or self._low_signal_warned or not self.main:
+            return
+        self._low_signal_warned = True
+        logger.warning(
+            "epoch %d: only %.1f%% of the samples carry a learning signal (%.1f%% of the groups have equal rewards, "
+            "%.1f%% of the samples a NaN reward; algo.min_learning_frac=%g): the update moves the policy little or "
+            "not at all. Make the rewards differ within a group: a denser reward (a probability, not a 0/1 "
+            "verdict), a larger train.group_size, more sampling.num_steps or a higher sampling.noise_level. "
+            "Metric adv/low_signal marks each such epoch; this warning is shown once.",
+            epoch, 100 * adv.learning_frac, 100 * adv.zero_spread_frac, 100 * adv.nan_frac,
+            self.cfg.algo.min_learning_frac)
 
     def save_rollout_stats(self, epoch: int, traj: Trajectory, rewards: Rewards, group_ids: torch.Tensor,
                            adv: Advantages) -> None:
@@ -666,6 +764,17 @@ def _check_whole_groups(local_ids: torch.Tensor, all_ids: torch.Tensor, names: l
     if not torch.equal(local_counts, total):
         raise ValueError(f"rewards {names} score whole groups, but a group is split over processes; choose "
                          "train.prompts_per_epoch divisible by the number of processes")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """A nested config dict as dotted key -> value."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _all_max(t: torch.Tensor) -> torch.Tensor:

@@ -159,7 +159,7 @@ def test_groups_are_found_by_id_not_by_position():
 def test_gdpo_separates_reward_combinations_that_sum_normalization_collapses():
     # Two binary rewards a, b with weights 1, 1; groups of 2:
     #   group 0: (a, b) = (0, 1) and (0, 0)   group 1: (1, 1) and (0, 0)
-    # composed (weighted mean) totals: group 0 [0.5, 0], group 1 [1, 0].
+    # totals as given (a weighted mean would give these; the test concerns how the components are used)
     # sum_then_normalize: group 0 ±0.25/(0.25 + 1e-4), group 1 ±0.5/(0.5 + 1e-4): both ≈ ±1, the
     # combinations collide.
     # gdpo: each component normalised in its group: a: group 0 all zero → 0, group 1 ±k; b: ±k in both,

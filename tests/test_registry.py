@@ -116,24 +116,38 @@ def test_reward_rejects_mismatched_inputs():
 # ----------------------------------------------------------------------------------------------- composition
 
 
-def test_composition_is_the_weighted_mean_of_present_components():
+def test_composition_is_the_weighted_sum_of_present_components():
     nan = float("nan")
     a = torch.tensor([1.0, nan, 3.0, nan, -2.0])
     b = torch.tensor([2.0, 4.0, nan, nan, 0.5])
     out = compose_rewards({"a": a, "b": b}, {"a": 1.0, "b": 3.0})
-    # sample 0: (1·1 + 3·2)/(1 + 3) = 7/4; 1: only b → 4; 2: only a → 3; 3: none → NaN;
-    # 4: (1·(−2) + 3·0.5)/4 = −0.125
-    assert out.total[:3].tolist() == [1.75, 4.0, 3.0]
+    # sample 0: 1·1 + 3·2 = 7; 1: only b → 3·4 = 12; 2: only a → 1·3 = 3; 3: none → NaN;
+    # 4: 1·(−2) + 3·0.5 = −0.5
+    assert out.total[:3].tolist() == [7.0, 12.0, 3.0]
     assert math.isnan(out.total[3])
-    assert out.total[4].item() == pytest.approx(-0.125)
+    assert out.total[4].item() == pytest.approx(-0.5)
     assert out.total.dtype == torch.float32
     torch.testing.assert_close(out.components["a"], a, equal_nan=True)
     assert out.weights == {"a": 1.0, "b": 3.0}
 
 
-def test_one_reward_composes_to_itself():
+@pytest.mark.parametrize("weights, expected", [
+    # a penalty: the weighted mean's denominator 1 − 1 = 0 made every total NaN
+    ({"quality": 1.0, "penalty": -1.0}, [0.5 - 0.25, 0.75 - 1.0]),
+    # 0.5·q − 1.0·p: the weighted mean divided by −0.5 and flipped the sign of every total
+    ({"quality": 0.5, "penalty": -1.0}, [0.25 - 0.25, 0.375 - 1.0]),
+])
+def test_negative_weights_are_penalties_not_nan_or_sign_flips(weights, expected):
+    q = torch.tensor([0.5, 0.75])
+    p = torch.tensor([0.25, 1.0])
+    out = compose_rewards({"quality": q, "penalty": p}, weights)
+    assert out.total.tolist() == pytest.approx(expected)
+
+
+def test_one_reward_composes_to_its_weighted_score():
     r = torch.tensor([0.25, -1.5, 7.0])
-    assert torch.equal(compose_rewards({"r": r}, {"r": 2.5}).total, r)
+    assert torch.equal(compose_rewards({"r": r}, {"r": 1.0}).total, r)
+    assert compose_rewards({"r": r}, {"r": 2.5}).total.tolist() == [0.625, -3.75, 17.5]
 
 
 def test_composition_rejects_mismatched_names_and_shapes():
@@ -161,9 +175,11 @@ class _Const:
 def test_composed_reward_scores_each_and_checks_shapes():
     composed = ComposedReward({"x": _Const([1.0, 2.0]), "y": _Const([3.0, float("nan")])}, {"x": 1.0, "y": 1.0})
     out = composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
-    assert out.total.tolist() == [2.0, 2.0]
+    assert out.total.tolist() == [4.0, 2.0]  # 1 + 3, and 2 + (y not applicable)
     bad = ComposedReward({"x": _Const([1.0, 2.0, 3.0])}, {"x": 1.0})
-    with pytest.raises(ValueError, match="'x' returned shape"):
+    from flowgrpo.rewards.compose import RewardError
+
+    with pytest.raises(RewardError, match="'x' returned shape"):
         bad.score_components(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
 
 
@@ -184,9 +200,22 @@ def test_registry_lists_names_suggests_and_refuses_duplicates():
 
 
 def test_an_infinite_reward_is_an_error_naming_the_reward():
+    from flowgrpo.rewards.compose import RewardError
+
     composed = ComposedReward({"bad": _Const([1.0, float("inf")])}, {"bad": 1.0})
-    with pytest.raises(ValueError, match="reward 'bad' returned an infinite score"):
+    with pytest.raises(RewardError, match=r"reward 'bad' returned an infinite score for sample\(s\) \[1\]"):
         composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+
+
+def test_none_is_not_applicable():
+    composed = ComposedReward({"x": _Const([0.5, 1.0]), "maybe": _List([None, 2.0])}, {"x": 1.0, "maybe": 2.0})
+    out = composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+    assert torch.isnan(out.components["maybe"][0]) and out.total.tolist() == [0.5, 5.0]
+
+
+class _List(_Const):
+    def __call__(self, images, prompts, metadata):
+        return list(self.values)
 
 
 def test_nan_stays_not_applicable():

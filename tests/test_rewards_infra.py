@@ -5,7 +5,7 @@ a module beside it) on ``sys.path``, so the real ``importlib.metadata`` discover
 servers on 127.0.0.1 at a free port: ``flowgrpo-reward-server``'s app on a thread, the command itself in a
 subprocess, and a scripted stdlib HTTP server for replies our server never sends (malformed, 503). Expected
 scores come from the in-process reward (the PNG wire format is lossless on the 8-bit grid the JPEG reward
-quantises to) and from weighted means written out by hand.
+quantises to) and from weighted sums written out by hand.
 """
 
 from __future__ import annotations
@@ -276,15 +276,15 @@ def test_core_registers_the_remote_reward_and_the_server_command():
 # ------------------------------------------------------------------------------------------------------------
 
 
-def test_composed_reward_with_a_nan_component_is_the_weighted_mean_of_present_components():
+def test_composed_reward_with_a_nan_component_is_the_weighted_sum_of_present_components():
     images = images_8bit(4)
     prompts = ["a cat", "a dog", "a cat on a mat", "a tree"]
     composed = ComposedReward({"jpeg": JpegCompressibility(), "cat_na": CatNotApplicable()},
                               {"jpeg": 2.0, "cat_na": 1.0})
     out = composed(images, prompts, [{}] * 4)
     j = -jpeg_size_kb(images)
-    # by hand: cat prompts have only the JPEG component present; the others average both with weights 2 and 1
-    expected = torch.stack([j[0], (2 * j[1] + 0.5) / 3, j[2], (2 * j[3] + 0.5) / 3])
+    # by hand: cat prompts have only the JPEG component present (2·j); the others add both, 2·j + 1·0.5
+    expected = torch.stack([2 * j[0], 2 * j[1] + 0.5, 2 * j[2], 2 * j[3] + 0.5])
     torch.testing.assert_close(out.total, expected)
     assert torch.isnan(out.components["cat_na"]).tolist() == [True, False, True, False]
     # no component present: the composed reward is NaN

@@ -191,6 +191,8 @@ def compute_advantages(
     nan_frac = float((~valid).double().mean())
     if nan_frac > 0:
         logger.warning("%.1f%% of samples have a NaN reward: advantage 0, left out of the update", 100 * nan_frac)
+    learning = train_mask & ~zero_spread
     return Advantages(
-        values=adv, train_mask=train_mask, zero_spread_frac=float(group_zero.double().mean()), nan_frac=nan_frac
+        values=adv, train_mask=train_mask, zero_spread_frac=float(group_zero.double().mean()), nan_frac=nan_frac,
+        learning_frac=float(learning.double().mean()),
     )

@@ -113,25 +113,61 @@ class GroupSampler:
     """Draws P prompts per epoch, without replacement within a pass over the set (a fresh seeded permutation
     each pass), so every prompt is seen equally often. Each prompt becomes one group of G samples.
 
-    The state is the number of prompts drawn so far (``position``), saved in checkpoints.
+    No prompt appears twice in one epoch while P ≤ N (the set's size): when an epoch straddles two passes, the
+    next pass's permutation is reordered (stably) so that the prompts the epoch already drew from the old pass
+    come after the epoch's share of the new one. Every pass still holds each prompt exactly once. With P > N an
+    epoch must repeat prompts; :func:`group_keys` then gives each copy its own group (and noise).
+
+    The state is the number of prompts drawn so far (``position``), saved in checkpoints; the draws are a pure
+    function of (seed, N, P, position).
     """
 
     def __init__(self, num_prompts: int, prompts_per_epoch: int, seed: int) -> None:
         if num_prompts < 1:
             raise ValueError("the prompt set is empty")
+        if prompts_per_epoch < 1:
+            raise ValueError(f"prompts_per_epoch must be >= 1, got {prompts_per_epoch}")
         self.n = num_prompts
         self.p = prompts_per_epoch
         self.seed = seed
         self.position = 0
+        self._perms: dict[int, list[int]] = {}
 
-    def _perm(self, pass_index: int) -> torch.Tensor:
-        return torch.randperm(self.n, generator=make_generator(self.seed, "prompts", pass_index))
+    def _raw_perm(self, pass_index: int) -> list[int]:
+        return torch.randperm(self.n, generator=make_generator(self.seed, "prompts", pass_index)).tolist()
+
+    def _straddle(self, pass_index: int) -> tuple[int, int]:
+        """(draws of the epoch straddling the start of pass ``pass_index`` from the previous pass, from this one);
+        (0, 0) when no epoch straddles it or when P > N (repeats are then unavoidable)."""
+        start = pass_index * self.n
+        epoch_start = start // self.p * self.p
+        if pass_index == 0 or epoch_start == start or self.p > self.n:
+            return 0, 0
+        return start - epoch_start, epoch_start + self.p - start
+
+    def _perm(self, pass_index: int) -> list[int]:
+        """Pass ``pass_index``'s order, reordered against the epoch that straddles its start (if any)."""
+        if pass_index in self._perms:
+            return self._perms[pass_index]
+        first = pass_index  # the earliest pass whose order this one depends on, through a chain of straddles
+        while first - 1 not in self._perms and self._straddle(first)[0]:
+            first -= 1
+        for k in range(first, pass_index + 1):
+            perm = self._raw_perm(k)
+            old, new = self._straddle(k)
+            if old:
+                before = set(self._perms[k - 1][self.n - old:])  # what the straddling epoch drew from pass k−1
+                head = [i for i in perm if i not in before][:new]
+                taken = set(head)
+                perm = head + [i for i in perm if i not in taken]
+            self._perms[k] = perm
+        for k in [k for k in self._perms if k < pass_index - 1]:  # keep the cache small
+            del self._perms[k]
+        return self._perms[pass_index]
 
     def next_prompt_ids(self) -> torch.Tensor:
         """(P,) long global prompt indices of the next epoch."""
-        ids = []
-        for pos in range(self.position, self.position + self.p):
-            ids.append(int(self._perm(pos // self.n)[pos % self.n]))
+        ids = [self._perm(pos // self.n)[pos % self.n] for pos in range(self.position, self.position + self.p)]
         self.position += self.p
         return torch.tensor(ids, dtype=torch.long)
 
@@ -142,3 +178,16 @@ class GroupSampler:
         if state["n"] != self.n or state["p"] != self.p or state["seed"] != self.seed:
             raise ValueError(f"sampler state {state} does not match this run (n={self.n}, p={self.p})")
         self.position = int(state["position"])
+
+
+def group_keys(prompt_ids: torch.Tensor, num_prompts: int) -> torch.Tensor:
+    """(P,) long key of each drawn group: ``prompt_id + copy·N``, where ``copy`` counts the earlier draws of the
+    same prompt in this epoch (0 for the first). Keys are unique within an epoch, equal the prompt id for a prompt
+    drawn once, and are the same on every process; they seed the group's noise and are its group id."""
+    seen: dict[int, int] = {}
+    keys = []
+    for pid in prompt_ids.tolist():
+        copy = seen.get(pid, 0)
+        seen[pid] = copy + 1
+        keys.append(pid + copy * num_prompts)
+    return torch.tensor(keys, dtype=torch.long)

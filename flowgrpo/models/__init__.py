@@ -174,3 +174,12 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
         )
     adapter.pipe.set_progress_bar_config(disable=True)
     return adapter
+
+
+def load_model_from_config(model) -> object:
+    """The adapter a run's ``model`` section (:class:`~flowgrpo.config.ModelConfig`) describes: the one function
+    training and ``flowgrpo sample --run`` both build the model with (so every setting, ``scheduler_shift``
+    included, is honoured by both)."""
+    return load_model(model.pretrained, dtype=model.dtype, height=model.height, width=model.width,
+                      max_sequence_length=model.max_sequence_length, cfg_detach_uncond=model.cfg_detach_uncond,
+                      scheduler_shift=model.scheduler_shift)

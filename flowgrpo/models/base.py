@@ -8,12 +8,16 @@ on-policy.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 
 from flowgrpo.records import PromptEmbeds
+
+logger = logging.getLogger(__name__)
+
 
 __all__ = ["AdapterBase", "ModelAdapter", "PromptEmbeds"]  # PromptEmbeds lives in flowgrpo.records
 
@@ -72,6 +76,7 @@ class AdapterBase:
         self.transformer = pipe.transformer
         self.forward_module: torch.nn.Module = pipe.transformer
         self.frozen_reference: torch.nn.Module | None = None
+        self.truncation = TruncationCheck()
 
     @property
     def device(self) -> torch.device:
@@ -87,6 +92,41 @@ class AdapterBase:
         if self.frozen_reference is not None:
             return _forward_with(self, self.frozen_reference)
         return lora_disabled(self.transformer)
+
+
+class TruncationCheck:
+    """Counts prompts a text encoder's tokenizer cuts at its limit, and warns once per encoder and run.
+
+    Two prompts that differ only after an encoder's limit get the same embedding while the rewards read the whole
+    prompt; a user must know. ``counts`` holds, per encoder, how many encodings so far were truncated (the
+    trainer logs it as ``rollout/truncated_prompts``).
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._cache: dict[tuple[str, str], bool] = {}
+
+    def __call__(self, encoder: str, tokenizer, prompts: list[str], limit: int) -> int:
+        """Count (and warn about) the ``prompts`` longer than ``limit`` tokens of ``tokenizer``, special tokens
+        included (the encoders see at most ``limit``). Returns the number truncated in this call."""
+        todo = [p for p in dict.fromkeys(prompts) if (encoder, p) not in self._cache]
+        if todo:
+            lengths = [len(ids) for ids in tokenizer(todo, truncation=False, add_special_tokens=True).input_ids]
+            self._cache.update({(encoder, p): n > limit for p, n in zip(todo, lengths, strict=True)})
+        cut = [p for p in prompts if self._cache[(encoder, p)]]
+        if cut and encoder not in self.counts:
+            logger.warning("%d of %d prompts exceed the %s text encoder's limit of %d tokens and are truncated "
+                           "(e.g. %r): the model does not see their end, the rewards do. Shorten them or raise "
+                           "model.max_sequence_length (T5) where the encoder allows it. Shown once; counted in "
+                           "rollout/truncated_prompts.", len(cut), len(prompts), encoder, limit, cut[0][:80])
+        if cut or encoder in self.counts:
+            self.counts[encoder] = self.counts.get(encoder, 0) + len(cut)
+        return len(cut)
+
+    @property
+    def total(self) -> int:
+        """Truncated encodings so far, summed over the encoders."""
+        return sum(self.counts.values())
 
 
 @contextlib.contextmanager

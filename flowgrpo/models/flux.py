@@ -43,7 +43,10 @@ class FluxAdapter(AdapterBase):
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
-        """CLIP pooled (B, 768) and T5 sequence (B, L, 4096) embeddings (sizes of FLUX.1), no gradient."""
+        """CLIP pooled (B, 768) and T5 sequence (B, L, 4096) embeddings (sizes of FLUX.1), no gradient.
+        Prompts longer than an encoder's limit are truncated (warned once per encoder, counted)."""
+        self.truncation("CLIP", self.pipe.tokenizer, prompts, self.pipe.tokenizer_max_length)
+        self.truncation("T5", self.pipe.tokenizer_2, prompts, self.max_sequence_length)
         prompt_embeds, pooled, text_ids = self.pipe.encode_prompt(
             prompt=list(prompts), prompt_2=None, device=self.device, num_images_per_prompt=1,
             max_sequence_length=self.max_sequence_length,

@@ -89,6 +89,10 @@ class SD3Adapter(AdapterBase):
         prompts = list(prompts)
         if not prompts:
             raise ValueError("encode_prompts needs at least one prompt")
+        # prompts longer than an encoder's limit are truncated: warned once per encoder, counted
+        self.truncation("CLIP", self.pipe.tokenizer, prompts, self.pipe.tokenizer_max_length)
+        if self.pipe.tokenizer_3 is not None:
+            self.truncation("T5", self.pipe.tokenizer_3, prompts, self.max_sequence_length)
         pos, neg, pooled, neg_pooled = self.pipe.encode_prompt(
             prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, num_images_per_prompt=1,
             do_classifier_free_guidance=True, negative_prompt=None,

@@ -30,57 +30,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from flowgrpo.rewards.base import check_reward_inputs, is_group_wise, score_groups
-from flowgrpo.rewards.compose import ComposedReward
+from flowgrpo.rewards.base import check_reward_inputs
+from flowgrpo.rewards.compose import ComposedReward, RewardError, score_components_named
 
 logger = logging.getLogger(__name__)
 
-
-class RewardError(RuntimeError):
-    """A reward failed while scoring a batch. ``reward_name`` is the name it has in the config's composition.
-
-    The original exception is chained as ``__cause__``.
-    """
-
-    def __init__(self, reward_name: str, message: str) -> None:
-        super().__init__(message)
-        self.reward_name = reward_name
-
-
-def score_components_named(composed: ComposedReward, images: torch.Tensor, prompts: list[str],
-                           metadata: list[dict], group_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Score the components of ``composed``; a failing reward raises :class:`RewardError` naming it.
-
-    Point-wise rewards are always scored. Group-wise ones (:func:`~flowgrpo.rewards.base.is_group_wise`) are
-    scored group by group when ``group_ids`` (B,) is given, and left out otherwise (a micro-batch of the rollout
-    may hold part of a group; evaluation images have no groups).
-
-    Returns:
-        name → (B,) float32 CPU scores, in the composition's order.
-
-    Raises:
-        RewardError: a reward raised, or returned something that is not B scores.
-    """
-    b = images.shape[0]
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():  # grad mode is thread-local; rewards never need gradients here
-        for name, reward in composed.rewards.items():
-            group_wise = is_group_wise(reward)
-            if group_wise and group_ids is None:
-                continue
-            try:
-                if group_wise:
-                    raw = score_groups(reward, images, prompts, metadata, group_ids)
-                else:
-                    raw = reward(images, prompts, metadata)
-                scores = torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
-            except Exception as err:
-                raise RewardError(name, f"reward {name!r} failed on a batch of {b}: {type(err).__name__}: {err}") \
-                    from err
-            if scores.shape != (b,):
-                raise RewardError(name, f"reward {name!r} returned shape {tuple(scores.shape)}, expected ({b},)")
-            out[name] = scores
-    return out
+__all__ = ["AsyncRewardScorer", "RewardError", "ScoreHandle", "score_components_named"]
 
 
 class ScoreHandle:

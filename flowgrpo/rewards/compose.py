@@ -1,15 +1,23 @@
-"""Weighted composition of several rewards into one :class:`~flowgrpo.records.Rewards` record.
+"""Weighted composition of several rewards into one :class:`~flowgrpo.records.Rewards` record, and the one
+scoring path every caller (training, evaluation, the background scorer) goes through.
 
-NaN semantics (docs/design.md, "Advantages and loss"): a NaN component means "not applicable to this sample";
-the composed reward is the weighted mean of the components present,
-``Σ_present w_i·r_i / Σ_present w_i``; a sample with no component
-present has a NaN composed reward, which the advantage estimator leaves out of its group's statistics. With one
-reward of weight w the composed reward is that reward itself.
+The composed reward is the **weighted sum** ``R = Σ_i w_i·r_i``, as the Flow-GRPO release (arXiv 2505.05470)
+composes its multi-score rewards: each score multiplied by its weight and summed. Weights may be negative:
+``{quality: 1.0, penalty: -1.0}`` is ``quality − penalty``. A weighted *mean* ``Σ w_i r_i / Σ w_i`` is not used:
+with a negative weight its denominator can be 0 (every total NaN) or negative (every total's sign flipped).
+
+NaN semantics (docs/design.md, "Advantages and loss"): a NaN component means "not applicable to this sample" and
+contributes nothing, i.e. the sum runs over the components present, ``R = Σ_{i present} w_i·r_i``. A sample with no
+component present has a NaN composed reward, which the advantage estimator leaves out of its group's statistics. A
+reward that returns ``None`` for a sample declares it not applicable: it is read as NaN (and counted in
+``reward/<name>/nan_frac``). An infinite score is an error naming the reward (:class:`RewardError`), raised when the
+batch is scored, before any advantage is computed. With one reward of weight w the composed reward is w·r.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -19,34 +27,103 @@ from flowgrpo.rewards.base import is_group_wise, score_groups
 logger = logging.getLogger(__name__)
 
 
+class RewardError(RuntimeError):
+    """A reward failed while scoring a batch. ``reward_name`` is the name it has in the config's composition.
+
+    The original exception, when there is one, is chained as ``__cause__``.
+    """
+
+    def __init__(self, reward_name: str, message: str) -> None:
+        super().__init__(message)
+        self.reward_name = reward_name
+
+
 def compose_rewards(components: dict[str, torch.Tensor], weights: dict[str, float]) -> Rewards:
-    """Compose (B,) component scores with ``weights``. Raises ValueError on mismatched names or shapes."""
+    """Weighted sum of (B,) component scores over the components present (NaN: absent).
+
+    Returns:
+        :class:`~flowgrpo.records.Rewards` with ``total`` (B,) float32 CPU, NaN where no component is present.
+
+    Raises:
+        ValueError: mismatched names or shapes, or a non-finite weight.
+    """
     if set(components) != set(weights):
         raise ValueError(f"reward components {sorted(components)} and weights {sorted(weights)} differ")
+    bad = {k: w for k, w in weights.items() if not math.isfinite(float(w))}
+    if bad:
+        raise ValueError(f"reward weights must be finite numbers, got {bad}")
     shapes = {k: tuple(v.shape) for k, v in components.items()}
     if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
         raise ValueError(f"every reward must return a (B,) tensor, got shapes {shapes}")
-    num = None
-    den = None
-    for name, r in components.items():
-        r = r.detach().float().cpu()
-        present = ~torch.isnan(r)
-        w = float(weights[name])
-        term = torch.where(present, w * r, torch.zeros_like(r))
-        wt = present.float() * w
-        num = term if num is None else num + term
-        den = wt if den is None else den + wt
-    total = torch.where(den != 0, num / torch.where(den != 0, den, torch.ones_like(den)), torch.nan)
     comps = {k: v.detach().float().cpu() for k, v in components.items()}
+    total = None
+    any_present = None
+    for name, r in comps.items():
+        present = ~torch.isnan(r)
+        term = torch.where(present, float(weights[name]) * r, torch.zeros_like(r))
+        total = term if total is None else total + term
+        any_present = present if any_present is None else any_present | present
+    total = torch.where(any_present, total, torch.full_like(total, float("nan")))
     return Rewards(components=comps, weights=dict(weights), total=total)
 
 
+def _as_scores(raw) -> torch.Tensor:
+    """A reward's output as float32 CPU; ``None`` entries of a list or tuple become NaN (not applicable)."""
+    if isinstance(raw, list | tuple):
+        raw = [float("nan") if s is None else s for s in raw]
+    return torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
+
+
+def score_components_named(composed: ComposedReward, images: torch.Tensor, prompts: list[str],
+                           metadata: list[dict], group_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Score the components of ``composed``: the only scoring path (training, evaluation, background scorer).
+
+    Point-wise rewards are always scored. Group-wise ones (:func:`~flowgrpo.rewards.base.is_group_wise`) are
+    scored group by group when ``group_ids`` (B,) is given, and left out otherwise (a micro-batch of the rollout
+    may hold part of a group; evaluation images have no groups).
+
+    Args:
+        images: (B, 3, H, W) float in [0, 1]. prompts: B strings. metadata: B dicts.
+
+    Returns:
+        name → (B,) float32 CPU scores, in the composition's order; ``None`` scores are NaN.
+
+    Raises:
+        RewardError: a reward raised, returned something that is not B scores, or returned ±inf (the message
+            names the reward and the samples).
+    """
+    b = images.shape[0]
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():  # grad mode is thread-local; rewards never need gradients here
+        for name, reward in composed.rewards.items():
+            group_wise = is_group_wise(reward)
+            if group_wise and group_ids is None:
+                continue
+            try:
+                raw = score_groups(reward, images, prompts, metadata, group_ids) if group_wise else \
+                    reward(images, prompts, metadata)
+                scores = _as_scores(raw)
+            except Exception as err:
+                raise RewardError(name, f"reward {name!r} failed on a batch of {b}: {type(err).__name__}: {err}") \
+                    from err
+            if scores.shape != (b,):
+                raise RewardError(name, f"reward {name!r} returned shape {tuple(scores.shape)}, expected ({b},)")
+            inf = torch.isinf(scores).nonzero().flatten().tolist()
+            if inf:
+                raise RewardError(
+                    name, f"reward {name!r} returned an infinite score for sample(s) {inf[:5]} of the batch "
+                    f"(prompt {prompts[inf[0]]!r}: {float(scores[inf[0]])}); a reward must be finite, or NaN/None "
+                    "for 'not applicable'. Fix or clip the reward.")
+            out[name] = scores
+    return out
+
+
 class ComposedReward:
-    """Several rewards with weights; calls each and composes.
+    """Several rewards with weights; calls each (through :func:`score_components_named`) and composes.
 
     Args:
         rewards: name → reward object (the :class:`~flowgrpo.rewards.base.Reward` protocol).
-        weights: name → weight.
+        weights: name → weight (any finite number; negative for a penalty).
     """
 
     def __init__(self, rewards: dict, weights: dict[str, float]) -> None:
@@ -64,24 +141,11 @@ class ComposedReward:
 
     def score_components(self, images: torch.Tensor, prompts: list[str], metadata: list[dict],
                          group_ids: torch.Tensor | None = None):
-        """name → (B,) float32 scores of every component; ``group_ids`` (B,) is needed when a component is
-        group-wise. Raises ValueError for bad shapes, infinite scores or missing group ids."""
+        """name → (B,) float32 CPU scores of every component, through :func:`score_components_named` (same path,
+        same errors); ``group_ids`` (B,) is needed when a component is group-wise (else ValueError)."""
         if self.group_wise and group_ids is None:
             raise ValueError(f"rewards {self.group_wise} score whole groups: pass group_ids")
-        out = {}
-        for name, reward in self.rewards.items():
-            raw = score_groups(reward, images, prompts, metadata, group_ids) if is_group_wise(reward) else \
-                reward(images, prompts, metadata)
-            scores = torch.as_tensor(raw, dtype=torch.float32).cpu()
-            if scores.shape != (images.shape[0],):
-                raise ValueError(
-                    f"reward {name!r} returned shape {tuple(scores.shape)}, expected ({images.shape[0]},)"
-                )
-            if bool(torch.isinf(scores).any()):
-                raise ValueError(f"reward {name!r} returned an infinite score: {scores.tolist()} (NaN means "
-                                 "'not applicable'; an infinite reward has no meaning)")
-            out[name] = scores
-        return out
+        return score_components_named(self, images, prompts, metadata, group_ids)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict],
                  group_ids: torch.Tensor | None = None) -> Rewards:
