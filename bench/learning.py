@@ -1,33 +1,70 @@
-"""GRPO on the digits task for a fixed budget, one row per chunker, SDE kind and estimator (a table; never a test).
+"""GRPO on the digits task, one row per setting, over several RL seeds (a table; never a test).
 
-    python bench/learning.py [--epochs 60] [--seed 0 1 2] [--rows per_step sapo gfpo ...] [--json PATH]
+    python bench/learning.py [--seed 0 1 2] [--rows default old_default ...] [--epochs N] [--set KEY=VALUE ...]
+                             [--eval-every 5] [--out runs/learning] [--resume] [--json PATH]
 
-Every row starts from the same pretrained base model (``flowgrpo/configs/digits.yaml``) and changes only the
-settings named in its row. Correctness is the independent judge's strict correctness on 200 seeded ODE images
-(20 per digit), before and after; diversity is intra-digit diversity (real digits: about 26). "calls/epoch" and
-"rows/epoch" count transformer forwards during the rollout (E-GRPO's shared prefix shows here).
+Every row starts from the same pretrained base model and changes only the settings named in its row: ``default``
+is the shipped ``flowgrpo/configs/digits.yaml`` as it is when the bench runs; ``old_default`` writes out the
+settings that file shipped before the collapse work (uncapped ``digit_correctness``, lr 2e-4, clip 2e-4, 80
+epochs); the chunker, SDE, estimator, policy-loss and filter rows change the default in one respect. Overrides are
+applied in this order: the row's, then ``--set`` (shared by every row), then ``--epochs`` (if given; otherwise
+each row keeps its config's ``train.num_epochs``), then the bench's own (seed, output folder, ``logging.eval_every``).
+
+Per (row, seed) the run folder is ``OUT/<row>/seed<s>/`` and its figures go to ``OUT/<row>/seed<s>.json`` as soon as
+the run ends, so an interrupted table keeps its finished runs; ``--resume`` skips every (row, seed) whose JSON
+exists (and refuses one written with other overrides). Runs go one after another.
+
+Figures per run (from the run's ``summary.json`` and ``metrics.jsonl``):
+
+- judge correctness: the independent judge's strict correctness on the evaluation images (200 seeded ODE images,
+  20 per digit, by default), before and after;
+- diversity ratio: per digit d, intra-digit diversity after RL / the same digit's real diversity; the table shows
+  the average over digits and the minimum over digits (a collapse of one digit to a prototype shows in the minimum);
+- RL wall time: the sum over epochs of the epoch phases' ``timing/<phase>`` seconds (rollout, reward, filter,
+  advantage, plan, recompute, update), without ``timing/eval`` (the periodic evaluation the bench asks for) and
+  without the before/after evaluation, the final save and the model's one-time pretraining;
+- epochs to reach judge correctness 0.97: the first periodic evaluation (every ``--eval-every`` epochs, key
+  ``eval/correctness``) at or above it, counted in epochs done; the final evaluation counts as epoch
+  ``train.num_epochs``; none (``—``) if never.
+
+The table gives, per row, the mean over seeds and the spread as (min–max) over seeds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+import math
 import time
 from pathlib import Path
 
 import yaml
 
+#: the shipped digits.yaml's settings before the collapse work, written out so the row keeps them whatever the
+#: shipped default becomes
+OLD_DEFAULT = [
+    "rewards=[{name: digit_correctness}]", "algo.advantage=grpo", "algo.policy_loss=clipped", "algo.clip_range=2.0e-4",
+    "algo.kl_beta=0", "train.lr=2.0e-4", "train.num_epochs=80", "train.prompts_per_epoch=16", "train.group_size=8",
+    "train.rollout_batch_size=64", "train.optimizer_steps_per_epoch=2", "chunker={name: per_step}",
+    "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full",
+]
+
 ROWS: dict[str, list[str]] = {
-    "per_step": [],
+    "default": [],
+    "old_default": OLD_DEFAULT,
+    # chunkers on the default
+    "per_step": ["chunker.name=per_step"],
     "chunk": ["chunker.name=chunk", "chunker.min_chunk_size=2"],
     "chunk_fixed": ["chunker.name=chunk", "chunker.chunk_sizes=[2,2,4]"],
     "trajectory": ["chunker.name=trajectory"],
     "window": ["chunker.name=window", "chunker.window_size=4", "chunker.window_shift_every=20"],
     "entropy_merge": ["chunker.name=entropy_merge", "chunker.entropy_threshold=0.9", "chunker.sde_fraction=0.5",
                       "train.prompts_per_epoch=8", "train.rollout_batch_size=16", "train.train_batch_size=8"],
+    # SDE kinds on the default
+    "flow_sde": ["sampling.sde_kind=flow_sde", "sampling.noise_level=0.7"],
     "dance_sde": ["sampling.sde_kind=dance_sde", "sampling.noise_level=0.7"],
     "cps": ["sampling.sde_kind=cps", "sampling.noise_level=0.8", "chunker.drop_last_step=true"],
+    # advantage estimators
     "dr_grpo": ["algo.advantage=dr_grpo"],
     "rloo": ["algo.advantage=rloo"],
     "grpo_global_std": ["algo.global_std=true"],
@@ -41,55 +78,159 @@ ROWS: dict[str, list[str]] = {
              "algo.group_filter.select=max_spread"],
 }
 
+TARGET = 0.97  # judge correctness the "epochs to reach" column counts to
+JUDGE_KEY = "eval/correctness"  # the judge's strict correctness in a periodic evaluation record
+EXCLUDED_PHASES = ("eval",)  # timing/<phase> not counted as RL time
 
-def run_row(name: str, overrides: list[str], epochs: int, seed: int, out_root: Path) -> dict:
-    from flowgrpo.config import build_config
+
+def rl_seconds(records: list[dict]) -> float:
+    """Sum over the epoch records of ``timing/<phase>`` seconds, phases in :data:`EXCLUDED_PHASES` left out."""
+    return sum(v for r in records for k, v in r.items()
+               if k.startswith("timing/") and k.removeprefix("timing/") not in EXCLUDED_PHASES and v is not None)
+
+
+def epochs_to_reach(records: list[dict], summary: dict, target: float = TARGET) -> int | None:
+    """Epochs done at the first evaluation with judge correctness >= ``target``: a periodic one (record of 0-based
+    ``epoch`` e counts as e + 1 epochs) or else the final one (``summary["epochs"]``); None if none reached it."""
+    for r in sorted(records, key=lambda r: r["epoch"]):
+        v = r.get(JUDGE_KEY)
+        if v is not None and v >= target:
+            return r["epoch"] + 1
+    after = summary.get("correctness_after")
+    return summary["epochs"] if after is not None and after >= target else None
+
+
+def seed_figures(run_dir: Path) -> dict:
+    """The figures of one finished run folder (``summary.json`` and ``metrics.jsonl``), see the module docstring.
+    Raises ``ValueError`` when the summary has no per-digit diversity (not a digits run)."""
     from flowgrpo.metrics import read_metrics
-    from flowgrpo.train import DEFAULT_CONFIG, run
+    from flowgrpo.trainer import per_digit_rows
 
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    cfg = build_config(data, [*overrides, f"train.num_epochs={epochs}", f"train.seed={seed}",
-                              f"output_dir={out_root / name}", "logging.progress=false"])
-    start = time.perf_counter()
-    summary = run(cfg)
-    wall = time.perf_counter() - start
-    recs = read_metrics(out_root / name / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = read_metrics(run_dir / "metrics.jsonl")
+    ratios = [r["ratio_after"] for r in per_digit_rows(summary) if r["ratio_after"] is not None]
+    if not ratios:
+        raise ValueError(f"{run_dir / 'summary.json'} has no digit_<d>_diversity_after/_real: not a digits run")
+    last = records[-1] if records else {}
     return {
-        "row": name, "overrides": overrides, "epochs": epochs, "seed": seed,
         "correctness_before": summary.get("correctness_before"), "correctness_after": summary.get("correctness_after"),
         "diversity_after": summary.get("diversity_after"), "diversity_real": summary.get("diversity_real"),
-        "wall_s": wall, "calls_per_epoch": recs[-1].get("rollout/transformer_calls"),
-        "rows_per_epoch": recs[-1].get("rollout/transformer_rows"),
-        "trajectories_per_epoch": recs[-1].get("rollout/trajectories"),
-        "extra_sample_frac": recs[-1].get("filter/extra_sample_frac", 0.0),
+        "ratio_mean_after": sum(ratios) / len(ratios), "ratio_min_after": min(ratios),
+        "epochs": summary["epochs"], "rl_seconds": rl_seconds(records),
+        "eval_seconds_periodic": sum(r.get("timing/eval") or 0.0 for r in records),
+        "epochs_to_target": epochs_to_reach(records, summary),
+        "calls_per_epoch": last.get("rollout/transformer_calls"),
+        "rows_per_epoch": last.get("rollout/transformer_rows"),
+        "trajectories_per_epoch": last.get("rollout/trajectories"),
+        "extra_sample_frac": last.get("filter/extra_sample_frac", 0.0),
     }
+
+
+def spread(values: list[float | None], fmt: str) -> str:
+    """``mean (min–max)`` over the values that are not None; with some None, ``; k/n seeds`` is added; ``—`` if
+    all are None."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return "—"
+    text = f"{sum(got) / len(got):{fmt}}"
+    if len(got) > 1:
+        text += f" ({min(got):{fmt}}–{max(got):{fmt}})"
+    return text if len(got) == len(values) else f"{text}; {len(got)}/{len(values)} seeds"
+
+
+def aggregate(results: list[dict]) -> list[dict]:
+    """Per row (in first-seen order): its seeds and the table's cells (mean (min–max) over seeds)."""
+    rows: dict[str, list[dict]] = {}
+    for r in results:
+        rows.setdefault(r["row"], []).append(r)
+    out = []
+    for name, rs in rows.items():
+        col = {k: [r[k] for r in rs] for k in rs[0]}
+        out.append({
+            "row": name, "settings": " ".join(rs[0]["overrides"]) or "digits.yaml", "seeds": col["seed"],
+            "correctness_after": spread(col["correctness_after"], ".3f"),
+            "ratio_mean_after": spread(col["ratio_mean_after"], ".2f"),
+            "ratio_min_after": spread(col["ratio_min_after"], ".2f"),
+            "rl_seconds": spread(col["rl_seconds"], ".0f"), "epochs": spread(col["epochs"], ".0f"),
+            "epochs_to_target": spread(col["epochs_to_target"], ".0f"),
+            "calls_rows": f"{rs[0]['calls_per_epoch']} / {rs[0]['rows_per_epoch']}",
+            "extra_samples": f"{rs[0]['extra_sample_frac']:.0%}",
+        })
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    """The aggregated rows as a Markdown table."""
+    lines = [f"| row | seeds | judge correctness after | diversity ratio, mean over digits | "
+             f"min per-digit diversity ratio | RL wall time (s) | epochs | epochs to {TARGET} | "
+             "calls / rows per epoch | extra samples | settings |", "|" + "---|" * 11]
+    for t in table:
+        lines.append(f"| {t['row']} | {' '.join(map(str, t['seeds']))} | {t['correctness_after']} | "
+                     f"{t['ratio_mean_after']} | {t['ratio_min_after']} | {t['rl_seconds']} | {t['epochs']} | "
+                     f"{t['epochs_to_target']} | {t['calls_rows']} | {t['extra_samples']} | `{t['settings']}` |")
+    return "\n".join(lines)
+
+
+def run_one(name: str, overrides: list[str], seed: int, out_root: Path) -> dict:
+    """Trains one (row, seed) into ``out_root/<row>/seed<seed>`` and writes its figures next to it as JSON."""
+    from flowgrpo.config import build_config
+    from flowgrpo.train import DEFAULT_CONFIG, run
+
+    run_dir = out_root / name / f"seed{seed}"
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    cfg = build_config(data, [*overrides, f"train.seed={seed}", f"output_dir={run_dir}", "logging.progress=false",
+                              "logging.overwrite=true"])
+    start = time.perf_counter()
+    run(cfg)
+    result = {"row": name, "seed": seed, "overrides": overrides, "process_seconds": time.perf_counter() - start,
+              **seed_figures(run_dir)}
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
+    (out_root / name / f"seed{seed}.json").write_text(json.dumps(clean, indent=1))
+    return clean
+
+
+def load_finished(path: Path, overrides: list[str]) -> dict | None:
+    """A finished (row, seed)'s figures, or None if not run yet. Raises ``ValueError`` when it was run with
+    other overrides (choose another ``--out`` or delete the file)."""
+    if not path.exists():
+        return None
+    got = json.loads(path.read_text())
+    if got["overrides"] != overrides:
+        raise ValueError(f"{path} was run with overrides {got['overrides']}, not {overrides}; use another --out or "
+                         "delete it to re-run")
+    return got
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=80)
-    parser.add_argument("--seed", type=int, nargs="+", default=[0], help="RL seeds (one row per seed)")
+    parser.add_argument("--epochs", type=int, default=None, help="train.num_epochs for every row (default: each "
+                        "row's config: digits.yaml's for most, 80 for old_default)")
+    parser.add_argument("--seed", type=int, nargs="+", default=[0, 1, 2], help="RL seeds")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
-    parser.add_argument("--out", default=None, help="run folders (default: a temporary folder)")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--eval-every", type=int, default=5, help="logging.eval_every of every row (epochs to 0.97)")
+    parser.add_argument("--out", default="runs/learning", help="run folders and per-(row, seed) JSON files")
+    parser.add_argument("--resume", action="store_true", help="skip the (row, seed) pairs whose JSON exists")
+    parser.add_argument("--json", help="also write every run's figures here (one list)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="overrides applied to every row before its own (e.g. a smaller budget)")
+                        help="overrides applied to every row after its own (e.g. a smaller budget)")
     args = parser.parse_args()
-    out_root = Path(args.out or tempfile.mkdtemp(prefix="flowgrpo_learning_"))
+    if args.eval_every < 1:
+        parser.error(f"--eval-every must be >= 1 (epochs to {TARGET} needs periodic evaluation), got {args.eval_every}")
+    out_root = Path(args.out)
     results = []
-    header = ("| row | seed | settings | judge correctness before → after | diversity after (real) | wall | "
-              "calls/epoch | rows/epoch | extra samples |\n|---|---|---|---|---|---|---|---|---|")
-    print(header, flush=True)
     for name in args.rows:
+        overrides = [*ROWS[name], *args.set, *([f"train.num_epochs={args.epochs}"] if args.epochs else []),
+                     f"logging.eval_every={args.eval_every}"]
         for seed in args.seed:
-            r = run_row(name, [*args.set, *ROWS[name]], args.epochs, seed, out_root / f"seed{seed}")
+            r = load_finished(out_root / name / f"seed{seed}.json", overrides) if args.resume else None
+            r = r or run_one(name, overrides, seed, out_root)
             results.append(r)
-            print(f"| {name} | {seed} | {' '.join(ROWS[name]) or 'digits.yaml'} | {r['correctness_before']:.3f} → "
-                  f"{r['correctness_after']:.3f} | {r['diversity_after']:.1f} ({r['diversity_real']:.1f}) | "
-                  f"{r['wall_s'] / 60:.1f} min | {r['calls_per_epoch']} | {r['rows_per_epoch']} | "
-                  f"{r['extra_sample_frac']:.0%} |", flush=True)
+            print(f"{name} seed {seed}: judge {r['correctness_before']:.3f} -> {r['correctness_after']:.3f}, "
+                  f"diversity ratio mean {r['ratio_mean_after']:.2f} min {r['ratio_min_after']:.2f}, "
+                  f"RL {r['rl_seconds']:.0f} s, epochs to {TARGET}: {r['epochs_to_target'] or '—'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    print(markdown(aggregate(results)), flush=True)
 
 
 if __name__ == "__main__":
