@@ -78,6 +78,10 @@ ROWS: dict[str, list[str]] = {
              "algo.group_filter.select=max_spread"],
 }
 
+#: how the table's settings column names a row whose overrides are too long to print (default: its overrides)
+ROW_LABELS = {"default": "digits.yaml", "old_default": "OLD_DEFAULT: uncapped digit_correctness, lr 2e-4, clip 2e-4, "
+              "80 epochs (digits.yaml before the collapse work)"}
+
 TARGET = 0.97  # judge correctness the "epochs to reach" column counts to
 JUDGE_KEY = "eval/correctness"  # the judge's strict correctness in a periodic evaluation record
 EXCLUDED_PHASES = ("eval",)  # timing/<phase> not counted as RL time
@@ -147,20 +151,21 @@ def aggregate(results: list[dict]) -> list[dict]:
     for name, rs in rows.items():
         col = {k: [r[k] for r in rs] for k in rs[0]}
         out.append({
-            "row": name, "settings": " ".join(rs[0]["overrides"]) or "digits.yaml", "seeds": col["seed"],
+            "row": name, "settings": ROW_LABELS.get(name, " ".join(ROWS.get(name, []))), "seeds": col["seed"],
             "correctness_after": spread(col["correctness_after"], ".3f"),
             "ratio_mean_after": spread(col["ratio_mean_after"], ".2f"),
             "ratio_min_after": spread(col["ratio_min_after"], ".2f"),
             "rl_seconds": spread(col["rl_seconds"], ".0f"), "epochs": spread(col["epochs"], ".0f"),
             "epochs_to_target": spread(col["epochs_to_target"], ".0f"),
-            "calls_rows": f"{rs[0]['calls_per_epoch']} / {rs[0]['rows_per_epoch']}",
+            "calls_rows": " / ".join("—" if v is None else f"{v:.0f}"
+                                     for v in (rs[0]["calls_per_epoch"], rs[0]["rows_per_epoch"])),
             "extra_samples": f"{rs[0]['extra_sample_frac']:.0%}",
         })
     return out
 
 
 def markdown(table: list[dict]) -> str:
-    """The aggregated rows as a Markdown table."""
+    """The aggregated rows as a Markdown table (settings: the row's own; shared overrides are printed above it)."""
     lines = [f"| row | seeds | judge correctness after | diversity ratio, mean over digits | "
              f"min per-digit diversity ratio | RL wall time (s) | epochs | epochs to {TARGET} | "
              "calls / rows per epoch | extra samples | settings |", "|" + "---|" * 11]
@@ -217,10 +222,11 @@ def main() -> None:
     if args.eval_every < 1:
         parser.error(f"--eval-every must be >= 1 (epochs to {TARGET} needs periodic evaluation), got {args.eval_every}")
     out_root = Path(args.out)
+    shared = [*args.set, *([f"train.num_epochs={args.epochs}"] if args.epochs else []),
+              f"logging.eval_every={args.eval_every}"]
     results = []
     for name in args.rows:
-        overrides = [*ROWS[name], *args.set, *([f"train.num_epochs={args.epochs}"] if args.epochs else []),
-                     f"logging.eval_every={args.eval_every}"]
+        overrides = [*ROWS[name], *shared]
         for seed in args.seed:
             r = load_finished(out_root / name / f"seed{seed}.json", overrides) if args.resume else None
             r = r or run_one(name, overrides, seed, out_root)
@@ -230,6 +236,8 @@ def main() -> None:
                   f"RL {r['rl_seconds']:.0f} s, epochs to {TARGET}: {r['epochs_to_target'] or '—'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    print(f"\nRL seeds {' '.join(map(str, args.seed))}; every row also has: {' '.join(shared)}\n"
+          "cells: mean over seeds (min–max over seeds)\n", flush=True)
     print(markdown(aggregate(results)), flush=True)
 
 
