@@ -111,3 +111,17 @@ def test_resume_skips_finished_and_refuses_other_overrides(learning, tmp_path, m
     monkeypatch.setattr(sys, "argv", [a.replace("20", "30") for a in argv])  # --epochs 30: other overrides
     with pytest.raises(ValueError, match="was run with overrides"):
         learning.main()
+
+
+def test_every_row_is_a_valid_config(learning):
+    import yaml
+
+    from flowgrpo.config import ConfigError, build_config
+    from flowgrpo.train import DEFAULT_CONFIG
+
+    for name, overrides in learning.ROWS.items():
+        cfg = build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), [*overrides, "logging.eval_every=5"])
+        assert cfg.logging.eval_every == 5, name
+    assert build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), learning.OLD_DEFAULT).train.num_epochs == 80
+    with pytest.raises(ConfigError):  # the check can fail: a misspelt key is refused
+        build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), ["chunker.nmae=chunk"])
