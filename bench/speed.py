@@ -1,6 +1,6 @@
 """Speed of flowgrpo's own machinery against the bare diffusers/torch work it wraps (a table; never a test).
 
-    python bench/speed.py [--json PATH] [--repeats 5]
+    python bench/speed.py [--json PATH] [--repeats 5] [--parts a b c]
 
 (a) an SDE rollout recording log-probs and decoding vs ``FluxPipeline.__call__`` (same model, prompts, steps,
     batch, resolution; target ≤ 1.05×);
@@ -38,7 +38,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--parts", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"],
+                        help="which rows to measure")
     args = parser.parse_args()
+    nan = float("nan")
 
     from flowgrpo.config import build_config
     from flowgrpo.models import load_model
@@ -67,7 +70,8 @@ def main() -> None:
                  max_sequence_length=32, generator=torch.Generator().manual_seed(0))
 
     pipe.set_progress_bar_config(disable=True)
-    a_ours, a_theirs = _median_seconds(ours, args.repeats), _median_seconds(theirs, args.repeats)
+    a_ours, a_theirs = (_median_seconds(ours, args.repeats), _median_seconds(theirs, args.repeats)) \
+        if "a" in args.parts else (nan, nan)
     rows["a_rollout_vs_pipeline"] = (a_ours, a_theirs, 1.05)
 
     # (b) one update (the trainer's chunk_forward + clipped surrogate + backward + step) vs bare fwd+bwd
@@ -116,7 +120,8 @@ def main() -> None:
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
 
-    b_ours, b_bare = _median_seconds(update, args.repeats), _median_seconds(bare, args.repeats)
+    b_ours, b_bare = (_median_seconds(update, args.repeats), _median_seconds(bare, args.repeats)) \
+        if "b" in args.parts else (nan, nan)
     rows["b_update_vs_bare_fwd_bwd"] = (b_ours, b_bare, 1.15)
 
     # (c) epoch scaling: rollout + update for G and T doubled
@@ -137,9 +142,8 @@ def main() -> None:
         return _median_seconds(run, max(1, args.repeats // 2))
 
     base_g, base_t = 4, 4
-    e0 = epoch_time(base_g, base_t)
-    eg = epoch_time(2 * base_g, base_t)
-    et = epoch_time(base_g, 2 * base_t)
+    e0, eg, et = ((epoch_time(base_g, base_t), epoch_time(2 * base_g, base_t), epoch_time(base_g, 2 * base_t))
+                  if "c" in args.parts else (nan, nan, nan))
     figures = {
         "a_rollout_s": a_ours, "a_pipeline_s": a_theirs, "a_ratio": a_ours / a_theirs,
         "b_update_s": b_ours, "b_bare_s": b_bare, "b_ratio": b_ours / b_bare,

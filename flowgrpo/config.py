@@ -65,6 +65,11 @@ class ModelConfig(Section):
         description="module names (peft target_modules) that receive LoRA",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    attention_backend: Literal["auto", "flash", "efficient", "math", "cudnn"] = Field(
+        "auto", description="SDPA kernels of the transformer in rollout and training (torch sdpa_kernel); 'auto' "
+        "lets torch choose but never cuDNN on CUDA (its backward fails on some torch/cuDNN versions); 'math' "
+        "always works",
+    )
     scheduler_shift: float | None = Field(
         None, gt=0, description="static timestep shift s (sigma' = s*sigma/(1+(s-1)*sigma)) in place of the "
         "scheduler's own (FLUX: resolution-dependent); DanceGRPO and GCPO use 3 on FLUX.1-dev"

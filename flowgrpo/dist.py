@@ -1,9 +1,17 @@
-"""Every collective in one place, each with a single-process fallback so CPU tests cover the callers."""
+"""Every collective in one place, each with a single-process fallback so CPU tests cover the callers.
+
+Callers pass tensors on any device and get results on that device. Inside, each collective runs on the device its
+backend needs (:func:`backend_device`): NCCL only takes CUDA tensors (a CPU tensor raises "No backend type
+associated with device type cpu"), gloo and MPI take CPU tensors. This module is the one place that converts.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as torch_dist
+
+# the device type each process-group backend reduces on (a backend string such as "cpu:gloo,cuda:nccl" takes both)
+_BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu", "ucc": "cpu", "xccl": "xpu", "hccl": "npu"}
 
 
 def is_distributed() -> bool:
@@ -18,26 +26,62 @@ def rank() -> int:
     return torch_dist.get_rank() if is_distributed() else 0
 
 
-def is_main_process() -> bool:
-    return rank() == 0
+def backend_device(t: torch.Tensor) -> torch.device:
+    """The device ``t`` must be on to reach the default process group's collectives: its own device when the
+    backend takes it, else the backend's device (CUDA: this process's current device).
+
+    Raises:
+        ValueError: a backend this module does not know, naming it.
+    """
+    backend = str(torch_dist.get_backend())
+    types = set()
+    for part in backend.split(","):
+        dev, _, name = part.rpartition(":")
+        if dev:
+            types.add(dev)
+        elif name in _BACKEND_DEVICE:
+            types.add(_BACKEND_DEVICE[name])
+        else:
+            raise ValueError(f"unknown process-group backend {name!r}; known: {sorted(_BACKEND_DEVICE)}")
+    if t.device.type in types:
+        return t.device
+    kind = "cuda" if "cuda" in types else sorted(types)[0]
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def _on_backend(t: torch.Tensor) -> torch.Tensor:
+    return t.to(backend_device(t)).contiguous()
 
 
 def gather_cat(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate equal-shaped tensors from all ranks along dim 0 (rank order); identity on one process."""
+    """Concatenate equal-shaped tensors from all ranks along dim 0 (rank order), on ``t``'s device; identity on
+    one process."""
     if not is_distributed():
         return t
-    parts = [torch.empty_like(t) for _ in range(world_size())]
-    torch_dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts)
+    x = _on_backend(t)
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    torch_dist.all_gather(parts, x)
+    return torch.cat(parts).to(t.device)
+
+
+def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
+    if not is_distributed():
+        return t
+    out = _on_backend(t).clone()
+    torch_dist.all_reduce(out, op=op)
+    return out.to(t.device)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (a new tensor); identity on one process."""
-    if not is_distributed():
-        return t
-    out = t.clone()
-    torch_dist.all_reduce(out)
-    return out
+    """Sum over ranks (a new tensor on ``t``'s device); identity on one process."""
+    return _all_reduce(t, torch_dist.ReduceOp.SUM)
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over ranks (a new tensor on ``t``'s device); identity on one process."""
+    return _all_reduce(t, torch_dist.ReduceOp.MAX)
 
 
 def local_slice(total: int) -> slice:

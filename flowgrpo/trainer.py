@@ -68,39 +68,100 @@ class ChunkForward:
     dts: torch.Tensor
 
 
-@dataclass
+_STATS = ("pairs", "ratio", "clipped", "approx_kl", "kl_ref", "loss")
+
+
 class _Accum:
-    """Sums over trained pairs of one group of optimizer steps (on-policy first step, or the later ones)."""
+    """Sums over trained pairs of one group of optimizer steps (on-policy first step, or the later ones).
 
-    pairs: float = 0.0
-    ratio: float = 0.0
-    clipped: float = 0.0
-    approx_kl: float = 0.0
-    kl_ref: float = 0.0
-    loss: float = 0.0
+    The sums live on the model's device as one (6,) float64 tensor and the mismatch maximum as a 0-dim tensor, so
+    accumulating a chunk never waits for the device; :meth:`metrics` reads them back once, after the update.
+    """
 
-    def add(self, terms, mask: torch.Tensor, loss_sum: float) -> None:
-        m = mask.float()
-        self.pairs += float(m.sum())
-        self.ratio += float((terms.ratio * m).sum())
-        self.clipped += float((terms.clipped.float() * m).sum())
-        self.approx_kl += float((terms.approx_kl * m).sum())
-        self.kl_ref += float((terms.kl_ref * m).sum())
-        self.loss += loss_sum
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None
+        self.mismatch: torch.Tensor | None = None
 
-    def metrics(self, prefix: str) -> dict[str, float]:
-        t = dist.all_reduce_sum(torch.tensor([self.pairs, self.ratio, self.clipped, self.approx_kl,
-                                              self.kl_ref, self.loss], dtype=torch.float64))
-        n = float(t[0])
+    def add(self, terms, mask: torch.Tensor, loss_sum: torch.Tensor) -> None:
+        """Add the pairs of ``mask`` (N,) bool, on the device of ``terms``; ``loss_sum`` a 0-dim tensor there."""
+        m = mask.to(torch.float64)
+        rows = torch.stack([m, terms.ratio.double() * m, terms.clipped.double() * m, terms.approx_kl.double() * m,
+                            terms.kl_ref.double() * m])  # (5, N)
+        step = torch.cat([rows.sum(dim=1), loss_sum.detach().double().reshape(1)])  # (6,)
+        self.sums = step if self.sums is None else self.sums + step
+        lr_max = torch.where(mask, terms.log_ratio_abs_max, torch.zeros_like(terms.log_ratio_abs_max)).max()
+        self.mismatch = lr_max if self.mismatch is None else torch.maximum(self.mismatch, lr_max)
+
+    def metrics(self, prefix: str, device: torch.device) -> dict[str, float]:
+        """The means over all processes' pairs (one collective, one read to the host)."""
+        sums = self.sums if self.sums is not None else torch.zeros(len(_STATS), dtype=torch.float64, device=device)
+        t = dist.all_reduce_sum(sums).tolist()
+        n = t[0]
         if n == 0:
             return {}
         return {
-            f"{prefix}/ratio_mean": float(t[1]) / n,
-            f"{prefix}/clipfrac": float(t[2]) / n,
-            f"{prefix}/approx_kl": float(t[3]) / n,
-            f"{prefix}/kl_ref": float(t[4]) / n,
+            f"{prefix}/ratio_mean": t[1] / n,
+            f"{prefix}/clipfrac": t[2] / n,
+            f"{prefix}/approx_kl": t[3] / n,
+            f"{prefix}/kl_ref": t[4] / n,
             f"{prefix}/pairs": n,
         }
+
+    def mismatch_max(self, device: torch.device) -> float:
+        """max |Δ log p| over the trained pairs of all processes (0 when none)."""
+        m = self.mismatch if self.mismatch is not None else torch.zeros((), device=device)
+        return float(dist.all_reduce_max(m.double()))
+
+
+def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], settings: SamplerSettings,
+                  *, with_ref: bool, kl_form: str = "flow_grpo") -> ChunkForward:
+    """One batched forward of ``rows``' transitions ``chunk``: log-probs (n, k), KL (n, k) or None, moments.
+
+    Args:
+        adapter: the model adapter (its ``velocity`` and, with ``with_ref``, its ``reference``).
+        traj: the rollout record; its latents may live on the host or the device.
+        rows: (n,) long sample indices (host); chunk: k step indices.
+        settings: the rollout's SDE settings.
+        with_ref: also compute the KL to the reference policy per latent dim
+            (:func:`~flowgrpo.sampling.sde.kl_to_reference` of form ``kl_form``, ``algo.kl_form``).
+
+    The batch is sample-major: row r·k + j is sample ``rows[r]`` at step ``chunk[j]``; for k = 1 and rows a
+    rollout micro-batch this is exactly the rollout's layout. Every result is on the adapter's device.
+    """
+    n, k = len(rows), len(chunk)
+    steps = torch.tensor(chunk)  # (k,)
+    ends = steps + traj.jump[rows][:, steps]  # (n, k): the transition's end (E-GRPO jumps span m steps)
+    dev, src = adapter.device, traj.latents.device
+    r = rows.to(src).unsqueeze(1)  # (n, 1)
+    x = traj.latents[r, steps.to(src)].flatten(0, 1).to(dev)  # (n·k, …)
+    x_next = traj.latents[r, ends.to(src)].flatten(0, 1).to(dev)  # (n·k, …)
+    sigma = traj.sigmas[steps].repeat(n)  # (n·k,) host: sde_step checks it there and moves it to the device
+    sigma_next = traj.sigmas[ends.flatten()]
+    embeds = traj.embeds.index(rows.to(traj.embeds.device)).repeat_interleave(k)
+    v = adapter.velocity(x, sigma.to(dev), embeds, traj.guidance_scale)
+    guard = settings.guard(traj.sigmas)
+    out = sde_step(x, v, sigma, sigma_next, kind=settings.sde_kind, noise_level=settings.noise_level,
+                   next_latents=x_next, reduction=settings.logprob_reduction,
+                   simplified_log_prob=settings.cps_simplified_logprob, sigma_one_next=guard)
+    kl = None
+    if with_ref:
+        with torch.no_grad(), adapter.reference():
+            v_ref = adapter.velocity(x, sigma.to(dev), embeds, traj.guidance_scale)
+        ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=settings.sde_kind,
+                                         noise_level=settings.noise_level, sigma_one_next=guard)
+        kl = kl_to_reference(out.mean, ref_mean, out.std, sigma.to(dev), sigma_next.to(dev), kind=settings.sde_kind,
+                             form=kl_form).reshape(n, k)
+    return ChunkForward(out.log_prob.reshape(n, k), kl, out.mean.reshape(n, k, *out.mean.shape[1:]),
+                        out.std.reshape(n, k), (sigma_next - sigma).reshape(n, k).to(dev))
+
+
+@dataclass(frozen=True)
+class _OptimizerStep:
+    """The work of one optimizer step: (rows, chunk index) forwards and the pairs trained over all processes."""
+
+    work: list[tuple[torch.Tensor, int]]
+    global_pairs: float
+    micro_batches: int
 
 
 class Trainer:
@@ -240,40 +301,6 @@ class Trainer:
         return advantages_of_kept(compute, rewards, group_ids, keep)
 
     # ------------------------------------------------------------------ log-probs under the training layout
-    def chunk_forward(self, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], *,
-                      with_ref: bool) -> ChunkForward:
-        """Log-probs (n, k) of ``rows``' transitions ``chunk`` in one batched forward, KL (n, k) or None, and the
-        transitions' moments.
-
-        The batch is sample-major: row r·k + j is sample ``rows[r]`` at step ``chunk[j]``; for k = 1 and rows a
-        rollout micro-batch this is exactly the rollout's layout.
-        """
-        n, k = len(rows), len(chunk)
-        steps = torch.tensor(chunk)
-        ends = steps + traj.jump[rows][:, steps]  # (n, k)
-        dev = self.adapter.device
-        src = traj.latents.device
-        x = traj.latents[rows.to(src)][:, steps.to(src)].flatten(0, 1).to(dev)  # (n·k, …)
-        x_next = torch.stack([traj.latents[int(r), ends[i].to(src)] for i, r in enumerate(rows)]).flatten(0, 1).to(dev)
-        sigma = traj.sigmas[steps].repeat(n).to(dev)  # (n·k,)
-        sigma_next = traj.sigmas[ends.flatten()].to(dev)
-        embeds = traj.embeds.index(rows.to(traj.embeds.device)).repeat_interleave(k)
-        v = self.adapter.velocity(x, sigma, embeds, traj.guidance_scale)
-        guard = self.settings.guard(traj.sigmas)
-        out = sde_step(x, v, sigma, sigma_next, kind=self.settings.sde_kind, noise_level=self.settings.noise_level,
-                       next_latents=x_next, reduction=self.settings.logprob_reduction,
-                       simplified_log_prob=self.settings.cps_simplified_logprob, sigma_one_next=guard)
-        kl = None
-        if with_ref:
-            with torch.no_grad(), self.adapter.reference():
-                v_ref = self.adapter.velocity(x, sigma, embeds, traj.guidance_scale)
-            ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=self.settings.sde_kind,
-                                             noise_level=self.settings.noise_level, sigma_one_next=guard)
-            kl = kl_to_reference(out.mean, ref_mean, out.std, sigma, sigma_next, kind=self.settings.sde_kind,
-                                 form=self.cfg.algo.kl_form).reshape(n, k)
-        return ChunkForward(out.log_prob.reshape(n, k), kl, out.mean.reshape(n, k, *out.mean.shape[1:]),
-                            out.std.reshape(n, k), (sigma_next - sigma).reshape(n, k))
-
     def _loss_input(self, fwd: ChunkForward, rows: torch.Tensor, chunk: tuple[int, ...],
                     old_log_probs: torch.Tensor, advantages: torch.Tensor) -> PolicyLossInput:
         """The policy loss's view of one forward (moments only for a loss that declares it reads them)."""
@@ -294,8 +321,9 @@ class Trainer:
 
     @torch.no_grad()
     def recompute_old_log_probs(self, traj: Trajectory, plan: ChunkPlan) -> torch.Tensor:
-        """Old log-probs (B, T) recomputed with the training layout, so the first ratio is exactly 1; for a loss
-        that reads moments, the rollout policy's transition means go to ``self.old_means`` (B, T, …)."""
+        """Old log-probs (B, T) float32 on the host, recomputed with the training layout, so the first ratio is
+        exactly 1; for a loss that reads moments, the rollout policy's transition means go to ``self.old_means``
+        (B, T, …)."""
         old = traj.log_probs.clone()
         keep_means = needs_moments(self.policy_loss)
         self.old_means = torch.zeros_like(traj.latents[:, :-1]) if keep_means else None
@@ -303,7 +331,7 @@ class Trainer:
             for k, chunk in enumerate(plan.chunks):
                 fwd = rows[plan.selected[rows, k]]
                 if len(fwd):
-                    out = self.chunk_forward(traj, fwd, chunk, with_ref=False)
+                    out = chunk_forward(self.adapter, traj, fwd, chunk, self.settings, with_ref=False)
                     idx = (fwd.unsqueeze(1), torch.tensor(chunk).unsqueeze(0))
                     old[idx] = out.log_probs.cpu()
                     if keep_means:
@@ -311,68 +339,84 @@ class Trainer:
                             out.means.to(self.old_means)
         return old
 
-    def update_phase(self, traj: Trajectory, adv: Advantages, plan: ChunkPlan, old_log_probs: torch.Tensor):
-        """Inner epochs × optimizer steps of the clipped surrogate over the plan's chunks."""
-        cfg, t = self.cfg, self.cfg.train
-        local = dist.local_slice(len(adv.values))
-        advantages, train_mask = adv.values[local], adv.train_mask[local]
-        pair_mask = plan.selected & train_mask.unsqueeze(1)  # (B, K)
+    # ------------------------------------------------------------------ the update, in named steps
+    def _schedule(self, traj: Trajectory, plan: ChunkPlan, pair_mask: torch.Tensor) -> list[_OptimizerStep]:
+        """Cut the B local samples into micro-batches and the micro-batches into ``optimizer_steps_per_epoch``
+        equal consecutive shares; list each share's forwards and its pair count summed over all processes
+        (one collective for all the steps)."""
+        t = self.cfg.train
         mbs = self._micro_batches(traj.batch_size)
         if len(mbs) < t.optimizer_steps_per_epoch:
             raise ValueError(f"optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} exceeds the {len(mbs)} "
                              "training micro-batches of this epoch")
-        shares = [list(x) for x in torch.arange(len(mbs)).tensor_split(t.optimizer_steps_per_epoch)]
-        with_ref = cfg.algo.kl_beta > 0
+        shares = [[mbs[i] for i in ix] for ix in torch.arange(len(mbs)).tensor_split(t.optimizer_steps_per_epoch)]
+        local_pairs = torch.stack([pair_mask[torch.cat(share)].sum() for share in shares]).double()
+        global_pairs = dist.all_reduce_sum(local_pairs).tolist()
+        # the rows a chunk is forwarded for are those the plan selects (the layout the recompute used); samples
+        # left out by their advantage (NaN reward, dropped group) are forwarded and masked
+        return [_OptimizerStep([(rows[plan.selected[rows, k]], k) for rows in share for k in range(plan.num_chunks)
+                                if pair_mask[rows, k].any()], n, len(share))
+                for share, n in zip(shares, global_pairs, strict=True)]
+
+    def _train_chunk(self, traj: Trajectory, rows: torch.Tensor, k: int, plan: ChunkPlan, step: _OptimizerStep,
+                     batch: dict[str, torch.Tensor], acc: _Accum, *, sync: bool) -> None:
+        """Forward and backward of chunk ``k`` for ``rows``; gradients are all-reduced only when ``sync``."""
+        cfg = self.cfg
+        dev = self.adapter.device
+        ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
+        with ctx, self.adapter.attention():  # the backward (and any checkpoint recompute) uses the same kernels
+            fwd = chunk_forward(self.adapter, traj, rows, plan.chunks[k], self.settings,
+                                with_ref=cfg.algo.kl_beta > 0, kl_form=cfg.algo.kl_form)
+            terms = self.policy_loss(self._loss_input(fwd, rows, plan.chunks[k], batch["old_log_probs"],
+                                                      batch["advantages"]), self.loss_settings)
+            m = batch["pair_mask"][rows, k].to(dev)
+            loss_sum = (terms.loss * m).sum()
+            self.accelerator.backward(loss_sum * (dist.world_size() / max(step.global_pairs, 1.0)))
+        acc.add(terms, m, loss_sum)
+
+    def _optimizer_step(self) -> float:
+        """Clip, check and apply the accumulated gradient (the update's one host read per step); returns the
+        gradient norm. Raises ``FloatingPointError`` on a non-finite norm, before the weights change."""
+        gn = float(self.accelerator.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm))
+        if not math.isfinite(gn):  # never let one bad batch overwrite the weights
+            raise FloatingPointError(
+                f"epoch {self.epoch}: the gradient norm is {gn}; the weights were not updated "
+                "(last checkpoint intact). Check the rewards and lower train.lr."
+            )
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
+        return gn
+
+    def update_phase(self, traj: Trajectory, adv: Advantages, plan: ChunkPlan, old_log_probs: torch.Tensor):
+        """Inner epochs × optimizer steps of the policy loss over the plan's chunks.
+
+        Records (advantages, masks, old log-probs) stay on the host and each chunk's rows move to the device;
+        statistics accumulate on the device and are read once, after the update."""
+        cfg, t = self.cfg, self.cfg.train
+        local = dist.local_slice(len(adv.values))
+        batch = {"advantages": adv.values[local], "old_log_probs": old_log_probs,
+                 "pair_mask": plan.selected & adv.train_mask[local].unsqueeze(1)}  # (B,), (B, T), (B, K) host
+        steps = self._schedule(traj, plan, batch["pair_mask"])
         first, later = _Accum(), _Accum()
-        mismatch = torch.zeros(())
         self.model.train()
-        bar = tqdm(total=t.inner_epochs * len(mbs), desc="update", leave=False,
+        bar = tqdm(total=t.inner_epochs * sum(s.micro_batches for s in steps), desc="update", leave=False,
                    disable=not (cfg.logging.progress and self.main))
         grad_norms = []
         for inner in range(t.inner_epochs):
-            for u in range(t.optimizer_steps_per_epoch):
-                share = [mbs[i] for i in shares[u]]
-                rows_all = torch.cat(share)
-                global_pairs = float(dist.all_reduce_sum(pair_mask[rows_all].sum().double()))
+            for u, step in enumerate(steps):
                 acc = first if inner == 0 and u == 0 else later
-                # the rows a chunk is forwarded for are those the plan selects (the layout the recompute used);
-                # samples left out by their advantage (NaN reward, dropped group) are forwarded and masked
-                work = [(rows[plan.selected[rows, k]], k) for rows in share for k in range(plan.num_chunks)
-                        if pair_mask[rows, k].any()]
-                for i, (rows, k) in enumerate(work):
-                    chunk = plan.chunks[k]
-                    sync = i == len(work) - 1
-                    ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
-                    with ctx:
-                        fwd = self.chunk_forward(traj, rows, chunk, with_ref=with_ref)
-                        terms = self.policy_loss(self._loss_input(fwd, rows, chunk, old_log_probs, advantages),
-                                                 self.loss_settings)
-                        m = pair_mask[rows, k].to(fwd.log_probs.device)
-                        loss_sum = (terms.loss * m).sum()
-                        scale = dist.world_size() / max(global_pairs, 1.0)
-                        self.accelerator.backward(loss_sum * scale)
-                    acc.add(terms, m.cpu(), float(loss_sum.detach()))
-                    if acc is first:
-                        lr_max = terms.log_ratio_abs_max.cpu()[m.cpu()]
-                        if lr_max.numel():
-                            mismatch = torch.maximum(mismatch, lr_max.max())
-                if work:
-                    gn = self.accelerator.clip_grad_norm_(self.params, t.max_grad_norm)
-                    if not math.isfinite(float(gn)):  # never let one bad batch overwrite the weights
-                        raise FloatingPointError(
-                            f"epoch {self.epoch}: the gradient norm is {float(gn)}; the weights were not updated "
-                            "(last checkpoint intact). Check the rewards and lower train.lr."
-                        )
-                    grad_norms.append(float(gn))
-                    self.optimizer.step()
-                    self.lr_scheduler.step()
-                    if self.ema is not None:
-                        self.ema.update()
+                for i, (rows, k) in enumerate(step.work):
+                    self._train_chunk(traj, rows, k, plan, step, batch, acc, sync=i == len(step.work) - 1)
+                if step.work:
+                    grad_norms.append(self._optimizer_step())
                 self.optimizer.zero_grad(set_to_none=True)
-                bar.update(len(share))
+                bar.update(step.micro_batches)
         bar.close()
-        out = {**first.metrics("policy"), **later.metrics("policy_later")}
-        mismatch = float(_all_max(mismatch))  # a collective: every process takes part
+        dev = self.adapter.device
+        out = {**first.metrics("policy", dev), **later.metrics("policy_later", dev)}
+        mismatch = first.mismatch_max(dev)  # a collective: every process takes part
         if "policy/pairs" in out:  # measured only when some pair was trained (nothing is logged otherwise)
             out["policy/logprob_mismatch_max"] = mismatch
         if grad_norms:
@@ -775,13 +819,3 @@ def _flat(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-def _all_max(t: torch.Tensor) -> torch.Tensor:
-    if not dist.is_distributed():
-        return t
-    import torch.distributed as td
-
-    out = t.double().clone().reshape(1)
-    td.all_reduce(out, op=td.ReduceOp.MAX)
-    return out[0]

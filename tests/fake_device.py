@@ -11,7 +11,8 @@ Each operation is checked with CUDA's rules: all tensor operands on one place, e
 scalars are allowed beside CUDA tensors), ``copy_`` (copies across devices), and host index tensors used to
 index an accelerator tensor. A breach raises ``RuntimeError("Expected all tensors to be on the same device …")``
 as CUDA would. Reading an accelerator tensor's value on the host (``float``, ``item``, ``tolist``, ``bool``,
-``.cpu()``) is counted in :attr:`FakeAccelerator.syncs` (host synchronisations of a real GPU).
+``.cpu()``) is counted in :attr:`FakeAccelerator.syncs` (host synchronisations of a real GPU); :meth:`reads`
+counts the value reads alone (PyTorch's own C++ code sees the real CPU device and may "move" a tensor to it).
 """
 
 from __future__ import annotations
@@ -39,9 +40,14 @@ class FakeAccelerator(TorchFunctionMode):
         super().__init__()
         self.on_acc = WeakIdKeyDictionary()
         self.syncs: Counter = Counter()
+        self.trace: list[str] | None = None  # set to [] to keep the stack of every host read (debugging)
         for m in modules:
             for t in [*m.parameters(), *m.buffers()]:
                 self.on_acc[t] = True
+
+    def reads(self) -> int:
+        """Host reads of accelerator values so far (``float``, ``item``, ``tolist``, ``bool`` …), moves excluded."""
+        return sum(v for k, v in self.syncs.items() if k != "cpu")
 
     def place(self, tensors: list[torch.Tensor]) -> None:
         """Put existing tensors (e.g. optimizer state) on the accelerator."""
@@ -66,6 +72,10 @@ class FakeAccelerator(TorchFunctionMode):
         if name in _SYNCS:
             if acc:
                 self.syncs[name] += 1
+                if self.trace is not None:
+                    import traceback
+
+                    self.trace.append("".join(traceback.format_stack(limit=12)[:-1]))
             return func(*args, **kwargs)
         if name in _MOVES and args and isinstance(args[0], torch.Tensor):
             return self._move(func, name, args, kwargs)
@@ -73,6 +83,8 @@ class FakeAccelerator(TorchFunctionMode):
         if _is_fake(target):  # a factory (zeros, arange, randn …) on the accelerator
             kwargs["device"] = "cpu"
             out = func(*args, **kwargs)
+            if any(out is t for t in tensors):  # as_tensor(host_tensor, device=…) copies to a real device
+                out = out.clone()
             tree_map(lambda t: self.on_acc.__setitem__(t, True) if isinstance(t, torch.Tensor) else None, out)
             return out
         self._check(name, args, tensors, acc)
@@ -129,6 +141,10 @@ class FakeAccelerator(TorchFunctionMode):
                 out = src.clone()
         if self._acc(src) and not dest_fake:
             self.syncs["cpu"] += 1
+            if self.trace is not None:
+                import traceback
+
+                self.trace.append("".join(traceback.format_stack(limit=12)[:-1]))
         if dest_fake:
             self.on_acc[out] = True
         elif out is not src:

@@ -47,11 +47,23 @@ def _run_on_fake_accelerator(monkeypatch, config) -> FakeAccelerator:
 
     def fit_on_accelerator(self):
         mode = FakeAccelerator(*_modules(self.adapter))
+        if self.ema is not None:  # built from the parameters before the mode: on their device, as on a GPU
+            mode.place(self.ema.shadow)
+        mode.update_reads = []  # host reads of each update phase
         modes.append(mode)
         with mode:
             return fit(self)
 
+    update = Trainer.update_phase
+
+    def counted_update(self, *args):
+        before = modes[0].reads()
+        out = update(self, *args)
+        modes[0].update_reads.append(modes[0].reads() - before)
+        return out
+
     monkeypatch.setattr(Trainer, "fit", fit_on_accelerator)
+    monkeypatch.setattr(Trainer, "update_phase", counted_update)
     run(config)
     return modes[0]
 
@@ -73,5 +85,10 @@ def test_fake_accelerator_catches_what_cuda_catches():
 
 @pytest.mark.slow
 def test_trainer_epoch_keeps_each_tensor_on_one_device(tmp_path, tiny_flux_dir, monkeypatch):
-    mode = _run_on_fake_accelerator(monkeypatch, _config(tmp_path, tiny_flux_dir, "fake"))
+    cfg = _config(tmp_path, tiny_flux_dir, "fake")
+    mode = _run_on_fake_accelerator(monkeypatch, cfg)
     assert mode.syncs  # the mode was active: results were read back to the host
+    # host reads in the update: one per optimizer step (the gradient-norm guard) and three for the statistics,
+    # however many chunks and statistics (2 chunks x 2 micro-batches per step here)
+    t = cfg.train
+    assert mode.update_reads == [t.inner_epochs * t.optimizer_steps_per_epoch + 3], mode.update_reads

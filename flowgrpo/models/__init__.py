@@ -154,12 +154,16 @@ def pipeline_class_name(path: str) -> str:
 
 def load_model(name: str, *, dtype: str = "float32", height: int | None = None, width: int | None = None,
                max_sequence_length: int = 512, cfg_detach_uncond: bool = False,
-               scheduler_shift: float | None = None):
+               scheduler_shift: float | None = None, attention_backend: str = "auto"):
     """Load ``name`` (folder, hub id, ``digits`` or ``tiny``) and wrap it in the adapter of its pipeline class.
 
     ``cfg_detach_uncond`` applies to models with true classifier-free guidance (SD3); FLUX.1 has a guidance
     embedding instead and ignores it. ``scheduler_shift`` replaces the scheduler's shift by a static one
-    (``FlowMatchEulerDiscreteScheduler(shift=s, use_dynamic_shifting=False)``, Esser et al. 2024 eq. 23)."""
+    (``FlowMatchEulerDiscreteScheduler(shift=s, use_dynamic_shifting=False)``, Esser et al. 2024 eq. 23).
+    ``attention_backend`` names the SDPA kernels (:mod:`flowgrpo.models.attention`)."""
+    from flowgrpo.models.attention import ATTENTION_BACKENDS
+
+    ATTENTION_BACKENDS.get(attention_backend)
     if dtype not in DTYPES:
         raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = resolve_pretrained(name)
@@ -173,6 +177,7 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
             adapter.pipe.scheduler.config, shift=float(scheduler_shift), use_dynamic_shifting=False
         )
     adapter.pipe.set_progress_bar_config(disable=True)
+    adapter.attention_backend = attention_backend
     return adapter
 
 
@@ -182,4 +187,4 @@ def load_model_from_config(model) -> object:
     included, is honoured by both)."""
     return load_model(model.pretrained, dtype=model.dtype, height=model.height, width=model.width,
                       max_sequence_length=model.max_sequence_length, cfg_detach_uncond=model.cfg_detach_uncond,
-                      scheduler_shift=model.scheduler_shift)
+                      scheduler_shift=model.scheduler_shift, attention_backend=model.attention_backend)

@@ -66,6 +66,7 @@ class AdapterBase:
     """What every adapter shares: the pipeline, its transformer, the reference policy, and the module that runs
     the forward pass.
 
+    ``attention_backend`` names the SDPA kernels the transformer may use (``model.attention_backend``).
     ``transformer`` is always the bare diffusers module (its config, its peft adapters, its parameters);
     ``forward_module`` is what is called, the same module or the trainer's distributed wrapper of it
     (``accelerator.prepare``), so that gradients are synchronised across processes.
@@ -77,6 +78,7 @@ class AdapterBase:
         self.forward_module: torch.nn.Module = pipe.transformer
         self.frozen_reference: torch.nn.Module | None = None
         self.truncation = TruncationCheck()
+        self.attention_backend = "auto"
 
     @property
     def device(self) -> torch.device:
@@ -85,6 +87,13 @@ class AdapterBase:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.transformer.parameters()).dtype
+
+    def attention(self) -> contextlib.AbstractContextManager:
+        """The SDPA kernels of ``attention_backend`` (see :mod:`flowgrpo.models.attention`): every transformer
+        call and the update's backward pass run inside it."""
+        from flowgrpo.models.attention import attention_context
+
+        return attention_context(self.attention_backend, self.device)
 
     def reference(self) -> contextlib.AbstractContextManager:
         """The frozen reference policy: the base model with LoRA disabled, or the frozen copy (full

@@ -74,16 +74,17 @@ class FluxAdapter(AdapterBase):
         guidance = None
         if self.guidance_embeds:
             guidance = torch.full((b,), float(guidance_scale), device=latents.device, dtype=torch.float32)
-        out = self.forward_module(
-            hidden_states=latents.to(dtype),
-            timestep=torch.as_tensor(sigma, device=latents.device).expand(b).to(dtype),
-            guidance=guidance,
-            pooled_projections=embeds["pooled_prompt_embeds"].to(dtype),
-            encoder_hidden_states=embeds["prompt_embeds"].to(dtype),
-            txt_ids=embeds["text_ids"],
-            img_ids=self._image_ids(),
-            return_dict=False,
-        )[0]
+        with self.attention():
+            out = self.forward_module(
+                hidden_states=latents.to(dtype),
+                timestep=torch.as_tensor(sigma, device=latents.device).expand(b).to(dtype),
+                guidance=guidance,
+                pooled_projections=embeds["pooled_prompt_embeds"].to(dtype),
+                encoder_hidden_states=embeds["prompt_embeds"].to(dtype),
+                txt_ids=embeds["text_ids"],
+                img_ids=self._image_ids(),
+                return_dict=False,
+            )[0]
         return out.float()
 
     @torch.no_grad()

@@ -159,13 +159,14 @@ class SD3Adapter(AdapterBase):
 
     def _forward(self, latents, timestep, prompt_embeds, pooled) -> torch.Tensor:
         dtype = self.dtype
-        out = self.forward_module(
-            hidden_states=latents.to(dtype),
-            timestep=timestep,
-            encoder_hidden_states=prompt_embeds.to(dtype),
-            pooled_projections=pooled.to(dtype),
-            return_dict=False,
-        )[0]
+        with self.attention():
+            out = self.forward_module(
+                hidden_states=latents.to(dtype),
+                timestep=timestep,
+                encoder_hidden_states=prompt_embeds.to(dtype),
+                pooled_projections=pooled.to(dtype),
+                return_dict=False,
+            )[0]
         return out.float()
 
     @torch.no_grad()

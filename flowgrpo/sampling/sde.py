@@ -141,6 +141,9 @@ def transition_moments(
     infinite 1 − σ in s = a·√(σ/(1 − σ)). Default: this transition's σ_next. The releases use the grid's σ₁ (their
     ``sigma_max = sigmas[1]``): the same on a one-step transition, a larger std on a merged jump from σ = 1.
 
+    σ and σ_next (floats, 0-dim or (B,) tensors) are checked where they are given, then moved to the latents'
+    device: pass host σ to keep the check from waiting on the device.
+
     Raises:
         KeyError: ``kind`` is not a registered SDE kind (the message lists them).
         ValueError: σ_next ≥ σ, or σ outside (0, 1].
@@ -148,13 +151,16 @@ def transition_moments(
     x = latents.float()
     v = velocity.float()
     b = x.shape[0]
-    s = _as_batch_sigma(sigma, b, x.ndim, x.device)
-    sn = _as_batch_sigma(sigma_next, b, x.ndim, x.device)
-    if not bool(torch.all((sn < s) & (sn >= 0))) or not bool(torch.all((s > 0) & (s <= 1))):
+    s_given = torch.as_tensor(sigma, dtype=torch.float32)
+    sn_given = torch.as_tensor(sigma_next, dtype=torch.float32, device=s_given.device)
+    ok = (sn_given < s_given) & (sn_given >= 0) & (s_given > 0) & (s_given <= 1)
+    if not bool(torch.all(ok)):
         raise ValueError(
-            f"a transition needs 0 <= sigma_next < sigma <= 1, got sigma={s.flatten().tolist()}, "
-            f"sigma_next={sn.flatten().tolist()}"
+            f"a transition needs 0 <= sigma_next < sigma <= 1, got sigma={s_given.flatten().tolist()}, "
+            f"sigma_next={sn_given.flatten().tolist()}"
         )
+    s = _as_batch_sigma(s_given, b, x.ndim, x.device)
+    sn = _as_batch_sigma(sn_given, b, x.ndim, x.device)
     guard = None if sigma_one_next is None else _as_batch_sigma(sigma_one_next, b, x.ndim, x.device)
     mean, std = SDE_KINDS.get(kind)(x, v, s, sn, float(noise_level), sigma_one_next=guard)
     return mean, torch.as_tensor(std, dtype=torch.float32, device=x.device).reshape(b)
