@@ -30,7 +30,9 @@ _MOVES = {"to", "cpu", "cuda", "type"}
 
 
 def _is_fake(device) -> bool:
-    return device is not None and torch.device(device).type == FAKE.type
+    """``meta`` is the fake accelerator; so is ``cuda`` on this CUDA-less machine (code that picks CUDA, such as
+    :func:`flowgrpo.dist.backend_device` under NCCL, lands there)."""
+    return device is not None and torch.device(device).type in (FAKE.type, "cuda")
 
 
 class FakeAccelerator(TorchFunctionMode):
@@ -48,6 +50,10 @@ class FakeAccelerator(TorchFunctionMode):
     def reads(self) -> int:
         """Host reads of accelerator values so far (``float``, ``item``, ``tolist``, ``bool`` …), moves excluded."""
         return sum(v for k, v in self.syncs.items() if k != "cpu")
+
+    def is_on(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is on the accelerator."""
+        return self._acc(t)
 
     def place(self, tensors: list[torch.Tensor]) -> None:
         """Put existing tensors (e.g. optimizer state) on the accelerator."""

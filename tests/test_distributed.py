@@ -1,5 +1,7 @@
 """Two CPU processes (gloo, torchrun) give the same advantages and the same parameter update as one process
-with the same global batch.
+with the same global batch; so do two processes whose model lives on a fake accelerator behind an NCCL-like
+process group that refuses host tensors (``tests/fake_device_train.py``): every collective gets its tensors on the
+device the backend needs, and no operation mixes devices.
 
 Tolerance: the gathered rewards and advantages are computed from bit-identical samples (every noise is seeded
 by (seed, epoch, prompt, sample), never by rank) and must be equal exactly. The parameter update sums the same
@@ -11,6 +13,7 @@ dividing by the local instead of the global pair count, is off by a factor of 2)
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -56,11 +59,19 @@ def _run(cmd: list[str], tmp_path: Path) -> None:
 def test_two_processes_match_one(tmp_path, tiny_flux_dir):
     one = _config(tmp_path, tiny_flux_dir, "one")
     two = _config(tmp_path, tiny_flux_dir, "two")
+    fake = _config(tmp_path, tiny_flux_dir, "fake")
     _run([sys.executable, "flowgrpo/train.py", str(one)], tmp_path)
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
           "flowgrpo/train.py", str(two)], tmp_path)
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+          "tests/fake_device_train.py", str(fake)], tmp_path)
     a = load_file(tmp_path / "one" / "rollouts" / "epoch_0.safetensors")
-    b = load_file(tmp_path / "two" / "rollouts" / "epoch_0.safetensors")
+    for name in ("two", "fake"):
+        _compare(tmp_path, a, name)
+
+
+def _compare(tmp_path: Path, a: dict, name: str) -> None:
+    b = load_file(tmp_path / name / "rollouts" / "epoch_0.safetensors")
     for key in ("reward_total", "advantages", "group_ids", "initial_latents"):
         assert torch.equal(a[key], b[key]), key
     assert a["group_ids"].tolist() == [0, 0, 1, 1, 2, 2] or len(set(a["group_ids"].tolist())) == 3
@@ -70,11 +81,17 @@ def test_two_processes_match_one(tmp_path, tiny_flux_dir):
     for g in b["group_ids"].unique():
         assert abs(float(b["advantages"][b["group_ids"] == g].sum())) < 1e-5
     base = load_file(_lora(tmp_path / "one"))
-    other = load_file(_lora(tmp_path / "two"))
+    other = load_file(_lora(tmp_path / name))
     assert base.keys() == other.keys()
     for k in base:
         scale = base[k].abs().max().clamp(min=1e-12)
         assert float((base[k] - other[k]).abs().max() / scale) < 1e-6, k
+
+
+def _free_port() -> str:
+    with socket.socket() as s:  # other test runs on this machine may hold a fixed port
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
 
 
 def _lora(run: Path) -> Path:

@@ -11,6 +11,7 @@ backward pass (so activation checkpointing recomputes with the same kernels).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -35,26 +36,40 @@ def _auto(device_type: str) -> list[SDPBackend] | None:
     return None
 
 
-def attention_context(name: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """The ``sdpa_kernel`` context of backend ``name`` on ``device`` (a null context when unrestricted).
+class AttentionBackendError(RuntimeError):
+    """An attention kernel failed; the message names ``model.attention_backend`` and the alternatives."""
+
+
+@contextlib.contextmanager
+def attention_context(name: str, device: torch.device) -> Iterator[None]:
+    """Run with the SDPA kernels of backend ``name`` on ``device`` (unrestricted when the backend says so).
 
     Raises:
         KeyError: an unknown name, listing the valid ones.
+        AttentionBackendError: an attention kernel failed inside the context (forward or backward).
     """
     kernels = ATTENTION_BACKENDS.get(name)(torch.device(device).type)
-    return contextlib.nullcontext() if kernels is None else sdpa_kernel(kernels)
+    try:
+        with contextlib.nullcontext() if kernels is None else sdpa_kernel(kernels):
+            yield
+    except AttentionBackendError:
+        raise
+    except RuntimeError as err:
+        raise_attention_error(err, name)
+        raise
 
 
-_ATTENTION_MARKERS = ("scaled_dot_product", "sdp", "mha_graph", "flash", "attention", "cudnn")
+_ATTENTION_MARKERS = ("scaled_dot_product", "no viable backend", "mha_graph", "flash attention", "flash_attention",
+                      "cudnn", "sdpa", "efficient_attention")
 
 
 def raise_attention_error(err: RuntimeError, name: str) -> None:
-    """Re-raise a failure of an attention kernel as one error naming ``model.attention_backend``; return
-    (doing nothing) for any other error."""
+    """Re-raise a failure of an attention kernel as one :class:`AttentionBackendError` naming
+    ``model.attention_backend``; return (doing nothing) for any other error."""
     text = str(err).lower()
     if not any(m in text for m in _ATTENTION_MARKERS):
         return
-    raise RuntimeError(
+    raise AttentionBackendError(
         f"the attention kernel failed with model.attention_backend={name!r}: {str(err).splitlines()[0][:300]}. "
         f"Choose another backend (model.attention_backend=math always works; one of {ATTENTION_BACKENDS.names()}); "
         "'auto' avoids cuDNN attention, whose backward fails on some torch/cuDNN versions."

@@ -66,16 +66,18 @@ def build_t5_tokenizer(words: Iterable[str] = (), model_max_length: int = 32):
     return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=model_max_length)
 
 
-def build_text_encoders(words: Iterable[str] = (), t5_max_length: int = 32, seed: int = 0):
-    """(clip_tokenizer, clip_text_model, t5_tokenizer, t5_encoder): 1-layer random encoders of width 32."""
+def build_text_encoders(words: Iterable[str] = (), t5_max_length: int = 32, seed: int = 0, *,
+                        clip_width: int = TEXT_DIM, t5_width: int = TEXT_DIM):
+    """(clip_tokenizer, clip_text_model, t5_tokenizer, t5_encoder): 1-layer random encoders whose outputs are
+    ``clip_width`` and ``t5_width`` wide (32 here; FLUX.1's real encoders give 768 and 4096)."""
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
     clip_tok = build_clip_tokenizer()
     clip = CLIPTextModel(
         CLIPTextConfig(
-            vocab_size=len(clip_tok), hidden_size=TEXT_DIM, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=2, max_position_embeddings=77, projection_dim=TEXT_DIM,
+            vocab_size=len(clip_tok), hidden_size=clip_width, intermediate_size=2 * clip_width, num_hidden_layers=1,
+            num_attention_heads=2, max_position_embeddings=77, projection_dim=clip_width,
             bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
             pad_token_id=clip_tok.pad_token_id,
         )
@@ -83,7 +85,7 @@ def build_text_encoders(words: Iterable[str] = (), t5_max_length: int = 32, seed
     t5_tok = build_t5_tokenizer(words, model_max_length=t5_max_length)
     t5 = T5EncoderModel(
         T5Config(
-            vocab_size=len(t5_tok), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+            vocab_size=len(t5_tok), d_model=t5_width, d_kv=8, d_ff=2 * t5_width, num_layers=1, num_heads=2,
             decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
         )
     )
