@@ -197,16 +197,18 @@ def _prompts(n: int) -> list[str]:
 
 def part_a(c: Check) -> dict:
     """(a) rollout with log-probs vs FluxPipeline.__call__."""
-    from flowgrpo.sampling.rollout import SamplerSettings, rollout
+    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
 
     a, s = c.adapter, c.size
     b, t = s.batch, s.rollout_steps
     ps = _prompts(b)
     settings = SamplerSettings(num_steps=t, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
 
+    request = RolloutRequest(ps, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long), settings=settings,
+                             batch_size=b, seed=0, epoch=0)
+
     def ours():
-        rollout(a, ps, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long), settings=settings,
-                sde_steps=torch.ones(t, dtype=torch.bool), batch_size=b, seed=0, epoch=0)
+        rollout(a, request, torch.ones(t, dtype=torch.bool))
 
     def theirs():
         with torch.no_grad(), a.attention():
@@ -267,12 +269,12 @@ def _trainer(c: Check, gradient_checkpointing: bool, train_batch: int, recompute
 
 def _rollout_for(c: Check, trainer):
     from flowgrpo.records import Advantages
-    from flowgrpo.sampling.rollout import rollout
+    from flowgrpo.sampling.rollout import RolloutRequest, rollout
 
     s, b = c.size, c.size.batch
-    traj = rollout(c.adapter, _prompts(b), [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long),
-                   settings=trainer.settings, sde_steps=torch.ones(s.update_steps, dtype=torch.bool), batch_size=b,
-                   seed=0, epoch=0)
+    request = RolloutRequest(_prompts(b), [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long),
+                             settings=trainer.settings, batch_size=b, seed=0, epoch=0)
+    traj = rollout(c.adapter, request, torch.ones(s.update_steps, dtype=torch.bool))
     adv = Advantages(values=torch.linspace(-1, 1, b), train_mask=torch.ones(b, dtype=torch.bool),
                      zero_spread_frac=0.0, nan_frac=0.0)
     return traj, adv, trainer.chunker.plan(traj, 0, torch.Generator().manual_seed(0))

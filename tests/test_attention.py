@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from flowgrpo.models.attention import ATTENTION_BACKENDS, AttentionBackendError, attention_context
-from flowgrpo.sampling.rollout import SamplerSettings, rollout
+from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
 from flowgrpo.trainer import chunk_forward
 
 STEPS = 2
@@ -21,8 +21,9 @@ STEPS = 2
 
 def _rollout(adapter):
     settings = SamplerSettings(num_steps=STEPS, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
-    traj = rollout(adapter, ["a red cube", "two cats"], [{}, {}], torch.tensor([0, 1]), torch.tensor([0, 0]),
-                   settings=settings, sde_steps=torch.ones(STEPS, dtype=torch.bool), batch_size=2, seed=0, epoch=0)
+    request = RolloutRequest(["a red cube", "two cats"], [{}, {}], torch.tensor([0, 1]), torch.tensor([0, 0]),
+                             settings=settings, batch_size=2, seed=0, epoch=0)
+    traj = rollout(adapter, request, torch.ones(STEPS, dtype=torch.bool))
     return traj, settings
 
 
