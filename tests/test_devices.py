@@ -20,7 +20,7 @@ def _modules(adapter) -> list[torch.nn.Module]:
     return mods + ([adapter.frozen_reference] if adapter.frozen_reference is not None else [])
 
 
-def _config(tmp_path, tiny_flux_dir, name: str, **algo):
+def _config(tmp_path, tiny_flux_dir, name: str, chunker: dict | None = None, **algo):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red cube\na blue ball\n")
     return build_config({
@@ -31,7 +31,7 @@ def _config(tmp_path, tiny_flux_dir, name: str, **algo):
                   "train_batch_size": 2, "optimizer_steps_per_epoch": 2, "inner_epochs": 2, "lr": 1e-3,
                   "ema_decay": 0.9},
         "algo": {"kl_beta": 0.01, "recompute_old_log_probs": True, **algo},
-        "chunker": {"name": "chunk", "chunk_sizes": [1, 2]},
+        "chunker": chunker or {"name": "chunk", "chunk_sizes": [1, 2]},
         "rewards": [{"name": "jpeg_incompressibility"}],
         "data": {"train_prompts": str(prompts), "eval_prompts": str(prompts), "eval_num_prompts": 2},
         "logging": {"progress": False, "save_rollout_stats": True},
@@ -92,3 +92,13 @@ def test_trainer_epoch_keeps_each_tensor_on_one_device(tmp_path, tiny_flux_dir, 
     # however many chunks and statistics (2 chunks x 2 micro-batches per step here)
     t = cfg.train
     assert mode.update_reads == [t.inner_epochs * t.optimizer_steps_per_epoch + 3], mode.update_reads
+
+
+@pytest.mark.slow
+def test_egrpo_epoch_keeps_each_tensor_on_one_device(tmp_path, tiny_flux_dir, monkeypatch):
+    # E-GRPO's shared anchors, branches and merged jumps (records with jump > 1) on the fake accelerator
+    cfg = _config(tmp_path, tiny_flux_dir, "egrpo", chunker={"name": "entropy_merge", "sde_fraction": 0.5,
+                                                             "entropy_threshold": 0.9})
+    mode = _run_on_fake_accelerator(monkeypatch, cfg)
+    t = cfg.train
+    assert mode.update_reads and mode.update_reads[0] <= t.inner_epochs * t.optimizer_steps_per_epoch + 3
