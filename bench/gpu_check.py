@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,7 +120,24 @@ def flux_flops(pipe, height: int, width: int, text_tokens: int) -> float:
     return (c.num_layers + c.num_single_layers) * 2 * (12 * d * d * s + 2 * s * s * d)
 
 
-MODELS = {"flux": (build_flux, flux_flops)}  # name -> (builder, FLOPs per call); new adapters add an entry
+def flux_adapter(pipe, size: Size):
+    from flowgrpo.models.flux import FluxAdapter
+
+    return FluxAdapter(pipe, height=size.resolution, width=size.resolution, max_sequence_length=size.text_tokens)
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """How the check builds one model family: ``build(size, device, dtype, layers=, single_layers=)`` → a
+    diffusers pipeline of random weights; ``adapter(pipe, size)`` → its flowgrpo adapter; ``flops(pipe, height,
+    width, text_tokens)`` → forward FLOPs of one transformer call per sample."""
+
+    build: Callable
+    adapter: Callable
+    flops: Callable
+
+
+MODELS = {"flux": ModelEntry(build_flux, flux_adapter, flux_flops)}  # a new adapter family adds its entry here
 
 
 class Check:
@@ -169,12 +187,8 @@ class Check:
     @property
     def adapter(self):
         if self._adapter is None:
-            from flowgrpo.models.flux import FluxAdapter
-
-            build, _ = MODELS[self.args.model]
-            s = self.size
-            self._adapter = FluxAdapter(build(s, self.dev, self.dtype), height=s.resolution, width=s.resolution,
-                                        max_sequence_length=s.text_tokens)
+            entry = MODELS[self.args.model]
+            self._adapter = entry.adapter(entry.build(self.size, self.dev, self.dtype), self.size)
         return self._adapter
 
     def run(self, parts: list[str]) -> None:
@@ -219,7 +233,7 @@ def part_a(c: Check) -> dict:
     t_ours = c.timed(ours)
     peak = c.peak_gib()
     t_theirs = c.timed(theirs)
-    flops = MODELS[c.args.model][1](a.pipe, s.resolution, s.resolution, s.text_tokens) * b * t
+    flops = MODELS[c.args.model].flops(a.pipe, s.resolution, s.resolution, s.text_tokens) * b * t
     return {"rollout_s": t_ours, "pipeline_s": t_theirs, "ratio": t_ours / t_theirs, "batch": b, "steps": t,
             "image_steps_per_s": b * t / t_ours, "peak_gib": peak, "mfu": c.mfu(flops, t_ours)}
 
@@ -303,7 +317,8 @@ def _update_vs_bare(c: Check, gc: bool) -> dict:
     t_bare = c.timed(bare)
     n = traj.batch_size * len(plan.chunks)
     # forward + input-gradient backward ≈ 2 forwards (LoRA weight gradients are negligible)
-    flops = 2 * MODELS[c.args.model][1](a.pipe, c.size.resolution, c.size.resolution, c.size.text_tokens) * n
+    per_call = MODELS[c.args.model].flops(a.pipe, c.size.resolution, c.size.resolution, c.size.text_tokens)
+    flops = 2 * per_call * n
     return {"update_s": t_upd, "bare_s": t_bare, "ratio": t_upd / t_bare, "transitions": n,
             "transitions_per_s": n / t_upd, "peak_gib": peak, "mfu": c.mfu(flops, t_upd)}
 
@@ -347,8 +362,8 @@ def part_e(c: Check) -> dict:
 def _cli(c: Check, name: str, launcher: list[str]) -> dict:
     folder = c.out / "reduced_flux"
     if not (folder / "model_index.json").exists():
-        build, _ = MODELS[c.args.model]
-        pipe = build(c.size, c.dev, c.dtype, layers=min(4, c.size.layers), single_layers=min(8, c.size.single_layers))
+        pipe = MODELS[c.args.model].build(c.size, c.dev, c.dtype, layers=min(4, c.size.layers),
+                                          single_layers=min(8, c.size.single_layers))
         pipe.save_pretrained(folder)
         del pipe
         if c.dev.type == "cuda":

@@ -68,7 +68,6 @@ def _run_on_fake_accelerator(monkeypatch, config) -> FakeAccelerator:
     return modes[0]
 
 
-@pytest.mark.slow
 def test_fake_accelerator_catches_what_cuda_catches():
     lin = torch.nn.Linear(3, 2)
     with FakeAccelerator(lin) as mode:
