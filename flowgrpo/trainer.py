@@ -114,7 +114,8 @@ class _Accum:
 
 
 def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], settings: SamplerSettings,
-                  *, with_ref: bool, kl_form: str = "flow_grpo") -> ChunkForward:
+                  *, with_ref: bool, kl_form: str = "flow_grpo", shared_inputs: torch.Tensor | None = None
+                  ) -> ChunkForward:
     """One batched forward of ``rows``' transitions ``chunk``: log-probs (n, k), KL (n, k) or None, moments.
 
     Args:
@@ -124,6 +125,10 @@ def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[in
         settings: the rollout's SDE settings.
         with_ref: also compute the KL to the reference policy per latent dim
             (:func:`~flowgrpo.sampling.sde.kl_to_reference` of form ``kl_form``, ``algo.kl_form``).
+        shared_inputs: (n,) long keys, or None; rows with equal keys have bit-identical transformer inputs at
+            every step of the chunk (E-GRPO: the G samples of a (prompt, branch step) group start their jump from
+            one anchor latent), so the transformer runs once per key and its velocity is shared; the gradient of
+            the shared forward sums over the rows, exactly as G separate forwards would.
 
     The batch is sample-major: row r·k + j is sample ``rows[r]`` at step ``chunk[j]``; for k = 1 and rows a
     rollout micro-batch this is exactly the rollout's layout. Every result is on the adapter's device.
@@ -138,7 +143,8 @@ def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[in
     sigma = traj.sigmas[steps].repeat(n)  # (n·k,) host: sde_step checks it there and moves it to the device
     sigma_next = traj.sigmas[ends.flatten()]
     embeds = traj.embeds.index(rows.to(traj.embeds.device)).repeat_interleave(k)
-    v = adapter.velocity(x, sigma.to(dev), embeds, traj.guidance_scale)
+    velocity = _velocity_once_per_input(adapter, x, sigma.to(dev), embeds, traj.guidance_scale, shared_inputs, k)
+    v = velocity()
     guard = settings.guard(traj.sigmas)
     out = sde_step(x, v, sigma, sigma_next, kind=settings.sde_kind, noise_level=settings.noise_level,
                    next_latents=x_next, reduction=settings.logprob_reduction,
@@ -146,13 +152,33 @@ def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[in
     kl = None
     if with_ref:
         with torch.no_grad(), adapter.reference():
-            v_ref = adapter.velocity(x, sigma.to(dev), embeds, traj.guidance_scale)
+            v_ref = velocity()
         ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=settings.sde_kind,
                                          noise_level=settings.noise_level, sigma_one_next=guard)
         kl = kl_to_reference(out.mean, ref_mean, out.std, sigma.to(dev), sigma_next.to(dev), kind=settings.sde_kind,
                              form=kl_form).reshape(n, k)
     return ChunkForward(out.log_prob.reshape(n, k), kl, out.mean.reshape(n, k, *out.mean.shape[1:]),
                         out.std.reshape(n, k), (sigma_next - sigma).reshape(n, k).to(dev))
+
+
+def _velocity_once_per_input(adapter, x: torch.Tensor, sigma: torch.Tensor, embeds, guidance: float,
+                             shared_inputs: torch.Tensor | None, k: int):
+    """A function computing the (n·k, …) velocity of ``chunk_forward``'s batch with the adapter's current
+    weights, forwarding only one row per ``shared_inputs`` key (all rows when None)."""
+    if shared_inputs is None:
+        return lambda: adapter.velocity(x, sigma, embeds, guidance)
+    keys = shared_inputs.tolist()
+    first = list({key: i for i, key in reversed(list(enumerate(keys)))}.values())[::-1]  # first row of each key
+    slot = {keys[i]: u for u, i in enumerate(first)}
+    pick = torch.tensor([i * k + j for i in first for j in range(k)])  # (u·k,) rows of the flattened batch
+    spread = torch.tensor([slot[key] * k + j for key in keys for j in range(k)])  # (n·k,) → (u·k,)
+    dev = x.device
+
+    def velocity() -> torch.Tensor:
+        v = adapter.velocity(x[pick.to(dev)], sigma[pick.to(dev)], embeds.index(pick.to(embeds.device)), guidance)
+        return v[spread.to(dev)]
+
+    return velocity
 
 
 @dataclass(frozen=True)
@@ -301,6 +327,11 @@ class Trainer:
         return advantages_of_kept(compute, rewards, group_ids, keep)
 
     # ------------------------------------------------------------------ log-probs under the training layout
+    def _shared_inputs(self, traj: Trajectory, rows: torch.Tensor) -> torch.Tensor | None:
+        """Keys of rows whose training inputs are identical (a chunker with ``shares_inputs``: the rows of one
+        group start their trained transition from one shared latent), else None."""
+        return traj.group_ids[rows] if getattr(self.chunker, "shares_inputs", False) else None
+
     def _loss_input(self, fwd: ChunkForward, rows: torch.Tensor, chunk: tuple[int, ...],
                     old_log_probs: torch.Tensor, advantages: torch.Tensor) -> PolicyLossInput:
         """The policy loss's view of one forward (moments only for a loss that declares it reads them)."""
@@ -331,7 +362,8 @@ class Trainer:
             for k, chunk in enumerate(plan.chunks):
                 fwd = rows[plan.selected[rows, k]]
                 if len(fwd):
-                    out = chunk_forward(self.adapter, traj, fwd, chunk, self.settings, with_ref=False)
+                    out = chunk_forward(self.adapter, traj, fwd, chunk, self.settings, with_ref=False,
+                                        shared_inputs=self._shared_inputs(traj, fwd))
                     idx = (fwd.unsqueeze(1), torch.tensor(chunk).unsqueeze(0))
                     old[idx] = out.log_probs.cpu()
                     if keep_means:
@@ -366,7 +398,8 @@ class Trainer:
         ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
         with ctx, self.adapter.attention():  # the backward (and any checkpoint recompute) uses the same kernels
             fwd = chunk_forward(self.adapter, traj, rows, plan.chunks[k], self.settings,
-                                with_ref=cfg.algo.kl_beta > 0, kl_form=cfg.algo.kl_form)
+                                with_ref=cfg.algo.kl_beta > 0, kl_form=cfg.algo.kl_form,
+                                shared_inputs=self._shared_inputs(traj, rows))
             terms = self.policy_loss(self._loss_input(fwd, rows, plan.chunks[k], batch["old_log_probs"],
                                                       batch["advantages"]), self.loss_settings)
             m = batch["pair_mask"][rows, k].to(dev)

@@ -357,3 +357,44 @@ def test_training_run_tiny_flux(tiny_flux_dir, tmp_path):
         assert r["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
         assert math.isfinite(r["reward/jpeg_compressibility/mean"])
         assert "timing/recompute" in r
+
+
+def test_training_forwards_each_shared_anchor_once(tiny_flux):
+    """E-GRPO's G rows of a (prompt, branch step) group start their jump from one anchor latent: the training
+    forward runs the transformer once per group; log-probs and gradients equal G separate forwards."""
+    from flowgrpo.trainer import chunk_forward
+
+    cfg = chunker_settings(name="entropy_merge", merge_steps=[0, 1], merge_lengths=[1, 2])
+    chunker = build_chunker(cfg)
+    assert chunker.shares_inputs
+    g = 3
+    pids = torch.tensor([0, 1]).repeat_interleave(g)
+    settings = SamplerSettings(num_steps=4, guidance_scale=3.5, sde_kind="flow_sde", noise_level=A)
+    request = RolloutRequest(["a red cube"] * g + ["a blue ball"] * g,
+                             [{}] * (2 * g), pids, torch.arange(g).repeat(2), settings=settings, batch_size=2 * g,
+                             seed=0, epoch=0)
+    traj = chunker.rollout(tiny_flux, request)
+    rows = torch.nonzero(traj.stochastic[:, 1]).flatten()  # the rows that branched at step 1: 2 groups × G
+    assert len(rows) == 2 * g
+    seen = []
+    hook = tiny_flux.transformer.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw.get("hidden_states", a[0] if a else None).shape[0]), with_kwargs=True)
+    params = [p for p in tiny_flux.transformer.parameters() if p.requires_grad][:3]
+    assert params, "the test needs trainable parameters to compare gradients"
+    grads = []
+    try:
+        for shared in (None, traj.group_ids[rows]):
+            tiny_flux.transformer.zero_grad()
+            lp = chunk_forward(tiny_flux, traj, rows, (1,), settings, with_ref=False, shared_inputs=shared).log_probs
+            (lp * torch.arange(1.0, len(rows) + 1).unsqueeze(1)).sum().backward()  # a different weight per row
+            grads.append([p.grad.clone() for p in params])
+            if shared is None:
+                separate = lp.detach()
+            else:
+                together = lp.detach()
+    finally:
+        hook.remove()
+    assert seen == [2 * g, 2]  # one row per group instead of G
+    torch.testing.assert_close(together, separate, rtol=0, atol=1e-6)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

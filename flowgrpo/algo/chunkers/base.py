@@ -52,6 +52,9 @@ class Chunker(Protocol):
     """What the trainer uses of a chunker."""
 
     needs_recompute: bool
+    #: the rows of one group share their transformer input at every trained transition, so training forwards
+    #: one row per group (E-GRPO's shared anchors); the velocity is shared and its gradient sums over the rows
+    shares_inputs: bool
 
     def validate(self, num_steps: int, sde_kind: str) -> None:
         """Reject settings this chunker cannot run with T = ``num_steps`` and ``sde_kind``, before any model loads.
@@ -110,6 +113,7 @@ class BaseChunker:
 
     Config: ClassVar[type[ChunkerConfig]] = ChunkerConfig
     needs_recompute = False
+    shares_inputs = False
 
     def __init__(self, cfg: ChunkerConfig) -> None:
         self.cfg = cfg

@@ -231,6 +231,7 @@ class EntropyMerge(BaseChunker):
 
     Config = EntropyMergeConfig
     needs_recompute = True
+    shares_inputs = True  # the G rows of a (prompt, branch step) group jump from one anchor latent
 
     def branch_plan(self, sigmas: torch.Tensor, kind: str, noise_level: float,
                     sigma_one_next: float | None = None) -> list[tuple[int, int]]:
