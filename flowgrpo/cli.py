@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     pu.add_argument("run", help="the run folder (its lora/ or transformer/ folder is uploaded)")
     pu.add_argument("repo_id", help="Hub repository, user/name (created when missing)")
     pu.add_argument("--private", action="store_true", help="create the repository private")
-    pu.add_argument("--token", help="Hub token (default: HF_TOKEN or the huggingface-cli login)")
+    pu.add_argument("--token", help="Hub token (default: HF_TOKEN or the `hf auth login` token)")
     pu.add_argument("--endpoint", help="Hub API server (default: huggingface_hub's, HF_ENDPOINT)")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "train":

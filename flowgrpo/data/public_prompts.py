@@ -1,7 +1,7 @@
 """Prompt files for the shipped configs, built from a local copy of the public prompt sets they come from.
 
 ``flowgrpo prompts SET SOURCE... --out FILE`` reads the dataset's own files (downloaded by the user, e.g. with
-``huggingface-cli download``; nothing is fetched here) and writes one prompt a line (``.txt``), the format
+``hf download``; nothing is fetched here) and writes one prompt a line (``.txt``), the format
 ``data.train_prompts`` / ``data.eval_prompts`` read. Prompts are stripped, empty ones dropped, duplicates
 dropped keeping the first, and the order of the source kept, so the output is deterministic.
 

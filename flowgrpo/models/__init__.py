@@ -133,23 +133,54 @@ def resolve_pretrained(name: str) -> str:
 
 
 def pipeline_class_name(path: str) -> str:
-    """The ``_class_name`` of a diffusers folder or hub repo. Raises ``ValueError`` naming the model when it
-    cannot be read (missing folder, no network to reach a hub id)."""
-    local = Path(path)
-    try:
-        if local.is_dir():
-            index = local / "model_index.json"
-        else:
-            from huggingface_hub import hf_hub_download
+    """The ``_class_name`` of a diffusers folder or hub repo (a local folder, the local hub cache, then the hub).
 
-            index = Path(hf_hub_download(path, "model_index.json"))
+    Raises:
+        ValueError: naming the model when it cannot be read: a missing folder, or a hub id that is not cached and
+            cannot be fetched. An unreachable hub fails at once (one connection attempt of a few seconds), not
+            after huggingface_hub's retries; with ``HF_HUB_OFFLINE=1`` the hub is not tried at all.
+    """
+    local = Path(path)
+    if local.is_dir():
+        index = local / "model_index.json"
+        if not index.is_file():
+            raise ValueError(f"cannot read model {path!r}: the folder has no model_index.json (not a diffusers "
+                             "pipeline folder)")
         return json.loads(index.read_text())["_class_name"]
-    except Exception as err:  # noqa: BLE001 - any failure to reach the model is reported the same way
-        raise ValueError(
-            f"cannot read model {path!r}: not a local diffusers folder, and the hub could not be reached or has "
-            f"no such repo ({type(err).__name__}: {err}). Download it first (huggingface-cli download {path}) "
-            "or pass a local folder."
-        ) from err
+    from huggingface_hub import constants, hf_hub_download
+
+    try:
+        return _class_name(hf_hub_download(path, "model_index.json", local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the local cache (or not a valid id): try the hub below
+        pass
+    hint = f"download it first (hf download {path}) or pass a local diffusers folder"
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError(f"cannot read model {path!r}: not a local folder and not in the local hub cache, and "
+                         f"HF_HUB_OFFLINE is set; {hint}") from None
+    if not _reachable(constants.ENDPOINT):
+        raise ValueError(f"cannot read model {path!r}: not a local folder, not in the local hub cache, and the hub "
+                         f"({constants.ENDPOINT}) cannot be reached from this machine; {hint}") from None
+    try:
+        return _class_name(hf_hub_download(path, "model_index.json"))
+    except Exception as err:  # noqa: BLE001 - any failure to fetch the model is reported the same way
+        raise ValueError(f"cannot read model {path!r} from the hub ({type(err).__name__}: {err}); {hint}") from err
+
+
+def _class_name(index: str) -> str:
+    return json.loads(Path(index).read_text())["_class_name"]
+
+
+def _reachable(url: str, timeout: float = 5.0) -> bool:
+    """Whether a TCP connection to ``url``'s host and port opens within ``timeout`` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def load_model(name: str, *, dtype: str = "float32", height: int | None = None, width: int | None = None,
