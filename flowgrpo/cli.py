@@ -183,15 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     pu.add_argument("--endpoint", help="Hub API server (default: huggingface_hub's, HF_ENDPOINT)")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "train":
-        from flowgrpo.train import main as train_main
+        from flowgrpo.runner import main as train_main
 
         train_main(argv[1:], prog="flowgrpo train")
         return
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from flowgrpo.train import _quiet_libraries
+    from flowgrpo.runner import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     from flowgrpo.config import ConfigError
 
     if args.command == "sample":

@@ -107,7 +107,7 @@ SUMMARY = {
 
 
 def test_report_says_where_what_per_digit_and_how_long():
-    from flowgrpo.train import format_report
+    from flowgrpo.runner import format_report
 
     text = format_report(SUMMARY)
     assert "runs/x/transformer/README.md" in text
@@ -259,18 +259,18 @@ def test_shipped_launch_defaults_silence_accelerates_warning():
 
 
 def test_quiet_libraries_hides_http_request_lines_unless_debugging():
-    from flowgrpo.train import _quiet_libraries
+    from flowgrpo.runner import quiet_libraries
 
     root = logging.getLogger()
     old = root.level
     try:
         root.setLevel(logging.INFO)
         logging.getLogger("httpx").setLevel(logging.NOTSET)
-        _quiet_libraries()
+        quiet_libraries()
         assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
         logging.getLogger("httpx").setLevel(logging.NOTSET)
         root.setLevel(logging.DEBUG)
-        _quiet_libraries()
+        quiet_libraries()
         assert logging.getLogger("httpx").isEnabledFor(logging.DEBUG)
     finally:
         root.setLevel(old)
@@ -290,7 +290,8 @@ def test_run_without_eval_prompts_reports_card_and_auto_resume(tmp_path, tiny_fl
     import json
 
     from flowgrpo.config import build_config
-    from flowgrpo.train import format_report, resolve_auto_resume, run
+    from flowgrpo.preflight import resolve_auto_resume
+    from flowgrpo.runner import format_report, run
 
     out = tmp_path / "run"
     data = {

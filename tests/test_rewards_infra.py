@@ -197,7 +197,7 @@ def test_entry_point_plugin_loads_lazily_with_provenance(plugins):
 
 
 def test_a_plugin_that_fails_to_import_breaks_only_runs_that_name_it(plugins):
-    from flowgrpo.train import build_rewards
+    from flowgrpo.runner import build_rewards
 
     t = plugins.tag
     composed, origins = build_rewards([SimpleNamespace(name=f"mean_{t}", weight=1.0, kwargs={})])
