@@ -88,6 +88,15 @@ class AdapterBase:
     def dtype(self) -> torch.dtype:
         return next(self.transformer.parameters()).dtype
 
+    @staticmethod
+    def batch_sigma(latents: torch.Tensor, sigma, embeds) -> torch.Tensor:
+        """σ as (B,) float32 on the latents' device, B = ``latents.shape[0]``; the input check every ``velocity``
+        shares. Raises ``ValueError`` when ``embeds`` holds other than B rows."""
+        b = latents.shape[0]
+        if len(embeds) != b:
+            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
+        return torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
+
     def attention(self) -> contextlib.AbstractContextManager:
         """The SDPA kernels of ``attention_backend`` (see :mod:`flowgrpo.models.attention`): every transformer
         call and the update's backward pass run inside it."""
@@ -148,6 +157,12 @@ def _forward_with(adapter: AdapterBase, module: torch.nn.Module) -> Iterator[Non
         adapter.forward_module = current
 
 
+def check_num_steps(num_steps: int) -> None:
+    """The σ grid's input check: ``ValueError`` unless ``num_steps`` >= 1."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+
+
 def scheduler_sigmas(scheduler, num_steps: int, *, mu: float | None = None,
                      grid: list[float] | None = None) -> torch.Tensor:
     """(T+1,) float32 σ grid that ``scheduler.set_timesteps`` builds, on a copy (the pipeline's scheduler keeps
@@ -165,8 +180,7 @@ def scheduler_sigmas(scheduler, num_steps: int, *, mu: float | None = None,
 
     import numpy as np
 
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    check_num_steps(num_steps)
     scheduler = copy.deepcopy(scheduler)
     kwargs = {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps) if grid is None else grid}
     if scheduler.config.get("use_dynamic_shifting", False):

@@ -15,7 +15,7 @@ from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowgrpo.models.base import AdapterBase, PromptEmbeds
+from flowgrpo.models.base import AdapterBase, PromptEmbeds, check_num_steps
 
 
 class FluxAdapter(AdapterBase):
@@ -98,8 +98,7 @@ class FluxAdapter(AdapterBase):
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """(T+1,) float32 σ grid exactly as ``FluxPipeline.__call__`` builds it (resolution shift, terminal 0)."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        check_num_steps(num_steps)
         scheduler = copy.deepcopy(self.pipe.scheduler)
         cfg = scheduler.config
         seq_len = (self.latent_h // 2) * (self.latent_w // 2)

@@ -27,7 +27,7 @@ import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
+from flowgrpo.models.base import AdapterBase, PromptEmbeds, check_num_steps, scheduler_sigmas
 
 __all__ = ["Flux2Adapter", "load_flux2_adapter", "build_tiny_flux2_klein"]
 
@@ -111,9 +111,7 @@ class Flux2Adapter(AdapterBase):
             ValueError: embeds whose batch size differs from the latents'.
         """
         b = latents.shape[0]
-        if len(embeds) != b:
-            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
+        sigma = self.batch_sigma(latents, sigma, embeds)
         t = sigma * 1000 / 1000  # the pipelines' timestep / 1000 with timestep = σ·1000
         guidance = None
         if self.guidance_embeds:
@@ -155,8 +153,7 @@ class Flux2Adapter(AdapterBase):
         Raises:
             ValueError: ``num_steps`` < 1.
         """
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        check_num_steps(num_steps)
         mu = compute_empirical_mu((self.latent_h // 2) * (self.latent_w // 2), num_steps)
         return scheduler_sigmas(self.pipe.scheduler, num_steps, mu=mu)
 

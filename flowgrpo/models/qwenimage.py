@@ -119,9 +119,7 @@ class QwenImageAdapter(AdapterBase):
             ValueError: embeds whose batch size differs from the latents'.
         """
         b = latents.shape[0]
-        if len(embeds) != b:
-            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
+        sigma = self.batch_sigma(latents, sigma, embeds)
         t = sigma * 1000 / 1000  # the pipeline's timestep / 1000 with timestep = σ·1000 (bitwise the same)
         v_c = self._forward(latents, t, embeds["prompt_embeds"], embeds["prompt_mask"], embeds)
         if guidance_scale <= 1:

@@ -31,7 +31,7 @@ from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowgrpo.models.base import AdapterBase, PromptEmbeds
+from flowgrpo.models.base import AdapterBase, PromptEmbeds, check_num_steps
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +137,7 @@ class SD3Adapter(AdapterBase):
             ValueError: embeds whose batch size differs from the latents'.
         """
         b = latents.shape[0]
-        if len(embeds) != b:
-            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
+        sigma = self.batch_sigma(latents, sigma, embeds)
         t = sigma * self.num_train_timesteps  # (B,) float32, bitwise the pipeline's scheduler.timesteps
         cond = (embeds["prompt_embeds"], embeds["pooled_prompt_embeds"])
         if guidance_scale <= 1:
@@ -191,8 +189,7 @@ class SD3Adapter(AdapterBase):
         Raises:
             ValueError: ``num_steps`` < 1.
         """
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        check_num_steps(num_steps)
         scheduler = copy.deepcopy(self.pipe.scheduler)
         cfg = scheduler.config
         if cfg.get("use_dynamic_shifting", False):

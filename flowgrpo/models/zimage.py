@@ -30,7 +30,7 @@ from diffusers import ZImagePipeline
 from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
+from flowgrpo.models.base import AdapterBase, PromptEmbeds, check_num_steps, scheduler_sigmas
 
 __all__ = ["ZImageAdapter", "load_zimage_adapter", "build_tiny_zimage"]
 
@@ -113,9 +113,7 @@ class ZImageAdapter(AdapterBase):
             ValueError: embeds whose batch size differs from the latents'.
         """
         b = latents.shape[0]
-        if len(embeds) != b:
-            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
+        sigma = self.batch_sigma(latents, sigma, embeds)
         t = (1000 - sigma * 1000) / 1000  # the pipeline's (1000 − timestep)/1000 with timestep = σ·1000
         caps = _unpad(embeds["prompt_embeds"], embeds["prompt_len"])
         x = latents.to(self.dtype)
@@ -146,8 +144,7 @@ class ZImageAdapter(AdapterBase):
         Raises:
             ValueError: ``num_steps`` < 1.
         """
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        check_num_steps(num_steps)
         cfg = self.pipe.scheduler.config
         mu = calculate_shift((self.latent_h // 2) * (self.latent_w // 2), cfg.get("base_image_seq_len", 256),
                              cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
