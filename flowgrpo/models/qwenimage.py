@@ -251,6 +251,26 @@ def build_qwenimage_vae(seed: int = 0, z_dim: int = 4):
     )
 
 
+def build_tiny_qwen_transformer(seed: int, transformer_kwargs: dict | None = None):
+    """The tiny Qwen-Image transformer (2 layers, 2 heads of 16; random weights drawn after
+    ``torch.manual_seed(seed + 1)``; ``transformer_kwargs`` override its constructor arguments) and the Qwen-Image
+    scheduler (exponential dynamic shift, terminal 0.02), shared by the Qwen-Image and Qwen-Image-Edit builders.
+    Returns (transformer, scheduler)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    torch.manual_seed(seed + 1)
+    transformer = QwenImageTransformer2DModel(**{
+        "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
+        "num_attention_heads": 2, "joint_attention_dim": 16, "guidance_embeds": False, "axes_dims_rope": (8, 4, 4),
+        **(transformer_kwargs or {}),
+    })
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return transformer, scheduler
+
+
 def build_tiny_qwenimage(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sample_size: int = 32,
                          seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
     """Build a random tiny Qwen-Image pipeline and ``save_pretrained`` it into ``out_dir``; return the folder.
@@ -267,23 +287,12 @@ def build_tiny_qwenimage(out_dir: str | os.PathLike, *, words: Iterable[str] = (
     Raises:
         ValueError: ``sample_size`` not a positive multiple of 16.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny Qwen-Image sample_size must be a positive multiple of 16, got {sample_size}")
     tok = build_qwen_tokenizer([_QWEN_TEMPLATE.format(" ".join(words)), " "])
     encoder = build_qwen25vl_encoder(tok, hidden=16, seed=seed)
     vae = build_qwenimage_vae(seed)
-    torch.manual_seed(seed + 1)
-    transformer = QwenImageTransformer2DModel(**{
-        "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
-        "num_attention_heads": 2, "joint_attention_dim": 16, "guidance_embeds": False, "axes_dims_rope": (8, 4, 4),
-        **(transformer_kwargs or {}),
-    })
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
-    )
+    transformer, scheduler = build_tiny_qwen_transformer(seed, transformer_kwargs)
     pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tok,
                              transformer=transformer)
     out = Path(out_dir)
