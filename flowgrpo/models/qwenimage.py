@@ -52,13 +52,9 @@ class QwenImageAdapter(AdapterBase):
     def __init__(self, pipe: QwenImagePipeline, *, height: int, width: int, max_sequence_length: int = 512,
                  negative_prompt: str = " ") -> None:
         step = pipe.vae_scale_factor * 2
-        if height <= 0 or width <= 0 or height % step or width % step:
-            raise ValueError(f"Qwen-Image size must be a positive multiple of {step}, got {height}x{width}")
-        if not 1 <= max_sequence_length <= 1024:
-            raise ValueError(f"Qwen-Image max_sequence_length must be in [1, 1024], got {max_sequence_length}")
-        super().__init__(pipe)
-        self.height, self.width = height, width
-        self.max_sequence_length = max_sequence_length
+        self.check_image_size("Qwen-Image size", height, width, step)
+        self.check_sequence_length("Qwen-Image", max_sequence_length, 1024)
+        super().__init__(pipe, height=height, width=width, max_sequence_length=max_sequence_length)
         self.negative_prompt = negative_prompt
         self.latent_h = 2 * (height // step)
         self.latent_w = 2 * (width // step)
@@ -84,9 +80,7 @@ class QwenImageAdapter(AdapterBase):
         Raises:
             ValueError: an empty prompt list.
         """
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("encode_prompts needs at least one prompt")
+        prompts = self.prompt_list(prompts)
         pos, mask = self._encode(prompts)
         neg, neg_mask = self._encode([self.negative_prompt])
         return PromptEmbeds({"prompt_embeds": pos, "prompt_mask": mask},
@@ -110,13 +104,7 @@ class QwenImageAdapter(AdapterBase):
                  guidance_scale: float) -> torch.Tensor:
         """(B, N, 4·C) float32 velocity at (latents, σ): for s > 1 the renormalised true-CFG combination of a
         conditional and a negative-prompt forward (module docstring), else the conditional prediction alone.
-
-        Args:
-            latents: (B, N, 4·C) packed latents, any float dtype.
-            sigma: (B,) or scalar σ in (0, 1].
-            embeds: B rows of :meth:`encode_prompts` output.
-        Raises:
-            ValueError: embeds whose batch size differs from the latents'.
+        ``latents`` (B, N, 4·C) packed; arguments and errors as :meth:`~flowgrpo.models.base.ModelAdapter.velocity`.
         """
         b = latents.shape[0]
         sigma = self.batch_sigma(latents, sigma, embeds)
