@@ -444,9 +444,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.dry_run and not torch.cuda.is_available():
         parser.exit(2, "error: no CUDA device; use --dry-run for the CPU check at toy sizes\n")
     sys.path.insert(0, str(REPO))
-    from flowgrpo.train import _quiet_libraries
+    from flowgrpo.runner import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     Check(args).run(args.parts)
 
 

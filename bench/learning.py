@@ -179,7 +179,7 @@ def markdown(table: list[dict]) -> str:
 def run_one(name: str, overrides: list[str], seed: int, out_root: Path) -> dict:
     """Trains one (row, seed) into ``out_root/<row>/seed<seed>`` and writes its figures next to it as JSON."""
     from flowgrpo.config import build_config
-    from flowgrpo.train import DEFAULT_CONFIG, run
+    from flowgrpo.runner import DEFAULT_CONFIG, run
 
     run_dir = out_root / name / f"seed{seed}"
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())

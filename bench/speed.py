@@ -53,10 +53,10 @@ def main() -> None:
     from flowgrpo.models import load_model
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.models.tiny import build_tiny_flux
+    from flowgrpo.runner import quiet_libraries
     from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
-    from flowgrpo.train import _quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     torch.manual_seed(0)
     folder = build_tiny_flux(Path(tempfile.mkdtemp()) / "tiny")
     adapter = load_model(str(folder), max_sequence_length=32, height=64, width=64)

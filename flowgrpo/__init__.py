@@ -36,7 +36,7 @@ _EXPORTS = {
     "load_model": "flowgrpo.models",
     "ADAPTERS": "flowgrpo.models",
     "Trainer": "flowgrpo.trainer",
-    "run": "flowgrpo.train",
+    "run": "flowgrpo.runner",
 }
 
 __all__ = ["__version__", *_EXPORTS]

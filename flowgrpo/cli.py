@@ -30,66 +30,72 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _sample(args: argparse.Namespace) -> None:
-    import torch
-
+def _sample_settings(args: argparse.Namespace) -> dict:
+    """What ``flowgrpo sample`` draws: ``build`` (a function loading the model), ``steps``, ``guidance``, ``seed``,
+    ``weights`` (a folder or None), ``prompt_file`` and ``count`` (0: one image per prompt), from a run folder's
+    config (``--run``) or from the command line."""
     from flowgrpo.config import load_config
-    from flowgrpo.data.prompts import load_prompts
     from flowgrpo.models import load_model, load_model_from_config
-    from flowgrpo.plots import sample_grid
-    from flowgrpo.rng import derive_seed
-    from flowgrpo.sampling.rollout import generate_images
 
     if args.run:
         cfg_path = Path(args.run) / "config.yaml"
         if not cfg_path.is_file():
             raise SystemExit(f"flowgrpo sample: {args.run!r} is not a run folder (no config.yaml in it)")
         cfg = load_config(cfg_path)
-        def build():
-            return load_model_from_config(cfg.model)  # exactly as training built it
-        steps, guidance = cfg.eval_sampling.num_steps, cfg.eval_sampling.guidance_scale
-        seed = cfg.train.seed
-        weights = Path(args.run) / ("lora" if cfg.model.finetune == "lora" else "transformer")
-        prompt_file = args.prompts or cfg.data.eval_prompts or cfg.data.train_prompts
         default_count = cfg.data.eval_num_prompts if cfg.data.eval_prompts else min(cfg.data.eval_num_prompts,
                                                                                      cfg.batch_size)
-        count = args.num_images or default_count
+        return {"build": lambda: load_model_from_config(cfg.model),  # exactly as training built it
+                "steps": cfg.eval_sampling.num_steps, "guidance": cfg.eval_sampling.guidance_scale,
+                "seed": cfg.train.seed,
+                "weights": Path(args.run) / ("lora" if cfg.model.finetune == "lora" else "transformer"),
+                "prompt_file": args.prompts or cfg.data.eval_prompts or cfg.data.train_prompts,
+                "count": args.num_images or default_count}
+    if not args.model:
+        raise SystemExit("flowgrpo sample: give --run RUN_DIR or --model")
+    return {"build": lambda: load_model(args.model, dtype=args.dtype, height=args.height, width=args.width,
+                                        max_sequence_length=args.max_sequence_length),
+            "steps": args.num_steps, "guidance": args.guidance_scale, "seed": args.seed,
+            "weights": Path(args.lora) if args.lora else None, "prompt_file": args.prompts,
+            "count": args.num_images}
+
+
+def _load_weights(adapter, weights: Path) -> None:
+    """A trained LoRA (``pytorch_lora_weights.safetensors``) or full transformer (``config.json``) from ``weights``."""
+    if (weights / "pytorch_lora_weights.safetensors").exists():
+        adapter.pipe.load_lora_weights(str(weights))
+    elif (weights / "config.json").exists():
+        adapter.transformer.load_state_dict(type(adapter.transformer).from_pretrained(weights).state_dict())
     else:
-        if not args.model:
-            raise SystemExit("flowgrpo sample: give --run RUN_DIR or --model")
-        def build():
-            return load_model(args.model, dtype=args.dtype, height=args.height, width=args.width,
-                              max_sequence_length=args.max_sequence_length)
-        steps, guidance, seed = args.num_steps, args.guidance_scale, args.seed
-        weights = Path(args.lora) if args.lora else None
-        prompt_file = args.prompts
-        count = args.num_images
-    if args.no_weights:
-        weights = None
-    if prompt_file is None:
+        raise SystemExit(f"flowgrpo sample: no LoRA or transformer weights in {str(weights)!r}")
+
+
+def _sample(args: argparse.Namespace) -> None:
+    import torch
+    from PIL import Image
+
+    from flowgrpo.data.prompts import load_prompts
+    from flowgrpo.images import to_uint8
+    from flowgrpo.plots import sample_grid
+    from flowgrpo.rng import derive_seed
+    from flowgrpo.sampling.rollout import generate_images
+
+    s = _sample_settings(args)
+    weights = None if args.no_weights else s["weights"]
+    if s["prompt_file"] is None:
         raise SystemExit("flowgrpo sample: no prompts (give --prompts FILE)")
-    ps = load_prompts(prompt_file)
-    adapter = build()
+    ps = load_prompts(s["prompt_file"])
+    adapter = s["build"]()
     if weights is not None:
-        if (weights / "pytorch_lora_weights.safetensors").exists():
-            adapter.pipe.load_lora_weights(str(weights))
-        elif (weights / "config.json").exists():
-            adapter.transformer.load_state_dict(type(adapter.transformer).from_pretrained(weights).state_dict())
-        else:
-            raise SystemExit(f"flowgrpo sample: no LoRA or transformer weights in {str(weights)!r}")
-    count = count or len(ps)
+        _load_weights(adapter, weights)
+    count = s["count"] or len(ps)
     prompts = [ps.prompts[i % len(ps)] for i in range(count)]
-    seeds = [derive_seed(seed, "eval", i) for i in range(count)]
-    images = generate_images(adapter, prompts, seeds, num_steps=steps, guidance_scale=guidance,
+    seeds = [derive_seed(s["seed"], "eval", i) for i in range(count)]
+    images = generate_images(adapter, prompts, seeds, num_steps=s["steps"], guidance_scale=s["guidance"],
                              batch_size=args.batch_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(images, out / "images.pt")
     sample_grid(images[:40], [p[:30] for p in prompts[:40]], out / "grid.png", ncols=10)
-    from PIL import Image
-
-    from flowgrpo.images import to_uint8
-
     for i, img in enumerate(images):
         Image.fromarray(to_uint8(img)).save(out / f"{i:05d}.png")
     logger.info("wrote %d images to %s", len(images), out)
@@ -140,7 +146,8 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
     return info.commit_url
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The ``flowgrpo`` command's parser (``train`` is only listed: its own parser is :func:`flowgrpo.runner.main`)."""
     parser = argparse.ArgumentParser(prog="flowgrpo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,17 +188,22 @@ def main(argv: list[str] | None = None) -> None:
     pu.add_argument("--private", action="store_true", help="create the repository private")
     pu.add_argument("--token", help="Hub token (default: HF_TOKEN or the `hf auth login` token)")
     pu.add_argument("--endpoint", help="Hub API server (default: huggingface_hub's, HF_ENDPOINT)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "train":
-        from flowgrpo.train import main as train_main
+        from flowgrpo.runner import main as train_main
 
         train_main(argv[1:], prog="flowgrpo train")
         return
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from flowgrpo.train import _quiet_libraries
+    from flowgrpo.runner import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     from flowgrpo.config import ConfigError
 
     if args.command == "sample":

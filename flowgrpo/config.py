@@ -541,6 +541,17 @@ def save_config(config: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
 
 
+def flat_dict(d: dict, prefix: str = "") -> dict:
+    """A nested dict (a dumped config) as ``{"dotted.key": value}``; dicts are flattened, other values kept."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_dict(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
     """(dotted key, default, description) for every field, for ``--help``."""
     rows = []

@@ -52,6 +52,15 @@ def _figures_table(summary: dict) -> str:
     return "| figure | before | after |\n|---|---|---|\n" + "\n".join(rows) + "\n"
 
 
+def _card_metadata(m) -> dict:
+    """The card's YAML header for model settings ``m``: library, tags, and the base model when it is a Hub id."""
+    meta = {"library_name": "diffusers", "tags": ["flowgrpo", "text-to-image", "reinforcement-learning",
+                                                  "lora" if m.finetune == "lora" else "full-finetune"]}
+    if _is_hub_id(m.pretrained):
+        meta["base_model"] = m.pretrained
+    return meta
+
+
 def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", repo: str = ".",
                figures: tuple[str, ...] = FIGURES, base_folder: str | None = None,
                prompt: str = "a photo of a cat") -> str:
@@ -70,10 +79,7 @@ def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", r
     """
     m, s, a, t = config.model, config.sampling, config.algo, config.train
     base = m.pretrained
-    meta = {"library_name": "diffusers", "tags": ["flowgrpo", "text-to-image", "reinforcement-learning",
-                                                  "lora" if m.finetune == "lora" else "full-finetune"]}
-    if _is_hub_id(base):
-        meta["base_model"] = base
+    meta = _card_metadata(m)
     rewards = ", ".join(f"`{r.name}` (weight {r.weight:g})" for r in config.rewards)
     evals = ", ".join(f"`{r.name}`" for r in config.eval_rewards) or "none"
     pics = "".join(f"![{f.removesuffix('.png').replace('_', ' ')}]({f})\n\n" for f in figures)

@@ -37,7 +37,7 @@ from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.algo.filters import GROUP_FILTERS, advantages_of_kept
 from flowgrpo.algo.losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
 from flowgrpo.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from flowgrpo.config import Config, save_config
+from flowgrpo.config import Config, flat_dict, save_config
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.ema import EMA
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
@@ -541,8 +541,8 @@ class Trainer:
         if not path.exists():
             save_config(self.cfg, path)
             return
-        old = _flat(yaml.safe_load(path.read_text()) or {})
-        new = _flat(self.cfg.model_dump(mode="json"))
+        old = flat_dict(yaml.safe_load(path.read_text()) or {})
+        new = flat_dict(self.cfg.model_dump(mode="json"))
         changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
                    if old.get(k) != new.get(k) and k != "train.resume_from"}
         if changed:
@@ -841,14 +841,3 @@ def _check_whole_groups(local_ids: torch.Tensor, all_ids: torch.Tensor, names: l
     if not torch.equal(local_counts, total):
         raise ValueError(f"rewards {names} score whole groups, but a group is split over processes; choose "
                          "train.prompts_per_epoch divisible by the number of processes")
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    """A nested config dict as dotted key -> value."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fake_device import FakeAccelerator  # noqa: E402 - after the path set-up
 
-from flowgrpo import train  # noqa: E402
+from flowgrpo import runner  # noqa: E402
 from flowgrpo.trainer import Trainer  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -67,4 +67,4 @@ def _fit_on_accelerator(fit):
 
 if __name__ == "__main__":
     Trainer.fit = _fit_on_accelerator(Trainer.fit)
-    train.main()
+    runner.main()

@@ -1,4 +1,4 @@
-"""Odd and bad input tried as a new user would, each through the real entry point (``flowgrpo.train.run``, the
+"""Odd and bad input tried as a new user would, each through the real entry point (``flowgrpo.runner.run``, the
 ``flowgrpo/train.py`` script or the ``flowgrpo`` CLI): reward semantics, duplicate prompts, config checked before
 any model loads, resume that loses nothing, clean exits."""
 
@@ -84,7 +84,7 @@ def _assert_groups_distinct(stats: dict, group_size: int) -> None:
 
 @pytest.mark.slow
 def test_none_is_nan_counted_and_a_negative_weight_is_a_penalty(tmp_path, tiny_flux_dir):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     cfg = _cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 1, "prompts_per_epoch": 3, "rollout_batch_size": 2},
                rewards=[{"name": f"{MOD}:Scripted", "kwargs": {"kind": "none_for_cube"}},
@@ -104,7 +104,7 @@ def test_none_is_nan_counted_and_a_negative_weight_is_a_penalty(tmp_path, tiny_f
 def test_an_infinite_score_stops_the_run_naming_the_reward_before_advantages(tmp_path, tiny_flux_dir, monkeypatch):
     import flowgrpo.trainer as trainer_mod
     from flowgrpo.rewards.compose import RewardError
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     called = []
     monkeypatch.setattr(trainer_mod, "compute_advantages", lambda *a, **k: called.append(1))
@@ -116,7 +116,7 @@ def test_an_infinite_score_stops_the_run_naming_the_reward_before_advantages(tmp
 
 @pytest.mark.slow
 def test_zero_spread_warns_and_no_unmeasured_policy_statistic(tmp_path, tiny_flux_dir, caplog):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     cfg = _cfg(tmp_path, tiny_flux_dir, rewards=[{"name": f"{MOD}:Scripted", "kwargs": {"kind": "const"}}],
                algo={"drop_zero_spread_groups": True})
@@ -149,7 +149,7 @@ def test_gdpo_takes_the_compositions_weights_a_negative_one_a_penalty():
 
 @pytest.mark.slow
 def test_no_prompt_twice_an_epoch_and_forced_copies_are_own_groups(tmp_path, tiny_flux_dir):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     # 3 prompts, 2 an epoch: epoch 1 straddles two passes over the set; with seed 3 the last prompt of the
     # first pass's permutation is the first of the second's (the old sampler drew it twice in epoch 1)
@@ -188,7 +188,7 @@ def test_repeated_prompt_copies_are_own_groups_across_two_processes(tmp_path, ti
 
 @pytest.mark.slow
 def test_prompt_truncation_is_warned_once_per_encoder_and_counted(tmp_path, tiny_flux_dir, caplog):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     long = "a red cube " + " ".join(["very"] * 100) + " on a table"
     cfg = _cfg(tmp_path, tiny_flux_dir, prompts=(long, "a blue ball"), train={"num_epochs": 2})
@@ -236,7 +236,7 @@ def test_bad_values_are_refused_by_the_schema(overrides, needle):
 ])
 def test_everything_is_checked_before_any_model_loads(tmp_path, tiny_flux_dir, monkeypatch, overrides, needle):
     import flowgrpo.models as models
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     if "wandb" in " ".join(overrides) and __import__("importlib").util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
@@ -253,7 +253,7 @@ def test_everything_is_checked_before_any_model_loads(tmp_path, tiny_flux_dir, m
 
 def test_an_occupied_output_dir_is_refused_before_any_model_loads(tmp_path, tiny_flux_dir, monkeypatch):
     import flowgrpo.models as models
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     monkeypatch.setattr(models, "load_model_from_config", lambda *a, **k: pytest.fail("the model was loaded"))
     (tmp_path / "run").mkdir()
@@ -263,7 +263,7 @@ def test_an_occupied_output_dir_is_refused_before_any_model_loads(tmp_path, tiny
 
 
 def test_batch_layout_is_checked_per_process(tmp_path, tiny_flux_dir, monkeypatch):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     # B = 4: 2 trajectories a process, one micro-batch of 2, but 2 optimizer steps asked for
@@ -277,7 +277,7 @@ def test_batch_layout_is_checked_per_process(tmp_path, tiny_flux_dir, monkeypatc
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("digits*.yaml")) + [REPO / "configs/tiny_jpeg.yaml"])
 def test_shipped_cpu_configs_split_over_two_processes(path):
     from flowgrpo.config import load_config
-    from flowgrpo.train import check_batch
+    from flowgrpo.preflight import check_batch
 
     check_batch(load_config(path), 2)  # the README's `torchrun --nproc_per_node 2` command
 
@@ -295,7 +295,7 @@ def test_the_script_reports_a_config_error_in_one_line_before_loading(tmp_path):
 
 @pytest.mark.slow
 def test_resume_keeps_history_and_records_changed_settings(tmp_path, tiny_flux_dir, caplog):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     full = tmp_path / "run"
     first = _cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, train={"num_epochs": 3})
@@ -319,7 +319,7 @@ def test_resume_keeps_history_and_records_changed_settings(tmp_path, tiny_flux_d
 
 @pytest.mark.slow
 def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flux_dir, caplog):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     run(_cfg(tmp_path, tiny_flux_dir))
     out = tmp_path / "run"
@@ -334,7 +334,7 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
 
 @pytest.mark.slow
 def test_overwrite_removes_the_old_runs_checkpoints(tmp_path, tiny_flux_dir):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     run(_cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 4}, logging={"save_every": 1}))
     ckpts = tmp_path / "run" / "checkpoints"
@@ -347,7 +347,7 @@ def test_overwrite_removes_the_old_runs_checkpoints(tmp_path, tiny_flux_dir):
 @pytest.mark.slow
 def test_a_checkpoint_of_another_shape_names_the_parameter_and_both_shapes(tmp_path, tiny_flux_dir):
     from flowgrpo.checkpoint import CheckpointError
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     run(_cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 1}))
     other = _cfg(tmp_path, tiny_flux_dir, "rank2", model={"lora_rank": 2},
@@ -359,7 +359,7 @@ def test_a_checkpoint_of_another_shape_names_the_parameter_and_both_shapes(tmp_p
 
 @pytest.mark.slow
 def test_sample_run_rebuilds_the_model_as_training_did(tmp_path, tiny_flux_dir):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     run(_cfg(tmp_path, tiny_flux_dir, model={"scheduler_shift": 3.0}, train={"num_epochs": 1}))
     out = tmp_path / "sampled"

@@ -39,7 +39,7 @@ def _strip(records):
 
 @pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, tiny_flux_dir):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     run(_cfg(tmp_path, tiny_flux_dir, "full"))
     full = _strip(read_metrics(tmp_path / "full" / "metrics.jsonl"))

@@ -39,7 +39,7 @@ def _config(tmp_path, tiny_flux_dir, name: str, chunker: dict | None = None, **a
 
 
 def _run_on_fake_accelerator(monkeypatch, config) -> FakeAccelerator:
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
     from flowgrpo.trainer import Trainer
 
     modes = []

@@ -1,7 +1,8 @@
-"""The digits task: data transforms, the reward (``digit_correctness``), the judge, diversity, pretraining.
+"""The digits task: data transforms, the two classifiers, the judge, diversity, pretraining (the rewards built on
+them are specified in rewards/tests/test_digits_reward.py).
 
-Expected values come from outside the code under test: scikit-learn's own ``predict_proba``/``predict`` for the
-classifiers (our reward recomputes the softmax in torch), ``torch.nn.functional.interpolate`` for the upscaling,
+Expected values come from outside the code under test: scikit-learn's own ``predict``/``score`` for the
+classifiers, ``torch.nn.functional.interpolate`` for the upscaling,
 ``scipy.spatial.distance.pdist`` and hand-built 8×8 grids with known distances for the diversity, and folders
 loaded back through ``FluxPipeline.from_pretrained`` for pretraining. The full pretraining never runs here: the
 pretraining tests take one or two optimizer steps.
@@ -16,12 +17,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from flowgrpo_rewards.digits import DigitCorrectness, DigitCorrectnessStrict
 
 from flowgrpo.models import digits
 from flowgrpo.models import digits_eval as de
-from flowgrpo.rewards.conformance import RewardConformance
-from flowgrpo.rewards.registry import load_reward
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +28,6 @@ def test_digits():
     x, y = digits.load_digit_split("test")
     idx = np.concatenate([np.flatnonzero(y == d)[:3] for d in range(10)])
     return x[idx], y[idx], digits.digits_to_images(x[idx])
-
-
-def meta(labels) -> list[dict]:
-    return [{"digit": int(v)} for v in labels]
 
 
 # --------------------------------------------------------------------------------------------- prompts, data
@@ -120,86 +114,6 @@ def test_judge_correctness_is_the_svm_prediction_against_the_label(test_digits):
         de.judge_correctness(images[:1], [10])
     with pytest.raises(ValueError, match="2 images but 1 labels"):
         de.judge_correctness(images[:2], [1])
-
-
-# ------------------------------------------------------------------------------------------------------ reward
-@pytest.fixture(scope="module")
-def reward():
-    r = DigitCorrectness()
-    r.setup(torch.device("cpu"))
-    return r
-
-
-def test_reward_is_the_logistic_regression_probability_of_the_metadata_digit(reward, test_digits):
-    grids, labels, images = test_digits
-    proba = de.reward_classifier().predict_proba(grids.reshape(30, -1) / 16)  # sklearn's own softmax
-    prompts = ["a handwritten digit zero"] * 30  # the prompt text is not read
-    scores = reward(images, prompts, meta(labels))
-    assert scores.dtype == torch.float32 and scores.shape == (30,) and scores.device.type == "cpu"
-    np.testing.assert_allclose(scores.numpy(), proba[np.arange(30), labels], atol=1e-5)
-    strict = DigitCorrectnessStrict()(images, prompts, meta(labels))
-    np.testing.assert_array_equal(strict.numpy(), (proba.argmax(1) == labels).astype(np.float32))
-    np.testing.assert_array_equal(DigitCorrectness(strict=True)(images, prompts, meta(labels)).numpy(),
-                                  strict.numpy())
-
-
-def test_reward_reads_the_label_from_metadata_not_the_batch_position(reward, test_digits):
-    _, labels, images = test_digits
-    prompts = [digits.digit_prompt(int(d)) for d in labels]
-    base = reward(images, prompts, meta(labels))
-    perm = torch.randperm(30, generator=torch.Generator().manual_seed(0))
-    together = reward(images[perm], [prompts[i] for i in perm], meta(labels[perm.numpy()]))
-    torch.testing.assert_close(together, base[perm], atol=1e-6, rtol=0)
-    # images permuted but metadata left in place: each image is scored against the digit now beside it
-    apart = reward(images[perm], prompts, meta(labels))
-    probs = de.digit_probabilities(images[perm])
-    torch.testing.assert_close(apart, probs[torch.arange(30), torch.from_numpy(labels)], atol=1e-6, rtol=0)
-    assert (apart - together).abs().max() > 0.5
-
-
-def test_reward_probabilities_sum_to_one_over_the_ten_labels(reward, test_digits):
-    _, _, images = test_digits
-    for i in (0, 13, 29):
-        one = images[i : i + 1].expand(10, -1, -1, -1)
-        total = reward(one, [""] * 10, meta(range(10))).sum()
-        assert total.item() == pytest.approx(1.0, abs=1e-5)
-        assert DigitCorrectnessStrict()(one, [""] * 10, meta(range(10))).sum().item() == 1.0
-
-
-@pytest.mark.parametrize(
-    ("metadata", "match"),
-    [
-        ([{}], r"needs metadata\['digit'\] \(an integer digit 0–9\).*sample 0 has \[\]"),
-        ([{"digit": 3}, {"label": 3}], r"sample 1 has \['label'\]"),
-        ([{"digit": 10}], r"metadata\['digit'\] of sample 0 must be an integer 0–9, got 10"),
-        ([{"digit": -1}], "got -1"),
-        ([{"digit": "7"}], "got '7'"),
-        ([{"digit": 7.0}], "got 7.0"),
-        ([{"digit": True}], "got True"),
-        ([{"digit": None}], "got None"),
-    ],
-)
-def test_bad_metadata_is_a_clear_error(reward, metadata, match):
-    images = torch.ones(len(metadata), 3, 32, 32)
-    with pytest.raises(ValueError, match=match):
-        reward(images, [""] * len(metadata), metadata)
-
-
-def test_reward_loads_through_the_entry_points():
-    plain, origin = load_reward("digit_correctness")
-    assert type(plain) is DigitCorrectness and not plain.strict and origin.distribution == "flowgrpo-rewards"
-    strict, _ = load_reward("digit_correctness_strict")
-    assert isinstance(strict, DigitCorrectnessStrict) and strict.strict and strict.name == "digit_correctness_strict"
-    assert load_reward("digit_correctness", strict=True)[0].strict
-    with pytest.raises(ValueError, match="strict must be true or false"):
-        DigitCorrectness(strict="yes")
-
-
-class TestDigitCorrectnessConformance(RewardConformance):
-    reward_factory = DigitCorrectness
-    metadata_factory = staticmethod(lambda n: [{"digit": i % 10} for i in range(n)])
-    required_metadata_fields = ("digit",)
-    image_size = (32, 32)
 
 
 # --------------------------------------------------------------------------------------------------- diversity

@@ -26,7 +26,7 @@ MIN_RATIO = 0.6
 
 @pytest.mark.slow
 def test_short_grpo_run_raises_judge_correctness(tmp_path):
-    from flowgrpo.train import DEFAULT_CONFIG, run
+    from flowgrpo.runner import DEFAULT_CONFIG, run
 
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     cfg = build_config(data, [

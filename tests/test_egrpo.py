@@ -327,7 +327,7 @@ def test_configs_give_the_released_branch_steps():
 # ------------------------------------------------------------------ end to end on the tiny FLUX
 @pytest.mark.slow
 def test_training_run_tiny_flux(tiny_flux_dir, tmp_path):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     # tiny grid for 4 steps: σ = 1, .826, .613, .345, 0; entropies (flow_sde, a 0.7) 1.062, 1.068, then 0.633
     # for one step from .613 and 1.047 for two: τ = 1 gives [(0, 1), (1, 1), (2, 2)], one merged jump

@@ -17,7 +17,7 @@ from flowgrpo.metrics import read_metrics
 
 
 def _run(tmp_path, tiny_flux_dir, name, **over):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red cube\na blue ball\n")

@@ -41,7 +41,7 @@ def test_its_settings_are_validated_by_the_run_config():
 
 
 def test_an_outside_chunker_trains_one_epoch(tiny_flux_dir, tmp_path):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     cfg = build_config({
         "output_dir": str(tmp_path / "run"),

@@ -47,7 +47,7 @@ def test_kontext_config_trains_an_epoch_and_shows_sources(tmp_path_factory, tmp_
 
     from flowgrpo.config import build_config
     from flowgrpo.rewards.conformance import default_images
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     folder = tiny_folder(CASES["kontext"], tmp_path_factory)
     (tmp_path / "src").mkdir()

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -37,53 +36,6 @@ def test_epoch_line_shows_progress_eta_reward_and_later_updates():
 
 
 # ------------------------------------------------------------------ per-digit figures
-def _real_grids(per_digit: int):
-    from flowgrpo.models.digits import load_digit_split
-
-    x, y = load_digit_split("all")
-    idx = np.concatenate([np.flatnonzero(y == d)[:per_digit] for d in range(10)])
-    return torch.from_numpy(x[idx]).double(), y[idx]
-
-
-def test_digit_judge_batch_metrics_per_digit_and_min_ratio():
-    from flowgrpo_rewards.digits_judge import DigitJudge
-
-    from flowgrpo.models.digits import digits_to_images, images_to_digits
-    from flowgrpo.models.digits_eval import judge_predict
-
-    grids, labels = _real_grids(4)
-    grids[labels == 3] = grids[labels == 3][0]  # digit 3 collapsed to one prototype: diversity 0
-    images = digits_to_images(grids)
-    back = images_to_digits(images).double()  # the grids the measure sees (exact up to rounding)
-    meta = [{"digit": int(d)} for d in labels]
-    out = DigitJudge().batch_metrics(images, [""] * len(labels), meta)
-
-    x, y = _real_all()
-    predicted = judge_predict(images).numpy()
-    expected_div = {}
-    for d in range(10):
-        g = back[torch.from_numpy(labels == d)]
-        pairs = [float(torch.linalg.vector_norm(a - b)) for a, b in itertools.permutations(g, 2)]
-        expected_div[d] = sum(pairs) / len(pairs)
-        real = x[y == d].reshape(-1, 64)
-        real_pairs = np.linalg.norm(real[:, None] - real[None], axis=-1)
-        n = len(real)
-        assert out[f"digit_{d}/diversity_real"] == pytest.approx(real_pairs.sum() / (n * (n - 1)), rel=1e-9)
-        assert out[f"digit_{d}/diversity"] == pytest.approx(expected_div[d], abs=1e-4)
-        assert out[f"digit_{d}/correctness"] == pytest.approx(float((predicted[labels == d] == d).mean()))
-    assert out["digit_3/diversity"] == pytest.approx(0.0, abs=1e-4)
-    assert out["diversity_min_ratio"] == pytest.approx(0.0, abs=1e-5)
-    assert out["diversity"] == pytest.approx(np.mean(list(expected_div.values())), abs=1e-4)
-    assert out["correctness"] == pytest.approx(float((predicted == labels).mean()))
-
-
-def _real_all():
-    from flowgrpo.models.digits import load_digit_split
-
-    x, y = load_digit_split("all")
-    return x.astype(np.float64), y
-
-
 def test_min_diversity_ratio_is_the_worst_digit_against_its_own_real_diversity():
     from flowgrpo.models.digits_eval import min_diversity_ratio
 
@@ -107,7 +59,7 @@ SUMMARY = {
 
 
 def test_report_says_where_what_per_digit_and_how_long():
-    from flowgrpo.train import format_report
+    from flowgrpo.runner import format_report
 
     text = format_report(SUMMARY)
     assert "runs/x/transformer/README.md" in text
@@ -259,18 +211,18 @@ def test_shipped_launch_defaults_silence_accelerates_warning():
 
 
 def test_quiet_libraries_hides_http_request_lines_unless_debugging():
-    from flowgrpo.train import _quiet_libraries
+    from flowgrpo.runner import quiet_libraries
 
     root = logging.getLogger()
     old = root.level
     try:
         root.setLevel(logging.INFO)
         logging.getLogger("httpx").setLevel(logging.NOTSET)
-        _quiet_libraries()
+        quiet_libraries()
         assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
         logging.getLogger("httpx").setLevel(logging.NOTSET)
         root.setLevel(logging.DEBUG)
-        _quiet_libraries()
+        quiet_libraries()
         assert logging.getLogger("httpx").isEnabledFor(logging.DEBUG)
     finally:
         root.setLevel(old)
@@ -290,7 +242,8 @@ def test_run_without_eval_prompts_reports_card_and_auto_resume(tmp_path, tiny_fl
     import json
 
     from flowgrpo.config import build_config
-    from flowgrpo.train import format_report, resolve_auto_resume, run
+    from flowgrpo.preflight import resolve_auto_resume
+    from flowgrpo.runner import format_report, run
 
     out = tmp_path / "run"
     data = {

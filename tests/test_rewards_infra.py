@@ -1,7 +1,8 @@
-"""Reward plugin infrastructure: the entry-point registry, NaN composition, background scoring, the remote reward.
+"""Reward infrastructure: weighted composition with NaN (flowgrpo.rewards.compose), background scoring, the remote
+reward and its server. Reward discovery (entry points, ``module:attr``, load errors) is specified in
+test_registry.py.
 
-Registry tests install throw-away plugin distributions (a ``*.dist-info`` folder with ``entry_points.txt`` and
-a module beside it) on ``sys.path``, so the real ``importlib.metadata`` discovery runs. Remote tests start real
+Remote tests start real
 servers on 127.0.0.1 at a free port: ``flowgrpo-reward-server``'s app on a thread, the command itself in a
 subprocess, and a scripted stdlib HTTP server for replies our server never sends (malformed, 503). Expected
 scores come from the in-process reward (the PNG wire format is lossless on the 8-bit grid the JPEG reward
@@ -19,12 +20,8 @@ import re
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
-import uuid
-from importlib.metadata import entry_points, version
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -34,14 +31,9 @@ from flowgrpo_rewards.jpeg import JpegCompressibility, jpeg_size_kb
 
 from flowgrpo.rewards.background import AsyncRewardScorer, RewardError
 from flowgrpo.rewards.base import BaseReward
-from flowgrpo.rewards.compose import ComposedReward
+from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rewards.conformance import RewardConformance
-from flowgrpo.rewards.registry import (
-    RewardLoadError,
-    load_reward,
-    registered_rewards,
-    resolve_reward_factory,
-)
+from flowgrpo.rewards.registry import load_reward
 from flowgrpo.rewards.remote import RemoteReward, RemoteRewardError, images_to_png_b64, png_b64_to_images
 from flowgrpo.rewards.server import ServerThread, create_app
 
@@ -126,157 +118,24 @@ def health_ok(url: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# registry
+# weighted composition (NaN: not applicable), and background scoring
 # ------------------------------------------------------------------------------------------------------------
 
 
-def install_fake_dist(root, dist: str, ver: str, eps: dict[str, str], modules: dict[str, str]) -> None:
-    """A minimal installed distribution under ``root``: METADATA, entry_points.txt, and top-level modules."""
-    info = root / f"{dist.replace('-', '_')}-{ver}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {ver}\n")
-    lines = "\n".join(f"{k} = {v}" for k, v in eps.items())
-    (info / "entry_points.txt").write_text(f"[flowgrpo.rewards]\n{lines}\n")
-    for mod, src in modules.items():
-        (root / f"{mod}.py").write_text(textwrap.dedent(src))
-
-
-GOOD_PLUGIN = """
-    import torch
-    from flowgrpo.rewards.base import BaseReward
-
-    class Mean(BaseReward):
-        name = "mean"
-
-        def __init__(self, scale=1.0):
-            self.scale = scale
-
-        def score(self, images, prompts, metadata):
-            return self.scale * images.mean(dim=(1, 2, 3))
-
-    def factory(scale=1.0):
-        return Mean(scale)
-
-    class Holder:
-        make = staticmethod(factory)
-
-    class NoSetup:
-        def __init__(self):
-            pass
-"""
-
-
-@pytest.fixture
-def plugins(tmp_path, monkeypatch):
-    """Two fake distributions: one with a working and a broken plugin, one that reuses a name of the first."""
-    tag = uuid.uuid4().hex[:8]
-    good, broken, other = f"good_{tag}", f"broken_{tag}", f"other_{tag}"
-    install_fake_dist(
-        tmp_path / "a", "fake-plugins-a", "1.2.3",
-        {f"mean_{tag}": f"{good}:Mean", f"broken_{tag}": f"{broken}:Reward", f"dup_{tag}": f"{good}:factory"},
-        {good: GOOD_PLUGIN, broken: "raise ImportError('needs the missing package frobnicate')\n"},
-    )
-    install_fake_dist(
-        tmp_path / "b", "fake-plugins-b", "0.9", {f"dup_{tag}": f"{other}:Other"},
-        {other: "raise RuntimeError('must not be imported')\n"},
-    )
-    monkeypatch.syspath_prepend(str(tmp_path / "a"))
-    monkeypatch.syspath_prepend(str(tmp_path / "b"))
-    return SimpleNamespace(tag=tag, good=good, broken=broken, other=other)
-
-
-def test_entry_point_plugin_loads_lazily_with_provenance(plugins):
-    t = plugins.tag
-    reward, origin = load_reward(f"mean_{t}", scale=2.0)
-    images = torch.rand(3, 3, 8, 8)
-    torch.testing.assert_close(reward(images, ["a"] * 3, [{}] * 3), 2.0 * images.mean(dim=(1, 2, 3)))
-    assert (origin.name, origin.target) == (f"mean_{t}", f"{plugins.good}:Mean")
-    assert (origin.distribution, origin.version) == ("fake-plugins-a", "1.2.3")
-    # the broken plugin and the other distribution's module were never imported
-    assert plugins.broken not in sys.modules and plugins.other not in sys.modules
-
-
-def test_a_plugin_that_fails_to_import_breaks_only_runs_that_name_it(plugins):
-    from flowgrpo.train import build_rewards
-
-    t = plugins.tag
-    composed, origins = build_rewards([SimpleNamespace(name=f"mean_{t}", weight=1.0, kwargs={})])
-    assert list(composed.rewards) == [f"mean_{t}"] and origins[0].distribution == "fake-plugins-a"
-    with pytest.raises(RewardLoadError, match=rf"broken_{t}.*fake-plugins-a 1\.2\.3.*frobnicate"):
-        load_reward(f"broken_{t}")
-
-
-def test_module_attr_names(plugins):
-    reward, origin = load_reward(f"{plugins.good}:Holder.make", scale=3.0)
-    images = torch.rand(2, 3, 4, 4)
-    torch.testing.assert_close(reward(images, ["a", "b"], [{}, {}]), 3.0 * images.mean(dim=(1, 2, 3)))
-    assert origin.target == f"{plugins.good}:Holder.make"
-    # an installed package's module:attr records its distribution and version
-    _, origin = load_reward("flowgrpo_rewards.jpeg:JpegCompressibility")
-    assert (origin.distribution, origin.version) == ("flowgrpo-rewards", version("flowgrpo-rewards"))
-    with pytest.raises(RewardLoadError, match="Nope"):
-        load_reward(f"{plugins.good}:Nope")
-    with pytest.raises(RewardLoadError, match="frobnicate"):
-        load_reward(f"{plugins.broken}:Reward")
-    with pytest.raises(RewardLoadError, match="both parts"):
-        load_reward(":Mean")
-
-
-def test_unknown_name_lists_registered_names_and_closest_match(plugins):
-    with pytest.raises(RewardLoadError) as info:
-        load_reward("jpeg_compresibility")
-    msg = str(info.value)
-    assert "did you mean 'jpeg_compressibility'" in msg
-    for name in ("jpeg_compressibility", "jpeg_incompressibility", "remote", f"mean_{plugins.tag}"):
-        assert repr(name) in msg
-    assert "module:attr" in msg
-
-
-def test_duplicate_name_is_an_error_naming_both_packages(plugins):
-    t = plugins.tag
-    with pytest.raises(RewardLoadError) as info:
-        resolve_reward_factory(f"dup_{t}")
-    msg = str(info.value)
-    assert "fake-plugins-a 1.2.3" in msg and "fake-plugins-b 0.9" in msg and "registered twice" in msg
-    with pytest.raises(RewardLoadError, match="registered twice"):
-        registered_rewards()
-    # names nobody else registers still load while the clash exists
-    load_reward(f"mean_{t}")
-    assert plugins.other not in sys.modules
-
-
-def test_bad_kwargs_and_non_rewards_are_load_errors(plugins):
-    with pytest.raises(RewardLoadError, match="rejected its kwargs"):
-        load_reward(f"mean_{plugins.tag}", colour="red")
-    with pytest.raises(RewardLoadError, match="without setup"):
-        load_reward(f"{plugins.good}:NoSetup")
-
-
-def test_the_readme_example_plugin_declares_and_loads_its_reward(monkeypatch):
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    root = Path(__file__).resolve().parents[1] / "examples" / "reward_plugin"
-    eps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]["flowgrpo.rewards"]
-    assert eps == {"colorfulness": "flowgrpo_colorfulness.reward:Colorfulness"}
-    monkeypatch.syspath_prepend(str(root))  # as if installed: the same target through module:attr
-    reward, _ = load_reward(eps["colorfulness"], scale=2.0)
-    reward.setup("cpu")
-    red = torch.zeros(1, 3, 4, 4)
-    red[:, 0] = 1.0  # solid red: 0.3 * sqrt(255² + 127.5²) (Hasler & Süsstrunk M^(3)), halved by scale 2
-    assert math.isclose(reward(red, ["r"], [{}]).item(), 0.3 * math.hypot(255, 127.5) / 2, rel_tol=1e-6)
-
-
-def test_core_registers_the_remote_reward_and_the_server_command():
-    assert registered_rewards()["remote"].value == "flowgrpo.rewards.remote:RemoteReward"
-    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
-    assert scripts.get("flowgrpo-reward-server") == "flowgrpo.rewards.server:main"
-
-
-# ------------------------------------------------------------------------------------------------------------
-# composition with NaN, and background scoring
-# ------------------------------------------------------------------------------------------------------------
-
-
-def test_composed_reward_with_a_nan_component_is_the_weighted_sum_of_present_components():
+def test_nan_components_are_left_out_of_the_weighted_sum():
+    nan = float("nan")
+    a = torch.tensor([1.0, nan, 3.0, nan, -2.0])
+    b = torch.tensor([2.0, 4.0, nan, nan, 0.5])
+    out = compose_rewards({"a": a, "b": b}, {"a": 1.0, "b": 3.0})
+    # sample 0: 1·1 + 3·2 = 7; 1: only b → 3·4 = 12; 2: only a → 1·3 = 3; 3: none → NaN;
+    # 4: 1·(−2) + 3·0.5 = −0.5
+    assert out.total[:3].tolist() == [7.0, 12.0, 3.0]
+    assert math.isnan(out.total[3])
+    assert out.total[4].item() == pytest.approx(-0.5)
+    assert out.total.dtype == torch.float32
+    torch.testing.assert_close(out.components["a"], a, equal_nan=True)
+    assert out.weights == {"a": 1.0, "b": 3.0}
+    # the same through ComposedReward with a plugin and a reward that is NaN ("not applicable") for cat prompts
     images = images_8bit(4)
     prompts = ["a cat", "a dog", "a cat on a mat", "a tree"]
     composed = ComposedReward({"jpeg": JpegCompressibility(), "cat_na": CatNotApplicable()},
@@ -291,6 +150,94 @@ def test_composed_reward_with_a_nan_component_is_the_weighted_sum_of_present_com
     alone = ComposedReward({"cat_na": CatNotApplicable()}, {"cat_na": 1.0})(images, prompts, [{}] * 4)
     assert torch.isnan(alone.total).tolist() == [True, False, True, False]
     assert alone.total[1].item() == 0.5
+    out = ComposedReward({"ok": _Const([1.0, float("nan")])}, {"ok": 1.0})(torch.zeros(2, 3, 4, 4), ["a", "b"],
+                                                                         [{}, {}])
+    assert out.total[0] == 1.0 and torch.isnan(out.total[1])
+
+
+@pytest.mark.parametrize("weights, expected", [
+    # a penalty: the weighted mean's denominator 1 − 1 = 0 made every total NaN
+    ({"quality": 1.0, "penalty": -1.0}, [0.5 - 0.25, 0.75 - 1.0]),
+    # 0.5·q − 1.0·p: the weighted mean divided by −0.5 and flipped the sign of every total
+    ({"quality": 0.5, "penalty": -1.0}, [0.25 - 0.25, 0.375 - 1.0]),
+])
+def test_negative_weights_are_penalties_not_nan_or_sign_flips(weights, expected):
+    q = torch.tensor([0.5, 0.75])
+    p = torch.tensor([0.25, 1.0])
+    out = compose_rewards({"quality": q, "penalty": p}, weights)
+    assert out.total.tolist() == pytest.approx(expected)
+
+
+def test_one_reward_composes_to_its_weighted_score():
+    r = torch.tensor([0.25, -1.5, 7.0])
+    assert torch.equal(compose_rewards({"r": r}, {"r": 1.0}).total, r)
+    assert compose_rewards({"r": r}, {"r": 2.5}).total.tolist() == [0.625, -3.75, 17.5]
+
+
+def test_composition_rejects_mismatched_names_and_shapes():
+    with pytest.raises(ValueError, match="differ"):
+        compose_rewards({"a": torch.zeros(2)}, {"b": 1.0})
+    with pytest.raises(ValueError, match="shapes"):
+        compose_rewards({"a": torch.zeros(2), "b": torch.zeros(3)}, {"a": 1.0, "b": 1.0})
+    with pytest.raises(ValueError, match="shapes"):
+        compose_rewards({"a": torch.zeros(2, 2)}, {"a": 1.0})
+
+
+class _Const:
+    name = "const"
+
+    def __init__(self, values):
+        self.values = values
+
+    def setup(self, device):
+        pass
+
+    def __call__(self, images, prompts, metadata):
+        return torch.tensor(self.values)
+
+
+class _List(_Const):
+    def __call__(self, images, prompts, metadata):
+        return list(self.values)
+
+
+def test_composed_reward_scores_each_and_checks_shapes():
+    composed = ComposedReward({"x": _Const([1.0, 2.0]), "y": _Const([3.0, float("nan")])}, {"x": 1.0, "y": 1.0})
+    out = composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+    assert out.total.tolist() == [4.0, 2.0]  # 1 + 3, and 2 + (y not applicable)
+    bad = ComposedReward({"x": _Const([1.0, 2.0, 3.0])}, {"x": 1.0})
+    from flowgrpo.rewards.compose import RewardError
+
+    with pytest.raises(RewardError, match="'x' returned shape"):
+        bad.score_components(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+
+
+def test_an_infinite_reward_is_an_error_naming_the_reward():
+    from flowgrpo.rewards.compose import RewardError
+
+    composed = ComposedReward({"bad": _Const([1.0, float("inf")])}, {"bad": 1.0})
+    with pytest.raises(RewardError, match=r"reward 'bad' returned an infinite score for sample\(s\) \[1\]"):
+        composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+
+
+def test_none_is_not_applicable():
+    composed = ComposedReward({"x": _Const([0.5, 1.0]), "maybe": _List([None, 2.0])}, {"x": 1.0, "maybe": 2.0})
+    out = composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+    assert torch.isnan(out.components["maybe"][0]) and out.total.tolist() == [0.5, 5.0]
+
+
+def test_composed_reward_shows_the_training_prompts_to_the_rewards_that_ask():
+    """The optional ``check_training_prompts`` hook (flowgrpo.rewards.base) reaches every component that has it."""
+    seen = []
+
+    class Asks(_Const):
+        def check_training_prompts(self, prompts):
+            seen.append((self.values, prompts))
+
+    prompts = SimpleNamespace(prompts=["a"], metadata=[{}], source="p.txt")
+    ComposedReward({"x": _Const([1.0]), "y": Asks([2.0]), "z": Asks([3.0])}, {"x": 1.0, "y": 1.0, "z": 1.0}) \
+        .check_training_prompts(prompts)
+    assert seen == [([2.0], prompts), ([3.0], prompts)]
 
 
 def test_background_scorer_overlaps_preserves_order_and_matches_in_process():

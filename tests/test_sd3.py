@@ -211,7 +211,7 @@ def test_sd35_config_matches_flow_grpo_and_targets_exist(adapter):
 
 
 def _train(folder: Path, tmp_path: Path, *overrides: str) -> tuple[list[dict], Path]:
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     prompt_file = tmp_path / "prompts.txt"
     prompt_file.write_text("\n".join(PROMPTS) + "\n")

@@ -45,7 +45,7 @@ def toy_loss():
 
 @pytest.mark.slow
 def test_an_outside_policy_loss_trains_one_epoch(tmp_path, tiny_flux_dir, toy_loss):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     cfg = _config(tmp_path, tiny_flux_dir, policy_loss="toy_reinforce")
     run(cfg)
@@ -63,7 +63,7 @@ def test_unknown_policy_loss_fails_in_the_schema(tmp_path, tiny_flux_dir):
 
 
 def test_grpo_guard_rejects_non_gaussian_log_probs(tmp_path, tiny_flux_dir):
-    from flowgrpo.train import check_strategies
+    from flowgrpo.preflight import check_strategies
 
     cfg = _config(tmp_path, tiny_flux_dir, policy_loss="grpo_guard")
     cfg.sampling.logprob_reduction = "sum"
@@ -74,7 +74,7 @@ def test_grpo_guard_rejects_non_gaussian_log_probs(tmp_path, tiny_flux_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dual_clip", "sapo", "grpo_guard"])
 def test_each_registered_loss_trains_one_epoch(tmp_path, tiny_flux_dir, name):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     run(_config(tmp_path, tiny_flux_dir, policy_loss=name))
     rec = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
@@ -85,7 +85,7 @@ def test_each_registered_loss_trains_one_epoch(tmp_path, tiny_flux_dir, name):
 
 @pytest.mark.slow
 def test_gfpo_draws_more_and_trains_only_the_kept(tmp_path, tiny_flux_dir):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     cfg = _config(tmp_path, tiny_flux_dir, group_size=4, group_filter={"name": "gfpo", "keep": 2},
                   rewards=[{"name": "jpeg_incompressibility"}])
@@ -101,7 +101,7 @@ def test_gfpo_draws_more_and_trains_only_the_kept(tmp_path, tiny_flux_dir):
 
 @pytest.mark.slow
 def test_a_group_wise_reward_trains_with_gdpo(tmp_path, tiny_flux_dir):
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     rewards = [{"name": "flowgrpo_rewards.group:GroupRank", "kwargs": {"base": "jpeg_incompressibility"}},
                {"name": "jpeg_incompressibility", "weight": 0.5}]

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_two_epoch_run_writes_tracker_events_pictures_and_reproducible_eval(tmp_path, tiny_flux_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     prompts = tmp_path / "train.txt"
     prompts.write_text("a red cube\na blue ball\n")

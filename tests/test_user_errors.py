@@ -28,7 +28,7 @@ def test_an_override_that_is_not_yaml_names_itself_and_suggests_quoting():
     (["chunker.name=entropy_merge", "chunker.entropy_threshold=0.9", "sampling.sde_kind=cps"], "cannot use"),
 ])
 def test_strategy_errors_come_before_any_model_loads(overrides, needle):
-    from flowgrpo.train import check_strategies
+    from flowgrpo.preflight import check_strategies
 
     with pytest.raises((KeyError, ValueError), match=needle):
         check_strategies(build_config({"sampling": {"num_steps": 8}}, overrides))

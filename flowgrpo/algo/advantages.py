@@ -134,6 +134,23 @@ def _gdpo(rewards: Rewards, group_ids: torch.Tensor, valid: torch.Tensor, estima
     return torch.where(flat | ~valid, torch.zeros_like(adv), adv), flat
 
 
+def _combine(rewards: Rewards, group_ids: torch.Tensor, valid: torch.Tensor, multi_reward: str, estimator: str,
+             global_std: bool, ddof: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages (B,) float64 before clipping, zero-spread mask (B,) bool) for the ``multi_reward`` mode of
+    :func:`compute_advantages`. Raises ``ValueError`` for an unknown mode."""
+    if multi_reward == "sum_then_normalize":
+        total = rewards.total.double()
+        zero_spread = _flat_groups(total, group_ids)  # includes a group with no valid reward at all
+        return _normalize(total, group_ids, estimator, global_std, ddof, eps), zero_spread
+    if multi_reward == "gdpo":
+        return _gdpo(rewards, group_ids, valid, estimator, global_std, ddof, eps)
+    if multi_reward == "normalize_then_sum":
+        adv, zero_spread = _per_component(rewards, group_ids, estimator, global_std, ddof, eps)
+        return torch.where(zero_spread | ~valid, torch.zeros_like(adv), adv), zero_spread
+    raise ValueError(f"multi_reward must be 'sum_then_normalize', 'gdpo' or 'normalize_then_sum', got "
+                     f"{multi_reward!r}")
+
+
 def compute_advantages(
     rewards: Rewards,
     group_ids: torch.Tensor,
@@ -172,17 +189,7 @@ def compute_advantages(
     total = rewards.total.double()
     inv, n = _group_index(group_ids)
     valid = ~torch.isnan(total)
-    zero_spread = _flat_groups(total, group_ids)  # includes a group with no valid reward at all
-    if multi_reward == "sum_then_normalize":
-        adv = _normalize(total, group_ids, estimator, global_std, std_ddof, std_eps)
-    elif multi_reward == "gdpo":
-        adv, zero_spread = _gdpo(rewards, group_ids, valid, estimator, global_std, std_ddof, std_eps)
-    elif multi_reward == "normalize_then_sum":
-        adv, zero_spread = _per_component(rewards, group_ids, estimator, global_std, std_ddof, std_eps)
-        adv = torch.where(zero_spread | ~valid, torch.zeros_like(adv), adv)
-    else:
-        raise ValueError(f"multi_reward must be 'sum_then_normalize', 'gdpo' or 'normalize_then_sum', got "
-                         f"{multi_reward!r}")
+    adv, zero_spread = _combine(rewards, group_ids, valid, multi_reward, estimator, global_std, std_ddof, std_eps)
     adv = adv.clamp(-clip, clip).float()
     train_mask = valid.clone()
     if drop_zero_spread:

@@ -7,6 +7,7 @@ Adapters are registered by the pipeline class named in the folder's ``model_inde
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -58,60 +59,30 @@ def _flux(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_un
     return FluxAdapter(pipe, height=height or size, width=width or size, max_sequence_length=msl)
 
 
-@ADAPTERS.register("StableDiffusion3Pipeline")
-def _sd3(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
-    from flowgrpo.models.sd3 import load_sd3_adapter
+def _lazy_adapter(target: str, *args, takes_cfg_detach: bool = False):
+    """An adapter loader ``(path, *, dtype, height, width, max_sequence_length, cfg_detach_uncond)`` calling the
+    family's ``module:function`` (imported on first use) with ``args`` after the path; ``cfg_detach_uncond`` is
+    passed on only to families with true classifier-free guidance (``takes_cfg_detach``)."""
+    module, name = target.split(":")
 
-    return load_sd3_adapter(path, dtype=dtype, height=height, width=width,
-                            max_sequence_length=max_sequence_length, cfg_detach_uncond=cfg_detach_uncond)
+    def load(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
+        extra = {"cfg_detach_uncond": cfg_detach_uncond} if takes_cfg_detach else {}
+        return getattr(importlib.import_module(module), name)(
+            path, *args, dtype=dtype, height=height, width=width, max_sequence_length=max_sequence_length, **extra)
 
-
-@ADAPTERS.register("QwenImagePipeline")
-def _qwenimage(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
-    from flowgrpo.models.qwenimage import load_qwenimage_adapter
-
-    return load_qwenimage_adapter(path, dtype=dtype, height=height, width=width,
-                                  max_sequence_length=max_sequence_length)
+    return load
 
 
-@ADAPTERS.register("ZImagePipeline")
-def _zimage(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
-    from flowgrpo.models.zimage import load_zimage_adapter
-
-    return load_zimage_adapter(path, dtype=dtype, height=height, width=width,
-                               max_sequence_length=max_sequence_length)
-
-
-@ADAPTERS.register("Flux2KleinPipeline")
-def _flux2_klein(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
-    from flowgrpo.models.flux2 import load_flux2_adapter
-
-    return load_flux2_adapter(path, "Flux2KleinPipeline", dtype=dtype, height=height, width=width,
-                              max_sequence_length=max_sequence_length)
-
-
-@ADAPTERS.register("Flux2Pipeline")
-def _flux2(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
-    from flowgrpo.models.flux2 import load_flux2_adapter
-
-    return load_flux2_adapter(path, "Flux2Pipeline", dtype=dtype, height=height, width=width,
-                              max_sequence_length=max_sequence_length)
-
-
-@ADAPTERS.register("FluxKontextPipeline")
-def _kontext(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
-    from flowgrpo.models.kontext import load_kontext_adapter
-
-    return load_kontext_adapter(path, dtype=dtype, height=height, width=width,
-                                max_sequence_length=max_sequence_length)
-
-
-@ADAPTERS.register("QwenImageEditPlusPipeline")
-def _qwenimage_edit_plus(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
-    from flowgrpo.models.qwenimage_edit import load_qwenimage_edit_plus_adapter
-
-    return load_qwenimage_edit_plus_adapter(path, dtype=dtype, height=height, width=width,
-                                            max_sequence_length=max_sequence_length)
+for _cls, _target, _args, _detach in (
+    ("StableDiffusion3Pipeline", "flowgrpo.models.sd3:load_sd3_adapter", (), True),
+    ("QwenImagePipeline", "flowgrpo.models.qwenimage:load_qwenimage_adapter", (), False),
+    ("ZImagePipeline", "flowgrpo.models.zimage:load_zimage_adapter", (), False),
+    ("Flux2KleinPipeline", "flowgrpo.models.flux2:load_flux2_adapter", ("Flux2KleinPipeline",), False),
+    ("Flux2Pipeline", "flowgrpo.models.flux2:load_flux2_adapter", ("Flux2Pipeline",), False),
+    ("FluxKontextPipeline", "flowgrpo.models.kontext:load_kontext_adapter", (), False),
+    ("QwenImageEditPlusPipeline", "flowgrpo.models.qwenimage_edit:load_qwenimage_edit_plus_adapter", (), False),
+):
+    ADAPTERS.register(_cls)(_lazy_adapter(_target, *_args, takes_cfg_detach=_detach))
 
 
 def ensure_tiny_model() -> Path:

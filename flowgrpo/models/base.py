@@ -40,7 +40,15 @@ class ModelAdapter(Protocol):
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
                  guidance_scale: float) -> torch.Tensor:
-        """(B, …) float32 velocity v = ε − x₀ at (latents, σ); σ is (B,) float in (0, 1]."""
+        """(B, …) float32 velocity v = ε − x₀ at (latents, σ).
+
+        Args:
+            latents: (B, …) in the transformer's layout, any float dtype.
+            sigma: (B,) or scalar σ in (0, 1].
+            embeds: B rows of :meth:`encode_prompts` output.
+        Raises:
+            ValueError: embeds whose batch size differs from the latents' (:meth:`AdapterBase.batch_sigma`).
+        """
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) float32 images in [0, 1] from clean latents (σ = 0)."""
@@ -62,6 +70,12 @@ def lora_disabled(module: torch.nn.Module) -> Iterator[None]:
         module.enable_adapters()
 
 
+def check_num_steps(num_steps: int) -> None:
+    """The σ grid's input check: ``ValueError`` unless ``num_steps`` >= 1."""
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+
+
 class AdapterBase:
     """What every adapter shares: the pipeline, its transformer, the reference policy, and the module that runs
     the forward pass.
@@ -72,8 +86,11 @@ class AdapterBase:
     (``accelerator.prepare``), so that gradients are synchronised across processes.
     """
 
-    def __init__(self, pipe) -> None:
+    def __init__(self, pipe, *, height: int | None = None, width: int | None = None,
+                 max_sequence_length: int | None = None) -> None:
         self.pipe = pipe
+        self.height, self.width = height, width  # image size in pixels
+        self.max_sequence_length = max_sequence_length  # text tokens per prompt
         self.transformer = pipe.transformer
         self.forward_module: torch.nn.Module = pipe.transformer
         self.frozen_reference: torch.nn.Module | None = None
@@ -87,6 +104,38 @@ class AdapterBase:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.transformer.parameters()).dtype
+
+    @staticmethod
+    def check_image_size(what: str, height: int, width: int, step: int) -> None:
+        """The size check: ``ValueError`` naming ``what`` (e.g. "FLUX image size") unless ``height`` and ``width``
+        are positive multiples of ``step`` pixels (the VAE's scale factor times the transformer's patch)."""
+        if height <= 0 or width <= 0 or height % step or width % step:
+            raise ValueError(f"{what} must be a positive multiple of {step}, got {height}x{width}")
+
+    @staticmethod
+    def check_sequence_length(family: str, max_sequence_length: int, limit: int) -> None:
+        """The text-length check: ``ValueError`` unless ``max_sequence_length`` is in [1, ``limit``]."""
+        if not 1 <= max_sequence_length <= limit:
+            raise ValueError(f"{family} max_sequence_length must be in [1, {limit}], got {max_sequence_length}")
+
+    @staticmethod
+    def prompt_list(prompts) -> list[str]:
+        """``prompts`` as a list; ``ValueError`` when it is empty (the check every ``encode_prompts`` shares)."""
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("encode_prompts needs at least one prompt")
+        return prompts
+
+    check_num_steps = staticmethod(check_num_steps)
+
+    @staticmethod
+    def batch_sigma(latents: torch.Tensor, sigma, embeds) -> torch.Tensor:
+        """σ as (B,) float32 on the latents' device, B = ``latents.shape[0]``; the input check every ``velocity``
+        shares. Raises ``ValueError`` when ``embeds`` holds other than B rows."""
+        b = latents.shape[0]
+        if len(embeds) != b:
+            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
+        return torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
 
     def attention(self) -> contextlib.AbstractContextManager:
         """The SDPA kernels of ``attention_backend`` (see :mod:`flowgrpo.models.attention`): every transformer
@@ -165,8 +214,7 @@ def scheduler_sigmas(scheduler, num_steps: int, *, mu: float | None = None,
 
     import numpy as np
 
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    check_num_steps(num_steps)
     scheduler = copy.deepcopy(scheduler)
     kwargs = {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps) if grid is None else grid}
     if scheduler.config.get("use_dynamic_shifting", False):

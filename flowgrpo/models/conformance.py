@@ -18,7 +18,7 @@ never against a snapshot of the adapter's own output:
   the rollout's log-probs bit for bit (importance ratio exactly 1);
 * **LoRA**: a LoRA saved by :func:`flowgrpo.models.lora.save_lora` and loaded by the pipeline's own
   ``load_lora_weights`` gives the same images as the adapter, to 1e-5, and the LoRA matters;
-* **training**: one epoch through the real trainer (``flowgrpo.train.run``) with the ``per_step`` and ``chunk``
+* **training**: one epoch through the real trainer (``flowgrpo.runner.run``) with the ``per_step`` and ``chunk``
   strategies, with a log-prob mismatch of exactly 0.0 at the first update.
 
 Needs pytest (``pip install "flowgrpo[test]"``).
@@ -261,7 +261,7 @@ class AdapterConformance:
     @pytest.mark.parametrize("strategy", ["per_step", "chunk"])
     def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
         from flowgrpo.config import build_config
-        from flowgrpo.train import run
+        from flowgrpo.runner import run
 
         c = self.case
         prompt_file = tmp_path / "prompts.jsonl"

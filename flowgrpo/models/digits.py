@@ -398,6 +398,23 @@ def _prompt_embeddings(pipe) -> dict[str, torch.Tensor]:
     }
 
 
+def _pretrain_vae(vae, images: torch.Tensor, steps: int, batch_size: int, seed: int,
+                  progress: bool) -> tuple[torch.Tensor, float, float, float]:
+    """Step 3 of :func:`pretrain`: train the VAE (generator seeded ``seed·1000 + 11``), freeze it, and set its
+    ``shift_factor`` / ``scaling_factor`` to the mean and 1/std of the training images' latents.
+    Returns (latents (N, 4, 8, 8), shift, scale, final VAE loss)."""
+    t0 = time.perf_counter()
+    vae_loss = _train_vae(vae, images, steps, batch_size, torch.Generator().manual_seed(seed * 1000 + 11), progress)
+    vae.requires_grad_(False)
+    lat = _encode_latents(vae, images)  # (N, 4, 8, 8)
+    shift, std = float(lat.mean()), float(lat.std())
+    scale = 1.0 / std if std > 0 else 1.0
+    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    logger.info("VAE: %d steps, final loss %.4f, %.1f s; latent mean %.4f std %.4f", steps, vae_loss,
+                time.perf_counter() - t0, shift, std)
+    return lat, shift, scale, vae_loss
+
+
 def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_STEPS,
              steps: int = TRANSFORMER_STEPS, batch_size: int = BATCH_SIZE, vae_batch_size: int = VAE_BATCH_SIZE,
              progress: bool = True) -> Path:
@@ -428,17 +445,7 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
     embeds = _prompt_embeddings(pipe)
 
     # 3. the VAE, then latent statistics → scaling/shift factors
-    t0 = time.perf_counter()
-    vae_loss = _train_vae(vae, images, vae_steps, vae_batch_size,
-                          torch.Generator().manual_seed(seed * 1000 + 11), progress)
-    vae.requires_grad_(False)
-    lat = _encode_latents(vae, images)  # (N, 4, 8, 8)
-    shift, std = float(lat.mean()), float(lat.std())
-    scale = 1.0 / std if std > 0 else 1.0
-    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
-    t_vae = time.perf_counter() - t0
-    logger.info("VAE: %d steps, final loss %.4f, %.1f s; latent mean %.4f std %.4f", vae_steps, vae_loss, t_vae,
-                shift, std)
+    lat, shift, scale, vae_loss = _pretrain_vae(vae, images, vae_steps, vae_batch_size, seed, progress)
 
     # 4. the transformer by rectified flow on packed, normalised latents
     t0 = time.perf_counter()

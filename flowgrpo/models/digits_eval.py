@@ -21,22 +21,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from flowgrpo.models.digits import (
-    IMAGE_SIZE,
-    MAX_SEQUENCE_LENGTH,
     check_digit,
-    digit_prompt,
     images_to_digits,
-    is_complete,
     load_digit_split,
-    read_model_info,
 )
 
 logger = logging.getLogger(__name__)
@@ -183,83 +175,3 @@ def min_diversity_ratio(per_digit: dict[int, float], real: dict[int, float]) -> 
     if missing:
         raise ValueError(f"min_diversity_ratio: no real diversity for digits {missing}")
     return min(v / real[d] for d, v in per_digit.items())
-
-
-@dataclass(frozen=True)
-class DigitsEval:
-    """Evaluation of a digits pipeline on ``per_digit`` ODE samples of each digit's canonical prompt.
-
-    ``judge_correctness``: fraction the judge reads as the prompted digit (the headline figure);
-    ``reward_correctness``: the same by the reward classifier (argmax); ``reward_mean``: mean reward probability
-    of the prompted digit; ``per_digit_judge``: (10,) judge correctness per digit; ``diversity`` and
-    ``real_diversity``: intra-digit diversity of the samples and of the real digits (0–16 units);
-    ``per_digit_diversity``: (10,) D_d of each digit; ``min_diversity_ratio``: min over digits of D_d divided by
-    the same digit's real D_d (:func:`min_diversity_ratio`).
-    ``images`` (10·per_digit, 3, 32, 32) float32 in [0, 1], ``labels`` (10·per_digit,) int64.
-    """
-
-    judge_correctness: float
-    reward_correctness: float
-    reward_mean: float
-    per_digit_judge: tuple[float, ...]
-    diversity: float
-    real_diversity: float
-    per_digit_diversity: tuple[float, ...]
-    min_diversity_ratio: float
-    images: torch.Tensor
-    labels: torch.Tensor
-
-
-@torch.no_grad()
-def sample_digits(pipe, per_digit: int = 20, num_steps: int = 8, seed: int = 0,
-                  batch_size: int = 200) -> tuple[torch.Tensor, torch.Tensor]:
-    """ODE samples of each digit's canonical prompt through ``FluxPipeline.__call__``.
-
-    Returns ``(images (10·per_digit, 3, 32, 32) float32 in [0, 1], labels (10·per_digit,) int64)``, digit-major.
-    Sample i draws its initial noise from its own generator seeded ``seed·1_000_003 + i``, so a sample does not
-    depend on ``batch_size``.
-    """
-    labels = torch.arange(10).repeat_interleave(per_digit)
-    prompts = [digit_prompt(int(d)) for d in labels]
-    gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(len(prompts))]
-    out = []
-    for s in range(0, len(prompts), batch_size):
-        res = pipe(
-            prompt=prompts[s : s + batch_size], height=IMAGE_SIZE, width=IMAGE_SIZE, num_inference_steps=num_steps,
-            max_sequence_length=MAX_SEQUENCE_LENGTH, generator=gens[s : s + batch_size], output_type="pt",
-        )
-        out.append(res.images.float().cpu())
-    return torch.cat(out), labels
-
-
-def evaluate_pipeline(pipe_or_folder, per_digit: int = 20, num_steps: int = 8, seed: int = 0) -> DigitsEval:
-    """Sample ``per_digit`` images of each digit (:func:`sample_digits`) and measure them (:class:`DigitsEval`).
-
-    ``pipe_or_folder``: a loaded ``FluxPipeline`` or a digits pipeline folder (loaded on the CPU).
-    """
-    pipe = pipe_or_folder
-    if isinstance(pipe_or_folder, (str, os.PathLike)):
-        from diffusers import FluxPipeline
-
-        folder = Path(pipe_or_folder)
-        if not is_complete(folder):
-            read_model_info(folder)  # raises FileNotFoundError with the reason
-        pipe = FluxPipeline.from_pretrained(folder)
-        pipe.set_progress_bar_config(disable=True)
-    images, labels = sample_digits(pipe, per_digit=per_digit, num_steps=num_steps, seed=seed)
-    ok = judge_correctness(images, labels)
-    per_digit = per_digit_diversity(images, labels)
-    probs = digit_probabilities(images)
-    rows = torch.arange(len(labels))
-    return DigitsEval(
-        judge_correctness=float(ok.float().mean()),
-        reward_correctness=float((probs.argmax(1) == labels).float().mean()),
-        reward_mean=float(probs[rows, labels].mean()),
-        per_digit_judge=tuple(float(ok[labels == d].float().mean()) for d in range(10)),
-        diversity=intra_digit_diversity(images, labels),
-        real_diversity=real_diversity(),
-        per_digit_diversity=tuple(per_digit.get(d, float("nan")) for d in range(10)),
-        min_diversity_ratio=min_diversity_ratio(per_digit, real_diversity_per_digit()),
-        images=images,
-        labels=labels,
-    )

@@ -31,11 +31,8 @@ class FluxAdapter(AdapterBase):
 
     def __init__(self, pipe: FluxPipeline, *, height: int, width: int, max_sequence_length: int = 512) -> None:
         step = pipe.vae_scale_factor * 2
-        if height % step or width % step or height <= 0 or width <= 0:
-            raise ValueError(f"FLUX image size must be a positive multiple of {step}, got {height}x{width}")
-        super().__init__(pipe)
-        self.height, self.width = height, width
-        self.max_sequence_length = max_sequence_length
+        self.check_image_size("FLUX image size", height, width, step)
+        super().__init__(pipe, height=height, width=width, max_sequence_length=max_sequence_length)
         self.latent_h = 2 * (height // step)
         self.latent_w = 2 * (width // step)
         self.num_channels = pipe.transformer.config.in_channels // 4
@@ -98,8 +95,7 @@ class FluxAdapter(AdapterBase):
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """(T+1,) float32 σ grid exactly as ``FluxPipeline.__call__`` builds it (resolution shift, terminal 0)."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.check_num_steps(num_steps)
         scheduler = copy.deepcopy(self.pipe.scheduler)
         cfg = scheduler.config
         seq_len = (self.latent_h // 2) * (self.latent_w // 2)

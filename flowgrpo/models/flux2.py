@@ -46,15 +46,11 @@ class Flux2Adapter(AdapterBase):
 
     def __init__(self, pipe, *, height: int, width: int, max_sequence_length: int = 512) -> None:
         step = pipe.vae_scale_factor * 2
-        if height <= 0 or width <= 0 or height % step or width % step:
-            raise ValueError(f"FLUX.2 size must be a positive multiple of {step}, got {height}x{width}")
-        if not 1 <= max_sequence_length <= 512:
-            raise ValueError(f"FLUX.2 max_sequence_length must be in [1, 512], got {max_sequence_length}")
+        self.check_image_size("FLUX.2 size", height, width, step)
+        self.check_sequence_length("FLUX.2", max_sequence_length, 512)
         if pipe.scheduler.config.get("use_flow_sigmas", False):
             raise ValueError("a FLUX.2 scheduler with use_flow_sigmas=True is not supported")
-        super().__init__(pipe)
-        self.height, self.width = height, width
-        self.max_sequence_length = max_sequence_length
+        super().__init__(pipe, height=height, width=width, max_sequence_length=max_sequence_length)
         self.latent_h = 2 * (height // step)
         self.latent_w = 2 * (width // step)
         self.num_channels = pipe.transformer.config.in_channels  # 4·C: patchified
@@ -77,9 +73,7 @@ class Flux2Adapter(AdapterBase):
         Raises:
             ValueError: an empty prompt list.
         """
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("encode_prompts needs at least one prompt")
+        prompts = self.prompt_list(prompts)
         pos, text_ids = self._encode(prompts)
         shared = {"text_ids": text_ids[:1]}
         if self.true_cfg:
@@ -111,9 +105,7 @@ class Flux2Adapter(AdapterBase):
             ValueError: embeds whose batch size differs from the latents'.
         """
         b = latents.shape[0]
-        if len(embeds) != b:
-            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
+        sigma = self.batch_sigma(latents, sigma, embeds)
         t = sigma * 1000 / 1000  # the pipelines' timestep / 1000 with timestep = σ·1000
         guidance = None
         if self.guidance_embeds:
@@ -155,8 +147,7 @@ class Flux2Adapter(AdapterBase):
         Raises:
             ValueError: ``num_steps`` < 1.
         """
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.check_num_steps(num_steps)
         mu = compute_empirical_mu((self.latent_h // 2) * (self.latent_w // 2), num_steps)
         return scheduler_sigmas(self.pipe.scheduler, num_steps, mu=mu)
 
@@ -230,13 +221,11 @@ def build_tiny_flux2_klein(out_dir: str | os.PathLike, *, words: Iterable[str] =
     from diffusers import Flux2KleinPipeline
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from flowgrpo.models.qwenimage import build_qwen_tokenizer
-    from flowgrpo.models.zimage import CHAT_TEMPLATE
+    from flowgrpo.models.zimage import build_tiny_qwen3_tokenizer
 
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny FLUX.2 sample_size must be a positive multiple of 16, got {sample_size}")
-    tok = build_qwen_tokenizer([f"user\n{' '.join(words)}\nassistant\n<think>\n\n</think>\n\n"])
-    tok.chat_template = CHAT_TEMPLATE
+    tok = build_tiny_qwen3_tokenizer(words)
     torch.manual_seed(seed)
     encoder = Qwen3ForCausalLM(Qwen3Config(hidden_size=16, intermediate_size=32, num_hidden_layers=27,
                                            num_attention_heads=2, num_key_value_heads=2, head_dim=8,

@@ -79,10 +79,8 @@ class KontextAdapter(FluxAdapter):
             ValueError: embeds whose batch size differs from the latents'.
         """
         b, n = latents.shape[0], latents.shape[1]
-        if len(embeds) != b:
-            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
+        sigma = self.batch_sigma(latents, sigma, embeds)
         dtype = self.dtype
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
         guidance = None
         if self.guidance_embeds:
             guidance = torch.full((b,), float(guidance_scale), device=latents.device, dtype=torch.float32)

@@ -52,13 +52,9 @@ class QwenImageAdapter(AdapterBase):
     def __init__(self, pipe: QwenImagePipeline, *, height: int, width: int, max_sequence_length: int = 512,
                  negative_prompt: str = " ") -> None:
         step = pipe.vae_scale_factor * 2
-        if height <= 0 or width <= 0 or height % step or width % step:
-            raise ValueError(f"Qwen-Image size must be a positive multiple of {step}, got {height}x{width}")
-        if not 1 <= max_sequence_length <= 1024:
-            raise ValueError(f"Qwen-Image max_sequence_length must be in [1, 1024], got {max_sequence_length}")
-        super().__init__(pipe)
-        self.height, self.width = height, width
-        self.max_sequence_length = max_sequence_length
+        self.check_image_size("Qwen-Image size", height, width, step)
+        self.check_sequence_length("Qwen-Image", max_sequence_length, 1024)
+        super().__init__(pipe, height=height, width=width, max_sequence_length=max_sequence_length)
         self.negative_prompt = negative_prompt
         self.latent_h = 2 * (height // step)
         self.latent_w = 2 * (width // step)
@@ -84,9 +80,7 @@ class QwenImageAdapter(AdapterBase):
         Raises:
             ValueError: an empty prompt list.
         """
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("encode_prompts needs at least one prompt")
+        prompts = self.prompt_list(prompts)
         pos, mask = self._encode(prompts)
         neg, neg_mask = self._encode([self.negative_prompt])
         return PromptEmbeds({"prompt_embeds": pos, "prompt_mask": mask},
@@ -110,18 +104,10 @@ class QwenImageAdapter(AdapterBase):
                  guidance_scale: float) -> torch.Tensor:
         """(B, N, 4·C) float32 velocity at (latents, σ): for s > 1 the renormalised true-CFG combination of a
         conditional and a negative-prompt forward (module docstring), else the conditional prediction alone.
-
-        Args:
-            latents: (B, N, 4·C) packed latents, any float dtype.
-            sigma: (B,) or scalar σ in (0, 1].
-            embeds: B rows of :meth:`encode_prompts` output.
-        Raises:
-            ValueError: embeds whose batch size differs from the latents'.
+        ``latents`` (B, N, 4·C) packed; arguments and errors as :meth:`~flowgrpo.models.base.ModelAdapter.velocity`.
         """
         b = latents.shape[0]
-        if len(embeds) != b:
-            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
+        sigma = self.batch_sigma(latents, sigma, embeds)
         t = sigma * 1000 / 1000  # the pipeline's timestep / 1000 with timestep = σ·1000 (bitwise the same)
         v_c = self._forward(latents, t, embeds["prompt_embeds"], embeds["prompt_mask"], embeds)
         if guidance_scale <= 1:
@@ -253,6 +239,26 @@ def build_qwenimage_vae(seed: int = 0, z_dim: int = 4):
     )
 
 
+def build_tiny_qwen_transformer(seed: int, transformer_kwargs: dict | None = None):
+    """The tiny Qwen-Image transformer (2 layers, 2 heads of 16; random weights drawn after
+    ``torch.manual_seed(seed + 1)``; ``transformer_kwargs`` override its constructor arguments) and the Qwen-Image
+    scheduler (exponential dynamic shift, terminal 0.02), shared by the Qwen-Image and Qwen-Image-Edit builders.
+    Returns (transformer, scheduler)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    torch.manual_seed(seed + 1)
+    transformer = QwenImageTransformer2DModel(**{
+        "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
+        "num_attention_heads": 2, "joint_attention_dim": 16, "guidance_embeds": False, "axes_dims_rope": (8, 4, 4),
+        **(transformer_kwargs or {}),
+    })
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return transformer, scheduler
+
+
 def build_tiny_qwenimage(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sample_size: int = 32,
                          seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
     """Build a random tiny Qwen-Image pipeline and ``save_pretrained`` it into ``out_dir``; return the folder.
@@ -269,23 +275,12 @@ def build_tiny_qwenimage(out_dir: str | os.PathLike, *, words: Iterable[str] = (
     Raises:
         ValueError: ``sample_size`` not a positive multiple of 16.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny Qwen-Image sample_size must be a positive multiple of 16, got {sample_size}")
     tok = build_qwen_tokenizer([_QWEN_TEMPLATE.format(" ".join(words)), " "])
     encoder = build_qwen25vl_encoder(tok, hidden=16, seed=seed)
     vae = build_qwenimage_vae(seed)
-    torch.manual_seed(seed + 1)
-    transformer = QwenImageTransformer2DModel(**{
-        "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
-        "num_attention_heads": 2, "joint_attention_dim": 16, "guidance_embeds": False, "axes_dims_rope": (8, 4, 4),
-        **(transformer_kwargs or {}),
-    })
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
-    )
+    transformer, scheduler = build_tiny_qwen_transformer(seed, transformer_kwargs)
     pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tok,
                              transformer=transformer)
     out = Path(out_dir)

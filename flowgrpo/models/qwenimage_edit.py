@@ -146,27 +146,22 @@ def build_tiny_qwenimage_edit_plus(out_dir: str | os.PathLike, *, words: Iterabl
     Raises:
         ValueError: ``sample_size`` not a positive multiple of 16.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
-    from flowgrpo.models.qwenimage import build_qwen25vl_encoder, build_qwen_tokenizer, build_qwenimage_vae
+    from flowgrpo.models.qwenimage import (
+        build_qwen25vl_encoder,
+        build_qwen_tokenizer,
+        build_qwenimage_vae,
+        build_tiny_qwen_transformer,
+    )
 
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny Qwen-Image-Edit sample_size must be a positive multiple of 16, got {sample_size}")
     tok = build_qwen_tokenizer([_EDIT_TEMPLATE.format("Picture 1: " + " ".join(words)), " "])
     processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112),
                                  tokenizer=tok, video_processor=Qwen2VLVideoProcessor())
-    torch.manual_seed(seed + 1)
-    transformer = QwenImageTransformer2DModel(**{
-        "patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
-        "num_attention_heads": 2, "joint_attention_dim": 16, "guidance_embeds": False, "axes_dims_rope": (8, 4, 4),
-        **(transformer_kwargs or {}),
-    })
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
-    )
+    transformer, scheduler = build_tiny_qwen_transformer(seed, transformer_kwargs)
     pipe = QwenImageEditPlusPipeline(scheduler=scheduler, vae=build_qwenimage_vae(seed),
                                      text_encoder=build_qwen25vl_encoder(tok, hidden=16, seed=seed), tokenizer=tok,
                                      processor=processor, transformer=transformer)

@@ -59,13 +59,9 @@ class SD3Adapter(AdapterBase):
     def __init__(self, pipe: StableDiffusion3Pipeline, *, height: int, width: int,
                  max_sequence_length: int = 256, cfg_detach_uncond: bool = False) -> None:
         step = pipe.vae_scale_factor * pipe.patch_size
-        if height <= 0 or width <= 0 or height % step or width % step:
-            raise ValueError(f"SD3 image size must be a positive multiple of {step}, got {height}x{width}")
-        if not 1 <= max_sequence_length <= 512:
-            raise ValueError(f"SD3 max_sequence_length must be in [1, 512], got {max_sequence_length}")
-        super().__init__(pipe)
-        self.height, self.width = height, width
-        self.max_sequence_length = max_sequence_length
+        self.check_image_size("SD3 image size", height, width, step)
+        self.check_sequence_length("SD3", max_sequence_length, 512)
+        super().__init__(pipe, height=height, width=width, max_sequence_length=max_sequence_length)
         self.cfg_detach_uncond = bool(cfg_detach_uncond)
         self.latent_h = height // pipe.vae_scale_factor
         self.latent_w = width // pipe.vae_scale_factor
@@ -86,9 +82,7 @@ class SD3Adapter(AdapterBase):
         Raises:
             ValueError: an empty prompt list.
         """
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("encode_prompts needs at least one prompt")
+        prompts = self.prompt_list(prompts)
         # prompts longer than an encoder's limit are truncated: warned once per encoder, counted
         self.truncation("CLIP", self.pipe.tokenizer, prompts, self.pipe.tokenizer_max_length)
         if self.pipe.tokenizer_3 is not None:
@@ -137,9 +131,7 @@ class SD3Adapter(AdapterBase):
             ValueError: embeds whose batch size differs from the latents'.
         """
         b = latents.shape[0]
-        if len(embeds) != b:
-            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
+        sigma = self.batch_sigma(latents, sigma, embeds)
         t = sigma * self.num_train_timesteps  # (B,) float32, bitwise the pipeline's scheduler.timesteps
         cond = (embeds["prompt_embeds"], embeds["pooled_prompt_embeds"])
         if guidance_scale <= 1:
@@ -191,8 +183,7 @@ class SD3Adapter(AdapterBase):
         Raises:
             ValueError: ``num_steps`` < 1.
         """
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.check_num_steps(num_steps)
         scheduler = copy.deepcopy(self.pipe.scheduler)
         cfg = scheduler.config
         if cfg.get("use_dynamic_shifting", False):
@@ -259,10 +250,10 @@ def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable
     Raises:
         ValueError: ``sample_size`` not a positive multiple of 16.
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import T5Config, T5EncoderModel
 
-    from flowgrpo.models.tiny import build_clip_tokenizer, build_t5_tokenizer
+    from flowgrpo.models.tiny import build_clip_tokenizer, build_t5_tokenizer, build_tiny_vae
 
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny SD3 sample_size must be a positive multiple of 16, got {sample_size}")
@@ -285,12 +276,7 @@ def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable
         "dual_attention_layers": (0,), "qk_norm": "rms_norm", **(transformer_kwargs or {}),
     })
     torch.manual_seed(seed + 4)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, sample_size=sample_size,
-        scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
-    )
+    vae = build_tiny_vae(sample_size, scaling_factor=1.5305, shift_factor=0.0609)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=clip_l, tokenizer=tok,

@@ -92,6 +92,20 @@ def build_text_encoders(words: Iterable[str] = (), t5_max_length: int = 32, seed
     return clip_tok, clip.eval(), t5_tok, t5.eval()
 
 
+def build_tiny_vae(sample_size: int, *, scaling_factor: float = 0.3611, shift_factor: float = 0.1159):
+    """The tiny 16-channel ``AutoencoderKL`` (4 blocks of width 8, downsampling 8×) of the tiny FLUX, SD3 and
+    Z-Image pipelines, with random weights from torch's global generator (seed it first); ``scaling_factor`` and
+    ``shift_factor`` default to FLUX.1's (SD3.5 uses 1.5305 and 0.0609)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, sample_size=sample_size,
+        scaling_factor=scaling_factor, shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
+    )
+
+
 def build_tiny_flux(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sample_size: int = 64,
                     seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
     """Build a random tiny FLUX pipeline and ``save_pretrained`` it into ``out_dir``; return the folder.
@@ -101,7 +115,7 @@ def build_tiny_flux(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sa
     constructor arguments (e.g. FLUX.1's ``num_layers=19, num_single_layers=38, attention_head_dim=128,
     num_attention_heads=24, axes_dims_rope=(16, 56, 56)`` for a real-size random transformer).
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     clip_tok, clip, t5_tok, t5 = build_text_encoders(words, seed=seed)
     torch.manual_seed(seed)
@@ -110,12 +124,7 @@ def build_tiny_flux(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sa
            "num_attention_heads": 2, "joint_attention_dim": TEXT_DIM, "pooled_projection_dim": TEXT_DIM,
            "guidance_embeds": True, "axes_dims_rope": (4, 6, 6), **(transformer_kwargs or {})},
     )
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, sample_size=sample_size,
-        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
-    )
+    vae = build_tiny_vae(sample_size)
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,

@@ -48,13 +48,10 @@ class ZImageAdapter(AdapterBase):
 
     def __init__(self, pipe: ZImagePipeline, *, height: int, width: int, max_sequence_length: int = 512) -> None:
         step = pipe.vae_scale_factor * 2
-        if height <= 0 or width <= 0 or height % step or width % step:
-            raise ValueError(f"Z-Image size must be a positive multiple of {step}, got {height}x{width}")
+        self.check_image_size("Z-Image size", height, width, step)
         if max_sequence_length < 1:
             raise ValueError(f"Z-Image max_sequence_length must be >= 1, got {max_sequence_length}")
-        super().__init__(pipe)
-        self.height, self.width = height, width
-        self.max_sequence_length = max_sequence_length
+        super().__init__(pipe, height=height, width=width, max_sequence_length=max_sequence_length)
         self.latent_h = 2 * (height // step)
         self.latent_w = 2 * (width // step)
         self.num_channels = pipe.transformer.in_channels
@@ -80,9 +77,7 @@ class ZImageAdapter(AdapterBase):
         Raises:
             ValueError: an empty prompt list.
         """
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("encode_prompts needs at least one prompt")
+        prompts = self.prompt_list(prompts)
         pos, lengths = self._encode(prompts)
         neg, neg_len = self._encode([""])
         return PromptEmbeds({"prompt_embeds": pos, "prompt_len": lengths},
@@ -103,19 +98,11 @@ class ZImageAdapter(AdapterBase):
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
                  guidance_scale: float) -> torch.Tensor:
         """(B, C, h, w) float32 velocity ``v = −out`` at (latents, σ), with Z-Image's CFG for s > 0 (module
-        docstring), computed in float32 per sample as the pipeline does.
-
-        Args:
-            latents: (B, C, h, w), any float dtype.
-            sigma: (B,) or scalar σ in (0, 1].
-            embeds: B rows of :meth:`encode_prompts` output.
-        Raises:
-            ValueError: embeds whose batch size differs from the latents'.
+        docstring), computed in float32 per sample as the pipeline does. ``latents`` (B, C, h, w); arguments and
+        errors as :meth:`~flowgrpo.models.base.ModelAdapter.velocity`.
         """
         b = latents.shape[0]
-        if len(embeds) != b:
-            raise ValueError(f"velocity got {b} latents but {len(embeds)} prompt embeddings")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(b)
+        sigma = self.batch_sigma(latents, sigma, embeds)
         t = (1000 - sigma * 1000) / 1000  # the pipeline's (1000 − timestep)/1000 with timestep = σ·1000
         caps = _unpad(embeds["prompt_embeds"], embeds["prompt_len"])
         x = latents.to(self.dtype)
@@ -146,8 +133,7 @@ class ZImageAdapter(AdapterBase):
         Raises:
             ValueError: ``num_steps`` < 1.
         """
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.check_num_steps(num_steps)
         cfg = self.pipe.scheduler.config
         mu = calculate_shift((self.latent_h // 2) * (self.latent_w // 2), cfg.get("base_image_seq_len", 256),
                              cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
@@ -179,6 +165,16 @@ CHAT_TEMPLATE = (
 )
 
 
+def build_tiny_qwen3_tokenizer(words: Iterable[str]):
+    """The toy Qwen3 tokenizer of the tiny Z-Image and FLUX.2 [klein] pipelines: trained on ``words`` in the chat
+    format, with Z-Image's chat template (:data:`CHAT_TEMPLATE`)."""
+    from flowgrpo.models.qwenimage import build_qwen_tokenizer
+
+    tok = build_qwen_tokenizer([f"user\n{' '.join(words)}\nassistant\n<think>\n\n</think>\n\n"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
 def build_tiny_zimage(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sample_size: int = 32,
                       seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
     """Build a random tiny Z-Image pipeline and ``save_pretrained`` it into ``out_dir``; return the folder.
@@ -192,16 +188,15 @@ def build_tiny_zimage(out_dir: str | os.PathLike, *, words: Iterable[str] = (), 
     Raises:
         ValueError: ``sample_size`` not a positive multiple of 16.
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    from flowgrpo.models.qwenimage import build_qwen_tokenizer
+    from flowgrpo.models.tiny import build_tiny_vae
 
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny Z-Image sample_size must be a positive multiple of 16, got {sample_size}")
     words = list(words)
-    tok = build_qwen_tokenizer([f"user\n{' '.join(words)}\nassistant\n<think>\n\n</think>\n\n"])
-    tok.chat_template = CHAT_TEMPLATE
+    tok = build_tiny_qwen3_tokenizer(words)
     torch.manual_seed(seed)
     encoder = Qwen3Model(Qwen3Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, num_key_value_heads=2, head_dim=8,
@@ -217,12 +212,7 @@ def build_tiny_zimage(out_dir: str | os.PathLike, *, words: Iterable[str] = (), 
         for pad in (transformer.x_pad_token, transformer.cap_pad_token):
             pad.copy_(torch.randn(pad.shape, generator=g))
     torch.manual_seed(seed + 3)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, sample_size=sample_size,
-        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
-    )
+    vae = build_tiny_vae(sample_size)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
     pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=encoder, tokenizer=tok, transformer=transformer)
     out = Path(out_dir)

@@ -14,6 +14,7 @@ Two uses:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 from collections.abc import Callable
@@ -73,110 +74,67 @@ def _words() -> list[str]:
     return " ".join(_PROMPTS).split()
 
 
-def _flux(out: Path, *, sample_size: int = 64, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
-    from flowgrpo.models.tiny import build_tiny_flux
+def _builder(target: str) -> Callable[..., Path]:
+    """``build(out_dir, *, sample_size, seed, transformer_kwargs) -> folder``: the family's tiny-pipeline builder
+    ``module:function`` (imported on first use, so listing the families loads none), with the conformance
+    prompts' words as the tokenizers' vocabulary and the builder's own default size."""
+    module, name = target.split(":")
 
-    return build_tiny_flux(out, words=_words(), sample_size=sample_size, seed=seed,
-                           transformer_kwargs=transformer_kwargs)
+    def build(out: Path, **kwargs) -> Path:
+        return getattr(importlib.import_module(module), name)(out, words=_words(), **kwargs)
 
-
-def _sd3(out: Path, *, sample_size: int = 64, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
-    from flowgrpo.models.sd3 import build_tiny_sd3
-
-    return build_tiny_sd3(out, seed, words=_words(), sample_size=sample_size, transformer_kwargs=transformer_kwargs)
-
-
-def _qwenimage(out: Path, *, sample_size: int = 32, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
-    from flowgrpo.models.qwenimage import build_tiny_qwenimage
-
-    return build_tiny_qwenimage(out, words=_words(), sample_size=sample_size, seed=seed,
-                                transformer_kwargs=transformer_kwargs)
-
-
-def _zimage(out: Path, *, sample_size: int = 32, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
-    from flowgrpo.models.zimage import build_tiny_zimage
-
-    return build_tiny_zimage(out, words=_words(), sample_size=sample_size, seed=seed,
-                             transformer_kwargs=transformer_kwargs)
-
-
-def _flux2_klein(out: Path, *, sample_size: int = 32, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
-    from flowgrpo.models.flux2 import build_tiny_flux2_klein
-
-    return build_tiny_flux2_klein(out, words=_words(), sample_size=sample_size, seed=seed,
-                                  transformer_kwargs=transformer_kwargs)
-
-
-def _flux2(out: Path, *, sample_size: int = 32, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
-    from flowgrpo.models.flux2 import build_tiny_flux2
-
-    return build_tiny_flux2(out, words=_words(), sample_size=sample_size, seed=seed,
-                            transformer_kwargs=transformer_kwargs)
-
-
-def _kontext(out: Path, *, sample_size: int = 64, seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
-    from flowgrpo.models.kontext import build_tiny_kontext
-
-    return build_tiny_kontext(out, words=_words(), sample_size=sample_size, seed=seed,
-                              transformer_kwargs=transformer_kwargs)
-
-
-def _qwenimage_edit_plus(out: Path, *, sample_size: int = 32, seed: int = 0,
-                         transformer_kwargs: dict | None = None) -> Path:
-    from flowgrpo.models.qwenimage_edit import build_tiny_qwenimage_edit_plus
-
-    return build_tiny_qwenimage_edit_plus(out, words=_words(), sample_size=sample_size, seed=seed,
-                                          transformer_kwargs=transformer_kwargs)
+    return build
 
 
 _EDIT_PLUS = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus"
 
 #: name → builder ``(out_dir, *, sample_size, seed, transformer_kwargs) -> folder``
-BUILDERS: dict[str, Callable[..., Path]] = {"flux": _flux, "sd3": _sd3, "qwenimage": _qwenimage, "zimage": _zimage,
-                                        "flux2_klein": _flux2_klein, "flux2": _flux2, "kontext": _kontext,
-                                        "qwenimage_edit_plus": _qwenimage_edit_plus}
+BUILDERS: dict[str, Callable[..., Path]] = {
+    "flux": _builder("flowgrpo.models.tiny:build_tiny_flux"),
+    "sd3": _builder("flowgrpo.models.sd3:build_tiny_sd3"),
+    "qwenimage": _builder("flowgrpo.models.qwenimage:build_tiny_qwenimage"),
+    "zimage": _builder("flowgrpo.models.zimage:build_tiny_zimage"),
+    "flux2_klein": _builder("flowgrpo.models.flux2:build_tiny_flux2_klein"),
+    "flux2": _builder("flowgrpo.models.flux2:build_tiny_flux2"),
+    "kontext": _builder("flowgrpo.models.kontext:build_tiny_kontext"),
+    "qwenimage_edit_plus": _builder("flowgrpo.models.qwenimage_edit:build_tiny_qwenimage_edit_plus"),
+}
 
-CASES: dict[str, ConformanceCase] = {
-    "flux": ConformanceCase(
-        name="flux", build=_flux, size=64, max_sequence_length=32, guidance_scale=3.5,
-        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 32},
-    ),
-    "sd3": ConformanceCase(
-        name="sd3", build=_sd3, size=64, max_sequence_length=12, guidance_scale=4.5,
-        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 12},
-    ),
-    "qwenimage": ConformanceCase(
-        name="qwenimage", build=_qwenimage, size=32, max_sequence_length=64, guidance_scale=4.0,
+def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: float) -> ConformanceCase:
+    """The case of a text-to-image family whose pipeline takes ``guidance_scale`` and ``max_sequence_length``."""
+    return ConformanceCase(
+        name=name, build=BUILDERS[name], size=size, max_sequence_length=max_sequence_length,
+        guidance_scale=guidance_scale,
+        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": max_sequence_length},
+    )
+
+
+CASES: dict[str, ConformanceCase] = {case.name: case for case in (
+    _text_case("flux", 64, 32, 3.5),
+    _text_case("sd3", 64, 12, 4.5),
+    ConformanceCase(
+        name="qwenimage", build=BUILDERS["qwenimage"], size=32, max_sequence_length=64, guidance_scale=4.0,
         call_kwargs=lambda s: {"true_cfg_scale": s, "negative_prompt": [" "] * 2, "max_sequence_length": 64},
     ),
-    "zimage": ConformanceCase(
-        name="zimage", build=_zimage, size=32, max_sequence_length=64, guidance_scale=4.0,
-        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 64},
-    ),
-    "flux2_klein": ConformanceCase(
-        name="flux2_klein", build=_flux2_klein, size=32, max_sequence_length=32, guidance_scale=4.0,
-        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 32},
-    ),
-    "flux2": ConformanceCase(
-        name="flux2", build=_flux2, size=32, max_sequence_length=64, guidance_scale=4.0,
-        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 64},
-    ),
-    "kontext": ConformanceCase(
-        name="kontext", build=_kontext, size=64, max_sequence_length=32, guidance_scale=2.5,
+    _text_case("zimage", 32, 64, 4.0),
+    _text_case("flux2_klein", 32, 32, 4.0),
+    _text_case("flux2", 32, 64, 4.0),
+    ConformanceCase(
+        name="kontext", build=BUILDERS["kontext"], size=64, max_sequence_length=32, guidance_scale=2.5,
         prompts=("make the cube red", "add two dogs"),
         call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 32, "max_area": 64 * 64},
         # one source per prompt at the output size, no snapping to Kontext's preferred resolutions
         condition=lambda images: {"image": [imgs[0] for imgs in images], "_auto_resize": False},
     ),
-    "qwenimage_edit_plus": ConformanceCase(
-        name="qwenimage_edit_plus", build=_qwenimage_edit_plus, size=32, max_sequence_length=64,
+    ConformanceCase(
+        name="qwenimage_edit_plus", build=BUILDERS["qwenimage_edit_plus"], size=32, max_sequence_length=64,
         guidance_scale=4.0, prompts=("make the cube red", "add two dogs"),
         call_kwargs=lambda s: {"true_cfg_scale": s, "negative_prompt": " "},
         condition=lambda images: {"image": images[0]}, pipeline_batch_size=1,
         # the pipeline's 384² (vision encoder) and 1024² (VAE) source areas, scaled to the tiny 32² model
         module_patches={f"{_EDIT_PLUS}:CONDITION_IMAGE_SIZE": 56 * 56, f"{_EDIT_PLUS}:VAE_IMAGE_SIZE": 32 * 32},
     ),
-}
+)}
 
 
 #: The released transformers' body sizes (blocks, heads, head width) per family, for ``transformer_kwargs``: a

@@ -19,6 +19,12 @@ images of one prompt (all ``prompts`` equal) and scores them relative to each ot
 scores depend on the other members of the group. The trainer scores group-wise rewards after the rollout, when
 every group is complete (:func:`score_groups`); evaluation images have no groups, so evaluation leaves them out.
 
+A reward may implement the optional hook ``check_training_prompts(prompts)``: the trainer calls it once at setup,
+before :meth:`Reward.setup`, with the :class:`~flowgrpo.data.prompts.PromptSet` the policy trains on (``prompts``,
+``metadata``, ``source``), whether the reward is listed under ``rewards`` or ``eval_rewards``. It may log a
+warning (a benchmark reward warns when training prompts overlap its evaluation set) or raise ``ValueError`` for
+prompts it cannot score; it returns nothing.
+
 Plugins are classes (or factories) registered in the ``flowgrpo.rewards`` entry-point group; they are constructed
 with the keyword arguments of the config's ``rewards[i].kwargs`` and must not load weights in ``__init__``:
 heavy state is loaded in :meth:`Reward.setup`, which the trainer calls once with the device to use.

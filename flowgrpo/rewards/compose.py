@@ -134,6 +134,15 @@ class ComposedReward:
         for r in self.rewards.values():
             r.setup(device)
 
+    def check_training_prompts(self, prompts) -> None:
+        """Show the training prompts to every component that implements the optional hook
+        ``check_training_prompts`` (see :mod:`flowgrpo.rewards.base`); the trainer calls this once, before
+        :meth:`setup`."""
+        for r in self.rewards.values():
+            hook = getattr(r, "check_training_prompts", None)
+            if hook is not None:
+                hook(prompts)
+
     @property
     def group_wise(self) -> list[str]:
         """Names of the components that score whole groups."""

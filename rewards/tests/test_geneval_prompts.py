@@ -130,3 +130,28 @@ def test_cli_writes_jsonl(tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [s["tag"] for s in lines] == ["colors"] * 3 + ["position"] * 3
     assert lines == generate_training_prompts(per_task=3, seed=1, tasks=["colors", "position"])
+
+
+@pytest.mark.parametrize("name", ["geneval", "geneval_strict"])
+def test_the_reward_warns_at_setup_when_training_prompts_overlap_the_evaluation_set(name, caplog):
+    """The trainer's ``check_training_prompts`` hook (flowgrpo.rewards.base): one warning naming the prompt file,
+    the count and the first overlapping prompt; silence for prompts disjoint from the evaluation set."""
+    import logging
+
+    from flowgrpo_rewards.geneval.reward import GenEvalReward, GenEvalStrictReward
+
+    from flowgrpo.data.prompts import PromptSet
+
+    reward = {"geneval": GenEvalReward, "geneval_strict": GenEvalStrictReward}[name]()  # no weights load
+    texts = ["a dog sitting on a sofa", "A photo of a sports ball and a bench.", "a photo of a bench"]
+    with caplog.at_level(logging.WARNING):
+        reward.check_training_prompts(PromptSet(texts, [{}] * 3, "mine.txt"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("2 training prompts of 'mine.txt' overlap GenEval's evaluation set (e.g. "
+                                  "'A photo of a sports ball and a bench.')")
+    caplog.clear()
+    specs = generate_training_prompts(per_task=2, seed=0)
+    with caplog.at_level(logging.WARNING):
+        reward.check_training_prompts(PromptSet([s["prompt"] for s in specs], [dict(s) for s in specs], "gen"))
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -28,6 +28,7 @@ from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import BaseReward
 from flowgrpo_rewards.geneval.colors import DEFAULT_CLIP_MODEL, DEFAULT_CLIP_PRETRAINED, ClipColorClassifier
 from flowgrpo_rewards.geneval.detector import DEFAULT_DETECTOR, DEFAULT_SCALE, Mask2FormerDetector
+from flowgrpo_rewards.geneval.prompts import check_overlap
 from flowgrpo_rewards.geneval.rules import (
     Detection,
     RuleConfig,
@@ -145,6 +146,16 @@ class GenEvalReward(BaseReward):
     def setup(self, device: torch.device) -> None:
         super().setup(device)
         self.scorer.setup(self.device)
+
+    def check_training_prompts(self, prompts) -> None:
+        """The trainer's setup hook (:mod:`flowgrpo.rewards.base`): warn when training prompts overlap GenEval's
+        evaluation prompts (:func:`~flowgrpo_rewards.geneval.prompts.check_overlap`), since training on them
+        inflates the GenEval score. ``prompts``: a :class:`~flowgrpo.data.prompts.PromptSet`."""
+        records = [{"prompt": p, **m} for p, m in zip(prompts.prompts, prompts.metadata, strict=True)]
+        overlap = check_overlap(records)
+        if overlap:
+            logger.warning("%d training prompts of %r overlap GenEval's evaluation set (e.g. %r): scores on GenEval "
+                           "will be inflated", len(overlap), prompts.source, overlap[0])
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """(B,) float32: strict verdicts as 1.0/0.0, or partial credit in [0, 1]."""
