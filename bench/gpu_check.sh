@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check at real size: one script, no network, about 8 minutes on one H200 (see bench/gpu_check.py).
-#   bash bench/gpu_check.sh [--wheels DIR] [--out DIR] [--model flux] [--parts a b c d e f g] [--dry-run]
+#   bash bench/gpu_check.sh [--wheels DIR] [--out DIR] [--model NAME] [--parts a b c d e f g] [--dry-run]
+#   NAME: flux (default), sd3, qwenimage, qwenimage_edit_plus, zimage, flux2_klein, flux2, kontext
 # --wheels DIR: wheels carried to a bare GPU machine (diffusers, pydantic and its deps, open-clip-torch, ftfy,
 #   wcwidth, and this project's two wheels from `pip wheel --no-deps . ./rewards`), installed offline into
 #   OUT/site (pip --no-index --no-deps --target) and put first on PYTHONPATH, so their entry points are found too.
