@@ -589,6 +589,12 @@ def _cli(c: Check, name: str, launcher: list[str]) -> dict:
                  f"sampling.guidance_scale={c.case.guidance_scale}"]
         if c.args.model == "flux":  # flux_chunk.yaml's chunks, shrunk to the toy run's trainable transitions
             over.append("chunker.chunk_sizes=[1,1]")
+    if "--config_file" in launcher:  # FSDP: wrap this family's blocks (the config file names FLUX's and SD3's)
+        import diffusers
+
+        cls = json.loads((folder / "transformer" / "config.json").read_text())["_class_name"]
+        launcher = [*launcher, "--fsdp_transformer_layer_cls_to_wrap",
+                    ",".join(getattr(diffusers, cls)._no_split_modules)]
     cmd = [*launcher, str(REPO / "flowgrpo" / "train.py"), str(REPO / "configs" / entry.config), *over]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     if proc.returncode:
