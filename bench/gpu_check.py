@@ -168,21 +168,24 @@ def _flux_cli_folder(c, folder: Path) -> None:
 
 
 #: The transformer body measured per non-FLUX family at real size: the released width and heads
-#: (``zoo.REAL_SIZE``); the depth reduced where the released model is over 12 B parameters (FLOPs and activation
-#: memory per block scale linearly in depth); text encoders and VAE stay the zoo's tiny ones (they run once per
-#: prompt or image, not once per step). ``(overrides for parts a-e, overrides for the saved folder of f/g, words)``.
+#: (``zoo.REAL_SIZE``); the depth reduced where the released model is over 12 B parameters, so that the LoRA
+#: update without checkpointing fits one 139 GiB GPU (FLOPs and activation memory per block scale linearly in
+#: depth; Qwen-Image-Edit-Plus's 5 k-token sequences under true CFG halve it again); text encoders and VAE stay the
+#: zoo's tiny ones (they run once per prompt or image, not once per step). FLUX.2 [klein] 4B has no zoo entry:
+#: 5 + 20 blocks of 24 heads × 128 (public re-implementations; 3.85 B parameters built, the release says 4 B).
+#: Values: ``(overrides for parts a-e, overrides for the saved folder of f/g, words)``.
 _KLEIN_4B = {"num_layers": 5, "num_single_layers": 20, "attention_head_dim": 128, "num_attention_heads": 24,
              "axes_dims_rope": (32, 32, 32, 32), "timestep_guidance_channels": 256}
 BODIES: dict[str, tuple[dict, dict, str]] = {
     "sd3": ({}, {"num_layers": 4, "dual_attention_layers": (0, 1)}, "SD3.5 Medium body, full depth (24 blocks)"),
     "qwenimage": ({"num_layers": 30}, {"num_layers": 4}, "Qwen-Image width, 30 of 60 blocks"),
-    "qwenimage_edit_plus": ({"num_layers": 30}, {"num_layers": 4}, "Qwen-Image width, 30 of 60 blocks"),
+    # the source's 1024² area adds 4096 tokens to the 1024 target ones, and true CFG runs two calls: half depth again
+    "qwenimage_edit_plus": ({"num_layers": 15}, {"num_layers": 4}, "Qwen-Image width, 15 of 60 blocks"),
     "zimage": ({}, {"n_layers": 4}, "Z-Image body, full depth (30 + 2 + 2 refiner layers)"),
     "flux2": ({"num_layers": 2, "num_single_layers": 12}, {"num_layers": 1, "num_single_layers": 2},
               "FLUX.2 [dev] width, 2 + 12 of 8 + 48 blocks"),
     "flux2_klein": ({}, {"num_layers": 1, "num_single_layers": 4},
-                    "FLUX.2 [klein] 4B body as published by re-implementations (5 + 20 blocks, 24 heads of 128), "
-                    "full depth"),
+                    "FLUX.2 [klein] 4B body, full depth (5 + 20 blocks, 24 heads of 128)"),
     "kontext": ({}, {"num_layers": 4, "num_single_layers": 8}, "FLUX.1 body, full depth (19 + 38 blocks)"),
 }
 _CONFIGS = {"sd3": "sd35_grpo.yaml"}
