@@ -14,6 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
+from flowgrpo.argtypes import int_in
+
 logger = logging.getLogger("flowgrpo.cli")
 
 
@@ -160,15 +162,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--lora", help="folder with pytorch_lora_weights.safetensors (or a full transformer folder)")
     s.add_argument("--no-weights", action="store_true", help="the base model only (ignore the run's weights)")
     s.add_argument("--prompts", help="prompt file (.txt or .jsonl) or embedded set name")
-    s.add_argument("--num-images", type=int, default=0, help="images (prompts cycled); 0: one per prompt")
+    s.add_argument("--num-images", type=int_in(0, meaning="0: one per prompt"), default=0,
+                   help="images (prompts cycled); 0: one per prompt")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--num-steps", type=int, default=40)
+    s.add_argument("--num-steps", type=int_in(1), default=40)
     s.add_argument("--guidance-scale", type=float, default=3.5)
     s.add_argument("--dtype", default="float32")
-    s.add_argument("--height", type=int)
-    s.add_argument("--width", type=int)
-    s.add_argument("--max-sequence-length", type=int, default=512)
-    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--height", type=int_in(1))
+    s.add_argument("--width", type=int_in(1))
+    s.add_argument("--max-sequence-length", type=int_in(1), default=512)
+    s.add_argument("--batch-size", type=int_in(1), default=8)
     s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt)")
     pr = sub.add_parser("prompts", help="build a config's prompt file from a local copy of a public prompt set",
                         formatter_class=DefaultsHelpFormatter,
@@ -179,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("set", choices=[*PROMPT_SETS.names(), "geneval"])
     pr.add_argument("sources", nargs="*", help="the dataset's files (local copies)")
     pr.add_argument("--out", required=True, type=Path, help="prompt file to write (.txt; geneval: .jsonl)")
-    pr.add_argument("--per-task", type=int, default=1000, help="geneval: prompts per task")
+    pr.add_argument("--per-task", type=int_in(1), default=1000, help="geneval: prompts per task")
     pr.add_argument("--seed", type=int, default=0, help="geneval: generator seed")
     pu = sub.add_parser("push", help="upload a run's weights and model card to the Hugging Face Hub",
                         formatter_class=DefaultsHelpFormatter)

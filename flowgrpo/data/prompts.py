@@ -48,14 +48,28 @@ EMBEDDED = {
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
     """(line number, parsed value) for each non-blank line of a JSONL file; a line that is not JSON raises
     ``ValueError`` naming ``path:line``."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+    for lineno, line in enumerate(read_text_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's contents; a file that is not UTF-8 text raises ``ValueError`` naming the file and the
+    byte offset (prompt files must be UTF-8)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 4]!r}); "
+                         "prompt files must be UTF-8 encoded text") from None
+
+
+def read_text_lines(path: str | Path) -> list[str]:
+    """The lines of a UTF-8 text file (:func:`read_text`)."""
+    return read_text(path).splitlines()
 
 
 def _resolve_images(obj: dict, path: Path, lineno: int) -> None:
@@ -100,7 +114,7 @@ def load_prompts(name_or_path: str) -> PromptSet:
         if path.suffix == ".jsonl":
             p, m = _read_jsonl(path)
         else:
-            p = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+            p = [ln.strip() for ln in read_text_lines(path) if ln.strip()]
             m = [{} for _ in p]
         prompts += p
         meta += m

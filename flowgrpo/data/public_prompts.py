@@ -23,11 +23,13 @@ dropped keeping the first, and the order of the source kept, so the output is de
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from flowgrpo.data.prompts import iter_jsonl, read_text, read_text_lines
 from flowgrpo.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -36,20 +38,23 @@ PROMPT_SETS: Registry[Callable[[list[Path]], list[str]]] = Registry("prompt set"
 
 
 def _unique(prompts: Iterable) -> list[str]:
-    seen, out = set(), []
+    seen, out, nulls = set(), [], 0
     for p in prompts:
-        if not isinstance(p, str):
+        if p is None:  # a null field (checked by _records: anything else that is not a string is an error)
+            nulls += 1
             continue
         p = " ".join(p.split())
         if p and p not in seen:
             seen.add(p)
             out.append(p)
+    if nulls:
+        logger.warning("dropped %d records whose prompt field is null", nulls)
     return out
 
 
 def _read_json(path: Path):
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_text(path))
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: not valid JSON ({err})") from None
 
@@ -66,18 +71,17 @@ def _records(path: Path, fields: tuple[str, ...]) -> list[str]:
         field = next((f for f in fields if f in table.column_names), None)
         if field is None:
             raise ValueError(f"{path}: no column {' or '.join(fields)} (columns: {table.column_names})")
-        return table.column(field).to_pylist()
-    if suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
+        rows = [{field: v} for v in table.column(field).to_pylist()]
+    elif suffix == ".csv":
+        rows = list(csv.DictReader(io.StringIO(read_text(path), newline="")))
     elif suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = [row for _, row in iter_jsonl(path)]
     elif suffix == ".json":
         rows = _read_json(path)
         if not isinstance(rows, list):
             raise ValueError(f"{path}: expected a JSON list of records, got {type(rows).__name__}")
     else:
-        return path.read_text(encoding="utf-8").splitlines()
+        return read_text_lines(path)
     out = []
     for i, row in enumerate(rows):
         if isinstance(row, str):  # HPSv2 benchmark files: a list of prompt strings
@@ -86,6 +90,9 @@ def _records(path: Path, fields: tuple[str, ...]) -> list[str]:
         field = next((f for f in fields if isinstance(row, dict) and f in row), None)
         if field is None:
             raise ValueError(f"{path}: record {i} has no field {' or '.join(fields)}")
+        if not isinstance(row[field], str | None):
+            raise ValueError(f"{path}: record {i}: field {field!r} must be a string (or null: no prompt), "
+                             f"got {type(row[field]).__name__} {row[field]!r}")
         out.append(row[field])
     return out
 

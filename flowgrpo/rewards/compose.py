@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import reprlib
 
 import torch
 
@@ -67,11 +68,22 @@ def compose_rewards(components: dict[str, torch.Tensor], weights: dict[str, floa
     return Rewards(components=comps, weights=dict(weights), total=total)
 
 
-def _as_scores(raw) -> torch.Tensor:
-    """A reward's output as float32 CPU; ``None`` entries of a list or tuple become NaN (not applicable)."""
+def _as_scores(name: str, raw) -> torch.Tensor:
+    """A reward's output as float32 CPU; ``None`` entries of a list or tuple become NaN (not applicable).
+
+    Raises:
+        RewardError: the output is not numbers (strings, objects, ragged lists), naming the reward and a sample
+            of what it returned.
+    """
     if isinstance(raw, list | tuple):
         raw = [float("nan") if s is None else s for s in raw]
-    return torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
+    try:
+        return torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
+    except (TypeError, ValueError, RuntimeError) as err:
+        shown = reprlib.repr(raw)
+        raise RewardError(name, f"reward {name!r} returned {type(raw).__name__} {shown}, which is not numbers "
+                          f"({err}); a reward returns B scores: a (B,) float tensor, or a list of floats with "
+                          "None (or NaN) for 'not applicable'") from None
 
 
 def score_components_named(composed: ComposedReward, images: torch.Tensor, prompts: list[str],
@@ -102,10 +114,10 @@ def score_components_named(composed: ComposedReward, images: torch.Tensor, promp
             try:
                 raw = score_groups(reward, images, prompts, metadata, group_ids) if group_wise else \
                     reward(images, prompts, metadata)
-                scores = _as_scores(raw)
             except Exception as err:
                 raise RewardError(name, f"reward {name!r} failed on a batch of {b}: {type(err).__name__}: {err}") \
                     from err
+            scores = _as_scores(name, raw)
             if scores.shape != (b,):
                 raise RewardError(name, f"reward {name!r} returned shape {tuple(scores.shape)}, expected ({b},)")
             inf = torch.isinf(scores).nonzero().flatten().tolist()

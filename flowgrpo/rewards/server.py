@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from flowgrpo.argtypes import int_in
 from flowgrpo.rewards.remote import WIRE_VERSION, decode_png_b64
 from flowgrpo.rewards.serving import (
     Admission,
@@ -395,14 +396,15 @@ def _parse_args(argv):
     p.add_argument("--reward", required=True, help="entry-point name in 'flowgrpo.rewards', or module:attr")
     p.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for the reward")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=int, default=8765, help="TCP port (0: pick a free one; default 8765)")
+    p.add_argument("--port", type=int_in(0, 65535, "0: pick a free one"), default=8765,
+                    help="TCP port (0: pick a free one; default 8765)")
     p.add_argument("--device", default=None, help="device for the reward's setup (default: cuda if available)")
     p.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body in MiB (default 64)")
-    p.add_argument("--batch-size", type=int, default=64, help="images per reward call (default 64)")
-    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="largest image, width·height")
-    p.add_argument("--max-concurrency", type=int, default=16,
+    p.add_argument("--batch-size", type=int_in(1), default=64, help="images per reward call (default 64)")
+    p.add_argument("--max-image-pixels", type=int_in(1), default=4096 * 4096, help="largest image, width·height")
+    p.add_argument("--max-concurrency", type=int_in(1), default=16,
                    help="requests in flight (decoded, batched or scored) at once (default 16)")
-    p.add_argument("--max-queue", type=int, default=256,
+    p.add_argument("--max-queue", type=int_in(0), default=256,
                    help="requests that may wait beyond --max-concurrency; one more gets 503 (default 256)")
     p.add_argument("--max-queue-wait", type=float, default=60.0,
                    help="seconds a request may wait for a slot before 503 (default 60)")
@@ -410,7 +412,7 @@ def _parse_args(argv):
                    help="merge concurrent requests into reward calls of up to --batch-size images (default on)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="how long a free worker waits for more images to merge (default 5)")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=int_in(1), default=1,
                    help="scoring processes, each with its own reward (for CPU rewards; default 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,

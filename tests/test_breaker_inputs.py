@@ -1,0 +1,132 @@
+"""Odd inputs a new user tried from the README alone, each through the real entry point (trainer, CLI, server).
+
+Each case was a traceback or a silent wrong result before: a prompt file that is not UTF-8 text, a prompt set
+record whose prompt is not a string, a reward that returns strings, out-of-range numbers on the command line
+(``--port 99999``, ``--per-task -1``, ``--num-steps 0``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowgrpo.cli import main as cli_main
+from flowgrpo.config import build_config
+
+REPO = Path(__file__).resolve().parents[1]
+NOT_UTF8 = b"\xff\xfe\x00a handwritten digit\n"
+MOD = __name__  # the stub reward below is loaded by 'module:attr'
+
+
+class Verdicts:
+    """A reward that answers in words (a plausible plugin mistake): not numbers."""
+
+    name = "verdicts"
+
+    def setup(self, device):
+        pass
+
+    def __call__(self, images, prompts, metadata):
+        return ["good"] * len(prompts)
+
+
+def test_a_reward_returning_words_is_one_line_naming_it_not_a_traceback(tmp_path, tiny_flux_dir, capsys):
+    from flowgrpo.train import main
+
+    (tmp_path / "p.txt").write_text("a red cube\na blue ball\n")
+    with pytest.raises(SystemExit) as info:
+        main([f"model.pretrained={tiny_flux_dir}", "model.height=32", "model.width=32", "sampling.num_steps=2",
+              "eval_sampling.num_steps=2", "train.num_epochs=1", "train.prompts_per_epoch=2", "train.group_size=2",
+              "train.rollout_batch_size=4", "train.optimizer_steps_per_epoch=1",
+              f"rewards=[{{name: '{MOD}:Verdicts'}}]", "eval_rewards=[]", f"data.train_prompts={tmp_path / 'p.txt'}",
+              f"data.eval_prompts={tmp_path / 'p.txt'}",
+              "data.eval_num_prompts=2", "logging.progress=false", f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        "error: reward 'Verdicts' returned list ['good', 'good'], which is not numbers")
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named_before_any_model_loads(tmp_path, monkeypatch):
+    import flowgrpo.models as models
+    from flowgrpo.train import run
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the prompt file was checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(NOT_UTF8)
+    for key in ("train_prompts", "eval_prompts"):
+        cfg = build_config(None, [f"data.{key}={bad}", f"output_dir={tmp_path / key}"])
+        with pytest.raises(ValueError, match=rf"data.{key}: {bad}: not UTF-8 text \(byte 0"):
+            run(cfg)
+    jsonl = tmp_path / "latin1.jsonl"
+    jsonl.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    cfg = build_config(None, [f"data.train_prompts={jsonl}", f"output_dir={tmp_path / 'j'}"])
+    with pytest.raises(ValueError, match=rf"{jsonl}: not UTF-8 text"):
+        run(cfg)
+
+
+@pytest.mark.parametrize("name, suffix", [("hpd", ".json"), ("pickapic", ".jsonl"), ("ocr", ".txt"),
+                                          ("pickapic", ".csv")])
+def test_flowgrpo_prompts_names_a_source_that_is_not_utf8(tmp_path, name, suffix):
+    src = tmp_path / f"src{suffix}"
+    src.write_bytes(NOT_UTF8)
+    with pytest.raises(SystemExit, match=rf"{src}: not UTF-8 text"):
+        cli_main(["prompts", name, str(src), "--out", str(tmp_path / "o.txt")])
+
+
+def test_flowgrpo_prompts_refuses_a_prompt_that_is_not_a_string(tmp_path):
+    """Before: ``{"prompt": 5}`` was dropped silently and the file written without it."""
+    src = tmp_path / "train.json"
+    src.write_text(json.dumps([{"prompt": "a cat"}, {"prompt": 5}]))
+    out = tmp_path / "o.txt"
+    with pytest.raises(SystemExit, match=r"record 1: field 'prompt' must be a string .*got int 5"):
+        cli_main(["prompts", "hpd", str(src), "--out", str(out)])
+    assert not out.exists()
+
+
+def test_flowgrpo_prompts_counts_null_prompts_it_drops(tmp_path, caplog):
+    src = tmp_path / "train.jsonl"
+    src.write_text('{"caption": "a cat"}\n{"caption": null}\n')
+    out = tmp_path / "o.txt"
+    with caplog.at_level("WARNING"):
+        cli_main(["prompts", "pickapic", str(src), "--out", str(out)])
+    assert out.read_text() == "a cat\n"
+    assert "dropped 1 records whose prompt field is null" in caplog.text
+
+
+def test_flowgrpo_prompts_names_the_line_of_a_bad_jsonl_source(tmp_path):
+    src = tmp_path / "train.jsonl"
+    src.write_text('{"caption": "a cat"}\n{oops\n')
+    with pytest.raises(SystemExit, match=rf"{src}:2: not valid JSON"):
+        cli_main(["prompts", "pickapic", str(src), "--out", str(tmp_path / "o.txt")])
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_reward_server_refuses_a_port_out_of_range_in_one_line(port):
+    proc = subprocess.run([sys.executable, "-m", "flowgrpo.rewards.server", "--reward", "jpeg_compressibility",
+                           "--port", port], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "argument --port" in proc.stderr
+    assert "allowed: an integer from 0 to 65535 (0: pick a free one)" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["prompts", "geneval", "--out", "o.jsonl", "--per-task", "-1"], "argument --per-task: -1 is out of range"),
+    (["sample", "--model", "tiny", "--num-steps", "0", "--out", "s"], "argument --num-steps: 0 is out of range"),
+    (["sample", "--model", "tiny", "--num-images", "-2", "--out", "s"], "argument --num-images: -2 is out of range"),
+    (["sample", "--model", "tiny", "--batch-size", "0", "--out", "s"], "argument --batch-size: 0 is out of range"),
+    (["sample", "--model", "tiny", "--height", "-64", "--out", "s"], "argument --height: -64 is out of range"),
+])
+def test_cli_numbers_out_of_range_are_usage_errors(tmp_path, monkeypatch, capsys, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and needle in err and "allowed: an integer" in err
+    assert not list(tmp_path.iterdir())  # nothing written
