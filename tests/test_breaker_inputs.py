@@ -21,6 +21,14 @@ NOT_UTF8 = b"\xff\xfe\x00a handwritten digit\n"
 MOD = __name__  # the stub reward below is loaded by 'module:attr'
 
 
+def scoring_function(images, prompts, metadata):
+    """What a new user writes first: a scoring function, where a reward class (or factory) is expected."""
+    return [0.0] * len(prompts)
+
+
+NOT_A_REWARD = 3
+
+
 class Verdicts:
     """A reward that answers in words (a plausible plugin mistake): not numbers."""
 
@@ -69,6 +77,27 @@ def test_a_prompt_file_that_is_not_utf8_is_named_before_any_model_loads(tmp_path
     cfg = build_config(None, [f"data.train_prompts={jsonl}", f"output_dir={tmp_path / 'j'}"])
     with pytest.raises(ValueError, match=rf"{jsonl}: not UTF-8 text"):
         run(cfg)
+
+
+@pytest.mark.parametrize("attr, needle", [
+    ("scoring_function", r"is a scoring function \(it takes \['images', 'prompts'\]\), not a factory: a reward is a "
+                         r"class, or a factory"),
+    ("NOT_A_REWARD", r"is a int \(3\), not a class or factory"),
+])
+def test_a_module_attr_that_cannot_build_a_reward_is_named_before_any_model_loads(tmp_path, monkeypatch, attr,
+                                                                                  needle):
+    """Before: 'missing a required argument: images (rewards[].kwargs)' and "'int' object is not callable"."""
+    import flowgrpo.models as models
+    from flowgrpo.train import run
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the rewards were checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    cfg = build_config(None, [f"rewards=[{{name: '{MOD}:{attr}'}}]", f"output_dir={tmp_path / 'r'}"])
+    with pytest.raises(Exception, match=rf"reward '{MOD}:{attr}' {needle}") as info:
+        run(cfg)
+    assert not isinstance(info.value, AssertionError)
 
 
 @pytest.mark.parametrize("name, suffix", [("hpd", ".json"), ("pickapic", ".jsonl"), ("ocr", ".txt"),

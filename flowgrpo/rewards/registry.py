@@ -13,6 +13,7 @@ two ``sys.path`` entries) is not a clash.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
@@ -122,7 +123,7 @@ def resolve_reward_factory(name: str):
     if not isinstance(name, str) or not name:
         raise RewardLoadError(f"a reward name must be a non-empty string, got {name!r}")
     if ":" in name:
-        return _resolve_module_attr(name)
+        return _check_factory(name, *_resolve_module_attr(name))
     found = _scan()
     if name not in found:
         raise RewardLoadError(
@@ -139,7 +140,30 @@ def resolve_reward_factory(name: str):
             f"reward {name!r} from {_describe(ep)} failed to import: {type(err).__name__}: {err}"
         ) from err
     dist, ver = _dist_of(ep)
-    return obj, RewardOrigin(name, ep.value, dist, ver)
+    return _check_factory(name, obj, RewardOrigin(name, ep.value, dist, ver))
+
+
+_CONTRACT = ("a reward is a class, or a factory called with the config's kwargs, that builds an object with "
+             "setup(device) and __call__(images, prompts, metadata) (see docs/rewards.md)")
+
+
+def _check_factory(name: str, obj, origin: RewardOrigin):
+    """``(obj, origin)`` when ``obj`` can build a reward; a :class:`RewardLoadError` naming what it is otherwise:
+    not callable, or a plain scoring function (a required ``images`` / ``prompts`` parameter) given in place of
+    a factory."""
+    if not callable(obj):
+        raise RewardLoadError(f"reward {name!r} is a {type(obj).__name__} ({obj!r}), not a class or factory: "
+                              f"{_CONTRACT}")
+    if inspect.isfunction(obj):
+        try:
+            params = inspect.signature(obj).parameters.values()
+        except (TypeError, ValueError):
+            params = []
+        scoring = [p.name for p in params if p.name in ("images", "prompts") and p.default is p.empty]
+        if scoring:
+            raise RewardLoadError(f"reward {name!r} is a scoring function (it takes {scoring}), not a factory: "
+                                  f"{_CONTRACT}")
+    return obj, origin
 
 
 def load_reward(name: str, **kwargs):
