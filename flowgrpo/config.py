@@ -514,7 +514,9 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     :class:`ConfigError` for a missing file, a non-mapping, or a cycle of bases."""
     p = Path(path).resolve()
     if not p.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        hint = "" if p.suffix in (".yaml", ".yml") else (
+            "; a config file ends in .yaml, and an override is dotted.key=value (e.g. train.num_epochs=20)")
+        raise ConfigError(f"config file {str(path)!r} does not exist{hint}")
     if p in _seen:
         raise ConfigError(f"config file {str(p)!r} is its own base (cycle {[str(x) for x in _seen]})")
     try:

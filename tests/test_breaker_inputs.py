@@ -159,3 +159,17 @@ def test_cli_numbers_out_of_range_are_usage_errors(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert info.value.code == 2 and needle in err and "allowed: an integer" in err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_an_override_without_a_value_says_how_overrides_are_written(tmp_path, monkeypatch, capsys):
+    """``flowgrpo train train.num_epochs`` (no ``=``) was read as a config file that does not exist, no hint."""
+    from flowgrpo.train import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train.num_epochs"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "error: config file 'train.num_epochs' does not exist; a config file ends in .yaml, and an override is "
+        "dotted.key=value (e.g. train.num_epochs=20)")
