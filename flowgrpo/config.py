@@ -105,6 +105,24 @@ KlFormName = registered_name("flowgrpo.sampling.sde:KL_FORMS", "algo.kl_form")
 SelectionName = registered_name("flowgrpo.algo.filters:SELECTIONS", "algo.group_filter.select")
 
 
+def _refuse_unread(section: BaseModel, prefix: str, selector: str, readers: dict[str, tuple[str, ...]],
+                   known: tuple[str, ...]) -> None:
+    """A setting moved from its default that the selected built-in strategy does not read is an error naming the
+    setting, its readers and the selection (a plugin strategy, not in ``known``, may read any of them).
+
+    Raises ``ValueError``: nothing is silently ignored."""
+    chosen = getattr(section, selector)
+    if chosen not in known:
+        return
+    for key, owners in readers.items():
+        value, default = getattr(section, key), type(section).model_fields[key].default
+        if chosen not in owners and value != default:
+            raise ValueError(
+                f"{prefix}.{key}={value!r} is read only by {prefix}.{selector}={' / '.join(owners)}, but "
+                f"{prefix}.{selector} is {chosen!r}: remove the setting (default {default!r}) or choose "
+                f"{' / '.join(owners)}")
+
+
 class SamplingConfig(Section):
     """How trajectories are sampled for training."""
 
@@ -156,6 +174,8 @@ class GroupFilterConfig(Section):
     def _check(self) -> GroupFilterConfig:
         if self.name != "none" and self.keep is None:
             raise ValueError(f"algo.group_filter.keep is needed for the filter {self.name!r}")
+        _refuse_unread(self, "algo.group_filter", "name", dict.fromkeys(("keep", "metric", "select"), ("gfpo",)),
+                       known=("none", "gfpo"))
         return self
 
 
@@ -207,6 +227,14 @@ class AlgoConfig(Section):
     recompute_old_log_probs: bool = Field(
         False, description="recompute old log-probs with the training batch layout before the first update"
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        _refuse_unread(self, "algo", "policy_loss", {"sapo_tau_pos": ("sapo",), "sapo_tau_neg": ("sapo",),
+                                                     "dual_clip_c": ("dual_clip",)},
+                       known=("clipped", "dual_clip", "sapo", "grpo_guard"))
+        _refuse_unread(self, "algo", "advantage", {"global_std": ("grpo",)}, known=("grpo", "dr_grpo", "rloo"))
+        return self
 
 
 class TrainConfig(Section):

@@ -173,3 +173,29 @@ def test_an_override_without_a_value_says_how_overrides_are_written(tmp_path, mo
     assert err.strip().splitlines()[-1] == (
         "error: config file 'train.num_epochs' does not exist; a config file ends in .yaml, and an override is "
         "dotted.key=value (e.g. train.num_epochs=20)")
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["algo.group_filter.keep=4"], "algo.group_filter.keep=4 is read only by algo.group_filter.name=gfpo, but "
+                                   "algo.group_filter.name is 'none'"),
+    (["algo.group_filter.select=bottom"], "algo.group_filter.select='bottom' is read only by"),
+    (["algo.sapo_tau_pos=5000"], "algo.sapo_tau_pos=5000.0 is read only by algo.policy_loss=sapo, but "
+                                 "algo.policy_loss is 'clipped'"),
+    (["algo.policy_loss=sapo", "algo.dual_clip_c=5"], "algo.dual_clip_c=5.0 is read only by "
+                                                      "algo.policy_loss=dual_clip, but algo.policy_loss is 'sapo'"),
+    (["algo.advantage=rloo", "algo.global_std=true"], "algo.global_std=True is read only by algo.advantage=grpo, "
+                                                       "but algo.advantage is 'rloo'"),
+])
+def test_a_setting_the_chosen_strategy_does_not_read_is_refused(tmp_path, monkeypatch, capsys, overrides, needle):
+    """Before: ``algo.group_filter.keep=4`` without a filter started an 80-epoch run that never filtered."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the config was checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    with pytest.raises(SystemExit) as info:
+        main([*overrides, f"output_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err and needle in err.strip().splitlines()[-1]
