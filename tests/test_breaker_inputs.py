@@ -199,3 +199,28 @@ def test_a_setting_the_chosen_strategy_does_not_read_is_refused(tmp_path, monkey
         main([*overrides, f"output_dir={tmp_path / 'r'}"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err and needle in err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (["chunker.drop_last_step=true"], "chunker.drop_last_step=true leaves it out"),
+    (["sampling.sde_kind=cps"], "sde_kind 'cps' makes it deterministic"),
+    (["chunker.name=chunk", "chunker.drop_last_step=true"], "chunker.drop_last_step=true leaves it out"),
+    (["chunker.name=trajectory", "chunker.drop_last_step=true"], "chunker.drop_last_step=true leaves it out"),
+])
+def test_one_step_whose_only_transition_is_never_trained_is_refused_before_loading(tmp_path, monkeypatch, capsys,
+                                                                                  overrides, why):
+    """Before: ``sampling.num_steps=1 chunker.drop_last_step=true`` loaded the model, evaluated, sampled, then
+    died in the plan with a traceback blaming sde_kind and noise_level."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the config was checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    with pytest.raises(SystemExit) as info:
+        main(["sampling.num_steps=1", *overrides, f"output_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"error: sampling.num_steps=1 leaves no transition to train: the last "
+                                            f"transition is never trained ({why}); use sampling.num_steps >= 2")

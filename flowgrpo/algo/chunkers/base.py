@@ -78,6 +78,22 @@ def trainable_steps(traj: Trajectory, drop_last_step: bool = False) -> list[int]
     return steps
 
 
+def check_trainable(cfg: ChunkerConfig, num_steps: int, sde_kind: str) -> int:
+    """T minus the last transition when it is never trained (``drop_last_step``, or ``cps``, whose last transition
+    is deterministic): the transitions a plan can use.
+
+    Raises:
+        ValueError: none is left, naming ``sampling.num_steps`` and the setting that removes the last one.
+    """
+    drop = bool(getattr(cfg, "drop_last_step", False))
+    trainable = num_steps - int(drop or sde_kind == "cps")
+    if trainable < 1:
+        why = "chunker.drop_last_step=true leaves it out" if drop else "sde_kind 'cps' makes it deterministic"
+        raise ValueError(f"sampling.num_steps={num_steps} leaves no transition to train: the last transition is "
+                         f"never trained ({why}); use sampling.num_steps >= 2")
+    return trainable
+
+
 def fraction_count(fraction: float, k: int) -> int:
     """⌈fraction·k⌉, at least 1, computed so that float noise (0.28·25 = 7.000000000000001) does not add one."""
     return max(1, math.ceil(round(fraction * k, 9)))
@@ -124,6 +140,7 @@ class BaseChunker:
 
     def validate(self, num_steps: int, sde_kind: str) -> None:
         self.sde_steps(num_steps, 0)
+        check_trainable(self.cfg, num_steps, sde_kind)
 
     def rollout(self, adapter, request: RolloutRequest) -> Trajectory:
         """The standard rollout (:func:`flowgrpo.sampling.rollout.rollout`) with this chunker's SDE steps."""

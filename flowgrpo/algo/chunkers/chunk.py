@@ -11,6 +11,7 @@ from flowgrpo.algo.chunkers.base import (
     CHUNKERS,
     BaseChunker,
     DropLastConfig,
+    check_trainable,
     make_plan,
     release_count,
     trainable_steps,
@@ -152,9 +153,8 @@ class Chunk(BaseChunker):
     needs_recompute = True
 
     def validate(self, num_steps: int, sde_kind: str) -> None:
+        trainable = check_trainable(self.cfg, num_steps, sde_kind)
         if self.cfg.chunk_sizes is not None:
-            # cps never makes its last transition stochastic; drop_last_step leaves it out too
-            trainable = num_steps - int(self.cfg.drop_last_step or sde_kind == "cps")
             _check_sizes(self.cfg.chunk_sizes, trainable, f"of {num_steps} steps (sde_kind {sde_kind!r}, "
                          f"drop_last_step {self.cfg.drop_last_step})")
             release_count(self.cfg.chunk_fraction, len(self.cfg.chunk_sizes), "chunker.chunk_fraction")

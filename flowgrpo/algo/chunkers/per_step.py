@@ -7,7 +7,15 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from flowgrpo.algo.chunkers.base import CHUNKERS, BaseChunker, DropLastConfig, make_plan, release_count, trainable_steps
+from flowgrpo.algo.chunkers.base import (
+    CHUNKERS,
+    BaseChunker,
+    DropLastConfig,
+    check_trainable,
+    make_plan,
+    release_count,
+    trainable_steps,
+)
 from flowgrpo.records import ChunkPlan, Trajectory
 
 
@@ -40,8 +48,7 @@ class PerStep(BaseChunker):
     Config = PerStepConfig
 
     def validate(self, num_steps: int, sde_kind: str) -> None:
-        # cps never makes its last transition stochastic; drop_last_step leaves it out too
-        trainable = num_steps - int(self.cfg.drop_last_step or sde_kind == "cps")
+        trainable = check_trainable(self.cfg, num_steps, sde_kind)
         release_count(self.cfg.timestep_fraction, trainable, "chunker.timestep_fraction")
 
     @property
