@@ -129,7 +129,9 @@ class SamplingConfig(Section):
     num_steps: int = Field(10, ge=1, description="T, denoising steps per trajectory")
     guidance_scale: float = Field(3.5, ge=0, description="FLUX guidance embedding / SD3 CFG scale")
     sde_kind: SdeKindName = Field("flow_sde", description="registered SDE kind: flow_sde, dance_sde, cps, ode")
-    noise_level: float = Field(0.7, ge=0, description="SDE noise: a for flow_sde and cps, eta for dance_sde")
+    noise_level: float = Field(
+        0.7, ge=0, description="SDE noise: a for flow_sde and cps (cps: in [0, 1]), eta for dance_sde"
+    )
     logprob_reduction: Literal["mean", "sum"] = Field("mean", description="reduce log-probs over latent dims")
     cps_simplified_logprob: bool = Field(
         False, description="CPS reference code's -(x-mean)^2 surrogate log-prob (needs a ~1e-5 clip range)"

@@ -224,3 +224,21 @@ def test_one_step_whose_only_transition_is_never_trained_is_refused_before_loadi
     assert info.value.code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == (f"error: sampling.num_steps=1 leaves no transition to train: the last "
                                             f"transition is never trained ({why}); use sampling.num_steps >= 2")
+
+
+@pytest.mark.parametrize("level", ["1.5", "3"])
+def test_a_cps_noise_level_above_one_is_refused_before_loading(tmp_path, monkeypatch, capsys, level):
+    """Before: cps with a = 1.5 trained silently with the std of a = 0.5 (sin(a·π/2) folds back above 1)."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the config was checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    with pytest.raises(SystemExit) as info:
+        main(["sampling.sde_kind=cps", f"sampling.noise_level={level}", f"output_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        f"error: sampling.noise_level={float(level)} is outside [0, 1], the range of sde_kind 'cps'")

@@ -107,7 +107,14 @@ def _cps_moments(x, v, sigma, sigma_next, noise_level, *, sigma_one_next=None):
     ``std = σ_next·sin(a·π/2)``; ``x̂₀ = x − σ·v``, ``x̂₁ = x + (1 − σ)·v``;
     ``mean = (1 − σ_next)·x̂₀ + √(σ_next² − std²)·x̂₁``. With a = 0 this is the Euler step; at σ_next = 0 the
     std is 0, so the last transition is never stochastic.
+
+    Raises:
+        ValueError: ``noise_level`` outside [0, 1], where sin(a·π/2) folds back (a = 1.5 would give a = 0.5's std,
+            a = 2 none).
     """
+    if not 0.0 <= float(noise_level) <= 1.0:
+        raise ValueError(f"sampling.noise_level={noise_level} is outside [0, 1], the range of sde_kind 'cps' "
+                         "(std = sigma_next*sin(a*pi/2) folds back above 1: 1.5 gives the std of 0.5)")
     std = sigma_next * math.sin(noise_level * math.pi / 2)
     x0 = x - sigma * v
     x1 = x + (1 - sigma) * v
