@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("config", nargs="?", help="YAML config (omit for the embedded digits default)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
-    if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+    if args.config and "=" in args.config and not Path(args.config).is_file():  # key=value, even output_dir=x.yaml
         args.overrides.insert(0, args.config)
         args.config = None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -254,33 +254,39 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError) as err:
         parser.exit(2, f"error: {err}\n")
     except RewardError as err:
-        if err.__cause__ is not None:  # the plugin itself raised: its traceback is what its author needs
-            raise
-        parser.exit(2, f"error: {err}\n")  # an impossible score (±inf, wrong shape): the message says it all
+        if err.__cause__ is not None and not isinstance(err.__cause__, ValueError):
+            raise  # the plugin itself failed: its traceback is what its author needs
+        # an impossible score (±inf, wrong shape), or the plugin's ValueError, which by the reward contract names
+        # bad input (a missing metadata field, a bad image): the message says it all
+        parser.exit(2, f"error: {err}\n")
     except (KeyError, ValueError) as err:
         if not _SETUP_DONE:  # bad input found while setting up (names, prompt files, models): no traceback
             parser.exit(2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n")
         raise
     except KeyboardInterrupt:
-        parser.exit(130, _interrupted_line(args) if main_process else "")
+        parser.exit(130, _interrupted_line(args, prog) if main_process else "")
     if main_process:
         print_summary(summary)
 
 
-def _interrupted_line(args) -> str:
-    """One line for Ctrl-C: the epoch reached, the checkpoint left, and the command that resumes the run."""
+def _interrupted_line(args, prog: str | None = None) -> str:
+    """One line for Ctrl-C: the epoch reached, the checkpoint left, and the command that resumes the run (the
+    command as it was started: ``flowgrpo train`` from the CLI, else the training script by its absolute path,
+    which works from any folder)."""
     import shlex
 
     if _TRAINER is None:
-        return "interrupted while setting up; nothing was trained\n"
+        return "\ninterrupted while setting up; nothing was trained\n"
     ckpt = _TRAINER.out / "checkpoints"
-    words = [sys.executable, "flowgrpo/train.py", *([args.config] if args.config else [])]
+    script = Path(__file__).resolve().parent / "train.py"
+    command = prog.split() if prog else [sys.executable, str(script)]
+    words = [*command, *([args.config] if args.config else [])]
     words += [o for o in args.overrides if not o.startswith("train.resume_from=")]
     if (ckpt / "latest").is_file():
         latest = (ckpt / "latest").read_text().strip()
         resume = shlex.join([*words, f"train.resume_from={ckpt}"])
-        return f"interrupted in epoch {_TRAINER.epoch}; last checkpoint {ckpt / latest} is intact; resume: {resume}\n"
-    return (f"interrupted in epoch {_TRAINER.epoch}; no checkpoint written yet (logging.save_every="
+        return f"\ninterrupted in epoch {_TRAINER.epoch}; last checkpoint {ckpt / latest} is intact; resume: {resume}\n"
+    return (f"\ninterrupted in epoch {_TRAINER.epoch}; no checkpoint written yet (logging.save_every="
             f"{_TRAINER.cfg.logging.save_every}); start again with: {shlex.join([*words, 'logging.overwrite=true'])}\n")
 
 
