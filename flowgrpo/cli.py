@@ -39,6 +39,8 @@ def _sample_settings(args: argparse.Namespace) -> dict:
     from flowgrpo.config import load_config
     from flowgrpo.models import load_model, load_model_from_config
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out!r} is a file; give a folder (the PNGs, grid.png and images.pt go in it)")
     if args.run:
         cfg_path = Path(args.run) / "config.yaml"
         if not cfg_path.is_file():

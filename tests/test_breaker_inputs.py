@@ -303,3 +303,18 @@ def test_a_rewards_value_error_on_bad_input_is_one_line(tmp_path, tiny_flux_dir,
     assert info.value.code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("error: reward 'digit_judge' failed on a batch of 2: ValueError: "
                                                    "digit_judge needs metadata field 'digit'")
+
+
+def test_an_out_of_the_wrong_kind_is_one_line_before_any_work(tmp_path, capsys):
+    """Before: ``flowgrpo sample --out FILE`` loaded the model, sampled, then FileExistsError; ``flowgrpo prompts
+    --out FOLDER`` read the sources, then IsADirectoryError."""
+    a_file = tmp_path / "taken.txt"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["sample", "--model", "/nonexistent/model", "--prompts", "digits_eval", "--out", str(a_file)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"--out {str(a_file)!r} is a file; give a folder" in err
+    src = tmp_path / "p.txt"
+    src.write_text('draw "hi"\n')
+    with pytest.raises(SystemExit, match=rf"--out {str(tmp_path)!r} is a folder; give the prompt file"):
+        cli_main(["prompts", "ocr", str(src), "--out", str(tmp_path)])

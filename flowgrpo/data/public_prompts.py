@@ -125,6 +125,8 @@ def build_prompt_file(name: str, sources: list[str | Path], out: str | Path) -> 
     Returns the number written. Raises ``ValueError`` for a missing source file, a file without the set's
     field, or no prompts at all; ``KeyError`` (with the valid names) for an unknown set."""
     build = PROMPT_SETS.get(name)
+    if Path(out).is_dir():
+        raise ValueError(f"--out {str(out)!r} is a folder; give the prompt file to write (e.g. data/train.txt)")
     paths = [Path(s) for s in sources]
     if not paths:
         raise ValueError(f"prompt set {name!r} needs at least one source file")
