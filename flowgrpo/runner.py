@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from flowgrpo.rewards.registry import RewardLoadError
 
     main_process = os.environ.get("RANK", "0") == "0"
+    global _SETUP_DONE, _TRAINER
+    _SETUP_DONE, _TRAINER = False, None  # a fresh command (main may run twice in one process)
     try:
         config = resolve_auto_resume(load_config(args.config or DEFAULT_CONFIG, args.overrides), args.overrides)
         summary = run(config)

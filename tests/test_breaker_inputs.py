@@ -60,7 +60,7 @@ def test_a_reward_returning_words_is_one_line_naming_it_not_a_traceback(tmp_path
 
 def test_a_prompt_file_that_is_not_utf8_is_named_before_any_model_loads(tmp_path, monkeypatch):
     import flowgrpo.models as models
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the prompt file was checked")
@@ -88,7 +88,7 @@ def test_a_module_attr_that_cannot_build_a_reward_is_named_before_any_model_load
                                                                                   needle):
     """Before: 'missing a required argument: images (rewards[].kwargs)' and "'int' object is not callable"."""
     import flowgrpo.models as models
-    from flowgrpo.train import run
+    from flowgrpo.runner import run
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the rewards were checked")
