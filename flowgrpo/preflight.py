@@ -142,10 +142,13 @@ def check_trackers(trackers) -> None:
 
 def check_output_dir(config) -> None:
     """A checkpoint to resume must exist, and a folder holding another run is refused (unless resumed or
-    ``logging.overwrite``), before any model loads. Raises CheckpointError / FileExistsError."""
+    ``logging.overwrite``), and so is an ``output_dir`` that is a file, before any model loads. Raises
+    CheckpointError / FileExistsError."""
     from flowgrpo.checkpoint import resolve_checkpoint
 
     out = Path(config.output_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output_dir {str(out)!r} is a file, not a folder; choose a folder for the run")
     if config.train.resume_from:
         resolve_checkpoint(config.train.resume_from)
     elif (out / "config.yaml").exists() and not config.logging.overwrite:

@@ -318,3 +318,22 @@ def test_an_out_of_the_wrong_kind_is_one_line_before_any_work(tmp_path, capsys):
     src.write_text('draw "hi"\n')
     with pytest.raises(SystemExit, match=rf"--out {str(tmp_path)!r} is a folder; give the prompt file"):
         cli_main(["prompts", "ocr", str(src), "--out", str(tmp_path)])
+
+
+def test_an_output_dir_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
+    """Before: ``error: [Errno 17] File exists: '…'``, naming no setting."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before output_dir was checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    a_file = tmp_path / "run.yaml"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        main([f"output_dir={a_file}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.strip().splitlines()[-1] == f"error: output_dir {str(a_file)!r} is a file, not a folder; choose a " \
+                                           "folder for the run"
