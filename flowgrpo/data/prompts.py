@@ -48,7 +48,7 @@ EMBEDDED = {
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
     """(line number, parsed value) for each non-blank line of a JSONL file; a line that is not JSON raises
     ``ValueError`` naming ``path:line``."""
-    for lineno, line in enumerate(read_text_lines(path), 1):
+    for lineno, line in enumerate(read_text(path).split("\n"), 1):  # only \n ends a JSONL line (U+2028 may not)
         if not line.strip():
             continue
         try:
