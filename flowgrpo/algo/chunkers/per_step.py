@@ -7,15 +7,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from flowgrpo.algo.chunkers.base import (
-    CHUNKERS,
-    BaseChunker,
-    DropLastConfig,
-    check_trainable,
-    make_plan,
-    release_count,
-    trainable_steps,
-)
+from flowgrpo.algo.chunkers import base
+from flowgrpo.algo.chunkers.base import CHUNKERS, BaseChunker, DropLastConfig
 from flowgrpo.records import ChunkPlan, Trajectory
 
 
@@ -48,17 +41,17 @@ class PerStep(BaseChunker):
     Config = PerStepConfig
 
     def validate(self, num_steps: int, sde_kind: str) -> None:
-        trainable = check_trainable(self.cfg, num_steps, sde_kind)
-        release_count(self.cfg.timestep_fraction, trainable, "chunker.timestep_fraction")
+        trainable = base.check_trainable(self.cfg, num_steps, sde_kind)
+        base.release_count(self.cfg.timestep_fraction, trainable, "chunker.timestep_fraction")
 
     @property
     def needs_recompute(self) -> bool:  # a random subset per sample forwards fewer rows than the rollout did
         return self.cfg.step_selection == "random" and self.cfg.timestep_fraction < 1
 
     def plan(self, traj: Trajectory, epoch: int, generator: torch.Generator) -> ChunkPlan:
-        steps = trainable_steps(traj, self.cfg.drop_last_step)
+        steps = base.trainable_steps(traj, self.cfg.drop_last_step)
         k = len(steps)
-        n = release_count(self.cfg.timestep_fraction, k, "chunker.timestep_fraction")
+        n = base.release_count(self.cfg.timestep_fraction, k, "chunker.timestep_fraction")
         b = traj.batch_size
         selected = torch.zeros(b, k, dtype=torch.bool)
         if self.cfg.step_selection == "first":
@@ -66,4 +59,4 @@ class PerStep(BaseChunker):
         else:
             for i in range(b):
                 selected[i, torch.randperm(k, generator=generator)[:n]] = True
-        return make_plan([(t,) for t in steps], selected)
+        return base.make_plan([(t,) for t in steps], selected)
