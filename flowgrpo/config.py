@@ -55,7 +55,8 @@ class ModelConfig(Section):
         None, ge=1, description="image width in pixels (default, null: the pipeline's sample size)"
     )
     max_sequence_length: int = Field(
-        512, ge=1, le=512, description="T5 tokens per prompt (clipped to the tokenizer's max)"
+        512, ge=1, le=4096, description="text-encoder tokens per prompt (FLUX.1 / SD3: T5, at most 512; Qwen-Image "
+        "family: up to 1024); longer prompts are truncated with a warning"
     )
     finetune: Literal["lora", "full"] = Field("lora", description="train a LoRA adapter or all transformer weights")
     lora_rank: int = Field(8, ge=1, description="LoRA rank r")

@@ -108,7 +108,7 @@ def test_resume_skips_finished_and_refuses_other_overrides(learning, tmp_path, m
     monkeypatch.setattr(sys, "argv", argv)
     learning.main()
     assert "| trajectory | 0 | 0.990 | 0.92 | 0.40 | 70 | 20 | 5 |" in capsys.readouterr().out
-    monkeypatch.setattr(sys, "argv", [a.replace("20", "30") for a in argv])  # --epochs 30: other overrides
+    monkeypatch.setattr(sys, "argv", ["30" if a == "20" else a for a in argv])  # --epochs 30: other overrides
     with pytest.raises(ValueError, match="was run with overrides"):
         learning.main()
 

@@ -89,7 +89,7 @@ def test_composition_and_gdpo_with_a_group_wise_reward():
     gids = torch.tensor([0, 0, 0, 1, 1, 1])
     rewards = composed(images, ["a"] * 3 + ["b"] * 3, [{}] * 6, gids)
     torch.testing.assert_close(rewards.components["rank"], torch.tensor([0.0, 1.0, 0.5, 0.0, 0.5, 1.0]))
-    expected_total = (rewards.components["rank"] + 0.5 * images.mean(dim=(1, 2, 3))) / 1.5
+    expected_total = rewards.components["rank"] + 0.5 * images.mean(dim=(1, 2, 3))  # the weighted sum
     torch.testing.assert_close(rewards.total, expected_total)
     adv = compute_advantages(rewards, gids, multi_reward="gdpo")
     # GDPO: each component normalised in its groups; rank and brightness order agree in each group, so the
