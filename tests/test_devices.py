@@ -20,7 +20,7 @@ def _modules(adapter) -> list[torch.nn.Module]:
     return mods + ([adapter.frozen_reference] if adapter.frozen_reference is not None else [])
 
 
-def _config(tmp_path, tiny_flux_dir, name: str, chunker: dict | None = None, **algo):
+def _config(tmp_path, tiny_flux_dir, name: str, chunker: dict | None = None, train: dict | None = None, **algo):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red cube\na blue ball\n")
     return build_config({
@@ -29,7 +29,7 @@ def _config(tmp_path, tiny_flux_dir, name: str, chunker: dict | None = None, **a
         "sampling": {"num_steps": 3},
         "train": {"num_epochs": 1, "prompts_per_epoch": 2, "group_size": 2, "rollout_batch_size": 2,
                   "train_batch_size": 2, "optimizer_steps_per_epoch": 2, "inner_epochs": 2, "lr": 1e-3,
-                  "ema_decay": 0.9},
+                  "ema_decay": 0.9, **(train or {})},
         "algo": {"kl_beta": 0.01, "recompute_old_log_probs": True, **algo},
         "chunker": chunker or {"name": "chunk", "chunk_sizes": [1, 2]},
         "rewards": [{"name": "jpeg_incompressibility"}],
@@ -101,3 +101,15 @@ def test_egrpo_epoch_keeps_each_tensor_on_one_device(tmp_path, tiny_flux_dir, mo
     mode = _run_on_fake_accelerator(monkeypatch, cfg)
     t = cfg.train
     assert mode.update_reads and mode.update_reads[0] <= t.inner_epochs * t.optimizer_steps_per_epoch + 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", [
+    {"policy_loss": "grpo_guard"},  # keeps the rollout policy's transition means between phases
+    {"policy_loss": "sapo", "group_filter": {"name": "gfpo", "keep": 2}},  # the filter phase's masks
+], ids=["grpo_guard", "sapo_gfpo"])
+def test_other_losses_and_the_filter_keep_each_tensor_on_one_device(tmp_path, tiny_flux_dir, monkeypatch, algo):
+    train = {"group_size": 4, "rollout_batch_size": 4, "train_batch_size": 4} if "group_filter" in algo else None
+    cfg = _config(tmp_path, tiny_flux_dir, "losses", chunker={"name": "per_step"}, train=train, **algo)  # G' 4, keep 2
+    mode = _run_on_fake_accelerator(monkeypatch, cfg)
+    assert mode.update_reads
