@@ -6,7 +6,8 @@
     batch, resolution; target ≤ 1.05×);
 (b) one policy update vs the bare forward + backward of the same trained transitions (target ≤ 1.15×);
 (c) epoch time as G and as T double (expect linear growth);
-(d) transformer calls per group in E-GRPO's shared prefix vs per-step GRPO.
+(d) E-GRPO's update with each shared anchor forwarded once per (prompt, branch step) group vs once per sample
+    (the same trajectory and plan; the chunker's ``shares_inputs`` switched off for the "before" figure).
 All on the tiny random FLUX model, on this machine's CPU.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+D_SIZE = 256  # row (d)'s image size in pixels
 STAT = {"median": statistics.median, "min": min}  # min: the least disturbed repeat on a busy machine (as timeit)
 _stat = statistics.median
 
@@ -41,7 +43,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--parts", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"],
+    parser.add_argument("--parts", nargs="+", default=["a", "b", "c", "d"], choices=["a", "b", "c", "d"],
                         help="which rows to measure")
     parser.add_argument("--stat", choices=sorted(STAT), default="median", help="statistic of the repeats")
     args = parser.parse_args()
@@ -91,8 +93,6 @@ def main() -> None:
     cfg = build_config({"model": {"pretrained": str(folder)}, "sampling": {"num_steps": t},
                         "train": {"prompts_per_epoch": b // 2, "group_size": 2, "rollout_batch_size": b},
                         "rewards": [{"name": "jpeg_compressibility"}], "logging": {"progress": False}})
-    params = setup_trainable(adapter, finetune="lora", rank=8, alpha=16, target_modules=cfg.model.lora_target_modules,
-                             need_reference=False)
 
     class _NoReward:
         name = "none"
@@ -105,10 +105,16 @@ def main() -> None:
 
     from flowgrpo.data.prompts import PromptSet
 
-    trainer = Trainer(cfg, adapter=adapter, params=params,
-                      rewards=ComposedReward({"none": _NoReward()}, {"none": 1}), eval_rewards=None,
-                      chunker=build_chunker(cfg.chunker), prompts=PromptSet(prompts, [{}] * b, "bench"),
-                      eval_prompts=None, accelerator=Accelerator(cpu=True))
+    def make_trainer(adapter) -> Trainer:
+        """A LoRA trainer of ``adapter`` with row (b)'s settings and a reward that is never called."""
+        params = setup_trainable(adapter, finetune="lora", rank=8, alpha=16,
+                                 target_modules=cfg.model.lora_target_modules, need_reference=False)
+        return Trainer(cfg, adapter=adapter, params=params,
+                       rewards=ComposedReward({"none": _NoReward()}, {"none": 1}), eval_rewards=None,
+                       chunker=build_chunker(cfg.chunker), prompts=PromptSet(prompts, [{}] * b, "bench"),
+                       eval_prompts=None, accelerator=Accelerator(cpu=True))
+
+    trainer = make_trainer(adapter)
     traj = rollout(adapter, RolloutRequest(prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long),
             settings=settings, batch_size=b, seed=0, epoch=0), torch.ones(t, dtype=torch.bool))
     adv = Advantages(values=torch.randn(b), train_mask=torch.ones(b, dtype=torch.bool), zero_spread_frac=0.0,
@@ -150,10 +156,42 @@ def main() -> None:
     base_g, base_t = 4, 4
     e0, eg, et = ((epoch_time(base_g, base_t), epoch_time(2 * base_g, base_t), epoch_time(base_g, 2 * base_t))
                   if "c" in args.parts else (nan, nan, nan))
+    # (d) E-GRPO: the G rows of a (prompt, branch step) group jump from one anchor; the update forwards it once
+    def egrpo_update_times() -> tuple[float, float]:
+        """At 256² (256 image tokens), where a transformer call's cost grows with its rows on this CPU (at 64² a
+        tiny call costs the same for 2 rows as for 8, and the dedupe has nothing to save)."""
+        from flowgrpo.algo.chunkers import chunker_settings
+
+        g = 4
+        big = load_model(str(folder), max_sequence_length=32, height=D_SIZE, width=D_SIZE)
+        em_trainer = make_trainer(big)
+        em = build_chunker(chunker_settings("entropy_merge", merge_steps=[0, 1, 2, 4], merge_lengths=[1, 1, 2, 3]))
+        em_prompts = [prompts[i // g] for i in range(b)]  # b // g prompts, G samples each
+        em_traj = em.rollout(big, RolloutRequest(em_prompts, [{}] * b, torch.arange(b) // g, torch.arange(b) % g,
+                             settings=settings, batch_size=b, seed=0, epoch=0))
+        n = em_traj.batch_size
+        em_plan = em.plan(em_traj, 0, torch.Generator().manual_seed(0))
+        em_adv = Advantages(values=torch.randn(n), train_mask=torch.ones(n, dtype=torch.bool), zero_spread_frac=0.0,
+                            nan_frac=0.0)
+        em_trainer.chunker, em_trainer.cfg.train.train_batch_size = em, b
+
+        def run():
+            em_trainer.update_phase(em_traj, em_adv, em_plan, em_traj.log_probs)
+
+        once = _median_seconds(run, args.repeats)
+        type(em).shares_inputs = False  # every row forwarded, as before the dedupe
+        try:
+            each = _median_seconds(run, args.repeats)
+        finally:
+            type(em).shares_inputs = True
+        return once, each
+
+    d_once, d_each = egrpo_update_times() if "d" in args.parts else (nan, nan)
     figures = {
         "a_rollout_s": a_ours, "a_pipeline_s": a_theirs, "a_ratio": a_ours / a_theirs,
         "b_update_s": b_ours, "b_bare_s": b_bare, "b_ratio": b_ours / b_bare,
         "c_epoch_s": e0, "c_epoch_2G_s": eg, "c_epoch_2T_s": et, "c_ratio_2G": eg / e0, "c_ratio_2T": et / e0,
+        "d_egrpo_update_shared_s": d_once, "d_egrpo_update_per_row_s": d_each, "d_ratio": d_once / d_each,
         "batch": b, "steps": t, "threads": torch.get_num_threads(),
     }
     lines = [
@@ -165,14 +203,10 @@ def main() -> None:
         f"{b_bare*1e3:.0f} ms | {b_ours/b_bare:.2f}× | ≤ 1.15× |",
         f"| (c) epoch, G {base_g}→{2*base_g} (4 prompts, T={base_t}) | {eg:.2f} s | {e0:.2f} s | {eg/e0:.2f}× | ≈ 2× |",
         f"| (c) epoch, T {base_t}→{2*base_t} (4 prompts, G={base_g}) | {et:.2f} s | {e0:.2f} s | {et/e0:.2f}× | ≈ 2× |",
+        f"| (d) E-GRPO update, shared anchor forwarded once vs per sample ({b} samples × 4 branch steps, G=4, "
+        f"{D_SIZE}²) | "
+        f"{d_once*1e3:.0f} ms | {d_each*1e3:.0f} ms | {d_once/d_each:.2f}× | < 1× |",
     ]
-    try:
-        from flowgrpo.algo.chunkers import CHUNKERS
-
-        if "entropy_merge" in CHUNKERS:
-            lines.append("| (d) E-GRPO shared prefix: see bench/learning.py (transformer calls per epoch) | | | | |")
-    except ImportError:
-        pass
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

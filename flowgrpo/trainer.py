@@ -74,28 +74,33 @@ _STATS = ("pairs", "ratio", "clipped", "approx_kl", "kl_ref", "loss")
 class _Accum:
     """Sums over trained pairs of one group of optimizer steps (on-policy first step, or the later ones).
 
-    The sums live on the model's device as one (6,) float64 tensor and the mismatch maximum as a 0-dim tensor, so
-    accumulating a chunk never waits for the device; :meth:`metrics` reads them back once, after the update.
+    Each chunk's detached statistics are kept as they are, on the model's device (a few (N,) tensors), so
+    accumulating a chunk launches no work and never waits for the device; :meth:`metrics` reduces them in one pass
+    and reads them back once, after the update.
     """
 
     def __init__(self) -> None:
-        self.sums: torch.Tensor | None = None
-        self.mismatch: torch.Tensor | None = None
+        self.chunks: list[tuple] = []
 
     def add(self, terms, mask: torch.Tensor, loss_sum: torch.Tensor) -> None:
         """Add the pairs of ``mask`` (N,) bool, on the device of ``terms``; ``loss_sum`` a 0-dim tensor there."""
+        self.chunks.append((mask, terms.ratio, terms.clipped, terms.approx_kl, terms.kl_ref, loss_sum.detach(),
+                            terms.log_ratio_abs_max))
+
+    def _sums(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """((6,) float64 sums in ``_STATS`` order, 0-dim max |Δ log p| over the masked pairs), on the device."""
+        if not self.chunks:
+            return torch.zeros(len(_STATS), dtype=torch.float64, device=device), torch.zeros((), device=device)
+        mask, *stats, loss_sums, lr_max = (torch.cat([c[i].reshape(-1) for c in self.chunks])
+                                           for i in range(len(self.chunks[0])))
         m = mask.to(torch.float64)
-        rows = torch.stack([m, terms.ratio.double() * m, terms.clipped.double() * m, terms.approx_kl.double() * m,
-                            terms.kl_ref.double() * m])  # (5, N)
-        step = torch.cat([rows.sum(dim=1), loss_sum.detach().double().reshape(1)])  # (6,)
-        self.sums = step if self.sums is None else self.sums + step
-        lr_max = torch.where(mask, terms.log_ratio_abs_max, torch.zeros_like(terms.log_ratio_abs_max)).max()
-        self.mismatch = lr_max if self.mismatch is None else torch.maximum(self.mismatch, lr_max)
+        sums = torch.cat([m.sum().reshape(1), torch.stack([(x.double() * m).sum() for x in stats]),
+                          loss_sums.double().sum().reshape(1)])
+        return sums, torch.where(mask, lr_max, torch.zeros_like(lr_max)).max()
 
     def metrics(self, prefix: str, device: torch.device) -> dict[str, float]:
         """The means over all processes' pairs (one collective, one read to the host)."""
-        sums = self.sums if self.sums is not None else torch.zeros(len(_STATS), dtype=torch.float64, device=device)
-        t = dist.all_reduce_sum(sums).tolist()
+        t = dist.all_reduce_sum(self._sums(device)[0]).tolist()
         n = t[0]
         if n == 0:
             return {}
@@ -109,8 +114,7 @@ class _Accum:
 
     def mismatch_max(self, device: torch.device) -> float:
         """max |Δ log p| over the trained pairs of all processes (0 when none)."""
-        m = self.mismatch if self.mismatch is not None else torch.zeros((), device=device)
-        return float(dist.all_reduce_max(m.double()))
+        return float(dist.all_reduce_max(self._sums(device)[1].double()))
 
 
 def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], settings: SamplerSettings,
@@ -394,7 +398,6 @@ class Trainer:
                      batch: dict[str, torch.Tensor], acc: _Accum, *, sync: bool) -> None:
         """Forward and backward of chunk ``k`` for ``rows``; gradients are all-reduced only when ``sync``."""
         cfg = self.cfg
-        dev = self.adapter.device
         ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
         with ctx, self.adapter.attention():  # the backward (and any checkpoint recompute) uses the same kernels
             fwd = chunk_forward(self.adapter, traj, rows, plan.chunks[k], self.settings,
@@ -402,7 +405,7 @@ class Trainer:
                                 shared_inputs=self._shared_inputs(traj, rows))
             terms = self.policy_loss(self._loss_input(fwd, rows, plan.chunks[k], batch["old_log_probs"],
                                                       batch["advantages"]), self.loss_settings)
-            m = batch["pair_mask"][rows, k].to(dev)
+            m = batch["pair_mask"][rows, k].to(terms.loss.device)
             loss_sum = (terms.loss * m).sum()
             self.accelerator.backward(loss_sum * (dist.world_size() / max(step.global_pairs, 1.0)))
         acc.add(terms, m, loss_sum)
@@ -433,7 +436,8 @@ class Trainer:
                  "pair_mask": plan.selected & adv.train_mask[local].unsqueeze(1)}  # (B,), (B, T), (B, K) host
         steps = self._schedule(traj, plan, batch["pair_mask"])
         first, later = _Accum(), _Accum()
-        self.model.train()
+        if not self.model.training:  # a walk over every module: only when evaluation switched it off
+            self.model.train()
         bar = tqdm(total=t.inner_epochs * sum(s.micro_batches for s in steps), desc="update", leave=False,
                    disable=not (cfg.logging.progress and self.main))
         grad_norms = []
