@@ -1,6 +1,9 @@
 """Speed of flowgrpo's own machinery against the bare diffusers/torch work it wraps (a table; never a test).
 
-    python bench/speed.py [--json PATH] [--repeats 5] [--parts a b c] [--stat median|min]
+    python bench/speed.py [--json PATH] [--repeats 5] [--parts a b c d] [--stat median|min]
+
+Rows (a) and (b) time flowgrpo's side and the reference in alternation and report the statistic of the per-pair
+ratios, so a slow spell of a shared machine falls on both sides.
 
 (a) an SDE rollout recording log-probs and decoding vs ``FluxPipeline.__call__`` (same model, prompts, steps,
     batch, resolution; target ≤ 1.05×);
@@ -37,6 +40,19 @@ def _median_seconds(fn, repeats: int) -> float:
     return _stat(times)
 
 
+def _paired_seconds(ours, reference, repeats: int) -> tuple[float, float, float]:
+    """(ours, reference, ratio): the two timed in alternation, so that a slow spell of a shared machine falls on
+    both; the ratio is the statistic of the per-pair ratios (steadier than a ratio of two separate runs)."""
+    ours(), reference()  # warm-up
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, out in ((ours, a), (reference, b)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return _stat(a), _stat(b), _stat([x / y for x, y in zip(a, b, strict=True)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the figures here")
@@ -66,7 +82,6 @@ def main() -> None:
     b, t = args.batch, args.steps
     prompts = [f"a photo of object {i}" for i in range(b)]
     settings = SamplerSettings(num_steps=t, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
-    rows = {}
 
     def ours():
         rollout(adapter, RolloutRequest(prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long),
@@ -78,9 +93,7 @@ def main() -> None:
                  max_sequence_length=32, generator=torch.Generator().manual_seed(0))
 
     pipe.set_progress_bar_config(disable=True)
-    a_ours, a_theirs = (_median_seconds(ours, args.repeats), _median_seconds(theirs, args.repeats)) \
-        if "a" in args.parts else (nan, nan)
-    rows["a_rollout_vs_pipeline"] = (a_ours, a_theirs, 1.05)
+    a_ours, a_theirs, a_ratio = _paired_seconds(ours, theirs, args.repeats) if "a" in args.parts else (nan,) * 3
 
     # (b) one update (the trainer's chunk_forward + clipped surrogate + backward + step) vs bare fwd+bwd
     from accelerate import Accelerator
@@ -132,9 +145,7 @@ def main() -> None:
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
 
-    b_ours, b_bare = (_median_seconds(update, args.repeats), _median_seconds(bare, args.repeats)) \
-        if "b" in args.parts else (nan, nan)
-    rows["b_update_vs_bare_fwd_bwd"] = (b_ours, b_bare, 1.15)
+    b_ours, b_bare, b_ratio = _paired_seconds(update, bare, args.repeats) if "b" in args.parts else (nan,) * 3
 
     # (c) epoch scaling: rollout + update for G and T doubled
     def epoch_time(g: int, steps: int) -> float:
@@ -188,8 +199,8 @@ def main() -> None:
 
     d_once, d_each = egrpo_update_times() if "d" in args.parts else (nan, nan)
     figures = {
-        "a_rollout_s": a_ours, "a_pipeline_s": a_theirs, "a_ratio": a_ours / a_theirs,
-        "b_update_s": b_ours, "b_bare_s": b_bare, "b_ratio": b_ours / b_bare,
+        "a_rollout_s": a_ours, "a_pipeline_s": a_theirs, "a_ratio": a_ratio,
+        "b_update_s": b_ours, "b_bare_s": b_bare, "b_ratio": b_ratio,
         "c_epoch_s": e0, "c_epoch_2G_s": eg, "c_epoch_2T_s": et, "c_ratio_2G": eg / e0, "c_ratio_2T": et / e0,
         "d_egrpo_update_shared_s": d_once, "d_egrpo_update_per_row_s": d_each, "d_ratio": d_once / d_each,
         "batch": b, "steps": t, "threads": torch.get_num_threads(),
@@ -198,9 +209,9 @@ def main() -> None:
         "| measure | flowgrpo | reference | ratio | target |",
         "|---|---|---|---|---|",
         f"| (a) SDE rollout + log-probs + decode vs FluxPipeline.__call__ (B={b}, T={t}, 64²) | {a_ours*1e3:.0f} ms | "
-        f"{a_theirs*1e3:.0f} ms | {a_ours/a_theirs:.2f}× | ≤ 1.05× |",
+        f"{a_theirs*1e3:.0f} ms | {a_ratio:.2f}× | ≤ 1.05× |",
         f"| (b) policy update vs bare forward+backward of the same {b}×{t} transitions | {b_ours*1e3:.0f} ms | "
-        f"{b_bare*1e3:.0f} ms | {b_ours/b_bare:.2f}× | ≤ 1.15× |",
+        f"{b_bare*1e3:.0f} ms | {b_ratio:.2f}× | ≤ 1.15× |",
         f"| (c) epoch, G {base_g}→{2*base_g} (4 prompts, T={base_t}) | {eg:.2f} s | {e0:.2f} s | {eg/e0:.2f}× | ≈ 2× |",
         f"| (c) epoch, T {base_t}→{2*base_t} (4 prompts, G={base_g}) | {et:.2f} s | {e0:.2f} s | {et/e0:.2f}× | ≈ 2× |",
         f"| (d) E-GRPO update, shared anchor forwarded once vs per sample ({b} samples × 4 branch steps, G=4, "

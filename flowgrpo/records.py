@@ -42,7 +42,9 @@ class PromptEmbeds:
         return PromptEmbeds({k: v[idx] for k, v in self.tensors.items()}, self.shared)
 
     def repeat_interleave(self, n: int) -> PromptEmbeds:
-        """Each row repeated ``n`` times in place: (P, …) → (P·n, …), the P×G group layout."""
+        """Each row repeated ``n`` times in place: (P, …) → (P·n, …), the P×G group layout (``self`` for n = 1)."""
+        if n == 1:
+            return self
         return PromptEmbeds({k: v.repeat_interleave(n, dim=0) for k, v in self.tensors.items()}, self.shared)
 
     def to(self, device: torch.device | str) -> PromptEmbeds:

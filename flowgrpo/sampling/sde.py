@@ -160,8 +160,7 @@ def transition_moments(
     b = x.shape[0]
     s_given = torch.as_tensor(sigma, dtype=torch.float32)
     sn_given = torch.as_tensor(sigma_next, dtype=torch.float32, device=s_given.device)
-    ok = (sn_given < s_given) & (sn_given >= 0) & (s_given > 0) & (s_given <= 1)
-    if not bool(torch.all(ok)):
+    if not bool(((sn_given >= 0) & (sn_given < s_given) & (s_given <= 1)).all()):  # σ > 0 follows
         raise ValueError(
             f"a transition needs 0 <= sigma_next < sigma <= 1, got sigma={s_given.flatten().tolist()}, "
             f"sigma_next={sn_given.flatten().tolist()}"
