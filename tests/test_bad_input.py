@@ -375,13 +375,20 @@ def test_sample_run_rebuilds_the_model_as_training_did(tmp_path, tiny_flux_dir):
                                                 "config.yaml in it)"]
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT back to its default. A suite started in the background (``nohup … &``, some CI runners)
+    has SIGINT ignored, the child inherits that, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_prints_one_line_and_leaves_the_checkpoint(tmp_path, tiny_flux_dir):
     cfg = _cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 500}, logging={"save_every": 1})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     proc = subprocess.Popen([sys.executable, "flowgrpo/train.py", str(path)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=_default_sigint)
     latest = tmp_path / "run" / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and time.time() < deadline and proc.poll() is None:

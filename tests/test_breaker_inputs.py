@@ -278,7 +278,8 @@ def test_ctrl_c_under_the_cli_prints_the_cli_command_that_resumes(tmp_path, tiny
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "rewards"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "flowgrpo.cli", *argv], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # see test_bad_input
     latest = out / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and time.time() < deadline and proc.poll() is None:
