@@ -81,14 +81,22 @@ class _Accum:
 
     def __init__(self) -> None:
         self.chunks: list[tuple] = []
+        self._reduced: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add(self, terms, mask: torch.Tensor, loss_sum: torch.Tensor) -> None:
         """Add the pairs of ``mask`` (N,) bool, on the device of ``terms``; ``loss_sum`` a 0-dim tensor there."""
+        self._reduced = None
         self.chunks.append((mask, terms.ratio, terms.clipped, terms.approx_kl, terms.kl_ref, loss_sum.detach(),
                             terms.log_ratio_abs_max))
 
     def _sums(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """((6,) float64 sums in ``_STATS`` order, 0-dim max |Δ log p| over the masked pairs), on the device."""
+        """((6,) float64 sums in ``_STATS`` order, 0-dim max |Δ log p| over the masked pairs), on the device;
+        reduced once, however many figures are read."""
+        if self._reduced is None:
+            self._reduced = self._reduce(device)
+        return self._reduced
+
+    def _reduce(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.chunks:
             return torch.zeros(len(_STATS), dtype=torch.float64, device=device), torch.zeros((), device=device)
         mask, *stats, loss_sums, lr_max = (torch.cat([c[i].reshape(-1) for c in self.chunks])
@@ -177,10 +185,11 @@ def _velocity_once_per_input(adapter, x: torch.Tensor, sigma: torch.Tensor, embe
     pick = torch.tensor([i * k + j for i in first for j in range(k)])  # (u·k,) rows of the flattened batch
     spread = torch.tensor([slot[key] * k + j for key in keys for j in range(k)])  # (n·k,) → (u·k,)
     dev = x.device
+    pick, spread = pick.to(dev), spread.to(dev)
+    x_u, sigma_u, embeds_u = x[pick], sigma[pick], embeds.index(pick.to(embeds.device))  # the unique rows, once
 
     def velocity() -> torch.Tensor:
-        v = adapter.velocity(x[pick.to(dev)], sigma[pick.to(dev)], embeds.index(pick.to(embeds.device)), guidance)
-        return v[spread.to(dev)]
+        return adapter.velocity(x_u, sigma_u, embeds_u, guidance)[spread]
 
     return velocity
 
