@@ -157,28 +157,44 @@ class EvalSamplingConfig(Section):
 
 
 class GroupFilterConfig(Section):
-    """Which samples of each group enter the advantages (GFPO: sample more, keep the best)."""
+    """Which samples of each group enter the advantages (GFPO: sample more, keep the best; pass_rate: train only
+    the groups of intermediate difficulty)."""
 
     name: GroupFilterName = Field(
-        "none", description="registered group filter (flowgrpo.algo.filters.GROUP_FILTERS): none, or gfpo (Group "
-        "Filtered Policy Optimization, arXiv 2508.09726: sample train.group_size = G' per prompt, keep `keep`)"
+        "none", description="registered group filter (flowgrpo.algo.filters.GROUP_FILTERS): none; gfpo (Group "
+        "Filtered Policy Optimization, arXiv 2508.09726: sample train.group_size = G' per prompt, keep `keep`); "
+        "pass_rate (online difficulty filtering, arXiv 2504.03380: train a group only if the fraction of its "
+        "samples with metric >= pass_threshold is within [min_pass_rate, max_pass_rate])"
     )
     keep: int | None = Field(None, ge=2, description="gfpo: G, samples kept per group (< train.group_size)")
     metric: str = Field(
-        "total", description="gfpo: what ranks the samples: 'total' (the composed reward) or a reward's name "
-        "(add a reward used only for filtering with weight 0)"
+        "total", description="gfpo, pass_rate: what ranks or passes the samples: 'total' (the composed reward) or "
+        "a reward's name (add a reward used only for filtering with weight 0)"
     )
     select: SelectionName = Field(
         "top", description="gfpo: registered selection (flowgrpo.algo.filters.SELECTIONS): top (highest metric), "
         "bottom (lowest, e.g. a cost), max_spread (the subset of largest metric variance, PODS arXiv 2504.13818)"
     )
+    pass_threshold: float | None = Field(
+        None, description="pass_rate: a sample passes when its metric is >= this (e.g. a capped reward's cap)"
+    )
+    min_pass_rate: float = Field(0.0, ge=0, le=1, description="pass_rate: groups passing less often are dropped")
+    max_pass_rate: float = Field(1.0, ge=0, le=1, description="pass_rate: groups passing more often are dropped")
 
     @model_validator(mode="after")
     def _check(self) -> GroupFilterConfig:
-        if self.name != "none" and self.keep is None:
-            raise ValueError(f"algo.group_filter.keep is needed for the filter {self.name!r}")
-        _refuse_unread(self, "algo.group_filter", "name", dict.fromkeys(("keep", "metric", "select"), ("gfpo",)),
-                       known=("none", "gfpo"))
+        if self.name == "gfpo" and self.keep is None:
+            raise ValueError("algo.group_filter.keep is needed for the filter 'gfpo'")
+        if self.name == "pass_rate" and self.pass_threshold is None:
+            raise ValueError("algo.group_filter.pass_threshold is needed for the filter 'pass_rate'")
+        if self.min_pass_rate > self.max_pass_rate:
+            raise ValueError(f"algo.group_filter.min_pass_rate={self.min_pass_rate} exceeds max_pass_rate="
+                             f"{self.max_pass_rate}: no group could train")
+        pr = ("pass_rate",)
+        _refuse_unread(self, "algo.group_filter", "name",
+                       {"keep": ("gfpo",), "select": ("gfpo",), "metric": ("gfpo", "pass_rate"),
+                        "pass_threshold": pr, "min_pass_rate": pr, "max_pass_rate": pr},
+                       known=("none", "gfpo", "pass_rate"))
         return self
 
 
@@ -378,7 +394,7 @@ class Config(Section):
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         gf = self.algo.group_filter
-        if gf.name != "none" and gf.keep >= t.group_size:
+        if gf.name == "gfpo" and gf.keep >= t.group_size:
             raise ValueError(f"algo.group_filter.keep={gf.keep} must be below train.group_size={t.group_size} "
                              "(the samples drawn per prompt)")
         keys = [r.name.split(":")[-1] for r in self.rewards]  # the names the composition gives the rewards

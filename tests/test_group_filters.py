@@ -77,3 +77,38 @@ def test_config_checks_keep_and_metric():
         build_config({}, ["algo.group_filter.name=gfpo", "algo.group_filter.keep=2", "algo.group_filter.metric=x"])
     with pytest.raises(ConfigError, match="keep is needed"):
         build_config({}, ["algo.group_filter.name=gfpo"])
+
+
+def test_pass_rate_keeps_whole_groups_of_intermediate_pass_rate():
+    """Balanced online difficulty filtering (arXiv 2504.03380): pass rates counted by hand per group."""
+    total = [0.8, 0.8, 0.8, 0.8,   # group 0: 4/4 pass → dropped (> 0.75)
+             0.8, 0.8, 0.8, 0.2,   # group 1: 3/4 = 0.75 → kept (bounds inclusive)
+             0.8, 0.1, 0.2, float("nan"),  # group 2: 1/4 (NaN never passes) → kept
+             0.1, 0.2, 0.3, 0.4]   # group 3: 0/4 → dropped (< 0.25)
+    gids = torch.arange(4).repeat_interleave(4)
+    cfg = GroupFilterConfig(name="pass_rate", pass_threshold=0.8, min_pass_rate=0.25, max_pass_rate=0.75)
+    res = GROUP_FILTERS.get("pass_rate")(_rewards(total), gids, cfg)
+    assert res.keep.tolist() == [False] * 4 + [True] * 8 + [False] * 4
+    assert res.metrics["filter/kept_group_frac"] == 0.5
+    assert res.metrics["filter/pass_rate_mean"] == pytest.approx((1 + 0.75 + 0.25 + 0) / 4)
+    assert res.metrics["filter/extra_sample_frac"] == 0.0
+    # the kept groups' advantages are exactly their own GRPO advantages; the dropped ones are not trained
+    adv = advantages_of_kept(lambda r, g: compute_advantages(r, g), _rewards(total), gids, res.keep)
+    assert adv.train_mask[:4].tolist() == [False] * 4 and adv.train_mask[12:].tolist() == [False] * 4
+    alone = compute_advantages(_rewards(total[4:8]), torch.zeros(4, dtype=torch.long))
+    torch.testing.assert_close(adv.values[4:8], alone.values)
+
+
+def test_pass_rate_config_needs_a_threshold_and_an_ordered_band():
+    from flowgrpo.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="pass_threshold is needed"):
+        build_config({}, ["algo.group_filter.name=pass_rate"])
+    with pytest.raises(ConfigError, match="min_pass_rate=0.8 exceeds max_pass_rate=0.5"):
+        build_config({}, ["algo.group_filter.name=pass_rate", "algo.group_filter.pass_threshold=1",
+                          "algo.group_filter.min_pass_rate=0.8", "algo.group_filter.max_pass_rate=0.5"])
+    with pytest.raises(ConfigError, match="max_pass_rate=0.5 is read only by algo.group_filter.name=pass_rate"):
+        build_config({}, ["algo.group_filter.max_pass_rate=0.5"])
+    with pytest.raises(ConfigError, match="pass_threshold=0.5 is read only by"):
+        build_config({}, ["algo.group_filter.name=gfpo", "algo.group_filter.keep=2",
+                          "algo.group_filter.pass_threshold=0.5"])

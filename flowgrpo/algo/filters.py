@@ -13,6 +13,14 @@ Selections (``algo.group_filter.select``), each a registered rule over one group
 * ``max_spread``: the G samples whose metric values have the largest population variance (max-variance
   down-sampling of PODS, Xu et al., arXiv 2504.13818, which proves the optimum takes the i highest and the
   G − i lowest values for some i, so checking the G + 1 such splits is exact).
+
+Online difficulty filtering (``pass_rate``; Bae et al., "Online Difficulty Filtering for Reasoning Oriented
+Reinforcement Learning", arXiv 2504.03380, balanced filtering): a group is trained only when its pass rate — the
+fraction of its samples whose metric reaches ``pass_threshold`` — lies in [``min_pass_rate``, ``max_pass_rate``].
+The paper shows the expected policy improvement is bounded below by the variance of the pass rate, largest at
+intermediate difficulty; groups almost every sample of which already passes are left out whole. With a capped
+reward (``pass_threshold`` = the cap) a prompt stops training once nearly all its samples pass, instead of
+pulling its last stragglers toward the reward model's prototype. No extra samples are drawn.
 """
 
 from __future__ import annotations
@@ -131,6 +139,35 @@ def gfpo_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterRe
         "filter/extra_sample_frac": drawn / settings.keep - 1.0,  # rollout+reward cost over plain GRPO with G
         "filter/metric_mean_drawn": _mean(metric),
         "filter/metric_mean_kept": _mean(metric[keep]),
+        "filter/reward_mean_drawn": _mean(rewards.total),
+        "filter/reward_mean_kept": _mean(rewards.total[keep]),
+    })
+
+
+@GROUP_FILTERS.register("pass_rate")
+def pass_rate_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterResult:
+    """Online difficulty filtering (arXiv 2504.03380): keep the groups whose pass rate is in
+    [``settings.min_pass_rate``, ``settings.max_pass_rate``], whole (see the module docstring).
+
+    Args:
+        rewards: the composed rewards of the gathered batch (B,).
+        group_ids: (B,) long.
+        settings: :class:`~flowgrpo.config.GroupFilterConfig`; a sample passes when its ``metric`` value is
+            ``>= pass_threshold``; a NaN value never passes, and a group's pass rate is over all its samples.
+
+    Raises:
+        ValueError: an unknown metric.
+    """
+    metric = _metric(rewards, settings.metric).double()
+    passed = (metric >= settings.pass_threshold).double()  # NaN compares False
+    uniq, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    rate = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inverse, passed) / counts  # (groups,)
+    kept_groups = (rate >= settings.min_pass_rate) & (rate <= settings.max_pass_rate)
+    keep = kept_groups[inverse]
+    return FilterResult(keep=keep, metrics={
+        "filter/kept_group_frac": float(kept_groups.double().mean()),
+        "filter/pass_rate_mean": float(rate.mean()),
+        "filter/extra_sample_frac": 0.0,
         "filter/reward_mean_drawn": _mean(rewards.total),
         "filter/reward_mean_kept": _mean(rewards.total[keep]),
     })
