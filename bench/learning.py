@@ -6,7 +6,8 @@
 Every row starts from the same pretrained base model and changes only the settings named in its row: ``default``
 is the shipped ``flowgrpo/configs/digits.yaml`` as it is when the bench runs; ``old_default`` writes out the
 settings that file shipped before the collapse work (uncapped ``digit_correctness``, lr 2e-4, clip 2e-4, 80
-epochs); the chunker, SDE, estimator, policy-loss and filter rows change the default in one respect. Overrides are
+epochs); ``prev_default`` the default before online difficulty filtering (capped reward and KL, no group filter);
+the chunker, SDE, estimator, policy-loss and filter rows change the default in one respect. Overrides are
 applied in this order: the row's, then ``--set`` (shared by every row), then ``--epochs`` (if given; otherwise
 each row keeps its config's ``train.num_epochs``), then the bench's own (seed, output folder, ``logging.eval_every``).
 
@@ -46,12 +47,16 @@ OLD_DEFAULT = [
     "rewards=[{name: digit_correctness}]", "algo.advantage=grpo", "algo.policy_loss=clipped", "algo.clip_range=2.0e-4",
     "algo.kl_beta=0", "train.lr=2.0e-4", "train.num_epochs=80", "train.prompts_per_epoch=16", "train.group_size=8",
     "train.rollout_batch_size=32", "train.optimizer_steps_per_epoch=2", "chunker={name: per_step}",
-    "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full",
+    "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full", "algo.group_filter={name: none}",
 ]
+
+#: the shipped digits.yaml before online difficulty filtering: the capped reward and the KL, every group trained
+PREV_DEFAULT = ["algo.group_filter={name: none}", "train.num_epochs=50"]
 
 ROWS: dict[str, list[str]] = {
     "default": [],
     "old_default": OLD_DEFAULT,
+    "prev_default": PREV_DEFAULT,
     # chunkers on the default
     "per_step": ["chunker.name=per_step"],
     "chunk": ["chunker.name=chunk", "chunker.min_chunk_size=2"],
@@ -73,14 +78,15 @@ ROWS: dict[str, list[str]] = {
     "sapo": ["algo.policy_loss=sapo", "algo.sapo_tau_pos=5000", "algo.sapo_tau_neg=5250"],
     "dual_clip": ["algo.policy_loss=dual_clip", "algo.dual_clip_c=3"],
     "grpo_guard": ["algo.policy_loss=grpo_guard"],
-    # GFPO: draw G' = 16 per prompt, keep the 8 of largest reward spread (PODS max-variance selection)
-    "gfpo": ["train.group_size=16", "algo.group_filter.name=gfpo", "algo.group_filter.keep=8",
-             "algo.group_filter.select=max_spread"],
+    # GFPO in place of the default's filter: draw G' = 16 per prompt, keep the 8 of largest reward spread (PODS
+    # max-variance selection)
+    "gfpo": ["train.group_size=16", "algo.group_filter={name: gfpo, keep: 8, select: max_spread}"],
 }
 
 #: how the table's settings column names a row whose overrides are too long to print (default: its overrides)
 ROW_LABELS = {"default": "digits.yaml", "old_default": "OLD_DEFAULT: uncapped digit_correctness, lr 2e-4, clip 2e-4, "
-              "80 epochs (digits.yaml before the collapse work)"}
+              "80 epochs (digits.yaml before the collapse work)",
+              "prev_default": "digits.yaml without its group filter (the default before online difficulty filtering)"}
 
 TARGET = 0.97  # judge correctness the "epochs to reach" column counts to
 JUDGE_KEY = "eval/correctness"  # the judge's strict correctness in a periodic evaluation record
