@@ -6,8 +6,7 @@
 Every row starts from the same pretrained base model and changes only the settings named in its row: ``default``
 is the shipped ``flowgrpo/configs/digits.yaml`` as it is when the bench runs; ``old_default`` writes out the
 settings that file shipped before the collapse work (uncapped ``digit_correctness``, lr 2e-4, clip 2e-4, 80
-epochs); ``prev_default`` the default before online difficulty filtering (capped reward and KL, no group filter);
-the chunker, SDE, estimator, policy-loss and filter rows change the default in one respect. Overrides are
+epochs); the chunker, SDE, estimator, policy-loss and filter rows change the default in one respect. Overrides are
 applied in this order: the row's, then ``--set`` (shared by every row), then ``--epochs`` (if given; otherwise
 each row keeps its config's ``train.num_epochs``), then the bench's own (seed, output folder, ``logging.eval_every``).
 
@@ -50,13 +49,9 @@ OLD_DEFAULT = [
     "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full", "algo.group_filter={name: none}",
 ]
 
-#: the shipped digits.yaml before online difficulty filtering: the capped reward and the KL, every group trained
-PREV_DEFAULT = ["algo.group_filter={name: none}", "train.num_epochs=50"]
-
 ROWS: dict[str, list[str]] = {
     "default": [],
     "old_default": OLD_DEFAULT,
-    "prev_default": PREV_DEFAULT,
     # chunkers on the default
     "per_step": ["chunker.name=per_step"],
     "chunk": ["chunker.name=chunk", "chunker.min_chunk_size=2"],
@@ -78,15 +73,16 @@ ROWS: dict[str, list[str]] = {
     "sapo": ["algo.policy_loss=sapo", "algo.sapo_tau_pos=5000", "algo.sapo_tau_neg=5250"],
     "dual_clip": ["algo.policy_loss=dual_clip", "algo.dual_clip_c=3"],
     "grpo_guard": ["algo.policy_loss=grpo_guard"],
-    # GFPO in place of the default's filter: draw G' = 16 per prompt, keep the 8 of largest reward spread (PODS
-    # max-variance selection)
+    # GFPO: draw G' = 16 per prompt, keep the 8 of largest reward spread (PODS max-variance selection)
     "gfpo": ["train.group_size=16", "algo.group_filter={name: gfpo, keep: 8, select: max_spread}"],
+    # online difficulty filtering (arXiv 2504.03380): a group trains only while at most 6 of its 8 samples reach
+    # the reward's cap
+    "pass_rate": ["algo.group_filter={name: pass_rate, pass_threshold: 0.8, max_pass_rate: 0.75}"],
 }
 
 #: how the table's settings column names a row whose overrides are too long to print (default: its overrides)
 ROW_LABELS = {"default": "digits.yaml", "old_default": "OLD_DEFAULT: uncapped digit_correctness, lr 2e-4, clip 2e-4, "
-              "80 epochs (digits.yaml before the collapse work)",
-              "prev_default": "digits.yaml without its group filter (the default before online difficulty filtering)"}
+              "80 epochs (digits.yaml before the collapse work)"}
 
 TARGET = 0.97  # judge correctness the "epochs to reach" column counts to
 JUDGE_KEY = "eval/correctness"  # the judge's strict correctness in a periodic evaluation record
