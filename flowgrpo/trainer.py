@@ -407,7 +407,9 @@ class Trainer:
                      batch: dict[str, torch.Tensor], acc: _Accum, *, sync: bool) -> None:
         """Forward and backward of chunk ``k`` for ``rows``; gradients are all-reduced only when ``sync``."""
         cfg = self.cfg
-        ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model)
+        # one process has nothing to all-reduce (accelerate's no_sync would only look that up per call)
+        ctx = (contextlib.nullcontext() if sync or self.accelerator.num_processes == 1
+               else self.accelerator.no_sync(self.model))
         with ctx, self.adapter.attention():  # the backward (and any checkpoint recompute) uses the same kernels
             fwd = chunk_forward(self.adapter, traj, rows, plan.chunks[k], self.settings,
                                 with_ref=cfg.algo.kl_beta > 0, kl_form=cfg.algo.kl_form,

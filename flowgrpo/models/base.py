@@ -139,10 +139,22 @@ class AdapterBase:
 
     def attention(self) -> contextlib.AbstractContextManager:
         """The SDPA kernels of ``attention_backend`` (see :mod:`flowgrpo.models.attention`): every transformer
-        call and the update's backward pass run inside it."""
+        call and the update's backward pass run inside it. Inside an open one (the update's forward within its
+        backward's context) it is a no-op: the kernels are already chosen."""
+        if getattr(self, "_attention_open", False):
+            return contextlib.nullcontext()
+        return self._attention_scope()
+
+    @contextlib.contextmanager
+    def _attention_scope(self):
         from flowgrpo.models.attention import attention_context
 
-        return attention_context(self.attention_backend, self.device)
+        self._attention_open = True
+        try:
+            with attention_context(self.attention_backend, self.device):
+                yield
+        finally:
+            self._attention_open = False
 
     def reference(self) -> contextlib.AbstractContextManager:
         """The frozen reference policy: the base model with LoRA disabled, or the frozen copy (full
