@@ -68,3 +68,17 @@ def test_other_errors_pass_through_unchanged():
         raise ValueError("plain")
     with pytest.raises(RuntimeError, match="^shape mismatch$"), attention_context("math", torch.device("cpu")):
         raise RuntimeError("shape mismatch")
+
+
+def test_a_nested_scope_is_a_no_op_and_the_outer_one_closes_even_on_error(tiny_flux):
+    """The update opens the scope around forward and backward; the forward's own scope inside it must not re-enter
+    the kernel context, and an error inside must leave the adapter ready to open a fresh scope."""
+    import contextlib
+
+    adapter = tiny_flux
+    with adapter.attention():
+        assert isinstance(adapter.attention(), contextlib.nullcontext)
+    assert not isinstance(adapter.attention(), contextlib.nullcontext)
+    with pytest.raises(ValueError), adapter.attention():
+        raise ValueError("inside")
+    assert not isinstance(adapter.attention(), contextlib.nullcontext)
