@@ -47,8 +47,9 @@ def test_a_reward_returning_words_is_one_line_naming_it_not_a_traceback(tmp_path
     (tmp_path / "p.txt").write_text("a red cube\na blue ball\n")
     with pytest.raises(SystemExit) as info:
         main([f"model.pretrained={tiny_flux_dir}", "model.height=32", "model.width=32", "sampling.num_steps=2",
-              "eval_sampling.num_steps=2", "train.num_epochs=1", "train.prompts_per_epoch=2", "train.group_size=2",
-              "train.rollout_batch_size=4", "train.optimizer_steps_per_epoch=1",
+              "eval_sampling.num_steps=2", "chunker={name: per_step}", "train.num_epochs=1",
+              "train.prompts_per_epoch=2", "train.group_size=2", "train.rollout_batch_size=4",
+              "train.train_batch_size=4", "train.optimizer_steps_per_epoch=1",
               f"rewards=[{{name: '{MOD}:Verdicts'}}]", "eval_rewards=[]", f"data.train_prompts={tmp_path / 'p.txt'}",
               f"data.eval_prompts={tmp_path / 'p.txt'}",
               "data.eval_num_prompts=2", "logging.progress=false", f"output_dir={tmp_path / 'run'}"])
@@ -202,10 +203,10 @@ def test_a_setting_the_chosen_strategy_does_not_read_is_refused(tmp_path, monkey
 
 
 @pytest.mark.parametrize("overrides, why", [
-    (["chunker.drop_last_step=true"], "chunker.drop_last_step=true leaves it out"),
-    (["sampling.sde_kind=cps"], "sde_kind 'cps' makes it deterministic"),
-    (["chunker.name=chunk", "chunker.drop_last_step=true"], "chunker.drop_last_step=true leaves it out"),
-    (["chunker.name=trajectory", "chunker.drop_last_step=true"], "chunker.drop_last_step=true leaves it out"),
+    (["chunker={name: per_step, drop_last_step: true}"], "chunker.drop_last_step=true leaves it out"),
+    (["chunker={name: per_step}", "sampling.sde_kind=cps"], "sde_kind 'cps' makes it deterministic"),
+    (["chunker={name: chunk, drop_last_step: true}"], "chunker.drop_last_step=true leaves it out"),
+    (["chunker={name: trajectory, drop_last_step: true}"], "chunker.drop_last_step=true leaves it out"),
 ])
 def test_one_step_whose_only_transition_is_never_trained_is_refused_before_loading(tmp_path, monkeypatch, capsys,
                                                                                   overrides, why):
@@ -237,7 +238,8 @@ def test_a_cps_noise_level_above_one_is_refused_before_loading(tmp_path, monkeyp
 
     monkeypatch.setattr(models, "load_model_from_config", no_model)
     with pytest.raises(SystemExit) as info:
-        main(["sampling.sde_kind=cps", f"sampling.noise_level={level}", f"output_dir={tmp_path / 'r'}"])
+        main(["chunker={name: per_step}", "sampling.sde_kind=cps", f"sampling.noise_level={level}",
+              f"output_dir={tmp_path / 'r'}"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(
@@ -247,8 +249,9 @@ def test_a_cps_noise_level_above_one_is_refused_before_loading(tmp_path, monkeyp
 def _tiny_overrides(tmp_path: Path, tiny_flux_dir: Path) -> list[str]:
     (tmp_path / "p.txt").write_text("a red cube\na blue ball\n")
     return [f"model.pretrained={tiny_flux_dir}", "model.height=32", "model.width=32", "sampling.num_steps=2",
-            "eval_sampling.num_steps=2", "train.prompts_per_epoch=2", "train.group_size=2",
-            "train.rollout_batch_size=4", "train.optimizer_steps_per_epoch=1", "rewards=[{name: jpeg_compressibility}]",
+            "eval_sampling.num_steps=2", "chunker={name: per_step}", "train.prompts_per_epoch=2", "train.group_size=2",
+            "train.rollout_batch_size=4", "train.train_batch_size=4", "train.optimizer_steps_per_epoch=1",
+            "rewards=[{name: jpeg_compressibility}]",
             "eval_rewards=[]", f"data.train_prompts={tmp_path / 'p.txt'}", f"data.eval_prompts={tmp_path / 'p.txt'}",
             "data.eval_num_prompts=2", "logging.progress=false"]
 

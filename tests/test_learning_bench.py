@@ -119,9 +119,13 @@ def test_every_row_is_a_valid_config(learning):
     from flowgrpo.config import ConfigError, build_config
     from flowgrpo.runner import DEFAULT_CONFIG
 
+    from flowgrpo.preflight import check_batch, check_strategies
+
     for name, overrides in learning.ROWS.items():
         cfg = build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), [*overrides, "logging.eval_every=5"])
         assert cfg.logging.eval_every == 5, name
+        check_strategies(cfg)  # what the run checks before loading: the chunker against the SDE kind, ...
+        check_batch(cfg, 1)  # ... and the batch layout
     assert build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), learning.OLD_DEFAULT).train.num_epochs == 80
     with pytest.raises(ConfigError):  # the check can fail: a misspelt key is refused
         build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), ["chunker.nmae=chunk"])

@@ -82,7 +82,8 @@ def _flow_sde_moments(x, v, sigma, sigma_next, noise_level, *, sigma_one_next=No
     guard = sigma_next if sigma_one_next is None else sigma_one_next
     denom = torch.where(sigma >= 1.0, 1.0 - guard, 1.0 - sigma)
     s = noise_level * torch.sqrt(sigma / denom)
-    mean = x * (1 + s**2 / (2 * sigma) * dt) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
+    half_var = s**2 / (2 * sigma)  # (B, 1, …): the per-sample coefficients first, then two full-size ops
+    mean = torch.addcmul(x * (1 + half_var * dt), v, (1 + half_var * (1 - sigma)) * dt)
     return mean, s * torch.sqrt(-dt)
 
 
