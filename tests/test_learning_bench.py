@@ -117,9 +117,8 @@ def test_every_row_is_a_valid_config(learning):
     import yaml
 
     from flowgrpo.config import ConfigError, build_config
-    from flowgrpo.runner import DEFAULT_CONFIG
-
     from flowgrpo.preflight import check_batch, check_strategies
+    from flowgrpo.runner import DEFAULT_CONFIG
 
     for name, overrides in learning.ROWS.items():
         cfg = build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), [*overrides, "logging.eval_every=5"])
