@@ -410,7 +410,7 @@ class Trainer:
         # one process has nothing to all-reduce (accelerate's no_sync would only look that up per call)
         ctx = (contextlib.nullcontext() if sync or self.accelerator.num_processes == 1
                else self.accelerator.no_sync(self.model))
-        with ctx, self.adapter.attention():  # the backward (and any checkpoint recompute) uses the same kernels
+        with ctx:  # inside update_phase's attention scope: the backward uses the forward's kernels
             fwd = chunk_forward(self.adapter, traj, rows, plan.chunks[k], self.settings,
                                 with_ref=cfg.algo.kl_beta > 0, kl_form=cfg.algo.kl_form,
                                 shared_inputs=self._shared_inputs(traj, rows))
@@ -452,15 +452,18 @@ class Trainer:
         bar = tqdm(total=t.inner_epochs * sum(s.micro_batches for s in steps), desc="update", leave=False,
                    disable=not (cfg.logging.progress and self.main))
         grad_norms = []
-        for inner in range(t.inner_epochs):
-            for u, step in enumerate(steps):
-                acc = first if inner == 0 and u == 0 else later
-                for i, (rows, k) in enumerate(step.work):
-                    self._train_chunk(traj, rows, k, plan, step, batch, acc, sync=i == len(step.work) - 1)
-                if step.work:
-                    grad_norms.append(self._optimizer_step())
-                self.optimizer.zero_grad(set_to_none=True)
-                bar.update(step.micro_batches)
+        # one attention-kernel scope for the whole update: every forward, its backward (and any checkpoint
+        # recompute) use the same kernels; the transformer calls' own scopes are no-ops inside it
+        with self.adapter.attention():
+            for inner in range(t.inner_epochs):
+                for u, step in enumerate(steps):
+                    acc = first if inner == 0 and u == 0 else later
+                    for i, (rows, k) in enumerate(step.work):
+                        self._train_chunk(traj, rows, k, plan, step, batch, acc, sync=i == len(step.work) - 1)
+                    if step.work:
+                        grad_norms.append(self._optimizer_step())
+                    self.optimizer.zero_grad(set_to_none=True)
+                    bar.update(step.micro_batches)
         bar.close()
         dev = self.adapter.device
         out = {**first.metrics("policy", dev), **later.metrics("policy_later", dev)}
