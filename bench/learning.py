@@ -4,9 +4,11 @@
                              [--eval-every 5] [--out runs/learning] [--resume] [--json PATH]
 
 Every row starts from the same pretrained base model and changes only the settings named in its row: ``default``
-is the shipped ``flowgrpo/configs/digits.yaml`` as it is when the bench runs; ``old_default`` writes out the
-settings that file shipped before the collapse work (uncapped ``digit_correctness``, lr 2e-4, clip 2e-4, 80
-epochs); the chunker, SDE, estimator, policy-loss and filter rows change the default in one respect. Overrides are
+is the shipped ``flowgrpo/configs/digits.yaml`` as it is when the bench runs; ``per_step_default`` and
+``old_default`` write out the settings that file shipped before (per-step Flow-GRPO with KL beta 0.04, before
+E-GRPO became the default; uncapped ``digit_correctness``, lr 2e-4, clip 2e-4, 80 epochs, before the collapse
+work); the chunker, SDE, estimator, policy-loss and filter rows change the default in one respect (a chunker row
+replaces the whole ``chunker`` section; ``cps`` also trains per step, since E-GRPO refuses CPS). Overrides are
 applied in this order: the row's, then ``--set`` (shared by every row), then ``--epochs`` (if given; otherwise
 each row keeps its config's ``train.num_epochs``), then the bench's own (seed, output folder, ``logging.eval_every``).
 
