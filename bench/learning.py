@@ -47,7 +47,7 @@ import yaml
 OLD_DEFAULT = [
     "rewards=[{name: digit_correctness}]", "algo.advantage=grpo", "algo.policy_loss=clipped", "algo.clip_range=2.0e-4",
     "algo.kl_beta=0", "train.lr=2.0e-4", "train.num_epochs=80", "train.prompts_per_epoch=16", "train.group_size=8",
-    "train.rollout_batch_size=32", "train.train_batch_size=32", "train.optimizer_steps_per_epoch=2",
+    "train.rollout_batch_size=32", "train.train_batch_size=null", "train.optimizer_steps_per_epoch=2",
     "chunker={name: per_step}", "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full",
     "algo.group_filter={name: none}",
 ]
@@ -58,7 +58,7 @@ PER_STEP_DEFAULT = [
     "rewards=[{name: digit_correctness, kwargs: {cap: 0.8}}]", "algo.advantage=grpo", "algo.policy_loss=clipped",
     "algo.clip_range=3.0e-4", "algo.kl_beta=0.04", "algo.kl_form=flow_grpo", "train.lr=3.0e-4",
     "train.num_epochs=50", "train.prompts_per_epoch=16", "train.group_size=8", "train.rollout_batch_size=32",
-    "train.train_batch_size=32", "train.optimizer_steps_per_epoch=2", "chunker={name: per_step}",
+    "train.train_batch_size=null", "train.optimizer_steps_per_epoch=2", "chunker={name: per_step}",
     "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full", "algo.group_filter={name: none}",
 ]
 

@@ -128,3 +128,16 @@ def test_every_row_is_a_valid_config(learning):
     assert build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), learning.OLD_DEFAULT).train.num_epochs == 80
     with pytest.raises(ConfigError):  # the check can fail: a misspelt key is refused
         build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), ["chunker.nmae=chunk"])
+
+
+def test_the_per_step_default_row_is_configs_digits_yaml(learning):
+    """The row that keeps the previous default and the shipped per-step digits config name the same settings."""
+    import yaml
+
+    from flowgrpo.config import build_config, load_config
+    from flowgrpo.runner import DEFAULT_CONFIG
+
+    row = build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), [*learning.PER_STEP_DEFAULT, "output_dir=x"])
+    shipped = load_config(BENCH.parents[1] / "configs" / "digits.yaml", ["output_dir=x"])
+    assert row == shipped
+    assert row != build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), ["output_dir=x"])  # not the default
