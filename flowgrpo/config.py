@@ -338,7 +338,9 @@ def _chunker_settings(section: dict) -> Section:
         if key in settings.model_fields:
             continue
         owners = [n for n in CHUNKERS if key in chunker_config_class(n).model_fields]
-        hint = (f"; it belongs to chunker {' / '.join(map(repr, owners))}" if owners
+        hint = (f"; it belongs to chunker {' / '.join(map(repr, owners))} (to switch strategies, replace the "
+                f"whole section, e.g. 'chunker={{name: {name}}}', or 'chunker: {{name: {name}}}' in a config that "
+                "extends another)" if owners
                 else did_you_mean(key, settings.model_fields).replace(" (", "; ").rstrip(")"))
         raise ValueError(f"unknown config key 'chunker.{key}' for chunker {name!r} (its keys: "
                          f"{sorted(settings.model_fields)}){hint}")

@@ -206,6 +206,11 @@ def test_each_chunker_has_its_own_section():
     suggestion; the section's values round-trip through the saved YAML."""
     with pytest.raises(ConfigError, match="'chunker.window_size' for chunker 'per_step'.*belongs to chunker 'window'"):
         build_config({"chunker": {"name": "per_step", "window_size": 8}})
+    # switching the default's E-GRPO chunker by name alone leaves its knobs: the error says how to switch
+    with pytest.raises(ConfigError, match=r"replace the whole section, e.g. 'chunker=\{name: chunk\}'"):
+        build_config({"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9}}, ["chunker.name=chunk"])
+    assert build_config({"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9}},
+                        ["chunker={name: chunk}"]).chunker.name == "chunk"
     with pytest.raises(ConfigError, match="did you mean 'min_chunk_size'"):
         build_config({"chunker": {"name": "chunk", "min_chunk_sise": 3}})
     with pytest.raises(ConfigError, match="unknown chunker 'per_stp'.*did you mean 'per_step'"):
