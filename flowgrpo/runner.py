@@ -95,6 +95,7 @@ def run(config) -> dict:
 
     from flowgrpo.models import load_model_from_config
     from flowgrpo.models.lora import setup_trainable
+    from flowgrpo.sampling.rollout import SamplerSettings
     from flowgrpo.trainer import Trainer
 
     quiet_libraries()
@@ -104,6 +105,8 @@ def run(config) -> dict:
     set_seed(config.train.seed)
     m = config.model
     adapter = load_model_from_config(m)
+    sampling = SamplerSettings.from_config(config.sampling)
+    chunker.validate_grid(adapter.sigmas(sampling.num_steps), sampling)  # before any evaluation or sampling
     adapter.pipe.to(accelerator.device)
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,

@@ -341,3 +341,25 @@ def test_an_output_dir_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
     assert info.value.code == 2
     assert err.strip().splitlines()[-1] == f"error: output_dir {str(a_file)!r} is a file, not a folder; choose a " \
                                            "folder for the run"
+
+
+def test_an_entropy_threshold_no_jump_reaches_is_one_line_before_any_evaluation(tmp_path, tiny_flux_dir, capsys,
+                                                                                  monkeypatch):
+    """Before: E-GRPO's entropy rule ran first in the first rollout, after the model load and the 'before'
+    evaluation, and died there with a traceback (DanceGRPO's SDE at eta 0.7 never reaches tau 0.9 per dim)."""
+    from flowgrpo.train import main
+    from flowgrpo.trainer import Trainer
+
+    def no_training(self):
+        raise AssertionError("the run started although its chunker cannot plan on the model's grid")
+
+    monkeypatch.setattr(Trainer, "fit", no_training)
+    overrides = [o for o in _tiny_overrides(tmp_path, tiny_flux_dir) if not o.startswith("chunker=")]
+    with pytest.raises(SystemExit) as info:
+        main([*overrides, "sampling.num_steps=8", "chunker={name: entropy_merge, entropy_threshold: 0.9}",
+              "sampling.sde_kind=dance_sde", "sampling.noise_level=0.7", "train.num_epochs=1",
+              f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: no jump within the first 4 steps reaches "
+                                                   "entropy_threshold=0.9")

@@ -63,6 +63,15 @@ class Chunker(Protocol):
             ValueError: naming the setting and what is allowed.
         """
 
+    def validate_grid(self, sigmas: torch.Tensor, settings) -> None:
+        """Reject settings that fail on the model's σ grid ``sigmas`` (T+1,) with the run's
+        :class:`~flowgrpo.sampling.rollout.SamplerSettings`: called once the model is loaded, before any
+        evaluation or sampling (the grid depends on the model's scheduler, e.g. its shift).
+
+        Raises:
+            ValueError: naming the setting and what is allowed.
+        """
+
     def rollout(self, adapter, request: RolloutRequest) -> Trajectory:
         """Sample the epoch's trajectories for ``request``."""
 
@@ -141,6 +150,9 @@ class BaseChunker:
     def validate(self, num_steps: int, sde_kind: str) -> None:
         self.sde_steps(num_steps, 0)
         check_trainable(self.cfg, num_steps, sde_kind)
+
+    def validate_grid(self, sigmas: torch.Tensor, settings) -> None:
+        """Nothing depends on the σ grid beyond :meth:`validate`."""
 
     def rollout(self, adapter, request: RolloutRequest) -> Trajectory:
         """The standard rollout (:func:`flowgrpo.sampling.rollout.rollout`) with this chunker's SDE steps."""

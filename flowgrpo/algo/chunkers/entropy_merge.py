@@ -246,6 +246,10 @@ class EntropyMerge(BaseChunker):
         if self.cfg.merge_steps is not None and max(self.cfg.merge_steps) >= num_steps:
             raise ValueError(f"chunker.merge_steps {list(self.cfg.merge_steps)} must be < num_steps {num_steps}")
 
+    def validate_grid(self, sigmas: torch.Tensor, settings) -> None:
+        """The entropy rule's branch plan on the model's grid (``ValueError`` when no jump reaches τ)."""
+        self.branch_plan(sigmas, settings.sde_kind, settings.noise_level, settings.guard(sigmas))
+
     def sde_steps(self, num_steps: int, epoch: int) -> torch.Tensor:
         """(T,) bool, the branch steps; only for hand-set lists (the entropy rule needs the σ grid and the SDE:
         use :meth:`branch_plan`)."""
