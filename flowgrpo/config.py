@@ -386,7 +386,7 @@ class Config(Section):
         tb = self.train_batch_size
         if b % tb:
             raise ValueError(f"train.train_batch_size={tb} must divide the batch B = {b}")
-        if (b // tb) % t.optimizer_steps_per_epoch:
+        if (b // tb) % t.optimizer_steps_per_epoch and not self.chunker.multiplies_batch:
             raise ValueError(
                 f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
                 f"training micro-batches B / train_batch_size = {b // tb}"

@@ -119,6 +119,8 @@ def check_batch(config, world_size: int) -> None:
     if local % tb:
         raise ValueError(f"train.train_batch_size={tb} must divide {where}")
     steps = t.optimizer_steps_per_epoch
+    if config.chunker.multiplies_batch:  # E-GRPO: the micro-batch count is a multiple only the σ grid decides
+        return
     if local // tb < steps:
         raise ValueError(f"train.optimizer_steps_per_epoch={steps} exceeds the {local // tb} training "
                          f"micro-batches of {where}; lower train.rollout_batch_size (or train.train_batch_size) "

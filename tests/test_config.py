@@ -226,3 +226,14 @@ def test_registered_names_are_checked_by_the_schema():
         build_config({}, ["sampling.sde_kind=flow_sd"])
     with pytest.raises(ConfigError, match="algo.advantage: unknown advantage estimator 'grp'"):
         build_config({}, ["algo.advantage=grp"])
+
+
+def test_egrpo_optimizer_steps_are_checked_against_its_own_batch():
+    """Before: E-GRPO's 8 x 3 x 8 = 192 trajectories (24 micro-batches of 8) were counted as P·G = 64 (8
+    micro-batches), so 3 optimizer steps were refused with the wrong count."""
+    over = ["train.prompts_per_epoch=8", "train.group_size=8", "train.rollout_batch_size=16",
+            "train.train_batch_size=8", "train.optimizer_steps_per_epoch=3"]
+    egrpo = build_config({"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9}}, over)
+    assert egrpo.train.optimizer_steps_per_epoch == 3
+    with pytest.raises(ConfigError, match="optimizer_steps_per_epoch=3 must divide .* = 8"):
+        build_config({"chunker": {"name": "per_step"}}, over)

@@ -37,6 +37,9 @@ class ChunkerConfig(Section):
 
     name: str = Field("per_step", description="registered chunker: per_step, chunk, trajectory, window, "
                       "entropy_merge (or one a plugin registers)")
+    #: the rollout draws more than P·G trajectories an epoch, a number only the model's σ grid decides (E-GRPO:
+    #: G per prompt and branch step), so the batch checks on B = P·G check only what holds for any multiple of it
+    multiplies_batch: ClassVar[bool] = False
 
 
 class DropLastConfig(ChunkerConfig):

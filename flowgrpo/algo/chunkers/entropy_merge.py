@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -155,6 +155,7 @@ class EntropyMergeConfig(ChunkerConfig):
     hand-set branch steps (``merge_steps``), exactly one of them."""
 
     name: Literal["entropy_merge"] = "entropy_merge"
+    multiplies_batch: ClassVar[bool] = True  # P·|branch steps|·G trajectories an epoch
     entropy_threshold: float | None = Field(
         None, description="tau, the entropy per latent dim 0.5*log(2*pi*e*std^2) a merged SDE jump must reach "
         "(E-GRPO Sec. 3.2, divided by the latent size)"
