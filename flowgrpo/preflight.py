@@ -27,8 +27,14 @@ def resolve_auto_resume(config, overrides: list[str] = ()):
         return config
     out = Path(config.output_dir)
     if not (out / "checkpoints" / "latest").exists():
-        logger.info("train.resume_from=auto: no checkpoint in %s; starting a new run", out)
-        return config.model_copy(update={"train": config.train.model_copy(update={"resume_from": None})})
+        fresh = {"train": config.train.model_copy(update={"resume_from": None})}
+        if (out / "config.yaml").exists():  # a run that stopped before its first save: nothing to continue
+            logger.warning("train.resume_from=auto: the run in %s stopped before its first checkpoint; starting "
+                           "it again", out)
+            fresh["logging"] = config.logging.model_copy(update={"overwrite": True})
+        else:
+            logger.info("train.resume_from=auto: no checkpoint in %s; starting a new run", out)
+        return config.model_copy(update=fresh)
     if not (out / "config.yaml").exists():
         raise ConfigError(f"train.resume_from=auto: {out / 'checkpoints'} exists but {out / 'config.yaml'} "
                           "does not; give train.resume_from=<checkpoint folder> and the run's config instead")
@@ -154,10 +160,17 @@ def check_output_dir(config) -> None:
     if config.train.resume_from:
         resolve_checkpoint(config.train.resume_from)
     elif (out / "config.yaml").exists() and not config.logging.overwrite:
-        raise FileExistsError(
-            f"output_dir {str(out)!r} already holds a run; choose another output_dir, resume it with "
-            f"train.resume_from={out / 'checkpoints'}, or set logging.overwrite=true"
-        )
+        raise FileExistsError(occupied_message(out))
+
+
+def occupied_message(out: Path) -> str:
+    """Why ``out`` cannot take a new run, and the ways on: resume (only when a checkpoint is there), overwrite or
+    another folder."""
+    if (out / "checkpoints" / "latest").exists():
+        return (f"output_dir {str(out)!r} already holds a run; choose another output_dir, resume it with "
+                f"train.resume_from={out / 'checkpoints'} (or train.resume_from=auto), or set logging.overwrite=true")
+    return (f"output_dir {str(out)!r} already holds a run that stopped before its first checkpoint; start it again "
+            "with logging.overwrite=true (or train.resume_from=auto), or choose another output_dir")
 
 
 def load_prompt_field(config, field: str):

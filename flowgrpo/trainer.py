@@ -41,6 +41,7 @@ from flowgrpo.config import Config, flat_dict, save_config
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.ema import EMA
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
+from flowgrpo.preflight import occupied_message
 from flowgrpo.records import Advantages, ChunkPlan, Rewards, Trajectory
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
@@ -538,10 +539,7 @@ class Trainer:
             kept = [r for r in read_metrics(metrics) if r["epoch"] < self.epoch]
             metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
         elif (self.out / "config.yaml").exists() and not self.cfg.logging.overwrite:
-            raise FileExistsError(
-                f"output_dir {str(self.out)!r} already holds a run; choose another output_dir, resume it with "
-                f"train.resume_from={self.out / 'checkpoints'}, or set logging.overwrite=true"
-            )
+            raise FileExistsError(occupied_message(self.out))
         elif self.cfg.logging.overwrite:
             old = [self.out / n for n in self.RUN_FILES if (self.out / n).exists()]
             old += sorted(self.out.glob("config_resumed_at_epoch_*.yaml"))

@@ -65,3 +65,23 @@ def test_resuming_into_the_folder_drops_records_after_the_checkpoint(tmp_path):
     _trainer_stub(tmp_path, resume_from=str(tmp_path / "checkpoints"))._claim_output_dir()
     kept = [json.loads(x)["epoch"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert kept == [0, 1, 2]  # the stub resumes at epoch 3
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_says_how_to_start_it_again(tmp_path):
+    """Before: the refusal suggested train.resume_from=<run>/checkpoints, a folder that did not exist, and
+    train.resume_from=auto said 'starting a new run' and then hit the same refusal."""
+    from flowgrpo.preflight import check_output_dir, resolve_auto_resume
+
+    (tmp_path / "config.yaml").write_text("{}\n")
+    cfg = build_config({"output_dir": str(tmp_path)})
+    with pytest.raises(FileExistsError, match="stopped before its first checkpoint; start it again with "
+                                              "logging.overwrite=true") as info:
+        check_output_dir(cfg)
+    assert "resume_from=" + str(tmp_path / "checkpoints") not in str(info.value)
+    again = resolve_auto_resume(build_config({"output_dir": str(tmp_path), "train": {"resume_from": "auto"}}))
+    assert again.train.resume_from is None and again.logging.overwrite  # README: such a folder starts afresh
+    check_output_dir(again)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("epoch_0\n")
+    with pytest.raises(FileExistsError, match=f"resume it with train.resume_from={tmp_path / 'checkpoints'}"):
+        check_output_dir(cfg)
