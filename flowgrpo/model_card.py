@@ -24,19 +24,21 @@ def _is_hub_id(name: str) -> bool:
     return name.count("/") == 1 and not Path(name).exists() and not name.startswith((".", "/"))
 
 
-def _load_snippet(base: str, pipeline_class: str, finetune: str, repo: str, prompt: str) -> str:
+def _load_snippet(base: str, pipeline_class: str, finetune: str, repo: str, prompt: str, call: dict) -> str:
+    """The loading code; ``call`` holds the keyword arguments of the pipeline call (the run's evaluation
+    settings: without them a small base model's own defaults, e.g. 512 px, may draw noise)."""
+    args = "".join(f", {k}={v!r}" for k, v in call.items() if v is not None)
+    generate = f"image = pipe({prompt!r}{args}).images[0]\n"
     if finetune == "lora":
         return (f"import torch\nfrom diffusers import {pipeline_class}\n\n"
                 f'pipe = {pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16)\n'
-                f'pipe.load_lora_weights("{repo}")  # this folder, or its Hub repo id\n'
-                f"image = pipe({prompt!r}).images[0]\n")
+                f'pipe.load_lora_weights("{repo}")  # this folder, or its Hub repo id\n' + generate)
     transformer_class = {"FluxPipeline": "FluxTransformer2DModel",
                          "StableDiffusion3Pipeline": "SD3Transformer2DModel"}.get(pipeline_class,
                                                                                    "FluxTransformer2DModel")
     return (f"import torch\nfrom diffusers import {pipeline_class}, {transformer_class}\n\n"
             f'transformer = {transformer_class}.from_pretrained("{repo}")  # this folder, or its Hub repo id\n'
-            f'pipe = {pipeline_class}.from_pretrained("{base}", transformer=transformer)\n'
-            f"image = pipe({prompt!r}).images[0]\n")
+            f'pipe = {pipeline_class}.from_pretrained("{base}", transformer=transformer)\n' + generate)
 
 
 def _figures_table(summary: dict) -> str:
@@ -63,7 +65,7 @@ def _card_metadata(m) -> dict:
 
 def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", repo: str = ".",
                figures: tuple[str, ...] = FIGURES, base_folder: str | None = None,
-               prompt: str = "a photo of a cat") -> str:
+               prompt: str = "a photo of a cat", call: dict | None = None) -> str:
     """The card's text (``README.md``) for a run's weights.
 
     Args:
@@ -76,6 +78,7 @@ def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", r
         figures: picture files beside the card to show.
         base_folder: where an embedded base model (``digits``, ``tiny``) lives, for the loading code.
         prompt: the example prompt of the loading code.
+        call: the loading code's pipeline-call arguments (default :func:`pipeline_call` of ``config``).
     """
     m, s, a, t = config.model, config.sampling, config.algo, config.train
     base = m.pretrained
@@ -108,7 +111,7 @@ Trained with flowgrpo — GRPO-family reinforcement learning for flow-matching m
 {pics}## How to load
 
 ```python
-{_load_snippet(base_folder or base, pipeline_class, m.finetune, repo, prompt)}```
+{_load_snippet(base_folder or base, pipeline_class, m.finetune, repo, prompt, call or pipeline_call(config))}```
 
 ## Config
 
@@ -121,8 +124,17 @@ Trained with flowgrpo — GRPO-family reinforcement learning for flow-matching m
 """
 
 
+def pipeline_call(config, height: int | None = None, width: int | None = None) -> dict:
+    """The pipeline-call arguments that reproduce the run's evaluation images: size (``height``/``width``, else
+    the config's), steps, guidance and text length."""
+    m, e = config.model, config.eval_sampling
+    return {"height": height or m.height, "width": width or m.width, "num_inference_steps": e.num_steps,
+            "guidance_scale": e.guidance_scale, "max_sequence_length": m.max_sequence_length}
+
+
 def write_model_card(config, summary: dict, weights_dir: str | Path, run_dir: str | Path, *,
-                     pipeline_class: str = "FluxPipeline", prompt: str = "a photo of a cat") -> Path | None:
+                     pipeline_class: str = "FluxPipeline", prompt: str = "a photo of a cat",
+                     call: dict | None = None) -> Path | None:
     """Write ``weights_dir/README.md`` (:func:`model_card`) and copy the run's figures beside it. Returns the
     card's path, or None (with a warning) when ``weights_dir`` does not exist."""
     from flowgrpo.models import resolve_pretrained
@@ -138,5 +150,5 @@ def write_model_card(config, summary: dict, weights_dir: str | Path, run_dir: st
     base = config.model.pretrained
     folder = resolve_pretrained(base) if base in ("digits", "tiny") else None  # already built for training
     path.write_text(model_card(config, summary, pipeline_class=pipeline_class, repo=str(weights_dir),
-                               figures=figures, base_folder=folder, prompt=prompt))
+                               figures=figures, base_folder=folder, prompt=prompt, call=call))
     return path

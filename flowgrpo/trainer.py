@@ -639,10 +639,11 @@ class Trainer:
         summary = self.write_summary(before, after, img_before, img_after, captions or captions_after,
                                      extra_seconds={"eval": eval_seconds, "save": save_seconds})
         if self.main:
-            from flowgrpo.model_card import write_model_card
+            from flowgrpo.model_card import pipeline_call, write_model_card
 
             write_model_card(self.cfg, summary, self.weights_dir, self.out,
-                             pipeline_class=type(self.adapter.pipe).__name__, prompt=self.prompts.prompts[0])
+                             pipeline_class=type(self.adapter.pipe).__name__, prompt=self.prompts.prompts[0],
+                             call=pipeline_call(self.cfg, self.adapter.height, self.adapter.width))
         self.scorer.close()
         return summary
 

@@ -275,10 +275,12 @@ def test_run_without_eval_prompts_reports_card_and_auto_resume(tmp_path, tiny_fl
     card = (out / "lora" / "README.md").read_text()
     assert str(tiny_flux_dir) in card and "jpeg_compressibility" in card
     assert (out / "lora" / "reward_curve.png").exists() and (out / "lora" / "before_after.png").exists()
-    code = _python_block(card).replace("torch.bfloat16", "torch.float32").rsplit("image = ", 1)[0]
+    code = _python_block(card).replace("torch.bfloat16", "torch.float32")
+    assert "height=32, width=32, num_inference_steps=3" in code  # the run's size and steps, not the pipeline's
     scope: dict = {}
-    exec(code, scope)  # noqa: S102 - the card's own loading code, run as a user would
+    exec(code, scope)  # noqa: S102 - the card's own loading and generating code, run as a user would
     assert any("lora" in n for n, _ in scope["pipe"].transformer.named_parameters())
+    assert scope["image"].size == (32, 32)
 
     again = resolve_auto_resume(build_config({"output_dir": str(out), "train": {"resume_from": "auto"}}),
                                 ["train.num_epochs=3"])
