@@ -28,7 +28,7 @@ _TRAINER = None  # the running trainer, for the one-line report of an interrupte
 
 
 CONFIG_HELP = """config files:
-  A config is YAML holding any of the fields below; unknown keys fail with the closest valid one.
+  A config is YAML holding any of the fields listed above; unknown keys fail with the closest valid one.
   A top-level `base: OTHER.yaml` (a path relative to the file) reads that file first and merges this one over
   it: sections merge key by key, lists and plain values replace (configs/digits_chunk.yaml extends digits.yaml).
   dotted.key=value overrides apply last (values are YAML: train.lr=1e-4, 'rewards=[{name: jpeg_compressibility}]').
