@@ -80,6 +80,10 @@ GOOD_PLUGIN = """
     class NoSetup:
         def __init__(self):
             pass
+
+    class OnlyCall:
+        def __call__(self, images, prompts, metadata):
+            return [0.0] * len(prompts)
 """
 
 
@@ -190,8 +194,11 @@ def test_rejected_kwargs_and_non_rewards_are_load_errors(plugins):
         load_reward("jpeg_compressibility", qualty=3)
     with pytest.raises(RewardLoadError, match="rejected its kwargs"):
         load_reward(f"mean_{plugins.tag}", colour="red")
-    with pytest.raises(RewardLoadError, match="without setup"):
+    with pytest.raises(RewardLoadError, match=r"without setup\(device\) and __call__"):
         load_reward(f"{plugins.good}:NoSetup")
+    with pytest.raises(RewardLoadError, match=r"OnlyCall without setup\(device\); a reward has both") as info:
+        load_reward(f"{plugins.good}:OnlyCall")  # its __call__ is there: the message names only what is missing
+    assert "__call__" not in str(info.value)
 
 
 def test_the_readme_example_plugin_declares_and_loads_its_reward(monkeypatch):

@@ -182,6 +182,9 @@ def load_reward(name: str, **kwargs):
         reward = factory(**kwargs)
     except TypeError as err:
         raise RewardLoadError(f"reward {name!r} rejected its kwargs {kwargs}: {err}") from err
-    if not callable(reward) or not callable(getattr(reward, "setup", None)):
-        raise RewardLoadError(f"reward {name!r} built a {type(reward).__name__} without setup() and __call__()")
+    missing = [m for m, ok in (("setup(device)", callable(getattr(reward, "setup", None))),
+                               ("__call__(images, prompts, metadata)", callable(reward))) if not ok]
+    if missing:
+        raise RewardLoadError(f"reward {name!r} built a {type(reward).__name__} without {' and '.join(missing)}; "
+                              "a reward has both (setup may do nothing)")
     return reward, origin
