@@ -82,8 +82,9 @@ def _flow_sde_moments(x, v, sigma, sigma_next, noise_level, *, sigma_one_next=No
     guard = sigma_next if sigma_one_next is None else sigma_one_next
     denom = torch.where(sigma >= 1.0, 1.0 - guard, 1.0 - sigma)
     s = noise_level * torch.sqrt(sigma / denom)
-    half_var = s**2 / (2 * sigma)  # (B, 1, …): the per-sample coefficients first, then two full-size ops
-    mean = torch.addcmul(x * (1 + half_var * dt), v, (1 + half_var * (1 - sigma)) * dt)
+    half_var = s**2 / (2 * sigma)  # (B, 1, …): the per-sample coefficients first, then three full-size ops
+    # (not a fused addcmul: with a = 0 this must be the Euler step x + dt·v to the last bit)
+    mean = x * (1 + half_var * dt) + v * ((1 + half_var * (1 - sigma)) * dt)
     return mean, s * torch.sqrt(-dt)
 
 
