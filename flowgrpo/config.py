@@ -406,6 +406,10 @@ class Config(Section):
         if all(r.weight == 0 for r in self.rewards):
             raise ValueError("every reward in rewards has weight 0: the composed reward would be 0 and nothing "
                              "would be optimised; give at least one a weight")
+        both = sorted({r.name for r in self.rewards} & {r.name for r in self.eval_rewards})
+        if both:
+            raise ValueError(f"rewards {both} are in both rewards and eval_rewards: a reward is either optimised "
+                             "(rewards) or only scored at evaluation (eval_rewards)")
         names = [r.name for r in self.rewards + self.eval_rewards]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

@@ -237,3 +237,12 @@ def test_egrpo_optimizer_steps_are_checked_against_its_own_batch():
     assert egrpo.train.optimizer_steps_per_epoch == 3
     with pytest.raises(ConfigError, match="optimizer_steps_per_epoch=3 must divide .* = 8"):
         build_config({"chunker": {"name": "per_step"}}, over)
+
+
+def test_a_reward_in_both_lists_is_named_as_such_and_a_repeat_as_a_repeat():
+    """Before: an evaluation judge moved into rewards on top of the default's eval_rewards was reported only as
+    'repeated', which did not say which list it should leave."""
+    with pytest.raises(ConfigError, match=r"rewards \['digit_judge'\] are in both rewards and eval_rewards"):
+        build_config({"rewards": [{"name": "digit_judge"}], "eval_rewards": [{"name": "digit_judge"}]})
+    with pytest.raises(ConfigError, match=r"may appear once .* repeated: \['jpeg_compressibility'\]"):
+        build_config({"rewards": [{"name": "jpeg_compressibility"}, {"name": "jpeg_compressibility", "weight": 2}]})
