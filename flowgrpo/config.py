@@ -313,6 +313,10 @@ class LoggingConfig(Section):
     checkpoints_total_limit: int = Field(2, ge=1, description="newest checkpoints kept")
     overwrite: bool = Field(False, description="start a new run in an output_dir that holds an old one")
     progress: bool = Field(True, description="progress bars on the main process")
+    plot_every: int = Field(
+        1, ge=0, description="draw reward_curve.png and samples_latest.png every N epochs and after the last one "
+        "(0: only after the last); matplotlib takes about half a second for the two"
+    )
     save_rollout_stats: bool = Field(
         False, description="write each epoch's gathered rewards, advantages, group ids and initial noise to "
         "rollouts/epoch_<N>.safetensors (for analysis and the multi-process equivalence test)"

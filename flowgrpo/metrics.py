@@ -53,10 +53,14 @@ class MetricsSink:
         for k, v in values.items():
             self.current[k] = float(v)
 
+    def pending(self, epoch: int) -> dict[str, float]:
+        """The record :meth:`commit` would write now (NaN as None)."""
+        return {"epoch": epoch, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                   for k, v in sorted(self.current.items())}}
+
     def commit(self, epoch: int) -> dict[str, float]:
         """Write the epoch's record and start a new one; returns the record."""
-        record = {"epoch": epoch, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
-                                     for k, v in sorted(self.current.items())}}
+        record = self.pending(epoch)
         self.current = {}
         if self.main:
             with self.path.open("a") as f:

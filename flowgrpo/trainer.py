@@ -126,40 +126,46 @@ class _Accum:
         return float(dist.all_reduce_max(self._sums(device)[1].double()))
 
 
-def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], settings: SamplerSettings,
-                  *, with_ref: bool, kl_form: str = "flow_grpo", shared_inputs: torch.Tensor | None = None
-                  ) -> ChunkForward:
-    """One batched forward of ``rows``' transitions ``chunk``: log-probs (n, k), KL (n, k) or None, moments.
+def packed_forward(adapter, traj: Trajectory, work: list[tuple[torch.Tensor, tuple[int, ...]]],
+                   settings: SamplerSettings, *, with_ref: bool, kl_form: str = "flow_grpo",
+                   shared_inputs: list[torch.Tensor | None] | None = None) -> list[ChunkForward]:
+    """One batched forward of several items' transitions: per item (rows, chunk), its log-probs (n, k), KL (n, k)
+    or None, and moments.
 
     Args:
         adapter: the model adapter (its ``velocity`` and, with ``with_ref``, its ``reference``).
         traj: the rollout record; its latents may live on the host or the device.
-        rows: (n,) long sample indices (host); chunk: k step indices.
+        work: items (rows, chunk): rows (n,) long sample indices (host), chunk a tuple of k step indices.
         settings: the rollout's SDE settings.
         with_ref: also compute the KL to the reference policy per latent dim
             (:func:`~flowgrpo.sampling.sde.kl_to_reference` of form ``kl_form``, ``algo.kl_form``).
-        shared_inputs: (n,) long keys, or None; rows with equal keys have bit-identical transformer inputs at
-            every step of the chunk (E-GRPO: the G samples of a (prompt, branch step) group start their jump from
-            one anchor latent), so the transformer runs once per key and its velocity is shared; the gradient of
-            the shared forward sums over the rows, exactly as G separate forwards would.
+        shared_inputs: per item, (n,) long keys or None; rows with equal keys have bit-identical transformer
+            inputs at every step of the chunk (E-GRPO: the G samples of a (prompt, branch step) group start their
+            jump from one anchor latent), so the transformer runs once per (key, step) and its velocity is shared;
+            the gradient of the shared forward sums over the rows, exactly as separate forwards would.
 
-    The batch is sample-major: row r·k + j is sample ``rows[r]`` at step ``chunk[j]``; for k = 1 and rows a
-    rollout micro-batch this is exactly the rollout's layout. Every result is on the adapter's device.
+    The batch is item-major, then sample-major: element Σ_{i'<i} n_i'·k_i' + r·k + j is item i's sample
+    ``rows[r]`` at step ``chunk[j]``; for one item of k = 1 and rows a rollout micro-batch this is exactly the
+    rollout's layout. Every result is on the adapter's device.
     """
-    n, k = len(rows), len(chunk)
-    steps = torch.tensor(chunk)  # (k,)
-    ends = steps + traj.jump[rows][:, steps]  # (n, k): the transition's end (E-GRPO jumps span m steps)
+    shared_inputs = shared_inputs or [None] * len(work)
+    rows_e, steps_e, ends_e, keys = [], [], [], []
+    for (rows, chunk), shared in zip(work, shared_inputs, strict=True):
+        steps = torch.tensor(chunk)  # (k,)
+        rows_e.append(rows.repeat_interleave(len(chunk)))
+        steps_e.append(steps.repeat(len(rows)))
+        ends_e.append((steps + traj.jump[rows][:, steps]).flatten())  # the transition's end (E-GRPO: m steps on)
+        keys += ([None] * (len(rows) * len(chunk)) if shared is None
+                 else [(key, t) for key in shared.tolist() for t in chunk])
+    rows_e, steps_e, ends_e = torch.cat(rows_e), torch.cat(steps_e), torch.cat(ends_e)  # (N,) host
     dev, src = adapter.device, traj.latents.device
-    r = rows.to(src).unsqueeze(1)  # (n, 1)
-    x = traj.latents[r, steps.to(src)].flatten(0, 1).to(dev)  # (n·k, …)
-    x_next = traj.latents[r, ends.to(src)].flatten(0, 1).to(dev)  # (n·k, …)
-    sigma = traj.sigmas[steps].repeat(n)  # (n·k,) host: sde_step checks it there and moves it to the device
-    sigma_next = traj.sigmas[ends.flatten()]
-    embeds = traj.embeds.index(rows.to(traj.embeds.device)).repeat_interleave(k)
-    velocity = _velocity_once_per_input(adapter, x, sigma.to(dev), embeds, traj.guidance_scale, shared_inputs, k)
-    v = velocity()
+    x = traj.latents[rows_e.to(src), steps_e.to(src)].to(dev)  # (N, …)
+    x_next = traj.latents[rows_e.to(src), ends_e.to(src)].to(dev)
+    sigma, sigma_next = traj.sigmas[steps_e], traj.sigmas[ends_e]  # (N,) host: sde_step checks them there
+    embeds = traj.embeds.index(rows_e.to(traj.embeds.device))
+    velocity = _velocity_once_per_input(adapter, x, sigma.to(dev), embeds, traj.guidance_scale, keys)
     guard = settings.guard(traj.sigmas)
-    out = sde_step(x, v, sigma, sigma_next, kind=settings.sde_kind, noise_level=settings.noise_level,
+    out = sde_step(x, velocity(), sigma, sigma_next, kind=settings.sde_kind, noise_level=settings.noise_level,
                    next_latents=x_next, reduction=settings.logprob_reduction,
                    simplified_log_prob=settings.cps_simplified_logprob, sigma_one_next=guard)
     kl = None
@@ -169,37 +175,82 @@ def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[in
         ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=settings.sde_kind,
                                          noise_level=settings.noise_level, sigma_one_next=guard)
         kl = kl_to_reference(out.mean, ref_mean, out.std, sigma.to(dev), sigma_next.to(dev), kind=settings.sde_kind,
-                             form=kl_form).reshape(n, k)
-    return ChunkForward(out.log_prob.reshape(n, k), kl, out.mean.reshape(n, k, *out.mean.shape[1:]),
-                        out.std.reshape(n, k), (sigma_next - sigma).reshape(n, k).to(dev))
+                             form=kl_form)
+    dts = (sigma_next - sigma).to(dev)
+    sizes = [len(rows) * len(chunk) for rows, chunk in work]
+    parts = [t.split(sizes) if t is not None else [None] * len(work)
+             for t in (out.log_prob, kl, out.mean, out.std, dts)]
+    return [ChunkForward(*(None if t is None else t.reshape(len(rows), len(chunk), *t.shape[1:]) for t in item))
+            for (rows, chunk), *item in zip(work, *parts, strict=True)]
 
 
-def _velocity_once_per_input(adapter, x: torch.Tensor, sigma: torch.Tensor, embeds, guidance: float,
-                             shared_inputs: torch.Tensor | None, k: int):
-    """A function computing the (n·k, …) velocity of ``chunk_forward``'s batch with the adapter's current
-    weights, forwarding only one row per ``shared_inputs`` key (all rows when None)."""
-    if shared_inputs is None:
+def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], settings: SamplerSettings,
+                  *, with_ref: bool, kl_form: str = "flow_grpo", shared_inputs: torch.Tensor | None = None
+                  ) -> ChunkForward:
+    """:func:`packed_forward` of one item (``rows``' transitions ``chunk``): log-probs (n, k), KL (n, k) or None,
+    moments (n, k, …)."""
+    return packed_forward(adapter, traj, [(rows, chunk)], settings, with_ref=with_ref, kl_form=kl_form,
+                          shared_inputs=[shared_inputs])[0]
+
+
+def _velocity_once_per_input(adapter, x: torch.Tensor, sigma: torch.Tensor, embeds, guidance: float, keys: list):
+    """A function computing the (N, …) velocity of :func:`packed_forward`'s batch with the adapter's current
+    weights, forwarding one element per distinct key (elements whose key is None are all forwarded)."""
+    slot: dict = {}
+    pick, spread = [], []
+    for e, key in enumerate(keys):
+        key = ("element", e) if key is None else key
+        if key not in slot:
+            slot[key] = len(pick)
+            pick.append(e)
+        spread.append(slot[key])
+    if len(pick) == len(keys):
         return lambda: adapter.velocity(x, sigma, embeds, guidance)
-    keys = shared_inputs.tolist()
-    first = list({key: i for i, key in reversed(list(enumerate(keys)))}.values())[::-1]  # first row of each key
-    slot = {keys[i]: u for u, i in enumerate(first)}
-    pick = torch.tensor([i * k + j for i in first for j in range(k)])  # (u·k,) rows of the flattened batch
-    spread = torch.tensor([slot[key] * k + j for key in keys for j in range(k)])  # (n·k,) → (u·k,)
     dev = x.device
-    pick, spread = pick.to(dev), spread.to(dev)
-    x_u, sigma_u, embeds_u = x[pick], sigma[pick], embeds.index(pick.to(embeds.device))  # the unique rows, once
+    pick_t, spread_t = torch.tensor(pick, device=dev), torch.tensor(spread, device=dev)
+    x_u, sigma_u, embeds_u = x[pick_t], sigma[pick_t], embeds.index(pick_t.to(embeds.device))  # once each
 
     def velocity() -> torch.Tensor:
-        return adapter.velocity(x_u, sigma_u, embeds_u, guidance)[spread]
+        return adapter.velocity(x_u, sigma_u, embeds_u, guidance)[spread_t]
 
     return velocity
 
 
+def transformer_rows(rows: torch.Tensor, chunk: tuple[int, ...], shared: torch.Tensor | None) -> int:
+    """Transformer rows :func:`packed_forward` spends on one item: distinct inputs × chunk steps."""
+    return (len(rows) if shared is None else len(set(shared.tolist()))) * len(chunk)
+
+
+def _pair_mask(plan: ChunkPlan, adv: Advantages) -> torch.Tensor:
+    """(B_local, K) bool host: the (sample, chunk) pairs the update trains (planned, and kept by the advantage)."""
+    return plan.selected & adv.train_mask[dist.local_slice(len(adv.values))].unsqueeze(1)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _pack(items: list, cost, limit: int) -> list[list]:
+    """Consecutive ``items`` in packs whose summed ``cost(*item)`` stays within ``limit``; an item over the limit
+    is a pack alone."""
+    packs: list[list] = []
+    total = limit + 1
+    for item in items:
+        c = cost(*item)
+        if total + c > limit:
+            packs.append([])
+            total = 0
+        packs[-1].append(item)
+        total += c
+    return packs
+
+
 @dataclass(frozen=True)
 class _OptimizerStep:
-    """The work of one optimizer step: (rows, chunk index) forwards and the pairs trained over all processes."""
+    """The work of one optimizer step: its forwards, each a pack of (rows, chunk index) items forwarded in one
+    transformer call (:meth:`Trainer._work`), and the pairs trained over all processes."""
 
-    work: list[tuple[torch.Tensor, int]]
+    work: list[list[tuple[torch.Tensor, int]]]
     global_pairs: float
     micro_batches: int
 
@@ -346,17 +397,22 @@ class Trainer:
         group start their trained transition from one shared latent), else None."""
         return traj.group_ids[rows] if getattr(self.chunker, "shares_inputs", False) else None
 
-    def _loss_input(self, fwd: ChunkForward, rows: torch.Tensor, chunk: tuple[int, ...],
-                    old_log_probs: torch.Tensor, advantages: torch.Tensor) -> PolicyLossInput:
-        """The policy loss's view of one forward (moments only for a loss that declares it reads them)."""
-        dev = fwd.log_probs.device
-        old = old_log_probs[rows][:, list(chunk)].to(dev)
+    def _loss_input(self, fwds: list[ChunkForward], items: list[tuple[torch.Tensor, int]], plan: ChunkPlan,
+                    batch: dict[str, torch.Tensor]) -> PolicyLossInput:
+        """The policy loss's view of the forwards of items (rows, chunk index) of one chunk length, concatenated
+        over the items (moments only for a loss that declares it reads them)."""
+        dev = fwds[0].log_probs.device
+        rows = _cat([r for r, _ in items])
+        old = _cat([batch["old_log_probs"][r][:, list(plan.chunks[k])] for r, k in items]).to(dev)
+        new, adv = _cat([f.log_probs for f in fwds]), batch["advantages"][rows].to(dev)
+        kl = None if fwds[0].kl is None else _cat([f.kl for f in fwds])
         if not needs_moments(self.policy_loss):
-            return PolicyLossInput(fwd.log_probs, old, advantages[rows].to(dev), kl_ref=fwd.kl)
-        old_means = self.old_means[rows.to(self.old_means.device)][:, list(chunk)].to(dev)  # (n, k, …)
-        drift = ((fwd.means - old_means) ** 2).flatten(2).mean(dim=2)
-        return PolicyLossInput(fwd.log_probs, old, advantages[rows].to(dev), kl_ref=fwd.kl, std=fwd.stds,
-                               dt=fwd.dts, mean_drift_sq=drift)
+            return PolicyLossInput(new, old, adv, kl_ref=kl)
+        at = self.old_means.device
+        old_means = _cat([self.old_means[r.to(at)][:, list(plan.chunks[k])] for r, k in items]).to(dev)  # (n, k, …)
+        drift = ((_cat([f.means for f in fwds]) - old_means) ** 2).flatten(2).mean(dim=2)
+        return PolicyLossInput(new, old, adv, kl_ref=kl, std=_cat([f.stds for f in fwds]),
+                               dt=_cat([f.dts for f in fwds]), mean_drift_sq=drift)
 
     def _micro_batches(self, b: int) -> list[torch.Tensor]:
         tb = self.cfg.train_batch_size
@@ -365,62 +421,90 @@ class Trainer:
         return [torch.arange(s, s + tb) for s in range(0, b, tb)]
 
     @torch.no_grad()
-    def recompute_old_log_probs(self, traj: Trajectory, plan: ChunkPlan) -> torch.Tensor:
-        """Old log-probs (B, T) float32 on the host, recomputed with the training layout, so the first ratio is
-        exactly 1; for a loss that reads moments, the rollout policy's transition means go to ``self.old_means``
-        (B, T, …)."""
+    def recompute_old_log_probs(self, traj: Trajectory, plan: ChunkPlan,
+                                pair_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Old log-probs (B, T) float32 on the host, recomputed in the training layout (the update's packs for
+        ``pair_mask`` (B, K) bool, the trained pairs; default every selected pair), so the first ratio is exactly
+        1; for a loss that reads moments, the rollout policy's transition means go to ``self.old_means``
+        (B, T, …). Pairs no pack forwards keep the rollout's log-probs (the update never reads them)."""
         old = traj.log_probs.clone()
         keep_means = needs_moments(self.policy_loss)
         self.old_means = torch.zeros_like(traj.latents[:, :-1]) if keep_means else None
-        for rows in self._micro_batches(traj.batch_size):
-            for k, chunk in enumerate(plan.chunks):
-                fwd = rows[plan.selected[rows, k]]
-                if len(fwd):
-                    out = chunk_forward(self.adapter, traj, fwd, chunk, self.settings, with_ref=False,
-                                        shared_inputs=self._shared_inputs(traj, fwd))
-                    idx = (fwd.unsqueeze(1), torch.tensor(chunk).unsqueeze(0))
-                    old[idx] = out.log_probs.cpu()
-                    if keep_means:
-                        self.old_means[idx[0].to(self.old_means.device), idx[1].to(self.old_means.device)] = \
-                            out.means.to(self.old_means)
+        mask = plan.selected if pair_mask is None else pair_mask
+        for pack in (pack for share in self._work(traj, plan, mask) for pack in share):
+            outs = packed_forward(self.adapter, traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
+                                  with_ref=False, shared_inputs=[self._shared_inputs(traj, rows) for rows, _ in pack])
+            for (rows, k), out in zip(pack, outs, strict=True):
+                idx = (rows.unsqueeze(1), torch.tensor(plan.chunks[k]).unsqueeze(0))
+                old[idx] = out.log_probs.cpu()
+                if keep_means:
+                    self.old_means[idx[0].to(self.old_means.device), idx[1].to(self.old_means.device)] = \
+                        out.means.to(self.old_means)
         return old
 
     # ------------------------------------------------------------------ the update, in named steps
-    def _schedule(self, traj: Trajectory, plan: ChunkPlan, pair_mask: torch.Tensor) -> list[_OptimizerStep]:
-        """Cut the B local samples into micro-batches and the micro-batches into ``optimizer_steps_per_epoch``
-        equal consecutive shares; list each share's forwards and its pair count summed over all processes
-        (one collective for all the steps)."""
+    def _work(self, traj: Trajectory, plan: ChunkPlan, pair_mask: torch.Tensor) -> list[list[list[tuple]]]:
+        """The forwards of each optimizer step's share of micro-batches, packed.
+
+        The B local samples are cut into micro-batches and the micro-batches into ``optimizer_steps_per_epoch``
+        equal consecutive shares. A micro-batch forwards each chunk that has a trained pair in ``pair_mask``
+        (B, K) for the rows the plan selects (samples left out by their advantage, NaN reward or dropped group,
+        are forwarded and masked); consecutive chunks of one micro-batch share a transformer call while it holds
+        at most ``train_batch_size`` transformer rows (identical inputs counted once; a chunk of k steps counts
+        k rows per sample). A chunk over that limit is forwarded alone, so a per-step micro-batch still forwards
+        one step at a time, while E-GRPO's shared-anchor chunks (one transformer row a group) share one call."""
         t = self.cfg.train
         mbs = self._micro_batches(traj.batch_size)
         if len(mbs) < t.optimizer_steps_per_epoch:
             raise ValueError(f"optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} exceeds the {len(mbs)} "
                              "training micro-batches of this epoch")
         shares = [[mbs[i] for i in ix] for ix in torch.arange(len(mbs)).tensor_split(t.optimizer_steps_per_epoch)]
-        local_pairs = torch.stack([pair_mask[torch.cat(share)].sum() for share in shares]).double()
-        global_pairs = dist.all_reduce_sum(local_pairs).tolist()
-        # the rows a chunk is forwarded for are those the plan selects (the layout the recompute used); samples
-        # left out by their advantage (NaN reward, dropped group) are forwarded and masked
-        return [_OptimizerStep([(rows[plan.selected[rows, k]], k) for rows in share for k in range(plan.num_chunks)
-                                if pair_mask[rows, k].any()], n, len(share))
-                for share, n in zip(shares, global_pairs, strict=True)]
+        limit = self.cfg.train_batch_size
+        out = []
+        for share in shares:
+            packs = []
+            for rows in share:
+                packs += _pack([(rows[plan.selected[rows, k]], k) for k in range(plan.num_chunks)
+                                if pair_mask[rows, k].any()],
+                               lambda r, k: transformer_rows(r, plan.chunks[k], self._shared_inputs(traj, r)), limit)
+            out.append(packs)
+        return out
 
-    def _train_chunk(self, traj: Trajectory, rows: torch.Tensor, k: int, plan: ChunkPlan, step: _OptimizerStep,
-                     batch: dict[str, torch.Tensor], acc: _Accum, *, sync: bool) -> None:
-        """Forward and backward of chunk ``k`` for ``rows``; gradients are all-reduced only when ``sync``."""
+    def _schedule(self, traj: Trajectory, plan: ChunkPlan, pair_mask: torch.Tensor) -> list[_OptimizerStep]:
+        """Each optimizer step's packed forwards (:meth:`_work`) and its pair count summed over all processes
+        (one collective for all the steps)."""
+        t = self.cfg.train
+        work = self._work(traj, plan, pair_mask)
+        mbs = self._micro_batches(traj.batch_size)
+        shares = [torch.cat([mbs[i] for i in ix]) for ix in
+                  torch.arange(len(mbs)).tensor_split(t.optimizer_steps_per_epoch)]
+        local_pairs = torch.stack([pair_mask[rows].sum() for rows in shares]).double()
+        global_pairs = dist.all_reduce_sum(local_pairs).tolist()
+        sizes = [len(ix) for ix in torch.arange(len(mbs)).tensor_split(t.optimizer_steps_per_epoch)]
+        return [_OptimizerStep(w, n, m) for w, n, m in zip(work, global_pairs, sizes, strict=True)]
+
+    def _train_pack(self, traj: Trajectory, pack: list[tuple[torch.Tensor, int]], plan: ChunkPlan,
+                    step: _OptimizerStep, batch: dict[str, torch.Tensor], acc: _Accum, *, sync: bool) -> None:
+        """Forward (one transformer call) and backward of a pack of (rows, chunk index) items; gradients are
+        all-reduced only when ``sync``. The policy loss sees the pack's items of one chunk length at once."""
         cfg = self.cfg
         # one process has nothing to all-reduce (accelerate's no_sync would only look that up per call)
         ctx = (contextlib.nullcontext() if sync or self.accelerator.num_processes == 1
                else self.accelerator.no_sync(self.model))
         with ctx:  # inside update_phase's attention scope: the backward uses the forward's kernels
-            fwd = chunk_forward(self.adapter, traj, rows, plan.chunks[k], self.settings,
-                                with_ref=cfg.algo.kl_beta > 0, kl_form=cfg.algo.kl_form,
-                                shared_inputs=self._shared_inputs(traj, rows))
-            terms = self.policy_loss(self._loss_input(fwd, rows, plan.chunks[k], batch["old_log_probs"],
-                                                      batch["advantages"]), self.loss_settings)
-            m = batch["pair_mask"][rows, k].to(terms.loss.device)
-            loss_sum = (terms.loss * m).sum()
+            fwds = packed_forward(self.adapter, traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
+                                  with_ref=cfg.algo.kl_beta > 0, kl_form=cfg.algo.kl_form,
+                                  shared_inputs=[self._shared_inputs(traj, rows) for rows, _ in pack])
+            loss_sum = 0.0
+            for length in dict.fromkeys(len(plan.chunks[k]) for _, k in pack):  # the chunk lengths, in order
+                items = [i for i, (_, k) in enumerate(pack) if len(plan.chunks[k]) == length]
+                terms = self.policy_loss(self._loss_input([fwds[i] for i in items], [pack[i] for i in items],
+                                                          plan, batch), self.loss_settings)
+                m = torch.cat([batch["pair_mask"][r, k] for r, k in (pack[i] for i in items)]).to(terms.loss.device)
+                part = (terms.loss * m).sum()
+                acc.add(terms, m, part)
+                loss_sum = loss_sum + part
             self.accelerator.backward(loss_sum * (dist.world_size() / max(step.global_pairs, 1.0)))
-        acc.add(terms, m, loss_sum)
 
     def _optimizer_step(self) -> float:
         """Clip, check and apply the accumulated gradient (the update's one host read per step); returns the
@@ -445,7 +529,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         local = dist.local_slice(len(adv.values))
         batch = {"advantages": adv.values[local], "old_log_probs": old_log_probs,
-                 "pair_mask": plan.selected & adv.train_mask[local].unsqueeze(1)}  # (B,), (B, T), (B, K) host
+                 "pair_mask": _pair_mask(plan, adv)}  # (B,), (B, T), (B, K) host
         steps = self._schedule(traj, plan, batch["pair_mask"])
         first, later = _Accum(), _Accum()
         if not self.model.training:  # a walk over every module: only when evaluation switched it off
@@ -459,8 +543,8 @@ class Trainer:
             for inner in range(t.inner_epochs):
                 for u, step in enumerate(steps):
                     acc = first if inner == 0 and u == 0 else later
-                    for i, (rows, k) in enumerate(step.work):
-                        self._train_chunk(traj, rows, k, plan, step, batch, acc, sync=i == len(step.work) - 1)
+                    for i, pack in enumerate(step.work):
+                        self._train_pack(traj, pack, plan, step, batch, acc, sync=i == len(step.work) - 1)
                     if step.work:
                         grad_norms.append(self._optimizer_step())
                     self.optimizer.zero_grad(set_to_none=True)
@@ -675,7 +759,7 @@ class Trainer:
         old = traj.log_probs
         if self.recompute:
             with m.timed("recompute"):
-                old = self.recompute_old_log_probs(traj, plan)
+                old = self.recompute_old_log_probs(traj, plan, _pair_mask(plan, adv))
         with m.timed("update"):
             upd = self.update_phase(traj, adv, plan, old)
         if cfg.logging.save_rollout_stats:
@@ -690,15 +774,22 @@ class Trainer:
         if evaluate:
             with m.timed("eval"):
                 m.log(self.evaluate(f"epoch {epoch}")[0])
-        record = m.commit(epoch)
-        if self.main:
-            from flowgrpo.plots import reward_curve, sample_grid
+        every = cfg.logging.plot_every
+        if self.main and (epoch == cfg.train.num_epochs - 1 or (every and (epoch + 1) % every == 0)):
+            with m.timed("plots"):
+                self._plot(epoch, traj, rewards)
+        return m.commit(epoch)
 
-            reward_curve(read_metrics(self.out / "metrics.jsonl"), self.out / "reward_curve.png")
-            k = min(16, traj.batch_size)
-            caps = [f"{p[:28]}\n{r:.3g}" for p, r in zip(traj.prompts[:k], rewards.total[:k].tolist(), strict=True)]
-            sample_grid(traj.images[:k], caps, self.out / "samples_latest.png", title=f"epoch {epoch}")
-        return record
+    def _plot(self, epoch: int, traj: Trajectory, rewards: Rewards) -> None:
+        """``reward_curve.png`` (every epoch so far, this one included) and ``samples_latest.png`` (the first 16
+        samples of this epoch's rollout with their rewards)."""
+        from flowgrpo.plots import reward_curve, sample_grid
+
+        reward_curve(read_metrics(self.out / "metrics.jsonl") + [self.metrics.pending(epoch)],
+                     self.out / "reward_curve.png")
+        k = min(16, traj.batch_size)
+        caps = [f"{p[:28]}\n{r:.3g}" for p, r in zip(traj.prompts[:k], rewards.total[:k].tolist(), strict=True)]
+        sample_grid(traj.images[:k], caps, self.out / "samples_latest.png", title=f"epoch {epoch}")
 
     def _warn_low_signal(self, epoch: int, adv: Advantages) -> None:
         """Metric ``adv/low_signal`` (1.0 or 0.0) each epoch; a console warning, with what to change, the first
@@ -777,7 +868,7 @@ class Trainer:
         for k, v in (extra_seconds or {}).items():
             phases[k] = phases.get(k, 0.0) + v
         rank = {p: i for i, p in enumerate(("rollout", "reward", "filter", "advantage", "plan", "recompute", "update",
-                                            "eval", "save"))}  # the order the phases run in
+                                            "plots", "eval", "save"))}  # the order the phases run in
         summary["phase_seconds"] = dict(sorted(phases.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
         summary["outputs"] = self._outputs()
         if self.main:
