@@ -86,7 +86,8 @@ def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: f
 
     ``epoch`` is 0-based (shown 1-based); ``elapsed`` and ``eta`` in seconds. The ``reward`` is the composed
     reward's mean ± population std over the epoch's B samples; ``trained`` the samples whose advantage is used
-    (``adv/kept_frac``) and the transitions the chunker trains (``plan/trained_frac``); ``later clip`` and
+    (``adv/kept_frac``; in brackets the share with a learning signal, ``adv/learning_frac``, when it is smaller: a
+    group of equal rewards has none) and the transitions the chunker trains (``plan/trained_frac``); ``later clip`` and
     ``kl`` the clip fraction and approximate KL (½·mean Δlog p²) of the off-policy optimizer steps
     (``policy_later/*``: the first step of an epoch is on-policy, its ratio exactly 1); ``kl_ref`` when a KL
     penalty is on; ``first-update mismatch`` only when ``policy/logprob_mismatch_max`` is not 0 (the training
@@ -97,7 +98,9 @@ def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: f
         parts.append(f"reward {mean:.4g} ± {std:.3g}" if std is not None else f"reward {mean:.4g}")
     kept, steps = record.get("adv/kept_frac"), record.get("plan/trained_frac")
     if kept is not None and steps is not None:
-        parts.append(f"trained {kept:.0%} of samples, {steps:.0%} of steps")
+        signal = record.get("adv/learning_frac")
+        note = f" ({signal:.0%} with a learning signal)" if signal is not None and signal < kept else ""
+        parts.append(f"trained {kept:.0%} of samples{note}, {steps:.0%} of steps")
     if record.get("policy_later/clipfrac") is not None:
         parts.append(f"later clip {record['policy_later/clipfrac']:.3g} kl {record['policy_later/approx_kl']:.2g}")
     if record.get("policy/kl_ref"):

@@ -12,7 +12,8 @@ reports it).
 Update semantics (``train.*``): the B local samples are cut into micro-batches of ``train_batch_size``
 consecutive samples; ``optimizer_steps_per_epoch`` optimizer steps each take an equal, consecutive share of the
 micro-batches (gradients accumulate over that share and all its chunks); ``inner_epochs`` repeats the whole pass
-over the same rollout. Only the first optimizer step of the first pass is on-policy; the ratio statistics of the
+over the same rollout. A micro-batch's chunks share transformer calls of at most ``train_batch_size`` rows
+(:meth:`Trainer._work`). Only the first optimizer step of the first pass is on-policy; the ratio statistics of the
 later ones are logged under ``policy_later/``.
 """
 
@@ -643,11 +644,15 @@ class Trainer:
             return
         old = flat_dict(yaml.safe_load(path.read_text()) or {})
         new = flat_dict(self.cfg.model_dump(mode="json"))
-        changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-                   if old.get(k) != new.get(k) and k != "train.resume_from"}
+        absent = object()  # a key one of the two configs lacks (a setting newer than the old run)
+        changed = {k: (old.get(k, absent), new.get(k, absent)) for k in sorted(set(old) | set(new))
+                   if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
         if changed:
+            def shown(v) -> str:
+                return "(absent)" if v is absent else repr(v)
+
             logger.warning("resuming with settings that differ from %s: %s", path,
-                           "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+                           "; ".join(f"{k}: {shown(a)} -> {shown(b)}" for k, (a, b) in changed.items()))
         save_config(self.cfg, self.out / f"config_resumed_at_epoch_{self.epoch}.yaml")
 
     def _before(self) -> tuple[dict[str, float], torch.Tensor, list[str]]:
@@ -760,8 +765,11 @@ class Trainer:
         if self.recompute:
             with m.timed("recompute"):
                 old = self.recompute_old_log_probs(traj, plan, _pair_mask(plan, adv))
+        calls0, rows0 = self.forward_count
         with m.timed("update"):
             upd = self.update_phase(traj, adv, plan, old)
+        m.log({"update/transformer_calls": self.forward_count[0] - calls0,
+               "update/transformer_rows": self.forward_count[1] - rows0})
         if cfg.logging.save_rollout_stats:
             self.save_rollout_stats(epoch, traj, rewards, group_ids, adv)
         m.log(_reward_metrics(rewards))

@@ -300,6 +300,9 @@ def test_resume_keeps_history_and_records_changed_settings(tmp_path, tiny_flux_d
     full = tmp_path / "run"
     first = _cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, train={"num_epochs": 3})
     run(first)
+    old = yaml.safe_load((full / "config.yaml").read_text())
+    del old["logging"]["plot_every"]  # as a run of a version without that setting wrote it
+    (full / "config.yaml").write_text(yaml.safe_dump(old))
     original = (full / "config.yaml").read_text()
     before = {k: v for k, v in json.loads((full / "summary.json").read_text()).items() if k.endswith("_before")}
     assert before
@@ -310,6 +313,7 @@ def test_resume_keeps_history_and_records_changed_settings(tmp_path, tiny_flux_d
         run(resumed)
     assert (full / "config.yaml").read_text() == original  # never overwritten
     assert any("train.lr: 0.01 -> 0.005" in r.getMessage() for r in caplog.records)
+    assert any("logging.plot_every: (absent) -> 1" in r.getMessage() for r in caplog.records)
     beside = yaml.safe_load((full / "config_resumed_at_epoch_2.yaml").read_text())
     assert beside["train"]["lr"] == 5e-3
     summary = json.loads((full / "summary.json").read_text())

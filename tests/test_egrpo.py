@@ -325,13 +325,10 @@ def test_configs_give_the_released_branch_steps():
 
 
 # ------------------------------------------------------------------ end to end on the tiny FLUX
-@pytest.mark.slow
-def test_training_run_tiny_flux(tiny_flux_dir, tmp_path):
-    from flowgrpo.runner import run
-
-    # tiny grid for 4 steps: σ = 1, .826, .613, .345, 0; entropies (flow_sde, a 0.7) 1.062, 1.068, then 0.633
-    # for one step from .613 and 1.047 for two: τ = 1 gives [(0, 1), (1, 1), (2, 2)], one merged jump
-    cfg = build_config({
+def _tiny_run_config(tiny_flux_dir, tmp_path, **train):
+    """E-GRPO on the tiny FLUX, 4 steps: σ = 1, .826, .613, .345, 0; entropies (flow_sde, a 0.7) 1.062, 1.068,
+    then 0.633 for one step from .613 and 1.047 for two: τ = 1 gives [(0, 1), (1, 1), (2, 2)], one merged jump."""
+    return build_config({
         "output_dir": str(tmp_path / "run"),
         "model": {"pretrained": str(tiny_flux_dir), "max_sequence_length": 32, "height": 64, "width": 64,
                   "lora_rank": 4, "lora_alpha": 8},
@@ -339,13 +336,19 @@ def test_training_run_tiny_flux(tiny_flux_dir, tmp_path):
         "eval_sampling": {"num_steps": 2},
         "chunker": {"name": "entropy_merge", "entropy_threshold": 1.0, "sde_fraction": 1.0},
         "algo": {"clip_range": 1e-3},
-        "train": {"num_epochs": 2, "prompts_per_epoch": 1, "group_size": 2, "rollout_batch_size": 2,
-                  "train_batch_size": 2, "lr": 1e-3},
+        "train": {"group_size": 2, "lr": 1e-3, **train},
         "rewards": [{"name": "jpeg_compressibility"}],
-        "data": {"train_prompts": "t2i_compbench"},
+        "data": {"train_prompts": "t2i_compbench", "eval_num_prompts": 2},
         "logging": {"progress": False},
     })
-    run(cfg)
+
+
+@pytest.mark.slow
+def test_training_run_tiny_flux(tiny_flux_dir, tmp_path):
+    from flowgrpo.runner import run
+
+    run(_tiny_run_config(tiny_flux_dir, tmp_path, num_epochs=2, prompts_per_epoch=1, rollout_batch_size=2,
+                         train_batch_size=2))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in records if "policy/logprob_mismatch_max" in r]
     assert len(epochs) == 2
@@ -398,3 +401,67 @@ def test_training_forwards_each_shared_anchor_once(tiny_flux):
     torch.testing.assert_close(together, separate, rtol=0, atol=1e-6)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_packed_forward_of_two_chunks_equals_their_separate_forwards(tiny_flux):
+    """Two chunks' shared-anchor rows forwarded in one transformer call (the trainer packs a micro-batch's chunks
+    up to train_batch_size transformer rows): the same log-probs and gradients as one call per chunk."""
+    from flowgrpo.trainer import chunk_forward, packed_forward
+
+    chunker = build_chunker(chunker_settings(name="entropy_merge", merge_steps=[0, 1], merge_lengths=[1, 2]))
+    g = 3
+    settings = SamplerSettings(num_steps=4, guidance_scale=3.5, sde_kind="flow_sde", noise_level=A)
+    request = RolloutRequest(["a red cube"] * g + ["a blue ball"] * g, [{}] * (2 * g),
+                             torch.tensor([0, 1]).repeat_interleave(g), torch.arange(g).repeat(2),
+                             settings=settings, batch_size=2 * g, seed=0, epoch=0)
+    traj = chunker.rollout(tiny_flux, request)
+    items = [(torch.nonzero(traj.stochastic[:, t]).flatten(), (t,)) for t in (0, 1)]  # 2 groups × G rows each
+    shared = [traj.group_ids[rows] for rows, _ in items]
+    seen = []
+    hook = tiny_flux.transformer.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw.get("hidden_states", a[0] if a else None).shape[0]), with_kwargs=True)
+    params = [p for p in tiny_flux.transformer.parameters() if p.requires_grad][:3]
+    weights = [torch.arange(1.0, len(rows) + 1).unsqueeze(1) * (k + 1) for k, (rows, _) in enumerate(items)]
+    try:
+        tiny_flux.transformer.zero_grad()
+        together = packed_forward(tiny_flux, traj, items, settings, with_ref=False, shared_inputs=shared)
+        sum((f.log_probs * w).sum() for f, w in zip(together, weights, strict=True)).backward()
+        grads_together = [p.grad.clone() for p in params]
+        tiny_flux.transformer.zero_grad()
+        separate = [chunk_forward(tiny_flux, traj, rows, chunk, settings, with_ref=False, shared_inputs=s)
+                    for (rows, chunk), s in zip(items, shared, strict=True)]
+        sum((f.log_probs * w).sum() for f, w in zip(separate, weights, strict=True)).backward()
+        grads_separate = [p.grad.clone() for p in params]
+    finally:
+        hook.remove()
+    assert seen == [4, 2, 2]  # one call of 2 groups × 2 steps, then one call of 2 groups per chunk
+    for a, b in zip(together, separate, strict=True):
+        assert a.log_probs.shape == b.log_probs.shape == (2 * g, 1)
+        torch.testing.assert_close(a.log_probs.detach(), b.log_probs.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(a.means, b.means, rtol=0, atol=1e-6)
+    for a, b in zip(grads_together, grads_separate, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_pack_fills_calls_in_order_up_to_the_limit():
+    from flowgrpo.trainer import _pack
+
+    items = [("a", 1), ("b", 2), ("c", 1), ("d", 9), ("e", 3), ("f", 2)]
+    assert _pack(items, lambda name, cost: cost, 4) == [
+        [("a", 1), ("b", 2), ("c", 1)], [("d", 9)], [("e", 3)], [("f", 2)]]
+    assert _pack([], lambda name, cost: cost, 4) == []
+
+
+@pytest.mark.slow
+def test_training_packs_a_micro_batchs_branch_steps_into_one_call(tiny_flux_dir, tmp_path):
+    """train_batch_size 4 over E-GRPO's 12 trajectories (2 prompts × 3 branch steps × G 2): 3 micro-batches of
+    two (prompt, branch step) groups, each one transformer call of 2 rows (a group's samples share their input);
+    the recompute uses the same packs, so the first ratio is still exactly 1."""
+    from flowgrpo.runner import run
+
+    run(_tiny_run_config(tiny_flux_dir, tmp_path, num_epochs=1, prompts_per_epoch=2, rollout_batch_size=4,
+                         train_batch_size=4))
+    (r,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert r["policy/pairs"] == 12
+    assert r["policy/logprob_mismatch_max"] == 0.0
+    assert r["update/transformer_calls"] == 3 and r["update/transformer_rows"] == 6

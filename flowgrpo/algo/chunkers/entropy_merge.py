@@ -215,10 +215,11 @@ class EntropyMerge(BaseChunker):
     Plan (:meth:`plan`): one chunk per branch step; each sample trains exactly its own jump.
 
     Batch sizes: the trainer cuts the B_local rows into micro-batches of ``train.train_batch_size``, which must
-    divide B_local = P_local·|S|·G. A micro-batch scores a chunk for all its rows, so choose a
-    ``train_batch_size`` that divides G (the per-process share of a group): each micro-batch then holds one
-    (prompt, branch step) and forwards no unused row in the update. Old log-probs are recomputed in the training
-    layout (the rollout scores the jump with the anchor's batched velocity), so ``needs_recompute`` is True.
+    divide B_local = P_local·|S|·G. Choose a multiple of G (the per-process share of a group): a micro-batch then
+    holds whole (prompt, branch step) groups, each one transformer row in the update (``shares_inputs``), and
+    its chunks share one call (the digits default: 32 rows, four groups, one call of four rows). Old log-probs
+    are recomputed in the training layout (the rollout scores the jump with the anchor's batched velocity), so
+    ``needs_recompute`` is True.
     With several processes, choose P divisible by the process count so that no group is split: a prompt whose
     samples fall on two processes gets its anchor computed on each, equal only up to batching round-off.
 
