@@ -87,6 +87,23 @@ def build_rewards(specs):
     return ComposedReward(rewards, weights), origins
 
 
+def _rewards_for(config, prompts, eval_prompts):
+    """The optimised and the evaluation-only rewards, constructed (no weights yet) and shown the prompt sets they
+    will score, before any model loads; returns (rewards, eval_rewards or None, origins of both)."""
+    rewards, origins = build_rewards(config.rewards)
+    for name, reward in rewards.rewards.items():
+        if getattr(reward, "eval_only", False):
+            raise ValueError(f"reward {name!r} is for evaluation only (an independent judge): list it under "
+                             "eval_rewards, not rewards")
+    eval_rewards, eval_origins = build_rewards(config.eval_rewards)
+    rewards.check_prompts(prompts, "training")
+    for r in (rewards, eval_rewards):
+        if r is not None:
+            r.check_training_prompts(prompts)
+            r.check_prompts(eval_prompts or prompts, "evaluation")
+    return rewards, eval_rewards, origins + eval_origins
+
+
 def run(config) -> dict:
     """Build every part from ``config`` and train; returns the summary."""
     import torch
@@ -101,6 +118,7 @@ def run(config) -> dict:
     quiet_libraries()
     config = resolve_auto_resume(config)
     chunker, prompts, eval_prompts = preflight(config)
+    rewards, eval_rewards, origins = _rewards_for(config, prompts, eval_prompts)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
     set_seed(config.train.seed)
     m = config.model
@@ -115,21 +133,14 @@ def run(config) -> dict:
     if m.finetune == "lora":  # LoRA weights train in float32 whatever the model's dtype
         for p in params:
             p.data = p.data.float()
-    rewards, origins = build_rewards(config.rewards)
-    for name, reward in rewards.rewards.items():
-        if getattr(reward, "eval_only", False):
-            raise ValueError(f"reward {name!r} is for evaluation only (an independent judge): list it under "
-                             "eval_rewards, not rewards")
-    eval_rewards, eval_origins = build_rewards(config.eval_rewards)
     for r in (rewards, eval_rewards):
         if r is not None:
-            r.check_training_prompts(prompts)
             r.setup(accelerator.device)
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_tracker_config(config))
     trainer = Trainer(config, adapter=adapter, params=params, rewards=rewards, eval_rewards=eval_rewards,
                       chunker=chunker, prompts=prompts, eval_prompts=eval_prompts,
-                      accelerator=accelerator, reward_origins=origins + eval_origins)
+                      accelerator=accelerator, reward_origins=origins)
     torch.set_grad_enabled(True)
     global _SETUP_DONE, _TRAINER
     _SETUP_DONE, _TRAINER = True, trainer

@@ -295,18 +295,46 @@ def test_ctrl_c_under_the_cli_prints_the_cli_command_that_resumes(tmp_path, tiny
     assert line.endswith(f"train.resume_from={out / 'checkpoints'}")
 
 
+class RefusesPrompts:
+    """A reward that refuses the prompts it is given only when scoring (it has no ``check_prompts`` hook)."""
+
+    name = "refuses"
+
+    def setup(self, device):
+        pass
+
+    def __call__(self, images, prompts, metadata):
+        raise ValueError("refuses needs metadata field 'colour'")
+
+
 def test_a_rewards_value_error_on_bad_input_is_one_line(tmp_path, tiny_flux_dir, capsys):
     """Before: the default's ``digit_judge`` kept with plain-text prompts died in the first evaluation with a
-    traceback, although its ValueError names the missing metadata field (the reward contract's bad input)."""
+    traceback, although its ValueError names the missing metadata field (the reward contract's bad input). Now
+    the digits rewards check the prompt sets before the model loads (their ``check_prompts`` hook), and a reward
+    without the hook that raises ValueError on a batch is still one line."""
+    import flowgrpo.models as models
     from flowgrpo.train import main
 
-    with pytest.raises(SystemExit) as info:
-        main([*_tiny_overrides(tmp_path, tiny_flux_dir), "eval_rewards=[{name: digit_judge}]", "train.num_epochs=1",
-              f"output_dir={tmp_path / 'run'}"])
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load before the prompt sets are checked")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(models, "load_model_from_config", no_model)
+        with pytest.raises(SystemExit) as info:
+            main([*_tiny_overrides(tmp_path, tiny_flux_dir), "eval_rewards=[{name: digit_judge}]",
+                  "train.num_epochs=1", f"output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("error: reward 'digit_judge' failed on a batch of 2: ValueError: "
-                                                   "digit_judge needs metadata field 'digit'")
+    assert err.strip().splitlines()[-1].startswith(
+        f"error: reward 'digit_judge' cannot score the evaluation prompts ({tmp_path / 'p.txt'}): digit_judge "
+        "needs metadata['digit']")
+    with pytest.raises(SystemExit) as info:
+        main([*_tiny_overrides(tmp_path, tiny_flux_dir), f"eval_rewards=[{{name: '{MOD}:RefusesPrompts'}}]",
+              "train.num_epochs=1", f"output_dir={tmp_path / 'run2'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: reward 'RefusesPrompts' failed on a batch of 2: ValueError: "
+                                                   "refuses needs metadata field 'colour'")
 
 
 def test_an_out_of_the_wrong_kind_is_one_line_before_any_work(tmp_path, capsys):

@@ -25,6 +25,12 @@ before :meth:`Reward.setup`, with the :class:`~flowgrpo.data.prompts.PromptSet` 
 warning (a benchmark reward warns when training prompts overlap its evaluation set) or raise ``ValueError`` for
 prompts it cannot score; it returns nothing.
 
+A reward may also implement ``check_prompts(prompts)``: called before the model loads with every
+:class:`~flowgrpo.data.prompts.PromptSet` the reward will score (the training set for ``rewards``, the evaluation
+set for ``rewards`` and ``eval_rewards``), it raises ``ValueError`` for prompts or metadata it cannot score (the
+digits rewards: a missing or out-of-range ``digit``), so a bad prompt file stops the run in one line before any
+weights load.
+
 Plugins are classes (or factories) registered in the ``flowgrpo.rewards`` entry-point group; they are constructed
 with the keyword arguments of the config's ``rewards[i].kwargs`` and must not load weights in ``__init__``:
 heavy state is loaded in :meth:`Reward.setup`, which the trainer calls once with the device to use.

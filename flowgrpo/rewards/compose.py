@@ -155,6 +155,22 @@ class ComposedReward:
             if hook is not None:
                 hook(prompts)
 
+    def check_prompts(self, prompts, role: str) -> None:
+        """Show a prompt set this composition will score (``role``: "training" or "evaluation") to every component
+        that implements the optional hook ``check_prompts`` (see :mod:`flowgrpo.rewards.base`).
+
+        Raises:
+            ValueError: a component refuses the set; the message names the reward, the set and its source.
+        """
+        for name, r in self.rewards.items():
+            hook = getattr(r, "check_prompts", None)
+            if hook is None:
+                continue
+            try:
+                hook(prompts)
+            except ValueError as err:
+                raise ValueError(f"reward {name!r} cannot score the {role} prompts ({prompts.source}): {err}") from None
+
     @property
     def group_wise(self) -> list[str]:
         """Names of the components that score whole groups."""

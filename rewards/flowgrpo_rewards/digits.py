@@ -74,6 +74,11 @@ class DigitCorrectness(BaseReward):
         self.name = "digit_correctness_strict" if strict else "digit_correctness"
         self._ready = False
 
+    def check_prompts(self, prompts) -> None:
+        """Every prompt of ``prompts`` (a PromptSet) names its digit (else ``ValueError``, see
+        :func:`labels_from_metadata`)."""
+        labels_from_metadata(prompts.metadata, self.name)
+
     def setup(self, device: torch.device) -> None:
         from flowgrpo.models.digits_eval import reward_classifier
 

@@ -17,19 +17,13 @@ import logging
 import torch
 
 from flowgrpo.rewards.base import BaseReward
+from flowgrpo_rewards.digits import labels_from_metadata
 
 logger = logging.getLogger(__name__)
 
 
 def _labels(metadata: list[dict]) -> list[int]:
-    from flowgrpo.models.digits import check_digit
-
-    out = []
-    for i, m in enumerate(metadata):
-        if "digit" not in m:
-            raise ValueError(f"digit_judge needs metadata field 'digit' (an integer 0-9); sample {i} has {m!r}")
-        out.append(check_digit(m["digit"]))
-    return out
+    return labels_from_metadata(metadata, "digit_judge").tolist()
 
 
 class DigitJudge(BaseReward):
@@ -37,6 +31,10 @@ class DigitJudge(BaseReward):
 
     name = "digit_judge"
     eval_only = True
+
+    def check_prompts(self, prompts) -> None:
+        """Every prompt of ``prompts`` (a PromptSet) names its digit (``ValueError`` otherwise)."""
+        _labels(prompts.metadata)
 
     def score(self, images, prompts, metadata):
         from flowgrpo.models.digits_eval import judge_correctness

@@ -95,6 +95,17 @@ def test_bad_metadata_is_a_clear_error(reward, metadata, match):
         reward(images, [""] * len(metadata), metadata)
 
 
+@pytest.mark.parametrize("name", ["digit_correctness", "digit_correctness_strict", "digit_judge"])
+def test_bad_metadata_is_refused_before_any_image_by_the_prompt_check(name):
+    """``check_prompts`` (the hook the trainer calls before the model loads) refuses what scoring would refuse."""
+    from flowgrpo.data.prompts import PromptSet
+
+    r, _ = load_reward(name)
+    r.check_prompts(PromptSet(["a handwritten digit seven"], [{"digit": 7}], "ok"))  # a good set passes
+    with pytest.raises(ValueError, match=rf"{name}: metadata\['digit'\] of sample 1 must be an integer 0–9, got 11"):
+        r.check_prompts(PromptSet(["seven", "eleven"], [{"digit": 7}, {"digit": 11}], "bad"))
+
+
 def test_reward_loads_through_the_entry_points():
     plain, origin = load_reward("digit_correctness")
     assert type(plain) is DigitCorrectness and not plain.strict and origin.distribution == "flowgrpo-rewards"
