@@ -81,20 +81,6 @@ def digit_probabilities(images: torch.Tensor) -> torch.Tensor:
     return torch.softmax(feats @ w.T + b, dim=1).to(torch.float32)
 
 
-@functools.lru_cache(maxsize=8)
-def real_correct_quantiles(q: float, split: str = "test") -> tuple[float, ...]:
-    """Per digit d = 0…9, the ``q``-quantile (numpy's linear interpolation) of the reward classifier's probability
-    of d over the real digits d of ``split`` (default the held-out ``test`` split, 35–37 a digit): how sure the
-    classifier is of a typical real example. On ``test`` the quartile (q = 0.25) is 0.95 for "0" but 0.73 for "1"
-    and 0.68 for "8": a third of the real ones and nearly half the real eights score below 0.8.
-    Raises ``ValueError`` for q outside [0, 1]."""
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile must be in [0, 1], got {q}")
-    x, y = load_digit_split(split)
-    p = reward_classifier().predict_proba(_features(x))[np.arange(len(y)), y]
-    return tuple(float(np.quantile(p[y == d], q)) for d in range(10))
-
-
 def _labels(labels) -> np.ndarray:
     arr = [check_digit(v, f"labels[{i}]") for i, v in enumerate(labels.tolist() if hasattr(labels, "tolist")
                                                                     else labels)]

@@ -55,13 +55,6 @@ class DigitCorrectness(BaseReward):
     reward over-optimisation (Moskovitz et al., "Confronting Reward Model Overoptimization with Constrained
     RLHF", ICLR 2024, arXiv 2310.04373): optimise the proxy up to the point where it stops tracking the goal.
 
-    ``cap_quantile`` q sets that point per digit from real data: digit d's cap is ``min(cap, c_d)``, with c_d the
-    q-quantile of the classifier's probability of d over held-out real digits d
-    (:func:`flowgrpo.models.digits_eval.real_correct_quantiles`). A generated digit the classifier rates as highly
-    as the real examples above that quantile is as good as they are; without it the reward keeps pushing the
-    digits the classifier is least sure of ("1", "8": a third and a half of their real examples score below 0.8)
-    toward the few shapes it rates highest.
-
     ``__call__(images (B, 3, H, H) float in [0, 1], prompts, metadata) -> (B,) float32`` on the CPU, in [0, 1].
     Each ``metadata[i]`` needs ``"digit"``: an integer 0–9 (``ValueError`` otherwise). The classifier is fitted in
     :meth:`setup` (well under a second; cached per process), not in ``__init__``.
@@ -69,20 +62,15 @@ class DigitCorrectness(BaseReward):
 
     name = "digit_correctness"
 
-    def __init__(self, strict: bool = False, cap: float = 1.0, cap_quantile: float | None = None) -> None:
+    def __init__(self, strict: bool = False, cap: float = 1.0) -> None:
         if not isinstance(strict, bool):
             raise ValueError(f"digit_correctness: strict must be true or false, got {strict!r}")
         if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not 0 < cap <= 1:
             raise ValueError(f"digit_correctness: cap must be a number in (0, 1], got {cap!r}")
-        if cap_quantile is not None and (isinstance(cap_quantile, bool) or not isinstance(cap_quantile, numbers.Real)
-                                         or not 0 <= cap_quantile <= 1):
-            raise ValueError(f"digit_correctness: cap_quantile must be a number in [0, 1], got {cap_quantile!r}")
-        if strict and (cap != 1.0 or cap_quantile is not None):
-            raise ValueError("digit_correctness: cap and cap_quantile apply to the probability reward, not to "
-                             "strict=true")
+        if strict and cap != 1.0:
+            raise ValueError("digit_correctness: cap applies to the probability reward, not to strict=true")
         self.strict = strict
         self.cap = float(cap)
-        self.cap_quantile = None if cap_quantile is None else float(cap_quantile)
         self.name = "digit_correctness_strict" if strict else "digit_correctness"
         self._ready = False
 
@@ -108,16 +96,7 @@ class DigitCorrectness(BaseReward):
         if self.strict:
             return (probs.argmax(dim=1) == labels).to(torch.float32)
         p = probs[torch.arange(len(labels)), labels]
-        return torch.minimum(p, self.caps()[labels]).contiguous()
-
-    def caps(self) -> torch.Tensor:
-        """(10,) float32: each digit's cap, ``min(cap, c_d)`` with ``cap_quantile`` (see the class docstring)."""
-        caps = torch.full((10,), self.cap, dtype=torch.float32)
-        if self.cap_quantile is not None:
-            from flowgrpo.models.digits_eval import real_correct_quantiles
-
-            caps = torch.minimum(caps, torch.tensor(real_correct_quantiles(self.cap_quantile), dtype=torch.float32))
-        return caps
+        return p.clamp(max=self.cap).contiguous() if self.cap < 1 else p.contiguous()
 
 
 class DigitCorrectnessStrict(DigitCorrectness):

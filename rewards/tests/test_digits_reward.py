@@ -95,29 +95,6 @@ def test_bad_metadata_is_a_clear_error(reward, metadata, match):
         reward(images, [""] * len(metadata), metadata)
 
 
-def test_cap_quantile_caps_each_digit_at_real_digits_quantile(test_digits):
-    """Digit d's cap is min(cap, c_d), c_d the q-quantile of p(d) over held-out real d's (derived here from
-    sklearn's own predict_proba and numpy's quantile), so a generated digit rated like the real ones above the
-    quantile scores the cap."""
-    from flowgrpo.models.digits import load_digit_split
-
-    x, y = load_digit_split("test")
-    clf = de.reward_classifier()
-    p_true = clf.predict_proba(x.reshape(len(x), -1) / 16.0)[np.arange(len(y)), y]
-    expected = [min(0.8, float(np.quantile(p_true[y == d], 0.25))) for d in range(10)]
-    reward = DigitCorrectness(cap=0.8, cap_quantile=0.25)
-    torch.testing.assert_close(reward.caps(), torch.tensor(expected, dtype=torch.float32))
-    assert reward.caps()[1] < 0.75 and reward.caps()[8] < 0.7 and reward.caps()[0] == pytest.approx(0.8)
-    _, labels, images = test_digits
-    plain = DigitCorrectness()(images, [""] * len(labels), meta(labels))
-    capped = reward(images, [""] * len(labels), meta(labels))
-    torch.testing.assert_close(capped, torch.minimum(plain, reward.caps()[torch.as_tensor(labels)]))
-    with pytest.raises(ValueError, match="cap_quantile must be a number in"):
-        DigitCorrectness(cap_quantile=1.5)
-    with pytest.raises(ValueError, match="not to strict=true"):
-        DigitCorrectness(strict=True, cap_quantile=0.25)
-
-
 @pytest.mark.parametrize("name", ["digit_correctness", "digit_correctness_strict", "digit_judge"])
 def test_bad_metadata_is_refused_before_any_image_by_the_prompt_check(name):
     """``check_prompts`` (the hook the trainer calls before the model loads) refuses what scoring would refuse."""
