@@ -158,7 +158,7 @@ def packed_forward(adapter, traj: Trajectory, work: list[tuple[torch.Tensor, tup
         ends_e.append((steps + traj.jump[rows][:, steps]).flatten())  # the transition's end (E-GRPO: m steps on)
         keys += ([None] * (len(rows) * len(chunk)) if shared is None
                  else [(key, t) for key in shared.tolist() for t in chunk])
-    rows_e, steps_e, ends_e = torch.cat(rows_e), torch.cat(steps_e), torch.cat(ends_e)  # (N,) host
+    rows_e, steps_e, ends_e = _cat(rows_e), _cat(steps_e), _cat(ends_e)  # (N,) host
     dev, src = adapter.device, traj.latents.device
     x = traj.latents[rows_e.to(src), steps_e.to(src)].to(dev)  # (N, …)
     x_next = traj.latents[rows_e.to(src), ends_e.to(src)].to(dev)
@@ -179,7 +179,7 @@ def packed_forward(adapter, traj: Trajectory, work: list[tuple[torch.Tensor, tup
                              form=kl_form)
     dts = (sigma_next - sigma).to(dev)
     sizes = [len(rows) * len(chunk) for rows, chunk in work]
-    parts = [t.split(sizes) if t is not None else [None] * len(work)
+    parts = [[t] * len(work) if t is None else [t] if len(work) == 1 else t.split(sizes)
              for t in (out.log_prob, kl, out.mean, out.std, dts)]
     return [ChunkForward(*(None if t is None else t.reshape(len(rows), len(chunk), *t.shape[1:]) for t in item))
             for (rows, chunk), *item in zip(work, *parts, strict=True)]
@@ -197,6 +197,8 @@ def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[in
 def _velocity_once_per_input(adapter, x: torch.Tensor, sigma: torch.Tensor, embeds, guidance: float, keys: list):
     """A function computing the (N, …) velocity of :func:`packed_forward`'s batch with the adapter's current
     weights, forwarding one element per distinct key (elements whose key is None are all forwarded)."""
+    if all(key is None for key in keys):
+        return lambda: adapter.velocity(x, sigma, embeds, guidance)
     slot: dict = {}
     pick, spread = [], []
     for e, key in enumerate(keys):
