@@ -126,7 +126,7 @@ def per_digit_footer(rows: list[dict]) -> list[str]:
         flag = " collapsed" if r["collapsed"] else ""
         out.append(f"digit {r['digit']}\ncorrect {f(r['correctness_before'], '.2f')}→{f(r['correctness_after'], '.2f')}"
                    f"\ndiversity {f(r['diversity_before'], '.0f')}→{f(r['diversity_after'], '.0f')}"
-                   f"\n{f(ratio, '.2f')}× real{flag}")
+                   f"\n{f(ratio, '.3f')}× real{flag}")
     return out
 
 

@@ -221,7 +221,7 @@ def format_report(summary: dict) -> str:
             lines.append(f"{r['digit']:>5}  {_cell(r['correctness_before'], '>14.3f')}  "
                          f"{_cell(r['correctness_after'], '>5.3f')}  {_cell(r['diversity_before'], '>16.1f')}  "
                          f"{_cell(r['diversity_after'], '>5.1f')}  {_cell(r['diversity_real'], '>5.1f')}  "
-                         f"{_cell(r['ratio_after'], '>10.2f')}{flag}")
+                         f"{_cell(r['ratio_after'], '>10.3f')}{flag}")
         blocks.append("\n".join(lines))
     phases = summary.get("phase_seconds", {})
     if phases:

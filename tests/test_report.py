@@ -71,7 +71,7 @@ def test_report_says_where_what_per_digit_and_how_long():
     assert rows["correctness"][1:] == ["0.5000", "0.9000"]
     assert rows["diversity_min_ratio"][1:] == ["0.9000", "0.2500"]
     assert "digit_4_diversity" not in text  # per-digit figures go to their own table, not the main one
-    assert rows["4"][1:6] == ["0.500", "1.000", "38.0", "10.0", "40.0"] and rows["4"][6] == "0.25"
+    assert rows["4"][1:6] == ["0.500", "1.000", "38.0", "10.0", "40.0"] and rows["4"][6] == "0.250"
     assert "collapsed" in " ".join(rows["4"]) and "collapsed" not in " ".join(rows["3"])
     assert rows["update"][1:] == ["6.0", "60.0%"]  # 6 of 10 s
     assert rows["all"][1] == "10.0"
@@ -84,8 +84,8 @@ def test_before_after_has_a_per_digit_row(tmp_path):
 
     footer = per_digit_footer(per_digit_rows(SUMMARY))
     assert len(footer) == 10
-    assert footer[4] == "digit 4\ncorrect 0.50→1.00\ndiversity 38→10\n0.25× real collapsed"  # 10 / 40
-    assert footer[3].endswith("0.75× real")  # 30 / 40, not flagged
+    assert footer[4] == "digit 4\ncorrect 0.50→1.00\ndiversity 38→10\n0.250× real collapsed"  # 10 / 40
+    assert footer[3].endswith("0.750× real")  # 30 / 40, not flagged
     before_after(torch.rand(20, 3, 32, 32), torch.rand(20, 3, 32, 32), ["p"] * 20, tmp_path / "ba.png",
                  per_digit=per_digit_rows(SUMMARY))
     assert (tmp_path / "ba.png").read_bytes()[:4] == b"\x89PNG"
@@ -123,7 +123,7 @@ def test_sample_grid_captions_never_overlap():
     images = torch.rand(20, 3, 32, 32)
     long = "a very long prompt about a handwritten digit seven drawn on a napkin in a dark bar at night"
     fig = sample_grid_figure(images, [f"before: {long} {i}" for i in range(20)], ncols=10, title="t",
-                             footer=[f"digit {d}\ncorrect 0.50→1.00\ndiversity 38→10\n0.25× real collapsed"
+                             footer=[f"digit {d}\ncorrect 0.50→1.00\ndiversity 38→10\n0.250× real collapsed"
                                      for d in range(10)])
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
