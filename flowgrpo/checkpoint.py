@@ -66,6 +66,9 @@ def save_checkpoint(root: str | Path, epoch: int, *, model: torch.nn.Module, opt
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder from a folder, or from a checkpoints root holding ``latest``."""
     p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {str(p)!r} does not exist (train.resume_from: a checkpoint folder such as "
+                              "OUTPUT_DIR/checkpoints/epoch_N, N 0-based, or OUTPUT_DIR/checkpoints for the latest)")
     if (p / "latest").is_file():
         p = p / (p / "latest").read_text().strip()
     if not (p / "state.json").is_file():

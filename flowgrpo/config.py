@@ -389,7 +389,11 @@ class Config(Section):
             )
         tb = self.train_batch_size
         if b % tb:
-            raise ValueError(f"train.train_batch_size={tb} must divide the batch B = {b}")
+            more = (f" (chunker {self.chunker.name!r} trains each sample as one trajectory per branch step; "
+                    "train_batch_size must divide the samples, so that every micro-batch holds whole groups)"
+                    if self.chunker.multiplies_batch else "")
+            raise ValueError(f"train.train_batch_size={tb} must divide the batch B = prompts_per_epoch*group_size = "
+                             f"{b}{more}")
         if (b // tb) % t.optimizer_steps_per_epoch and not self.chunker.multiplies_batch:
             raise ValueError(
                 f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "

@@ -110,10 +110,15 @@ def check_rewards(specs) -> None:
             raise RewardLoadError(f"reward {spec.name!r}: {err} (rewards[].kwargs); it accepts {allowed}") from None
 
 
-def check_batch(config, world_size: int) -> None:
+def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
     """The batch layout, per process: each of ``world_size`` processes samples B/W trajectories in micro-batches
     of ``rollout_batch_size`` and trains them in micro-batches of ``train_batch_size``, cut into
-    ``optimizer_steps_per_epoch`` consecutive shares (unequal shares are warned about). Raises ``ValueError``."""
+    ``optimizer_steps_per_epoch`` consecutive shares (unequal shares are warned about). Raises ``ValueError``.
+
+    ``per_sample``: trajectories a sample becomes (the chunker's ``trajectories_per_sample`` on the model's σ
+    grid). A chunker whose count only the grid decides (E-GRPO, ``multiplies_batch``) is checked again once the
+    model is loaded, with it: its micro-batches (B/W·k / train_batch_size) must be at least the optimizer steps
+    and split equally into them."""
     t, b = config.train, config.batch_size
     if b % world_size:
         raise ValueError(f"the batch B = prompts_per_epoch*group_size = {b} cannot be split evenly over "
@@ -126,6 +131,8 @@ def check_batch(config, world_size: int) -> None:
         raise ValueError(f"train.train_batch_size={tb} must divide {where}")
     steps = t.optimizer_steps_per_epoch
     if config.chunker.multiplies_batch:  # E-GRPO: the micro-batch count is a multiple only the σ grid decides
+        if per_sample is not None:
+            _check_grid_batch(config, local, per_sample, world_size)
         return
     if local // tb < steps:
         raise ValueError(f"train.optimizer_steps_per_epoch={steps} exceeds the {local // tb} training "
@@ -134,6 +141,18 @@ def check_batch(config, world_size: int) -> None:
     if (local // tb) % steps:
         logger.warning("with %d processes the %d training micro-batches of each process split unequally into "
                        "train.optimizer_steps_per_epoch=%d optimizer steps", world_size, local // tb, steps)
+
+
+def _check_grid_batch(config, local: int, per_sample: int, world_size: int) -> None:
+    """E-GRPO's micro-batches on the σ grid: ``local``·``per_sample`` trajectories a process, cut by
+    ``train_batch_size``, into ``optimizer_steps_per_epoch`` equal shares."""
+    t, tb = config.train, config.train_batch_size
+    micro, steps = local * per_sample // tb, t.optimizer_steps_per_epoch
+    where = (f"the {micro} training micro-batches of {local * per_sample} trajectories a process ({local} samples × "
+             f"{per_sample} branch steps of chunker {config.chunker.name!r}) / train.train_batch_size={tb}")
+    if micro < steps or micro % steps:
+        raise ValueError(f"train.optimizer_steps_per_epoch={steps} must divide {where}; choose a divisor of "
+                         f"{micro}, or change train.train_batch_size")
 
 
 def check_trackers(trackers) -> None:

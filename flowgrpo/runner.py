@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from flowgrpo.preflight import preflight, resolve_auto_resume
+from flowgrpo.preflight import check_batch, preflight, resolve_auto_resume
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
@@ -124,7 +124,9 @@ def run(config) -> dict:
     m = config.model
     adapter = load_model_from_config(m)
     sampling = SamplerSettings.from_config(config.sampling)
-    chunker.validate_grid(adapter.sigmas(sampling.num_steps), sampling)  # before any evaluation or sampling
+    sigmas = adapter.sigmas(sampling.num_steps)
+    chunker.validate_grid(sigmas, sampling)  # before any evaluation or sampling
+    check_batch(config, accelerator.num_processes, chunker.trajectories_per_sample(sigmas, sampling))
     adapter.pipe.to(accelerator.device)
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,

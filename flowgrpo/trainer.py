@@ -699,7 +699,8 @@ class Trainer:
         if self._finished():
             self.scorer.close()
             summary = self.out / "summary.json"
-            return json.loads(summary.read_text()) if summary.is_file() else {}
+            # the files of this output_dir (a copied run folder's summary names the folder it was copied from)
+            return {**json.loads(summary.read_text()), "outputs": self._outputs()} if summary.is_file() else {}
         if self.main:
             self._claim_output_dir()
             self._write_config()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -231,7 +232,7 @@ def test_bad_values_are_refused_by_the_schema(overrides, needle):
     (["sampling.noise_level=0"], "noise_level=0.0 leaves no stochastic transition"),
     (["sampling.sde_kind=ode"], "sde_kind='ode' with sampling.noise_level=0.7 leaves no stochastic"),
     (["sampling.sde_kind=cps", "sampling.noise_level=0"], "leaves no stochastic transition"),
-    (["train.resume_from=/nonexistent/checkpoints"], "'/nonexistent/checkpoints' is not a complete checkpoint"),
+    (["train.resume_from=/nonexistent/checkpoints"], "checkpoint '/nonexistent/checkpoints' does not exist"),
     (["logging.trackers=[wandb]"], r"logging.trackers=\['wandb'\]: \['wandb'\] not installed"),
 ])
 def test_everything_is_checked_before_any_model_loads(tmp_path, tiny_flux_dir, monkeypatch, overrides, needle):
@@ -334,6 +335,11 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
     assert any("already finished all 2 epochs" in r.getMessage() for r in caplog.records)
     assert summary == json.loads((out / "summary.json").read_text())
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
+    # a copy of the finished folder resumed in place reports its own files, not the original's
+    shutil.copytree(out, tmp_path / "copy")
+    summary = run(_cfg(tmp_path, tiny_flux_dir, "copy", train={"resume_from": str(tmp_path / "copy" / "checkpoints")}))
+    written = [v for v in summary["outputs"].values() if isinstance(v, str)]
+    assert written and all(v.startswith(str(tmp_path / "copy")) for v in written)
 
 
 @pytest.mark.slow

@@ -465,3 +465,27 @@ def test_training_packs_a_micro_batchs_branch_steps_into_one_call(tiny_flux_dir,
     assert r["policy/pairs"] == 12
     assert r["policy/logprob_mismatch_max"] == 0.0
     assert r["update/transformer_calls"] == 3 and r["update/transformer_rows"] == 6
+
+
+@pytest.mark.slow
+def test_too_many_optimizer_steps_for_the_branch_trajectories_is_one_error_before_any_evaluation(tiny_flux_dir,
+                                                                                                   tmp_path):
+    """E-GRPO's micro-batch count (P·|S|·G / train_batch_size) is known only on the σ grid: with 3 micro-batches
+    (2 prompts × 3 branch steps × G 2 / 4) two optimizer steps would be unequal shares, four would have an empty
+    one; both are refused once the model is loaded, before the evaluation writes anything."""
+    from flowgrpo.runner import run
+
+    for steps in (2, 4):
+        cfg = _tiny_run_config(tiny_flux_dir, tmp_path, num_epochs=1, prompts_per_epoch=2, rollout_batch_size=4,
+                               train_batch_size=4, optimizer_steps_per_epoch=steps)
+        with pytest.raises(ValueError, match=rf"optimizer_steps_per_epoch={steps} must divide the 3 training "
+                           r"micro-batches of 12 trajectories a process \(4 samples × 3 branch steps"):
+            run(cfg)
+        assert not (tmp_path / "run").exists()
+    cfg = _tiny_run_config(tiny_flux_dir, tmp_path, num_epochs=1, prompts_per_epoch=2, rollout_batch_size=4,
+                           train_batch_size=4, optimizer_steps_per_epoch=3)
+    from flowgrpo.preflight import check_batch
+
+    check_batch(cfg, 1, per_sample=3)  # 3 micro-batches, 3 steps: accepted
+    with pytest.raises(ValueError, match="must divide the 4 training micro-batches"):
+        check_batch(cfg, 1, per_sample=4)  # 4 micro-batches do not split into 3 equal shares

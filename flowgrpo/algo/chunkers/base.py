@@ -66,6 +66,11 @@ class Chunker(Protocol):
             ValueError: naming the setting and what is allowed.
         """
 
+    def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
+        """How many trajectories one requested sample becomes on the σ grid ``sigmas`` (T+1,) with the run's
+        settings: 1 for the standard rollout (E-GRPO: one per branch step). The trainer's micro-batches cut the
+        B·k trajectories."""
+
     def validate_grid(self, sigmas: torch.Tensor, settings) -> None:
         """Reject settings that fail on the model's σ grid ``sigmas`` (T+1,) with the run's
         :class:`~flowgrpo.sampling.rollout.SamplerSettings`: called once the model is loaded, before any
@@ -156,6 +161,10 @@ class BaseChunker:
 
     def validate_grid(self, sigmas: torch.Tensor, settings) -> None:
         """Nothing depends on the σ grid beyond :meth:`validate`."""
+
+    def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
+        """One trajectory a sample."""
+        return 1
 
     def rollout(self, adapter, request: RolloutRequest) -> Trajectory:
         """The standard rollout (:func:`flowgrpo.sampling.rollout.rollout`) with this chunker's SDE steps."""

@@ -252,6 +252,10 @@ class EntropyMerge(BaseChunker):
         """The entropy rule's branch plan on the model's grid (``ValueError`` when no jump reaches τ)."""
         self.branch_plan(sigmas, settings.sde_kind, settings.noise_level, settings.guard(sigmas))
 
+    def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
+        """|S|: a sample branches once at every branch step of the plan."""
+        return len(self.branch_plan(sigmas, settings.sde_kind, settings.noise_level, settings.guard(sigmas)))
+
     def sde_steps(self, num_steps: int, epoch: int) -> torch.Tensor:
         """(T,) bool, the branch steps; only for hand-set lists (the entropy rule needs the σ grid and the SDE:
         use :meth:`branch_plan`)."""
