@@ -32,10 +32,11 @@ def labels_from_metadata(metadata: list[dict], reward_name: str = "digit_correct
     out = []
     for i, meta in enumerate(metadata):
         if not isinstance(meta, dict) or DIGIT_FIELD not in meta:
-            keys = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+            has = (f"fields {sorted(meta)}" if meta else "no metadata fields") if isinstance(meta, dict) \
+                else type(meta).__name__
             raise ValueError(
                 f"{reward_name} needs metadata[{DIGIT_FIELD!r}] (an integer digit 0–9) for every prompt; "
-                f"sample {i} has {keys}"
+                f"sample {i} has {has}"
             )
         value = meta[DIGIT_FIELD]
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= 9:

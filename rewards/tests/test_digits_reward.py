@@ -79,8 +79,8 @@ def test_reward_probabilities_sum_to_one_over_the_ten_labels(reward, test_digits
 @pytest.mark.parametrize(
     ("metadata", "match"),
     [
-        ([{}], r"needs metadata\['digit'\] \(an integer digit 0–9\).*sample 0 has \[\]"),
-        ([{"digit": 3}, {"label": 3}], r"sample 1 has \['label'\]"),
+        ([{}], r"needs metadata\['digit'\] \(an integer digit 0–9\).*sample 0 has no metadata fields"),
+        ([{"digit": 3}, {"label": 3}], r"sample 1 has fields \['label'\]"),
         ([{"digit": 10}], r"metadata\['digit'\] of sample 0 must be an integer 0–9, got 10"),
         ([{"digit": -1}], "got -1"),
         ([{"digit": "7"}], "got '7'"),
