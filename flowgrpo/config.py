@@ -263,7 +263,10 @@ class TrainConfig(Section):
     prompts_per_epoch: int = Field(8, ge=1, description="P, prompts sampled per epoch (over all processes)")
     group_size: int = Field(4, ge=2, description="G, samples per prompt (a group needs G >= 2)")
     rollout_batch_size: int = Field(8, ge=1, description="trajectories per transformer call while sampling")
-    train_batch_size: int | None = Field(None, ge=1, description="samples per training forward (default rollout)")
+    train_batch_size: int | None = Field(
+        None, ge=1, description="samples per training micro-batch, and the most transformer rows one training "
+        "call holds (a micro-batch's chunks share calls up to it); default rollout_batch_size"
+    )
     inner_epochs: int = Field(1, ge=1, description="passes over one rollout (passes after the first are off-policy)")
     optimizer_steps_per_epoch: int = Field(
         1, ge=1, description="optimizer steps per pass; each takes an equal share of the samples"
