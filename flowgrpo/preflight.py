@@ -132,7 +132,7 @@ def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
     steps = t.optimizer_steps_per_epoch
     if config.chunker.multiplies_batch:  # E-GRPO: the micro-batch count is a multiple only the σ grid decides
         if per_sample is not None:
-            _check_grid_batch(config, local, per_sample, world_size)
+            _check_grid_batch(config, local, per_sample)
         return
     if local // tb < steps:
         raise ValueError(f"train.optimizer_steps_per_epoch={steps} exceeds the {local // tb} training "
@@ -143,7 +143,7 @@ def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
                        "train.optimizer_steps_per_epoch=%d optimizer steps", world_size, local // tb, steps)
 
 
-def _check_grid_batch(config, local: int, per_sample: int, world_size: int) -> None:
+def _check_grid_batch(config, local: int, per_sample: int) -> None:
     """E-GRPO's micro-batches on the σ grid: ``local``·``per_sample`` trajectories a process, cut by
     ``train_batch_size``, into ``optimizer_steps_per_epoch`` equal shares."""
     t, tb = config.train, config.train_batch_size

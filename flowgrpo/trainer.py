@@ -425,16 +425,16 @@ class Trainer:
 
     @torch.no_grad()
     def recompute_old_log_probs(self, traj: Trajectory, plan: ChunkPlan,
-                                pair_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Old log-probs (B, T) float32 on the host, recomputed in the training layout (the update's packs for
-        ``pair_mask`` (B, K) bool, the trained pairs; default every selected pair), so the first ratio is exactly
-        1; for a loss that reads moments, the rollout policy's transition means go to ``self.old_means``
-        (B, T, …). Pairs no pack forwards keep the rollout's log-probs (the update never reads them)."""
+                                steps: list[_OptimizerStep] | None = None) -> torch.Tensor:
+        """Old log-probs (B, T) float32 on the host, recomputed in the training layout: the packs of ``steps``,
+        the update's schedule (:meth:`_schedule`; default every selected pair), so the first ratio is exactly 1;
+        for a loss that reads moments, the rollout policy's transition means go to ``self.old_means`` (B, T, …).
+        Pairs no pack forwards keep the rollout's log-probs (the update never reads them)."""
         old = traj.log_probs.clone()
         keep_means = needs_moments(self.policy_loss)
         self.old_means = torch.zeros_like(traj.latents[:, :-1]) if keep_means else None
-        mask = plan.selected if pair_mask is None else pair_mask
-        for pack in (pack for share in self._work(traj, plan, mask) for pack in share):
+        steps = self._schedule(traj, plan, plan.selected) if steps is None else steps
+        for pack in (pack for step in steps for pack in step.work):
             outs = packed_forward(self.adapter, traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
                                   with_ref=False, shared_inputs=[self._shared_inputs(traj, rows) for rows, _ in pack])
             for (rows, k), out in zip(pack, outs, strict=True):
@@ -524,8 +524,10 @@ class Trainer:
             self.ema.update()
         return gn
 
-    def update_phase(self, traj: Trajectory, adv: Advantages, plan: ChunkPlan, old_log_probs: torch.Tensor):
-        """Inner epochs × optimizer steps of the policy loss over the plan's chunks.
+    def update_phase(self, traj: Trajectory, adv: Advantages, plan: ChunkPlan, old_log_probs: torch.Tensor,
+                     steps: list[_OptimizerStep] | None = None):
+        """Inner epochs × optimizer steps of the policy loss over the plan's chunks, in the packs of ``steps``
+        (:meth:`_schedule` of the pairs the advantages keep; computed here when not given).
 
         Records (advantages, masks, old log-probs) stay on the host and each chunk's rows move to the device;
         statistics accumulate on the device and are read once, after the update."""
@@ -533,7 +535,7 @@ class Trainer:
         local = dist.local_slice(len(adv.values))
         batch = {"advantages": adv.values[local], "old_log_probs": old_log_probs,
                  "pair_mask": _pair_mask(plan, adv)}  # (B,), (B, T), (B, K) host
-        steps = self._schedule(traj, plan, batch["pair_mask"])
+        steps = self._schedule(traj, plan, batch["pair_mask"]) if steps is None else steps
         first, later = _Accum(), _Accum()
         if not self.model.training:  # a walk over every module: only when evaluation switched it off
             self.model.train()
@@ -764,13 +766,15 @@ class Trainer:
         if not bool(kept.keep.all()):  # filtered-out samples are not forwarded in training at all
             plan = ChunkPlan(plan.chunks, plan.selected & kept.keep[dist.local_slice(len(kept.keep))].unsqueeze(1))
         m.log(kept.metrics)
+        with m.timed("plan"):  # one schedule: the recompute scores old log-probs in the update's very packs
+            steps = self._schedule(traj, plan, _pair_mask(plan, adv))
         old = traj.log_probs
         if self.recompute:
             with m.timed("recompute"):
-                old = self.recompute_old_log_probs(traj, plan, _pair_mask(plan, adv))
+                old = self.recompute_old_log_probs(traj, plan, steps)
         calls0, rows0 = self.forward_count
         with m.timed("update"):
-            upd = self.update_phase(traj, adv, plan, old)
+            upd = self.update_phase(traj, adv, plan, old, steps)
         m.log({"update/transformer_calls": self.forward_count[0] - calls0,
                "update/transformer_rows": self.forward_count[1] - rows0})
         if cfg.logging.save_rollout_stats:
