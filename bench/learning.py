@@ -18,8 +18,8 @@ exists (and refuses one written with other overrides). Runs go one after another
 
 Figures per run (from the run's ``summary.json`` and ``metrics.jsonl``):
 
-- judge correctness: the independent judge's strict correctness on the evaluation images (200 seeded ODE images,
-  20 per digit, by default), before and after;
+- judge correctness: the independent judge's strict correctness on the evaluation images (1000 seeded ODE images,
+  100 per digit, by default), before and after;
 - diversity ratio: per digit d, intra-digit diversity after RL / the same digit's real diversity; the table shows
   the average over digits and the minimum over digits (a collapse of one digit to a prototype shows in the minimum);
 - RL wall time: the sum over epochs of the epoch phases' ``timing/<phase>`` seconds (rollout, reward, filter,
