@@ -3,8 +3,9 @@ correctness by a stated margin.
 
 The base model is the cached pretrained digits pipeline (``ensure_digits_model``: built once, about 2 minutes,
 into ``$FLOWGRPO_CACHE``). The run is deterministic for its seed on a given machine; the margin (+0.06 on the
-default's 1000 ODE evaluation images, 100 per digit) is below the gain the full default shows in its first 10 epochs (+0.155 and +0.200 on
-RL seeds 0 and 1, bench/learning.py), so the test fails when learning breaks, not when rounding changes.
+default's 1000 ODE evaluation images, 100 per digit) is below the gain the full default shows in its first 10
+epochs (+0.155 and +0.200 on RL seeds 0 and 1, bench/learning.py), so the test fails when learning breaks, not
+when rounding changes.
 
 It also checks that no digit collapsed: every digit's diversity stays at least ``MIN_RATIO`` of the same digit's
 real diversity (``diversity_min_ratio_after``), the bar the README's main job must clear. The run is the shipped
