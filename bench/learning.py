@@ -11,6 +11,10 @@ work); the chunker, SDE, estimator, policy-loss and filter rows change the defau
 replaces the whole ``chunker`` section; ``cps`` also trains per step, since E-GRPO refuses CPS). Overrides are
 applied in this order: the row's, then ``--set`` (shared by every row), then ``--epochs`` (if given; otherwise
 each row keeps its config's ``train.num_epochs``), then the bench's own (seed, output folder, ``logging.eval_every``).
+``--set`` may be given more than once (its lists combine); ``--epochs`` must be >= 1 and each ``--seed`` in 0 to
+2**32 - 1. Every (row, seed)'s config is built and validated (``flowgrpo.config.build_config``, as its run builds
+it) before the first run trains: a bad one (e.g. a ``--set`` key that a row's chunker lacks) stops the bench with an
+error naming the row, nothing trained.
 
 Per (row, seed) the run folder is ``OUT/<row>/seed<s>/`` and its figures go to ``OUT/<row>/seed<s>.json`` as soon as
 the run ends, so an interrupted table keeps its finished runs; ``--resume`` skips every (row, seed) whose JSON
@@ -197,15 +201,23 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def row_config(overrides: list[str], seed: int, run_dir: Path):
+    """The config one (row, seed) trains with: the runner's default config, the row's (and shared) overrides, then
+    the bench's own. Raises ``flowgrpo.config.ConfigError`` (a ``ValueError``)."""
+    from flowgrpo.config import build_config
+    from flowgrpo.runner import DEFAULT_CONFIG
+
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    return build_config(data, [*overrides, f"train.seed={seed}", f"output_dir={run_dir}", "logging.progress=false",
+                               "logging.overwrite=true"])
+
+
 def run_one(name: str, overrides: list[str], seed: int, out_root: Path) -> dict:
     """Trains one (row, seed) into ``out_root/<row>/seed<seed>`` and writes its figures next to it as JSON."""
-    from flowgrpo.config import build_config
-    from flowgrpo.runner import DEFAULT_CONFIG, run
+    from flowgrpo.runner import run
 
     run_dir = out_root / name / f"seed{seed}"
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    cfg = build_config(data, [*overrides, f"train.seed={seed}", f"output_dir={run_dir}", "logging.progress=false",
-                              "logging.overwrite=true"])
+    cfg = row_config(overrides, seed, run_dir)
     start = time.perf_counter()
     run(cfg)
     result = {"row": name, "seed": seed, "overrides": overrides, "process_seconds": time.perf_counter() - start,
@@ -227,24 +239,64 @@ def load_finished(path: Path, overrides: list[str]) -> dict | None:
     return got
 
 
-def main() -> None:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """An argparse type: an RL seed, an integer from 0 to 2**32 - 1 (what numpy's seeding accepts)."""
+    value = int(text)
+    if not 0 <= value <= 2**32 - 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**32 - 1, got {value}")
+    return value
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The bench's argument parser (the module docstring is its description)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=None, help="train.num_epochs for every row (default: each "
-                        "row's config: digits.yaml's for most, 80 for old_default)")
-    parser.add_argument("--seed", type=int, nargs="+", default=[0, 1, 2], help="RL seeds")
+    parser.add_argument("--epochs", type=positive_int, default=None, help="train.num_epochs (>= 1) for every row "
+                        "(default: each row's config: digits.yaml's for most, 80 for old_default)")
+    parser.add_argument("--seed", type=seed_int, nargs="+", default=[0, 1, 2], help="RL seeds (0 to 2**32 - 1)")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--eval-every", type=int, default=5, help="logging.eval_every of every row (epochs to 0.97)")
     parser.add_argument("--out", default="runs/learning", help="run folders and per-(row, seed) JSON files")
     parser.add_argument("--resume", action="store_true", help="skip the (row, seed) pairs whose JSON exists")
     parser.add_argument("--json", help="also write every run's figures here (one list)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="overrides applied to every row after its own (e.g. a smaller budget)")
-    args = parser.parse_args()
+    parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                        help="overrides applied to every row after its own (e.g. a smaller budget); may be repeated")
+    return parser
+
+
+def check_rows(parser: argparse.ArgumentParser, args: argparse.Namespace, shared: list[str]) -> None:
+    """Builds every (row, seed)'s config as its run will, before any training: a bad one is a parser error (exit
+    status 2) naming the row."""
+    for name in args.rows:
+        for seed in args.seed:
+            try:
+                row_config([*ROWS[name], *shared], seed, Path(args.out) / name / f"seed{seed}")
+            except ValueError as err:  # flowgrpo.config.ConfigError is a ValueError
+                parser.error(f"row {name!r}: {'; '.join(str(err).splitlines())}")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The bench's arguments and the overrides every row shares; every row's config checked (see :func:`check_rows`)."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
     if args.eval_every < 1:
         parser.error(f"--eval-every must be >= 1 (epochs to {TARGET} needs periodic evaluation), got {args.eval_every}")
-    out_root = Path(args.out)
-    shared = [*args.set, *([f"train.num_epochs={args.epochs}"] if args.epochs else []),
+    shared = [*args.set, *([f"train.num_epochs={args.epochs}"] if args.epochs is not None else []),
               f"logging.eval_every={args.eval_every}"]
+    check_rows(parser, args, shared)
+    return args, shared
+
+
+def main() -> None:
+    args, shared = parse_args()
+    out_root = Path(args.out)
     results = []
     for name in args.rows:
         overrides = [*ROWS[name], *shared]

@@ -145,3 +145,73 @@ def test_the_per_step_default_row_is_configs_digits_yaml(learning):
     shipped = load_config(BENCH.parents[1] / "configs" / "digits.yaml", ["output_dir=x"])
     assert row == shipped
     assert row != build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), ["output_dir=x"])  # not the default
+
+
+def no_training(*a, **k):
+    raise AssertionError("the bench trained a row")
+
+
+def parser_error(learning, monkeypatch, capsys, args: list[str]) -> str:
+    """Runs the bench's main on ``args`` with training refused; it must stop with a parser error (exit status 2)
+    before any run. Returns the error line."""
+    monkeypatch.setattr(learning, "run_one", no_training)
+    monkeypatch.setattr(sys, "argv", ["learning.py", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        learning.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("learning.py: error: ") and sum("error" in line for line in err) == 1, err
+    return err[-1]
+
+
+@pytest.mark.parametrize("epochs", ["0", "-1"])
+def test_epochs_below_one_is_a_parser_error(learning, monkeypatch, capsys, tmp_path, epochs):
+    # --epochs 0 used to be ignored (the config's epochs ran); -1 ended in a ConfigError traceback
+    line = parser_error(learning, monkeypatch, capsys, ["--rows", "default", "--seed", "0", "--epochs", epochs,
+                                                        "--out", str(tmp_path)])
+    assert "--epochs" in line and ">= 1" in line
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_seed_out_of_range_is_a_parser_error(learning, monkeypatch, capsys, tmp_path, seed):
+    line = parser_error(learning, monkeypatch, capsys, ["--rows", "default", "--seed", "0", seed,
+                                                        "--out", str(tmp_path)])
+    assert "--seed" in line and "0 and 2**32 - 1" in line
+    args, _ = learning.parse_args(["--rows", "default", "--seed", "0", str(2**32 - 1)])  # the ends are allowed
+    assert args.seed == [0, 2**32 - 1]
+
+
+@pytest.mark.parametrize(("override", "message"), [("foo.bar=1", "unknown config key 'foo'"),
+                                                   ("novalue", "must look like dotted.key=value")])
+def test_bad_set_is_a_parser_error(learning, monkeypatch, capsys, tmp_path, override, message):
+    line = parser_error(learning, monkeypatch, capsys, ["--rows", "default", "--seed", "0", "--set", override,
+                                                        "--out", str(tmp_path)])
+    assert "row 'default'" in line and message in line
+
+
+def test_every_row_is_checked_before_any_training(learning, monkeypatch, capsys, tmp_path):
+    # per_step has no entropy_threshold: refused before the default row trains, naming the row and the key
+    line = parser_error(learning, monkeypatch, capsys, ["--rows", "default", "per_step", "--seed", "0",
+                                                        "--set", "chunker.entropy_threshold=0.8",
+                                                        "--out", str(tmp_path)])
+    assert "row 'per_step'" in line and "chunker.entropy_threshold" in line
+    assert not (tmp_path / "default").exists()
+
+
+def test_repeated_set_combines_and_resume_compares_the_combined_list(learning, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    both = ["train.lr=1.0e-4", "algo.kl_beta=0.01"]
+    fig = learning.seed_figures(fake_run(tmp_path / "r", 0.99, {4: 0.98}))
+    (out / "trajectory").mkdir(parents=True)
+    path = out / "trajectory" / "seed0.json"
+    overrides = [*learning.ROWS["trajectory"], *both, "logging.eval_every=5"]
+    path.write_text(json.dumps({"row": "trajectory", "seed": 0, "overrides": overrides, **fig}))
+    monkeypatch.setattr(learning, "run_one", no_training)
+    monkeypatch.setattr(sys, "argv", ["learning.py", "--rows", "trajectory", "--seed", "0", "--out", str(out),
+                                      "--resume", "--set", both[0], "--set", both[1]])
+    learning.main()  # the JSON written with both overrides is the finished run
+    assert f"every row also has: {' '.join(both)} logging.eval_every=5" in capsys.readouterr().out
+    overrides.remove(both[0])  # one written with the last --set only has other overrides
+    path.write_text(json.dumps({"row": "trajectory", "seed": 0, "overrides": overrides, **fig}))
+    with pytest.raises(ValueError, match="was run with overrides"):
+        learning.main()
