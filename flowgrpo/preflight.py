@@ -15,11 +15,22 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-def resolve_auto_resume(config, overrides: list[str] = ()):
+def latest_run_config(out: str | os.PathLike) -> Path:
+    """The config the run in ``out`` last ran with: its newest ``config_resumed_at_epoch_<E>.yaml`` (largest E;
+    a resume that extended or changed the run wrote it), else its original ``config.yaml``."""
+    out = Path(out)
+    resumed = [(int(p.stem.rsplit("_", 1)[1]), p) for p in out.glob("config_resumed_at_epoch_*.yaml")
+               if p.stem.rsplit("_", 1)[1].isdigit()]
+    return max(resumed)[1] if resumed else out / "config.yaml"
+
+
+def resolve_auto_resume(config, overrides: list[str] = (), config_file: str | None = None):
     """``train.resume_from=auto``: continue the run in ``config.output_dir``. When that folder holds a
-    checkpoint (``checkpoints/latest``), the run's saved ``config.yaml`` is used, with ``overrides`` applied
-    on top and ``train.resume_from`` pointing at ``output_dir/checkpoints``; when it holds none, the run
-    starts afresh (``resume_from`` cleared). Any other ``resume_from`` is returned unchanged.
+    checkpoint (``checkpoints/latest``), the run's last config (:func:`latest_run_config`: the newest resumed
+    config, else ``config.yaml``) is used, with ``overrides`` applied on top and ``train.resume_from`` pointing
+    at ``output_dir/checkpoints``; when it holds none, the run starts afresh (``resume_from`` cleared). Any other
+    ``resume_from`` is returned unchanged. A ``config_file`` the command also named is then not used (a warning
+    says so): the run continues with its own settings.
     Raises :class:`~flowgrpo.config.ConfigError` when a checkpoint exists but no ``config.yaml`` beside it."""
     from flowgrpo.config import ConfigError, build_config, read_yaml
 
@@ -38,9 +49,12 @@ def resolve_auto_resume(config, overrides: list[str] = ()):
     if not (out / "config.yaml").exists():
         raise ConfigError(f"train.resume_from=auto: {out / 'checkpoints'} exists but {out / 'config.yaml'} "
                           "does not; give train.resume_from=<checkpoint folder> and the run's config instead")
-    resumed = build_config(read_yaml(out / "config.yaml"),
-                           [*overrides, f"train.resume_from={out / 'checkpoints'}"])
-    logger.info("train.resume_from=auto: continuing %s with its saved config.yaml", out)
+    saved = latest_run_config(out)
+    if config_file:
+        logger.warning("train.resume_from=auto continues the run in %s with its own %s; the config file %s is not "
+                       "used (only the command line's overrides apply)", out, saved.name, config_file)
+    resumed = build_config(read_yaml(saved), [*overrides, f"train.resume_from={out / 'checkpoints'}"])
+    logger.info("train.resume_from=auto: continuing %s with its saved %s", out, saved.name)
     return resumed
 
 

@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     global _SETUP_DONE, _TRAINER
     _SETUP_DONE, _TRAINER = False, None  # a fresh command (main may run twice in one process)
     try:
-        config = resolve_auto_resume(load_config(args.config or DEFAULT_CONFIG, args.overrides), args.overrides)
+        config = resolve_auto_resume(load_config(args.config or DEFAULT_CONFIG, args.overrides), args.overrides,
+                                      config_file=args.config)
         summary = run(config)
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError) as err:
         parser.exit(2, f"error: {err}\n")
@@ -300,11 +301,14 @@ def _interrupted_line(args, prog: str | None = None) -> str:
     command = prog.split() if prog else [sys.executable, str(script)]
     words = [*command, *([args.config] if args.config else [])]
     words += [o for o in args.overrides if not o.startswith("train.resume_from=")]
+    n = _TRAINER.cfg.train.num_epochs
+    where = ("during the final evaluation and save" if _TRAINER.stage == "final"
+             else f"in epoch {_TRAINER.epoch + 1}/{n}")  # 1-based, as the epoch lines
     if (ckpt / "latest").is_file():
         latest = (ckpt / "latest").read_text().strip()
         resume = shlex.join([*words, f"train.resume_from={ckpt}"])
-        return f"\ninterrupted in epoch {_TRAINER.epoch}; last checkpoint {ckpt / latest} is intact; resume: {resume}\n"
-    return (f"\ninterrupted in epoch {_TRAINER.epoch}; no checkpoint written yet (logging.save_every="
+        return f"\ninterrupted {where}; last checkpoint {ckpt / latest} is intact; resume: {resume}\n"
+    return (f"\ninterrupted {where}; no checkpoint written yet (logging.save_every="
             f"{_TRAINER.cfg.logging.save_every}); start again with: {shlex.join([*words, 'logging.overwrite=true'])}\n")
 
 

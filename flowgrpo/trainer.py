@@ -42,7 +42,7 @@ from flowgrpo.config import Config, flat_dict, save_config
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.ema import EMA
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
-from flowgrpo.preflight import occupied_message
+from flowgrpo.preflight import latest_run_config, occupied_message
 from flowgrpo.records import Advantages, ChunkPlan, Rewards, Trajectory
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
@@ -296,7 +296,8 @@ class Trainer:
         self.model, self.optimizer = accelerator.prepare(adapter.transformer, self.optimizer)
         adapter.forward_module = self.model  # forward through the distributed wrapper (gradient sync)
         self.sampler = GroupSampler(len(prompts), t.prompts_per_epoch, t.seed)
-        self.epoch = 0
+        self.epoch = 0  # 0-based: the epoch training (or next to train)
+        self.stage = "epochs"  # "epochs", then "final" (the final evaluation and save)
         self.settings = SamplerSettings.from_config(config.sampling)
         self.policy_loss = POLICY_LOSSES.get(config.algo.policy_loss)
         self.loss_settings = LossSettings.from_config(config)
@@ -640,23 +641,23 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
 
     def _write_config(self) -> None:
-        """``config.yaml`` is the run's original config and is never overwritten: a resume that changes settings
-        warns with the changed keys and writes its own config beside it (``config_resumed_at_epoch_<E>.yaml``)."""
+        """``config.yaml`` is the run's original config and is never overwritten: a resume warns with the keys that
+        differ from the run's last config (:func:`~flowgrpo.preflight.latest_run_config`), and separately when the
+        evaluation differs from the original one (the "before" figures were measured with that), and writes its
+        own config beside it (``config_resumed_at_epoch_<E>.yaml``)."""
         path = self.out / "config.yaml"
         if not path.exists():
             save_config(self.cfg, path)
             return
-        old = flat_dict(yaml.safe_load(path.read_text()) or {})
-        new = flat_dict(self.cfg.model_dump(mode="json"))
-        absent = object()  # a key one of the two configs lacks (a setting newer than the old run)
-        changed = {k: (old.get(k, absent), new.get(k, absent)) for k in sorted(set(old) | set(new))
-                   if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
+        last = latest_run_config(self.out)
+        changed = _changed_settings(last, self.cfg)
         if changed:
-            def shown(v) -> str:
-                return "(absent)" if v is absent else repr(v)
-
-            logger.warning("resuming with settings that differ from %s: %s", path,
-                           "; ".join(f"{k}: {shown(a)} -> {shown(b)}" for k, (a, b) in changed.items()))
+            logger.warning("resuming with settings that differ from %s: %s", last, "; ".join(changed.values()))
+        eval_changed = [v for k, v in _changed_settings(path, self.cfg).items() if k.startswith(_EVAL_SETTINGS)]
+        if eval_changed:
+            logger.warning("the evaluation differs from the one the run's 'before' figures were measured with (%s): "
+                           "%s; the before/after figures of this run compare different evaluations",
+                           path, "; ".join(eval_changed))
         save_config(self.cfg, self.out / f"config_resumed_at_epoch_{self.epoch}.yaml")
 
     def _before(self) -> tuple[dict[str, float], torch.Tensor, list[str]]:
@@ -683,8 +684,17 @@ class Trainer:
         return {}, torch.empty(0), []
 
     def _finished(self) -> bool:
-        """Whether the resumed checkpoint already ends the run (then nothing is trained or rewritten)."""
+        """Whether the resumed checkpoint already ends the run and its final products are all there (then nothing
+        is trained or rewritten). A run that trained every epoch but lacks ``summary.json`` or the model card
+        (interrupted during its final evaluation and save) is not finished: the resume evaluates and writes them."""
         if self.epoch < self.cfg.train.num_epochs:
+            return False
+        final = {"summary.json": self.out / "summary.json", "model card": self.weights_dir / "README.md"}
+        missing = [name for name, path in final.items() if not path.is_file()]
+        if missing:
+            logger.warning("the run in %s trained all %d epochs but its final outputs are incomplete (no %s): it was "
+                           "stopped during its final evaluation and save; finishing them now", self.out,
+                           self.cfg.train.num_epochs, " and no ".join(missing))
             return False
         logger.warning("the run of %s already finished all %d epochs (its checkpoint is after epoch %d): nothing "
                        "to do, nothing rewritten. To train further, resume with a larger train.num_epochs.",
@@ -722,6 +732,7 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 eta = elapsed / (epoch + 1 - first) * (last - epoch)
                 logger.info("%s", epoch_line(record, epoch, cfg.train.num_epochs, elapsed, eta))
+        self.stage = "final"  # the final evaluation and save (what an interruption report names)
         t0 = time.perf_counter()
         after, img_after, captions_after = self.evaluate("after")
         eval_seconds += time.perf_counter() - t0
@@ -788,7 +799,7 @@ class Trainer:
         m.log(upd)
         if evaluate:
             with m.timed("eval"):
-                m.log(self.evaluate(f"epoch {epoch}")[0])
+                m.log(self.evaluate(f"epoch {epoch + 1}")[0])  # 1-based, as the epoch lines
         every = cfg.logging.plot_every
         if self.main and (epoch == cfg.train.num_epochs - 1 or (every and (epoch + 1) % every == 0)):
             with m.timed("plots"):
@@ -804,7 +815,7 @@ class Trainer:
                      self.out / "reward_curve.png")
         k = min(16, traj.batch_size)
         caps = [f"{p[:28]}\n{r:.3g}" for p, r in zip(traj.prompts[:k], rewards.total[:k].tolist(), strict=True)]
-        sample_grid(traj.images[:k], caps, self.out / "samples_latest.png", title=f"epoch {epoch}")
+        sample_grid(traj.images[:k], caps, self.out / "samples_latest.png", title=f"epoch {epoch + 1}")
 
     def _warn_low_signal(self, epoch: int, adv: Advantages) -> None:
         """Metric ``adv/low_signal`` (1.0 or 0.0) each epoch; a console warning, with what to change, the first
@@ -916,6 +927,25 @@ class Trainer:
                  "summary": "summary.json", "reward curve": "reward_curve.png", "before/after": "before_after.png",
                  "last rollout": "samples_latest.png"}
         return {k: str(self.out / v) if v else str(self.out) for k, v in names.items()}
+
+
+#: the settings that decide what an evaluation measures (the RL seed also picks the evaluation's seeds)
+_EVAL_SETTINGS = ("data.eval_prompts", "data.eval_num_prompts", "eval_sampling.", "eval_rewards", "rewards",
+                  "train.seed")
+
+
+def _changed_settings(saved: Path, cfg: Config) -> dict[str, str]:
+    """{key: "key: old -> new"} for every setting of ``cfg`` that differs from the saved config file ``saved``
+    (``train.resume_from`` left out; a key one of them lacks shows as ``(absent)``)."""
+    old = flat_dict(yaml.safe_load(saved.read_text()) or {})
+    new = flat_dict(cfg.model_dump(mode="json"))
+    absent = object()
+
+    def shown(v) -> str:
+        return "(absent)" if v is absent else repr(v)
+
+    return {k: f"{k}: {shown(old.get(k, absent))} -> {shown(new.get(k, absent))}" for k in sorted(set(old) | set(new))
+            if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
 
 
 COLLAPSE_RATIO = 0.6  # a digit less varied than this fraction of the same digit's real digits is flagged

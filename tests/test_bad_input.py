@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -409,6 +410,7 @@ def test_ctrl_c_prints_one_line_and_leaves_the_checkpoint(tmp_path, tiny_flux_di
     assert "Traceback" not in err
     line = err.strip().splitlines()[-1]
     assert line.startswith("interrupted in epoch ") and "is intact; resume: " in line
+    assert re.match(r"interrupted in epoch [1-9]\d*/500; ", line), line  # 1-based, as the epoch lines
     assert f"train.resume_from={tmp_path / 'run' / 'checkpoints'}" in line
     ckpt = tmp_path / "run" / "checkpoints" / latest.read_text().strip()
     assert (ckpt / "state.json").is_file() and (ckpt / "trainable.safetensors").is_file()
