@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -76,14 +77,49 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return p
 
 
-def _safe_load(path: Path):
+def _torch_load(path: Path):
+    """``torch.load`` with ``weights_only=True``: tensors and plain containers only."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _read_state(path: Path) -> dict:
+    """``state.json`` as a dict holding ``epoch`` (an integer), ``lr_scheduler`` and ``sampler`` (dicts).
+
+    Raises ``ValueError`` (JSON or shape) or ``UnicodeDecodeError``, which :func:`_read` reports as corruption."""
+    state = json.loads(path.read_text(encoding="utf-8"))
+    kinds = {"epoch": int, "lr_scheduler": dict, "sampler": dict}
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), t) for k, t in kinds.items()):
+        raise ValueError("not a mapping with an integer 'epoch' and the 'lr_scheduler' and 'sampler' states")
+    return state
+
+
+def _read(path: Path, read):
+    """``read(path)``, every failure to read a checkpoint file reported the same way.
+
+    Raises:
+        CheckpointError: the file is missing (an incomplete checkpoint), holds a pickled object or cannot be
+            unpickled (``pickle.UnpicklingError`` from ``weights_only=True``), or is otherwise corrupt or unreadable
+            (a truncated safetensors or torch file, bad JSON, an OS error); each names the file and the cause.
+    """
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any refusal is reported the same way
+        return read(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path.parent)!r} is incomplete: {path.name} is missing") from None
+    except pickle.UnpicklingError as err:
         raise CheckpointError(
-            f"refusing {str(path)!r}: checkpoints may hold only tensors and plain data ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''})"
+            f"refusing {str(path)!r}: checkpoints may hold only tensors and plain data, and this file holds "
+            f"something else or is corrupt ({_cause(err)})"
         ) from err
+    except Exception as err:  # noqa: BLE001 - safetensors, torch, json and the OS each raise their own types
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} is corrupt or unreadable ({_cause(err)}); was it truncated (full disk, "
+            "interrupted copy)? Resume from another checkpoint"
+        ) from err
+
+
+def _cause(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
@@ -92,10 +128,12 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_s
 
     Raises:
         CheckpointError: incomplete folder, parameter names or shapes that do not match the model (naming the
-            first mismatched parameter and both shapes), or a non-tensor pickle.
+            first mismatched parameter and both shapes), a non-tensor pickle, or a file that is corrupt or
+            unreadable (naming it; every file is read through :func:`_read`).
+        ValueError: the prompt sampler's state does not match this run (``GroupSampler.load_state_dict``).
     """
     p = resolve_checkpoint(path)
-    weights = load_file(p / "trainable.safetensors")
+    weights = _read(p / "trainable.safetensors", load_file)
     params = dict(model.named_parameters())
     unknown = sorted(set(weights) - set(params))
     missing = sorted(k for k, v in params.items() if v.requires_grad and k not in weights)
@@ -113,13 +151,13 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_s
     with torch.no_grad():
         for k, v in weights.items():
             params[k].copy_(v)
-    optimizer.load_state_dict(_safe_load(p / "optimizer.pt"))
-    torch.set_rng_state(_safe_load(p / "rng.pt")["torch"])
+    optimizer.load_state_dict(_read(p / "optimizer.pt", _torch_load))
+    torch.set_rng_state(_read(p / "rng.pt", lambda f: _torch_load(f)["torch"]))
     if ema is not None:
         if not (p / "ema.safetensors").is_file():
             raise CheckpointError(f"checkpoint {str(p)!r} has no EMA weights but this run uses EMA")
-        ema.load_state_dict(load_file(p / "ema.safetensors"))
-    state = json.loads((p / "state.json").read_text())
+        ema.load_state_dict(_read(p / "ema.safetensors", load_file))
+    state = _read(p / "state.json", _read_state)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     sampler.load_state_dict(state["sampler"])
     return int(state["epoch"])

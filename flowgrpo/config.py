@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import types
 import typing
 import warnings
 from pathlib import Path
@@ -25,16 +26,52 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run: unknown key, wrong type, or impossible combination."""
 
 
+def _takes_int(ann) -> bool:
+    """Whether a field annotation admits an integer but not a boolean: ``int``, ``int | None``, ``Literal[0, 1]``."""
+    if ann is int:
+        return True
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) is Literal:
+        return any(type(a) is int for a in args) and not any(isinstance(a, bool) for a in args)
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return bool not in args and any(_takes_int(a) for a in args)
+    return False
+
+
+def _bool_for_int(ann, value) -> bool:
+    """Whether ``value`` puts a boolean where ``ann`` wants an integer: the value itself, or an item of a list or
+    tuple field (``list[int]``, ``list[int] | None``)."""
+    if isinstance(value, bool):
+        return _takes_int(ann)
+    if not isinstance(value, list | tuple):
+        return False
+    options = typing.get_args(ann) if typing.get_origin(ann) in (typing.Union, types.UnionType) else (ann,)
+    items = [a for o in options if typing.get_origin(o) in (list, tuple, set, frozenset) for a in typing.get_args(o)]
+    return any(_bool_for_int(a, v) for a in items for v in value)
+
+
 class Section(BaseModel):
-    """A config section: unknown keys are errors, assignments are validated."""
+    """A config section: unknown keys are errors, assignments are validated, and a boolean is never taken for an
+    integer (pydantic's lax mode would read ``true`` as 1)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_int(cls, value, info):
+        """Raises ``PydanticCustomError`` (type ``bool_not_int``, located at the field) for a boolean given to an
+        integer field (or as an item of a list of integers); every other value passes unchanged."""
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if field is not None and _bool_for_int(field.annotation, value):
+            raise PydanticCustomError("bool_not_int", "an integer is needed, got a boolean; write the number itself")
+        return value
 
 
 class ModelConfig(Section):
@@ -256,6 +293,10 @@ class AlgoConfig(Section):
         return self
 
 
+#: the largest seed numpy (and so accelerate's ``set_seed``) accepts
+SEED_MAX = 2**32 - 1
+
+
 class TrainConfig(Section):
     """The loop, batch sizes and optimiser."""
 
@@ -277,7 +318,9 @@ class TrainConfig(Section):
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup, in optimizer steps")
-    seed: int = Field(0, description="seed of every random draw (prompts, noise, chunk sampling)")
+    seed: int = Field(
+        0, description="seed of every random draw (prompts, noise, chunk sampling), in 0..2**32-1 (numpy's range)"
+    )
     latents_on_cpu: bool = Field(
         False, description="keep rollout latents in CPU memory between phases (moved to the device per micro-batch)"
     )
@@ -287,6 +330,16 @@ class TrainConfig(Section):
     resume_from: str | None = Field(
         None, description="checkpoint folder, or a checkpoints root holding 'latest', to resume from"
     )
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, seed: int) -> int:
+        """Raises ``ValueError`` naming ``train.seed`` for a seed outside 0..2**32-1 (numpy and accelerate's
+        ``set_seed`` accept no other)."""
+        if not 0 <= seed <= SEED_MAX:
+            raise ValueError(f"train.seed={seed} is out of range: a seed must be an integer in 0..2**32-1 "
+                             f"(0..{SEED_MAX})")
+        return seed
 
 
 class RewardSpec(Section):

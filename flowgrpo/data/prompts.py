@@ -189,8 +189,20 @@ class GroupSampler:
         return {"position": self.position, "seed": self.seed, "n": self.n, "p": self.p}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["n"] != self.n or state["p"] != self.p or state["seed"] != self.seed:
-            raise ValueError(f"sampler state {state} does not match this run (n={self.n}, p={self.p})")
+        """Continue from a checkpoint's :meth:`state_dict`.
+
+        Raises ``ValueError``, in the run's settings (``train.prompts_per_epoch``, ``train.seed``, the training
+        prompt set), when the checkpoint's sampler drew from another set, another P or another seed."""
+        n, p, seed = state["n"], state["p"], state["seed"]
+        if n != self.n or p != self.p or seed != self.seed:
+            pairs = (("train.prompts_per_epoch", p, self.p), ("train.seed", seed, self.seed),
+                     ("the training prompt set", n, self.n))
+            changed = [name for name, old, new in pairs if old != new]
+            raise ValueError(
+                f"the checkpoint's prompt sampler drew {p} prompts an epoch from {n} prompts (train.seed={seed}); "
+                f"this run asks for train.prompts_per_epoch={self.p} from {self.n} prompts (train.seed={self.seed}): "
+                "a resume cannot change train.prompts_per_epoch, train.seed or the training prompt set "
+                f"(data.train_prompts); changed here: {', '.join(changed)}")
         self.position = int(state["position"])
 
 

@@ -26,6 +26,21 @@ def _labels(metadata: list[dict]) -> list[int]:
     return labels_from_metadata(metadata, "digit_judge").tolist()
 
 
+def _warn_left_out(labels: list[int], per_digit: dict[int, float], real: dict[int, float]) -> None:
+    """Log a warning naming the digits (of 0-9, the real set's) that have fewer than two images, so are left out
+    of the mean diversity and of ``diversity_min_ratio``."""
+    one = sorted(d for d in set(labels) if d not in per_digit)
+    none = sorted(set(real) - set(labels))
+    if not one and not none:
+        return
+    counts = ", ".join(part for part in (f"one image: {one}" if one else "", f"no image: {none}" if none else "")
+                       if part)
+    logger.warning(
+        "digit_judge: diversity and diversity_min_ratio leave out digits %s (%s), which need two images each; "
+        "use a data.eval_num_prompts that is a multiple of 10 with at least 2 per digit (e.g. 20)",
+        sorted(one + none), counts)
+
+
 class DigitJudge(BaseReward):
     """Strict digit correctness by the independent judge (evaluation only)."""
 
@@ -43,7 +58,9 @@ class DigitJudge(BaseReward):
 
     def batch_metrics(self, images, prompts, metadata) -> dict[str, float]:
         """Whole-set figures of ``images`` (B, 3, H, H) in [0, 1] (see the module docstring); diversity figures
-        need two samples of a digit and are NaN (with a warning) when no digit has them."""
+        need two samples of a digit and are NaN (with a warning) when no digit has them; the digits with fewer
+        are left out of ``diversity`` and ``diversity_min_ratio``, with a warning naming them
+        (:func:`_warn_left_out`). Raises ``ValueError`` for a metadata entry without its digit."""
         from flowgrpo.models.digits_eval import (
             min_diversity_ratio,
             per_digit_diversity,
@@ -57,6 +74,8 @@ class DigitJudge(BaseReward):
         real = real_diversity_per_digit()
         if not per_digit:
             logger.warning("digit_judge: no digit has two samples; diversity not measured (raise eval_num_prompts)")
+        else:
+            _warn_left_out(labels, per_digit, real)
         out = {
             "correctness": float(ok.mean()),
             "diversity": sum(per_digit.values()) / len(per_digit) if per_digit else float("nan"),
