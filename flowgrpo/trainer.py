@@ -150,31 +150,33 @@ def packed_forward(adapter, traj: Trajectory, work: list[tuple[torch.Tensor, tup
     rollout's layout. Every result is on the adapter's device.
     """
     shared_inputs = shared_inputs or [None] * len(work)
-    rows_e, steps_e, ends_e, keys = [], [], [], []
+    rows_l, steps_l, keys = [], [], []  # built as host lists: two tensors, whatever the number of items
     for (rows, chunk), shared in zip(work, shared_inputs, strict=True):
-        steps = torch.tensor(chunk)  # (k,)
-        rows_e.append(rows.repeat_interleave(len(chunk)))
-        steps_e.append(steps.repeat(len(rows)))
-        ends_e.append((steps + traj.jump[rows][:, steps]).flatten())  # the transition's end (E-GRPO: m steps on)
+        for r in rows.tolist():
+            rows_l += [r] * len(chunk)
+            steps_l += chunk
         keys += ([None] * (len(rows) * len(chunk)) if shared is None
                  else [(key, t) for key in shared.tolist() for t in chunk])
-    rows_e, steps_e, ends_e = _cat(rows_e), _cat(steps_e), _cat(ends_e)  # (N,) host
+    rows_e, steps_e = torch.tensor(rows_l), torch.tensor(steps_l)  # (N,) host
+    ends_e = steps_e + traj.jump[rows_e, steps_e]  # the transition's end (E-GRPO: m steps on)
     dev, src = adapter.device, traj.latents.device
-    x = traj.latents[rows_e.to(src), steps_e.to(src)].to(dev)  # (N, …)
-    x_next = traj.latents[rows_e.to(src), ends_e.to(src)].to(dev)
-    sigma, sigma_next = traj.sigmas[steps_e], traj.sigmas[ends_e]  # (N,) host: sde_step checks them there
+    rows_s = rows_e.to(src)
+    x = traj.latents[rows_s, steps_e.to(src)].to(dev)  # (N, …)
+    x_next = traj.latents[rows_s, ends_e.to(src)].to(dev)
+    sigma, sigma_next = traj.sigmas[steps_e], traj.sigmas[ends_e]  # (N,) host
     embeds = traj.embeds.index(rows_e.to(traj.embeds.device))
     velocity = _velocity_once_per_input(adapter, x, sigma.to(dev), embeds, traj.guidance_scale, keys)
     guard = settings.guard(traj.sigmas)
+    # the rollout's sde_step checked every transition of this grid: no σ check per forward
     out = sde_step(x, velocity(), sigma, sigma_next, kind=settings.sde_kind, noise_level=settings.noise_level,
                    next_latents=x_next, reduction=settings.logprob_reduction,
-                   simplified_log_prob=settings.cps_simplified_logprob, sigma_one_next=guard)
+                   simplified_log_prob=settings.cps_simplified_logprob, sigma_one_next=guard, check_sigmas=False)
     kl = None
     if with_ref:
         with torch.no_grad(), adapter.reference():
             v_ref = velocity()
         ref_mean, _ = transition_moments(x, v_ref, sigma, sigma_next, kind=settings.sde_kind,
-                                         noise_level=settings.noise_level, sigma_one_next=guard)
+                                         noise_level=settings.noise_level, sigma_one_next=guard, check_sigmas=False)
         kl = kl_to_reference(out.mean, ref_mean, out.std, sigma.to(dev), sigma_next.to(dev), kind=settings.sde_kind,
                              form=kl_form)
     dts = (sigma_next - sigma).to(dev)
@@ -468,9 +470,13 @@ class Trainer:
         for share in shares:
             packs = []
             for rows in share:
-                packs += _pack([(rows[plan.selected[rows, k]], k) for k in range(plan.num_chunks)
-                                if pair_mask[rows, k].any()],
-                               lambda r, k: transformer_rows(r, plan.chunks[k], self._shared_inputs(traj, r)), limit)
+                # host lists, read once a micro-batch: no tensor op per chunk
+                row_list, trained = rows.tolist(), pair_mask[rows].any(dim=0).tolist()  # (n,), (K,)
+                selected = plan.selected[rows].T.tolist()  # (K, n)
+                items = [(torch.tensor([r for r, s in zip(row_list, selected[k], strict=True) if s], dtype=torch.long),
+                          k) for k in range(plan.num_chunks) if trained[k]]
+                packs += _pack(items, lambda r, k: transformer_rows(r, plan.chunks[k], self._shared_inputs(traj, r)),
+                               limit)
             out.append(packs)
         return out
 
@@ -499,15 +505,15 @@ class Trainer:
             fwds = packed_forward(self.adapter, traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
                                   with_ref=cfg.algo.kl_beta > 0, kl_form=cfg.algo.kl_form,
                                   shared_inputs=[self._shared_inputs(traj, rows) for rows, _ in pack])
-            loss_sum = 0.0
+            loss_sum = None
             for length in dict.fromkeys(len(plan.chunks[k]) for _, k in pack):  # the chunk lengths, in order
                 items = [i for i, (_, k) in enumerate(pack) if len(plan.chunks[k]) == length]
                 terms = self.policy_loss(self._loss_input([fwds[i] for i in items], [pack[i] for i in items],
                                                           plan, batch), self.loss_settings)
-                m = torch.cat([batch["pair_mask"][r, k] for r, k in (pack[i] for i in items)]).to(terms.loss.device)
+                m = _cat([batch["pair_mask"][r, k] for r, k in (pack[i] for i in items)]).to(terms.loss.device)
                 part = (terms.loss * m).sum()
                 acc.add(terms, m, part)
-                loss_sum = loss_sum + part
+                loss_sum = part if loss_sum is None else loss_sum + part
             self.accelerator.backward(loss_sum * (dist.world_size() / max(step.global_pairs, 1.0)))
 
     def _optimizer_step(self) -> float:

@@ -118,3 +118,28 @@ def test_bad_inputs_raise():
         clipped_surrogate(lp, lp, torch.zeros(2), clip_low=0.1, clip_high=0.1)
     with pytest.raises(ValueError, match="clip"):
         clipped_surrogate(lp, lp, torch.zeros(3), clip_low=-0.1, clip_high=0.1)
+
+
+def test_values_and_gradients_equal_the_literal_max_to_the_bit():
+    # The loss evaluates max(−A·r, −A·clip(r)) as a where over the clipped flag with the clipped branch detached.
+    # The literal torch.maximum form, differentiated by autograd, must give the same numbers to the last bit: at a
+    # tie (r inside the range, or A = 0) the max sends half the gradient down each branch and the halves add up.
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(64, 3, generator=g)
+    delta = torch.cat([torch.zeros(16, 3),  # on policy: r = 1, every pair a tie
+                       0.05 * torch.randn(16, 3, generator=g),  # inside the range
+                       0.5 * torch.randn(32, 3, generator=g)])  # far outside, both sides
+    adv = torch.randn(64, generator=g)
+    adv[::7] = 0.0
+    upstream = torch.randn(64, generator=g)
+    new = (old + delta).requires_grad_(True)
+    terms = clipped_surrogate(new, old, adv, clip_low=0.1, clip_high=0.2)
+    (terms.loss * upstream).sum().backward()
+
+    literal_new = (old + delta).requires_grad_(True)
+    r = torch.exp((literal_new - old).mean(dim=1))
+    literal = torch.maximum(-adv * r, -adv * torch.clamp(r, 1 - 0.1, 1 + 0.2))
+    (literal * upstream).sum().backward()
+    assert torch.equal(terms.loss, literal)
+    assert torch.equal(new.grad, literal_new.grad)
+    assert terms.clipped.any() and not terms.clipped.all()

@@ -317,6 +317,50 @@ def test_arithmetic_is_float32_whatever_the_input_dtype():
     assert torch.equal(low.mean, ref.mean) and torch.equal(low.log_prob, ref.log_prob)
 
 
+def test_log_prob_equals_the_literal_formula_to_the_bit():
+    # −sq/(2·std²) − D'·(log std + log √(2π)), 0 where std = 0, written literally in float32: the implementation's
+    # rearrangement (the sign folded into the divisor, no ·1 for the mean) must not change a bit, nor the gradient.
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(64, 6, 4, generator=g)
+    std = torch.rand(64, generator=g) * 2
+    std[::9] = 0.0
+    upstream = torch.randn(64, generator=g)
+    for reduction, per_dim in (("mean", 1), ("sum", 24)):
+        mean = torch.randn(64, 6, 4, generator=g).requires_grad_(True)
+        lp = gaussian_log_prob(x, mean, std, reduction=reduction)
+        (lp * upstream).sum().backward()
+        ref_mean = mean.detach().clone().requires_grad_(True)
+        sq = (x - ref_mean).square()
+        sq = sq.mean(dim=(1, 2)) if reduction == "mean" else sq.sum(dim=(1, 2))
+        safe = torch.where(std > 0, std, torch.ones_like(std))
+        literal = -sq / (2 * safe**2) - per_dim * (torch.log(safe) + 0.5 * math.log(2 * math.pi))
+        literal = torch.where(std > 0, literal, torch.zeros_like(literal))
+        (literal * upstream).sum().backward()
+        assert torch.equal(lp, literal), reduction
+        assert torch.equal(mean.grad, ref_mean.grad), reduction
+
+
+def test_sigma_one_guard_as_a_float_equals_the_guard_as_a_tensor():
+    x, v = _xv(seed=22)
+    sig, nxt = torch.tensor([1.0, 1.0, 0.81]), torch.tensor([0.93, 0.62, 0.62])
+    as_float = transition_moments(x, v, sig, nxt, sigma_one_next=GRID[1])
+    as_tensor = transition_moments(x, v, sig, nxt, sigma_one_next=torch.full((3,), GRID[1]))
+    assert torch.equal(as_float[0], as_tensor[0]) and torch.equal(as_float[1], as_tensor[1])
+    # and the float guard is used: the jump from σ = 1 to 0.62 takes the grid's σ₁, not its own σ_next
+    own = transition_moments(x, v, sig, nxt)
+    assert as_float[1][1] != own[1][1] and as_float[1][0] == own[1][0]
+
+
+def test_check_sigmas_false_skips_only_the_check():
+    x, v = _xv(seed=23)
+    checked = sde_step(x, v, GRID[2], GRID[3], next_latents=x)
+    unchecked = sde_step(x, v, GRID[2], GRID[3], next_latents=x, check_sigmas=False)
+    assert torch.equal(checked.log_prob, unchecked.log_prob) and torch.equal(checked.mean, unchecked.mean)
+    sde_step(x, v, 0.4, 0.6, next_latents=x, check_sigmas=False)  # the caller vouches for its σ: no error
+    with pytest.raises(ValueError, match="sigma"):
+        sde_step(x, v, 0.4, 0.6, next_latents=x)
+
+
 # ----------------------------------------------------------------------------------------------- bad input
 
 

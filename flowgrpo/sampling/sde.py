@@ -143,6 +143,7 @@ def transition_moments(
     kind: str = "flow_sde",
     noise_level: float = 0.7,
     sigma_one_next=None,
+    check_sigmas: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean (B, …) and std (B,) of the transition from σ to σ_next, float32.
 
@@ -151,7 +152,8 @@ def transition_moments(
     ``sigma_max = sigmas[1]``): the same on a one-step transition, a larger std on a merged jump from σ = 1.
 
     σ and σ_next (floats, 0-dim or (B,) tensors) are checked where they are given, then moved to the latents'
-    device: pass host σ to keep the check from waiting on the device.
+    device: pass host σ to keep the check from waiting on the device. ``check_sigmas=False`` skips the check, for
+    a caller re-scoring transitions that a checked call already took (the trainer, on its rollout's grid).
 
     Raises:
         KeyError: ``kind`` is not a registered SDE kind (the message lists them).
@@ -162,14 +164,15 @@ def transition_moments(
     b = x.shape[0]
     s_given = torch.as_tensor(sigma, dtype=torch.float32)
     sn_given = torch.as_tensor(sigma_next, dtype=torch.float32, device=s_given.device)
-    if not bool(((sn_given >= 0) & (sn_given < s_given) & (s_given <= 1)).all()):  # σ > 0 follows
+    if check_sigmas and not bool(((sn_given >= 0) & (sn_given < s_given) & (s_given <= 1)).all()):  # σ > 0 follows
         raise ValueError(
             f"a transition needs 0 <= sigma_next < sigma <= 1, got sigma={s_given.flatten().tolist()}, "
             f"sigma_next={sn_given.flatten().tolist()}"
         )
     s = _as_batch_sigma(s_given, b, x.ndim, x.device)
     sn = _as_batch_sigma(sn_given, b, x.ndim, x.device)
-    guard = None if sigma_one_next is None else _as_batch_sigma(sigma_one_next, b, x.ndim, x.device)
+    guard = (sigma_one_next if sigma_one_next is None or isinstance(sigma_one_next, float)  # a float broadcasts
+             else _as_batch_sigma(sigma_one_next, b, x.ndim, x.device))
     mean, std = SDE_KINDS.get(kind)(x, v, s, sn, float(noise_level), sigma_one_next=guard)
     return mean, torch.as_tensor(std, dtype=torch.float32, device=x.device).reshape(b)
 
@@ -195,10 +198,12 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, *,
     if simplified:
         lp = -sq
     else:
-        safe_std = torch.where(stochastic, std, torch.ones_like(std))
-        per_dim = 1 if reduction == "mean" else math.prod(x.shape[1:])
-        lp = -sq / (2 * safe_std**2) - per_dim * (torch.log(safe_std) + _LOG_SQRT_2PI)
-    return torch.where(stochastic, lp, torch.zeros_like(lp))
+        safe_std = torch.where(stochastic, std, 1.0)
+        log_norm = torch.log(safe_std) + _LOG_SQRT_2PI  # per latent dim
+        if reduction == "sum":
+            log_norm = math.prod(x.shape[1:]) * log_norm
+        lp = sq / (-2 * safe_std**2) - log_norm  # = −sq/(2·std²) − log_norm to the bit (division is sign-symmetric)
+    return torch.where(stochastic, lp, 0.0)
 
 
 def gaussian_entropy_per_dim(std: torch.Tensor) -> torch.Tensor:
@@ -296,7 +301,7 @@ def kl_to_reference(
 def sde_step(latents: torch.Tensor, velocity: torch.Tensor, sigma, sigma_next, *, kind: str = "flow_sde",
              noise_level: float = 0.7, next_latents: torch.Tensor | None = None,
              generator: torch.Generator | Sequence[torch.Generator] | None = None, reduction: str = "mean",
-             simplified_log_prob: bool = False, sigma_one_next=None) -> SDEStepOutput:
+             simplified_log_prob: bool = False, sigma_one_next=None, check_sigmas: bool = True) -> SDEStepOutput:
     """Take (or score) one transition from σ to σ_next.
 
     Args:
@@ -310,13 +315,14 @@ def sde_step(latents: torch.Tensor, velocity: torch.Tensor, sigma, sigma_next, *
         reduction: ``mean`` (default) or ``sum`` of the log-density over latent dims.
         simplified_log_prob: the CPS reference code's ``−(x − mean)²`` surrogate (see :func:`gaussian_log_prob`).
         sigma_one_next: ``flow_sde``'s σ = 1 guard (see :func:`transition_moments`).
+        check_sigmas: check 0 ≤ σ_next < σ ≤ 1 (see :func:`transition_moments`).
 
     Returns:
         :class:`SDEStepOutput`. Where std = 0 (``ode``, or ``cps`` at σ_next = 0), ``next_latents`` is the mean
         and ``log_prob`` is 0.
     """
     mean, std = transition_moments(latents, velocity, sigma, sigma_next, kind=kind, noise_level=noise_level,
-                                   sigma_one_next=sigma_one_next)
+                                   sigma_one_next=sigma_one_next, check_sigmas=check_sigmas)
     if next_latents is None:
         if bool(torch.any(std > 0)):
             noise = randn_tensor(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
