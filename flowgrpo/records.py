@@ -38,8 +38,10 @@ class PromptEmbeds:
         return self.tensors[key] if key in self.tensors else self.shared[key]
 
     def index(self, idx: torch.Tensor | slice) -> PromptEmbeds:
-        """Rows ``idx`` of every batched tensor (a slice or a (B',) long tensor)."""
-        return PromptEmbeds({k: v[idx] for k, v in self.tensors.items()}, self.shared)
+        """Rows ``idx`` of every batched tensor (a slice or a (B',) long tensor on their device)."""
+        if isinstance(idx, slice):
+            return PromptEmbeds({k: v[idx] for k, v in self.tensors.items()}, self.shared)
+        return PromptEmbeds({k: v.index_select(0, idx) for k, v in self.tensors.items()}, self.shared)
 
     def repeat_interleave(self, n: int) -> PromptEmbeds:
         """Each row repeated ``n`` times in place: (P, …) → (P·n, …), the P×G group layout (``self`` for n = 1)."""

@@ -163,7 +163,7 @@ def packed_forward(adapter, traj: Trajectory, work: list[tuple[torch.Tensor, tup
     rows_s = rows_e.to(src)
     x = traj.latents[rows_s, steps_e.to(src)].to(dev)  # (N, …)
     x_next = traj.latents[rows_s, ends_e.to(src)].to(dev)
-    sigma, sigma_next = traj.sigmas[steps_e], traj.sigmas[ends_e]  # (N,) host
+    sigma, sigma_next = traj.sigmas.index_select(0, steps_e), traj.sigmas.index_select(0, ends_e)  # (N,) host
     embeds = traj.embeds.index(rows_e.to(traj.embeds.device))
     velocity = _velocity_once_per_input(adapter, x, sigma.to(dev), embeds, traj.guidance_scale, keys)
     guard = settings.guard(traj.sigmas)
