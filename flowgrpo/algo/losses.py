@@ -157,15 +157,13 @@ def clipped_terms(inp: PolicyLossInput, settings: LossSettings, loss: torch.Tens
 def _ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, settings: LossSettings):
     """(loss, clipped) of PPO's eq. 7 with asymmetric ε: ``max(−A·r, −A·clip(r))``.
 
-    Evaluated as ``where(clipped, −A·clip(r), −A·r)`` with the clipped branch detached: the same values, and the
-    same gradients to the bit (the clipped branch is only chosen where r lies outside the clip range, where its
-    gradient is 0; at a tie the max would send half the gradient down each branch, which sum to the whole), with
-    one backward node instead of three."""
+    The max itself, not a ``where`` over the clipped flag: where the two terms round to the same float32 value
+    although r lies outside the clip range, the max sends half the gradient down each branch (the clipped half is
+    then cut by the clamp), a ``where`` all of it down one, which changes training."""
     neg_adv = -adv
     unclipped = neg_adv * ratio
-    clipped_loss = neg_adv * torch.clamp(ratio.detach(), 1.0 - settings.clip_low, 1.0 + settings.clip_high)
-    clipped = clipped_loss > unclipped
-    return torch.where(clipped, clipped_loss, unclipped), clipped
+    clipped_loss = neg_adv * torch.clamp(ratio, 1.0 - settings.clip_low, 1.0 + settings.clip_high)
+    return torch.maximum(unclipped, clipped_loss), clipped_loss > unclipped
 
 
 def _chunk_ratio(inp: PolicyLossInput) -> torch.Tensor:
