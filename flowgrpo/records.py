@@ -62,7 +62,7 @@ class Trajectory:
     Attributes:
         latents: (B, T+1, …) float32; ``latents[:, t]`` is x at ``sigmas[t]``; index 0 is the initial noise.
         log_probs: (B, T) float32, log-density of each transition under the rollout policy (0 where deterministic).
-        sigmas: (T+1,) float32 σ grid, 1 → 0.
+        sigmas: (T+1,) float32 σ grid, 1 → 0, on the host.
         stochastic: (B, T) bool, transitions sampled by an SDE (std > 0); only these can be trained.
         jump: (B, T) long, grid steps each transition spans: 1 normally, m for an E-GRPO merged jump starting
             there, 0 for the steps inside a jump (their latents repeat the jump's end).

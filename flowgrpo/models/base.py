@@ -54,7 +54,8 @@ class ModelAdapter(Protocol):
         """(B, 3, H, W) float32 images in [0, 1] from clean latents (σ = 0)."""
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
-        """(T+1,) float32 σ grid of the model's scheduler for ``num_steps`` steps, from 1 down to 0."""
+        """(T+1,) float32 σ grid of the model's scheduler for ``num_steps`` steps, from 1 down to 0, on the host
+        (the trainer indexes it with host indices)."""
 
     def reference(self) -> contextlib.AbstractContextManager:
         """Context in which :meth:`velocity` is the frozen reference policy (LoRA disabled, or a frozen copy)."""
