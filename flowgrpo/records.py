@@ -64,8 +64,8 @@ class Trajectory:
         log_probs: (B, T) float32, log-density of each transition under the rollout policy (0 where deterministic).
         sigmas: (T+1,) float32 σ grid, 1 → 0, on the host.
         stochastic: (B, T) bool, transitions sampled by an SDE (std > 0); only these can be trained.
-        jump: (B, T) long, grid steps each transition spans: 1 normally, m for an E-GRPO merged jump starting
-            there, 0 for the steps inside a jump (their latents repeat the jump's end).
+        jump: (B, T) long on the host, grid steps each transition spans: 1 normally, m for an E-GRPO merged jump
+            starting there, 0 for the steps inside a jump (their latents repeat the jump's end).
         group_ids: (B,) long, global id of the sample's group (a prompt, or a prompt and branch step).
         prompt_ids: (B,) long, global index of the sample's prompt.
         embeds: prompt embeddings for the B samples.
