@@ -69,12 +69,15 @@ class StandIn:
                 try:
                     time.sleep(outer.delay)
                     if outer.status is not None or fail:
-                        self._reply(outer.status or 500, {"error": {"message": "stand-in failure"}})
-                        return
-                    self._reply(200, outer.answer(body))
+                        code, payload = outer.status or 500, {"error": {"message": "stand-in failure"}}
+                    else:
+                        code, payload = 200, outer.answer(body)
                 finally:
+                    # out of flight before the reply leaves: once the client has it, it may send its next request,
+                    # which must not meet this one still counted (a race that read 3 for a limit of 2)
                     with outer.lock:
                         outer.in_flight -= 1
+                self._reply(code, payload)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
