@@ -1,9 +1,10 @@
 """The README and the pages under docs/: every relative link reaches a file of the repository, and every #anchor a
-heading of its page, as GitHub renders them.
+heading of its page, as GitHub renders them. The site build (`mkdocs build --strict`, run by .ci/run) checks the
+same links again with MkDocs; these tests need no MkDocs and run in the suite.
 
 Anchors are GitHub's: the heading's text (code, emphasis and link markup dropped) in lower case, every character
 other than a letter, digit, mark, space, hyphen or underscore removed, each space a hyphen, a repeated anchor
-suffixed -1, -2, … (github-slugger's rules).
+suffixed -1, -2, … (github-slugger's rules). mkdocs.yml gives the site the same anchors (pymdownx.slugs).
 """
 
 from __future__ import annotations
@@ -95,6 +96,26 @@ def test_the_link_check_catches_a_missing_file_and_a_missing_anchor(tmp_path):
 ])
 def test_github_slug(heading, slug):
     assert github_slug(heading) == slug  # as github.com renders these headings' anchors
+
+
+def test_the_site_uses_the_same_anchors_as_github():
+    slugs = pytest.importorskip("pymdownx.slugs")
+    assert "slugify: !!python/object/apply:pymdownx.slugs.slugify {kwds: {case: lower}}" in (
+        REPO / "mkdocs.yml").read_text(encoding="utf-8")
+    site_slug = slugs.slugify(case="lower")  # the slugify mkdocs.yml names
+    for page in PAGES:
+        for line in FENCE.sub("", page.read_text(encoding="utf-8")).splitlines():
+            if re.match(r"#{1,6}\s", line):
+                text = line.lstrip("#").strip()
+                rendered = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text).replace("`", "").replace("**", "")
+                assert site_slug(rendered, "-") == github_slug(text), (page.name, text)
+
+
+def test_every_page_is_in_the_site_navigation():
+    nav = (REPO / "mkdocs.yml").read_text(encoding="utf-8").split("\nnav:\n", 1)[1]
+    listed = set(re.findall(r":\s*(\S+\.md)\s*$", nav, flags=re.MULTILINE))
+    on_disk = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")} | {"index.md"}  # index.md: the README
+    assert listed == on_disk, f"not in the nav: {on_disk - listed}; nav entries without a page: {listed - on_disk}"
 
 
 def test_readme_stays_an_entry_over_the_docs():
