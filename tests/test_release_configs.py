@@ -2,7 +2,7 @@
 
 The table below is written from the releases' own files (named per value), not from our configs: a config that
 drifts from its release fails here. Settings that deliberately differ are not in the table; they are listed, with
-the reason, in the README's fidelity tables.
+the reason, in the fidelity tables (docs/fidelity.md).
 """
 
 from __future__ import annotations
@@ -131,25 +131,3 @@ def test_config_rewards_are_the_releases(name):
     got = [(r.name, {k: r.kwargs[k] for k in want if k in r.kwargs}) for r, (_, want) in
            zip(cfg.rewards, REWARDS[name], strict=False)]
     assert got == REWARDS[name] and all(r.weight == 1.0 for r in cfg.rewards)
-
-
-
-def _slug(heading: str) -> str:
-    """GitHub's anchor of a Markdown heading: lower case, punctuation other than - and _ dropped, spaces to -."""
-    text = heading.strip().lstrip("#").strip().lower()
-    return "".join(c for c in text if c.isalnum() or c in "-_ ").replace(" ", "-")
-
-
-def test_readme_algorithm_table_links_each_release_to_its_fidelity_table():
-    import re
-
-    text = (REPO / "README.md").read_text()
-    anchors = {_slug(line) for line in text.splitlines() if line.startswith("#")}
-    table = text[text.index("| algorithm |"): text.index("\n\n", text.index("| algorithm |"))]
-    links = re.findall(r"\]\(#([^)]+)\)", table)
-    assert len(links) >= 7
-    missing = [a for a in links if a not in anchors]
-    assert not missing, missing
-    for release in ("yifan123/flow_grpo", "XueZeyue/DanceGRPO", "xingzhejun/GCPO", "Tencent-Hunyuan/MixGRPO",
-                    "shengjun-zhang/VisualGRPO", "NVlabs/GDPO"):
-        assert f"({release})" in text, release
