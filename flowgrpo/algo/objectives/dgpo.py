@@ -125,6 +125,14 @@ def dgpo_group_sums(delta: torch.Tensor, advantages: torch.Tensor, group_index: 
                                                                                     term)
 
 
+def _check_terms_input(v, noise, x0, v_ref, v_old, advantages, settings: DGPOSettings) -> None:
+    if noise.shape != v.shape or x0.shape != v.shape or v_ref.shape != v.shape or advantages.shape != v.shape[:1]:
+        raise ValueError(f"dgpo_terms shapes disagree: v {tuple(v.shape)}, noise {tuple(noise.shape)}, x0 "
+                         f"{tuple(x0.shape)}, v_ref {tuple(v_ref.shape)}, advantages {tuple(advantages.shape)}")
+    if settings.uses_old_copy and v_old is None:
+        raise ValueError("DGPO with clip_dsm, clip_kl or use_ema_ref needs the old copy's velocity v_old")
+
+
 def dgpo_terms(
     v: torch.Tensor,
     noise: torch.Tensor,
@@ -158,12 +166,8 @@ def dgpo_terms(
     Raises:
         ValueError: mismatched shapes, or ``v_old`` missing when the settings need it.
     """
+    _check_terms_input(v, noise, x0, v_ref, v_old, advantages, settings)
     n = v.shape[0]
-    if noise.shape != v.shape or x0.shape != v.shape or v_ref.shape != v.shape or advantages.shape != (n,):
-        raise ValueError(f"dgpo_terms shapes disagree: v {tuple(v.shape)}, noise {tuple(noise.shape)}, x0 "
-                         f"{tuple(x0.shape)}, v_ref {tuple(v_ref.shape)}, advantages {tuple(advantages.shape)}")
-    if settings.uses_old_copy and v_old is None:
-        raise ValueError("DGPO with clip_dsm, clip_kl or use_ema_ref needs the old copy's velocity v_old")
     adv = advantages.float().to(v.device).clamp(-settings.adv_clip_max, settings.adv_clip_max)
     target = velocity_target(x0, noise)
     err = velocity_mse(target, v)
