@@ -1,0 +1,215 @@
+"""DiffusionNFT: online RL on the forward process (Zheng et al., arXiv 2509.16117; NVlabs/DiffusionNFT).
+
+The rollout is any sampler; only each sample's final latent x₀ and its advantage A are kept. For fresh noise ε at
+training σ's, ``x_σ = (1 − σ)·x₀ + σ·ε`` is scored by the trained velocity v_θ and by the old copy's v_old
+(:mod:`flowgrpo.algo.objectives.old_copy`). With β the mixing coefficient and c = ``adv_clip_max``:
+
+    r      = clamp(clamp(A, −c, c) / (2c) + ½, 0, 1)                 the "optimality" weight (paper eq. 9)
+    v₊     = β·v_θ + (1 − β)·v_old          v₋ = (1 + β)·v_old − β·v_θ   implicit positive / negative policies
+    x̂₀±    = x_σ − σ·v±
+    L±     = mean_dims((x̂₀± − x₀)² / sg(max(mean_dims|x̂₀± − x₀|, w_min)))   adaptive weighting, per row
+    loss   = c·(r·L₊/β + (1 − r)·L₋/β) + β_KL·mean_dims((v_θ − v_ref)²)
+
+(scripts/train_nft_sd3.py, lines 910–970: the advantage clip 910–914, ``adv_mode`` 915–925, r 928–929, the implicit
+velocities 934–937, the adaptive weights 939–957 with ``clip(min=0.00001)``, the loss 959–960, the KL 966–970.)
+The release averages the loss over a micro-batch's rows; a row here is one (sample, σ) draw, so the release's loss
+is ``terms.loss.mean()``. The adaptive weight is detached (``torch.no_grad``) and per row: the mean absolute error
+over that row's latent dims, floored at ``w_min``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims, velocity_mse, x0_from_velocity
+from flowgrpo.algo.objectives.old_copy import NFT_DECAY_TYPES, DecaySchedule
+from flowgrpo.registry import Registry
+
+__all__ = [
+    "NFTSettings",
+    "ADV_MODES",
+    "reward_weight",
+    "implicit_velocities",
+    "adaptive_x0_loss",
+    "nft_terms",
+    "nft_train_sigmas",
+]
+
+# ``train.adv_mode`` (train_nft_sd3.py lines 915–925): (clipped advantages (N,), c) -> advantages (N,).
+ADV_MODES: Registry[Callable[[torch.Tensor, float], torch.Tensor]] = Registry("DiffusionNFT adv_mode")
+
+
+@ADV_MODES.register("all")
+def _adv_all(a: torch.Tensor, c: float) -> torch.Tensor:
+    """Every advantage as it is (config/nft.py: ``adv_mode = "all"``)."""
+    return a
+
+
+@ADV_MODES.register("positive_only")
+def _adv_positive(a: torch.Tensor, c: float) -> torch.Tensor:
+    """Negative advantages set to 0 (r = ½: equal weight on the two implicit policies)."""
+    return a.clamp(0.0, c)
+
+
+@ADV_MODES.register("negative_only")
+def _adv_negative(a: torch.Tensor, c: float) -> torch.Tensor:
+    """Positive advantages set to 0."""
+    return a.clamp(-c, 0.0)
+
+
+@ADV_MODES.register("one_only")
+def _adv_one(a: torch.Tensor, c: float) -> torch.Tensor:
+    """1 where A > 0, else 0."""
+    return torch.where(a > 0, torch.ones_like(a), torch.zeros_like(a))
+
+
+@ADV_MODES.register("binary")
+def _adv_binary(a: torch.Tensor, c: float) -> torch.Tensor:
+    """sign(A)."""
+    return torch.sign(a)
+
+
+@dataclass(frozen=True)
+class NFTSettings:
+    """DiffusionNFT's knobs, with the release's defaults (NVlabs/DiffusionNFT).
+
+    Attributes:
+        beta: β, the mixing of v_θ into the implicit policies (config/nft.py line 61: 1.0; ``sd3_ocr`` and
+            ``sd3_multi_reward`` 0.1, lines 77 and 137). Must be > 0 (the loss divides by it).
+        adv_clip_max: c, advantages are clipped to ±c and mapped to r; also the loss scale (config/base.py
+            line 84: 5).
+        kl_beta: β_KL of the velocity-space KL to the reference (``train.beta``, config/nft.py line 24: 1e-4).
+        adv_mode: a registered :data:`ADV_MODES` name (config/nft.py line 62: ``all``).
+        adaptive_weight_min: w_min, the floor of the adaptive weight (train_nft_sd3.py lines 945 and 952: 1e-5).
+        timestep_fraction: each sample trains on int(T·f) of the rollout grid's T σ's, a random subset per sample
+            (config/base.py line 87: 0.99, i.e. 9 of 10).
+        decay: the old copy's schedule (``decay_type``, config/nft.py line 60: 1; ``sd3_ocr`` 2, line 78).
+
+    Raises:
+        ValueError: on construction, β <= 0, c <= 0, a negative β_KL or w_min, f outside (0, 1], or an unknown
+            ``adv_mode`` (KeyError).
+    """
+
+    beta: float = 1.0
+    adv_clip_max: float = 5.0
+    kl_beta: float = 1e-4
+    adv_mode: str = "all"
+    adaptive_weight_min: float = 1e-5
+    timestep_fraction: float = 0.99
+    decay: DecaySchedule = field(default_factory=lambda: NFT_DECAY_TYPES[1])
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"DiffusionNFT beta must be > 0 (the loss divides by it), got {self.beta}")
+        if self.adv_clip_max <= 0:
+            raise ValueError(f"DiffusionNFT adv_clip_max must be > 0, got {self.adv_clip_max}")
+        if self.kl_beta < 0 or self.adaptive_weight_min < 0:
+            raise ValueError(f"DiffusionNFT kl_beta and adaptive_weight_min must be >= 0, got {self.kl_beta}, "
+                             f"{self.adaptive_weight_min}")
+        if not 0.0 < self.timestep_fraction <= 1.0:
+            raise ValueError(f"DiffusionNFT timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
+        ADV_MODES.get(self.adv_mode)
+
+
+def reward_weight(advantages: torch.Tensor, adv_clip_max: float = 5.0, adv_mode: str = "all") -> torch.Tensor:
+    """r = clamp(m(clamp(A, −c, c)) / (2c) + ½, 0, 1), (N,) float32, with m the ``adv_mode`` map.
+
+    Source: train_nft_sd3.py lines 910–929 (the paper's optimality probability, arXiv 2509.16117 eq. 9).
+    """
+    c = float(adv_clip_max)
+    a = ADV_MODES.get(adv_mode)(advantages.float().clamp(-c, c), c)
+    return torch.clamp(a / c / 2.0 + 0.5, 0.0, 1.0)
+
+
+def implicit_velocities(v: torch.Tensor, v_old: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The implicit positive and negative velocities ``v₊ = β·v_θ + (1 − β)·v_old``, ``v₋ = (1 + β)·v_old − β·v_θ``
+    (arXiv 2509.16117 eq. 8; train_nft_sd3.py lines 934–937), (N, …) float32 each; v_old is detached."""
+    v, v_old = v.float(), v_old.detach().float()
+    return beta * v + (1 - beta) * v_old, (1.0 + beta) * v_old - beta * v
+
+
+def adaptive_x0_loss(x0_pred: torch.Tensor, x0: torch.Tensor, min_weight: float = 1e-5) -> torch.Tensor:
+    """``mean_dims((x̂₀ − x₀)² / w)`` with the detached per-row weight ``w = max(mean_dims|x̂₀ − x₀|, w_min)``,
+    (N,) float32 (train_nft_sd3.py lines 939–957; the release forms w in float64, here float32).
+
+    The gradient is that of ``mean_dims((x̂₀ − x₀)²)`` divided by the row's mean absolute error: each row's
+    squared error is normalised by its own size, so every row contributes on a comparable scale.
+    """
+    err = x0_pred.float() - x0.float()
+    with torch.no_grad():
+        w = mean_dims(err.abs()).clamp(min=min_weight)
+    return mean_dims(err.square()) / w
+
+
+def nft_terms(
+    v: torch.Tensor,
+    v_old: torch.Tensor,
+    x_t: torch.Tensor,
+    x0: torch.Tensor,
+    sigma,
+    advantages: torch.Tensor,
+    settings: NFTSettings,
+    *,
+    v_ref: torch.Tensor | None = None,
+) -> ObjectiveTerms:
+    """DiffusionNFT's loss for N rows (module docstring), float32.
+
+    Args:
+        v: (N, …) the trained velocity at (x_t, σ), with gradient.
+        v_old: (N, …) the old copy's velocity at the same input (detached here).
+        x_t: (N, …) the noised latents ``(1 − σ)·x₀ + σ·ε``.
+        x0: (N, …) the rollout's final latents.
+        sigma: float or (N,) training σ of each row.
+        advantages: (N,) group-normalised advantages of each row's sample.
+        settings: :class:`NFTSettings`.
+        v_ref: (N, …) the reference (base model) velocity, needed when ``settings.kl_beta > 0``.
+
+    Returns:
+        :class:`~flowgrpo.algo.objectives.flow_matching.ObjectiveTerms` with ``loss`` (N,) and the detached stats
+        ``policy_loss``, ``positive_loss`` (L₊), ``negative_loss`` (L₋), ``reward_weight`` (r), ``old_deviation``
+        (mean_dims (v_θ − v_old)²) and ``kl_ref`` (0 without a reference).
+
+    Raises:
+        ValueError: mismatched shapes, or ``kl_beta > 0`` without ``v_ref``.
+    """
+    n = v.shape[0]
+    if v_old.shape != v.shape or x_t.shape != v.shape or x0.shape != v.shape or advantages.shape != (n,):
+        raise ValueError(f"nft_terms shapes disagree: v {tuple(v.shape)}, v_old {tuple(v_old.shape)}, x_t "
+                         f"{tuple(x_t.shape)}, x0 {tuple(x0.shape)}, advantages {tuple(advantages.shape)}")
+    if settings.kl_beta > 0 and v_ref is None:
+        raise ValueError(f"DiffusionNFT kl_beta={settings.kl_beta} needs the reference velocity v_ref")
+    r = reward_weight(advantages, settings.adv_clip_max, settings.adv_mode).to(v.device)
+    v_pos, v_neg = implicit_velocities(v, v_old, settings.beta)
+    pos = adaptive_x0_loss(x0_from_velocity(x_t, v_pos, sigma), x0, settings.adaptive_weight_min)
+    neg = adaptive_x0_loss(x0_from_velocity(x_t, v_neg, sigma), x0, settings.adaptive_weight_min)
+    policy = (r * pos / settings.beta + (1.0 - r) * neg / settings.beta) * settings.adv_clip_max
+    kl = velocity_mse(v, v_ref.detach()) if v_ref is not None else torch.zeros_like(policy)
+    loss = policy + settings.kl_beta * kl if settings.kl_beta else policy
+    with torch.no_grad():
+        stats = {"policy_loss": policy.detach(), "positive_loss": pos.detach(), "negative_loss": neg.detach(),
+                 "reward_weight": r, "old_deviation": velocity_mse(v.detach(), v_old), "kl_ref": kl.detach()}
+    return ObjectiveTerms(loss=loss, stats=stats)
+
+
+def nft_train_sigmas(sigmas: torch.Tensor, batch: int, fraction: float = 0.99,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """The training σ's of B samples, (B, K) float32 with K = int(T·fraction): for each sample, a random
+    permutation of the rollout grid's T σ's (σ₀ … σ_{T−1}, without the final 0), cut to its first K.
+
+    Source: train_nft_sd3.py lines 569 (K = int(num_steps·timestep_fraction)), 807–816 (a ``randperm`` of the
+    timesteps per sample), 854–864 (the first K of them, t = timestep/1000).
+
+    Raises:
+        ValueError: a grid with fewer than 2 entries, or K = 0.
+    """
+    if sigmas.ndim != 1 or sigmas.numel() < 2:
+        raise ValueError(f"nft_train_sigmas needs the (T+1,) sigma grid, got shape {tuple(sigmas.shape)}")
+    t = sigmas.numel() - 1
+    k = int(t * fraction)
+    if k < 1:
+        raise ValueError(f"timestep_fraction={fraction} of {t} steps trains no sigma (int(T*f) = 0)")
+    perms = torch.stack([torch.randperm(t, generator=generator) for _ in range(batch)])  # (B, T)
+    return sigmas[:t].float()[perms[:, :k]]

@@ -1,0 +1,109 @@
+"""The slowly updated "old" copy of the trained weights that the forward-process releases keep.
+
+DiffusionNFT samples with it and uses its velocity as v_old; AWM uses it as a second KL anchor ("ema" adapter);
+DGPO as its clipping anchor and, past ``switch_ema_ref`` steps, as the sampler. All three start from a copy of the
+trained weights and move it toward them with
+
+    old ← d·old + (1 − d)·θ,    d = decay(k)
+
+where the decay is a piecewise-linear ramp of the optimizer-step count k:
+
+    decay(k) = 0                              for k < flat
+             = min((k − flat)·ramp, cap)      otherwise
+
+(DiffusionNFT ``return_decay`` in scripts/train_nft_sd3.py, lines 169–189; AWM ``kl_ema_decay_type='linear'``,
+train_sd3_awm.py lines 1409–1419; DGPO ``min(0.3, 0.001·global_step)``, train_sd3_dgpo.py line 1176), or a
+constant (AWM ``'constant'``). ``d = 0`` makes the old copy the current weights (on-policy). *When* a release
+applies the update, and which k it passes, differs (docs/fidelity_forward.md): DiffusionNFT and AWM once per
+epoch after its updates, with k = the optimizer steps taken so far; DGPO after every optimizer step, with k = the
+steps taken before it. The caller decides; :func:`decay_at` is only the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DecaySchedule", "NFT_DECAY_TYPES", "decay_at", "update_old_copy_", "copy_into_"]
+
+
+@dataclass(frozen=True)
+class DecaySchedule:
+    """``decay(k) = 0 for k < flat, else min((k − flat)·ramp, cap)``; with ``constant`` set, ``decay(k) = constant``.
+
+    Attributes:
+        flat: steps with decay 0 (the old copy follows the weights exactly).
+        ramp: decay gained per step after ``flat``.
+        cap: the largest decay, in [0, 1).
+        constant: a fixed decay in [0, 1) for every step (AWM ``kl_ema_decay_type='constant'``), or None.
+
+    Raises:
+        ValueError: on construction, a negative ``flat`` or ``ramp``, or ``cap``/``constant`` outside [0, 1).
+    """
+
+    flat: int = 0
+    ramp: float = 0.001
+    cap: float = 0.5
+    constant: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.flat < 0 or self.ramp < 0:
+            raise ValueError(f"old-copy decay needs flat >= 0 and ramp >= 0, got flat={self.flat}, ramp={self.ramp}")
+        if not 0.0 <= self.cap < 1.0:
+            raise ValueError(f"old-copy decay cap must be in [0, 1), got {self.cap}")
+        if self.constant is not None and not 0.0 <= self.constant < 1.0:
+            raise ValueError(f"old-copy constant decay must be in [0, 1), got {self.constant}")
+
+
+# DiffusionNFT's ``decay_type`` (config/nft.py: 1 by default, 2 for sd3_ocr) → (flat, ramp, cap), return_decay().
+NFT_DECAY_TYPES: dict[int, DecaySchedule] = {
+    0: DecaySchedule(flat=0, ramp=0.0, cap=0.0),
+    1: DecaySchedule(flat=0, ramp=0.001, cap=0.5),
+    2: DecaySchedule(flat=75, ramp=0.0075, cap=0.999),
+}
+
+
+def decay_at(step: int, schedule: DecaySchedule) -> float:
+    """The decay d ∈ [0, 1) of the old-copy update at optimizer-step count ``step`` (≥ 0).
+
+    Raises:
+        ValueError: a negative ``step``.
+    """
+    if step < 0:
+        raise ValueError(f"old-copy decay needs a step count >= 0, got {step}")
+    if schedule.constant is not None:
+        return float(schedule.constant)
+    if step < schedule.flat:
+        return 0.0
+    return min((step - schedule.flat) * schedule.ramp, schedule.cap)
+
+
+@torch.no_grad()
+def update_old_copy_(old: Iterable[torch.Tensor], current: Iterable[torch.Tensor], decay: float) -> None:
+    """In place, ``old ← decay·old + (1 − decay)·current`` for each pair (the releases' update; decay 0 copies
+    ``current`` exactly). Arithmetic in the old copy's dtype.
+
+    Raises:
+        ValueError: ``decay`` outside [0, 1], or the two lists differ in length or in a tensor's shape.
+    """
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"old-copy decay must be in [0, 1], got {decay}")
+    old, current = list(old), list(current)
+    if len(old) != len(current):
+        raise ValueError(f"the old copy holds {len(old)} tensors, the trained weights {len(current)}")
+    for o, c in zip(old, current, strict=True):
+        if o.shape != c.shape:
+            raise ValueError(f"old-copy tensor of shape {tuple(o.shape)} paired with a weight of {tuple(c.shape)}")
+        src = c.detach().to(device=o.device, dtype=o.dtype)
+        if decay == 0.0:
+            o.copy_(src)
+        else:
+            o.mul_(decay).add_(src * (1.0 - decay))
+
+
+@torch.no_grad()
+def copy_into_(old: Iterable[torch.Tensor], current: Iterable[torch.Tensor]) -> None:
+    """Start the old copy as the current weights (every release does this before its first epoch)."""
+    update_old_copy_(old, current, 0.0)
