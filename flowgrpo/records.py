@@ -134,7 +134,7 @@ class Advantages:
     train_mask: torch.Tensor
     zero_spread_frac: float
     nan_frac: float
-    learning_frac: float = 1.0
+    learning_frac: float
 
 
 @dataclass(frozen=True)

@@ -111,3 +111,28 @@ def test_pass_rate_config_needs_a_threshold_and_an_ordered_band():
         build_config({}, ["algo.group_filter.name=gfpo", "algo.group_filter.keep=2",
                           "algo.group_filter.pass_threshold=0.5"])
 
+
+def test_learning_frac_under_a_filter_counts_the_kept_share_of_all_samples():
+    """adv/learning_frac is the share of all B samples with a learning signal: GFPO keeping 2 of 4 per group,
+    every kept group with spread, is 0.5 (it logged 1.0: the kept advantages were rebuilt without the field)."""
+    total = [1.0, 0.0, 0.5, 0.2, 0.3, 0.9, 0.7, 0.1]  # kept: (1.0, 0.5), (0.9, 0.7)
+    gids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    res = GROUP_FILTERS.get("gfpo")(_rewards(total), gids, GfpoConfig(keep=2))
+    adv = advantages_of_kept(lambda r, g: compute_advantages(r, g), _rewards(total), gids, res.keep)
+    assert int(res.keep.sum()) == 4 and adv.learning_frac == 0.5  # 4 of 8 samples, each in a group with spread
+    # one kept group without spread: 2 of 8 samples learn
+    flat = [1.0, 1.0, 0.0, 0.0, 0.3, 0.9, 0.7, 0.1]  # kept: (1.0, 1.0) flat, (0.9, 0.7)
+    res = GROUP_FILTERS.get("gfpo")(_rewards(flat), gids, GfpoConfig(keep=2))
+    adv = advantages_of_kept(lambda r, g: compute_advantages(r, g), _rewards(flat), gids, res.keep)
+    assert adv.learning_frac == 0.25 and adv.zero_spread_frac == 0.5
+
+
+def test_a_pass_rate_filter_dropping_every_group_learns_nothing_and_gives_no_nan():
+    total = [0.9, 0.9, 0.9, 0.9, 0.95, 0.9, 0.85, 0.99]  # every sample passes: every group's rate 1 > 0.5
+    gids = torch.arange(2).repeat_interleave(4)
+    cfg = PassRateConfig(pass_threshold=0.8, max_pass_rate=0.5)
+    res = GROUP_FILTERS.get("pass_rate")(_rewards(total), gids, cfg)
+    assert not bool(res.keep.any())
+    adv = advantages_of_kept(lambda r, g: compute_advantages(r, g), _rewards(total), gids, res.keep)
+    assert adv.learning_frac == 0.0 and adv.zero_spread_frac == 0.0 and adv.nan_frac == 0.0
+    assert torch.equal(adv.values, torch.zeros(8)) and not bool(adv.train_mask.any())

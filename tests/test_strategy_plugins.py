@@ -98,6 +98,7 @@ def test_gfpo_draws_more_and_trains_only_the_kept(tmp_path, tiny_flux_dir):
     assert rec["filter/extra_sample_frac"] == pytest.approx(1.0)
     assert rec["filter/reward_mean_kept"] >= rec["filter/reward_mean_drawn"]  # top-2 by the reward itself
     assert rec["adv/kept_frac"] == pytest.approx(0.5)
+    assert rec["adv/learning_frac"] == pytest.approx(0.5)  # the kept half, each in a group with spread
     assert rec["policy/pairs"] == 2 * 2 * 3  # P·G kept samples × 3 steps: the rejected are not forwarded
 
 

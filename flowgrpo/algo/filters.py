@@ -271,14 +271,22 @@ def pass_rate_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> Fil
 def advantages_of_kept(compute: Callable[[Rewards, torch.Tensor], Advantages], rewards: Rewards,
                        group_ids: torch.Tensor, keep: torch.Tensor) -> Advantages:
     """Advantages computed from the kept samples only and scattered back to (B,): a rejected sample gets 0 and
-    ``train_mask`` False (GFPO's masked advantage). ``compute(rewards, group_ids)`` is the configured estimator."""
+    ``train_mask`` False (GFPO's masked advantage). ``compute(rewards, group_ids)`` is the configured estimator.
+
+    ``zero_spread_frac`` and ``nan_frac`` describe the kept groups and samples (what the estimator saw, 0 when
+    nothing is kept); ``learning_frac`` is over all B samples, a rejected one carrying no signal."""
     if bool(keep.all()):
         return compute(rewards, group_ids)
+    values = torch.zeros(len(keep), dtype=torch.float32)
+    mask = torch.zeros(len(keep), dtype=torch.bool)
+    if not bool(keep.any()):  # every group dropped (pass_rate): nothing trains, nothing to normalise
+        return Advantages(values=values, train_mask=mask, zero_spread_frac=0.0, nan_frac=0.0, learning_frac=0.0)
     sub = Rewards(components={k: v[keep] for k, v in rewards.components.items()}, weights=rewards.weights,
                   total=rewards.total[keep])
     a = compute(sub, group_ids[keep])
-    values = torch.zeros(len(keep), dtype=a.values.dtype)
+    values = values.to(a.values.dtype)
     values[keep] = a.values
-    mask = torch.zeros(len(keep), dtype=torch.bool)
     mask[keep] = a.train_mask
-    return Advantages(values=values, train_mask=mask, zero_spread_frac=a.zero_spread_frac, nan_frac=a.nan_frac)
+    learning = round(a.learning_frac * int(keep.sum())) / len(keep)  # the kept learning samples, over all B
+    return Advantages(values=values, train_mask=mask, zero_spread_frac=a.zero_spread_frac, nan_frac=a.nan_frac,
+                      learning_frac=learning)
