@@ -76,6 +76,10 @@ def test_report_says_where_what_per_digit_and_how_long():
     assert "collapsed" in " ".join(rows["4"]) and "collapsed" not in " ".join(rows["3"])
     assert rows["update"][1:] == ["6.0", "60.0%"]  # 6 of 10 s
     assert rows["all"][1] == "10.0"
+    # the table takes only its per-digit figures: the optimised reward's own mean stays in the main table
+    more = {**SUMMARY, "digit_correctness_mean_before": 0.4, "digit_correctness_mean_after": 0.6}
+    rows = {ln.split()[0]: ln.split() for ln in format_report(more, [digit_table(more)]).splitlines() if ln.split()}
+    assert rows["digit_correctness_mean"][1:] == ["0.4000", "0.6000"]
 
 
 # ------------------------------------------------------------------ pictures

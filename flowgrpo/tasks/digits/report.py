@@ -8,6 +8,7 @@ from __future__ import annotations
 from flowgrpo.records import GroupTable
 
 COLLAPSE_RATIO = 0.6  # a digit less varied than this fraction of the same digit's real digits is flagged
+_FIGURES = ("correctness_before", "correctness_after", "diversity_before", "diversity_after", "diversity_real")
 COLUMNS = (("digit", ">5"), ("correct before", ">14.3f"), ("after", ">5.3f"), ("diversity before", ">16.1f"),
            ("after", ">5.1f"), ("real", ">5.1f"), ("after/real", ">10.3f"))
 
@@ -52,7 +53,7 @@ def digit_table(summary: dict) -> GroupTable | None:
     rows = per_digit_rows(summary)
     if not rows:
         return None
-    keys = frozenset(k for k in summary if k.startswith("digit_"))  # the task's keys, as the report had them
+    keys = frozenset(f"digit_{r['digit']}_{k}" for r in rows for k in _FIGURES) & frozenset(summary)
     return GroupTable(
         columns=COLUMNS,
         rows=tuple((r["digit"], r["correctness_before"], r["correctness_after"], r["diversity_before"],
