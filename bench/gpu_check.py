@@ -317,7 +317,7 @@ class Check:
         if self._source is None:
             from PIL import Image
 
-            from flowgrpo.rewards.conformance import default_images
+            from flowgrpo.testing.rewards import default_images
 
             r = self.size.resolution
             img = default_images(1, r, r, torch.Generator().manual_seed(0))[0]
@@ -453,12 +453,12 @@ def part_a(c: Check) -> dict:
 def _trainer(c: Check, gradient_checkpointing: bool, train_batch: int, recompute: bool = False):
     from accelerate import Accelerator
 
-    from flowgrpo.algo.chunkers import build_chunker
+    from flowgrpo.algo.objectives import build_objective
     from flowgrpo.config import build_config
     from flowgrpo.data.prompts import PromptSet
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.rewards.compose import ComposedReward
-    from flowgrpo.trainer import Trainer
+    from flowgrpo.training.loop import Trainer
 
     a, s = c.adapter, c.size
     b = s.batch
@@ -488,7 +488,7 @@ def _trainer(c: Check, gradient_checkpointing: bool, train_batch: int, recompute
             return torch.zeros(len(prompts))
 
     return Trainer(cfg, adapter=a, params=a._lora_params, rewards=ComposedReward({"zero": _Zero()}, {"zero": 1.0}),
-                   eval_rewards=None, chunker=build_chunker(cfg.chunker),
+                   eval_rewards=None, objective=build_objective(cfg),
                    prompts=PromptSet(_prompts(b), c.metadata(b), "gpu_check"), eval_prompts=None,
                    accelerator=Accelerator(cpu=c.dev.type == "cpu"))
 
@@ -502,8 +502,13 @@ def _rollout_for(c: Check, trainer):
                              settings=trainer.settings, batch_size=b, seed=0, epoch=0)
     traj = rollout(c.adapter, request, torch.ones(s.update_steps, dtype=torch.bool))
     adv = Advantages(values=torch.linspace(-1, 1, b), train_mask=torch.ones(b, dtype=torch.bool),
-                     zero_spread_frac=0.0, nan_frac=0.0)
-    return traj, adv, trainer.chunker.plan(traj, 0, torch.Generator().manual_seed(0))
+                     zero_spread_frac=0.0, nan_frac=0.0, learning_frac=1.0)
+    return traj, adv, trainer.objective.chunker.plan(traj, 0, torch.Generator().manual_seed(0))
+
+
+def _update(trainer, work) -> dict:
+    """The objective's update of ``work`` (the trainer's optimizer step), its metrics."""
+    return trainer.objective.update(trainer.adapter, trainer.optim, work, progress=False)
 
 
 def _update_vs_bare(c: Check, gc: bool) -> dict:
@@ -512,7 +517,7 @@ def _update_vs_bare(c: Check, gc: bool) -> dict:
     a = c.adapter
 
     def update():
-        trainer.update_phase(traj, adv, plan, traj.log_probs)
+        _update(trainer, trainer.objective.work(traj, adv, plan, 0))
 
     def bare():
         for (step,) in plan.chunks:
@@ -520,8 +525,8 @@ def _update_vs_bare(c: Check, gc: bool) -> dict:
             sigma = traj.sigmas[step].expand(len(x)).to(c.dev)
             with a.attention():
                 a.velocity(x, sigma, traj.embeds, trainer.settings.guidance_scale).square().mean().backward()
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.optim.optimizer.step()
+        trainer.optim.zero_grad()
 
     c.reset_peak()
     t_upd = c.timed(update)
@@ -547,9 +552,10 @@ def part_c(c: Check) -> dict:
     for name, tb, rec in (("matched", c.size.batch, False), ("micro_batch_2", 2, False), ("recompute", 2, True)):
         trainer = _trainer(c, False, tb, recompute=rec)
         traj, adv, plan = _rollout_for(c, trainer)
-        old = trainer.recompute_old_log_probs(traj, plan) if rec else traj.log_probs
+        work = trainer.objective.work(traj, adv, plan, 0)
+        work = trainer.objective.recompute(trainer.adapter, work) if rec else work
         c.reset_peak()
-        m = trainer.update_phase(traj, adv, plan, old)
+        m = _update(trainer, work)
         out[name] = {"mismatch": m["policy/logprob_mismatch_max"], "ratio_mean": m.get("policy/ratio_mean"),
                      "peak_gib": c.peak_gib()}
     return out

@@ -90,8 +90,8 @@ ROWS: dict[str, list[str]] = {
     "grpo_global_std": ["algo.global_std=true"],
     # policy losses (flowgrpo.algo.losses) beside the clipped default; SAPO's temperature ~1/clip_range, since
     # flow-model ratios move ~1e-4 from 1 (the paper's 1.0/1.05 are for LLM token ratios)
-    "sapo": ["algo.policy_loss=sapo", "algo.sapo_tau_pos=5000", "algo.sapo_tau_neg=5250"],
-    "dual_clip": ["algo.policy_loss=dual_clip", "algo.dual_clip_c=3"],
+    "sapo": ["algo.policy_loss={name: sapo, tau_pos: 5000, tau_neg: 5250}"],
+    "dual_clip": ["algo.policy_loss={name: dual_clip, c: 3}"],
     "grpo_guard": ["algo.policy_loss=grpo_guard"],
     # GFPO: draw G' = 16 per prompt, keep the 8 of largest reward spread (PODS max-variance selection)
     "gfpo": ["train.group_size=16", "algo.group_filter={name: gfpo, keep: 8, select: max_spread}"],
@@ -133,7 +133,7 @@ def seed_figures(run_dir: Path) -> dict:
     """The figures of one finished run folder (``summary.json`` and ``metrics.jsonl``), see the module docstring.
     Raises ``ValueError`` when the summary has no per-digit diversity (not a digits run)."""
     from flowgrpo.metrics import read_metrics
-    from flowgrpo.trainer import per_digit_rows
+    from flowgrpo.tasks.digits.report import per_digit_rows
 
     summary = json.loads((run_dir / "summary.json").read_text())
     records = read_metrics(run_dir / "metrics.jsonl")

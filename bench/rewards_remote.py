@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.rewards.conformance import default_images
 from flowgrpo.rewards.remote import RemoteReward, images_to_png_b64
 from flowgrpo.rewards.serving import nearest_rank
+from flowgrpo.testing.rewards import default_images
 
 
 def start_server(reward: str, kwargs: dict, flags: list[str]) -> tuple[subprocess.Popen, str]:

@@ -98,10 +98,10 @@ def main() -> None:
     # (b) one update (the trainer's chunk_forward + clipped surrogate + backward + step) vs bare fwd+bwd
     from accelerate import Accelerator
 
-    from flowgrpo.algo.chunkers import build_chunker
+    from flowgrpo.algo.objectives import build_objective
     from flowgrpo.records import Advantages
     from flowgrpo.rewards.compose import ComposedReward
-    from flowgrpo.trainer import Trainer
+    from flowgrpo.training.loop import Trainer
 
     cfg = build_config({"model": {"pretrained": str(folder)}, "sampling": {"num_steps": t},
                         "train": {"prompts_per_epoch": b // 2, "group_size": 2, "rollout_batch_size": b},
@@ -124,26 +124,31 @@ def main() -> None:
                                  target_modules=cfg.model.lora_target_modules, need_reference=False)
         return Trainer(cfg, adapter=adapter, params=params,
                        rewards=ComposedReward({"none": _NoReward()}, {"none": 1}), eval_rewards=None,
-                       chunker=build_chunker(cfg.chunker), prompts=PromptSet(prompts, [{}] * b, "bench"),
+                       objective=build_objective(cfg), prompts=PromptSet(prompts, [{}] * b, "bench"),
                        eval_prompts=None, accelerator=Accelerator(cpu=True))
 
     trainer = make_trainer(adapter)
     traj = rollout(adapter, RolloutRequest(prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long),
             settings=settings, batch_size=b, seed=0, epoch=0), torch.ones(t, dtype=torch.bool))
     adv = Advantages(values=torch.randn(b), train_mask=torch.ones(b, dtype=torch.bool), zero_spread_frac=0.0,
-                     nan_frac=0.0)
-    plan = trainer.chunker.plan(traj, 0, torch.Generator().manual_seed(0))
+                     nan_frac=0.0, learning_frac=1.0)
+    objective = trainer.objective
+    plan = objective.chunker.plan(traj, 0, torch.Generator().manual_seed(0))
+
+    def update_of(tr, traj_, adv_, plan_):
+        """The objective's update of a given plan, its schedule included (as a training epoch's)."""
+        tr.objective.update(tr.adapter, tr.optim, tr.objective.work(traj_, adv_, plan_, 0), progress=False)
 
     def update():
-        trainer.update_phase(traj, adv, plan, traj.log_probs)
+        update_of(trainer, traj, adv, plan)
 
     def bare():
         for (step,) in plan.chunks:
             x = traj.latents[:, step]
             v = adapter.velocity(x, traj.sigmas[step].expand(b), traj.embeds, 3.5)
             v.square().mean().backward()
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.optim.optimizer.step()
+        trainer.optim.zero_grad()
 
     b_ours, b_bare, b_ratio = _paired_seconds(update, bare, args.repeats) if "b" in args.parts else (nan,) * 3
 
@@ -156,11 +161,11 @@ def main() -> None:
         def run():
             tr = rollout(adapter, RolloutRequest(ps, [{}] * n, torch.arange(n) // g, torch.arange(n) % g,
                     settings=s, batch_size=g, seed=0, epoch=0), torch.ones(steps, dtype=torch.bool))
-            pl = trainer.chunker.plan(tr, 0, torch.Generator().manual_seed(0))
+            pl = objective.chunker.plan(tr, 0, torch.Generator().manual_seed(0))
             a = Advantages(values=torch.randn(n), train_mask=torch.ones(n, dtype=torch.bool), zero_spread_frac=0.0,
-                           nan_frac=0.0)
+                           nan_frac=0.0, learning_frac=1.0)
             trainer.cfg.train.train_batch_size = g
-            trainer.update_phase(tr, a, pl, tr.log_probs)
+            update_of(trainer, tr, a, pl)
 
         return _median_seconds(run, max(1, args.repeats // 2))
 
@@ -171,7 +176,7 @@ def main() -> None:
     def egrpo_update_times() -> tuple[float, float]:
         """At 256² (256 image tokens), where a transformer call's cost grows with its rows on this CPU (at 64² a
         tiny call costs the same for 2 rows as for 8, and the dedupe has nothing to save)."""
-        from flowgrpo.algo.chunkers import chunker_settings
+        from flowgrpo.algo.chunkers import build_chunker, chunker_settings
 
         g = 4
         big = load_model(str(folder), max_sequence_length=32, height=D_SIZE, width=D_SIZE)
@@ -183,11 +188,11 @@ def main() -> None:
         n = em_traj.batch_size
         em_plan = em.plan(em_traj, 0, torch.Generator().manual_seed(0))
         em_adv = Advantages(values=torch.randn(n), train_mask=torch.ones(n, dtype=torch.bool), zero_spread_frac=0.0,
-                            nan_frac=0.0)
-        em_trainer.chunker, em_trainer.cfg.train.train_batch_size = em, b
+                            nan_frac=0.0, learning_frac=1.0)
+        em_trainer.objective.chunker, em_trainer.cfg.train.train_batch_size = em, b
 
         def run():
-            em_trainer.update_phase(em_traj, em_adv, em_plan, em_traj.log_probs)
+            update_of(em_trainer, em_traj, em_adv, em_plan)
 
         once = _median_seconds(run, args.repeats)
         type(em).shares_inputs = False  # every row forwarded, as before the dedupe

@@ -6,7 +6,8 @@ The public API, by layer (each name is importable from here; the modules hold th
 * records passed between phases: :class:`Trajectory`, :class:`Rewards`, :class:`Advantages`, :class:`ChunkPlan`,
   :class:`PromptEmbeds`;
 * the SDE step: :func:`sde_step`, registry :data:`SDE_KINDS`;
-* strategies: :data:`CHUNKERS` (which transitions share a ratio), :data:`ESTIMATORS` (advantages);
+* strategies: :data:`OBJECTIVES` (what the update optimises), :data:`CHUNKERS` (which transitions share a
+  ratio), :data:`ESTIMATORS` (advantages), :data:`POLICY_LOSSES`, :data:`GROUP_FILTERS`;
 * models: :func:`load_model`, registry :data:`ADAPTERS` (by diffusers pipeline class);
 * the loop: :class:`Trainer`, :func:`run` (build everything from a config and train).
 
@@ -31,11 +32,14 @@ _EXPORTS = {
     "PromptEmbeds": "flowgrpo.records",
     "sde_step": "flowgrpo.sampling.sde",
     "SDE_KINDS": "flowgrpo.sampling.sde",
+    "OBJECTIVES": "flowgrpo.algo.objectives",
     "CHUNKERS": "flowgrpo.algo.chunkers",
     "ESTIMATORS": "flowgrpo.algo.advantages",
+    "POLICY_LOSSES": "flowgrpo.algo.losses",
+    "GROUP_FILTERS": "flowgrpo.algo.filters",
     "load_model": "flowgrpo.models",
     "ADAPTERS": "flowgrpo.models",
-    "Trainer": "flowgrpo.trainer",
+    "Trainer": "flowgrpo.training.loop",
     "run": "flowgrpo.runner",
 }
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from flowgrpo.argtypes import int_in
 
 logger = logging.getLogger("flowgrpo.cli")
+# Each subcommand imports its own modules when it runs (deliberately lazy): ``flowgrpo --help`` and ``flowgrpo
+# push`` load no torch, ``flowgrpo sample`` no trainer; ``flowgrpo train`` hands over to flowgrpo.runner.
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):

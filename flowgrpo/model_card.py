@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from flowgrpo.models import EMBEDDED_MODELS, resolve_pretrained
+
 logger = logging.getLogger(__name__)
 
 FIGURES = ("reward_curve.png", "before_after.png")
@@ -41,9 +43,8 @@ def _load_snippet(base: str, pipeline_class: str, finetune: str, repo: str, prom
             f'pipe = {pipeline_class}.from_pretrained("{base}", transformer=transformer)\n' + generate)
 
 
-def _figures_table(summary: dict) -> str:
-    keys = sorted({k.rsplit("_", 1)[0] for k in summary if k.endswith(("_before", "_after"))
-                   and not k.startswith("digit_")})
+def _figures_table(summary: dict, exclude: frozenset[str] = frozenset()) -> str:
+    keys = sorted({k.rsplit("_", 1)[0] for k in summary if k.endswith(("_before", "_after")) and k not in exclude})
     if not keys:
         return "No evaluation figures were recorded.\n"
 
@@ -65,20 +66,21 @@ def _card_metadata(m) -> dict:
 
 def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", repo: str = ".",
                figures: tuple[str, ...] = FIGURES, base_folder: str | None = None,
-               prompt: str = "a photo of a cat", call: dict | None = None) -> str:
+               prompt: str = "a photo of a cat", call: dict | None = None,
+               exclude: frozenset[str] = frozenset()) -> str:
     """The card's text (``README.md``) for a run's weights.
 
     Args:
         config: the run's :class:`~flowgrpo.config.Config`.
         summary: the run's summary (``summary.json``): figures ``<name>_before`` / ``<name>_after``, ``epochs``,
             ``phase_seconds``.
-        pipeline_class: the diffusers pipeline class of the base model (``FluxPipeline``,
-            ``StableDiffusion3Pipeline``).
+        pipeline_class: the base model's diffusers pipeline class (``FluxPipeline``, ``StableDiffusion3Pipeline``).
         repo: how the loading snippet names the weights (a folder or a Hub repo id).
         figures: picture files beside the card to show.
-        base_folder: where an embedded base model (``digits``, ``tiny``) lives, for the loading code.
+        base_folder: where an embedded base model lives (:data:`~flowgrpo.models.EMBEDDED_MODELS`).
         prompt: the example prompt of the loading code.
         call: the loading code's pipeline-call arguments (default :func:`pipeline_call` of ``config``).
+        exclude: summary keys left out of the figures table (a task's per-group figures).
     """
     m, s, a, t = config.model, config.sampling, config.algo, config.train
     base = m.pretrained
@@ -107,7 +109,7 @@ Trained with flowgrpo — GRPO-family reinforcement learning for flow-matching m
 
 ## Results (held-out evaluation, the same seeds before and after)
 
-{_figures_table(summary)}
+{_figures_table(summary, exclude)}
 {pics}## How to load
 
 ```python
@@ -134,11 +136,10 @@ def pipeline_call(config, height: int | None = None, width: int | None = None) -
 
 def write_model_card(config, summary: dict, weights_dir: str | Path, run_dir: str | Path, *,
                      pipeline_class: str = "FluxPipeline", prompt: str = "a photo of a cat",
-                     call: dict | None = None) -> Path | None:
-    """Write ``weights_dir/README.md`` (:func:`model_card`) and copy the run's figures beside it. Returns the
-    card's path, or None (with a warning) when ``weights_dir`` does not exist."""
-    from flowgrpo.models import resolve_pretrained
-
+                     call: dict | None = None, exclude: frozenset[str] = frozenset()) -> Path | None:
+    """Write ``weights_dir/README.md`` (:func:`model_card`; ``exclude``: summary keys left out of its figures
+    table) and copy the run's figures beside it. Returns the card's path, or None (with a warning) when
+    ``weights_dir`` does not exist."""
     weights_dir, run_dir = Path(weights_dir), Path(run_dir)
     if not weights_dir.is_dir():
         logger.warning("no weights in %s: no model card written", weights_dir)
@@ -148,7 +149,7 @@ def write_model_card(config, summary: dict, weights_dir: str | Path, run_dir: st
         shutil.copyfile(run_dir / name, weights_dir / name)
     path = weights_dir / "README.md"
     base = config.model.pretrained
-    folder = resolve_pretrained(base) if base in ("digits", "tiny") else None  # already built for training
+    folder = resolve_pretrained(base) if base in EMBEDDED_MODELS else None  # already built for training
     path.write_text(model_card(config, summary, pipeline_class=pipeline_class, repo=str(weights_dir),
-                               figures=figures, base_folder=folder, prompt=prompt, call=call))
+                               figures=figures, base_folder=folder, prompt=prompt, call=call, exclude=exclude))
     return path

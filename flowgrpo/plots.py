@@ -39,8 +39,8 @@ def reward_curve_figure(records: list[dict]):
     """One panel per optimised reward component (``reward/<name>/mean``; ``total`` only when there are several
     components, since with one it is the same curve) with the per-epoch value and a smoothed line (trailing mean
     over √(epochs) epochs), then one panel per evaluation figure (``eval/<name>/mean`` and whole-set figures such
-    as ``eval/correctness``; per-digit and real-data figures left out), as points. Returns the matplotlib
-    figure."""
+    as ``eval/correctness``; per-group figures ``eval/<group>/<figure>`` and real-data figures left out), as
+    points. Returns the matplotlib figure."""
     comps = sorted({k.split("/")[1] for r in records for k in r
                     if k.startswith("reward/") and k.endswith("/mean") and r[k] is not None} - {"total"})
     if len(comps) > 1:
@@ -84,10 +84,10 @@ def _wrap(caption: str) -> str:
 
 
 def sample_grid_figure(images: torch.Tensor, captions: list[str], ncols: int = 8, title: str | None = None,
-                       footer: list[str] | None = None):
+                       footer: list[str] | None = None, alerts: list[bool] | None = None):
     """A grid of (N, 3, H, W) images in [0, 1], each captioned below (wrapped to at most three lines of
     :data:`CAPTION_CHARS` characters, so captions never run into each other), and an optional ``footer`` row of
-    text panels, one per column. Returns the matplotlib figure."""
+    text panels, one per column (red where ``alerts`` says so). Returns the matplotlib figure."""
     n = images.shape[0]
     ncols = max(1, min(ncols, n))
     nrows = (n + ncols - 1) // ncols + (1 if footer else 0)
@@ -99,47 +99,31 @@ def sample_grid_figure(images: torch.Tensor, captions: list[str], ncols: int = 8
             ax.imshow(images[i].permute(1, 2, 0).clamp(0, 1).cpu().numpy())
             ax.text(0.5, -0.03, _wrap(captions[i]), transform=ax.transAxes, ha="center", va="top", fontsize=6)
     if footer:
-        for ax, text in zip(axes[-1], footer, strict=False):
+        alerts = alerts or [False] * len(footer)
+        for ax, text, alert in zip(axes[-1], footer, alerts, strict=False):
             ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", fontsize=7,
-                    color="red" if "collapsed" in text else "black")
+                    color="red" if alert else "black")
     if title:
         fig.suptitle(title, fontsize=9)
     return fig
 
 
 def sample_grid(images: torch.Tensor, captions: list[str], path: str | Path, ncols: int = 8,
-                title: str | None = None, footer: list[str] | None = None) -> None:
+                title: str | None = None, footer: list[str] | None = None, alerts: list[bool] | None = None) -> None:
     """Save :func:`sample_grid_figure` to ``path`` (PNG)."""
-    _save(sample_grid_figure(images, captions, ncols, title, footer), Path(path))
-
-
-def per_digit_footer(rows: list[dict]) -> list[str]:
-    """One text per digit column from :func:`flowgrpo.trainer.per_digit_rows`: judge correctness and diversity
-    before → after and the diversity ratio to real digits, marked ``collapsed`` as the row says."""
-
-    def f(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
-    out = []
-    for r in rows:
-        ratio = r["ratio_after"]
-        flag = " collapsed" if r["collapsed"] else ""
-        out.append(f"digit {r['digit']}\ncorrect {f(r['correctness_before'], '.2f')}→{f(r['correctness_after'], '.2f')}"
-                   f"\ndiversity {f(r['diversity_before'], '.0f')}→{f(r['diversity_after'], '.0f')}"
-                   f"\n{f(ratio, '.3f')}× real{flag}")
-    return out
+    _save(sample_grid_figure(images, captions, ncols, title, footer, alerts), Path(path))
 
 
 def before_after(img_before: torch.Tensor, img_after: torch.Tensor, captions: list[str], path: str | Path,
-                 per_digit: list[dict] | None = None, k: int = 20) -> None:
+                 footer: list[str] | None = None, alerts: list[bool] | None = None, k: int = 20) -> None:
     """``before_after.png``: the first ``k`` evaluation images before (top rows) and after (next rows), ten a
-    row, and for the digits task a last row of per-digit figures (:func:`per_digit_footer`; the digits
-    evaluation set cycles the digits 0–9, so column d shows digit d)."""
+    row, and an optional last row of text panels, one per column (a task's per-group figures, when its
+    evaluation set cycles the groups so that column g shows group g; ``alerts`` marks panels drawn in red)."""
     k = min(k, img_before.shape[0])
-    footer = per_digit_footer(per_digit) if per_digit else None
     sample_grid(torch.cat([img_before[:k], img_after[:k]]),
                 [f"before: {c}" for c in captions[:k]] + [f"after: {c}" for c in captions[:k]], path,
-                ncols=10, title="ODE samples before (top) / after (below), same seeds", footer=footer)
+                ncols=10, title="ODE samples before (top) / after (below), same seeds", footer=footer or None,
+                alerts=alerts)
 
 
 def edits_before_after(sources: list[torch.Tensor], img_before: torch.Tensor, img_after: torch.Tensor,

@@ -1,27 +1,32 @@
 """Everything a training run needs, checked before any model loads (a mistake must not cost a model load).
 
-:func:`preflight` runs every check: strategy names and settings (:func:`check_strategies`), the per-process batch
-layout (:func:`check_batch`), reward names and kwargs (:func:`check_rewards`), trackers (:func:`check_trackers`),
-the output folder and the checkpoint to resume (:func:`check_output_dir`), and the prompt files.
-:func:`resolve_auto_resume` turns ``train.resume_from=auto`` into a concrete config first.
+:func:`preflight` is the one place that decides what a run checks, and its docstring gives the order; the one
+check that needs the model (the objective on the model's σ grid) is :func:`check_on_grid`, run by
+:func:`flowgrpo.runner.run` right after the model loads. :func:`resolve_auto_resume` turns
+``train.resume_from=auto`` into a concrete config first.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from flowgrpo.algo.objectives import Objective, build_objective
+from flowgrpo.checkpoint import resolve_checkpoint
+from flowgrpo.config import ConfigError, build_config, read_yaml
+from flowgrpo.data.prompts import PromptSet, load_prompts
+from flowgrpo.registry import did_you_mean
+from flowgrpo.rewards.compose import ComposedReward
+from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
+from flowgrpo.training.run_folder import latest_run_config, occupied_message
+
 logger = logging.getLogger(__name__)
-
-
-def latest_run_config(out: str | os.PathLike) -> Path:
-    """The config the run in ``out`` last ran with: its newest ``config_resumed_at_epoch_<E>.yaml`` (largest E;
-    a resume that extended or changed the run wrote it), else its original ``config.yaml``."""
-    out = Path(out)
-    resumed = [(int(p.stem.rsplit("_", 1)[1]), p) for p in out.glob("config_resumed_at_epoch_*.yaml")
-               if p.stem.rsplit("_", 1)[1].isdigit()]
-    return max(resumed)[1] if resumed else out / "config.yaml"
 
 
 def resolve_auto_resume(config, overrides: list[str] = (), config_file: str | None = None):
@@ -32,8 +37,6 @@ def resolve_auto_resume(config, overrides: list[str] = (), config_file: str | No
     ``resume_from`` is returned unchanged. A ``config_file`` the command also named is then not used (a warning
     says so): the run continues with its own settings.
     Raises :class:`~flowgrpo.config.ConfigError` when a checkpoint exists but no ``config.yaml`` beside it."""
-    from flowgrpo.config import ConfigError, build_config, read_yaml
-
     if config.train.resume_from != "auto":
         return config
     out = Path(config.output_dir)
@@ -58,52 +61,18 @@ def resolve_auto_resume(config, overrides: list[str] = (), config_file: str | No
     return resumed
 
 
-def check_strategies(config):
-    """Let the chunker check its settings against the sampling settings, before any model or data is loaded (a
-    mistake must not cost a model load and an evaluation; registered names are checked by the schema itself).
-    Returns the chunker."""
-    from flowgrpo.algo.chunkers import build_chunker
-    from flowgrpo.algo.losses import POLICY_LOSSES, check_config
-
-    check_config(POLICY_LOSSES.get(config.algo.policy_loss), config)
-    chunker = build_chunker(config.chunker)
-    chunker.validate(config.sampling.num_steps, config.sampling.sde_kind)
-    _check_noise(config, chunker)
-    return chunker
-
-
-def _check_noise(config, chunker) -> None:
-    """Refuse settings under which no transition the chunker makes stochastic has any noise (nothing to train):
-    the SDE kind's std on a uniform σ grid of ``num_steps`` steps, at the chunker's SDE steps."""
-    import torch
-
-    from flowgrpo.sampling.sde import SDE_KINDS
-
-    s = config.sampling
-    sigma = torch.linspace(1.0, 0.0, s.num_steps + 1)
-    try:
-        steps = chunker.sde_steps(s.num_steps, 0)
-    except ValueError:  # a chunker whose steps follow from the model's σ grid: every step may be stochastic
-        steps = torch.ones(s.num_steps, dtype=torch.bool)
-    x = torch.zeros(s.num_steps, 1)
-    _, std = SDE_KINDS.get(s.sde_kind)(x, x, sigma[:-1, None], sigma[1:, None], float(s.noise_level))
-    std = torch.as_tensor(std, dtype=torch.float32).expand(s.num_steps, 1)[:, 0]
-    if not bool((std[steps] > 0).any()):
-        raise ValueError(
-            f"sampling.sde_kind={s.sde_kind!r} with sampling.noise_level={s.noise_level} leaves no stochastic "
-            f"transition among the chunker's {int(steps.sum())} SDE steps: there is nothing to train. Use an SDE "
-            "kind with noise (flow_sde, dance_sde, cps) and a noise_level that gives it some (e.g. 0.7)"
-        )
+def check_strategies(config) -> Objective:
+    """Build the objective (its chunker and policy loss) and let it check its settings against the sampling
+    settings, before any model or data is loaded (registered names and each strategy's own settings are checked
+    by the schema itself). Returns the objective."""
+    objective = build_objective(config)
+    objective.validate()
+    return objective
 
 
 def check_rewards(specs) -> None:
     """Resolve every reward name and check its kwargs against the constructor's signature, without constructing
     it (no weights load). Raises :class:`~flowgrpo.rewards.registry.RewardLoadError` with a suggestion."""
-    import inspect
-
-    from flowgrpo.registry import did_you_mean
-    from flowgrpo.rewards.registry import RewardLoadError, resolve_reward_factory
-
     for spec in specs:
         factory, _ = resolve_reward_factory(spec.name)
         try:
@@ -171,10 +140,6 @@ def _check_grid_batch(config, local: int, per_sample: int) -> None:
 
 def check_trackers(trackers) -> None:
     """Every tracker asked for is installed (else a run would go on without it)."""
-    import importlib.util
-
-    from flowgrpo.config import ConfigError
-
     missing = [t for t in trackers if importlib.util.find_spec(t) is None]
     if missing:
         raise ConfigError(f"logging.trackers={list(trackers)}: {missing} not installed (pip install "
@@ -185,8 +150,6 @@ def check_output_dir(config) -> None:
     """A checkpoint to resume must exist, and a folder holding another run is refused (unless resumed or
     ``logging.overwrite``), and so is an ``output_dir`` that is a file, before any model loads. Raises
     CheckpointError / FileExistsError."""
-    from flowgrpo.checkpoint import resolve_checkpoint
-
     out = Path(config.output_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"output_dir {str(out)!r} is a file, not a folder; choose a folder for the run")
@@ -196,21 +159,9 @@ def check_output_dir(config) -> None:
         raise FileExistsError(occupied_message(out))
 
 
-def occupied_message(out: Path) -> str:
-    """Why ``out`` cannot take a new run, and the ways on: resume (only when a checkpoint is there), overwrite or
-    another folder."""
-    if (out / "checkpoints" / "latest").exists():
-        return (f"output_dir {str(out)!r} already holds a run; choose another output_dir, resume it with "
-                f"train.resume_from={out / 'checkpoints'} (or train.resume_from=auto), or set logging.overwrite=true")
-    return (f"output_dir {str(out)!r} already holds a run that stopped before its first checkpoint; start it again "
-            "with logging.overwrite=true (or train.resume_from=auto), or choose another output_dir")
-
-
 def load_prompt_field(config, field: str):
     """The :class:`~flowgrpo.data.prompts.PromptSet` of ``data.<field>`` (None when unset); a file that cannot
     be read is a ``ValueError`` naming the field."""
-    from flowgrpo.data.prompts import load_prompts
-
     value = getattr(config.data, field)
     try:
         return load_prompts(value) if value else None
@@ -218,14 +169,84 @@ def load_prompt_field(config, field: str):
         raise ValueError(f"data.{field}: {err}") from None
 
 
-def preflight(config, world_size: int | None = None):
-    """Everything the run will need, checked before any model loads: strategy names and settings, reward names
-    and kwargs, prompt files, trackers and the per-process batch layout. Returns (chunker, prompts,
-    eval_prompts). ``world_size``: the process count (default: the launcher's ``WORLD_SIZE``, else 1)."""
+def build_rewards(specs) -> tuple[ComposedReward | None, list]:
+    """(ComposedReward, origins) for a list of RewardSpec (constructed: no weights load yet); None for an empty
+    list."""
+    if not specs:
+        return None, []
+    rewards, weights, origins = {}, {}, []
+    for spec in specs:
+        reward, origin = load_reward(spec.name, **spec.kwargs)
+        key = spec.name.split(":")[-1]
+        rewards[key] = reward
+        weights[key] = spec.weight
+        origins.append(origin)
+    return ComposedReward(rewards, weights), origins
+
+
+def _rewards_for(config, prompts: PromptSet, eval_prompts: PromptSet | None):
+    """The optimised and the evaluation-only rewards, constructed (no weights yet) and shown the prompt sets they
+    will score; returns (rewards, eval_rewards or None, origins of both)."""
+    rewards, origins = build_rewards(config.rewards)
+    for name, reward in rewards.rewards.items():
+        if getattr(reward, "eval_only", False):
+            raise ValueError(f"reward {name!r} is for evaluation only (an independent judge): list it under "
+                             "eval_rewards, not rewards")
+    eval_rewards, eval_origins = build_rewards(config.eval_rewards)
+    rewards.check_prompts(prompts, "training")
+    for r in (rewards, eval_rewards):
+        if r is not None:
+            r.check_training_prompts(prompts)
+            r.check_prompts(eval_prompts or prompts, "evaluation")
+    return rewards, eval_rewards, origins + eval_origins
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What :func:`preflight` checked and built: the objective, the prompt sets (eval_prompts None: no held-out
+    set), the constructed rewards (eval_rewards None: none) and every reward plugin's origin."""
+
+    objective: Objective
+    prompts: PromptSet
+    eval_prompts: PromptSet | None
+    rewards: ComposedReward
+    eval_rewards: ComposedReward | None
+    origins: list
+
+
+def preflight(config, world_size: int | None = None) -> Preflight:
+    """Everything the run will need, checked before any model loads, in this order:
+
+    0. the schema, when the config was built: types and ranges, registered names, each strategy section
+       against its strategy's settings (objective, chunker, policy loss, group filter) and each strategy's
+       checks against the other sections, the batch sizes dividing B;
+    1. the objective's checks of its settings against the sampling settings (:func:`check_strategies`: the
+       chunker on T and the SDE kind, some noise to train);
+    2. the per-process batch layout for ``world_size`` processes (:func:`check_batch`; default: the launcher's
+       ``WORLD_SIZE``, else 1);
+    3. reward names and their kwargs, without constructing them (:func:`check_rewards`);
+    4. the trackers installed (:func:`check_trackers`);
+    5. the output folder free, or the checkpoint to resume there (:func:`check_output_dir`);
+    6. the prompt files read (:func:`load_prompt_field`);
+    7. the rewards constructed and shown the prompt sets they will score (their ``check_prompts``, an
+       evaluation-only reward refused under ``rewards``).
+
+    Once the model is loaded, :func:`check_on_grid` checks the objective on its σ grid. Returns
+    :class:`Preflight`; raises ``ValueError`` (or a subclass: ``ConfigError``, ``RewardLoadError``,
+    ``CheckpointError``) or ``FileExistsError`` naming the setting."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    chunker = check_strategies(config)
+    objective = check_strategies(config)
     check_batch(config, world)
     check_rewards(config.rewards + config.eval_rewards)
     check_trackers(config.logging.trackers)
     check_output_dir(config)
-    return chunker, load_prompt_field(config, "train_prompts"), load_prompt_field(config, "eval_prompts")
+    prompts, eval_prompts = load_prompt_field(config, "train_prompts"), load_prompt_field(config, "eval_prompts")
+    rewards, eval_rewards, origins = _rewards_for(config, prompts, eval_prompts)
+    return Preflight(objective, prompts, eval_prompts, rewards, eval_rewards, origins)
+
+
+def check_on_grid(config, objective: Objective, sigmas: torch.Tensor, settings, world_size: int) -> None:
+    """The check that needs the model: the objective's settings on the model's σ grid ``sigmas`` (T+1,) with the
+    run's :class:`~flowgrpo.sampling.rollout.SamplerSettings`, and the batch layout with the trajectories a
+    sample becomes there (:func:`check_batch`), before any evaluation or sampling. Raises ``ValueError``."""
+    check_batch(config, world_size, objective.trajectories_per_sample(sigmas, settings))

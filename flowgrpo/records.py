@@ -95,6 +95,11 @@ class Trajectory:
     def num_steps(self) -> int:
         return self.log_probs.shape[1]
 
+    @property
+    def initial_noise(self) -> torch.Tensor:
+        """(B, …) the latents each trajectory starts from (σ = 1)."""
+        return self.latents[:, 0]
+
 
 @dataclass(frozen=True)
 class Rewards:
@@ -129,7 +134,7 @@ class Advantages:
     train_mask: torch.Tensor
     zero_spread_frac: float
     nan_frac: float
-    learning_frac: float = 1.0
+    learning_frac: float
 
 
 @dataclass(frozen=True)
@@ -147,3 +152,27 @@ class ChunkPlan:
     @property
     def num_chunks(self) -> int:
         return len(self.chunks)
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    """A task's per-group figures for the end-of-run report (one row per group: a digit, a prompt category …),
+    handed to the report by a reward's optional ``report_table(summary)`` hook.
+
+    Attributes:
+        columns: (header, format spec) per column, e.g. ``("correct before", ">14.3f")``; the console right-aligns
+            each header to the spec's width.
+        rows: per group, one value per column (None shows as ``-``).
+        notes: per row, a text after it on the console (``"<- collapsed"``) or ``""``.
+        panels: per row, the text under its column of ``before_after.png`` (the evaluation images cycle the
+            groups), or empty for no such row.
+        alerts: per row, whether its panel is drawn as an alert (red).
+        keys: the ``summary.json`` keys the table reports, left out of the report's main before/after table.
+    """
+
+    columns: tuple[tuple[str, str], ...]
+    rows: tuple[tuple[float | int | None, ...], ...]
+    notes: tuple[str, ...]
+    panels: tuple[str, ...]
+    alerts: tuple[bool, ...]
+    keys: frozenset[str]

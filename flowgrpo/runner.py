@@ -7,11 +7,27 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
-from flowgrpo.preflight import check_batch, preflight, resolve_auto_resume
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from flowgrpo.checkpoint import CheckpointError
+from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
+from flowgrpo.models import load_model_from_config
+from flowgrpo.models.lora import setup_trainable
+from flowgrpo.preflight import check_on_grid, preflight, resolve_auto_resume
+from flowgrpo.rewards.base import MissingWeightsError
+from flowgrpo.rewards.compose import RewardError
+from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
+from flowgrpo.sampling.rollout import SamplerSettings
+from flowgrpo.training.loop import Trainer
+from flowgrpo.training.report import format_report
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
@@ -44,8 +60,6 @@ def help_text(config_path: str | None, overrides: list[str]) -> str:
     """Every config field with the value this command line would use: the given config's (with its bases and
     the overrides), or the embedded digits default's without one; the schema's value when the config cannot be
     read. Then the config-file and resume notes and the installed reward plugins."""
-    from flowgrpo.config import describe_fields, flat_dict, load_config
-
     source = config_path or f"{DEFAULT_CONFIG} (the embedded default)"
     try:
         values = flat_dict(load_config(config_path or DEFAULT_CONFIG, [o for o in overrides if "=" in o])
@@ -61,8 +75,6 @@ def help_text(config_path: str | None, overrides: list[str]) -> str:
 
 def _rewards_help() -> str:
     try:
-        from flowgrpo.rewards.registry import registered_rewards
-
         names = sorted(registered_rewards())
     except Exception as err:  # noqa: BLE001 - a broken plugin must not hide the help
         return f"registered rewards: could not be listed ({err})"
@@ -70,63 +82,19 @@ def _rewards_help() -> str:
             + "\n  ".join(textwrap.wrap(", ".join(names), 110)))
 
 
-def build_rewards(specs):
-    """(ComposedReward, origins) for a list of RewardSpec; None for an empty list."""
-    from flowgrpo.rewards.compose import ComposedReward
-    from flowgrpo.rewards.registry import load_reward
-
-    if not specs:
-        return None, []
-    rewards, weights, origins = {}, {}, []
-    for spec in specs:
-        reward, origin = load_reward(spec.name, **spec.kwargs)
-        key = spec.name.split(":")[-1]
-        rewards[key] = reward
-        weights[key] = spec.weight
-        origins.append(origin)
-    return ComposedReward(rewards, weights), origins
-
-
-def _rewards_for(config, prompts, eval_prompts):
-    """The optimised and the evaluation-only rewards, constructed (no weights yet) and shown the prompt sets they
-    will score, before any model loads; returns (rewards, eval_rewards or None, origins of both)."""
-    rewards, origins = build_rewards(config.rewards)
-    for name, reward in rewards.rewards.items():
-        if getattr(reward, "eval_only", False):
-            raise ValueError(f"reward {name!r} is for evaluation only (an independent judge): list it under "
-                             "eval_rewards, not rewards")
-    eval_rewards, eval_origins = build_rewards(config.eval_rewards)
-    rewards.check_prompts(prompts, "training")
-    for r in (rewards, eval_rewards):
-        if r is not None:
-            r.check_training_prompts(prompts)
-            r.check_prompts(eval_prompts or prompts, "evaluation")
-    return rewards, eval_rewards, origins + eval_origins
-
-
 def run(config) -> dict:
-    """Build every part from ``config`` and train; returns the summary."""
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    from flowgrpo.models import load_model_from_config
-    from flowgrpo.models.lora import setup_trainable
-    from flowgrpo.sampling.rollout import SamplerSettings
-    from flowgrpo.trainer import Trainer
-
+    """Build every part from ``config`` and train; returns the summary. Every check that needs no model runs
+    first (:func:`~flowgrpo.preflight.preflight`), the one that needs it right after it loads
+    (:func:`~flowgrpo.preflight.check_on_grid`)."""
     quiet_libraries()
     config = resolve_auto_resume(config)
-    chunker, prompts, eval_prompts = preflight(config)
-    rewards, eval_rewards, origins = _rewards_for(config, prompts, eval_prompts)
+    ready = preflight(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
     set_seed(config.train.seed)
     m = config.model
     adapter = load_model_from_config(m)
     sampling = SamplerSettings.from_config(config.sampling)
-    sigmas = adapter.sigmas(sampling.num_steps)
-    chunker.validate_grid(sigmas, sampling)  # before any evaluation or sampling
-    check_batch(config, accelerator.num_processes, chunker.trajectories_per_sample(sigmas, sampling))
+    check_on_grid(config, ready.objective, adapter.sigmas(sampling.num_steps), sampling, accelerator.num_processes)
     adapter.pipe.to(accelerator.device)
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
@@ -135,14 +103,14 @@ def run(config) -> dict:
     if m.finetune == "lora":  # LoRA weights train in float32 whatever the model's dtype
         for p in params:
             p.data = p.data.float()
-    for r in (rewards, eval_rewards):
+    for r in (ready.rewards, ready.eval_rewards):
         if r is not None:
             r.setup(accelerator.device)
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_tracker_config(config))
-    trainer = Trainer(config, adapter=adapter, params=params, rewards=rewards, eval_rewards=eval_rewards,
-                      chunker=chunker, prompts=prompts, eval_prompts=eval_prompts,
-                      accelerator=accelerator, reward_origins=origins)
+    trainer = Trainer(config, adapter=adapter, params=params, rewards=ready.rewards, eval_rewards=ready.eval_rewards,
+                      objective=ready.objective, prompts=ready.prompts, eval_prompts=ready.eval_prompts,
+                      accelerator=accelerator, reward_origins=ready.origins)
     torch.set_grad_enabled(True)
     global _SETUP_DONE, _TRAINER
     _SETUP_DONE, _TRAINER = True, trainer
@@ -153,8 +121,6 @@ def run(config) -> dict:
 
 def _tracker_config(config) -> dict:
     """The config as the trackers take it: dotted keys, plain values (lists and None as text)."""
-    from flowgrpo.config import flat_dict
-
     return {k: v if isinstance(v, int | float | str | bool) else str(v)
             for k, v in flat_dict(config.model_dump(mode="json")).items()}
 
@@ -167,10 +133,7 @@ def quiet_libraries() -> None:
     deprecations), their progress bars (weight loading, downloads; shown again with ``FLOWGRPO_LIBRARY_PROGRESS=1``)
     and httpx's line per HTTP request of a remote reward (shown when the root logger is at DEBUG), not their
     errors."""
-    import os
-    import warnings
-
-    import diffusers
+    import diffusers  # heavy: imported only when the command runs
     import transformers
 
     diffusers.utils.logging.set_verbosity_error()
@@ -190,54 +153,9 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
 
 
-def _cell(v, fmt: str = ">10.4f") -> str:
-    return format(v, fmt) if isinstance(v, float | int) else format("-", fmt[0] + fmt[1:].split(".")[0])
-
-
-def format_report(summary: dict) -> str:
-    """The end-of-run report: where everything was written, the before/after table of the evaluation figures
-    (reference figures such as real-data diversity in both columns), the digits task's per-digit table, and the
-    wall time of each phase. ``summary`` is what :meth:`~flowgrpo.trainer.Trainer.write_summary` returns."""
-    from flowgrpo.trainer import per_digit_rows
-
-    blocks = []
-    outputs = summary.get("outputs", {})
-    if outputs:
-        width = max(map(len, outputs))
-        blocks.append("written:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in outputs.items()))
-    metrics = sorted({k.rsplit("_", 1)[0] for k in summary if k.endswith(("_before", "_after"))
-                      and not k.startswith("digit_")})
-    if metrics:
-        refs = [k for k in summary if k.endswith("_real") and not k.startswith("digit_")]
-        width = max(len(m) for m in metrics + refs)
-        lines = [f"{'metric':<{width}}  {'before':>10}  {'after':>10}"]
-        lines += [f"{m:<{width}}  {_cell(summary.get(f'{m}_before'))}  {_cell(summary.get(f'{m}_after'))}"
-                  for m in metrics]
-        lines += [f"{r:<{width}}  {_cell(summary[r])}  {_cell(summary[r])}" for r in refs]
-        blocks.append("\n".join(lines))
-    rows = per_digit_rows(summary)
-    if rows:
-        lines = ["digit  correct before  after  diversity before  after   real  after/real"]
-        for r in rows:
-            flag = "  <- collapsed" if r["collapsed"] else ""
-            lines.append(f"{r['digit']:>5}  {_cell(r['correctness_before'], '>14.3f')}  "
-                         f"{_cell(r['correctness_after'], '>5.3f')}  {_cell(r['diversity_before'], '>16.1f')}  "
-                         f"{_cell(r['diversity_after'], '>5.1f')}  {_cell(r['diversity_real'], '>5.1f')}  "
-                         f"{_cell(r['ratio_after'], '>10.3f')}{flag}")
-        blocks.append("\n".join(lines))
-    phases = summary.get("phase_seconds", {})
-    if phases:
-        total = sum(phases.values())
-        lines = ["phase       seconds   share"]
-        lines += [f"{k:<10}  {v:>7.1f}  {v / total if total else 0:>6.1%}" for k, v in phases.items()]
-        lines.append(f"{'all':<10}  {total:>7.1f}")
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks)
-
-
-def print_summary(summary: dict) -> None:
-    """Print :func:`format_report` (the script's result, on stdout)."""
-    print(format_report(summary))  # noqa: T201 - the script's result table
+def print_summary(summary: dict, tables=()) -> None:
+    """Print :func:`~flowgrpo.training.report.format_report` (the script's result, on stdout)."""
+    print(format_report(summary, tables))  # noqa: T201 - the script's result table
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
@@ -257,12 +175,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         args.config = None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     quiet_libraries()
-    from flowgrpo.checkpoint import CheckpointError
-    from flowgrpo.config import ConfigError, load_config
-    from flowgrpo.rewards.base import MissingWeightsError
-    from flowgrpo.rewards.compose import RewardError
-    from flowgrpo.rewards.registry import RewardLoadError
-
     main_process = os.environ.get("RANK", "0") == "0"
     global _SETUP_DONE, _TRAINER
     _SETUP_DONE, _TRAINER = False, None  # a fresh command (main may run twice in one process)
@@ -285,15 +197,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     except KeyboardInterrupt:
         parser.exit(130, _interrupted_line(args, prog) if main_process else "")
     if main_process:
-        print_summary(summary)
+        print_summary(summary, _TRAINER.tables if _TRAINER is not None else ())
 
 
 def _interrupted_line(args, prog: str | None = None) -> str:
     """One line for Ctrl-C: the epoch reached, the checkpoint left, and the command that resumes the run (the
     command as it was started: ``flowgrpo train`` from the CLI, else the training script by its absolute path,
     which works from any folder)."""
-    import shlex
-
     if _TRAINER is None:
         return "\ninterrupted while setting up; nothing was trained\n"
     ckpt = _TRAINER.out / "checkpoints"

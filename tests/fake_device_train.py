@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fake_device import FakeAccelerator  # noqa: E402 - after the path set-up
 
 from flowgrpo import runner  # noqa: E402
-from flowgrpo.trainer import Trainer  # noqa: E402
+from flowgrpo.training.loop import Trainer  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
                "reduce", "gather", "scatter")
@@ -46,8 +46,8 @@ def _fit_on_accelerator(fit):
     @functools.wraps(fit)
     def run(self):
         mode = FakeAccelerator(*[c for c in self.adapter.pipe.components.values() if isinstance(c, torch.nn.Module)])
-        if self.ema is not None:
-            mode.place(self.ema.shadow)
+        if self.optim.ema is not None:
+            mode.place(self.optim.ema.shadow)
         saved = {name: getattr(td, name) for name in COLLECTIVES}
         saved_backend, saved_current = td.get_backend, torch.cuda.current_device
         for name, fn in saved.items():

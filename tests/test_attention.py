@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend
 
 from flowgrpo.models.attention import ATTENTION_BACKENDS, AttentionBackendError, attention_context
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
-from flowgrpo.trainer import chunk_forward
+from flowgrpo.training.forward import chunk_forward
 
 STEPS = 2
 

@@ -104,7 +104,7 @@ def test_none_is_nan_counted_and_a_negative_weight_is_a_penalty(tmp_path, tiny_f
 
 @pytest.mark.slow
 def test_an_infinite_score_stops_the_run_naming_the_reward_before_advantages(tmp_path, tiny_flux_dir, monkeypatch):
-    import flowgrpo.trainer as trainer_mod
+    import flowgrpo.algo.objectives.base as trainer_mod
     from flowgrpo.rewards.compose import RewardError
     from flowgrpo.runner import run
 
@@ -122,7 +122,7 @@ def test_zero_spread_warns_and_no_unmeasured_policy_statistic(tmp_path, tiny_flu
 
     cfg = _cfg(tmp_path, tiny_flux_dir, rewards=[{"name": f"{MOD}:Scripted", "kwargs": {"kind": "const"}}],
                algo={"drop_zero_spread_groups": True})
-    with caplog.at_level(logging.WARNING, logger="flowgrpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         run(cfg)
     warned = [r.getMessage() for r in caplog.records if "carry a learning signal" in r.getMessage()]
     assert len(warned) == 1 and "train.group_size" in warned[0]  # once, with what to change
@@ -311,7 +311,7 @@ def test_resume_keeps_history_and_records_changed_settings(tmp_path, tiny_flux_d
     # resume from the checkpoint after epoch 1 into the same folder, with another learning rate
     resumed = _cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1},
                    train={"num_epochs": 3, "lr": 5e-3, "resume_from": str(full / "checkpoints" / "epoch_1")})
-    with caplog.at_level(logging.WARNING, logger="flowgrpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         run(resumed)
     assert (full / "config.yaml").read_text() == original  # never overwritten
     assert any("train.lr: 0.01 -> 0.005" in r.getMessage() for r in caplog.records)
@@ -331,7 +331,7 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
     out = tmp_path / "run"
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     again = _cfg(tmp_path, tiny_flux_dir, train={"resume_from": str(out / "checkpoints")})
-    with caplog.at_level(logging.WARNING, logger="flowgrpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         summary = run(again)
     assert any("already finished all 2 epochs" in r.getMessage() for r in caplog.records)
     assert summary == json.loads((out / "summary.json").read_text())

@@ -180,10 +180,12 @@ def test_an_override_without_a_value_says_how_overrides_are_written(tmp_path, mo
     (["algo.group_filter.keep=4"], "algo.group_filter.keep=4 is read only by algo.group_filter.name=gfpo, but "
                                    "algo.group_filter.name is 'none'"),
     (["algo.group_filter.select=bottom"], "algo.group_filter.select='bottom' is read only by"),
-    (["algo.sapo_tau_pos=5000"], "algo.sapo_tau_pos=5000.0 is read only by algo.policy_loss=sapo, but "
-                                 "algo.policy_loss is 'clipped'"),
-    (["algo.policy_loss=sapo", "algo.dual_clip_c=5"], "algo.dual_clip_c=5.0 is read only by "
-                                                      "algo.policy_loss=dual_clip, but algo.policy_loss is 'sapo'"),
+    (["algo.policy_loss.tau_pos=5000"], "algo.policy_loss.tau_pos=5000 is read only by algo.policy_loss.name=sapo, "
+                                        "but algo.policy_loss.name is 'clipped'"),
+    (["algo.policy_loss={name: sapo, c: 5}"], "algo.policy_loss.c=5 is read only by algo.policy_loss.name=dual_clip, "
+                                              "but algo.policy_loss.name is 'sapo'"),
+    (["algo.sapo_tau_pos=5000"], "algo.sapo_tau_pos=5000 is read only by algo.policy_loss=sapo, but "
+                                 "algo.policy_loss is 'clipped'"),  # the key of earlier versions
     (["algo.advantage=rloo", "algo.global_std=true"], "algo.global_std=True is read only by algo.advantage=grpo, "
                                                        "but algo.advantage is 'rloo'"),
 ])
@@ -376,7 +378,7 @@ def test_an_entropy_threshold_no_jump_reaches_is_one_line_before_any_evaluation(
     """Before: E-GRPO's entropy rule ran first in the first rollout, after the model load and the 'before'
     evaluation, and died there with a traceback (DanceGRPO's SDE at eta 0.7 never reaches tau 0.9 per dim)."""
     from flowgrpo.train import main
-    from flowgrpo.trainer import Trainer
+    from flowgrpo.training.loop import Trainer
 
     def no_training(self):
         raise AssertionError("the run started although its chunker cannot plan on the model's grid")

@@ -204,7 +204,8 @@ def test_old_grouper_section_is_an_alias_that_warns():
 def test_each_chunker_has_its_own_section():
     """A knob of another strategy is an error naming its owner (it used to be silently ignored); a typo gets a
     suggestion; the section's values round-trip through the saved YAML."""
-    with pytest.raises(ConfigError, match="'chunker.window_size' for chunker 'per_step'.*belongs to chunker 'window'"):
+    with pytest.raises(ConfigError, match="chunker.window_size=8 is read only by chunker.name=window, but chunker.name "
+                                          "is 'per_step'"):
         build_config({"chunker": {"name": "per_step", "window_size": 8}})
     # switching the default's E-GRPO chunker by name alone leaves its knobs: the error says how to switch
     with pytest.raises(ConfigError, match=r"replace the whole section, e.g. 'chunker=\{name: chunk\}'"):
@@ -246,3 +247,38 @@ def test_a_reward_in_both_lists_is_named_as_such_and_a_repeat_as_a_repeat():
         build_config({"rewards": [{"name": "digit_judge"}], "eval_rewards": [{"name": "digit_judge"}]})
     with pytest.raises(ConfigError, match=r"may appear once .* repeated: \['jpeg_compressibility'\]"):
         build_config({"rewards": [{"name": "jpeg_compressibility"}, {"name": "jpeg_compressibility", "weight": 2}]})
+
+
+def test_losses_and_filters_have_their_own_sections_and_a_plain_name_is_shorthand():
+    """``algo.policy_loss`` and ``algo.group_filter`` are strategy sections as ``chunker`` is: the plain name of
+    the shipped configs still reads, a knob goes in its loss's section, an override may set a knob of a section
+    given by its name, and the resolved config round-trips through the saved YAML."""
+    import yaml
+
+    from flowgrpo.algo.losses import SapoConfig
+
+    cfg = build_config({"algo": {"policy_loss": "sapo"}}, ["algo.policy_loss.tau_pos=500"])
+    assert isinstance(cfg.algo.policy_loss, SapoConfig) and cfg.algo.policy_loss.tau_pos == 500.0
+    assert cfg.objective.name == "sde_ratio" and cfg.algo.group_filter.name == "none"
+    again = build_config(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"))))
+    assert again.algo.policy_loss == cfg.algo.policy_loss and again.chunker == cfg.chunker
+    with pytest.raises(ConfigError, match="did you mean 'tau_neg'"):
+        build_config({}, ["algo.policy_loss={name: sapo, tau_ng: 2}"])
+
+
+def test_a_config_written_before_the_strategy_sections_still_loads():
+    """A run folder's config.yaml of the earlier layout lists every loss knob flat in ``algo`` and every filter's
+    keys in ``group_filter``: at their defaults they are dropped (nothing changes), a knob of the chosen loss
+    moves into its section with a FutureWarning, a moved knob of another loss is refused as before."""
+    old = {"algo": {"policy_loss": "clipped", "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05, "dual_clip_c": 3.0,
+                    "group_filter": {"name": "none", "keep": None, "metric": "total", "select": "top",
+                                     "pass_threshold": None, "min_pass_rate": 0.0, "max_pass_rate": 1.0}}}
+    cfg = build_config(old)
+    assert cfg.algo.policy_loss.name == "clipped" and cfg.algo.group_filter.model_dump() == {"name": "none"}
+    with pytest.warns(FutureWarning, match="algo.sapo_tau_pos is now algo.policy_loss.tau_pos"):
+        cfg = build_config({"algo": {"policy_loss": "sapo", "sapo_tau_pos": 5000}})
+    assert cfg.algo.policy_loss.tau_pos == 5000.0
+    with pytest.raises(ConfigError, match="algo.dual_clip_c=5 is read only by algo.policy_loss=dual_clip"):
+        build_config({"algo": {"policy_loss": "sapo", "dual_clip_c": 5}})
+    with pytest.raises(ConfigError, match="keep=4 is read only by algo.group_filter.name=gfpo"):
+        build_config({"algo": {"group_filter": {"name": "none", "keep": 4}}})

@@ -39,31 +39,32 @@ def _config(tmp_path, tiny_flux_dir, name: str, chunker: dict | None = None, tra
 
 
 def _run_on_fake_accelerator(monkeypatch, config) -> FakeAccelerator:
+    from flowgrpo.algo.objectives import SdeRatio
     from flowgrpo.runner import run
-    from flowgrpo.trainer import Trainer
+    from flowgrpo.training.loop import Trainer
 
     modes = []
     fit = Trainer.fit
 
     def fit_on_accelerator(self):
         mode = FakeAccelerator(*_modules(self.adapter))
-        if self.ema is not None:  # built from the parameters before the mode: on their device, as on a GPU
-            mode.place(self.ema.shadow)
+        if self.optim.ema is not None:  # built from the parameters before the mode: on their device, as on a GPU
+            mode.place(self.optim.ema.shadow)
         mode.update_reads = []  # host reads of each update phase
         modes.append(mode)
         with mode:
             return fit(self)
 
-    update = Trainer.update_phase
+    update = SdeRatio.update
 
-    def counted_update(self, *args):
+    def counted_update(self, *args, **kwargs):
         before = modes[0].reads()
-        out = update(self, *args)
+        out = update(self, *args, **kwargs)
         modes[0].update_reads.append(modes[0].reads() - before)
         return out
 
     monkeypatch.setattr(Trainer, "fit", fit_on_accelerator)
-    monkeypatch.setattr(Trainer, "update_phase", counted_update)
+    monkeypatch.setattr(SdeRatio, "update", counted_update)
     run(config)
     return modes[0]
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from flowgrpo.models import digits
-from flowgrpo.models import digits_eval as de
+from flowgrpo.tasks.digits import model as digits
+from flowgrpo.tasks.digits import scoring as de
 
 
 @pytest.fixture(scope="module")

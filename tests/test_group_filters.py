@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from flowgrpo.algo.advantages import compute_advantages
-from flowgrpo.algo.filters import GROUP_FILTERS, SELECTIONS, advantages_of_kept
-from flowgrpo.config import GroupFilterConfig
+from flowgrpo.algo.filters import GROUP_FILTERS, SELECTIONS, GfpoConfig, PassRateConfig, advantages_of_kept
 from flowgrpo.records import Rewards
 
 
@@ -45,8 +44,7 @@ def test_gfpo_keeps_by_another_reward_and_normalises_over_the_kept():
     cost = [5.0, 1.0, 2.0, 9.0, 0.5, 0.1, 7.0, 3.0]
     rewards = _rewards(total, cost=cost)
     gids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    res = GROUP_FILTERS.get("gfpo")(rewards, gids, GroupFilterConfig(name="gfpo", keep=2, metric="cost",
-                                                                     select="bottom"))
+    res = GROUP_FILTERS.get("gfpo")(rewards, gids, GfpoConfig(name="gfpo", keep=2, metric="cost", select="bottom"))
     assert res.keep.tolist() == [False, True, True, False, True, True, False, False]
     assert res.metrics["filter/extra_sample_frac"] == 1.0
     assert res.metrics["filter/metric_mean_kept"] == pytest.approx((1 + 2 + 0.5 + 0.1) / 4)
@@ -65,7 +63,7 @@ def test_gfpo_keeps_by_another_reward_and_normalises_over_the_kept():
 def test_gfpo_refuses_groups_smaller_than_keep():
     with pytest.raises(ValueError, match="only 2"):
         GROUP_FILTERS.get("gfpo")(_rewards([0.0, 1.0]), torch.tensor([0, 0]),
-                                  GroupFilterConfig(name="gfpo", keep=3))
+                                  GfpoConfig(name="gfpo", keep=3))
 
 
 def test_config_checks_keep_and_metric():
@@ -86,7 +84,7 @@ def test_pass_rate_keeps_whole_groups_of_intermediate_pass_rate():
              0.8, 0.1, 0.2, float("nan"),  # group 2: 1/4 (NaN never passes) → kept
              0.1, 0.2, 0.3, 0.4]   # group 3: 0/4 → dropped (< 0.25)
     gids = torch.arange(4).repeat_interleave(4)
-    cfg = GroupFilterConfig(name="pass_rate", pass_threshold=0.8, min_pass_rate=0.25, max_pass_rate=0.75)
+    cfg = PassRateConfig(name="pass_rate", pass_threshold=0.8, min_pass_rate=0.25, max_pass_rate=0.75)
     res = GROUP_FILTERS.get("pass_rate")(_rewards(total), gids, cfg)
     assert res.keep.tolist() == [False] * 4 + [True] * 8 + [False] * 4
     assert res.metrics["filter/kept_group_frac"] == 0.5
@@ -112,3 +110,29 @@ def test_pass_rate_config_needs_a_threshold_and_an_ordered_band():
     with pytest.raises(ConfigError, match="pass_threshold=0.5 is read only by"):
         build_config({}, ["algo.group_filter.name=gfpo", "algo.group_filter.keep=2",
                           "algo.group_filter.pass_threshold=0.5"])
+
+
+def test_learning_frac_under_a_filter_counts_the_kept_share_of_all_samples():
+    """adv/learning_frac is the share of all B samples with a learning signal: GFPO keeping 2 of 4 per group,
+    every kept group with spread, is 0.5 (it logged 1.0: the kept advantages were rebuilt without the field)."""
+    total = [1.0, 0.0, 0.5, 0.2, 0.3, 0.9, 0.7, 0.1]  # kept: (1.0, 0.5), (0.9, 0.7)
+    gids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    res = GROUP_FILTERS.get("gfpo")(_rewards(total), gids, GfpoConfig(keep=2))
+    adv = advantages_of_kept(lambda r, g: compute_advantages(r, g), _rewards(total), gids, res.keep)
+    assert int(res.keep.sum()) == 4 and adv.learning_frac == 0.5  # 4 of 8 samples, each in a group with spread
+    # one kept group without spread: 2 of 8 samples learn
+    flat = [1.0, 1.0, 0.0, 0.0, 0.3, 0.9, 0.7, 0.1]  # kept: (1.0, 1.0) flat, (0.9, 0.7)
+    res = GROUP_FILTERS.get("gfpo")(_rewards(flat), gids, GfpoConfig(keep=2))
+    adv = advantages_of_kept(lambda r, g: compute_advantages(r, g), _rewards(flat), gids, res.keep)
+    assert adv.learning_frac == 0.25 and adv.zero_spread_frac == 0.5
+
+
+def test_a_pass_rate_filter_dropping_every_group_learns_nothing_and_gives_no_nan():
+    total = [0.9, 0.9, 0.9, 0.9, 0.95, 0.9, 0.85, 0.99]  # every sample passes: every group's rate 1 > 0.5
+    gids = torch.arange(2).repeat_interleave(4)
+    cfg = PassRateConfig(pass_threshold=0.8, max_pass_rate=0.5)
+    res = GROUP_FILTERS.get("pass_rate")(_rewards(total), gids, cfg)
+    assert not bool(res.keep.any())
+    adv = advantages_of_kept(lambda r, g: compute_advantages(r, g), _rewards(total), gids, res.keep)
+    assert adv.learning_frac == 0.0 and adv.zero_spread_frac == 0.0 and adv.nan_frac == 0.0
+    assert torch.equal(adv.values, torch.zeros(8)) and not bool(adv.train_mask.any())

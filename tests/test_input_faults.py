@@ -19,14 +19,16 @@ from flowgrpo.data.prompts import GroupSampler
 
 @pytest.mark.parametrize("key", ["data.eval_num_prompts", "logging.eval_every", "logging.plot_every",
                                  "train.num_epochs", "train.train_batch_size", "algo.std_ddof",
-                                 "algo.group_filter.keep", "model.height"])
+                                 "train.warmup_steps", "model.height"])
 @pytest.mark.parametrize("value", ["true", "false"])
 def test_a_boolean_for_an_integer_key_is_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=rf"config field '{key}': an integer is needed, got a boolean"):
         build_config({}, [f"{key}={value}"])
 
 
-def test_a_boolean_in_a_chunker_integer_or_integer_list_is_refused():
+def test_a_boolean_in_a_strategy_integer_or_integer_list_is_refused():
+    with pytest.raises(ConfigError, match=r"'algo.group_filter.keep': an integer is needed, got a boolean"):
+        build_config({}, ["algo.group_filter={name: gfpo, keep: true}"])
     with pytest.raises(ConfigError, match=r"'chunker.min_chunk_size': an integer is needed, got a boolean"):
         build_config({}, ["chunker={name: chunk, min_chunk_size: true}"])
     with pytest.raises(ConfigError, match=r"'chunker.chunk_sizes': an integer is needed, got a boolean"):
@@ -34,9 +36,14 @@ def test_a_boolean_in_a_chunker_integer_or_integer_list_is_refused():
 
 
 def test_every_integer_field_refuses_a_boolean_and_takes_an_integer():
-    """Every int field of every section, found from the schema, so a new field cannot slip through."""
-    from flowgrpo.algo.chunkers import CHUNKERS, chunker_config_class
-    from flowgrpo.config import Config, _takes_int
+    """Every int field of every section and every strategy's settings, found from the schema and the
+    registries, so a new field cannot slip through."""
+    from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
+    from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
+    from flowgrpo.algo.losses import POLICY_LOSSES, PolicyLossConfig
+    from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
+    from flowgrpo.config import Config
+    from flowgrpo.settings import _takes_int, settings_class
 
     def sections(model, seen):
         if model in seen:
@@ -49,8 +56,10 @@ def test_every_integer_field_refuses_a_boolean_and_takes_an_integer():
 
     found: set = set()
     sections(Config, found)
-    for name in CHUNKERS:
-        sections(chunker_config_class(name), found)
+    for registry, base in ((CHUNKERS, ChunkerConfig), (GROUP_FILTERS, GroupFilterConfig),
+                           (POLICY_LOSSES, PolicyLossConfig), (OBJECTIVES, ObjectiveConfig)):
+        for name in registry:
+            sections(settings_class(registry, name, base), found)
     checked = 0
     for model in found:
         for name, f in model.model_fields.items():
@@ -178,7 +187,7 @@ def _judge_metrics(labels, caplog):
     import numpy as np
     from flowgrpo_rewards.digits_judge import DigitJudge
 
-    from flowgrpo.models.digits import digits_to_images, load_digit_split
+    from flowgrpo.tasks.digits.model import digits_to_images, load_digit_split
 
     x, y = load_digit_split("all")
     idx = [int(np.flatnonzero(y == d)[k]) for k, d in enumerate(labels)]

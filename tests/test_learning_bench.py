@@ -125,10 +125,10 @@ def test_every_row_is_a_valid_config(learning):
     for name, overrides in learning.ROWS.items():
         cfg = build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), [*overrides, "logging.eval_every=5"])
         assert cfg.logging.eval_every == 5, name
-        chunker = check_strategies(cfg)  # what the run checks before loading: the chunker against the SDE kind,
+        objective = check_strategies(cfg)  # what the run checks before loading: the chunker against the SDE kind,
         check_batch(cfg, 1)  # the batch layout, and after loading: the chunker on the digits model's σ grid
         settings = SamplerSettings.from_config(cfg.sampling)  # (σ_i = 1 − i/T, no shift)
-        chunker.validate_grid(torch.linspace(1, 0, settings.num_steps + 1), settings)
+        objective.trajectories_per_sample(torch.linspace(1, 0, settings.num_steps + 1), settings)
     assert build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), learning.OLD_DEFAULT).train.num_epochs == 80
     with pytest.raises(ConfigError):  # the check can fail: a misspelt key is refused
         build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), ["chunker.nmae=chunk"])

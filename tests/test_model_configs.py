@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flowgrpo.config import load_config
-from flowgrpo.models.conformance import tiny_folder
 from flowgrpo.models.zoo import CASES
+from flowgrpo.testing.adapters import tiny_folder
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_OF = {"qwenimage": "qwenimage", "zimage": "zimage", "flux2_klein": "flux2_klein", "flux2": "flux2",
@@ -46,8 +46,8 @@ def test_kontext_config_trains_an_epoch_and_shows_sources(tmp_path_factory, tmp_
     from PIL import Image
 
     from flowgrpo.config import build_config
-    from flowgrpo.rewards.conformance import default_images
     from flowgrpo.runner import run
+    from flowgrpo.testing.rewards import default_images
 
     folder = tiny_folder(CASES["kontext"], tmp_path_factory)
     (tmp_path / "src").mkdir()

@@ -1,4 +1,4 @@
-"""Every model adapter runs the shared conformance suite (flowgrpo.models.conformance) on its tiny random
+"""Every model adapter runs the shared conformance suite (flowgrpo.testing.adapters) on its tiny random
 pipeline: registry, pipeline parity, SDE at noise 0, exact on-policy log-probs, LoRA round trip through the
 pipeline's loader, one epoch of training with the per_step and chunk strategies.
 
@@ -7,8 +7,8 @@ A new adapter: one case in flowgrpo.models.zoo.CASES and one line here.
 
 from __future__ import annotations
 
-from flowgrpo.models.conformance import AdapterConformance
 from flowgrpo.models.zoo import CASES
+from flowgrpo.testing.adapters import AdapterConformance
 
 
 class TestFlux(AdapterConformance):
@@ -49,8 +49,8 @@ def test_flux2_klein_distilled_ignores_guidance_as_its_pipeline(tmp_path_factory
     import torch
     from diffusers import Flux2KleinPipeline
 
-    from flowgrpo.models.conformance import tiny_folder
     from flowgrpo.models.flux2 import Flux2Adapter
+    from flowgrpo.testing.adapters import tiny_folder
 
     case = CASES["flux2_klein"]
     pipe = Flux2KleinPipeline.from_pretrained(str(tiny_folder(case, tmp_path_factory)))

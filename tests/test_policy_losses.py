@@ -20,8 +20,10 @@ import torch
 
 from flowgrpo.algo.losses import (
     POLICY_LOSSES,
+    DualClipConfig,
     LossSettings,
     PolicyLossInput,
+    SapoConfig,
     clipped_surrogate,
     needs_moments,
 )
@@ -59,7 +61,7 @@ SAPO_CASES = [  # (A, Δ (one step: r = e^Δ))
 
 def test_sapo_by_the_equation():
     tau_pos, tau_neg = 1.0, 2.0
-    s = LossSettings(sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg)
+    s = LossSettings(loss=SapoConfig(tau_pos=tau_pos, tau_neg=tau_neg))
     inp = _inp([c[0] for c in SAPO_CASES], [c[1] for c in SAPO_CASES])
     new = inp.new_log_probs.clone().requires_grad_(True)
     terms = POLICY_LOSSES.get("sapo")(PolicyLossInput(new, inp.old_log_probs, inp.advantages), s)
@@ -79,7 +81,7 @@ def test_sapo_by_the_equation():
 
 def test_sapo_rejects_non_positive_temperatures():
     with pytest.raises(ValueError, match="tau_pos=0"):
-        POLICY_LOSSES.get("sapo")(_inp([1.0], [0.0]), LossSettings(sapo_tau_pos=0.0))
+        POLICY_LOSSES.get("sapo")(_inp([1.0], [0.0]), LossSettings(loss=SapoConfig.model_construct(tau_pos=0.0)))
 
 
 DUAL_CASES = [  # (A, Δ): r = e^Δ, ε = 0.2, c = 3
@@ -93,7 +95,7 @@ DUAL_CASES = [  # (A, Δ): r = e^Δ, ε = 0.2, c = 3
 
 def test_dual_clip_by_the_equation():
     eps, c = 0.2, 3.0
-    s = LossSettings(clip_low=eps, clip_high=eps, dual_clip_c=c)
+    s = LossSettings(clip_low=eps, clip_high=eps, loss=DualClipConfig(c=c))
     inp = _inp([x[0] for x in DUAL_CASES], [x[1] for x in DUAL_CASES])
     new = inp.new_log_probs.clone().requires_grad_(True)
     terms = POLICY_LOSSES.get("dual_clip")(PolicyLossInput(new, inp.old_log_probs, inp.advantages), s)
@@ -110,8 +112,10 @@ def test_dual_clip_by_the_equation():
     # the default clipped loss does not bound case 0
     plain = POLICY_LOSSES.get("clipped")(inp, s)
     assert float(plain.loss[0]) == pytest.approx(math.exp(1.5), rel=1e-5)
-    with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
-        POLICY_LOSSES.get("dual_clip")(inp, LossSettings(dual_clip_c=1.0))
+    with pytest.raises(ValueError, match="greater than 1"):  # the settings refuse it where it enters
+        DualClipConfig(c=1.0)
+    with pytest.raises(ValueError, match="policy_loss.c must be > 1"):  # and the loss, called without them
+        POLICY_LOSSES.get("dual_clip")(inp, LossSettings(loss=DualClipConfig.model_construct(c=1.0)))
 
 
 def _gaussian_pair(n: int, d: int, std: torch.Tensor, drift_scale: float, seed: int):

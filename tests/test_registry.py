@@ -167,7 +167,7 @@ def test_bad_module_attr_is_a_load_error(plugins, name, needle):
 
 
 def test_a_plugin_that_fails_to_import_breaks_only_runs_that_name_it(plugins):
-    from flowgrpo.runner import build_rewards
+    from flowgrpo.preflight import build_rewards
 
     t = plugins.tag
     composed, origins = build_rewards([SimpleNamespace(name=f"mean_{t}", weight=1.0, kwargs={})])

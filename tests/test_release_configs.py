@@ -15,10 +15,15 @@ from flowgrpo.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
+# every release here trains the SDE-ratio objective with PPO's clipped surrogate and no group filter
+SDE_RATIO_CLIPPED = {"objective.name": "sde_ratio", "algo.policy_loss.name": "clipped",
+                     "algo.group_filter.name": "none"}
+
 # dotted config key -> value in the release (source in the comment)
 RELEASES: dict[str, dict[str, object]] = {
     # yifan123/flow_grpo: config/grpo.py pickscore_flux, config/base.py, scripts/train_flux.py
     "flux_grpo": {
+        **SDE_RATIO_CLIPPED,
         "model.pretrained": "black-forest-labs/FLUX.1-dev",
         "model.height": 512, "model.width": 512,                 # resolution
         "model.max_sequence_length": 128,                        # compute_text_embeddings(max_sequence_length=128)
@@ -39,6 +44,7 @@ RELEASES: dict[str, dict[str, object]] = {
     },
     # yifan123/flow_grpo: config/grpo.py geneval_sd3, config/base.py, scripts/train_sd3.py
     "sd35_grpo": {
+        **SDE_RATIO_CLIPPED,
         "model.pretrained": "stabilityai/stable-diffusion-3.5-medium",
         "model.height": 512, "model.width": 512, "model.max_sequence_length": 128,
         "model.finetune": "lora", "model.lora_rank": 32, "model.lora_alpha": 64,
@@ -57,6 +63,7 @@ RELEASES: dict[str, dict[str, object]] = {
     },
     # xingzhejun/GCPO: scripts/finetune/finetune_hpsv3_chunk.sh, fastvideo/train_grpo_flux_hpsv3.py
     "flux_chunk": {
+        **SDE_RATIO_CLIPPED,
         "model.pretrained": "black-forest-labs/FLUX.1-dev", "model.height": 720, "model.width": 720,
         "model.finetune": "full", "model.scheduler_shift": 3.0,
         "sampling.num_steps": 17, "sampling.guidance_scale": 3.5,
@@ -72,6 +79,7 @@ RELEASES: dict[str, dict[str, object]] = {
     },
     # Tencent-Hunyuan/MixGRPO: scripts/finetune/finetune_flux_grpo_MixGRPO.sh, fastvideo/train_grpo_flux.py
     "flux_mix": {
+        **SDE_RATIO_CLIPPED,
         "model.pretrained": "black-forest-labs/FLUX.1-dev", "model.height": 720, "model.width": 720,
         "model.finetune": "full", "model.scheduler_shift": 3.0,
         "sampling.num_steps": 25, "sampling.guidance_scale": 3.5,
@@ -89,6 +97,7 @@ RELEASES: dict[str, dict[str, object]] = {
     # shengjun-zhang/VisualGRPO: fastvideo/config/config.yaml, algorithm/grpo_merge.yaml,
     # workers/sampler/flux_sampler.py, workers/rollout_buffer.py, scripts/finetune/finetune_g2rpo_hps_merge.sh
     "flux_egrpo": {
+        **SDE_RATIO_CLIPPED,
         "model.pretrained": "black-forest-labs/FLUX.1-dev", "model.height": 720, "model.width": 720,
         "model.finetune": "full", "model.scheduler_shift": 3.0,
         "sampling.num_steps": 16, "sampling.guidance_scale": 3.5,

@@ -41,7 +41,7 @@ def test_epoch_line_shows_progress_eta_reward_and_later_updates():
 
 # ------------------------------------------------------------------ per-digit figures
 def test_min_diversity_ratio_is_the_worst_digit_against_its_own_real_diversity():
-    from flowgrpo.models.digits_eval import min_diversity_ratio
+    from flowgrpo.tasks.digits.scoring import min_diversity_ratio
 
     assert min_diversity_ratio({0: 20.0, 1: 20.0}, {0: 25.0, 1: 40.0}) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="digits \\[2\\]"):
@@ -63,9 +63,10 @@ SUMMARY = {
 
 
 def test_report_says_where_what_per_digit_and_how_long():
-    from flowgrpo.runner import format_report
+    from flowgrpo.tasks.digits.report import digit_table
+    from flowgrpo.training.report import format_report
 
-    text = format_report(SUMMARY)
+    text = format_report(SUMMARY, [digit_table(SUMMARY)])
     assert "runs/x/transformer/README.md" in text
     rows = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.split()}
     assert rows["correctness"][1:] == ["0.5000", "0.9000"]
@@ -75,19 +76,25 @@ def test_report_says_where_what_per_digit_and_how_long():
     assert "collapsed" in " ".join(rows["4"]) and "collapsed" not in " ".join(rows["3"])
     assert rows["update"][1:] == ["6.0", "60.0%"]  # 6 of 10 s
     assert rows["all"][1] == "10.0"
+    # the table takes only its per-digit figures: the optimised reward's own mean stays in the main table
+    more = {**SUMMARY, "digit_correctness_mean_before": 0.4, "digit_correctness_mean_after": 0.6}
+    rows = {ln.split()[0]: ln.split() for ln in format_report(more, [digit_table(more)]).splitlines() if ln.split()}
+    assert rows["digit_correctness_mean"][1:] == ["0.4000", "0.6000"]
 
 
 # ------------------------------------------------------------------ pictures
 def test_before_after_has_a_per_digit_row(tmp_path):
-    from flowgrpo.plots import before_after, per_digit_footer
-    from flowgrpo.trainer import per_digit_rows
+    from flowgrpo.plots import before_after
+    from flowgrpo.tasks.digits.report import digit_table
 
-    footer = per_digit_footer(per_digit_rows(SUMMARY))
+    table = digit_table(SUMMARY)
+    footer = table.panels
     assert len(footer) == 10
     assert footer[4] == "digit 4\ncorrect 0.50→1.00\ndiversity 38→10\n0.250× real collapsed"  # 10 / 40
     assert footer[3].endswith("0.750× real")  # 30 / 40, not flagged
+    assert table.alerts == (False,) * 4 + (True,) + (False,) * 5
     before_after(torch.rand(20, 3, 32, 32), torch.rand(20, 3, 32, 32), ["p"] * 20, tmp_path / "ba.png",
-                 per_digit=per_digit_rows(SUMMARY))
+                 footer=list(table.panels), alerts=list(table.alerts))
     assert (tmp_path / "ba.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -247,7 +254,8 @@ def test_run_without_eval_prompts_reports_card_and_auto_resume(tmp_path, tiny_fl
 
     from flowgrpo.config import build_config
     from flowgrpo.preflight import resolve_auto_resume
-    from flowgrpo.runner import format_report, run
+    from flowgrpo.runner import run
+    from flowgrpo.training.report import format_report
 
     out = tmp_path / "run"
     data = {
@@ -261,7 +269,7 @@ def test_run_without_eval_prompts_reports_card_and_auto_resume(tmp_path, tiny_fl
         "data": {"train_prompts": "t2i_compbench", "eval_num_prompts": 3},
         "logging": {"progress": False, "save_every": 1},
     }
-    with caplog.at_level(logging.INFO, logger="flowgrpo.trainer"):
+    with caplog.at_level(logging.INFO, logger="flowgrpo.training"):
         summary = run(build_config(data))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch ")]
     assert [ln.split(" · ")[0] for ln in lines] == ["epoch 1/2", "epoch 2/2"]

@@ -76,7 +76,7 @@ def test_a_run_stopped_during_its_final_save_is_finished_by_its_resume(tmp_path,
     summary_before = json.loads((out / "summary.json").read_text())
     for path in (out / "summary.json", out / "before_after.png", card):  # as a Ctrl-C after the last checkpoint
         path.unlink()
-    with caplog.at_level(logging.WARNING, logger="flowgrpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         summary = run(_cfg(tmp_path, tiny_flux_dir, train={"resume_from": str(out / "checkpoints")}))
     assert any("final outputs are incomplete (no summary.json and no model card)" in r.getMessage()
                for r in caplog.records)
@@ -92,14 +92,14 @@ def test_resume_with_another_evaluation_says_before_and_after_differ(tmp_path, t
 
     out = tmp_path / "run"
     run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}))
-    with caplog.at_level(logging.WARNING, logger="flowgrpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, data={"eval_num_prompts": 3},
                  train={"num_epochs": 3, "resume_from": str(out / "checkpoints")}))
     messages = [r.getMessage() for r in caplog.records]
     assert any("compare different evaluations" in m and "data.eval_num_prompts: 2 -> 3" in m for m in messages)
     # extending alone changes no evaluation setting: no such warning
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="flowgrpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, data={"eval_num_prompts": 3},
                  train={"num_epochs": 4, "resume_from": str(out / "checkpoints")}))
     messages = [r.getMessage() for r in caplog.records]

@@ -32,10 +32,10 @@ from flowgrpo_rewards.jpeg import JpegCompressibility, jpeg_size_kb
 from flowgrpo.rewards.background import AsyncRewardScorer, RewardError
 from flowgrpo.rewards.base import BaseReward
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
-from flowgrpo.rewards.conformance import RewardConformance
 from flowgrpo.rewards.registry import load_reward
 from flowgrpo.rewards.remote import RemoteReward, RemoteRewardError, images_to_png_b64, png_b64_to_images
 from flowgrpo.rewards.server import ServerThread, create_app
+from flowgrpo.testing.rewards import RewardConformance
 
 # ------------------------------------------------------------------------------------------------------------
 # helpers

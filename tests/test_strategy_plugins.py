@@ -57,18 +57,20 @@ def test_an_outside_policy_loss_trains_one_epoch(tmp_path, tiny_flux_dir, toy_lo
 def test_unknown_policy_loss_fails_in_the_schema(tmp_path, tiny_flux_dir):
     from flowgrpo.config import ConfigError
 
-    with pytest.raises(ConfigError, match="algo.policy_loss: unknown policy loss 'grpo_gaurd'.*did you mean "
+    with pytest.raises(ConfigError, match="algo.policy_loss.name: unknown policy loss 'grpo_gaurd'.*did you mean "
                                           "'grpo_guard'"):
         _config(tmp_path, tiny_flux_dir, policy_loss="grpo_gaurd")
 
 
 def test_grpo_guard_rejects_non_gaussian_log_probs(tmp_path, tiny_flux_dir):
-    from flowgrpo.preflight import check_strategies
+    from flowgrpo.config import ConfigError
 
+    with pytest.raises(ConfigError, match="grpo_guard needs sampling.logprob_reduction=mean"):
+        build_config({"algo": {"policy_loss": "grpo_guard"}, "sampling": {"logprob_reduction": "sum"}})
     cfg = _config(tmp_path, tiny_flux_dir, policy_loss="grpo_guard")
-    cfg.sampling.logprob_reduction = "sum"
     with pytest.raises(ValueError, match="grpo_guard needs sampling.logprob_reduction=mean"):
-        check_strategies(cfg)
+        cfg.sampling.logprob_reduction = "sum"
+        cfg.algo.policy_loss.check(cfg)  # the loss's own check, which the schema calls
 
 
 @pytest.mark.slow
@@ -96,6 +98,7 @@ def test_gfpo_draws_more_and_trains_only_the_kept(tmp_path, tiny_flux_dir):
     assert rec["filter/extra_sample_frac"] == pytest.approx(1.0)
     assert rec["filter/reward_mean_kept"] >= rec["filter/reward_mean_drawn"]  # top-2 by the reward itself
     assert rec["adv/kept_frac"] == pytest.approx(0.5)
+    assert rec["adv/learning_frac"] == pytest.approx(0.5)  # the kept half, each in a group with spread
     assert rec["policy/pairs"] == 2 * 2 * 3  # P·G kept samples × 3 steps: the rejected are not forwarded
 
 
@@ -113,9 +116,102 @@ def test_a_group_wise_reward_trains_with_gdpo(tmp_path, tiny_flux_dir):
 
 
 def test_a_group_split_over_processes_is_refused_for_group_wise_rewards():
-    from flowgrpo.trainer import _check_whole_groups
+    from flowgrpo.training.loop import _check_whole_groups
 
     _check_whole_groups(torch.tensor([0, 0, 1, 1]), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), ["rank"])
     # this process holds samples 0-2 of a 4-sample layout whose group 1 continues on the next process
     with pytest.raises(ValueError, match="split over processes.*prompts_per_epoch"):
         _check_whole_groups(torch.tensor([0, 0, 1]), torch.tensor([0, 0, 1, 1, 2, 2]), ["rank"])
+
+
+@pytest.fixture
+def toy_objective():
+    """An objective of the forward-process kind, registered by the test as a plugin would (and removed after): an
+    ODE rollout whose final latents x0 are trained by advantage-weighted flow matching at fresh (t, ε) per sample,
+    x_t = (1 − t)·x0 + t·ε, loss = mean_b A_b·mean_d (v(x_t, t) − (ε − x0))², through the trainer's optimizer."""
+    from dataclasses import dataclass
+    from typing import Literal
+
+    from pydantic import Field
+
+    from flowgrpo.algo.objectives import OBJECTIVES, BaseObjective, ObjectiveConfig
+    from flowgrpo.sampling.rollout import rollout
+    from flowgrpo.training.schedule import micro_batches
+
+    calls = []
+
+    class ToyFlowMatchingConfig(ObjectiveConfig):
+        name: Literal["toy_flow_matching"] = "toy_flow_matching"
+        weight: float = Field(1.0, gt=0, description="scale of the loss")
+
+    @dataclass(frozen=True)
+    class ToyWork:
+        traj: object
+        adv: object
+        epoch: int
+        recompute: bool = False
+
+        @property
+        def metrics(self):
+            return {"plan/toy_samples": float(self.traj.batch_size)}
+
+    class ToyFlowMatching(BaseObjective):
+        Config = ToyFlowMatchingConfig
+
+        def rollout(self, adapter, request):
+            calls.append("rollout")
+            return rollout(adapter, request, torch.zeros(request.settings.num_steps, dtype=torch.bool))  # ODE
+
+        def plan(self, traj, adv, keep, epoch):
+            calls.append("plan")
+            return ToyWork(traj, adv, epoch)
+
+        def recompute(self, adapter, work):
+            raise AssertionError("a plan without recompute must not be recomputed")
+
+        def update(self, adapter, optim, work, *, progress):
+            calls.append("update")
+            traj, dev = work.traj, adapter.device
+            gen = torch.Generator().manual_seed(work.epoch)
+            optim.train_mode()
+            losses, norms = [], []
+            for rows in micro_batches(traj.batch_size, self.cfg.train_batch_size):
+                x0 = traj.latents[rows, -1].to(dev)  # (n, …) the final latents
+                t = torch.rand(len(rows), generator=gen)  # (n,) fresh per sample
+                eps = torch.randn(x0.shape, generator=gen).to(dev)
+                tt = t.to(dev).reshape(-1, *[1] * (x0.ndim - 1))
+                with optim.accumulating(sync=True):
+                    v = adapter.velocity((1 - tt) * x0 + tt * eps, t.to(dev), traj.embeds.index(rows.to(dev)),
+                                         traj.guidance_scale)
+                    per_sample = ((v.float() - (eps - x0)) ** 2).flatten(1).mean(dim=1)
+                    loss = self.cfg.objective.weight * (work.adv.values[rows].to(dev) * per_sample).mean()
+                    optim.backward(loss)
+                norms.append(optim.step(work.epoch))
+                optim.zero_grad()
+                losses.append(float(loss.detach()))
+            return {"toy/loss": sum(losses) / len(losses), "policy/grad_norm": sum(norms) / len(norms),
+                    "train/lr": optim.lr}
+
+    OBJECTIVES.register("toy_flow_matching")(ToyFlowMatching)
+    yield calls
+    OBJECTIVES.unregister("toy_flow_matching")
+
+
+@pytest.mark.slow
+def test_an_outside_objective_trains_one_epoch_through_the_trainer(tmp_path, tiny_flux_dir, toy_objective):
+    from flowgrpo.config import ConfigError
+    from flowgrpo.runner import run
+
+    with pytest.raises(ConfigError, match="unknown config key 'objective.wieght' for objective 'toy_flow_matching'.*"
+                                          "did you mean 'weight'"):
+        build_config({"objective": {"name": "toy_flow_matching", "wieght": 2.0}})
+    cfg = _config(tmp_path, tiny_flux_dir)
+    cfg.objective = {"name": "toy_flow_matching", "weight": 2.0}
+    assert cfg.objective.weight == 2.0
+    summary = run(cfg)
+    assert toy_objective == ["rollout", "plan", "update"]  # the loop's phases, in order, recompute skipped
+    rec = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert rec["toy/loss"] != 0 and rec["policy/grad_norm"] > 0 and rec["plan/toy_samples"] == 4
+    assert "timing/recompute" not in rec and {"timing/reward", "timing/filter", "timing/advantage"} <= set(rec)
+    assert "jpeg_incompressibility_mean_after" in summary  # evaluation and the final save ran as for any objective
+    assert (tmp_path / "run" / "checkpoints" / "latest").is_file()

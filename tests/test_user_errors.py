@@ -43,26 +43,23 @@ def test_the_script_prints_one_error_line_for_a_setup_mistake(tmp_path):
     assert "error: sampling.sde_kind: unknown SDE kind 'fow_sde'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def _trainer_stub(tmp_path, **train):
-    from flowgrpo.trainer import Trainer
+def _run_folder(tmp_path, **train):
+    from flowgrpo.training.run_folder import RunFolder
 
-    cfg = build_config({"output_dir": str(tmp_path), "train": train})
-    stub = Trainer.__new__(Trainer)
-    stub.cfg, stub.out, stub.epoch = cfg, Path(cfg.output_dir), 3
-    return stub
+    return RunFolder(build_config({"output_dir": str(tmp_path), "train": train}))
 
 
 def test_an_output_dir_holding_a_run_is_refused(tmp_path):
     (tmp_path / "config.yaml").write_text("{}\n")
     with pytest.raises(FileExistsError, match="already holds a run"):
-        _trainer_stub(tmp_path)._claim_output_dir()
+        _run_folder(tmp_path).claim(3)
 
 
 def test_resuming_into_the_folder_drops_records_after_the_checkpoint(tmp_path):
     (tmp_path / "config.yaml").write_text("{}\n")
     lines = [json.dumps({"epoch": e}) for e in (0, 1, 2, 3, 4)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    _trainer_stub(tmp_path, resume_from=str(tmp_path / "checkpoints"))._claim_output_dir()
+    _run_folder(tmp_path, resume_from=str(tmp_path / "checkpoints")).claim(3)
     kept = [json.loads(x)["epoch"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert kept == [0, 1, 2]  # the stub resumes at epoch 3
 

@@ -27,9 +27,21 @@ logger = logging.getLogger(__name__)
 STD_EPS = 1e-4
 
 # An estimator maps (rewards (B,) float64 with NaN, group_ids (B,), global_std, *, ddof, eps) -> advantages (B,)
-# float64, meaningful only on valid samples of groups with spread.
+# float64, meaningful only on valid samples of groups with spread. Its ``reads`` attribute names the ``algo.*``
+# knobs it reads beyond the shared std settings; the config refuses the others moved from their default (a
+# plugin that declares no ``reads`` may read any).
 Estimator = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+
+
+def estimator(name: str, reads: tuple[str, ...] = ()) -> Callable[[Estimator], Estimator]:
+    """Register an estimator as ``name``, reading the ``algo.*`` knobs ``reads``."""
+
+    def deco(fn: Estimator) -> Estimator:
+        fn.reads = reads
+        return ESTIMATORS.register(name)(fn)
+
+    return deco
 
 
 def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -57,7 +69,7 @@ def _batch_std(r: torch.Tensor, ddof: int = 0) -> torch.Tensor:
     return v.std(correction=ddof) if v.numel() > ddof else torch.zeros((), dtype=r.dtype)
 
 
-@ESTIMATORS.register("grpo")
+@estimator("grpo", reads=("global_std",))
 def grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, *, ddof: int = 0,
          eps: float = STD_EPS) -> torch.Tensor:
     """GRPO (Shao et al., arXiv 2402.03300, Sec. 4.1.2; Flow-GRPO eq. 6): ``(r − mean_g) / (std + eps)``,
@@ -69,7 +81,7 @@ def grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, *, 
     return (r - mean) / (std + eps)
 
 
-@ESTIMATORS.register("dr_grpo")
+@estimator("dr_grpo")
 def dr_grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, **_std) -> torch.Tensor:
     """Dr. GRPO (Liu et al., arXiv 2503.20783, Sec. 3.2): ``r − mean_g``, no division by the std."""
     inv, n = _group_index(group_ids)
@@ -77,7 +89,7 @@ def dr_grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, 
     return r - mean
 
 
-@ESTIMATORS.register("rloo")
+@estimator("rloo")
 def rloo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, **_std) -> torch.Tensor:
     """REINFORCE leave-one-out (Ahmadian et al., arXiv 2402.14740, eq. 9): ``r_i − mean_{j≠i} r_j``
     over the group's valid samples, i.e. ``n/(n−1)·(r_i − mean_g)``."""

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from flowgrpo.records import Advantages, Rewards
 from flowgrpo.registry import Registry
+from flowgrpo.settings import Section, registered_name
 
 # A selection maps one group's metric values (n,) float64 (NaN allowed) and G to the kept positions (G,) long.
 Selection = Callable[[torch.Tensor, int], torch.Tensor]
@@ -54,6 +57,98 @@ class FilterResult:
 
 GroupFilter = Callable[[Rewards, torch.Tensor, object], FilterResult]
 GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter")
+SelectionName = registered_name(SELECTIONS, "algo.group_filter.select")
+
+
+class GroupFilterConfig(Section):
+    """Settings every group filter has (``algo.group_filter``). A filter with knobs subclasses this, fixes
+    ``name`` to its registered name and adds its own fields."""
+
+    name: str = Field(
+        "none", description="registered group filter (flowgrpo.algo.filters.GROUP_FILTERS): none; gfpo (Group "
+        "Filtered Policy Optimization, arXiv 2508.09726: sample train.group_size = G' per prompt, keep `keep`); "
+        "pass_rate (online difficulty filtering, arXiv 2504.03380: train a group only if the fraction of its "
+        "samples with metric >= pass_threshold is within [min_pass_rate, max_pass_rate]); a plain name is "
+        "shorthand for {name: ...}"
+    )
+
+    def check(self, config) -> None:
+        """Reject run settings (``config``, the whole :class:`~flowgrpo.config.Config`) this filter cannot work
+        with (``ValueError``); nothing by default."""
+
+
+class NoFilterConfig(GroupFilterConfig):
+    """Settings of ``none``."""
+
+    name: Literal["none"] = "none"
+
+
+class MetricFilterConfig(GroupFilterConfig):
+    """Settings of the filters that judge samples by a metric."""
+
+    metric: str = Field(
+        "total", description="what ranks or passes the samples: 'total' (the composed reward) or a reward's name "
+        "(add a reward used only for filtering with weight 0)"
+    )
+
+    def check(self, config) -> None:
+        keys = [r.name.split(":")[-1] for r in config.rewards]  # the names the composition gives the rewards
+        if self.metric != "total" and self.metric not in keys:
+            raise ValueError(f"algo.group_filter.metric={self.metric!r} is neither 'total' nor one of the rewards "
+                             f"{keys}; add it to rewards with weight 0")
+
+
+class GfpoConfig(MetricFilterConfig):
+    """Settings of ``gfpo``."""
+
+    name: Literal["gfpo"] = "gfpo"
+    keep: int | None = Field(None, ge=2, description="G, samples kept per group (< train.group_size)")
+    select: SelectionName = Field(
+        "top", description="registered selection (flowgrpo.algo.filters.SELECTIONS): top (highest metric), "
+        "bottom (lowest, e.g. a cost), max_spread (the subset of largest metric variance, PODS arXiv 2504.13818)"
+    )
+
+    @model_validator(mode="after")
+    def _keep_given(self) -> GfpoConfig:
+        if self.keep is None:
+            raise ValueError("algo.group_filter.keep is needed for the filter 'gfpo'")
+        return self
+
+    def check(self, config) -> None:
+        if self.keep >= config.train.group_size:
+            raise ValueError(f"algo.group_filter.keep={self.keep} must be below train.group_size="
+                             f"{config.train.group_size} (the samples drawn per prompt)")
+        super().check(config)
+
+
+class PassRateConfig(MetricFilterConfig):
+    """Settings of ``pass_rate``."""
+
+    name: Literal["pass_rate"] = "pass_rate"
+    pass_threshold: float | None = Field(
+        None, description="a sample passes when its metric is >= this (e.g. a capped reward's cap)"
+    )
+    min_pass_rate: float = Field(0.0, ge=0, le=1, description="groups passing less often are dropped")
+    max_pass_rate: float = Field(1.0, ge=0, le=1, description="groups passing more often are dropped")
+
+    @model_validator(mode="after")
+    def _band(self) -> PassRateConfig:
+        if self.pass_threshold is None:
+            raise ValueError("algo.group_filter.pass_threshold is needed for the filter 'pass_rate'")
+        if self.min_pass_rate > self.max_pass_rate:
+            raise ValueError(f"algo.group_filter.min_pass_rate={self.min_pass_rate} exceeds max_pass_rate="
+                             f"{self.max_pass_rate}: no group could train")
+        return self
+
+
+def group_filter(name: str, config: type[GroupFilterConfig]) -> Callable[[GroupFilter], GroupFilter]:
+    """Register a filter function as ``name`` with its settings model ``config`` (its ``Config``)."""
+
+    def deco(fn: GroupFilter) -> GroupFilter:
+        fn.Config = config
+        return GROUP_FILTERS.register(name)(fn)
+
+    return deco
 
 
 def _nan_last(values: torch.Tensor, sign: float) -> torch.Tensor:
@@ -90,7 +185,7 @@ def select_max_spread(values: torch.Tensor, keep: int) -> torch.Tensor:
     return best
 
 
-@GROUP_FILTERS.register("none")
+@group_filter("none", NoFilterConfig)
 def no_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterResult:
     """Keep every sample (plain GRPO)."""
     return FilterResult(keep=torch.ones(len(group_ids), dtype=torch.bool), metrics={})
@@ -109,7 +204,7 @@ def _mean(x: torch.Tensor) -> float:
     return float(v.mean()) if v.numel() else float("nan")
 
 
-@GROUP_FILTERS.register("gfpo")
+@group_filter("gfpo", GfpoConfig)
 def gfpo_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterResult:
     """GFPO (arXiv 2508.09726): keep ``settings.keep`` samples per group by ``settings.metric`` and
     ``settings.select`` (see the module docstring).
@@ -117,7 +212,7 @@ def gfpo_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterRe
     Args:
         rewards: the composed rewards of the gathered batch (B,).
         group_ids: (B,) long.
-        settings: :class:`~flowgrpo.config.GroupFilterConfig`.
+        settings: :class:`GfpoConfig`.
 
     Raises:
         ValueError: a group with fewer than ``keep`` samples, or an unknown metric.
@@ -144,7 +239,7 @@ def gfpo_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterRe
     })
 
 
-@GROUP_FILTERS.register("pass_rate")
+@group_filter("pass_rate", PassRateConfig)
 def pass_rate_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterResult:
     """Online difficulty filtering (arXiv 2504.03380): keep the groups whose pass rate is in
     [``settings.min_pass_rate``, ``settings.max_pass_rate``], whole (see the module docstring).
@@ -152,7 +247,7 @@ def pass_rate_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> Fil
     Args:
         rewards: the composed rewards of the gathered batch (B,).
         group_ids: (B,) long.
-        settings: :class:`~flowgrpo.config.GroupFilterConfig`; a sample passes when its ``metric`` value is
+        settings: :class:`PassRateConfig`; a sample passes when its ``metric`` value is
             ``>= pass_threshold``; a NaN value never passes, and a group's pass rate is over all its samples.
 
     Raises:
@@ -176,14 +271,22 @@ def pass_rate_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> Fil
 def advantages_of_kept(compute: Callable[[Rewards, torch.Tensor], Advantages], rewards: Rewards,
                        group_ids: torch.Tensor, keep: torch.Tensor) -> Advantages:
     """Advantages computed from the kept samples only and scattered back to (B,): a rejected sample gets 0 and
-    ``train_mask`` False (GFPO's masked advantage). ``compute(rewards, group_ids)`` is the configured estimator."""
+    ``train_mask`` False (GFPO's masked advantage). ``compute(rewards, group_ids)`` is the configured estimator.
+
+    ``zero_spread_frac`` and ``nan_frac`` describe the kept groups and samples (what the estimator saw, 0 when
+    nothing is kept); ``learning_frac`` is over all B samples, a rejected one carrying no signal."""
     if bool(keep.all()):
         return compute(rewards, group_ids)
+    values = torch.zeros(len(keep), dtype=torch.float32)
+    mask = torch.zeros(len(keep), dtype=torch.bool)
+    if not bool(keep.any()):  # every group dropped (pass_rate): nothing trains, nothing to normalise
+        return Advantages(values=values, train_mask=mask, zero_spread_frac=0.0, nan_frac=0.0, learning_frac=0.0)
     sub = Rewards(components={k: v[keep] for k, v in rewards.components.items()}, weights=rewards.weights,
                   total=rewards.total[keep])
     a = compute(sub, group_ids[keep])
-    values = torch.zeros(len(keep), dtype=a.values.dtype)
+    values = values.to(a.values.dtype)
     values[keep] = a.values
-    mask = torch.zeros(len(keep), dtype=torch.bool)
     mask[keep] = a.train_mask
-    return Advantages(values=values, train_mask=mask, zero_spread_frac=a.zero_spread_frac, nan_frac=a.nan_frac)
+    learning = round(a.learning_frac * int(keep.sum())) / len(keep)  # the kept learning samples, over all B
+    return Advantages(values=values, train_mask=mask, zero_spread_frac=a.zero_spread_frac, nan_frac=a.nan_frac,
+                      learning_frac=learning)

@@ -11,10 +11,23 @@ else, so a new loss (GSPO-, CISPO-style, …) is one registered function and no 
     def my_loss(inp, settings):
         ...                                   # return PairTerms(...), e.g. via clipped_terms(...)
 
-A loss may carry two optional attributes: ``needs_moments = True`` (the trainer then passes each step's transition
-std, dt and the squared drift of the transition mean from the rollout policy's, recomputing the rollout means
-before the update) and ``check_config(config)`` (raise ``ValueError`` for settings it cannot work with; called
-before any model is loaded).
+or, with a knob (``algo.policy_loss: {name: my_loss, alpha: 0.5}``)::
+
+    class MyLossConfig(PolicyLossConfig):
+        name: Literal["my_loss"] = "my_loss"
+        alpha: float = Field(0.5, gt=0, description="...")
+
+    @policy_loss("my_loss", MyLossConfig)
+    def my_loss(inp, settings):
+        alpha = own_settings(settings, MyLossConfig).alpha
+
+A loss with knobs declares them in its settings model, a subclass of :class:`PolicyLossConfig` registered with
+the function (``@policy_loss(name, MyConfig)``), so a new loss is one file; the run config's ``algo.policy_loss``
+section (or the plain name, shorthand for ``{name: ...}``) is validated against the model of the loss it names,
+and the loss reads its knobs from ``settings.loss``. The model may also set ``needs_moments = True`` (the trainer
+then passes each step's transition std, dt and the squared drift of the transition mean from the rollout
+policy's, recomputing the rollout means before the update) and override ``check(config)`` (raise
+``ValueError`` for run settings it cannot work with; called before any model is loaded).
 
 Shared definitions, for a pair with advantage A and per-step log-ratios Δ_t = log p_θ − log p_old:
 
@@ -47,10 +60,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar, Literal, TypeVar
 
 import torch
+from pydantic import Field
 
 from flowgrpo.registry import Registry
+from flowgrpo.settings import Section
 
 
 @dataclass(frozen=True)
@@ -98,38 +114,114 @@ class PolicyLossInput:
     mean_drift_sq: torch.Tensor | None = None
 
 
+class PolicyLossConfig(Section):
+    """Settings every policy loss has (``algo.policy_loss``). A loss with knobs subclasses this, fixes ``name``
+    to its registered name and adds its own fields."""
+
+    name: str = Field(
+        "clipped", description="registered policy loss (flowgrpo.algo.losses.POLICY_LOSSES): clipped (PPO/Flow-GRPO), "
+        "dual_clip (Ye et al. 2020, arXiv 1912.09729), sapo (arXiv 2511.20347), grpo_guard (arXiv 2510.22319), or "
+        "one a plugin registers; a plain name is shorthand for {name: ...}"
+    )
+    #: the loss reads each step's transition std, dt and mean drift (the trainer keeps the rollout means)
+    needs_moments: ClassVar[bool] = False
+
+    def check(self, config) -> None:
+        """Reject run settings (``config``, the whole :class:`~flowgrpo.config.Config`) this loss cannot work
+        with, before any model loads (``ValueError``); nothing by default."""
+
+
+class ClippedConfig(PolicyLossConfig):
+    """Settings of ``clipped`` (the shared ``algo.clip_range*`` and ``algo.kl_*`` only)."""
+
+    name: Literal["clipped"] = "clipped"
+
+
+class DualClipConfig(PolicyLossConfig):
+    """Settings of ``dual_clip``."""
+
+    name: Literal["dual_clip"] = "dual_clip"
+    c: float = Field(
+        3.0, gt=1, description="lower bound c on the objective of negative-advantage pairs (paper: 3)"
+    )
+
+
+class SapoConfig(PolicyLossConfig):
+    """Settings of ``sapo``."""
+
+    name: Literal["sapo"] = "sapo"
+    tau_pos: float = Field(
+        1.0, gt=0, description="gate temperature for A > 0 (paper: 1.0 for LLM token ratios; flow-model ratios "
+        "move ~1e-4 from 1, so a temperature near 1/clip_range gives a comparable trust region)"
+    )
+    tau_neg: float = Field(1.05, gt=0, description="gate temperature for A <= 0 (paper: 1.05)")
+
+
+class GrpoGuardConfig(PolicyLossConfig):
+    """Settings of ``grpo_guard``: it reads the transition moments, and Gaussian log-densities averaged over
+    latent dims (its ratio normalisation and drift bias are means)."""
+
+    name: Literal["grpo_guard"] = "grpo_guard"
+    needs_moments: ClassVar[bool] = True
+
+    def check(self, config) -> None:
+        smp = config.sampling
+        if smp.logprob_reduction != "mean" or smp.cps_simplified_logprob:
+            raise ValueError("algo.policy_loss=grpo_guard needs sampling.logprob_reduction=mean and "
+                             "sampling.cps_simplified_logprob=false (its ratio normalisation assumes the Gaussian "
+                             f"log-density averaged over latent dims); got {smp.logprob_reduction!r}, "
+                             f"{smp.cps_simplified_logprob}")
+
+
 @dataclass(frozen=True)
 class LossSettings:
-    """The knobs of the registered losses (from ``algo.*``; see :class:`~flowgrpo.config.AlgoConfig`)."""
+    """What a policy loss reads: the shared trust region and KL weight (``algo.clip_range*``, ``algo.kl_beta``)
+    and the selected loss's own settings (``algo.policy_loss``; None: the loss's defaults)."""
 
     clip_low: float = 1e-4
     clip_high: float = 1e-4
     kl_beta: float = 0.0
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    dual_clip_c: float = 3.0
+    loss: PolicyLossConfig | None = None
 
     @classmethod
     def from_config(cls, config) -> LossSettings:
-        a = config.algo
-        return cls(clip_low=config.clip_low, clip_high=config.clip_high, kl_beta=a.kl_beta,
-                   sapo_tau_pos=a.sapo_tau_pos, sapo_tau_neg=a.sapo_tau_neg, dual_clip_c=a.dual_clip_c)
+        return cls(clip_low=config.clip_low, clip_high=config.clip_high, kl_beta=config.algo.kl_beta,
+                   loss=config.algo.policy_loss)
 
 
 PolicyLoss = Callable[[PolicyLossInput, LossSettings], PairTerms]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+C = TypeVar("C", bound=PolicyLossConfig)
 
 
-def check_config(loss: PolicyLoss, config) -> None:
-    """Let ``loss`` reject settings it cannot work with (its optional ``check_config(config)``); ValueError."""
-    hook = getattr(loss, "check_config", None)
-    if hook is not None:
-        hook(config)
+def policy_loss(name: str, config: type[PolicyLossConfig] = PolicyLossConfig) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register a loss function as ``name`` with its settings model ``config`` (its ``Config``)."""
+
+    def deco(fn: PolicyLoss) -> PolicyLoss:
+        fn.Config = config
+        return POLICY_LOSSES.register(name)(fn)
+
+    return deco
+
+
+def loss_config_class(name: str) -> type[PolicyLossConfig]:
+    """The settings model of the loss registered as ``name`` (``KeyError`` listing the valid names)."""
+    return getattr(POLICY_LOSSES.get(name), "Config", PolicyLossConfig)
+
+
+def own_settings(settings: LossSettings, config: type[C]) -> C:
+    """A loss's own settings: ``settings.loss`` (an instance of ``config``), or ``config``'s defaults when none
+    is given. Raises ``TypeError`` for another loss's settings."""
+    if settings.loss is None:
+        return config()
+    if not isinstance(settings.loss, config):
+        raise TypeError(f"{config.__name__} settings are needed, got {type(settings.loss).__name__}")
+    return settings.loss
 
 
 def needs_moments(loss: PolicyLoss) -> bool:
     """Whether ``loss`` reads ``std``, ``dt`` and ``mean_drift_sq`` (the trainer then keeps the rollout means)."""
-    return bool(getattr(loss, "needs_moments", False))
+    return getattr(loss, "Config", PolicyLossConfig).needs_moments
 
 
 def check_input(inp: PolicyLossInput, settings: LossSettings) -> None:
@@ -170,7 +262,7 @@ def _chunk_ratio(inp: PolicyLossInput) -> torch.Tensor:
     return torch.exp((inp.new_log_probs.float() - inp.old_log_probs.float()).mean(dim=1))
 
 
-@POLICY_LOSSES.register("clipped")
+@policy_loss("clipped", ClippedConfig)
 def clipped_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     """PPO's clipped surrogate with asymmetric ε (module docstring, ``clipped``)."""
     check_input(inp, settings)
@@ -179,7 +271,7 @@ def clipped_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     return clipped_terms(inp, settings, loss, ratio, clipped)
 
 
-@POLICY_LOSSES.register("dual_clip")
+@policy_loss("dual_clip", DualClipConfig)
 def dual_clip_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729): for A < 0 the loss is at most −c·A, so a ratio far above
     1 + ε cannot produce an unbounded push-down. ``clipped`` also counts pairs held at the lower bound c.
@@ -188,9 +280,9 @@ def dual_clip_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
         ValueError: c <= 1 (the bound would cut the ordinary clipped region), or bad shapes.
     """
     check_input(inp, settings)
-    c = settings.dual_clip_c
+    c = own_settings(settings, DualClipConfig).c
     if c <= 1:
-        raise ValueError(f"algo.dual_clip_c must be > 1, got {c}")
+        raise ValueError(f"algo.policy_loss.c must be > 1, got {c}")
     ratio = _chunk_ratio(inp)
     adv = inp.advantages.float()
     ppo, clipped = _ppo_clip(ratio, adv, settings)
@@ -200,7 +292,7 @@ def dual_clip_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     return clipped_terms(inp, settings, loss, ratio, clipped | capped)
 
 
-@POLICY_LOSSES.register("sapo")
+@policy_loss("sapo", SapoConfig)
 def sapo_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     """SAPO's soft gate (Gao et al., arXiv 2511.20347): ``−A·(4/τ)·sigmoid(τ(r − 1))``, τ by the sign of A.
 
@@ -208,19 +300,19 @@ def sapo_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
         ValueError: a temperature <= 0, or bad shapes.
     """
     check_input(inp, settings)
-    if settings.sapo_tau_pos <= 0 or settings.sapo_tau_neg <= 0:
-        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={settings.sapo_tau_pos}, "
-                         f"tau_neg={settings.sapo_tau_neg}")
+    own = own_settings(settings, SapoConfig)
+    if own.tau_pos <= 0 or own.tau_neg <= 0:
+        raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={own.tau_pos}, tau_neg={own.tau_neg}")
     ratio = _chunk_ratio(inp)
     adv = inp.advantages.float()
-    tau = torch.where(adv > 0, torch.full_like(adv, settings.sapo_tau_pos), torch.full_like(adv, settings.sapo_tau_neg))
+    tau = torch.where(adv > 0, torch.full_like(adv, own.tau_pos), torch.full_like(adv, own.tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss = -adv * gate * (4.0 / tau)
     weight = 4.0 * gate * (1.0 - gate)  # d gate-term / d r; 1 on-policy
     return clipped_terms(inp, settings, loss, ratio, weight < 0.5)
 
 
-@POLICY_LOSSES.register("grpo_guard")
+@policy_loss("grpo_guard", GrpoGuardConfig)
 def grpo_guard_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     """GRPO-Guard (Wang et al., arXiv 2510.22319): RatioNorm ``ℓ_t = (Δ_t + b_t)·std_t``, ``r = exp(mean_t ℓ_t)``,
     the clipped surrogate on r, re-weighted by ``mean_t 1/(−dt_t)`` (module docstring).
@@ -242,20 +334,6 @@ def grpo_guard_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     loss, clipped = _ppo_clip(ratio, inp.advantages.float(), settings)
     weight = (1.0 / -dt).mean(dim=1)
     return clipped_terms(inp, settings, weight * loss, ratio, clipped)
-
-
-def _grpo_guard_check(config) -> None:
-    """RatioNorm reads Δ as a Gaussian log-density averaged over latent dims (the drift bias is a mean too)."""
-    smp = config.sampling
-    if smp.logprob_reduction != "mean" or smp.cps_simplified_logprob:
-        raise ValueError("algo.policy_loss=grpo_guard needs sampling.logprob_reduction=mean and "
-                         "sampling.cps_simplified_logprob=false (its ratio normalisation assumes the Gaussian "
-                         f"log-density averaged over latent dims); got {smp.logprob_reduction!r}, "
-                         f"{smp.cps_simplified_logprob}")
-
-
-grpo_guard_loss.needs_moments = True
-grpo_guard_loss.check_config = _grpo_guard_check
 
 
 def clipped_surrogate(

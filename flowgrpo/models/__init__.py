@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from flowgrpo.cache import build_once, cache_dir
+from flowgrpo.models.attention import ATTENTION_BACKENDS
+from flowgrpo.models.tiny import build_tiny_flux
 from flowgrpo.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -87,20 +89,23 @@ for _cls, _target, _args, _detach in (
 
 def ensure_tiny_model() -> Path:
     """The random tiny FLUX pipeline, built into the cache on first use."""
-    from flowgrpo.models.tiny import build_tiny_flux
-
     return build_once(cache_dir() / "tiny-flux-v1", build_tiny_flux)
 
 
-def resolve_pretrained(name: str) -> str:
-    """A local folder for the embedded names, else ``name`` unchanged (a folder or hub id)."""
-    if name == "tiny":
-        return str(ensure_tiny_model())
-    if name == "digits":
-        from flowgrpo.models.digits import ensure_digits_model
+#: the embedded models: name -> ``module:function`` building (once, into the cache) and returning its folder;
+#: a task's model lives in its task package, imported only when a run names it
+EMBEDDED_MODELS = {"tiny": "flowgrpo.models:ensure_tiny_model",
+                   "digits": "flowgrpo.tasks.digits.model:ensure_digits_model"}
 
-        return str(ensure_digits_model())
-    return name
+
+def resolve_pretrained(name: str) -> str:
+    """A local folder for the embedded names (:data:`EMBEDDED_MODELS`, built on first use), else ``name``
+    unchanged (a folder or hub id)."""
+    target = EMBEDDED_MODELS.get(name)
+    if target is None:
+        return name
+    module, attr = target.split(":")
+    return str(getattr(importlib.import_module(module), attr)())
 
 
 def pipeline_class_name(path: str) -> str:
@@ -163,8 +168,6 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     embedding instead and ignores it. ``scheduler_shift`` replaces the scheduler's shift by a static one
     (``FlowMatchEulerDiscreteScheduler(shift=s, use_dynamic_shifting=False)``, Esser et al. 2024 eq. 23).
     ``attention_backend`` names the SDPA kernels (:mod:`flowgrpo.models.attention`)."""
-    from flowgrpo.models.attention import ATTENTION_BACKENDS
-
     ATTENTION_BACKENDS.get(attention_backend)
     if dtype not in DTYPES:
         raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

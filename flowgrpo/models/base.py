@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from flowgrpo.models.attention import attention_context
 from flowgrpo.records import PromptEmbeds
 
 logger = logging.getLogger(__name__)
@@ -148,8 +149,6 @@ class AdapterBase:
 
     @contextlib.contextmanager
     def _attention_scope(self):
-        from flowgrpo.models.attention import attention_context
-
         self._attention_open = True
         try:
             with attention_context(self.attention_backend, self.device):

@@ -28,6 +28,7 @@ from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from diffusers.utils.torch_utils import randn_tensor
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
+from flowgrpo.models.zimage import build_tiny_qwen3_tokenizer
 
 __all__ = ["Flux2Adapter", "load_flux2_adapter", "build_tiny_flux2_klein"]
 
@@ -220,8 +221,6 @@ def build_tiny_flux2_klein(out_dir: str | os.PathLike, *, words: Iterable[str] =
     """
     from diffusers import Flux2KleinPipeline
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from flowgrpo.models.zimage import build_tiny_qwen3_tokenizer
 
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny FLUX.2 sample_size must be a positive multiple of 16, got {sample_size}")

@@ -30,6 +30,7 @@ from diffusers import FluxKontextPipeline
 
 from flowgrpo.models.base import PromptEmbeds
 from flowgrpo.models.flux import FluxAdapter
+from flowgrpo.models.tiny import build_tiny_flux
 
 __all__ = ["KontextAdapter", "load_kontext_adapter"]
 
@@ -111,8 +112,6 @@ def build_tiny_kontext(out_dir: str | os.PathLike, *, words: Iterable[str] = (),
                        seed: int = 0, transformer_kwargs: dict | None = None) -> Path:
     """The tiny random FLUX.1 pipeline (:func:`flowgrpo.models.tiny.build_tiny_flux`) saved as a
     ``FluxKontextPipeline`` folder (Kontext has FLUX.1-dev's architecture: same classes and sizes)."""
-    from flowgrpo.models.tiny import build_tiny_flux
-
     folder = build_tiny_flux(out_dir, words=words, sample_size=sample_size, seed=seed,
                              transformer_kwargs=transformer_kwargs)
     pipe = FluxKontextPipeline.from_pretrained(folder)

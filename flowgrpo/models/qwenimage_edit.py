@@ -30,7 +30,13 @@ from diffusers import QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
 
 from flowgrpo.models.base import PromptEmbeds
-from flowgrpo.models.qwenimage import QwenImageAdapter
+from flowgrpo.models.qwenimage import (
+    QwenImageAdapter,
+    build_qwen25vl_encoder,
+    build_qwen_tokenizer,
+    build_qwenimage_vae,
+    build_tiny_qwen_transformer,
+)
 
 __all__ = ["QwenImageEditPlusAdapter", "load_qwenimage_edit_plus_adapter", "build_tiny_qwenimage_edit_plus"]
 
@@ -148,13 +154,6 @@ def build_tiny_qwenimage_edit_plus(out_dir: str | os.PathLike, *, words: Iterabl
     """
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-
-    from flowgrpo.models.qwenimage import (
-        build_qwen25vl_encoder,
-        build_qwen_tokenizer,
-        build_qwenimage_vae,
-        build_tiny_qwen_transformer,
-    )
 
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny Qwen-Image-Edit sample_size must be a positive multiple of 16, got {sample_size}")

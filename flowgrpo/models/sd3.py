@@ -32,6 +32,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 from diffusers.utils.torch_utils import randn_tensor
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds
+from flowgrpo.models.tiny import build_clip_tokenizer, build_t5_tokenizer, build_tiny_vae, builder_main
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +254,6 @@ def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import T5Config, T5EncoderModel
 
-    from flowgrpo.models.tiny import build_clip_tokenizer, build_t5_tokenizer, build_tiny_vae
-
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny SD3 sample_size must be a positive multiple of 16, got {sample_size}")
     tok = build_clip_tokenizer()
@@ -288,8 +287,6 @@ def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable
 
 
 def main(argv: list[str] | None = None) -> None:
-    from flowgrpo.models.tiny import builder_main
-
     builder_main(lambda out, words, seed: build_tiny_sd3(out, seed, words=words), "SD3", __doc__, argv)
 
 

@@ -31,6 +31,8 @@ from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
+from flowgrpo.models.qwenimage import build_qwen_tokenizer
+from flowgrpo.models.tiny import build_tiny_vae
 
 __all__ = ["ZImageAdapter", "load_zimage_adapter", "build_tiny_zimage"]
 
@@ -168,8 +170,6 @@ CHAT_TEMPLATE = (
 def build_tiny_qwen3_tokenizer(words: Iterable[str]):
     """The toy Qwen3 tokenizer of the tiny Z-Image and FLUX.2 [klein] pipelines: trained on ``words`` in the chat
     format, with Z-Image's chat template (:data:`CHAT_TEMPLATE`)."""
-    from flowgrpo.models.qwenimage import build_qwen_tokenizer
-
     tok = build_qwen_tokenizer([f"user\n{' '.join(words)}\nassistant\n<think>\n\n</think>\n\n"])
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -190,8 +190,6 @@ def build_tiny_zimage(out_dir: str | os.PathLike, *, words: Iterable[str] = (), 
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
-
-    from flowgrpo.models.tiny import build_tiny_vae
 
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny Z-Image sample_size must be a positive multiple of 16, got {sample_size}")

@@ -2,7 +2,7 @@
 
 Two uses:
 
-* the adapter conformance suite (:mod:`flowgrpo.models.conformance`) builds each family's tiny pipeline from
+* the adapter conformance suite (:mod:`flowgrpo.testing.adapters`) builds each family's tiny pipeline from
   its :class:`ConformanceCase` in :data:`CASES`;
 * benchmarks build a random pipeline at any size with :func:`build_random_pipeline` (``transformer_kwargs``
   override the tiny transformer's configuration, e.g. the real model's layer count and widths), then load it

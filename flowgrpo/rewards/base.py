@@ -31,6 +31,12 @@ set for ``rewards`` and ``eval_rewards``), it raises ``ValueError`` for prompts 
 digits rewards: a missing or out-of-range ``digit``), so a bad prompt file stops the run in one line before any
 weights load.
 
+For evaluation, a reward may implement ``batch_metrics(images, prompts, metadata) -> dict[str, float]``:
+whole-set figures reported as ``eval/<key>`` in place of the per-image mean (a key ``<group>/<figure>`` is a
+per-group figure, kept off the console's evaluation line), and ``report_table(summary) -> GroupTable | None``:
+the per-group table (:class:`~flowgrpo.records.GroupTable`) of the end-of-run report and of the panels under
+``before_after.png``, built from ``summary.json``'s figures (the digits judge: its per-digit table).
+
 Plugins are classes (or factories) registered in the ``flowgrpo.rewards`` entry-point group; they are constructed
 with the keyword arguments of the config's ``rewards[i].kwargs`` and must not load weights in ``__init__``:
 heavy state is loaded in :meth:`Reward.setup`, which the trainer calls once with the device to use.

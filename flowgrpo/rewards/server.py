@@ -38,6 +38,7 @@ import time
 import torch
 
 from flowgrpo.argtypes import int_in
+from flowgrpo.rewards.registry import RewardLoadError, load_reward
 from flowgrpo.rewards.remote import WIRE_VERSION, decode_png_b64
 from flowgrpo.rewards.serving import (
     Admission,
@@ -426,8 +427,6 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _require_server_deps()
     import uvicorn
-
-    from flowgrpo.rewards.registry import RewardLoadError, load_reward
 
     try:
         kwargs = json.loads(args.kwargs)

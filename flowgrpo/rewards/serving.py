@@ -34,6 +34,7 @@ import time
 import numpy as np
 import torch
 
+from flowgrpo.rewards.registry import load_reward
 from flowgrpo.rewards.remote import pixels_to_images
 
 
@@ -289,8 +290,6 @@ def _init_worker(spec: str, kwargs: dict, device: str, barrier) -> None:
     """Build and set up the reward in a scoring process (one torch thread: the processes are the parallelism)."""
     global _WORKER_REWARD
     torch.set_num_threads(1)
-    from flowgrpo.rewards.registry import load_reward
-
     reward, _ = load_reward(spec, **kwargs)
     reward.setup(torch.device(device))
     _WORKER_REWARD = reward

@@ -1,12 +1,12 @@
 """Digit correctness: does the image show the digit its prompt asks for?
 
-The reward of the embedded digits task (:mod:`flowgrpo.models.digits`). The intended digit comes from the prompt
+The reward of the embedded digits task (:mod:`flowgrpo.tasks.digits.model`). The intended digit comes from the prompt
 file's metadata (``{"prompt": "a handwritten digit seven", "digit": 7}``), never from the prompt text or the
 image's position in the batch. Images are brought back to load_digits' 8×8 grid
-(:func:`flowgrpo.models.digits.images_to_digits`) and scored by the reward classifier, a multinomial logistic
-regression trained on the ``reward`` split of the real digits (:func:`flowgrpo.models.digits_eval.reward_classifier`,
+(:func:`flowgrpo.tasks.digits.model.images_to_digits`) and scored by the reward classifier, a multinomial logistic
+regression trained on the ``reward`` split of the real digits (:func:`flowgrpo.tasks.digits.scoring.reward_classifier`,
 held-out accuracy 0.967). Correctness reported for evaluation should come from the independent judge
-(:func:`flowgrpo.models.digits_eval.judge_correctness`), which this reward never uses.
+(:func:`flowgrpo.tasks.digits.scoring.judge_correctness`), which this reward never uses.
 
 Entry points: ``digit_correctness`` (probability of the intended digit, in [0, 1]; ``strict=True`` gives the 0/1
 variant) and ``digit_correctness_strict`` (always 0/1).
@@ -19,6 +19,7 @@ import numbers
 import torch
 
 from flowgrpo.rewards.base import BaseReward
+from flowgrpo.tasks.digits.scoring import digit_probabilities, reward_classifier
 
 DIGIT_FIELD = "digit"
 
@@ -81,15 +82,11 @@ class DigitCorrectness(BaseReward):
         labels_from_metadata(prompts.metadata, self.name)
 
     def setup(self, device: torch.device) -> None:
-        from flowgrpo.models.digits_eval import reward_classifier
-
         super().setup(device)
         reward_classifier()  # fit now (cached), so the first scoring is not slower than the rest
         self._ready = True
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        from flowgrpo.models.digits_eval import digit_probabilities
-
         labels = labels_from_metadata(metadata, self.name)
         if not self._ready:
             self.setup(images.device)

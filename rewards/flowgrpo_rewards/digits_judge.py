@@ -1,13 +1,14 @@
 """``digit_judge``: the digits task's independent judge, for evaluation only.
 
 Per image: 1.0 when the judge (an RBF SVM on a split of the real digits disjoint from the reward classifier's,
-see :mod:`flowgrpo.models.digits_eval`) reads the digit named in ``metadata["digit"]``, else 0.0 — the task's
+see :mod:`flowgrpo.tasks.digits.scoring`) reads the digit named in ``metadata["digit"]``, else 0.0 — the task's
 strict correctness. Per batch (:meth:`DigitJudge.batch_metrics`): ``correctness`` (the mean), ``diversity``
 (intra-digit diversity of the images, 0–16 ink units at 8×8) and ``diversity_real`` (the same measure on the
 real digits); per digit d, ``digit_<d>/correctness``, ``digit_<d>/diversity`` and ``digit_<d>/diversity_real``;
 and ``diversity_min_ratio``, the minimum over digits of the images' diversity divided by the same digit's real
 diversity (near 0: some digit collapsed to one prototype, which the average hides). ``eval_only``: the
-trainer refuses to optimise it, so images that fool the reward cannot count as correct.
+trainer refuses to optimise it, so images that fool the reward cannot count as correct. At the end of a run it
+hands the report its per-digit table (:meth:`DigitJudge.report_table`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ import logging
 
 import torch
 
+from flowgrpo.records import GroupTable
 from flowgrpo.rewards.base import BaseReward
+from flowgrpo.tasks.digits.report import digit_table
+from flowgrpo.tasks.digits.scoring import (
+    judge_correctness,
+    min_diversity_ratio,
+    per_digit_diversity,
+    real_diversity,
+    real_diversity_per_digit,
+)
 from flowgrpo_rewards.digits import labels_from_metadata
 
 logger = logging.getLogger(__name__)
@@ -52,8 +62,6 @@ class DigitJudge(BaseReward):
         _labels(prompts.metadata)
 
     def score(self, images, prompts, metadata):
-        from flowgrpo.models.digits_eval import judge_correctness
-
         return judge_correctness(images.detach().float().cpu(), _labels(metadata)).float()
 
     def batch_metrics(self, images, prompts, metadata) -> dict[str, float]:
@@ -61,13 +69,6 @@ class DigitJudge(BaseReward):
         need two samples of a digit and are NaN (with a warning) when no digit has them; the digits with fewer
         are left out of ``diversity`` and ``diversity_min_ratio``, with a warning naming them
         (:func:`_warn_left_out`). Raises ``ValueError`` for a metadata entry without its digit."""
-        from flowgrpo.models.digits_eval import (
-            min_diversity_ratio,
-            per_digit_diversity,
-            real_diversity,
-            real_diversity_per_digit,
-        )
-
         labels = _labels(metadata)
         ok = self.score(images, prompts, metadata)  # (B,) float32 0/1
         per_digit = per_digit_diversity(images.detach().float().cpu(), labels)
@@ -88,3 +89,7 @@ class DigitJudge(BaseReward):
             out[f"digit_{d}/diversity"] = per_digit.get(d, float("nan"))
             out[f"digit_{d}/diversity_real"] = real[d]
         return out
+
+    def report_table(self, summary: dict) -> GroupTable | None:
+        """The per-digit table of the run's ``summary`` (:func:`flowgrpo.tasks.digits.report.digit_table`)."""
+        return digit_table(summary)

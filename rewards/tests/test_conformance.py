@@ -1,4 +1,4 @@
-"""The Reward protocol's conformance suite (flowgrpo.rewards.conformance) over the weight-free JPEG rewards.
+"""The Reward protocol's conformance suite (flowgrpo.testing.rewards) over the weight-free JPEG rewards.
 
 Model rewards join by subclassing ``RewardConformance`` with a factory that points at tiny checkpoints.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 from flowgrpo_rewards.jpeg import JpegCompressibility, JpegIncompressibility, jpeg_size_kb
 
-from flowgrpo.rewards.conformance import RewardConformance
+from flowgrpo.testing.rewards import RewardConformance
 
 
 class TestJpegCompressibility(RewardConformance):

@@ -15,10 +15,10 @@ import pytest
 import torch
 from flowgrpo_rewards.digits import DigitCorrectness, DigitCorrectnessStrict
 
-from flowgrpo.models import digits
-from flowgrpo.models import digits_eval as de
-from flowgrpo.rewards.conformance import RewardConformance
 from flowgrpo.rewards.registry import load_reward
+from flowgrpo.tasks.digits import model as digits
+from flowgrpo.tasks.digits import scoring as de
+from flowgrpo.testing.rewards import RewardConformance
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ class TestDigitCorrectnessConformance(RewardConformance):
 
 
 def _real_grids(per_digit: int):
-    from flowgrpo.models.digits import load_digit_split
+    from flowgrpo.tasks.digits.model import load_digit_split
 
     x, y = load_digit_split("all")
     idx = np.concatenate([np.flatnonzero(y == d)[:per_digit] for d in range(10)])
@@ -134,8 +134,8 @@ def _real_grids(per_digit: int):
 def test_digit_judge_batch_metrics_per_digit_and_min_ratio():
     from flowgrpo_rewards.digits_judge import DigitJudge
 
-    from flowgrpo.models.digits import digits_to_images, images_to_digits
-    from flowgrpo.models.digits_eval import judge_predict
+    from flowgrpo.tasks.digits.model import digits_to_images, images_to_digits
+    from flowgrpo.tasks.digits.scoring import judge_predict
 
     grids, labels = _real_grids(4)
     grids[labels == 3] = grids[labels == 3][0]  # digit 3 collapsed to one prototype: diversity 0
@@ -164,7 +164,7 @@ def test_digit_judge_batch_metrics_per_digit_and_min_ratio():
 
 
 def _real_all():
-    from flowgrpo.models.digits import load_digit_split
+    from flowgrpo.tasks.digits.model import load_digit_split
 
     x, y = load_digit_split("all")
     return x.astype(np.float64), y

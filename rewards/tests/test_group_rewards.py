@@ -15,7 +15,7 @@ from flowgrpo_rewards.group import GroupRank, PairwisePreference
 from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.rewards.base import BaseReward, score_groups
 from flowgrpo.rewards.compose import ComposedReward
-from flowgrpo.rewards.conformance import RewardConformance
+from flowgrpo.testing.rewards import RewardConformance
 
 BASE = "flowgrpo_rewards.jpeg:JpegIncompressibility"
 

@@ -32,7 +32,7 @@ from flowgrpo_rewards.image_reward import (  # noqa: E402
     preprocess,
 )
 
-from flowgrpo.rewards.conformance import RewardConformance  # noqa: E402
+from flowgrpo.testing.rewards import RewardConformance  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "image_reward"
 REF = json.loads((DATA / "reference.json").read_text())

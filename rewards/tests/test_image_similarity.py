@@ -21,7 +21,7 @@ from flowgrpo_rewards import tiny_models as tm  # noqa: E402
 from flowgrpo_rewards._clip_common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # noqa: E402
 from flowgrpo_rewards.image_similarity import ImageSimilarityReward  # noqa: E402
 
-from flowgrpo.rewards.conformance import RewardConformance, default_images  # noqa: E402
+from flowgrpo.testing.rewards import RewardConformance, default_images  # noqa: E402
 
 SIZE = 32  # the tiny CLIP's input size: no resize, so the reference needs no resampling code
 

@@ -37,7 +37,7 @@ from flowgrpo_rewards.clip_score import ClipScoreReward  # noqa: E402
 from flowgrpo_rewards.hps import HPSv2Reward  # noqa: E402
 from flowgrpo_rewards.pickscore import PickScoreReward  # noqa: E402
 
-from flowgrpo.rewards.conformance import RewardConformance  # noqa: E402
+from flowgrpo.testing.rewards import RewardConformance  # noqa: E402
 
 # PIL-backed CLIP image processor: transformers 5 names it CLIPImageProcessorPil; in 4.x the plain one is PIL.
 PilClipImageProcessor = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor

@@ -15,7 +15,7 @@ import torch
 from flowgrpo_rewards.ocr import OcrReward, images_to_bgr_uint8, normalize_text, ocr_text_reward, quoted_text
 from PIL import Image, ImageDraw, ImageFont
 
-from flowgrpo.rewards.conformance import RewardConformance
+from flowgrpo.testing.rewards import RewardConformance
 
 HAVE_OCR_EXTRA = all(importlib.util.find_spec(m) for m in ("rapidocr_onnxruntime", "rapidfuzz"))
 

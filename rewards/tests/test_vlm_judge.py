@@ -199,7 +199,7 @@ def test_wrong_model_missing_logprobs_and_bad_settings():
 
 def test_conformance_against_the_stand_in():
     """The plugin conformance suite's clauses, run here with a live stand-in."""
-    from flowgrpo.rewards.conformance import RewardConformance
+    from flowgrpo.testing.rewards import RewardConformance
 
     with StandIn() as srv:
         class Suite(RewardConformance):

@@ -5,7 +5,7 @@ import math
 import torch
 from flowgrpo_colorfulness import Colorfulness
 
-from flowgrpo.rewards.conformance import RewardConformance
+from flowgrpo.testing.rewards import RewardConformance
 
 
 class TestColorfulnessConformance(RewardConformance):

@@ -13,7 +13,8 @@ A chunker is a registered strategy (:data:`CHUNKERS`) that answers three questio
 
 Each strategy declares its settings as a pydantic model (its ``Config`` attribute, a subclass of
 :class:`ChunkerConfig`); the run config's ``chunker:`` section is validated against the model of the strategy its
-``name`` selects, so a knob of another strategy is an error, not silently ignored.
+``name`` selects (:func:`~flowgrpo.settings.strategy_settings`), so a knob of another strategy is an error, not
+silently ignored. The chunker is a part of the ``sde_ratio`` objective (:mod:`flowgrpo.algo.objectives`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 from pydantic import Field
 
-from flowgrpo.config import Section
 from flowgrpo.records import ChunkPlan, Trajectory
 from flowgrpo.registry import Registry
 from flowgrpo.sampling.rollout import RolloutRequest, rollout
+from flowgrpo.settings import Section, settings_class
 
 CHUNKERS: Registry = Registry("chunker")
 
@@ -36,7 +37,7 @@ class ChunkerConfig(Section):
     """Settings every chunker has. Subclasses add their own and fix ``name`` to their registered name."""
 
     name: str = Field("per_step", description="registered chunker: per_step, chunk, trajectory, window, "
-                      "entropy_merge (or one a plugin registers)")
+                      "entropy_merge (or one a plugin registers); a plain name is shorthand for {name: ...}")
     #: the rollout draws more than P·G trajectories an epoch, a number only the model's σ grid decides (E-GRPO:
     #: G per prompt and branch step), so the batch checks on B = P·G check only what holds for any multiple of it
     multiplies_batch: ClassVar[bool] = False
@@ -173,7 +174,7 @@ class BaseChunker:
 
 def chunker_config_class(name: str) -> type[ChunkerConfig]:
     """The settings model of the chunker registered as ``name`` (``KeyError`` listing the valid names)."""
-    return CHUNKERS.get(name).Config
+    return settings_class(CHUNKERS, name, ChunkerConfig)
 
 
 def chunker_settings(name: str = "per_step", **settings) -> ChunkerConfig:

@@ -2,7 +2,7 @@
 
 Subclass :class:`RewardConformance` in a test module (the subclass's name must start with ``Test``)::
 
-    from flowgrpo.rewards.conformance import RewardConformance
+    from flowgrpo.testing.rewards import RewardConformance
     from my_package.rewards import MyReward
 
     class TestMyReward(RewardConformance):
@@ -59,10 +59,12 @@ import torch
 try:
     import pytest
 except ImportError as err:  # pragma: no cover - the class is only useful under pytest
-    raise ImportError('flowgrpo.rewards.conformance needs pytest: pip install "flowgrpo[test]"') from err
+    raise ImportError('flowgrpo.testing.rewards needs pytest: pip install "flowgrpo[test]"') from err
 
+from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import Reward, is_group_wise, score_groups
+from flowgrpo.rewards.compose import ComposedReward
 
 _PROMPTS = [
     "a photo of a cat",
@@ -363,9 +365,6 @@ class RewardConformance:
     def test_group_wise_composes_and_feeds_gdpo(self, reward):
         if not self.is_group_wise():
             pytest.skip("a point-wise reward")
-        from flowgrpo.algo.advantages import compute_advantages
-        from flowgrpo.rewards.compose import ComposedReward
-
         images, prompts, metadata = self.make_inputs(4)
         group_ids = torch.zeros(4, dtype=torch.long)
         composed = ComposedReward({"g": reward}, {"g": 1.0})

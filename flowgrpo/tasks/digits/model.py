@@ -38,7 +38,7 @@ Split of the 1,797 digits (per class, fixed permutation): 40 % ``reward`` (the r
 data), 40 % ``judge`` (the judge's training data), 20 % ``test`` (held out from everything). The generator
 trains on ``train`` = ``reward`` ∪ ``judge``.
 
-    python -m flowgrpo.models.digits [OUT_DIR] [--seed 0]
+    python -m flowgrpo.tasks.digits.model [OUT_DIR] [--seed 0]
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-logger = logging.getLogger("flowgrpo.models.digits")  # also when run as __main__
+from flowgrpo.cache import build_once, cache_dir
+from flowgrpo.models.tiny import TEXT_DIM, build_text_encoders
+
+logger = logging.getLogger("flowgrpo.tasks.digits.model")  # also when run as __main__
 
 DIGIT_WORDS: tuple[str, ...] = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 """The English word for each digit 0–9, as the prompts name it."""
@@ -75,7 +78,7 @@ SPLIT_FRACTIONS = {"reward": 0.4, "judge": 0.4, "test": 0.2}
 SPLITS = ("reward", "judge", "test", "train", "all")
 MARKER_FILE = "flowgrpo_digits.json"  # written last into a finished model folder: recipe and sampling settings
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets" / "digits"
+ASSETS = Path(__file__).resolve().parents[2] / "assets" / "digits"
 PROMPT_FILES = {"train": ASSETS / "prompts.jsonl", "eval": ASSETS / "eval.jsonl"}
 
 # Training recipe defaults (measured on 2 CPU cores; the figures are in README, "The digits task").
@@ -206,8 +209,6 @@ def images_to_digits(images: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- model folder
 def cache_root() -> Path:
     """The flowgrpo cache folder (:func:`flowgrpo.cache.cache_dir`)."""
-    from flowgrpo.cache import cache_dir
-
     return cache_dir()
 
 
@@ -238,8 +239,6 @@ def ensure_digits_model(seed: int = 0, folder: str | os.PathLike | None = None, 
     it into place, so a crash never leaves a half-written model and concurrent builders cannot mix their files
     (the first rename wins; the others discard their copy).
     """
-    from flowgrpo.cache import build_once
-
     target = Path(folder) if folder is not None else default_model_dir(seed)
     if not is_complete(target):
         logger.info("digits pipeline not found at %s: pretraining it (a few minutes, once)", target)
@@ -265,8 +264,6 @@ def build_transformer():
     """The digits ``FluxTransformer2DModel``: 2 double + 4 single blocks, 4 heads × 32, 16 input channels (2×2
     patches of 4 latent channels), no guidance embedding (≈ 2.3 M parameters); random weights."""
     from diffusers import FluxTransformer2DModel
-
-    from flowgrpo.models.tiny import TEXT_DIM
 
     return FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=32,
@@ -371,8 +368,6 @@ def _random_pipeline(seed: int):
     """The untrained digits FluxPipeline: frozen random text encoders, a VAE and a transformer, seeded in order."""
     from diffusers import FluxPipeline
 
-    from flowgrpo.models.tiny import build_text_encoders
-
     clip_tok, clip, t5_tok, t5 = build_text_encoders(_prompt_words(), t5_max_length=MAX_SEQUENCE_LENGTH, seed=seed)
     torch.manual_seed(seed + 1)
     vae = build_vae()
@@ -469,7 +464,7 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m flowgrpo.models.digits [OUT_DIR] [--seed S] [--force] [recipe options]``: pretrain the digits
+    """``python -m flowgrpo.tasks.digits.model [OUT_DIR] [--seed S] [--force] [recipe options]``: pretrain the digits
     model into OUT_DIR (default: the cache folder of the seed), unless it is already there."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", nargs="?", help="model folder (default: the cache folder for the seed)")

@@ -34,9 +34,23 @@ import torch
 try:
     import pytest
 except ImportError as err:  # pragma: no cover - the class is only useful under pytest
-    raise ImportError('flowgrpo.models.conformance needs pytest: pip install "flowgrpo[test]"') from err
+    raise ImportError('flowgrpo.testing.adapters needs pytest: pip install "flowgrpo[test]"') from err
 
+from flowgrpo.config import build_config
+from flowgrpo.models import ADAPTERS, load_model, pipeline_class_name
+from flowgrpo.models.lora import save_lora, setup_trainable
 from flowgrpo.models.zoo import ConformanceCase
+from flowgrpo.runner import run
+from flowgrpo.sampling.rollout import (
+    RolloutRequest,
+    SamplerSettings,
+    denoise,
+    encode_rows,
+    load_condition_images,
+    rollout,
+)
+from flowgrpo.testing.rewards import default_images
+from flowgrpo.training.forward import chunk_forward
 
 _BUILT: dict[tuple[str, str], Path] = {}
 
@@ -84,8 +98,6 @@ class AdapterConformance:
         return tiny_folder(self.case, tmp_path_factory)
 
     def load(self, folder: Path):
-        from flowgrpo.models import load_model
-
         c = self.case
         return load_model(str(folder), height=c.size, width=c.size, max_sequence_length=c.max_sequence_length,
                           **c.load_kwargs)
@@ -102,8 +114,6 @@ class AdapterConformance:
             return None
         from PIL import Image
 
-        from flowgrpo.rewards.conformance import default_images
-
         folder = tmp_path_factory.mktemp(f"sources_{self.case.name}")
         pixels = default_images(2, self.case.size, self.case.size, torch.Generator().manual_seed(0))
         paths = []
@@ -119,8 +129,6 @@ class AdapterConformance:
 
     def call_pipeline(self, pipe, prompts, seeds, sources, *, guidance: float, steps: int | None = None):
         """``Pipeline.__call__`` → (images (B, 3, H, W) in [0, 1], the latents after every step)."""
-        from flowgrpo.sampling.rollout import load_condition_images
-
         c = self.case
         conditions = None
         if sources is not None:
@@ -147,8 +155,6 @@ class AdapterConformance:
     def ode(self, adapter, prompts, seeds, sources, *, guidance: float, kind: str = "ode",
             noise_level: float = 0.0):
         """Our sampler from the adapter's noise: (latents (B, T+1, …), images)."""
-        from flowgrpo.sampling.rollout import SamplerSettings, denoise, encode_rows
-
         t = self.case.num_steps
         x0 = adapter.initial_latents(len(prompts), _generators(seeds))
         settings = SamplerSettings(num_steps=t, guidance_scale=guidance, sde_kind=kind, noise_level=noise_level)
@@ -161,8 +167,6 @@ class AdapterConformance:
 
     # ------------------------------------------------------------------ clauses
     def test_registered_by_pipeline_class(self, folder, adapter):
-        from flowgrpo.models import ADAPTERS, pipeline_class_name
-
         name = pipeline_class_name(str(folder))
         assert name in ADAPTERS.names()
         assert type(adapter.pipe).__name__ == name
@@ -192,8 +196,6 @@ class AdapterConformance:
         assert float((images[0] - images[1]).abs().max()) > 1e3 * c.parity_atol
 
     def test_guidance_changes_the_velocity(self, adapter, sources):
-        from flowgrpo.sampling.rollout import encode_rows
-
         c = self.case
         x = adapter.initial_latents(2, _generators([5, 6]))
         embeds = encode_rows(adapter, list(c.prompts), self.metadata(sources))
@@ -212,9 +214,6 @@ class AdapterConformance:
             assert torch.equal(sde, ode), kind
 
     def test_on_policy_log_probs_are_exact(self, adapter, sources):
-        from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
-        from flowgrpo.trainer import chunk_forward
-
         c = self.case
         settings = SamplerSettings(num_steps=c.num_steps, guidance_scale=c.guidance_scale, sde_kind="flow_sde",
                                    noise_level=0.7)
@@ -232,8 +231,6 @@ class AdapterConformance:
                 assert torch.equal(lp[:, 0], traj.log_probs[rows, t]), (rows.tolist(), t)
 
     def test_lora_round_trip_through_the_pipeline_loader(self, folder, sources, tmp_path):
-        from flowgrpo.models.lora import save_lora, setup_trainable
-
         c = self.case
         adapter = self.load(folder)
         params = setup_trainable(adapter, finetune="lora", rank=4, alpha=8.0,
@@ -260,9 +257,6 @@ class AdapterConformance:
 
     @pytest.mark.parametrize("strategy", ["per_step", "chunk"])
     def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
-        from flowgrpo.config import build_config
-        from flowgrpo.runner import run
-
         c = self.case
         prompt_file = tmp_path / "prompts.jsonl"
         records = [{"prompt": p} for p in c.prompts]

@@ -1,0 +1,132 @@
+"""What every objective shares: the protocol the training loop uses, the settings base, and the shared phases.
+
+An *objective* is a registered strategy (:data:`OBJECTIVES`) deciding what the update optimises given an epoch's
+rollout and its group advantages: which trajectories the rollout records, what the update forwards, which loss
+it minimises. The loop (:class:`~flowgrpo.training.loop.Trainer`) is the same for every objective; it calls, in
+this order, each phase timed under its name:
+
+=============  =====================================================================================================
+``rollout``    :meth:`Objective.rollout` ``(adapter, request)`` → the epoch's rollout record
+``reward``     (the loop: rewards scored on the record's ``images``, ``prompts``, ``metadata``, ``group_ids``)
+``filter``     :meth:`Objective.filter_groups` ``(rewards, group_ids)`` → :class:`~flowgrpo.algo.filters.FilterResult`
+``advantage``  :meth:`Objective.advantages` ``(rewards, group_ids, keep)`` → :class:`~flowgrpo.records.Advantages`
+``plan``       :meth:`Objective.plan` ``(record, adv, keep, epoch)`` → the objective's work record (frozen), with
+               ``recompute`` (bool) and ``metrics`` (``plan/…`` figures)
+``recompute``  :meth:`Objective.recompute` ``(adapter, work)`` → work, only when ``work.recompute``
+``update``     :meth:`Objective.update` ``(adapter, optim, work, progress=…)`` → ``policy/…`` metrics; every gradient
+               goes through ``optim`` (:class:`~flowgrpo.training.optim.Optimization`)
+=============  =====================================================================================================
+
+The rollout record is a :class:`~flowgrpo.records.Trajectory` or any record with ``batch_size``, ``images``
+(B, 3, H, W), ``prompts``, ``metadata``, ``group_ids`` (B,) and ``initial_noise`` (B, …): the loop's reward,
+plots and rollout statistics read only these. Each objective declares its settings as a model (its ``Config``,
+a subclass of :class:`ObjectiveConfig`); the run config's ``objective:`` section is validated against the model
+of the objective its ``name`` selects. Before any model loads the run calls :meth:`Objective.validate`, and on
+the model's σ grid :meth:`Objective.trajectories_per_sample`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+from pydantic import Field
+
+from flowgrpo.algo.advantages import compute_advantages
+from flowgrpo.algo.filters import GROUP_FILTERS, FilterResult, advantages_of_kept
+from flowgrpo.records import Advantages, Rewards
+from flowgrpo.registry import Registry
+from flowgrpo.settings import Section
+
+OBJECTIVES: Registry = Registry("objective")
+
+
+class ObjectiveConfig(Section):
+    """Settings every objective has (``objective:``). Subclasses fix ``name`` to their registered name and add
+    their own fields."""
+
+    name: str = Field(
+        "sde_ratio", description="registered objective (flowgrpo.algo.objectives.OBJECTIVES): sde_ratio (the GRPO "
+        "family: SDE rollout with per-step log-probs, the chunker's plan, a clipped-ratio policy loss over chunks), "
+        "or one a plugin registers; a plain name is shorthand for {name: ...}"
+    )
+
+
+@runtime_checkable
+class Objective(Protocol):
+    """What the training loop uses of an objective (see the module docstring for the order)."""
+
+    def validate(self) -> None:
+        """Reject settings this objective cannot run with, before any model loads (``ValueError`` naming the
+        setting and what is allowed)."""
+
+    def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
+        """Check the settings on the model's σ grid ``sigmas`` (T+1,) with the run's
+        :class:`~flowgrpo.sampling.rollout.SamplerSettings` (``ValueError``), before any sampling; returns how
+        many trajectories one requested sample becomes (1 but for E-GRPO's branching)."""
+
+    def rollout(self, adapter, request):
+        """The epoch's rollout record for the :class:`~flowgrpo.sampling.rollout.RolloutRequest`."""
+
+    def filter_groups(self, rewards: Rewards, group_ids: torch.Tensor) -> FilterResult:
+        """Which samples of each group enter the advantages."""
+
+    def advantages(self, rewards: Rewards, group_ids: torch.Tensor, keep: torch.Tensor) -> Advantages:
+        """(B,) advantages of the gathered batch from the ``keep`` (B,) bool samples."""
+
+    def plan(self, record, adv: Advantages, keep: torch.Tensor, epoch: int):
+        """The update's work record: what is trained, in which micro-batches and optimizer steps."""
+
+    def recompute(self, adapter, work):
+        """``work`` with what must be rescored under the training layout before the update (old log-probs)."""
+
+    def update(self, adapter, optim, work, *, progress: bool) -> dict[str, float]:
+        """Train on ``work`` (inner epochs × optimizer steps); returns the update's metrics."""
+
+
+class BaseObjective:
+    """The phases every objective shares: the group filter (``algo.group_filter``) and the advantages
+    (``algo.advantage`` and its settings) from the kept samples; one trajectory a sample; nothing to check.
+
+    Args:
+        config: the validated :class:`~flowgrpo.config.Config` (no model: constructed before any loads).
+    """
+
+    Config: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
+
+    def __init__(self, config) -> None:
+        self.cfg = config
+        self.group_filter = GROUP_FILTERS.get(config.algo.group_filter.name)
+
+    def validate(self) -> None:
+        """Nothing beyond the schema."""
+
+    def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
+        """One trajectory a sample."""
+        return 1
+
+    def filter_groups(self, rewards: Rewards, group_ids: torch.Tensor) -> FilterResult:
+        """The configured group filter (``none``: keep all)."""
+        return self.group_filter(rewards, group_ids, self.cfg.algo.group_filter)
+
+    def advantages(self, rewards: Rewards, group_ids: torch.Tensor, keep: torch.Tensor) -> Advantages:
+        """Advantages from the samples the group filter kept (all of them without a filter)."""
+        a = self.cfg.algo
+
+        def compute(r: Rewards, g: torch.Tensor) -> Advantages:
+            return compute_advantages(r, g, estimator=a.advantage, global_std=a.global_std,
+                                      multi_reward=a.multi_reward, clip=a.advantage_clip,
+                                      drop_zero_spread=a.drop_zero_spread_groups, std_ddof=a.std_ddof,
+                                      std_eps=a.std_eps)
+
+        return advantages_of_kept(compute, rewards, group_ids, keep)
+
+
+def objective_config_class(name: str) -> type[ObjectiveConfig]:
+    """The settings model of the objective registered as ``name`` (``KeyError`` listing the valid names)."""
+    return getattr(OBJECTIVES.get(name), "Config", ObjectiveConfig)
+
+
+def build_objective(config) -> Objective:
+    """The objective ``config.objective.name`` names, constructed with the run's config."""
+    return OBJECTIVES.get(config.objective.name)(config)

@@ -1,0 +1,307 @@
+"""``sde_ratio``: the GRPO family (Flow-GRPO, DanceGRPO, MixGRPO, GCPO, E-GRPO and their losses).
+
+The rollout samples SDE trajectories recording every transition's log-probability (the chunker decides which
+transitions are stochastic); the chunker's plan picks the trained transitions and groups them into chunks that
+share one importance ratio; the update minimises the registered policy loss (``algo.policy_loss``) of each chunk's
+ratio over the trained (sample, chunk) pairs, inner epochs × optimizer steps of micro-batches
+(:mod:`flowgrpo.training.schedule`). Every log-prob, in rollout and training, comes from the adapter's
+``velocity`` and :func:`~flowgrpo.sampling.sde.sde_step`, so the first ratio of an on-policy update is exactly 1
+when the training batch layout equals the rollout's (``policy/logprob_mismatch_max`` reports it); a chunker
+that changes the layout (``needs_recompute``), ``algo.recompute_old_log_probs`` or a loss that reads the
+transition moments rescore the old log-probs under the training layout first (the ``recompute`` phase).
+
+Only the first optimizer step of the first pass is on-policy; the ratio statistics of the later ones are logged
+under ``policy_later/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from flowgrpo import dist
+from flowgrpo.algo.chunkers import build_chunker
+from flowgrpo.algo.losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
+from flowgrpo.algo.objectives.base import OBJECTIVES, BaseObjective, ObjectiveConfig
+from flowgrpo.records import Advantages, ChunkPlan, Trajectory
+from flowgrpo.rng import make_generator
+from flowgrpo.sampling.rollout import SamplerSettings
+from flowgrpo.sampling.sde import SDE_KINDS
+from flowgrpo.training.forward import ChunkForward, packed_forward
+from flowgrpo.training.schedule import StepWork, pair_mask, schedule
+
+
+class SdeRatioConfig(ObjectiveConfig):
+    """Settings of ``sde_ratio``: its knobs live in the sections it reads (``sampling``, ``chunker``,
+    ``algo.policy_loss``, ``algo.clip_range*``, ``algo.kl_*``, ``algo.recompute_old_log_probs``)."""
+
+    name: Literal["sde_ratio"] = "sde_ratio"
+
+
+@dataclass(frozen=True)
+class SdeRatioWork:
+    """An epoch's update, planned.
+
+    Attributes:
+        traj: the rollout; adv: its advantages (B,) over all processes.
+        plan: the chunks and which local samples train them (filtered-out samples deselected).
+        steps: each optimizer step's packed forwards (:func:`~flowgrpo.training.schedule.schedule`).
+        old_log_probs: (B_local, T) float32 host, the rollout policy's (rescored by :meth:`SdeRatio.recompute`).
+        old_means: (B_local, T, …) rollout-policy transition means, for a loss that reads moments (after the
+            recompute), else None.
+        epoch: the epoch (0-based); recompute: whether the ``recompute`` phase runs before the update.
+    """
+
+    traj: Trajectory
+    adv: Advantages
+    plan: ChunkPlan
+    steps: list[StepWork]
+    old_log_probs: torch.Tensor
+    old_means: torch.Tensor | None
+    epoch: int
+    recompute: bool
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """``plan/chunks`` (K) and ``plan/trained_frac`` (the planned share of (sample, chunk) pairs)."""
+        return {"plan/chunks": self.plan.num_chunks, "plan/trained_frac": float(self.plan.selected.double().mean())}
+
+
+_STATS = ("pairs", "ratio", "clipped", "approx_kl", "kl_ref", "loss")
+
+
+class _Accum:
+    """Sums over trained pairs of one group of optimizer steps (on-policy first step, or the later ones).
+
+    Each chunk's detached statistics are kept as they are, on the model's device (a few (N,) tensors), so
+    accumulating a chunk launches no work and never waits for the device; :meth:`metrics` reduces them in one pass
+    and reads them back once, after the update.
+    """
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple] = []
+        self._reduced: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, terms, mask: torch.Tensor, loss_sum: torch.Tensor) -> None:
+        """Add the pairs of ``mask`` (N,) bool, on the device of ``terms``; ``loss_sum`` a 0-dim tensor there."""
+        self._reduced = None
+        self.chunks.append((mask, terms.ratio, terms.clipped, terms.approx_kl, terms.kl_ref, loss_sum.detach(),
+                            terms.log_ratio_abs_max))
+
+    def _sums(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """((6,) float64 sums in ``_STATS`` order, 0-dim max |Δ log p| over the masked pairs), on the device;
+        reduced once, however many figures are read."""
+        if self._reduced is None:
+            self._reduced = self._reduce(device)
+        return self._reduced
+
+    def _reduce(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.chunks:
+            return torch.zeros(len(_STATS), dtype=torch.float64, device=device), torch.zeros((), device=device)
+        mask, *stats, loss_sums, lr_max = (torch.cat([c[i].reshape(-1) for c in self.chunks])
+                                           for i in range(len(self.chunks[0])))
+        m = mask.to(torch.float64)
+        sums = torch.cat([m.sum().reshape(1), torch.stack([(x.double() * m).sum() for x in stats]),
+                          loss_sums.double().sum().reshape(1)])
+        return sums, torch.where(mask, lr_max, torch.zeros_like(lr_max)).max()
+
+    def metrics(self, prefix: str, device: torch.device) -> dict[str, float]:
+        """The means over all processes' pairs (one collective, one read to the host)."""
+        t = dist.all_reduce_sum(self._sums(device)[0]).tolist()
+        n = t[0]
+        if n == 0:
+            return {}
+        return {
+            f"{prefix}/ratio_mean": t[1] / n,
+            f"{prefix}/clipfrac": t[2] / n,
+            f"{prefix}/approx_kl": t[3] / n,
+            f"{prefix}/kl_ref": t[4] / n,
+            f"{prefix}/pairs": n,
+        }
+
+    def mismatch_max(self, device: torch.device) -> float:
+        """max |Δ log p| over the trained pairs of all processes (0 when none)."""
+        return float(dist.all_reduce_max(self._sums(device)[1].double()))
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@OBJECTIVES.register("sde_ratio")
+class SdeRatio(BaseObjective):
+    """The GRPO family's objective (module docstring): the chunker's rollout and plan, an optional recompute, the
+    registered policy loss over chunks."""
+
+    Config = SdeRatioConfig
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.chunker = build_chunker(config.chunker)
+        self.settings = SamplerSettings.from_config(config.sampling)
+        self.policy_loss = POLICY_LOSSES.get(config.algo.policy_loss.name)
+        self.loss_settings = LossSettings.from_config(config)
+        # a loss that reads the rollout policy's transition means gets them from the recompute pass
+        self.needs_recompute = (config.algo.recompute_old_log_probs or self.chunker.needs_recompute
+                                or needs_moments(self.policy_loss))
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """The policy loss's and the chunker's checks against the sampling settings, and some noise to train."""
+        cfg = self.cfg
+        cfg.algo.policy_loss.check(cfg)
+        self.chunker.validate(cfg.sampling.num_steps, cfg.sampling.sde_kind)
+        self._check_noise()
+
+    def _check_noise(self) -> None:
+        """Refuse settings under which no transition the chunker makes stochastic has any noise (nothing to
+        train): the SDE kind's std on a uniform σ grid of ``num_steps`` steps, at the chunker's SDE steps."""
+        s = self.cfg.sampling
+        sigma = torch.linspace(1.0, 0.0, s.num_steps + 1)
+        try:
+            steps = self.chunker.sde_steps(s.num_steps, 0)
+        except ValueError:  # a chunker whose steps follow from the model's σ grid: every step may be stochastic
+            steps = torch.ones(s.num_steps, dtype=torch.bool)
+        x = torch.zeros(s.num_steps, 1)
+        _, std = SDE_KINDS.get(s.sde_kind)(x, x, sigma[:-1, None], sigma[1:, None], float(s.noise_level))
+        std = torch.as_tensor(std, dtype=torch.float32).expand(s.num_steps, 1)[:, 0]
+        if not bool((std[steps] > 0).any()):
+            raise ValueError(
+                f"sampling.sde_kind={s.sde_kind!r} with sampling.noise_level={s.noise_level} leaves no stochastic "
+                f"transition among the chunker's {int(steps.sum())} SDE steps: there is nothing to train. Use an "
+                "SDE kind with noise (flow_sde, dance_sde, cps) and a noise_level that gives it some (e.g. 0.7)"
+            )
+
+    def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
+        """The chunker's checks on the model's σ grid, then its trajectories per sample."""
+        self.chunker.validate_grid(sigmas, settings)
+        return self.chunker.trajectories_per_sample(sigmas, settings)
+
+    # ------------------------------------------------------------------ phases
+    def rollout(self, adapter, request) -> Trajectory:
+        """The chunker's rollout (SDE at its stochastic steps, log-probs of every transition)."""
+        return self.chunker.rollout(adapter, request)
+
+    def plan(self, traj: Trajectory, adv: Advantages, keep: torch.Tensor, epoch: int) -> SdeRatioWork:
+        """The chunker's plan (filtered-out samples, ``keep`` (B,) False, are not forwarded at all) and its work
+        (:meth:`work`)."""
+        plan = self.chunker.plan(traj, epoch, make_generator(self.cfg.train.seed, epoch, dist.rank(), "plan"))
+        if not bool(keep.all()):
+            plan = ChunkPlan(plan.chunks, plan.selected & keep[dist.local_slice(len(keep))].unsqueeze(1))
+        return self.work(traj, adv, plan, epoch)
+
+    def work(self, traj: Trajectory, adv: Advantages, plan: ChunkPlan, epoch: int) -> SdeRatioWork:
+        """The update of ``plan``: the schedule of the pairs the advantages keep (one schedule: a recompute scores
+        old log-probs in the update's very packs) and the rollout's log-probs as the old ones."""
+        steps = schedule(traj, plan, pair_mask(plan, adv), batch_size=self.cfg.train_batch_size,
+                         steps=self.cfg.train.optimizer_steps_per_epoch,
+                         shared_inputs=lambda rows: self._shared_inputs(traj, rows))
+        return SdeRatioWork(traj, adv, plan, steps, traj.log_probs, None, epoch, self.needs_recompute)
+
+    def _shared_inputs(self, traj: Trajectory, rows: torch.Tensor) -> torch.Tensor | None:
+        """Keys of rows whose training inputs are identical (a chunker with ``shares_inputs``: the rows of one
+        group start their trained transition from one shared latent), else None."""
+        return traj.group_ids[rows] if getattr(self.chunker, "shares_inputs", False) else None
+
+    @torch.no_grad()
+    def recompute(self, adapter, work: SdeRatioWork) -> SdeRatioWork:
+        """``work`` with old log-probs (B, T) float32 on the host recomputed in the training layout (the packs of
+        the update's schedule), so the first ratio is exactly 1; for a loss that reads moments, with the rollout
+        policy's transition means (B, T, …). Pairs no pack forwards keep the rollout's log-probs (the update never
+        reads them)."""
+        traj, plan = work.traj, work.plan
+        old = traj.log_probs.clone()
+        keep_means = needs_moments(self.policy_loss)
+        old_means = torch.zeros_like(traj.latents[:, :-1]) if keep_means else None
+        for pack in (pack for step in work.steps for pack in step.work):
+            outs = packed_forward(adapter, traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
+                                  with_ref=False, shared_inputs=[self._shared_inputs(traj, rows) for rows, _ in pack])
+            for (rows, k), out in zip(pack, outs, strict=True):
+                idx = (rows.unsqueeze(1), torch.tensor(plan.chunks[k]).unsqueeze(0))
+                old[idx] = out.log_probs.cpu()
+                if keep_means:
+                    old_means[idx[0].to(old_means.device), idx[1].to(old_means.device)] = out.means.to(old_means)
+        return replace(work, old_log_probs=old, old_means=old_means)
+
+    def update(self, adapter, optim, work: SdeRatioWork, *, progress: bool) -> dict[str, float]:
+        """Inner epochs × optimizer steps of the policy loss over the plan's chunks, in the packs of
+        ``work.steps``.
+
+        Records (advantages, masks, old log-probs) stay on the host and each chunk's rows move to the device;
+        statistics accumulate on the device and are read once, after the update."""
+        t = self.cfg.train
+        local = dist.local_slice(len(work.adv.values))
+        batch = {"advantages": work.adv.values[local], "old_log_probs": work.old_log_probs,
+                 "pair_mask": pair_mask(work.plan, work.adv)}  # (B,), (B, T), (B, K) host
+        first, later = _Accum(), _Accum()
+        optim.train_mode()
+        bar = tqdm(total=t.inner_epochs * sum(s.micro_batches for s in work.steps), desc="update", leave=False,
+                   disable=not progress)
+        grad_norms = []
+        # one attention-kernel scope for the whole update: every forward, its backward (and any checkpoint
+        # recompute) use the same kernels; the transformer calls' own scopes are no-ops inside it
+        with adapter.attention():
+            for inner in range(t.inner_epochs):
+                for u, step in enumerate(work.steps):
+                    acc = first if inner == 0 and u == 0 else later
+                    for i, pack in enumerate(step.work):
+                        with optim.accumulating(sync=i == len(step.work) - 1):
+                            self._train_pack(adapter, optim, work, pack, step, batch, acc)
+                    if step.work:
+                        grad_norms.append(optim.step(work.epoch))
+                    optim.zero_grad()
+                    bar.update(step.micro_batches)
+        bar.close()
+        return self._update_metrics(adapter.device, first, later, grad_norms, optim.lr)
+
+    @staticmethod
+    def _update_metrics(dev, first: _Accum, later: _Accum, grad_norms: list[float], lr: float) -> dict[str, float]:
+        out = {**first.metrics("policy", dev), **later.metrics("policy_later", dev)}
+        mismatch = first.mismatch_max(dev)  # a collective: every process takes part
+        if "policy/pairs" in out:  # measured only when some pair was trained (nothing is logged otherwise)
+            out["policy/logprob_mismatch_max"] = mismatch
+        if grad_norms:
+            out["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["train/lr"] = lr
+        return out
+
+    def _train_pack(self, adapter, optim, work: SdeRatioWork, pack: list[tuple[torch.Tensor, int]], step: StepWork,
+                    batch: dict[str, torch.Tensor], acc: _Accum) -> None:
+        """Forward (one transformer call) and backward of a pack of (rows, chunk index) items, inside the update's
+        attention scope and the optimizer's accumulation context. The policy loss sees the pack's items of one
+        chunk length at once."""
+        a, plan = self.cfg.algo, work.plan
+        fwds = packed_forward(adapter, work.traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
+                              with_ref=a.kl_beta > 0, kl_form=a.kl_form,
+                              shared_inputs=[self._shared_inputs(work.traj, rows) for rows, _ in pack])
+        loss_sum = None
+        for length in dict.fromkeys(len(plan.chunks[k]) for _, k in pack):  # the chunk lengths, in order
+            items = [i for i, (_, k) in enumerate(pack) if len(plan.chunks[k]) == length]
+            terms = self.policy_loss(self._loss_input([fwds[i] for i in items], [pack[i] for i in items], work,
+                                                      batch), self.loss_settings)
+            m = _cat([batch["pair_mask"][r, k] for r, k in (pack[i] for i in items)]).to(terms.loss.device)
+            part = (terms.loss * m).sum()
+            acc.add(terms, m, part)
+            loss_sum = part if loss_sum is None else loss_sum + part
+        optim.backward(loss_sum * (dist.world_size() / max(step.global_pairs, 1.0)))
+
+    def _loss_input(self, fwds: list[ChunkForward], items: list[tuple[torch.Tensor, int]], work: SdeRatioWork,
+                    batch: dict[str, torch.Tensor]) -> PolicyLossInput:
+        """The policy loss's view of the forwards of items (rows, chunk index) of one chunk length, concatenated
+        over the items (moments only for a loss that declares it reads them)."""
+        plan = work.plan
+        dev = fwds[0].log_probs.device
+        rows = _cat([r for r, _ in items])
+        old = _cat([batch["old_log_probs"][r][:, list(plan.chunks[k])] for r, k in items]).to(dev)
+        new, adv = _cat([f.log_probs for f in fwds]), batch["advantages"][rows].to(dev)
+        kl = None if fwds[0].kl is None else _cat([f.kl for f in fwds])
+        if not needs_moments(self.policy_loss):
+            return PolicyLossInput(new, old, adv, kl_ref=kl)
+        at = work.old_means.device
+        old_means = _cat([work.old_means[r.to(at)][:, list(plan.chunks[k])] for r, k in items]).to(dev)  # (n, k, …)
+        drift = ((_cat([f.means for f in fwds]) - old_means) ** 2).flatten(2).mean(dim=2)
+        return PolicyLossInput(new, old, adv, kl_ref=kl, std=_cat([f.stds for f in fwds]),
+                               dt=_cat([f.dts for f in fwds]), mean_drift_sq=drift)

@@ -1,0 +1,379 @@
+"""The schema of a training run: one typed section per concern, and :class:`Config`, which derives the batch
+sizes and states each invariant across sections. YAML is only data; :mod:`flowgrpo.config.loading` reads it.
+
+A *strategy section* (``chunker``, ``objective``, ``algo.policy_loss``, ``algo.group_filter``) is validated against
+the settings model of the strategy its ``name`` selects (:func:`~flowgrpo.settings.strategy_settings`); a plain
+name is shorthand for ``{name: ...}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, SerializeAsAny, field_validator, model_validator
+
+from flowgrpo.algo.advantages import ESTIMATORS
+from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
+from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
+from flowgrpo.algo.losses import POLICY_LOSSES, PolicyLossConfig
+from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
+from flowgrpo.sampling.rollout import FINAL_DECODES
+from flowgrpo.sampling.sde import KL_FORMS, SDE_KINDS
+from flowgrpo.settings import Section, registered_name, strategy_settings
+
+
+class ModelConfig(Section):
+    """Which model to train and how."""
+
+    pretrained: str = Field(
+        "digits",
+        description="diffusers folder or hub id (FLUX.1 or SD3.5), or an embedded model: 'digits' (built and "
+        "cached on first use) or 'tiny' (random weights, for plumbing tests)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the transformer's weights and forward; SDE arithmetic is always float32"
+    )
+    height: int | None = Field(
+        None, ge=1, description="image height in pixels (default, null: the pipeline's sample size)"
+    )
+    width: int | None = Field(
+        None, ge=1, description="image width in pixels (default, null: the pipeline's sample size)"
+    )
+    max_sequence_length: int = Field(
+        512, ge=1, le=4096, description="text-encoder tokens per prompt (FLUX.1 / SD3: T5, at most 512; Qwen-Image "
+        "family: up to 1024); longer prompts are truncated with a warning"
+    )
+    finetune: Literal["lora", "full"] = Field("lora", description="train a LoRA adapter or all transformer weights")
+    lora_rank: int = Field(8, ge=1, description="LoRA rank r")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / r)")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"],
+        description="module names (peft target_modules) that receive LoRA",
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    attention_backend: Literal["auto", "flash", "efficient", "math", "cudnn"] = Field(
+        "auto", description="SDPA kernels of the transformer in rollout and training (torch sdpa_kernel); 'auto' "
+        "lets torch choose but never cuDNN on CUDA (its backward fails on some torch/cuDNN versions); 'math' "
+        "always works",
+    )
+    scheduler_shift: float | None = Field(
+        None, gt=0, description="static timestep shift s (sigma' = s*sigma/(1+(s-1)*sigma)) in place of the "
+        "scheduler's own (FLUX: resolution-dependent); DanceGRPO and GCPO use 3 on FLUX.1-dev"
+    )
+    cfg_detach_uncond: bool = Field(
+        False, description="SD3 true CFG: unconditional branch without gradient (its own no-grad forward)"
+    )
+
+
+
+SdeKindName = registered_name(SDE_KINDS, "sampling.sde_kind")
+EstimatorName = registered_name(ESTIMATORS, "algo.advantage")
+FinalDecodeName = registered_name(FINAL_DECODES, "sampling.final_decode")
+KlFormName = registered_name(KL_FORMS, "algo.kl_form")
+
+
+def _policy_loss(value) -> PolicyLossConfig:
+    return strategy_settings(value, prefix="algo.policy_loss", registry=POLICY_LOSSES, base=PolicyLossConfig)
+
+
+def _group_filter(value) -> GroupFilterConfig:
+    return strategy_settings(value, prefix="algo.group_filter", registry=GROUP_FILTERS, base=GroupFilterConfig)
+
+
+def _chunker(value) -> ChunkerConfig:
+    return strategy_settings(value, prefix="chunker", registry=CHUNKERS, base=ChunkerConfig)
+
+
+def _objective(value) -> ObjectiveConfig:
+    return strategy_settings(value, prefix="objective", registry=OBJECTIVES, base=ObjectiveConfig)
+
+
+def _refuse_unread_knobs(algo: AlgoConfig) -> None:
+    """A setting moved from its default that the chosen advantage estimator does not read (its ``reads``) is an
+    error naming the setting, the estimators that read it and the selection; a plugin estimator that declares no
+    ``reads`` may read any of them. Raises ``ValueError``: nothing is silently ignored."""
+    chosen = ESTIMATORS.get(algo.advantage)
+    if not hasattr(chosen, "reads"):
+        return
+    knobs = sorted({k for n in ESTIMATORS for k in getattr(ESTIMATORS.get(n), "reads", ())})
+    for key in knobs:
+        value, default = getattr(algo, key), AlgoConfig.model_fields[key].default
+        owners = [n for n in ESTIMATORS if key in getattr(ESTIMATORS.get(n), "reads", ())]
+        if key not in chosen.reads and value != default:
+            raise ValueError(
+                f"algo.{key}={value!r} is read only by algo.advantage={' / '.join(owners)}, but algo.advantage is "
+                f"{algo.advantage!r}: remove the setting (default {default!r}) or choose {' / '.join(owners)}")
+
+
+class SamplingConfig(Section):
+    """How trajectories are sampled for training."""
+
+    num_steps: int = Field(10, ge=1, description="T, denoising steps per trajectory")
+    guidance_scale: float = Field(3.5, ge=0, description="FLUX guidance embedding / SD3 CFG scale")
+    sde_kind: SdeKindName = Field("flow_sde", description="registered SDE kind: flow_sde, dance_sde, cps, ode")
+    noise_level: float = Field(
+        0.7, ge=0, description="SDE noise: a for flow_sde and cps (cps: in [0, 1]), eta for dance_sde"
+    )
+    logprob_reduction: Literal["mean", "sum"] = Field("mean", description="reduce log-probs over latent dims")
+    cps_simplified_logprob: bool = Field(
+        False, description="CPS reference code's -(x-mean)^2 surrogate log-prob (needs a ~1e-5 clip range)"
+    )
+    same_noise_in_group: bool = Field(False, description="all G samples of a group start from one initial noise")
+    sigma_one_guard: Literal["grid", "next"] = Field(
+        "grid", description="flow_sde at sigma = 1, where s = a*sqrt(sigma/(1-sigma)) is infinite: 1-sigma uses the "
+        "grid's second sigma (grid: the releases' sigma_max = sigmas[1]) or the transition's sigma_next (next); "
+        "they differ only on a merged jump from sigma = 1 (E-GRPO)"
+    )
+    final_decode: FinalDecodeName = Field(
+        "sample", description="latents decoded into the rewarded image: sample (the last SDE sample, Flow-GRPO) or "
+        "x0_pred (x - sigma*v predicted at the last step, DanceGRPO/GCPO/MixGRPO/E-GRPO)"
+    )
+
+
+class EvalSamplingConfig(Section):
+    """How images are sampled for evaluation (ODE: no noise)."""
+
+    num_steps: int = Field(40, ge=1, description="denoising steps for evaluation images")
+    guidance_scale: float = Field(3.5, ge=0, description="guidance for evaluation images")
+
+
+class AlgoConfig(Section):
+    """Advantages and the policy loss."""
+
+    advantage: EstimatorName = Field("grpo", description="registered estimator: grpo, dr_grpo, rloo")
+    global_std: bool = Field(False, description="grpo: divide by the batch's std instead of each group's")
+    multi_reward: Literal["sum_then_normalize", "gdpo", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="several rewards: weighted sum first; gdpo (each normalised in its group, "
+        "weighted sum, renormalised over the batch); or normalize_then_sum (gdpo without the batch renormalisation, "
+        "MixGRPO's advantage_aggr)"
+    )
+    advantage_clip: float = Field(5.0, gt=0, description="advantages clipped to +-this")
+    drop_zero_spread_groups: bool = Field(False, description="leave groups with equal rewards out of the update")
+    min_learning_frac: float = Field(
+        0.1, ge=0, le=1, description="warn (console and metric adv/low_signal) when the fraction of samples with a "
+        "learning signal (valid reward, group with spread) falls below this; 0: never"
+    )
+    clip_range: float = Field(1e-4, gt=0, description="epsilon of the clipped surrogate (both sides)")
+    clip_range_low: float | None = Field(None, gt=0, description="epsilon_low (default clip_range)")
+    clip_range_high: float | None = Field(None, gt=0, description="epsilon_high (default clip_range)")
+    kl_beta: float = Field(0.0, ge=0, description="beta of the KL to the reference policy on transition means")
+    policy_loss: SerializeAsAny[PolicyLossConfig] = Field(
+        default_factory=lambda: _policy_loss({}), description="the policy loss and its own settings (one section "
+        "per loss, flowgrpo.algo.losses; a plain name is shorthand for {name: ...})"
+    )
+    group_filter: SerializeAsAny[GroupFilterConfig] = Field(
+        default_factory=lambda: _group_filter({}), description="which samples of each group enter the advantages, "
+        "and the filter's own settings (flowgrpo.algo.filters; a plain name is shorthand for {name: ...})"
+    )
+    kl_form: KlFormName = Field(
+        "flow_grpo", description="registered KL form: flow_grpo (Flow-GRPO's scripts: (mu-mu_ref)^2 / "
+        "(2*std_dev_t^2), std_dev_t = a*sqrt(sigma/(1-sigma)), no dt) or gaussian (exact Gaussian KL with the "
+        "transition std; 1/(sigma-sigma_next) times larger for flow_sde and dance_sde)"
+    )
+    std_ddof: Literal[0, 1] = Field(
+        0, description="delta degrees of freedom of the advantage std: 0 population (Flow-GRPO), 1 unbiased "
+        "(DanceGRPO, MixGRPO, GCPO, E-GRPO, GDPO)"
+    )
+    std_eps: float = Field(
+        1e-4, gt=0, description="added to the advantage std: 1e-4 (Flow-GRPO, GDPO) or 1e-8 (DanceGRPO family)"
+    )
+    recompute_old_log_probs: bool = Field(
+        False, description="recompute old log-probs with the training batch layout before the first update"
+    )
+
+    @field_validator("policy_loss", mode="before")
+    @classmethod
+    def _policy_loss_section(cls, value):
+        return _policy_loss(value)
+
+    @field_validator("group_filter", mode="before")
+    @classmethod
+    def _group_filter_section(cls, value):
+        return _group_filter(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        _refuse_unread_knobs(self)
+        return self
+
+
+#: the largest seed numpy (and so accelerate's ``set_seed``) accepts
+SEED_MAX = 2**32 - 1
+
+
+class TrainConfig(Section):
+    """The loop, batch sizes and optimiser."""
+
+    num_epochs: int = Field(10, ge=1, description="epochs (rollout + update rounds)")
+    prompts_per_epoch: int = Field(8, ge=1, description="P, prompts sampled per epoch (over all processes)")
+    group_size: int = Field(4, ge=2, description="G, samples per prompt (a group needs G >= 2)")
+    rollout_batch_size: int = Field(8, ge=1, description="trajectories per transformer call while sampling")
+    train_batch_size: int | None = Field(
+        None, ge=1, description="samples per training micro-batch, and the most transformer rows one training "
+        "call holds (a micro-batch's chunks share calls up to it); default rollout_batch_size"
+    )
+    inner_epochs: int = Field(1, ge=1, description="passes over one rollout (passes after the first are off-policy)")
+    optimizer_steps_per_epoch: int = Field(
+        1, ge=1, description="optimizer steps per pass; each takes an equal share of the samples"
+    )
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup, in optimizer steps")
+    seed: int = Field(
+        0, description="seed of every random draw (prompts, noise, chunk sampling), in 0..2**32-1 (numpy's range)"
+    )
+    latents_on_cpu: bool = Field(
+        False, description="keep rollout latents in CPU memory between phases (moved to the device per micro-batch)"
+    )
+    ema_decay: float | None = Field(
+        None, ge=0, lt=1, description="EMA of the trained weights (e.g. 0.9), used for evaluation and saving"
+    )
+    resume_from: str | None = Field(
+        None, description="checkpoint folder, or a checkpoints root holding 'latest', to resume from"
+    )
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, seed: int) -> int:
+        """Raises ``ValueError`` naming ``train.seed`` for a seed outside 0..2**32-1 (numpy and accelerate's
+        ``set_seed`` accept no other)."""
+        if not 0 <= seed <= SEED_MAX:
+            raise ValueError(f"train.seed={seed} is out of range: a seed must be an integer in 0..2**32-1 "
+                             f"(0..{SEED_MAX})")
+        return seed
+
+
+class RewardSpec(Section):
+    """One reward: a registered name (entry point) or 'module:attr', its weight and constructor kwargs."""
+
+    name: str = Field(description="entry-point name in group flowgrpo.rewards, or 'module:attr'")
+    weight: float = Field(
+        1.0, description="weight w in the composed reward, the weighted sum Σ w·r (negative: a penalty)"
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward")
+
+
+class DataConfig(Section):
+    """Prompt files: plain text (one prompt a line) or JSONL (a 'prompt' field plus metadata)."""
+
+    train_prompts: str = Field("digits", description="prompt file, or an embedded set: digits, t2i_compbench")
+    eval_prompts: str | None = Field(None, description="held-out prompt file for periodic evaluation")
+    eval_num_prompts: int = Field(200, ge=1, description="evaluation prompts (cycled with new seeds if fewer)")
+
+
+class LoggingConfig(Section):
+    """What is written where."""
+
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="accelerate trackers")
+    eval_every: int = Field(0, ge=0, description="evaluate every N epochs (0: only before and after)")
+    save_every: int = Field(0, ge=0, description="checkpoint every N epochs (0: only at the end)")
+    checkpoints_total_limit: int = Field(2, ge=1, description="newest checkpoints kept")
+    overwrite: bool = Field(False, description="start a new run in an output_dir that holds an old one")
+    progress: bool = Field(True, description="progress bars on the main process")
+    plot_every: int = Field(
+        1, ge=0, description="draw reward_curve.png and samples_latest.png every N epochs and after the last one "
+        "(0: only after the last); matplotlib takes about half a second for the two"
+    )
+    save_rollout_stats: bool = Field(
+        False, description="write each epoch's gathered rewards, advantages, group ids and initial noise to "
+        "rollouts/epoch_<N>.safetensors (for analysis and the multi-process equivalence test)"
+    )
+
+
+class Config(Section):
+    """A whole training run."""
+
+    output_dir: str = Field("runs/default", description="run folder: config, metrics, images, weights")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    eval_sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
+    objective: SerializeAsAny[ObjectiveConfig] = Field(
+        default_factory=lambda: _objective({}), description="what the update optimises, and the objective's own "
+        "settings (one section per objective; see flowgrpo.algo.objectives)"
+    )
+    chunker: SerializeAsAny[ChunkerConfig] = Field(
+        default_factory=lambda: _chunker({}), description="the chunker strategy and its own settings "
+        "(one section per strategy; see flowgrpo.algo.chunkers)"
+    )
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="digit_correctness")], description="rewards optimised"
+    )
+    eval_rewards: list[RewardSpec] = Field(
+        default_factory=list, description="extra rewards scored at evaluation only (reward-hacking watch)"
+    )
+    data: DataConfig = Field(default_factory=DataConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("chunker", mode="before")
+    @classmethod
+    def _chunker_section(cls, value):
+        return _chunker(value)
+
+    @field_validator("objective", mode="before")
+    @classmethod
+    def _objective_section(cls, value):
+        return _objective(value)
+
+    @model_validator(mode="after")
+    def _derive(self) -> Config:
+        t = self.train
+        b = t.prompts_per_epoch * t.group_size
+        if b % t.rollout_batch_size:
+            raise ValueError(
+                f"train.rollout_batch_size={t.rollout_batch_size} must divide the batch "
+                f"B = prompts_per_epoch*group_size = {b}"
+            )
+        tb = self.train_batch_size
+        if b % tb:
+            more = (f" (chunker {self.chunker.name!r} trains each sample as one trajectory per branch step; "
+                    "train_batch_size must divide the samples, so that every micro-batch holds whole groups)"
+                    if self.chunker.multiplies_batch else "")
+            raise ValueError(f"train.train_batch_size={tb} must divide the batch B = prompts_per_epoch*group_size = "
+                             f"{b}{more}")
+        if (b // tb) % t.optimizer_steps_per_epoch and not self.chunker.multiplies_batch:
+            raise ValueError(
+                f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
+                f"training micro-batches B / train_batch_size = {b // tb}"
+            )
+        if not all(0 <= beta < 1 for beta in t.adam_betas):
+            raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward is needed")
+        self.algo.group_filter.check(self)  # each strategy's checks against the other sections
+        self.algo.policy_loss.check(self)
+        if all(r.weight == 0 for r in self.rewards):
+            raise ValueError("every reward in rewards has weight 0: the composed reward would be 0 and nothing "
+                             "would be optimised; give at least one a weight")
+        both = sorted({r.name for r in self.rewards} & {r.name for r in self.eval_rewards})
+        if both:
+            raise ValueError(f"rewards {both} are in both rewards and eval_rewards: a reward is either optimised "
+                             "(rewards) or only scored at evaluation (eval_rewards)")
+        names = [r.name for r in self.rewards + self.eval_rewards]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"rewards: each reward may appear once (in rewards or eval_rewards), repeated: {dup}")
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        """B = P·G, trajectories per epoch over all processes."""
+        return self.train.prompts_per_epoch * self.train.group_size
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.train.train_batch_size or self.train.rollout_batch_size
+
+    @property
+    def clip_low(self) -> float:
+        return self.algo.clip_range_low if self.algo.clip_range_low is not None else self.algo.clip_range
+
+    @property
+    def clip_high(self) -> float:
+        return self.algo.clip_range_high if self.algo.clip_range_high is not None else self.algo.clip_range
+
+

@@ -1,0 +1,157 @@
+"""The settings base every config section and every strategy's settings model derive from, and its helpers.
+
+:class:`Section` refuses unknown keys, validates assignments and never takes a boolean for an integer. A
+*strategy section* (``chunker:``, ``objective:``, ``algo.policy_loss:``, ``algo.group_filter:``) is validated by
+:func:`strategy_settings` against the settings model of the strategy its ``name`` selects, so a knob of another
+strategy is an error naming its owner. This module imports nothing of flowgrpo above the registry.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
+from pydantic_core import PydanticCustomError
+
+from flowgrpo.registry import Registry, did_you_mean
+
+
+def _takes_int(ann) -> bool:
+    """Whether a field annotation admits an integer but not a boolean: ``int``, ``int | None``, ``Literal[0, 1]``."""
+    if ann is int:
+        return True
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) is Literal:
+        return any(type(a) is int for a in args) and not any(isinstance(a, bool) for a in args)
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return bool not in args and any(_takes_int(a) for a in args)
+    return False
+
+
+def _bool_for_int(ann, value) -> bool:
+    """Whether ``value`` puts a boolean where ``ann`` wants an integer: the value itself, or an item of a list or
+    tuple field (``list[int]``, ``list[int] | None``)."""
+    if isinstance(value, bool):
+        return _takes_int(ann)
+    if not isinstance(value, list | tuple):
+        return False
+    options = typing.get_args(ann) if typing.get_origin(ann) in (typing.Union, types.UnionType) else (ann,)
+    items = [a for o in options if typing.get_origin(o) in (list, tuple, set, frozenset) for a in typing.get_args(o)]
+    return any(_bool_for_int(a, v) for a in items for v in value)
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, assignments are validated, and a boolean is never taken for an
+    integer (pydantic's lax mode would read ``true`` as 1)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_int(cls, value, info):
+        """Raises ``PydanticCustomError`` (type ``bool_not_int``, located at the field) for a boolean given to an
+        integer field (or as an item of a list of integers); every other value passes unchanged."""
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if field is not None and _bool_for_int(field.annotation, value):
+            raise PydanticCustomError("bool_not_int", "an integer is needed, got a boolean; write the number itself")
+        return value
+
+
+def registered_name(registry: Registry, key: str):
+    """A ``str`` field type whose value must be registered in ``registry`` when validated (plugins register
+    before the config is built); otherwise a ValueError naming ``key`` with the registry's own message (valid
+    names, the closest)."""
+
+    def check(name: str) -> str:
+        try:
+            registry.get(name)
+        except KeyError as err:
+            raise ValueError(f"{key}: {err.args[0]}") from None
+        return name
+
+    return Annotated[str, AfterValidator(check)]
+
+
+def settings_class(registry: Registry, name: str, base: type[Section]) -> type[Section]:
+    """The settings model of the strategy registered as ``name``: its ``Config`` attribute, else ``base`` (a
+    plugin strategy without knobs). Raises ``KeyError`` listing the registered names."""
+    return getattr(registry.get(name), "Config", base)
+
+
+def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Section]) -> Section:
+    """Validate a strategy section: ``value`` is a plain strategy name (shorthand for ``{name: value}``) or a
+    mapping whose ``name`` (default: ``base``'s) selects the settings model (:func:`settings_class`).
+
+    Args:
+        prefix: the section's dotted key (``chunker``, ``algo.policy_loss``), for messages.
+        registry: the strategies; ``registry.what`` names the kind in messages.
+        base: the settings every strategy of the kind has (its ``name`` field's default is the default strategy).
+
+    Raises:
+        ValueError: an unknown strategy (listing the registered ones); a key of another strategy (naming the
+            strategies that read it and how to switch); an unknown key (its closest key).
+    """
+    if isinstance(value, BaseModel):
+        return value
+    section = {"name": value} if isinstance(value, str) else dict(value)
+    name = section.get("name", base.model_fields["name"].default)
+    try:
+        settings = settings_class(registry, name, base)
+    except KeyError as err:
+        raise ValueError(f"{prefix}.name: {err.args[0]}") from None
+    for key in section:
+        if key not in settings.model_fields:
+            raise ValueError(_foreign_key(prefix, key, section[key], name, settings, registry, base))
+    return settings.model_validate(section)
+
+
+def _foreign_key(prefix: str, key: str, value, name: str, settings: type[Section], registry: Registry,
+                 base: type[Section]) -> str:
+    """Why ``key`` cannot be in the section of strategy ``name``: it is another strategy's knob, or a typo."""
+    owners = [n for n in registry if key in settings_class(registry, n, base).model_fields]
+    if not owners:
+        close = did_you_mean(key, settings.model_fields).replace(" (", "; ").rstrip(")")
+        return (f"unknown config key '{prefix}.{key}' for {registry.what} {name!r} (its keys: "
+                f"{sorted(settings.model_fields)}){close}")
+    them = " / ".join(owners)
+    return (f"{prefix}.{key}={value!r} is read only by {prefix}.name={them}, but {prefix}.name is {name!r}: remove "
+            f"the setting or choose {them} (to switch strategies, replace the whole section, e.g. "
+            f"'{prefix}={{name: {name}}}', or '{prefix}: {{name: {name}}}' in a config that extends another)")
+
+
+def strategy_rows(prefix: str, registry: Registry, base: type[Section]) -> list[tuple[str, str, str]]:
+    """``--help`` rows (dotted key, default, description) of a strategy section: every registered strategy's
+    settings, each key marked with the strategies that have it (``name`` shows the default strategy)."""
+    owners: dict[str, list[str]] = {}
+    fields = {}
+    for strategy in registry:
+        for key, f in settings_class(registry, strategy, base).model_fields.items():
+            owners.setdefault(key, []).append(strategy)
+            fields.setdefault(key, f)
+    rows = []
+    for key, f in fields.items():
+        default = repr(base.model_fields["name"].default) if key == "name" else repr(f.default)
+        where = "" if key == "name" else f"[{', '.join(owners[key])}] "
+        text = f.description or (base.model_fields[key].description if key in base.model_fields else "") or ""
+        rows.append((f"{prefix}.{key}", default, where + text))
+    return rows
+
+
+def save_config(config: BaseModel, path: str | Path) -> None:
+    """Write resolved settings (a run's config: every field, defaults included) as YAML."""
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def flat_dict(d: dict, prefix: str = "") -> dict:
+    """A nested dict (a dumped config) as ``{"dotted.key": value}``; dicts are flattened, other values kept."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_dict(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -1,0 +1,381 @@
+"""The epoch loop: one trainer for every model adapter, objective, chunker, SDE kind and reward.
+
+An epoch is a flat list of timed phases (as verl's driver loop): ``rollout`` → ``reward`` → ``filter`` →
+``advantage`` → ``plan`` → ``recompute`` (when the plan asks for it) → ``update``, with ``eval`` and ``save``
+around it. What each phase does beyond the rewards is the objective's (:mod:`flowgrpo.algo.objectives`: the
+order and what each phase receives and returns are in its ``base`` module); every gradient is applied by
+:class:`~flowgrpo.training.optim.Optimization`; the run folder's life is :mod:`flowgrpo.training.run_folder`, the
+end-of-run report :mod:`flowgrpo.training.report`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from flowgrpo import dist
+from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
+from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
+from flowgrpo.models.lora import save_lora
+from flowgrpo.plots import reward_curve, sample_grid
+from flowgrpo.records import Advantages, Rewards
+from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
+from flowgrpo.rewards.compose import ComposedReward, compose_rewards
+from flowgrpo.rng import derive_seed
+from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, generate_images
+from flowgrpo.training import report
+from flowgrpo.training.optim import Optimization
+from flowgrpo.training.run_folder import RunFolder
+
+logger = logging.getLogger(__name__)
+
+
+class Trainer:
+    """The training loop of any objective.
+
+    Args:
+        config: the validated :class:`~flowgrpo.config.Config`.
+        adapter: a model adapter whose transformer is already set up for training (LoRA or full).
+        params: the trained parameters.
+        rewards: the optimised rewards; eval_rewards: rewards scored only at evaluation (may be None).
+        objective: the objective strategy (:func:`~flowgrpo.algo.objectives.build_objective` of ``config``).
+        prompts: the training prompt set; eval_prompts: held-out prompts (None: no evaluation).
+        accelerator: an ``accelerate.Accelerator``.
+        reward_origins: provenance of every reward plugin, written to ``rewards.json``.
+    """
+
+    def __init__(self, config, *, adapter, params, rewards: ComposedReward, eval_rewards: ComposedReward | None,
+                 objective, prompts: PromptSet, eval_prompts: PromptSet | None, accelerator,
+                 reward_origins: list | None = None) -> None:
+        self.cfg = config
+        self.adapter = adapter
+        self.rewards = rewards
+        self.eval_rewards = eval_rewards
+        self.objective = objective
+        self.prompts = prompts
+        self.eval_prompts = eval_prompts
+        self.run = RunFolder(config)
+        self.out = self.run.out
+        self.main = accelerator.is_main_process
+        self.optim = Optimization(config.train, adapter=adapter, params=params, accelerator=accelerator)
+        self.sampler = GroupSampler(len(prompts), config.train.prompts_per_epoch, config.train.seed)
+        self.epoch = 0  # 0-based: the epoch training (or next to train)
+        self.stage = "epochs"  # "epochs", then "final" (the final evaluation and save)
+        self.settings = SamplerSettings.from_config(config.sampling)
+        self.metrics = MetricsSink(self.out / "metrics.jsonl", accelerator, self.main)
+        self.reward_origins = reward_origins or []
+        self.scorer = AsyncRewardScorer(rewards)
+        self.tables: list = []  # the rewards' per-group tables of the final summary (report.report_tables)
+        self._low_signal_warned = False
+        self.forward_count = [0, 0]  # transformer calls and rows, for the rollout/update cost metrics
+        adapter.transformer.register_forward_pre_hook(self._count_forward, with_kwargs=True)
+        if config.train.resume_from:
+            self.epoch = self.optim.resume(config.train.resume_from, sampler=self.sampler)
+
+    def _count_forward(self, module, args, kwargs) -> None:
+        x = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
+        self.forward_count[0] += 1
+        self.forward_count[1] += 0 if x is None else len(x)  # a batch tensor, or a list of samples (Z-Image)
+
+    def save_checkpoint(self, epoch: int) -> None:
+        if self.main:
+            self.optim.save(self.out / "checkpoints", epoch, sampler=self.sampler,
+                            keep=self.cfg.logging.checkpoints_total_limit)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        """Train for ``train.num_epochs`` epochs; returns the summary also written to ``summary.json``.
+
+        Logs one line per epoch (:func:`~flowgrpo.metrics.epoch_line`: progress, elapsed time and ETA, reward,
+        trained fraction, the off-policy updates' clip fraction and KL). A resumed run that is already finished
+        returns the run's existing summary (or ``{}``) untouched."""
+        cfg = self.cfg
+        if self.run.finished(self.epoch):
+            return self._already_finished()
+        if self.main:
+            self.run.claim(self.epoch)
+            self.run.write_config(self.epoch)
+            (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
+        t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
+        before, img_before, captions = self.run.before(self.evaluate, self.main)
+        eval_seconds = time.perf_counter() - t0
+        last, first = cfg.train.num_epochs - 1, self.epoch
+        start = time.perf_counter()
+        for epoch in range(self.epoch, cfg.train.num_epochs):
+            self.epoch = epoch
+            every = cfg.logging.eval_every
+            record = self.train_epoch(epoch, evaluate=bool(every) and (epoch + 1) % every == 0 and epoch < last)
+            if cfg.logging.save_every and (epoch + 1) % cfg.logging.save_every == 0 and epoch < last:
+                self.save_checkpoint(epoch)
+            if self.main:
+                elapsed = time.perf_counter() - start
+                eta = elapsed / (epoch + 1 - first) * (last - epoch)
+                logger.info("%s", epoch_line(record, epoch, cfg.train.num_epochs, elapsed, eta))
+        self.stage = "final"  # the final evaluation and save (what an interruption report names)
+        summary = self._finish(before, img_before, captions, eval_seconds)
+        self.scorer.close()
+        return summary
+
+    def _already_finished(self) -> dict:
+        """The existing summary of a finished run (its ``outputs`` those of this output_dir; a copied run folder's
+        summary names the folder it was copied from), or ``{}``."""
+        self.scorer.close()
+        summary = self.out / "summary.json"
+        if not summary.is_file():
+            return {}
+        summary = {**json.loads(summary.read_text()), "outputs": report.outputs(self.out, self.run.weights_dir)}
+        self.tables = report.report_tables((self.rewards, self.eval_rewards), summary)
+        return summary
+
+    def _finish(self, before, img_before, captions, eval_seconds: float) -> dict:
+        """The final evaluation, checkpoint, weights, summary and model card."""
+        t0 = time.perf_counter()
+        after, img_after, captions_after = self.evaluate("after")
+        eval_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.save_checkpoint(self.cfg.train.num_epochs - 1)
+        with self.optim.eval_weights():
+            self.save_weights()
+        save_seconds = time.perf_counter() - t0
+        summary, self.tables = report.write_summary(
+            self.run, before, after, img_before, img_after, captions or captions_after,
+            extra_seconds={"eval": eval_seconds, "save": save_seconds}, main=self.main,
+            composed_rewards=(self.rewards, self.eval_rewards), eval_metadata=self._eval_set()[1])
+        if self.main:
+            report.write_card(self.run, summary, adapter=self.adapter, prompt=self.prompts.prompts[0],
+                              tables=self.tables)
+        return summary
+
+    def train_epoch(self, epoch: int, evaluate: bool = False) -> dict:
+        """One epoch's phases; with ``evaluate`` the held-out evaluation joins the epoch's record."""
+        m, objective = self.metrics, self.objective
+        traj, handles = self._timed_rollout()
+        with m.timed("reward"):  # only the wait for scores not finished during the rollout
+            rewards, group_ids = self.reward_phase(traj, handles)
+        with m.timed("filter"):
+            kept = objective.filter_groups(rewards, group_ids)
+        with m.timed("advantage"):
+            adv = objective.advantages(rewards, group_ids, kept.keep)
+        with m.timed("plan"):
+            work = objective.plan(traj, adv, kept.keep, epoch)
+        m.log(kept.metrics)
+        if work.recompute:
+            with m.timed("recompute"):
+                work = objective.recompute(self.adapter, work)
+        calls0, rows0 = self.forward_count
+        with m.timed("update"):
+            upd = objective.update(self.adapter, self.optim, work, progress=self.cfg.logging.progress and self.main)
+        m.log({"update/transformer_calls": self.forward_count[0] - calls0,
+               "update/transformer_rows": self.forward_count[1] - rows0})
+        if self.cfg.logging.save_rollout_stats:
+            self.save_rollout_stats(epoch, traj, rewards, group_ids, adv)
+        m.log(_reward_metrics(rewards))
+        self._warn_low_signal(epoch, adv)
+        m.log({"adv/zero_spread_frac": adv.zero_spread_frac, "adv/nan_frac": adv.nan_frac,
+               "adv/learning_frac": adv.learning_frac,
+               "adv/kept_frac": float(adv.train_mask.double().mean()), "adv/abs_mean": float(adv.values.abs().mean()),
+               **work.metrics})
+        m.log(upd)
+        if evaluate:
+            with m.timed("eval"):
+                m.log(self.evaluate(f"epoch {epoch + 1}")[0])  # 1-based, as the epoch lines
+        every = self.cfg.logging.plot_every
+        if self.main and (epoch == self.cfg.train.num_epochs - 1 or (every and (epoch + 1) % every == 0)):
+            with self.metrics.timed("plots"):
+                self._plot(epoch, traj, rewards)
+        return m.commit(epoch)
+
+    # ------------------------------------------------------------------ rollout and rewards
+    def _timed_rollout(self):
+        """The ``rollout`` phase and its cost metrics (transformer calls and rows, prompts cut at a text
+        encoder's limit over all processes)."""
+        m = self.metrics
+        calls0, rows0 = self.forward_count
+        truncation = getattr(self.adapter, "truncation", None)
+        cut0 = truncation.total if truncation is not None else 0
+        with m.timed("rollout"):
+            traj, handles = self.rollout_phase()
+        m.log({"rollout/transformer_calls": self.forward_count[0] - calls0,
+               "rollout/transformer_rows": self.forward_count[1] - rows0, "rollout/trajectories": traj.batch_size})
+        if truncation is not None:
+            cut = dist.all_reduce_sum(torch.tensor([float(truncation.total - cut0)], dtype=torch.float64))
+            m.log({"rollout/truncated_prompts": float(cut[0])})
+        return traj, handles
+
+    def rollout_phase(self):
+        """Sample this process's share of the epoch's P×G trajectories (the objective's rollout); each decoded
+        micro-batch is handed to the background reward scorer at once. Returns the rollout record and the score
+        handles in sample order."""
+        t = self.cfg.train
+        prompt_ids = self.sampler.next_prompt_ids()
+        # a prompt drawn twice in one epoch (only when P > the set's size) is two groups with their own noise
+        keys = group_keys(prompt_ids, len(self.prompts))
+        all_keys = keys.repeat_interleave(t.group_size)  # (B,) global layout: groups adjacent
+        all_pids = prompt_ids.repeat_interleave(t.group_size)
+        all_j = torch.arange(t.group_size).repeat(t.prompts_per_epoch)
+        local = dist.local_slice(len(all_pids))
+        pids, js = all_pids[local], all_j[local]
+        prompts = [self.prompts.prompts[i] for i in pids]
+        metadata = [self.prompts.metadata[i] for i in pids]
+        handles = []
+
+        def score_in_background(images: torch.Tensor, batch_prompts: list[str], batch_meta: list[dict]) -> None:
+            handles.append(self.scorer.submit(images, batch_prompts, batch_meta))
+
+        request = RolloutRequest(
+            prompts=prompts, metadata=metadata, prompt_ids=all_keys[local], sample_index=js, settings=self.settings,
+            batch_size=t.rollout_batch_size, seed=t.seed, epoch=self.epoch,
+            same_noise_in_group=self.cfg.sampling.same_noise_in_group, progress=self.cfg.logging.progress and self.main,
+            on_images=score_in_background, latents_on_cpu=t.latents_on_cpu,
+        )
+        return self.objective.rollout(self.adapter, request), handles
+
+    def reward_phase(self, traj, handles: list) -> tuple[Rewards, torch.Tensor]:
+        """Wait for the background scores of the local images (scored during the rollout; a rollout that did not
+        report its micro-batches is scored here), then gather components and group ids of the whole batch."""
+        if sum(h.batch_size for h in handles) == traj.batch_size:
+            comps = self.scorer.gather(handles)
+        else:
+            comps = score_components_named(self.rewards, traj.images, traj.prompts, traj.metadata)
+        group_ids = dist.gather_cat(traj.group_ids)
+        if self.rewards.group_wise:  # scored now that every group is complete (point-wise ones skipped them)
+            _check_whole_groups(traj.group_ids, group_ids, self.rewards.group_wise)
+            comps.update(score_components_named(_only(self.rewards, self.rewards.group_wise), traj.images,
+                                                traj.prompts, traj.metadata, traj.group_ids))
+        gathered = {k: dist.gather_cat(comps[k]) for k in self.rewards.rewards}
+        return compose_rewards(gathered, self.rewards.weights), group_ids
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_set(self) -> tuple[list[str], list[dict]]:
+        """The evaluation prompts and metadata: ``data.eval_num_prompts`` held-out prompts, cycled; without
+        evaluation prompts, the training prompts (cycled, at most one epoch's B = P·G of them), which the seeds
+        below still make held-out images."""
+        if self.eval_prompts is not None:
+            source, n = self.eval_prompts, self.cfg.data.eval_num_prompts
+        else:
+            source, n = self.prompts, min(self.cfg.data.eval_num_prompts, self.cfg.batch_size)
+        idx = [i % len(source) for i in range(n)]
+        return [source.prompts[i] for i in idx], [source.metadata[i] for i in idx]
+
+    @torch.no_grad()
+    def evaluate(self, tag: str) -> tuple[dict[str, float], torch.Tensor, list[str]]:
+        """ODE images of the fixed evaluation set (:meth:`_eval_set`; image i seeded
+        ``derive_seed(train.seed, "eval", i)``, never a training seed), scored by every reward and eval reward.
+
+        Returns (metrics ``eval/<name>/mean`` and batch metrics, the images (N, 3, H, W) in [0, 1], captions).
+        A reward with ``batch_metrics`` reports its whole-set figures under their own names (``eval/correctness``,
+        a per-group ``eval/<group>/<figure>`` …) instead of its per-image mean; the console line leaves the
+        per-group figures out."""
+        ps, meta = self._eval_set()
+        seeds = [derive_seed(self.cfg.train.seed, "eval", i) for i in range(len(ps))]
+        self.optim.eval_mode()
+        with self.optim.eval_weights():
+            images = generate_images(
+                self.adapter, ps, seeds, num_steps=self.cfg.eval_sampling.num_steps,
+                guidance_scale=self.cfg.eval_sampling.guidance_scale, batch_size=self.cfg.train.rollout_batch_size,
+                progress=self.cfg.logging.progress and self.main, metadata=meta,
+            )
+        out: dict[str, float] = {}
+        grouped: set[str] = set()
+        for composed in (self.rewards, self.eval_rewards):
+            if composed is None:
+                continue
+            for name, scores in score_components_named(composed, images, ps, meta).items():
+                if hasattr(composed.rewards.get(name), "batch_metrics"):
+                    continue
+                valid = scores[~torch.isnan(scores)]
+                out[f"eval/{name}/mean"] = float(valid.mean()) if valid.numel() else float("nan")
+            for reward in composed.rewards.values():
+                if hasattr(reward, "batch_metrics"):  # whole-set figures (correctness, diversity) under their own name
+                    for k, v in reward.batch_metrics(images, ps, meta).items():
+                        out[f"eval/{k}"] = float(v)
+                        if "/" in k:  # a per-group figure <group>/<figure>
+                            grouped.add(f"eval/{k}")
+        captions = [p[:40] for p in ps]
+        if self.main:  # every process evaluates the same images; one reports them
+            logger.info("eval (%s): %s", tag, ", ".join(f"{k}={v:.4f}" for k, v in out.items() if k not in grouped))
+        return out, images, captions
+
+    # ------------------------------------------------------------------ records of the run
+    def _plot(self, epoch: int, traj, rewards: Rewards) -> None:
+        """``reward_curve.png`` (every epoch so far, this one included) and ``samples_latest.png`` (the first 16
+        samples of this epoch's rollout with their rewards)."""
+        reward_curve(read_metrics(self.out / "metrics.jsonl") + [self.metrics.pending(epoch)],
+                     self.out / "reward_curve.png")
+        k = min(16, traj.batch_size)
+        caps = [f"{p[:28]}\n{r:.3g}" for p, r in zip(traj.prompts[:k], rewards.total[:k].tolist(), strict=True)]
+        sample_grid(traj.images[:k], caps, self.out / "samples_latest.png", title=f"epoch {epoch + 1}")
+
+    def _warn_low_signal(self, epoch: int, adv: Advantages) -> None:
+        """Metric ``adv/low_signal`` (1.0 or 0.0) each epoch; a console warning, with what to change, the first
+        epoch the fraction of samples with a learning signal falls below ``algo.min_learning_frac``."""
+        low = adv.learning_frac < self.cfg.algo.min_learning_frac
+        self.metrics.log({"adv/low_signal": float(low)})
+        if not low or self._low_signal_warned or not self.main:
+            return
+        self._low_signal_warned = True
+        logger.warning(
+            "epoch %d: only %.1f%% of the samples carry a learning signal (%.1f%% of the groups have equal rewards, "
+            "%.1f%% of the samples a NaN reward; algo.min_learning_frac=%g): the update moves the policy little or "
+            "not at all. Make the rewards differ within a group: a denser reward (a probability, not a 0/1 "
+            "verdict), a larger train.group_size, more sampling.num_steps or a higher sampling.noise_level. "
+            "Metric adv/low_signal marks each such epoch; this warning is shown once.",
+            epoch, 100 * adv.learning_frac, 100 * adv.zero_spread_frac, 100 * adv.nan_frac,
+            self.cfg.algo.min_learning_frac)
+
+    def save_rollout_stats(self, epoch: int, traj, rewards: Rewards, group_ids: torch.Tensor,
+                           adv: Advantages) -> None:
+        """Gathered per-sample statistics of the epoch (global sample order) as safetensors."""
+        init = dist.gather_cat(traj.initial_noise.float().contiguous())
+        if not self.main:
+            return
+        folder = self.out / "rollouts"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({"reward_total": rewards.total.contiguous(), "advantages": adv.values.contiguous(),
+                   "group_ids": group_ids.contiguous(), "train_mask": adv.train_mask.contiguous(),
+                   "initial_latents": init.cpu().contiguous(),
+                   **{f"reward/{k}": v.contiguous() for k, v in rewards.components.items()}},
+                  folder / f"epoch_{epoch}.safetensors")
+
+    @property
+    def weights_dir(self):
+        """Where the final weights go: ``output_dir/lora`` (LoRA) or ``output_dir/transformer`` (full)."""
+        return self.run.weights_dir
+
+    def save_weights(self) -> None:
+        """The trained LoRA (diffusers ``load_lora_weights`` format) or full transformer (``from_pretrained``)."""
+        if not self.main:
+            return
+        if self.cfg.model.finetune == "lora":
+            save_lora(self.adapter, self.weights_dir)
+        else:
+            self.optim.unwrapped.save_pretrained(self.weights_dir)
+
+
+def _reward_metrics(rewards: Rewards) -> dict[str, float]:
+    out = {}
+    items = {**rewards.components, "total": rewards.total}
+    for name, r in items.items():
+        valid = r[~torch.isnan(r)]
+        out[f"reward/{name}/mean"] = float(valid.mean()) if valid.numel() else math.nan
+        out[f"reward/{name}/std"] = float(valid.std(unbiased=False)) if valid.numel() else math.nan
+        out[f"reward/{name}/nan_frac"] = float(torch.isnan(r).double().mean())
+    return out
+
+
+def _only(composed: ComposedReward, names: list[str]) -> ComposedReward:
+    return ComposedReward({k: composed.rewards[k] for k in names}, {k: composed.weights[k] for k in names})
+
+
+def _check_whole_groups(local_ids: torch.Tensor, all_ids: torch.Tensor, names: list[str]) -> None:
+    """A group-wise reward needs each process to hold whole groups (else it would rank part of a group)."""
+    uniq, local_counts = torch.unique(local_ids, return_counts=True)
+    total = torch.stack([(all_ids == g).sum() for g in uniq])
+    if not torch.equal(local_counts, total):
+        raise ValueError(f"rewards {names} score whole groups, but a group is split over processes; choose "
+                         "train.prompts_per_epoch divisible by the number of processes")

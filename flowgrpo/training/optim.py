@@ -1,0 +1,129 @@
+"""The one place a gradient is applied: the optimizer, its learning-rate schedule, gradient accumulation and
+synchronisation, clipping, the non-finite check, the step and the EMA of the weights, and their checkpoint state.
+
+Every objective's update calls only this interface (:class:`Optimization`): per optimizer step, for each pack of
+its micro-batches ``with optim.accumulating(sync=last): ...forward...; optim.backward(loss)``, then
+``optim.step(epoch)`` and ``optim.zero_grad()``. A sharded or otherwise distributed optimizer is a change here
+alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
+from flowgrpo.ema import EMA
+
+logger = logging.getLogger(__name__)
+
+
+class Optimization:
+    """AdamW (``train.lr``, ``adam_betas``, ``adam_eps``, ``weight_decay``) with a linear warmup over
+    ``train.warmup_steps`` optimizer steps, gradient-norm clipping (``train.max_grad_norm``) and an optional EMA
+    of the trained weights (``train.ema_decay``), around the transformer wrapped by ``accelerator``.
+
+    Args:
+        train: the run's :class:`~flowgrpo.config.TrainConfig`.
+        adapter: the model adapter; its ``forward_module`` becomes the wrapped transformer (gradient sync).
+        params: the trained parameters.
+        accelerator: an ``accelerate.Accelerator``.
+
+    Attributes:
+        model: the wrapped transformer (forward through it); optimizer, lr_scheduler, ema (or None).
+    """
+
+    def __init__(self, train, *, adapter, params, accelerator) -> None:
+        self.train_cfg = train
+        self.params = params
+        self.accelerator = accelerator
+        optimizer = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
+                                      weight_decay=train.weight_decay)
+        warm = train.warmup_steps
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
+        )
+        self.model, self.optimizer = accelerator.prepare(adapter.transformer, optimizer)
+        adapter.forward_module = self.model  # forward through the distributed wrapper (gradient sync)
+        self.ema = EMA(params, train.ema_decay) if train.ema_decay is not None else None
+
+    # ------------------------------------------------------------------ one optimizer step
+    def accumulating(self, *, sync: bool):
+        """The context of one pack's forward and backward: gradients are all-reduced only when ``sync`` (the
+        step's last pack)."""
+        # one process has nothing to all-reduce (accelerate's no_sync would only look that up per call)
+        if sync or self.accelerator.num_processes == 1:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(self.model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of the 0-dim ``loss`` (already scaled to the step's mean)."""
+        self.accelerator.backward(loss)
+
+    def step(self, epoch: int) -> float:
+        """Clip, check and apply the accumulated gradient (the update's one host read per step), advance the
+        learning-rate schedule and the EMA; returns the gradient norm.
+
+        Raises ``FloatingPointError`` on a non-finite norm, before the weights change."""
+        gn = float(self.accelerator.clip_grad_norm_(self.params, self.train_cfg.max_grad_norm))
+        if not math.isfinite(gn):  # never let one bad batch overwrite the weights
+            raise FloatingPointError(
+                f"epoch {epoch}: the gradient norm is {gn}; the weights were not updated "
+                "(last checkpoint intact). Check the rewards and lower train.lr."
+            )
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
+        return gn
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return self.lr_scheduler.get_last_lr()[0]
+
+    # ------------------------------------------------------------------ modes and weights
+    def train_mode(self) -> None:
+        """Switch the transformer to training mode (a walk over every module: only when evaluation left it off)."""
+        if not self.model.training:
+            self.model.train()
+
+    def eval_mode(self) -> None:
+        self.model.eval()
+
+    def eval_weights(self):
+        """The weights evaluation and saving use: the EMA when on, else the trained ones (a context)."""
+        return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        """The transformer without the distributed wrapper (for saving)."""
+        return self.accelerator.unwrap_model(self.model)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, root: Path, epoch: int, *, sampler, keep: int) -> None:
+        """Checkpoint epoch ``epoch`` (weights, optimizer, schedule, EMA, the prompt sampler) under ``root``,
+        keeping the newest ``keep``."""
+        save_checkpoint(root, epoch, model=self.unwrapped, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                        sampler=sampler, ema=self.ema, keep=keep)
+
+    def resume(self, checkpoint: str, *, sampler) -> int:
+        """Load ``checkpoint`` (and the prompt sampler's state); this run's optimiser settings win over the
+        checkpoint's. Returns the epoch to train next."""
+        t = self.train_cfg
+        epoch = 1 + load_checkpoint(checkpoint, model=self.unwrapped, optimizer=self.optimizer,
+                                    lr_scheduler=self.lr_scheduler, sampler=sampler, ema=self.ema)
+        for group in self.optimizer.param_groups:
+            group.update(betas=tuple(t.adam_betas), eps=t.adam_eps, weight_decay=t.weight_decay)
+        self.lr_scheduler.base_lrs = [t.lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group["lr"] = t.lr * self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
+        logger.info("resumed from %s at epoch %d", checkpoint, epoch)
+        return epoch

@@ -1,0 +1,160 @@
+"""The life of a run folder (``output_dir``): claimed for one run, its config written once, a resume's changed
+settings reported, the base model's "before" evaluation kept, and a finished run recognised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import yaml
+
+from flowgrpo.checkpoint import resolve_checkpoint
+from flowgrpo.metrics import read_metrics
+from flowgrpo.settings import flat_dict, save_config
+
+logger = logging.getLogger(__name__)
+
+#: what a run writes into its output_dir; ``logging.overwrite=true`` removes these of the old run
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "rewards.json", "eval_before.json",
+             "eval_images_before.pt", "eval_images_after.pt", "lora", "transformer", "rollouts",
+             "samples_latest.png", "reward_curve.png", "before_after.png")
+
+#: the settings that decide what an evaluation measures (the RL seed also picks the evaluation's seeds)
+EVAL_SETTINGS = ("data.eval_prompts", "data.eval_num_prompts", "eval_sampling.", "eval_rewards", "rewards",
+                 "train.seed")
+
+
+def latest_run_config(out: str | os.PathLike) -> Path:
+    """The config the run in ``out`` last ran with: its newest ``config_resumed_at_epoch_<E>.yaml`` (largest E;
+    a resume that extended or changed the run wrote it), else its original ``config.yaml``."""
+    out = Path(out)
+    resumed = [(int(p.stem.rsplit("_", 1)[1]), p) for p in out.glob("config_resumed_at_epoch_*.yaml")
+               if p.stem.rsplit("_", 1)[1].isdigit()]
+    return max(resumed)[1] if resumed else out / "config.yaml"
+
+
+def occupied_message(out: Path) -> str:
+    """Why ``out`` cannot take a new run, and the ways on: resume (only when a checkpoint is there), overwrite or
+    another folder."""
+    if (out / "checkpoints" / "latest").exists():
+        return (f"output_dir {str(out)!r} already holds a run; choose another output_dir, resume it with "
+                f"train.resume_from={out / 'checkpoints'} (or train.resume_from=auto), or set logging.overwrite=true")
+    return (f"output_dir {str(out)!r} already holds a run that stopped before its first checkpoint; start it again "
+            "with logging.overwrite=true (or train.resume_from=auto), or choose another output_dir")
+
+
+def changed_settings(saved: Path, cfg) -> dict[str, str]:
+    """{key: "key: old -> new"} for every setting of ``cfg`` that differs from the saved config file ``saved``
+    (``train.resume_from`` left out; a key one of them lacks shows as ``(absent)``)."""
+    old = flat_dict(yaml.safe_load(saved.read_text()) or {})
+    new = flat_dict(cfg.model_dump(mode="json"))
+    absent = object()
+
+    def shown(v) -> str:
+        return "(absent)" if v is absent else repr(v)
+
+    return {k: f"{k}: {shown(old.get(k, absent))} -> {shown(new.get(k, absent))}" for k in sorted(set(old) | set(new))
+            if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
+
+
+class RunFolder:
+    """The run folder ``config.output_dir`` of the run ``config`` (its :class:`~flowgrpo.config.Config`)."""
+
+    def __init__(self, config) -> None:
+        self.cfg = config
+        self.out = Path(config.output_dir)
+
+    @property
+    def weights_dir(self) -> Path:
+        """Where the final weights go: ``output_dir/lora`` (LoRA) or ``output_dir/transformer`` (full)."""
+        return self.out / ("lora" if self.cfg.model.finetune == "lora" else "transformer")
+
+    def claim(self, epoch: int) -> None:
+        """Refuse a folder that holds another run; when resuming into it at ``epoch``, drop the records of epochs
+        after the checkpoint (a run killed mid-epoch left them), so ``metrics.jsonl`` holds each epoch once; with
+        ``logging.overwrite`` remove every file of the old run (its checkpoints included). Raises
+        ``FileExistsError``."""
+        metrics = self.out / "metrics.jsonl"
+        if self.cfg.train.resume_from and metrics.exists():
+            kept = [r for r in read_metrics(metrics) if r["epoch"] < epoch]
+            metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif (self.out / "config.yaml").exists() and not self.cfg.logging.overwrite:
+            raise FileExistsError(occupied_message(self.out))
+        elif self.cfg.logging.overwrite:
+            old = [self.out / n for n in RUN_FILES if (self.out / n).exists()]
+            old += sorted(self.out.glob("config_resumed_at_epoch_*.yaml"))
+            for path in old:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            if old:
+                logger.warning("logging.overwrite=true: removed the old run's %s from %s",
+                               ", ".join(p.name for p in old), self.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def write_config(self, epoch: int) -> None:
+        """``config.yaml`` is the run's original config and is never overwritten: a resume at ``epoch`` warns with
+        the keys that differ from the run's last config (:func:`latest_run_config`), and separately when the
+        evaluation differs from the original one (the "before" figures were measured with that), and writes its
+        own config beside it (``config_resumed_at_epoch_<E>.yaml``)."""
+        path = self.out / "config.yaml"
+        if not path.exists():
+            save_config(self.cfg, path)
+            return
+        last = latest_run_config(self.out)
+        changed = changed_settings(last, self.cfg)
+        if changed:
+            logger.warning("resuming with settings that differ from %s: %s", last, "; ".join(changed.values()))
+        eval_changed = [v for k, v in changed_settings(path, self.cfg).items() if k.startswith(EVAL_SETTINGS)]
+        if eval_changed:
+            logger.warning("the evaluation differs from the one the run's 'before' figures were measured with (%s): "
+                           "%s; the before/after figures of this run compare different evaluations",
+                           path, "; ".join(eval_changed))
+        save_config(self.cfg, self.out / f"config_resumed_at_epoch_{epoch}.yaml")
+
+    def before(self, evaluate: Callable[[str], tuple], main: bool) -> tuple[dict[str, float], torch.Tensor, list[str]]:
+        """The base model's evaluation (metrics, images, captions): measured by ``evaluate("before")`` at the
+        start of a fresh run and kept in ``eval_before.json``; a resumed run reads it from the run it resumes (its
+        checkpoint's run folder), never re-measures it. Only the ``main`` process writes."""
+        if not self.cfg.train.resume_from:
+            before, images, captions = evaluate("before")
+            if main:
+                (self.out / "eval_before.json").write_text(json.dumps({"metrics": before, "captions": captions}))
+                torch.save(images, self.out / "eval_images_before.pt")
+            return before, images, captions
+        origin = resolve_checkpoint(self.cfg.train.resume_from).parent.parent
+        for folder in (origin, self.out):
+            if (folder / "eval_before.json").is_file():
+                rec = json.loads((folder / "eval_before.json").read_text())
+                images = folder / "eval_images_before.pt"
+                img = torch.load(images, weights_only=True) if images.is_file() else torch.empty(0)
+                if main and folder != self.out:
+                    (self.out / "eval_before.json").write_text(json.dumps(rec))
+                    torch.save(img, self.out / "eval_images_before.pt")
+                return rec["metrics"], img, rec["captions"]
+        logger.warning("no eval_before.json in %s: the base model's 'before' evaluation is not known to this "
+                       "resumed run; summary.json reports no 'before' figures", origin)
+        return {}, torch.empty(0), []
+
+    def finished(self, epoch: int) -> bool:
+        """Whether the resumed checkpoint (next ``epoch``) already ends the run and its final products are all
+        there (then nothing is trained or rewritten). A run that trained every epoch but lacks ``summary.json`` or
+        the model card (interrupted during its final evaluation and save) is not finished: the resume evaluates
+        and writes them."""
+        if epoch < self.cfg.train.num_epochs:
+            return False
+        final = {"summary.json": self.out / "summary.json", "model card": self.weights_dir / "README.md"}
+        missing = [name for name, path in final.items() if not path.is_file()]
+        if missing:
+            logger.warning("the run in %s trained all %d epochs but its final outputs are incomplete (no %s): it was "
+                           "stopped during its final evaluation and save; finishing them now", self.out,
+                           self.cfg.train.num_epochs, " and no ".join(missing))
+            return False
+        logger.warning("the run of %s already finished all %d epochs (its checkpoint is after epoch %d): nothing "
+                       "to do, nothing rewritten. To train further, resume with a larger train.num_epochs.",
+                       self.cfg.train.resume_from, self.cfg.train.num_epochs, epoch - 1)
+        return True
