@@ -110,6 +110,7 @@ def run(config) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from flowgrpo import parallel
     from flowgrpo.models import load_model_from_config
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.sampling.rollout import SamplerSettings
@@ -120,6 +121,7 @@ def run(config) -> dict:
     chunker, prompts, eval_prompts = preflight(config)
     rewards, eval_rewards, origins = _rewards_for(config, prompts, eval_prompts)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
+    parallel.check_engine(accelerator, config.parallel)
     set_seed(config.train.seed)
     m = config.model
     adapter = load_model_from_config(m)
@@ -127,7 +129,7 @@ def run(config) -> dict:
     sigmas = adapter.sigmas(sampling.num_steps)
     chunker.validate_grid(sigmas, sampling)  # before any evaluation or sampling
     check_batch(config, accelerator.num_processes, chunker.trajectories_per_sample(sigmas, sampling))
-    adapter.pipe.to(accelerator.device)
+    parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
         need_reference=config.algo.kl_beta > 0, gradient_checkpointing=m.gradient_checkpointing,
@@ -148,6 +150,7 @@ def run(config) -> dict:
     _SETUP_DONE, _TRAINER = True, trainer
     summary = trainer.fit()
     accelerator.end_training()
+    parallel.release()
     return summary
 
 

@@ -33,7 +33,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from flowgrpo import dist
+from flowgrpo import dist, parallel
 from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.algo.filters import GROUP_FILTERS, advantages_of_kept
 from flowgrpo.algo.losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
@@ -49,6 +49,7 @@ from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rng import derive_seed, make_generator
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, generate_images
 from flowgrpo.sampling.sde import kl_to_reference, sde_step, transition_moments
+from flowgrpo.state_dicts import save_final_weights
 
 logger = logging.getLogger(__name__)
 
@@ -253,11 +254,32 @@ def _pack(items: list, cost, limit: int) -> list[list]:
 @dataclass(frozen=True)
 class _OptimizerStep:
     """The work of one optimizer step: its forwards, each a pack of (rows, chunk index) items forwarded in one
-    transformer call (:meth:`Trainer._work`), and the pairs trained over all processes."""
+    transformer call (:meth:`Trainer._work`), and the pairs trained over all processes. The last ``padding``
+    packs are fillers (:func:`_pad_packs`): forwarded and back-propagated with weight 0, never recorded."""
 
     work: list[list[tuple[torch.Tensor, int]]]
     global_pairs: float
     micro_batches: int
+    padding: int = 0
+
+    def is_filler(self, i: int) -> bool:
+        """Whether pack ``i`` of ``work`` is a filler."""
+        return i >= len(self.work) - self.padding
+
+
+def _pad_packs(work: list[list[list]], shares: list[torch.Tensor]) -> tuple[list[list[list]], list[int]]:
+    """Each optimizer step's packs padded to the most any process has, and the fillers added per step.
+
+    Every process must make the same transformer calls in the same order: a sharded (FSDP2) transformer gathers
+    its weights in each forward and reduces gradients in each backward, and DDP reduces in the step's last
+    backward. A filler repeats one row of the step (its first trained item's, else the share's first sample)."""
+    if dist.world_size() == 1:
+        return work, [0] * len(work)
+    most = dist.all_reduce_max(torch.tensor([float(len(w)) for w in work], dtype=torch.float64)).tolist()
+    pads = [int(n) - len(w) for n, w in zip(most, work, strict=True)]
+    padded = [w + [[(w[0][0][0][:1], w[0][0][1]) if w else (rows[:1], 0)]] * p
+              for w, rows, p in zip(work, shares, pads, strict=True)]
+    return padded, pads
 
 
 class Trainer:
@@ -266,7 +288,8 @@ class Trainer:
     Args:
         config: the validated :class:`~flowgrpo.config.Config`.
         adapter: a model adapter whose transformer is already set up for training (LoRA or full).
-        params: the trained parameters.
+        params: the trained parameters as :func:`~flowgrpo.models.lora.setup_trainable` returned them; the trainer
+            trains those of the prepared module (:func:`flowgrpo.parallel.prepare_model`), which sharding replaces.
         rewards: the optimised rewards; eval_rewards: rewards scored only at evaluation (may be None).
         chunker: the step chunker strategy.
         prompts: the training prompt set; eval_prompts: held-out prompts (None: no evaluation).
@@ -279,7 +302,6 @@ class Trainer:
                  accelerator, reward_origins: list | None = None) -> None:
         self.cfg = config
         self.adapter = adapter
-        self.params = params
         self.rewards = rewards
         self.eval_rewards = eval_rewards
         self.chunker = chunker
@@ -289,14 +311,17 @@ class Trainer:
         self.out = Path(config.output_dir)
         self.main = accelerator.is_main_process
         t = config.train
-        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
+        # wrap (DDP) or shard (FSDP2) first: the optimizer, clipping, EMA and checkpoints use the parameters of
+        # the prepared module (after fully_shard those are new DTensor objects, not the ``params`` given)
+        self.model = parallel.prepare_model(adapter, accelerator, config)
+        self.params = parallel.trainable_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                            weight_decay=t.weight_decay)
         warm = t.warmup_steps
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
-        self.model, self.optimizer = accelerator.prepare(adapter.transformer, self.optimizer)
-        adapter.forward_module = self.model  # forward through the distributed wrapper (gradient sync)
+        self.optimizer = accelerator.prepare(self.optimizer)
         self.sampler = GroupSampler(len(prompts), t.prompts_per_epoch, t.seed)
         self.epoch = 0  # 0-based: the epoch training (or next to train)
         self.stage = "epochs"  # "epochs", then "final" (the final evaluation and save)
@@ -310,7 +335,7 @@ class Trainer:
         self.old_means: torch.Tensor | None = None  # (B, T, …) rollout-policy means, for such a loss
         self.metrics = MetricsSink(self.out / "metrics.jsonl", accelerator, self.main)
         self.reward_origins = reward_origins or []
-        self.ema = EMA(params, t.ema_decay) if t.ema_decay is not None else None
+        self.ema = EMA(self.params, t.ema_decay) if t.ema_decay is not None else None
         self.scorer = AsyncRewardScorer(rewards)
         self._low_signal_warned = False
         self.forward_count = [0, 0]  # transformer calls and rows, for the rollout/update cost metrics
@@ -336,10 +361,10 @@ class Trainer:
         return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
 
     def save_checkpoint(self, epoch: int) -> None:
-        if self.main:
-            save_checkpoint(self.out / "checkpoints", epoch, model=self.accelerator.unwrap_model(self.model),
-                            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, sampler=self.sampler,
-                            ema=self.ema, keep=self.cfg.logging.checkpoints_total_limit)
+        """Every process takes part (a sharded model is gathered); the main process writes."""
+        save_checkpoint(self.out / "checkpoints", epoch, model=self.accelerator.unwrap_model(self.model),
+                        optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, sampler=self.sampler,
+                        ema=self.ema, keep=self.cfg.logging.checkpoints_total_limit)
 
     # ------------------------------------------------------------------ phases
     def rollout_phase(self) -> tuple[Trajectory, list]:
@@ -437,9 +462,11 @@ class Trainer:
         keep_means = needs_moments(self.policy_loss)
         self.old_means = torch.zeros_like(traj.latents[:, :-1]) if keep_means else None
         steps = self._schedule(traj, plan, plan.selected) if steps is None else steps
-        for pack in (pack for step in steps for pack in step.work):
+        for step, i, pack in ((s, i, pack) for s in steps for i, pack in enumerate(s.work)):
             outs = packed_forward(self.adapter, traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
                                   with_ref=False, shared_inputs=[self._shared_inputs(traj, rows) for rows, _ in pack])
+            if step.is_filler(i):  # the same transformer calls on every process; its values are not kept
+                continue
             for (rows, k), out in zip(pack, outs, strict=True):
                 idx = (rows.unsqueeze(1), torch.tensor(plan.chunks[k]).unsqueeze(0))
                 old[idx] = out.log_probs.cpu()
@@ -491,12 +518,15 @@ class Trainer:
         local_pairs = torch.stack([pair_mask[rows].sum() for rows in shares]).double()
         global_pairs = dist.all_reduce_sum(local_pairs).tolist()
         sizes = [len(ix) for ix in torch.arange(len(mbs)).tensor_split(t.optimizer_steps_per_epoch)]
-        return [_OptimizerStep(w, n, m) for w, n, m in zip(work, global_pairs, sizes, strict=True)]
+        work, pads = _pad_packs(work, shares)
+        return [_OptimizerStep(w, n, m, p) for w, n, m, p in zip(work, global_pairs, sizes, pads, strict=True)]
 
     def _train_pack(self, traj: Trajectory, pack: list[tuple[torch.Tensor, int]], plan: ChunkPlan,
-                    step: _OptimizerStep, batch: dict[str, torch.Tensor], acc: _Accum, *, sync: bool) -> None:
+                    step: _OptimizerStep, batch: dict[str, torch.Tensor], acc: _Accum, *, sync: bool,
+                    filler: bool = False) -> None:
         """Forward (one transformer call) and backward of a pack of (rows, chunk index) items; gradients are
-        all-reduced only when ``sync``. The policy loss sees the pack's items of one chunk length at once."""
+        all-reduced only when ``sync``. The policy loss sees the pack's items of one chunk length at once. A
+        ``filler`` pack (:func:`_pad_packs`) back-propagates weight 0 and records nothing."""
         cfg = self.cfg
         # one process has nothing to all-reduce (accelerate's no_sync would only look that up per call)
         ctx = (contextlib.nullcontext() if sync or self.accelerator.num_processes == 1
@@ -512,14 +542,16 @@ class Trainer:
                                                           plan, batch), self.loss_settings)
                 m = _cat([batch["pair_mask"][r, k] for r, k in (pack[i] for i in items)]).to(terms.loss.device)
                 part = (terms.loss * m).sum()
-                acc.add(terms, m, part)
+                if not filler:
+                    acc.add(terms, m, part)
                 loss_sum = part if loss_sum is None else loss_sum + part
-            self.accelerator.backward(loss_sum * (dist.world_size() / max(step.global_pairs, 1.0)))
+            scale = 0.0 if filler else dist.world_size() / max(step.global_pairs, 1.0)
+            self.accelerator.backward(loss_sum * scale)
 
     def _optimizer_step(self) -> float:
         """Clip, check and apply the accumulated gradient (the update's one host read per step); returns the
         gradient norm. Raises ``FloatingPointError`` on a non-finite norm, before the weights change."""
-        gn = float(self.accelerator.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm))
+        gn = parallel.clip_grad_norm(self.accelerator, self.params, self.cfg.train.max_grad_norm)
         if not math.isfinite(gn):  # never let one bad batch overwrite the weights
             raise FloatingPointError(
                 f"epoch {self.epoch}: the gradient norm is {gn}; the weights were not updated "
@@ -556,7 +588,8 @@ class Trainer:
                 for u, step in enumerate(steps):
                     acc = first if inner == 0 and u == 0 else later
                     for i, pack in enumerate(step.work):
-                        self._train_pack(traj, pack, plan, step, batch, acc, sync=i == len(step.work) - 1)
+                        self._train_pack(traj, pack, plan, step, batch, acc, sync=i == len(step.work) - 1,
+                                         filler=step.is_filler(i))
                     if step.work:
                         grad_norms.append(self._optimizer_step())
                     self.optimizer.zero_grad(set_to_none=True)
@@ -862,16 +895,12 @@ class Trainer:
         return self.out / ("lora" if self.cfg.model.finetune == "lora" else "transformer")
 
     def save_weights(self) -> None:
-        """The trained LoRA (diffusers ``load_lora_weights`` format) or full transformer (``from_pretrained``)."""
-        if not self.main:
-            return
-        from flowgrpo.models.lora import save_lora
+        """The trained LoRA (diffusers ``load_lora_weights`` format) or full transformer (``from_pretrained``,
+        weights in ``model.dtype``); every process takes part (a sharded model is gathered), the main one writes."""
+        from flowgrpo.models import DTYPES
 
-        tr = self.accelerator.unwrap_model(self.model)
-        if self.cfg.model.finetune == "lora":
-            save_lora(self.adapter, self.weights_dir)
-        else:
-            tr.save_pretrained(self.weights_dir)
+        save_final_weights(self.adapter, self.accelerator.unwrap_model(self.model), self.weights_dir,
+                           finetune=self.cfg.model.finetune, dtype=DTYPES[self.cfg.model.dtype], main=self.main)
 
     def write_summary(self, before, after, img_before, img_after, captions,
                       extra_seconds: dict[str, float] | None = None) -> dict:
