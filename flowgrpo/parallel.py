@@ -148,7 +148,7 @@ def shard_blocks(module: torch.nn.Module, names=None) -> list[torch.nn.Module]:
     return blocks
 
 
-def _mesh(device: torch.device):
+def device_mesh(device: torch.device):
     """A one-dimensional device mesh over every process (a one-process group is made when none was launched)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -217,7 +217,7 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
     device = accelerator.device
     ref = adapter.frozen_reference
     if settings.sharding == "fsdp2":
-        mesh = _mesh(device)
+        mesh = device_mesh(device)
         names = getattr(adapter, "shard_blocks", None)
         units = len(shard_blocks(tr, names))
         model = shard(tr, mesh=mesh, param_dtype=compute, reshard=settings.reshard_after_forward,
