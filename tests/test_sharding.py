@@ -115,17 +115,19 @@ def runs(tmp_path_factory, tiny_flux_dir) -> Path:
         "one_full": _full(),
         "two_full": {**_full(), "parallel": SHARDED},
         "two_resumed": {**_full(resume_from=str(root / "one_full" / "checkpoints" / "epoch_0")),
-                        "parallel": SHARDED},
+                        "parallel": {**SHARDED, "reference": "cpu_offload"}},
         "one_resumed": _full(resume_from=str(root / "two_full" / "checkpoints" / "epoch_0")),
         "one_fp32": BF16,
         "one_bf16": {**BF16, "model": {"finetune": "full", "dtype": "bfloat16"}},
+        "one_bf16_sharded": {**BF16, "model": {"finetune": "full", "dtype": "bfloat16"},
+                             "parallel": {"sharding": "fsdp2"}},  # one process: a one-process group
         "two_bf16": {**BF16, "model": {"finetune": "full", "dtype": "bfloat16"}, "parallel": {"sharding": "fsdp2"}},
         # a random half of the steps per sample: each process packs its own number of transformer calls
         "two_uneven": {"sampling": {"num_steps": 4}, "train": {"seed": 3},
                        "chunker": {"name": "per_step", "timestep_fraction": 0.5, "step_selection": "random"},
                        "parallel": {"sharding": "fsdp2"}},
     }.items()}
-    for name in ("one_lora", "one_full", "one_fp32", "one_bf16"):
+    for name in ("one_lora", "one_full", "one_fp32", "one_bf16", "one_bf16_sharded"):
         _in_process(c[name])
     _ok(_torchrun(["--nproc_per_node", "2", "--master_port", _free_port()],
                   [c[n] for n in ("two_lora", "two_full", "two_resumed", "two_bf16", "two_uneven")]))
@@ -268,7 +270,8 @@ def test_uneven_work_per_process_runs_and_stays_on_policy(runs):
 
 def test_bf16_full_fine_tuning_moves_every_weight_as_float32_does(runs, tiny_flux_dir):
     """float32 master weights: a bfloat16 run's update is not rounded away (it was for 96 % of the weights when
-    the trained parameters themselves were bfloat16); unsharded (autocast) and sharded (mixed precision)."""
+    the trained parameters themselves were bfloat16); unsharded (autocast) and sharded (mixed precision) on one
+    process and on two."""
     base = _base(tiny_flux_dir)
 
     def moved(run: str, dtype: torch.dtype) -> tuple[float, float]:
@@ -280,8 +283,11 @@ def test_bf16_full_fine_tuning_moves_every_weight_as_float32_does(runs, tiny_flu
 
     frac32, size32 = moved("one_fp32", torch.float32)
     assert frac32 > 0.99
-    for run in ("one_bf16", "two_bf16"):
+    for run in ("one_bf16", "one_bf16_sharded", "two_bf16"):
         frac, size = moved(run, torch.bfloat16)
         assert frac > 0.99 and abs(size / size32 - 1) < 0.1, (run, frac, size, size32)
-    weights = load_file(runs / "one_bf16" / "transformer" / "diffusion_pytorch_model.safetensors")
-    assert {v.dtype for v in weights.values()} == {torch.bfloat16}  # the final folder in model.dtype
+    for run in ("one_bf16", "two_bf16"):  # the final folder in model.dtype
+        weights = load_file(runs / run / "transformer" / "diffusion_pytorch_model.safetensors")
+        assert {v.dtype for v in weights.values()} == {torch.bfloat16}, run
+    for run in ("one_bf16_sharded", "two_bf16"):  # the mixed-precision forward is the same in rollout and update
+        assert _records(runs / run)[0]["policy/logprob_mismatch_max"] == 0.0, run
