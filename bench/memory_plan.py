@@ -217,11 +217,11 @@ class Workload:
     reshard_after_forward: bool = True
 
 
-def plan(w: Workload, gpus: int) -> dict[str, float]:
+def plan(w: Workload, gpus: int, s: Sizes | None = None, fam: Family | None = None) -> dict[str, float]:
     """Per-GPU GiB of each part and of each phase's peak for ``w`` on ``gpus`` processes (the module docstring
-    says what each holds)."""
-    s = sizes(w.family, w.lora_rank if w.finetune == "lora" else 0, w.lora_targets)
-    fam = FAMILIES[w.family]
+    says what each holds); ``s`` and ``fam`` default to the sizes and family of ``w.family``."""
+    s = s or sizes(w.family, w.lora_rank if w.finetune == "lora" else 0, w.lora_targets)
+    fam = fam or FAMILIES[w.family]
     half = BYTES[w.dtype]
     shard = gpus if w.sharding == "fsdp2" else 1
     full = w.finetune == "full"

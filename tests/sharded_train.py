@@ -7,6 +7,7 @@ every process, ``<output_dir>/process_<global rank>.json``:
   transformer and of the frozen reference copy (full fine-tuning with KL), so a test sees whether they are
   sharded;
 * ``optimizer_trains_model``: whether every parameter the optimizer steps is a parameter of the prepared module;
+* ``bytes``: what this process holds of the transformer's weights, the optimizer state, the reference and the EMA;
 * ``packs``: per update, this process's real (not filler) transformer calls of each optimizer step.
 """
 
@@ -39,6 +40,22 @@ def _elements(module) -> list[int] | None:
     return [int(local), int(sum(p.numel() for p in params))]
 
 
+def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return int(sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors))
+
+
+def _bytes(trainer: Trainer) -> dict[str, int]:
+    """Bytes this process holds of the transformer's weights, the optimizer state, the reference and the EMA."""
+    ref = trainer.adapter.frozen_reference
+    ref = getattr(ref, "module", ref)
+    state = [v for s in trainer.optimizer.state.values() for v in s.values() if getattr(v, "dim", lambda: 0)() > 0]
+    return {"weights": _local_bytes(trainer.adapter.transformer.parameters()), "optimizer": _local_bytes(state),
+            "reference": 0 if ref is None else _local_bytes(ref.parameters()),
+            "ema": 0 if trainer.ema is None else _local_bytes(trainer.ema.shadow)}
+
+
 def _counting_schedule(schedule):
     def counted(self, *args, **kwargs):
         steps = schedule(self, *args, **kwargs)
@@ -56,7 +73,13 @@ def _report(trainer: Trainer) -> dict:
             "transformer": _elements(trainer.adapter.transformer),
             "reference": _elements(trainer.adapter.frozen_reference),
             "optimizer_trains_model": bool(trained) and all(id(p) in model_params for p in trained),
+            "bytes": _bytes(trainer),
             "packs": list(PACKS)}
+
+
+def write_report(folder: Path, trainer: Trainer) -> None:
+    """``folder/process_<global rank>.json`` (the module docstring's fields)."""
+    (folder / f"process_{trainer.accelerator.process_index}.json").write_text(json.dumps(_report(trainer)))
 
 
 if __name__ == "__main__":
@@ -74,6 +97,5 @@ if __name__ == "__main__":
         config = load_config(path)
         runner.run(config)
         assert dist.world_size() == int(os.environ["WORLD_SIZE"]), "the run did not use every process"
-        out = Path(config.output_dir) / f"process_{dist.rank()}.json"
-        out.write_text(json.dumps(_report(runner._TRAINER)))
+        write_report(Path(config.output_dir), runner._TRAINER)
     torch.distributed.destroy_process_group()
