@@ -124,6 +124,7 @@ class Family:
     width: int
     text_tokens: Callable[[int], int]  # max_sequence_length -> text tokens
     image_tokens_factor: int = 1  # editing models: the source image's tokens join the output's
+    source_tokens: int = 0  # or a source image of a fixed area joins them (Qwen-Image-Edit-Plus: 1024², 4096)
     cfg_rows: int = 1  # true classifier-free guidance doubles the rollout's rows
 
 
@@ -136,7 +137,7 @@ FAMILIES = {
                                                  _t5_xxl), _kl_vae, 1536, lambda msl: 77 + msl, cfg_rows=2),
     "qwenimage": Family("Qwen-Image", _qwen_image, (QWEN25_VL_7B,), _qwen_vae, 3072, lambda msl: msl, cfg_rows=2),
     "qwenimage_edit_plus": Family("Qwen-Image-Edit-2509", _qwen_image, (QWEN25_VL_7B,), _qwen_vae, 3072,
-                                  lambda msl: msl, image_tokens_factor=2, cfg_rows=2),
+                                  lambda msl: msl, source_tokens=4096, cfg_rows=2),
 }
 #: a shipped config's model.pretrained -> family (configs of other families are not planned)
 PRETRAINED = {"black-forest-labs/FLUX.1-dev": "flux", "black-forest-labs/FLUX.1-Kontext-dev": "kontext",
@@ -227,7 +228,7 @@ def plan(w: Workload, gpus: int, s: Sizes | None = None, fam: Family | None = No
     full = w.finetune == "full"
     trained = s.transformer if full else s.lora
     frozen = 0 if full else s.transformer
-    img = fam.image_tokens_factor * (w.height // 16) * (w.width // 16)
+    img = fam.image_tokens_factor * (w.height // 16) * (w.width // 16) + fam.source_tokens
     tokens, h = img + fam.text_tokens(w.max_sequence_length), fam.width
     out = {
         "weights": (frozen * half + trained * 4) / shard,
@@ -327,9 +328,8 @@ def config_table(paths, gpu_counts=(1, 2, 4, 8, 16)) -> str:
         if cfg.model.pretrained not in PRETRAINED:
             continue
         shipped = workload_of(cfg)
-        variants = [shipped] + [v for v in (dataclasses.replace(shipped, sharding="fsdp2"),
-                                            dataclasses.replace(shipped, sharding="fsdp2", text_encoders="offload"))
-                                if v != shipped]
+        variants = list(dict.fromkeys([shipped, dataclasses.replace(shipped, sharding="fsdp2"),
+                                       dataclasses.replace(shipped, sharding="fsdp2", text_encoders="offload")]))
         for w in variants:
             label = f"{w.sharding}, encoders on {w.text_encoders}" + (" (shipped)" if w == shipped else "")
             peaks = [plan(w, n) for n in gpu_counts]
