@@ -15,10 +15,13 @@ blocks, width 3072, 11.9 B transformer parameters; 1-layer CLIP and T5 encoders 
 (e) model FLOP utilisation of rollout and update: transformer FLOPs per call from its config over the elapsed
     time, against the GPU's dense bf16 peak;
 (f) the CLI main job, 2 epochs of ``configs/flux_chunk.yaml`` on a saved 4 + 8-block full-width folder;
-(g) the same run under ``configs/accelerate/fsdp.yaml`` with one process.
+(g) the same job fine-tuning every weight under FSDP2 (``parallel.sharding=fsdp2``: float32 master weights,
+    bf16 compute, a KL reference sharded like the policy, text encoders offloaded), one process; and the same on
+    2 processes (``configs/accelerate/fsdp.yaml``) where 2 GPUs or more are present (``--dry-run``: one process;
+    two sharded CPU processes are ``tests/test_sharding.py``'s).
 
 Each part runs on its own; a failure is recorded in the JSON and the next part runs. ``--dry-run`` runs the same
-code at toy sizes on the CPU (parts a–f; CI runs it).
+code at toy sizes on the CPU (every part; CI runs it).
 
 ``--model`` picks a family from :data:`MODELS` (every adapter of ``flowgrpo.models.zoo``). Other families than
 FLUX.1 load the zoo's tiny pipeline (:func:`flowgrpo.models.zoo.build_random_pipeline`, a few MB on disk) through
@@ -487,7 +490,7 @@ def _trainer(c: Check, gradient_checkpointing: bool, train_batch: int, recompute
         def __call__(self, images, prompts, metadata):
             return torch.zeros(len(prompts))
 
-    return Trainer(cfg, adapter=a, params=a._lora_params, rewards=ComposedReward({"zero": _Zero()}, {"zero": 1.0}),
+    return Trainer(cfg, adapter=a, rewards=ComposedReward({"zero": _Zero()}, {"zero": 1.0}),
                    eval_rewards=None, objective=build_objective(cfg),
                    prompts=PromptSet(_prompts(b), c.metadata(b), "gpu_check"), eval_prompts=None,
                    accelerator=Accelerator(cpu=c.dev.type == "cpu"))
@@ -576,7 +579,7 @@ def part_e(c: Check) -> dict:
             "peak_flops": next((v for k, v in DENSE_BF16_PEAK.items() if k in r["device"]), None)}
 
 
-def _cli(c: Check, name: str, launcher: list[str]) -> dict:
+def _cli(c: Check, name: str, launcher: list[str], extra: tuple[str, ...] = ()) -> dict:
     entry = MODELS[c.args.model]
     folder = c.out / f"reduced_{c.args.model}"
     if not (folder / "model_index.json").exists():
@@ -598,13 +601,7 @@ def _cli(c: Check, name: str, launcher: list[str]) -> dict:
                  f"sampling.guidance_scale={c.case.guidance_scale}"]
         if c.args.model == "flux":  # flux_chunk.yaml's chunks, shrunk to the toy run's trainable transitions
             over.append("chunker.chunk_sizes=[1,1]")
-    if "--config_file" in launcher:  # FSDP: wrap this family's blocks (the config file names FLUX's and SD3's)
-        import diffusers
-
-        cls = json.loads((folder / "transformer" / "config.json").read_text())["_class_name"]
-        launcher = [*launcher, "--fsdp_transformer_layer_cls_to_wrap",
-                    ",".join(getattr(diffusers, cls)._no_split_modules)]
-    cmd = [*launcher, str(REPO / "flowgrpo" / "train.py"), str(REPO / "configs" / entry.config), *over]
+    cmd = [*launcher, str(REPO / "flowgrpo" / "train.py"), str(REPO / "configs" / entry.config), *over, *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     if proc.returncode:
         raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1500:]}")
@@ -623,12 +620,30 @@ def part_f(c: Check) -> dict:
                 + (["--cpu"] if c.args.dry_run else []))
 
 
+#: part (g)'s settings: full fine-tuning under FSDP2, with a sharded KL reference and offloaded text encoders
+SHARDED = ("model.finetune=full", "parallel.sharding=fsdp2", "parallel.text_encoders=offload", "algo.kl_beta=0.01",
+           "train.lr=1e-5")
+
+
 def part_g(c: Check) -> dict:
-    """(g) the CLI main job under FSDP (one process)."""
-    if c.dev.type != "cuda":
-        return {"skipped": "FSDP needs CUDA"}
-    return _cli(c, "cli_fsdp", [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                                str(REPO / "configs" / "accelerate" / "fsdp.yaml"), "--num_processes", "1"])
+    """(g) the CLI main job under FSDP2: one process, and two where two GPUs are."""
+    if c.args.dry_run and c.case.module_patches:
+        return {"skipped": "toy size: the training process would encode sources at the pipeline's real areas"}
+    launch = [sys.executable, "-m", "accelerate.commands.launch"]
+    out = {"one_process": _cli(c, "cli_fsdp", [*launch, "--num_processes", "1"]
+                               + (["--cpu"] if c.args.dry_run else []), SHARDED)}
+    if c.args.dry_run:  # two sharded CPU processes train in tests/test_sharding.py (accelerate --cpu starts one)
+        out["two_processes"] = {"skipped": "dry run: two gloo processes are tests/test_sharding.py's"}
+    elif torch.cuda.device_count() >= 2:
+        out["two_processes"] = _cli(c, "cli_fsdp2", [*launch, "--config_file", str(REPO / "configs" / "accelerate" /
+                                                                                 "fsdp.yaml"), "--num_processes", "2"],
+                                    SHARDED)
+    else:
+        out["two_processes"] = {"skipped": f"{torch.cuda.device_count()} GPU: the 2-process run needs 2"}
+    return out
+
+
+
 
 
 PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g}

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check at real size: one script, no network, about 8 minutes on one H200 (see bench/gpu_check.py).
 #   bash bench/gpu_check.sh [--wheels DIR] [--out DIR] [--model NAME] [--parts a b c d e f g] [--dry-run]
+# (g) trains under FSDP2 on one GPU, and on two where two or more are present.
 #   NAME: flux (default), sd3, qwenimage, qwenimage_edit_plus, zimage, flux2_klein, flux2, kontext
 # --wheels DIR: wheels carried to a bare GPU machine (diffusers, pydantic and its deps, open-clip-torch, ftfy,
 #   wcwidth, and this project's two wheels from `pip wheel --no-deps . ./rewards`), installed offline into
 #   OUT/site (pip --no-index --no-deps --target) and put first on PYTHONPATH, so their entry points are found too.
-# --dry-run: the same code at toy sizes on the CPU (CI runs it; parts a-f, g needs CUDA).
+# --dry-run: the same code at toy sizes on the CPU (CI runs it; every part, (g) with one process).
 # Writes OUT/gpu_check.json after every part and OUT/gpu_check.md (a table) at the end.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)

@@ -2,6 +2,11 @@
 latents kept on the CPU between phases (a table; never a test).
 
     python bench/memory.py [--json PATH]
+    python bench/memory.py --plan [--json PATH]   # per-GPU bytes of the real models, computed (bench/memory_plan.py)
+
+``--plan`` allocates nothing: FLUX.1-dev, SD3.5-Medium and Qwen-Image built on the meta device, LoRA / full
+fine-tuning on 1 / 8 / 16 GPUs with and without gradient checkpointing, then every shipped config of those
+families; the model of each column is in ``bench/memory_plan.py``.
 
 Each cell runs in a fresh subprocess so peaks do not leak between settings. On a CUDA machine the figure is
 ``torch.cuda.max_memory_allocated`` of the phase; on a CPU machine it is the process's peak resident set
@@ -65,7 +70,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--plan", action="store_true", help="the computed per-GPU plan of the real models")
     args = parser.parse_args()
+    if args.plan:
+        _print_plan(args.json)
+        return
     rows = []
     print("| image | grad. checkpointing | latents on CPU | baseline MB | rollout peak MB | update peak MB |")
     print("|---|---|---|---|---|---|")
@@ -81,6 +90,23 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def _print_plan(json_path: str | None) -> None:
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import memory_plan
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    reference, shipped = memory_plan.reference_table(), memory_plan.config_table(configs)
+    print(f"per-GPU GiB, reference workload ({memory_plan.reference_workload.__doc__.split(': ', 1)[1].strip()})")
+    print(reference)
+    print("\nper-GPU GiB of the shipped configs")
+    print(shipped)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"reference": reference, "configs": shipped}, f, indent=1)
 
 
 if __name__ == "__main__":

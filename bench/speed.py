@@ -120,9 +120,9 @@ def main() -> None:
 
     def make_trainer(adapter) -> Trainer:
         """A LoRA trainer of ``adapter`` with row (b)'s settings and a reward that is never called."""
-        params = setup_trainable(adapter, finetune="lora", rank=8, alpha=16,
-                                 target_modules=cfg.model.lora_target_modules, need_reference=False)
-        return Trainer(cfg, adapter=adapter, params=params,
+        setup_trainable(adapter, finetune="lora", rank=8, alpha=16, target_modules=cfg.model.lora_target_modules,
+                        need_reference=False)
+        return Trainer(cfg, adapter=adapter,
                        rewards=ComposedReward({"none": _NoReward()}, {"none": 1}), eval_rewards=None,
                        objective=build_objective(cfg), prompts=PromptSet(prompts, [{}] * b, "bench"),
                        eval_prompts=None, accelerator=Accelerator(cpu=True))

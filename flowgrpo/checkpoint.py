@@ -4,9 +4,13 @@ A checkpoint is a folder ``<output_dir>/checkpoints/epoch_<N>`` holding
 
 * ``trainable.safetensors``: the trained parameters (LoRA or the whole transformer), by parameter name;
 * ``ema.safetensors``: the EMA shadow weights (when EMA is on);
-* ``optimizer.pt``, ``rng.pt``: optimizer state and the torch RNG state, loaded with ``weights_only=True``
-  (tensors and plain containers only: a pickled object is refused);
+* ``optimizer.pt``, ``rng.pt``: optimizer state (keyed by parameter name) and the torch RNG state, loaded with
+  ``weights_only=True`` (tensors and plain containers only: a pickled object is refused);
 * ``state.json``: epoch, LR-scheduler and prompt-sampler state.
+
+Every tensor is whole, whatever the process count or sharding of the run that wrote it, so a run resumes with
+another process count (:mod:`flowgrpo.state_dicts` gathers a sharded model's tensors and hands them back). Saving
+and loading are collectives: every process calls them; the main process (global rank 0) alone writes.
 
 The folder is written under a temporary name and renamed into place, and ``latest`` (a text file naming the
 folder) is replaced atomically after it: a crash mid-write leaves the previous checkpoint intact and ``latest``
@@ -24,28 +28,41 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from flowgrpo import dist
+from flowgrpo.state_dicts import load_optimizer_state, load_trainable_state, optimizer_state, trainable_state
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, or holds something other than tensors and plain data."""
 
 
-def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def save_checkpoint(root: str | Path, epoch: int, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
                     ema=None, keep: int = 2) -> Path:
-    """Write ``root/epoch_<epoch>`` atomically and point ``root/latest`` at it; keep the newest ``keep``."""
+    """Write ``root/epoch_<epoch>`` atomically and point ``root/latest`` at it; keep the newest ``keep``.
+
+    Every process calls it (a sharded model's tensors are gathered); the main process writes, and the others
+    wait until it has."""
     root = Path(root)
+    weights, opt_state = trainable_state(model), optimizer_state(model, optimizer)
+    ema_state = ema.state_dict() if ema is not None else None
+    final = root / f"epoch_{epoch}"
+    if dist.rank() == 0:
+        _write(root, epoch, weights, opt_state, ema_state, lr_scheduler, sampler, keep)
+    dist.barrier()
+    return final
+
+
+def _write(root: Path, epoch: int, weights: dict, opt_state: dict, ema_state: dict | None, lr_scheduler, sampler,
+           keep: int) -> None:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"epoch_{epoch}"
     tmp = root / f".epoch_{epoch}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file(_trainable_state(model), tmp / "trainable.safetensors")
-    if ema is not None:
-        save_file({k: v.contiguous() for k, v in ema.state_dict().items()}, tmp / "ema.safetensors")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    save_file(weights, tmp / "trainable.safetensors")
+    if ema_state is not None:
+        save_file({k: v.contiguous() for k, v in ema_state.items()}, tmp / "ema.safetensors")
+    torch.save(opt_state, tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     state = {"epoch": epoch, "lr_scheduler": lr_scheduler.state_dict(), "sampler": sampler.state_dict()}
     (tmp / "state.json").write_text(json.dumps(state))
@@ -61,7 +78,6 @@ def save_checkpoint(root: str | Path, epoch: int, *, model: torch.nn.Module, opt
     done = sorted((p for p in root.glob("epoch_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -124,7 +140,8 @@ def _cause(err: BaseException) -> str:
 
 def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
                     ema=None) -> int:
-    """Restore every part from a checkpoint; returns the epoch it was written after.
+    """Restore every part from a checkpoint; returns the epoch it was written after. Every process calls it and
+    reads the files (a sharded model keeps its shard of each whole tensor).
 
     Raises:
         CheckpointError: incomplete folder, parameter names or shapes that do not match the model (naming the
@@ -148,10 +165,11 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_s
                 f"the checkpoint but {tuple(params[k].shape)} in the model (was it written with other model "
                 "settings, e.g. model.lora_rank or model.finetune?)"
             )
-    with torch.no_grad():
-        for k, v in weights.items():
-            params[k].copy_(v)
-    optimizer.load_state_dict(_read(p / "optimizer.pt", _torch_load))
+    load_trainable_state(model, weights)
+    try:
+        load_optimizer_state(model, optimizer, _read(p / "optimizer.pt", _torch_load))
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {str(p)!r}: optimizer.pt does not match the model ({_cause(err)})") from err
     torch.set_rng_state(_read(p / "rng.pt", lambda f: _torch_load(f)["torch"]))
     if ema is not None:
         if not (p / "ema.safetensors").is_file():

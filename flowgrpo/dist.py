@@ -84,6 +84,35 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return _all_reduce(t, torch_dist.ReduceOp.MAX)
 
 
+def barrier() -> None:
+    """Wait until every rank arrives (after the main process has written a shared file); no-op on one process."""
+    if is_distributed():
+        torch_dist.barrier()
+
+
+_OWN_GROUP = False  # whether this module made the process group (one process, for torch's sharding)
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """A default process group for torch's sharding: the launcher's (torchrun, accelerate) when there is one, else
+    a one-process group in memory (``HashStore``; NCCL for a CUDA device, gloo otherwise), so that a sharded model
+    runs the same code on one process as on many."""
+    global _OWN_GROUP
+    if is_distributed():
+        return
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0, world_size=1)
+    _OWN_GROUP = True
+
+
+def release_own_group() -> None:
+    """Destroy the one-process group :func:`ensure_process_group` made (a launcher's group is left alone)."""
+    global _OWN_GROUP
+    if _OWN_GROUP and is_distributed():
+        torch_dist.destroy_process_group()
+    _OWN_GROUP = False
+
+
 def local_slice(total: int) -> slice:
     """This rank's contiguous share of ``total`` items (``total`` must divide evenly)."""
     n = world_size()

@@ -1,7 +1,8 @@
 """An exponential moving average of the trained parameters, used for evaluation and saving.
 
 ``ema ← decay·ema + (1 − decay)·θ`` after every optimizer step (Polyak averaging, as Flow-GRPO's ``ema`` option),
-kept in float32 whatever the model's dtype.
+kept in float32 whatever the model's dtype. Of sharded (FSDP2) parameters it keeps one shadow shard per
+parameter shard, updated in place, so it costs each process 4 bytes per parameter it holds.
 """
 
 from __future__ import annotations
@@ -42,10 +43,20 @@ class EMA:
                     p.copy_(b)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"ema.{i}": s for i, s in enumerate(self.shadow)}
+        """{``ema.<i>``: whole float32 shadow of the i-th trained parameter}, in host memory. With sharded
+        parameters each shadow is a shard: every process calls this (it gathers them), and every process gets
+        the whole tensors."""
+        from flowgrpo.state_dicts import full_tensor
+
+        return {f"ema.{i}": full_tensor(s).detach().cpu() for i, s in enumerate(self.shadow)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load whole shadows (:meth:`state_dict`); each process keeps its shard. Raises ``ValueError`` for
+        another number of tensors."""
+        from flowgrpo.state_dicts import shard_like
+
         if len(state) != len(self.shadow):
             raise ValueError(f"EMA state holds {len(state)} tensors, the model trains {len(self.shadow)}")
-        for i, s in enumerate(self.shadow):
-            s.copy_(state[f"ema.{i}"])
+        with torch.no_grad():
+            for i, s in enumerate(self.shadow):
+                s.copy_(shard_like(state[f"ema.{i}"], s))

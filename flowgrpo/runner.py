@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from flowgrpo import parallel
 from flowgrpo.checkpoint import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.models import load_model_from_config
@@ -90,12 +91,13 @@ def run(config) -> dict:
     config = resolve_auto_resume(config)
     ready = preflight(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
+    parallel.check_engine(accelerator, config.parallel)
     set_seed(config.train.seed)
     m = config.model
     adapter = load_model_from_config(m)
     sampling = SamplerSettings.from_config(config.sampling)
     check_on_grid(config, ready.objective, adapter.sigmas(sampling.num_steps), sampling, accelerator.num_processes)
-    adapter.pipe.to(accelerator.device)
+    parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
         need_reference=config.algo.kl_beta > 0, gradient_checkpointing=m.gradient_checkpointing,
@@ -108,7 +110,7 @@ def run(config) -> dict:
             r.setup(accelerator.device)
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_tracker_config(config))
-    trainer = Trainer(config, adapter=adapter, params=params, rewards=ready.rewards, eval_rewards=ready.eval_rewards,
+    trainer = Trainer(config, adapter=adapter, rewards=ready.rewards, eval_rewards=ready.eval_rewards,
                       objective=ready.objective, prompts=ready.prompts, eval_prompts=ready.eval_prompts,
                       accelerator=accelerator, reward_origins=ready.origins)
     torch.set_grad_enabled(True)
@@ -116,6 +118,7 @@ def run(config) -> dict:
     _SETUP_DONE, _TRAINER = True, trainer
     summary = trainer.fit()
     accelerator.end_training()
+    parallel.release()
     return summary
 
 

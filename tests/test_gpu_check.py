@@ -70,6 +70,8 @@ def test_dry_run_writes_every_part(tmp_path):
     assert r["c"]["matched"]["mismatch"] == 0.0 and r["c"]["recompute"]["mismatch"] == 0.0
     assert r["b"]["plain"]["ratio"] > 0 and r["a"]["ratio"] > 0
     assert [e["policy/logprob_mismatch_max"] for e in r["f"]["epochs"]] == [0.0, 0.0]
+    # (g): full fine-tuning under FSDP2 (one process: a one-process group), on-policy exactly as unsharded
+    assert [e["policy/logprob_mismatch_max"] for e in r["g"]["one_process"]["epochs"]] == [0.0, 0.0]
     assert "| c | matched mismatch | 0 |" in (tmp_path / "gpu_check.md").read_text()
 
 

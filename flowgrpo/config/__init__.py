@@ -25,6 +25,7 @@ from flowgrpo.config.schema import (
     EvalSamplingConfig,
     LoggingConfig,
     ModelConfig,
+    ParallelConfig,
     RewardSpec,
     SamplingConfig,
     TrainConfig,
@@ -33,5 +34,5 @@ from flowgrpo.settings import Section, flat_dict, save_config
 
 __all__ = ["describe_fields", "ALIASES", "MOVED_KEYS", "RENAMED_SECTIONS", "ConfigError", "build_config",
            "load_config", "parse_override", "read_yaml", "SEED_MAX", "AlgoConfig", "Config", "DataConfig",
-           "EvalSamplingConfig", "LoggingConfig", "ModelConfig", "RewardSpec", "SamplingConfig", "TrainConfig",
-           "Section", "flat_dict", "save_config"]
+           "EvalSamplingConfig", "LoggingConfig", "ModelConfig", "ParallelConfig", "RewardSpec", "SamplingConfig",
+           "TrainConfig", "Section", "flat_dict", "save_config"]

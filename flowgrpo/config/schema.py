@@ -31,7 +31,8 @@ class ModelConfig(Section):
         "cached on first use) or 'tiny' (random weights, for plumbing tests)",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype of the transformer's weights and forward; SDE arithmetic is always float32"
+        "float32", description="dtype of the transformer's forward (and of its frozen weights and of the final "
+        "transformer folder); full fine-tuning keeps float32 master weights; SDE arithmetic is always float32"
     )
     height: int | None = Field(
         None, ge=1, description="image height in pixels (default, null: the pipeline's sample size)"
@@ -246,6 +247,29 @@ class TrainConfig(Section):
         return seed
 
 
+class ParallelConfig(Section):
+    """How the transformer is spread over the processes and where each pipeline part lives (docs/many_gpus.md)."""
+
+    sharding: Literal["none", "fsdp2"] = Field(
+        "none", description="none: every process holds the whole transformer (DDP over several processes); fsdp2: "
+        "torch's fully_shard on each transformer block (the blocks the model names in _no_split_modules), with "
+        "float32 master weights and model.dtype compute for full fine-tuning; any process count, one included"
+    )
+    reshard_after_forward: bool = Field(
+        True, description="fsdp2: free each block's gathered weights after its forward and gather them again for "
+        "the backward (least memory); false keeps them until the backward (one all-gather less per block)"
+    )
+    reference: Literal["device", "cpu_offload"] = Field(
+        "device", description="full fine-tuning with algo.kl_beta > 0: the frozen reference copy on the device "
+        "(sharded like the policy under fsdp2), or its shards in host memory, gathered to the device per forward "
+        "(cpu_offload; needs sharding fsdp2)"
+    )
+    text_encoders: Literal["device", "offload"] = Field(
+        "device", description="device: text encoders stay on the device; offload: they live in host memory and "
+        "move to the device only while prompts are encoded (once per rollout and evaluation)"
+    )
+
+
 class RewardSpec(Section):
     """One reward: a registered name (entry point) or 'module:attr', its weight and constructor kwargs."""
 
@@ -300,6 +324,7 @@ class Config(Section):
     )
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="digit_correctness")], description="rewards optimised"
     )
@@ -340,6 +365,13 @@ class Config(Section):
                 f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
                 f"training micro-batches B / train_batch_size = {b // tb}"
             )
+        if self.parallel.reference == "cpu_offload" and self.parallel.sharding != "fsdp2":
+            raise ValueError("parallel.reference=cpu_offload keeps the reference's shards in host memory, which needs "
+                             "parallel.sharding=fsdp2 (any process count, one included); or use "
+                             "parallel.reference=device")
+        if self.model.finetune == "full" and self.model.dtype == "float16":
+            raise ValueError("model.dtype=float16 with model.finetune=full: the float32 master weights would "
+                             "compute in float16 without loss scaling, whose gradients underflow; use bfloat16")
         if not all(0 <= beta < 1 for beta in t.adam_betas):
             raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
         if not self.rewards:

@@ -98,6 +98,8 @@ class AdapterBase:
         self.frozen_reference: torch.nn.Module | None = None
         self.truncation = TruncationCheck()
         self.attention_backend = "auto"
+        self.compute_dtype: torch.dtype | None = None  # set for float32 master weights (flowgrpo.parallel)
+        self.encoders_offload = None  # set by flowgrpo.parallel.place_pipeline (parallel.text_encoders=offload)
 
     @property
     def device(self) -> torch.device:
@@ -105,7 +107,14 @@ class AdapterBase:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        """The dtype the transformer computes in (its inputs are cast to it): ``compute_dtype`` when its weights
+        are float32 masters of a lower-precision forward, else its parameters' dtype."""
+        return self.compute_dtype or next(self.transformer.parameters()).dtype
+
+    def encoding(self) -> contextlib.AbstractContextManager:
+        """The scope prompts are encoded in: with offloaded encoders (``parallel.text_encoders=offload``) they
+        are on the device inside it and back in host memory after; otherwise nothing happens."""
+        return self.encoders_offload() if self.encoders_offload is not None else contextlib.nullcontext()
 
     @staticmethod
     def check_image_size(what: str, height: int, width: int, step: int) -> None:

@@ -45,15 +45,18 @@ def setup_trainable(adapter, *, finetune: str, rank: int, alpha: float, target_m
     raise ValueError(f"finetune must be 'lora' or 'full', got {finetune!r}")
 
 
-def save_lora(adapter, folder: str | Path) -> None:
+def save_lora(adapter, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """Write the LoRA as ``pytorch_lora_weights.safetensors`` in the form ``Pipeline.load_lora_weights`` reads
-    (with the adapter metadata, so α survives the round trip)."""
+    (with the adapter metadata, so α survives the round trip).
+
+    ``state``: the transformer's state by parameter name to take the adapter weights from (a sharded model's
+    gathered whole tensors, :func:`flowgrpo.state_dicts.trainable_state`); default the transformer's own."""
     from peft.utils import get_peft_model_state_dict
 
     tr = adapter.transformer
     type(adapter.pipe).save_lora_weights(
         str(folder),
-        transformer_lora_layers=get_peft_model_state_dict(tr),
+        transformer_lora_layers=get_peft_model_state_dict(tr, state_dict=state),
         transformer_lora_adapter_metadata=tr.peft_config["default"].to_dict(),
         safe_serialization=True,
     )

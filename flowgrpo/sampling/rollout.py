@@ -6,6 +6,7 @@ step: the same velocity function and the same step function that training calls.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -160,10 +161,12 @@ def encode_rows(adapter, prompts: list[str], metadata: list[dict] | None = None)
     unique = list(dict.fromkeys(keys))
     where = torch.tensor([unique.index(k) for k in keys])
     texts = [k[0] for k in unique]
-    if conditioned:
-        embeds = adapter.encode_prompts(texts, images=[load_condition_images(k[1]) for k in unique])
-    else:
-        embeds = adapter.encode_prompts(texts)
+    encoding = getattr(adapter, "encoding", contextlib.nullcontext)  # offloaded encoders: on the device in it
+    with encoding():
+        if conditioned:
+            embeds = adapter.encode_prompts(texts, images=[load_condition_images(k[1]) for k in unique])
+        else:
+            embeds = adapter.encode_prompts(texts)
     return embeds.index(where.to(embeds.device))
 
 

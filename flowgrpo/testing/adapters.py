@@ -18,6 +18,9 @@ never against a snapshot of the adapter's own output:
   the rollout's log-probs bit for bit (importance ratio exactly 1);
 * **LoRA**: a LoRA saved by :func:`flowgrpo.models.lora.save_lora` and loaded by the pipeline's own
   ``load_lora_weights`` gives the same images as the adapter, to 1e-5, and the LoRA matters;
+* **sharding**: the blocks FSDP2 shards are found in the model by its own list (``_no_split_modules``, or the
+  adapter's ``shard_blocks``); sharded (a one-process group), the transformer gives the velocity of the whole one
+  bit for bit, and its gradients to 1e-5 (a weight several blocks read sums their terms in another order);
 * **training**: one epoch through the real trainer (``flowgrpo.runner.run``) with the ``per_step`` and ``chunk``
   strategies, with a log-prob mismatch of exactly 0.0 at the first update.
 
@@ -254,6 +257,46 @@ class AdapterConformance:
         torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=1e-5)
         assert float((theirs - base).abs().max()) > 1e-3  # the LoRA matters: a lost or mis-scaled one fails above
         torch.testing.assert_close(ours_base, base.float(), rtol=0, atol=1e-5)  # reference = the base model
+
+    def test_fsdp2_shards_the_models_blocks_and_computes_the_same(self, folder, sources):
+        from torch.distributed.tensor import DTensor
+
+        from flowgrpo import dist, parallel
+        from flowgrpo.sampling.rollout import encode_rows
+        from flowgrpo.state_dicts import full_tensor
+
+        c = self.case
+        adapter = self.load(folder)
+        tr, own = adapter.transformer, getattr(adapter, "shard_blocks", None)
+        blocks = parallel.shard_blocks(tr, own)
+        assert blocks and {type(b).__name__ for b in blocks} <= set(own or tr._no_split_modules)
+        x = adapter.initial_latents(2, _generators([5, 6]))
+        embeds = encode_rows(adapter, list(c.prompts), self.metadata(sources))
+
+        def velocity_and_gradients():
+            tr.zero_grad(set_to_none=True)
+            v = adapter.velocity(x, torch.full((2,), 0.7), embeds, c.guidance_scale)
+            v.square().mean().backward()
+            return v.detach(), {n: None if p.grad is None else full_tensor(p.grad) for n, p in tr.named_parameters()}
+
+        v_whole, g_whole = velocity_and_gradients()
+        cpu = torch.device("cpu")
+        made = not dist.is_distributed()
+        dist.ensure_process_group(cpu)
+        try:
+            parallel.shard(tr, mesh=parallel.device_mesh(cpu), param_dtype=None, reshard=True, names=own)
+            assert all(isinstance(p, DTensor) for p in tr.parameters())
+            v_shard, g_shard = velocity_and_gradients()
+        finally:
+            if made:
+                dist.release_own_group()
+        assert torch.equal(v_whole, v_shard)
+        assert g_whole.keys() == g_shard.keys() and sum(g is not None for g in g_whole.values()) > len(g_whole) // 2
+        for n, g in g_whole.items():  # a weight used by several blocks sums their terms in another order
+            assert (g is None) == (g_shard[n] is None), n
+            if g is not None:
+                gap = float((g - g_shard[n]).abs().max() / g.abs().max().clamp(min=1e-30))
+                assert gap < 1e-5, (n, gap)
 
     @pytest.mark.parametrize("strategy", ["per_step", "chunk"])
     def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):

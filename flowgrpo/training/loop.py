@@ -21,13 +21,14 @@ from safetensors.torch import save_file
 from flowgrpo import dist
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
-from flowgrpo.models.lora import save_lora
+from flowgrpo.models import DTYPES
 from flowgrpo.plots import reward_curve, sample_grid
 from flowgrpo.records import Advantages, Rewards
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rng import derive_seed
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, generate_images
+from flowgrpo.state_dicts import save_final_weights
 from flowgrpo.training import report
 from flowgrpo.training.optim import Optimization
 from flowgrpo.training.run_folder import RunFolder
@@ -40,8 +41,9 @@ class Trainer:
 
     Args:
         config: the validated :class:`~flowgrpo.config.Config`.
-        adapter: a model adapter whose transformer is already set up for training (LoRA or full).
-        params: the trained parameters.
+        adapter: a model adapter whose transformer is already set up for training (LoRA or full,
+            :func:`~flowgrpo.models.lora.setup_trainable`); the trained parameters are those of the prepared module
+            (:class:`~flowgrpo.training.optim.Optimization`).
         rewards: the optimised rewards; eval_rewards: rewards scored only at evaluation (may be None).
         objective: the objective strategy (:func:`~flowgrpo.algo.objectives.build_objective` of ``config``).
         prompts: the training prompt set; eval_prompts: held-out prompts (None: no evaluation).
@@ -49,7 +51,7 @@ class Trainer:
         reward_origins: provenance of every reward plugin, written to ``rewards.json``.
     """
 
-    def __init__(self, config, *, adapter, params, rewards: ComposedReward, eval_rewards: ComposedReward | None,
+    def __init__(self, config, *, adapter, rewards: ComposedReward, eval_rewards: ComposedReward | None,
                  objective, prompts: PromptSet, eval_prompts: PromptSet | None, accelerator,
                  reward_origins: list | None = None) -> None:
         self.cfg = config
@@ -62,7 +64,7 @@ class Trainer:
         self.run = RunFolder(config)
         self.out = self.run.out
         self.main = accelerator.is_main_process
-        self.optim = Optimization(config.train, adapter=adapter, params=params, accelerator=accelerator)
+        self.optim = Optimization(config, adapter=adapter, accelerator=accelerator)
         self.sampler = GroupSampler(len(prompts), config.train.prompts_per_epoch, config.train.seed)
         self.epoch = 0  # 0-based: the epoch training (or next to train)
         self.stage = "epochs"  # "epochs", then "final" (the final evaluation and save)
@@ -83,9 +85,9 @@ class Trainer:
         self.forward_count[1] += 0 if x is None else len(x)  # a batch tensor, or a list of samples (Z-Image)
 
     def save_checkpoint(self, epoch: int) -> None:
-        if self.main:
-            self.optim.save(self.out / "checkpoints", epoch, sampler=self.sampler,
-                            keep=self.cfg.logging.checkpoints_total_limit)
+        """Every process takes part (a sharded model is gathered); the main process writes."""
+        self.optim.save(self.out / "checkpoints", epoch, sampler=self.sampler,
+                        keep=self.cfg.logging.checkpoints_total_limit)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -348,13 +350,10 @@ class Trainer:
         return self.run.weights_dir
 
     def save_weights(self) -> None:
-        """The trained LoRA (diffusers ``load_lora_weights`` format) or full transformer (``from_pretrained``)."""
-        if not self.main:
-            return
-        if self.cfg.model.finetune == "lora":
-            save_lora(self.adapter, self.weights_dir)
-        else:
-            self.optim.unwrapped.save_pretrained(self.weights_dir)
+        """The trained LoRA (diffusers ``load_lora_weights`` format) or full transformer (``from_pretrained``,
+        weights in ``model.dtype``); every process takes part (a sharded model is gathered), the main one writes."""
+        save_final_weights(self.adapter, self.optim.unwrapped, self.weights_dir, finetune=self.cfg.model.finetune,
+                           dtype=DTYPES[self.cfg.model.dtype], main=self.main)
 
 
 def _reward_metrics(rewards: Rewards) -> dict[str, float]:

@@ -4,7 +4,8 @@ synchronisation, clipping, the non-finite check, the step and the EMA of the wei
 Every objective's update calls only this interface (:class:`Optimization`): per optimizer step, for each pack of
 its micro-batches ``with optim.accumulating(sync=last): ...forward...; optim.backward(loss)``, then
 ``optim.step(epoch)`` and ``optim.zero_grad()``. A sharded or otherwise distributed optimizer is a change here
-alone.
+alone: the transformer is wrapped (DDP) or sharded (FSDP2) by :func:`flowgrpo.parallel.prepare_model` before the
+optimizer is built, so the optimizer, clipping, the EMA and checkpoints all hold the prepared module's parameters.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from flowgrpo import parallel
 from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
 from flowgrpo.ema import EMA
 
@@ -25,31 +27,35 @@ logger = logging.getLogger(__name__)
 class Optimization:
     """AdamW (``train.lr``, ``adam_betas``, ``adam_eps``, ``weight_decay``) with a linear warmup over
     ``train.warmup_steps`` optimizer steps, gradient-norm clipping (``train.max_grad_norm``) and an optional EMA
-    of the trained weights (``train.ema_decay``), around the transformer wrapped by ``accelerator``.
+    of the trained weights (``train.ema_decay``), around the transformer prepared by
+    :func:`flowgrpo.parallel.prepare_model` (DDP-wrapped, FSDP2-sharded, or as it is).
 
     Args:
-        train: the run's :class:`~flowgrpo.config.TrainConfig`.
-        adapter: the model adapter; its ``forward_module`` becomes the wrapped transformer (gradient sync).
-        params: the trained parameters.
+        config: the run's :class:`~flowgrpo.config.Config` (``train`` and ``parallel`` are read).
+        adapter: the model adapter, its transformer set up for training (LoRA or full); its ``forward_module``
+            becomes the prepared transformer (gradient sync).
         accelerator: an ``accelerate.Accelerator``.
 
     Attributes:
         model: the wrapped transformer (forward through it); optimizer, lr_scheduler, ema (or None).
     """
 
-    def __init__(self, train, *, adapter, params, accelerator) -> None:
+    def __init__(self, config, *, adapter, accelerator) -> None:
+        train = config.train
         self.train_cfg = train
-        self.params = params
         self.accelerator = accelerator
-        optimizer = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
+        # wrap (DDP) or shard (FSDP2) first: after fully_shard the parameters are new DTensor objects, so a list
+        # taken before would get no gradient
+        self.model = parallel.prepare_model(adapter, accelerator, config)
+        self.params = parallel.trainable_parameters(self.model)
+        optimizer = torch.optim.AdamW(self.params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
                                       weight_decay=train.weight_decay)
         warm = train.warmup_steps
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
-        self.model, self.optimizer = accelerator.prepare(adapter.transformer, optimizer)
-        adapter.forward_module = self.model  # forward through the distributed wrapper (gradient sync)
-        self.ema = EMA(params, train.ema_decay) if train.ema_decay is not None else None
+        self.optimizer = accelerator.prepare(optimizer)
+        self.ema = EMA(self.params, train.ema_decay) if train.ema_decay is not None else None
 
     # ------------------------------------------------------------------ one optimizer step
     def accumulating(self, *, sync: bool):
@@ -69,7 +75,7 @@ class Optimization:
         learning-rate schedule and the EMA; returns the gradient norm.
 
         Raises ``FloatingPointError`` on a non-finite norm, before the weights change."""
-        gn = float(self.accelerator.clip_grad_norm_(self.params, self.train_cfg.max_grad_norm))
+        gn = parallel.clip_grad_norm(self.accelerator, self.params, self.train_cfg.max_grad_norm)
         if not math.isfinite(gn):  # never let one bad batch overwrite the weights
             raise FloatingPointError(
                 f"epoch {epoch}: the gradient norm is {gn}; the weights were not updated "
@@ -110,7 +116,7 @@ class Optimization:
     # ------------------------------------------------------------------ checkpoints
     def save(self, root: Path, epoch: int, *, sampler, keep: int) -> None:
         """Checkpoint epoch ``epoch`` (weights, optimizer, schedule, EMA, the prompt sampler) under ``root``,
-        keeping the newest ``keep``."""
+        keeping the newest ``keep``. Every process calls it (a sharded model is gathered); the main one writes."""
         save_checkpoint(root, epoch, model=self.unwrapped, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                         sampler=sampler, ema=self.ema, keep=keep)
 

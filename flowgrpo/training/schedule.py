@@ -28,11 +28,18 @@ class StepWork:
             call.
         global_pairs: the (sample, chunk) pairs it trains, summed over all processes.
         micro_batches: the micro-batches of its share (for the progress bar).
+        padding: the last ``padding`` packs of ``work`` are fillers (:func:`pad_packs`): forwarded and
+            back-propagated with weight 0, never recorded.
     """
 
     work: list[list[tuple[torch.Tensor, int]]]
     global_pairs: float
     micro_batches: int
+    padding: int
+
+    def is_filler(self, i: int) -> bool:
+        """Whether pack ``i`` of ``work`` is a filler."""
+        return i >= len(self.work) - self.padding
 
 
 def micro_batches(b: int, size: int) -> list[torch.Tensor]:
@@ -86,6 +93,21 @@ def _packs(share: list[torch.Tensor], plan: ChunkPlan, mask: torch.Tensor, limit
     return packs
 
 
+def pad_packs(work: list[list[list]], shares: list[list[torch.Tensor]]) -> tuple[list[list[list]], list[int]]:
+    """Each optimizer step's packs padded to the most any process has, and the fillers added per step.
+
+    Every process must make the same transformer calls in the same order: a sharded (FSDP2) transformer gathers
+    its weights in each forward and reduces gradients in each backward, and DDP reduces in the step's last
+    backward. A filler repeats one row of the step (its first trained item's, else the share's first sample)."""
+    if dist.world_size() == 1:
+        return work, [0] * len(work)
+    most = dist.all_reduce_max(torch.tensor([float(len(w)) for w in work], dtype=torch.float64)).tolist()
+    pads = [int(n) - len(w) for n, w in zip(most, work, strict=True)]
+    padded = [w + [[(w[0][0][0][:1], w[0][0][1]) if w else (share[0][:1], 0)]] * p
+              for w, share, p in zip(work, shares, pads, strict=True)]
+    return padded, pads
+
+
 def schedule(traj: Trajectory, plan: ChunkPlan, mask: torch.Tensor, *, batch_size: int, steps: int,
              shared_inputs: Callable[[torch.Tensor], torch.Tensor | None]) -> list[StepWork]:
     """Each optimizer step's packed forwards and its pair count summed over all processes (one collective).
@@ -97,6 +119,7 @@ def schedule(traj: Trajectory, plan: ChunkPlan, mask: torch.Tensor, *, batch_siz
     ``batch_size`` transformer rows (identical inputs, ``shared_inputs(rows)`` keys, counted once; a chunk of k
     steps counts k rows per sample). A chunk over that limit is forwarded alone, so a per-step micro-batch still
     forwards one step at a time, while E-GRPO's shared-anchor chunks (one transformer row a group) share one call.
+    With several processes every step's packs are padded to the most any process has (:func:`pad_packs`).
 
     Raises ``ValueError`` when ``batch_size`` does not divide B or there are fewer micro-batches than steps.
     """
@@ -104,4 +127,5 @@ def schedule(traj: Trajectory, plan: ChunkPlan, mask: torch.Tensor, *, batch_siz
     work = [_packs(share, plan, mask, batch_size, shared_inputs) for share in shares]
     local_pairs = torch.stack([mask[torch.cat(share)].sum() for share in shares]).double()
     global_pairs = dist.all_reduce_sum(local_pairs).tolist()
-    return [StepWork(w, n, len(share)) for w, n, share in zip(work, global_pairs, shares, strict=True)]
+    work, pads = pad_packs(work, shares)
+    return [StepWork(w, n, len(share), p) for w, n, share, p in zip(work, global_pairs, shares, pads, strict=True)]

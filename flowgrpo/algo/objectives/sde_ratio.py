@@ -216,9 +216,11 @@ class SdeRatio(BaseObjective):
         old = traj.log_probs.clone()
         keep_means = needs_moments(self.policy_loss)
         old_means = torch.zeros_like(traj.latents[:, :-1]) if keep_means else None
-        for pack in (pack for step in work.steps for pack in step.work):
+        for step, i, pack in ((s, i, pack) for s in work.steps for i, pack in enumerate(s.work)):
             outs = packed_forward(adapter, traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
                                   with_ref=False, shared_inputs=[self._shared_inputs(traj, rows) for rows, _ in pack])
+            if step.is_filler(i):  # the same transformer calls on every process; its values are not kept
+                continue
             for (rows, k), out in zip(pack, outs, strict=True):
                 idx = (rows.unsqueeze(1), torch.tensor(plan.chunks[k]).unsqueeze(0))
                 old[idx] = out.log_probs.cpu()
@@ -249,7 +251,8 @@ class SdeRatio(BaseObjective):
                     acc = first if inner == 0 and u == 0 else later
                     for i, pack in enumerate(step.work):
                         with optim.accumulating(sync=i == len(step.work) - 1):
-                            self._train_pack(adapter, optim, work, pack, step, batch, acc)
+                            self._train_pack(adapter, optim, work, pack, step, batch, acc,
+                                             filler=step.is_filler(i))
                     if step.work:
                         grad_norms.append(optim.step(work.epoch))
                     optim.zero_grad()
@@ -269,10 +272,11 @@ class SdeRatio(BaseObjective):
         return out
 
     def _train_pack(self, adapter, optim, work: SdeRatioWork, pack: list[tuple[torch.Tensor, int]], step: StepWork,
-                    batch: dict[str, torch.Tensor], acc: _Accum) -> None:
+                    batch: dict[str, torch.Tensor], acc: _Accum, *, filler: bool = False) -> None:
         """Forward (one transformer call) and backward of a pack of (rows, chunk index) items, inside the update's
         attention scope and the optimizer's accumulation context. The policy loss sees the pack's items of one
-        chunk length at once."""
+        chunk length at once. A ``filler`` pack (:func:`~flowgrpo.training.schedule.pad_packs`) back-propagates
+        weight 0 and records nothing."""
         a, plan = self.cfg.algo, work.plan
         fwds = packed_forward(adapter, work.traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
                               with_ref=a.kl_beta > 0, kl_form=a.kl_form,
@@ -284,9 +288,10 @@ class SdeRatio(BaseObjective):
                                                       batch), self.loss_settings)
             m = _cat([batch["pair_mask"][r, k] for r, k in (pack[i] for i in items)]).to(terms.loss.device)
             part = (terms.loss * m).sum()
-            acc.add(terms, m, part)
+            if not filler:
+                acc.add(terms, m, part)
             loss_sum = part if loss_sum is None else loss_sum + part
-        optim.backward(loss_sum * (dist.world_size() / max(step.global_pairs, 1.0)))
+        optim.backward(loss_sum * (0.0 if filler else dist.world_size() / max(step.global_pairs, 1.0)))
 
     def _loss_input(self, fwds: list[ChunkForward], items: list[tuple[torch.Tensor, int]], work: SdeRatioWork,
                     batch: dict[str, torch.Tensor]) -> PolicyLossInput:
