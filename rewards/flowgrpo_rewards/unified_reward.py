@@ -5,13 +5,16 @@ UnifiedReward-Think, arXiv 2505.03318; models ``CodeGoat24/UnifiedReward-*``) is
 that answer in text. Served by vLLM or SGLang (``vllm serve CodeGoat24/UnifiedReward-2.0-qwen3vl-8b
 --served-model-name UnifiedReward``), they are asked here exactly as the releases that train with them ask:
 
-| template | kind | input | question and answer parsed | release |
-|---|---|---|---|---|
-| ``final_score`` | point | image | ``Final Score: X`` (1–5), reward X/5 | Flow-GRPO ``unifiedreward_score_sglang`` (UnifiedReward-7b-v1.5) |
-| ``alignment_coherence_style`` | point | image | ``<Dim> Score (1-5): X`` for Alignment, Coherence, Style; reward X of ``dimension`` | Pref-GRPO ``get_unifiedreward_image_template`` (UnifiedReward-2.0) |
-| ``alignment_physics_style`` | point | video | the same for Alignment, Physics, Style | UnifiedReward-2.0 ``point_score_APS_video_generation.py`` |
-| ``think`` | pairwise | image or video | ``<answer>Image 1 is better</answer>`` (``Video …`` for videos) | Pref-GRPO ``get_unifiedreward_think_*_template`` (UnifiedReward-Think) |
-| ``pair_rank`` | pairwise | image | "Image 1 is better." in the answer | UnifiedReward ``qwen_pair_rank_image_generation.py`` |
+* ``final_score`` (point, images): ``Final Score: X`` (1–5), reward X/5 — Flow-GRPO's
+  ``unifiedreward_score_sglang`` (UnifiedReward-7b-v1.5);
+* ``alignment_coherence_style`` (point, images): ``<Dim> Score (1-5): X`` for Alignment, Coherence and Style, the
+  reward is X of ``dimension`` — Pref-GRPO's ``get_unifiedreward_image_template`` (UnifiedReward-2.0);
+* ``alignment_physics_style`` (point, videos): the same for Alignment, Physics and Style — UnifiedReward-2.0's
+  ``point_score_APS_video_generation.py``;
+* ``think`` (pairwise, images or videos): ``<answer>Image 1 is better</answer>`` (``Video …`` for videos) —
+  Pref-GRPO's ``get_unifiedreward_think_*_template`` (UnifiedReward-Think);
+* ``pair_rank`` (pairwise, images): "Image 1 is better." in the reply — UnifiedReward's
+  ``qwen_pair_rank_image_generation.py``.
 
 The pairwise judge (:class:`UnifiedRewardPairwise`) is group-wise: every pair (i < j) of a prompt's G samples is
 judged once with sample i as "Image 1" (itertools.combinations order, as Pref-GRPO's ``cal_win_rate_images``), a
