@@ -101,8 +101,12 @@ def _sample(args: argparse.Namespace) -> None:
     torch.save(images, out / "images.pt")
     sample_grid(images[:40], [p[:30] for p in prompts[:40]], out / "grid.png", ncols=10)
     for i, img in enumerate(images):
-        Image.fromarray(to_uint8(img)).save(out / f"{i:05d}.png")
-    logger.info("wrote %d images to %s", len(images), out)
+        if img.ndim == 4:  # a video (F, 3, H, W): an animated GIF to look at (images.pt keeps the exact frames)
+            frames = [Image.fromarray(a) for a in to_uint8(img)]
+            frames[0].save(out / f"{i:05d}.gif", save_all=True, append_images=frames[1:], duration=62, loop=0)
+        else:
+            Image.fromarray(to_uint8(img)).save(out / f"{i:05d}.png")
+    logger.info("wrote %d %s to %s", len(images), "videos" if images.ndim == 5 else "images", out)
 
 
 def _prompts(args: argparse.Namespace) -> None:

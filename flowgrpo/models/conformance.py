@@ -21,6 +21,10 @@ never against a snapshot of the adapter's own output:
 * **training**: one epoch through the real trainer (``flowgrpo.runner.run``) with the ``per_step`` and ``chunk``
   strategies, with a log-prob mismatch of exactly 0.0 at the first update.
 
+Video models (a case with ``num_frames``) run the same clauses: latents (B, C, F', h, w), decoded videos
+(B, F, 3, H, W) compared with the pipeline's ``frames``, and training with an image reward over every frame
+(``video_frames``).
+
 Needs pytest (``pip install "flowgrpo[test]"``).
 """
 
@@ -137,10 +141,10 @@ class AdapterConformance:
                 return {}
 
             with torch.no_grad():
-                images.append(pipe(prompt=list(prompts[sl]), generator=_generators(seeds[sl]),
-                                   num_inference_steps=steps or c.num_steps, height=c.size, width=c.size,
-                                   output_type="pt", callback_on_step_end=keep, **c.call_kwargs(guidance),
-                                   **extra).images)
+                out = pipe(prompt=list(prompts[sl]), generator=_generators(seeds[sl]),
+                           num_inference_steps=steps or c.num_steps, height=c.size, width=c.size, output_type="pt",
+                           callback_on_step_end=keep, **c.call_kwargs(guidance), **extra)
+            images.append(out.frames if c.num_frames else out.images)  # videos: (B, F, 3, H, W)
             per_step.append(steps_here)
         return torch.cat(images), [torch.cat(step) for step in zip(*per_step, strict=True)]
 
@@ -185,7 +189,8 @@ class AdapterConformance:
         for t, ref in enumerate(ref_steps):  # every step of the trajectory, not only the end
             torch.testing.assert_close(xs[:, t + 1], ref.float().reshape(xs[:, t + 1].shape), rtol=0,
                                        atol=c.parity_atol, msg=lambda m, t=t: f"step {t}: {m}")
-        assert images.shape == ref_images.shape == (2, 3, c.size, c.size)
+        frames = (c.num_frames,) if c.num_frames else ()  # a video model decodes (B, F, 3, H, W)
+        assert images.shape == ref_images.shape == (2, *frames, 3, c.size, c.size)
         torch.testing.assert_close(images, ref_images.float(), rtol=0, atol=c.parity_atol)
         # the comparison has power: the steps move the latents and the prompts and seeds differ
         assert float((xs[:, -1] - xs[:, 0]).abs().max()) > 1e3 * c.parity_atol
@@ -281,8 +286,12 @@ class AdapterConformance:
             f"model.lora_target_modules={json.dumps(list(c.lora_target_modules))}",
             f"sampling.num_steps={c.num_steps}", f"sampling.guidance_scale={c.guidance_scale}",
             f"chunker={chunker}", "train.num_epochs=1", "train.group_size=2", "train.prompts_per_epoch=2",
-            "train.rollout_batch_size=2", "train.lr=1e-3", "rewards=[{name: jpeg_compressibility}]",
-            f"data.train_prompts={prompt_file}", f"output_dir={out}", "logging.progress=false",
+            "train.rollout_batch_size=2", "train.lr=1e-3", f"data.train_prompts={prompt_file}", f"output_dir={out}",
+            "logging.progress=false",
+            # a video model: its frame count, and the image reward scored on every frame (the video contract)
+            *([f"model.num_frames={c.num_frames}",
+               "rewards=[{name: video_frames, kwargs: {base: jpeg_compressibility}}]"] if c.num_frames
+              else ["rewards=[{name: jpeg_compressibility}]"]),
         ])
         run(cfg)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -52,6 +52,8 @@ class ConformanceCase:
         module_patches: ``{"module:ATTR": value}`` set for the suite's duration (pipeline-module constants,
             e.g. a conditioning image area, scaled down to the tiny model); the adapter must read them the
             same way the pipeline does.
+        num_frames: video models: F, the frames of every test video (also in ``load_kwargs`` and
+            ``call_kwargs``); None for image models.
     """
 
     name: str
@@ -68,6 +70,7 @@ class ConformanceCase:
     condition: Callable[[list[list]], dict] | None = None
     pipeline_batch_size: int | None = None
     module_patches: dict = field(default_factory=dict)
+    num_frames: int | None = None
 
 
 def _words() -> list[str]:
@@ -98,6 +101,9 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "flux2": _builder("flowgrpo.models.flux2:build_tiny_flux2"),
     "kontext": _builder("flowgrpo.models.kontext:build_tiny_kontext"),
     "qwenimage_edit_plus": _builder("flowgrpo.models.qwenimage_edit:build_tiny_qwenimage_edit_plus"),
+    "wan21": _builder("flowgrpo.models.wan:build_tiny_wan"),
+    "wan22": lambda out, **kw: _builder("flowgrpo.models.wan:build_tiny_wan")(out, variant="wan22", **kw),
+    "wan22_ti2v": lambda out, **kw: _builder("flowgrpo.models.wan:build_tiny_wan")(out, variant="ti2v", **kw),
 }
 
 def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: float) -> ConformanceCase:
@@ -106,6 +112,16 @@ def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: f
         name=name, build=BUILDERS[name], size=size, max_sequence_length=max_sequence_length,
         guidance_scale=guidance_scale,
         call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": max_sequence_length},
+    )
+
+
+def _video_case(name: str, size: int, guidance_scale: float, num_frames: int = 5) -> ConformanceCase:
+    """The case of a text-to-video family whose pipeline takes ``guidance_scale``, ``num_frames`` and
+    ``max_sequence_length`` (Wan)."""
+    return ConformanceCase(
+        name=name, build=BUILDERS[name], size=size, max_sequence_length=16, guidance_scale=guidance_scale,
+        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 16, "num_frames": num_frames},
+        load_kwargs={"num_frames": num_frames}, num_frames=num_frames,
     )
 
 
@@ -134,6 +150,9 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
         # the pipeline's 384² (vision encoder) and 1024² (VAE) source areas, scaled to the tiny 32² model
         module_patches={f"{_EDIT_PLUS}:CONDITION_IMAGE_SIZE": 56 * 56, f"{_EDIT_PLUS}:VAE_IMAGE_SIZE": 32 * 32},
     ),
+    _video_case("wan21", 32, 4.0),
+    _video_case("wan22", 32, 4.0),  # 3 steps at shift 3: σ 1 on the high-noise expert, 0.75 and 0.009 on the low
+    _video_case("wan22_ti2v", 64, 4.0),  # the 16x VAE: 64² frames are 2 x 2 tokens
 )}
 
 
