@@ -66,7 +66,9 @@ def _sample_settings(args: argparse.Namespace) -> dict:
 def _load_weights(adapter, weights: Path) -> None:
     """A trained LoRA (``pytorch_lora_weights.safetensors``) or full transformer (``config.json``) from ``weights``."""
     if (weights / "pytorch_lora_weights.safetensors").exists():
-        adapter.pipe.load_lora_weights(str(weights))
+        from flowgrpo.models.lora import load_lora_into
+
+        load_lora_into(adapter.pipe, weights)
     elif (weights / "config.json").exists():
         adapter.transformer.load_state_dict(type(adapter.transformer).from_pretrained(weights).state_dict())
     else:

@@ -514,6 +514,8 @@ class Trainer:
                 part = (terms.loss * m).sum()
                 acc.add(terms, m, part)
                 loss_sum = part if loss_sum is None else loss_sum + part
+            if not loss_sum.requires_grad:  # every transition on a frozen module (Wan2.2's untrained expert): no
+                return  # gradient to add; the chunk plan, the same on every process, skips it everywhere
             self.accelerator.backward(loss_sum * (dist.world_size() / max(step.global_pairs, 1.0)))
 
     def _optimizer_step(self) -> float:

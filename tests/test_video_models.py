@@ -17,9 +17,17 @@ class TestWan21(AdapterConformance):
 class TestWan22TwoExperts(AdapterConformance):
     case = CASES["wan22"]
 
+    @pytest.mark.parametrize("strategy", ["per_step"])  # the chunk path of video latents: TestWan21's
+    def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
+        super().test_one_epoch_of_training(folder, sources, tmp_path, strategy)
+
 
 class TestWan22TI2V(AdapterConformance):
     case = CASES["wan22_ti2v"]
+
+    @pytest.mark.parametrize("strategy", ["per_step"])  # the chunk path of video latents: TestWan21's
+    def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
+        super().test_one_epoch_of_training(folder, sources, tmp_path, strategy)
 
 
 def _load(case, tmp_path_factory, **kwargs):
@@ -108,3 +116,11 @@ def test_video_settings_are_checked_where_they_enter(tmp_path_factory):
     assert type(euler).__name__ == "FlowMatchEulerDiscreteScheduler" and euler.config.shift == 5.0
     with pytest.raises(ValueError, match="not a flow-matching one"):
         euler_scheduler(UniPCMultistepScheduler())
+
+
+class TestHunyuanVideo15(AdapterConformance):
+    case = CASES["hunyuan_video15"]
+
+    @pytest.mark.parametrize("strategy", ["per_step"])  # the chunk path of video latents: TestWan21's
+    def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
+        super().test_one_epoch_of_training(folder, sources, tmp_path, strategy)

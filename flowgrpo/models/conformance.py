@@ -30,6 +30,8 @@ Needs pytest (``pip install "flowgrpo[test]"``).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 from pathlib import Path
 
@@ -51,6 +53,28 @@ def tiny_folder(case: ConformanceCase, tmp_path_factory) -> Path:
     if key not in _BUILT:
         _BUILT[key] = Path(case.build(tmp_path_factory.mktemp(f"tiny_{case.name}") / "pipeline"))
     return _BUILT[key]
+
+
+@contextlib.contextmanager
+def _step_outputs(pipe, record: list):
+    """Yield ``"callback"`` when ``pipe.__call__`` takes ``callback_on_step_end`` (the suite records each step's
+    latents with it); else yield None and record the output of each ``scheduler.step`` call instead (a pipeline
+    without step callbacks, e.g. diffusers 0.42's ``HunyuanVideo15Pipeline``)."""
+    if "callback_on_step_end" in inspect.signature(pipe.__call__).parameters:
+        yield "callback"
+        return
+    step = pipe.scheduler.step
+
+    def recording(*args, **kwargs):
+        out = step(*args, **kwargs)
+        record.append((out[0] if isinstance(out, tuple) else out.prev_sample).clone())
+        return out
+
+    pipe.scheduler.step = recording
+    try:
+        yield None
+    finally:
+        del pipe.scheduler.step  # back to the class's method
 
 
 def _generators(seeds) -> list[torch.Generator]:
@@ -140,10 +164,13 @@ class AdapterConformance:
                 steps_here.append(kwargs["latents"].clone())
                 return {}
 
-            with torch.no_grad():
+            if c.pipeline_setup is not None:
+                c.pipeline_setup(pipe, guidance)
+            with torch.no_grad(), _step_outputs(pipe, steps_here) as callback:
                 out = pipe(prompt=list(prompts[sl]), generator=_generators(seeds[sl]),
                            num_inference_steps=steps or c.num_steps, height=c.size, width=c.size, output_type="pt",
-                           callback_on_step_end=keep, **c.call_kwargs(guidance), **extra)
+                           **({} if callback is None else {"callback_on_step_end": keep}),
+                           **c.call_kwargs(guidance), **extra)
             images.append(out.frames if c.num_frames else out.images)  # videos: (B, F, 3, H, W)
             per_step.append(steps_here)
         return torch.cat(images), [torch.cat(step) for step in zip(*per_step, strict=True)]
@@ -237,7 +264,7 @@ class AdapterConformance:
                 assert torch.equal(lp[:, 0], traj.log_probs[rows, t]), (rows.tolist(), t)
 
     def test_lora_round_trip_through_the_pipeline_loader(self, folder, sources, tmp_path):
-        from flowgrpo.models.lora import save_lora, setup_trainable
+        from flowgrpo.models.lora import load_lora_into, save_lora, setup_trainable
 
         c = self.case
         adapter = self.load(folder)
@@ -257,7 +284,7 @@ class AdapterConformance:
         fresh = type(adapter.pipe).from_pretrained(str(folder))
         fresh.set_progress_bar_config(disable=True)
         base, _ = self.call_pipeline(fresh, c.prompts, seeds, sources, guidance=c.guidance_scale)
-        fresh.load_lora_weights(str(tmp_path / "lora"))
+        load_lora_into(fresh, tmp_path / "lora")  # the pipeline's load_lora_weights (or its transformer's loader)
         theirs, _ = self.call_pipeline(fresh, c.prompts, seeds, sources, guidance=c.guidance_scale)
         torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=1e-5)
         assert float((theirs - base).abs().max()) > 1e-3  # the LoRA matters: a lost or mis-scaled one fails above
@@ -289,7 +316,8 @@ class AdapterConformance:
             "train.rollout_batch_size=2", "train.lr=1e-3", f"data.train_prompts={prompt_file}", f"output_dir={out}",
             "logging.progress=false",
             # a video model: its frame count, and the image reward scored on every frame (the video contract)
-            *([f"model.num_frames={c.num_frames}",
+            # (and an evaluation of 2 videos in T steps, not 200 in 40)
+            *([f"model.num_frames={c.num_frames}", "data.eval_num_prompts=2", f"eval_sampling.num_steps={c.num_steps}",
                "rewards=[{name: video_frames, kwargs: {base: jpeg_compressibility}}]"] if c.num_frames
               else ["rewards=[{name: jpeg_compressibility}]"]),
         ])

@@ -47,13 +47,27 @@ def setup_trainable(adapter, *, finetune: str, rank: int, alpha: float, target_m
 
 def save_lora(adapter, folder: str | Path) -> None:
     """Write the LoRA as ``pytorch_lora_weights.safetensors`` in the form ``Pipeline.load_lora_weights`` reads
-    (with the adapter metadata, so α survives the round trip)."""
+    (with the adapter metadata, so α survives the round trip). A pipeline without a LoRA loader (diffusers 0.42's
+    ``HunyuanVideo15Pipeline``) gets the transformer's own format instead, which
+    ``pipe.transformer.load_lora_adapter(folder, prefix=None)`` reads (:func:`load_lora_into`)."""
     from peft.utils import get_peft_model_state_dict
 
     tr = adapter.transformer
+    if not hasattr(type(adapter.pipe), "save_lora_weights"):
+        tr.save_lora_adapter(str(folder), safe_serialization=True)
+        return
     type(adapter.pipe).save_lora_weights(
         str(folder),
         transformer_lora_layers=get_peft_model_state_dict(tr),
         transformer_lora_adapter_metadata=tr.peft_config["default"].to_dict(),
         safe_serialization=True,
     )
+
+
+def load_lora_into(pipe, folder: str | Path) -> None:
+    """Load a LoRA written by :func:`save_lora` into ``pipe``: ``pipe.load_lora_weights`` or, for a pipeline
+    without a LoRA loader, ``pipe.transformer.load_lora_adapter(folder, prefix=None)``."""
+    if hasattr(pipe, "load_lora_weights"):
+        pipe.load_lora_weights(str(folder))
+    else:
+        pipe.transformer.load_lora_adapter(str(folder), prefix=None, weight_name="pytorch_lora_weights.safetensors")

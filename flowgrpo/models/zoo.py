@@ -54,6 +54,8 @@ class ConformanceCase:
             same way the pipeline does.
         num_frames: video models: F, the frames of every test video (also in ``load_kwargs`` and
             ``call_kwargs``); None for image models.
+        pipeline_setup: ``pipeline_setup(pipe, guidance_scale)`` before each ``__call__``, for a pipeline whose
+            guidance is a component rather than a call argument (HunyuanVideo-1.5's guider); None: nothing.
     """
 
     name: str
@@ -71,6 +73,7 @@ class ConformanceCase:
     pipeline_batch_size: int | None = None
     module_patches: dict = field(default_factory=dict)
     num_frames: int | None = None
+    pipeline_setup: Callable | None = None
 
 
 def _words() -> list[str]:
@@ -104,6 +107,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "wan21": _builder("flowgrpo.models.wan:build_tiny_wan"),
     "wan22": lambda out, **kw: _builder("flowgrpo.models.wan:build_tiny_wan")(out, variant="wan22", **kw),
     "wan22_ti2v": lambda out, **kw: _builder("flowgrpo.models.wan:build_tiny_wan")(out, variant="ti2v", **kw),
+    "hunyuan_video15": _builder("flowgrpo.models.hunyuan_video15:build_tiny_hunyuan_video15"),
 }
 
 def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: float) -> ConformanceCase:
@@ -123,6 +127,13 @@ def _video_case(name: str, size: int, guidance_scale: float, num_frames: int = 5
         call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 16, "num_frames": num_frames},
         load_kwargs={"num_frames": num_frames}, num_frames=num_frames,
     )
+
+
+def _hunyuan_guider(pipe, guidance_scale: float) -> None:
+    """HunyuanVideo-1.5 takes its CFG scale from its guider component, not from ``__call__``."""
+    from diffusers import ClassifierFreeGuidance
+
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance_scale)
 
 
 CASES: dict[str, ConformanceCase] = {case.name: case for case in (
@@ -153,6 +164,11 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
     _video_case("wan21", 32, 4.0),
     _video_case("wan22", 32, 4.0),  # 3 steps at shift 3: σ 1 on the high-noise expert, 0.75 and 0.009 on the low
     _video_case("wan22_ti2v", 64, 4.0),  # the 16x VAE: 64² frames are 2 x 2 tokens
+    ConformanceCase(
+        name="hunyuan_video15", build=BUILDERS["hunyuan_video15"], size=32, max_sequence_length=1000,
+        guidance_scale=4.0, call_kwargs=lambda s: {"num_frames": 5}, load_kwargs={"num_frames": 5}, num_frames=5,
+        pipeline_setup=_hunyuan_guider, pipeline_batch_size=1,  # its VAE decodes one video per call (0.42)
+    ),
 )}
 
 
