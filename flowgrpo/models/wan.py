@@ -50,7 +50,7 @@ class WanAdapter(AdapterBase):
         pipe: the pipeline (its trained expert may carry a peft LoRA).
         height, width: frame size in pixels, positive multiples of the VAE's spatial factor times the patch
             (16 for Wan2.1, 32 for Wan2.2 TI2V-5B). num_frames: F, 1 + a multiple of the VAE's temporal factor (4).
-        max_sequence_length: UMT5 tokens per prompt (the pipeline's default 512).
+        max_sequence_length: UMT5 tokens per prompt (the pipeline's default 512; verl-omni's Wan2.2 uses 1024).
         guidance_scale_2: the low-noise expert's CFG scale (two-expert pipelines; None: the step's own scale).
         trained_expert: ``"transformer"`` or ``"transformer_2"`` (two-expert pipelines): the module trained.
 
@@ -79,7 +79,7 @@ class WanAdapter(AdapterBase):
         k = pipe.vae_scale_factor_temporal
         if num_frames < 1 or (num_frames - 1) % k:
             raise ValueError(f"Wan num_frames must be 1 + a multiple of {k} (e.g. 5, 81), got {num_frames}")
-        self.check_sequence_length("Wan", max_sequence_length, 512)
+        self.check_sequence_length("Wan", max_sequence_length, 4096)  # UMT5's relative positions: no hard limit
         super().__init__(pipe, height=height, width=width, max_sequence_length=max_sequence_length)
         self.num_frames = num_frames
         self.latent_shape = (pipe.transformer.config.in_channels, (num_frames - 1) // k + 1,
@@ -222,7 +222,7 @@ def load_wan_adapter(path: str, *, dtype: torch.dtype, height: int | None, width
     pipe = WanPipeline.from_pretrained(path, torch_dtype=dtype)
     pipe.scheduler = euler_scheduler(pipe.scheduler)
     return WanAdapter(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,
-                      max_sequence_length=min(max_sequence_length, 512), guidance_scale_2=guidance_scale_2,
+                      max_sequence_length=max_sequence_length, guidance_scale_2=guidance_scale_2,
                       trained_expert=trained_expert)
 
 
