@@ -189,6 +189,16 @@ REAL_SIZE: dict[str, dict] = {
     "flux2": {"num_layers": 8, "num_single_layers": 48, "attention_head_dim": 128, "num_attention_heads": 48,
               "axes_dims_rope": (32, 32, 32, 32), "timestep_guidance_channels": 256},
 }
+# Wan2.1-T2V-1.3B, Wan2.2-T2V-A14B (each expert = Wan2.1-14B's body), Wan2.2-TI2V-5B and HunyuanVideo-1.5 (8.3 B):
+# their diffusers transformer configs (text_dim / text widths stay the tiny encoders').
+REAL_SIZE["wan21"] = {"num_layers": 30, "num_attention_heads": 12, "attention_head_dim": 128, "ffn_dim": 8960,
+                      "freq_dim": 256, "rope_max_seq_len": 1024}
+REAL_SIZE["wan22"] = {"num_layers": 40, "num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824,
+                      "freq_dim": 256, "rope_max_seq_len": 1024}
+REAL_SIZE["wan22_ti2v"] = {"num_layers": 30, "num_attention_heads": 24, "attention_head_dim": 128, "ffn_dim": 14336,
+                           "freq_dim": 256, "rope_max_seq_len": 1024}
+REAL_SIZE["hunyuan_video15"] = {"num_layers": 54, "num_refiner_layers": 2, "num_attention_heads": 16,
+                                "attention_head_dim": 128, "mlp_ratio": 4.0, "rope_axes_dim": (16, 56, 56)}
 REAL_SIZE["kontext"] = REAL_SIZE["flux"]
 REAL_SIZE["qwenimage_edit_plus"] = REAL_SIZE["qwenimage"]
 
