@@ -107,9 +107,8 @@ def _builtin_reward_names() -> list[str]:
 @pytest.mark.parametrize("name", _builtin_reward_names())
 def test_every_builtin_reward_refuses_8bit_and_out_of_range_images_by_name(name, bad):
     """Before any weights are loaded: the input check comes first, and its message names the reward."""
-    from flowgrpo.rewards.registry import load_reward
-
     from flowgrpo.rewards.base import modalities_of
+    from flowgrpo.rewards.registry import load_reward
 
     reward, _ = load_reward(name, **_REQUIRED_KWARGS.get(name, {}))
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 255
