@@ -57,7 +57,7 @@ def _sample_settings(args: argparse.Namespace) -> dict:
     if not args.model:
         raise SystemExit("flowgrpo sample: give --run RUN_DIR or --model")
     return {"build": lambda: load_model(args.model, dtype=args.dtype, height=args.height, width=args.width,
-                                        max_sequence_length=args.max_sequence_length),
+                                        max_sequence_length=args.max_sequence_length, num_frames=args.num_frames),
             "steps": args.num_steps, "guidance": args.guidance_scale, "seed": args.seed,
             "weights": Path(args.lora) if args.lora else None, "prompt_file": args.prompts,
             "count": args.num_images}
@@ -178,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32")
     s.add_argument("--height", type=int_in(1))
     s.add_argument("--width", type=int_in(1))
+    s.add_argument("--num-frames", type=int_in(1), help="video models: frames per video (default: the model's)")
     s.add_argument("--max-sequence-length", type=int_in(1), default=512)
     s.add_argument("--batch-size", type=int_in(1), default=8)
     s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt)")

@@ -124,3 +124,20 @@ class TestHunyuanVideo15(AdapterConformance):
     @pytest.mark.parametrize("strategy", ["per_step"])  # the chunk path of video latents: TestWan21's
     def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
         super().test_one_epoch_of_training(folder, sources, tmp_path, strategy)
+
+
+def test_flowgrpo_sample_writes_videos(tmp_path_factory, tmp_path):
+    """``flowgrpo sample`` on a video model: an animated GIF per video (its frames in order) and the exact frames."""
+    from PIL import Image
+
+    from flowgrpo.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red cube\ntwo green dogs\n")
+    main(["sample", "--model", str(tiny_folder(CASES["wan21"], tmp_path_factory)), "--height", "32", "--width", "32",
+          "--num-frames", "5", "--max-sequence-length", "16", "--num-steps", "2", "--prompts", str(prompts),
+          "--out", str(tmp_path / "out")])
+    videos = torch.load(tmp_path / "out" / "images.pt")
+    assert videos.shape == (2, 5, 3, 32, 32)
+    gif = Image.open(tmp_path / "out" / "00001.gif")
+    assert gif.n_frames == 5 and gif.size == (32, 32)
