@@ -106,6 +106,7 @@ RELEASES: dict[str, dict[str, object]] = {
         "model.num_frames": 1, "model.finetune": "full", "model.scheduler_shift": 3.0,   # --t 1, --shift 3
         "sampling.num_steps": 20, "sampling.guidance_scale": 5.0,                      # --cfg_infer 5.0
         "sampling.sde_kind": "dance_sde", "sampling.noise_level": 0.3, "sampling.same_noise_in_group": True,
+        "sampling.final_decode": "x0_pred",                                              # pred_original
         "chunker.name": "per_step", "chunker.timestep_fraction": 0.6, "chunker.step_selection": "random",
         "chunker.drop_last_step": True,
         "algo.advantage": "grpo", "algo.std_ddof": 1, "algo.std_eps": 1e-8, "algo.advantage_clip": 5.0,
