@@ -30,7 +30,9 @@ bf16 (:data:`BODIES`: full depth up to 12 B parameters, reduced depth above; FLO
 block scale linearly with depth); part (a) calls the family's own pipeline with its conformance-case settings
 (editing families on a generated source image); FLOPs per velocity evaluation are counted once by
 ``torch.utils.flop_counter`` on the device; (f)/(g) train ``configs/<family>.yaml`` on a saved folder of the
-same width and a few blocks.
+same width and a few blocks. Video families (Wan2.1, Wan2.2 A14B with both experts, Wan2.2 TI2V-5B,
+HunyuanVideo-1.5) make :data:`VIDEO_FRAMES`-frame videos at the check's resolution and train their release config
+(``_CONFIGS``) with an image reward over every frame.
 """
 
 from __future__ import annotations
@@ -190,8 +192,23 @@ BODIES: dict[str, tuple[dict, dict, str]] = {
     "flux2_klein": ({}, {"num_layers": 1, "num_single_layers": 4},
                     "FLUX.2 [klein] 4B body, full depth (5 + 20 blocks, 24 heads of 128)"),
     "kontext": ({}, {"num_layers": 4, "num_single_layers": 8}, "FLUX.1 body, full depth (19 + 38 blocks)"),
+    # video families: frames of VIDEO_FRAMES at the check's resolution; Wan2.2 A14B's two 14 B experts each cut
+    "wan21": ({}, {"num_layers": 4}, "Wan2.1-T2V-1.3B body, full depth (30 blocks)"),
+    "wan22": ({"num_layers": 12}, {"num_layers": 2}, "Wan2.2-T2V-A14B width, 12 of 40 blocks in each expert"),
+    "wan22_ti2v": ({}, {"num_layers": 4}, "Wan2.2-TI2V-5B body, full depth (30 blocks)"),
+    "hunyuan_video15": ({}, {"num_layers": 4}, "HunyuanVideo-1.5 body, full depth (54 blocks)"),
 }
-_CONFIGS = {"sd3": "sd35_grpo.yaml"}
+_CONFIGS = {"sd3": "sd35_grpo.yaml", "wan21": "wan21_t2v_1.3b_dance.yaml", "wan22": "wan21_t2v_1.3b_dance.yaml",
+            "wan22_ti2v": "wan22_5b_dance.yaml", "hunyuan_video15": "wan21_t2v_1.3b_dance.yaml"}
+#: Frames of a video family's videos at real size (17 = 5 latent frames; 4k + 1 for every family).
+VIDEO_FRAMES = 17
+
+
+def _frames(c) -> int | None:
+    """F of the check's videos (the conformance case's at toy size), None for an image family."""
+    if not c.case.num_frames:
+        return None
+    return c.case.num_frames if c.args.dry_run else VIDEO_FRAMES
 
 
 def _real_kwargs(name: str, cli: bool) -> dict:
@@ -237,11 +254,16 @@ def _zoo_load(name: str, c):
     from flowgrpo.models import load_model
 
     a = load_model(str(_tiny_folder(c, name)), dtype="float32" if c.args.dry_run else "bfloat16",
-                   height=c.size.resolution, width=c.size.resolution, max_sequence_length=c.size.text_tokens)
+                   height=c.size.resolution, width=c.size.resolution, max_sequence_length=c.size.text_tokens,
+                   num_frames=_frames(c))
     big = _zoo_transformer(c, name, a.pipe.transformer)
     a.pipe.to(c.dev)
     a.pipe.register_modules(transformer=big)
     a.transformer = a.forward_module = big
+    if getattr(a.pipe, "transformer_2", None) is not None:  # Wan2.2's second expert: the same body, frozen
+        second = _zoo_transformer(c, name, a.pipe.transformer_2).requires_grad_(False)
+        a.pipe.register_modules(transformer_2=second)
+        a.experts = {"transformer": big, "transformer_2": second}
     return a
 
 
@@ -268,11 +290,14 @@ def _zoo_cli_folder(name: str, c, folder: Path) -> None:
     import diffusers
 
     shutil.copytree(_tiny_folder(c, name), folder, dirs_exist_ok=True)
-    cls = json.loads((folder / "transformer" / "config.json").read_text())["_class_name"]
-    tiny = getattr(diffusers, cls).from_pretrained(folder / "transformer")
-    big = _zoo_transformer(c, name, tiny, cli=True)
-    shutil.rmtree(folder / "transformer")
-    big.save_pretrained(folder / "transformer")
+    for part in ("transformer", "transformer_2"):  # transformer_2: Wan2.2's second expert
+        if not (folder / part / "config.json").exists():
+            continue
+        cls = json.loads((folder / part / "config.json").read_text())["_class_name"]
+        tiny = getattr(diffusers, cls).from_pretrained(folder / part)
+        big = _zoo_transformer(c, name, tiny, cli=True)
+        shutil.rmtree(folder / part)
+        big.save_pretrained(folder / part)
 
 
 def _zoo_entry(name: str) -> ModelEntry:
@@ -413,6 +438,8 @@ def _pipeline_kwargs(c: Check, n: int) -> dict:
         kw["negative_prompt"] = [" "] * n
     if "max_area" in kw:
         kw["max_area"] = c.size.resolution ** 2
+    if "num_frames" in kw:
+        kw["num_frames"] = _frames(c)
     return kw
 
 
@@ -437,6 +464,8 @@ def part_a(c: Check) -> dict:
             rows = range(start, min(b, start + n))
             extra = {} if not c.editing else c.case.condition([load_condition_images(meta[i]["images"])
                                                                for i in rows])
+            if c.case.pipeline_setup is not None:  # HunyuanVideo-1.5: the CFG scale lives in its guider
+                c.case.pipeline_setup(a.pipe, c.case.guidance_scale)
             with torch.no_grad(), a.attention():
                 a.pipe(prompt=[ps[i] for i in rows], height=s.resolution, width=s.resolution,
                        num_inference_steps=t, output_type="pt",
@@ -593,7 +622,10 @@ def _cli(c: Check, name: str, launcher: list[str], extra: tuple[str, ...] = ()) 
     over = [f"model.pretrained={folder}", "model.finetune=lora", f"model.height={res}", f"model.width={res}",
             f"model.max_sequence_length={c.size.text_tokens}", "train.num_epochs=2", "train.prompts_per_epoch=2",
             "train.group_size=4", "train.rollout_batch_size=4", "train.train_batch_size=4",
-            "train.optimizer_steps_per_epoch=1", "rewards=[{name: jpeg_compressibility}]", "eval_rewards=[]",
+            "train.optimizer_steps_per_epoch=1", "eval_rewards=[]",
+            # a video family: its frames, and the image reward over every frame
+            *([f"model.num_frames={_frames(c)}", "rewards=[{name: video_frames, kwargs: {base: jpeg_compressibility}}]"]
+              if _frames(c) else ["rewards=[{name: jpeg_compressibility}]"]),
             f"data.train_prompts={prompt_file}", "data.eval_prompts=null", "logging.progress=false",
             "logging.trackers=[]", f"output_dir={c.out / name}", "logging.overwrite=true"]
     if c.args.dry_run:

@@ -59,7 +59,7 @@ def _sample_settings(args: argparse.Namespace) -> dict:
     if not args.model:
         raise SystemExit("flowgrpo sample: give --run RUN_DIR or --model")
     return {"build": lambda: load_model(args.model, dtype=args.dtype, height=args.height, width=args.width,
-                                        max_sequence_length=args.max_sequence_length),
+                                        max_sequence_length=args.max_sequence_length, num_frames=args.num_frames),
             "steps": args.num_steps, "guidance": args.guidance_scale, "seed": args.seed,
             "weights": Path(args.lora) if args.lora else None, "prompt_file": args.prompts,
             "count": args.num_images}
@@ -68,7 +68,9 @@ def _sample_settings(args: argparse.Namespace) -> dict:
 def _load_weights(adapter, weights: Path) -> None:
     """A trained LoRA (``pytorch_lora_weights.safetensors``) or full transformer (``config.json``) from ``weights``."""
     if (weights / "pytorch_lora_weights.safetensors").exists():
-        adapter.pipe.load_lora_weights(str(weights))
+        from flowgrpo.models.lora import load_lora_into
+
+        load_lora_into(adapter.pipe, weights)
     elif (weights / "config.json").exists():
         adapter.transformer.load_state_dict(type(adapter.transformer).from_pretrained(weights).state_dict())
     else:
@@ -103,8 +105,12 @@ def _sample(args: argparse.Namespace) -> None:
     torch.save(images, out / "images.pt")
     sample_grid(images[:40], [p[:30] for p in prompts[:40]], out / "grid.png", ncols=10)
     for i, img in enumerate(images):
-        Image.fromarray(to_uint8(img)).save(out / f"{i:05d}.png")
-    logger.info("wrote %d images to %s", len(images), out)
+        if img.ndim == 4:  # a video (F, 3, H, W): an animated GIF to look at (images.pt keeps the exact frames)
+            frames = [Image.fromarray(a) for a in to_uint8(img)]
+            frames[0].save(out / f"{i:05d}.gif", save_all=True, append_images=frames[1:], duration=62, loop=0)
+        else:
+            Image.fromarray(to_uint8(img)).save(out / f"{i:05d}.png")
+    logger.info("wrote %d %s to %s", len(images), "videos" if images.ndim == 5 else "images", out)
 
 
 def _prompts(args: argparse.Namespace) -> None:
@@ -174,6 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32")
     s.add_argument("--height", type=int_in(1))
     s.add_argument("--width", type=int_in(1))
+    s.add_argument("--num-frames", type=int_in(1), help="video models: frames per video (default: the model's)")
     s.add_argument("--max-sequence-length", type=int_in(1), default=512)
     s.add_argument("--batch-size", type=int_in(1), default=8)
     s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt)")

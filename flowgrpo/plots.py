@@ -83,11 +83,25 @@ def _wrap(caption: str) -> str:
     return "\n".join(lines)
 
 
+def video_stills(videos: torch.Tensor, max_frames: int = 4) -> torch.Tensor:
+    """(N, 3, H, k·W): up to ``max_frames`` frames of each video (N, F, 3, H, W), evenly spaced from the first to
+    the last, side by side in time order; images (N, 3, H, W) are returned unchanged."""
+    if videos.ndim != 5:
+        return videos
+    f = videos.shape[1]
+    idx = torch.linspace(0, f - 1, min(f, max_frames)).round().long()
+    strip = videos[:, idx]  # (N, k, 3, H, W)
+    n, k, c, h, w = strip.shape
+    return strip.permute(0, 2, 3, 1, 4).reshape(n, c, h, k * w)
+
+
 def sample_grid_figure(images: torch.Tensor, captions: list[str], ncols: int = 8, title: str | None = None,
                        footer: list[str] | None = None, alerts: list[bool] | None = None):
-    """A grid of (N, 3, H, W) images in [0, 1], each captioned below (wrapped to at most three lines of
-    :data:`CAPTION_CHARS` characters, so captions never run into each other), and an optional ``footer`` row of
-    text panels, one per column (red where ``alerts`` says so). Returns the matplotlib figure."""
+    """A grid of (N, 3, H, W) images in [0, 1] (videos (N, F, 3, H, W): a strip of frames each,
+    :func:`video_stills`), each captioned below (wrapped to at most three lines of :data:`CAPTION_CHARS`
+    characters, so captions never run into each other), and an optional ``footer`` row of text panels, one per
+    column (red where ``alerts`` says so). Returns the matplotlib figure."""
+    images = video_stills(images)
     n = images.shape[0]
     ncols = max(1, min(ncols, n))
     nrows = (n + ncols - 1) // ncols + (1 if footer else 0)

@@ -1,4 +1,4 @@
-"""Every shipped FLUX / SD3.5 config reproduces its release's settings, field by field.
+"""Every shipped FLUX / SD3.5 / Wan config reproduces its release's settings, field by field.
 
 The table below is written from the releases' own files (named per value), not from our configs: a config that
 drifts from its release fails here. Settings that deliberately differ are not in the table; they are listed, with
@@ -109,6 +109,30 @@ RELEASES: dict[str, dict[str, object]] = {
         "train.warmup_steps": 0, "train.seed": 42, "chunker.name": "entropy_merge",
         "chunker.ode_after_jump": "next_step", "sampling.sigma_one_guard": "grid",
     },
+    # XueZeyue/DanceGRPO: scripts/finetune/finetune_wan_2_1_grpo.sh, fastvideo/train_grpo_wan_2_1.py
+    "wan21_t2v_1.3b_dance": {
+        "model.pretrained": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "model.height": 512, "model.width": 512,
+        "model.num_frames": 1, "model.finetune": "full", "model.scheduler_shift": 3.0,   # --t 1, --shift 3
+        "sampling.num_steps": 20, "sampling.guidance_scale": 5.0,                      # --cfg_infer 5.0
+        "sampling.sde_kind": "dance_sde", "sampling.noise_level": 0.3, "sampling.same_noise_in_group": True,
+        "sampling.final_decode": "x0_pred",                                              # pred_original
+        "chunker.name": "per_step", "chunker.timestep_fraction": 0.6, "chunker.step_selection": "random",
+        "chunker.drop_last_step": True,
+        "algo.advantage": "grpo", "algo.std_ddof": 1, "algo.std_eps": 1e-8, "algo.advantage_clip": 5.0,
+        "algo.clip_range": 1e-4, "algo.kl_beta": 0.0,
+        "train.group_size": 12, "batch_size": 16 * 12, "train.optimizer_steps_per_epoch": 1,
+        "train.lr": 1e-5, "train.weight_decay": 1e-4, "train.max_grad_norm": 1.0, "train.warmup_steps": 0,
+        "train.seed": 42, "train.num_epochs": 1000,
+    },
+    # verl-project/verl-omni: examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh (GPU)
+    "wan22_5b_dance": {
+        "model.pretrained": "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "model.height": 704, "model.width": 1280,
+        "model.num_frames": 9, "model.max_sequence_length": 1024,   # num_frames=8, rounded by WanPipeline to 9
+        "sampling.num_steps": 10, "sampling.guidance_scale": 5.0, "eval_sampling.num_steps": 50,
+        "sampling.sde_kind": "dance_sde", "sampling.noise_level": 1.2, "chunker.window_size": 2,
+        "train.group_size": 8, "batch_size": 64 * 8, "train.optimizer_steps_per_epoch": 4,   # 64 / mini-batch 16
+        "train.lr": 1e-5, "train.weight_decay": 1e-4, "train.seed": 42, "train.num_epochs": 120,
+    },
 }
 
 REWARDS = {  # reward names (and kwargs that matter) of each release
@@ -116,6 +140,9 @@ REWARDS = {  # reward names (and kwargs that matter) of each release
     "sd35_grpo": [("geneval", {})],
     "flux_mix": [("hpsv2", {"version": "v2.1"}), ("image_reward", {}), ("pickscore", {})],
     "flux_egrpo": [("hpsv2", {"version": "v2.1"})],
+    "wan21_t2v_1.3b_dance": [("video_frames", {"base": "hpsv2", "base_kwargs": {"version": "v2.1"},
+                                                "frames": "first"})],
+    "wan22_5b_dance": [("video_frames", {"base": "hpsv3", "frames": [0, 4, 8]})],   # every 4th of 9 frames
 }
 
 
@@ -139,4 +166,5 @@ def test_config_rewards_are_the_releases(name):
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     got = [(r.name, {k: r.kwargs[k] for k in want if k in r.kwargs}) for r, (_, want) in
            zip(cfg.rewards, REWARDS[name], strict=False)]
-    assert got == REWARDS[name] and all(r.weight == 1.0 for r in cfg.rewards)
+    weights = {"wan22_5b_dance": 0.1}  # verl-omni's compute_score_hpsv3(reward_scale=0.1)
+    assert got == REWARDS[name] and all(r.weight == weights.get(name, 1.0) for r in cfg.rewards)

@@ -64,6 +64,18 @@ class ModelConfig(Section):
     cfg_detach_uncond: bool = Field(
         False, description="SD3 true CFG: unconditional branch without gradient (its own no-grad forward)"
     )
+    num_frames: int | None = Field(
+        None, ge=1, description="video models only: frames per video, 1 + a multiple of the VAE's temporal "
+        "factor (Wan: 4k + 1); default (null): the adapter's (Wan: 81); an image model refuses it"
+    )
+    guidance_scale_2: float | None = Field(
+        None, gt=0, description="Wan2.2 two-expert models only: CFG scale of the low-noise expert "
+        "(transformer_2); default (null): sampling.guidance_scale, as WanPipeline"
+    )
+    trained_expert: Literal["transformer", "transformer_2"] = Field(
+        "transformer", description="Wan2.2 two-expert models: which expert gets the LoRA (or full fine-tuning): "
+        "the high-noise 'transformer' or the low-noise 'transformer_2'; the other stays frozen"
+    )
 
 
 

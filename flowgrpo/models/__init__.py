@@ -86,6 +86,26 @@ for _cls, _target, _args, _detach in (
 ):
     ADAPTERS.register(_cls)(_lazy_adapter(_target, *_args, takes_cfg_detach=_detach))
 
+#: Video pipelines (latents (B, C, F, h, w), decoded videos (B, F, 3, H, W)); their loaders also take
+#: ``num_frames``, ``guidance_scale_2`` and ``trained_expert``.
+VIDEO_FAMILIES = {"WanPipeline": "flowgrpo.models.wan:load_wan_adapter",
+                  "HunyuanVideo15Pipeline": "flowgrpo.models.hunyuan_video15:load_hunyuan_video15_adapter"}
+
+
+def _video_adapter(target: str):
+    """The loader of a video family (:data:`VIDEO_FAMILIES`): ``module:function``, imported on first use."""
+    module, name = target.split(":")
+
+    def load(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False, **video):
+        return getattr(importlib.import_module(module), name)(
+            path, dtype=dtype, height=height, width=width, max_sequence_length=max_sequence_length, **video)
+
+    return load
+
+
+for _cls, _target in VIDEO_FAMILIES.items():
+    ADAPTERS.register(_cls)(_video_adapter(_target))
+
 
 def ensure_tiny_model() -> Path:
     """The random tiny FLUX pipeline, built into the cache on first use."""
@@ -161,20 +181,34 @@ def _reachable(url: str, timeout: float = 5.0) -> bool:
 
 def load_model(name: str, *, dtype: str = "float32", height: int | None = None, width: int | None = None,
                max_sequence_length: int = 512, cfg_detach_uncond: bool = False,
-               scheduler_shift: float | None = None, attention_backend: str = "auto"):
+               scheduler_shift: float | None = None, attention_backend: str = "auto",
+               num_frames: int | None = None, guidance_scale_2: float | None = None,
+               trained_expert: str = "transformer"):
     """Load ``name`` (folder, hub id, ``digits`` or ``tiny``) and wrap it in the adapter of its pipeline class.
 
     ``cfg_detach_uncond`` applies to models with true classifier-free guidance (SD3); FLUX.1 has a guidance
     embedding instead and ignores it. ``scheduler_shift`` replaces the scheduler's shift by a static one
     (``FlowMatchEulerDiscreteScheduler(shift=s, use_dynamic_shifting=False)``, Esser et al. 2024 eq. 23).
-    ``attention_backend`` names the SDPA kernels (:mod:`flowgrpo.models.attention`)."""
+    ``attention_backend`` names the SDPA kernels (:mod:`flowgrpo.models.attention`). ``num_frames``,
+    ``guidance_scale_2`` and ``trained_expert`` are the video families' settings (:data:`VIDEO_FAMILIES`).
+
+    Raises:
+        ValueError: an unknown dtype, or a video setting given for an image model."""
     ATTENTION_BACKENDS.get(attention_backend)
     if dtype not in DTYPES:
         raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = resolve_pretrained(name)
     cls = pipeline_class_name(path)
-    adapter = ADAPTERS.get(cls)(path, dtype=DTYPES[dtype], height=height, width=width,
-                                max_sequence_length=max_sequence_length, cfg_detach_uncond=cfg_detach_uncond)
+    video = {"num_frames": num_frames, "guidance_scale_2": guidance_scale_2, "trained_expert": trained_expert}
+    kwargs = {"dtype": DTYPES[dtype], "height": height, "width": width, "max_sequence_length": max_sequence_length,
+              "cfg_detach_uncond": cfg_detach_uncond}
+    if cls in VIDEO_FAMILIES:
+        kwargs.update(video)
+    else:
+        given = [f"model.{k}" for k, v in video.items() if v is not None and v != "transformer"]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to video models; {name!r} is a {cls}, which makes images")
+    adapter = ADAPTERS.get(cls)(path, **kwargs)
     if scheduler_shift is not None:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -192,4 +226,6 @@ def load_model_from_config(model) -> object:
     included, is honoured by both)."""
     return load_model(model.pretrained, dtype=model.dtype, height=model.height, width=model.width,
                       max_sequence_length=model.max_sequence_length, cfg_detach_uncond=model.cfg_detach_uncond,
-                      scheduler_shift=model.scheduler_shift, attention_backend=model.attention_backend)
+                      scheduler_shift=model.scheduler_shift, attention_backend=model.attention_backend,
+                      num_frames=model.num_frames, guidance_scale_2=model.guidance_scale_2,
+                      trained_expert=model.trained_expert)

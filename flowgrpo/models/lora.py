@@ -47,16 +47,44 @@ def setup_trainable(adapter, *, finetune: str, rank: int, alpha: float, target_m
 
 def save_lora(adapter, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """Write the LoRA as ``pytorch_lora_weights.safetensors`` in the form ``Pipeline.load_lora_weights`` reads
-    (with the adapter metadata, so α survives the round trip).
+    (with the adapter metadata, so α survives the round trip). A pipeline without a LoRA loader (diffusers 0.42's
+    ``HunyuanVideo15Pipeline``) gets the transformer's own format instead (what ``save_lora_adapter`` writes),
+    which ``pipe.transformer.load_lora_adapter(folder, prefix=None)`` reads (:func:`load_lora_into`).
 
     ``state``: the transformer's state by parameter name to take the adapter weights from (a sharded model's
     gathered whole tensors, :func:`flowgrpo.state_dicts.trainable_state`); default the transformer's own."""
     from peft.utils import get_peft_model_state_dict
 
     tr = adapter.transformer
+    if not hasattr(type(adapter.pipe), "save_lora_weights"):
+        _save_transformer_lora(tr, folder, get_peft_model_state_dict(tr, state_dict=state))
+        return
     type(adapter.pipe).save_lora_weights(
         str(folder),
         transformer_lora_layers=get_peft_model_state_dict(tr, state_dict=state),
         transformer_lora_adapter_metadata=tr.peft_config["default"].to_dict(),
         safe_serialization=True,
     )
+
+
+def load_lora_into(pipe, folder: str | Path) -> None:
+    """Load a LoRA written by :func:`save_lora` into ``pipe``: ``pipe.load_lora_weights`` or, for a pipeline
+    without a LoRA loader, ``pipe.transformer.load_lora_adapter(folder, prefix=None)``."""
+    if hasattr(pipe, "load_lora_weights"):
+        pipe.load_lora_weights(str(folder))
+    else:
+        pipe.transformer.load_lora_adapter(str(folder), prefix=None, weight_name="pytorch_lora_weights.safetensors")
+
+
+def _save_transformer_lora(tr, folder: str | Path, layers: dict[str, torch.Tensor]) -> None:
+    """``layers`` as diffusers' ``ModelMixin.save_lora_adapter`` writes a transformer's LoRA: one safetensors file
+    named as diffusers names it, with the adapter config in its metadata (read back by ``load_lora_adapter``)."""
+    import json
+
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
+    from safetensors.torch import save_file
+
+    config = {k: list(v) if isinstance(v, set) else v for k, v in tr.peft_config["default"].to_dict().items()}
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in layers.items()}, str(Path(folder) / LORA_WEIGHT_NAME_SAFE),
+              metadata={"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True)})

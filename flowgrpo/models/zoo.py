@@ -52,6 +52,10 @@ class ConformanceCase:
         module_patches: ``{"module:ATTR": value}`` set for the suite's duration (pipeline-module constants,
             e.g. a conditioning image area, scaled down to the tiny model); the adapter must read them the
             same way the pipeline does.
+        num_frames: video models: F, the frames of every test video (also in ``load_kwargs`` and
+            ``call_kwargs``); None for image models.
+        pipeline_setup: ``pipeline_setup(pipe, guidance_scale)`` before each ``__call__``, for a pipeline whose
+            guidance is a component rather than a call argument (HunyuanVideo-1.5's guider); None: nothing.
     """
 
     name: str
@@ -68,6 +72,8 @@ class ConformanceCase:
     condition: Callable[[list[list]], dict] | None = None
     pipeline_batch_size: int | None = None
     module_patches: dict = field(default_factory=dict)
+    num_frames: int | None = None
+    pipeline_setup: Callable | None = None
 
 
 def _words() -> list[str]:
@@ -98,6 +104,10 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "flux2": _builder("flowgrpo.models.flux2:build_tiny_flux2"),
     "kontext": _builder("flowgrpo.models.kontext:build_tiny_kontext"),
     "qwenimage_edit_plus": _builder("flowgrpo.models.qwenimage_edit:build_tiny_qwenimage_edit_plus"),
+    "wan21": _builder("flowgrpo.models.wan:build_tiny_wan"),
+    "wan22": lambda out, **kw: _builder("flowgrpo.models.wan:build_tiny_wan")(out, variant="wan22", **kw),
+    "wan22_ti2v": lambda out, **kw: _builder("flowgrpo.models.wan:build_tiny_wan")(out, variant="ti2v", **kw),
+    "hunyuan_video15": _builder("flowgrpo.models.hunyuan_video15:build_tiny_hunyuan_video15"),
 }
 
 def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: float) -> ConformanceCase:
@@ -107,6 +117,23 @@ def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: f
         guidance_scale=guidance_scale,
         call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": max_sequence_length},
     )
+
+
+def _video_case(name: str, size: int, guidance_scale: float, num_frames: int = 5) -> ConformanceCase:
+    """The case of a text-to-video family whose pipeline takes ``guidance_scale``, ``num_frames`` and
+    ``max_sequence_length`` (Wan)."""
+    return ConformanceCase(
+        name=name, build=BUILDERS[name], size=size, max_sequence_length=16, guidance_scale=guidance_scale,
+        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 16, "num_frames": num_frames},
+        load_kwargs={"num_frames": num_frames}, num_frames=num_frames,
+    )
+
+
+def _hunyuan_guider(pipe, guidance_scale: float) -> None:
+    """HunyuanVideo-1.5 takes its CFG scale from its guider component, not from ``__call__``."""
+    from diffusers import ClassifierFreeGuidance
+
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance_scale)
 
 
 CASES: dict[str, ConformanceCase] = {case.name: case for case in (
@@ -134,6 +161,14 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
         # the pipeline's 384² (vision encoder) and 1024² (VAE) source areas, scaled to the tiny 32² model
         module_patches={f"{_EDIT_PLUS}:CONDITION_IMAGE_SIZE": 56 * 56, f"{_EDIT_PLUS}:VAE_IMAGE_SIZE": 32 * 32},
     ),
+    _video_case("wan21", 32, 4.0),
+    _video_case("wan22", 32, 4.0),  # 3 steps at shift 3: σ 1 on the high-noise expert, 0.75 and 0.009 on the low
+    _video_case("wan22_ti2v", 64, 4.0),  # the 16x VAE: 64² frames are 2 x 2 tokens
+    ConformanceCase(
+        name="hunyuan_video15", build=BUILDERS["hunyuan_video15"], size=32, max_sequence_length=1000,
+        guidance_scale=4.0, call_kwargs=lambda s: {"num_frames": 5}, load_kwargs={"num_frames": 5}, num_frames=5,
+        pipeline_setup=_hunyuan_guider, pipeline_batch_size=1,  # its VAE decodes one video per call (0.42)
+    ),
 )}
 
 
@@ -154,6 +189,16 @@ REAL_SIZE: dict[str, dict] = {
     "flux2": {"num_layers": 8, "num_single_layers": 48, "attention_head_dim": 128, "num_attention_heads": 48,
               "axes_dims_rope": (32, 32, 32, 32), "timestep_guidance_channels": 256},
 }
+# Wan2.1-T2V-1.3B, Wan2.2-T2V-A14B (each expert = Wan2.1-14B's body), Wan2.2-TI2V-5B and HunyuanVideo-1.5 (8.3 B):
+# their diffusers transformer configs (text_dim / text widths stay the tiny encoders').
+REAL_SIZE["wan21"] = {"num_layers": 30, "num_attention_heads": 12, "attention_head_dim": 128, "ffn_dim": 8960,
+                      "freq_dim": 256, "rope_max_seq_len": 1024}
+REAL_SIZE["wan22"] = {"num_layers": 40, "num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824,
+                      "freq_dim": 256, "rope_max_seq_len": 1024}
+REAL_SIZE["wan22_ti2v"] = {"num_layers": 30, "num_attention_heads": 24, "attention_head_dim": 128, "ffn_dim": 14336,
+                           "freq_dim": 256, "rope_max_seq_len": 1024}
+REAL_SIZE["hunyuan_video15"] = {"num_layers": 54, "num_refiner_layers": 2, "num_attention_heads": 16,
+                                "attention_head_dim": 128, "mlp_ratio": 4.0, "rope_axes_dim": (16, 56, 56)}
 REAL_SIZE["kontext"] = REAL_SIZE["flux"]
 REAL_SIZE["qwenimage_edit_plus"] = REAL_SIZE["qwenimage"]
 

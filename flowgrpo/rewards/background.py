@@ -105,16 +105,18 @@ class AsyncRewardScorer:
         """Queue a batch for scoring and return at once (or after a slot frees, with ``max_pending``).
 
         Args:
-            images: (B, 3, H, W) float in [0, 1], any device; not to be modified until its result is collected.
+            images: (B, 3, H, W) float in [0, 1] (or videos (B, F, 3, H, W)), any device; not to be modified until
+                its result is collected.
             prompts: B strings. metadata: B dicts.
 
         Raises:
-            ValueError: lengths differ from B or the images are not (B, 3, H, W) (checked here, at once).
+            ValueError: lengths differ from B or the images are not (B, 3, H, W) or (B, F, 3, H, W) (checked here,
+                at once).
             RuntimeError: the scorer is closed.
         """
         if self._closed:
             raise RuntimeError("AsyncRewardScorer is closed")
-        check_reward_inputs(images, prompts, metadata, "reward scorer")
+        check_reward_inputs(images, prompts, metadata, "reward scorer", ("image", "video"))
         if self._slots is not None:
             self._slots.acquire()
         try:

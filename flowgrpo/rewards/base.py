@@ -4,9 +4,13 @@ A reward scores a batch of decoded images against their prompts::
 
     scores = reward(images, prompts, metadata)   # (B,) float32
 
-* ``images``: (B, 3, H, W) float32 in [0, 1], on any device (a reward moves them where it needs them). Anything
-  else (``uint8`` or other non-float tensors, values outside [0, 1], NaN) is a ``ValueError`` naming the reward
-  (:func:`check_reward_inputs`, which :class:`BaseReward` calls and the conformance suite checks).
+* ``images``: (B, 3, H, W) float32 in [0, 1], on any device (a reward moves them where it needs them), or, from a
+  video model, **videos** (B, F, 3, H, W) float32 in [0, 1] (F frames in time order). A reward says which forms
+  it scores in its class attribute ``modalities`` (``("image",)`` unless it says otherwise; ``("video",)`` or
+  ``("image", "video")``); a form it does not score is a ``ValueError`` naming the reward and the way out
+  (``video_frames`` scores any image reward over the frames). Anything else (``uint8`` or other non-float
+  tensors, values outside [0, 1], NaN) is a ``ValueError`` naming the reward (:func:`check_reward_inputs`, which
+  :class:`BaseReward` calls and the conformance suite checks).
 * ``prompts``: list of B strings.
 * ``metadata``: list of B dicts, the extra fields of the prompt file's JSONL lines (``{}`` for plain text
   prompts). A reward that needs a field raises ``ValueError`` naming the field when it is absent: bad input is
@@ -67,17 +71,36 @@ class Reward(Protocol):
         """Score ``images`` (B, 3, H, W) float in [0, 1]; return (B,) float32 on the CPU."""
 
 
+#: The input forms a reward can declare in ``modalities``: images (B, 3, H, W) and videos (B, F, 3, H, W).
+MODALITIES = ("image", "video")
+
+
+def modalities_of(reward) -> tuple[str, ...]:
+    """The input forms ``reward`` scores: its ``modalities`` attribute, ``("image",)`` when it has none.
+
+    Raises:
+        ValueError: a ``modalities`` that is empty or names a form other than ``"image"`` and ``"video"``.
+    """
+    forms = tuple(getattr(reward, "modalities", ("image",)))
+    if not forms or any(f not in MODALITIES for f in forms):
+        raise ValueError(f"reward {getattr(reward, 'name', reward)!r}: modalities must be a non-empty subset of "
+                         f"{MODALITIES}, got {forms!r}")
+    return forms
+
+
 class BaseReward:
     """Optional convenience base: a no-op :meth:`setup` and the shared input check (:func:`check_reward_inputs`)
-    before :meth:`score`, so a subclass only ever sees (B, 3, H, W) float images in [0, 1]."""
+    before :meth:`score`, so a subclass only ever sees float images (B, 3, H, W) in [0, 1] — or videos
+    (B, F, 3, H, W) if it lists ``"video"`` in :attr:`modalities`."""
 
     name: str = "reward"
+    modalities: tuple[str, ...] = ("image",)
 
     def setup(self, device: torch.device) -> None:  # noqa: D401 - protocol method
         self.device = torch.device(device)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        check_reward_inputs(images, prompts, metadata, self.name)
+        check_reward_inputs(images, prompts, metadata, self.name, modalities_of(self))
         return self.score(images, prompts, metadata)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
@@ -94,7 +117,7 @@ def score_groups(reward, images: torch.Tensor, prompts: list[str], metadata: lis
     """Call a group-wise ``reward`` once per group and put the scores back in batch order.
 
     Args:
-        images: (B, 3, H, W) float in [0, 1]; prompts, metadata: B each.
+        images: (B, 3, H, W) or (B, F, 3, H, W) float in [0, 1]; prompts, metadata: B each.
         group_ids: (B,) long; the members of a group need not be adjacent.
 
     Returns:
@@ -103,7 +126,7 @@ def score_groups(reward, images: torch.Tensor, prompts: list[str], metadata: lis
     Raises:
         ValueError: the lengths differ, a group mixes prompts, or the reward returns other than (G,) scores.
     """
-    check_reward_inputs(images, prompts, metadata, getattr(reward, "name", "reward"))
+    check_reward_inputs(images, prompts, metadata, getattr(reward, "name", "reward"), modalities_of(reward))
     if group_ids.shape != (images.shape[0],):
         raise ValueError(f"group_ids has shape {tuple(group_ids.shape)}, expected ({images.shape[0]},)")
     out = torch.full((images.shape[0],), float("nan"))
@@ -123,21 +146,32 @@ def score_groups(reward, images: torch.Tensor, prompts: list[str], metadata: lis
 
 
 def check_reward_inputs(
-    images: torch.Tensor, prompts: list[str], metadata: list[dict], name: str = "reward"
+    images: torch.Tensor, prompts: list[str], metadata: list[dict], name: str = "reward",
+    modalities: tuple[str, ...] = ("image",),
 ) -> None:
     """The input contract every reward shares: raise ``ValueError`` naming the reward ``name`` unless
 
-    * ``images`` is a (B, 3, H, W) tensor of a floating dtype (float32, float16, bfloat16, float64): 8-bit
+    * ``images`` is a (B, 3, H, W) image tensor (``"image"`` in ``modalities``) or a (B, F, 3, H, W) video tensor
+      with F >= 1 (``"video"`` in ``modalities``) of a floating dtype (float32, float16, bfloat16, float64): 8-bit
       (``uint8``) or integer images are refused, since a reward that rescales them silently sees other pixels
-      than the official scorer;
+      than the official scorer; a video given to an image reward is refused with the way to score it frame by
+      frame (the ``video_frames`` reward);
     * every value is in [0, 1] (NaN is out of range): values in [0, 255] or [-1, 1] are refused, not rescaled;
     * ``prompts`` and ``metadata`` have length B.
 
     The range check reads the tensor's min and max (one device synchronisation per call).
     """
-    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
-        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"{name}: images must be a (B, 3, H, W) float tensor in [0, 1], got {shape}")
+    image = isinstance(images, torch.Tensor) and images.ndim == 4 and images.shape[1] == 3
+    video = isinstance(images, torch.Tensor) and images.ndim == 5 and images.shape[2] == 3 and images.shape[1] >= 1
+    shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+    if video and "video" not in modalities:
+        raise ValueError(f"{name}: scores images (B, 3, H, W), got a video (B, F, 3, H, W) = {shape}; score its "
+                         f"frames with {{name: video_frames, kwargs: {{base: {name}}}}}")
+    if image and "image" not in modalities:
+        raise ValueError(f"{name}: scores videos (B, F, 3, H, W), got images (B, 3, H, W) = {shape}")
+    if not (image or video):
+        forms = " or ".join({"image": "(B, 3, H, W)", "video": "(B, F, 3, H, W)"}[m] for m in modalities)
+        raise ValueError(f"{name}: images must be a {forms} float tensor in [0, 1], got {shape}")
     if not images.is_floating_point():
         raise ValueError(
             f"{name}: images must be a float tensor with values in [0, 1], got dtype {images.dtype}; convert 8-bit "

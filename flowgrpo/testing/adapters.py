@@ -24,11 +24,17 @@ never against a snapshot of the adapter's own output:
 * **training**: one epoch through the real trainer (``flowgrpo.runner.run``) with the ``per_step`` and ``chunk``
   strategies, with a log-prob mismatch of exactly 0.0 at the first update.
 
+Video models (a case with ``num_frames``) run the same clauses: latents (B, C, F', h, w), decoded videos
+(B, F, 3, H, W) compared with the pipeline's ``frames``, and training with an image reward over every frame
+(``video_frames``).
+
 Needs pytest (``pip install "flowgrpo[test]"``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 from pathlib import Path
 
@@ -41,7 +47,7 @@ except ImportError as err:  # pragma: no cover - the class is only useful under 
 
 from flowgrpo.config import build_config
 from flowgrpo.models import ADAPTERS, load_model, pipeline_class_name
-from flowgrpo.models.lora import save_lora, setup_trainable
+from flowgrpo.models.lora import load_lora_into, save_lora, setup_trainable
 from flowgrpo.models.zoo import ConformanceCase
 from flowgrpo.runner import run
 from flowgrpo.sampling.rollout import (
@@ -64,6 +70,28 @@ def tiny_folder(case: ConformanceCase, tmp_path_factory) -> Path:
     if key not in _BUILT:
         _BUILT[key] = Path(case.build(tmp_path_factory.mktemp(f"tiny_{case.name}") / "pipeline"))
     return _BUILT[key]
+
+
+@contextlib.contextmanager
+def _step_outputs(pipe, record: list):
+    """Yield ``"callback"`` when ``pipe.__call__`` takes ``callback_on_step_end`` (the suite records each step's
+    latents with it); else yield None and record the output of each ``scheduler.step`` call instead (a pipeline
+    without step callbacks, e.g. diffusers 0.42's ``HunyuanVideo15Pipeline``)."""
+    if "callback_on_step_end" in inspect.signature(pipe.__call__).parameters:
+        yield "callback"
+        return
+    step = pipe.scheduler.step
+
+    def recording(*args, **kwargs):
+        out = step(*args, **kwargs)
+        record.append((out[0] if isinstance(out, tuple) else out.prev_sample).clone())
+        return out
+
+    pipe.scheduler.step = recording
+    try:
+        yield None
+    finally:
+        del pipe.scheduler.step  # back to the class's method
 
 
 def _generators(seeds) -> list[torch.Generator]:
@@ -147,11 +175,14 @@ class AdapterConformance:
                 steps_here.append(kwargs["latents"].clone())
                 return {}
 
-            with torch.no_grad():
-                images.append(pipe(prompt=list(prompts[sl]), generator=_generators(seeds[sl]),
-                                   num_inference_steps=steps or c.num_steps, height=c.size, width=c.size,
-                                   output_type="pt", callback_on_step_end=keep, **c.call_kwargs(guidance),
-                                   **extra).images)
+            if c.pipeline_setup is not None:
+                c.pipeline_setup(pipe, guidance)
+            with torch.no_grad(), _step_outputs(pipe, steps_here) as callback:
+                out = pipe(prompt=list(prompts[sl]), generator=_generators(seeds[sl]),
+                           num_inference_steps=steps or c.num_steps, height=c.size, width=c.size, output_type="pt",
+                           **({} if callback is None else {"callback_on_step_end": keep}),
+                           **c.call_kwargs(guidance), **extra)
+            images.append(out.frames if c.num_frames else out.images)  # videos: (B, F, 3, H, W)
             per_step.append(steps_here)
         return torch.cat(images), [torch.cat(step) for step in zip(*per_step, strict=True)]
 
@@ -192,7 +223,8 @@ class AdapterConformance:
         for t, ref in enumerate(ref_steps):  # every step of the trajectory, not only the end
             torch.testing.assert_close(xs[:, t + 1], ref.float().reshape(xs[:, t + 1].shape), rtol=0,
                                        atol=c.parity_atol, msg=lambda m, t=t: f"step {t}: {m}")
-        assert images.shape == ref_images.shape == (2, 3, c.size, c.size)
+        frames = (c.num_frames,) if c.num_frames else ()  # a video model decodes (B, F, 3, H, W)
+        assert images.shape == ref_images.shape == (2, *frames, 3, c.size, c.size)
         torch.testing.assert_close(images, ref_images.float(), rtol=0, atol=c.parity_atol)
         # the comparison has power: the steps move the latents and the prompts and seeds differ
         assert float((xs[:, -1] - xs[:, 0]).abs().max()) > 1e3 * c.parity_atol
@@ -252,7 +284,7 @@ class AdapterConformance:
         fresh = type(adapter.pipe).from_pretrained(str(folder))
         fresh.set_progress_bar_config(disable=True)
         base, _ = self.call_pipeline(fresh, c.prompts, seeds, sources, guidance=c.guidance_scale)
-        fresh.load_lora_weights(str(tmp_path / "lora"))
+        load_lora_into(fresh, tmp_path / "lora")  # the pipeline's load_lora_weights (or its transformer's loader)
         theirs, _ = self.call_pipeline(fresh, c.prompts, seeds, sources, guidance=c.guidance_scale)
         torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=1e-5)
         assert float((theirs - base).abs().max()) > 1e-3  # the LoRA matters: a lost or mis-scaled one fails above
@@ -275,7 +307,8 @@ class AdapterConformance:
 
         def velocity_and_gradients():
             tr.zero_grad(set_to_none=True)
-            v = adapter.velocity(x, torch.full((2,), 0.7), embeds, c.guidance_scale)
+            # σ 0.95: the high-noise side, where a two-expert model (Wan2.2) runs its trained expert
+            v = adapter.velocity(x, torch.full((2,), 0.95), embeds, c.guidance_scale)
             v.square().mean().backward()
             return v.detach(), {n: None if p.grad is None else full_tensor(p.grad) for n, p in tr.named_parameters()}
 
@@ -318,8 +351,13 @@ class AdapterConformance:
             f"model.lora_target_modules={json.dumps(list(c.lora_target_modules))}",
             f"sampling.num_steps={c.num_steps}", f"sampling.guidance_scale={c.guidance_scale}",
             f"chunker={chunker}", "train.num_epochs=1", "train.group_size=2", "train.prompts_per_epoch=2",
-            "train.rollout_batch_size=2", "train.lr=1e-3", "rewards=[{name: jpeg_compressibility}]",
-            f"data.train_prompts={prompt_file}", f"output_dir={out}", "logging.progress=false",
+            "train.rollout_batch_size=2", "train.lr=1e-3", f"data.train_prompts={prompt_file}", f"output_dir={out}",
+            "logging.progress=false",
+            # a video model: its frame count, and the image reward scored on every frame (the video contract)
+            # (and an evaluation of 2 videos in T steps, not 200 in 40)
+            *([f"model.num_frames={c.num_frames}", "data.eval_num_prompts=2", f"eval_sampling.num_steps={c.num_steps}",
+               "rewards=[{name: video_frames, kwargs: {base: jpeg_compressibility}}]"] if c.num_frames
+              else ["rewards=[{name: jpeg_compressibility}]"]),
         ])
         run(cfg)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

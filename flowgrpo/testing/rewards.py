@@ -12,6 +12,8 @@ Subclass :class:`RewardConformance` in a test module (the subclass's name must s
 
 and run ``pytest``. Every ``test_*`` method checks one clause of the protocol (:mod:`flowgrpo.rewards.base`):
 
+* the input forms it declares (``modalities``: images (B, 3, H, W), videos (B, F, 3, H, W)) are scored and the
+  others refused with a ``ValueError`` naming the reward;
 * construction loads no weights (no checkpoint is read and no sizable tensor is held before ``setup``);
 * ``setup(device)`` then a call returns a (B,) float32 CPU tensor, for images on the CPU and on ``device``;
 * permuting the batch permutes the scores, and scores do not depend on the batch they are scored in;
@@ -35,6 +37,10 @@ Class attributes to set (plain functions must be wrapped in ``staticmethod``; cl
 ``prompt_factory``  (n) → n prompts. Default: a fixed list of varied prompts.
 ``image_factory``  (n, height, width, generator) → (n, 3, H, W) float in [0, 1] on the CPU. Default: smooth
     random colour fields with per-image noise, on the 8-bit grid, so that images differ in content and detail.
+``video_factory``  (n, frames, height, width, generator) → (n, F, 3, H, W) float in [0, 1] on the CPU, for a
+    reward tested on videos. Default: :func:`default_videos` (each frame the previous one shifted by a pixel).
+``input_form``  ``"image"`` or ``"video"``: the form the clauses are checked on. Default: images when the reward
+    lists ``"image"`` in its ``modalities``, else videos. ``num_frames``: F of the test videos (default 3).
 ``required_metadata_fields``  metadata keys the reward needs (each one is removed in turn). Default: none.
 ``device``  the device for ``setup`` (default ``"cpu"``). ``image_size`` (H, W) (default (64, 64)).
 ``atol``, ``rtol``  tolerance of the batch-order and batch-size comparisons (batched kernels may round
@@ -63,7 +69,7 @@ except ImportError as err:  # pragma: no cover - the class is only useful under 
 
 from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.images import to_uint8
-from flowgrpo.rewards.base import Reward, is_group_wise, score_groups
+from flowgrpo.rewards.base import MODALITIES, Reward, is_group_wise, modalities_of, score_groups
 from flowgrpo.rewards.compose import ComposedReward
 
 _PROMPTS = [
@@ -85,6 +91,13 @@ def default_images(n: int, height: int, width: int, generator: torch.Generator) 
     amp = torch.linspace(0.0, 0.5, n).view(n, 1, 1, 1) if n > 1 else torch.full((1, 1, 1, 1), 0.25)
     x = x + amp * (torch.rand(n, 3, height, width, generator=generator) - 0.5)
     return torch.from_numpy(to_uint8(x)).permute(0, 3, 1, 2).float() / 255  # on the 8-bit grid
+
+
+def default_videos(n: int, frames: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
+    """(n, F, 3, H, W) float32 on the 8-bit grid: :func:`default_images` as frame 0, each later frame the one
+    before it shifted one pixel right and down (wrapping), so consecutive frames are alike but not equal."""
+    first = default_images(n, height, width, generator)
+    return torch.stack([torch.roll(first, shifts=(f, f), dims=(-2, -1)) for f in range(frames)], dim=1)
 
 
 def _tensor_elements(obj, seen: set[int], depth: int = 0) -> int:
@@ -140,6 +153,9 @@ class RewardConformance:
     metadata_factory: Callable | None = None
     prompt_factory: Callable | None = None
     image_factory: Callable | None = None
+    video_factory: Callable | None = None
+    input_form: str | None = None
+    num_frames: int = 3
     required_metadata_fields: tuple[str, ...] = ()
     device: str = "cpu"
     image_size: tuple[int, int] = (64, 64)
@@ -173,12 +189,24 @@ class RewardConformance:
             type(self)._group_wise_cache = cache
         return cache
 
-    def make_inputs(self, n: int, seed: int | None = None, *, group: int = 0):
-        """(images (n, 3, H, W) CPU, prompts, metadata) from the factories; for a group-wise reward the n samples
-        form one group: the factories' entry ``group`` repeated."""
-        g = torch.Generator().manual_seed(self.seed if seed is None else seed)
+    def form(self) -> str:
+        """The input form the clauses run on: :attr:`input_form`, else images if the reward scores them."""
+        if self.input_form is not None:
+            return self.input_form
+        return "image" if "image" in modalities_of(self.make_reward()) else "video"
+
+    def make_images(self, n: int, g: torch.Generator, form: str | None = None) -> torch.Tensor:
+        """(n, 3, H, W) images or (n, F, 3, H, W) videos from the factories, in ``form`` (default :meth:`form`)."""
         h, w = self.image_size
-        images = (self._hook("image_factory") or default_images)(n, h, w, g)
+        if (form or self.form()) == "video":
+            return (self._hook("video_factory") or default_videos)(n, self.num_frames, h, w, g)
+        return (self._hook("image_factory") or default_images)(n, h, w, g)
+
+    def make_inputs(self, n: int, seed: int | None = None, *, group: int = 0):
+        """(images (n, 3, H, W) or videos (n, F, 3, H, W) on the CPU, prompts, metadata) from the factories; for a
+        group-wise reward the n samples form one group: the factories' entry ``group`` repeated."""
+        g = torch.Generator().manual_seed(self.seed if seed is None else seed)
+        images = self.make_images(n, g)
         k = n + group if self.is_group_wise() else n
         prompts = (self._hook("prompt_factory") or (lambda m: [_PROMPTS[i % len(_PROMPTS)] for i in range(m)]))(k)
         metadata = (self._hook("metadata_factory") or (lambda m: [{} for _ in range(m)]))(k)
@@ -217,6 +245,21 @@ class RewardConformance:
         assert held <= self.max_init_tensor_elements, (
             f"the reward holds {held} tensor elements before setup(); build or load models in setup(device)"
         )
+
+    # ------------------------------------------------------------------ input forms
+    def test_modalities_are_declared(self):
+        forms = modalities_of(self.make_reward())
+        assert set(forms) <= set(MODALITIES) and forms, f"modalities {forms!r}"
+        assert self.form() in forms, f"the suite runs on {self.form()!r} inputs, which the reward does not score"
+
+    @pytest.mark.parametrize("form", MODALITIES)
+    def test_undeclared_input_forms_are_refused_naming_the_reward(self, reward, form):
+        if form in modalities_of(reward):
+            pytest.skip(f"the reward scores {form}s")
+        _, prompts, metadata = self.make_inputs(2)
+        images = self.make_images(2, torch.Generator().manual_seed(self.seed), form)
+        with pytest.raises(ValueError, match=re.escape(reward.name)):
+            reward(images.to(self.device), prompts, metadata)
 
     # ------------------------------------------------------------------ output contract
     @pytest.mark.parametrize("n", [1, 3])
@@ -302,7 +345,11 @@ class RewardConformance:
     @pytest.mark.parametrize("bad", ["one_channel", "no_batch_dim", "not_a_tensor"])
     def test_bad_images_raise_value_error(self, reward, bad):
         images, prompts, metadata = self.make_inputs(2)
-        wrong = {"one_channel": images[:, :1], "no_batch_dim": images[0], "not_a_tensor": images.numpy()}[bad]
+        if images.ndim == 5:  # a video: drop channels or the batch dimension of (B, F, 3, H, W)
+            wrong = {"one_channel": images[:, :, :1], "no_batch_dim": images[0, 0],
+                     "not_a_tensor": images.numpy()}[bad]
+        else:
+            wrong = {"one_channel": images[:, :1], "no_batch_dim": images[0], "not_a_tensor": images.numpy()}[bad]
         with pytest.raises(ValueError):
             reward(wrong, prompts, metadata)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from flowgrpo.rewards.base import BaseReward
+from flowgrpo.rewards.base import BaseReward, modalities_of
 from flowgrpo.rewards.registry import load_reward
 
 
@@ -32,6 +32,7 @@ class _OverBase(BaseReward):
         if getattr(self.base, "group_wise", False):
             raise ValueError(f"base reward {base!r} is itself group-wise; give a point-wise reward")
         self.name = f"{self.base.name}_{self.suffix}"
+        self.modalities = modalities_of(self.base)  # images or videos, as the base scores them
 
     def setup(self, device: torch.device) -> None:
         super().setup(device)

@@ -13,6 +13,14 @@ those that read "no" (case and surrounding spaces ignored: " Yes", "YES", "yes" 
 eq. 1, and of Flow-GRPO's VLM reward). When neither answer is among the top-k tokens the score is NaN ("not
 applicable") and a warning is logged.
 
+A video (B, F, 3, H, W) is sent as ``frames`` of its frames (default 8, evenly spaced:
+:func:`flowgrpo_rewards.video.select_frames`) in time order, each an image of the same message before the
+question (the frames-as-images form of video judges served through image APIs, e.g. Pref-GRPO's UnifiedReward
+video judge).
+
+:class:`ChatJudgeBase` is the transport every judge over this API shares (the UnifiedReward judges of
+:mod:`flowgrpo_rewards.unified_reward` too): the endpoint check, retries, concurrency and image encoding.
+
 Limits: at most ``max_concurrency`` requests in flight (the server batches concurrent requests; vLLM's continuous
 batching does), each attempt bounded by ``timeout`` seconds; timeouts, connection errors and replies 429/500/502/
 503/504 are retried ``retries`` times with exponential backoff; then :class:`VlmJudgeError` names the endpoint and
@@ -42,42 +50,31 @@ class VlmJudgeError(RuntimeError):
     """The judge endpoint is unreachable, does not serve the model, or replied something unusable."""
 
 
-class VlmJudgeReward(BaseReward):
-    """Yes-probability of a VLM judge behind an OpenAI-compatible endpoint (module docstring).
+class ChatJudgeBase(BaseReward):
+    """A judge behind an OpenAI-compatible chat-completions endpoint: connection, ``/models`` check, retries,
+    bounded concurrency and image encoding, shared by the VLM judges.
 
     Args:
         base_url: the API root, e.g. ``http://127.0.0.1:8000/v1``.
         model: the served model name; None: the only model the endpoint serves.
-        question: the question, with ``{prompt}`` replaced by the image's prompt.
-        top_logprobs: k, alternatives returned for the answer token (1–20 in the OpenAI API).
         timeout: seconds per attempt. retries: further attempts after a retryable failure.
         backoff, max_backoff: seconds of the exponential backoff.
         max_concurrency: requests in flight at once.
         api_key_env: name of the environment variable holding a bearer token (unset: no header).
 
     Raises:
-        ValueError: bad settings (at construction), or a ``question`` without ``{prompt}``.
-        VlmJudgeError: see the module docstring (at :meth:`setup` or when scoring).
+        ValueError: bad settings (at construction).
     """
 
-    name = "vlm_judge"
-
-    def __init__(self, base_url: str = "http://127.0.0.1:8000/v1", model: str | None = None,
-                 question: str = DEFAULT_QUESTION, top_logprobs: int = 5, timeout: float = 60.0, retries: int = 3,
-                 backoff: float = 0.5, max_backoff: float = 8.0, max_concurrency: int = 8,
+    def __init__(self, base_url: str = "http://127.0.0.1:8000/v1", model: str | None = None, timeout: float = 60.0,
+                 retries: int = 3, backoff: float = 0.5, max_backoff: float = 8.0, max_concurrency: int = 8,
                  api_key_env: str | None = None) -> None:
-        if "{prompt}" not in question:
-            raise ValueError(f"question must contain '{{prompt}}', got {question!r}")
-        if not 1 <= int(top_logprobs) <= 20:
-            raise ValueError(f"top_logprobs must be in 1..20, got {top_logprobs!r}")
         if not float(timeout) > 0 or int(retries) < 0 or int(max_concurrency) < 1 or float(backoff) < 0:
             raise ValueError(f"need timeout > 0, retries >= 0, backoff >= 0, max_concurrency >= 1; got timeout="
                              f"{timeout!r}, retries={retries!r}, backoff={backoff!r}, max_concurrency="
                              f"{max_concurrency!r}")
         self.base_url = base_url.rstrip("/")
         self.model = model
-        self.question = question
-        self.top_logprobs = int(top_logprobs)
         self.timeout = float(timeout)
         self.retries = int(retries)
         self.backoff = float(backoff)
@@ -92,7 +89,7 @@ class VlmJudgeReward(BaseReward):
             try:
                 import httpx
             except ImportError as err:
-                raise ImportError('the vlm_judge reward needs httpx: pip install "flowgrpo[server]"') from err
+                raise ImportError(f'the {self.name} reward needs httpx: pip install "flowgrpo[server]"') from err
             headers = {}
             if self.api_key_env and os.environ.get(self.api_key_env):
                 headers["Authorization"] = f"Bearer {os.environ[self.api_key_env]}"
@@ -132,25 +129,104 @@ class VlmJudgeReward(BaseReward):
         elif self.model not in served:
             raise VlmJudgeError(f"VLM judge endpoint {self.base_url} does not serve {self.model!r}; it serves "
                                 f"{served}")
-        logger.info("vlm_judge: %s at %s", self.model, self.base_url)
+        logger.info("%s: %s at %s", self.name, self.model, self.base_url)
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
 
-    # ------------------------------------------------------------------ scoring
-    def _body(self, png_b64: str, prompt: str) -> bytes:
+    # ------------------------------------------------------------------ requests
+    def chat(self, content: list[dict], **params) -> dict:
+        """One ``POST /chat/completions`` with a single user message of ``content`` parts and the request
+        ``params`` (``max_tokens``, ``temperature``, …); returns the reply JSON."""
         import json
 
-        content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64}"}},
-                   {"type": "text", "text": self.question.format(prompt=prompt)}]
-        return json.dumps({"model": self.model, "messages": [{"role": "user", "content": content}],
-                           "max_tokens": 1, "temperature": 0.0, "logprobs": True,
-                           "top_logprobs": self.top_logprobs}).encode()
+        if self.model is None:
+            self.setup()
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}], **params}
+        return self._send("POST", "/chat/completions", json.dumps(body).encode())
 
-    def _score_one(self, png_b64: str, prompt: str) -> float:
-        reply = self._send("POST", "/chat/completions", self._body(png_b64, prompt))
+    def pooled(self, fn, *iterables) -> list:
+        """``[fn(*args) for args in zip(*iterables)]`` with at most ``max_concurrency`` calls in flight."""
+        items = list(zip(*iterables, strict=True))
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(items)) or 1,
+                                thread_name_prefix=f"{self.name}-judge") as pool:
+            return list(pool.map(lambda args: fn(*args), items))
+
+    @staticmethod
+    def image_parts(images: torch.Tensor, image_format: str = "png", size: int | None = None) -> list[dict]:
+        """``image_url`` content parts (base64 data URLs) of ``images`` (N, 3, H, W) in [0, 1]: the 8-bit
+        ``round(255·x)`` pixels as PNG (lossless) or JPEG (quality 95, as Pref-GRPO's client sends), optionally
+        resized with PIL's bicubic filter to ``size`` x ``size`` first (Flow-GRPO's UnifiedReward scorer: 512)."""
+        if image_format == "png" and size is None:
+            return [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b}"}}
+                    for b in images_to_png_b64(images)]
+        import base64
+        import io
+
+        from PIL import Image
+
+        from flowgrpo.images import to_uint8
+
+        parts = []
+        for array in to_uint8(images):
+            img = Image.fromarray(array)
+            if size is not None:
+                img = img.resize((size, size), Image.Resampling.BICUBIC)
+            buf = io.BytesIO()
+            img.save(buf, format="JPEG", quality=95) if image_format == "jpeg" else img.save(buf, format="PNG")
+            mime = "jpeg" if image_format == "jpeg" else "png"
+            parts.append({"type": "image_url", "image_url": {
+                "url": f"data:image/{mime};base64,{base64.b64encode(buf.getvalue()).decode('ascii')}"}})
+        return parts
+
+    def __getstate__(self):  # the HTTP pool is not picklable; a copy reconnects lazily
+        state = dict(self.__dict__)
+        state["_client"] = None
+        return state
+
+
+class VlmJudgeReward(ChatJudgeBase):
+    """Yes-probability of a VLM judge behind an OpenAI-compatible endpoint (module docstring).
+
+    Args:
+        question: the question, with ``{prompt}`` replaced by the image's prompt.
+        top_logprobs: k, alternatives returned for the answer token (1–20 in the OpenAI API).
+        frames: for videos, which frames are sent (:func:`flowgrpo_rewards.video.select_frames`; default 8).
+        base_url, model, timeout, retries, backoff, max_backoff, max_concurrency, api_key_env: the endpoint
+            (:class:`ChatJudgeBase`).
+
+    Calling it: images (B, 3, H, W) or videos (B, F, 3, H, W) float in [0, 1], ``prompts`` B strings → (B,)
+    float32 in [0, 1].
+
+    Raises:
+        ValueError: bad settings (at construction), or a ``question`` without ``{prompt}``.
+        VlmJudgeError: see the module docstring (at :meth:`setup` or when scoring).
+    """
+
+    name = "vlm_judge"
+    modalities = ("image", "video")
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000/v1", model: str | None = None,
+                 question: str = DEFAULT_QUESTION, top_logprobs: int = 5, timeout: float = 60.0, retries: int = 3,
+                 backoff: float = 0.5, max_backoff: float = 8.0, max_concurrency: int = 8,
+                 api_key_env: str | None = None, frames=8) -> None:
+        from flowgrpo_rewards.video import check_frames
+
+        if "{prompt}" not in question:
+            raise ValueError(f"question must contain '{{prompt}}', got {question!r}")
+        if not 1 <= int(top_logprobs) <= 20:
+            raise ValueError(f"top_logprobs must be in 1..20, got {top_logprobs!r}")
+        super().__init__(base_url, model, timeout, retries, backoff, max_backoff, max_concurrency, api_key_env)
+        self.question = question
+        self.top_logprobs = int(top_logprobs)
+        self.frames = check_frames(frames)
+
+    # ------------------------------------------------------------------ scoring
+    def _score_one(self, parts: list[dict], prompt: str) -> float:
+        reply = self.chat(parts + [{"type": "text", "text": self.question.format(prompt=prompt)}], max_tokens=1,
+                          temperature=0.0, logprobs=True, top_logprobs=self.top_logprobs)
         try:
             top = reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
             pairs = [(str(t["token"]).strip().lower(), float(t["logprob"])) for t in top]
@@ -172,15 +248,20 @@ class VlmJudgeReward(BaseReward):
         Raises:
             VlmJudgeError: a request failed after its retries or the reply was unusable.
         """
-        if self.model is None:
-            self.setup()
-        encoded = images_to_png_b64(images)
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(encoded)) or 1,
-                                thread_name_prefix="vlm-judge") as pool:
-            scores = list(pool.map(self._score_one, encoded, list(prompts)))
+        scores = self.pooled(self._score_one, media_parts(self, images, self.frames), list(prompts))
         return torch.tensor(scores, dtype=torch.float32)
 
-    def __getstate__(self):  # the HTTP pool is not picklable; a copy reconnects lazily
-        state = dict(self.__dict__)
-        state["_client"] = None
-        return state
+
+def media_parts(judge: ChatJudgeBase, images: torch.Tensor, frames, image_format: str = "png",
+                size: int | None = None) -> list[list[dict]]:
+    """Per sample, the ``image_url`` parts that show it: one image, or the chosen ``frames`` of a video (B, F, 3,
+    H, W) in time order (:func:`flowgrpo_rewards.video.select_frames`)."""
+    if images.ndim == 4:
+        return [[p] for p in judge.image_parts(images, image_format, size)]
+    from flowgrpo_rewards.video import select_frames
+
+    idx = select_frames(images.shape[1], frames)
+    flat = judge.image_parts(images[:, idx].reshape(-1, *images.shape[2:]), image_format, size)
+    return [flat[i * len(idx) : (i + 1) * len(idx)] for i in range(images.shape[0])]
+
+

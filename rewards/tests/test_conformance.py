@@ -91,6 +91,7 @@ _REQUIRED_KWARGS = {
     "group_rank": {"base": "jpeg_compressibility"},
     "pairwise_preference": {"base": "jpeg_compressibility"},
     "remote": {"url": "http://127.0.0.1:9"},
+    "video_frames": {"base": "jpeg_compressibility"},
 }
 _GENEVAL_META = {"tag": "single_object", "include": [{"class": "dog", "count": 1}]}
 
@@ -106,10 +107,13 @@ def _builtin_reward_names() -> list[str]:
 @pytest.mark.parametrize("name", _builtin_reward_names())
 def test_every_builtin_reward_refuses_8bit_and_out_of_range_images_by_name(name, bad):
     """Before any weights are loaded: the input check comes first, and its message names the reward."""
+    from flowgrpo.rewards.base import modalities_of
     from flowgrpo.rewards.registry import load_reward
 
     reward, _ = load_reward(name, **_REQUIRED_KWARGS.get(name, {}))
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 255
     images = images.round().to(torch.uint8) if bad == "uint8" else images
+    if "image" not in modalities_of(reward):  # a video reward: two-frame videos (B, F, 3, H, W)
+        images = images[:, None].expand(2, 2, 3, 32, 32)
     with pytest.raises(ValueError, match=re.escape(f"{reward.name}: image")):
         reward(images, ['a sign that says "b"'] * 2, [dict(_GENEVAL_META)] * 2)

@@ -291,6 +291,8 @@ class SdeRatio(BaseObjective):
             if not filler:
                 acc.add(terms, m, part)
             loss_sum = part if loss_sum is None else loss_sum + part
+        if not loss_sum.requires_grad:  # every transition on a frozen module (Wan2.2's untrained expert): no
+            return  # gradient to add; the chunk plan, the same on every process, skips it everywhere
         optim.backward(loss_sum * (0.0 if filler else dist.world_size() / max(step.global_pairs, 1.0)))
 
     def _loss_input(self, fwds: list[ChunkForward], items: list[tuple[torch.Tensor, int]], work: SdeRatioWork,

@@ -1,0 +1,277 @@
+"""The HunyuanVideo-1.5 adapter: a diffusers ``HunyuanVideo15Pipeline`` (text-to-video) behind the
+:class:`~flowgrpo.models.base.ModelAdapter` interface.
+
+What ``HunyuanVideo15Pipeline.__call__`` does, and this adapter with it:
+
+* two text encoders through the pipeline's own ``encode_prompt``: Qwen2.5-VL's text model on the chat template
+  with the pipeline's video system message (1000 tokens after the first 108 are cropped, the third-to-last hidden
+  state) and ByT5 on the quoted glyph text of the prompt (zeros when it has none); the negative prompt is ``""``
+  (read as ``" "`` by the template), as ``negative_prompt=None``;
+* latents (B, C, F', h, w) in the transformer's layout, F' = (F − 1)/4 + 1, 16× spatial compression, drawn by
+  ``randn_tensor`` as ``prepare_latents``; the transformer's input is ``[x, 0, 0]`` (text-to-video has no
+  condition latents and a zero mask: ``prepare_cond_latents_and_mask``) and zero ``image_embeds`` (729 tokens);
+* the timestep ``t = σ·1000`` (``scheduler.timesteps``), cast to the latents' dtype;
+* the σ grid ``numpy.linspace(1, 0, T + 1)[:-1]`` through the scheduler's static shift;
+* guidance through the pipeline's ``ClassifierFreeGuidance`` guider: ``v = v_u + s·(v_c − v_u)`` (Ho & Salimans,
+  arXiv 2207.12598, eq. 6) as two separate forwards (cond, then uncond) unless s ≈ 1. The adapter takes s from
+  ``sampling.guidance_scale`` (the guider's own default is the pipeline's); a guider with rescaling, the
+  original formulation or a step range is refused;
+* decoding: ``x / scaling_factor``, the VAE, ``postprocess_video`` to (B, F, 3, H, W) in [0, 1].
+
+``HunyuanVideo15Pipeline.__call__`` draws its initial noise in the transformer's dtype; the adapter draws it in
+float32 (the same values in float32; in bfloat16 the pipeline's noise is a different draw).
+
+    python -m flowgrpo.models.hunyuan_video15 OUT_DIR    # a tiny random pipeline
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from flowgrpo.models.base import AdapterBase, PromptEmbeds
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HunyuanVideo15Adapter", "load_hunyuan_video15_adapter", "build_tiny_hunyuan_video15"]
+
+
+class HunyuanVideo15Adapter(AdapterBase):
+    """Adapter for a loaded ``diffusers.HunyuanVideo15Pipeline`` (module docstring).
+
+    Args:
+        pipe: the pipeline (its transformer may carry a peft LoRA).
+        height, width: frame size in pixels, positive multiples of 16 (the VAE's spatial compression).
+        num_frames: F, 1 + a multiple of 4.
+
+    Raises:
+        ValueError: a size or frame count the pipeline cannot take, or a guider this adapter does not reproduce.
+    """
+
+    video = True
+
+    def __init__(self, pipe, *, height: int, width: int, num_frames: int) -> None:
+        from diffusers import ClassifierFreeGuidance
+
+        g = pipe.guider
+        if not isinstance(g, ClassifierFreeGuidance) or g.guidance_rescale or g.use_original_formulation or (
+                g._start, g._stop) != (0.0, 1.0) or not g._enabled:
+            raise ValueError("the HunyuanVideo-1.5 adapter reproduces the plain ClassifierFreeGuidance guider over "
+                             f"every step (no rescale, no original formulation); got {g}")
+        self.check_image_size("HunyuanVideo-1.5 frame size", height, width, pipe.vae_scale_factor_spatial)
+        k = pipe.vae_scale_factor_temporal
+        if num_frames < 1 or (num_frames - 1) % k:
+            raise ValueError(f"HunyuanVideo-1.5 num_frames must be 1 + a multiple of {k} (e.g. 5, 121), got "
+                             f"{num_frames}")
+        super().__init__(pipe, height=height, width=width, max_sequence_length=pipe.tokenizer_max_length)
+        self.num_frames = num_frames
+        self.latent_shape = (pipe.num_channels_latents, (num_frames - 1) // k + 1,
+                             height // pipe.vae_scale_factor_spatial, width // pipe.vae_scale_factor_spatial)
+        self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        """``HunyuanVideo15Pipeline.encode_prompt`` of B prompts and of the empty negative prompt: batched
+        ``prompt_embeds`` (B, 1000, D), ``prompt_embeds_mask`` (B, 1000), ``prompt_embeds_2`` (B, 256, D₂) and
+        ``prompt_embeds_mask_2`` (B, 256); the negative four shared, one row each (``negative_…``), in the
+        transformer's dtype (masks too, as the pipeline casts them).
+
+        Raises:
+            ValueError: an empty prompt list.
+        """
+        prompts = self.prompt_list(prompts)
+        self.truncation("Qwen2.5-VL", self.pipe.tokenizer, prompts, self.pipe.tokenizer_max_length)
+        names = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+        pos = self.pipe.encode_prompt(prompt=prompts, device=self.device, dtype=self.dtype, batch_size=len(prompts))
+        neg = self.pipe.encode_prompt(prompt=None, device=self.device, dtype=self.dtype, batch_size=1)
+        return PromptEmbeds(dict(zip(names, pos, strict=True)),
+                            {f"negative_{n}": t for n, t in zip(names, neg, strict=True)})
+
+    def initial_latents(self, batch_size: int, generator) -> torch.Tensor:
+        """(B, C, F', h, w) float32 standard-normal latents, drawn as ``prepare_latents`` (``randn_tensor``).
+
+        Raises:
+            ValueError: a generator list whose length is not ``batch_size``.
+        """
+        if isinstance(generator, list | tuple) and len(generator) != batch_size:
+            raise ValueError(f"got {len(generator)} generators for a batch of {batch_size} latents")
+        gen = list(generator) if isinstance(generator, tuple) else generator
+        return randn_tensor((batch_size, *self.latent_shape), generator=gen, device=self.device, dtype=torch.float32)
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
+                 guidance_scale: float) -> torch.Tensor:
+        """(B, C, F', h, w) float32 guided velocity at (latents, σ) (module docstring); the guidance combination
+        is in float32.
+
+        Args:
+            latents: (B, C, F', h, w) any float dtype. sigma: (B,) or scalar σ in (0, 1].
+            embeds: B rows of :meth:`encode_prompts` output.
+        Raises:
+            ValueError: embeds whose batch size differs from the latents'.
+        """
+        b = latents.shape[0]
+        sigma = self.batch_sigma(latents, sigma, embeds)
+        t = sigma * self.num_train_timesteps  # (B,) float32, bitwise the pipeline's scheduler.timesteps
+        x = latents.to(self.dtype)
+        zeros = torch.zeros((b, latents.shape[1] + 1, *latents.shape[2:]), dtype=self.dtype, device=x.device)
+        x = torch.cat([x, zeros], dim=1)  # [latents, cond latents (0), mask (0)]: text-to-video
+        image = torch.zeros((b, self.pipe.vision_num_semantic_tokens, self.pipe.vision_states_dim), dtype=self.dtype,
+                            device=x.device)
+        cond = self._forward(x, t, image, *(embeds[n] for n in _NAMES))
+        if math.isclose(guidance_scale, 1.0):  # the guider's _is_cfg_enabled
+            return cond
+        uncond = self._forward(x, t, image, *(embeds[f"negative_{n}"].expand(b, *embeds[f"negative_{n}"].shape[1:])
+                                               for n in _NAMES))
+        return uncond + guidance_scale * (cond - uncond)
+
+    def _forward(self, x, t, image, text, text_mask, glyph, glyph_mask) -> torch.Tensor:
+        with self.attention():
+            out = self.forward_module(hidden_states=x, image_embeds=image, timestep=t.to(x.dtype),
+                                      encoder_hidden_states=text, encoder_attention_mask=text_mask,
+                                      encoder_hidden_states_2=glyph, encoder_attention_mask_2=glyph_mask,
+                                      return_dict=False)[0]
+        return out.float()
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, F, 3, H, W) float32 in [0, 1] from clean latents, as the pipeline decodes, one video at a time:
+        the VAE's mid-block attention in diffusers 0.42 broadcasts its causal mask (B, L, L) against (B, 1, L, L)
+        queries, which fails for B > 1 (the pipeline itself decodes only one video per call)."""
+        vae = self.pipe.vae
+        x = latents.to(vae.dtype) / vae.config.scaling_factor
+        video = torch.cat([vae.decode(x[i : i + 1], return_dict=False)[0] for i in range(x.shape[0])])
+        return self.pipe.video_processor.postprocess_video(video, output_type="pt").float()
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """(T+1,) float32 σ grid of ``set_timesteps(sigmas=linspace(1, 0, T + 1)[:-1])`` (``__call__``'s): the
+        scheduler's static shift ``s·σ/(1 + (s − 1)·σ)`` (Esser et al., arXiv 2403.03206), then a terminal 0.
+
+        Raises:
+            ValueError: ``num_steps`` < 1.
+        """
+        self.check_num_steps(num_steps)
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
+        return scheduler.sigmas.float().cpu()
+
+
+_NAMES = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+
+
+def load_hunyuan_video15_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
+                                 max_sequence_length: int, num_frames: int | None = None,
+                                 guidance_scale_2: float | None = None,
+                                 trained_expert: str = "transformer") -> HunyuanVideo15Adapter:
+    """``HunyuanVideo15Pipeline.from_pretrained(path)`` in ``dtype`` in a :class:`HunyuanVideo15Adapter`; the
+    default size is the pipeline's (16:9 at its ``target_size``), 121 frames. The text length is the pipeline's
+    (1000 tokens), whatever ``max_sequence_length`` says.
+
+    Raises:
+        ValueError: ``guidance_scale_2`` or ``trained_expert`` (Wan2.2 settings) given.
+    """
+    from diffusers import HunyuanVideo15Pipeline
+
+    if guidance_scale_2 is not None or trained_expert != "transformer":
+        raise ValueError("model.guidance_scale_2 and model.trained_expert are Wan2.2 settings; HunyuanVideo-1.5 has "
+                         "one transformer")
+    pipe = HunyuanVideo15Pipeline.from_pretrained(path, torch_dtype=dtype)
+    if height is None or width is None:
+        h, w = pipe.video_processor.calculate_default_height_width(9, 16, pipe.target_size)
+        height, width = height or h, width or w
+    return HunyuanVideo15Adapter(pipe, height=height, width=width, num_frames=num_frames or 121)
+
+
+# ---------------------------------------------------------------------------------------------- tiny builder
+def build_tiny_hunyuan_video15(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable[str] = (),
+                               sample_size: int = 32, transformer_kwargs: dict | None = None) -> Path:
+    """Build a random tiny ``HunyuanVideo15Pipeline`` of the real classes and ``save_pretrained`` it.
+
+    Qwen2.5-VL text model (2 layers of width 16, a byte-level BPE tokenizer trained on the system message and
+    ``words``, Qwen2-VL's chat template), ByT5 (``T5EncoderModel`` of width 16, the byte tokenizer), a 1-layer
+    ``HunyuanVideo15Transformer3DModel`` (2 heads of 16), a 4-channel ``AutoencoderKLHunyuanVideo15`` (16×
+    spatial, 4× temporal), ``FlowMatchEulerDiscreteScheduler(shift=5.0)`` and ``ClassifierFreeGuidance(6.0)``.
+    ``sample_size`` is only checked.
+
+    Raises:
+        ValueError: ``sample_size`` not a positive multiple of 16.
+    """
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    from flowgrpo.models.qwenimage import build_qwen_tokenizer
+
+    if sample_size <= 0 or sample_size % 16:
+        raise ValueError(f"tiny HunyuanVideo-1.5 sample_size must be a positive multiple of 16, got {sample_size}")
+    tok = build_qwen_tokenizer(["You are a helpful assistant. Describe the video by detailing the following "
+                                "aspects: main content theme color shape size texture quantity text spatial "
+                                "relationships objects actions events behaviors temporal physical movement changes "
+                                "background environment light style atmosphere camera angles movements "
+                                "transitions used in the video system user assistant", " ".join(words)])
+    tok.chat_template = _QWEN_CHAT_TEMPLATE
+    tok.model_max_length = 2048
+    torch.manual_seed(seed)
+    text = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=len(tok), max_position_embeddings=2048,
+        rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"})).eval()
+    tok_2 = ByT5Tokenizer()
+    torch.manual_seed(seed + 1)
+    glyph = T5EncoderModel(T5Config(vocab_size=len(tok_2), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4,
+                                      scaling_factor=1.03682)
+    torch.manual_seed(seed + 3)
+    transformer = HunyuanVideo15Transformer3DModel(**{
+        "in_channels": 9, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1,
+        "num_refiner_layers": 1, "mlp_ratio": 2.0, "text_embed_dim": 16, "text_embed_2_dim": 16,
+        "image_embed_dim": 16, "rope_axes_dim": (4, 6, 6), "target_size": 640, "task_type": "t2v",
+        **(transformer_kwargs or {})})
+    pipe = HunyuanVideo15Pipeline(text_encoder=text, tokenizer=tok, transformer=transformer, vae=vae,
+                                  scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
+                                  text_encoder_2=glyph, tokenizer_2=tok_2,
+                                  guider=ClassifierFreeGuidance(guidance_scale=6.0))
+    out = Path(out_dir)
+    pipe.save_pretrained(out)
+    return out
+
+
+#: Qwen2-VL / Qwen2.5-VL-Instruct's chat template (its chat_template.json).
+_QWEN_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from flowgrpo.models.tiny import builder_main
+
+    builder_main(lambda out, words, seed: build_tiny_hunyuan_video15(out, seed, words=words), "HunyuanVideo-1.5",
+                 __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()
