@@ -72,6 +72,44 @@ def test_integers_none_and_the_old_refusals_are_unchanged():
         build_config({}, ["train.num_epochs=abc"])
 
 
+@pytest.mark.parametrize("override", ["train.lr=true", "train.ema_decay=false", "algo.kl_beta=true",
+                                      "train.adam_betas=[true, 0.999]", "model.scheduler_shift=true"])
+def test_a_boolean_for_a_float_key_is_refused_naming_the_key(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"config field '{key}': a number is needed, got a boolean"):
+        build_config({}, [override])
+
+
+def test_every_float_field_refuses_a_boolean_and_takes_a_number():
+    """Every float field of every section, found from the schema (a boolean once ran as 1.0: train.lr=true)."""
+    from flowgrpo.algo.chunkers import CHUNKERS, chunker_config_class
+    from flowgrpo.config import Config, _takes_float
+
+    found: set = set()
+
+    def sections(model):
+        if model in found:
+            return
+        found.add(model)
+        for f in model.model_fields.values():
+            for ann in (f.annotation, *getattr(f.annotation, "__args__", ())):
+                if isinstance(ann, type) and issubclass(ann, Section):
+                    sections(ann)
+
+    sections(Config)
+    for name in CHUNKERS:
+        sections(chunker_config_class(name))
+    checked = 0
+    for model in found:
+        for name, f in model.model_fields.items():
+            if _takes_float(f.annotation):
+                with pytest.raises(Exception, match="a number is needed, got a boolean"):
+                    model.model_validate({name: True})
+                checked += 1
+    assert checked >= 20
+    assert build_config({}, ["train.lr=1", "train.adam_betas=[0, 0.9]"]).train.lr == 1.0
+
+
 # --- 2. seeds numpy cannot take ---------------------------------------------------------------------------------
 
 
