@@ -280,6 +280,10 @@ class AlgoConfig(Section):
     dual_clip_c: float = Field(
         3.0, gt=1, description="dual_clip: lower bound c on the objective of negative-advantage pairs (paper: 3)"
     )
+    grpo_guard_stats: Literal["micro_batch", "per_sample"] = Field(
+        "micro_batch", description="grpo_guard: RatioNorm's mean-drift bias, noise scale and step weight from the "
+        "micro-batch's trained pairs at each step, one shared value (the release) or from each pair's own"
+    )
     group_filter: GroupFilterConfig = Field(default_factory=lambda: GroupFilterConfig())
     kl_form: KlFormName = Field(
         "flow_grpo", description="registered KL form: flow_grpo (Flow-GRPO's scripts: (mu-mu_ref)^2 / "
@@ -300,7 +304,8 @@ class AlgoConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:
         _refuse_unread(self, "algo", "policy_loss", {"sapo_tau_pos": ("sapo",), "sapo_tau_neg": ("sapo",),
-                                                     "dual_clip_c": ("dual_clip",)},
+                                                     "dual_clip_c": ("dual_clip",),
+                                                     "grpo_guard_stats": ("grpo_guard",)},
                        known=("clipped", "dual_clip", "sapo", "grpo_guard"))
         _refuse_unread(self, "algo", "advantage", {"global_std": ("grpo",)}, known=("grpo", "dr_grpo", "rloo"))
         return self
