@@ -105,7 +105,28 @@ def _rewards_for(config, prompts, eval_prompts):
 
 
 def run(config) -> dict:
-    """Build every part from ``config`` and train; returns the summary."""
+    """Build every part from ``config`` and train; returns the summary. The main process holds the run folder's
+    lock (:func:`~flowgrpo.run_lock.hold_run_folder`) from before ``train.resume_from=auto`` reads it to the end.
+
+    Raises:
+        RunFolderBusy: another live run holds ``output_dir`` (a ``FileExistsError``).
+    """
+    with _hold(config.output_dir):
+        config = resolve_auto_resume(config)
+        with _hold(config.output_dir):  # the folder the resolved config trains in (the same one, unless moved)
+            return _run(config)
+
+
+def _hold(output_dir):
+    """The run folder's lock, held by the main process only (rank 0; the others are part of its run)."""
+    import contextlib
+
+    from flowgrpo.run_lock import hold_run_folder
+
+    return hold_run_folder(output_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
+
+
+def _run(config) -> dict:
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -116,7 +137,6 @@ def run(config) -> dict:
     from flowgrpo.trainer import Trainer
 
     quiet_libraries()
-    config = resolve_auto_resume(config)
     chunker, prompts, eval_prompts = preflight(config)
     rewards, eval_rewards, origins = _rewards_for(config, prompts, eval_prompts)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
@@ -267,9 +287,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     global _SETUP_DONE, _TRAINER
     _SETUP_DONE, _TRAINER = False, None  # a fresh command (main may run twice in one process)
     try:
-        config = resolve_auto_resume(load_config(args.config or DEFAULT_CONFIG, args.overrides), args.overrides,
-                                      config_file=args.config)
-        summary = run(config)
+        config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        with _hold(config.output_dir):  # before anything in the folder is read
+            summary = run(resolve_auto_resume(config, args.overrides, config_file=args.config))
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError) as err:
         parser.exit(2, f"error: {err}\n")
     except RewardError as err:
