@@ -14,6 +14,11 @@ naming the folder) is replaced atomically after it: a crash mid-write leaves the
 ``latest`` names a missing or incomplete folder (:func:`publish_checkpoint`), and a checkpoint is removed (the
 ``keep`` rotation) by renaming it to a hidden name before deleting it, so no half-deleted folder keeps a
 checkpoint's name.
+
+The trainer writes a checkpoint only from healthy weights (:mod:`flowgrpo.divergence`): every trained parameter
+finite and the epoch's own update figures not flagged (a NaN or infinite figure, or a KL figure beyond both its
+floor and 1000 times its largest earlier value). A diverging run stops instead, naming the figure and the epoch,
+so its older, healthy checkpoints are never rotated out by bad ones.
 """
 
 from __future__ import annotations

@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     quiet_libraries()
     from flowgrpo.checkpoint import CheckpointError
     from flowgrpo.config import ConfigError, load_config
+    from flowgrpo.divergence import TrainingDiverged
     from flowgrpo.rewards.base import MissingWeightsError
     from flowgrpo.rewards.compose import RewardError
     from flowgrpo.rewards.registry import RewardLoadError
@@ -302,6 +303,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         if not _SETUP_DONE:  # bad input found while setting up (names, prompt files, models): no traceback
             parser.exit(2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n")
         raise
+    except TrainingDiverged as err:  # the rule of flowgrpo.divergence: one line, the last checkpoint kept
+        parser.exit(1, f"error: {err}\n")
     except KeyboardInterrupt:
         parser.exit(130, _interrupted_line(args, prog) if main_process else "")
     if main_process:

@@ -40,6 +40,7 @@ from flowgrpo.algo.losses import POLICY_LOSSES, LossSettings, PolicyLossInput, n
 from flowgrpo.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from flowgrpo.config import Config, flat_dict, save_config
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
+from flowgrpo.divergence import DivergenceWatch, TrainingDiverged, check_weights, run_history, stop_line
 from flowgrpo.ema import EMA
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
 from flowgrpo.preflight import latest_run_config, occupied_message
@@ -325,6 +326,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = t.lr * self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
             logger.info("resumed from %s at epoch %d", t.resume_from, self.epoch)
+        self.watch = DivergenceWatch(run_history(self.out, t.resume_from, self.epoch))  # flowgrpo.divergence
 
     def _count_forward(self, module, args, kwargs) -> None:
         x = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
@@ -336,6 +338,10 @@ class Trainer:
         return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
 
     def save_checkpoint(self, epoch: int) -> None:
+        """Write the epoch's checkpoint, only from finite weights (:func:`~flowgrpo.divergence.check_weights`)."""
+        named = [(n, p) for n, p in self.accelerator.unwrap_model(self.model).named_parameters() if p.requires_grad]
+        named += [(f"EMA {n}", v) for n, v in self.ema.state_dict().items()] if self.ema is not None else []
+        check_weights(named, epoch, self.cfg.train.num_epochs, self.out / "checkpoints")
         if self.main:
             save_checkpoint(self.out / "checkpoints", epoch, model=self.accelerator.unwrap_model(self.model),
                             optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, sampler=self.sampler,
@@ -520,13 +526,12 @@ class Trainer:
 
     def _optimizer_step(self) -> float:
         """Clip, check and apply the accumulated gradient (the update's one host read per step); returns the
-        gradient norm. Raises ``FloatingPointError`` on a non-finite norm, before the weights change."""
+        gradient norm. Raises :class:`~flowgrpo.divergence.TrainingDiverged` (a ``FloatingPointError``) on a
+        non-finite norm, before the weights change."""
         gn = float(self.accelerator.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm))
         if not math.isfinite(gn):  # never let one bad batch overwrite the weights
-            raise FloatingPointError(
-                f"epoch {self.epoch}: the gradient norm is {gn}; the weights were not updated "
-                "(last checkpoint intact). Check the rewards and lower train.lr."
-            )
+            raise TrainingDiverged(stop_line(self.epoch, self.cfg.train.num_epochs, f"the gradient norm is {gn} "
+                                             "(the weights were not updated)", self.out / "checkpoints"))
         self.optimizer.step()
         self.lr_scheduler.step()
         if self.ema is not None:
@@ -734,6 +739,7 @@ class Trainer:
             self.epoch = epoch
             every = cfg.logging.eval_every
             record = self.train_epoch(epoch, evaluate=bool(every) and (epoch + 1) % every == 0 and epoch < last)
+            self.watch.check(record, epoch, cfg.train.num_epochs, self.out / "checkpoints")  # before any save
             if cfg.logging.save_every and (epoch + 1) % cfg.logging.save_every == 0 and epoch < last:
                 self.save_checkpoint(epoch)
             if self.main:
