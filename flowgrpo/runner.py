@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     from flowgrpo.rewards.base import MissingWeightsError
     from flowgrpo.rewards.compose import RewardError
     from flowgrpo.rewards.registry import RewardLoadError
+    from flowgrpo.rewards.remote import RemoteRewardError
 
     main_process = os.environ.get("RANK", "0") == "0"
     global _SETUP_DONE, _TRAINER
@@ -291,13 +292,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
         with _hold(config.output_dir):  # before anything in the folder is read
             summary = run(resolve_auto_resume(config, args.overrides, config_file=args.config))
-    except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError) as err:
+    except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError,
+            RemoteRewardError) as err:  # RemoteRewardError: the reward server is unreachable at setup
         parser.exit(2, f"error: {err}\n")
     except RewardError as err:
-        if err.__cause__ is not None and not isinstance(err.__cause__, ValueError):
+        if err.__cause__ is not None and not isinstance(err.__cause__, ValueError | RemoteRewardError):
             raise  # the plugin itself failed: its traceback is what its author needs
-        # an impossible score (±inf, wrong shape), or the plugin's ValueError, which by the reward contract names
-        # bad input (a missing metadata field, a bad image): the message says it all
+        # an impossible score (±inf, wrong shape), the plugin's ValueError, which by the reward contract names
+        # bad input (a missing metadata field, a bad image), or a lost reward server: the message says it all
         parser.exit(2, f"error: {err}\n")
     except (KeyError, ValueError) as err:
         if not _SETUP_DONE:  # bad input found while setting up (names, prompt files, models): no traceback
