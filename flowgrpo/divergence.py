@@ -104,14 +104,19 @@ class DivergenceWatch:
 def check_weights(named: list[tuple[str, torch.Tensor]], epoch: int, num_epochs: int,
                   checkpoints: str | Path) -> None:
     """Rule 3: raise :class:`TrainingDiverged` naming the first tensor of ``named`` (name, tensor) that holds a
-    NaN or infinite value, and how many it holds; one device read per tensor, and one collective, so every
-    process stops together (a sharded model holds different values on each)."""
-    bad = ""
-    for name, t in named:
-        n = int((~torch.isfinite(t.detach())).sum())
-        if n:
-            bad = f"{n} of the {t.numel()} values of the trained weight {name} are NaN or infinite"
-            break
+    NaN or infinite value, and how many it holds; one read per device the tensors live on, and one collective, so
+    every process stops together (a sharded model holds different values on each)."""
+    counts = [0] * len(named)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        for i, n in zip(idx, torch.stack([(~torch.isfinite(named[i][1].detach())).sum() for i in idx]).tolist(),
+                        strict=True):
+            counts[i] = n
+    first = next((i for i, n in enumerate(counts) if n), None)
+    bad = "" if first is None else (f"{counts[first]} of the {named[first][1].numel()} values of the trained weight "
+                                    f"{named[first][0]} are NaN or infinite")
     flagged = dist.all_reduce_max(torch.tensor([float(bool(bad))], dtype=torch.float64))
     if float(flagged[0]):
         raise TrainingDiverged(stop_line(epoch, num_epochs, bad or "another process holds non-finite weights",
