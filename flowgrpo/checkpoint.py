@@ -12,9 +12,17 @@ Every tensor is whole, whatever the process count or sharding of the run that wr
 another process count (:mod:`flowgrpo.state_dicts` gathers a sharded model's tensors and hands them back). Saving
 and loading are collectives: every process calls them; the main process (global rank 0) alone writes.
 
-The folder is written under a temporary name and renamed into place, and ``latest`` (a text file naming the
-folder) is replaced atomically after it: a crash mid-write leaves the previous checkpoint intact and ``latest``
-pointing at it.
+The folder is written under a temporary name, made durable and renamed into place, and ``latest`` (a text file
+naming the folder) is replaced atomically after it: a crash mid-write leaves the previous checkpoint intact and
+``latest`` pointing at it. Re-saving an existing epoch (a resumed run) replaces it without a moment in which
+``latest`` names a missing or incomplete folder (:func:`publish_checkpoint`), and a checkpoint is removed (the
+``keep`` rotation) by renaming it to a hidden name before deleting it, so no half-deleted folder keeps a
+checkpoint's name.
+
+The trainer writes a checkpoint only from healthy weights (:mod:`flowgrpo.divergence`): every trained parameter
+finite and the epoch's own update figures not flagged (a NaN or infinite figure, or a KL figure beyond both its
+floor and 1000 times its largest earlier value). A diverging run stops instead, naming the figure and the epoch,
+so its older, healthy checkpoints are never rotated out by bad ones.
 """
 
 from __future__ import annotations
@@ -69,14 +77,89 @@ def _write(root: Path, epoch: int, weights: dict, opt_state: dict, ema_state: di
     for f in tmp.iterdir():  # make the bytes durable before the rename publishes them
         with f.open("rb") as fh:
             os.fsync(fh.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer = root / ".latest.tmp"
-    pointer.write_text(final.name)
-    os.replace(pointer, root / "latest")
+    publish_checkpoint(root, tmp, final)
     done = sorted((p for p in root.glob("epoch_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
     for old in done[:-keep] if keep > 0 else []:
+        if old.name != final.name:  # never the one ``latest`` names (a re-saved older epoch)
+            _remove(old)
+
+
+def _latest_name(root: Path) -> str | None:
+    pointer = root / "latest"
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def _point_latest(root: Path, name: str) -> None:
+    """``root/latest`` names ``name``, replaced atomically (written beside it, then renamed over it)."""
+    pointer = root / ".latest.tmp"
+    pointer.write_text(name)
+    with pointer.open("rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(pointer, root / "latest")
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in folder ``path`` durable (a no-op where folders cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove(folder: Path) -> None:
+    """Delete ``folder`` by renaming it to a hidden name first (atomic), so no half-deleted checkpoint ever shows
+    under its own name; a leftover hidden folder is deleted by the next save."""
+    gone = folder.parent / f".{folder.name}.removing"
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(folder, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def _clone(src: Path, dst: Path) -> None:
+    """``dst``: a complete copy of checkpoint folder ``src`` by hard links (no bytes copied; a copy where the file
+    system has none), ``state.json`` last, so it is complete once that exists."""
+    dst.mkdir()
+    files = sorted((f for f in src.iterdir() if f.is_file()), key=lambda f: f.name == "state.json")
+    for f in files:
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
+
+
+def publish_checkpoint(root: str | Path, tmp: str | Path, final: str | Path) -> None:
+    """Move the complete, durable checkpoint folder ``tmp`` to ``final`` (both in ``root``) and point
+    ``root/latest`` at it, such that a crash between any two steps leaves ``latest`` naming a complete checkpoint
+    (the old one or the new one) and no half-written or half-deleted folder under a checkpoint's name.
+
+    A folder cannot be renamed over a non-empty one, so replacing an existing ``final`` (a resumed run re-saving an
+    epoch) goes: clone ``final`` by hard links to ``.<name>.old``; point ``latest`` at the clone if it named
+    ``final``; remove ``final``; rename ``tmp`` to ``final``; point ``latest`` at it; remove the clone. A clone left
+    by an earlier crash is kept while ``latest`` names it, else rebuilt.
+    """
+    root, tmp, final = Path(root), Path(tmp), Path(final)
+    for stale in root.glob(".*.removing"):  # deletions an earlier crash interrupted
+        shutil.rmtree(stale, ignore_errors=True)
+    aside = root / f".{final.name}.old"
+    if final.exists():
+        if aside.exists() and _latest_name(root) != aside.name:
+            shutil.rmtree(aside)
+        if not aside.exists():
+            _clone(final, aside)
+        if _latest_name(root) == final.name:
+            _point_latest(root, aside.name)
+        _remove(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _point_latest(root, final.name)
+    for old in root.glob(".epoch_*.old"):  # this one's clone, and any an earlier crash left
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -34,23 +34,50 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+#: ``flowgrpo sample`` options and their values without ``--run`` (None in the parser: "not given")
+SAMPLE_DEFAULTS = {"seed": 0, "num_steps": 40, "guidance_scale": 3.5, "dtype": "float32", "height": None,
+                   "width": None, "max_sequence_length": 512, "num_frames": None}
+#: options that override a run's setting with ``--run``: option → the run config's key
+RUN_OVERRIDES = {"seed": "train.seed", "num_steps": "eval_sampling.num_steps",
+                 "guidance_scale": "eval_sampling.guidance_scale", "dtype": "model.dtype", "height": "model.height",
+                 "width": "model.width", "max_sequence_length": "model.max_sequence_length",
+                 "num_frames": "model.num_frames"}
+
+
+def _given(args: argparse.Namespace, name: str):
+    return getattr(args, name) is not None
+
+
 def _sample_settings(args: argparse.Namespace) -> dict:
     """What ``flowgrpo sample`` draws: ``build`` (a function loading the model), ``steps``, ``guidance``, ``seed``,
-    ``weights`` (a folder or None), ``prompt_file`` and ``count`` (0: one image per prompt), from a run folder's
-    config (``--run``) or from the command line."""
+    ``weights`` (a folder or None), ``prompt_file`` and ``count`` (0: one image per prompt).
+
+    With ``--run`` everything comes from the run folder's config, and each option of :data:`RUN_OVERRIDES` that is
+    given replaces its setting (``--num-steps 1`` samples with one step, ``--seed 5`` draws the evaluation seeds of
+    seed 5, ``--dtype`` … rebuild the run's model so); ``--model`` and ``--lora`` cannot apply to a run (it names
+    its own model and weights) and are refused. Without ``--run``: ``--model`` and the defaults of
+    :data:`SAMPLE_DEFAULTS`. Every refusal is a ``ValueError`` naming the option."""
     from flowgrpo.config import load_config
     from flowgrpo.models import load_model, load_model_from_config
 
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out!r} is a file; give a folder (the PNGs, grid.png and images.pt go in it)")
+    if args.no_weights and args.lora:
+        raise ValueError("--no-weights samples the base model alone, --lora adds weights: give one of them")
     if args.run:
+        for name, why in (("model", "the run's config names its model (model.pretrained)"),
+                          ("lora", "the run's own weights are used (--no-weights: none)")):
+            if getattr(args, name):
+                raise ValueError(f"--{name} cannot be used with --run: {why}; to sample another base model or "
+                                 "other weights, give --model (and --lora) without --run")
         cfg_path = Path(args.run) / "config.yaml"
         if not cfg_path.is_file():
             raise SystemExit(f"flowgrpo sample: {args.run!r} is not a run folder (no config.yaml in it)")
-        cfg = load_config(cfg_path)
+        cfg = load_config(cfg_path, [f"{RUN_OVERRIDES[k]}={getattr(args, k)}" for k in RUN_OVERRIDES
+                                     if _given(args, k)])
         default_count = cfg.data.eval_num_prompts if cfg.data.eval_prompts else min(cfg.data.eval_num_prompts,
                                                                                      cfg.batch_size)
-        return {"build": lambda: load_model_from_config(cfg.model),  # exactly as training built it
+        return {"build": lambda: load_model_from_config(cfg.model),  # as training built it (+ the overrides)
                 "steps": cfg.eval_sampling.num_steps, "guidance": cfg.eval_sampling.guidance_scale,
                 "seed": cfg.train.seed,
                 "weights": Path(args.run) / ("lora" if cfg.model.finetune == "lora" else "transformer"),
@@ -58,9 +85,10 @@ def _sample_settings(args: argparse.Namespace) -> dict:
                 "count": args.num_images or default_count}
     if not args.model:
         raise SystemExit("flowgrpo sample: give --run RUN_DIR or --model")
-    return {"build": lambda: load_model(args.model, dtype=args.dtype, height=args.height, width=args.width,
-                                        max_sequence_length=args.max_sequence_length, num_frames=args.num_frames),
-            "steps": args.num_steps, "guidance": args.guidance_scale, "seed": args.seed,
+    v = {k: getattr(args, k) if _given(args, k) else d for k, d in SAMPLE_DEFAULTS.items()}
+    return {"build": lambda: load_model(args.model, dtype=v["dtype"], height=v["height"], width=v["width"],
+                                        max_sequence_length=v["max_sequence_length"], num_frames=v["num_frames"]),
+            "steps": v["num_steps"], "guidance": v["guidance_scale"], "seed": v["seed"],
             "weights": Path(args.lora) if args.lora else None, "prompt_file": args.prompts,
             "count": args.num_images}
 
@@ -113,16 +141,38 @@ def _sample(args: argparse.Namespace) -> None:
     logger.info("wrote %d %s to %s", len(images), "videos" if images.ndim == 5 else "images", out)
 
 
+def _check_prompts_args(args: argparse.Namespace) -> None:
+    """Refuse what ``flowgrpo prompts`` would not honour: ``--per-task`` and ``--seed`` for a set read from files
+    (only the geneval generator takes them), sources for geneval, and an ``--out`` whose suffix the prompt loader
+    would read in another format than the one written (geneval writes JSONL records, every other set one prompt a
+    line)."""
+    out = Path(args.out)
+    if args.set == "geneval":
+        if args.sources:
+            raise SystemExit("flowgrpo prompts geneval: the generator reads no source files")
+        if out.suffix != ".jsonl":
+            raise SystemExit(f"flowgrpo prompts geneval: --out {str(out)!r} must end in .jsonl (each line a GenEval "
+                             "record with its metadata, which the prompt loader reads only from a .jsonl file)")
+        return
+    given = [f"--{k.replace('_', '-')}" for k in ("per_task", "seed") if getattr(args, k) is not None]
+    if given:
+        raise SystemExit(f"flowgrpo prompts {args.set}: {' and '.join(given)} apply only to the geneval generator; "
+                         f"the {args.set} prompts are read from the source files as they are")
+    if out.suffix == ".jsonl":
+        raise SystemExit(f"flowgrpo prompts {args.set}: --out {str(out)!r} would be read as JSONL, but the file holds "
+                         "one prompt a line: give a .txt file")
+
+
 def _prompts(args: argparse.Namespace) -> None:
+    _check_prompts_args(args)
     if args.set == "geneval":
         try:
             from flowgrpo_rewards.geneval.prompts import main as geneval_main
         except ImportError:
             raise SystemExit("flowgrpo prompts geneval: needs the flowgrpo-rewards distribution "
                              "(pip install -e ./rewards)") from None
-        if args.sources:
-            raise SystemExit("flowgrpo prompts geneval: the generator reads no source files")
-        geneval_main([str(args.out), "--per-task", str(args.per_task), "--seed", str(args.seed), "--allow-fewer"])
+        per_task, seed = args.per_task or 1000, args.seed or 0
+        geneval_main([str(args.out), "--per-task", str(per_task), "--seed", str(seed), "--allow-fewer"])
         return
     from flowgrpo.data.public_prompts import build_prompt_file
 
@@ -132,12 +182,47 @@ def _prompts(args: argparse.Namespace) -> None:
         raise SystemExit(f"flowgrpo prompts: {err.args[0] if isinstance(err, KeyError) else err}") from None
 
 
+def _hub_errors() -> tuple[type[BaseException], ...]:
+    """What a Hub call raises when the Hub cannot be used (offline mode, a refusal, no network), whichever HTTP
+    library this huggingface_hub uses."""
+    import importlib
+
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    kinds: list[type[BaseException]] = [OfflineModeIsEnabled, HfHubHTTPError, LocalTokenNotFoundError,
+                                        ConnectionError, TimeoutError]
+    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"),
+                         ("requests.exceptions", "RequestException")):
+        try:
+            kinds.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(kinds)
+
+
+def _hub_failure(err: BaseException, repo_id: str, endpoint: str | None) -> str:
+    """One line on why a Hub call failed, and what to do."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if isinstance(err, OfflineModeIsEnabled):
+        return "the Hugging Face Hub cannot be reached: offline mode is on (HF_HUB_OFFLINE=1); unset it to push"
+    if isinstance(err, LocalTokenNotFoundError):
+        return "no Hub token: give --token, set HF_TOKEN, or run `hf auth login`"
+    if isinstance(err, HfHubHTTPError):
+        return f"the Hub refused the upload to {repo_id!r}: {first} (check --token and the repository's owner)"
+    where = endpoint or "the Hugging Face Hub (HF_ENDPOINT)"
+    return f"{where} cannot be reached ({type(err).__name__}: {first}); check the network or --endpoint"
+
+
 def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str | None = None,
              endpoint: str | None = None, commit_message: str | None = None) -> str:
     """Upload a run's weights folder (``lora/`` or ``transformer/``, with its model card ``README.md`` and
-    figures) to the Hugging Face Hub repository ``repo_id`` (created when missing). ``endpoint`` selects
-    another Hub API server (default: huggingface_hub's, i.e. ``HF_ENDPOINT``). Returns the commit URL.
-    Raises ``SystemExit`` when huggingface_hub is missing or the run has no weights."""
+    figures) to the Hugging Face Hub repository ``repo_id`` (created when missing; ``private`` creates it
+    private, and refuses an existing public one rather than publish into it). ``endpoint`` selects another Hub API
+    server (default: huggingface_hub's, i.e. ``HF_ENDPOINT``). Returns the commit URL.
+    Raises ``SystemExit`` with one line when huggingface_hub is missing, the run has no weights, the Hub cannot be
+    used (offline mode, no network, a refusal, no token) or ``private`` cannot be honoured."""
     try:
         from huggingface_hub import CommitOperationAdd, HfApi
     except ImportError:
@@ -149,11 +234,17 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
     if not (weights / "README.md").exists():
         logger.warning("%s has no model card README.md (runs of older versions): pushing the weights alone", weights)
     api = HfApi(endpoint=endpoint, token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True)
     ops = [CommitOperationAdd(path_in_repo=f.relative_to(weights).as_posix(), path_or_fileobj=str(f))
            for f in sorted(weights.rglob("*")) if f.is_file()]
-    info = api.create_commit(repo_id, operations=ops,
-                             commit_message=commit_message or f"flowgrpo run {run.name}")
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if private and not api.repo_info(repo_id).private:
+            raise SystemExit(f"flowgrpo push: --private, but the Hub repository {repo_id!r} exists and is public; "
+                             "nothing was uploaded (make it private on the Hub first, or push without --private)")
+        info = api.create_commit(repo_id, operations=ops,
+                                 commit_message=commit_message or f"flowgrpo run {run.name}")
+    except _hub_errors() as err:
+        raise SystemExit(f"flowgrpo push: {_hub_failure(err, repo_id, endpoint)}") from None
     logger.info("pushed %d files of %s to %s", len(ops), weights, info.commit_url)
     return info.commit_url
 
@@ -167,22 +258,32 @@ def _parser() -> argparse.ArgumentParser:
                    add_help=False)
     s = sub.add_parser("sample", help="ODE images from a base model plus a trained LoRA",
                        formatter_class=DefaultsHelpFormatter)
-    s.add_argument("--run", help="a run folder: model, LoRA, evaluation settings and seeds from its config.yaml")
-    s.add_argument("--model", help="diffusers folder, hub id, 'digits' or 'tiny'")
-    s.add_argument("--lora", help="folder with pytorch_lora_weights.safetensors (or a full transformer folder)")
+    s.add_argument("--run", help="a run folder: model, weights, evaluation settings and seeds from its config.yaml "
+                   "(the options below marked 'with --run' replace the run's setting when given)")
+    s.add_argument("--model", help="diffusers folder, hub id, 'digits' or 'tiny' (not with --run)")
+    s.add_argument("--lora", help="folder with pytorch_lora_weights.safetensors (or a full transformer folder; not "
+                   "with --run, which uses its own)")
     s.add_argument("--no-weights", action="store_true", help="the base model only (ignore the run's weights)")
-    s.add_argument("--prompts", help="prompt file (.txt or .jsonl) or embedded set name")
+    s.add_argument("--prompts", help="prompt file (.txt or .jsonl) or embedded set name (with --run: instead of "
+                   "the run's evaluation prompts)")
     s.add_argument("--num-images", type=int_in(0, meaning="0: one per prompt"), default=0,
-                   help="images (prompts cycled); 0: one per prompt")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--num-steps", type=int_in(1), default=40)
-    s.add_argument("--guidance-scale", type=float, default=3.5)
-    s.add_argument("--dtype", default="float32")
-    s.add_argument("--height", type=int_in(1))
-    s.add_argument("--width", type=int_in(1))
-    s.add_argument("--num-frames", type=int_in(1), help="video models: frames per video (default: the model's)")
-    s.add_argument("--max-sequence-length", type=int_in(1), default=512)
-    s.add_argument("--batch-size", type=int_in(1), default=8)
+                   help="images (prompts cycled); 0: one per prompt (with --run: the run's evaluation count)")
+    d = SAMPLE_DEFAULTS
+    s.add_argument("--seed", type=int, help=f"image i uses seed derive_seed(SEED, 'eval', i) (default {d['seed']}; "
+                   "with --run: train.seed)")
+    s.add_argument("--num-steps", type=int_in(1), help=f"ODE steps (default {d['num_steps']}; with --run: "
+                   "eval_sampling.num_steps)")
+    s.add_argument("--guidance-scale", type=float, help=f"guidance (default {d['guidance_scale']}; with --run: "
+                   "eval_sampling.guidance_scale)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help=f"model dtype (default {d['dtype']}; with --run: model.dtype)")
+    s.add_argument("--height", type=int_in(1), help="pixels (default: the pipeline's; with --run: model.height)")
+    s.add_argument("--width", type=int_in(1), help="pixels (default: the pipeline's; with --run: model.width)")
+    s.add_argument("--num-frames", type=int_in(1), help="video models: frames per video (default: the model's; "
+                   "with --run: model.num_frames)")
+    s.add_argument("--max-sequence-length", type=int_in(1), help=f"text tokens (default "
+                   f"{d['max_sequence_length']}; with --run: model.max_sequence_length)")
+    s.add_argument("--batch-size", type=int_in(1), default=8, help="images a pipeline call")
     s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt)")
     pr = sub.add_parser("prompts", help="build a config's prompt file from a local copy of a public prompt set",
                         formatter_class=DefaultsHelpFormatter,
@@ -193,8 +294,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("set", choices=[*PROMPT_SETS.names(), "geneval"])
     pr.add_argument("sources", nargs="*", help="the dataset's files (local copies)")
     pr.add_argument("--out", required=True, type=Path, help="prompt file to write (.txt; geneval: .jsonl)")
-    pr.add_argument("--per-task", type=int_in(1), default=1000, help="geneval: prompts per task")
-    pr.add_argument("--seed", type=int, default=0, help="geneval: generator seed")
+    pr.add_argument("--per-task", type=int_in(1), help="geneval only: prompts per task (default 1000)")
+    pr.add_argument("--seed", type=int_in(0), help="geneval only: generator seed (default 0)")
     pu = sub.add_parser("push", help="upload a run's weights and model card to the Hugging Face Hub",
                         formatter_class=DefaultsHelpFormatter)
     pu.add_argument("run", help="the run folder (its lora/ or transformer/ folder is uploaded)")

@@ -5,6 +5,7 @@ command line that ``flowgrpo/train.py`` and ``flowgrpo train`` run (its descript
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
@@ -20,12 +21,15 @@ from accelerate.utils import set_seed
 from flowgrpo import parallel
 from flowgrpo.checkpoint import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
+from flowgrpo.divergence import TrainingDiverged
 from flowgrpo.models import load_model_from_config
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.preflight import check_on_grid, preflight, resolve_auto_resume
 from flowgrpo.rewards.base import MissingWeightsError
 from flowgrpo.rewards.compose import RewardError
 from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
+from flowgrpo.rewards.remote import RemoteRewardError
+from flowgrpo.run_lock import hold_run_folder
 from flowgrpo.sampling.rollout import SamplerSettings
 from flowgrpo.training.loop import Trainer
 from flowgrpo.training.report import format_report
@@ -84,11 +88,28 @@ def _rewards_help() -> str:
 
 
 def run(config) -> dict:
-    """Build every part from ``config`` and train; returns the summary. Every check that needs no model runs
-    first (:func:`~flowgrpo.preflight.preflight`), the one that needs it right after it loads
+    """Build every part from ``config`` and train; returns the summary. The main process holds the run folder's
+    lock (:func:`~flowgrpo.run_lock.hold_run_folder`) from before ``train.resume_from=auto`` reads it to the end.
+
+    Raises:
+        RunFolderBusy: another live run holds ``output_dir`` (a ``FileExistsError``).
+    """
+    with _hold(config.output_dir):
+        config = resolve_auto_resume(config)
+        with _hold(config.output_dir):  # the folder the resolved config trains in (the same one, unless moved)
+            return _run(config)
+
+
+def _hold(output_dir):
+    """The run folder's lock, held by the main process only (rank 0; the others are part of its run)."""
+    return hold_run_folder(output_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
+
+
+def _run(config) -> dict:
+    """:func:`run` inside the lock. Every check that needs no model runs first
+    (:func:`~flowgrpo.preflight.preflight`), the one that needs it right after it loads
     (:func:`~flowgrpo.preflight.check_on_grid`)."""
     quiet_libraries()
-    config = resolve_auto_resume(config)
     ready = preflight(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
     parallel.check_engine(accelerator, config.parallel)
@@ -182,21 +203,24 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     global _SETUP_DONE, _TRAINER
     _SETUP_DONE, _TRAINER = False, None  # a fresh command (main may run twice in one process)
     try:
-        config = resolve_auto_resume(load_config(args.config or DEFAULT_CONFIG, args.overrides), args.overrides,
-                                      config_file=args.config)
-        summary = run(config)
-    except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError) as err:
+        config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        with _hold(config.output_dir):  # before anything in the folder is read
+            summary = run(resolve_auto_resume(config, args.overrides, config_file=args.config))
+    except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError,
+            RemoteRewardError) as err:  # RemoteRewardError: the reward server is unreachable at setup
         parser.exit(2, f"error: {err}\n")
     except RewardError as err:
-        if err.__cause__ is not None and not isinstance(err.__cause__, ValueError):
+        if err.__cause__ is not None and not isinstance(err.__cause__, ValueError | RemoteRewardError):
             raise  # the plugin itself failed: its traceback is what its author needs
-        # an impossible score (±inf, wrong shape), or the plugin's ValueError, which by the reward contract names
-        # bad input (a missing metadata field, a bad image): the message says it all
+        # an impossible score (±inf, wrong shape), the plugin's ValueError, which by the reward contract names
+        # bad input (a missing metadata field, a bad image), or a lost reward server: the message says it all
         parser.exit(2, f"error: {err}\n")
     except (KeyError, ValueError) as err:
         if not _SETUP_DONE:  # bad input found while setting up (names, prompt files, models): no traceback
             parser.exit(2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n")
         raise
+    except TrainingDiverged as err:  # the rule of flowgrpo.divergence: one line, the last checkpoint kept
+        parser.exit(1, f"error: {err}\n")
     except KeyboardInterrupt:
         parser.exit(130, _interrupted_line(args, prog) if main_process else "")
     if main_process:

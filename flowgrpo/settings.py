@@ -32,32 +32,45 @@ def _takes_int(ann) -> bool:
     return False
 
 
-def _bool_for_int(ann, value) -> bool:
-    """Whether ``value`` puts a boolean where ``ann`` wants an integer: the value itself, or an item of a list or
-    tuple field (``list[int]``, ``list[int] | None``)."""
+def _takes_float(ann) -> bool:
+    """Whether a field annotation admits a float but not a boolean: ``float``, ``float | None``."""
+    if ann is float:
+        return True
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return bool not in args and any(_takes_float(a) for a in args)
+    return False
+
+
+def _bool_for_int(ann, value, takes=_takes_int) -> bool:
+    """Whether ``value`` puts a boolean where ``ann`` wants an integer (``takes``: :func:`_takes_float` for a
+    float): the value itself, or an item of a list or tuple field (``list[int]``, ``tuple[float, float]``)."""
     if isinstance(value, bool):
-        return _takes_int(ann)
+        return takes(ann)
     if not isinstance(value, list | tuple):
         return False
     options = typing.get_args(ann) if typing.get_origin(ann) in (typing.Union, types.UnionType) else (ann,)
     items = [a for o in options if typing.get_origin(o) in (list, tuple, set, frozenset) for a in typing.get_args(o)]
-    return any(_bool_for_int(a, v) for a in items for v in value)
+    return any(_bool_for_int(a, v, takes) for a in items for v in value)
 
 
 class Section(BaseModel):
     """A config section: unknown keys are errors, assignments are validated, and a boolean is never taken for an
-    integer (pydantic's lax mode would read ``true`` as 1)."""
+    integer or a float (pydantic's lax mode would read ``true`` as 1 and 1.0)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_int(cls, value, info):
-        """Raises ``PydanticCustomError`` (type ``bool_not_int``, located at the field) for a boolean given to an
-        integer field (or as an item of a list of integers); every other value passes unchanged."""
+        """Raises ``PydanticCustomError`` (type ``bool_not_int`` or ``bool_not_float``, located at the field) for a
+        boolean given to an integer or float field (or as an item of a list or tuple of them); every other value
+        passes unchanged."""
         field = cls.model_fields.get(info.field_name) if info.field_name else None
         if field is not None and _bool_for_int(field.annotation, value):
             raise PydanticCustomError("bool_not_int", "an integer is needed, got a boolean; write the number itself")
+        if field is not None and _bool_for_int(field.annotation, value, _takes_float):
+            raise PydanticCustomError("bool_not_float", "a number is needed, got a boolean; write the number itself")
         return value
 
 

@@ -46,3 +46,33 @@ def fold_text(text: str) -> str:
     text = unicodedata.normalize("NFKC", text.translate(_TABLE)).translate(_TABLE)
     text = "".join(c for c in text if unicodedata.category(c) != "Cf")
     return " ".join(text.split()).casefold()
+
+
+def is_blank(text: str) -> bool:
+    """Whether ``text`` shows nothing: empty once folded (:func:`fold_text`), i.e. only whitespace of any Unicode
+    form and invisible format characters (zero-width space, BOM, soft hyphen). The one rule for an empty prompt.
+
+    Raises:
+        TypeError: ``text`` is not a string.
+    """
+    return not fold_text(text)
+
+
+def quoted_text(prompt: str) -> str | None:
+    """The text ``prompt`` quotes, as written: the span between its first two double-quote marks of any form
+    (:data:`DOUBLE_QUOTES`: straight ``"…"``, typographic ``“…”``, ``„…“``, guillemets ``«…»``, full-width
+    ``＂…＂``), or None when the prompt has fewer than two such marks or the span is blank (:func:`is_blank`).
+
+    The one rule for "quoted text": the ``ocr`` reward scores this span, and ``flowgrpo prompts ocr`` keeps exactly
+    the prompts for which it is not None.
+
+    Raises:
+        TypeError: ``prompt`` is not a string.
+    """
+    if not isinstance(prompt, str):
+        raise TypeError(f"quoted_text needs a str, got {type(prompt).__name__}")
+    marks = [i for i, c in enumerate(prompt) if c in DOUBLE_QUOTES]
+    if len(marks) < 2:
+        return None
+    span = prompt[marks[0] + 1 : marks[1]]
+    return None if is_blank(span) else span

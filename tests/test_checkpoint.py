@@ -90,6 +90,72 @@ def test_failed_write_leaves_the_last_good_checkpoint(tmp_path, monkeypatch):
         assert torch.equal(v, good[k])
 
 
+class _Killed(BaseException):
+    """A process killed between two file-system steps (not an Exception: nothing may catch it)."""
+
+
+_STEPS = (("os", "replace"), ("os", "rename"), ("os", "link"), ("shutil", "rmtree"), ("shutil", "copy2"))
+
+
+def _kill_at(monkeypatch, k: int) -> list[str]:
+    """Make the k-th (0-based) rename, link or tree removal of the process raise :class:`_Killed`, as a kill
+    would stop it there; returns the log of the steps called."""
+    import os
+    import shutil
+
+    modules = {"os": os, "shutil": shutil}
+    calls: list[str] = []
+    for mod, name in _STEPS:
+        real = getattr(modules[mod], name)
+
+        def step(*args, _real=real, _name=f"{mod}.{name}", **kwargs):
+            calls.append(_name)
+            if len(calls) - 1 == k:
+                raise _Killed(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(modules[mod], name, step)
+    return calls
+
+
+@pytest.mark.parametrize("resave", [True, False], ids=["resave_latest_epoch", "new_epoch_rotating"])
+def test_a_kill_between_any_two_steps_leaves_latest_naming_a_complete_checkpoint(tmp_path, monkeypatch, resave):
+    """Re-saving the epoch ``latest`` names (a resumed run's final save), or saving a new one that rotates an old
+    one out, killed at each file-system step in turn: ``latest`` always resolves to a complete checkpoint holding
+    the old or the new weights, and the next save completes and leaves no hidden folder behind."""
+    k = 0
+    while True:
+        root = tmp_path / f"k{k}"
+        model, opt, sched, sampler, ema = _parts()
+        save_checkpoint(root, 0, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, keep=1)
+        old_w = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        new_w = model.weight.detach().clone()
+        epoch = 0 if resave else 1
+        calls = _kill_at(monkeypatch, k)
+        try:
+            save_checkpoint(root, epoch, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, keep=1)
+            killed = False
+        except _Killed:
+            killed = True
+        monkeypatch.undo()
+        folder = resolve_checkpoint(root)  # never "not a complete checkpoint"
+        model2, opt2, sched2, sampler2, _ = _parts()
+        load_checkpoint(root, model=model2, optimizer=opt2, lr_scheduler=sched2, sampler=sampler2)
+        w = model2.weight.detach()
+        assert torch.equal(w, old_w) or torch.equal(w, new_w), (k, calls, folder)
+        if not killed:
+            assert torch.equal(w, new_w) and folder.name == f"epoch_{epoch}"
+            assert k >= 3  # the re-save went through several steps, each one a kill point above
+            break
+        # the run resumed and saved again: it completes, and nothing hidden is left over
+        save_checkpoint(root, epoch, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, keep=1)
+        assert resolve_checkpoint(root).name == f"epoch_{epoch}"
+        assert sorted(p.name for p in root.iterdir()) == [f"epoch_{epoch}", "latest"], (k, calls)
+        k += 1
+
+
 class _Evil:
     def __reduce__(self):
         return (print, ("this must never run",))

@@ -184,10 +184,28 @@ def test_pretrain_saves_a_flux_folder_that_samples_digit_sized_images(pretrained
     assert images.shape == (2, 3, 32, 32) and 0 <= images.min() and images.max() <= 1
 
 
-def test_pretrain_is_deterministic_for_a_seed_and_the_cli_builds_the_same(pretrained_tiny, tmp_path):
-    digits.main([str(tmp_path / "cli"), "--seed", "3", "--vae-steps", "2", "--steps", "2", "--batch-size", "8",
-                 "--vae-batch-size", "8", "--no-progress"])
-    assert digits.is_complete(tmp_path / "cli") and _digest(tmp_path / "cli") == _digest(pretrained_tiny)
+def test_the_built_bytes_depend_only_on_the_seed_not_on_the_launching_process(tmp_path, monkeypatch):
+    """Issue 38, case 8: ``accelerate launch`` sets ``OMP_NUM_THREADS=1`` for its process, ``python`` uses a thread
+    a core, and one thread and two give other weights. The CLI (as the cache) builds in a pinned child process:
+    two builds from parents with one and two threads are byte-identical, and record the pinned environment."""
+    recipe = ["--seed", "3", "--vae-steps", "2", "--steps", "2", "--batch-size", "8", "--vae-batch-size", "8",
+              "--no-progress"]
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):  # plain python on two cores; then what accelerate launch sets
+            torch.set_num_threads(threads)
+            monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+            digits.main([str(tmp_path / f"threads{threads}"), *recipe])
+    finally:
+        torch.set_num_threads(before)
+    assert digits.is_complete(tmp_path / "threads1")
+    assert _digest(tmp_path / "threads2") == _digest(tmp_path / "threads1")
+    numerics = digits.read_model_info(tmp_path / "threads1")["numerics"]
+    assert numerics["pinned"] and numerics["threads"] == 1
+    assert numerics["cpu_capability"] in ("AVX2", "DEFAULT")  # AVX2 on x86-64 (a CPU without it: DEFAULT)
+
+
+def test_pretrain_reaches_every_random_draw_with_its_seed(pretrained_tiny, tmp_path):
     # the seed reaches every random draw: even the untrained (frozen) text encoders differ for another seed
     other = digits.pretrain(tmp_path / "other", seed=4, vae_steps=0, steps=0, progress=False)
     assert _digest(other)["text_encoder"] != _digest(pretrained_tiny)["text_encoder"]
@@ -206,7 +224,7 @@ def test_ensure_digits_model_builds_once_atomically_into_the_cache(tmp_path, mon
         return out
 
     monkeypatch.setenv("FLOWGRPO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(digits, "pretrain", fake_pretrain)
+    monkeypatch.setattr(digits, "pretrain_pinned", fake_pretrain)
     target = digits.ensure_digits_model(seed=5)
     assert target == tmp_path / "cache" / f"digits-v{digits.RECIPE_VERSION}-seed5" == digits.default_model_dir(5)
     assert digits.is_complete(target) and calls == [5]
@@ -217,7 +235,7 @@ def test_ensure_digits_model_builds_once_atomically_into_the_cache(tmp_path, mon
         (out / "model_index.json").write_text("{}")
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(digits, "pretrain", failing)
+    monkeypatch.setattr(digits, "pretrain_pinned", failing)
     with pytest.raises(RuntimeError, match="interrupted"):
         digits.ensure_digits_model(seed=6)
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # nothing half-written remains

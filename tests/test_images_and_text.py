@@ -75,3 +75,52 @@ def test_fold_text_is_idempotent_and_rejects_non_strings():
         assert fold_text(fold_text(text)) == fold_text(text)
     with pytest.raises(TypeError, match="str"):
         fold_text(b"bytes")
+
+
+# --- one rule for an empty prompt and for quoted text (issue 38, case 6) ----------------------------------------
+@pytest.mark.parametrize("blank", ["", "   ", "\t\n", "\u00a0\u3000", "\u200b", "\ufeff \u200d"])
+def test_a_blank_jsonl_prompt_is_an_error_naming_file_and_line(tmp_path, blank):
+    import json
+
+    from flowgrpo.data.prompts import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a cat"}) + "\n\n" + json.dumps({"prompt": blank, "x": 1}) + "\n",
+                    encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"{path}:3: the prompt .* is empty"):
+        load_prompts(str(path))
+
+
+def test_a_text_files_blank_lines_are_skipped_by_the_same_rule(tmp_path):
+    from flowgrpo.data.prompts import load_prompts
+
+    path = tmp_path / "p.txt"
+    path.write_text("a cat\n\n   \n\u200b\n\u3000\n  a dog  \n", encoding="utf-8")
+    assert load_prompts(str(path)).prompts == ["a cat", "a dog"]
+
+
+@pytest.mark.parametrize("prompt, quoted", [
+    ('a sign "OPEN" and "CLOSED"', "OPEN"),
+    ("a sign \u201cCaf\u00e9\u201d", "Caf\u00e9"),  # typographic quotes
+    ("ein Schild \u201eHallo\u201c", "Hallo"),
+    ("une affiche \u00abBonjour\u00bb", "Bonjour"),
+    ("a mug \uff02Tea\uff02", "Tea"),
+    ('a mug printed with ""', None),
+    ("a blank sign \u201c \u200b \u201d", None),
+    ('one "quote only', None),
+    ("Joe\u2019s diner, no double quotes", None),
+])
+def test_quoted_text_is_one_rule_for_the_prompt_set_and_the_reward(tmp_path, prompt, quoted):
+    from flowgrpo.data.public_prompts import ocr_prompts
+    from flowgrpo.text import quoted_text
+
+    assert quoted_text(prompt) == quoted
+    src = tmp_path / "ocr.txt"
+    src.write_text(prompt + "\n", encoding="utf-8")
+    assert ocr_prompts([src]) == ([prompt] if quoted else [])
+    ocr = pytest.importorskip("flowgrpo_rewards.ocr")
+    if quoted is None:
+        with pytest.raises(ValueError, match="ocr reward"):
+            ocr.quoted_text(prompt)
+    else:
+        assert ocr.quoted_text(prompt) == quoted

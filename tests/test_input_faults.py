@@ -35,15 +35,15 @@ def test_a_boolean_in_a_strategy_integer_or_integer_list_is_refused():
         build_config({}, ["chunker={name: chunk, chunk_sizes: [true, 2]}"])
 
 
-def test_every_integer_field_refuses_a_boolean_and_takes_an_integer():
-    """Every int field of every section and every strategy's settings, found from the schema and the
+def _every_section() -> set:
+    """Every section of the schema and every registered strategy's settings model, found from the schema and the
     registries, so a new field cannot slip through."""
     from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
     from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
     from flowgrpo.algo.losses import POLICY_LOSSES, PolicyLossConfig
     from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
     from flowgrpo.config import Config
-    from flowgrpo.settings import _takes_int, settings_class
+    from flowgrpo.settings import settings_class
 
     def sections(model, seen):
         if model in seen:
@@ -60,8 +60,14 @@ def test_every_integer_field_refuses_a_boolean_and_takes_an_integer():
                            (POLICY_LOSSES, PolicyLossConfig), (OBJECTIVES, ObjectiveConfig)):
         for name in registry:
             sections(settings_class(registry, name, base), found)
+    return found
+
+
+def test_every_integer_field_refuses_a_boolean_and_takes_an_integer():
+    from flowgrpo.settings import _takes_int
+
     checked = 0
-    for model in found:
+    for model in _every_section():
         for name, f in model.model_fields.items():
             if _takes_int(f.annotation):
                 with pytest.raises(Exception, match="an integer is needed, got a boolean"):
@@ -79,6 +85,29 @@ def test_integers_none_and_the_old_refusals_are_unchanged():
         build_config({}, ["train.num_epochs=1.5"])
     with pytest.raises(ConfigError, match="unable to parse string as an integer"):
         build_config({}, ["train.num_epochs=abc"])
+
+
+@pytest.mark.parametrize("override", ["train.lr=true", "train.ema_decay=false", "algo.kl_beta=true",
+                                      "train.adam_betas=[true, 0.999]", "model.scheduler_shift=true"])
+def test_a_boolean_for_a_float_key_is_refused_naming_the_key(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"config field '{key}': a number is needed, got a boolean"):
+        build_config({}, [override])
+
+
+def test_every_float_field_refuses_a_boolean_and_takes_a_number():
+    """Every float field of every section and strategy (a boolean once ran as 1.0: train.lr=true)."""
+    from flowgrpo.settings import _takes_float
+
+    checked = 0
+    for model in _every_section():
+        for name, f in model.model_fields.items():
+            if _takes_float(f.annotation):
+                with pytest.raises(Exception, match="a number is needed, got a boolean"):
+                    model.model_validate({name: True})
+                checked += 1
+    assert checked >= 20
+    assert build_config({}, ["train.lr=1", "train.adam_betas=[0, 0.9]"]).train.lr == 1.0
 
 
 # --- 2. seeds numpy cannot take ---------------------------------------------------------------------------------

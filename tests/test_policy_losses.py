@@ -21,6 +21,7 @@ import torch
 from flowgrpo.algo.losses import (
     POLICY_LOSSES,
     DualClipConfig,
+    GrpoGuardConfig,
     LossSettings,
     PolicyLossInput,
     SapoConfig,
@@ -139,7 +140,7 @@ def test_grpo_guard_ratio_is_the_drift_projected_on_the_noise():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     inp = PolicyLossInput(lp_new.float()[:, None], lp_old.float()[:, None], adv, std=std.float()[:, None],
                           dt=dt.float()[:, None], mean_drift_sq=((mu_new - mu_old) ** 2).mean(1).float()[:, None])
-    s = LossSettings(clip_low=1e-4, clip_high=1e-4)
+    s = LossSettings(clip_low=1e-4, clip_high=1e-4, loss=GrpoGuardConfig(stats="per_sample"))
     terms = POLICY_LOSSES.get("grpo_guard")(inp, s)
     ell = (eps * (mu_new - mu_old)).mean(1)  # the normalised log-ratio, independent of std
     torch.testing.assert_close(terms.ratio.double(), torch.exp(ell), rtol=0, atol=2e-6)
@@ -152,22 +153,78 @@ def test_grpo_guard_ratio_is_the_drift_projected_on_the_noise():
     torch.testing.assert_close(plain, torch.exp(ell / std - ((mu_new - mu_old) ** 2).mean(1) / (2 * std**2)))
 
 
-def test_grpo_guard_equals_the_release_formula_for_a_one_step_micro_batch():
-    # Flow-GRPO's release: sigma_t = mean(std_dev_t); bias = mean_d(μθ−μold)² / (2 (mean √−dt · sigma_t)²);
-    # ratio = exp((Δ + bias)·(mean √−dt · sigma_t)); loss = mean(max(...)) / mean(√−dt)². One step: equal values.
-    n, d, s_t, dt = 5, 32, 0.7, -0.1
-    std = torch.full((n,), s_t * math.sqrt(-dt), dtype=torch.float64)
-    mu_old, mu_new, _, lp_old, lp_new = _gaussian_pair(n, d, std, 5e-3, 1)
-    adv = torch.tensor([1.0, -1.0, 0.3, -0.7, 1.2])
-    drift = ((mu_new - mu_old) ** 2).mean(1)
-    scale = math.sqrt(-dt) * s_t
-    ratio = torch.exp((lp_new - lp_old + drift / (2 * scale**2)) * scale)
-    eps = 1e-3
-    release = torch.maximum(-adv.double() * ratio, -adv.double() * ratio.clamp(1 - eps, 1 + eps)).mean() / (-dt)
-    inp = PolicyLossInput(lp_new.float()[:, None], lp_old.float()[:, None], adv, std=std.float()[:, None],
-                          dt=torch.full((n, 1), dt), mean_drift_sq=drift.float()[:, None])
+def _release_grpo_guard(lp_new, lp_old, mu_new, mu_old, s_t, sqrt_dt, adv, eps):
+    """The release's RatioNorm branch (train_sd3_GRPO_Guard.py), written out for one micro-batch at one step:
+    sigma_t = mean(std_dev_t); bias = ((μθ − μold)²).mean(dim=()) — every dim, log_prob being (B,) — divided by
+    2·(mean(√−dt)·sigma_t)²; ratio = exp((Δ + bias)·mean(√−dt)·sigma_t); loss = mean(max(−A r, −A clip r)) /
+    mean(√−dt)². Plain Python floats, element by element."""
+    b, d = mu_new.shape
+    sigma_t = sum(s_t) / b
+    sq = sum(sqrt_dt) / b
+    scale = sq * sigma_t
+    bias = sum(float(mu_new[i, j] - mu_old[i, j]) ** 2 for i in range(b) for j in range(d)) / (b * d)
+    bias /= 2 * scale**2
+    ratios = [math.exp((float(lp_new[i]) - float(lp_old[i]) + bias) * scale) for i in range(b)]
+    terms = [max(-adv[i] * r, -adv[i] * min(max(r, 1 - eps), 1 + eps)) for i, r in enumerate(ratios)]
+    return ratios, sum(terms) / b / sq**2
+
+
+def _guard_case(n, d, s_t, dts, drifts, seed):
+    """A micro-batch of n pairs at one step with the release's s_t and dt per pair and unequal drifts."""
+    g = torch.Generator().manual_seed(seed)
+    sqrt_dt = [math.sqrt(-x) for x in dts]
+    std = torch.tensor([a * q for a, q in zip(s_t, sqrt_dt, strict=True)], dtype=torch.float64)
+    mu_old = torch.randn(n, d, generator=g, dtype=torch.float64)
+    mu_new = mu_old + torch.tensor(drifts, dtype=torch.float64)[:, None] * torch.randn(n, d, generator=g,
+                                                                                      dtype=torch.float64)
+    x = mu_old + std[:, None] * torch.randn(n, d, generator=g, dtype=torch.float64)
+    lp_old = torch.distributions.Normal(mu_old, std[:, None]).log_prob(x).mean(1)
+    lp_new = torch.distributions.Normal(mu_new, std[:, None]).log_prob(x).mean(1)
+    inp = dict(std=std.float()[:, None], dt=torch.tensor(dts, dtype=torch.float32)[:, None],
+               mean_drift_sq=((mu_new - mu_old) ** 2).mean(1).float()[:, None])
+    return mu_old, mu_new, lp_old, lp_new, sqrt_dt, inp
+
+
+def test_grpo_guard_default_is_the_release_formula_with_one_bias_per_micro_batch():
+    n, d, eps = 6, 48, 2e-5
+    s_t, dts = [0.7] * n, [-0.1] * n  # the release: every pair of the micro-batch at the same step
+    drifts = [1e-3, 3e-3, 1e-2, 2e-3, 5e-4, 8e-3]  # unequal: one shared bias differs from each pair's own
+    mu_old, mu_new, lp_old, lp_new, sqrt_dt, kw = _guard_case(n, d, s_t, dts, drifts, 1)
+    adv = [1.0, -1.0, 0.3, -0.7, 1.2, -0.4]
+    ratios, release = _release_grpo_guard(lp_new, lp_old, mu_new, mu_old, s_t, sqrt_dt, adv, eps)
+    inp = PolicyLossInput(lp_new.float()[:, None], lp_old.float()[:, None], torch.tensor(adv), **kw)
     ours = POLICY_LOSSES.get("grpo_guard")(inp, LossSettings(clip_low=eps, clip_high=eps))
-    assert float(ours.loss.mean()) == pytest.approx(float(release), rel=1e-4)
+    torch.testing.assert_close(ours.ratio.double(), torch.tensor(ratios, dtype=torch.float64), rtol=0, atol=1e-6)
+    assert float(ours.loss.mean()) == pytest.approx(release, rel=1e-5)
+    # the per-sample form is another computation: its log-ratios differ by several clip ranges
+    own = POLICY_LOSSES.get("grpo_guard")(inp, LossSettings(clip_low=eps, clip_high=eps,
+                                                            loss=GrpoGuardConfig(stats="per_sample")))
+    assert float((own.ratio.double().log() - ours.ratio.double().log()).abs().max()) > 5 * eps
+
+
+def test_grpo_guard_shares_its_statistics_within_each_group_over_the_trained_pairs():
+    # two micro-batch steps in one call (groups 0 and 1, at different sigmas); pair 2 is not trained
+    n, d, eps = 6, 32, 1e-3
+    s_t, dts = [0.5, 0.5, 0.5, 0.9, 0.9, 0.9], [-0.05, -0.05, -0.05, -0.2, -0.2, -0.2]
+    drifts = [1e-3, 4e-3, 5e-2, 2e-3, 6e-3, 1e-3]
+    mu_old, mu_new, lp_old, lp_new, sqrt_dt, kw = _guard_case(n, d, s_t, dts, drifts, 2)
+    adv = [1.0, -1.0, 0.5, -0.5, 0.8, -1.2]
+    trained = torch.tensor([True, True, False, True, True, True])
+    inp = PolicyLossInput(lp_new.float()[:, None], lp_old.float()[:, None], torch.tensor(adv), **kw,
+                          trained=trained, groups=torch.tensor([0, 0, 0, 1, 1, 1]))
+    ours = POLICY_LOSSES.get("grpo_guard")(inp, LossSettings(clip_low=eps, clip_high=eps))
+    for rows in ([0, 1], [3, 4, 5]):  # each group is the release's micro-batch of its trained pairs
+        pick = torch.tensor(rows)
+        ratios, release = _release_grpo_guard(lp_new[pick], lp_old[pick], mu_new[pick], mu_old[pick],
+                                              [s_t[i] for i in rows], [sqrt_dt[i] for i in rows],
+                                              [adv[i] for i in rows], eps)
+        torch.testing.assert_close(ours.ratio[pick].double(), torch.tensor(ratios, dtype=torch.float64), rtol=0,
+                                   atol=1e-6)
+        assert float(ours.loss[pick].mean()) == pytest.approx(release, rel=1e-5)
+    # a group none of whose pairs is trained still gets finite values (the trainer masks them out)
+    none = PolicyLossInput(inp.new_log_probs, inp.old_log_probs, inp.advantages, **kw,
+                           trained=torch.zeros(n, dtype=torch.bool), groups=inp.groups)
+    assert bool(torch.isfinite(POLICY_LOSSES.get("grpo_guard")(none, LossSettings()).loss).all())
 
 
 def test_grpo_guard_on_policy_ratio_is_one_and_needs_moments():
@@ -191,3 +248,25 @@ def test_kl_is_added_by_every_loss():
         base = POLICY_LOSSES.get(name)(inp, LossSettings())
         with_kl = POLICY_LOSSES.get(name)(inp, LossSettings(kl_beta=0.5))
         torch.testing.assert_close(with_kl.loss - base.loss, torch.tensor([0.1, 0.2])), name
+
+
+def test_the_trainer_tells_grpo_guard_which_pairs_are_trained_and_share_a_micro_batch_step():
+    from types import SimpleNamespace
+
+    from flowgrpo.algo.objectives.sde_ratio import SdeRatio
+    from flowgrpo.records import ChunkPlan
+    from flowgrpo.training.forward import ChunkForward
+
+    b, t, d = 4, 3, 5
+    plan = ChunkPlan(chunks=[(0,), (1,), (2,)], selected=torch.ones(b, 3, dtype=torch.bool))
+    pair_mask = torch.ones(b, 3, dtype=torch.bool)
+    pair_mask[1, 2] = False  # sample 1 is not trained at step 2
+    batch = {"old_log_probs": torch.zeros(b, t), "advantages": torch.ones(b), "pair_mask": pair_mask}
+    fake = SimpleNamespace(policy_loss=POLICY_LOSSES.get("grpo_guard"))
+    work = SimpleNamespace(plan=plan, old_means=torch.zeros(b, t, d))
+    items = [(torch.tensor([0, 1]), 2), (torch.tensor([2, 3]), 0)]  # two (rows, chunk) items in one call
+    fwd = ChunkForward(log_probs=torch.zeros(2, 1), kl=None, means=torch.ones(2, 1, d), stds=torch.ones(2, 1),
+                       dts=-torch.ones(2, 1))
+    inp = SdeRatio._loss_input(fake, [fwd, fwd], items, work, batch)
+    assert inp.trained.tolist() == [True, False, True, True]
+    assert inp.groups.tolist() == [0, 0, 1, 1]

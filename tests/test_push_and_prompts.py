@@ -20,7 +20,17 @@ class _Hub(BaseHTTPRequestHandler):
     (every file 'regular', so its bytes travel base64 inside the commit) and the NDJSON commit."""
 
     repos: dict[str, dict[str, bytes]] = {}
+    private: dict[str, bool] = {}
     calls: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server API; repo_info: /api/models/<org>/<name>
+        path = self.path.split("?")[0]
+        self.calls.append(path)
+        repo = "/".join(path.split("/")[3:5])
+        if not path.startswith("/api/models/") or repo not in self.repos:
+            return self._reply(404, {"error": "Repository not found"})
+        return self._reply(200, {"id": repo, "modelId": repo, "private": self.private[repo], "sha": "abc",
+                                 "visibility": "private" if self.private[repo] else "public"})
 
     def log_message(self, *args) -> None:  # keep the test output clean
         pass
@@ -40,7 +50,9 @@ class _Hub(BaseHTTPRequestHandler):
         if path == "/api/repos/create":
             req = json.loads(body)
             repo = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
-            self.repos.setdefault(repo, {})
+            if repo not in self.repos:
+                self.repos[repo] = {}
+                self.private[repo] = bool(req.get("private")) or req.get("visibility") == "private"  # old / new
             return self._reply(200, {"url": f"http://{self.headers['Host']}/{repo}"})
         if path == "/api/validate-yaml":
             return self._reply(200, {})
@@ -63,8 +75,12 @@ class _Hub(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def hub():
-    _Hub.repos, _Hub.calls = {}, []
+def hub(monkeypatch):
+    """A stand-in Hub on loopback, with the session's offline mode (the root conftest's HF_HUB_OFFLINE) lifted for
+    the test: huggingface_hub reads it from ``constants.HF_HUB_OFFLINE`` at each request."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    _Hub.repos, _Hub.private, _Hub.calls = {}, {}, []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -92,6 +108,70 @@ def test_push_uploads_weights_and_card(tmp_path, hub, monkeypatch):
 def test_push_refuses_a_folder_without_weights(tmp_path, hub):
     with pytest.raises(SystemExit, match="no lora/ or transformer/"):
         cli_main(["push", str(tmp_path), "me/x", "--endpoint", hub, "--token", "t"])
+
+
+def _a_run(tmp_path):
+    weights = tmp_path / "run" / "lora"
+    weights.mkdir(parents=True)
+    (weights / "pytorch_lora_weights.safetensors").write_bytes(b"w")
+    return tmp_path / "run"
+
+
+def test_push_private_honoured_or_refused(tmp_path, hub, monkeypatch):
+    """--private creates the repository private, and refuses an existing public one (create_repo with exist_ok
+    leaves its visibility as it is: the weights would have gone public)."""
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    run = _a_run(tmp_path)
+    cli_main(["push", str(run), "me/new", "--endpoint", hub, "--token", "t", "--private"])
+    assert _Hub.private["me/new"] is True and _Hub.repos["me/new"]
+    cli_main(["push", str(run), "me/public", "--endpoint", hub, "--token", "t"])
+    _Hub.repos["me/public"] = {}
+    with pytest.raises(SystemExit, match="--private, but the Hub repository 'me/public' exists and is public; "
+                                         "nothing was uploaded"):
+        cli_main(["push", str(run), "me/public", "--endpoint", hub, "--token", "t", "--private"])
+    assert _Hub.repos["me/public"] == {}
+
+
+def test_push_offline_or_unreachable_is_one_line(tmp_path, monkeypatch, capsys):
+    hf = pytest.importorskip("huggingface_hub")
+    run = _a_run(tmp_path)
+    monkeypatch.setattr(hf.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit) as err:
+        cli_main(["push", str(run), "me/x", "--token", "t"])
+    assert str(err.value) == ("flowgrpo push: the Hugging Face Hub cannot be reached: offline mode is on "
+                              "(HF_HUB_OFFLINE=1); unset it to push")
+    monkeypatch.setattr(hf.constants, "HF_HUB_OFFLINE", False)
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(SystemExit, match=rf"^flowgrpo push: {dead} cannot be reached \(\w*ConnectError"):
+        cli_main(["push", str(run), "me/x", "--token", "t", "--endpoint", dead])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["prompts", "hpd", "SRC", "--out", "o.txt", "--per-task", "5"], "--per-task apply only to the geneval"),
+    (["prompts", "ocr", "SRC", "--out", "o.txt", "--seed", "3"], "--seed apply only to the geneval generator"),
+    (["prompts", "hpd", "SRC", "--out", "o.jsonl"], "would be read as JSONL, but the file holds one prompt a line"),
+    (["prompts", "geneval", "--out", "o.txt"], "must end in .jsonl"),
+])
+def test_prompts_options_that_cannot_apply_are_refused(tmp_path, argv, match):
+    src = tmp_path / "train.json"
+    src.write_text(json.dumps([{"prompt": "a cat"}]))
+    argv = [str(src) if a == "SRC" else str(tmp_path / a) if a.startswith("o.") else a for a in argv]
+    with pytest.raises(SystemExit, match=match):
+        cli_main(argv)
+    assert not any(tmp_path.glob("o.*"))
+
+
+def test_geneval_seed_is_honoured(tmp_path):
+    pytest.importorskip("flowgrpo_rewards.geneval.prompts")
+    for seed in (0, 1):
+        cli_main(["prompts", "geneval", "--out", str(tmp_path / f"s{seed}.jsonl"), "--per-task", "4", "--seed",
+                  str(seed)])
+    assert _lines(tmp_path / "s0.jsonl") != _lines(tmp_path / "s1.jsonl")
 
 
 # ------------------------------------------------------------------ prompt files

@@ -275,8 +275,10 @@ def test_background_scorer_reraises_with_the_reward_name():
 
         def __init__(self):
             self.n = 0
+            self.all_submitted = threading.Event()
 
         def score(self, images, prompts, metadata):
+            self.all_submitted.wait(30)  # the three batches are queued before the first is scored
             self.n += 1
             if self.n == 2:
                 raise RuntimeError("CUDA out of memory (simulated)")
@@ -288,19 +290,25 @@ def test_background_scorer_reraises_with_the_reward_name():
         def score(self, images, prompts, metadata):
             return torch.ones(images.shape[0] + 1)
 
-    composed = ComposedReward({"jpeg": JpegCompressibility(), "fragile": FailsOnSecond()},
-                              {"jpeg": 1.0, "fragile": 1.0})
+    fragile = FailsOnSecond()
+    composed = ComposedReward({"jpeg": JpegCompressibility(), "fragile": fragile}, {"jpeg": 1.0, "fragile": 1.0})
     with AsyncRewardScorer(composed) as scorer:
         handles = [scorer.submit(images_8bit(2, seed=s), ["p"] * 2, [{}] * 2) for s in range(3)]
+        fragile.all_submitted.set()
         assert handles[0].result()["fragile"].tolist() == [1.0, 1.0]
         with pytest.raises(RewardError, match="'fragile'.*out of memory") as info:
             handles[1].result()
         assert info.value.reward_name == "fragile" and isinstance(info.value.__cause__, RuntimeError)
-        assert handles[2].result()["fragile"].tolist() == [1.0, 1.0]  # later batches are still scored
+        # the first failure stops the scorer: the batches queued behind it are not scored (issue 38: a lost
+        # reward server must not cost one more retry chain per queued batch)
+        with pytest.raises(RewardError, match="batch 2 was not scored: the reward failed on batch 1 first"):
+            handles[2].result()
         with pytest.raises(RewardError, match="fragile"):
             scorer.gather(handles)
         with pytest.raises(ValueError, match="2 images but 1 prompts"):
             scorer.submit(images_8bit(2), ["p"], [{}, {}])
+        with pytest.raises(RewardError, match="batch 3 was not scored: the reward failed on batch 1 first"):
+            scorer.submit(images_8bit(2), ["p"] * 2, [{}] * 2)
     with pytest.raises(RuntimeError, match="closed"):
         scorer.submit(images_8bit(2), ["p"] * 2, [{}] * 2)
     with AsyncRewardScorer(ComposedReward({"wrong": WrongShape()}, {"wrong": 1.0})) as scorer:

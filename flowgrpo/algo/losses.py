@@ -26,7 +26,8 @@ the function (``@policy_loss(name, MyConfig)``), so a new loss is one file; the 
 section (or the plain name, shorthand for ``{name: ...}``) is validated against the model of the loss it names,
 and the loss reads its knobs from ``settings.loss``. The model may also set ``needs_moments = True`` (the trainer
 then passes each step's transition std, dt and the squared drift of the transition mean from the rollout
-policy's, recomputing the rollout means before the update) and override ``check(config)`` (raise
+policy's, recomputing the rollout means before the update, and which pairs are trained and which share a
+micro-batch and chunk) and override ``check(config)`` (raise
 ``ValueError`` for run settings it cannot work with; called before any model is loaded).
 
 Shared definitions, for a pair with advantage A and per-step log-ratios Δ_t = log p_θ − log p_old:
@@ -45,15 +46,24 @@ registered ``L``:
 * ``sapo``: ``−A·(4/τ)·sigmoid(τ·(r − 1))`` with τ = τ_pos for A > 0 and τ_neg otherwise (Soft Adaptive Policy
   Optimization, Gao et al., arXiv 2511.20347, its soft gate f(r) = sigmoid(τ(r − 1))·4/τ): a smooth gate in place
   of the hard clip; its gradient weight ``4·s·(1 − s)``, s = sigmoid(τ(r − 1)), is 1 at r = 1 and decays as r leaves 1.
-* ``grpo_guard``: RatioNorm and step re-weighting (Wang et al., arXiv 2510.22319, GRPO-Guard). Per step, with
-  transition std ``std_t`` (= s_t·√(−dt) for ``flow_sde``), ``dt = σ_next − σ`` and the mean drift
-  ``b_t = mean_d(μ_θ − μ_old)² / (2·std_t²)`` (the left shift of E[Δ_t]):
-  ``ℓ_t = (Δ_t + b_t)·std_t`` (= mean_d(ε ⊙ (μ_θ − μ_old)), whose scale no longer depends on the step),
-  ``r = exp(mean_t ℓ_t)``, ``loss = w·max(−A·r, −A·clip(r))`` with ``w = mean_t 1/(−dt_t)``.
-  The Flow-GRPO release (yifan123/flow_grpo, its GRPO-Guard training script) computes the same per step but with
-  scalars shared by the micro-batch: the batch mean of s_t and of √(−dt), and it divides the micro-batch's mean
-  loss by mean(√(−dt))². For a micro-batch of one step (how the release trains: every sample at the same step)
-  the two agree; with chunks or per-sample steps this module uses each pair's own values.
+* ``grpo_guard``: RatioNorm and step re-weighting (Wang et al., arXiv 2510.22319, GRPO-Guard, eq. 8 and 12), as
+  the Flow-GRPO release computes them (yifan123/flow_grpo, ``scripts/train_sd3_GRPO_Guard.py``, the
+  ``config.rationorm`` branch). Per step t, with the transition std ``std_t = s_t·q_t`` (``s_t = a·√(σ/(1−σ))``
+  for ``flow_sde``, ``q_t = √(−dt)``, ``dt = σ_next − σ``) and the squared drift of the transition mean from the
+  rollout policy's, ``m_t = mean_d(μ_θ − μ_old)²``:
+  ``ℓ_t = (Δ_t + m_t / (2·S_t²))·S_t``, ``r = exp(mean_t ℓ_t)``, ``loss = w·max(−A·r, −A·clip(r))``.
+  With ``algo.policy_loss: {name: grpo_guard, stats: micro_batch}`` (default, the release) the scale, the bias
+  and the weight are one value per micro-batch and step, shared by its trained pairs:
+  ``S_t = mean(s_t)·mean(q_t)``, the bias ``mean(m_t) / (2·S_t²)`` and ``w = mean_t 1/mean(q_t)²``, each mean
+  over the pairs of the group (:attr:`PolicyLossInput.groups`, the trained ones: :attr:`PolicyLossInput.trained`).
+  The release's line reads ``(μ_θ − μ_old)².mean(dim=tuple(range(1, log_prob.ndim)))`` with ``log_prob`` already
+  (B,): an empty ``dim``, which torch reads as every dim, so its bias is the mean over the micro-batch and the
+  latent dims, one value.
+  With ``per_sample`` each pair uses its own: ``S_t = std_t``, bias ``m_t / (2·std_t²)`` (so
+  ``ℓ_t = mean_d(ε ⊙ (μ_θ − μ_old))``, the drift projected on the rollout noise) and ``w = mean_t 1/(−dt_t)``.
+  The two agree when every pair of a micro-batch drifted equally; with unequal drifts a pair's log-ratio differs
+  by its drift's distance from the micro-batch mean over 2·S_t, which against clip ranges of ~1e-6 changes which
+  pairs are clipped.
 """
 
 from __future__ import annotations
@@ -103,6 +113,10 @@ class PolicyLossInput:
         dt: (N, k) σ_next − σ of each step (< 0), or None likewise.
         mean_drift_sq: (N, k) mean over latent dims of (μ_θ − μ_old)², the squared drift of the transition mean
             from the rollout policy's, or None likewise.
+        trained: (N,) bool, the pairs the trainer trains (the others are forwarded and masked out of the loss), or
+            None (all). A loss whose statistics are reduced over pairs reads them from these.
+        groups: (N,) long, equal for pairs of one micro-batch and one chunk (the release's micro-batch at one
+            step), or None (all pairs one group).
     """
 
     new_log_probs: torch.Tensor
@@ -112,6 +126,8 @@ class PolicyLossInput:
     std: torch.Tensor | None = None
     dt: torch.Tensor | None = None
     mean_drift_sq: torch.Tensor | None = None
+    trained: torch.Tensor | None = None
+    groups: torch.Tensor | None = None
 
 
 class PolicyLossConfig(Section):
@@ -163,6 +179,10 @@ class GrpoGuardConfig(PolicyLossConfig):
 
     name: Literal["grpo_guard"] = "grpo_guard"
     needs_moments: ClassVar[bool] = True
+    stats: Literal["micro_batch", "per_sample"] = Field(
+        "micro_batch", description="RatioNorm's mean-drift bias, noise scale and step weight from the micro-batch's "
+        "trained pairs at each step, one shared value (micro_batch: the release) or from each pair's own"
+    )
 
     def check(self, config) -> None:
         smp = config.sampling
@@ -312,10 +332,25 @@ def sapo_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     return clipped_terms(inp, settings, loss, ratio, weight < 0.5)
 
 
+def group_mean(x: torch.Tensor, groups: torch.Tensor | None, trained: torch.Tensor | None) -> torch.Tensor:
+    """(N, k) → (N, k): in each step column, the mean of ``x`` over the trained pairs of each pair's group
+    (:class:`PolicyLossInput` ``groups`` (N,) long and ``trained`` (N,) bool; None: one group, all trained), the
+    same value for every pair of a group; over all the group's pairs when none of them is trained (the trainer
+    masks such pairs out; a finite value keeps the masked loss finite). No host synchronisation."""
+    n = x.shape[0]
+    g = torch.zeros(n, dtype=torch.long, device=x.device) if groups is None else groups.to(x.device)
+    same = (g[:, None] == g[None, :]).to(x.dtype)  # (N, N)
+    w = torch.ones(n, dtype=x.dtype, device=x.device) if trained is None else trained.to(x.device, x.dtype)
+    w = torch.where(same @ w > 0, w, torch.ones_like(w))  # a group without a trained pair: all of its pairs
+    return (same @ (w[:, None] * x)) / (same @ w)[:, None]
+
+
 @policy_loss("grpo_guard", GrpoGuardConfig)
 def grpo_guard_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
-    """GRPO-Guard (Wang et al., arXiv 2510.22319): RatioNorm ``ℓ_t = (Δ_t + b_t)·std_t``, ``r = exp(mean_t ℓ_t)``,
-    the clipped surrogate on r, re-weighted by ``mean_t 1/(−dt_t)`` (module docstring).
+    """GRPO-Guard (Wang et al., arXiv 2510.22319): RatioNorm ``ℓ_t = (Δ_t + m_t/(2·S_t²))·S_t``,
+    ``r = exp(mean_t ℓ_t)``, the clipped surrogate on r, re-weighted by ``w`` (module docstring): with
+    ``stats: micro_batch`` (:class:`GrpoGuardConfig`) the scale, bias and weight are shared by each group's
+    trained pairs (:func:`group_mean`; the release), with ``per_sample`` each pair's own.
 
     Raises:
         ValueError: the input lacks ``std``/``dt``/``mean_drift_sq``, a deterministic step (std = 0, dt = 0) is
@@ -325,14 +360,19 @@ def grpo_guard_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     if inp.std is None or inp.dt is None or inp.mean_drift_sq is None:
         raise ValueError("grpo_guard needs std, dt and mean_drift_sq for every step (the trainer passes them when "
                          "the loss declares needs_moments)")
-    std, dt = inp.std.float(), inp.dt.float()
+    std, dt, drift = inp.std.float(), inp.dt.float(), inp.mean_drift_sq.float()
     if bool((std <= 0).any()) or bool((dt >= 0).any()):
         raise ValueError("grpo_guard: every trained step must be stochastic (std > 0) and go down in sigma (dt < 0)")
     delta = inp.new_log_probs.float() - inp.old_log_probs.float()
-    bias = inp.mean_drift_sq.float() / (2 * std**2)
-    ratio = torch.exp(((delta + bias) * std).mean(dim=1))
+    if own_settings(settings, GrpoGuardConfig).stats == "micro_batch":
+        q = group_mean(torch.sqrt(-dt), inp.groups, inp.trained)  # mean √(−dt) of the group, (N, k)
+        scale = q * group_mean(std / torch.sqrt(-dt), inp.groups, inp.trained)  # mean(√−dt)·mean(s_t)
+        bias = group_mean(drift, inp.groups, inp.trained) / (2 * scale**2)
+        weight = (1.0 / q**2).mean(dim=1)
+    else:  # per_sample
+        scale, bias, weight = std, drift / (2 * std**2), (1.0 / -dt).mean(dim=1)
+    ratio = torch.exp(((delta + bias) * scale).mean(dim=1))
     loss, clipped = _ppo_clip(ratio, inp.advantages.float(), settings)
-    weight = (1.0 / -dt).mean(dim=1)
     return clipped_terms(inp, settings, weight * loss, ratio, clipped)
 
 

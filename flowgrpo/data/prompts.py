@@ -1,7 +1,10 @@
 """Prompt datasets and the P×G group sampler.
 
-A prompt file is plain text (one prompt a line; blank lines skipped) or JSONL (``.jsonl``: each line an object
-with a ``prompt`` string; every other field is metadata handed to the rewards). An editing record names its
+A prompt file is plain text (one prompt a line, stripped; blank lines are separators and skipped) or JSONL
+(``.jsonl``: each line an object with a ``prompt`` string; every other field is metadata handed to the rewards;
+blank lines skipped). One rule decides what is blank: nothing left once folded (:func:`flowgrpo.text.is_blank`:
+only whitespace of any form and invisible characters). A blank line of a text file is no prompt; a JSONL record is
+a prompt by construction, so a blank ``prompt`` in it is an error naming the file and line. An editing record names its
 conditioning image(s) with ``image`` (a path) or ``images`` (a list), relative to the prompt file; the loader
 checks they exist and hands them on as ``images``, a list of absolute paths. Embedded sets: ``digits`` (the
 digits task), ``digits_eval`` (the canonical phrasing of each digit, a subset of the training phrasings: the
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.rng import make_generator
+from flowgrpo.text import is_blank
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,9 @@ def _read_jsonl(path: Path) -> tuple[list[str], list[dict]]:
     for lineno, obj in iter_jsonl(path):
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
             raise ValueError(f"{path}:{lineno}: each JSONL line needs a string field 'prompt'")
+        if is_blank(obj["prompt"]):
+            raise ValueError(f"{path}:{lineno}: the prompt {obj['prompt']!r} is empty (only whitespace or invisible "
+                             "characters); give each record a prompt, or remove the line")
         prompts.append(obj.pop("prompt"))
         _resolve_images(obj, path, lineno)
         meta.append(obj)
@@ -114,7 +121,7 @@ def load_prompts(name_or_path: str) -> PromptSet:
         if path.suffix == ".jsonl":
             p, m = _read_jsonl(path)
         else:
-            p = [ln.strip() for ln in read_text_lines(path) if ln.strip()]
+            p = [ln.strip() for ln in read_text_lines(path) if not is_blank(ln)]
             m = [{} for _ in p]
         prompts += p
         meta += m

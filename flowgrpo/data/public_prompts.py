@@ -13,8 +13,9 @@ dropped keeping the first, and the order of the source kept, so the output is de
   parquet shards (reading them needs ``pyarrow``), or JSONL / CSV exports, with a ``caption`` column. One row is
   one pair of images, so captions repeat: each is kept once.
 * ``ocr`` — text-rendering prompts, one a line (``.txt``) or JSONL with ``prompt`` or ``caption``: the prompts
-  that quote their target text in double quotes (what the ``ocr`` reward reads); the others are dropped and
-  counted in a warning.
+  that quote a non-blank target text in double quotes, straight ``"…"`` or typographic ``“…”`` (and the other
+  forms of :func:`flowgrpo.text.quoted_text`, the one rule the ``ocr`` reward reads its target by); the others are
+  dropped and counted in a warning.
 * ``geneval`` — no source files: GenEval-style training prompts with metadata from the generator of
   ``flowgrpo_rewards.geneval.prompts`` (``flowgrpo prompts geneval --out data/geneval_train.jsonl``), never an
   evaluation prompt.
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from flowgrpo.data.prompts import iter_jsonl, read_text, read_text_lines
 from flowgrpo.registry import Registry
+from flowgrpo.text import quoted_text
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +113,10 @@ def pickapic_prompts(sources: list[Path]) -> list[str]:
 
 @PROMPT_SETS.register("ocr")
 def ocr_prompts(sources: list[Path]) -> list[str]:
-    """Text-rendering prompts that quote a non-empty target text in double quotes."""
+    """Text-rendering prompts that quote a non-empty target text in double quotes of any form
+    (:func:`flowgrpo.text.quoted_text`, the rule the ``ocr`` reward reads its target by)."""
     prompts = _unique(p for s in sources for p in _records(s, ("prompt", "caption")))
-    kept = [p for p in prompts if p.count('"') >= 2 and p.split('"')[1].strip()]
+    kept = [p for p in prompts if quoted_text(p) is not None]
     if len(kept) < len(prompts):
         logger.warning("ocr: dropped %d of %d prompts without a quoted target text", len(prompts) - len(kept),
                        len(prompts))

@@ -15,7 +15,7 @@ from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowgrpo.models.base import AdapterBase, PromptEmbeds
+from flowgrpo.models.base import AdapterBase, PromptEmbeds, pipeline_timestep
 
 
 class FluxAdapter(AdapterBase):
@@ -65,7 +65,9 @@ class FluxAdapter(AdapterBase):
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
                  guidance_scale: float) -> torch.Tensor:
-        """(B, N, 4·C) float32 velocity; ``sigma`` (B,) is passed as the timestep (FLUX scales it by 1000)."""
+        """(B, N, 4·C) float32 velocity; ``sigma`` (B,) is passed as the timestep (FLUX scales it by 1000), computed
+        as the pipeline computes it (:func:`~flowgrpo.models.base.pipeline_timestep`: σ·1000 cast to the
+        transformer's dtype, then divided by 1000)."""
         b = latents.shape[0]
         dtype = self.dtype
         guidance = None
@@ -74,7 +76,7 @@ class FluxAdapter(AdapterBase):
         with self.attention():
             out = self.forward_module(
                 hidden_states=latents.to(dtype),
-                timestep=torch.as_tensor(sigma, device=latents.device).expand(b).to(dtype),
+                timestep=pipeline_timestep(torch.as_tensor(sigma, device=latents.device).expand(b), dtype),
                 guidance=guidance,
                 pooled_projections=embeds["pooled_prompt_embeds"].to(dtype),
                 encoder_hidden_states=embeds["prompt_embeds"].to(dtype),

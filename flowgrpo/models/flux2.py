@@ -9,7 +9,9 @@ Everything FLUX.2-specific lives here, as the two pipelines' ``__call__`` (diffu
 * guidance: **klein** runs true classifier-free guidance with the empty negative prompt when s > 1 and the
   pipeline is not ``is_distilled`` (two transformer calls, ``v = v_u + s·(v_c − v_u)``, Ho & Salimans, arXiv
   2207.12598, eq. 6); **dev** is guidance-distilled: s goes into the transformer's guidance embedding, one call;
-* the timestep ``(σ·1000)/1000`` (the transformer scales σ itself);
+* the timestep ``(σ·1000)/1000`` computed in the transformer's dtype as the pipelines do it (σ·1000 cast to
+  the latents' dtype, then divided: in bf16 two roundings; :func:`~flowgrpo.models.base.pipeline_timestep`); the
+  transformer scales σ itself;
 * latents drawn directly in the patchified (B, 4·C, h/2, w/2) layout and packed to (B, (h/2)·(w/2), 4·C) tokens
   with 4-D (t, h, w, l) position ids; decoding scatters them back, un-normalises with the VAE's BatchNorm running
   statistics, un-patchifies and decodes;
@@ -27,7 +29,7 @@ import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
+from flowgrpo.models.base import AdapterBase, PromptEmbeds, pipeline_timestep, scheduler_sigmas
 from flowgrpo.models.zimage import build_tiny_qwen3_tokenizer
 
 __all__ = ["Flux2Adapter", "load_flux2_adapter", "build_tiny_flux2_klein"]
@@ -107,7 +109,7 @@ class Flux2Adapter(AdapterBase):
         """
         b = latents.shape[0]
         sigma = self.batch_sigma(latents, sigma, embeds)
-        t = sigma * 1000 / 1000  # the pipelines' timestep / 1000 with timestep = σ·1000
+        t = pipeline_timestep(sigma, self.dtype)  # the pipelines' timestep / 1000, in the transformer's dtype
         guidance = None
         if self.guidance_embeds:
             guidance = torch.full((b,), float(guidance_scale), device=latents.device, dtype=torch.float32)

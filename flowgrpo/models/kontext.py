@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from diffusers import FluxKontextPipeline
 
-from flowgrpo.models.base import PromptEmbeds
+from flowgrpo.models.base import PromptEmbeds, pipeline_timestep
 from flowgrpo.models.flux import FluxAdapter
 from flowgrpo.models.tiny import build_tiny_flux
 
@@ -87,7 +87,7 @@ class KontextAdapter(FluxAdapter):
             guidance = torch.full((b,), float(guidance_scale), device=latents.device, dtype=torch.float32)
         out = self.forward_module(
             hidden_states=torch.cat([latents, embeds["image_latents"]], dim=1).to(dtype),
-            timestep=(sigma * 1000 / 1000).to(dtype),  # the pipeline's timestep / 1000 with timestep = σ·1000
+            timestep=pipeline_timestep(sigma, dtype),  # the pipeline's timestep / 1000, in the transformer's dtype
             guidance=guidance,
             pooled_projections=embeds["pooled_prompt_embeds"].to(dtype),
             encoder_hidden_states=embeds["prompt_embeds"].to(dtype),

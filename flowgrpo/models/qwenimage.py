@@ -10,7 +10,9 @@ Everything Qwen-Image-specific lives here, as ``QwenImagePipeline.__call__`` (di
   transformer calls, ``v_cfg = v_u + s·(v_c − v_u)`` (Ho & Salimans, arXiv 2207.12598, eq. 6) rescaled per token
   to the conditional prediction's norm, ``v = v_cfg · ‖v_c‖ / ‖v_cfg‖`` (norms over the channel dim; the
   pipeline's rule, Qwen-Image technical report arXiv 2508.02324); guidance is on when s > 1;
-* the timestep ``(σ·1000)/1000`` (the transformer takes σ in [0, 1], as FLUX);
+* the timestep ``(σ·1000)/1000`` computed in the transformer's dtype as the pipeline does it (σ·1000 cast to
+  the latents' dtype, then divided: in bf16 two roundings; :func:`~flowgrpo.models.base.pipeline_timestep`); the
+  transformer takes σ in [0, 1], as FLUX;
 * latents packed into 2×2 patches: (B, (h/2)·(w/2), 4·C) tokens, from noise drawn in the VAE's (B, 1, C, h, w)
   video layout; the VAE (Wan-style, 8× down) un-normalises with per-channel ``latents_mean`` / ``latents_std``;
 * the σ grid ``linspace(1, 1/T, T)`` with the dynamic (resolution-dependent) exponential shift ``mu`` of
@@ -31,7 +33,7 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
+from flowgrpo.models.base import AdapterBase, PromptEmbeds, pipeline_timestep, scheduler_sigmas
 
 __all__ = ["QwenImageAdapter", "load_qwenimage_adapter", "build_tiny_qwenimage", "build_qwen_tokenizer"]
 
@@ -108,7 +110,7 @@ class QwenImageAdapter(AdapterBase):
         """
         b = latents.shape[0]
         sigma = self.batch_sigma(latents, sigma, embeds)
-        t = sigma * 1000 / 1000  # the pipeline's timestep / 1000 with timestep = σ·1000 (bitwise the same)
+        t = pipeline_timestep(sigma, self.dtype)  # the pipeline's timestep / 1000, in the transformer's dtype
         v_c = self._forward(latents, t, embeds["prompt_embeds"], embeds["prompt_mask"], embeds)
         if guidance_scale <= 1:
             return v_c

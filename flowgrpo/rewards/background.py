@@ -14,8 +14,12 @@ overhead) overlaps with sampling, in the manner of the asynchronous reward worke
 
 One worker thread scores the batches one after another, in submission order. A reward that raises is re-raised
 in the thread that asks for the result as :class:`RewardError`, which names the reward (the original exception
-is its ``__cause__``). A GPU reward runs on the device's default stream, so its kernels queue behind the
-sampler's and never read images before they are written; what overlaps is the host-side work.
+is its ``__cause__``). The first failure stops the scorer: the batches still waiting are cancelled (their handles
+raise :class:`RewardError` naming the batch that failed) and nothing more is accepted, so a run that stops on a
+lost reward server waits for one retry chain, not one per queued batch (the worker thread would otherwise work
+through the queue before the interpreter could exit). A GPU reward runs on the device's default stream, so its
+kernels queue behind the sampler's and never read images before they are written; what overlaps is the host-side
+work.
 
 The images passed to :meth:`AsyncRewardScorer.submit` are read later, from the worker: do not modify them in
 place before their result has been collected.
@@ -26,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import torch
 
@@ -46,10 +50,11 @@ class ScoreHandle:
         batch_size: B, the number of images submitted.
     """
 
-    def __init__(self, future: Future, index: int, batch_size: int) -> None:
+    def __init__(self, future: Future, index: int, batch_size: int, scorer: AsyncRewardScorer | None = None) -> None:
         self._future = future
         self.index = index
         self.batch_size = batch_size
+        self._scorer = scorer
 
     def done(self) -> bool:
         """Whether scoring has finished (successfully or not); never blocks."""
@@ -59,10 +64,14 @@ class ScoreHandle:
         """Block until scored; name → (B,) float32 CPU scores of each component.
 
         Raises:
-            RewardError: the reward named in it failed on this batch.
+            RewardError: the reward named in it failed on this batch, or the batch was cancelled because an
+                earlier one failed (the message names that failure).
             TimeoutError: not done within ``timeout`` seconds.
         """
-        components, _ = self._future.result(timeout)
+        try:
+            components, _ = self._future.result(timeout)
+        except CancelledError:
+            raise self._scorer.stopped_error(self.index) from None
         return components
 
     @property
@@ -91,15 +100,40 @@ class AsyncRewardScorer:
         self._slots = threading.BoundedSemaphore(max_pending) if max_pending else None
         self._count = 0
         self._closed = False
+        self._lock = threading.Lock()
+        self._pending: list[Future] = []
+        self._failure: tuple[int, BaseException] | None = None  # (batch index, error) of the first failure
 
-    def _work(self, images, prompts, metadata):
+    def _work(self, index, images, prompts, metadata):
         try:
+            if self._failure is not None:  # taken by the worker just before the cancellation reached it
+                raise self.stopped_error(index)
             t0 = time.perf_counter()
-            comps = score_components_named(self.composed, images, prompts, metadata)
+            try:
+                comps = score_components_named(self.composed, images, prompts, metadata)
+            except BaseException as err:
+                self._stop(index, err)
+                raise
             return comps, time.perf_counter() - t0
         finally:
             if self._slots is not None:
                 self._slots.release()
+
+    def _stop(self, index: int, err: BaseException) -> None:
+        """After the first failure: cancel every batch still waiting (releasing its slot)."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = (index, err)
+            pending, self._pending = self._pending, []
+        for fut in pending:
+            if fut.cancel() and self._slots is not None:
+                self._slots.release()
+
+    def stopped_error(self, index: int) -> RewardError:
+        """The error of batch ``index``, not scored because an earlier batch's reward failed (named in it)."""
+        first, err = self._failure
+        name = getattr(err, "reward_name", "reward")
+        return RewardError(name, f"batch {index} was not scored: the reward failed on batch {first} first ({err})")
 
     def submit(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> ScoreHandle:
         """Queue a batch for scoring and return at once (or after a slot frees, with ``max_pending``).
@@ -113,19 +147,24 @@ class AsyncRewardScorer:
             ValueError: lengths differ from B or the images are not (B, 3, H, W) or (B, F, 3, H, W) (checked here,
                 at once).
             RuntimeError: the scorer is closed.
+            RewardError: an earlier batch's reward failed (the scorer stopped).
         """
         if self._closed:
             raise RuntimeError("AsyncRewardScorer is closed")
         check_reward_inputs(images, prompts, metadata, "reward scorer", ("image", "video"))
+        if self._failure is not None:
+            raise self.stopped_error(self._count)
         if self._slots is not None:
             self._slots.acquire()
         try:
-            fut = self._executor.submit(self._work, images.detach(), list(prompts), list(metadata))
+            fut = self._executor.submit(self._work, self._count, images.detach(), list(prompts), list(metadata))
         except BaseException:
             if self._slots is not None:
                 self._slots.release()
             raise
-        handle = ScoreHandle(fut, self._count, images.shape[0])
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+        handle = ScoreHandle(fut, self._count, images.shape[0], self)
         self._count += 1
         return handle
 

@@ -156,7 +156,8 @@ def check_reward_inputs(
       (``uint8``) or integer images are refused, since a reward that rescales them silently sees other pixels
       than the official scorer; a video given to an image reward is refused with the way to score it frame by
       frame (the ``video_frames`` reward);
-    * every value is in [0, 1] (NaN is out of range): values in [0, 255] or [-1, 1] are refused, not rescaled;
+    * every value is in [0, 1]: values in [0, 255] or [-1, 1] are refused, not rescaled; NaN or infinite values
+      are refused naming the divergence that produced them (non-finite latents or weights), not the range;
     * ``prompts`` and ``metadata`` have length B.
 
     The range check reads the tensor's min and max (one device synchronisation per call).
@@ -180,6 +181,14 @@ def check_reward_inputs(
     if images.numel():
         low, high = torch.aminmax(images.detach())
         if not (bool(low >= 0) and bool(high <= 1)):  # False for NaN as well
+            bad = int((~torch.isfinite(images.detach())).sum())  # read only on this error path
+            if bad:
+                raise ValueError(
+                    f"{name}: {bad} of the {images.numel()} image values are NaN or infinite: the images were "
+                    "generated from non-finite latents, i.e. the model's weights or its sampling diverged (a run "
+                    "with too high a train.lr, or a checkpoint written from such weights); this is not a pixel-range "
+                    "problem"
+                )
             raise ValueError(
                 f"{name}: image values must lie in [0, 1], got min {float(low):.6g}, max {float(high):.6g} "
                 "(NaN counts as out of range); map [-1, 1] decoder output with (x + 1) / 2 and clamp"

@@ -25,7 +25,10 @@ A batch is sent in requests of at most ``batch_size`` images, and smaller when t
 with jittered exponential backoff that honours the server's ``Retry-After`` (:meth:`RemoteReward.retry_wait`),
 until the request's total ``deadline`` (900 s by default: a shared server may be busy for minutes) or an
 optional count of ``retries``; then :class:`RemoteRewardError` names the URL, the attempts, how long they took
-and waited, and the last error. A malformed reply or another error status is not retried.
+and waited, and the last error. The deadline bounds a whole outage, not each request: the requests after one that
+failed for good share its deadline (:meth:`RemoteReward._request`), and the background scorer cancels the batches
+queued behind a failed one, so a run that loses its server stops after one deadline. A malformed reply or another
+error status is not retried.
 
 The client needs ``httpx`` (``pip install "flowgrpo[server]"``).
 """
@@ -97,11 +100,14 @@ def _attempt(http, method: str, url: str, content, headers, retry_status):
 def send_with_retries(http, method: str, url: str, *, content: bytes | None = None, headers: dict | None = None,
                       retries: int | None, backoff: float, max_backoff: float, deadline: float | None = None,
                       retry_status=RETRY_STATUS, what: str = "remote reward",
-                      error_cls: type[Exception] = RemoteRewardError, rng=None, stats: RetryStats | None = None):
+                      error_cls: type[Exception] = RemoteRewardError, rng=None, stats: RetryStats | None = None,
+                      started: float | None = None):
     """Send one HTTP request, retrying timeouts, connection errors and ``retry_status`` replies with jittered
     exponential backoff that honours ``Retry-After`` (:func:`retry_wait`), at most ``retries`` times (None: no
     count) and while the next wait ends within ``deadline`` seconds of the start (None: no deadline). At least one
-    of the two bounds must be given, so the loop is bounded.
+    of the two bounds must be given, so the loop is bounded. ``started``: the ``time.monotonic()`` the deadline
+    counts from (default: now; a caller whose server is already known to be down passes when it went down, so
+    every request of an outage shares one deadline: past it, one failed attempt ends the request).
 
     Args:
         http: an ``httpx.Client`` (its timeout applies to each attempt).
@@ -120,7 +126,7 @@ def send_with_retries(http, method: str, url: str, *, content: bytes | None = No
         raise ValueError("send_with_retries needs retries or a deadline")
     rng = rng or random.SystemRandom()
     stats = stats if stats is not None else RetryStats()
-    t0 = time.monotonic()
+    t0 = time.monotonic() if started is None else started
     while True:
         r, last, retry_after = _attempt(http, method, url, content, headers, retry_status)
         if r is not None:
@@ -308,6 +314,7 @@ class RemoteReward:
         self.waited_s = 0.0
         self.retried = 0
         self._client = None
+        self._down_since: float | None = None  # monotonic start of the request that found the server down
         # Jitter must differ between the processes of one run (seeded alike, they would retry in lockstep), so it
         # comes from the OS, not from the run's seed; it never affects a score.
         self._jitter = random.SystemRandom()
@@ -349,17 +356,27 @@ class RemoteReward:
         return retry_wait(k, retry_after, self.backoff, self.max_backoff, self._jitter)
 
     def _request(self, method: str, path: str, body: bytes | None):
-        """One logical request with retries until :attr:`deadline`; returns the decoded JSON reply of a 200."""
+        """One logical request with retries until :attr:`deadline`; returns the decoded JSON reply of a 200.
+
+        The deadline is one for an outage, not one per request: once a request has failed for good, the requests
+        after it (the other requests of a batch, the batches queued behind it) count theirs from that request's
+        start, so past it each ends after one failed attempt; any answer from the server ends the outage."""
         url = self.url + path
         headers = {"Content-Type": "application/json"} if body is not None else None
         stats = RetryStats()
+        start = time.monotonic()
         try:
             r = send_with_retries(self._http(), method, url, content=body, headers=headers, retries=self.retries,
                                   backoff=self.backoff, max_backoff=self.max_backoff, deadline=self.deadline,
-                                  rng=self._jitter, stats=stats)
+                                  rng=self._jitter, stats=stats, started=self._down_since)
+        except RemoteRewardError:
+            if self._down_since is None:
+                self._down_since = start
+            raise
         finally:
             self.waited_s += stats.waited_s
             self.retried += stats.retries
+        self._down_since = None  # the server answered
         if r.status_code != 200:
             self._raise_for_error(r, url)
         try:

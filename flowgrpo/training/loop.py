@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from flowgrpo import dist
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
+from flowgrpo.divergence import DivergenceWatch, check_weights, run_history
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
 from flowgrpo.models import DTYPES
 from flowgrpo.plots import reward_curve, sample_grid
@@ -78,6 +79,7 @@ class Trainer:
         adapter.transformer.register_forward_pre_hook(self._count_forward, with_kwargs=True)
         if config.train.resume_from:
             self.epoch = self.optim.resume(config.train.resume_from, sampler=self.sampler)
+        self.watch = DivergenceWatch(run_history(self.out, config.train.resume_from, self.epoch))
 
     def _count_forward(self, module, args, kwargs) -> None:
         x = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
@@ -85,7 +87,9 @@ class Trainer:
         self.forward_count[1] += 0 if x is None else len(x)  # a batch tensor, or a list of samples (Z-Image)
 
     def save_checkpoint(self, epoch: int) -> None:
-        """Every process takes part (a sharded model is gathered); the main process writes."""
+        """Every process takes part (a sharded model is gathered); the main process writes, only from finite
+        weights (:func:`~flowgrpo.divergence.check_weights`)."""
+        check_weights(self.optim.named_weights(), epoch, self.cfg.train.num_epochs, self.out / "checkpoints")
         self.optim.save(self.out / "checkpoints", epoch, sampler=self.sampler,
                         keep=self.cfg.logging.checkpoints_total_limit)
 
@@ -112,6 +116,7 @@ class Trainer:
             self.epoch = epoch
             every = cfg.logging.eval_every
             record = self.train_epoch(epoch, evaluate=bool(every) and (epoch + 1) % every == 0 and epoch < last)
+            self.watch.check(record, epoch, cfg.train.num_epochs, self.out / "checkpoints")  # before any save
             if cfg.logging.save_every and (epoch + 1) % cfg.logging.save_every == 0 and epoch < last:
                 self.save_checkpoint(epoch)
             if self.main:

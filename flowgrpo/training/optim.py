@@ -19,6 +19,7 @@ import torch
 
 from flowgrpo import parallel
 from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
+from flowgrpo.divergence import TrainingDiverged, stop_line
 from flowgrpo.ema import EMA
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Optimization:
     def __init__(self, config, *, adapter, accelerator) -> None:
         train = config.train
         self.train_cfg = train
+        self.checkpoints = Path(config.output_dir) / "checkpoints"  # named by a stop on a non-finite gradient
         self.accelerator = accelerator
         # wrap (DDP) or shard (FSDP2) first: after fully_shard the parameters are new DTensor objects, so a list
         # taken before would get no gradient
@@ -74,13 +76,13 @@ class Optimization:
         """Clip, check and apply the accumulated gradient (the update's one host read per step), advance the
         learning-rate schedule and the EMA; returns the gradient norm.
 
-        Raises ``FloatingPointError`` on a non-finite norm, before the weights change."""
+        Raises :class:`~flowgrpo.divergence.TrainingDiverged` (a ``FloatingPointError``) on a non-finite norm,
+        before the weights change, naming the epoch (``epoch`` 0-based, shown 1-based as the console counts) and
+        the last checkpoint or its absence."""
         gn = parallel.clip_grad_norm(self.accelerator, self.params, self.train_cfg.max_grad_norm)
         if not math.isfinite(gn):  # never let one bad batch overwrite the weights
-            raise FloatingPointError(
-                f"epoch {epoch}: the gradient norm is {gn}; the weights were not updated "
-                "(last checkpoint intact). Check the rewards and lower train.lr."
-            )
+            raise TrainingDiverged(stop_line(epoch, self.train_cfg.num_epochs, f"the gradient norm is {gn} (the "
+                                             "weights were not updated)", self.checkpoints))
         self.optimizer.step()
         self.lr_scheduler.step()
         if self.ema is not None:
@@ -112,6 +114,12 @@ class Optimization:
     def unwrapped(self) -> torch.nn.Module:
         """The transformer without the distributed wrapper (for saving)."""
         return self.accelerator.unwrap_model(self.model)
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every trained parameter and EMA shadow tensor, as this process holds them (a sharded
+        model's local shards), for the health check before a save."""
+        named = [(n, p) for n, p in self.unwrapped.named_parameters() if p.requires_grad]
+        return named + ([(f"EMA {n}", v) for n, v in self.ema.state_dict().items()] if self.ema is not None else [])
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, root: Path, epoch: int, *, sampler, keep: int) -> None:

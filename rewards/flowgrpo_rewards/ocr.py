@@ -33,7 +33,8 @@ import torch
 
 from flowgrpo.images import to_uint8
 from flowgrpo.rewards.base import BaseReward
-from flowgrpo.text import DOUBLE_QUOTES, fold_text
+from flowgrpo.text import fold_text
+from flowgrpo.text import quoted_text as find_quoted_text
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +61,17 @@ def _require(module: str, package: str):
 
 def quoted_text(prompt: str) -> str:
     """The text between the first pair of double quotes of ``prompt``: straight ``"`` as in Flow-GRPO, or any
-    other double-quote form (``“…”``, ``„…“``, ``«…»``, ``＂…＂``; :data:`flowgrpo.text.DOUBLE_QUOTES`).
+    other double-quote form (``“…”``, ``„…“``, ``«…»``, ``＂…＂``): :func:`flowgrpo.text.quoted_text`, the rule
+    ``flowgrpo prompts ocr`` also keeps prompts by.
 
     Raises:
         ValueError: the prompt has fewer than two double quotes (no quoted target), or the quoted text is
             empty once normalised (the reward would divide by zero).
     """
-    marks = [i for i, c in enumerate(prompt) if c in DOUBLE_QUOTES]
-    if len(marks) < 2:
-        raise ValueError(f'the ocr reward needs the target text in double quotes ("...") in the prompt; got {prompt!r}')
-    target = prompt[marks[0] + 1 : marks[1]]
-    if not normalize_text(target):
-        raise ValueError(f"the ocr reward's quoted target text is empty in prompt {prompt!r}")
+    target = find_quoted_text(prompt)
+    if target is None:
+        raise ValueError('the ocr reward needs a non-empty target text in double quotes ("..." or \u201c...\u201d) '
+                         f"in the prompt; got {prompt!r}")
     return target
 
 

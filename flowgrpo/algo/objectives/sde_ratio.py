@@ -310,5 +310,7 @@ class SdeRatio(BaseObjective):
         at = work.old_means.device
         old_means = _cat([work.old_means[r.to(at)][:, list(plan.chunks[k])] for r, k in items]).to(dev)  # (n, k, …)
         drift = ((_cat([f.means for f in fwds]) - old_means) ** 2).flatten(2).mean(dim=2)
+        trained = _cat([batch["pair_mask"][r, k] for r, k in items]).to(dev)  # (n,) the pairs the loss counts
+        groups = torch.cat([torch.full((len(r),), i) for i, (r, _) in enumerate(items)]).to(dev)  # one an item
         return PolicyLossInput(new, old, adv, kl_ref=kl, std=_cat([f.stds for f in fwds]),
-                               dt=_cat([f.dts for f in fwds]), mean_drift_sq=drift)
+                               dt=_cat([f.dts for f in fwds]), mean_drift_sq=drift, trained=trained, groups=groups)

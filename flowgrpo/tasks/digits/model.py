@@ -10,7 +10,8 @@ of Handwritten Digits", Alpaydin & Kaynak 1998). Each digit is upscaled bilinear
 on white paper, replicated to 3 channels (:func:`digits_to_images`); :func:`images_to_digits` is the
 least-squares inverse of that upscaling, used by the classifiers and the diversity measure.
 
-Recipe (:func:`pretrain`), about 2 minutes on 2 idle CPU cores (45 s VAE + 75 s transformer):
+Recipe (:func:`pretrain`; the cache is built by :func:`pretrain_pinned`, whose bytes depend only on the seed and
+the library versions on any x86-64 CPU with AVX2, whatever the launcher, core count or load):
 
 1. frozen random text encoders (:func:`flowgrpo.models.tiny.build_text_encoders`) whose tokenizers know the words
    of the prompts; T5 sequences are :data:`MAX_SEQUENCE_LENGTH` tokens (the pipeline must be called with
@@ -73,7 +74,7 @@ PHRASINGS: tuple[str, ...] = (
 NATIVE_SIZE = 8  # load_digits' resolution
 IMAGE_SIZE = 32  # the pipeline's resolution (4× upscaled)
 MAX_SEQUENCE_LENGTH = 16  # T5 tokens per prompt; every caller of the pipeline must use this value
-RECIPE_VERSION = 1  # bump when the recipe changes: the cache folder name carries it
+RECIPE_VERSION = 2  # bump when the recipe or its bytes change: the cache folder name carries it (2: pinned build)
 SPLIT_FRACTIONS = {"reward": 0.4, "judge": 0.4, "test": 0.2}
 SPLITS = ("reward", "judge", "test", "train", "all")
 MARKER_FILE = "flowgrpo_digits.json"  # written last into a finished model folder: recipe and sampling settings
@@ -242,7 +243,20 @@ def ensure_digits_model(seed: int = 0, folder: str | os.PathLike | None = None, 
     target = Path(folder) if folder is not None else default_model_dir(seed)
     if not is_complete(target):
         logger.info("digits pipeline not found at %s: pretraining it (a few minutes, once)", target)
-    return build_once(target, lambda tmp: pretrain(tmp, seed=seed, progress=progress), is_complete=is_complete)
+    return build_once(target, lambda tmp: pretrain_pinned(tmp, seed=seed, progress=progress),
+                      is_complete=is_complete)
+
+
+def pretrain_pinned(out_dir: str | os.PathLike, seed: int = 0, *, progress: bool = True, **recipe: int) -> Path:
+    """:func:`pretrain` (``recipe``: its step and batch sizes) in a child process with the pinned numerical
+    environment of :mod:`flowgrpo.pinned` (one thread, AVX2 kernels): the bytes depend only on the seed, the
+    recipe, the torch and diffusers versions and the CPU family. Raises ``RuntimeError`` if the child fails."""
+    from flowgrpo.pinned import run_pinned
+
+    flags = [f"--{k.replace('_', '-')}={int(v)}" for k, v in _checked_sizes(**recipe).items()]
+    run_pinned(["-m", "flowgrpo.tasks.digits.model", "--pinned-child", str(out_dir), f"--seed={int(seed)}", *flags,
+                *([] if progress else ["--no-progress"])], "pretraining the digits model")
+    return Path(out_dir)
 
 
 # ---------------------------------------------------------------------------------------------- pretraining
@@ -418,12 +432,15 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
     ``vae_steps`` (at ``vae_batch_size``) and ``steps`` (the transformer's, at ``batch_size``) count optimizer
     steps; the defaults are the
     recipe of the cached model (about 2 minutes on 2 CPU cores); tests pass a few steps. Every random draw
-    comes from torch generators seeded from ``seed``, so a run is repeatable: two full runs on one machine gave
-    byte-identical weights. Bit-exactness needs the same torch build, CPU kind and thread count (1 and 2 threads
-    round differently and give different, equally good, models).
-    The marker file :data:`MARKER_FILE` is written last.
+    comes from torch generators seeded from ``seed``, so a run is repeatable on one machine, but its bytes also
+    depend on the thread count and the instruction set of the kernels (1 and 2 threads, or AVX2 and AVX-512
+    kernels, round differently and give different, equally good, models): the cached model is built by
+    :func:`pretrain_pinned`, which pins them. The marker file :data:`MARKER_FILE` is written last and records the
+    numerical environment (:func:`flowgrpo.pinned.numerics`).
     """
     from diffusers import FluxPipeline
+
+    from flowgrpo.pinned import numerics
 
     sizes = _checked_sizes(vae_steps=vae_steps, steps=steps, batch_size=batch_size, vae_batch_size=vae_batch_size)
     out = Path(out_dir)
@@ -457,6 +474,7 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
         "recipe": f"flowgrpo digits v{RECIPE_VERSION}", "seed": seed, **sizes, "height": IMAGE_SIZE,
         "width": IMAGE_SIZE, "max_sequence_length": MAX_SEQUENCE_LENGTH, "num_inference_steps": 8,
         "guidance_scale": None, "final_vae_loss": vae_loss, "final_transformer_loss": tr_loss,
+        "numerics": numerics(),
     }
     (out / MARKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
     logger.info("digits pipeline saved to %s (%.1f s in all)", out, time.perf_counter() - t_start)
@@ -475,8 +493,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="transformer batch size")
     parser.add_argument("--vae-batch-size", type=int, default=VAE_BATCH_SIZE)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--pinned-child", action="store_true", help=argparse.SUPPRESS)  # pretrain_pinned's child
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.pinned_child:  # the child of pretrain_pinned: its environment is pinned; build into OUT_DIR
+        pretrain(args.out_dir, seed=args.seed, progress=not args.no_progress, vae_steps=args.vae_steps,
+                 steps=args.steps, batch_size=args.batch_size, vae_batch_size=args.vae_batch_size)
+        return
     target = Path(args.out_dir) if args.out_dir else default_model_dir(args.seed)
     recipe = {"vae_steps": args.vae_steps, "steps": args.steps, "batch_size": args.batch_size,
               "vae_batch_size": args.vae_batch_size}
@@ -489,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     if default:
         ensure_digits_model(args.seed, folder=target, progress=not args.no_progress)
     else:
-        pretrain(target, seed=args.seed, progress=not args.no_progress, **recipe)
+        pretrain_pinned(target, seed=args.seed, progress=not args.no_progress, **recipe)
     logger.info("digits pipeline ready at %s", target)
 
 

@@ -1,0 +1,117 @@
+"""A run owns its ``output_dir`` while it runs: an advisory lock on ``output_dir/.flowgrpo.lock``.
+
+The main process takes the lock (``fcntl.flock``, exclusive, non-blocking) before it reads anything in the folder
+to decide how to use it (resume, overwrite, refuse) and holds it until the run ends. The operating system releases
+it when the process ends, however it ends (a crash, ``kill -9``, a lost node), so a lock is never stale and there
+is no PID file to clean up. A second run on the folder — a fresh start, ``logging.overwrite=true`` or
+``train.resume_from=auto`` — is refused with :class:`RunFolderBusy`, naming the live run's PID, start time, host
+and command (written into the lock file by its holder) and never suggesting anything that would remove its files.
+
+Reading a run folder (``flowgrpo sample --run``, plotting ``metrics.jsonl``) takes no lock. Where ``fcntl`` is
+missing (Windows) no lock is taken and a warning says so once. File systems without ``flock`` support refuse the
+lock with an ``OSError`` that is reported as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".flowgrpo.lock"
+_HELD: dict[Path, list] = {}  # folder -> [open lock file, nesting depth] of the locks this process holds
+
+
+class RunFolderBusy(FileExistsError):
+    """``output_dir`` is held by a live run (another process)."""
+
+
+def _describe(text: str) -> str:
+    try:
+        info = json.loads(text)
+    except ValueError:
+        return "details not written yet"
+    parts = [f"PID {info.get('pid')}"]
+    if info.get("host"):
+        parts[0] += f" on {info['host']}"
+    if info.get("started"):
+        parts.append(f"started {info['started']}")
+    if info.get("command"):
+        parts.append(f"command: {info['command']}")
+    return ", ".join(parts)
+
+
+def _acquire(folder: Path, command: str) -> object:
+    """Open and lock ``folder/LOCK_FILE`` (created with the folder); returns the open file holding the lock.
+
+    Raises:
+        RunFolderBusy: another process holds it.
+        FileExistsError: ``folder`` is a file.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"output_dir {str(folder)!r} is a file, not a folder; choose a folder for the run")
+    folder.mkdir(parents=True, exist_ok=True)
+    fh = open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's life
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = _describe(fh.read())
+        fh.close()
+        raise RunFolderBusy(
+            f"output_dir {str(folder)!r} is in use by a run that is still running ({holder}); a second run "
+            "cannot share its folder. Wait for it to finish (or stop it), or give this run another output_dir"
+        ) from None
+    except BaseException:
+        fh.close()
+        raise
+    fh.seek(0)
+    fh.truncate()
+    fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+                         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}))
+    fh.flush()
+    return fh
+
+
+@contextlib.contextmanager
+def hold_run_folder(output_dir: str | os.PathLike, command: str | None = None) -> Iterator[None]:
+    """Hold the lock of ``output_dir`` for the ``with`` block (re-entrant within one process: a nested hold of
+    the same folder shares the outer one, which releases it).
+
+    Args:
+        output_dir: the run folder (created if missing).
+        command: what to show a refused second run (default: this process's command line).
+
+    Raises:
+        RunFolderBusy: another live process holds the folder (a ``FileExistsError``).
+        FileExistsError: ``output_dir`` is a file.
+    """
+    if fcntl is None:  # pragma: no cover - Windows
+        logger.warning("no fcntl on this platform: %s is not locked against a second run", output_dir)
+        yield
+        return
+    folder = Path(output_dir).resolve()
+    if folder in _HELD:
+        _HELD[folder][1] += 1
+    else:
+        _HELD[folder] = [_acquire(folder, command or shlex.join([sys.executable, *sys.argv])), 1]
+    try:
+        yield
+    finally:
+        _HELD[folder][1] -= 1
+        if _HELD[folder][1] == 0:
+            _HELD.pop(folder)[0].close()  # closing the file releases the lock
