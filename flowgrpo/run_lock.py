@@ -33,7 +33,8 @@ except ImportError:  # pragma: no cover - Windows
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".flowgrpo.lock"
-_HELD: dict[Path, list] = {}  # folder -> [open lock file, nesting depth] of the locks this process holds
+#: folder -> [open lock file, nesting depth, whether the hold created the folder] of the locks this process holds
+_HELD: dict[Path, list] = {}
 
 
 class RunFolderBusy(FileExistsError):
@@ -56,7 +57,8 @@ def _describe(text: str) -> str:
 
 
 def _acquire(folder: Path, command: str) -> object:
-    """Open and lock ``folder/LOCK_FILE`` (created with the folder); returns the open file holding the lock.
+    """Open and lock ``folder/LOCK_FILE`` (created with the folder); returns the open file holding the lock, with
+    ``made_folder`` set when this call created ``folder``.
 
     Raises:
         RunFolderBusy: another process holds it.
@@ -64,6 +66,7 @@ def _acquire(folder: Path, command: str) -> object:
     """
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"output_dir {str(folder)!r} is a file, not a folder; choose a folder for the run")
+    made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     fh = open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's life
     try:
@@ -84,7 +87,20 @@ def _acquire(folder: Path, command: str) -> object:
     fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
                          "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}))
     fh.flush()
-    return fh
+    return fh, made
+
+
+def _release(folder: Path, fh, made: bool) -> None:
+    """Close the lock file (which releases the lock); a folder this hold created and nothing but the lock file
+    came to live in (a run that stopped at a setup error) is removed again, so a refused run leaves nothing."""
+    try:
+        if made and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
+            (folder / LOCK_FILE).unlink()
+            folder.rmdir()
+    except OSError:  # another process made something there meanwhile: leave it
+        pass
+    finally:
+        fh.close()
 
 
 @contextlib.contextmanager
@@ -93,7 +109,7 @@ def hold_run_folder(output_dir: str | os.PathLike, command: str | None = None) -
     the same folder shares the outer one, which releases it).
 
     Args:
-        output_dir: the run folder (created if missing).
+        output_dir: the run folder (created if missing; removed again at the end if the run left nothing in it).
         command: what to show a refused second run (default: this process's command line).
 
     Raises:
@@ -108,10 +124,12 @@ def hold_run_folder(output_dir: str | os.PathLike, command: str | None = None) -
     if folder in _HELD:
         _HELD[folder][1] += 1
     else:
-        _HELD[folder] = [_acquire(folder, command or shlex.join([sys.executable, *sys.argv])), 1]
+        fh, made = _acquire(folder, command or shlex.join([sys.executable, *sys.argv]))
+        _HELD[folder] = [fh, 1, made]
     try:
         yield
     finally:
         _HELD[folder][1] -= 1
         if _HELD[folder][1] == 0:
-            _HELD.pop(folder)[0].close()  # closing the file releases the lock
+            fh, _, made = _HELD.pop(folder)
+            _release(folder, fh, made)

@@ -329,13 +329,17 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
 
     run(_cfg(tmp_path, tiny_flux_dir))
     out = tmp_path / "run"
-    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+
+    def stamps():  # the run's files; the lock file (flowgrpo.run_lock) names whichever process holds the folder
+        return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".flowgrpo.lock"}
+
+    before = stamps()
     again = _cfg(tmp_path, tiny_flux_dir, train={"resume_from": str(out / "checkpoints")})
     with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         summary = run(again)
     assert any("already finished all 2 epochs" in r.getMessage() for r in caplog.records)
     assert summary == json.loads((out / "summary.json").read_text())
-    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamps
+    assert stamps() == before
     # a copy of the finished folder resumed in place reports its own files, not the original's
     shutil.copytree(out, tmp_path / "copy")
     summary = run(_cfg(tmp_path, tiny_flux_dir, "copy", train={"resume_from": str(tmp_path / "copy" / "checkpoints")}))
