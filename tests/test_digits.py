@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from flowgrpo.tasks.digits import data
 from flowgrpo.tasks.digits import model as digits
 from flowgrpo.tasks.digits import scoring as de
 
@@ -25,43 +26,43 @@ from flowgrpo.tasks.digits import scoring as de
 @pytest.fixture(scope="module")
 def test_digits():
     """30 real held-out digits, 3 of each class: (grids (30, 8, 8) 0–16, labels (30,), images (30, 3, 32, 32))."""
-    x, y = digits.load_digit_split("test")
+    x, y = data.load_digit_split("test")
     idx = np.concatenate([np.flatnonzero(y == d)[:3] for d in range(10)])
-    return x[idx], y[idx], digits.digits_to_images(x[idx])
+    return x[idx], y[idx], data.digits_to_images(x[idx])
 
 
 # --------------------------------------------------------------------------------------------- prompts, data
 def test_prompt_files_name_the_digit_of_their_metadata():
-    train, evals = digits.prompt_records("train"), digits.prompt_records("eval")
+    train, evals = data.prompt_records("train"), data.prompt_records("eval")
     words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
     for rec in train + evals:
         tokens = rec["prompt"].split()
         named = {words.index(t) for t in tokens if t in words} | {int(t) for t in tokens if t.isdigit()}
         assert named == {rec["digit"]}, rec
     assert sorted(r["digit"] for r in evals) == list(range(10))
-    assert [r["digit"] for r in train].count(7) == len(digits.PHRASINGS)
+    assert [r["digit"] for r in train].count(7) == len(data.PHRASINGS)
     assert {r["prompt"] for r in evals} <= {r["prompt"] for r in train}
-    assert digits.digit_prompt(7) == "a handwritten digit seven"
+    assert data.digit_prompt(7) == "a handwritten digit seven"
     with pytest.raises(ValueError, match="eval"):
-        digits.prompt_records("heldout")
+        data.prompt_records("heldout")
 
 
 def test_splits_are_disjoint_stratified_and_cover_the_data():
     from sklearn.datasets import load_digits
 
     ref = load_digits()
-    parts = {k: digits._split_indices()[k] for k in ("reward", "judge", "test")}
+    parts = {k: data._split_indices()[k] for k in ("reward", "judge", "test")}
     allidx = np.concatenate(list(parts.values()))
     assert len(allidx) == len(set(allidx.tolist())) == 1797
     for name, idx in parts.items():
         counts = np.bincount(ref.target[idx], minlength=10)
         share = counts / np.bincount(ref.target, minlength=10)
-        assert np.allclose(share, digits.SPLIT_FRACTIONS[name], atol=0.01), (name, share)
-    x, y = digits.load_digit_split("train")
+        assert np.allclose(share, data.SPLIT_FRACTIONS[name], atol=0.01), (name, share)
+    x, y = data.load_digit_split("train")
     assert len(y) == len(parts["reward"]) + len(parts["judge"])
     np.testing.assert_array_equal(x, ref.images[np.sort(np.concatenate([parts["reward"], parts["judge"]]))])
     with pytest.raises(ValueError, match="'test'"):
-        digits.load_digit_split("validation")
+        data.load_digit_split("validation")
 
 
 def test_upscaling_is_bilinear_ink_on_white_and_inverted_exactly(test_digits):
@@ -70,17 +71,17 @@ def test_upscaling_is_bilinear_ink_on_white_and_inverted_exactly(test_digits):
     ref = 1 - torch.nn.functional.interpolate(g[:, None] / 16, size=32, mode="bilinear", align_corners=False)
     assert images.shape == (30, 3, 32, 32) and images.dtype == torch.float32
     torch.testing.assert_close(images, ref.expand(-1, 3, -1, -1), atol=1e-6, rtol=0)
-    torch.testing.assert_close(digits.images_to_digits(images), g, atol=1e-4, rtol=0)
+    torch.testing.assert_close(data.images_to_digits(images), g, atol=1e-4, rtol=0)
     # by hand: a white page carries no ink, a uniformly mid-grey one 8/16 everywhere; colour is averaged
-    assert torch.all(digits.images_to_digits(torch.ones(1, 3, 32, 32)).abs() < 1e-5)
-    torch.testing.assert_close(digits.images_to_digits(torch.full((1, 3, 32, 32), 0.5)),
+    assert torch.all(data.images_to_digits(torch.ones(1, 3, 32, 32)).abs() < 1e-5)
+    torch.testing.assert_close(data.images_to_digits(torch.full((1, 3, 32, 32), 0.5)),
                                torch.full((1, 8, 8), 8.0), atol=1e-4, rtol=0)
     rgb = torch.stack([torch.zeros(32, 32), torch.ones(32, 32), torch.ones(32, 32)])[None]  # grey 2/3
-    torch.testing.assert_close(digits.images_to_digits(rgb), torch.full((1, 8, 8), 16 / 3), atol=1e-4, rtol=0)
+    torch.testing.assert_close(data.images_to_digits(rgb), torch.full((1, 8, 8), 16 / 3), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="square"):
-        digits.images_to_digits(torch.ones(1, 3, 32, 16))
+        data.images_to_digits(torch.ones(1, 3, 32, 16))
     with pytest.raises(ValueError, match=r"\(N, 8, 8\)"):
-        digits.digits_to_images(np.zeros((2, 64)))
+        data.digits_to_images(np.zeros((2, 64)))
 
 
 # ------------------------------------------------------------------------------------------------ classifiers
@@ -88,7 +89,7 @@ def test_both_classifiers_reach_095_on_held_out_real_digits_and_differ():
     from sklearn.linear_model import LogisticRegression
     from sklearn.svm import SVC
 
-    x, y = digits.load_digit_split("test")
+    x, y = data.load_digit_split("test")
     f = x.reshape(len(x), -1) / 16
     reward_acc = float(np.mean(de.reward_classifier().predict(f) == y))
     judge_acc = float(np.mean(de.judge_classifier().predict(f) == y))
@@ -96,7 +97,7 @@ def test_both_classifiers_reach_095_on_held_out_real_digits_and_differ():
     assert de.classifier_accuracies() == pytest.approx({"reward": reward_acc, "judge": judge_acc})
     assert isinstance(de.reward_classifier(), LogisticRegression) and isinstance(de.judge_classifier(), SVC)
     # the judge was fitted on the judge split: its support vectors are rows of it and of no other split
-    rows = {k: {r.tobytes() for r in digits.load_digit_split(k)[0].reshape(-1, 64).astype(np.float64) / 16}
+    rows = {k: {r.tobytes() for r in data.load_digit_split(k)[0].reshape(-1, 64).astype(np.float64) / 16}
             for k in ("reward", "judge", "test")}
     sv = {r.tobytes() for r in de.judge_classifier().support_vectors_}
     assert sv <= rows["judge"] and not sv & (rows["reward"] | rows["test"])
@@ -122,13 +123,13 @@ def test_diversity_by_hand():
     c = np.zeros((8, 8))
     c[0, :4] = 16.0  # ‖a − c‖ = √(4·16²) = 32
     grids = np.stack([a, b, a, c])
-    images = digits.digits_to_images(grids)
+    images = data.digits_to_images(grids)
     assert de.intra_digit_diversity(images, [3, 3, 5, 5]) == pytest.approx((128 + 32) / 2, rel=1e-4)
     # three samples of one digit: the mean of 128, 32 and ‖b − c‖ = √(60·16²) = 16·√60
-    assert de.intra_digit_diversity(digits.digits_to_images(np.stack([a, b, c])), [1, 1, 1]) == pytest.approx(
+    assert de.intra_digit_diversity(data.digits_to_images(np.stack([a, b, c])), [1, 1, 1]) == pytest.approx(
         (128 + 32 + 16 * math.sqrt(60)) / 3, rel=1e-4)
     # a digit with a single sample is skipped
-    assert de.intra_digit_diversity(digits.digits_to_images(np.stack([a, b, c])), [1, 1, 2]) == pytest.approx(
+    assert de.intra_digit_diversity(data.digits_to_images(np.stack([a, b, c])), [1, 1, 2]) == pytest.approx(
         128, rel=1e-4)
     with pytest.raises(ValueError, match="at least two samples"):
         de.intra_digit_diversity(images[:2], [3, 4])
@@ -140,7 +141,7 @@ def test_diversity_of_identical_copies_is_zero_and_of_real_digits_matches_pdist(
     _, _, images = test_digits
     copies = images[[0] * 5 + [12] * 5]
     assert de.intra_digit_diversity(copies, [0] * 5 + [4] * 5) == pytest.approx(0.0, abs=1e-3)
-    x, y = digits.load_digit_split("all")
+    x, y = data.load_digit_split("all")
     expected = np.mean([pdist(x[y == d].reshape(-1, 64)).mean() for d in range(10)])
     assert de.real_diversity() == pytest.approx(expected, rel=1e-6)
     assert de.real_diversity() > 20
@@ -169,13 +170,13 @@ def test_pretrain_saves_a_flux_folder_that_samples_digit_sized_images(pretrained
     info = digits.read_model_info(pretrained_tiny)
     assert info["seed"] == 3 and info["height"] == 32 and info["max_sequence_length"] == 16
     # every prompt word is one T5 piece (no <unk>)
-    for rec in digits.prompt_records("train"):
+    for rec in data.prompt_records("train"):
         ids = pipe.tokenizer_2(rec["prompt"]).input_ids
         assert pipe.tokenizer_2.unk_token_id not in ids and len(ids) == len(rec["prompt"].split()) + 1
     # the VAE's shift/scale normalise the training latents, recomputed here from the saved VAE
-    x, _ = digits.load_digit_split("train")
+    x, _ = data.load_digit_split("train")
     with torch.no_grad():
-        lat = pipe.vae.encode(digits.digits_to_images(x) * 2 - 1).latent_dist.mean
+        lat = pipe.vae.encode(data.digits_to_images(x) * 2 - 1).latent_dist.mean
     z = (lat - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
     assert abs(float(z.mean())) < 1e-3 and float(z.std()) == pytest.approx(1.0, abs=1e-3)
     images = pipe(["a handwritten digit seven", "the number 3 written by hand"], height=32, width=32,

@@ -216,7 +216,7 @@ def _judge_metrics(labels, caplog):
     import numpy as np
     from flowgrpo_rewards.digits_judge import DigitJudge
 
-    from flowgrpo.tasks.digits.model import digits_to_images, load_digit_split
+    from flowgrpo.tasks.digits.data import digits_to_images, load_digit_split
 
     x, y = load_digit_split("all")
     idx = [int(np.flatnonzero(y == d)[k]) for k, d in enumerate(labels)]

@@ -1,9 +1,9 @@
 """Digit correctness: does the image show the digit its prompt asks for?
 
-The reward of the embedded digits task (:mod:`flowgrpo.tasks.digits.model`). The intended digit comes from the prompt
+The reward of the embedded digits task (:mod:`flowgrpo.tasks.digits`). The intended digit comes from the prompt
 file's metadata (``{"prompt": "a handwritten digit seven", "digit": 7}``), never from the prompt text or the
 image's position in the batch. Images are brought back to load_digits' 8×8 grid
-(:func:`flowgrpo.tasks.digits.model.images_to_digits`) and scored by the reward classifier, a multinomial logistic
+(:func:`flowgrpo.tasks.digits.data.images_to_digits`) and scored by the reward classifier, a multinomial logistic
 regression trained on the ``reward`` split of the real digits (:func:`flowgrpo.tasks.digits.scoring.reward_classifier`,
 held-out accuracy 0.967). Correctness reported for evaluation should come from the independent judge
 (:func:`flowgrpo.tasks.digits.scoring.judge_correctness`), which this reward never uses.

@@ -16,7 +16,7 @@ import torch
 from flowgrpo_rewards.digits import DigitCorrectness, DigitCorrectnessStrict
 
 from flowgrpo.rewards.registry import load_reward
-from flowgrpo.tasks.digits import model as digits
+from flowgrpo.tasks.digits import data
 from flowgrpo.tasks.digits import scoring as de
 from flowgrpo.testing.rewards import RewardConformance
 
@@ -24,9 +24,9 @@ from flowgrpo.testing.rewards import RewardConformance
 @pytest.fixture(scope="module")
 def test_digits():
     """30 real held-out digits, 3 of each class: (grids (30, 8, 8) 0–16, labels (30,), images (30, 3, 32, 32))."""
-    x, y = digits.load_digit_split("test")
+    x, y = data.load_digit_split("test")
     idx = np.concatenate([np.flatnonzero(y == d)[:3] for d in range(10)])
-    return x[idx], y[idx], digits.digits_to_images(x[idx])
+    return x[idx], y[idx], data.digits_to_images(x[idx])
 
 
 def meta(labels) -> list[dict]:
@@ -55,7 +55,7 @@ def test_reward_is_the_logistic_regression_probability_of_the_metadata_digit(rew
 
 def test_reward_reads_the_label_from_metadata_not_the_batch_position(reward, test_digits):
     _, labels, images = test_digits
-    prompts = [digits.digit_prompt(int(d)) for d in labels]
+    prompts = [data.digit_prompt(int(d)) for d in labels]
     base = reward(images, prompts, meta(labels))
     perm = torch.randperm(30, generator=torch.Generator().manual_seed(0))
     together = reward(images[perm], [prompts[i] for i in perm], meta(labels[perm.numpy()]))
@@ -124,7 +124,7 @@ class TestDigitCorrectnessConformance(RewardConformance):
 
 
 def _real_grids(per_digit: int):
-    from flowgrpo.tasks.digits.model import load_digit_split
+    from flowgrpo.tasks.digits.data import load_digit_split
 
     x, y = load_digit_split("all")
     idx = np.concatenate([np.flatnonzero(y == d)[:per_digit] for d in range(10)])
@@ -134,7 +134,7 @@ def _real_grids(per_digit: int):
 def test_digit_judge_batch_metrics_per_digit_and_min_ratio():
     from flowgrpo_rewards.digits_judge import DigitJudge
 
-    from flowgrpo.tasks.digits.model import digits_to_images, images_to_digits
+    from flowgrpo.tasks.digits.data import digits_to_images, images_to_digits
     from flowgrpo.tasks.digits.scoring import judge_predict
 
     grids, labels = _real_grids(4)
@@ -164,7 +164,7 @@ def test_digit_judge_batch_metrics_per_digit_and_min_ratio():
 
 
 def _real_all():
-    from flowgrpo.tasks.digits.model import load_digit_split
+    from flowgrpo.tasks.digits.data import load_digit_split
 
     x, y = load_digit_split("all")
     return x.astype(np.float64), y

@@ -25,7 +25,7 @@ import logging
 import numpy as np
 import torch
 
-from flowgrpo.tasks.digits.model import (
+from flowgrpo.tasks.digits.data import (
     check_digit,
     images_to_digits,
     load_digit_split,
