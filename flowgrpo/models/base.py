@@ -116,6 +116,20 @@ class AdapterBase:
         are on the device inside it and back in host memory after; otherwise nothing happens."""
         return self.encoders_offload() if self.encoders_offload is not None else contextlib.nullcontext()
 
+    def normal_noise(self, shape: tuple[int, ...], generator) -> torch.Tensor:
+        """``shape`` (B, …) float32 standard-normal noise on the model's device, drawn by diffusers'
+        ``randn_tensor`` as the pipelines' ``prepare_latents`` draw it (a generator per sample, or one for all).
+
+        Raises:
+            ValueError: a generator list whose length is not B = ``shape[0]``.
+        """
+        from diffusers.utils.torch_utils import randn_tensor
+
+        if isinstance(generator, list | tuple) and len(generator) != shape[0]:
+            raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]} latents")
+        gen = list(generator) if isinstance(generator, tuple) else generator
+        return randn_tensor(shape, generator=gen, device=self.device, dtype=torch.float32)
+
     @staticmethod
     def check_image_size(what: str, height: int, width: int, step: int) -> None:
         """The size check: ``ValueError`` naming ``what`` (e.g. "FLUX image size") unless ``height`` and ``width``

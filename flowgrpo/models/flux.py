@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-from diffusers.utils.torch_utils import randn_tensor
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, pipeline_timestep
 
@@ -53,9 +52,12 @@ class FluxAdapter(AdapterBase):
         )
 
     def initial_latents(self, batch_size: int, generator) -> torch.Tensor:
-        """(B, N, 4·C) float32 packed standard-normal latents, drawn as ``FluxPipeline.prepare_latents`` does."""
-        shape = (batch_size, self.num_channels, self.latent_h, self.latent_w)
-        noise = randn_tensor(shape, generator=generator, device=self.device, dtype=torch.float32)
+        """(B, N, 4·C) float32 packed standard-normal latents, drawn as ``FluxPipeline.prepare_latents`` does.
+
+        Raises:
+            ValueError: a generator list whose length is not ``batch_size``.
+        """
+        noise = self.normal_noise((batch_size, self.num_channels, self.latent_h, self.latent_w), generator)
         return FluxPipeline._pack_latents(noise, batch_size, self.num_channels, self.latent_h, self.latent_w)
 
     def _image_ids(self) -> torch.Tensor:

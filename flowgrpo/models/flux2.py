@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
-from diffusers.utils.torch_utils import randn_tensor
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, pipeline_timestep, scheduler_sigmas
 from flowgrpo.models.zimage import build_tiny_qwen3_tokenizer
@@ -90,11 +89,7 @@ class Flux2Adapter(AdapterBase):
         Raises:
             ValueError: a generator list whose length is not ``batch_size``.
         """
-        if isinstance(generator, list | tuple) and len(generator) != batch_size:
-            raise ValueError(f"got {len(generator)} generators for a batch of {batch_size} latents")
-        gen = list(generator) if isinstance(generator, tuple) else generator
-        shape = (batch_size, self.num_channels, self.latent_h // 2, self.latent_w // 2)
-        noise = randn_tensor(shape, generator=gen, device=self.device, dtype=torch.float32)
+        noise = self.normal_noise((batch_size, self.num_channels, self.latent_h // 2, self.latent_w // 2), generator)
         # contiguous: the packing is a transposed view, and a strided input takes another matmul kernel than the
         # contiguous rows the trainer gathers later (measured: a last-bit log-prob mismatch at the first step)
         return type(self.pipe)._pack_latents(noise).contiguous()

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds
 
@@ -101,10 +100,7 @@ class HunyuanVideo15Adapter(AdapterBase):
         Raises:
             ValueError: a generator list whose length is not ``batch_size``.
         """
-        if isinstance(generator, list | tuple) and len(generator) != batch_size:
-            raise ValueError(f"got {len(generator)} generators for a batch of {batch_size} latents")
-        gen = list(generator) if isinstance(generator, tuple) else generator
-        return randn_tensor((batch_size, *self.latent_shape), generator=gen, device=self.device, dtype=torch.float32)
+        return self.normal_noise((batch_size, *self.latent_shape), generator)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
                  guidance_scale: float) -> torch.Tensor:

@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-from diffusers.utils.torch_utils import randn_tensor
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, pipeline_timestep, scheduler_sigmas
 
@@ -95,11 +94,7 @@ class QwenImageAdapter(AdapterBase):
         Raises:
             ValueError: a generator list whose length is not ``batch_size``.
         """
-        if isinstance(generator, list | tuple) and len(generator) != batch_size:
-            raise ValueError(f"got {len(generator)} generators for a batch of {batch_size} latents")
-        gen = list(generator) if isinstance(generator, tuple) else generator
-        shape = (batch_size, 1, self.num_channels, self.latent_h, self.latent_w)
-        noise = randn_tensor(shape, generator=gen, device=self.device, dtype=torch.float32)
+        noise = self.normal_noise((batch_size, 1, self.num_channels, self.latent_h, self.latent_w), generator)
         return QwenImagePipeline._pack_latents(noise, batch_size, self.num_channels, self.latent_h, self.latent_w)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-from diffusers.utils.torch_utils import randn_tensor
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds
 from flowgrpo.models.tiny import build_clip_tokenizer, build_t5_tokenizer, build_tiny_vae, builder_main
@@ -107,11 +106,7 @@ class SD3Adapter(AdapterBase):
         Raises:
             ValueError: a generator list whose length is not ``batch_size``.
         """
-        if isinstance(generator, list | tuple) and len(generator) != batch_size:
-            raise ValueError(f"got {len(generator)} generators for a batch of {batch_size} latents")
-        shape = (batch_size, self.num_channels, self.latent_h, self.latent_w)
-        gen = list(generator) if isinstance(generator, tuple) else generator
-        return randn_tensor(shape, generator=gen, device=self.device, dtype=torch.float32)
+        return self.normal_noise((batch_size, self.num_channels, self.latent_h, self.latent_w), generator)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
                  guidance_scale: float) -> torch.Tensor:

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from diffusers import ZImagePipeline
 from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
-from diffusers.utils.torch_utils import randn_tensor
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
 from flowgrpo.models.qwenimage import build_qwen_tokenizer
@@ -91,11 +90,7 @@ class ZImageAdapter(AdapterBase):
         Raises:
             ValueError: a generator list whose length is not ``batch_size``.
         """
-        if isinstance(generator, list | tuple) and len(generator) != batch_size:
-            raise ValueError(f"got {len(generator)} generators for a batch of {batch_size} latents")
-        gen = list(generator) if isinstance(generator, tuple) else generator
-        shape = (batch_size, self.num_channels, self.latent_h, self.latent_w)
-        return randn_tensor(shape, generator=gen, device=self.device, dtype=torch.float32)
+        return self.normal_noise((batch_size, self.num_channels, self.latent_h, self.latent_w), generator)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
                  guidance_scale: float) -> torch.Tensor:
