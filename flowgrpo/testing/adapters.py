@@ -353,9 +353,10 @@ class AdapterConformance:
             f"chunker={chunker}", "train.num_epochs=1", "train.group_size=2", "train.prompts_per_epoch=2",
             "train.rollout_batch_size=2", "train.lr=1e-3", f"data.train_prompts={prompt_file}", f"output_dir={out}",
             "logging.progress=false",
+            # the evaluations before and after: 2 images in T steps (what this test checks is the training epoch)
+            "data.eval_num_prompts=2", f"eval_sampling.num_steps={c.num_steps}",
             # a video model: its frame count, and the image reward scored on every frame (the video contract)
-            # (and an evaluation of 2 videos in T steps, not 200 in 40)
-            *([f"model.num_frames={c.num_frames}", "data.eval_num_prompts=2", f"eval_sampling.num_steps={c.num_steps}",
+            *([f"model.num_frames={c.num_frames}",
                "rewards=[{name: video_frames, kwargs: {base: jpeg_compressibility}}]"] if c.num_frames
               else ["rewards=[{name: jpeg_compressibility}]"]),
         ])
