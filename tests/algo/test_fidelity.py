@@ -19,7 +19,7 @@ from flowgrpo.records import PromptEmbeds, Rewards
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
 from flowgrpo.sampling.sde import kl_to_reference, transition_moments
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _sd35_sigmas(num_steps: int = 10) -> torch.Tensor:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "learning.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "learning.py"
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from flowgrpo.config import Config, ConfigError, build_config, load_config, parse_override, save_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_valid_and_derive_the_batch_sizes():

@@ -14,7 +14,7 @@ from flowgrpo.config import load_config
 from flowgrpo.models.zoo import CASES
 from flowgrpo.testing.adapters import tiny_folder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG_OF = {"qwenimage": "qwenimage", "zimage": "zimage", "flux2_klein": "flux2_klein", "flux2": "flux2",
              "kontext": "kontext", "qwenimage_edit_plus": "qwenimage_edit_plus"}
 

@@ -13,7 +13,7 @@ import pytest
 
 from flowgrpo.config import load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # every release here trains the SDE-ratio objective with PPO's clipped surrogate and no group filter
 SDE_RATIO_CLIPPED = {"objective.name": "sde_ratio", "algo.policy_loss.name": "clipped",

@@ -16,7 +16,7 @@ from flowgrpo.config import load_config
 from flowgrpo.rewards.registry import load_reward
 from flowgrpo.sampling.sde import SDE_KINDS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 

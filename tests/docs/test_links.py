@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 PAGES = sorted([REPO / "README.md", *DOCS.rglob("*.md")])
 README_LIMIT = 12_288  # bytes: the README is an entry over the docs site, not the docs

@@ -12,7 +12,7 @@ import pytest
 
 from flowgrpo.config import ConfigError, build_config, parse_override
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_an_override_that_is_not_yaml_names_itself_and_suggests_quoting():

@@ -16,7 +16,7 @@ import pytest
 from flowgrpo.cli import main as cli_main
 from flowgrpo.config import build_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOT_UTF8 = b"\xff\xfe\x00a handwritten digit\n"
 MOD = __name__  # the stub reward below is loaded by 'module:attr'
 

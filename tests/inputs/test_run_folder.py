@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from flowgrpo.config import ConfigError, build_config
 from flowgrpo.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MOD = __name__  # the stub rewards below are loaded by 'module:attr'
 
 

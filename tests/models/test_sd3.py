@@ -19,7 +19,7 @@ from flowgrpo.sampling.rollout import SamplerSettings, denoise
 
 PROMPTS = ["a red cat on a blue chair", "two green dogs"]
 MSL = 12  # T5 tokens
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -203,7 +203,7 @@ def test_rejected_kwargs_and_non_rewards_are_load_errors(plugins):
 
 def test_the_readme_example_plugin_declares_and_loads_its_reward(monkeypatch):
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    root = Path(__file__).resolve().parents[1] / "examples" / "reward_plugin"
+    root = Path(__file__).resolve().parents[2] / "examples" / "reward_plugin"
     eps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]["flowgrpo.rewards"]
     assert eps == {"colorfulness": "flowgrpo_colorfulness.reward:Colorfulness"}
     monkeypatch.syspath_prepend(str(root))  # as if installed: the same target through module:attr

@@ -1,6 +1,6 @@
 """Reward infrastructure: weighted composition with NaN (flowgrpo.rewards.compose), background scoring, the remote
 reward and its server. Reward discovery (entry points, ``module:attr``, load errors) is specified in
-test_registry.py.
+tests/rewards/test_registry.py.
 
 Remote tests start real
 servers on 127.0.0.1 at a free port: ``flowgrpo-reward-server``'s app on a thread, the command itself in a

@@ -22,7 +22,7 @@ from flowgrpo.rewards.background import AsyncRewardScorer
 from flowgrpo.rewards.compose import ComposedReward, RewardError
 from flowgrpo.rewards.remote import RemoteReward, RemoteRewardError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Dying:

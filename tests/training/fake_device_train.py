@@ -1,5 +1,5 @@
-"""``torchrun … tests/fake_device_train.py CONFIG``: ``flowgrpo/train.py`` on a fake accelerator with an NCCL-like
-process group, on CPU (gloo underneath).
+"""``torchrun … tests/training/fake_device_train.py CONFIG``: ``flowgrpo/train.py`` on a fake accelerator with an
+NCCL-like process group, on CPU (gloo underneath).
 
 The model lives on the fake accelerator of :mod:`fake_device` during training; the process group reports the
 ``nccl`` backend, so :func:`flowgrpo.dist.backend_device` decides for CUDA (which the fake accelerator stands in
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as td
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fake_device import FakeAccelerator  # noqa: E402 - after the path set-up
 

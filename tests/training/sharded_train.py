@@ -1,6 +1,6 @@
-"""``torchrun … tests/sharded_train.py CONFIG [CONFIG …]``: the training command (``flowgrpo.runner.run``) for each
-config in turn, in the same processes (one start of the processes, several runs), each followed by a report of
-every process, ``<output_dir>/process_<global rank>.json``:
+"""``torchrun … tests/training/sharded_train.py CONFIG [CONFIG …]``: the training command (``flowgrpo.runner.run``)
+for each config in turn, in the same processes (one start of the processes, several runs), each followed by a report
+of every process, ``<output_dir>/process_<global rank>.json``:
 
 * ``rank``, ``local_rank``, ``main``: the process's global and local rank, and whether it was the main process;
 * ``transformer`` and ``reference``: [elements this process holds, elements of the whole module] of the trained
@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flowgrpo import dist, runner  # noqa: E402 - after the path set-up
 from flowgrpo.algo.objectives import sde_ratio  # noqa: E402

@@ -1,6 +1,6 @@
 """Mixed devices, caught without a GPU: the real trainer runs one epoch (rollout, rewards, advantages, plan,
 recompute, update with KL, EMA, evaluation, checkpoint) with the model on a fake accelerator
-(:mod:`tests.fake_device`), where an operation mixing accelerator and host tensors fails as it does on CUDA.
+(:mod:`tests.training.fake_device`), where an operation mixing accelerator and host tensors fails as it does on CUDA.
 
 On a real GPU, ``acc.add(terms, m.cpu(), …)`` multiplying a CUDA ratio by a CPU mask raised "Expected all tensors
 to be on the same device"; the same class of fault fails here on the CPU.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flowgrpo.config import build_config
-from tests.fake_device import FakeAccelerator
+from tests.training.fake_device import FakeAccelerator
 
 
 def _modules(adapter) -> list[torch.nn.Module]:

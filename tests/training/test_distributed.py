@@ -1,7 +1,7 @@
 """Two CPU processes (gloo, torchrun) give the same advantages and the same parameter update as one process
 with the same global batch; so do two processes whose model lives on a fake accelerator behind an NCCL-like
-process group that refuses host tensors (``tests/fake_device_train.py``): every collective gets its tensors on the
-device the backend needs, and no operation mixes devices.
+process group that refuses host tensors (``tests/training/fake_device_train.py``): every collective gets its tensors
+on the device the backend needs, and no operation mixes devices.
 
 Tolerance: the gathered rewards and advantages are computed from bit-identical samples (every noise is seeded
 by (seed, epoch, prompt, sample), never by rank) and must be equal exactly. The parameter update sums the same
@@ -23,7 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _config(tmp_path: Path, tiny_flux_dir: Path, name: str) -> Path:
@@ -64,7 +64,7 @@ def test_two_processes_match_one(tmp_path, tiny_flux_dir):
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
           "flowgrpo/train.py", str(two)], tmp_path)
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
-          "tests/fake_device_train.py", str(fake)], tmp_path)
+          "tests/training/fake_device_train.py", str(fake)], tmp_path)
     a = load_file(tmp_path / "one" / "rollouts" / "epoch_0.safetensors")
     for name in ("two", "fake"):
         _compare(tmp_path, a, name)

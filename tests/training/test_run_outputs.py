@@ -14,7 +14,7 @@ import torch
 from flowgrpo.config import build_config
 from flowgrpo.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

@@ -4,11 +4,11 @@ each process holds a shard of the policy and of the reference; two nodes of one 
 them is the main process; uneven work per process does not stall the collectives.
 
 One module fixture runs everything once, so the processes start three times in all: in this process the one-process
-runs; one ``torchrun --nproc_per_node 2`` (``tests/sharded_train.py``, several runs in the same processes); one pair
-of torchrun agents ``--nnodes 2 --node_rank 0/1`` on 127.0.0.1, one process each (static rendezvous).
+runs; one ``torchrun --nproc_per_node 2`` (``tests/training/sharded_train.py``, several runs in the same processes);
+one pair of torchrun agents ``--nnodes 2 --node_rank 0/1`` on 127.0.0.1, one process each (static rendezvous).
 
-Tolerance (as in ``tests/test_distributed.py``): samples, rewards and advantages are bit-identical (every noise is
-seeded by (seed, epoch, prompt, sample), never by rank); gradients sum in another order (per shard, then the
+Tolerance (as in ``tests/training/test_distributed.py``): samples, rewards and advantages are bit-identical (every
+noise is seeded by (seed, epoch, prompt, sample), never by rank); gradients sum in another order (per shard, then the
 reduce-scatter average), so an update differs in float32 rounding: 1e-6 relative to the update's size. A huge Adam
 epsilon makes the update proportional to the gradient (plain Adam's first step is lr·sign(g), blind to a wrong
 normalisation, e.g. a gradient summed instead of averaged over the processes, off by a factor of 2).
@@ -27,9 +27,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.test_distributed import _free_port
+from tests.training.test_distributed import _free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-6
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -73,7 +73,7 @@ SHARDED = {"sharding": "fsdp2", "text_encoders": "offload"}
 def _in_process(path: Path) -> None:
     from flowgrpo import runner
     from flowgrpo.config import load_config
-    from tests.sharded_train import write_report
+    from tests.training.sharded_train import write_report
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as the subprocesses (OMP_NUM_THREADS=1): the same kernels' rounding
@@ -86,7 +86,7 @@ def _in_process(path: Path) -> None:
 
 
 def _torchrun(args: list[str], configs: list[Path], timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *args, "tests/sharded_train.py", *map(str, configs)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args, "tests/training/sharded_train.py", *map(str, configs)]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -94,8 +94,9 @@ def _two_nodes(config: Path) -> list[subprocess.CompletedProcess]:
     port = _free_port()
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-         "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port, "tests/sharded_train.py",
-         str(config)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port,
+         "tests/training/sharded_train.py", str(config)],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for node in (0, 1)]
     out = []
     for agent in agents:
