@@ -1,20 +1,118 @@
-"""User-facing input faults, each refused at the boundary with a message naming the value and what is allowed:
-booleans given for integers, out-of-range seeds, corrupt checkpoint files, a resume that changes the prompt
-sampler, and digits left out of the digit judge's diversity figures."""
+"""Bad configuration, refused before any model loads with a message naming the key, the value and what is allowed:
+values the schema refuses, typos with a suggestion, overrides that are not ``key=value`` YAML, booleans given for
+integers or floats, out-of-range seeds, settings of a strategy the run does not use, strategies that cannot plan on
+the run's grid, batch layouts that do not split over the processes, a model id that cannot be read."""
 
 from __future__ import annotations
 
-import json
-import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
-from flowgrpo.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from flowgrpo.config import ConfigError, Section, build_config
-from flowgrpo.data.prompts import GroupSampler
+from flowgrpo.config import ConfigError, Section, build_config, parse_override
+from tests.tiny_runs import _cfg, _tiny_overrides
 
-# --- 1. booleans are not integers -----------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -------------------------------------------------------------------------------------------------- values and keys
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.max_sequence_length=0"], "'model.max_sequence_length': Input should be greater than or equal to 1"),
+    (["model.max_sequence_length=-5"], "greater than or equal to 1"),
+    (["model.height=0"], "'model.height': Input should be greater than or equal to 1"),
+    (["train.learning_rate=1e-4"], "unknown config key 'train.learning_rate'; did you mean 'train.lr'?"),
+    (["train.epochs=3"], "did you mean 'train.num_epochs'?"),
+    (["train.kl_beta=0.1"], "did you mean 'algo.kl_beta'?"),
+    (["sampling.eta=0.3"], "did you mean 'sampling.noise_level'?"),
+    (["sampling.guidance_scale=.nan"], "finite number"),
+    (["rewards=[{name: jpeg_compressibility, weight: 0}]"], "every reward in rewards has weight 0"),
+])
+def test_bad_values_are_refused_by_the_schema(overrides, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        build_config({}, overrides)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rewards=[{name: jpeg_compressibility, kwargs: {qualty: 80}}]"],
+     "reward 'jpeg_compressibility' has no keyword argument 'qualty'.*did you mean 'quality'"),
+    (["rewards=[{name: jpeg_compresibility}]"], "unknown reward 'jpeg_compresibility'.*did you mean"),
+    (["data.train_prompts=/nonexistent/prompts.txt"], "data.train_prompts: prompt file '/nonexistent/prompts.txt'"),
+    (["data.eval_prompts=/nonexistent/eval.txt"], "data.eval_prompts: prompt file"),
+    (["sampling.noise_level=0"], "noise_level=0.0 leaves no stochastic transition"),
+    (["sampling.sde_kind=ode"], "sde_kind='ode' with sampling.noise_level=0.7 leaves no stochastic"),
+    (["sampling.sde_kind=cps", "sampling.noise_level=0"], "leaves no stochastic transition"),
+    (["train.resume_from=/nonexistent/checkpoints"], "checkpoint '/nonexistent/checkpoints' does not exist"),
+    (["logging.trackers=[wandb]"], r"logging.trackers=\['wandb'\]: \['wandb'\] not installed"),
+])
+def test_everything_is_checked_before_any_model_loads(tmp_path, tiny_flux_dir, monkeypatch, overrides, needle):
+    import flowgrpo.models as models
+    from flowgrpo.runner import run
+
+    if "wandb" in " ".join(overrides) and __import__("importlib").util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the config was checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    cfg = _cfg(tmp_path, tiny_flux_dir, overrides=overrides)
+    with pytest.raises(Exception, match=needle) as info:
+        run(cfg)
+    assert not isinstance(info.value, AssertionError)
+
+
+def test_an_override_that_is_not_yaml_names_itself_and_suggests_quoting():
+    with pytest.raises(ConfigError, match=r"override 'rewards=\[\{name:': the value is not valid YAML.*quote"):
+        parse_override("rewards=[{name:")
+
+
+def test_an_override_without_a_value_says_how_overrides_are_written(tmp_path, monkeypatch, capsys):
+    """``flowgrpo train train.num_epochs`` (no ``=``) was read as a config file that does not exist, no hint."""
+    from flowgrpo.train import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train.num_epochs"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "error: config file 'train.num_epochs' does not exist; a config file ends in .yaml, and an override is "
+        "dotted.key=value (e.g. train.num_epochs=20)")
+
+
+def test_an_output_dir_override_ending_in_yaml_is_an_override_not_a_config(tmp_path, tiny_flux_dir, capsys):
+    """Before: ``output_dir=runs/x.yaml`` as the first argument was read as a config file named
+    'output_dir=runs/x.yaml' that does not exist."""
+    from flowgrpo.train import main
+
+    with pytest.raises(SystemExit) as info:  # help shows the value this command would use, without a run
+        main([f"output_dir={tmp_path / 'run.yaml'}", *_tiny_overrides(tmp_path, tiny_flux_dir), "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and f"[{tmp_path / 'run.yaml'}]" in out
+
+
+def test_unreachable_model_fails_at_once_naming_it():
+    """No local folder, not cached: offline it fails without touching the network; with an unreachable hub (a
+    closed port on loopback stands in for it) after one connection attempt, not after the hub client's retries."""
+    code = ("import logging\nlogging.basicConfig(level=logging.WARNING)\n"
+            "from flowgrpo.models import load_model\n"
+            "try:\n    load_model('black-forest-labs/FLUX.1-dev')\n"
+            "except ValueError as e:\n    print('ERR', e)\n")
+    for offline, why in (("1", "HF_HUB_OFFLINE is set"), ("0", "cannot be reached from this machine")):
+        env = {**os.environ, "HF_HUB_OFFLINE": offline, "HF_ENDPOINT": "http://127.0.0.1:9",
+               "HF_HUB_CACHE": "/nonexistent-flowgrpo-test-cache"}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert "ERR cannot read model 'black-forest-labs/FLUX.1-dev'" in proc.stdout, proc.stderr[-2000:]
+        assert why in proc.stdout and "hf download black-forest-labs/FLUX.1-dev" in proc.stdout
+        assert "Retrying" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------- booleans are not integers
 
 
 @pytest.mark.parametrize("key", ["data.eval_num_prompts", "logging.eval_every", "logging.plot_every",
@@ -110,7 +208,7 @@ def test_every_float_field_refuses_a_boolean_and_takes_a_number():
     assert build_config({}, ["train.lr=1", "train.adam_betas=[0, 0.9]"]).train.lr == 1.0
 
 
-# --- 2. seeds numpy cannot take ---------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------ seeds numpy cannot take
 
 
 @pytest.mark.parametrize("seed", [-1, 2**32, 2**33])
@@ -124,124 +222,135 @@ def test_the_seed_range_ends_are_accepted():
     assert build_config({}, [f"train.seed={2**32 - 1}"]).train.seed == 2**32 - 1
 
 
-# --- 3. corrupt checkpoint files --------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------- strategies
 
 
-def _parts(seed=0):
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.ones(1, 3)).sum().backward()
-    opt.step()
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    from flowgrpo.ema import EMA
+@pytest.mark.parametrize("overrides, needle", [
+    (["sampling.sde_kind=fow_sde"], "unknown SDE kind 'fow_sde'"),
+    (["algo.advantage=grpoo"], "unknown advantage estimator 'grpoo'"),
+    (["chunker.name=chunk", "chunker.chunk_sizes=[2,3]"], "must be positive and sum to the 8"),
+    (["chunker.name=window", "chunker.window_size=20"], "exceeds sampling.num_steps=8"),
+    (["chunker.name=entropy_merge", "chunker.entropy_threshold=0.9", "sampling.sde_kind=cps"], "cannot use"),
+])
+def test_strategy_errors_come_before_any_model_loads(overrides, needle):
+    from flowgrpo.preflight import check_strategies
 
-    return model, opt, sched, GroupSampler(30, 8, seed), EMA(list(model.parameters()), 0.9)
-
-
-def _saved(tmp_path):
-    model, opt, sched, sampler, ema = _parts()
-    save_checkpoint(tmp_path, 0, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, ema=ema)
-    return tmp_path / "epoch_0"
+    with pytest.raises((KeyError, ValueError), match=needle):
+        check_strategies(build_config({"sampling": {"num_steps": 8}}, overrides))
 
 
-def _load(tmp_path, sampler=None):
-    model, opt, sched, own, ema = _parts()
-    return load_checkpoint(tmp_path, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler or own,
-                           ema=ema)
+@pytest.mark.parametrize("overrides, needle", [
+    (["algo.group_filter.keep=4"], "algo.group_filter.keep=4 is read only by algo.group_filter.name=gfpo, but "
+                                   "algo.group_filter.name is 'none'"),
+    (["algo.group_filter.select=bottom"], "algo.group_filter.select='bottom' is read only by"),
+    (["algo.policy_loss.tau_pos=5000"], "algo.policy_loss.tau_pos=5000 is read only by algo.policy_loss.name=sapo, "
+                                        "but algo.policy_loss.name is 'clipped'"),
+    (["algo.policy_loss={name: sapo, c: 5}"], "algo.policy_loss.c=5 is read only by algo.policy_loss.name=dual_clip, "
+                                              "but algo.policy_loss.name is 'sapo'"),
+    (["algo.sapo_tau_pos=5000"], "algo.sapo_tau_pos=5000 is read only by algo.policy_loss=sapo, but "
+                                 "algo.policy_loss is 'clipped'"),  # the key of earlier versions
+    (["algo.advantage=rloo", "algo.global_std=true"], "algo.global_std=True is read only by algo.advantage=grpo, "
+                                                       "but algo.advantage is 'rloo'"),
+])
+def test_a_setting_the_chosen_strategy_does_not_read_is_refused(tmp_path, monkeypatch, capsys, overrides, needle):
+    """Before: ``algo.group_filter.keep=4`` without a filter started an 80-epoch run that never filtered."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the config was checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    with pytest.raises(SystemExit) as info:
+        main([*overrides, f"output_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err and needle in err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("name", ["trainable.safetensors", "ema.safetensors", "optimizer.pt", "rng.pt",
-                                  "state.json"])
-def test_a_truncated_checkpoint_file_is_named_as_corrupt(tmp_path, name):
-    folder = _saved(tmp_path)
-    f = folder / name
-    f.write_bytes(f.read_bytes()[:min(1000, f.stat().st_size // 2)])
-    with pytest.raises(CheckpointError, match=rf"{name}' is corrupt or unreadable"):
-        _load(tmp_path)
+@pytest.mark.parametrize("overrides, why", [
+    (["chunker={name: per_step, drop_last_step: true}"], "chunker.drop_last_step=true leaves it out"),
+    (["chunker={name: per_step}", "sampling.sde_kind=cps"], "sde_kind 'cps' makes it deterministic"),
+    (["chunker={name: chunk, drop_last_step: true}"], "chunker.drop_last_step=true leaves it out"),
+    (["chunker={name: trajectory, drop_last_step: true}"], "chunker.drop_last_step=true leaves it out"),
+])
+def test_one_step_whose_only_transition_is_never_trained_is_refused_before_loading(tmp_path, monkeypatch, capsys,
+                                                                                  overrides, why):
+    """Before: ``sampling.num_steps=1 chunker.drop_last_step=true`` loaded the model, evaluated, sampled, then
+    died in the plan with a traceback blaming sde_kind and noise_level."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the config was checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    with pytest.raises(SystemExit) as info:
+        main(["sampling.num_steps=1", *overrides, f"output_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"error: sampling.num_steps=1 leaves no transition to train: the last "
+                                            f"transition is never trained ({why}); use sampling.num_steps >= 2")
 
 
-def test_a_garbage_safetensors_file_is_named_as_corrupt(tmp_path):
-    folder = _saved(tmp_path)
-    (folder / "trainable.safetensors").write_bytes(b"\x00" * 1000)
-    with pytest.raises(CheckpointError, match=r"trainable.safetensors' is corrupt or unreadable"):
-        _load(tmp_path)
+@pytest.mark.parametrize("level", ["1.5", "3"])
+def test_a_cps_noise_level_above_one_is_refused_before_loading(tmp_path, monkeypatch, capsys, level):
+    """Before: cps with a = 1.5 trained silently with the std of a = 0.5 (sin(a·π/2) folds back above 1)."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the config was checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    with pytest.raises(SystemExit) as info:
+        main(["chunker={name: per_step}", "sampling.sde_kind=cps", f"sampling.noise_level={level}",
+              f"output_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        f"error: sampling.noise_level={float(level)} is outside [0, 1], the range of sde_kind 'cps'")
 
 
-def test_a_state_json_without_its_entries_is_named_as_corrupt(tmp_path):
-    folder = _saved(tmp_path)
-    (folder / "state.json").write_text(json.dumps({"epoch": 0}))
-    with pytest.raises(CheckpointError, match=r"state.json' is corrupt or unreadable .*'lr_scheduler'"):
-        _load(tmp_path)
+def test_an_entropy_threshold_no_jump_reaches_is_one_line_before_any_evaluation(tmp_path, tiny_flux_dir, capsys,
+                                                                                  monkeypatch):
+    """Before: E-GRPO's entropy rule ran first in the first rollout, after the model load and the 'before'
+    evaluation, and died there with a traceback (DanceGRPO's SDE at eta 0.7 never reaches tau 0.9 per dim)."""
+    from flowgrpo.train import main
+    from flowgrpo.training.loop import Trainer
+
+    def no_training(self):
+        raise AssertionError("the run started although its chunker cannot plan on the model's grid")
+
+    monkeypatch.setattr(Trainer, "fit", no_training)
+    overrides = [o for o in _tiny_overrides(tmp_path, tiny_flux_dir) if not o.startswith("chunker=")]
+    with pytest.raises(SystemExit) as info:
+        main([*overrides, "sampling.num_steps=8", "chunker={name: entropy_merge, entropy_threshold: 0.9}",
+              "sampling.sde_kind=dance_sde", "sampling.noise_level=0.7", "train.num_epochs=1",
+              f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: no jump within the first 4 steps reaches "
+                                                   "entropy_threshold=0.9")
 
 
-def test_a_missing_checkpoint_file_is_named(tmp_path):
-    folder = _saved(tmp_path)
-    (folder / "optimizer.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"is incomplete: optimizer.pt is missing"):
-        _load(tmp_path)
+# -------------------------------------------------------------------------------------- batch layout over processes
 
 
-def test_an_intact_checkpoint_still_loads(tmp_path):
-    _saved(tmp_path)
-    assert _load(tmp_path) == 0
+def test_batch_layout_is_checked_per_process(tmp_path, tiny_flux_dir, monkeypatch):
+    from flowgrpo.runner import run
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # B = 4: 2 trajectories a process, one micro-batch of 2, but 2 optimizer steps asked for
+    cfg = _cfg(tmp_path, tiny_flux_dir, overrides=["train.optimizer_steps_per_epoch=2", "train.rollout_batch_size=2",
+                                                   "train.prompts_per_epoch=2"])
+    with pytest.raises(ValueError, match="optimizer_steps_per_epoch=2 exceeds the 1 training micro-batches of the "
+                                         "2 trajectories each of the 2 processes"):
+        run(cfg)
 
 
-# --- 4. a resume that changes the prompt sampler ----------------------------------------------------------------
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("digits*.yaml")) + [REPO / "configs/tiny_jpeg.yaml"])
+def test_shipped_cpu_configs_split_over_two_processes(path):
+    from flowgrpo.config import load_config
+    from flowgrpo.preflight import check_batch
 
-
-def test_a_resume_with_other_prompts_per_epoch_is_explained_in_config_terms():
-    state = {"position": 24, "seed": 0, "n": 30, "p": 8}
-    with pytest.raises(ValueError, match=r"the checkpoint's prompt sampler drew 8 prompts an epoch from 30 prompts "
-                                         r".*this run asks for train.prompts_per_epoch=16 from 30 prompts .*a resume "
-                                         r"cannot change train.prompts_per_epoch.*changed here: "
-                                         r"train.prompts_per_epoch$"):
-        GroupSampler(30, 16, 0).load_state_dict(state)
-    with pytest.raises(ValueError, match=r"changed here: train.seed, the training prompt set$"):
-        GroupSampler(31, 8, 1).load_state_dict(state)
-    ok = GroupSampler(30, 8, 0)
-    ok.load_state_dict(state)
-    assert ok.position == 24
-
-
-def test_load_checkpoint_reports_the_sampler_mismatch(tmp_path):
-    _saved(tmp_path)
-    with pytest.raises(ValueError, match="train.prompts_per_epoch=16"):
-        _load(tmp_path, sampler=GroupSampler(30, 16, 0))
-
-
-# --- 5. digits left out of the judge's diversity ----------------------------------------------------------------
-
-
-def _judge_metrics(labels, caplog):
-    import numpy as np
-    from flowgrpo_rewards.digits_judge import DigitJudge
-
-    from flowgrpo.tasks.digits.data import digits_to_images, load_digit_split
-
-    x, y = load_digit_split("all")
-    idx = [int(np.flatnonzero(y == d)[k]) for k, d in enumerate(labels)]
-    images = digits_to_images(torch.from_numpy(x[idx]).double())
-    with caplog.at_level(logging.WARNING, logger="flowgrpo_rewards.digits_judge"):
-        return DigitJudge().batch_metrics(images, [""] * len(labels), [{"digit": d} for d in labels])
-
-
-def test_the_judge_names_digits_left_out_of_diversity(caplog):
-    labels = [d for d in range(10) for _ in range(2 if d < 5 else 1)]  # eval_num_prompts=15
-    out = _judge_metrics(labels, caplog)
-    assert "leave out digits [5, 6, 7, 8, 9] (one image: [5, 6, 7, 8, 9])" in caplog.text
-    assert "multiple of 10 with at least 2 per digit" in caplog.text
-    assert out["diversity"] == out["diversity"]  # still measured over digits 0-4
-
-
-def test_the_judge_names_absent_digits_too(caplog):
-    _judge_metrics([0, 0, 1, 1, 2], caplog)
-    assert "one image: [2], no image: [3, 4, 5, 6, 7, 8, 9]" in caplog.text
-
-
-def test_the_judge_is_quiet_with_two_images_of_every_digit_and_keeps_the_none_warning(caplog):
-    _judge_metrics([d for d in range(10) for _ in range(2)], caplog)
-    assert "digit_judge" not in caplog.text
-    caplog.clear()
-    out = _judge_metrics(list(range(10)), caplog)
-    assert "no digit has two samples" in caplog.text and "leave out" not in caplog.text
-    assert out["diversity"] != out["diversity"]  # NaN
+    check_batch(load_config(path), 2)  # the README's `torchrun --nproc_per_node 2` command

@@ -13,7 +13,7 @@ import yaml
 
 from flowgrpo.config import build_config
 from flowgrpo.preflight import latest_run_config, resolve_auto_resume
-from tests.inputs.test_run_folder import _cfg
+from tests.tiny_runs import _cfg
 
 
 def _fake_run(folder, epochs_by_file: dict[str, int]):
