@@ -1,12 +1,12 @@
-"""Reward infrastructure: weighted composition with NaN (flowgrpo.rewards.compose), background scoring, the remote
-reward and its server. Reward discovery (entry points, ``module:attr``, load errors) is specified in
-tests/rewards/test_registry.py.
+"""The remote reward (flowgrpo.rewards.remote) and its server (flowgrpo.rewards.server): the PNG wire format,
+scores equal to the in-process reward's, refusals that leave the server up, retries, timeouts and malformed replies,
+the ``flowgrpo-reward-server`` command. Composition is specified in test_compose.py, background scoring in
+test_background.py, reward discovery in test_registry.py, the server under load in test_server.py.
 
-Remote tests start real
-servers on 127.0.0.1 at a free port: ``flowgrpo-reward-server``'s app on a thread, the command itself in a
-subprocess, and a scripted stdlib HTTP server for replies our server never sends (malformed, 503). Expected
-scores come from the in-process reward (the PNG wire format is lossless on the 8-bit grid the JPEG reward
-quantises to) and from weighted sums written out by hand.
+The tests start real servers on 127.0.0.1 at a free port: ``flowgrpo-reward-server``'s app on a thread, the
+command itself in a subprocess, and a scripted stdlib HTTP server for replies our server never sends (malformed,
+503). Expected scores come from the in-process reward (the PNG wire format is lossless on the 8-bit grid the JPEG
+reward quantises to).
 """
 
 from __future__ import annotations
@@ -22,34 +22,22 @@ import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 from flowgrpo_rewards.jpeg import JpegCompressibility, jpeg_size_kb
 
-from flowgrpo.rewards.background import AsyncRewardScorer, RewardError
 from flowgrpo.rewards.base import BaseReward
-from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rewards.registry import load_reward
 from flowgrpo.rewards.remote import RemoteReward, RemoteRewardError, images_to_png_b64, png_b64_to_images
 from flowgrpo.rewards.server import ServerThread, create_app
 from flowgrpo.testing.rewards import RewardConformance
+from tests.rewards.stubs import CatNotApplicable, images_8bit
 
 # ------------------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------------------
-
-
-def images_8bit(n: int, h: int = 32, w: int = 32, seed: int = 0, noise: float = 0.3) -> torch.Tensor:
-    """(n, 3, H, W) float32 on the 8-bit grid with per-image detail, so JPEG sizes differ."""
-    g = torch.Generator().manual_seed(seed)
-    low = torch.rand(n, 3, 4, 4, generator=g)
-    x = torch.nn.functional.interpolate(low, size=(h, w), mode="bilinear", align_corners=False)
-    amp = torch.linspace(0, noise, n).view(n, 1, 1, 1)
-    x = x + amp * (torch.rand(n, 3, h, w, generator=g) - 0.5)
-    return (x.clamp(0, 1) * 255).round() / 255
 
 
 class Recording(BaseReward):
@@ -66,15 +54,6 @@ class Recording(BaseReward):
     def score(self, images, prompts, metadata):
         self.calls.append(images.shape[0])
         return self.inner(images, prompts, metadata)
-
-
-class CatNotApplicable(BaseReward):
-    """0.5 for every prompt, except NaN ("not applicable") for prompts that mention a cat."""
-
-    name = "cat_na"
-
-    def score(self, images, prompts, metadata):
-        return torch.tensor([math.nan if "cat" in p else 0.5 for p in prompts], dtype=torch.float32)
 
 
 class NeedsTag(JpegCompressibility):
@@ -115,227 +94,6 @@ def free_port() -> int:
 
 def health_ok(url: str) -> bool:
     return httpx.get(url + "/health", timeout=5).json()["status"] == "ok"
-
-
-# ------------------------------------------------------------------------------------------------------------
-# weighted composition (NaN: not applicable), and background scoring
-# ------------------------------------------------------------------------------------------------------------
-
-
-def test_nan_components_are_left_out_of_the_weighted_sum():
-    nan = float("nan")
-    a = torch.tensor([1.0, nan, 3.0, nan, -2.0])
-    b = torch.tensor([2.0, 4.0, nan, nan, 0.5])
-    out = compose_rewards({"a": a, "b": b}, {"a": 1.0, "b": 3.0})
-    # sample 0: 1·1 + 3·2 = 7; 1: only b → 3·4 = 12; 2: only a → 1·3 = 3; 3: none → NaN;
-    # 4: 1·(−2) + 3·0.5 = −0.5
-    assert out.total[:3].tolist() == [7.0, 12.0, 3.0]
-    assert math.isnan(out.total[3])
-    assert out.total[4].item() == pytest.approx(-0.5)
-    assert out.total.dtype == torch.float32
-    torch.testing.assert_close(out.components["a"], a, equal_nan=True)
-    assert out.weights == {"a": 1.0, "b": 3.0}
-    # the same through ComposedReward with a plugin and a reward that is NaN ("not applicable") for cat prompts
-    images = images_8bit(4)
-    prompts = ["a cat", "a dog", "a cat on a mat", "a tree"]
-    composed = ComposedReward({"jpeg": JpegCompressibility(), "cat_na": CatNotApplicable()},
-                              {"jpeg": 2.0, "cat_na": 1.0})
-    out = composed(images, prompts, [{}] * 4)
-    j = -jpeg_size_kb(images)
-    # by hand: cat prompts have only the JPEG component present (2·j); the others add both, 2·j + 1·0.5
-    expected = torch.stack([2 * j[0], 2 * j[1] + 0.5, 2 * j[2], 2 * j[3] + 0.5])
-    torch.testing.assert_close(out.total, expected)
-    assert torch.isnan(out.components["cat_na"]).tolist() == [True, False, True, False]
-    # no component present: the composed reward is NaN
-    alone = ComposedReward({"cat_na": CatNotApplicable()}, {"cat_na": 1.0})(images, prompts, [{}] * 4)
-    assert torch.isnan(alone.total).tolist() == [True, False, True, False]
-    assert alone.total[1].item() == 0.5
-    out = ComposedReward({"ok": _Const([1.0, float("nan")])}, {"ok": 1.0})(torch.zeros(2, 3, 4, 4), ["a", "b"],
-                                                                         [{}, {}])
-    assert out.total[0] == 1.0 and torch.isnan(out.total[1])
-
-
-@pytest.mark.parametrize("weights, expected", [
-    # a penalty: the weighted mean's denominator 1 − 1 = 0 made every total NaN
-    ({"quality": 1.0, "penalty": -1.0}, [0.5 - 0.25, 0.75 - 1.0]),
-    # 0.5·q − 1.0·p: the weighted mean divided by −0.5 and flipped the sign of every total
-    ({"quality": 0.5, "penalty": -1.0}, [0.25 - 0.25, 0.375 - 1.0]),
-])
-def test_negative_weights_are_penalties_not_nan_or_sign_flips(weights, expected):
-    q = torch.tensor([0.5, 0.75])
-    p = torch.tensor([0.25, 1.0])
-    out = compose_rewards({"quality": q, "penalty": p}, weights)
-    assert out.total.tolist() == pytest.approx(expected)
-
-
-def test_one_reward_composes_to_its_weighted_score():
-    r = torch.tensor([0.25, -1.5, 7.0])
-    assert torch.equal(compose_rewards({"r": r}, {"r": 1.0}).total, r)
-    assert compose_rewards({"r": r}, {"r": 2.5}).total.tolist() == [0.625, -3.75, 17.5]
-
-
-def test_composition_rejects_mismatched_names_and_shapes():
-    with pytest.raises(ValueError, match="differ"):
-        compose_rewards({"a": torch.zeros(2)}, {"b": 1.0})
-    with pytest.raises(ValueError, match="shapes"):
-        compose_rewards({"a": torch.zeros(2), "b": torch.zeros(3)}, {"a": 1.0, "b": 1.0})
-    with pytest.raises(ValueError, match="shapes"):
-        compose_rewards({"a": torch.zeros(2, 2)}, {"a": 1.0})
-
-
-class _Const:
-    name = "const"
-
-    def __init__(self, values):
-        self.values = values
-
-    def setup(self, device):
-        pass
-
-    def __call__(self, images, prompts, metadata):
-        return torch.tensor(self.values)
-
-
-class _List(_Const):
-    def __call__(self, images, prompts, metadata):
-        return list(self.values)
-
-
-def test_composed_reward_scores_each_and_checks_shapes():
-    composed = ComposedReward({"x": _Const([1.0, 2.0]), "y": _Const([3.0, float("nan")])}, {"x": 1.0, "y": 1.0})
-    out = composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
-    assert out.total.tolist() == [4.0, 2.0]  # 1 + 3, and 2 + (y not applicable)
-    bad = ComposedReward({"x": _Const([1.0, 2.0, 3.0])}, {"x": 1.0})
-    from flowgrpo.rewards.compose import RewardError
-
-    with pytest.raises(RewardError, match="'x' returned shape"):
-        bad.score_components(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
-
-
-def test_an_infinite_reward_is_an_error_naming_the_reward():
-    from flowgrpo.rewards.compose import RewardError
-
-    composed = ComposedReward({"bad": _Const([1.0, float("inf")])}, {"bad": 1.0})
-    with pytest.raises(RewardError, match=r"reward 'bad' returned an infinite score for sample\(s\) \[1\]"):
-        composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
-
-
-def test_none_is_not_applicable():
-    composed = ComposedReward({"x": _Const([0.5, 1.0]), "maybe": _List([None, 2.0])}, {"x": 1.0, "maybe": 2.0})
-    out = composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
-    assert torch.isnan(out.components["maybe"][0]) and out.total.tolist() == [0.5, 5.0]
-
-
-def test_composed_reward_shows_the_training_prompts_to_the_rewards_that_ask():
-    """The optional ``check_training_prompts`` hook (flowgrpo.rewards.base) reaches every component that has it."""
-    seen = []
-
-    class Asks(_Const):
-        def check_training_prompts(self, prompts):
-            seen.append((self.values, prompts))
-
-    prompts = SimpleNamespace(prompts=["a"], metadata=[{}], source="p.txt")
-    ComposedReward({"x": _Const([1.0]), "y": Asks([2.0]), "z": Asks([3.0])}, {"x": 1.0, "y": 1.0, "z": 1.0}) \
-        .check_training_prompts(prompts)
-    assert seen == [([2.0], prompts), ([3.0], prompts)]
-
-
-def test_background_scorer_overlaps_preserves_order_and_matches_in_process():
-    release = threading.Event()
-    worker_threads = []
-
-    class Gate(BaseReward):
-        """Scores only once the main thread has moved on: submit() must return before scoring ends."""
-
-        name = "gate"
-
-        def score(self, images, prompts, metadata):
-            worker_threads.append(threading.get_ident())
-            if not release.wait(10):
-                raise TimeoutError("submit() blocked the caller")
-            return images.mean(dim=(1, 2, 3))
-
-    composed = ComposedReward({"jpeg": JpegCompressibility(), "gate": Gate()}, {"jpeg": 1.0, "gate": 1.0})
-    batches = [images_8bit(n, seed=s) for n, s in ((3, 1), (1, 2), (4, 3))]
-    with AsyncRewardScorer(composed) as scorer:
-        handles = [scorer.submit(b, ["p"] * len(b), [{}] * len(b)) for b in batches]
-        assert not handles[0].done()  # still waiting on the gate: scoring runs behind the caller
-        release.set()
-        got = scorer.gather(handles)
-    everything = torch.cat(batches)
-    torch.testing.assert_close(got["jpeg"], -jpeg_size_kb(everything), rtol=0, atol=0)
-    torch.testing.assert_close(got["gate"], everything.mean(dim=(1, 2, 3)))
-    assert threading.get_ident() not in worker_threads and len(set(worker_threads)) == 1
-    assert [h.index for h in handles] == [0, 1, 2] and [h.batch_size for h in handles] == [3, 1, 4]
-
-
-def test_background_scorer_reraises_with_the_reward_name():
-    class FailsOnSecond(BaseReward):
-        name = "fragile"
-
-        def __init__(self):
-            self.n = 0
-            self.all_submitted = threading.Event()
-
-        def score(self, images, prompts, metadata):
-            self.all_submitted.wait(30)  # the three batches are queued before the first is scored
-            self.n += 1
-            if self.n == 2:
-                raise RuntimeError("CUDA out of memory (simulated)")
-            return torch.ones(images.shape[0])
-
-    class WrongShape(BaseReward):
-        name = "wrong"
-
-        def score(self, images, prompts, metadata):
-            return torch.ones(images.shape[0] + 1)
-
-    fragile = FailsOnSecond()
-    composed = ComposedReward({"jpeg": JpegCompressibility(), "fragile": fragile}, {"jpeg": 1.0, "fragile": 1.0})
-    with AsyncRewardScorer(composed) as scorer:
-        handles = [scorer.submit(images_8bit(2, seed=s), ["p"] * 2, [{}] * 2) for s in range(3)]
-        fragile.all_submitted.set()
-        assert handles[0].result()["fragile"].tolist() == [1.0, 1.0]
-        with pytest.raises(RewardError, match="'fragile'.*out of memory") as info:
-            handles[1].result()
-        assert info.value.reward_name == "fragile" and isinstance(info.value.__cause__, RuntimeError)
-        # the first failure stops the scorer: the batches queued behind it are not scored (issue 38: a lost
-        # reward server must not cost one more retry chain per queued batch)
-        with pytest.raises(RewardError, match="batch 2 was not scored: the reward failed on batch 1 first"):
-            handles[2].result()
-        with pytest.raises(RewardError, match="fragile"):
-            scorer.gather(handles)
-        with pytest.raises(ValueError, match="2 images but 1 prompts"):
-            scorer.submit(images_8bit(2), ["p"], [{}, {}])
-        with pytest.raises(RewardError, match="batch 3 was not scored: the reward failed on batch 1 first"):
-            scorer.submit(images_8bit(2), ["p"] * 2, [{}] * 2)
-    with pytest.raises(RuntimeError, match="closed"):
-        scorer.submit(images_8bit(2), ["p"] * 2, [{}] * 2)
-    with AsyncRewardScorer(ComposedReward({"wrong": WrongShape()}, {"wrong": 1.0})) as scorer:
-        with pytest.raises(RewardError, match=r"'wrong' returned shape \(3,\), expected \(2,\)"):
-            scorer.score(images_8bit(2), ["p"] * 2, [{}] * 2)
-
-
-def test_background_scorer_max_pending_bounds_the_queue():
-    release = threading.Event()
-
-    class Blocked(BaseReward):
-        name = "blocked"
-
-        def score(self, images, prompts, metadata):
-            release.wait(10)
-            return torch.zeros(images.shape[0])
-
-    with AsyncRewardScorer(ComposedReward({"b": Blocked()}, {"b": 1.0}), max_pending=1) as scorer:
-        first = scorer.submit(images_8bit(1), ["p"], [{}])
-        second_submitted = threading.Event()
-        t = threading.Thread(target=lambda: (scorer.submit(images_8bit(1), ["p"], [{}]), second_submitted.set()))
-        t.start()
-        assert not second_submitted.wait(0.3)  # blocked: one batch already pending
-        release.set()
-        assert second_submitted.wait(10)
-        t.join(10)
-        assert first.result()["b"].tolist() == [0.0]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -594,21 +352,3 @@ class TestRemoteRewardConformance(RewardConformance):
             r = RemoteReward(srv.url, batch_size=2)
             r.setup("cpu")
             yield r
-
-
-class JpegUnlessCat(JpegCompressibility):
-    """JPEG compressibility, documented as NaN ("not applicable") for prompts that mention a cat."""
-
-    name = "jpeg_unless_cat"
-
-    def score(self, images, prompts, metadata):
-        s = super().score(images, prompts, metadata)
-        return torch.where(torch.tensor(["cat" in p for p in prompts]), torch.nan, s)
-
-
-class TestDocumentedNanConformance(RewardConformance):
-    """A reward with a documented NaN case passes the suite, which checks NaN exactly where documented."""
-
-    reward_factory = JpegUnlessCat
-    prompt_factory = staticmethod(lambda n: [f"a dog, picture {i}" for i in range(n)])
-    nan_case = staticmethod(lambda: (images_8bit(3), ["a cat", "a dog", "two cats"], [{}] * 3, [True, False, True]))
