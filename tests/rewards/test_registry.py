@@ -1,5 +1,5 @@
-"""Specification of the name → object registries: strategies (flowgrpo.registry) and reward discovery
-(flowgrpo.rewards.registry: entry points, ``module:attr`` names, suggestions, provenance, load errors).
+"""Specification of reward discovery (flowgrpo.rewards.registry: entry points, ``module:attr`` names, suggestions,
+provenance, load errors). The strategies' registry (flowgrpo.registry) is specified in tests/test_registry.py.
 
 Discovery tests install throw-away plugin distributions (a ``*.dist-info`` folder with ``entry_points.txt`` and a
 module beside it) on ``sys.path``, so the real ``importlib.metadata`` discovery runs; the installed
@@ -19,7 +19,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowgrpo.registry import Registry
 from flowgrpo.rewards.registry import (
     GROUP,
     RewardLoadError,
@@ -27,24 +26,6 @@ from flowgrpo.rewards.registry import (
     registered_rewards,
     resolve_reward_factory,
 )
-
-# ----------------------------------------------------------------------------------------------- Registry
-
-
-def test_registry_lists_names_suggests_and_refuses_duplicates():
-    reg: Registry = Registry("widget")
-    reg.register("alpha")(1)
-    reg.register("beta")(2)
-    assert reg.get("beta") == 2 and reg.names() == ["alpha", "beta"] and "alpha" in reg
-    with pytest.raises(KeyError) as err:
-        reg.get("alpah")
-    assert "unknown widget 'alpah'" in str(err.value) and "['alpha', 'beta']" in str(err.value)
-    assert "did you mean 'alpha'" in str(err.value)
-    with pytest.raises(ValueError, match="twice"):
-        reg.register("alpha")(3)
-
-
-# ----------------------------------------------------------------------------------------------- reward discovery
 
 
 def install_fake_dist(root, dist: str, ver: str, eps: dict[str, str], modules: dict[str, str]) -> None:
