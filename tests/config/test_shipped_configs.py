@@ -1,8 +1,10 @@
-"""Every shipped config is valid: schema, registered names, reward kwargs; none loads weights. A model that cannot
-be reached fails fast naming the model id."""
+"""Every shipped config is valid: schema, registered names, reward kwargs; none loads weights. The shipped launch
+config silences accelerate's warning; a config whose prompts are a built file names the command that builds it."""
 
 from __future__ import annotations
 
+import io
+import logging
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,32 @@ def test_config_is_valid_and_names_registered_strategies(path):
         reward, origin = load_reward(spec.name, **spec.kwargs)  # constructs: checks kwargs, loads no weights
         assert origin.distribution is not None
         assert callable(reward)
+
+
+# --------------------------------------------------------------------------------- launch defaults and prompt files
+def test_shipped_launch_defaults_silence_accelerates_warning():
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    logging.getLogger().addHandler(handler)
+    try:
+        args = launch_command_parser().parse_args(
+            ["--config_file", str(REPO / "configs" / "accelerate" / "default.yaml"), "flowgrpo/train.py"])
+        args, _, _ = _validate_launch_command(args)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert "were not passed" not in buf.getvalue()
+    assert args.num_processes == 1 and args.mixed_precision == "no"
+
+
+def test_configs_name_the_command_that_builds_their_prompt_files():
+    import yaml
+
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        train = (data.get("data") or {}).get("train_prompts", "")
+        if train.startswith("data/"):
+            text = path.read_text()
+            # a builder command, or (editing sets with source images, which no public set ships) the file's format
+            assert "flowgrpo prompts" in text or "geneval.prompts" in text or "# Prompt file: JSONL" in text, path

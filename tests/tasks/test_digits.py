@@ -252,3 +252,14 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FLOWGRPO_CACHE", str(tmp_path / "x"))
     assert digits.cache_root() == tmp_path / "x"
     assert digits.default_model_dir(2) == tmp_path / "x" / f"digits-v{digits.RECIPE_VERSION}-seed2"
+
+
+# ------------------------------------------------------------------------------------------------ per-digit figures
+def test_min_diversity_ratio_is_the_worst_digit_against_its_own_real_diversity():
+    from flowgrpo.tasks.digits.scoring import min_diversity_ratio
+
+    assert min_diversity_ratio({0: 20.0, 1: 20.0}, {0: 25.0, 1: 40.0}) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="digits \\[2\\]"):
+        min_diversity_ratio({2: 1.0}, {0: 1.0})
+    with pytest.raises(ValueError, match="at least one digit"):
+        min_diversity_ratio({}, {0: 1.0})

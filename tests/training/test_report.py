@@ -1,53 +1,18 @@
-"""What a researcher reads: the epoch line, the per-digit figures, the end-of-run report, the pictures, the
-model card, ``--help`` and the launch defaults. Expected values are computed here by hand or from the inputs,
-never copied from the code's output."""
+"""What a researcher reads at the end of a run (flowgrpo.training.report): the end-of-run report with a task's
+per-group table, the before/after picture, the model card, quiet library logs, a whole run without evaluation
+prompts. The epoch line is specified in tests/test_metrics.py, the pictures' layout in tests/test_plots.py,
+``--help`` in tests/config/test_help.py. Expected values are computed here by hand or from the inputs, never copied
+from the code's output."""
 
 from __future__ import annotations
 
-import io
-import itertools
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-# ------------------------------------------------------------------ epoch line
-def test_epoch_line_shows_progress_eta_reward_and_later_updates():
-    from flowgrpo.metrics import epoch_line
-
-    record = {"reward/total/mean": 0.625, "reward/total/std": 0.25, "adv/kept_frac": 0.75, "plan/trained_frac": 0.5,
-              "policy/clipfrac": 0.0, "policy/approx_kl": 0.0, "policy/logprob_mismatch_max": 0.0,
-              "policy_later/clipfrac": 0.125, "policy_later/approx_kl": 3e-6}
-    line = epoch_line(record, 4, 80, elapsed=65.0, eta=75 * 13.0)
-    assert line.startswith("epoch 5/80 · 1:05 elapsed · ETA 16:15")  # 975 s = 16 min 15 s
-    assert "reward 0.625 ± 0.25" in line
-    assert "trained 75% of samples, 50% of steps" in line
-    assert "later clip 0.125 kl 3e-06" in line
-    assert "mismatch" not in line and "policy/clipfrac" not in line  # the on-policy step's 0 is not news
-    line = epoch_line({**record, "adv/learning_frac": 0.75}, 4, 80, elapsed=65.0, eta=0.0)
-    assert "trained 75% of samples, 50% of steps" in line  # every kept sample carries a signal: no note
-    line = epoch_line({**record, "adv/learning_frac": 0.0}, 4, 80, elapsed=65.0, eta=0.0)
-    assert "trained 75% of samples (0% with a learning signal), 50% of steps" in line  # a constant reward
-    line = epoch_line({**record, "policy/logprob_mismatch_max": 1.2e-7}, 0, 3, elapsed=3725.0, eta=0.0)
-    assert line.startswith("epoch 1/3 · 1:02:05 elapsed · ETA 0:00")
-    assert line.endswith("first-update mismatch 1.2e-07")
-
-
-# ------------------------------------------------------------------ per-digit figures
-def test_min_diversity_ratio_is_the_worst_digit_against_its_own_real_diversity():
-    from flowgrpo.tasks.digits.scoring import min_diversity_ratio
-
-    assert min_diversity_ratio({0: 20.0, 1: 20.0}, {0: 25.0, 1: 40.0}) == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="digits \\[2\\]"):
-        min_diversity_ratio({2: 1.0}, {0: 1.0})
-    with pytest.raises(ValueError, match="at least one digit"):
-        min_diversity_ratio({}, {0: 1.0})
 
 
 # ------------------------------------------------------------------ end-of-run report
@@ -98,51 +63,6 @@ def test_before_after_has_a_per_digit_row(tmp_path):
     assert (tmp_path / "ba.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_smooth_is_a_trailing_mean():
-    from flowgrpo.plots import smooth
-
-    assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
-    assert smooth([2.0, 4.0], 1) == [2.0, 4.0]
-
-
-def test_reward_curve_one_panel_per_component_no_duplicate_total():
-    from flowgrpo.plots import reward_curve_figure
-
-    one = [{"epoch": e, "reward/jpeg/mean": float(e), "reward/total/mean": float(e)} for e in range(20)]
-    fig = reward_curve_figure(one)
-    titles = [ax.get_title() for ax in fig.axes]
-    assert titles == ["reward: jpeg"]
-    labels = [ln.get_label() for ln in fig.axes[0].get_lines()]
-    assert labels == ["per epoch", "smoothed"]
-    two = [{**r, "reward/clip/mean": 1.0, "eval/jpeg/mean": 2.0, "eval/correctness": 0.5,
-            "eval/digit_3/diversity": 1.0, "eval/diversity_real": 36.0} for r in one]
-    assert [ax.get_title() for ax in reward_curve_figure(two).axes] == [
-        "reward: clip", "reward: jpeg", "reward: total", "evaluation: correctness", "evaluation: jpeg"]
-
-
-def _overlap(a, b) -> bool:
-    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
-
-
-def test_sample_grid_captions_never_overlap():
-    from flowgrpo.plots import sample_grid_figure
-
-    images = torch.rand(20, 3, 32, 32)
-    long = "a very long prompt about a handwritten digit seven drawn on a napkin in a dark bar at night"
-    fig = sample_grid_figure(images, [f"before: {long} {i}" for i in range(20)], ncols=10, title="t",
-                             footer=[f"digit {d}\ncorrect 0.50→1.00\ndiversity 38→10\n0.250× real collapsed"
-                                     for d in range(10)])
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    texts = [t.get_window_extent(renderer) for ax in fig.axes for t in ax.texts]
-    images_ = [ax.get_window_extent(renderer) for ax in fig.axes if ax.images]
-    assert len(texts) == 30 and len(images_) == 20
-    for a, b in itertools.combinations(texts, 2):
-        assert not _overlap(a, b)
-    for t in texts:
-        assert not any(_overlap(t, im) for im in images_)
-
-
 # ------------------------------------------------------------------ model card
 def _config(**kw):
     from flowgrpo.config import build_config
@@ -167,58 +87,6 @@ def test_model_card_names_base_algorithm_figures_and_loading():
     assert "output_dir: runs/flux" in text  # the resolved config
     full = model_card(_config(finetune="full"), SUMMARY, repo="me/x")
     assert 'FluxTransformer2DModel.from_pretrained("me/x")' in full and "load_lora_weights" not in full
-
-
-# ------------------------------------------------------------------ --help and launch defaults
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=REPO)
-
-
-def _help_value(text: str, key: str) -> str:
-    line = next(ln for ln in text.splitlines() if ln.split() and ln.split()[0] == key)
-    return line.rsplit("[", 1)[1].rstrip("]")
-
-
-def test_train_help_shows_the_values_this_command_uses():
-    import yaml
-
-    digits = yaml.safe_load((REPO / "flowgrpo" / "configs" / "digits.yaml").read_text())
-    out = _run("flowgrpo/train.py", "--help")
-    assert out.returncode == 0, out.stderr
-    assert _help_value(out.stdout, "train.num_epochs") == str(digits["train"]["num_epochs"])
-    assert _help_value(out.stdout, "output_dir") == digits["output_dir"]
-    assert _help_value(out.stdout, "model.finetune") == digits["model"]["finetune"]
-    assert "base: OTHER.yaml" in out.stdout and "train.resume_from=auto" in out.stdout
-    assert "digit_correctness" in out.stdout.split("registered rewards")[1]
-    jpeg = yaml.safe_load((REPO / "configs" / "tiny_jpeg.yaml").read_text())
-    out = _run("-m", "flowgrpo.cli", "train", "configs/tiny_jpeg.yaml", "train.seed=7", "--help")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: flowgrpo train ")
-    assert _help_value(out.stdout, "train.num_epochs") == str(jpeg["train"]["num_epochs"])
-    assert _help_value(out.stdout, "train.seed") == "7"
-
-
-def test_geneval_help_shows_defaults():
-    out = _run("eval/geneval.py", "--help")
-    assert out.returncode == 0, out.stderr
-    flat = " ".join(out.stdout.split())
-    assert "(default: 28)" in flat and "(default: 4)" in flat and "(default: float32)" in flat
-
-
-def test_shipped_launch_defaults_silence_accelerates_warning():
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-
-    buf = io.StringIO()
-    handler = logging.StreamHandler(buf)
-    logging.getLogger().addHandler(handler)
-    try:
-        args = launch_command_parser().parse_args(
-            ["--config_file", str(REPO / "configs" / "accelerate" / "default.yaml"), "flowgrpo/train.py"])
-        args, _, _ = _validate_launch_command(args)
-    finally:
-        logging.getLogger().removeHandler(handler)
-    assert "were not passed" not in buf.getvalue()
-    assert args.num_processes == 1 and args.mixed_precision == "no"
 
 
 def test_quiet_libraries_hides_http_request_lines_unless_debugging():
@@ -316,15 +184,3 @@ def test_docs_point_at_the_weights_layout_we_write():
     loras = re.findall(r"--lora (\S+)", text)
     assert loras and all(p == f"{out}/lora" for p in loras), loras
     assert "checkpoint-" not in text
-
-
-def test_configs_name_the_command_that_builds_their_prompt_files():
-    import yaml
-
-    for path in sorted((REPO / "configs").glob("*.yaml")):
-        data = yaml.safe_load(path.read_text())
-        train = (data.get("data") or {}).get("train_prompts", "")
-        if train.startswith("data/"):
-            text = path.read_text()
-            # a builder command, or (editing sets with source images, which no public set ships) the file's format
-            assert "flowgrpo prompts" in text or "geneval.prompts" in text or "# Prompt file: JSONL" in text, path
