@@ -18,7 +18,7 @@ blocks, width 3072, 11.9 B transformer parameters; 1-layer CLIP and T5 encoders 
 (g) the same job fine-tuning every weight under FSDP2 (``parallel.sharding=fsdp2``: float32 master weights,
     bf16 compute, a KL reference sharded like the policy, text encoders offloaded), one process; and the same on
     2 processes (``configs/accelerate/fsdp.yaml``) where 2 GPUs or more are present (``--dry-run``: one process;
-    two sharded CPU processes are ``tests/test_sharding.py``'s).
+    two sharded CPU processes are ``tests/training/test_sharding.py``'s).
 
 Each part runs on its own; a failure is recorded in the JSON and the next part runs. ``--dry-run`` runs the same
 code at toy sizes on the CPU (every part; CI runs it).
@@ -664,8 +664,8 @@ def part_g(c: Check) -> dict:
     launch = [sys.executable, "-m", "accelerate.commands.launch"]
     out = {"one_process": _cli(c, "cli_fsdp", [*launch, "--num_processes", "1"]
                                + (["--cpu"] if c.args.dry_run else []), SHARDED)}
-    if c.args.dry_run:  # two sharded CPU processes train in tests/test_sharding.py (accelerate --cpu starts one)
-        out["two_processes"] = {"skipped": "dry run: two gloo processes are tests/test_sharding.py's"}
+    if c.args.dry_run:  # two sharded CPU processes train in tests/training/test_sharding.py (accelerate --cpu: one)
+        out["two_processes"] = {"skipped": "dry run: two gloo processes are tests/training/test_sharding.py's"}
     elif torch.cuda.device_count() >= 2:
         out["two_processes"] = _cli(c, "cli_fsdp2", [*launch, "--config_file", str(REPO / "configs" / "accelerate" /
                                                                                  "fsdp.yaml"), "--num_processes", "2"],

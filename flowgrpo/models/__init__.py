@@ -25,7 +25,7 @@ ADAPTERS: Registry = Registry("pipeline class")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: The private diffusers helpers the adapters call (pipeline class → static methods), with their parameters.
-#: They are not a stable API: ``tests/test_diffusers_private_api.py`` checks each one's presence, signature and
+#: They are not a stable API: ``tests/models/test_diffusers_private_api.py`` checks each one's presence, signature and
 #: behaviour against an independent reshape, so a diffusers release that changes one fails a test by name.
 DIFFUSERS_PRIVATE_API: dict[str, dict[str, tuple[str, ...]]] = {
     "FluxPipeline": {

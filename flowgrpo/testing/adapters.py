@@ -2,7 +2,7 @@
 
 A new adapter adds one :class:`~flowgrpo.models.zoo.ConformanceCase` to ``flowgrpo.models.zoo.CASES`` (how to
 build its tiny random pipeline folder and how to call its pipeline) and one line in
-``tests/test_model_conformance.py``::
+``tests/models/test_conformance.py``::
 
     class TestMyModel(AdapterConformance): case = CASES["my_model"]
 

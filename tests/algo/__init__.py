@@ -1,0 +1,2 @@
+"""Specifications of flowgrpo.algo: advantages, chunkers, policy losses, group filters, objectives, and the
+releases' formulas (fidelity)."""

@@ -1,0 +1,1 @@
+"""The bench/ scripts at toy sizes (no GPU, no training)."""

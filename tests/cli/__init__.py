@@ -1,0 +1,1 @@
+"""Specifications of the flowgrpo command's subcommands (flowgrpo.cli): sample, push."""

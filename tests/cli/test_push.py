@@ -1,0 +1,150 @@
+"""``flowgrpo push`` against a local stand-in of the Hub API (127.0.0.1, never the network): the weights and the
+card uploaded, --private honoured or refused, a folder without weights and an unreachable Hub one line each."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from flowgrpo.cli import main as cli_main
+
+
+# ------------------------------------------------------------------ a stand-in of the Hub's HTTP API
+class _Hub(BaseHTTPRequestHandler):
+    """The four endpoints a commit of small files touches: create repo, validate the card's YAML, preupload
+    (every file 'regular', so its bytes travel base64 inside the commit) and the NDJSON commit."""
+
+    repos: dict[str, dict[str, bytes]] = {}
+    private: dict[str, bool] = {}
+    calls: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server API; repo_info: /api/models/<org>/<name>
+        path = self.path.split("?")[0]
+        self.calls.append(path)
+        repo = "/".join(path.split("/")[3:5])
+        if not path.startswith("/api/models/") or repo not in self.repos:
+            return self._reply(404, {"error": "Repository not found"})
+        return self._reply(200, {"id": repo, "modelId": repo, "private": self.private[repo], "sha": "abc",
+                                 "visibility": "private" if self.private[repo] else "public"})
+
+    def log_message(self, *args) -> None:  # keep the test output clean
+        pass
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self) -> None:  # noqa: N802 - the http.server API
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        path = self.path.split("?")[0]
+        self.calls.append(path)
+        if path == "/api/repos/create":
+            req = json.loads(body)
+            repo = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
+            if repo not in self.repos:
+                self.repos[repo] = {}
+                self.private[repo] = bool(req.get("private")) or req.get("visibility") == "private"  # old / new
+            return self._reply(200, {"url": f"http://{self.headers['Host']}/{repo}"})
+        if path == "/api/validate-yaml":
+            return self._reply(200, {})
+        parts = path.split("/")  # /api/models/<org>/<name>/<preupload|commit>/<revision>
+        repo = f"{parts[3]}/{parts[4]}"
+        if repo not in self.repos:
+            return self._reply(404, {"error": "Repository not found"})
+        if parts[5] == "preupload":
+            files = json.loads(body)["files"]
+            return self._reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                               for f in files]})
+        if parts[5] == "commit":
+            for line in body.decode().splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    self.repos[repo][item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+            return self._reply(200, {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/abc",
+                                     "commitOid": "abc"})
+        return self._reply(404, {"error": path})
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """A stand-in Hub on loopback, with the session's offline mode (the root conftest's HF_HUB_OFFLINE) lifted for
+    the test: huggingface_hub reads it from ``constants.HF_HUB_OFFLINE`` at each request."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    _Hub.repos, _Hub.private, _Hub.calls = {}, {}, []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_push_uploads_weights_and_card(tmp_path, hub, monkeypatch):
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    run = tmp_path / "run"
+    weights = run / "lora"
+    weights.mkdir(parents=True)
+    files = {"pytorch_lora_weights.safetensors": bytes(range(256)) * 4,
+             "README.md": b"---\nlibrary_name: diffusers\n---\n# card\n", "reward_curve.png": b"\x89PNG fake"}
+    for name, data in files.items():
+        (weights / name).write_bytes(data)
+    (run / "metrics.jsonl").write_text("{}\n")  # not part of the upload
+    cli_main(["push", str(run), "me/flux-rl", "--endpoint", hub, "--token", "hf_test"])
+    assert _Hub.repos == {"me/flux-rl": files}
+    assert _Hub.calls[0] == "/api/repos/create"
+
+
+def test_push_refuses_a_folder_without_weights(tmp_path, hub):
+    with pytest.raises(SystemExit, match="no lora/ or transformer/"):
+        cli_main(["push", str(tmp_path), "me/x", "--endpoint", hub, "--token", "t"])
+
+
+def _a_run(tmp_path):
+    weights = tmp_path / "run" / "lora"
+    weights.mkdir(parents=True)
+    (weights / "pytorch_lora_weights.safetensors").write_bytes(b"w")
+    return tmp_path / "run"
+
+
+def test_push_private_honoured_or_refused(tmp_path, hub, monkeypatch):
+    """--private creates the repository private, and refuses an existing public one (create_repo with exist_ok
+    leaves its visibility as it is: the weights would have gone public)."""
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    run = _a_run(tmp_path)
+    cli_main(["push", str(run), "me/new", "--endpoint", hub, "--token", "t", "--private"])
+    assert _Hub.private["me/new"] is True and _Hub.repos["me/new"]
+    cli_main(["push", str(run), "me/public", "--endpoint", hub, "--token", "t"])
+    _Hub.repos["me/public"] = {}
+    with pytest.raises(SystemExit, match="--private, but the Hub repository 'me/public' exists and is public; "
+                                         "nothing was uploaded"):
+        cli_main(["push", str(run), "me/public", "--endpoint", hub, "--token", "t", "--private"])
+    assert _Hub.repos["me/public"] == {}
+
+
+def test_push_offline_or_unreachable_is_one_line(tmp_path, monkeypatch, capsys):
+    hf = pytest.importorskip("huggingface_hub")
+    run = _a_run(tmp_path)
+    monkeypatch.setattr(hf.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit) as err:
+        cli_main(["push", str(run), "me/x", "--token", "t"])
+    assert str(err.value) == ("flowgrpo push: the Hugging Face Hub cannot be reached: offline mode is on "
+                              "(HF_HUB_OFFLINE=1); unset it to push")
+    monkeypatch.setattr(hf.constants, "HF_HUB_OFFLINE", False)
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(SystemExit, match=rf"^flowgrpo push: {dead} cannot be reached \(\w*ConnectError"):
+        cli_main(["push", str(run), "me/x", "--token", "t", "--endpoint", dead])

@@ -1,0 +1,1 @@
+"""Specifications of flowgrpo.config (schema, loading, --help) and of the shipped configs/."""

@@ -1,0 +1,143 @@
+"""Specification of reading a config (flowgrpo.config.loading): YAML files and their ``base``, dotted overrides
+parsed as YAML, unknown keys answered with the closest valid key, the saved config loading back equal, the earlier
+layouts (``grouper``, flat loss knobs) still read. The sections themselves are specified in test_schema.py,
+``--help`` in test_help.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from flowgrpo.config import ConfigError, build_config, load_config, parse_override, save_config
+
+
+@pytest.mark.parametrize(
+    ("data", "overrides", "bad", "hint"),
+    [
+        ({"train": {"grup_size": 4}}, [], "train.grup_size", "train.group_size"),
+        ({}, ["samplng.num_steps=4"], "samplng", "sampling"),
+        ({}, ["algo.clip_rnge=0.1"], "algo.clip_rnge", "algo.clip_range"),
+        ({"model": {"lora_rnak": 4}}, [], "model.lora_rnak", "model.lora_rank"),
+    ],
+)
+def test_unknown_key_fails_with_a_suggestion(data, overrides, bad, hint):
+    with pytest.raises(ConfigError) as err:
+        build_config(data, overrides)
+    msg = str(err.value)
+    assert f"unknown config key '{bad}'" in msg
+    assert f"did you mean '{hint}'" in msg
+
+
+def test_unknown_key_in_a_reward_spec_suggests_the_spec_field():
+    with pytest.raises(ConfigError) as err:
+        build_config({"rewards": [{"name": "jpeg_compressibility", "wieght": 2.0}]})
+    msg = str(err.value)
+    assert "unknown config key 'rewards.0.wieght'" in msg
+    assert re.search(r"did you mean '(rewards\.(0\.)?)?weight'", msg), msg
+
+
+def test_unknown_key_in_a_yaml_file(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("train:\n  num_epoch: 3\n")
+    with pytest.raises(ConfigError, match=r"train\.num_epoch.*did you mean 'train\.num_epochs'"):
+        load_config(path)
+
+
+def test_overrides_parse_yaml_types():
+    assert parse_override("train.seed=7") == (["train", "seed"], 7)
+    assert parse_override("a.b=0.5") == (["a", "b"], 0.5)
+    assert parse_override("a=true") == (["a"], True)
+    assert parse_override("a=null") == (["a"], None)
+    assert parse_override("a=[2, 3, 4, 7]") == (["a"], [2, 3, 4, 7])
+    assert parse_override("a={x: 1}") == (["a"], {"x": 1})
+    assert parse_override("a=x=y") == (["a"], "x=y")  # only the first '=' splits
+    cfg = build_config({}, ["train.lr=1e-4", "chunker.name=chunk", "chunker.chunk_sizes=[2,3,4,7]", "model.height=null",
+                            "algo.drop_zero_spread_groups=true", "train.seed=3", "logging.trackers=[tensorboard]"])
+    assert cfg.train.lr == 1e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.chunker.chunk_sizes == [2, 3, 4, 7]
+    assert cfg.model.height is None
+    assert cfg.algo.drop_zero_spread_groups is True
+    assert cfg.train.seed == 3
+    assert cfg.logging.trackers == ["tensorboard"]
+
+
+def test_overrides_apply_on_top_of_the_file(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("train:\n  lr: 0.01\n  seed: 5\nsampling: {num_steps: 6}\n")
+    cfg = load_config(path, ["train.lr=0.5", "sampling.guidance_scale=1"])
+    assert (cfg.train.lr, cfg.train.seed, cfg.sampling.num_steps, cfg.sampling.guidance_scale) == (0.5, 5, 6, 1.0)
+
+
+def test_overrides_do_not_modify_the_callers_dict():
+    base = {"train": {"lr": 0.1}}
+    first = build_config(base, ["train.seed=3"])
+    second = build_config(base)  # a sweep reusing one base config
+    assert first.train.seed == 3
+    assert base == {"train": {"lr": 0.1}}
+    assert second.train.seed == 0
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        build_config({}, ["train.lr"])
+
+
+def test_missing_file_and_non_mapping_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+def test_saved_config_loads_back_equal(tmp_path):
+    cfg = build_config({}, ["train.lr=0.003", "chunker.name=chunk", "chunker.chunk_sizes=[4, 6]",
+                            "rewards=[{name: jpeg_compressibility, weight: 2.0}]"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["train"]["lr"] == 0.003
+
+
+def test_base_config_is_merged_key_by_key(tmp_path):
+    from flowgrpo.config import load_config
+
+    (tmp_path / "parent.yaml").write_text("train: {lr: 0.5, seed: 7}\nsampling: {num_steps: 6}\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\ntrain: {lr: 0.25}\n")
+    cfg = load_config(tmp_path / "child.yaml")
+    assert (cfg.train.lr, cfg.train.seed, cfg.sampling.num_steps) == (0.25, 7, 6)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="its own base"):
+        load_config(tmp_path / "loop.yaml")
+
+
+def test_old_grouper_section_is_an_alias_that_warns():
+    """The strategy section was renamed grouper -> chunker; the old key (file or override) still works, warning."""
+    with pytest.warns(FutureWarning, match="'grouper' is now called 'chunker'"):
+        cfg = build_config({"grouper": {"name": "chunk"}})
+    assert cfg.chunker.name == "chunk"
+    with pytest.warns(FutureWarning, match="chunker"):
+        cfg = build_config({}, ["grouper.name=window"])
+    assert cfg.chunker.name == "window"
+    with pytest.raises(ConfigError, match="keep only 'chunker'"), pytest.warns(FutureWarning):
+        build_config({"grouper": {"name": "chunk"}, "chunker": {"name": "window"}})
+
+
+def test_a_config_written_before_the_strategy_sections_still_loads():
+    """A run folder's config.yaml of the earlier layout lists every loss knob flat in ``algo`` and every filter's
+    keys in ``group_filter``: at their defaults they are dropped (nothing changes), a knob of the chosen loss
+    moves into its section with a FutureWarning, a moved knob of another loss is refused as before."""
+    old = {"algo": {"policy_loss": "clipped", "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05, "dual_clip_c": 3.0,
+                    "group_filter": {"name": "none", "keep": None, "metric": "total", "select": "top",
+                                     "pass_threshold": None, "min_pass_rate": 0.0, "max_pass_rate": 1.0}}}
+    cfg = build_config(old)
+    assert cfg.algo.policy_loss.name == "clipped" and cfg.algo.group_filter.model_dump() == {"name": "none"}
+    with pytest.warns(FutureWarning, match="algo.sapo_tau_pos is now algo.policy_loss.tau_pos"):
+        cfg = build_config({"algo": {"policy_loss": "sapo", "sapo_tau_pos": 5000}})
+    assert cfg.algo.policy_loss.tau_pos == 5000.0
+    with pytest.raises(ConfigError, match="algo.dual_clip_c=5 is read only by algo.policy_loss=dual_clip"):
+        build_config({"algo": {"policy_loss": "sapo", "dual_clip_c": 5}})
+    with pytest.raises(ConfigError, match="keep=4 is read only by algo.group_filter.name=gfpo"):
+        build_config({"algo": {"group_filter": {"name": "none", "keep": 4}}})

@@ -1,0 +1,1 @@
+"""Specifications of flowgrpo.data: prompt files and records, the public prompt sets."""

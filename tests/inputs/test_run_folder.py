@@ -1,0 +1,326 @@
+"""The run folder and resume, from a new user's trials: an output_dir that holds a run, is a file, or stopped
+before its first checkpoint; a resume that keeps the history and names what changed, of a finished run, with
+another shape or another prompt sampler; corrupt checkpoint files; overwrite; Ctrl-C that leaves the checkpoint and
+prints the command that resumes. Nothing is silently fixed or lost."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from flowgrpo.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from flowgrpo.config import build_config
+from flowgrpo.data.prompts import GroupSampler
+from flowgrpo.metrics import read_metrics
+from tests.tiny_runs import _cfg, _tiny_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------------------ the output folder
+
+
+def test_an_occupied_output_dir_is_refused_before_any_model_loads(tmp_path, tiny_flux_dir, monkeypatch):
+    import flowgrpo.models as models
+    from flowgrpo.runner import run
+
+    monkeypatch.setattr(models, "load_model_from_config", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("{}\n")
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        run(_cfg(tmp_path, tiny_flux_dir))
+
+
+def _run_folder(tmp_path, **train):
+    from flowgrpo.training.run_folder import RunFolder
+
+    return RunFolder(build_config({"output_dir": str(tmp_path), "train": train}))
+
+
+def test_an_output_dir_holding_a_run_is_refused(tmp_path):
+    (tmp_path / "config.yaml").write_text("{}\n")
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        _run_folder(tmp_path).claim(3)
+
+
+def test_an_output_dir_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
+    """Before: ``error: [Errno 17] File exists: '…'``, naming no setting."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before output_dir was checked")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_model)
+    a_file = tmp_path / "run.yaml"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        main([f"output_dir={a_file}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.strip().splitlines()[-1] == f"error: output_dir {str(a_file)!r} is a file, not a folder; choose a " \
+                                           "folder for the run"
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_says_how_to_start_it_again(tmp_path):
+    """Before: the refusal suggested train.resume_from=<run>/checkpoints, a folder that did not exist, and
+    train.resume_from=auto said 'starting a new run' and then hit the same refusal."""
+    from flowgrpo.preflight import check_output_dir, resolve_auto_resume
+
+    (tmp_path / "config.yaml").write_text("{}\n")
+    cfg = build_config({"output_dir": str(tmp_path)})
+    with pytest.raises(FileExistsError, match="stopped before its first checkpoint; start it again with "
+                                              "logging.overwrite=true") as info:
+        check_output_dir(cfg)
+    assert "resume_from=" + str(tmp_path / "checkpoints") not in str(info.value)
+    again = resolve_auto_resume(build_config({"output_dir": str(tmp_path), "train": {"resume_from": "auto"}}))
+    assert again.train.resume_from is None and again.logging.overwrite  # README: such a folder starts afresh
+    check_output_dir(again)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("epoch_0\n")
+    with pytest.raises(FileExistsError, match=f"resume it with train.resume_from={tmp_path / 'checkpoints'}"):
+        check_output_dir(cfg)
+
+
+@pytest.mark.slow
+def test_overwrite_removes_the_old_runs_checkpoints(tmp_path, tiny_flux_dir):
+    from flowgrpo.runner import run
+
+    run(_cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 4}, logging={"save_every": 1}))
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / "epoch_3").is_dir()
+    run(_cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 2}, logging={"overwrite": True, "save_every": 1}))
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["epoch_0", "epoch_1"]
+    assert (ckpts / "latest").read_text() == "epoch_1"
+
+
+# ----------------------------------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.slow
+def test_resume_keeps_history_and_records_changed_settings(tmp_path, tiny_flux_dir, caplog):
+    from flowgrpo.runner import run
+
+    full = tmp_path / "run"
+    first = _cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, train={"num_epochs": 3})
+    run(first)
+    old = yaml.safe_load((full / "config.yaml").read_text())
+    del old["logging"]["plot_every"]  # as a run of a version without that setting wrote it
+    (full / "config.yaml").write_text(yaml.safe_dump(old))
+    original = (full / "config.yaml").read_text()
+    before = {k: v for k, v in json.loads((full / "summary.json").read_text()).items() if k.endswith("_before")}
+    assert before
+    # resume from the checkpoint after epoch 1 into the same folder, with another learning rate
+    resumed = _cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1},
+                   train={"num_epochs": 3, "lr": 5e-3, "resume_from": str(full / "checkpoints" / "epoch_1")})
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
+        run(resumed)
+    assert (full / "config.yaml").read_text() == original  # never overwritten
+    assert any("train.lr: 0.01 -> 0.005" in r.getMessage() for r in caplog.records)
+    assert any("logging.plot_every: (absent) -> 1" in r.getMessage() for r in caplog.records)
+    beside = yaml.safe_load((full / "config_resumed_at_epoch_2.yaml").read_text())
+    assert beside["train"]["lr"] == 5e-3
+    summary = json.loads((full / "summary.json").read_text())
+    assert {k: summary[k] for k in before} == before  # the base model's, not the checkpoint's
+    assert [r["epoch"] for r in read_metrics(full / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_resuming_into_the_folder_drops_records_after_the_checkpoint(tmp_path):
+    (tmp_path / "config.yaml").write_text("{}\n")
+    lines = [json.dumps({"epoch": e}) for e in (0, 1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    _run_folder(tmp_path, resume_from=str(tmp_path / "checkpoints")).claim(3)
+    kept = [json.loads(x)["epoch"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == [0, 1, 2]  # the stub resumes at epoch 3
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flux_dir, caplog):
+    from flowgrpo.runner import run
+
+    run(_cfg(tmp_path, tiny_flux_dir))
+    out = tmp_path / "run"
+
+    def stamps():  # the run's files; the lock file (flowgrpo.run_lock) names whichever process holds the folder
+        return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".flowgrpo.lock"}
+
+    before = stamps()
+    again = _cfg(tmp_path, tiny_flux_dir, train={"resume_from": str(out / "checkpoints")})
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
+        summary = run(again)
+    assert any("already finished all 2 epochs" in r.getMessage() for r in caplog.records)
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert stamps() == before
+    # a copy of the finished folder resumed in place reports its own files, not the original's
+    shutil.copytree(out, tmp_path / "copy")
+    summary = run(_cfg(tmp_path, tiny_flux_dir, "copy", train={"resume_from": str(tmp_path / "copy" / "checkpoints")}))
+    written = [v for v in summary["outputs"].values() if isinstance(v, str)]
+    assert written and all(v.startswith(str(tmp_path / "copy")) for v in written)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_shape_names_the_parameter_and_both_shapes(tmp_path, tiny_flux_dir):
+    from flowgrpo.checkpoint import CheckpointError
+    from flowgrpo.runner import run
+
+    run(_cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 1}))
+    other = _cfg(tmp_path, tiny_flux_dir, "rank2", model={"lora_rank": 2},
+                 train={"resume_from": str(tmp_path / "run" / "checkpoints")})
+    with pytest.raises(CheckpointError, match=r"parameter '.*lora_A.*' has shape \(4, \d+\) in the checkpoint but "
+                                              r"\(2, \d+\) in the model"):
+        run(other)
+
+
+def test_a_resume_with_other_prompts_per_epoch_is_explained_in_config_terms():
+    state = {"position": 24, "seed": 0, "n": 30, "p": 8}
+    with pytest.raises(ValueError, match=r"the checkpoint's prompt sampler drew 8 prompts an epoch from 30 prompts "
+                                         r".*this run asks for train.prompts_per_epoch=16 from 30 prompts .*a resume "
+                                         r"cannot change train.prompts_per_epoch.*changed here: "
+                                         r"train.prompts_per_epoch$"):
+        GroupSampler(30, 16, 0).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"changed here: train.seed, the training prompt set$"):
+        GroupSampler(31, 8, 1).load_state_dict(state)
+    ok = GroupSampler(30, 8, 0)
+    ok.load_state_dict(state)
+    assert ok.position == 24
+
+
+# ----------------------------------------------------------------------------------------- corrupt checkpoint files
+
+
+def _parts(seed=0):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    from flowgrpo.ema import EMA
+
+    return model, opt, sched, GroupSampler(30, 8, seed), EMA(list(model.parameters()), 0.9)
+
+
+def _saved(tmp_path):
+    model, opt, sched, sampler, ema = _parts()
+    save_checkpoint(tmp_path, 0, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, ema=ema)
+    return tmp_path / "epoch_0"
+
+
+def _load(tmp_path, sampler=None):
+    model, opt, sched, own, ema = _parts()
+    return load_checkpoint(tmp_path, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler or own,
+                           ema=ema)
+
+
+@pytest.mark.parametrize("name", ["trainable.safetensors", "ema.safetensors", "optimizer.pt", "rng.pt",
+                                  "state.json"])
+def test_a_truncated_checkpoint_file_is_named_as_corrupt(tmp_path, name):
+    folder = _saved(tmp_path)
+    f = folder / name
+    f.write_bytes(f.read_bytes()[:min(1000, f.stat().st_size // 2)])
+    with pytest.raises(CheckpointError, match=rf"{name}' is corrupt or unreadable"):
+        _load(tmp_path)
+
+
+def test_a_garbage_safetensors_file_is_named_as_corrupt(tmp_path):
+    folder = _saved(tmp_path)
+    (folder / "trainable.safetensors").write_bytes(b"\x00" * 1000)
+    with pytest.raises(CheckpointError, match=r"trainable.safetensors' is corrupt or unreadable"):
+        _load(tmp_path)
+
+
+def test_a_state_json_without_its_entries_is_named_as_corrupt(tmp_path):
+    folder = _saved(tmp_path)
+    (folder / "state.json").write_text(json.dumps({"epoch": 0}))
+    with pytest.raises(CheckpointError, match=r"state.json' is corrupt or unreadable .*'lr_scheduler'"):
+        _load(tmp_path)
+
+
+def test_a_missing_checkpoint_file_is_named(tmp_path):
+    folder = _saved(tmp_path)
+    (folder / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"is incomplete: optimizer.pt is missing"):
+        _load(tmp_path)
+
+
+def test_an_intact_checkpoint_still_loads(tmp_path):
+    _saved(tmp_path)
+    assert _load(tmp_path) == 0
+
+
+def test_load_checkpoint_reports_the_sampler_mismatch(tmp_path):
+    _saved(tmp_path)
+    with pytest.raises(ValueError, match="train.prompts_per_epoch=16"):
+        _load(tmp_path, sampler=GroupSampler(30, 16, 0))
+
+
+# ------------------------------------------------------------------------------------------------- interrupted runs
+
+
+def _default_sigint() -> None:
+    """In the child: SIGINT back to its default. A suite started in the background (``nohup … &``, some CI runners)
+    has SIGINT ignored, the child inherits that, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_and_leaves_the_checkpoint(tmp_path, tiny_flux_dir):
+    cfg = _cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 500}, logging={"save_every": 1})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    proc = subprocess.Popen([sys.executable, "flowgrpo/train.py", str(path)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=_default_sigint)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not latest.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("interrupted in epoch ") and "is intact; resume: " in line
+    assert re.match(r"interrupted in epoch [1-9]\d*/500; ", line), line  # 1-based, as the epoch lines
+    assert f"train.resume_from={tmp_path / 'run' / 'checkpoints'}" in line
+    ckpt = tmp_path / "run" / "checkpoints" / latest.read_text().strip()
+    assert (ckpt / "state.json").is_file() and (ckpt / "trainable.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_the_cli_prints_the_cli_command_that_resumes(tmp_path, tiny_flux_dir):
+    """Before: the resume line was ``<python> flowgrpo/train.py …``, a path relative to the repository, whatever
+    command was run and wherever."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    argv = ["train", *_tiny_overrides(tmp_path, tiny_flux_dir), "train.num_epochs=500", "logging.save_every=1",
+            f"output_dir={out}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "rewards"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "flowgrpo.cli", *argv], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # see _default_sigint
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not latest.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("interrupted in epoch ") and "; resume: flowgrpo train model.pretrained=" in line
+    assert line.endswith(f"train.resume_from={out / 'checkpoints'}")

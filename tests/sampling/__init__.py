@@ -1,0 +1,1 @@
+"""Specifications of flowgrpo.sampling: the SDE transition and the rollout solvers."""

@@ -1,0 +1,1 @@
+"""Specifications of flowgrpo.tasks: the digits task (data, classifiers, judge, pretraining) and its learning."""

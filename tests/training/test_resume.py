@@ -1,0 +1,125 @@
+"""Resume that loses nothing, from a fresh user's trials: ``train.resume_from=auto`` continues with the settings
+the run last ran with (an extension is not forgotten), a run stopped during its final evaluation and save is
+finished by its resume, an evaluation changed on resume is named, and the interruption report counts epochs as
+the epoch lines do."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import yaml
+
+from flowgrpo.config import build_config
+from flowgrpo.preflight import latest_run_config, resolve_auto_resume
+from tests.tiny_runs import _cfg
+
+
+def _fake_run(folder, epochs_by_file: dict[str, int]):
+    """A run folder with a checkpoint marker and config files whose ``train.num_epochs`` are given by name."""
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "checkpoints" / "latest").write_text("epoch_4\n")
+    for name, epochs in epochs_by_file.items():
+        (folder / name).write_text(yaml.safe_dump({"train": {"num_epochs": epochs}}))
+
+
+def test_auto_resume_continues_with_the_newest_resumed_config(tmp_path):
+    # resumed at epochs 2 and 10: the newest is epoch 10's (numerically, not "2" > "10" as text)
+    _fake_run(tmp_path, {"config.yaml": 2, "config_resumed_at_epoch_2.yaml": 6, "config_resumed_at_epoch_10.yaml": 12})
+    assert latest_run_config(tmp_path) == tmp_path / "config_resumed_at_epoch_10.yaml"
+    auto = build_config({"output_dir": str(tmp_path), "train": {"resume_from": "auto"}})
+    assert resolve_auto_resume(auto).train.num_epochs == 12
+    assert resolve_auto_resume(auto, ["train.num_epochs=20"]).train.num_epochs == 20  # the command line wins
+
+
+def test_auto_resume_without_resumed_configs_uses_config_yaml(tmp_path):
+    _fake_run(tmp_path, {"config.yaml": 3})
+    assert latest_run_config(tmp_path) == tmp_path / "config.yaml"
+    auto = build_config({"output_dir": str(tmp_path), "train": {"resume_from": "auto"}})
+    assert resolve_auto_resume(auto).train.num_epochs == 3
+
+
+def test_auto_resume_says_a_named_config_file_is_not_used(tmp_path, caplog):
+    _fake_run(tmp_path, {"config.yaml": 3})
+    auto = build_config({"output_dir": str(tmp_path), "train": {"resume_from": "auto"}})
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.preflight"):
+        resolve_auto_resume(auto, config_file="configs/tiny_jpeg.yaml")
+    assert any("configs/tiny_jpeg.yaml is not used" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_extended_run_resumed_by_auto_trains_to_the_extension(tmp_path, tiny_flux_dir):
+    from flowgrpo.runner import run
+
+    out = tmp_path / "run"
+    run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}))  # 2 epochs
+    run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1},  # extended to 4
+             train={"num_epochs": 4, "resume_from": str(out / "checkpoints")}))
+    # a crash after the third epoch: the latest checkpoint is epoch_2, the run's summary is gone
+    (out / "checkpoints" / "latest").write_text("epoch_2\n")
+    (out / "summary.json").unlink()
+    auto = resolve_auto_resume(build_config({"output_dir": str(out), "train": {"resume_from": "auto"}}))
+    assert auto.train.num_epochs == 4
+    summary = run(auto)
+    assert summary["epochs"] == 4 and json.loads((out / "summary.json").read_text())["epochs"] == 4
+
+
+@pytest.mark.slow
+def test_a_run_stopped_during_its_final_save_is_finished_by_its_resume(tmp_path, tiny_flux_dir, caplog):
+    from flowgrpo.runner import run
+
+    out = tmp_path / "run"
+    run(_cfg(tmp_path, tiny_flux_dir))
+    card = out / "lora" / "README.md"
+    assert card.is_file()
+    summary_before = json.loads((out / "summary.json").read_text())
+    for path in (out / "summary.json", out / "before_after.png", card):  # as a Ctrl-C after the last checkpoint
+        path.unlink()
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
+        summary = run(_cfg(tmp_path, tiny_flux_dir, train={"resume_from": str(out / "checkpoints")}))
+    assert any("final outputs are incomplete (no summary.json and no model card)" in r.getMessage()
+               for r in caplog.records)
+    assert card.is_file() and (out / "before_after.png").is_file() and (out / "summary.json").is_file()
+    # the same weights evaluated the same way: the figures of the uninterrupted run
+    figures = {k: v for k, v in summary_before.items() if k.endswith(("_before", "_after"))}
+    assert figures and {k: summary[k] for k in figures} == figures
+
+
+@pytest.mark.slow
+def test_resume_with_another_evaluation_says_before_and_after_differ(tmp_path, tiny_flux_dir, caplog):
+    from flowgrpo.runner import run
+
+    out = tmp_path / "run"
+    run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}))
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
+        run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, data={"eval_num_prompts": 3},
+                 train={"num_epochs": 3, "resume_from": str(out / "checkpoints")}))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("compare different evaluations" in m and "data.eval_num_prompts: 2 -> 3" in m for m in messages)
+    # extending alone changes no evaluation setting: no such warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
+        run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, data={"eval_num_prompts": 3},
+                 train={"num_epochs": 4, "resume_from": str(out / "checkpoints")}))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("differ from" in m and "config_resumed_at_epoch_2.yaml" in m and "train.num_epochs: 3 -> 4" in m
+               for m in messages)
+    assert any("compare different evaluations" in m for m in messages)  # still 3 against the original 2
+
+
+def test_interruption_report_counts_epochs_from_one_and_names_the_final_save(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import flowgrpo.runner as runner
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("epoch_1\n")
+    cfg = build_config({"output_dir": str(tmp_path), "train": {"num_epochs": 2}})
+    args = SimpleNamespace(config=None, overrides=[f"output_dir={tmp_path}"])
+    monkeypatch.setattr(runner, "_TRAINER", SimpleNamespace(out=tmp_path, cfg=cfg, epoch=0, stage="epochs"))
+    assert runner._interrupted_line(args, "flowgrpo train").startswith("\ninterrupted in epoch 1/2; last checkpoint")
+    monkeypatch.setattr(runner, "_TRAINER", SimpleNamespace(out=tmp_path, cfg=cfg, epoch=1, stage="final"))
+    line = runner._interrupted_line(args, "flowgrpo train")
+    assert line.startswith("\ninterrupted during the final evaluation and save; last checkpoint")
+    assert line.rstrip().endswith(f"train.resume_from={tmp_path / 'checkpoints'}")
