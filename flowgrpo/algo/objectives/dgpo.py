@@ -339,6 +339,7 @@ class DGPO(ForwardObjective):
         v_old = self.velocity(adapter, x_t, sigma, embeds, weights="old") if settings.uses_old_copy else None
         v = self.velocity(adapter, x_t, sigma, embeds)
         x = work.extra
-        return dgpo_terms(v, noise, x0, work.advantages[draw.rows].to(dev), x["group_index"][draw.rows].to(dev),
+        # the group index stays on the host (its range check reads it; dgpo_terms moves it for the sums)
+        return dgpo_terms(v, noise, x0, work.advantages[draw.rows].to(dev), x["group_index"][draw.rows],
                           x["num_groups"], settings, group_size=self.cfg.train.group_size, v_ref=v_ref, v_old=v_old,
                           reduce_group_sums=dist.all_reduce_sum)
