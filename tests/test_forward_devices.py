@@ -1,8 +1,8 @@
 """The forward-process objectives keep each tensor on one device: the real trainer runs an epoch of nft (with
-SA-Solver's noisy rollout) and dgpo (solver rollout, rewards, advantages, plan, update with the old copy and the reference, EMA, evaluation,
-checkpoint) with the model on the fake accelerator of :mod:`tests.fake_device`, where an operation mixing
-accelerator and host tensors fails as on CUDA; and the update reads the device back once per optimizer step (the
-gradient-norm guard) and once for its statistics, however many micro-batches and training sigmas."""
+SA-Solver's noisy rollout) and dgpo (solver rollout, rewards, advantages, plan, update with the old copy and the
+reference, EMA, evaluation, checkpoint) with the model on the fake accelerator of :mod:`tests.fake_device`, where an
+operation mixing accelerator and host tensors fails as on CUDA; and the update reads the device back once per
+optimizer step (the gradient-norm guard) and once for its statistics, however many micro-batches and sigmas."""
 
 from __future__ import annotations
 
