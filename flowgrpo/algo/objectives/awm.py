@@ -34,7 +34,14 @@ from flowgrpo.algo.objectives.flow_matching import (
     velocity_mse,
     velocity_target,
 )
-from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName
+from flowgrpo.algo.objectives.forward import (
+    ForwardConfig,
+    ForwardObjective,
+    ForwardWork,
+    RowDraw,
+    SolverName,
+    shared,
+)
 from flowgrpo.algo.objectives.old_copy import DecaySchedule
 from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
@@ -292,29 +299,28 @@ class AWMConfig(ForwardConfig):
     config/dgx_awm.py ``geneval_sd3_no_cfg_1node`` over config/base_awm.py; docs/fidelity_forward.md)."""
 
     name: Literal["awm"] = "awm"
-    solver: SolverName = Field("sa_solver", description="the rollout's solver (AWM: SA-Solver, on its moved grid)")
-    solver_noise_level: float = Field(0.4, ge=0, description="SA-Solver's tau for 0.3 <= sigma <= 0.9 (AWM: 0.4; "
-                                      "PickScore 0.0)")
-    kl_beta: float = Field(0.001, ge=0, description="AWM beta of the reference KL (GenEval 0.001, OCR 0.003, "
-                           "PickScore 1e-4)")
-    decay_cap: float = Field(0.3, ge=0, lt=1, description="old copy: the largest decay (AWM linear: min(0.3, "
-                             "0.001*k))")
+    solver: SolverName = shared("solver", "sa_solver")
+    solver_noise_level: float = shared("solver_noise_level", 0.4)
+    kl_beta: float = shared("kl_beta", 0.001)
+    decay_cap: float = shared("decay_cap", 0.3)
     decay_constant: float | None = Field(None, ge=0, lt=1, description="old copy: a constant decay instead of the "
                                          "ramp (AWM kl_ema_decay_type constant: 0.3)")
-    adv_clip_max: float = Field(5.0, gt=0, description="AWM: advantages clipped to +-c")
     advantage_max: float | None = Field(1.0, gt=0, description="AWM: clipped advantages rescaled to +-a_max "
                                         "(null: no rescale)")
     weighting: registered_name(AWM_WEIGHTINGS, "objective.weighting") = Field(
         "ghuber", description="AWM's log-probability weighting: ghuber, huber, uniform, t, t**2")
     ghuber_power: float = Field(0.25, gt=0, description="AWM: p of the ghuber weighting")
-    clip_range: float = Field(1.0, ge=0, description="AWM: ratio clip (on-policy the ratio is 1)")
+    clip_range: float = Field(1.0, ge=0, description="the clip: AWM's of its ratio (1; on-policy the ratio is 1), "
+                              "DGPO's of exp(e_old - e) against the old copy (1e-2)")
     kl_weight: registered_name(AWM_KL_WEIGHTS, "objective.kl_weight") = Field(
         "uniform", description="AWM: the reference KL's weight (uniform, elbo)")
     ema_beta: float = Field(1.0, ge=0, description="AWM: weight of the KL to the old copy")
     kl_ema_weight: registered_name(AWM_KL_WEIGHTS, "objective.kl_ema_weight") = Field(
         "uniform", description="AWM: the old-copy KL's weight (uniform, elbo)")
     train_timesteps: int = Field(6, ge=1, description="AWM: K training sigmas per micro-batch, shared by its samples")
-    timestep_fraction: float = Field(0.9, gt=0, le=1, description="AWM: K strata of the first int(T*f) grid steps")
+    timestep_fraction: float = Field(0.9, gt=0, le=1, description="the training sigmas: DiffusionNFT trains "
+                                     "int(T*f) of the grid's T sigmas per sample (a random subset: 0.99); AWM draws "
+                                     "its strata from the first int(T*f) grid steps (0.9)")
     time_type: registered_name(AWM_TIME_TYPES, "objective.time_type") = Field(
         "discrete_wo_init", description="AWM time_type: discrete_wo_init (steps 1..), discrete (0..), "
         "discrete_with_init (step 0 and strata)")

@@ -33,7 +33,14 @@ from pydantic import Field
 from flowgrpo import dist
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
-from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName
+from flowgrpo.algo.objectives.forward import (
+    ForwardConfig,
+    ForwardObjective,
+    ForwardWork,
+    RowDraw,
+    SolverName,
+    shared,
+)
 from flowgrpo.algo.objectives.old_copy import DecaySchedule
 from flowgrpo.records import FinalSamples
 from flowgrpo.rng import make_generator
@@ -230,17 +237,15 @@ class DGPOConfig(ForwardConfig):
     ``geneval_sd3_4gpu``, mode 1: CFG at rollout only; docs/fidelity_forward.md)."""
 
     name: Literal["dgpo"] = "dgpo"
-    solver: SolverName = Field("dpmpp_2m", description="the rollout's solver (DGPO: diffusers' DPM-Solver++(2M))")
-    grid: Literal["model", "flow_shift"] = Field("flow_shift", description="DGPO: diffusers' use_flow_sigmas grid "
-                                                 "with flow_shift 3 (the Sana scheduler config)")
-    kl_beta: float = Field(0.02, ge=0, description="DGPO beta of the velocity KL to the reference (mode 2b: 0.001)")
-    decay_cap: float = Field(0.3, ge=0, lt=1, description="old copy: the largest decay (DGPO: min(0.3, 0.001*k) "
-                             "after every optimizer step)")
+    solver: SolverName = shared("solver", "dpmpp_2m")
+    grid: Literal["model", "flow_shift"] = shared("grid", "flow_shift")
+    kl_beta: float = shared("kl_beta", 0.02)
+    decay_cap: float = shared("decay_cap", 0.3)
     beta_dpo: float = Field(100.0, ge=0, description="DGPO beta_dpo of the group preference (mode 2b: 2000)")
-    clip_range: float = Field(1e-2, ge=0, description="DGPO: clip of exp(e_old - e) against the old copy")
+    clip_range: float = Field(1e-2, ge=0, description="the clip: AWM's of its ratio (1; on-policy the ratio is 1), "
+                              "DGPO's of exp(e_old - e) against the old copy (1e-2)")
     clip_dsm: bool = Field(True, description="DGPO: clipped rows' flow-matching error carries no gradient")
     clip_kl: bool = Field(False, description="DGPO: nor their KL")
-    adv_clip_max: float = Field(5.0, gt=0, description="DGPO: advantages clipped to +-c")
     use_ema_ref: bool = Field(False, description="DGPO: the preference reference is the old copy (mode 2b)")
     kl_cfg: float = Field(1.0, ge=0, description="DGPO: guidance of the reference's velocity when > 1 (mode 2a: "
                           "4.5); else objective.train_guidance_scale")

@@ -36,6 +36,7 @@ from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
+from pydantic.fields import FieldInfo
 from tqdm.auto import tqdm
 
 from flowgrpo import dist
@@ -80,26 +81,33 @@ def _is_default_strategy(section, base) -> bool:
 
 
 class ForwardConfig(ObjectiveConfig):
-    """Settings every forward-process objective has (``objective:``); each objective sets the release's defaults."""
+    """Settings every forward-process objective has (``objective:``); each objective sets the release's defaults
+    with :func:`shared` (the same constraints and description, its own default)."""
 
     solver: SolverName = Field("euler", description="forward-process objectives: the rollout's solver "
-                               "(flowgrpo.sampling.solvers: euler, dpmpp_2m = DiffusionNFT's dpm2 and DGPO's "
-                               "DPM-Solver++(2M), sa_solver = AWM's SA-Solver, which rolls out on AWM's moved grid)")
+                               "(flowgrpo.sampling.solvers: euler; dpmpp_2m, DiffusionNFT's dpm2 and DGPO's "
+                               "DPM-Solver++(2M); sa_solver, AWM's SA-Solver, which rolls out on AWM's moved grid)")
     solver_noise_level: float = Field(0.0, ge=0, description="the rollout solver's noise: SA-Solver's tau for "
                                       "0.3 <= sigma <= 0.9 (AWM: 0.4); deterministic solvers read none")
     grid: Literal["model", "flow_shift"] = Field(
-        "model", description="the rollout's and the training sigmas' grid: the model's scheduler grid (model), or "
-        "diffusers' use_flow_sigmas grid with shift grid_shift (flow_shift: DGPO's, starting below 1)")
+        "model", description="the rollout's and the training sigmas' grid: the model's scheduler grid (model; "
+        "DiffusionNFT, AWM), or diffusers' use_flow_sigmas grid with shift grid_shift (flow_shift: DGPO's, "
+        "starting below 1)")
     grid_shift: float = Field(3.0, gt=0, description="the shift of grid=flow_shift (DGPO: 3)")
     train_guidance_scale: float = Field(
         1.0, ge=0, description="guidance of the training forwards, independent of sampling.guidance_scale: 1.0 is "
         "no CFG (the releases' SD3.5 training; SD3's true CFG needs > 1); a guidance-embedding model (FLUX.1-dev) "
         "takes the embedding's value")
-    kl_beta: float = Field(0.0, ge=0, description="weight of the velocity-space KL to the reference (base model)")
+    kl_beta: float = Field(0.0, ge=0, description="weight of the velocity-space KL mean_dims(v - v_ref)^2 to the "
+                           "reference (base model): DiffusionNFT 1e-4, AWM 0.001, DGPO 0.02")
+    adv_clip_max: float = Field(5.0, gt=0, description="advantages clipped to +-c (every release: 5); DiffusionNFT "
+                                "maps them to r = A/(2c) + 1/2 and scales its loss by c, AWM rescales them to "
+                                "+-advantage_max")
     decay_flat: int = Field(0, ge=0, description="old copy: steps with decay 0 (old <- d*old + (1-d)*weights, "
                             "d = 0 for k < flat else min((k - flat)*ramp, cap))")
     decay_ramp: float = Field(0.001, ge=0, description="old copy: decay gained per optimizer step after flat")
-    decay_cap: float = Field(0.5, ge=0, lt=1, description="old copy: the largest decay")
+    decay_cap: float = Field(0.5, ge=0, lt=1, description="old copy: the largest decay (DiffusionNFT decay_type 1: "
+                             "0.5; type 2 (OCR): flat 75, ramp 0.0075, cap 0.999; AWM and DGPO: 0.3)")
 
     def decay(self) -> DecaySchedule:
         """The old copy's schedule."""
@@ -122,6 +130,11 @@ class ForwardConfig(ObjectiveConfig):
                                  f"(its SDE transitions and their ratio loss), but objective.name is {self.name!r}, "
                                  f"whose loss and training sigmas are its own (objective.*): remove the {sec} "
                                  "section")
+
+
+def shared(name: str, default):
+    """The :class:`ForwardConfig` field ``name`` with another default (an objective's release value)."""
+    return FieldInfo.merge_field_infos(ForwardConfig.model_fields[name], default=default)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,14 @@ from flowgrpo.algo.objectives.flow_matching import (
     velocity_mse,
     x0_from_velocity,
 )
-from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName
+from flowgrpo.algo.objectives.forward import (
+    ForwardConfig,
+    ForwardObjective,
+    ForwardWork,
+    RowDraw,
+    SolverName,
+    shared,
+)
 from flowgrpo.algo.objectives.old_copy import NFT_DECAY_TYPES, DecaySchedule
 from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
@@ -234,20 +241,18 @@ class NFTConfig(ForwardConfig):
     config/nft.py ``sd3_geneval`` over config/base.py; docs/fidelity_forward.md)."""
 
     name: Literal["nft"] = "nft"
-    solver: SolverName = Field("dpmpp_2m", description="the rollout's solver (DiffusionNFT: dpm2, deterministic)")
-    kl_beta: float = Field(1e-4, ge=0, description="DiffusionNFT: weight of mean_dims(v - v_ref)^2 (train.beta)")
-    decay_cap: float = Field(0.5, ge=0, lt=1, description="old copy: the largest decay (DiffusionNFT decay_type "
-                             "1: flat 0, ramp 0.001, cap 0.5; 2 (OCR): 75, 0.0075, 0.999; 0: 0, 0, 0)")
+    solver: SolverName = shared("solver", "dpmpp_2m")
+    kl_beta: float = shared("kl_beta", 1e-4)
+    decay_cap: float = shared("decay_cap", 0.5)
     beta: float = Field(1.0, gt=0, description="DiffusionNFT beta: v+ = b*v + (1-b)*v_old, v- = (1+b)*v_old - b*v "
                         "(OCR 0.1)")
-    adv_clip_max: float = Field(5.0, gt=0, description="DiffusionNFT: advantages clipped to +-c, r = A/(2c) + 1/2, "
-                                "and the loss scale c")
     adv_mode: registered_name(ADV_MODES, "objective.adv_mode") = Field(
         "all", description="DiffusionNFT adv_mode: all, positive_only, negative_only, one_only, binary")
     adaptive_weight_min: float = Field(1e-5, ge=0, description="DiffusionNFT: floor of the adaptive weight "
                                        "mean_dims|x0_hat - x0|")
-    timestep_fraction: float = Field(0.99, gt=0, le=1, description="DiffusionNFT: each sample trains int(T*f) of "
-                                     "the grid's T sigmas, a random subset per sample")
+    timestep_fraction: float = Field(0.99, gt=0, le=1, description="the training sigmas: DiffusionNFT trains "
+                                     "int(T*f) of the grid's T sigmas per sample (a random subset: 0.99); AWM draws "
+                                     "its strata from the first int(T*f) grid steps (0.9)")
 
 
 @OBJECTIVES.register("nft")
