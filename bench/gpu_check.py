@@ -1,6 +1,6 @@
 """The GPU check at real size (run through ``bench/gpu_check.sh``; never part of CI except ``--dry-run``).
 
-    python bench/gpu_check.py [--model flux] [--out DIR] [--parts a b c d e f g] [--dry-run]
+    python bench/gpu_check.py [--model flux] [--out DIR] [--parts a b c d e f g h] [--dry-run]
 
 Builds a random pipeline of the real architecture directly in GPU memory (FLUX.1-dev: 19 double + 38 single
 blocks, width 3072, 11.9 B transformer parameters; 1-layer CLIP and T5 encoders with the real output widths 768 /
@@ -18,7 +18,9 @@ blocks, width 3072, 11.9 B transformer parameters; 1-layer CLIP and T5 encoders 
 (g) the same job fine-tuning every weight under FSDP2 (``parallel.sharding=fsdp2``: float32 master weights,
     bf16 compute, a KL reference sharded like the policy, text encoders offloaded), one process; and the same on
     2 processes (``configs/accelerate/fsdp.yaml``) where 2 GPUs or more are present (``--dry-run``: one process;
-    two sharded CPU processes are ``tests/training/test_sharding.py``'s).
+    two sharded CPU processes are ``tests/training/test_sharding.py``'s);
+(h) the forward-process update (DiffusionNFT: an old-copy and a reference pass per (sample, σ) row) vs the bare
+    forwards + backward of the same (x₀, σ, ε) draws (B = 4, T = 8: 28 rows; ``bench/forward_speed.py``).
 
 Each part runs on its own; a failure is recorded in the JSON and the next part runs. ``--dry-run`` runs the same
 code at toy sizes on the CPU (every part; CI runs it).
@@ -482,7 +484,8 @@ def part_a(c: Check) -> dict:
             "flops_per_velocity": flops / (b * t), "mfu": c.mfu(flops, t_ours)}
 
 
-def _trainer(c: Check, gradient_checkpointing: bool, train_batch: int, recompute: bool = False):
+def _trainer(c: Check, gradient_checkpointing: bool, train_batch: int, recompute: bool = False,
+             objective: dict | None = None):
     from accelerate import Accelerator
 
     from flowgrpo.algo.objectives import build_objective
@@ -499,7 +502,7 @@ def _trainer(c: Check, gradient_checkpointing: bool, train_batch: int, recompute
         "sampling": {"num_steps": s.update_steps, "guidance_scale": c.case.guidance_scale},
         "train": {"prompts_per_epoch": b // 2, "group_size": 2, "rollout_batch_size": b,
                   "train_batch_size": train_batch},
-        "algo": {"recompute_old_log_probs": recompute},
+        "algo": {"recompute_old_log_probs": recompute}, "objective": objective or {},
         "rewards": [{"name": "jpeg_compressibility"}], "logging": {"progress": False},
     })
     if not hasattr(a, "_lora_params"):
@@ -678,7 +681,31 @@ def part_g(c: Check) -> dict:
 
 
 
-PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g}
+def part_h(c: Check) -> dict:
+    """(h) the forward-process update (DiffusionNFT, LoRA r64: B samples × int(0.99·T) σ's, an old-copy and a
+    reference pass per row) vs the bare forwards + backward of the same (x0, σ, ε) draws (target ≤ 1.05×)."""
+    from forward_speed import update_and_bare
+
+    from flowgrpo.records import Advantages
+    from flowgrpo.sampling.rollout import RolloutRequest
+
+    b = c.size.batch
+    trainer = _trainer(c, False, b, objective={"name": "nft"})
+    request = RolloutRequest(_prompts(b), c.metadata(b), torch.arange(b) // 2, torch.arange(b) % 2,
+                             settings=trainer.settings, batch_size=b, seed=0, epoch=0)
+    samples = trainer.objective.rollout(c.adapter, request)
+    adv = Advantages(values=torch.linspace(-1, 1, b), train_mask=torch.ones(b, dtype=torch.bool),
+                     zero_spread_frac=0.0, nan_frac=0.0, learning_frac=1.0)
+    update, bare, rows = update_and_bare(trainer, samples, adv)
+    c.reset_peak()
+    t_upd = c.timed(update)
+    peak = c.peak_gib()
+    t_bare = c.timed(bare)
+    return {"update_s": t_upd, "bare_s": t_bare, "ratio": t_upd / t_bare, "rows": rows, "rows_per_s": rows / t_upd,
+            "peak_gib": peak}
+
+
+PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g, "h": part_h}
 
 
 def _fmt(v) -> str:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check at real size: one script, no network, about 8 minutes on one H200 (see bench/gpu_check.py).
-#   bash bench/gpu_check.sh [--wheels DIR] [--out DIR] [--model NAME] [--parts a b c d e f g] [--dry-run]
-# (g) trains under FSDP2 on one GPU, and on two where two or more are present.
+#   bash bench/gpu_check.sh [--wheels DIR] [--out DIR] [--model NAME] [--parts a b c d e f g h] [--dry-run]
+# (g) trains under FSDP2 on one GPU, and on two where two or more are present; (h) is the forward-process
+# (DiffusionNFT) update against the bare passes of its draws.
 #   NAME: flux (default), sd3, qwenimage, qwenimage_edit_plus, zimage, flux2_klein, flux2, kontext
 # --wheels DIR: wheels carried to a bare GPU machine (diffusers, pydantic and its deps, open-clip-torch, ftfy,
 #   wcwidth, and this project's two wheels from `pip wheel --no-deps . ./rewards`), installed offline into

@@ -31,7 +31,13 @@ Figures per run (from the run's ``summary.json`` and ``metrics.jsonl``):
   without the before/after evaluation, the final save and the model's one-time pretraining;
 - epochs to reach judge correctness 0.97: the first periodic evaluation (every ``--eval-every`` epochs, key
   ``eval/correctness``) at or above it, counted in epochs done; the final evaluation counts as epoch
-  ``train.num_epochs``; none (``—``) if never.
+  ``train.num_epochs``; none (``—``) if never;
+- the steady state from epoch 60 (:func:`steady_state`): the smallest min per-digit diversity ratio over the
+  evaluations after 60 epochs or more (the periodic ones and the final one), and how many seeds keep every one of
+  them at judge correctness >= 0.97 with every digit >= 0.7 of its real diversity (``—``: no evaluation that late).
+
+Rows ``nft``, ``awm`` and ``dgpo`` train the shipped ``configs/digits_<method>.yaml`` (the forward-process
+objectives; :data:`ROW_BASES`) instead of the default, with the same bench overrides.
 
 The table gives, per row, the mean over seeds and the spread as (min–max) over seeds.
 """
@@ -98,18 +104,28 @@ ROWS: dict[str, list[str]] = {
     # online difficulty filtering (arXiv 2504.03380): a group trains only while at most 6 of its 8 samples reach
     # the reward's cap
     "pass_rate": ["algo.group_filter={name: pass_rate, pass_threshold: 0.8, max_pass_rate: 0.75}"],
+    # the forward-process objectives, each its shipped digits config (ROW_BASES), as it is when the bench runs
+    "nft": [],
+    "awm": [],
+    "dgpo": [],
 }
+
+#: rows trained from a config of their own instead of the default (a path from the repository root)
+ROW_BASES = {"nft": "configs/digits_nft.yaml", "awm": "configs/digits_awm.yaml", "dgpo": "configs/digits_dgpo.yaml"}
 
 #: how the table's settings column names a row whose overrides are too long to print (default: its overrides)
 ROW_LABELS = {"default": "digits.yaml",
               "per_step_default": "PER_STEP_DEFAULT: per_step, KL beta 0.04, 16 prompts, 50 epochs (digits.yaml "
               "before E-GRPO)",
               "old_default": "OLD_DEFAULT: uncapped digit_correctness, lr 2e-4, clip 2e-4, 80 epochs (digits.yaml "
-              "before the collapse work)"}
+              "before the collapse work)", **ROW_BASES}
 
 TARGET = 0.97  # judge correctness the "epochs to reach" column counts to
 JUDGE_KEY = "eval/correctness"  # the judge's strict correctness in a periodic evaluation record
 EXCLUDED_PHASES = ("eval",)  # timing/<phase> not counted as RL time
+STEADY_FROM = 60  # the steady-state columns read the evaluations after this many epochs and later
+STEADY_RATIO = 0.7  # ... each at judge >= TARGET with every digit >= this ratio of its real diversity
+RATIO_KEY = "eval/diversity_min_ratio"  # the smallest per-digit diversity ratio in a periodic evaluation record
 
 
 def rl_seconds(records: list[dict]) -> float:
@@ -129,6 +145,20 @@ def epochs_to_reach(records: list[dict], summary: dict, target: float = TARGET) 
     return summary["epochs"] if after is not None and after >= target else None
 
 
+def steady_state(records: list[dict], summary: dict, start: int = STEADY_FROM) -> tuple[float | None, bool | None]:
+    """(smallest min per-digit diversity ratio, whether every evaluation is steady) over the evaluations after
+    ``start`` epochs or more: the periodic ones (record of 0-based ``epoch`` e counts as e + 1 epochs) and the final
+    one (``summary["epochs"]``). Steady: judge correctness >= :data:`TARGET` and min ratio >= :data:`STEADY_RATIO`.
+    (None, None) when the run has no evaluation that late."""
+    evals = [(r.get(JUDGE_KEY), r.get(RATIO_KEY)) for r in records if r["epoch"] + 1 >= start and JUDGE_KEY in r]
+    if summary.get("epochs", 0) >= start and "correctness_after" in summary:
+        evals.append((summary.get("correctness_after"), summary.get("diversity_min_ratio_after")))
+    evals = [(j, m) for j, m in evals if j is not None and m is not None]
+    if not evals:
+        return None, None
+    return min(m for _, m in evals), all(j >= TARGET and m >= STEADY_RATIO for j, m in evals)
+
+
 def seed_figures(run_dir: Path) -> dict:
     """The figures of one finished run folder (``summary.json`` and ``metrics.jsonl``), see the module docstring.
     Raises ``ValueError`` when the summary has no per-digit diversity (not a digits run)."""
@@ -141,7 +171,9 @@ def seed_figures(run_dir: Path) -> dict:
     if not ratios:
         raise ValueError(f"{run_dir / 'summary.json'} has no digit_<d>_diversity_after/_real: not a digits run")
     last = records[-1] if records else {}
+    late_min, steady = steady_state(records, summary)
     return {
+        "min_ratio_from_60": late_min, "steady_from_60": steady,
         "correctness_before": summary.get("correctness_before"), "correctness_after": summary.get("correctness_after"),
         "diversity_after": summary.get("diversity_after"), "diversity_real": summary.get("diversity_real"),
         "ratio_mean_after": sum(ratios) / len(ratios), "ratio_min_after": min(ratios),
@@ -182,6 +214,9 @@ def aggregate(results: list[dict]) -> list[dict]:
             "ratio_min_after": spread(col["ratio_min_after"], ".2f"),
             "rl_seconds": spread(col["rl_seconds"], ".0f"), "epochs": spread(col["epochs"], ".0f"),
             "epochs_to_target": spread(col["epochs_to_target"], ".0f"),
+            "min_ratio_from_60": spread(col.get("min_ratio_from_60", [None] * len(rs)), ".2f"),
+            "steady": (f"{sum(bool(v) for v in col.get('steady_from_60', []))} of {len(rs)}"
+                       if any(v is not None for v in col.get("steady_from_60", [])) else "—"),
             "calls_rows": " / ".join("—" if v is None else f"{v:.0f}"
                                      for v in (rs[0]["calls_per_epoch"], rs[0]["rows_per_epoch"])),
             "extra_samples": f"{rs[0]['extra_sample_frac']:.0%}",
@@ -193,21 +228,34 @@ def markdown(table: list[dict]) -> str:
     """The aggregated rows as a Markdown table (settings: the row's own; shared overrides are printed above it)."""
     lines = [f"| row | seeds | judge correctness after | diversity ratio, mean over digits | "
              f"min per-digit diversity ratio | RL wall time (s) | epochs | epochs to {TARGET} | "
-             "calls / rows per epoch | extra samples | settings |", "|" + "---|" * 11]
+             f"smallest min ratio, evaluations from epoch {STEADY_FROM} | seeds steady from {STEADY_FROM} "
+             f"(judge >= {TARGET}, min ratio >= {STEADY_RATIO}) | "
+             "calls / rows per epoch | extra samples | settings |", "|" + "---|" * 13]
     for t in table:
         lines.append(f"| {t['row']} | {' '.join(map(str, t['seeds']))} | {t['correctness_after']} | "
                      f"{t['ratio_mean_after']} | {t['ratio_min_after']} | {t['rl_seconds']} | {t['epochs']} | "
-                     f"{t['epochs_to_target']} | {t['calls_rows']} | {t['extra_samples']} | `{t['settings']}` |")
+                     f"{t['epochs_to_target']} | {t['min_ratio_from_60']} | {t['steady']} | {t['calls_rows']} | "
+                     f"{t['extra_samples']} | `{t['settings']}` |")
     return "\n".join(lines)
 
 
-def row_config(overrides: list[str], seed: int, run_dir: Path):
-    """The config one (row, seed) trains with: the runner's default config, the row's (and shared) overrides, then
-    the bench's own. Raises ``flowgrpo.config.ConfigError`` (a ``ValueError``)."""
-    from flowgrpo.config import build_config
+def row_data(name: str | None = None) -> dict:
+    """The config a row starts from, as a dict: its own config (:data:`ROW_BASES`, with its bases) or the runner's
+    default config."""
+    from flowgrpo.config.loading import read_yaml
     from flowgrpo.runner import DEFAULT_CONFIG
 
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    if name in ROW_BASES:
+        return read_yaml(Path(__file__).resolve().parents[1] / ROW_BASES[name])
+    return yaml.safe_load(DEFAULT_CONFIG.read_text())
+
+
+def row_config(overrides: list[str], seed: int, run_dir: Path, name: str | None = None):
+    """The config one (row, seed) trains with: the row's starting config (:func:`row_data`), the row's (and shared)
+    overrides, then the bench's own. Raises ``flowgrpo.config.ConfigError`` (a ``ValueError``)."""
+    from flowgrpo.config import build_config
+
+    data = row_data(name)
     return build_config(data, [*overrides, f"train.seed={seed}", f"output_dir={run_dir}", "logging.progress=false",
                                "logging.overwrite=true"])
 
@@ -217,7 +265,7 @@ def run_one(name: str, overrides: list[str], seed: int, out_root: Path) -> dict:
     from flowgrpo.runner import run
 
     run_dir = out_root / name / f"seed{seed}"
-    cfg = row_config(overrides, seed, run_dir)
+    cfg = row_config(overrides, seed, run_dir, name)
     start = time.perf_counter()
     run(cfg)
     result = {"row": name, "seed": seed, "overrides": overrides, "process_seconds": time.perf_counter() - start,
@@ -277,7 +325,7 @@ def check_rows(parser: argparse.ArgumentParser, args: argparse.Namespace, shared
     for name in args.rows:
         for seed in args.seed:
             try:
-                row_config([*ROWS[name], *shared], seed, Path(args.out) / name / f"seed{seed}")
+                row_config([*ROWS[name], *shared], seed, Path(args.out) / name / f"seed{seed}", name)
             except ValueError as err:  # flowgrpo.config.ConfigError is a ValueError
                 parser.error(f"row {name!r}: {'; '.join(str(err).splitlines())}")
 

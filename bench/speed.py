@@ -10,7 +10,9 @@ ratios, so a slow spell of a shared machine falls on both sides.
 (b) one policy update vs the bare forward + backward of the same trained transitions (target ≤ 1.15×);
 (c) epoch time as G and as T double (expect linear growth);
 (d) E-GRPO's update with each shared anchor forwarded once per (prompt, branch step) group vs once per sample
-    (the same trajectory and plan; the chunker's ``shares_inputs`` switched off for the "before" figure).
+    (the same trajectory and plan; the chunker's ``shares_inputs`` switched off for the "before" figure);
+(e) the forward-process update (DiffusionNFT: B samples × int(0.99·T) σ's, an old-copy and a reference pass per
+    row) vs the bare forwards and backward of the same (x₀, σ, ε) draws (``bench/forward_speed.py``; target ≤ 1.15×).
 All on the tiny random FLUX model, on this machine's CPU.
 """
 
@@ -59,7 +61,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--parts", nargs="+", default=["a", "b", "c", "d"], choices=["a", "b", "c", "d"],
+    parser.add_argument("--parts", nargs="+", default=["a", "b", "c", "d", "e"], choices=["a", "b", "c", "d", "e"],
                         help="which rows to measure")
     parser.add_argument("--stat", choices=sorted(STAT), default="median", help="statistic of the repeats")
     args = parser.parse_args()
@@ -118,13 +120,13 @@ def main() -> None:
 
     from flowgrpo.data.prompts import PromptSet
 
-    def make_trainer(adapter) -> Trainer:
-        """A LoRA trainer of ``adapter`` with row (b)'s settings and a reward that is never called."""
-        setup_trainable(adapter, finetune="lora", rank=8, alpha=16, target_modules=cfg.model.lora_target_modules,
+    def make_trainer(adapter, config=cfg) -> Trainer:
+        """A LoRA trainer of ``adapter`` with row (b)'s settings (or ``config``'s) and a reward never called."""
+        setup_trainable(adapter, finetune="lora", rank=8, alpha=16, target_modules=config.model.lora_target_modules,
                         need_reference=False)
-        return Trainer(cfg, adapter=adapter,
+        return Trainer(config, adapter=adapter,
                        rewards=ComposedReward({"none": _NoReward()}, {"none": 1}), eval_rewards=None,
-                       objective=build_objective(cfg), prompts=PromptSet(prompts, [{}] * b, "bench"),
+                       objective=build_objective(config), prompts=PromptSet(prompts, [{}] * b, "bench"),
                        eval_prompts=None, accelerator=Accelerator(cpu=True))
 
     trainer = make_trainer(adapter)
@@ -203,11 +205,33 @@ def main() -> None:
         return once, each
 
     d_once, d_each = egrpo_update_times() if "d" in args.parts else (nan, nan)
+
+    # (e) the forward-process update vs the bare work of its (x0, sigma, eps) draws
+    def forward_update_times() -> tuple[float, float, float, int]:
+        from forward_speed import update_and_bare
+
+        fcfg = build_config({"model": {"pretrained": str(folder)}, "sampling": {"num_steps": t},
+                             "objective": {"name": "nft"},
+                             "train": {"prompts_per_epoch": b // 2, "group_size": 2, "rollout_batch_size": b},
+                             "rewards": [{"name": "jpeg_compressibility"}], "logging": {"progress": False}})
+        fa = load_model(str(folder), max_sequence_length=32, height=64, width=64)
+        ft = make_trainer(fa, fcfg)
+        request = RolloutRequest(prompts, [{}] * b, torch.arange(b) // 2, torch.arange(b) % 2,
+                                 settings=SamplerSettings(num_steps=t, guidance_scale=3.5), batch_size=b, seed=0,
+                                 epoch=0)
+        samples = ft.objective.rollout(fa, request)
+        fadv = Advantages(values=torch.randn(b), train_mask=torch.ones(b, dtype=torch.bool), zero_spread_frac=0.0,
+                          nan_frac=0.0, learning_frac=1.0)
+        upd, bare_fn, rows = update_and_bare(ft, samples, fadv)
+        return (*_paired_seconds(upd, bare_fn, args.repeats), rows)
+
+    e_ours, e_bare, e_ratio, e_rows = forward_update_times() if "e" in args.parts else (nan, nan, nan, 0)
     figures = {
         "a_rollout_s": a_ours, "a_pipeline_s": a_theirs, "a_ratio": a_ratio,
         "b_update_s": b_ours, "b_bare_s": b_bare, "b_ratio": b_ratio,
         "c_epoch_s": e0, "c_epoch_2G_s": eg, "c_epoch_2T_s": et, "c_ratio_2G": eg / e0, "c_ratio_2T": et / e0,
         "d_egrpo_update_shared_s": d_once, "d_egrpo_update_per_row_s": d_each, "d_ratio": d_once / d_each,
+        "e_forward_update_s": e_ours, "e_forward_bare_s": e_bare, "e_ratio": e_ratio, "e_rows": e_rows,
         "batch": b, "steps": t, "threads": torch.get_num_threads(),
     }
     lines = [
@@ -222,6 +246,9 @@ def main() -> None:
         f"| (d) E-GRPO update, shared anchor forwarded once vs per sample ({b} samples × 4 branch steps, G=4, "
         f"{D_SIZE}²) | "
         f"{d_once*1e3:.0f} ms | {d_each*1e3:.0f} ms | {d_once/d_each:.2f}× | < 1× |",
+        f"| (e) DiffusionNFT update vs bare forwards + backward of the same {e_rows} (x0, sigma, eps) rows (B={b}, "
+        f"T={t}: old-copy and reference passes, 64²) | {e_ours*1e3:.0f} ms | {e_bare*1e3:.0f} ms | {e_ratio:.2f}× | "
+        "≤ 1.15× |",
     ]
     print("\n".join(lines))
     if args.json:

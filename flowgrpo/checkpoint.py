@@ -4,6 +4,8 @@ A checkpoint is a folder ``<output_dir>/checkpoints/epoch_<N>`` holding
 
 * ``trainable.safetensors``: the trained parameters (LoRA or the whole transformer), by parameter name;
 * ``ema.safetensors``: the EMA shadow weights (when EMA is on);
+* ``objective.safetensors``: the objective's own state (when it keeps any: the old copy of the weights of the
+  forward-process objectives);
 * ``optimizer.pt``, ``rng.pt``: optimizer state (keyed by parameter name) and the torch RNG state, loaded with
   ``weights_only=True`` (tensors and plain containers only: a pickled object is refused);
 * ``state.json``: epoch, LR-scheduler and prompt-sampler state.
@@ -45,23 +47,25 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(root: str | Path, epoch: int, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
-                    ema=None, keep: int = 2) -> Path:
+                    ema=None, keep: int = 2, objective=None) -> Path:
     """Write ``root/epoch_<epoch>`` atomically and point ``root/latest`` at it; keep the newest ``keep``.
+    ``objective``: the run's objective, whose ``state_dict()`` (whole tensors; empty: no file) is saved.
 
     Every process calls it (a sharded model's tensors are gathered); the main process writes, and the others
     wait until it has."""
     root = Path(root)
     weights, opt_state = trainable_state(model), optimizer_state(model, optimizer)
     ema_state = ema.state_dict() if ema is not None else None
+    extra = objective.state_dict() if objective is not None else {}
     final = root / f"epoch_{epoch}"
     if dist.rank() == 0:
-        _write(root, epoch, weights, opt_state, ema_state, lr_scheduler, sampler, keep)
+        _write(root, epoch, weights, opt_state, ema_state, lr_scheduler, sampler, keep, extra)
     dist.barrier()
     return final
 
 
 def _write(root: Path, epoch: int, weights: dict, opt_state: dict, ema_state: dict | None, lr_scheduler, sampler,
-           keep: int) -> None:
+           keep: int, objective_state: dict | None = None) -> None:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"epoch_{epoch}"
     tmp = root / f".epoch_{epoch}.tmp"
@@ -70,6 +74,8 @@ def _write(root: Path, epoch: int, weights: dict, opt_state: dict, ema_state: di
     save_file(weights, tmp / "trainable.safetensors")
     if ema_state is not None:
         save_file({k: v.contiguous() for k, v in ema_state.items()}, tmp / "ema.safetensors")
+    if objective_state:
+        save_file({k: v.contiguous() for k, v in objective_state.items()}, tmp / "objective.safetensors")
     torch.save(opt_state, tmp / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     state = {"epoch": epoch, "lr_scheduler": lr_scheduler.state_dict(), "sampler": sampler.state_dict()}
@@ -216,15 +222,37 @@ def _read(path: Path, read):
         ) from err
 
 
+def _load_objective(p: Path, objective) -> None:
+    """Hand ``objective`` the state of ``p/objective.safetensors``. Raises :class:`CheckpointError` when the
+    objective keeps state (``state_dict()`` non-empty) and the file is missing, or the file's state does not fit
+    the objective (another objective's, or another model's)."""
+    if objective is None:
+        return
+    f = p / "objective.safetensors"
+    name = objective.cfg.objective.name if hasattr(objective, "cfg") else type(objective).__name__
+    if not f.is_file():
+        if objective.state_dict():
+            raise CheckpointError(f"checkpoint {str(p)!r} has no objective state (objective.safetensors), but "
+                                  f"objective {name!r} keeps some (the old copy of the weights); resume from a "
+                                  f"checkpoint of a {name!r} run")
+        return
+    try:
+        objective.load_state_dict(_read(f, load_file))
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {str(p)!r}: objective.safetensors does not fit objective {name!r} "
+                              f"({err})") from err
+
+
 def _cause(err: BaseException) -> str:
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
-                    ema=None) -> int:
+                    ema=None, objective=None) -> int:
     """Restore every part from a checkpoint; returns the epoch it was written after. Every process calls it and
-    reads the files (a sharded model keeps its shard of each whole tensor).
+    reads the files (a sharded model keeps its shard of each whole tensor). ``objective``: the run's objective,
+    given back its ``objective.safetensors`` (:func:`_load_objective`).
 
     Raises:
         CheckpointError: incomplete folder, parameter names or shapes that do not match the model (naming the
@@ -233,6 +261,7 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_s
         ValueError: the prompt sampler's state does not match this run (``GroupSampler.load_state_dict``).
     """
     p = resolve_checkpoint(path)
+    _load_objective(p, objective)
     weights = _read(p / "trainable.safetensors", load_file)
     params = dict(model.named_parameters())
     unknown = sorted(set(weights) - set(params))

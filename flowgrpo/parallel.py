@@ -261,6 +261,20 @@ def clip_grad_norm(accelerator, params: list[torch.nn.Parameter], max_norm: floa
     return float(accelerator.clip_grad_norm_(params, max_norm))
 
 
+def reshard(model: torch.nn.Module | None) -> None:
+    """Free the gathered weights of every FSDP2 unit of ``model`` (``FSDPModule.reshard``), so the next forward
+    gathers them again from the shards: needed around a swap of the shards' values (the old copy of the
+    forward-process objectives), since with ``reshard_after_forward=false`` a forward would reuse weights gathered
+    before the swap. A no-op for an unsharded module or None."""
+    if model is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def release() -> None:
     """Undo what this module set up for a run that ends (the one-process group made for FSDP2)."""
     dist.release_own_group()

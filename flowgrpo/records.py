@@ -102,6 +102,40 @@ class Trajectory:
 
 
 @dataclass(frozen=True)
+class FinalSamples:
+    """A batch of rollout samples of which only the final latents are kept: what the forward-process objectives
+    (DiffusionNFT, AWM, DGPO) train on, with no trajectory and no log-probability.
+
+    Attributes:
+        x0: (B, …) float32 final latents (the solver's sample at σ = 0), on the model's device, or on the host
+            with ``train.latents_on_cpu``.
+        initial_noise: (B, …) float32 latents each rollout started from, where ``x0`` is.
+        sigmas: (T+1,) float32 host, the grid the objective draws its training σ's from (the rollout's own, or
+            the unmodified one when the solver moved it: AWM's SA-Solver grid).
+        group_ids: (B,) long host, global id of each sample's group; sample_index: (B,) long host, its index in
+            the group (0..G−1). With the run seed and the epoch they seed every draw of the update.
+        embeds: prompt embeddings for the B samples (the model's device).
+        images: (B, 3, H, W) float32 host in [0, 1]; prompts, metadata: B each.
+        guidance_scale: the guidance of the rollout (training sets its own).
+    """
+
+    x0: torch.Tensor
+    initial_noise: torch.Tensor
+    sigmas: torch.Tensor
+    group_ids: torch.Tensor
+    sample_index: torch.Tensor
+    embeds: PromptEmbeds
+    images: torch.Tensor
+    prompts: list[str]
+    metadata: list[dict]
+    guidance_scale: float
+
+    @property
+    def batch_size(self) -> int:
+        return self.x0.shape[0]
+
+
+@dataclass(frozen=True)
 class Rewards:
     """Scores of B samples.
 

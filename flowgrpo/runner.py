@@ -121,7 +121,7 @@ def _run(config) -> dict:
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
-        need_reference=config.algo.kl_beta > 0, gradient_checkpointing=m.gradient_checkpointing,
+        need_reference=ready.objective.needs_reference, gradient_checkpointing=m.gradient_checkpointing,
     )
     if m.finetune == "lora":  # LoRA weights train in float32 whatever the model's dtype
         for p in params:

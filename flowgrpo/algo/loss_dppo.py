@@ -17,17 +17,33 @@ Corrective updates (ρ moving back toward 1) always keep their gradient. verl-om
 for a chunk of k steps (Chunk-GRPO) this module uses the chunk's ratio ρ = exp(mean_t Δ_t), as the other losses,
 and the chunk's mean divergence D = mean_t D_t: for k = 1 both are verl-omni's. Unlike verl-omni's Flow-GRPO loss,
 its DPPO loss does not clip the advantages (ours arrive clipped by ``algo.advantage_clip`` either way).
+
+Registered as the policy loss ``flow_dppo`` of the SDE-ratio objective (``algo.policy_loss: {name: flow_dppo,
+kl_mask_threshold: 1e-5, add_kl_coefficient: true}``); it reads the transition moments (``needs_moments``, as
+``grpo_guard``), so the rollout policy's means are recomputed before its update, and its KL to the reference is
+the shared ``algo.kl_beta`` (verl-omni: none, 0).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field
 
-from flowgrpo.algo.losses import LossSettings, PairTerms, PolicyLossInput, check_input, clipped_terms
+from flowgrpo.algo.losses import (
+    LossSettings,
+    PairTerms,
+    PolicyLossConfig,
+    PolicyLossInput,
+    check_input,
+    clipped_terms,
+    own_settings,
+    policy_loss,
+)
 
-__all__ = ["DPPOSettings", "dppo_divergence", "flow_dppo_loss"]
+__all__ = ["DPPOSettings", "FlowDppoConfig", "dppo_divergence", "flow_dppo_loss", "flow_dppo"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +114,24 @@ def flow_dppo_loss(inp: PolicyLossInput, settings: DPPOSettings) -> PairTerms:
     masked = (high & (ratio > 1.0) & (adv > 0)) | (high & (ratio < 1.0) & (adv < 0))
     loss = torch.where(masked.detach(), torch.zeros_like(ratio), -adv * ratio)
     return clipped_terms(inp, LossSettings(kl_beta=settings.kl_beta), loss, ratio, masked)
+
+
+class FlowDppoConfig(PolicyLossConfig):
+    """Settings of ``flow_dppo`` with verl-omni's defaults (diffusion_actor.yaml); it reads the transition moments."""
+
+    name: Literal["flow_dppo"] = "flow_dppo"
+    needs_moments: ClassVar[bool] = True
+    kl_mask_threshold: float = Field(1e-5, gt=0, description="flow_dppo: the divergence D (exact per-step Gaussian "
+                                     "KL to the rollout policy) past which a pair moving away is masked "
+                                     "(verl-omni kl_mask_threshold)")
+    add_kl_coefficient: bool = Field(True, description="flow_dppo: D = mean drift^2 / (2 std^2), the exact KL "
+                                     "(false: drift^2 / 2; verl-omni add_kl_coefficient)")
+
+
+@policy_loss("flow_dppo", FlowDppoConfig)
+def flow_dppo(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
+    """The registered ``flow_dppo`` loss: :func:`flow_dppo_loss` with the run's ``algo.policy_loss`` knobs and
+    ``algo.kl_beta``."""
+    own = own_settings(settings, FlowDppoConfig)
+    return flow_dppo_loss(inp, DPPOSettings(kl_mask_threshold=own.kl_mask_threshold,
+                                            add_kl_coefficient=own.add_kl_coefficient, kl_beta=settings.kl_beta))

@@ -64,6 +64,10 @@ registered ``L``:
   The two agree when every pair of a micro-batch drifted equally; with unequal drifts a pair's log-ratio differs
   by its drift's distance from the micro-batch mean over 2·S_t, which against clip ranges of ~1e-6 changes which
   pairs are clipped.
+* ``flow_dppo``: Flow-DPPO (arXiv 2606.11025, verl-omni's ``FlowDPPOLoss``), the unclipped ``−A·r`` with a pair's
+  gradient removed when the exact Gaussian KL between the trained and the rollout policy's transition passes
+  ``kl_mask_threshold`` and the ratio moves away from 1 in the advantage's direction (:mod:`flowgrpo.algo.loss_dppo`;
+  it reads the moments, as ``grpo_guard``).
 """
 
 from __future__ import annotations
@@ -136,8 +140,8 @@ class PolicyLossConfig(Section):
 
     name: str = Field(
         "clipped", description="registered policy loss (flowgrpo.algo.losses.POLICY_LOSSES): clipped (PPO/Flow-GRPO), "
-        "dual_clip (Ye et al. 2020, arXiv 1912.09729), sapo (arXiv 2511.20347), grpo_guard (arXiv 2510.22319), or "
-        "one a plugin registers; a plain name is shorthand for {name: ...}"
+        "dual_clip (Ye et al. 2020, arXiv 1912.09729), sapo (arXiv 2511.20347), grpo_guard (arXiv 2510.22319), "
+        "flow_dppo (arXiv 2606.11025), or one a plugin registers; a plain name is shorthand for {name: ...}"
     )
     #: the loss reads each step's transition std, dt and mean drift (the trainer keeps the rollout means)
     needs_moments: ClassVar[bool] = False
@@ -398,3 +402,7 @@ def clipped_surrogate(
     """
     inp = PolicyLossInput(new_log_probs, old_log_probs, advantages, kl_ref=kl_ref)
     return clipped_loss(inp, LossSettings(clip_low=clip_low, clip_high=clip_high, kl_beta=kl_beta))
+
+
+# Flow-DPPO lives in its own module (it builds on this one's definitions); importing it registers ``flow_dppo``
+from flowgrpo.algo import loss_dppo  # noqa: E402, F401

@@ -388,7 +388,8 @@ class Config(Section):
             raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
-        self.algo.group_filter.check(self)  # each strategy's checks against the other sections
+        self.objective.check(self)  # each strategy's checks against the other sections
+        self.algo.group_filter.check(self)
         self.algo.policy_loss.check(self)
         if all(r.weight == 0 for r in self.rewards):
             raise ValueError("every reward in rewards has weight 0: the composed reward would be 0 and nothing "

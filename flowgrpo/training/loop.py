@@ -66,6 +66,7 @@ class Trainer:
         self.out = self.run.out
         self.main = accelerator.is_main_process
         self.optim = Optimization(config, adapter=adapter, accelerator=accelerator)
+        objective.prepare(self.optim)  # what the objective keeps of the prepared weights (an old copy)
         self.sampler = GroupSampler(len(prompts), config.train.prompts_per_epoch, config.train.seed)
         self.epoch = 0  # 0-based: the epoch training (or next to train)
         self.stage = "epochs"  # "epochs", then "final" (the final evaluation and save)
@@ -78,7 +79,7 @@ class Trainer:
         self.forward_count = [0, 0]  # transformer calls and rows, for the rollout/update cost metrics
         adapter.transformer.register_forward_pre_hook(self._count_forward, with_kwargs=True)
         if config.train.resume_from:
-            self.epoch = self.optim.resume(config.train.resume_from, sampler=self.sampler)
+            self.epoch = self.optim.resume(config.train.resume_from, sampler=self.sampler, objective=objective)
         self.watch = DivergenceWatch(run_history(self.out, config.train.resume_from, self.epoch))
 
     def _count_forward(self, module, args, kwargs) -> None:
@@ -91,7 +92,7 @@ class Trainer:
         weights (:func:`~flowgrpo.divergence.check_weights`)."""
         check_weights(self.optim.named_weights(), epoch, self.cfg.train.num_epochs, self.out / "checkpoints")
         self.optim.save(self.out / "checkpoints", epoch, sampler=self.sampler,
-                        keep=self.cfg.logging.checkpoints_total_limit)
+                        keep=self.cfg.logging.checkpoints_total_limit, objective=self.objective)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:

@@ -93,6 +93,11 @@ class Optimization:
         self.optimizer.zero_grad(set_to_none=True)
 
     @property
+    def steps(self) -> int:
+        """Optimizer steps taken so far in the run (restored on resume: the schedule's count)."""
+        return int(self.lr_scheduler.last_epoch)
+
+    @property
     def lr(self) -> float:
         """The learning rate of the next step."""
         return self.lr_scheduler.get_last_lr()[0]
@@ -122,18 +127,20 @@ class Optimization:
         return named + ([(f"EMA {n}", v) for n, v in self.ema.state_dict().items()] if self.ema is not None else [])
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, root: Path, epoch: int, *, sampler, keep: int) -> None:
-        """Checkpoint epoch ``epoch`` (weights, optimizer, schedule, EMA, the prompt sampler) under ``root``,
-        keeping the newest ``keep``. Every process calls it (a sharded model is gathered); the main one writes."""
+    def save(self, root: Path, epoch: int, *, sampler, keep: int, objective=None) -> None:
+        """Checkpoint epoch ``epoch`` (weights, optimizer, schedule, EMA, the prompt sampler and the objective's
+        state) under ``root``, keeping the newest ``keep``. Every process calls it (a sharded model is gathered);
+        the main one writes."""
         save_checkpoint(root, epoch, model=self.unwrapped, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                        sampler=sampler, ema=self.ema, keep=keep)
+                        sampler=sampler, ema=self.ema, keep=keep, objective=objective)
 
-    def resume(self, checkpoint: str, *, sampler) -> int:
-        """Load ``checkpoint`` (and the prompt sampler's state); this run's optimiser settings win over the
-        checkpoint's. Returns the epoch to train next."""
+    def resume(self, checkpoint: str, *, sampler, objective=None) -> int:
+        """Load ``checkpoint`` (and the prompt sampler's and the objective's state); this run's optimiser settings
+        win over the checkpoint's. Returns the epoch to train next."""
         t = self.train_cfg
         epoch = 1 + load_checkpoint(checkpoint, model=self.unwrapped, optimizer=self.optimizer,
-                                    lr_scheduler=self.lr_scheduler, sampler=sampler, ema=self.ema)
+                                    lr_scheduler=self.lr_scheduler, sampler=sampler, ema=self.ema,
+                                    objective=objective)
         for group in self.optimizer.param_groups:
             group.update(betas=tuple(t.adam_betas), eps=t.adam_eps, weight_decay=t.weight_decay)
         self.lr_scheduler.base_lrs = [t.lr] * len(self.optimizer.param_groups)

@@ -65,8 +65,9 @@ def test_dry_run_writes_every_part(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "gpu_check.json").read_text())
-    for part in "abcdefg":
+    for part in "abcdefgh":
         assert "error" not in r[part], (part, r[part].get("error"))
+    assert r["h"]["ratio"] > 0 and r["h"]["rows"] == 4 * 1  # (h): B = 4 x int(0.99 * T = 2) sigmas
     assert r["c"]["matched"]["mismatch"] == 0.0 and r["c"]["recompute"]["mismatch"] == 0.0
     assert r["b"]["plain"]["ratio"] > 0 and r["a"]["ratio"] > 0
     assert [e["policy/logprob_mismatch_max"] for e in r["f"]["epochs"]] == [0.0, 0.0]

@@ -123,7 +123,7 @@ def test_every_row_is_a_valid_config(learning):
     from flowgrpo.sampling.rollout import SamplerSettings
 
     for name, overrides in learning.ROWS.items():
-        cfg = build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), [*overrides, "logging.eval_every=5"])
+        cfg = build_config(learning.row_data(name), [*overrides, "logging.eval_every=5"])
         assert cfg.logging.eval_every == 5, name
         objective = check_strategies(cfg)  # what the run checks before loading: the chunker against the SDE kind,
         check_batch(cfg, 1)  # the batch layout, and after loading: the chunker on the digits model's σ grid

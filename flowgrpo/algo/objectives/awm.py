@@ -21,15 +21,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+from pydantic import Field
 
-from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, as_row_sigma, velocity_mse, velocity_target
+from flowgrpo.algo.objectives.base import OBJECTIVES
+from flowgrpo.algo.objectives.flow_matching import (
+    ObjectiveTerms,
+    as_row_sigma,
+    noised,
+    velocity_mse,
+    velocity_target,
+)
+from flowgrpo.algo.objectives.forward import (
+    ForwardConfig,
+    ForwardObjective,
+    ForwardWork,
+    RowDraw,
+    SolverName,
+    shared,
+)
 from flowgrpo.algo.objectives.old_copy import DecaySchedule
 from flowgrpo.registry import Registry
+from flowgrpo.rng import make_generator
+from flowgrpo.settings import registered_name
 
-__all__ = ["AWMSettings", "AWM_WEIGHTINGS", "AWM_KL_WEIGHTS", "AWM_TIME_TYPES", "awm_log_prob", "awm_terms",
-           "awm_train_sigma_indices"]
+__all__ = ["AWM", "AWMConfig", "AWMSettings", "AWM_WEIGHTINGS", "AWM_KL_WEIGHTS", "AWM_TIME_TYPES", "awm_log_prob",
+           "awm_terms", "awm_train_sigma_indices"]
 
 _TINY = 1e-10  # the release's guard inside the square root / power
 
@@ -273,3 +292,97 @@ def awm_train_sigma_indices(num_steps: int, settings: AWMSettings,
         raise ValueError(f"AWM time_type {settings.time_type!r} drew grid indices {idx.tolist()} outside "
                          f"0..{num_steps - 1}")
     return idx
+
+
+class AWMConfig(ForwardConfig):
+    """``objective: {name: awm, ...}``: AWM with the release's defaults (scxue/advantage_weighted_matching,
+    config/dgx_awm.py ``geneval_sd3_no_cfg_1node`` over config/base_awm.py; docs/fidelity_forward.md)."""
+
+    name: Literal["awm"] = "awm"
+    solver: SolverName = shared("solver", "sa_solver")
+    solver_noise_level: float = shared("solver_noise_level", 0.4)
+    kl_beta: float = shared("kl_beta", 0.001)
+    decay_cap: float = shared("decay_cap", 0.3)
+    decay_constant: float | None = Field(None, ge=0, lt=1, description="old copy: a constant decay instead of the "
+                                         "ramp (AWM kl_ema_decay_type constant: 0.3)")
+    advantage_max: float | None = Field(1.0, gt=0, description="AWM: clipped advantages rescaled to +-a_max "
+                                        "(null: no rescale)")
+    weighting: registered_name(AWM_WEIGHTINGS, "objective.weighting") = Field(
+        "ghuber", description="AWM's log-probability weighting: ghuber, huber, uniform, t, t**2")
+    ghuber_power: float = Field(0.25, gt=0, description="AWM: p of the ghuber weighting")
+    clip_range: float = Field(1.0, ge=0, description="the clip: AWM's of its ratio (1; on-policy the ratio is 1), "
+                              "DGPO's of exp(e_old - e) against the old copy (1e-2)")
+    kl_weight: registered_name(AWM_KL_WEIGHTS, "objective.kl_weight") = Field(
+        "uniform", description="AWM: the reference KL's weight (uniform, elbo)")
+    ema_beta: float = Field(1.0, ge=0, description="AWM: weight of the KL to the old copy")
+    kl_ema_weight: registered_name(AWM_KL_WEIGHTS, "objective.kl_ema_weight") = Field(
+        "uniform", description="AWM: the old-copy KL's weight (uniform, elbo)")
+    train_timesteps: int = Field(6, ge=1, description="AWM: K training sigmas per micro-batch, shared by its samples")
+    timestep_fraction: float = Field(0.9, gt=0, le=1, description="the training sigmas: DiffusionNFT trains "
+                                     "int(T*f) of the grid's T sigmas per sample (a random subset: 0.99); AWM draws "
+                                     "its strata from the first int(T*f) grid steps (0.9)")
+    time_type: registered_name(AWM_TIME_TYPES, "objective.time_type") = Field(
+        "discrete_wo_init", description="AWM time_type: discrete_wo_init (steps 1..), discrete (0..), "
+        "discrete_with_init (step 0 and strata)")
+
+    def decay(self) -> DecaySchedule:
+        return DecaySchedule(flat=self.decay_flat, ramp=self.decay_ramp, cap=self.decay_cap,
+                             constant=self.decay_constant)
+
+
+@OBJECTIVES.register("awm")
+class AWM(ForwardObjective):
+    """AWM (module docstring) in the training loop: the trained weights roll out (on-policy), each micro-batch
+    trains K σ's drawn for it (shared by its samples) with fresh ε per (sample, σ), and the old copy, a second KL
+    anchor, moves once an epoch after the update (k = optimizer steps so far)."""
+
+    Config = AWMConfig
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.o.kl_beta > 0
+
+    def loss_settings(self) -> AWMSettings:
+        o = self.o
+        return AWMSettings(adv_clip_max=o.adv_clip_max, advantage_max=o.advantage_max, weighting=o.weighting,
+                           ghuber_power=o.ghuber_power, clip_range=o.clip_range, kl_beta=o.kl_beta,
+                           kl_weight=o.kl_weight, ema_beta=o.ema_beta, kl_ema_weight=o.kl_ema_weight,
+                           decay=o.decay(), train_timesteps=o.train_timesteps,
+                           timestep_fraction=o.timestep_fraction, time_type=o.time_type)
+
+    def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
+        return self.o.train_timesteps
+
+    def check_grid(self, sigmas: torch.Tensor) -> None:
+        """The strata fit the grid (:func:`awm_train_sigma_indices` raises for an index past it; the strata's
+        bounds do not depend on the draw)."""
+        awm_train_sigma_indices(sigmas.numel() - 1, self.loss_settings(), torch.Generator().manual_seed(0))
+
+    def after_epoch(self, steps: int) -> None:
+        """old ← d·old + (1 − d)·θ, d = decay(k), k = the optimizer steps so far (train_sd3_awm.py 1409–1419)."""
+        self.old.update(steps)
+
+    def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[RowDraw]:
+        """K grid indices for the micro-batch, from a generator of (seed, epoch, pass, its global index); ε per
+        (sample, σ) from a generator of the sample."""
+        s, t = work.samples, work.samples.sigmas.numel() - 1
+        mb = (work.offset + int(rows[0])) // self.cfg.train_batch_size
+        idx = awm_train_sigma_indices(t, self.loss_settings(),
+                                      make_generator(self.cfg.train.seed, work.epoch, inner, "awm_t", mb))
+        eps = torch.stack([torch.randn((len(idx), *s.x0.shape[1:]), generator=make_generator(
+            self.cfg.train.seed, work.epoch, inner, "awm_eps", int(s.group_ids[r]), int(s.sample_index[r])))
+            for r in rows.tolist()])  # (n, K, …)
+        return [RowDraw(rows, s.sigmas[i].float().expand(len(rows)).clone(), eps[:, j]) for j, i in
+                enumerate(idx.tolist())]
+
+    def terms(self, adapter, work: ForwardWork, draw: RowDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
+        """v_ref (base model, when kl_beta > 0), v_ema (old copy, when ema_beta > 0), then v_θ;
+        :func:`awm_terms` on-policy."""
+        settings = self.loss_settings()
+        sigma, noise = draw.sigma.to(x0.device), draw.noise.to(x0.device)
+        x_t = noised(x0, noise, sigma)
+        v_ref = self.velocity(adapter, x_t, sigma, embeds, weights="reference") if settings.kl_beta > 0 else None
+        v_ema = self.velocity(adapter, x_t, sigma, embeds, weights="old") if settings.ema_beta > 0 else None
+        v = self.velocity(adapter, x_t, sigma, embeds)
+        return awm_terms(v, noise, x0, sigma, work.advantages[draw.rows].to(x0.device), settings, v_ref=v_ref,
+                         v_ema=v_ema)

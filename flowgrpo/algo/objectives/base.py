@@ -21,8 +21,15 @@ The rollout record is a :class:`~flowgrpo.records.Trajectory` or any record with
 (B, 3, H, W), ``prompts``, ``metadata``, ``group_ids`` (B,) and ``initial_noise`` (B, …): the loop's reward,
 plots and rollout statistics read only these. Each objective declares its settings as a model (its ``Config``,
 a subclass of :class:`ObjectiveConfig`); the run config's ``objective:`` section is validated against the model
-of the objective its ``name`` selects. Before any model loads the run calls :meth:`Objective.validate`, and on
-the model's σ grid :meth:`Objective.trajectories_per_sample`.
+of the objective its ``name`` selects, and its :meth:`ObjectiveConfig.check` refuses the other sections' settings
+it does not read. Before any model loads the run calls :meth:`Objective.validate`, and on the model's σ grid
+:meth:`Objective.trajectories_per_sample`.
+
+Around the phases: :attr:`Objective.needs_reference` decides whether full fine-tuning keeps a frozen reference
+copy; once the optimizer is built the loop calls :meth:`Objective.prepare` with it (an objective that keeps a
+copy of the weights makes it there, from the prepared parameters); and every checkpoint saves
+:meth:`Objective.state_dict` (``objective.safetensors``) and a resume loads it back
+(:meth:`Objective.load_state_dict`), so a resumed run continues bit for bit.
 """
 
 from __future__ import annotations
@@ -51,14 +58,32 @@ class ObjectiveConfig(Section):
         "or one a plugin registers; a plain name is shorthand for {name: ...}"
     )
 
+    def check(self, config) -> None:
+        """Reject run settings (``config``, the whole :class:`~flowgrpo.config.Config`) this objective does not
+        read or cannot run with, before any model loads (``ValueError``); nothing by default."""
+
 
 @runtime_checkable
 class Objective(Protocol):
     """What the training loop uses of an objective (see the module docstring for the order)."""
 
+    needs_reference: bool
+    """Whether the update forwards the frozen reference (full fine-tuning then keeps a frozen copy)."""
+
     def validate(self) -> None:
         """Reject settings this objective cannot run with, before any model loads (``ValueError`` naming the
         setting and what is allowed)."""
+
+    def prepare(self, optim) -> None:
+        """Called once the optimizer (:class:`~flowgrpo.training.optim.Optimization`) is built, before any
+        resume: make what the objective keeps of the trained parameters (``optim.params``)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint must hold to resume the objective exactly: {name: whole tensor in host memory}
+        (empty when nothing). Every process calls it (sharded state is gathered)."""
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load :meth:`state_dict`'s tensors (every process; ``ValueError`` when they do not fit)."""
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         """Check the settings on the model's σ grid ``sigmas`` (T+1,) with the run's
@@ -98,8 +123,26 @@ class BaseObjective:
         self.cfg = config
         self.group_filter = GROUP_FILTERS.get(config.algo.group_filter.name)
 
+    @property
+    def needs_reference(self) -> bool:
+        """A KL to the reference (``algo.kl_beta`` > 0)."""
+        return self.cfg.algo.kl_beta > 0
+
     def validate(self) -> None:
         """Nothing beyond the schema."""
+
+    def prepare(self, optim) -> None:
+        """Nothing to keep."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """No state beyond the weights and the optimizer's."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Nothing to load; ``ValueError`` for a non-empty state (written by another objective)."""
+        if state:
+            raise ValueError(f"objective {self.cfg.objective.name!r} keeps no state, but the checkpoint holds "
+                             f"{sorted(state)[:3]} …")
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         """One trajectory a sample."""

@@ -25,14 +25,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+from pydantic import Field
 
-from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, velocity_mse, velocity_target
+from flowgrpo import dist
+from flowgrpo.algo.objectives.base import OBJECTIVES
+from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
+from flowgrpo.algo.objectives.forward import (
+    ForwardConfig,
+    ForwardObjective,
+    ForwardWork,
+    RowDraw,
+    SolverName,
+    shared,
+)
 from flowgrpo.algo.objectives.old_copy import DecaySchedule
+from flowgrpo.records import FinalSamples
+from flowgrpo.rng import make_generator
 
-__all__ = ["DGPOSettings", "dgpo_clip_mask", "dgpo_group_sums", "dgpo_terms", "dgpo_train_indices",
-           "dgpo_train_sigmas", "shared_group_noise"]
+__all__ = ["DGPO", "DGPOConfig", "DGPOSettings", "dgpo_clip_mask", "dgpo_group_sums", "dgpo_terms",
+           "dgpo_train_indices", "dgpo_train_sigmas", "shared_group_noise"]
 
 
 @dataclass(frozen=True)
@@ -216,3 +230,121 @@ def shared_group_noise(shape: tuple[int, ...], group_index: torch.Tensor, num_gr
     ``generate_shared_noise_for_groups``, lines 76–108). ``shape`` is one row's latent shape."""
     draws = torch.randn(num_groups, *shape, generator=generator, device=device)
     return draws[group_index.to(draws.device)]
+
+
+class DGPOConfig(ForwardConfig):
+    """``objective: {name: dgpo, ...}``: DGPO with the release's defaults (Luo-Yihong/DGPO, config/dgpo.py
+    ``geneval_sd3_4gpu``, mode 1: CFG at rollout only; docs/fidelity_forward.md)."""
+
+    name: Literal["dgpo"] = "dgpo"
+    solver: SolverName = shared("solver", "dpmpp_2m")
+    grid: Literal["model", "flow_shift"] = shared("grid", "flow_shift")
+    kl_beta: float = shared("kl_beta", 0.02)
+    decay_cap: float = shared("decay_cap", 0.3)
+    beta_dpo: float = Field(100.0, ge=0, description="DGPO beta_dpo of the group preference (mode 2b: 2000)")
+    clip_range: float = Field(1e-2, ge=0, description="the clip: AWM's of its ratio (1; on-policy the ratio is 1), "
+                              "DGPO's of exp(e_old - e) against the old copy (1e-2)")
+    clip_dsm: bool = Field(True, description="DGPO: clipped rows' flow-matching error carries no gradient")
+    clip_kl: bool = Field(False, description="DGPO: nor their KL")
+    use_ema_ref: bool = Field(False, description="DGPO: the preference reference is the old copy (mode 2b)")
+    kl_cfg: float = Field(1.0, ge=0, description="DGPO: guidance of the reference's velocity when > 1 (mode 2a: "
+                          "4.5); else objective.train_guidance_scale")
+    num_train_timesteps: int = Field(4, ge=1, description="DGPO: M training sigmas an epoch, shared by every "
+                                     "micro-batch and process")
+    trunc_steps: int = Field(4, ge=0, description="DGPO: drawn from grid steps 0..trunc_steps (OCR 6)")
+    shared_noise: bool = Field(True, description="DGPO: the rows of a group share their noise")
+    switch_ema_ref: int = Field(500, ge=0, description="DGPO: past this many optimizer steps the old copy rolls "
+                                "out (OCR 200)")
+    timestep_rounding: bool = Field(True, description="DGPO: training sigma floor(1000*sigma)/1000, the release's "
+                                    "integer scheduler timestep")
+
+
+@OBJECTIVES.register("dgpo")
+class DGPO(ForwardObjective):
+    """DGPO (module docstring) in the training loop: the trained weights roll out (the old copy past
+    ``switch_ema_ref`` steps), the epoch's M σ's are drawn once for every micro-batch and process, a group's rows
+    share ε, the group sums are all-reduced (every micro-batch holds whole groups), and the old copy, the clip
+    anchor, moves after every optimizer step (k = the steps before it)."""
+
+    Config = DGPOConfig
+
+    @property
+    def needs_reference(self) -> bool:
+        """DGPO always forwards the frozen reference (its KL and, without ``use_ema_ref``, its preference)."""
+        return True
+
+    def loss_settings(self) -> DGPOSettings:
+        o = self.o
+        return DGPOSettings(beta_dpo=o.beta_dpo, kl_beta=o.kl_beta, clip_range=o.clip_range, clip_dsm=o.clip_dsm,
+                            clip_kl=o.clip_kl, adv_clip_max=o.adv_clip_max, use_ema_ref=o.use_ema_ref,
+                            kl_cfg=o.kl_cfg, num_train_timesteps=o.num_train_timesteps, trunc_steps=o.trunc_steps,
+                            shared_noise=o.shared_noise, switch_ema_ref=o.switch_ema_ref, decay=o.decay())
+
+    def validate(self) -> None:
+        """The settings' checks, and micro-batches of whole groups (the group sums run over a group's rows)."""
+        super().validate()
+        tb, g = self.cfg.train_batch_size, self.cfg.train.group_size
+        if tb % g:
+            raise ValueError(f"objective dgpo sums its preference over each group's rows in a micro-batch: "
+                             f"train.train_batch_size={tb} must be a multiple of train.group_size={g}")
+
+    def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
+        return self.o.num_train_timesteps
+
+    def check_grid(self, sigmas: torch.Tensor) -> None:
+        """Grid steps 0..trunc_steps exist, and every process holds whole groups."""
+        t = sigmas.numel() - 1
+        if self.o.trunc_steps >= t:
+            raise ValueError(f"objective dgpo: trunc_steps={self.o.trunc_steps} draws grid steps past the "
+                             f"{t}-step grid; lower it below sampling.num_steps")
+        local, g = self.cfg.batch_size // dist.world_size(), self.cfg.train.group_size
+        if local % g:
+            raise ValueError(f"objective dgpo sums its preference over each group's rows: the {local} samples each "
+                             f"of {dist.world_size()} processes holds must be whole groups of train.group_size={g}; "
+                             "choose train.prompts_per_epoch divisible by the number of processes")
+
+    def rollout_weights(self):
+        """The trained weights until ``switch_ema_ref`` optimizer steps, then the old copy
+        (train_sd3_dgpo.py: ``if global_step > config.switch_ema_ref``)."""
+        return self.old.swapped() if self.optim.steps > self.o.switch_ema_ref else super().rollout_weights()
+
+    def after_step(self, steps_before: int) -> None:
+        """old ← d·old + (1 − d)·θ with d = decay(k), k the steps before this one (line 1176)."""
+        self.old.update(steps_before)
+
+    def plan_extra(self, samples: FinalSamples, epoch: int) -> dict:
+        """The epoch's M grid steps and σ's (the same on every process) and the groups' global numbering."""
+        idx = dgpo_train_indices(self.loss_settings(), make_generator(self.cfg.train.seed, epoch, "dgpo_t"))
+        groups = torch.unique(dist.gather_cat(samples.group_ids))  # sorted: the same numbering everywhere
+        return {"indices": idx, "sigmas": dgpo_train_sigmas(samples.sigmas, idx, timestep_rounding=self.o
+                                                            .timestep_rounding),
+                "group_index": torch.searchsorted(groups, samples.group_ids), "num_groups": len(groups)}
+
+    def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[RowDraw]:
+        """The epoch's M σ's; ε per (group, σ) when shared, else per (sample, σ), the same in every pass."""
+        s, x = work.samples, work.extra
+        out = []
+        for j, sigma in enumerate(x["sigmas"].tolist()):
+            keys = ([(int(s.group_ids[r]),) for r in rows.tolist()] if self.o.shared_noise else
+                    [(int(s.group_ids[r]), int(s.sample_index[r])) for r in rows.tolist()])
+            eps = {k: torch.randn(s.x0.shape[1:], generator=make_generator(self.cfg.train.seed, work.epoch,
+                                                                           "dgpo_eps", j, *k))
+                   for k in dict.fromkeys(keys)}
+            out.append(RowDraw(rows, torch.full((len(rows),), sigma), torch.stack([eps[k] for k in keys])))
+        return out
+
+    def terms(self, adapter, work: ForwardWork, draw: RowDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
+        """v_ref (base model, at ``kl_cfg`` when > 1), v_old (old copy, when clipping or ``use_ema_ref``), then
+        v_θ; :func:`dgpo_terms` with the group sums all-reduced over the processes."""
+        settings, dev = self.loss_settings(), x0.device
+        sigma, noise = draw.sigma.to(dev), draw.noise.to(dev)
+        x_t = noised(x0, noise, sigma)
+        ref_g = self.o.kl_cfg if self.o.kl_cfg > 1 else None
+        v_ref = self.velocity(adapter, x_t, sigma, embeds, weights="reference", guidance=ref_g)
+        v_old = self.velocity(adapter, x_t, sigma, embeds, weights="old") if settings.uses_old_copy else None
+        v = self.velocity(adapter, x_t, sigma, embeds)
+        x = work.extra
+        # the group index stays on the host (its range check reads it; dgpo_terms moves it for the sums)
+        return dgpo_terms(v, noise, x0, work.advantages[draw.rows].to(dev), x["group_index"][draw.rows],
+                          x["num_groups"], settings, group_size=self.cfg.train.group_size, v_ref=v_ref, v_old=v_old,
+                          reduce_group_sums=dist.all_reduce_sum)

@@ -21,14 +21,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+from pydantic import Field
 
-from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims, velocity_mse, x0_from_velocity
+from flowgrpo.algo.objectives.base import OBJECTIVES
+from flowgrpo.algo.objectives.flow_matching import (
+    ObjectiveTerms,
+    mean_dims,
+    noised,
+    velocity_mse,
+    x0_from_velocity,
+)
+from flowgrpo.algo.objectives.forward import (
+    ForwardConfig,
+    ForwardObjective,
+    ForwardWork,
+    RowDraw,
+    SolverName,
+    shared,
+)
 from flowgrpo.algo.objectives.old_copy import NFT_DECAY_TYPES, DecaySchedule
 from flowgrpo.registry import Registry
+from flowgrpo.rng import make_generator
+from flowgrpo.settings import registered_name
 
 __all__ = [
+    "NFT",
+    "NFTConfig",
     "NFTSettings",
     "ADV_MODES",
     "reward_weight",
@@ -213,3 +234,71 @@ def nft_train_sigmas(sigmas: torch.Tensor, batch: int, fraction: float = 0.99,
         raise ValueError(f"timestep_fraction={fraction} of {t} steps trains no sigma (int(T*f) = 0)")
     perms = torch.stack([torch.randperm(t, generator=generator) for _ in range(batch)])  # (B, T)
     return sigmas[:t].float()[perms[:, :k]]
+
+
+class NFTConfig(ForwardConfig):
+    """``objective: {name: nft, ...}``: DiffusionNFT with the release's defaults (NVlabs/DiffusionNFT,
+    config/nft.py ``sd3_geneval`` over config/base.py; docs/fidelity_forward.md)."""
+
+    name: Literal["nft"] = "nft"
+    solver: SolverName = shared("solver", "dpmpp_2m")
+    kl_beta: float = shared("kl_beta", 1e-4)
+    decay_cap: float = shared("decay_cap", 0.5)
+    beta: float = Field(1.0, gt=0, description="DiffusionNFT beta: v+ = b*v + (1-b)*v_old, v- = (1+b)*v_old - b*v "
+                        "(OCR 0.1)")
+    adv_mode: registered_name(ADV_MODES, "objective.adv_mode") = Field(
+        "all", description="DiffusionNFT adv_mode: all, positive_only, negative_only, one_only, binary")
+    adaptive_weight_min: float = Field(1e-5, ge=0, description="DiffusionNFT: floor of the adaptive weight "
+                                       "mean_dims|x0_hat - x0|")
+    timestep_fraction: float = Field(0.99, gt=0, le=1, description="the training sigmas: DiffusionNFT trains "
+                                     "int(T*f) of the grid's T sigmas per sample (a random subset: 0.99); AWM draws "
+                                     "its strata from the first int(T*f) grid steps (0.9)")
+
+
+@OBJECTIVES.register("nft")
+class NFT(ForwardObjective):
+    """DiffusionNFT (module docstring) in the training loop: the old copy rolls out and gives v_old, it moves
+    once an epoch after the update (k = optimizer steps so far), each sample trains K = int(T·f) σ's of the grid
+    drawn for it alone, with fresh ε per (sample, σ)."""
+
+    Config = NFTConfig
+
+    def loss_settings(self) -> NFTSettings:
+        o = self.o
+        return NFTSettings(beta=o.beta, adv_clip_max=o.adv_clip_max, kl_beta=o.kl_beta, adv_mode=o.adv_mode,
+                           adaptive_weight_min=o.adaptive_weight_min, timestep_fraction=o.timestep_fraction,
+                           decay=o.decay())
+
+    def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
+        return int((sigmas.numel() - 1) * self.o.timestep_fraction)
+
+    def rollout_weights(self):
+        """The old copy samples (train_nft_sd3.py 640–659: ``set_adapter("old")`` around the sampler)."""
+        return self.old.swapped()
+
+    def after_epoch(self, steps: int) -> None:
+        """old ← d·old + (1 − d)·θ, d = decay(k), k = the optimizer steps so far (lines 1034–1039)."""
+        self.old.update(steps)
+
+    def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[RowDraw]:
+        """Per sample, its own K σ's (a permutation of the grid, cut to K) and K fresh ε, from a generator of
+        (seed, epoch, pass, the sample)."""
+        s, k = work.samples, self.sigmas_per_sample(work.samples.sigmas)
+        sig, eps = [], []
+        for r in rows.tolist():
+            g = make_generator(self.cfg.train.seed, work.epoch, inner, "nft", int(s.group_ids[r]),
+                               int(s.sample_index[r]))
+            sig.append(nft_train_sigmas(s.sigmas, 1, self.o.timestep_fraction, g)[0])
+            eps.append(torch.randn((k, *s.x0.shape[1:]), generator=g))
+        sig_t, eps_t = torch.stack(sig), torch.stack(eps)  # (n, K), (n, K, …)
+        return [RowDraw(rows, sig_t[:, j], eps_t[:, j]) for j in range(k)]
+
+    def terms(self, adapter, work: ForwardWork, draw: RowDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
+        """v_old (old copy), v_ref (base model, when kl_beta > 0), then v_θ; :func:`nft_terms`."""
+        settings = self.loss_settings()
+        sigma, noise = draw.sigma.to(x0.device), draw.noise.to(x0.device)
+        x_t = noised(x0, noise, sigma)
+        v_old = self.velocity(adapter, x_t, sigma, embeds, weights="old")
+        v_ref = self.velocity(adapter, x_t, sigma, embeds, weights="reference") if settings.kl_beta > 0 else None
+        v = self.velocity(adapter, x_t, sigma, embeds)
+        return nft_terms(v, v_old, x_t, x0, sigma, work.advantages[draw.rows].to(x0.device), settings, v_ref=v_ref)

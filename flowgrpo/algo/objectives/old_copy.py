@@ -16,17 +16,22 @@ train_sd3_awm.py lines 1409–1419; DGPO ``min(0.3, 0.001·global_step)``, train
 constant (AWM ``'constant'``). ``d = 0`` makes the old copy the current weights (on-policy). *When* a release
 applies the update, and which k it passes, differs (docs/fidelity_forward.md): DiffusionNFT and AWM once per
 epoch after its updates, with k = the optimizer steps taken so far; DGPO after every optimizer step, with k = the
-steps taken before it. The caller decides; :func:`decay_at` is only the schedule.
+steps taken before it. The caller decides; :func:`decay_at` is only the schedule, and :class:`OldCopy` the copy
+the training loop keeps (a float32 shadow of the trained parameters, swapped in for its forwards).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DecaySchedule", "NFT_DECAY_TYPES", "decay_at", "update_old_copy_", "copy_into_"]
+from flowgrpo.parallel import reshard
+from flowgrpo.state_dicts import full_tensor, shard_like
+
+__all__ = ["DecaySchedule", "NFT_DECAY_TYPES", "decay_at", "update_old_copy_", "copy_into_", "OldCopy"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +112,73 @@ def update_old_copy_(old: Iterable[torch.Tensor], current: Iterable[torch.Tensor
 def copy_into_(old: Iterable[torch.Tensor], current: Iterable[torch.Tensor]) -> None:
     """Start the old copy as the current weights (every release does this before its first epoch)."""
     update_old_copy_(old, current, 0.0)
+
+
+class OldCopy:
+    """The old copy of the trained parameters the training loop keeps: a float32 shadow of each, started as the
+    weights themselves, moved by :meth:`update` and swapped into the model for the forwards that use it
+    (:meth:`swapped`), as :class:`flowgrpo.ema.EMA` is for evaluation.
+
+    Of sharded (FSDP2) parameters it keeps one shadow shard per parameter shard (the same layout, so an update
+    and a swap are local); its checkpoint state holds whole tensors (:meth:`state_dict`), so a run resumes with
+    another process count.
+
+    Args:
+        params: the trained parameters of the prepared module (the optimizer's, DTensors under FSDP2).
+        schedule: the decay of :func:`decay_at`.
+        model: the prepared module (its FSDP2 units are resharded around a swap, so that no forward reuses
+            weights gathered before it), or None.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], schedule: DecaySchedule,
+                 model: torch.nn.Module | None = None) -> None:
+        self.params = list(params)
+        self.schedule = schedule
+        self.model = model
+        self.shadow = [p.detach().float().clone() for p in self.params]
+        self._backup: list[torch.Tensor] | None = None
+        self.decay = 0.0  # the decay of the last update (a metric)
+
+    def update(self, step: int) -> float:
+        """``old ← d·old + (1 − d)·θ`` with d = :func:`decay_at` (``step``, the schedule); returns d."""
+        self.decay = decay_at(step, self.schedule)
+        update_old_copy_(self.shadow, self.params, self.decay)
+        return self.decay
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Run with the old copy's values in the model's parameters, the trained values restored after (for
+        no-gradient forwards only: the swap writes the parameters in place)."""
+        if self._backup is None:
+            self._backup = [torch.empty_like(p.detach()) for p in self.params]
+        with torch.no_grad():
+            for b, s, p in zip(self._backup, self.shadow, self.params, strict=True):
+                b.copy_(p.detach())
+                p.copy_(s.to(p.dtype))
+        reshard(self.model)
+        try:
+            yield
+        finally:
+            reshard(self.model)
+            with torch.no_grad():
+                for b, p in zip(self._backup, self.params, strict=True):
+                    p.copy_(b)
+
+    def state_dict(self, prefix: str = "old_copy") -> dict[str, torch.Tensor]:
+        """{``<prefix>.<i>``: whole float32 old copy of the i-th trained parameter} in host memory; every process
+        calls it (sharded shadows are gathered) and gets the whole tensors."""
+        return {f"{prefix}.{i}": full_tensor(s).detach().cpu() for i, s in enumerate(self.shadow)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], prefix: str = "old_copy") -> None:
+        """Load whole tensors (:meth:`state_dict`); each process keeps its shard. Raises ``ValueError`` for a state
+        of another number of tensors or shapes."""
+        keys = [f"{prefix}.{i}" for i in range(len(self.shadow))]
+        if sorted(state) != sorted(keys):
+            raise ValueError(f"the old-copy state holds {len(state)} tensors {sorted(state)[:3]}, the model trains "
+                             f"{len(self.shadow)} ({keys[:3]} …)")
+        with torch.no_grad():
+            for k, s in zip(keys, self.shadow, strict=True):
+                if tuple(state[k].shape) != tuple(s.shape):
+                    raise ValueError(f"old-copy tensor {k} has shape {tuple(state[k].shape)}, its parameter "
+                                     f"{tuple(s.shape)}")
+                s.copy_(shard_like(state[k].float(), s))
