@@ -94,7 +94,7 @@ ROWS: dict[str, list[str]] = {
     "dr_grpo": ["algo.advantage=dr_grpo"],
     "rloo": ["algo.advantage=rloo"],
     "grpo_global_std": ["algo.global_std=true"],
-    # policy losses (flowgrpo.algo.losses) beside the clipped default; SAPO's temperature ~1/clip_range, since
+    # policy losses (flowgrpo.algo.policy_losses) beside the clipped default; SAPO's temperature ~1/clip_range, since
     # flow-model ratios move ~1e-4 from 1 (the paper's 1.0/1.05 are for LLM token ratios)
     "sapo": ["algo.policy_loss={name: sapo, tau_pos: 5000, tau_neg: 5250}"],
     "dual_clip": ["algo.policy_loss={name: dual_clip, c: 3}"],

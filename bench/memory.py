@@ -32,7 +32,7 @@ from flowgrpo.models import load_model
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.models.tiny import build_tiny_flux
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
-from flowgrpo.algo.losses import clipped_surrogate
+from flowgrpo.algo.policy_losses import clipped_surrogate
 from flowgrpo.sampling.sde import sde_step
 torch.manual_seed(0)
 folder = build_tiny_flux(Path(tempfile.mkdtemp()) / "tiny", sample_size=size)

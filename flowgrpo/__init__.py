@@ -35,7 +35,7 @@ _EXPORTS = {
     "OBJECTIVES": "flowgrpo.algo.objectives",
     "CHUNKERS": "flowgrpo.algo.chunkers",
     "ESTIMATORS": "flowgrpo.algo.advantages",
-    "POLICY_LOSSES": "flowgrpo.algo.losses",
+    "POLICY_LOSSES": "flowgrpo.algo.policy_losses",
     "GROUP_FILTERS": "flowgrpo.algo.filters",
     "load_model": "flowgrpo.models",
     "ADAPTERS": "flowgrpo.models",

@@ -7,8 +7,8 @@ from pydantic import BaseModel
 
 from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
-from flowgrpo.algo.losses import POLICY_LOSSES, PolicyLossConfig
 from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
+from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig
 from flowgrpo.config.schema import AlgoConfig, Config
 from flowgrpo.settings import strategy_rows
 

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
-from flowgrpo.algo.losses import loss_config_class
+from flowgrpo.algo.policy_losses import loss_config_class
 from flowgrpo.config.schema import Config
 from flowgrpo.settings import settings_class
 

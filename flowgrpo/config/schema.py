@@ -15,8 +15,8 @@ from pydantic import Field, SerializeAsAny, field_validator, model_validator
 from flowgrpo.algo.advantages import ESTIMATORS
 from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
-from flowgrpo.algo.losses import POLICY_LOSSES, PolicyLossConfig
 from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
+from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig
 from flowgrpo.sampling.rollout import FINAL_DECODES
 from flowgrpo.sampling.sde import KL_FORMS, SDE_KINDS
 from flowgrpo.settings import Section, registered_name, strategy_settings
@@ -172,7 +172,7 @@ class AlgoConfig(Section):
     kl_beta: float = Field(0.0, ge=0, description="beta of the KL to the reference policy on transition means")
     policy_loss: SerializeAsAny[PolicyLossConfig] = Field(
         default_factory=lambda: _policy_loss({}), description="the policy loss and its own settings (one section "
-        "per loss, flowgrpo.algo.losses; a plain name is shorthand for {name: ...})"
+        "per loss, flowgrpo.algo.policy_losses; a plain name is shorthand for {name: ...})"
     )
     group_filter: SerializeAsAny[GroupFilterConfig] = Field(
         default_factory=lambda: _group_filter({}), description="which samples of each group enter the advantages, "

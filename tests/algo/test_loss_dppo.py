@@ -1,4 +1,4 @@
-"""Specification of Flow-DPPO's policy loss (flowgrpo.algo.loss_dppo).
+"""Specification of Flow-DPPO's policy loss (flowgrpo.algo.policy_losses.dppo).
 
 Expected values are worked out by hand below, or computed in float64 from verl-omni's ``FlowDPPOLoss.compute_loss``
 (verl_omni/trainer/diffusion/diffusion_algos.py lines 374–443) transcribed in this file — never from our output.
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.loss_dppo import DPPOSettings, dppo_divergence, flow_dppo_loss
-from flowgrpo.algo.losses import PolicyLossInput
+from flowgrpo.algo.policy_losses import PolicyLossInput
+from flowgrpo.algo.policy_losses.dppo import DPPOSettings, dppo_divergence, flow_dppo_loss
 
 STD = 0.1
 HIGH, LOW = 1e-6, 1e-8  # drifts: D = 5e-5 ≥ 1e-5 (outside the trust region), D = 5e-7 (inside)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
+from flowgrpo.algo.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
 from flowgrpo.config import ConfigError, build_config
 from flowgrpo.metrics import read_metrics
 

@@ -1,4 +1,4 @@
-"""Specification of the clipped chunk surrogate (flowgrpo.algo.losses).
+"""Specification of the clipped chunk surrogate (flowgrpo.algo.policy_losses).
 
 Per pair: r = exp(mean_t Δ_t) (Chunk-GRPO eq. 6, the geometric mean of the step ratios),
 L = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high)) (PPO eq. 7; asymmetric ε: DAPO eq. 10), + β·mean_t KL_t.
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.losses import clipped_surrogate
+from flowgrpo.algo.policy_losses import clipped_surrogate
 
 EPS_LOW, EPS_HIGH = 0.1, 0.2
 

@@ -1,4 +1,4 @@
-"""Specification of the registered policy losses (flowgrpo.algo.losses) beside the clipped surrogate.
+"""Specification of the registered policy losses (flowgrpo.algo.policy_losses) beside the clipped surrogate.
 
 Each expected value is computed here from the paper's equation with ``math`` (or ``torch.distributions``), never
 from the module under test:
@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.losses import (
+from flowgrpo.algo.policy_losses import (
     POLICY_LOSSES,
     DualClipConfig,
     GrpoGuardConfig,

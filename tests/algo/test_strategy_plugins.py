@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowgrpo.algo.losses import POLICY_LOSSES, clipped_terms
+from flowgrpo.algo.policy_losses import POLICY_LOSSES, clipped_terms
 from flowgrpo.config import build_config
 from flowgrpo.metrics import read_metrics
 

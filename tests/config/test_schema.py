@@ -112,7 +112,7 @@ def test_losses_and_filters_have_their_own_sections_and_a_plain_name_is_shorthan
     given by its name, and the resolved config round-trips through the saved YAML."""
     import yaml
 
-    from flowgrpo.algo.losses import SapoConfig
+    from flowgrpo.algo.policy_losses import SapoConfig
 
     cfg = build_config({"algo": {"policy_loss": "sapo"}}, ["algo.policy_loss.tau_pos=500"])
     assert isinstance(cfg.algo.policy_loss, SapoConfig) and cfg.algo.policy_loss.tau_pos == 500.0

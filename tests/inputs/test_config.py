@@ -138,8 +138,8 @@ def _every_section() -> set:
     registries, so a new field cannot slip through."""
     from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
     from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
-    from flowgrpo.algo.losses import POLICY_LOSSES, PolicyLossConfig
     from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
+    from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig
     from flowgrpo.config import Config
     from flowgrpo.settings import settings_class
 

@@ -41,10 +41,10 @@ from tqdm.auto import tqdm
 
 from flowgrpo import dist
 from flowgrpo.algo.chunkers import ChunkerConfig
-from flowgrpo.algo.losses import PolicyLossConfig
 from flowgrpo.algo.objectives.base import BaseObjective, ObjectiveConfig
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms
 from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy
+from flowgrpo.algo.policy_losses import PolicyLossConfig
 from flowgrpo.records import Advantages, FinalSamples
 from flowgrpo.sampling.final_rollout import solver_rollout
 from flowgrpo.sampling.solvers import SOLVERS, awm_sa_grid, check_grid, flow_sigmas

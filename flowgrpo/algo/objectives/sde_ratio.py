@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from flowgrpo import dist
 from flowgrpo.algo.chunkers import build_chunker
-from flowgrpo.algo.losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
 from flowgrpo.algo.objectives.base import OBJECTIVES, BaseObjective, ObjectiveConfig
+from flowgrpo.algo.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
 from flowgrpo.records import Advantages, ChunkPlan, Trajectory
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.rollout import SamplerSettings

@@ -1,42 +1,4 @@
-"""Policy losses over chunks: registered strategies chosen by ``algo.policy_loss`` (verl's ``core_algos`` pattern).
-
-Every loss maps one :class:`PolicyLossInput` (N trained (sample, chunk) pairs, each with the log-probs of its k
-chunk steps) and the :class:`LossSettings` to :class:`PairTerms` (per-pair loss with gradient, and detached
-statistics). The trainer averages ``PairTerms.loss`` over the trained pairs of an optimizer step and adds nothing
-else, so a new loss (GSPO-, CISPO-style, …) is one registered function and no trainer edit::
-
-    from flowgrpo.algo.losses import POLICY_LOSSES, clipped_terms
-
-    @POLICY_LOSSES.register("my_loss")
-    def my_loss(inp, settings):
-        ...                                   # return PairTerms(...), e.g. via clipped_terms(...)
-
-or, with a knob (``algo.policy_loss: {name: my_loss, alpha: 0.5}``)::
-
-    class MyLossConfig(PolicyLossConfig):
-        name: Literal["my_loss"] = "my_loss"
-        alpha: float = Field(0.5, gt=0, description="...")
-
-    @policy_loss("my_loss", MyLossConfig)
-    def my_loss(inp, settings):
-        alpha = own_settings(settings, MyLossConfig).alpha
-
-A loss with knobs declares them in its settings model, a subclass of :class:`PolicyLossConfig` registered with
-the function (``@policy_loss(name, MyConfig)``), so a new loss is one file; the run config's ``algo.policy_loss``
-section (or the plain name, shorthand for ``{name: ...}``) is validated against the model of the loss it names,
-and the loss reads its knobs from ``settings.loss``. The model may also set ``needs_moments = True`` (the trainer
-then passes each step's transition std, dt and the squared drift of the transition mean from the rollout
-policy's, recomputing the rollout means before the update, and which pairs are trained and which share a
-micro-batch and chunk) and override ``check(config)`` (raise
-``ValueError`` for run settings it cannot work with; called before any model is loaded).
-
-Shared definitions, for a pair with advantage A and per-step log-ratios Δ_t = log p_θ − log p_old:
-
-    r = exp(mean_{t∈chunk} Δ_t)              (Chunk-GRPO, arXiv 2510.21583, eq. 6; one step: the PPO ratio)
-    loss = L(r, A) + β·mean_t KL_t           (Flow-GRPO, arXiv 2505.05470, eq. 11)
-
-where ``KL_t`` is :func:`~flowgrpo.sampling.sde.kl_to_reference` (``algo.kl_form``) to the reference. The
-registered ``L``:
+"""The PPO family of policy losses over chunks, with the shared definitions of :mod:`.base` (``r``, ``KL_t``):
 
 * ``clipped`` (default): ``max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))`` (PPO, Schulman et al. 2017,
   arXiv 1707.06347, eq. 7; Flow-GRPO eq. 7; asymmetric ε: DAPO, arXiv 2503.14476, eq. 10).
@@ -64,91 +26,25 @@ registered ``L``:
   The two agree when every pair of a micro-batch drifted equally; with unequal drifts a pair's log-ratio differs
   by its drift's distance from the micro-batch mean over 2·S_t, which against clip ranges of ~1e-6 changes which
   pairs are clipped.
-* ``flow_dppo``: Flow-DPPO (arXiv 2606.11025, verl-omni's ``FlowDPPOLoss``), the unclipped ``−A·r`` with a pair's
-  gradient removed when the exact Gaussian KL between the trained and the rollout policy's transition passes
-  ``kl_mask_threshold`` and the ratio moves away from 1 in the advantage's direction (:mod:`flowgrpo.algo.loss_dppo`;
-  it reads the moments, as ``grpo_guard``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar, Literal, TypeVar
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
-from flowgrpo.registry import Registry
-from flowgrpo.settings import Section
-
-
-@dataclass(frozen=True)
-class PairTerms:
-    """Per-pair quantities (N pairs), float32.
-
-    Attributes:
-        loss: (N,) policy loss (+ β·KL), with gradient.
-        ratio: (N,) importance ratio (detached).
-        clipped: (N,) bool, the loss's trust region is active for the pair (hard clip: the clipped branch is the
-            max; ``sapo``: the gate has cut the gradient weight below one half).
-        approx_kl: (N,) ½·mean_t Δ_t² (detached), the k2 estimator of KL(old ‖ new) per step.
-        kl_ref: (N,) KL to the reference per latent dim (detached; 0 without a reference).
-        log_ratio_abs_max: (N,) max_t |Δ_t| (detached), the log-prob mismatch diagnostic at the first update.
-    """
-
-    loss: torch.Tensor
-    ratio: torch.Tensor
-    clipped: torch.Tensor
-    approx_kl: torch.Tensor
-    kl_ref: torch.Tensor
-    log_ratio_abs_max: torch.Tensor
-
-
-@dataclass(frozen=True)
-class PolicyLossInput:
-    """What a policy loss sees for N (sample, chunk) pairs of k steps each. All float32 on one device.
-
-    Attributes:
-        new_log_probs, old_log_probs: (N, k) log-probs under the trained and the rollout policy.
-        advantages: (N,).
-        kl_ref: (N, k) per-step KL to the reference, or None (β = 0).
-        std: (N, k) transition std of each step (latent units), or None when the loss does not ask for moments.
-        dt: (N, k) σ_next − σ of each step (< 0), or None likewise.
-        mean_drift_sq: (N, k) mean over latent dims of (μ_θ − μ_old)², the squared drift of the transition mean
-            from the rollout policy's, or None likewise.
-        trained: (N,) bool, the pairs the trainer trains (the others are forwarded and masked out of the loss), or
-            None (all). A loss whose statistics are reduced over pairs reads them from these.
-        groups: (N,) long, equal for pairs of one micro-batch and one chunk (the release's micro-batch at one
-            step), or None (all pairs one group).
-    """
-
-    new_log_probs: torch.Tensor
-    old_log_probs: torch.Tensor
-    advantages: torch.Tensor
-    kl_ref: torch.Tensor | None = None
-    std: torch.Tensor | None = None
-    dt: torch.Tensor | None = None
-    mean_drift_sq: torch.Tensor | None = None
-    trained: torch.Tensor | None = None
-    groups: torch.Tensor | None = None
-
-
-class PolicyLossConfig(Section):
-    """Settings every policy loss has (``algo.policy_loss``). A loss with knobs subclasses this, fixes ``name``
-    to its registered name and adds its own fields."""
-
-    name: str = Field(
-        "clipped", description="registered policy loss (flowgrpo.algo.losses.POLICY_LOSSES): clipped (PPO/Flow-GRPO), "
-        "dual_clip (Ye et al. 2020, arXiv 1912.09729), sapo (arXiv 2511.20347), grpo_guard (arXiv 2510.22319), "
-        "flow_dppo (arXiv 2606.11025), or one a plugin registers; a plain name is shorthand for {name: ...}"
-    )
-    #: the loss reads each step's transition std, dt and mean drift (the trainer keeps the rollout means)
-    needs_moments: ClassVar[bool] = False
-
-    def check(self, config) -> None:
-        """Reject run settings (``config``, the whole :class:`~flowgrpo.config.Config`) this loss cannot work
-        with, before any model loads (``ValueError``); nothing by default."""
+from flowgrpo.algo.policy_losses.base import (
+    LossSettings,
+    PairTerms,
+    PolicyLossConfig,
+    PolicyLossInput,
+    check_input,
+    clipped_terms,
+    own_settings,
+    policy_loss,
+)
 
 
 class ClippedConfig(PolicyLossConfig):
@@ -195,79 +91,6 @@ class GrpoGuardConfig(PolicyLossConfig):
                              "sampling.cps_simplified_logprob=false (its ratio normalisation assumes the Gaussian "
                              f"log-density averaged over latent dims); got {smp.logprob_reduction!r}, "
                              f"{smp.cps_simplified_logprob}")
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """What a policy loss reads: the shared trust region and KL weight (``algo.clip_range*``, ``algo.kl_beta``)
-    and the selected loss's own settings (``algo.policy_loss``; None: the loss's defaults)."""
-
-    clip_low: float = 1e-4
-    clip_high: float = 1e-4
-    kl_beta: float = 0.0
-    loss: PolicyLossConfig | None = None
-
-    @classmethod
-    def from_config(cls, config) -> LossSettings:
-        return cls(clip_low=config.clip_low, clip_high=config.clip_high, kl_beta=config.algo.kl_beta,
-                   loss=config.algo.policy_loss)
-
-
-PolicyLoss = Callable[[PolicyLossInput, LossSettings], PairTerms]
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
-C = TypeVar("C", bound=PolicyLossConfig)
-
-
-def policy_loss(name: str, config: type[PolicyLossConfig] = PolicyLossConfig) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Register a loss function as ``name`` with its settings model ``config`` (its ``Config``)."""
-
-    def deco(fn: PolicyLoss) -> PolicyLoss:
-        fn.Config = config
-        return POLICY_LOSSES.register(name)(fn)
-
-    return deco
-
-
-def loss_config_class(name: str) -> type[PolicyLossConfig]:
-    """The settings model of the loss registered as ``name`` (``KeyError`` listing the valid names)."""
-    return getattr(POLICY_LOSSES.get(name), "Config", PolicyLossConfig)
-
-
-def own_settings(settings: LossSettings, config: type[C]) -> C:
-    """A loss's own settings: ``settings.loss`` (an instance of ``config``), or ``config``'s defaults when none
-    is given. Raises ``TypeError`` for another loss's settings."""
-    if settings.loss is None:
-        return config()
-    if not isinstance(settings.loss, config):
-        raise TypeError(f"{config.__name__} settings are needed, got {type(settings.loss).__name__}")
-    return settings.loss
-
-
-def needs_moments(loss: PolicyLoss) -> bool:
-    """Whether ``loss`` reads ``std``, ``dt`` and ``mean_drift_sq`` (the trainer then keeps the rollout means)."""
-    return getattr(loss, "Config", PolicyLossConfig).needs_moments
-
-
-def check_input(inp: PolicyLossInput, settings: LossSettings) -> None:
-    """Raise ``ValueError`` on mismatched shapes or negative clip ranges."""
-    new, old, adv = inp.new_log_probs, inp.old_log_probs, inp.advantages
-    if new.shape != old.shape or new.ndim != 2 or new.shape[0] != adv.shape[0]:
-        raise ValueError(f"log-prob shapes {tuple(new.shape)}, {tuple(old.shape)} and advantages "
-                         f"{tuple(adv.shape)} disagree")
-    if settings.clip_low < 0 or settings.clip_high < 0:
-        raise ValueError(f"clip ranges must be >= 0, got {settings.clip_low}, {settings.clip_high}")
-
-
-def clipped_terms(inp: PolicyLossInput, settings: LossSettings, loss: torch.Tensor, ratio: torch.Tensor,
-                  clipped: torch.Tensor) -> PairTerms:
-    """Assemble :class:`PairTerms` from a loss's per-pair ``loss`` (N,), ``ratio`` (N,) and ``clipped`` (N,) bool:
-    adds β·mean_t KL_t and the shared statistics (helper for registered losses)."""
-    delta = (inp.new_log_probs.float() - inp.old_log_probs.float()).detach()
-    kl = torch.zeros_like(ratio) if inp.kl_ref is None else inp.kl_ref.float().mean(dim=1)
-    if inp.kl_ref is not None and settings.kl_beta:
-        loss = loss + settings.kl_beta * kl
-    return PairTerms(loss=loss, ratio=ratio.detach(), clipped=clipped.detach(), approx_kl=(0.5 * delta**2).mean(1),
-                     kl_ref=kl.detach(), log_ratio_abs_max=delta.abs().amax(dim=1))
 
 
 def _ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, settings: LossSettings):
@@ -403,6 +226,3 @@ def clipped_surrogate(
     inp = PolicyLossInput(new_log_probs, old_log_probs, advantages, kl_ref=kl_ref)
     return clipped_loss(inp, LossSettings(clip_low=clip_low, clip_high=clip_high, kl_beta=kl_beta))
 
-
-# Flow-DPPO lives in its own module (it builds on this one's definitions); importing it registers ``flow_dppo``
-from flowgrpo.algo import loss_dppo  # noqa: E402, F401

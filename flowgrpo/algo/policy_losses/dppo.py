@@ -32,7 +32,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from flowgrpo.algo.losses import (
+from flowgrpo.algo.policy_losses.base import (
     LossSettings,
     PairTerms,
     PolicyLossConfig,
@@ -91,7 +91,7 @@ def dppo_divergence(mean_drift_sq: torch.Tensor, std: torch.Tensor, *, add_kl_co
 
 
 def flow_dppo_loss(inp: PolicyLossInput, settings: DPPOSettings) -> PairTerms:
-    """Flow-DPPO's per-pair loss (module docstring) as :class:`~flowgrpo.algo.losses.PairTerms`; ``clipped`` is
+    """Flow-DPPO's per-pair loss (module docstring) as :class:`~flowgrpo.algo.policy_losses.PairTerms`; ``clipped`` is
     the divergence mask (the pairs whose gradient was removed).
 
     Args:
