@@ -42,6 +42,16 @@ def _takes_float(ann) -> bool:
     return False
 
 
+def _takes_only_bool(ann) -> bool:
+    """Whether a field annotation is a boolean and nothing else but None: ``bool``, ``bool | None``."""
+    if ann is bool:
+        return True
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        args = typing.get_args(ann)
+        return bool in args and all(a is bool or a is type(None) for a in args)
+    return False
+
+
 def _bool_for_int(ann, value, takes=_takes_int) -> bool:
     """Whether ``value`` puts a boolean where ``ann`` wants an integer (``takes``: :func:`_takes_float` for a
     float): the value itself, or an item of a list or tuple field (``list[int]``, ``tuple[float, float]``)."""
@@ -55,8 +65,9 @@ def _bool_for_int(ann, value, takes=_takes_int) -> bool:
 
 
 class Section(BaseModel):
-    """A config section: unknown keys are errors, assignments are validated, and a boolean is never taken for an
-    integer or a float (pydantic's lax mode would read ``true`` as 1 and 1.0)."""
+    """A config section: unknown keys are errors, assignments are validated, a boolean is never taken for an
+    integer or a float (pydantic's lax mode would read ``true`` as 1 and 1.0), and a boolean field takes only
+    ``true`` or ``false`` (lax mode would read 1, 1.0, "yes" or "on" as true)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
@@ -64,9 +75,12 @@ class Section(BaseModel):
     @classmethod
     def _no_bool_for_int(cls, value, info):
         """Raises ``PydanticCustomError`` (type ``bool_not_int`` or ``bool_not_float``, located at the field) for a
-        boolean given to an integer or float field (or as an item of a list or tuple of them); every other value
-        passes unchanged."""
+        boolean given to an integer or float field (or as an item of a list or tuple of them), and (type
+        ``bool_needed``) for anything but a boolean (or None where allowed) given to a boolean field; every other
+        value passes unchanged."""
         field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if field is not None and _takes_only_bool(field.annotation) and not (value is None or isinstance(value, bool)):
+            raise PydanticCustomError("bool_needed", "true or false is needed")
         if field is not None and _bool_for_int(field.annotation, value):
             raise PydanticCustomError("bool_not_int", "an integer is needed, got a boolean; write the number itself")
         if field is not None and _bool_for_int(field.annotation, value, _takes_float):

@@ -93,13 +93,40 @@ def _format_error(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one YAML mapping; the message names the key and both lines."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently: a
+    repeated ``train:`` section would drop the whole first one)."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in first:
+                raise DuplicateKeyError(f"line {key_node.start_mark.line + 1}: the key {key!r} is given twice (first "
+                                        f"on line {first[key]}); give each key once")
+            first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML ``text`` parsed safely. Raises :class:`DuplicateKeyError` for a key given twice in one mapping, and
+    ``yaml.YAMLError`` for text that does not parse."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``'a.b.c=value'`` → (['a', 'b', 'c'], YAML-parsed value). Raises :class:`ConfigError` without ``=``."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like dotted.key=value")
     key, value = text.split("=", 1)
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = load_yaml(value) if value.strip() else ""
+    except DuplicateKeyError as err:
+        raise ConfigError(f"override {text!r}: {str(err).split(': ', 1)[1]}") from None
     except yaml.YAMLError as err:
         raise ConfigError(
             f"override {text!r}: the value is not valid YAML ({str(err).splitlines()[0]}); quote the whole "
@@ -225,8 +252,11 @@ def _deep_merge(base: dict, over: dict) -> dict:
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """A config file as a dict. A top-level ``base: OTHER.yaml`` (relative to the file) is read first and this
     file's keys are merged over it (sections merge key by key; lists and values replace). Raises
-    :class:`ConfigError` for a missing file, a non-mapping, or a cycle of bases."""
+    :class:`ConfigError` for a missing file or a directory, YAML that does not parse or gives a key twice in one
+    mapping, a non-mapping, or a cycle of bases."""
     p = Path(path).resolve()
+    if p.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; give the path of a .yaml file in it")
     if not p.is_file():
         hint = "" if p.suffix in (".yaml", ".yml") else (
             "; a config file ends in .yaml, and an override is dotted.key=value (e.g. train.num_epochs=20)")
@@ -234,7 +264,9 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     if p in _seen:
         raise ConfigError(f"config file {str(p)!r} is its own base (cycle {[str(x) for x in _seen]})")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = load_yaml(p.read_text()) or {}
+    except DuplicateKeyError as err:
+        raise ConfigError(f"config file {str(path)!r}, {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
     if not isinstance(data, dict):

@@ -93,6 +93,30 @@ def test_missing_file_and_non_mapping_file(tmp_path):
         load_config(path)
 
 
+def test_a_directory_is_named_as_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a directory; give the path of a \.yaml file in it"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n",
+                                  "train:\n  lr: 1.0e-3\ntrain:\n  group_size: 4\n"])
+def test_a_key_given_twice_in_a_file_is_refused_with_its_lines(tmp_path, text):
+    """PyYAML keeps the last of two equal keys: the first value (or a whole first section) would be lost."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    key, lines = ("'lr'", (3, 2)) if text.count("lr") == 2 else ("'train'", (3, 1))
+    with pytest.raises(ConfigError, match=rf"twice.yaml', line {lines[0]}: the key {key} is given twice \(first on "
+                                          rf"line {lines[1]}\); give each key once$"):
+        load_config(path)
+
+
+def test_a_key_given_twice_in_an_override_is_refused():
+    with pytest.raises(ConfigError,
+                       match=r"override 'chunker=\{name: chunk, name: per_step\}': the key 'name' is given twice"):
+        parse_override("chunker={name: chunk, name: per_step}")
+    assert parse_override("chunker={name: chunk}")[1] == {"name": "chunk"}
+
+
 def test_saved_config_loads_back_equal(tmp_path):
     cfg = build_config({}, ["train.lr=0.003", "chunker.name=chunk", "chunker.chunk_sizes=[4, 6]",
                             "rewards=[{name: jpeg_compressibility, weight: 2.0}]"])

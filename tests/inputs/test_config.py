@@ -208,6 +208,32 @@ def test_every_float_field_refuses_a_boolean_and_takes_a_number():
     assert build_config({}, ["train.lr=1", "train.adam_betas=[0, 0.9]"]).train.lr == 1.0
 
 
+@pytest.mark.parametrize("override", ["algo.drop_zero_spread_groups=1.0", "sampling.same_noise_in_group=0.0",
+                                      "model.gradient_checkpointing=1", "algo.drop_zero_spread_groups=0",
+                                      "algo.drop_zero_spread_groups='true'"])
+def test_a_number_or_string_for_a_boolean_key_is_refused_naming_the_key(override):
+    """A boolean takes only true or false (pydantic's lax mode once read 1.0 as true, silently)."""
+    key, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"config field '{key}': true or false is needed"):
+        build_config({}, [override])
+
+
+def test_every_boolean_field_refuses_a_number_and_takes_true_and_false():
+    from flowgrpo.settings import _takes_only_bool
+
+    checked = 0
+    for model in _every_section():
+        for name, f in model.model_fields.items():
+            if _takes_only_bool(f.annotation):
+                for bad in (1, 0.0, "on"):
+                    with pytest.raises(Exception, match="true or false is needed"):
+                        model.model_validate({name: bad})
+                checked += 1
+    assert checked >= 10
+    c = build_config({}, ["algo.drop_zero_spread_groups=false", "model.gradient_checkpointing=true"])
+    assert c.algo.drop_zero_spread_groups is False and c.model.gradient_checkpointing is True
+
+
 # ------------------------------------------------------------------------------------------ seeds numpy cannot take
 
 
