@@ -252,7 +252,7 @@ def _deep_merge(base: dict, over: dict) -> dict:
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """A config file as a dict. A top-level ``base: OTHER.yaml`` (relative to the file) is read first and this
     file's keys are merged over it (sections merge key by key; lists and values replace). Raises
-    :class:`ConfigError` for a missing file or a directory, YAML that does not parse or gives a key twice in one
+    :class:`ConfigError` for a missing file or a directory, an empty file, YAML that does not parse or gives a key twice in one
     mapping, a non-mapping, or a cycle of bases."""
     p = Path(path).resolve()
     if p.is_dir():
@@ -264,11 +264,14 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     if p in _seen:
         raise ConfigError(f"config file {str(p)!r} is its own base (cycle {[str(x) for x in _seen]})")
     try:
-        data = load_yaml(p.read_text()) or {}
+        data = load_yaml(p.read_text())
     except DuplicateKeyError as err:
         raise ConfigError(f"config file {str(path)!r}, {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if data is None:
+        raise ConfigError(f"config file {str(path)!r} is empty; to run the embedded default give no config file, "
+                          "or write {} in it")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
     base = data.pop("base", None)

@@ -93,6 +93,15 @@ def test_missing_file_and_non_mapping_file(tmp_path):
         load_config(path)
 
 
+def test_an_empty_file_is_refused_and_an_empty_mapping_is_the_defaults(tmp_path):
+    """An empty file (or one of comments only) once ran the embedded digits job silently."""
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"empty.yaml' is empty; to run the embedded default give no config file"):
+        load_config(tmp_path / "empty.yaml")
+    (tmp_path / "braces.yaml").write_text("{}\n")
+    assert load_config(tmp_path / "braces.yaml") == load_config()
+
+
 def test_a_directory_is_named_as_a_directory(tmp_path):
     with pytest.raises(ConfigError, match=r"is a directory; give the path of a \.yaml file in it"):
         load_config(tmp_path)
