@@ -252,8 +252,8 @@ def _deep_merge(base: dict, over: dict) -> dict:
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """A config file as a dict. A top-level ``base: OTHER.yaml`` (relative to the file) is read first and this
     file's keys are merged over it (sections merge key by key; lists and values replace). Raises
-    :class:`ConfigError` for a missing file or a directory, an empty file, YAML that does not parse or gives a key twice in one
-    mapping, a non-mapping, or a cycle of bases."""
+    :class:`ConfigError` for a missing file or a directory, an empty file, YAML that does not parse or gives a key
+    twice in one mapping, a non-mapping, or a cycle of bases."""
     p = Path(path).resolve()
     if p.is_dir():
         raise ConfigError(f"config file {str(path)!r} is a directory; give the path of a .yaml file in it")
