@@ -116,6 +116,16 @@ class AdapterBase:
         are on the device inside it and back in host memory after; otherwise nothing happens."""
         return self.encoders_offload() if self.encoders_offload is not None else contextlib.nullcontext()
 
+    def initial_latents(self, batch_size: int, generator) -> torch.Tensor:
+        """(B, *latent_shape) float32 standard-normal latents at σ = 1, drawn by :meth:`normal_noise`, for an
+        adapter whose latents are the pipeline's own unpacked noise (it sets ``latent_shape``, one sample's shape:
+        the video adapters' (C, F', h, w)); an adapter that packs its noise overrides this.
+
+        Raises:
+            ValueError: a generator list whose length is not ``batch_size``.
+        """
+        return self.normal_noise((batch_size, *self.latent_shape), generator)
+
     def normal_noise(self, shape: tuple[int, ...], generator) -> torch.Tensor:
         """``shape`` (B, …) float32 standard-normal noise on the model's device, drawn by diffusers'
         ``randn_tensor`` as the pipelines' ``prepare_latents`` draw it (a generator per sample, or one for all).

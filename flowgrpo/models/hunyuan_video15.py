@@ -72,6 +72,7 @@ class HunyuanVideo15Adapter(AdapterBase):
                              f"{num_frames}")
         super().__init__(pipe, height=height, width=width, max_sequence_length=pipe.tokenizer_max_length)
         self.num_frames = num_frames
+        # one sample's latents (C, F', h, w): the initial noise is drawn in this shape, as prepare_latents
         self.latent_shape = (pipe.num_channels_latents, (num_frames - 1) // k + 1,
                              height // pipe.vae_scale_factor_spatial, width // pipe.vae_scale_factor_spatial)
         self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
@@ -93,14 +94,6 @@ class HunyuanVideo15Adapter(AdapterBase):
         neg = self.pipe.encode_prompt(prompt=None, device=self.device, dtype=self.dtype, batch_size=1)
         return PromptEmbeds(dict(zip(names, pos, strict=True)),
                             {f"negative_{n}": t for n, t in zip(names, neg, strict=True)})
-
-    def initial_latents(self, batch_size: int, generator) -> torch.Tensor:
-        """(B, C, F', h, w) float32 standard-normal latents, drawn as ``prepare_latents`` (``randn_tensor``).
-
-        Raises:
-            ValueError: a generator list whose length is not ``batch_size``.
-        """
-        return self.normal_noise((batch_size, *self.latent_shape), generator)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
                  guidance_scale: float) -> torch.Tensor:

@@ -81,6 +81,7 @@ class WanAdapter(AdapterBase):
         self.check_sequence_length("Wan", max_sequence_length, 4096)  # UMT5's relative positions: no hard limit
         super().__init__(pipe, height=height, width=width, max_sequence_length=max_sequence_length)
         self.num_frames = num_frames
+        # one sample's latents (C, F', h, w): the initial noise is drawn in this shape, as WanPipeline.prepare_latents
         self.latent_shape = (pipe.transformer.config.in_channels, (num_frames - 1) // k + 1,
                              height // pipe.vae_scale_factor_spatial, width // pipe.vae_scale_factor_spatial)
         self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
@@ -110,14 +111,6 @@ class WanAdapter(AdapterBase):
                                            num_videos_per_prompt=1, max_sequence_length=self.max_sequence_length,
                                            device=self.device)
         return PromptEmbeds({"prompt_embeds": pos}, {"negative_prompt_embeds": neg[:1]})
-
-    def initial_latents(self, batch_size: int, generator) -> torch.Tensor:
-        """(B, C, F', h, w) float32 standard-normal latents, drawn as ``WanPipeline.prepare_latents``.
-
-        Raises:
-            ValueError: a generator list whose length is not ``batch_size``.
-        """
-        return self.normal_noise((batch_size, *self.latent_shape), generator)
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds,
                  guidance_scale: float) -> torch.Tensor:
