@@ -56,8 +56,28 @@ class PromptEmbeds:
 
 
 @dataclass(frozen=True)
-class Trajectory:
-    """A batch of sampled denoising trajectories with everything the update needs.
+class SampleBatch:
+    """What every rollout record carries beside its latents, for the B samples: the prompts, their embeddings and
+    decoded images, and the rollout's guidance.
+
+    Attributes:
+        embeds: prompt embeddings for the B samples (the model's device).
+        images: (B, 3, H, W) float32 host in [0, 1], the decoded final latents.
+        prompts: the B prompts; metadata: their B metadata dicts.
+        guidance_scale: the guidance the rollout used.
+    """
+
+    embeds: PromptEmbeds
+    images: torch.Tensor
+    prompts: list[str]
+    metadata: list[dict]
+    guidance_scale: float
+
+
+@dataclass(frozen=True)
+class Trajectory(SampleBatch):
+    """A batch of sampled denoising trajectories with everything the update needs (and :class:`SampleBatch`'s
+    fields; its ``guidance_scale`` is the one training must reuse).
 
     Attributes:
         latents: (B, T+1, …) float32; ``latents[:, t]`` is x at ``sigmas[t]``; index 0 is the initial noise.
@@ -68,10 +88,6 @@ class Trajectory:
             starting there, 0 for the steps inside a jump (their latents repeat the jump's end).
         group_ids: (B,) long, global id of the sample's group (a prompt, or a prompt and branch step).
         prompt_ids: (B,) long, global index of the sample's prompt.
-        embeds: prompt embeddings for the B samples.
-        images: (B, 3, H, W) float32 in [0, 1], the decoded final latents.
-        prompts: the B prompts; metadata: their B metadata dicts.
-        guidance_scale: the guidance the rollout used (training must reuse it).
     """
 
     latents: torch.Tensor
@@ -81,12 +97,6 @@ class Trajectory:
     jump: torch.Tensor
     group_ids: torch.Tensor
     prompt_ids: torch.Tensor
-    embeds: PromptEmbeds
-    images: torch.Tensor
-    prompts: list[str]
-    metadata: list[dict]
-    guidance_scale: float
-
     @property
     def batch_size(self) -> int:
         return self.latents.shape[0]
@@ -102,7 +112,7 @@ class Trajectory:
 
 
 @dataclass(frozen=True)
-class FinalSamples:
+class FinalSamples(SampleBatch):
     """A batch of rollout samples of which only the final latents are kept: what the forward-process objectives
     (DiffusionNFT, AWM, DGPO) train on, with no trajectory and no log-probability.
 
@@ -114,9 +124,8 @@ class FinalSamples:
             the unmodified one when the solver moved it: AWM's SA-Solver grid).
         group_ids: (B,) long host, global id of each sample's group; sample_index: (B,) long host, its index in
             the group (0..G−1). With the run seed and the epoch they seed every draw of the update.
-        embeds: prompt embeddings for the B samples (the model's device).
-        images: (B, 3, H, W) float32 host in [0, 1]; prompts, metadata: B each.
-        guidance_scale: the guidance of the rollout (training sets its own).
+
+    With :class:`SampleBatch`'s fields; its ``guidance_scale`` is the rollout's (training sets its own).
     """
 
     x0: torch.Tensor
@@ -124,12 +133,6 @@ class FinalSamples:
     sigmas: torch.Tensor
     group_ids: torch.Tensor
     sample_index: torch.Tensor
-    embeds: PromptEmbeds
-    images: torch.Tensor
-    prompts: list[str]
-    metadata: list[dict]
-    guidance_scale: float
-
     @property
     def batch_size(self) -> int:
         return self.x0.shape[0]
