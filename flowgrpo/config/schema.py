@@ -85,20 +85,21 @@ FinalDecodeName = registered_name(FINAL_DECODES, "sampling.final_decode")
 KlFormName = registered_name(KL_FORMS, "algo.kl_form")
 
 
-def _policy_loss(value) -> PolicyLossConfig:
-    return strategy_settings(value, prefix="algo.policy_loss", registry=POLICY_LOSSES, base=PolicyLossConfig)
+#: every strategy section: its dotted key → (the registry its ``name`` selects from, the settings every strategy
+#: of the kind has)
+STRATEGY_SECTIONS = {
+    "algo.policy_loss": (POLICY_LOSSES, PolicyLossConfig),
+    "algo.group_filter": (GROUP_FILTERS, GroupFilterConfig),
+    "chunker": (CHUNKERS, ChunkerConfig),
+    "objective": (OBJECTIVES, ObjectiveConfig),
+}
 
 
-def _group_filter(value) -> GroupFilterConfig:
-    return strategy_settings(value, prefix="algo.group_filter", registry=GROUP_FILTERS, base=GroupFilterConfig)
-
-
-def _chunker(value) -> ChunkerConfig:
-    return strategy_settings(value, prefix="chunker", registry=CHUNKERS, base=ChunkerConfig)
-
-
-def _objective(value) -> ObjectiveConfig:
-    return strategy_settings(value, prefix="objective", registry=OBJECTIVES, base=ObjectiveConfig)
+def strategy_section(key: str, value):
+    """The strategy section ``key`` (of :data:`STRATEGY_SECTIONS`) validated from ``value`` (a name or a mapping)
+    against the settings model of the strategy it names (:func:`flowgrpo.settings.strategy_settings`)."""
+    registry, base = STRATEGY_SECTIONS[key]
+    return strategy_settings(value, prefix=key, registry=registry, base=base)
 
 
 def _refuse_unread_knobs(algo: AlgoConfig) -> None:
@@ -171,11 +172,13 @@ class AlgoConfig(Section):
     clip_range_high: float | None = Field(None, gt=0, description="epsilon_high (default clip_range)")
     kl_beta: float = Field(0.0, ge=0, description="beta of the KL to the reference policy on transition means")
     policy_loss: SerializeAsAny[PolicyLossConfig] = Field(
-        default_factory=lambda: _policy_loss({}), description="the policy loss and its own settings (one section "
+        default_factory=lambda: strategy_section("algo.policy_loss", {}),
+        description="the policy loss and its own settings (one section "
         "per loss, flowgrpo.algo.policy_losses; a plain name is shorthand for {name: ...})"
     )
     group_filter: SerializeAsAny[GroupFilterConfig] = Field(
-        default_factory=lambda: _group_filter({}), description="which samples of each group enter the advantages, "
+        default_factory=lambda: strategy_section("algo.group_filter", {}),
+        description="which samples of each group enter the advantages, "
         "and the filter's own settings (flowgrpo.algo.filters; a plain name is shorthand for {name: ...})"
     )
     kl_form: KlFormName = Field(
@@ -194,15 +197,10 @@ class AlgoConfig(Section):
         False, description="recompute old log-probs with the training batch layout before the first update"
     )
 
-    @field_validator("policy_loss", mode="before")
+    @field_validator("policy_loss", "group_filter", mode="before")
     @classmethod
-    def _policy_loss_section(cls, value):
-        return _policy_loss(value)
-
-    @field_validator("group_filter", mode="before")
-    @classmethod
-    def _group_filter_section(cls, value):
-        return _group_filter(value)
+    def _strategy_sections(cls, value, info):
+        return strategy_section(f"algo.{info.field_name}", value)
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:
@@ -327,11 +325,13 @@ class Config(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     eval_sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
     objective: SerializeAsAny[ObjectiveConfig] = Field(
-        default_factory=lambda: _objective({}), description="what the update optimises, and the objective's own "
+        default_factory=lambda: strategy_section("objective", {}),
+        description="what the update optimises, and the objective's own "
         "settings (one section per objective; see flowgrpo.algo.objectives)"
     )
     chunker: SerializeAsAny[ChunkerConfig] = Field(
-        default_factory=lambda: _chunker({}), description="the chunker strategy and its own settings "
+        default_factory=lambda: strategy_section("chunker", {}),
+        description="the chunker strategy and its own settings "
         "(one section per strategy; see flowgrpo.algo.chunkers)"
     )
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
@@ -346,15 +346,10 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
-    @field_validator("chunker", mode="before")
+    @field_validator("chunker", "objective", mode="before")
     @classmethod
-    def _chunker_section(cls, value):
-        return _chunker(value)
-
-    @field_validator("objective", mode="before")
-    @classmethod
-    def _objective_section(cls, value):
-        return _objective(value)
+    def _strategy_sections(cls, value, info):
+        return strategy_section(info.field_name, value)
 
     @model_validator(mode="after")
     def _derive(self) -> Config:
