@@ -125,10 +125,13 @@ def _per_component(rewards: Rewards, group_ids: torch.Tensor, estimator: str, gl
                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Each component normalised within its groups, then summed with the weights (MixGRPO's
     ``advantage_aggr``). Returns (advantages (B,) float64, zero-spread (B,) bool: the group is flat in every
-    component, so a flat total whose components vary still trains)."""
+    weighted component, so a flat total whose components vary still trains; a weight-0 component, a metric, adds
+    nothing and does not count)."""
     adv = torch.zeros_like(rewards.total, dtype=torch.float64)
     flat = torch.ones_like(rewards.total, dtype=torch.bool)
     for name, comp in rewards.components.items():
+        if rewards.weights[name] == 0:
+            continue
         c = comp.double()
         adv = adv + rewards.weights[name] * _normalize(c, group_ids, estimator, global_std, ddof, eps)
         flat &= _flat_groups(c, group_ids)

@@ -9,6 +9,8 @@ with a negative weight its denominator can be 0 (every total NaN) or negative (e
 NaN semantics (docs/design.md, "Advantages and loss"): a NaN component means "not applicable to this sample" and
 contributes nothing, i.e. the sum runs over the components present, ``R = Σ_{i present} w_i·r_i``. A sample with no
 component present has a NaN composed reward, which the advantage estimator leaves out of its group's statistics. A
+component of weight 0 (a metric logged beside the reward, or read by a group filter) never makes a sample's reward
+present: a sample whose every weighted component is NaN has a NaN composed reward, not 0. A
 reward that returns ``None`` for a sample declares it not applicable: it is read as NaN (and counted in
 ``reward/<name>/nan_frac``). An infinite score is an error naming the reward (:class:`RewardError`), raised when the
 batch is scored, before any advantage is computed. With one reward of weight w the composed reward is w·r.
@@ -43,7 +45,8 @@ def compose_rewards(components: dict[str, torch.Tensor], weights: dict[str, floa
     """Weighted sum of (B,) component scores over the components present (NaN: absent).
 
     Returns:
-        :class:`~flowgrpo.records.Rewards` with ``total`` (B,) float32 CPU, NaN where no component is present.
+        :class:`~flowgrpo.records.Rewards` with ``total`` (B,) float32 CPU, NaN where no component of nonzero
+        weight is present.
 
     Raises:
         ValueError: mismatched names or shapes, or a non-finite weight.
@@ -63,7 +66,8 @@ def compose_rewards(components: dict[str, torch.Tensor], weights: dict[str, floa
         present = ~torch.isnan(r)
         term = torch.where(present, float(weights[name]) * r, torch.zeros_like(r))
         total = term if total is None else total + term
-        any_present = present if any_present is None else any_present | present
+        counts = present if float(weights[name]) != 0.0 else torch.zeros_like(present)  # a weight-0 metric does not
+        any_present = counts if any_present is None else any_present | counts
     total = torch.where(any_present, total, torch.full_like(total, float("nan")))
     return Rewards(components=comps, weights=dict(weights), total=total)
 

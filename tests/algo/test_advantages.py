@@ -190,6 +190,20 @@ def test_gdpo_with_weights():
     _assert_adv(gdpo, [2 * k / d, -2 * k / d, k / d, -k / d])
 
 
+def test_gdpo_leaves_a_weight_0_metric_out_of_the_zero_spread_check():
+    # group 0: the weighted reward a is flat (1, 1), the weight-0 metric m varies (0, 1); group 1: a = (1, 0).
+    # A varying metric once kept group 0 in the update (advantage 0, counted as a learning signal).
+    comps = {"a": [1.0, 1.0, 1.0, 0.0], "m": [0.0, 1.0, 0.0, 0.0]}
+    rewards = _rewards([1.0, 1.0, 1.0, 0.0], components=comps, weights={"a": 1.0, "m": 0.0})
+    out = compute_advantages(rewards, _ids(2, 2), multi_reward="gdpo", drop_zero_spread=True)
+    assert out.train_mask.tolist() == [False, False, True, True]
+    assert out.zero_spread_frac == 0.5
+    # group 1 alone carries the signal: per component [0, 0, k, −k], batch mean 0, std k/√2 → A = ±√2 (to eps)
+    k = 0.5 / (0.5 + EPS)
+    d = k / math.sqrt(2) + EPS
+    _assert_adv(out.values, [0.0, 0.0, k / d, -k / d])
+
+
 def test_unknown_multi_reward_and_estimator_are_errors():
     with pytest.raises(ValueError, match="gdpo"):
         compute_advantages(_rewards([1.0, 2.0]), _ids(2), multi_reward="gpdo")

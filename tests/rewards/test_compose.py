@@ -50,6 +50,19 @@ def test_nan_components_are_left_out_of_the_weighted_sum():
     assert out.total[0] == 1.0 and torch.isnan(out.total[1])
 
 
+def test_a_weight_0_metric_does_not_make_a_nan_reward_present():
+    """A weight-0 component (a metric, or one a group filter reads) once turned a sample whose only weighted reward
+    was NaN into a reward of 0, trained on as a real score."""
+    nan = float("nan")
+    r = torch.tensor([nan, 1.0, nan, 2.0])
+    metric = torch.tensor([0.3, 0.4, nan, 0.6])
+    out = compose_rewards({"r": r, "metric": metric}, {"r": 0.5, "metric": 0.0})
+    # by hand: 0 and 2 have no weighted component → NaN; 1: 0.5·1 = 0.5; 3: 0.5·2 = 1.0 (the metric adds 0·m)
+    assert torch.isnan(out.total).tolist() == [True, False, True, False]
+    assert out.total[1].item() == 0.5 and out.total[3].item() == 1.0
+    torch.testing.assert_close(out.components["metric"], metric, equal_nan=True)
+
+
 @pytest.mark.parametrize("weights, expected", [
     # a penalty: the weighted mean's denominator 1 − 1 = 0 made every total NaN
     ({"quality": 1.0, "penalty": -1.0}, [0.5 - 0.25, 0.75 - 1.0]),
