@@ -84,6 +84,8 @@ def _format_error(err: ValidationError) -> str:
             leaf = str(e["loc"][-1])
             parent = ".".join(str(p) for p in e["loc"][:-1] if not isinstance(p, int))
             close = _suggest(parent, leaf, valid)
+            if close and close.startswith(parent + ".") and "." not in close[len(parent) + 1:]:
+                close = ".".join(str(p) for p in e["loc"][:-1]) + close[len(parent):]  # keep the item's index
             hint = f"; did you mean {close!r}?" if close else ""
             lines.append(f"unknown config key {loc!r}{hint}")
         elif e["type"] == "value_error":

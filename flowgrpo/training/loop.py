@@ -321,7 +321,8 @@ class Trainer:
 
     def _warn_low_signal(self, epoch: int, adv: Advantages) -> None:
         """Metric ``adv/low_signal`` (1.0 or 0.0) each epoch; a console warning, with what to change, the first
-        epoch the fraction of samples with a learning signal falls below ``algo.min_learning_frac``."""
+        epoch the fraction of samples with a learning signal falls below ``algo.min_learning_frac`` (the epoch
+        numbered from 1, as the epoch lines)."""
         low = adv.learning_frac < self.cfg.algo.min_learning_frac
         self.metrics.log({"adv/low_signal": float(low)})
         if not low or self._low_signal_warned or not self.main:
@@ -333,7 +334,7 @@ class Trainer:
             "not at all. Make the rewards differ within a group: a denser reward (a probability, not a 0/1 "
             "verdict), a larger train.group_size, more sampling.num_steps or a higher sampling.noise_level. "
             "Metric adv/low_signal marks each such epoch; this warning is shown once.",
-            epoch, 100 * adv.learning_frac, 100 * adv.zero_spread_frac, 100 * adv.nan_frac,
+            epoch + 1, 100 * adv.learning_frac, 100 * adv.zero_spread_frac, 100 * adv.nan_frac,
             self.cfg.algo.min_learning_frac)
 
     def save_rollout_stats(self, epoch: int, traj, rewards: Rewards, group_ids: torch.Tensor,

@@ -116,6 +116,7 @@ def test_zero_spread_warns_and_no_unmeasured_policy_statistic(tmp_path, tiny_flu
         run(cfg)
     warned = [r.getMessage() for r in caplog.records if "carry a learning signal" in r.getMessage()]
     assert len(warned) == 1 and "train.group_size" in warned[0]  # once, with what to change
+    assert warned[0].startswith("epoch 1: only 0.0% of the samples")  # numbered as the epoch lines ("epoch 1/N")
     for rec in read_metrics(tmp_path / "run" / "metrics.jsonl"):
         assert rec["adv/low_signal"] == 1.0 and rec["adv/learning_frac"] == 0.0
         assert not [k for k in rec if k.startswith("policy/")], rec  # nothing trained, nothing measured
