@@ -72,8 +72,14 @@ def compose_rewards(components: dict[str, torch.Tensor], weights: dict[str, floa
     return Rewards(components=comps, weights=dict(weights), total=total)
 
 
+#: rewards already warned about returning half-precision scores (once per reward name and process)
+_WARNED_HALF: set[str] = set()
+
+
 def _as_scores(name: str, raw) -> torch.Tensor:
-    """A reward's output as float32 CPU; ``None`` entries of a list or tuple become NaN (not applicable).
+    """A reward's output as float32 CPU; ``None`` entries of a list or tuple become NaN (not applicable). A float16
+    or bfloat16 tensor is cast with a warning, once per reward: the contract is float32, and half precision keeps
+    3 significant digits (bfloat16: 2–3), which can tie the scores of a group.
 
     Raises:
         RewardError: the output is not numbers (strings, objects, ragged lists), naming the reward and a sample
@@ -81,6 +87,11 @@ def _as_scores(name: str, raw) -> torch.Tensor:
     """
     if isinstance(raw, list | tuple):
         raw = [float("nan") if s is None else s for s in raw]
+    if isinstance(raw, torch.Tensor) and raw.dtype in (torch.float16, torch.bfloat16) and name not in _WARNED_HALF:
+        _WARNED_HALF.add(name)
+        logger.warning("reward %r returned %s scores; they are cast to float32, but half precision keeps only 2-3 "
+                       "significant digits, which can tie the scores of a group: return float32 (the reward "
+                       "contract)", name, str(raw.dtype).removeprefix("torch."))
     try:
         return torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
     except (TypeError, ValueError, RuntimeError) as err:

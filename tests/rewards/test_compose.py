@@ -134,6 +134,26 @@ def test_none_is_not_applicable():
     assert torch.isnan(out.components["maybe"][0]) and out.total.tolist() == [0.5, 5.0]
 
 
+class _Half(_Const):
+    def __call__(self, images, prompts, metadata):
+        return torch.tensor(self.values, dtype=torch.bfloat16)
+
+
+def test_half_precision_scores_are_cast_with_one_warning(caplog):
+    """The contract is float32; bfloat16 scores (0.1235 and 0.1236 both round to 0.12353515625) are taken, cast, and
+    the reward named once."""
+    import logging
+
+    composed = ComposedReward({"half": _Half([0.1235, 0.1236])}, {"half": 1.0})
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.rewards.compose"):
+        out = composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+        composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+    assert out.total.dtype == torch.float32
+    assert out.total[0].item() == out.total[1].item() == 0.12353515625  # bfloat16 ties the two scores
+    warned = [r.getMessage() for r in caplog.records if "returned bfloat16 scores" in r.getMessage()]
+    assert len(warned) == 1 and "reward 'half'" in warned[0] and "return float32" in warned[0]
+
+
 def test_composed_reward_shows_the_training_prompts_to_the_rewards_that_ask():
     """The optional ``check_training_prompts`` hook (flowgrpo.rewards.base) reaches every component that has it."""
     seen = []
