@@ -19,7 +19,7 @@ import torch
 
 from flowgrpo.algo.objectives import Objective, build_objective
 from flowgrpo.checkpoint import resolve_checkpoint
-from flowgrpo.config import ConfigError, build_config, read_yaml
+from flowgrpo.config import ConfigError, build_config, parse_override, read_yaml
 from flowgrpo.data.prompts import PromptSet, load_prompts
 from flowgrpo.registry import did_you_mean
 from flowgrpo.rewards.compose import ComposedReward
@@ -29,26 +29,42 @@ from flowgrpo.training.run_folder import latest_run_config, occupied_message
 logger = logging.getLogger(__name__)
 
 
+def auto_resume_config_file(default: str | os.PathLike, overrides: list[str] = ()) -> Path | None:
+    """The config file a command that names none should start from when its overrides say
+    ``train.resume_from=auto``: the run's own last config (:func:`latest_run_config`) in the ``output_dir`` the
+    overrides (else ``default``) name, so that the overrides are checked against the run's settings and not the
+    embedded default's. None when the overrides do not resume or the folder holds no run."""
+    try:
+        keys = {".".join(k): v for k, v in map(parse_override, overrides)}
+    except ConfigError:  # a malformed override: the config's own loading reports it
+        return None
+    if keys.get("train.resume_from") != "auto":
+        return None
+    out = Path(str(keys.get("output_dir") or read_yaml(default).get("output_dir", "")))
+    saved = latest_run_config(out)
+    return saved if str(out) and saved.is_file() else None
+
+
 def resolve_auto_resume(config, overrides: list[str] = (), config_file: str | None = None):
     """``train.resume_from=auto``: continue the run in ``config.output_dir``. When that folder holds a
     checkpoint (``checkpoints/latest``), the run's last config (:func:`latest_run_config`: the newest resumed
     config, else ``config.yaml``) is used, with ``overrides`` applied on top and ``train.resume_from`` pointing
-    at ``output_dir/checkpoints``; when it holds none, the run starts afresh (``resume_from`` cleared). Any other
-    ``resume_from`` is returned unchanged. A ``config_file`` the command also named is then not used (a warning
-    says so): the run continues with its own settings.
-    Raises :class:`~flowgrpo.config.ConfigError` when a checkpoint exists but no ``config.yaml`` beside it."""
+    at ``output_dir/checkpoints``; when it holds a run that stopped before its first checkpoint, that run starts
+    again with the same config (its partial records removed); when it holds no run, a new run starts
+    (``resume_from`` cleared). Any other ``resume_from`` is returned unchanged. A ``config_file`` the command also
+    named is then not used (a warning says so): the run continues with its own settings.
+
+    Raises:
+        ConfigError: a checkpoint exists but no ``config.yaml`` beside it; or the folder holds a finished run's
+            results (``summary.json``, the final weights) but no checkpoint to continue from: nothing is removed.
+    """
     if config.train.resume_from != "auto":
         return config
     out = Path(config.output_dir)
-    if not (out / "checkpoints" / "latest").exists():
-        fresh = {"train": config.train.model_copy(update={"resume_from": None})}
-        if (out / "config.yaml").exists():  # a run that stopped before its first save: nothing to continue
-            logger.warning("train.resume_from=auto: the run in %s stopped before its first checkpoint; starting "
-                           "it again", out)
-            fresh["logging"] = config.logging.model_copy(update={"overwrite": True})
-        else:
-            logger.info("train.resume_from=auto: no checkpoint in %s; starting a new run", out)
-        return config.model_copy(update=fresh)
+    has_checkpoint = (out / "checkpoints" / "latest").exists()
+    if not has_checkpoint and not (out / "config.yaml").exists():
+        logger.info("train.resume_from=auto: no checkpoint in %s; starting a new run", out)
+        return config.model_copy(update={"train": config.train.model_copy(update={"resume_from": None})})
     if not (out / "config.yaml").exists():
         raise ConfigError(f"train.resume_from=auto: {out / 'checkpoints'} exists but {out / 'config.yaml'} "
                           "does not; give train.resume_from=<checkpoint folder> and the run's config instead")
@@ -56,9 +72,21 @@ def resolve_auto_resume(config, overrides: list[str] = (), config_file: str | No
     if config_file:
         logger.warning("train.resume_from=auto continues the run in %s with its own %s; the config file %s is not "
                        "used (only the command line's overrides apply)", out, saved.name, config_file)
-    resumed = build_config(read_yaml(saved), [*overrides, f"train.resume_from={out / 'checkpoints'}"])
-    logger.info("train.resume_from=auto: continuing %s with its saved %s", out, saved.name)
-    return resumed
+    if has_checkpoint:
+        resumed = build_config(read_yaml(saved), [f"output_dir={out}", *overrides,
+                                                  f"train.resume_from={out / 'checkpoints'}"])
+        logger.info("train.resume_from=auto: continuing %s with its saved %s", out, saved.name)
+        return resumed
+    results = [n for n in ("summary.json", "transformer", "lora") if (out / n).exists()]
+    if results:
+        raise ConfigError(f"train.resume_from=auto: {out} holds a finished run's results ({', '.join(results)}) but "
+                          f"no checkpoint to continue from ({out / 'checkpoints'} is empty or gone); nothing was "
+                          "removed. Choose another output_dir, or start a new run over them with "
+                          "logging.overwrite=true (without train.resume_from)")
+    logger.warning("train.resume_from=auto: the run in %s stopped before its first checkpoint; starting it again "
+                   "with its saved %s", out, saved.name)
+    return build_config(read_yaml(saved), [f"output_dir={out}", *overrides, "train.resume_from=null",
+                                           "logging.overwrite=true"])
 
 
 def check_strategies(config) -> Objective:

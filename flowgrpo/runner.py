@@ -24,7 +24,7 @@ from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.divergence import TrainingDiverged
 from flowgrpo.models import load_model_from_config
 from flowgrpo.models.lora import setup_trainable
-from flowgrpo.preflight import check_on_grid, preflight, resolve_auto_resume
+from flowgrpo.preflight import auto_resume_config_file, check_on_grid, preflight, resolve_auto_resume
 from flowgrpo.rewards.base import MissingWeightsError
 from flowgrpo.rewards.compose import RewardError
 from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     global _SETUP_DONE, _TRAINER
     _SETUP_DONE, _TRAINER = False, None  # a fresh command (main may run twice in one process)
     try:
-        config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        config = load_config(args.config or auto_resume_config_file(DEFAULT_CONFIG, args.overrides) or DEFAULT_CONFIG,
+                             args.overrides)
         with _hold(config.output_dir):  # before anything in the folder is read
             summary = run(resolve_auto_resume(config, args.overrides, config_file=args.config))
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError,

@@ -11,7 +11,7 @@ import logging
 import pytest
 import yaml
 
-from flowgrpo.config import build_config
+from flowgrpo.config import ConfigError, build_config
 from flowgrpo.preflight import latest_run_config, resolve_auto_resume
 from tests.tiny_runs import _cfg
 
@@ -46,6 +46,49 @@ def test_auto_resume_says_a_named_config_file_is_not_used(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="flowgrpo.preflight"):
         resolve_auto_resume(auto, config_file="configs/tiny_jpeg.yaml")
     assert any("configs/tiny_jpeg.yaml is not used" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_resume_never_removes_a_finished_run_whose_checkpoints_are_gone(tmp_path):
+    """A finished run with checkpoints/ emptied (to free disk) was taken for one that stopped before its first
+    checkpoint: its weights, metrics and config were removed and the embedded default trained in their place."""
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"train": {"num_epochs": 3}}))
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "checkpoints").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    auto = build_config({"output_dir": str(tmp_path), "train": {"resume_from": "auto"}})
+    with pytest.raises(ConfigError, match=r"holds a finished run's results \(summary.json, transformer\) but no "
+                                          r"checkpoint to continue from .*nothing was removed"):
+        resolve_auto_resume(auto)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_auto_resume_starts_a_stopped_run_again_with_its_own_settings(tmp_path):
+    """The run's saved config, not the command's (the embedded default when it names no file), in its folder."""
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"output_dir": "/elsewhere", "train": {"num_epochs": 7}}))
+    auto = build_config({"output_dir": str(tmp_path), "train": {"resume_from": "auto"}})
+    again = resolve_auto_resume(auto, ["train.lr=0.002"])
+    assert (again.train.num_epochs, again.train.lr, again.output_dir) == (7, 0.002, str(tmp_path))
+    assert again.train.resume_from is None and again.logging.overwrite
+
+
+def test_a_command_without_a_config_file_resumes_on_the_runs_own_settings(tmp_path, capsys):
+    """No config file and train.resume_from=auto: the overrides are checked against the run's settings; an error
+    once named the embedded default's train.rollout_batch_size=64, in neither the run nor the command."""
+    from flowgrpo.preflight import auto_resume_config_file
+    from flowgrpo.runner import DEFAULT_CONFIG, main
+
+    run = {"output_dir": str(tmp_path), "train": {"prompts_per_epoch": 4, "group_size": 2, "rollout_batch_size": 8,
+                                                  "train_batch_size": 8}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
+    overrides = [f"output_dir={tmp_path}", "train.resume_from=auto", "train.prompts_per_epoch=3"]
+    assert auto_resume_config_file(DEFAULT_CONFIG, overrides) == tmp_path / "config.yaml"
+    assert auto_resume_config_file(DEFAULT_CONFIG, overrides[:1]) is None  # not resuming
+    assert auto_resume_config_file(DEFAULT_CONFIG, [f"output_dir={tmp_path / 'none'}", overrides[1]]) is None
+    with pytest.raises(SystemExit) as info:
+        main(overrides)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert info.value.code == 2 and "train.rollout_batch_size=8 must divide" in err and "= 6" in err, err
 
 
 @pytest.mark.slow
