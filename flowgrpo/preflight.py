@@ -24,6 +24,7 @@ from flowgrpo.data.prompts import PromptSet, load_prompts
 from flowgrpo.registry import did_you_mean
 from flowgrpo.rewards.compose import ComposedReward
 from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
+from flowgrpo.run_lock import check_folder_path
 from flowgrpo.training.run_folder import latest_run_config, occupied_message
 
 logger = logging.getLogger(__name__)
@@ -176,11 +177,10 @@ def check_trackers(trackers) -> None:
 
 def check_output_dir(config) -> None:
     """A checkpoint to resume must exist, and a folder holding another run is refused (unless resumed or
-    ``logging.overwrite``), and so is an ``output_dir`` that is a file, before any model loads. Raises
+    ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, before any model loads. Raises
     CheckpointError / FileExistsError."""
     out = Path(config.output_dir)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output_dir {str(out)!r} is a file, not a folder; choose a folder for the run")
+    check_folder_path(out)
     if config.train.resume_from:
         resolve_checkpoint(config.train.resume_from)
     elif (out / "config.yaml").exists() and not config.logging.overwrite:

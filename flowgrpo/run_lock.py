@@ -56,16 +56,27 @@ def _describe(text: str) -> str:
     return ", ".join(parts)
 
 
+def check_folder_path(output_dir: str | os.PathLike) -> None:
+    """``output_dir`` can be a run folder: it is a folder or can be made one. Raises ``FileExistsError`` when it
+    or one of the folders above it is a file."""
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"output_dir {str(output_dir)!r} is a file, not a folder; choose a folder for the run")
+    above = next((p for p in folder.absolute().parents if p.exists() and not p.is_dir()), None)
+    if above is not None:
+        raise FileExistsError(f"output_dir {str(output_dir)!r} cannot be made: {str(above)!r} above it is a file, "
+                              "not a folder; choose a folder for the run")
+
+
 def _acquire(folder: Path, command: str) -> object:
     """Open and lock ``folder/LOCK_FILE`` (created with the folder); returns the open file holding the lock, with
     ``made_folder`` set when this call created ``folder``.
 
     Raises:
         RunFolderBusy: another process holds it.
-        FileExistsError: ``folder`` is a file.
+        FileExistsError: ``folder`` or a folder above it is a file (:func:`check_folder_path`).
     """
-    if folder.exists() and not folder.is_dir():
-        raise FileExistsError(f"output_dir {str(folder)!r} is a file, not a folder; choose a folder for the run")
+    check_folder_path(folder)
     made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     fh = open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's life
@@ -114,7 +125,7 @@ def hold_run_folder(output_dir: str | os.PathLike, command: str | None = None) -
 
     Raises:
         RunFolderBusy: another live process holds the folder (a ``FileExistsError``).
-        FileExistsError: ``output_dir`` is a file.
+        FileExistsError: ``output_dir`` or a folder above it is a file.
     """
     if fcntl is None:  # pragma: no cover - Windows
         logger.warning("no fcntl on this platform: %s is not locked against a second run", output_dir)

@@ -346,6 +346,13 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
+    @field_validator("output_dir")
+    @classmethod
+    def _a_folder(cls, value: str) -> str:
+        if not value.strip():  # '' would be the current folder: a run written over whatever is there
+            raise ValueError(f"output_dir must name a folder for the run, got {value!r}")
+        return value
+
     @field_validator("chunker", "objective", mode="before")
     @classmethod
     def _strategy_sections(cls, value, info):

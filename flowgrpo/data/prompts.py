@@ -114,6 +114,8 @@ def load_prompts(name_or_path: str) -> PromptSet:
     prompts: list[str] = []
     meta: list[dict] = []
     for path in paths:
+        if path.is_dir():
+            raise ValueError(f"prompt file {str(path)!r} is a directory; give a .txt or .jsonl file in it")
         if not path.is_file():
             raise ValueError(
                 f"prompt file {str(path)!r} does not exist (embedded sets: {sorted(EMBEDDED)})"

@@ -56,6 +56,14 @@ def test_a_prompt_file_that_is_not_utf8_is_named_before_any_model_loads(tmp_path
         run(cfg)
 
 
+def test_a_directory_given_as_a_prompt_file_is_named_as_a_directory(tmp_path):
+    """Before: 'prompt file … does not exist' for a folder that exists."""
+    from flowgrpo.data.prompts import load_prompts
+
+    with pytest.raises(ValueError, match=rf"prompt file '{tmp_path}' is a directory; give a .txt or .jsonl file in it"):
+        load_prompts(str(tmp_path))
+
+
 # ------------------------------------------------------------------------------------------------- flowgrpo prompts
 
 

@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from flowgrpo.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from flowgrpo.config import build_config
+from flowgrpo.config import ConfigError, build_config
 from flowgrpo.data.prompts import GroupSampler
 from flowgrpo.metrics import read_metrics
 from tests.tiny_runs import _cfg, _tiny_overrides
@@ -72,6 +72,30 @@ def test_an_output_dir_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
     assert info.value.code == 2
     assert err.strip().splitlines()[-1] == f"error: output_dir {str(a_file)!r} is a file, not a folder; choose a " \
                                            "folder for the run"
+
+
+def test_an_output_dir_under_a_file_is_named_without_a_traceback(tmp_path, monkeypatch, capsys):
+    """Before: a NotADirectoryError traceback from the run lock's mkdir."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    monkeypatch.setattr(models, "load_model_from_config", lambda *a, **k: pytest.fail("the model was loaded"))
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        main([f"output_dir={a_file / 'sub' / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert info.value.code == 2
+    assert err == (f"error: output_dir {str(a_file / 'sub' / 'run')!r} cannot be made: {str(a_file)!r} above it is "
+                   "a file, not a folder; choose a folder for the run")
+    assert a_file.read_text() == "x"
+
+
+@pytest.mark.parametrize("value", ["''", "'  '"])
+def test_an_empty_output_dir_is_refused(value):
+    """Before: '' was the current folder, and the run (checkpoints, weights, lock) was written into it."""
+    with pytest.raises(ConfigError, match=r"output_dir must name a folder for the run, got '\s*'"):
+        build_config({}, [f"output_dir={value}"])
 
 
 def test_a_run_that_stopped_before_its_first_checkpoint_says_how_to_start_it_again(tmp_path):
