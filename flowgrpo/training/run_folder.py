@@ -154,7 +154,8 @@ class RunFolder:
                            "stopped during its final evaluation and save; finishing them now", self.out,
                            self.cfg.train.num_epochs, " and no ".join(missing))
             return False
-        logger.warning("the run of %s already finished all %d epochs (its checkpoint is after epoch %d): nothing "
-                       "to do, nothing rewritten. To train further, resume with a larger train.num_epochs.",
-                       self.cfg.train.resume_from, self.cfg.train.num_epochs, epoch - 1)
+        logger.warning("the run of %s already finished all %d epochs (its checkpoint epoch_%d is after epoch %d/%d, "
+                       "counted as the epoch lines): nothing to do, nothing rewritten. To train further, resume with "
+                       "a larger train.num_epochs.", self.cfg.train.resume_from, self.cfg.train.num_epochs, epoch - 1,
+                       epoch, self.cfg.train.num_epochs)
         return True

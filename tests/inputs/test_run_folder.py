@@ -184,7 +184,8 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
     again = _cfg(tmp_path, tiny_flux_dir, train={"resume_from": str(out / "checkpoints")})
     with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         summary = run(again)
-    assert any("already finished all 2 epochs" in r.getMessage() for r in caplog.records)
+    assert any("already finished all 2 epochs (its checkpoint epoch_1 is after epoch 2/2" in r.getMessage()
+               for r in caplog.records)  # numbered as the epoch lines, not "after epoch 1" of 2
     assert summary == json.loads((out / "summary.json").read_text())
     assert stamps() == before
     # a copy of the finished folder resumed in place reports its own files, not the original's
