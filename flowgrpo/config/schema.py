@@ -280,6 +280,22 @@ class ParallelConfig(Section):
     )
 
 
+    @model_validator(mode="after")
+    def _sharded_only(self) -> ParallelConfig:
+        """The settings that only FSDP2 reads are refused without it (``ValueError``), each naming itself."""
+        if self.sharding == "fsdp2":
+            return self
+        if self.reference == "cpu_offload":
+            raise ValueError("parallel.reference=cpu_offload keeps the reference's shards in host memory, which needs "
+                             "parallel.sharding=fsdp2 (any process count, one included); or use "
+                             "parallel.reference=device")
+        if not self.reshard_after_forward:
+            raise ValueError("parallel.reshard_after_forward=false is read only with parallel.sharding=fsdp2 (it "
+                             "keeps each block's gathered weights until the backward); without sharding nothing "
+                             "is gathered: remove the setting, or set parallel.sharding=fsdp2")
+        return self
+
+
 class RewardSpec(Section):
     """One reward: a registered name (entry point) or 'module:attr', its weight and constructor kwargs."""
 
@@ -379,10 +395,6 @@ class Config(Section):
                 f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
                 f"training micro-batches B / train_batch_size = {b // tb}"
             )
-        if self.parallel.reference == "cpu_offload" and self.parallel.sharding != "fsdp2":
-            raise ValueError("parallel.reference=cpu_offload keeps the reference's shards in host memory, which needs "
-                             "parallel.sharding=fsdp2 (any process count, one included); or use "
-                             "parallel.reference=device")
         if self.model.finetune == "full" and self.model.dtype == "float16":
             raise ValueError("model.dtype=float16 with model.finetune=full: the float32 master weights would "
                              "compute in float16 without loss scaling, whose gradients underflow; use bfloat16")

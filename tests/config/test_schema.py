@@ -121,3 +121,17 @@ def test_losses_and_filters_have_their_own_sections_and_a_plain_name_is_shorthan
     assert again.algo.policy_loss == cfg.algo.policy_loss and again.chunker == cfg.chunker
     with pytest.raises(ConfigError, match="did you mean 'tau_neg'"):
         build_config({}, ["algo.policy_loss={name: sapo, tau_ng: 2}"])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("parallel.reshard_after_forward=false", r"parallel.reshard_after_forward=false is read only with "
+                                             r"parallel.sharding=fsdp2"),
+    ("parallel.reference=cpu_offload", r"parallel.reference=cpu_offload .* needs parallel.sharding=fsdp2"),
+])
+def test_settings_only_fsdp2_reads_are_refused_without_it(override, message):
+    """reshard_after_forward=false was accepted without sharding and did nothing (every other setting a strategy
+    does not read is refused)."""
+    with pytest.raises(ConfigError, match=message):
+        build_config({}, [override])
+    sharded = build_config({}, [override, "parallel.sharding=fsdp2"]).parallel
+    assert sharded.sharding == "fsdp2" and (not sharded.reshard_after_forward or sharded.reference == "cpu_offload")
