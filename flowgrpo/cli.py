@@ -222,11 +222,19 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
     private, and refuses an existing public one rather than publish into it). ``endpoint`` selects another Hub API
     server (default: huggingface_hub's, i.e. ``HF_ENDPOINT``). Returns the commit URL.
     Raises ``SystemExit`` with one line when huggingface_hub is missing, the run has no weights, the Hub cannot be
-    used (offline mode, no network, a refusal, no token) or ``private`` cannot be honoured."""
+    used (offline mode, no network, a refusal, no token), ``private`` cannot be honoured, or ``repo_id`` is not a
+    Hub repository id (checked before anything is read or sent)."""
     try:
         from huggingface_hub import CommitOperationAdd, HfApi
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
     except ImportError:
         raise SystemExit('flowgrpo push needs huggingface_hub (pip install "huggingface_hub>=0.20")') from None
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise SystemExit(f"flowgrpo push: {repo_id!r} is not a Hub repository id ({str(err).splitlines()[0]}); "
+                         "write owner/name, e.g. my-user/flux-digits-lora") from None
     run = Path(run)
     weights = next((run / d for d in ("lora", "transformer") if (run / d).is_dir()), None)
     if weights is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -107,6 +108,16 @@ def test_push_uploads_weights_and_card(tmp_path, hub, monkeypatch):
 def test_push_refuses_a_folder_without_weights(tmp_path, hub):
     with pytest.raises(SystemExit, match="no lora/ or transformer/"):
         cli_main(["push", str(tmp_path), "me/x", "--endpoint", hub, "--token", "t"])
+
+
+@pytest.mark.parametrize("repo_id", ["not a repo id!!", "me/x/y"])
+def test_push_refuses_a_bad_repo_id_in_one_line_before_the_hub_is_called(tmp_path, hub, repo_id):
+    """Before: a HFValidationError traceback."""
+    _Hub.calls.clear()
+    with pytest.raises(SystemExit, match=rf"flowgrpo push: '{re.escape(repo_id)}' is not a Hub repository id \(.*"
+                                         r"write owner/name"):
+        cli_main(["push", str(_a_run(tmp_path)), repo_id, "--endpoint", hub, "--token", "t"])
+    assert _Hub.calls == []
 
 
 def _a_run(tmp_path):
