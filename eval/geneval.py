@@ -240,14 +240,19 @@ def score_folder(scorer: GenEvalScorer, folder: Path, batch_size: int = 16) -> l
 def main(argv: Sequence[str] | None = None) -> dict:
     """Run the CLI; returns the summary dict."""
     args = parse_args(argv)
-    if args.images is not None:
-        folder = args.images
-        outdir = args.outdir or folder
-        ev.read_folder(folder)  # fail on a malformed folder before loading any model
-    else:
-        outdir = args.outdir
-        folder = outdir / "images"
-        prompts = select_prompts(load_specs(args.metadata), args.per_task)
+    try:  # the inputs, read before any model loads: a missing or malformed one is one line, exit status 2
+        if args.images is not None:
+            folder = args.images
+            outdir = args.outdir or folder
+            ev.read_folder(folder)
+        else:
+            outdir = args.outdir
+            folder = outdir / "images"
+            prompts = select_prompts(load_specs(args.metadata), args.per_task)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"geneval.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.images is None:
         adapter = load_generator(args.model, args.lora, dtype=args.dtype, height=args.height,
                                  width=args.width, device=args.device)
         generate(adapter, prompts, folder, samples=args.samples, steps=args.steps, guidance=args.guidance,

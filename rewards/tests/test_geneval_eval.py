@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download
@@ -187,8 +188,14 @@ def test_missing_image_names_the_file(tmp_path):
 def test_cli_reports_a_bad_folder_before_loading_models(tmp_path, capsys):
     write_random_folder(tmp_path, first_of_each_task()[:1], samples=2, size=8)
     (tmp_path / "00000" / "samples" / "0000.png").unlink()
-    with pytest.raises(FileNotFoundError, match=r"00000/samples/0000\.png"):
+    with pytest.raises(SystemExit) as info:  # one line and exit status 2, no traceback (a missing image)
         cli.main(["--images", str(tmp_path), "--detector", str(tmp_path / "no-such-model")])
+    assert info.value.code == 2
+    assert re.match(r"geneval\.py: error: .*00000/samples/0000\.png", capsys.readouterr().err.strip())
+    for bad, why in ((tmp_path / "nope", "does not exist"), (tmp_path / "00000" / "samples", "has no prompt folders")):
+        with pytest.raises(SystemExit) as info:  # a missing folder, one of the wrong layout: were tracebacks
+            cli.main(["--images", str(bad)])
+        assert info.value.code == 2 and why in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--images", str(tmp_path), "--model", "tiny"])
     assert "not both" in capsys.readouterr().err
