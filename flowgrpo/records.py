@@ -97,6 +97,7 @@ class Trajectory(SampleBatch):
     jump: torch.Tensor
     group_ids: torch.Tensor
     prompt_ids: torch.Tensor
+
     @property
     def batch_size(self) -> int:
         return self.latents.shape[0]
@@ -133,6 +134,7 @@ class FinalSamples(SampleBatch):
     sigmas: torch.Tensor
     group_ids: torch.Tensor
     sample_index: torch.Tensor
+
     @property
     def batch_size(self) -> int:
         return self.x0.shape[0]

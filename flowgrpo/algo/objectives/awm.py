@@ -34,14 +34,7 @@ from flowgrpo.algo.objectives.flow_matching import (
     velocity_mse,
     velocity_target,
 )
-from flowgrpo.algo.objectives.forward import (
-    ForwardConfig,
-    ForwardObjective,
-    ForwardWork,
-    RowDraw,
-    SolverName,
-    shared,
-)
+from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName, shared
 from flowgrpo.algo.objectives.old_copy import DecaySchedule
 from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator

@@ -33,14 +33,7 @@ from pydantic import Field
 from flowgrpo import dist
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
-from flowgrpo.algo.objectives.forward import (
-    ForwardConfig,
-    ForwardObjective,
-    ForwardWork,
-    RowDraw,
-    SolverName,
-    shared,
-)
+from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName, shared
 from flowgrpo.algo.objectives.old_copy import DecaySchedule
 from flowgrpo.records import FinalSamples
 from flowgrpo.rng import make_generator
