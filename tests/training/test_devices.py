@@ -38,24 +38,28 @@ def _config(tmp_path, tiny_flux_dir, name: str, chunker: dict | None = None, tra
     })
 
 
-def _run_on_fake_accelerator(monkeypatch, config) -> FakeAccelerator:
+def _run_on_fake_accelerator(monkeypatch, config, objective_class=None) -> FakeAccelerator:
+    """``run(config)`` with the model on the fake accelerator; the mode records the host reads of each call of
+    ``objective_class.update`` (default: the SDE-ratio objective's) in ``update_reads``."""
     from flowgrpo.algo.objectives import SdeRatio
     from flowgrpo.runner import run
     from flowgrpo.training.loop import Trainer
 
+    objective_class = objective_class or SdeRatio
     modes = []
-    fit = Trainer.fit
+    fit, update = Trainer.fit, objective_class.update
 
     def fit_on_accelerator(self):
         mode = FakeAccelerator(*_modules(self.adapter))
-        if self.optim.ema is not None:  # built from the parameters before the mode: on their device, as on a GPU
-            mode.place(self.optim.ema.shadow)
+        # the EMA and an old copy are built from the parameters before the mode: on their device, as on a GPU
+        shadows = [*(self.optim.ema.shadow if self.optim.ema is not None else []),
+                   *(self.objective.old.shadow if getattr(self.objective, "old", None) is not None else [])]
+        if shadows:
+            mode.place(shadows)
         mode.update_reads = []  # host reads of each update phase
         modes.append(mode)
         with mode:
             return fit(self)
-
-    update = SdeRatio.update
 
     def counted_update(self, *args, **kwargs):
         before = modes[0].reads()
@@ -64,7 +68,7 @@ def _run_on_fake_accelerator(monkeypatch, config) -> FakeAccelerator:
         return out
 
     monkeypatch.setattr(Trainer, "fit", fit_on_accelerator)
-    monkeypatch.setattr(SdeRatio, "update", counted_update)
+    monkeypatch.setattr(objective_class, "update", counted_update)
     run(config)
     return modes[0]
 

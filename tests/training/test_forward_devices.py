@@ -9,37 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.training.test_devices import _config, _modules
-
-
-def _run(monkeypatch, config):
-    from flowgrpo.algo.objectives.forward import ForwardObjective
-    from flowgrpo.runner import run
-    from flowgrpo.training.loop import Trainer
-    from tests.training.fake_device import FakeAccelerator
-
-    modes = []
-    fit, update = Trainer.fit, ForwardObjective.update
-
-    def fit_on_accelerator(self):
-        mode = FakeAccelerator(*_modules(self.adapter))
-        # built from the parameters before the mode: on their device, as on a GPU
-        mode.place(self.optim.ema.shadow + self.objective.old.shadow)
-        mode.update_reads = []
-        modes.append(mode)
-        with mode:
-            return fit(self)
-
-    def counted(self, *args, **kwargs):
-        before = modes[0].reads()
-        out = update(self, *args, **kwargs)
-        modes[0].update_reads.append(modes[0].reads() - before)
-        return out
-
-    monkeypatch.setattr(Trainer, "fit", fit_on_accelerator)
-    monkeypatch.setattr(ForwardObjective, "update", counted)
-    run(config)
-    return modes[0]
+from tests.training.test_devices import _config, _run_on_fake_accelerator
 
 
 @pytest.mark.slow
@@ -51,6 +21,8 @@ def test_forward_objective_epoch_keeps_each_tensor_on_one_device(tmp_path, tiny_
     cfg = _config(tmp_path, tiny_flux_dir, objective["name"], chunker={"name": "per_step"},
                   train={"inner_epochs": 1}, kl_beta=0.0, recompute_old_log_probs=False)
     cfg.objective = objective
-    mode = _run(monkeypatch, cfg)
+    from flowgrpo.algo.objectives.forward import ForwardObjective
+
+    mode = _run_on_fake_accelerator(monkeypatch, cfg, ForwardObjective)
     assert mode.syncs
     assert mode.update_reads == [cfg.train.optimizer_steps_per_epoch + 1], mode.update_reads
