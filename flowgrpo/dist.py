@@ -84,6 +84,17 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return _all_reduce(t, torch_dist.ReduceOp.MAX)
 
 
+def broadcast_object(obj):
+    """The main process's (global rank 0) ``obj`` on every process (a picklable object: plain data, an error
+    message); ``obj`` itself on one process. Only objects this program made are sent: it is never given data read
+    from a file the user supplied."""
+    if not is_distributed():
+        return obj
+    box = [obj if rank() == 0 else None]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     """Wait until every rank arrives (after the main process has written a shared file); no-op on one process."""
     if is_distributed():

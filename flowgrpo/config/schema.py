@@ -274,6 +274,11 @@ class ParallelConfig(Section):
         "(sharded like the policy under fsdp2), or its shards in host memory, gathered to the device per forward "
         "(cpu_offload; needs sharding fsdp2)"
     )
+    ema: Literal["device", "cpu"] = Field(
+        "device", description="train.ema_decay: where the EMA shadow (float32, each process's shard of it under "
+        "fsdp2) lives: on the device, or in host memory (cpu: no device memory for it; each optimizer step copies "
+        "the weights' shards to the host, each evaluation and final save copies the shadow to the device)"
+    )
     text_encoders: Literal["device", "offload"] = Field(
         "device", description="device: text encoders stay on the device; offload: they live in host memory and "
         "move to the device only while prompts are encoded (once per rollout and evaluation)"

@@ -57,7 +57,8 @@ class Optimization:
             optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
         self.optimizer = accelerator.prepare(optimizer)
-        self.ema = EMA(self.params, train.ema_decay) if train.ema_decay is not None else None
+        self.ema = (EMA(self.params, train.ema_decay, place=config.parallel.ema) if train.ema_decay is not None
+                    else None)
 
     # ------------------------------------------------------------------ one optimizer step
     def accumulating(self, *, sync: bool):
@@ -124,13 +125,13 @@ class Optimization:
         """(name, tensor) of every trained parameter and EMA shadow tensor, as this process holds them (a sharded
         model's local shards), for the health check before a save."""
         named = [(n, p) for n, p in self.unwrapped.named_parameters() if p.requires_grad]
-        return named + ([(f"EMA {n}", v) for n, v in self.ema.state_dict().items()] if self.ema is not None else [])
+        return named + ([(f"EMA ema.{i}", v) for i, v in enumerate(self.ema.shadow)] if self.ema is not None else [])
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, root: Path, epoch: int, *, sampler, keep: int, objective=None) -> None:
         """Checkpoint epoch ``epoch`` (weights, optimizer, schedule, EMA, the prompt sampler and the objective's
-        state) under ``root``, keeping the newest ``keep``. Every process calls it (a sharded model is gathered);
-        the main one writes."""
+        state) under ``root``, keeping the newest ``keep``. Every process calls it; under FSDP2 each writes its own
+        shards (nothing is gathered), otherwise the main one writes (:mod:`flowgrpo.checkpoint`)."""
         save_checkpoint(root, epoch, model=self.unwrapped, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                         sampler=sampler, ema=self.ema, keep=keep, objective=objective)
 
