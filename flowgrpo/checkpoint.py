@@ -496,7 +496,7 @@ def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
         if tuple(info.size) != tuple(t.shape):
             raise CheckpointError(f"checkpoint {str(p)!r} does not match this run: {key!r} has shape "
                                   f"{tuple(info.size)} in the checkpoint but {tuple(t.shape)} here")
-    _read(folder, lambda f: dcp.load(target, storage_reader=_reader(f, meta)))
+    _read(folder, lambda f: dcp.load(target, storage_reader=_reader(f, meta), no_dist=not dist.is_distributed()))
     load_sharded_trainable_state(model, target["model"])
     try:
         load_sharded_optimizer_state(model, optimizer, target.get("optim", {}), groups)
@@ -506,6 +506,42 @@ def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
         ema.load_state_dict(target["ema"])
     if held:
         objective.load_state_dict(target["objective"])
+
+
+def whole_tensors(path: str | Path) -> dict[str, dict]:
+    """Every tensor of a checkpoint (sharded or whole), whole, in this process's host memory, by part:
+    ``trainable`` {name: tensor}, ``ema`` {``ema.<i>``: tensor}, ``objective`` {key: tensor} (empty dicts when
+    absent) and ``optimizer`` {``state``: {name: {key: tensor}}}. For inspecting a checkpoint in one process (it
+    holds the whole state: not for a large model's training processes); no process group is needed.
+
+    Raises:
+        CheckpointError: as :func:`load_checkpoint`, for a missing, corrupt or refused file.
+    """
+    p = resolve_checkpoint(path)
+    if not (p / SHARDED).is_dir():
+        out = {"trainable": _read(p / "trainable.safetensors", load_file),
+               "optimizer": _read(p / "optimizer.pt", _torch_load)}
+        for part in ("ema", "objective"):
+            f = p / f"{part}.safetensors"
+            out[part] = _read(f, load_file) if f.is_file() else {}
+        return out
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = p / SHARDED
+    meta = _read(folder / ".metadata", _read_metadata)
+    target = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+              if isinstance(v, TensorStorageMetadata)}
+    _read(folder, lambda f: dcp.load(target, storage_reader=_reader(f, meta), no_dist=True))
+    out = {"trainable": {}, "ema": {}, "objective": {}, "optimizer": {"state": {}}}
+    for key, t in target.items():
+        part, _, rest = key.partition(".")
+        if part == "optim":
+            name, _, slot = rest.rpartition(".")
+            out["optimizer"]["state"].setdefault(name, {})[slot] = t
+        else:
+            out[{"model": "trainable"}.get(part, part)][rest] = t
+    return out
 
 
 def _flat(state: dict, prefix: str = "") -> dict:

@@ -84,10 +84,18 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return _all_reduce(t, torch_dist.ReduceOp.MAX)
 
 
+def broadcast_from_main(t: torch.Tensor) -> torch.Tensor:
+    """The main process's ``t`` on every process (a new tensor on ``t``'s device); ``t`` on one process."""
+    if not is_distributed():
+        return t
+    out = _on_backend(t).clone()
+    torch_dist.broadcast(out, src=0)
+    return out.to(t.device)
+
+
 def broadcast_object(obj):
-    """The main process's (global rank 0) ``obj`` on every process (a picklable object: plain data, an error
-    message); ``obj`` itself on one process. Only objects this program made are sent: it is never given data read
-    from a file the user supplied."""
+    """The main process's (global rank 0) ``obj`` on every process (a picklable object of plain data: an error
+    message, names and dtypes, an optimizer's parameter groups); ``obj`` itself on one process."""
     if not is_distributed():
         return obj
     box = [obj if rank() == 0 else None]

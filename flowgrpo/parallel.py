@@ -15,7 +15,11 @@ One boundary decides it, once, before the first rollout (docs/many_gpus.md, "Wha
   fine-tuning keeps float32 master weights and computes in ``model.dtype`` (FSDP2's ``MixedPrecisionPolicy``,
   or autocast without sharding); the frozen reference of full fine-tuning is sharded like the policy (or kept
   in host memory, ``parallel.reference=cpu_offload``). Rollout, recompute and update all call the module this
-  returns, so the on-policy ratio stays exactly 1 whatever the layout of the weights;
+  returns, so the on-policy ratio stays exactly 1 whatever the layout of the weights. On several processes the
+  weights are read once: the main process loads the transformer, the others build it on the meta device
+  (:mod:`flowgrpo.models.empty`) and receive their shards from it, one tensor at a time
+  (:func:`fill_from_main`); the full fine-tune's reference is built on the meta device too and filled from each
+  process's own policy shards (:func:`copy_shards`), never a whole copy;
 * :func:`clip_grad_norm` clips by the global gradient norm, sharded or not.
 """
 
@@ -220,11 +224,19 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
         mesh = device_mesh(device)
         names = getattr(adapter, "shard_blocks", None)
         units = len(shard_blocks(tr, names))
+        stream = dist.world_size() > 1  # the main process's weights, sent to the others (built on meta)
+        whole = _whole_weights(tr) if stream else None
         model = shard(tr, mesh=mesh, param_dtype=compute, reshard=settings.reshard_after_forward,
                       master_dtype=torch.float32 if compute is not None else None, names=names)
+        if stream:
+            fill_from_main(model, whole, device)
+            del whole
         if ref is not None:
-            adapter.frozen_reference = shard(ref, mesh=mesh, param_dtype=None, reshard=True,
-                                             offload=settings.reference == "cpu_offload", names=names)
+            offload = settings.reference == "cpu_offload"
+            adapter.frozen_reference = shard(ref, mesh=mesh, param_dtype=None, reshard=True, offload=offload,
+                                             names=names)
+            if _on_meta(ref):
+                copy_shards(model, ref, torch.device("cpu") if offload else device)
         forward = model
         logger.info("transformer sharded over %d process(es) (FSDP2, %d blocks)", dist.world_size(), units)
     else:
@@ -237,6 +249,64 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
     adapter.compute_dtype = compute
     adapter.forward_module = forward  # forward through the distributed wrapper (gradient sync)
     return model
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def _whole_weights(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Before sharding: {name: parameter} of the main process's whole transformer (kept alive until
+    :func:`fill_from_main` has sent it), None on the others; every process's parameters take the main
+    process's dtypes (a transformer built on the meta device has ``from_config``'s, not the loaded ones)."""
+    dtypes = dist.broadcast_object({n: p.dtype for n, p in module.named_parameters()} if dist.rank() == 0 else None)
+    for n, p in module.named_parameters():
+        if p.dtype != dtypes[n]:
+            p.data = p.data.to(dtypes[n])
+    return {n: p.detach() for n, p in module.named_parameters()} if dist.rank() == 0 else None
+
+
+def _materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give a sharded module built on the meta device real (uninitialised) shards on ``device``, its buffers
+    (real already: :func:`flowgrpo.models.empty.empty_components`, :func:`flowgrpo.models.lora.structure_copy`)
+    kept."""
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            b.copy_(buffers[n])
+
+
+def fill_from_main(model: torch.nn.Module, whole: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """The weights of sharded ``model`` from the main process's whole tensors ``whole`` (None on the others, whose
+    transformer was built on the meta device and never read the files): each process receives its shard of one
+    tensor at a time (a scatter from the main process), and the persistent buffers by broadcast. A collective.
+    The main process's dtypes were given to every process before sharding (:func:`_whole_weights`)."""
+    from flowgrpo.ema import local
+    from flowgrpo.state_dicts import scatter_from_rank0
+
+    if _on_meta(model):
+        _materialize(model, device)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            part = scatter_from_rank0(whole[n] if whole is not None else None, p)
+            local(p).copy_(local(part))
+        for b in model.buffers():
+            b.copy_(dist.broadcast_from_main(b))
+
+
+def copy_shards(policy: torch.nn.Module, reference: torch.nn.Module, device: torch.device) -> None:
+    """Fill ``reference`` (the full fine-tune's frozen reference, sharded as ``policy`` but built on the meta
+    device) with ``policy``'s weights as they are now (the base model: before any update or resume), each process
+    copying its own shards (cast to the reference's dtype: exact, the policy's float32 masters hold
+    ``model.dtype`` values) onto ``device``; nothing is sent."""
+    from flowgrpo.ema import local
+
+    _materialize(reference, device)
+    weights = dict(policy.named_parameters())
+    with torch.no_grad():
+        for n, r in reference.named_parameters():
+            local(r).copy_(local(weights[n]))
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
