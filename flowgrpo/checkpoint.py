@@ -437,6 +437,20 @@ def _reader(folder: Path, meta):
     return Reader(folder)
 
 
+def _dcp_load(target: dict, folder: Path, meta, *, no_dist: bool) -> None:
+    """``torch.distributed.checkpoint.load`` of ``folder`` into ``target`` (in place), its failure (a
+    ``CheckpointException``, which is no ``Exception``: it gathers every process's) raised as a ``RuntimeError``
+    naming the first failing process and its error, for :func:`_read` to report."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(target, storage_reader=_reader(folder, meta), no_dist=no_dist)
+    except CheckpointException as err:
+        rank, (cause, _) = sorted(err.failures.items())[0]
+        raise RuntimeError(f"process {rank}: {_cause(cause)}") from None
+
+
 def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
     """Load the tensors of sharded checkpoint ``p`` (``p/sharded``, ``p/optimizer_groups.json``) into the
     model's trained parameters, the optimizer, the EMA and the objective, every process reading the parts of
@@ -446,7 +460,6 @@ def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
         CheckpointError: as :func:`load_checkpoint`: a missing file, names or shapes that do not match the model,
             the EMA or the objective, a forbidden global in the metadata, or a corrupt file (naming it).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     folder = p / SHARDED
@@ -496,7 +509,7 @@ def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
         if tuple(info.size) != tuple(t.shape):
             raise CheckpointError(f"checkpoint {str(p)!r} does not match this run: {key!r} has shape "
                                   f"{tuple(info.size)} in the checkpoint but {tuple(t.shape)} here")
-    _read(folder, lambda f: dcp.load(target, storage_reader=_reader(f, meta), no_dist=not dist.is_distributed()))
+    _read(folder, lambda f: _dcp_load(target, f, meta, no_dist=not dist.is_distributed()))
     load_sharded_trainable_state(model, target["model"])
     try:
         load_sharded_optimizer_state(model, optimizer, target.get("optim", {}), groups)
@@ -525,14 +538,13 @@ def whole_tensors(path: str | Path) -> dict[str, dict]:
             f = p / f"{part}.safetensors"
             out[part] = _read(f, load_file) if f.is_file() else {}
         return out
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     folder = p / SHARDED
     meta = _read(folder / ".metadata", _read_metadata)
     target = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
               if isinstance(v, TensorStorageMetadata)}
-    _read(folder, lambda f: dcp.load(target, storage_reader=_reader(f, meta), no_dist=True))
+    _read(folder, lambda f: _dcp_load(target, f, meta, no_dist=True))
     out = {"trainable": {}, "ema": {}, "objective": {}, "optimizer": {"state": {}}}
     for key, t in target.items():
         part, _, rest = key.partition(".")
