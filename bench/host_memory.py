@@ -18,7 +18,11 @@ processes, each doing what a ``parallel.sharding=fsdp2`` run does (``flowgrpo.pa
 
 The figure of each phase is the process's peak resident set during it (``VmHWM`` of ``/proc/self/status``, reset
 between phases by writing 5 to ``/proc/self/clear_refs``), so it includes the Python, torch and diffusers baseline
-(measured after the imports, its own column) and what the process still holds from earlier phases (its shards).
+(measured after the imports of every module the phases use, its own column) and what the process still holds
+from earlier phases (its shards).
+The workers run with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc's allocator otherwise raises that threshold after the
+first large free and keeps later freed tensors in its heap, so the figures would show what the allocator caches
+rather than what the program holds.
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ def _hwm_mb() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+def _rss_mb() -> float:
+    """Resident set now, MB (``VmRSS``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
 
 
 def _reset_hwm() -> None:
@@ -102,9 +114,13 @@ def _build(folder: Path):
 def worker(folder: Path, out: Path) -> None:
     import gc
 
+    # every module the phases use, imported before the baseline is measured
     import torch
+    import torch.distributed.checkpoint
+    import torch.distributed.fsdp  # noqa: F401
+    from diffusers import FluxTransformer2DModel  # noqa: F401
 
-    from flowgrpo import dist
+    from flowgrpo import dist, parallel  # noqa: F401
     from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
     from flowgrpo.data.prompts import GroupSampler
 
@@ -113,7 +129,7 @@ def worker(folder: Path, out: Path) -> None:
     _reset_hwm()
     t0 = time.perf_counter()
     model, adapter, opt, sched, ema = _build(folder)
-    figures["start"] = _hwm_mb()
+    figures["start"], figures["held"] = _hwm_mb(), _rss_mb()
     _reset_hwm()
     ckpt = out / "checkpoints"
     save_checkpoint(ckpt, 0, model=model, optimizer=opt, lr_scheduler=sched, sampler=GroupSampler(4, 2, 0), ema=ema)
@@ -138,7 +154,7 @@ def _free_port() -> str:
 def run(procs: int, folder: Path, root: Path) -> list[dict]:
     out = root / f"procs_{procs}"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
            _free_port(), __file__, "--worker", str(folder), str(out)]
@@ -156,10 +172,11 @@ def _cell(ranks: list[dict], phase: str) -> str:
 def table(results: dict[int, list[dict]], params: int) -> str:
     lines = [f"model: widened tiny FLUX transformer, {params / 1e6:.1f} M parameters ({params * 4 / 1e6:.0f} MB "
              "float32); full fine-tuning with a reference, AdamW and EMA",
-             "peak resident set per process, MB (main process / largest other process; baseline = after imports)",
-             "", "| processes | baseline | start | save | resume |", "|---|---|---|---|---|"]
+             "peak resident set per process, MB (main process / largest other process); baseline: after the "
+             "imports; held: after start (the shards a process keeps)",
+             "", "| processes | baseline | start | held | save | resume |", "|---|---|---|---|---|---|"]
     for n, ranks in results.items():
-        cells = [_cell(ranks, phase) for phase in ("baseline", "start", "save", "resume")]
+        cells = [_cell(ranks, phase) for phase in ("baseline", "start", "held", "save", "resume")]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

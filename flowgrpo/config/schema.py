@@ -403,6 +403,9 @@ class Config(Section):
         if self.model.finetune == "full" and self.model.dtype == "float16":
             raise ValueError("model.dtype=float16 with model.finetune=full: the float32 master weights would "
                              "compute in float16 without loss scaling, whose gradients underflow; use bfloat16")
+        if self.parallel.ema == "cpu" and t.ema_decay is None:
+            raise ValueError("parallel.ema=cpu places the EMA of train.ema_decay, which is not set (no EMA is kept): "
+                             "set train.ema_decay, or remove parallel.ema")
         if not all(0 <= beta < 1 for beta in t.adam_betas):
             raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
         if not self.rewards:
