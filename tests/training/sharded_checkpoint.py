@@ -6,7 +6,9 @@ under torchrun, and the checkpoint jobs of ``tests/training/test_sharded_checkpo
   ``ROOT/NAME`` and the gathered state (whole tensors, through ``full_state_dict``: a path independent of the
   checkpoint's) to ``ROOT/NAME.expected.safetensors`` by the main process;
 * ``resume SRC NAME``: ``load_checkpoint`` of ``ROOT/SRC`` into a fresh model, the gathered state after the load to
-  ``ROOT/NAME.loaded.safetensors``, then ``step NAME``.
+  ``ROOT/NAME.loaded.safetensors``, then ``step NAME``;
+* ``fsdp2`` (one process): the later jobs shard the model on a one-process group (another mesh than two
+  processes').
 
 Each process writes ``ROOT/reads_<rank>.json``: the checkpoint files it opened with ``safetensors`` or
 ``torch.load`` (the whole-tensor files a process must not read when it only needs its shards).
@@ -141,8 +143,12 @@ def main(root: Path, jobs: list[str]) -> None:
     if sharded:
         torch.distributed.init_process_group("gloo")
     record_reads()
+    own_group = False
     while jobs:
         kind = jobs.pop(0)
+        if kind == "fsdp2":
+            sharded = own_group = True
+            continue
         model, opt, sched, sampler, ema, objective = parts(sharded)
         if kind == "resume":
             src = jobs.pop(0)
@@ -150,9 +156,11 @@ def main(root: Path, jobs: list[str]) -> None:
                                        ema=ema, objective=objective)
             save_gathered(root / f"{jobs[0]}.loaded.safetensors", gathered(model, opt, ema, objective))
         run_step(root, jobs.pop(0), model, opt, sched, sampler, ema, objective)
-    (root / f"reads_{dist.rank()}.json").write_text(json.dumps(READS))
-    if sharded:
+    if "WORLD_SIZE" in os.environ:
+        (root / f"reads_{dist.rank()}.json").write_text(json.dumps(READS))
         torch.distributed.destroy_process_group()
+    elif own_group:
+        dist.release_own_group()
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def runs(tmp_path_factory) -> Path:
          str(WORKER), str(root), "resume", "one", "two", "resume", "two", "three"],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    _in_process(root, "resume", "two", "four", "resume", "one", "five")
+    _in_process(root, "resume", "two", "four", "resume", "one", "five", "fsdp2", "resume", "two", "six")
     return root
 
 
@@ -92,7 +92,8 @@ def test_a_sharded_run_reads_no_whole_file_on_other_processes(runs):
 
 
 def test_checkpoints_move_between_one_and_two_processes(runs):
-    for src, loaded in (("one", "two"), ("two", "three"), ("two", "four")):
+    # one process whole -> two sharded; two -> two; two -> one unsharded; two -> one sharded (another mesh)
+    for src, loaded in (("one", "two"), ("two", "three"), ("two", "four"), ("two", "six")):
         expected = load_file(runs / f"{src}.expected.safetensors")  # the writer's own state, gathered
         got = load_file(runs / f"{loaded}.loaded.safetensors")
         assert expected.keys() == got.keys() and len(expected) > 50, (src, loaded)
