@@ -238,7 +238,7 @@ def reward_modules(reward) -> list[torch.nn.Module]:
     if isinstance(reward, torch.nn.Module):
         return [reward]
     found: dict[int, torch.nn.Module] = {}
-    for value in vars(reward).values():
+    for value in getattr(reward, "__dict__", {}).values():
         items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
         for v in items:
             if isinstance(v, torch.nn.Module):

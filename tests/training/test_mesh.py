@@ -42,6 +42,8 @@ pytestmark = pytest.mark.slow
 FOUR = {"train": {"prompts_per_epoch": 4, "rollout_batch_size": 2}}
 #: evaluation under the EMA after every epoch, no checkpoint between epochs (a save's hooks would reshard)
 SWAPS = {"logging": {"eval_every": 1, "save_every": 0}}
+#: plots only after the last epoch (a third of a tiny run's time)
+QUIET = {"logging": {"plot_every": 0}}
 
 
 def _torchrun(n: int, configs: list[Path]) -> None:
@@ -88,11 +90,11 @@ def _close(a: dict, b: dict, start: dict | None, what: str) -> None:
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory, tiny_flux_dir) -> Path:
     root = tmp_path_factory.mktemp("hsdp")
-    one = _config(root, tiny_flux_dir, "one", **_merge(_full(), FOUR))
+    one = _config(root, tiny_flux_dir, "one", **_merge(_full(), FOUR, QUIET))
     grid = _config(root, tiny_flux_dir, "grid", **_merge(
-        _full(num_epochs=1), FOUR, {"parallel": {"sharding": "fsdp2", "replicate": 2}}))
+        _full(num_epochs=1), FOUR, QUIET, {"parallel": {"sharding": "fsdp2", "replicate": 2}}))
     flat = _config(root, tiny_flux_dir, "flat", **_merge(
-        _full(resume_from=str(root / "grid" / "checkpoints" / "epoch_0")), FOUR,
+        _full(resume_from=str(root / "grid" / "checkpoints" / "epoch_0")), FOUR, QUIET,
         {"parallel": {"sharding": "fsdp2", "replicate": 1}}))
     _in_process(one)
     _torchrun(4, [grid, flat])
@@ -108,7 +110,8 @@ def swaps(tmp_path_factory, tiny_flux_dir) -> Path:
         "step": {"parallel": {"sharding": "fsdp2", "gradient_sync": "step", "offload": "cpu",
                               "text_encoders": "shard", "reward_models": "offload"}},
     }
-    _torchrun(2, [_config(root, tiny_flux_dir, name, **_merge(_full(), SWAPS, extra)) for name, extra in runs.items()])
+    _torchrun(2, [_config(root, tiny_flux_dir, name, **_merge(_full(), SWAPS, QUIET, extra))
+                  for name, extra in runs.items()])
     return root
 
 
