@@ -20,8 +20,8 @@ One boundary decides it, once, before the first rollout (docs/many_gpus.md, "Wha
   - the trained transformer: left in host memory when it is sharded (each block moves as its shard is made, by
     :func:`prepare_model`, so a process never holds the whole transformer on its device), else on the device;
   - the untrained other expert of a two-expert model (Wan2.2 A14B, ``parallel.experts``): ``device`` whole;
-    ``offload`` whole in host memory on every process, each block copied to the device for its forward (FSDP2's
-    ``CPUOffloadPolicy`` over a one-process mesh: no collective, so processes may call it unequally); ``shard``
+    ``offload`` whole in host memory on every process, each block copied to the device for its forward
+    (diffusers' block-level group offloading: no collective, so processes may call it unequally); ``shard``
     FSDP2 over :func:`fsdp_mesh` on the device (every process runs it in the same order: the rollout's steps and
     the update's chunk plan are the same on every process);
 
@@ -143,10 +143,15 @@ def place_pipeline(adapter, device: torch.device, settings) -> None:
     it block by block onto the device; the other expert of a two-expert model goes where ``experts`` says.
 
     Raises:
-        ValueError: a world size the mesh cannot take (:func:`mesh_shape`), when something is sharded.
+        ValueError: a world size the mesh cannot take (:func:`mesh_shape`), when something is sharded; or
+            ``experts`` other than ``device`` for a model without an untrained second expert.
     """
     encoders = []
     expert = other_expert(adapter)
+    if expert is None and settings.experts != "device":
+        raise ValueError(f"parallel.experts={settings.experts} places the untrained expert of a two-expert model "
+                         f"(Wan2.2 A14B); {type(adapter.transformer).__name__} here has no second expert: use "
+                         "parallel.experts=device")
     for name, part in adapter.pipe.components.items():
         if not isinstance(part, torch.nn.Module):
             continue

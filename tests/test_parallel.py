@@ -284,6 +284,11 @@ def test_the_other_wan_expert_offloaded_or_sharded_gives_the_same_velocity(wan22
         parallel.release()
 
 
+def test_experts_placement_is_refused_for_a_model_with_one_transformer(adapter):
+    with pytest.raises(ValueError, match="parallel.experts=offload .*FluxTransformer2DModel here has no second"):
+        parallel.place_pipeline(adapter, META, ParallelConfig(experts="offload"))
+
+
 def test_sharded_text_encoders_encode_as_whole_ones(adapter):
     from torch.distributed.tensor import DTensor
 
