@@ -329,3 +329,63 @@ def test_ddp_skips_the_all_reduce_of_a_steps_earlier_packs_only_when_asked():
         with parallel.gradient_sync(ddp, sync=sync, every_micro_batch=every):
             pass
     assert ddp.calls == 1
+
+
+# ---------------------------------------------------------------- swapped weights under FSDP2 (case 5, the kind)
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+class _Net(torch.nn.Module):
+    _no_split_modules = ["_Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("kind", ["ema", "old_copy"])
+def test_every_swap_of_sharded_weights_reaches_the_forwards(kind, reshard_after_forward):
+    """A forward inside a swap computes with the swapped-in values and one after it with the trained values, whether
+    or not FSDP2 kept the weights a forward gathered before (main's EMA swap left them: evaluation ran on the
+    trained weights with reshard_after_forward=false, and the rollout after it on the EMA)."""
+    import copy
+
+    from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy
+    from flowgrpo.ema import EMA
+
+    torch.manual_seed(0)
+    shadow_net = _Net()  # the values the swap puts in
+    trained_net = copy.deepcopy(shadow_net)
+    with torch.no_grad():
+        for p in trained_net.parameters():
+            p.add_(0.5)
+    model = copy.deepcopy(shadow_net)
+    x = torch.randn(3, 4)
+    try:
+        parallel.shard(model, mesh=parallel.device_mesh(torch.device("cpu")), param_dtype=None,
+                       reshard=reshard_after_forward)
+        params = list(model.parameters())
+        swap = EMA(params, 0.5) if kind == "ema" else OldCopy(params, DecaySchedule(), model=model)
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.5)  # training moved the weights away from the shadow
+            for _ in range(2):  # twice: the first swap's restore must reach the next one too
+                assert torch.equal(model(x), trained_net(x))  # gathers the trained weights
+                with swap.swapped(model) if kind == "ema" else swap.swapped():
+                    torch.testing.assert_close(model(x), shadow_net(x), rtol=0, atol=1e-6)
+                torch.testing.assert_close(model(x), trained_net(x), rtol=0, atol=1e-6)
+    finally:
+        parallel.release()
