@@ -332,7 +332,7 @@ def device_mesh(device: torch.device, settings=None):
     dist.ensure_process_group(device)
     r, s, c = shape = mesh_shape(dist.world_size(), getattr(settings, "replicate", 1),
                                  getattr(settings, "context_degree", 1))
-    group = torch.distributed.distributed_c10d._get_default_group()
+    group = torch.distributed.group.WORLD
     cached = _MESHES.get((device.type, shape))
     if cached is not None and cached[0] is group:
         return cached[1]
