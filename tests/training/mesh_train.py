@@ -6,8 +6,8 @@ each config in turn, in the same processes, each followed by ``<output_dir>/coll
 * ``all_reduce``: calls of ``torch.distributed.all_reduce`` by group size (``{"2": n, …}``: HSDP's cross-replica
   reduction runs over the replica groups; clipping's norm and the metrics over every process);
 * ``backward``: calls of ``Optimization.backward`` (one per pack), ``steps``: optimizer steps;
-* ``units``: the FSDP2 modules of the trained transformer that hold parameters (each reduce-scatters once per
-  syncing backward);
+* ``units``: the FSDP2 modules of the trained transformer that hold trained parameters (each reduce-scatters once
+  per syncing backward; LoRA leaves the root's embedders and norms untrained);
 * ``mesh``: the device mesh's shape (replicate, shard, context) and the names of its dimensions;
 * ``offload``: the FSDP2 offload policy of each unit of the trained transformer, by class name;
 * ``encoders``: per text encoder of the pipeline, [elements this process holds, elements of the whole encoder].
@@ -58,7 +58,8 @@ def _units(model) -> int:
     from torch.distributed.fsdp import FSDPModule
 
     return sum(1 for m in model.modules() if isinstance(m, FSDPModule)
-               and any(g.fsdp_params for g in m._get_fsdp_state()._fsdp_param_groups))
+               and any(fp.sharded_param.requires_grad for g in m._get_fsdp_state()._fsdp_param_groups
+                       for fp in g.fsdp_params))
 
 
 def _elements(module) -> list[int]:
