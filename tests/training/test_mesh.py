@@ -1,6 +1,6 @@
 """The device mesh and what runs over it, on CPU processes under gloo (``tests/training/mesh_train.py``):
 
-* HSDP (``parallel.replicate: 2`` on 4 processes, a 2 x 2 mesh): two epochs equal one process with the same global
+* HSDP (``parallel.replicate: 2`` on 4 processes, a 2 x 2 mesh): an epoch equals one process with the same global
   batch to float32 rounding, its gradients are reduce-scattered inside each replica group of 2 and all-reduced
   across the groups; a checkpoint written under 2 x 2 resumes under 1 x 4 and the next epoch equals the one-process
   run's;
