@@ -87,6 +87,18 @@ def check_launch(env: Mapping[str, str] | None = None) -> None:
             "flowgrpo/train.py CONFIG (docs/many_gpus.md)")
 
 
+def process_group_kwargs(settings) -> list:
+    """accelerate's ``kwargs_handlers`` for the run's process group: with ``parallel.offload=cpu`` on CUDA the
+    backend ``cuda:nccl,cpu:gloo`` (FSDP2 then holds CPU shards whose collectives, the clipping norm's all-reduce
+    and a checkpoint's gathering, NCCL cannot run; torch picks the backend by each tensor's device); else none
+    (accelerate's default: NCCL on CUDA, gloo on the CPU, where a given backend is ignored anyway)."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if getattr(settings, "offload", "none") == "cpu" and torch.cuda.is_available():
+        return [InitProcessGroupKwargs(backend="cuda:nccl,cpu:gloo")]
+    return []
+
+
 def check_engine(accelerator, settings) -> None:
     """Refuse the launch engines whose update is not ours, with one line naming what to use instead.
 

@@ -112,7 +112,8 @@ def _run(config) -> dict:
     quiet_libraries()
     parallel.check_launch()  # the processes asked for were started
     ready = preflight(config)
-    accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
+    accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir,
+                              kwargs_handlers=parallel.process_group_kwargs(config.parallel))
     parallel.check_engine(accelerator, config.parallel)
     set_seed(config.train.seed)
     m = config.model

@@ -165,6 +165,14 @@ def test_settings_for_sharded_runs_are_refused_without_sharding(setting, named):
     ParallelConfig(sharding="fsdp2", **setting)
 
 
+def test_cpu_offload_on_cuda_adds_a_cpu_backend_to_the_process_group(monkeypatch):
+    """FSDP2's CPU shards reduce (the clipping norm) on the CPU: NCCL alone cannot (no GPU here: the kwargs only)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (kwargs,) = parallel.process_group_kwargs(ParallelConfig(sharding="fsdp2", offload="cpu"))
+    assert kwargs.backend == "cuda:nccl,cpu:gloo"
+    assert parallel.process_group_kwargs(ParallelConfig(sharding="fsdp2")) == []
+
+
 # ---------------------------------------------------------------- the launch (case 8)
 ACCELERATE_CPU_TWO = {"ACCELERATE_USE_CPU": "True", "ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": "29500"}  # what `accelerate launch --cpu --num_processes 2` gives its process
