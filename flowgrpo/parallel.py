@@ -69,7 +69,8 @@ def check_launch(env: Mapping[str, str] | None = None) -> None:
     ``accelerate launch --cpu --num_processes N`` (N > 1) starts a single Python process (accelerate's simple
     launcher: on the CPU its other processes are MPI's to start, ``--mpirun_hostfile`` or ``mpirun``); that
     process sees ``MASTER_ADDR`` (set by accelerate only when N > 1 or several machines were asked for) and
-    ``ACCELERATE_USE_CPU`` but no ``WORLD_SIZE``, and would train alone.
+    ``ACCELERATE_USE_CPU`` but no ``WORLD_SIZE``, and would train alone. (A ``MASTER_ADDR`` the shell exported
+    for a one-process CPU launch reads the same; the line says to unset it.)
 
     Args:
         env: the environment (default ``os.environ``).
@@ -84,7 +85,7 @@ def check_launch(env: Mapping[str, str] | None = None) -> None:
         raise ValueError(
             "accelerate launch --cpu with several processes started only this one (accelerate leaves the CPU's "
             "other processes to MPI); launch with ACCELERATE_USE_CPU=true torchrun --nproc_per_node N "
-            "flowgrpo/train.py CONFIG (docs/many_gpus.md)")
+            "flowgrpo/train.py CONFIG (docs/many_gpus.md), or for one process unset MASTER_ADDR")
 
 
 def process_group_kwargs(settings) -> list:
