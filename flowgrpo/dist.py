@@ -114,12 +114,13 @@ _OWN_GROUP = False  # whether this module made the process group (one process, f
 
 def ensure_process_group(device: torch.device) -> None:
     """A default process group for torch's sharding: the launcher's (torchrun, accelerate) when there is one, else
-    a one-process group in memory (``HashStore``; NCCL for a CUDA device, gloo otherwise), so that a sharded model
-    runs the same code on one process as on many."""
+    a one-process group in memory (``HashStore``; NCCL for a CUDA device with gloo for CPU tensors, such as the
+    shards of ``parallel.offload=cpu``; gloo otherwise), so that a sharded model runs the same code on one process
+    as on many."""
     global _OWN_GROUP
     if is_distributed():
         return
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    backend = "cuda:nccl,cpu:gloo" if torch.device(device).type == "cuda" else "gloo"
     torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0, world_size=1)
     _OWN_GROUP = True
 

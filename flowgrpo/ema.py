@@ -57,18 +57,26 @@ class EMA:
             s.mul_(self.decay).add_(local(p).detach().float().to(s.device), alpha=1.0 - self.decay)
 
     @contextlib.contextmanager
-    def swapped(self) -> Iterator[None]:
-        """Run with the EMA weights in the model, restoring the trained weights after."""
+    def swapped(self, model: torch.nn.Module | None = None) -> Iterator[None]:
+        """Run with the EMA weights in the model, restoring the trained weights after.
+
+        ``model``: the prepared module that owns the parameters; when it is FSDP2-sharded its gathered weights are
+        freed (:func:`flowgrpo.parallel.reshard`) after the swap in and after the swap back, so that whatever
+        ``reshard_after_forward`` is, the forwards inside see the EMA values and those after the trained ones."""
+        from flowgrpo.parallel import reshard
+
         backup = [local(p).detach().clone() for p in self.params]
         with torch.no_grad():
             for s, p in zip(self.shadow, self.params, strict=True):
                 local(p).copy_(s.to(p.dtype))
+        reshard(model)
         try:
             yield
         finally:
             with torch.no_grad():
                 for b, p in zip(backup, self.params, strict=True):
                     local(p).copy_(b)
+            reshard(model)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{``ema.<i>``: float32 shadow of the i-th trained parameter as this process holds it}: a DTensor of the

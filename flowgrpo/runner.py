@@ -110,8 +110,10 @@ def _run(config) -> dict:
     (:func:`~flowgrpo.preflight.preflight`), the one that needs it right after it loads
     (:func:`~flowgrpo.preflight.check_on_grid`)."""
     quiet_libraries()
+    parallel.check_launch()  # the processes asked for were started
     ready = preflight(config)
-    accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
+    accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir,
+                              kwargs_handlers=parallel.process_group_kwargs(config.parallel))
     parallel.check_engine(accelerator, config.parallel)
     set_seed(config.train.seed)
     m = config.model
@@ -132,6 +134,7 @@ def _run(config) -> dict:
     for r in (ready.rewards, ready.eval_rewards):
         if r is not None:
             r.setup(accelerator.device)
+            parallel.place_rewards(r, accelerator.device, config.parallel)  # reward models: device or host memory
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_tracker_config(config))
     trainer = Trainer(config, adapter=adapter, rewards=ready.rewards, eval_rewards=ready.eval_rewards,

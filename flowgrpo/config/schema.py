@@ -279,17 +279,56 @@ class ParallelConfig(Section):
         "fsdp2) lives: on the device, or in host memory (cpu: no device memory for it; each optimizer step copies "
         "the weights' shards to the host, each evaluation and final save copies the shadow to the device)"
     )
-    text_encoders: Literal["device", "offload"] = Field(
+    text_encoders: Literal["device", "offload", "shard"] = Field(
         "device", description="device: text encoders stay on the device; offload: they live in host memory and "
-        "move to the device only while prompts are encoded (once per rollout and evaluation)"
+        "move to the device only while prompts are encoded (once per rollout and evaluation); shard: FSDP2 over "
+        "the processes of the mesh (each holds 1/N of every encoder block on its device, gathered block by block "
+        "for each encoding; every process encodes in the same order)"
     )
-
+    replicate: int = Field(
+        1, ge=1, description="HSDP: the number of replica groups (typically nodes); the transformer is sharded "
+        "within each group of world_size / replicate processes and replicated across groups (one all-reduce of "
+        "the gradient shards per step crosses groups, every all-gather stays inside one). The world size must be "
+        "a multiple of replicate x context_degree"
+    )
+    offload: Literal["none", "cpu"] = Field(
+        "none", description="fsdp2: cpu keeps the trained parameters' shards, their gradients and the optimizer "
+        "state in host memory (FSDP2 CPUOffloadPolicy; the optimizer steps on the CPU, each block is copied to "
+        "the device for its forward and backward); none keeps them on the device"
+    )
+    experts: Literal["device", "offload", "shard"] = Field(
+        "device", description="the untrained other expert of a two-expert model (Wan2.2 A14B transformer_2 or "
+        "transformer): device: whole on every device; offload: whole in host memory on every process, each "
+        "block copied to the device for its forward (no collective); shard: FSDP2 over the mesh on the device "
+        "(1/N each, gathered block by block; every process runs it in the same order, as the rollout and the "
+        "chunk plan do)"
+    )
+    reward_models: Literal["device", "offload"] = Field(
+        "device", description="device: each reward's models stay on the device after setup; offload: they wait "
+        "in host memory and move to the device only while a batch is scored (once per rollout batch and "
+        "evaluation)"
+    )
+    gradient_sync: Literal["step", "micro_batch"] = Field(
+        "micro_batch", description="when the gradients of an optimizer step's micro-batches (packs) are reduced "
+        "over the processes: micro_batch after every pack's backward (fsdp2: reduce-scatter, so each process "
+        "only ever holds its gradient shard; DDP: all-reduce), or step after the step's last pack only (one "
+        "reduction per step, but fsdp2 then keeps whole unsharded float32 gradients of every trained "
+        "parameter on each process until the step: 4 bytes a parameter, 48 GB for FLUX.1-dev full "
+        "fine-tuning). The default spends communication (an optimizer step of k packs reduces k times) to keep "
+        "fsdp2's memory; DDP holds whole gradients either way, so step costs it no memory (LoRA: little)"
+    )
 
     @model_validator(mode="after")
     def _sharded_only(self) -> ParallelConfig:
         """The settings that only FSDP2 reads are refused without it (``ValueError``), each naming itself."""
         if self.sharding == "fsdp2":
             return self
+        if self.replicate > 1:
+            raise ValueError(f"parallel.replicate={self.replicate} (HSDP) replicates a sharded transformer across "
+                             "groups, which needs parallel.sharding=fsdp2; or use parallel.replicate=1")
+        if self.offload == "cpu":
+            raise ValueError("parallel.offload=cpu keeps the trained parameters' shards in host memory, which needs "
+                             "parallel.sharding=fsdp2; or use parallel.offload=none")
         if self.reference == "cpu_offload":
             raise ValueError("parallel.reference=cpu_offload keeps the reference's shards in host memory, which needs "
                              "parallel.sharding=fsdp2 (any process count, one included); or use "
