@@ -127,12 +127,12 @@ class Optimization:
         return named + ([(f"EMA {n}", v) for n, v in self.ema.state_dict().items()] if self.ema is not None else [])
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, root: Path, epoch: int, *, sampler, keep: int, objective=None) -> None:
+    def save(self, root: Path, epoch: int, *, sampler, keep: int, objective=None, health: dict | None = None) -> None:
         """Checkpoint epoch ``epoch`` (weights, optimizer, schedule, EMA, the prompt sampler and the objective's
-        state) under ``root``, keeping the newest ``keep``. Every process calls it (a sharded model is gathered);
-        the main one writes."""
+        state, and its ``health`` record) under ``root``, keeping the newest ``keep`` healthy ones and the best
+        evaluated one. Every process calls it (a sharded model is gathered); the main one writes."""
         save_checkpoint(root, epoch, model=self.unwrapped, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                        sampler=sampler, ema=self.ema, keep=keep, objective=objective)
+                        sampler=sampler, ema=self.ema, keep=keep, objective=objective, health=health)
 
     def resume(self, checkpoint: str, *, sampler, objective=None) -> int:
         """Load ``checkpoint`` (and the prompt sampler's and the objective's state); this run's optimiser settings
