@@ -183,3 +183,75 @@ def test_the_probe_measures_the_weights_growth_and_velocity(tiny_flux_dir):
     figures = health.measure()
     assert figures["health/weight_growth"] == pytest.approx(3.0, rel=1e-6)
     assert figures["health/probe_rms_start"] == health.start
+
+
+class ScriptedEvalReward:
+    """An evaluation reward whose figure follows a script, one value per evaluation (the before-training one
+    first): the collapse guard's input as a user's reward would give it."""
+
+    name = "scripted"
+    modalities = ("image",)
+    script = (0.5, 0.8, 0.9, 0.4, 0.3)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def setup(self, device) -> None:
+        pass
+
+    def __call__(self, images, prompts, metadata):
+        value = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+        return torch.full((len(images),), value)
+
+
+# --- the collapse guard (issue 42, case 2) -------------------------------------------------------------------------
+def test_the_collapse_warning_on_a_hand_made_metric_stream():
+    """The issue's digits collapse, as figures: correctness 0.58 at epoch 2, then 0.14. A fall of more than the
+    fraction (0.2) below the best is warned, naming the epoch, the figure, its value and the best; smaller falls
+    and rises are not."""
+    from flowgrpo.divergence import CollapseWatch
+
+    history = [{"epoch": 0, "eval/c/mean": 0.40}, {"epoch": 1, "eval/c/mean": 0.58}, {"epoch": 2}]
+    watch = CollapseWatch("eval/c/mean", 0.2, history)
+    assert watch.observe({"eval/c/mean": 0.47}, "epoch 4") is None  # (0.58 - 0.47) / 0.58 = 0.19
+    warning = watch.observe({"eval/c/mean": 0.14}, "epoch 5")  # 0.76 below
+    assert warning.startswith("epoch 5: eval/c/mean = 0.14, 76% below its best, 0.58 at epoch 2 "
+                              "(logging.collapse_fraction=0.2)")
+    assert watch.observe({"eval/c/mean": 0.6}, "epoch 6") is None and watch.best == (0.6, "epoch 6")
+    # a negative figure (jpeg compressibility, in -kB): the fall is relative to its size
+    neg = CollapseWatch("eval/j/mean", 0.2, [{"epoch": 0, "eval/j/mean": -3.0}])
+    assert neg.observe({"eval/j/mean": -3.5}, "epoch 2") is None  # 0.5 / 3 = 0.17
+    assert neg.observe({"eval/j/mean": -3.7}, "epoch 3").startswith("epoch 3: eval/j/mean = -3.7, 23% below")
+    assert CollapseWatch("eval/c/mean", 0.0, history).observe({"eval/c/mean": 0.0}, "e") is None  # 0: never
+    assert CollapseWatch(None, 0.2, history).observe({"eval/c/mean": 0.0}, "e") is None
+
+
+def test_a_collapse_through_the_cli_is_warned_and_its_best_checkpoint_kept(tmp_path, tiny_flux_dir, capsys, caplog):
+    """Evaluations before training and after each epoch give 0.5, 0.8, 0.9, 0.4, then 0.3 at the final one; one
+    checkpoint is kept by the rotation (``checkpoints_total_limit=1``), yet the best evaluated one (``epoch_1``,
+    0.9) stays, and the two falls are warned."""
+    out = tmp_path / "run"
+    args = [*_tiny_overrides(tmp_path, tiny_flux_dir), "model.finetune=full", "train.lr=1e-4", "train.num_epochs=4",
+            "logging.save_every=1", "logging.eval_every=1", "logging.checkpoints_total_limit=1", f"output_dir={out}",
+            "logging.plot_every=0",
+            "eval_rewards=[{name: 'tests.test_health:ScriptedEvalReward'}]",
+            "logging.best_metric=eval/ScriptedEvalReward/mean"]
+    with caplog.at_level("WARNING", logger="flowgrpo"):
+        code, err = _train(capsys, *args)
+    assert code == 0, err[-3:]
+    warned = [r.getMessage() for r in caplog.records if "below its best" in r.getMessage()]
+    assert warned == [
+        "epoch 3: eval/ScriptedEvalReward/mean = 0.4, 56% below its best, 0.9 at epoch 2 "
+        "(logging.collapse_fraction=0.2): the policy may be collapsing; the best evaluated checkpoint is kept out "
+        "of the rotation (logging.keep_best)",
+        "the final evaluation: eval/ScriptedEvalReward/mean = 0.3, 67% below its best, 0.9 at epoch 2 "
+        "(logging.collapse_fraction=0.2): the policy may be collapsing; the best evaluated checkpoint is kept out "
+        "of the rotation (logging.keep_best)"]
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("epoch_*")) == ["epoch_1", "epoch_3"]
+    assert json.loads((ckpts / "epoch_1" / "health.json").read_text())["eval"] == {
+        "metric": "eval/ScriptedEvalReward/mean", "value": pytest.approx(0.9)}
+    # a figure the run never evaluates is refused before training, in one line
+    code, err = _train(capsys, *args[:-1], "logging.best_metric=eval/nope/mean", f"output_dir={tmp_path / 'r2'}")
+    assert code == 2 and err[-1].startswith("error: logging.best_metric='eval/nope/mean' is no evaluation figure")

@@ -107,10 +107,18 @@ class Trainer:
         """``logging.best_metric`` resolved: ``auto`` is ``eval/<first optimised reward>/mean`` (None when every
         optimised reward reports whole-set figures instead)."""
         metric = self.cfg.logging.best_metric
-        if metric != "auto":
-            return metric
         names = [n for n, r in self.rewards.rewards.items() if not hasattr(r, "batch_metrics")]
-        return f"eval/{names[0]}/mean" if names else None
+        if metric == "auto":
+            return f"eval/{names[0]}/mean" if names else None
+        every = [c for c in (self.rewards, self.eval_rewards) if c is not None]
+        known = [f"eval/{n}/mean" for c in every for n, r in c.rewards.items() if not hasattr(r, "batch_metrics")]
+        whole_set = any(hasattr(r, "batch_metrics") for c in every for r in c.rewards.values())
+        if metric not in known and not (whole_set and metric.startswith("eval/")):
+            from flowgrpo.config import ConfigError
+
+            raise ConfigError(f"logging.best_metric={metric!r} is no evaluation figure of this run; choose one of "
+                              f"{known} (or auto)")
+        return metric
 
     def save_checkpoint(self, epoch: int, record: dict | None = None) -> None:
         """Every process takes part (a sharded model is gathered); the main process writes, only from finite
