@@ -22,9 +22,13 @@ naming the folder) is replaced atomically after it: a crash mid-write leaves the
 checkpoint's name.
 
 The trainer writes a checkpoint only from healthy weights (:mod:`flowgrpo.divergence`): every trained parameter
-finite and the epoch's own update figures not flagged (a NaN or infinite figure, or a KL figure beyond both its
-floor and 1000 times its largest earlier value). A diverging run stops instead, naming the figure and the epoch,
-so its older, healthy checkpoints are never rotated out by bad ones.
+finite, the epoch's own update figures not flagged (a NaN or infinite figure, or a KL figure beyond both its
+floor and 1000 times its largest earlier value) and the new weights' own figures sound (their norm's growth, a
+probe forward); ``health.json`` records them. A diverging run stops instead, naming the figure and the epoch.
+A checkpoint whose weights later make non-finite images is marked unhealthy (:func:`mark_unhealthy`); a resume
+never picks one (:func:`newest_healthy`, :func:`resolve_checkpoint`), and the rotation keeps the newest ``keep``
+checkpoints not marked unhealthy plus the best evaluated one (:func:`rotation_victims`), so a healthy checkpoint
+is never rotated out by one that is not.
 """
 
 from __future__ import annotations
