@@ -131,12 +131,13 @@ class Trainer:
                         keep=self.cfg.logging.checkpoints_total_limit, objective=self.objective,
                         health=health_record(record or {}, best))
 
-    def check_images(self, bad: float, what: str, collective: bool) -> None:
+    def check_images(self, bad: float, what: str, collective: bool, made_by: int) -> None:
         """Stop the run (:class:`~flowgrpo.divergence.TrainingDiverged`, one line) when ``bad`` (a count of NaN or
-        infinite image values) is not 0: the weights that made the images diverged. The newest checkpoint, when
-        it holds these weights (written after the previous epoch, or the one this run resumed from), is marked
-        unhealthy, so ``train.resume_from=auto`` skips it. ``collective``: every process calls it (a rollout;
-        each counts its own images), so all stop together."""
+        infinite image values) is not 0: the weights that made the images diverged. ``made_by``: the epoch
+        (0-based) after whose update those weights are (-1: the base model's). The newest checkpoint, when it is
+        that epoch's (written after the previous epoch, or the one this run resumed from), is marked unhealthy, so
+        ``train.resume_from=auto`` skips it. ``collective``: every process calls it (a rollout; each counts its
+        own images), so all stop together."""
         if collective:
             bad = float(dist.all_reduce_sum(torch.tensor([bad], dtype=torch.float64))[0])
         if not bad:
@@ -144,7 +145,7 @@ class Trainer:
         root = self.out / "checkpoints"
         done = checkpoint_folders(root)
         marked = ""
-        if done and int(done[-1].name[6:]) == self.epoch - 1 and is_healthy(done[-1]):
+        if done and int(done[-1].name[6:]) == made_by and is_healthy(done[-1]):
             marked = f"; checkpoint {done[-1]} holds these weights and is now marked unhealthy"
             if self.main:
                 mark_unhealthy(root, done[-1], f"{what} made non-finite images at epoch {self.epoch + 1}")
@@ -247,10 +248,10 @@ class Trainer:
         self.health.begin()
         with m.timed("update"):
             upd = objective.update(self.adapter, self.optim, work, progress=self.cfg.logging.progress and self.main)
+        counted = list(self.forward_count)
         with m.timed("health"):
             health = self.health.measure()
-        self.forward_count[0] -= 1  # the probe's transformer call is not the update's
-        self.forward_count[1] -= 1
+        self.forward_count[:] = counted  # the probe's transformer calls are not the update's
         m.log(health)
         if WeightHealth.flag(health) or not all(math.isfinite(v) for v in health.values()):
             evaluate = False  # the record stops the run (DivergenceWatch) before these weights are evaluated
@@ -287,7 +288,7 @@ class Trainer:
             traj, handles = self.rollout_phase()
         if not self._nonfinite and sum(h.batch_size for h in handles) != traj.batch_size:  # not scored as made
             self._nonfinite = int((~torch.isfinite(traj.images)).sum())
-        self.check_images(float(self._nonfinite), "rollout's", collective=True)
+        self.check_images(float(self._nonfinite), "rollout's", collective=True, made_by=self.epoch - 1)
         m.log({"rollout/transformer_calls": self.forward_count[0] - calls0,
                "rollout/transformer_rows": self.forward_count[1] - rows0, "rollout/trajectories": traj.batch_size})
         if truncation is not None:
@@ -372,7 +373,11 @@ class Trainer:
                 guidance_scale=self.cfg.eval_sampling.guidance_scale, batch_size=self.cfg.train.rollout_batch_size,
                 progress=self.cfg.logging.progress and self.main, metadata=meta,
             )
-        self.check_images(float((~torch.isfinite(images)).sum()), f"evaluation ({tag})", collective=False)
+        # "before": the weights the run starts from; the others follow this epoch's update (the last one's, for
+        # "after" in a resume that finds every epoch trained)
+        made_by = self.epoch - 1 if tag == "before" else min(self.epoch, self.cfg.train.num_epochs - 1)
+        self.check_images(float((~torch.isfinite(images)).sum()), f"evaluation ({tag})", collective=False,
+                          made_by=made_by)
         out: dict[str, float] = {}
         grouped: set[str] = set()
         for composed in (self.rewards, self.eval_rewards):
