@@ -74,7 +74,8 @@ class ServingConfig:
                          ("max_pixels_in_flight", self.max_request_pixels)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+                why = " (max_request_pixels: one request must fit)" if key == "max_pixels_in_flight" else ""
+                raise ValueError(f"{key} must be an integer >= {low}{why}, got {value!r}")
         if not (isinstance(self.max_queue_wait, int | float) and self.max_queue_wait > 0):
             raise ValueError(f"max_queue_wait must be > 0 seconds, got {self.max_queue_wait!r}")
         if not (isinstance(self.batch_wait_s, int | float) and self.batch_wait_s >= 0):
