@@ -205,30 +205,36 @@ class WeightHealth:
         adapter: the model adapter (its ``velocity`` runs the trained weights).
         params: the trained parameters (the prepared module's: a sharded model's DTensors).
         prompt, guidance_scale, seed: the probe's prompt, guidance and noise seed.
-        start: ``health/probe_rms_start`` of the run this one continues (None: measured now, from the weights
-            the run starts from).
+        start: ``health/probe_rms_start`` of the run this one continues (None: measured before the first update,
+            from the weights the run starts from).
     """
 
     def __init__(self, adapter, params: list[torch.Tensor], *, prompt: str, metadata: dict, guidance_scale: float,
                  seed: int, start: float | None = None) -> None:
-        from flowgrpo.rng import make_generator
-        from flowgrpo.sampling.rollout import encode_rows
-
         self.adapter, self.params, self.guidance = adapter, params, guidance_scale
-        self.embeds = encode_rows(adapter, [prompt], [metadata])
-        self.latents = adapter.initial_latents(1, [make_generator(seed, "health probe")])
-        self.start = self.probe() if start is None else start
+        self.prompt, self.metadata, self.seed = prompt, metadata, seed
+        self.embeds = self.latents = None  # made on first use, where the model runs
+        self.start = start
         self.before: float | None = None
 
     @torch.no_grad()
     def probe(self) -> float:
         """RMS of the trained weights' velocity on the probe (NaN or inf when the weights produce such)."""
+        from flowgrpo.rng import make_generator
+        from flowgrpo.sampling.rollout import encode_rows
+
+        if self.latents is None:
+            self.embeds = encode_rows(self.adapter, [self.prompt], [self.metadata])
+            self.latents = self.adapter.initial_latents(1, [make_generator(self.seed, "health probe")])
         sigma = torch.full((1,), PROBE_SIGMA, device=self.latents.device)
         v = self.adapter.velocity(self.latents, sigma, self.embeds, self.guidance)
         return float(v.double().pow(2).mean().sqrt())
 
     def begin(self) -> None:
-        """Call before the epoch's update: the norm of the weights it starts from."""
+        """Call before the epoch's update: the norm of the weights it starts from (and, in the run's first epoch,
+        the probe of the weights the run starts from)."""
+        if self.start is None:
+            self.start = self.probe()
         self.before = _norm(self.params)
 
     def measure(self) -> dict[str, float]:

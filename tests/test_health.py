@@ -175,8 +175,8 @@ def test_the_probe_measures_the_weights_growth_and_velocity(tiny_flux_dir):
     adapter = load_model(str(tiny_flux_dir), max_sequence_length=16, height=32, width=32)
     params = [p for p in adapter.transformer.parameters()]
     health = WeightHealth(adapter, params, prompt="a red cube", metadata={}, guidance_scale=1.0, seed=0)
-    assert math.isfinite(health.start) and health.start > 0
     health.begin()
+    assert math.isfinite(health.start) and health.start > 0
     with torch.no_grad():
         for p in params:
             p.mul_(3.0)
