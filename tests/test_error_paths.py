@@ -115,9 +115,9 @@ def test_under_two_processes_one_rank_speaks_for_the_run(tmp_path, tiny_flux_dir
               f"output_dir={tmp_path / 'run'}", "train.rollout_batch_size=2", "train.train_batch_size=2"]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    first = subprocess.run([sys.executable, "flowgrpo/train.py", *common, "train.num_epochs=1", "train.lr=1e-4"],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-2000:]
+    from flowgrpo.runner import main as train_main
+
+    train_main([*common, "train.num_epochs=1", "train.lr=1e-4"])  # one process, a checkpoint to resume
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           _free_port(), "flowgrpo/train.py", *common, "train.num_epochs=3", "train.lr=1000",
                           "train.resume_from=auto"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
