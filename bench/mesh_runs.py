@@ -30,6 +30,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from flowgrpo.checkpoint import whole_tensors
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}:{REPO}/rewards"}
@@ -77,7 +79,7 @@ def _gap(a: dict, b: dict) -> float:
 
 def _weights(run: Path, epoch: int | None = None) -> dict[str, torch.Tensor]:
     if epoch is not None:
-        return load_file(run / "checkpoints" / f"epoch_{epoch}" / "trainable.safetensors")
+        return whole_tensors(run / "checkpoints" / f"epoch_{epoch}")["trainable"]
     lora = run / "lora" / "pytorch_lora_weights.safetensors"
     return load_file(lora)
 

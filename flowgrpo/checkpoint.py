@@ -41,9 +41,13 @@ and ``latest`` pointing at it. Re-saving an existing epoch (a resumed run) repla
 checkpoint's name.
 
 The trainer writes a checkpoint only from healthy weights (:mod:`flowgrpo.divergence`): every trained parameter
-finite and the epoch's own update figures not flagged (a NaN or infinite figure, or a KL figure beyond both its
-floor and 1000 times its largest earlier value). A diverging run stops instead, naming the figure and the epoch,
-so its older, healthy checkpoints are never rotated out by bad ones.
+finite, the epoch's own update figures not flagged (a NaN or infinite figure, or a KL figure beyond both its
+floor and 1000 times its largest earlier value) and the new weights' own figures sound (their norm's growth, a
+probe forward); ``health.json`` records them. A diverging run stops instead, naming the figure and the epoch.
+A checkpoint whose weights later make non-finite images is marked unhealthy (:func:`mark_unhealthy`); a resume
+never picks one (:func:`newest_healthy`, :func:`resolve_checkpoint`), and the rotation keeps the newest ``keep``
+checkpoints not marked unhealthy plus the best evaluated one (:func:`rotation_victims`), so a healthy checkpoint
+is never rotated out by one that is not.
 """
 
 from __future__ import annotations
@@ -85,9 +89,11 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(root: str | Path, epoch: int, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
-                    ema=None, keep: int = 2, objective=None) -> Path:
-    """Write ``root/epoch_<epoch>`` atomically and point ``root/latest`` at it; keep the newest ``keep``.
+                    ema=None, keep: int = 2, objective=None, health: dict | None = None) -> Path:
+    """Write ``root/epoch_<epoch>`` atomically and point ``root/latest`` at it; keep the newest ``keep`` healthy
+    ones and the best evaluated one (:func:`rotation_victims`).
     ``objective``: the run's objective, whose ``state_dict()`` (empty: none) is saved.
+    ``health``: the health record written as the folder's ``health.json`` (:func:`health_record`).
 
     Every process calls it. A sharded model (DTensor parameters): each process writes its own shards into the
     temporary folder, then the main process writes the rest and publishes it. Otherwise the main process writes
@@ -110,7 +116,7 @@ def save_checkpoint(root: str | Path, epoch: int, *, model: torch.nn.Module, opt
             ema_state=ema.state_dict() if ema is not None else None,
             objective_state=objective.state_dict() if objective is not None else {})
     if dist.rank() == 0:
-        _write(root, epoch, parts, lr_scheduler, sampler, keep, fresh=not sharded)
+        _write(root, epoch, parts, lr_scheduler, sampler, keep, fresh=not sharded, health=health)
     dist.barrier()
     return final
 
@@ -151,7 +157,8 @@ def _write_whole(tmp: Path, *, weights: dict, opt_state: dict, ema_state: dict |
     torch.save(opt_state, tmp / "optimizer.pt")
 
 
-def _write(root: Path, epoch: int, parts, lr_scheduler, sampler, keep: int, *, fresh: bool = True) -> None:
+def _write(root: Path, epoch: int, parts, lr_scheduler, sampler, keep: int, *, fresh: bool = True,
+           health: dict | None = None) -> None:
     """Write the checkpoint's files into a temporary folder (made here when ``fresh``; a sharded save's processes
     have already written theirs into it), with ``parts(tmp)`` writing the tensors, make it durable and publish
     it; then rotate to the newest ``keep``. Main process only."""
@@ -165,16 +172,16 @@ def _write(root: Path, epoch: int, parts, lr_scheduler, sampler, keep: int, *, f
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     state = {"epoch": epoch, "lr_scheduler": lr_scheduler.state_dict(), "sampler": sampler.state_dict()}
     (tmp / "state.json").write_text(json.dumps(state))
+    if health is not None:
+        (tmp / HEALTH_FILE).write_text(json.dumps(health))
     for f in sorted(f for f in tmp.rglob("*") if f.is_file()):  # make the bytes durable before the rename
         with f.open("rb") as fh:
             os.fsync(fh.fileno())
     for sub in (d for d in tmp.rglob("*") if d.is_dir()):
         _fsync_dir(sub)
     publish_checkpoint(root, tmp, final)
-    done = sorted((p for p in root.glob("epoch_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
-    for old in done[:-keep] if keep > 0 else []:
-        if old.name != final.name:  # never the one ``latest`` names (a re-saved older epoch)
-            _remove(old)
+    for old in rotation_victims(checkpoint_folders(root), keep, final):
+        _remove(old)
 
 
 def _latest_name(root: Path) -> str | None:
@@ -264,6 +271,101 @@ def publish_checkpoint(root: str | Path, tmp: str | Path, final: str | Path) -> 
         shutil.rmtree(old, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------- health, rotation and the resume choice
+HEALTH_FILE = "health.json"
+
+
+def health_record(figures: dict[str, float], best_metric: str | None = None) -> dict:
+    """What ``health.json`` holds for a checkpoint written from weights the trainer found healthy: ``healthy``
+    true, the ``health/*`` figures that showed it (:class:`~flowgrpo.divergence.WeightHealth`) and, when the epoch
+    was evaluated, the evaluation figure ``best_metric`` and its value (``eval``; higher is better), which
+    :func:`rotation_victims` keeps the best of."""
+    record: dict = {"healthy": True, "checks": {k: v for k, v in figures.items() if k.startswith("health/")}}
+    value = figures.get(best_metric) if best_metric else None
+    if isinstance(value, int | float) and value == value:  # a figure, not NaN
+        record["eval"] = {"metric": best_metric, "value": float(value)}
+    return record
+
+
+def read_health(folder: str | Path) -> dict:
+    """A checkpoint's ``health.json`` as a dict; ``{}`` when it has none (written before health records) or it
+    cannot be read (a checkpoint not marked is not unhealthy)."""
+    try:
+        record = json.loads((Path(folder) / HEALTH_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def is_healthy(folder: str | Path) -> bool:
+    """False only for a checkpoint marked unhealthy (``"healthy": false`` in its ``health.json``)."""
+    return read_health(folder).get("healthy") is not False
+
+
+def checkpoint_folders(root: str | Path) -> list[Path]:
+    """The complete checkpoint folders ``root/epoch_<N>`` (with ``state.json``), oldest epoch first."""
+    found = [p for p in Path(root).glob("epoch_*") if p.is_dir() and p.name[6:].isdigit()
+             and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name[6:]))
+
+
+def newest_healthy(root: str | Path) -> Path | None:
+    """The checkpoint a resume of ``root`` continues from: the one ``latest`` names unless it is marked unhealthy,
+    else the newest checkpoint not marked unhealthy; None when there is none."""
+    root = Path(root)
+    name = _latest_name(root) if root.is_dir() else None
+    if name and (root / name / "state.json").is_file() and is_healthy(root / name):
+        return root / name
+    healthy = [p for p in checkpoint_folders(root) if is_healthy(p)] if root.is_dir() else []
+    return healthy[-1] if healthy else None
+
+
+def best_checkpoint(folders: list[Path]) -> Path | None:
+    """Of ``folders``, the healthy checkpoint with the highest evaluation figure in its ``health.json`` (the
+    newest on a tie), or None when none was evaluated. Only figures of one metric are compared: that of the
+    newest evaluated checkpoint."""
+    rated = [(p, read_health(p).get("eval")) for p in folders if is_healthy(p)]
+    rated = [(p, e) for p, e in rated if isinstance(e, dict) and isinstance(e.get("value"), int | float)]
+    if not rated:
+        return None
+    metric = rated[-1][1].get("metric")
+    same = [(p, float(e["value"])) for p, e in rated if e.get("metric") == metric]
+    return max(reversed(same), key=lambda pe: pe[1])[0]
+
+
+def rotation_victims(folders: list[Path], keep: int, written: Path) -> list[Path]:
+    """The checkpoints of ``folders`` (oldest first) a save of ``written`` removes: all but the newest ``keep``
+    not marked unhealthy, the best evaluated one (:func:`best_checkpoint`) and ``written`` itself. A checkpoint
+    marked unhealthy never counts towards ``keep``, so it never pushes a healthy one out."""
+    healthy = [p for p in folders if is_healthy(p)]
+    kept = set(healthy[-keep:] if keep > 0 else healthy) | {Path(written)}
+    best = best_checkpoint(folders)
+    if best is not None:
+        kept.add(best)
+    return [p for p in folders if p not in kept]
+
+
+def mark_unhealthy(root: str | Path, folder: str | Path, why: str) -> Path | None:
+    """Mark checkpoint ``folder`` unhealthy (its ``health.json`` replaced atomically, ``healthy`` false and
+    ``why``) and point ``root/latest`` at the newest healthy checkpoint, or remove ``latest`` when none is left
+    (a resume then starts the run again). Main process only. Returns the checkpoint ``latest`` now names."""
+    root, folder = Path(root), Path(folder)
+    record = {**read_health(folder), "healthy": False, "why": why}
+    tmp = folder / f".{HEALTH_FILE}.tmp"
+    tmp.write_text(json.dumps(record))
+    with tmp.open("rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, folder / HEALTH_FILE)
+    _fsync_dir(folder)
+    healthy = [p for p in checkpoint_folders(root) if is_healthy(p)]
+    if healthy:
+        _point_latest(root, healthy[-1].name)
+        return healthy[-1]
+    (root / "latest").unlink(missing_ok=True)
+    _fsync_dir(root)
+    return None
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder from a folder, or from a checkpoints root holding ``latest``."""
     p = Path(path)
@@ -271,9 +373,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {str(p)!r} does not exist (train.resume_from: a checkpoint folder such as "
                               "OUTPUT_DIR/checkpoints/epoch_N, N 0-based, or OUTPUT_DIR/checkpoints for the latest)")
     if (p / "latest").is_file():
-        p = p / (p / "latest").read_text().strip()
+        p = newest_healthy(p) or p / (p / "latest").read_text().strip()
     if not (p / "state.json").is_file():
         raise CheckpointError(f"{str(p)!r} is not a complete checkpoint (no state.json)")
+    if not is_healthy(p):
+        other = newest_healthy(p.parent)
+        raise CheckpointError(f"checkpoint {str(p)!r} is marked unhealthy ({read_health(p).get('why', 'no reason')}"
+                              f"); resume from {'a healthy one, ' + str(other) if other else 'the start'}")
     return p
 
 

@@ -102,7 +102,24 @@ def _load_weights(adapter, weights: Path) -> None:
     elif (weights / "config.json").exists():
         adapter.transformer.load_state_dict(type(adapter.transformer).from_pretrained(weights).state_dict())
     else:
-        raise SystemExit(f"flowgrpo sample: no LoRA or transformer weights in {str(weights)!r}")
+        raise SystemExit(f"flowgrpo sample: no LoRA or transformer weights in {str(weights)!r}"
+                         + _unfinished_run_hint(weights.parent))
+
+
+def _unfinished_run_hint(run: Path) -> str:
+    """For a run folder without final weights: the checkpoints a resume could finish it from (newest first, the
+    one ``train.resume_from=auto`` picks named) and the command; empty for a folder that is not a run."""
+    if not (run / "config.yaml").is_file():
+        return ""
+    from flowgrpo.checkpoint import checkpoint_folders, newest_healthy
+
+    done = [p.name for p in reversed(checkpoint_folders(run / "checkpoints"))]
+    finish = f"finish it with `flowgrpo train output_dir={run} train.resume_from=auto`, then sample it"
+    if not done:
+        return f": the run stopped before its first checkpoint and its final weights; {finish}"
+    pick = newest_healthy(run / "checkpoints")
+    return (f": the run stopped before writing its final weights; its checkpoints: {', '.join(done)} (a resume "
+            f"continues from {pick.name if pick else 'none: each is marked unhealthy'}); {finish}")
 
 
 def _sample(args: argparse.Namespace) -> None:

@@ -119,7 +119,8 @@ def _run(config) -> dict:
     m = config.model
     # a sharded run reads the transformer's weights once: the others receive their shards (parallel.prepare_model)
     adapter = load_model_from_config(m, empty_transformer=config.parallel.sharding == "fsdp2"
-                                     and accelerator.num_processes > 1 and accelerator.process_index != 0)
+                                     and accelerator.num_processes > 1 and accelerator.process_index != 0,
+                                     progress=config.logging.progress and accelerator.is_main_process)
     sampling = SamplerSettings.from_config(config.sampling)
     check_on_grid(config, ready.objective, adapter.sigmas(sampling.num_steps), sampling, accelerator.num_processes)
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
@@ -188,6 +189,21 @@ def print_summary(summary: dict, tables=()) -> None:
     print(format_report(summary, tables))  # noqa: T201 - the script's result table
 
 
+class _ErrorsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+def one_rank_speaks() -> None:
+    """On a process other than global rank 0: the log handlers pass errors only, so the run's information and
+    warnings (a resume, changed settings, truncated prompts, the collapse guard) are printed once, by rank 0,
+    whatever module logs them. Every process computes the same things; rank 0 speaks for the run."""
+    logging.captureWarnings(True)  # Python warnings too (logged as WARNING by "py.warnings")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _ErrorsOnly) for f in handler.filters):
+            handler.addFilter(_ErrorsOnly())
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """The training command; ``prog`` names it in usage lines (``flowgrpo train`` from the CLI)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -206,6 +222,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     quiet_libraries()
     main_process = os.environ.get("RANK", "0") == "0"
+    if not main_process:
+        one_rank_speaks()
     global _SETUP_DONE, _TRAINER
     _SETUP_DONE, _TRAINER = False, None  # a fresh command (main may run twice in one process)
     try:
@@ -215,7 +233,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             summary = run(resolve_auto_resume(config, args.overrides, config_file=args.config))
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError,
             RemoteRewardError) as err:  # RemoteRewardError: the reward server is unreachable at setup
-        parser.exit(2, f"error: {err}\n")
+        # a config error is the same on every process: rank 0 says it
+        parser.exit(2, f"error: {err}\n" if main_process or not isinstance(err, ConfigError) else "")
     except RewardError as err:
         if err.__cause__ is not None and not isinstance(err.__cause__, ValueError | RemoteRewardError):
             raise  # the plugin itself failed: its traceback is what its author needs
@@ -227,7 +246,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             parser.exit(2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n")
         raise
     except TrainingDiverged as err:  # the rule of flowgrpo.divergence: one line, the last checkpoint kept
-        parser.exit(1, f"error: {err}\n")
+        parser.exit(1, f"error: {err}\n" if main_process else "")  # every process stops together; one says it
     except KeyboardInterrupt:
         parser.exit(130, _interrupted_line(args, prog) if main_process else "")
     if main_process:

@@ -30,8 +30,12 @@ QUOTE_AND_DASH = {
 }
 _TABLE = str.maketrans(QUOTE_AND_DASH)
 
+#: The double prime ``″`` (U+2033: inches, seconds) and the reversed double prime ``‶`` (U+2036): unit marks,
+#: which :func:`quoted_text` reads as quote marks only in a prompt that has no other double-quote mark.
+DOUBLE_PRIMES = frozenset("\u2033\u2036")
+
 #: Every character that opens or closes a double-quoted span in a prompt (straight, curly, guillemets, CJK).
-DOUBLE_QUOTES = frozenset(c for c, ascii_form in QUOTE_AND_DASH.items() if ascii_form == '"') | {'"'}
+DOUBLE_QUOTES = frozenset(c for c, ascii_form in QUOTE_AND_DASH.items() if ascii_form == '"') - DOUBLE_PRIMES | {'"'}
 
 
 def fold_text(text: str) -> str:
@@ -59,9 +63,15 @@ def is_blank(text: str) -> bool:
 
 
 def quoted_text(prompt: str) -> str | None:
-    """The text ``prompt`` quotes, as written: the span between its first two double-quote marks of any form
+    """The text ``prompt`` quotes, as written: the span between its first opening double-quote mark of any form
     (:data:`DOUBLE_QUOTES`: straight ``"…"``, typographic ``“…”``, ``„…“``, guillemets ``«…»``, full-width
-    ``＂…＂``), or None when the prompt has fewer than two such marks or the span is blank (:func:`is_blank`).
+    ``＂…＂``) and the next such mark, or None when there is no such pair or the span is blank (:func:`is_blank`).
+
+    Unit marks are not quote marks: a straight ``"`` right after a digit (``5" wide``: inches) never opens a span
+    (it may close one: ``"2024"``), and the double primes (:data:`DOUBLE_PRIMES`, ``5″``) count only in a prompt
+    with no other double-quote mark (one that uses them as quotes: ``″SALE″``). So
+    ``a shop sign 5″ wide reading "SALE"`` and ``a 5" by 7" card reading "SALE"`` quote ``SALE``, and
+    ``a 5" by 7" card`` quotes nothing.
 
     The one rule for "quoted text": the ``ocr`` reward scores this span, and ``flowgrpo prompts ocr`` keeps exactly
     the prompts for which it is not None.
@@ -71,8 +81,14 @@ def quoted_text(prompt: str) -> str | None:
     """
     if not isinstance(prompt, str):
         raise TypeError(f"quoted_text needs a str, got {type(prompt).__name__}")
-    marks = [i for i, c in enumerate(prompt) if c in DOUBLE_QUOTES]
-    if len(marks) < 2:
-        return None
-    span = prompt[marks[0] + 1 : marks[1]]
-    return None if is_blank(span) else span
+    quotes = DOUBLE_QUOTES if any(c in DOUBLE_QUOTES for c in prompt) else DOUBLE_QUOTES | DOUBLE_PRIMES
+    start = None
+    for i, c in enumerate(prompt):
+        if c not in quotes:
+            continue
+        if start is not None:
+            span = prompt[start + 1 : i]
+            return None if is_blank(span) else span
+        if not (c == '"' and i > 0 and prompt[i - 1].isdigit()):  # an inch mark opens nothing
+            start = i
+    return None

@@ -120,6 +120,19 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
+def yaml_error_line(path: str | Path, err: yaml.YAMLError) -> str:
+    """One line for YAML that does not parse: ``<file>:<line>:<col>: <the problem> (<its context>)`` (1-based, as
+    editors count; PyYAML's marks are 0-based) and, for a tab, the way out (YAML indents with spaces only)."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = " ".join(str(getattr(err, "problem", None) or err).split())
+    context = getattr(err, "context", None)
+    text = f"{where}: not valid YAML: {problem}" + (f" ({' '.join(str(context).split())})" if context else "")
+    if "'\\t'" in problem or "\t" in problem:
+        text += "; YAML indents with spaces only: replace the tab with spaces"
+    return text
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``'a.b.c=value'`` → (['a', 'b', 'c'], YAML-parsed value). Raises :class:`ConfigError` without ``=``."""
     if "=" not in text:
@@ -270,7 +283,7 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     except DuplicateKeyError as err:
         raise ConfigError(f"config file {str(path)!r}, {err}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+        raise ConfigError(yaml_error_line(path, err)) from None
     if data is None:
         raise ConfigError(f"config file {str(path)!r} is empty; to run the embedded default give no config file, "
                           "or write {} in it")

@@ -364,7 +364,19 @@ class LoggingConfig(Section):
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="accelerate trackers")
     eval_every: int = Field(0, ge=0, description="evaluate every N epochs (0: only before and after)")
     save_every: int = Field(0, ge=0, description="checkpoint every N epochs (0: only at the end)")
-    checkpoints_total_limit: int = Field(2, ge=1, description="newest checkpoints kept")
+    checkpoints_total_limit: int = Field(2, ge=1, description="newest healthy checkpoints kept")
+    keep_best: bool = Field(
+        True, description="keep the checkpoint with the best logging.best_metric out of the rotation (where the run "
+        "evaluates: logging.eval_every > 0 and save_every on the same epochs)"
+    )
+    best_metric: str = Field(
+        "auto", description="the evaluation figure (higher is better) of logging.keep_best and "
+        "logging.collapse_fraction: an eval/... key of metrics.jsonl; auto: eval/<first optimised reward>/mean"
+    )
+    collapse_fraction: float = Field(
+        0.2, ge=0, lt=1, description="warn when an evaluation's logging.best_metric falls more than this "
+        "fraction below the run's best (0: never)"
+    )
     overwrite: bool = Field(False, description="start a new run in an output_dir that holds an old one")
     progress: bool = Field(True, description="progress bars on the main process")
     plot_every: int = Field(

@@ -8,6 +8,7 @@ Adapters are registered by the pipeline class named in the folder's ``model_inde
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -123,14 +124,16 @@ EMBEDDED_MODELS = {"tiny": "flowgrpo.models:ensure_tiny_model",
                    "digits": "flowgrpo.tasks.digits.model:ensure_digits_model"}
 
 
-def resolve_pretrained(name: str) -> str:
-    """A local folder for the embedded names (:data:`EMBEDDED_MODELS`, built on first use), else ``name``
-    unchanged (a folder or hub id)."""
+def resolve_pretrained(name: str, *, progress: bool = True) -> str:
+    """A local folder for the embedded names (:data:`EMBEDDED_MODELS`, built on first use; ``progress``: the
+    build's progress bars, for a builder that shows any), else ``name`` unchanged (a folder or hub id)."""
     target = EMBEDDED_MODELS.get(name)
     if target is None:
         return name
     module, attr = target.split(":")
-    return str(getattr(importlib.import_module(module), attr)())
+    build = getattr(importlib.import_module(module), attr)
+    takes_progress = "progress" in inspect.signature(build).parameters
+    return str(build(progress=progress) if takes_progress else build())
 
 
 def pipeline_class_name(path: str) -> str:
@@ -188,8 +191,9 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
                max_sequence_length: int = 512, cfg_detach_uncond: bool = False,
                scheduler_shift: float | None = None, attention_backend: str = "auto",
                num_frames: int | None = None, guidance_scale_2: float | None = None,
-               trained_expert: str = "transformer", empty_transformer: bool = False):
+               trained_expert: str = "transformer", empty_transformer: bool = False, progress: bool = True):
     """Load ``name`` (folder, hub id, ``digits`` or ``tiny``) and wrap it in the adapter of its pipeline class.
+    ``progress``: progress bars while an embedded model is built on first use (``logging.progress``).
 
     ``cfg_detach_uncond`` applies to models with true classifier-free guidance (SD3); FLUX.1 has a guidance
     embedding instead and ignores it. ``scheduler_shift`` replaces the scheduler's shift by a static one
@@ -204,7 +208,7 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     ATTENTION_BACKENDS.get(attention_backend)
     if dtype not in DTYPES:
         raise ValueError(f"model dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    path = resolve_pretrained(name)
+    path = resolve_pretrained(name, progress=progress)
     cls = pipeline_class_name(path)
     video = {"num_frames": num_frames, "guidance_scale_2": guidance_scale_2, "trained_expert": trained_expert}
     kwargs = {"dtype": DTYPES[dtype], "height": height, "width": width, "max_sequence_length": max_sequence_length,
@@ -227,12 +231,13 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     return adapter
 
 
-def load_model_from_config(model, *, empty_transformer: bool = False) -> object:
+def load_model_from_config(model, *, empty_transformer: bool = False, progress: bool = True) -> object:
     """The adapter a run's ``model`` section (:class:`~flowgrpo.config.ModelConfig`) describes: the one function
     training and ``flowgrpo sample --run`` both build the model with (so every setting, ``scheduler_shift``
-    included, is honoured by both). ``empty_transformer``: as :func:`load_model`."""
+    included, is honoured by both). ``empty_transformer`` and ``progress``: as :func:`load_model`'s."""
     return load_model(model.pretrained, dtype=model.dtype, height=model.height, width=model.width,
                       max_sequence_length=model.max_sequence_length, cfg_detach_uncond=model.cfg_detach_uncond,
                       scheduler_shift=model.scheduler_shift, attention_backend=model.attention_backend,
                       num_frames=model.num_frames, guidance_scale_2=model.guidance_scale_2,
-                      trained_expert=model.trained_expert, empty_transformer=empty_transformer)
+                      trained_expert=model.trained_expert, empty_transformer=empty_transformer,
+                      progress=progress)

@@ -61,6 +61,25 @@ class WanAdapter(AdapterBase):
 
     video = True
 
+    def _check_rope(self, config, height: int, width: int, num_frames: int) -> None:
+        """The transformer's rotary tables cover ``rope_max_seq_len`` patches per axis (frames, height, width);
+        a larger size would fail inside diffusers with a reshape error. ``ValueError`` naming the size and the
+        largest one the model takes."""
+        limit = getattr(config, "rope_max_seq_len", None)
+        if not limit:
+            return
+        pf, ph, pw = config.patch_size
+        grid = (self.latent_shape[1] // pf, self.latent_shape[2] // ph, self.latent_shape[3] // pw)
+        step = self.pipe.vae_scale_factor_spatial * ph
+        if max(grid[1:]) > limit:
+            raise ValueError(f"Wan frame size {height}x{width} is too large for this model: its rotary position "
+                             f"tables (rope_max_seq_len={limit}) cover {limit} patches per side, i.e. at most "
+                             f"{limit * step} pixels (height and width multiples of {step})")
+        if grid[0] > limit:
+            most = (limit * pf - 1) * self.pipe.vae_scale_factor_temporal + 1
+            raise ValueError(f"Wan num_frames={num_frames} is too many for this model: its rotary position tables "
+                             f"(rope_max_seq_len={limit}) cover at most {most} frames")
+
     def __init__(self, pipe, *, height: int, width: int, num_frames: int, max_sequence_length: int = 512,
                  guidance_scale_2: float | None = None, trained_expert: str = "transformer") -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -85,6 +104,7 @@ class WanAdapter(AdapterBase):
         # one sample's latents (C, F', h, w): the initial noise is drawn in this shape, as WanPipeline.prepare_latents
         self.latent_shape = (pipe.transformer.config.in_channels, (num_frames - 1) // k + 1,
                              height // pipe.vae_scale_factor_spatial, width // pipe.vae_scale_factor_spatial)
+        self._check_rope(pipe.transformer.config, height, width, num_frames)
         self.num_train_timesteps = pipe.scheduler.config.num_train_timesteps
         ratio = pipe.config.boundary_ratio if two else None
         self.boundary = None if ratio is None else ratio * self.num_train_timesteps  # a Python float, as __call__
@@ -212,9 +232,17 @@ def load_wan_adapter(path: str, *, dtype: torch.dtype, height: int | None, width
     pipe = WanPipeline.from_pretrained(
         path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else []))
     pipe.scheduler = euler_scheduler(pipe.scheduler)
-    return WanAdapter(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,
-                      max_sequence_length=max_sequence_length, guidance_scale_2=guidance_scale_2,
-                      trained_expert=trained_expert)
+    try:
+        return WanAdapter(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,
+                          max_sequence_length=max_sequence_length, guidance_scale_2=guidance_scale_2,
+                          trained_expert=trained_expert)
+    except ValueError as err:
+        unset = [n for n, v in (("height", height), ("width", width), ("num_frames", num_frames)) if v is None]
+        if not unset:
+            raise
+        raise ValueError(f"{path}: {err}; {' and '.join(unset)} not given, so the pipeline's defaults (480x832, 81 "
+                         f"frames) were used: give {' and '.join('--' + n.replace('_', '-') for n in unset)} "
+                         f"(model.{', model.'.join(unset)} in a config)") from None
 
 
 # ---------------------------------------------------------------------------------------------- tiny builder

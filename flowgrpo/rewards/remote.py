@@ -180,15 +180,27 @@ def decode_png_b64(items: list, max_pixels: int = 4096 * 4096) -> np.ndarray:
     The declared size is read from the PNG header and checked against ``max_pixels`` before PIL opens the
     image, so a small PNG that declares a huge image (a decompression bomb) is refused cheaply; any failure to
     open or decode a client's bytes is a ``ValueError`` (the server answers it with 400), never another error.
+    :func:`read_png_headers` then :func:`decode_pngs`: the server checks its decoded-pixel budgets in between.
 
     Raises:
         ValueError: not a list of base64 strings, not a PNG, not 8-bit RGB, more than ``max_pixels`` pixels
             (width·height, the message names the limit), corrupt data, or sizes that differ (the message names
             the index and what is allowed).
     """
+    raws, width, height = read_png_headers(items, max_pixels)
+    return decode_pngs(raws, width, height)
+
+
+def read_png_headers(items: list, max_pixels: int = 4096 * 4096) -> tuple[list[bytes], int, int]:
+    """(the PNG bytes, width, height) of base64 8-bit RGB PNG strings, all of one size, from their headers alone
+    (nothing is decoded: B·width·height is what decoding them would take, 3 bytes a pixel).
+
+    Raises:
+        ValueError: as :func:`decode_png_b64`, except for what only decoding finds (mode, corrupt data).
+    """
     if not isinstance(items, list) or not items:
         raise ValueError("'images' must be a non-empty list of base64-encoded PNG strings")
-    arrays = []
+    raws = []
     size = None
     for i, s in enumerate(items):
         if not isinstance(s, str):
@@ -205,8 +217,18 @@ def decode_png_b64(items: list, max_pixels: int = 4096 * 4096) -> np.ndarray:
             size = (width, height)
         elif (width, height) != size:
             raise ValueError(f"images[{i}] is {width}x{height} but images[0] is {size[0]}x{size[1]}")
-        arrays.append(_decode_png(raw, i))
-    return np.stack(arrays)
+        raws.append(raw)
+    return raws, size[0], size[1]
+
+
+def decode_pngs(raws: list[bytes], width: int, height: int) -> np.ndarray:
+    """(B, height, width, 3) uint8 of PNGs whose headers :func:`read_png_headers` checked, decoded one at a time
+    into one array (the decoded pixels are held once). Raises ``ValueError`` for a PNG that is not 8-bit RGB or
+    is corrupt."""
+    out = np.empty((len(raws), height, width, 3), dtype=np.uint8)
+    for i, raw in enumerate(raws):
+        out[i] = _decode_png(raw, i)
+    return out
 
 
 def _decode_png(raw: bytes, i: int) -> np.ndarray:
@@ -228,7 +250,7 @@ def _decode_png(raw: bytes, i: int) -> np.ndarray:
 
 def pixels_to_images(pixels: np.ndarray) -> torch.Tensor:
     """(B, 3, H, W) float32 in [0, 1] (value/255) from (B, H, W, 3) uint8 pixels."""
-    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(0, 3, 1, 2).float() / 255.0
+    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(0, 3, 1, 2).float().div_(255.0)  # one copy
 
 
 def png_b64_to_images(items: list, max_pixels: int = 4096 * 4096) -> torch.Tensor:

@@ -14,7 +14,11 @@ Checks, in order, each answered with a complete HTTP response: a content type ot
 (a pickle, ``application/octet-stream``, a form) gets 415; a declared or streamed body over
 ``--max-request-mb`` gets 413; a request that finds ``--max-concurrency`` requests in flight and ``--max-queue``
 waiting, or that waits ``--max-queue-wait`` seconds, gets 503 with ``Retry-After``; bad JSON, bad fields and any
-image that cannot be decoded (not a PNG, corrupt, over ``--max-image-pixels`` by its header) get 400. Before a
+image that cannot be decoded (not a PNG, corrupt, over ``--max-image-pixels`` by its header) get 400. The
+decoded pixels are bounded by construction, checked from the PNG headers before anything is decoded: a request
+whose images (count · width · height) exceed ``--max-request-pixels`` gets 413, and one that would take the
+requests in flight past ``--max-pixels-in-flight`` gets 503 with ``Retry-After``; each message names the budget
+and its flag. Before a
 refusal the server reads the rest of the body and discards it, so the client always reads the answer (a client
 that keeps sending past 4× the size limit is answered and disconnected). Admission, cross-request batching and
 the scoring workers are in :mod:`flowgrpo.rewards.serving`; ``GET /metrics`` exports the load in the Prometheus
@@ -39,10 +43,11 @@ import torch
 
 from flowgrpo.argtypes import int_in
 from flowgrpo.rewards.registry import RewardLoadError, load_reward
-from flowgrpo.rewards.remote import WIRE_VERSION, decode_png_b64
+from flowgrpo.rewards.remote import WIRE_VERSION, decode_pngs, read_png_headers
 from flowgrpo.rewards.serving import (
     Admission,
     Batcher,
+    PixelBudget,
     ProcessScorer,
     QueueTimeout,
     RewardFailed,
@@ -73,6 +78,35 @@ def parse_score_request(body: bytes, max_image_pixels: int):
         ValueError: not JSON, a missing or mistyped field, lengths that differ, or an image that cannot be
             decoded (see :func:`~flowgrpo.rewards.remote.decode_png_b64`).
     """
+    request = read_score_request(body, max_image_pixels)
+    return decode_pngs(request.raws, request.width, request.height), request.prompts, request.metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreRequest:
+    """A ``POST /score`` body read up to its PNG headers, nothing decoded: ``raws`` the B PNG files (bytes),
+    each ``width`` × ``height``; ``prompts`` and ``metadata`` B each. ``pixels``: what decoding takes, B·W·H."""
+
+    raws: list
+    width: int
+    height: int
+    prompts: list
+    metadata: list
+
+    @property
+    def pixels(self) -> int:
+        return len(self.raws) * self.width * self.height
+
+
+def read_score_request(body: bytes, max_image_pixels: int) -> ScoreRequest:
+    """The :class:`ScoreRequest` of a ``POST /score`` body; its images' sizes come from their PNG headers
+    (:func:`~flowgrpo.rewards.remote.read_png_headers`), so the server can check its decoded-pixel budgets before
+    it decodes anything.
+
+    Raises:
+        ValueError: not JSON, a missing or mistyped field, lengths that differ, or an image header that is not
+            a PNG's, over ``max_image_pixels``, or of another size than the first.
+    """
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
@@ -87,11 +121,11 @@ def parse_score_request(body: bytes, max_image_pixels: int):
         raise ValueError("'prompts' must be a list of strings")
     if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
         raise ValueError("'metadata' must be a list of JSON objects")
-    pixels = decode_png_b64(payload["images"], max_image_pixels)
-    b = pixels.shape[0]
+    raws, width, height = read_png_headers(payload["images"], max_image_pixels)
+    b = len(raws)
     if len(prompts) != b or len(metadata) != b:
         raise ValueError(f"the request has {b} images but {len(prompts)} prompts and {len(metadata)} metadata")
-    return pixels, prompts, metadata
+    return ScoreRequest(raws, width, height, prompts, metadata)
 
 
 class _Refusal(Exception):
@@ -129,6 +163,7 @@ class _ScoreEndpoint:
         self.reward_name, self.admission, self.batcher, self.metrics = reward_name, admission, batcher, metrics
         self.limit, self.max_image_pixels = max_request_bytes, max_image_pixels
         self.drain_limit = DRAIN_FACTOR * max_request_bytes
+        self.pixels = PixelBudget(admission.config.max_pixels_in_flight)
 
     async def __call__(self, request):
         from fastapi.responses import JSONResponse
@@ -169,6 +204,20 @@ class _ScoreEndpoint:
                 raise refusal  # answered without reading: uvicorn closes the connection after the answer
             await self._refuse_after_drain(request, refusal)
 
+    def _check_pixels(self, req: ScoreRequest) -> None:
+        """Take the request's decoded pixels from the in-flight budget, or refuse it: 413 over the per-request
+        budget (it never fits), 503 with ``Retry-After`` when the requests in flight hold too many now."""
+        cfg = self.admission.config
+        what = f"{len(req.raws)} images of {req.width}x{req.height} decode to {req.pixels} pixels"
+        if req.pixels > cfg.max_request_pixels:
+            raise _Refusal(413, f"{what}, over the per-request budget of {cfg.max_request_pixels} decoded pixels "
+                                "(the server's --max-request-pixels); send fewer or smaller images per request",
+                           "RequestTooLarge", "too_many_pixels")
+        if not self.pixels.try_take(req.pixels):
+            raise self._busy(f"the server is busy: {what}, and the requests in flight hold {self.pixels.used}; "
+                             f"together over the budget of {self.pixels.limit} decoded pixels in flight (the "
+                             "server's --max-pixels-in-flight)", "pixels_in_flight")
+
     async def _handle(self, request) -> list:
         import anyio
 
@@ -188,10 +237,15 @@ class _ScoreEndpoint:
                                "too_large")
             async with self.admission.slot() as waited:
                 self.metrics.queue_wait.observe(waited)
-                pixels, prompts, metadata = await anyio.to_thread.run_sync(
-                    parse_score_request, body, self.max_image_pixels)
+                req = await anyio.to_thread.run_sync(read_score_request, body, self.max_image_pixels)
                 del body
-                scores = await self.batcher.score(pixels, prompts, metadata)
+                self._check_pixels(req)
+                try:
+                    pixels = await anyio.to_thread.run_sync(decode_pngs, req.raws, req.width, req.height)
+                    scores = await self.batcher.score(pixels, req.prompts, req.metadata)
+                    del pixels
+                finally:
+                    self.pixels.give_back(req.pixels)
                 self.metrics.images.inc(len(scores))
                 return scores
         except QueueTimeout as err:
@@ -403,6 +457,12 @@ def _parse_args(argv):
     p.add_argument("--max-request-mb", type=float, default=64.0, help="largest request body in MiB (default 64)")
     p.add_argument("--batch-size", type=int_in(1), default=64, help="images per reward call (default 64)")
     p.add_argument("--max-image-pixels", type=int_in(1), default=4096 * 4096, help="largest image, width·height")
+    p.add_argument("--max-request-pixels", type=int_in(1), default=2**26,
+                   help="decoded pixels (images·width·height, read from the PNG headers before decoding) one request "
+                        "may hold; more: 413 (default 2**26 = 64 images of 1024², ~200 MB as uint8)")
+    p.add_argument("--max-pixels-in-flight", type=int_in(1), default=2**28,
+                   help="decoded pixels all requests in flight may hold together; more: 503 with Retry-After "
+                        "(default 2**28, ~0.8 GB as uint8 and ~3.2 GB as the rewards' float32)")
     p.add_argument("--max-concurrency", type=int_in(1), default=16,
                    help="requests in flight (decoded, batched or scored) at once (default 16)")
     p.add_argument("--max-queue", type=int_in(0), default=256,
@@ -444,7 +504,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serving = ServingConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                                 max_queue_wait=args.max_queue_wait, cross_request_batching=args.cross_request_batching,
-                                batch_wait_s=args.batch_wait_ms / 1000.0, workers=args.workers)
+                                batch_wait_s=args.batch_wait_ms / 1000.0, workers=args.workers,
+                                max_request_pixels=args.max_request_pixels,
+                                max_pixels_in_flight=args.max_pixels_in_flight)
         app = create_app(reward, reward_name=args.reward, origin=origin.__dict__, device=device,
                          max_request_bytes=int(args.max_request_mb * 2**20), batch_size=args.batch_size,
                          max_image_pixels=args.max_image_pixels, serving=serving, worker_spec=(args.reward, kwargs))

@@ -49,6 +49,12 @@ class ServingConfig:
         cross_request_batching: merge pieces of different requests into one reward call.
         batch_wait_s: with cross-request batching, how long a free worker waits for more images. >= 0.
         workers: scoring processes (> 1: each builds its own reward; needs a reward spec). >= 1.
+        max_request_pixels: decoded pixels (images · width · height, from the PNG headers) one request may hold;
+            a request over it is answered 413 before anything is decoded. >= 1.
+        max_pixels_in_flight: decoded pixels all requests in flight may hold together; a request that would pass
+            it is answered 503 (``Retry-After``) before it is decoded. >= ``max_request_pixels``. With both, the
+            server's decoded images take at most ``max_pixels_in_flight`` · 3 bytes (uint8), and the float32
+            images a reward call gets at most ``max_pixels_in_flight`` · 12 bytes more.
 
     Raises:
         ValueError: a value out of range (the message names it and the range).
@@ -60,12 +66,16 @@ class ServingConfig:
     cross_request_batching: bool = True
     batch_wait_s: float = 0.005
     workers: int = 1
+    max_request_pixels: int = 2**26
+    max_pixels_in_flight: int = 2**28
 
     def __post_init__(self) -> None:
-        for key, low in (("max_concurrency", 1), ("max_queue", 0), ("workers", 1)):
+        for key, low in (("max_concurrency", 1), ("max_queue", 0), ("workers", 1), ("max_request_pixels", 1),
+                         ("max_pixels_in_flight", self.max_request_pixels)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{key} must be an integer >= {low}, got {value!r}")
+                why = " (max_request_pixels: one request must fit)" if key == "max_pixels_in_flight" else ""
+                raise ValueError(f"{key} must be an integer >= {low}{why}, got {value!r}")
         if not (isinstance(self.max_queue_wait, int | float) and self.max_queue_wait > 0):
             raise ValueError(f"max_queue_wait must be > 0 seconds, got {self.max_queue_wait!r}")
         if not (isinstance(self.batch_wait_s, int | float) and self.batch_wait_s >= 0):
@@ -82,7 +92,8 @@ class ServerMetrics:
 
     Exported (``GET /metrics``, text format 0.0.4): ``flowgrpo_reward_queue_depth`` and
     ``flowgrpo_reward_in_flight`` (gauges, requests), ``flowgrpo_reward_requests_total{code}``,
-    ``flowgrpo_reward_refusals_total{reason}`` (``queue_full``, ``queue_timeout``, ``too_large``,
+    ``flowgrpo_reward_refusals_total{reason}`` (``queue_full``, ``queue_timeout``, ``too_large``, ``too_many_pixels``,
+    ``pixels_in_flight``,
     ``unsupported_media``, ``bad_request``, ``reward_failed``, ``disconnected``),
     ``flowgrpo_reward_images_scored_total``,
     ``flowgrpo_reward_request_seconds`` and ``flowgrpo_reward_queue_wait_seconds`` (histograms, seconds),
@@ -160,6 +171,24 @@ def nearest_rank(sorted_values: list[float], q: float) -> float:
 # ------------------------------------------------------------------------------------------------------------
 # admission
 # ------------------------------------------------------------------------------------------------------------
+
+
+class PixelBudget:
+    """The decoded pixels of the requests in flight, bounded (used on the event loop only): a request takes its
+    pixels (from its PNG headers) before it decodes them and gives them back once answered."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def try_take(self, n: int) -> bool:
+        """Take ``n`` pixels (True), or refuse (False) when they would pass the limit."""
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give_back(self, n: int) -> None:
+        self.used -= n
 
 
 class QueueTimeout(Exception):

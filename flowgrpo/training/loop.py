@@ -19,8 +19,17 @@ import torch
 from safetensors.torch import save_file
 
 from flowgrpo import dist
+from flowgrpo.checkpoint import checkpoint_folders, health_record, is_healthy, mark_unhealthy
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
-from flowgrpo.divergence import DivergenceWatch, check_weights, run_history
+from flowgrpo.divergence import (
+    CollapseWatch,
+    DivergenceWatch,
+    TrainingDiverged,
+    WeightHealth,
+    check_weights,
+    run_history,
+    stop_line,
+)
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
 from flowgrpo.models import DTYPES
 from flowgrpo.plots import reward_curve, sample_grid
@@ -80,19 +89,69 @@ class Trainer:
         adapter.transformer.register_forward_pre_hook(self._count_forward, with_kwargs=True)
         if config.train.resume_from:
             self.epoch = self.optim.resume(config.train.resume_from, sampler=self.sampler, objective=objective)
-        self.watch = DivergenceWatch(run_history(self.out, config.train.resume_from, self.epoch))
+        history = run_history(self.out, config.train.resume_from, self.epoch)
+        self.watch = DivergenceWatch(history)
+        start = next((r["health/probe_rms_start"] for r in reversed(history) if "health/probe_rms_start" in r), None)
+        self.health = WeightHealth(adapter, self.optim.params, prompt=prompts.prompts[0], metadata=prompts.metadata[0],
+                                   guidance_scale=self.settings.guidance_scale, seed=config.train.seed, start=start)
+        self.best_metric = self._best_metric()
+        self.collapse = CollapseWatch(self.best_metric, config.logging.collapse_fraction, history)
+        self._record: dict = {}  # the last epoch's record (the final checkpoint's health record)
 
     def _count_forward(self, module, args, kwargs) -> None:
         x = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
         self.forward_count[0] += 1
         self.forward_count[1] += 0 if x is None else len(x)  # a batch tensor, or a list of samples (Z-Image)
 
-    def save_checkpoint(self, epoch: int) -> None:
-        """Every process takes part (under FSDP2 each writes its own shards, :mod:`flowgrpo.checkpoint`), only from
-        finite weights (:func:`~flowgrpo.divergence.check_weights`)."""
+    def _best_metric(self) -> str | None:
+        """``logging.best_metric`` resolved: ``auto`` is ``eval/<first optimised reward>/mean`` (None when every
+        optimised reward reports whole-set figures instead)."""
+        metric = self.cfg.logging.best_metric
+        names = [n for n, r in self.rewards.rewards.items() if not hasattr(r, "batch_metrics")]
+        if metric == "auto":
+            return f"eval/{names[0]}/mean" if names else None
+        every = [c for c in (self.rewards, self.eval_rewards) if c is not None]
+        known = [f"eval/{n}/mean" for c in every for n, r in c.rewards.items() if not hasattr(r, "batch_metrics")]
+        whole_set = any(hasattr(r, "batch_metrics") for c in every for r in c.rewards.values())
+        if metric not in known and not (whole_set and metric.startswith("eval/")):
+            from flowgrpo.config import ConfigError
+
+            raise ConfigError(f"logging.best_metric={metric!r} is no evaluation figure of this run; choose one of "
+                              f"{known} (or auto)")
+        return metric
+
+    def save_checkpoint(self, epoch: int, record: dict | None = None) -> None:
+        """Every process takes part (under FSDP2 each writes its own shards, :mod:`flowgrpo.checkpoint`), only
+        from finite weights (:func:`~flowgrpo.divergence.check_weights`) that ``record`` (the epoch's figures,
+        already passed by :class:`~flowgrpo.divergence.DivergenceWatch`) showed healthy; its ``health/*``
+        figures and evaluation figure go into the checkpoint's ``health.json``."""
         check_weights(self.optim.named_weights(), epoch, self.cfg.train.num_epochs, self.out / "checkpoints")
+        best = self.best_metric if self.cfg.logging.keep_best else None
         self.optim.save(self.out / "checkpoints", epoch, sampler=self.sampler,
-                        keep=self.cfg.logging.checkpoints_total_limit, objective=self.objective)
+                        keep=self.cfg.logging.checkpoints_total_limit, objective=self.objective,
+                        health=health_record(record or {}, best))
+
+    def check_images(self, bad: float, what: str, collective: bool, made_by: int) -> None:
+        """Stop the run (:class:`~flowgrpo.divergence.TrainingDiverged`, one line) when ``bad`` (a count of NaN or
+        infinite image values) is not 0: the weights that made the images diverged. ``made_by``: the epoch
+        (0-based) after whose update those weights are (-1: the base model's). The newest checkpoint, when it is
+        that epoch's (written after the previous epoch, or the one this run resumed from), is marked unhealthy, so
+        ``train.resume_from=auto`` skips it. ``collective``: every process calls it (a rollout; each counts its
+        own images), so all stop together."""
+        if collective:
+            bad = float(dist.all_reduce_sum(torch.tensor([bad], dtype=torch.float64))[0])
+        if not bad:
+            return
+        root = self.out / "checkpoints"
+        done = checkpoint_folders(root)
+        marked = ""
+        if done and int(done[-1].name[6:]) == made_by and is_healthy(done[-1]):
+            marked = f"; checkpoint {done[-1]} holds these weights and is now marked unhealthy"
+            if self.main:
+                mark_unhealthy(root, done[-1], f"{what} made non-finite images at epoch {self.epoch + 1}")
+            dist.barrier()
+        raise TrainingDiverged(stop_line(self.epoch, self.cfg.train.num_epochs,
+                                         f"{int(bad)} values of the {what} images are NaN or infinite{marked}", root))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -110,6 +169,7 @@ class Trainer:
             (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
         t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
         before, img_before, captions = self.run.before(self.evaluate, self.main)
+        self.collapse.observe(before, "before training")
         eval_seconds = time.perf_counter() - t0
         last, first = cfg.train.num_epochs - 1, self.epoch
         start = time.perf_counter()
@@ -118,8 +178,10 @@ class Trainer:
             every = cfg.logging.eval_every
             record = self.train_epoch(epoch, evaluate=bool(every) and (epoch + 1) % every == 0 and epoch < last)
             self.watch.check(record, epoch, cfg.train.num_epochs, self.out / "checkpoints")  # before any save
+            self._record = record
+            self._warn_collapse(record, f"epoch {epoch + 1}")
             if cfg.logging.save_every and (epoch + 1) % cfg.logging.save_every == 0 and epoch < last:
-                self.save_checkpoint(epoch)
+                self.save_checkpoint(epoch, record)
             if self.main:
                 elapsed = time.perf_counter() - start
                 eta = elapsed / (epoch + 1 - first) * (last - epoch)
@@ -128,6 +190,12 @@ class Trainer:
         summary = self._finish(before, img_before, captions, eval_seconds)
         self.scorer.close()
         return summary
+
+    def _warn_collapse(self, figures: dict, where: str) -> None:
+        """The collapse guard's warning (:class:`~flowgrpo.divergence.CollapseWatch`), from the main process."""
+        warning = self.collapse.observe(figures, where)
+        if warning and self.main:
+            logger.warning("%s", warning)
 
     def _already_finished(self) -> dict:
         """The existing summary of a finished run (its ``outputs`` those of this output_dir; a copied run folder's
@@ -144,9 +212,10 @@ class Trainer:
         """The final evaluation, checkpoint, weights, summary and model card."""
         t0 = time.perf_counter()
         after, img_after, captions_after = self.evaluate("after")
+        self._warn_collapse(after, "the final evaluation")
         eval_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.save_checkpoint(self.cfg.train.num_epochs - 1)
+        self.save_checkpoint(self.cfg.train.num_epochs - 1, {**self._record, **after})
         with self.optim.eval_weights():
             self.save_weights()
         save_seconds = time.perf_counter() - t0
@@ -176,8 +245,16 @@ class Trainer:
             with m.timed("recompute"):
                 work = objective.recompute(self.adapter, work)
         calls0, rows0 = self.forward_count
+        self.health.begin()
         with m.timed("update"):
             upd = objective.update(self.adapter, self.optim, work, progress=self.cfg.logging.progress and self.main)
+        counted = list(self.forward_count)
+        with m.timed("health"):
+            health = self.health.measure()
+        self.forward_count[:] = counted  # the probe's transformer calls are not the update's
+        m.log(health)
+        if WeightHealth.flag(health) or not all(math.isfinite(v) for v in health.values()):
+            evaluate = False  # the record stops the run (DivergenceWatch) before these weights are evaluated
         m.log({"update/transformer_calls": self.forward_count[0] - calls0,
                "update/transformer_rows": self.forward_count[1] - rows0})
         if self.cfg.logging.save_rollout_stats:
@@ -206,8 +283,12 @@ class Trainer:
         calls0, rows0 = self.forward_count
         truncation = getattr(self.adapter, "truncation", None)
         cut0 = truncation.total if truncation is not None else 0
+        self._nonfinite = 0
         with m.timed("rollout"):
             traj, handles = self.rollout_phase()
+        if not self._nonfinite and sum(h.batch_size for h in handles) != traj.batch_size:  # not scored as made
+            self._nonfinite = int((~torch.isfinite(traj.images)).sum())
+        self.check_images(float(self._nonfinite), "rollout's", collective=True, made_by=self.epoch - 1)
         m.log({"rollout/transformer_calls": self.forward_count[0] - calls0,
                "rollout/transformer_rows": self.forward_count[1] - rows0, "rollout/trajectories": traj.batch_size})
         if truncation is not None:
@@ -233,7 +314,11 @@ class Trainer:
         handles = []
 
         def score_in_background(images: torch.Tensor, batch_prompts: list[str], batch_meta: list[dict]) -> None:
-            handles.append(self.scorer.submit(images, batch_prompts, batch_meta))
+            bad = int((~torch.isfinite(images)).sum())
+            if bad:  # not scored: the run stops after the rollout (check_images), every process together
+                self._nonfinite += bad
+            else:
+                handles.append(self.scorer.submit(images, batch_prompts, batch_meta))
 
         request = RolloutRequest(
             prompts=prompts, metadata=metadata, prompt_ids=all_keys[local], sample_index=js, settings=self.settings,
@@ -288,6 +373,11 @@ class Trainer:
                 guidance_scale=self.cfg.eval_sampling.guidance_scale, batch_size=self.cfg.train.rollout_batch_size,
                 progress=self.cfg.logging.progress and self.main, metadata=meta,
             )
+        # "before": the weights the run starts from; the others follow this epoch's update (the last one's, for
+        # "after" in a resume that finds every epoch trained)
+        made_by = self.epoch - 1 if tag == "before" else min(self.epoch, self.cfg.train.num_epochs - 1)
+        self.check_images(float((~torch.isfinite(images)).sum()), f"evaluation ({tag})", collective=False,
+                          made_by=made_by)
         out: dict[str, float] = {}
         grouped: set[str] = set()
         for composed in (self.rewards, self.eval_rewards):

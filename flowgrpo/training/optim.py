@@ -128,12 +128,13 @@ class Optimization:
         return named + ([(f"EMA ema.{i}", v) for i, v in enumerate(self.ema.shadow)] if self.ema is not None else [])
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, root: Path, epoch: int, *, sampler, keep: int, objective=None) -> None:
+    def save(self, root: Path, epoch: int, *, sampler, keep: int, objective=None, health: dict | None = None) -> None:
         """Checkpoint epoch ``epoch`` (weights, optimizer, schedule, EMA, the prompt sampler and the objective's
-        state) under ``root``, keeping the newest ``keep``. Every process calls it; under FSDP2 each writes its own
-        shards (nothing is gathered), otherwise the main one writes (:mod:`flowgrpo.checkpoint`)."""
+        state, and its ``health`` record) under ``root``, keeping the newest ``keep`` healthy ones and the best
+        evaluated one. Every process calls it; under FSDP2 each writes its own shards (nothing is gathered),
+        otherwise the main one writes (:mod:`flowgrpo.checkpoint`)."""
         save_checkpoint(root, epoch, model=self.unwrapped, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                        sampler=sampler, ema=self.ema, keep=keep, objective=objective)
+                        sampler=sampler, ema=self.ema, keep=keep, objective=objective, health=health)
 
     def resume(self, checkpoint: str, *, sampler, objective=None) -> int:
         """Load ``checkpoint`` (and the prompt sampler's and the objective's state); this run's optimiser settings

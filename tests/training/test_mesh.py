@@ -29,6 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flowgrpo.checkpoint import whole_tensors
 from tests.training.test_distributed import _free_port
 from tests.training.test_sharding import _config, _full, _in_process
 
@@ -62,7 +63,8 @@ def _merge(*parts: dict) -> dict:
 
 
 def _ckpt(run: Path, epoch: int, name: str = "trainable") -> dict[str, torch.Tensor]:
-    return load_file(run / "checkpoints" / f"epoch_{epoch}" / f"{name}.safetensors")
+    """A part of a checkpoint, whole (a sharded run's checkpoint holds each process's shards)."""
+    return whole_tensors(run / "checkpoints" / f"epoch_{epoch}")[name]
 
 
 def _counts(run: Path) -> dict:
