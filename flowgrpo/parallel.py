@@ -16,7 +16,11 @@ One boundary decides it, once, before the first rollout (docs/many_gpus.md, "Wha
   or autocast without sharding); the frozen reference of full fine-tuning is sharded like the policy (or kept
   in host memory, ``parallel.reference=cpu_offload``). Rollout, recompute and update all call the module this
   returns, so the on-policy ratio stays exactly 1 whatever the layout of the weights;
-* :func:`clip_grad_norm` clips by the global gradient norm, sharded or not.
+* :func:`clip_grad_norm` clips by the global gradient norm, sharded or not;
+* :func:`enable_context` splits each transformer call's tokens over the ``context`` ranks of the device mesh
+  (``parallel.context_degree`` > 1) with diffusers' own context parallelism (``enable_parallelism`` with a
+  ``ContextParallelConfig``, Ulysses or ring attention, on the transformers that declare a ``_cp_plan``); the
+  ranks of one context group hold the same samples (:mod:`flowgrpo.dist`'s data ranks).
 """
 
 from __future__ import annotations
@@ -148,12 +152,144 @@ def shard_blocks(module: torch.nn.Module, names=None) -> list[torch.nn.Module]:
     return blocks
 
 
-def device_mesh(device: torch.device):
-    """A one-dimensional device mesh over every process (a one-process group is made when none was launched)."""
+MESH_DIMS = ("replicate", "shard", "context")
+
+
+def device_mesh(device: torch.device, context: int = 1):
+    """The device mesh over every process, dimensions named :data:`MESH_DIMS` (a size-1 dimension kept, so every
+    code path names them the same way): ``context`` innermost (``context`` consecutive global ranks split one
+    transformer call's tokens), ``shard`` the rest. A one-process group is made when none was launched.
+
+    Raises:
+        ValueError: ``context`` does not divide the world size.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.ensure_process_group(device)
-    return init_device_mesh(device.type, (dist.world_size(),))
+    world = dist.world_size()
+    if context < 1 or world % context:
+        raise ValueError(f"parallel.context_degree={context} must divide the world size {world}")
+    return init_device_mesh(device.type, (1, world // context, context), mesh_dim_names=MESH_DIMS)
+
+
+def fsdp_mesh(mesh):
+    """The mesh FSDP2 shards over: the ``shard`` and ``context`` dimensions flattened into one (the ranks of a
+    context group hold different shards of the same weights; their gradients, each from its own tokens, are
+    reduced with the others')."""
+    return mesh["shard", "context"]._flatten()
+
+
+@contextlib.contextmanager
+def cpu_accelerator() -> Iterator[None]:
+    """While open, torch reports the CPU as the accelerator with one device.
+
+    Why: diffusers 0.42's ``ModelMixin._resolve_parallel_config`` (inside ``enable_parallelism``) takes the device
+    of context parallelism from ``torch._C._get_accelerator()`` and ``rank % torch.accelerator.device_count()``;
+    on a machine without an accelerator the count is 0 (``ZeroDivisionError``), and on a GPU machine running on
+    the CPU the device would be a GPU. The device it computes is only recorded: the collectives run on the mesh's
+    groups (gloo on the CPU). Used by :func:`enable_context` for a CPU device only; both are restored on exit.
+    """
+    get, count = torch._C._get_accelerator, torch.accelerator.device_count
+    torch._C._get_accelerator = lambda: torch.device("cpu")
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch._C._get_accelerator, torch.accelerator.device_count = get, count
+
+
+def check_context(adapter, settings, device: torch.device) -> None:
+    """Refuse a context-parallel run this model or device cannot run, with one line (``parallel.context_degree``
+    > 1; nothing to check at 1).
+
+    Raises:
+        ValueError: the transformer has no ``_cp_plan`` (diffusers cannot split it: SD3, Z-Image,
+            HunyuanVideo-1.5), naming the family; Ulysses with attention heads the degree does not divide; ring
+            attention on the CPU (diffusers 0.42's ring needs the attention's log-sum-exp, which its CPU (native
+            SDPA) backend does not return).
+    """
+    n = settings.context_degree
+    if n == 1:
+        return
+    tr = adapter.transformer
+    family = f"{type(tr).__name__} ({type(adapter.pipe).__name__})"
+    if getattr(tr, "_cp_plan", None) is None:
+        raise ValueError(f"parallel.context_degree={n}: diffusers cannot split the tokens of {family}, whose "
+                         "transformer declares no _cp_plan (context parallelism runs on FLUX, FLUX.2, Qwen-Image "
+                         "and Wan); set parallel.context_degree=1")
+    heads = getattr(tr.config, "num_attention_heads", None)
+    if settings.context_attention == "ulysses" and heads is not None and heads % n:
+        raise ValueError(f"parallel.context_degree={n} with ulysses attention splits the attention heads: "
+                         f"{family} has {heads}, not a multiple of {n}; choose a degree that divides {heads} or "
+                         "parallel.context_attention=ring")
+    if settings.context_attention == "ring" and torch.device(device).type == "cpu":
+        raise ValueError("parallel.context_attention=ring on the CPU: diffusers' ring attention needs each block's "
+                         "log-sum-exp, which its CPU attention backend (native SDPA) does not return; use "
+                         "parallel.context_attention=ulysses")
+
+
+def _split_names(module) -> set[str]:
+    """The forward arguments the model's ``_cp_plan`` splits somewhere (by name)."""
+    return {name for plan in module._cp_plan.values() if isinstance(plan, dict) for name in plan
+            if isinstance(name, str)}
+
+
+def _tokens(module, x: torch.Tensor) -> int:
+    """Tokens of a transformer input: dim 1 of a (B, S, C) sequence, else the patches of a (B, C, [F,] H, W)
+    latent by the model's ``patch_size``."""
+    if x.dim() <= 3:
+        return x.shape[1] if x.dim() == 3 else x.shape[0]
+    patch = getattr(module.config, "patch_size", 1)
+    patch = tuple(patch) if isinstance(patch, list | tuple) else (patch,) * (x.dim() - 2)
+    out = 1
+    for size, p in zip(x.shape[2:], patch, strict=True):
+        out *= size // p
+    return out
+
+
+def _check_sequence(degree: int):
+    """A forward pre-hook refusing a call whose token counts the degree does not divide (``ValueError``, one line),
+    before diffusers' own split (an ``assert``) sees them."""
+
+    def hook(module, args, kwargs):
+        names = _split_names(module)
+        for name in ("hidden_states", "encoder_hidden_states"):
+            x = kwargs.get(name, args[0] if name == "hidden_states" and args else None)
+            if name not in names or not isinstance(x, torch.Tensor):
+                continue
+            n = _tokens(module, x)
+            if n % degree:
+                raise ValueError(f"parallel.context_degree={degree} splits each call's tokens evenly: {name} of "
+                                 f"{type(module).__name__} has {n} tokens, not a multiple of {degree}; choose "
+                                 "model.height/width (num_frames, model.max_sequence_length) to make it one")
+        return None
+
+    return hook
+
+
+def enable_context(modules, mesh, settings, device: torch.device) -> None:
+    """Split each call of every module in ``modules`` (the transformer and any separate frozen reference) over the
+    mesh's ``context`` ranks with diffusers' context parallelism: ``enable_parallelism`` with a
+    ``ContextParallelConfig`` of ``ulysses_degree`` (or ``ring_degree``) ``parallel.context_degree`` on the
+    ``context`` dimension of ``mesh``, unflattened into the ``("ring", "ulysses")`` dimensions diffusers names.
+    The inputs the model's ``_cp_plan`` names are split along the sequence, attention exchanges heads (Ulysses)
+    or key/value blocks (ring), and the output is gathered, so every rank of the group gets the whole velocity;
+    the backward of the gather keeps each rank's slice, so the ranks' parameter gradients sum to the whole one.
+    Ring attention on CUDA uses diffusers' ``_native_flash`` attention backend (the native one returns no
+    log-sum-exp). A forward pre-hook refuses token counts the degree does not divide.
+    """
+    from diffusers import ContextParallelConfig
+
+    n, ring = settings.context_degree, settings.context_attention == "ring"
+    cp_mesh = mesh["context"]._unflatten(0, (n, 1) if ring else (1, n), ("ring", "ulysses"))
+    for module in modules:
+        if ring:
+            module.set_attention_backend("_native_flash")
+        config = ContextParallelConfig(ring_degree=n, mesh=cp_mesh) if ring else \
+            ContextParallelConfig(ulysses_degree=n, mesh=cp_mesh)
+        with cpu_accelerator() if torch.device(device).type == "cpu" else contextlib.nullcontext():
+            module.enable_parallelism(config=config)
+        module.register_forward_pre_hook(_check_sequence(n), with_kwargs=True)
 
 
 def shard(module: torch.nn.Module, *, mesh, param_dtype: torch.dtype | None, reshard: bool, offload: bool = False,
@@ -216,17 +352,25 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
     compute = master_weights(config)
     device = accelerator.device
     ref = adapter.frozen_reference
+    check_context(adapter, settings, device)
     if settings.sharding == "fsdp2":
-        mesh = device_mesh(device)
+        context = settings.context_degree
+        mesh = device_mesh(device, context)
+        dist.set_context_degree(context)
+        if context > 1:  # before sharding: diffusers' hooks wrap the plain modules' forwards
+            enable_context([m for m in (tr, ref) if isinstance(m, torch.nn.Module)], mesh, settings, device)
         names = getattr(adapter, "shard_blocks", None)
         units = len(shard_blocks(tr, names))
-        model = shard(tr, mesh=mesh, param_dtype=compute, reshard=settings.reshard_after_forward,
+        flat = fsdp_mesh(mesh)
+        model = shard(tr, mesh=flat, param_dtype=compute, reshard=settings.reshard_after_forward,
                       master_dtype=torch.float32 if compute is not None else None, names=names)
         if ref is not None:
-            adapter.frozen_reference = shard(ref, mesh=mesh, param_dtype=None, reshard=True,
+            adapter.frozen_reference = shard(ref, mesh=flat, param_dtype=None, reshard=True,
                                              offload=settings.reference == "cpu_offload", names=names)
         forward = model
-        logger.info("transformer sharded over %d process(es) (FSDP2, %d blocks)", dist.world_size(), units)
+        logger.info("transformer sharded over %d process(es) (FSDP2, %d blocks); context degree %d (%s), %d data "
+                    "rank(s)", dist.world_size(), units, context, settings.context_attention,
+                    dist.data_world_size())
     else:
         if compute is not None:
             tr.to(torch.float32)
