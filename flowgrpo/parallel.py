@@ -211,7 +211,7 @@ def check_context(adapter, settings, device: torch.device) -> None:
     n = settings.context_degree
     if n == 1:
         return
-    tr = adapter.transformer
+    tr = next((m for m in context_modules(adapter) if getattr(m, "_cp_plan", None) is None), adapter.transformer)
     family = f"{type(tr).__name__} ({type(adapter.pipe).__name__})"
     if getattr(tr, "_cp_plan", None) is None:
         raise ValueError(f"parallel.context_degree={n}: diffusers cannot split the tokens of {family}, whose "
@@ -226,6 +226,15 @@ def check_context(adapter, settings, device: torch.device) -> None:
         raise ValueError("parallel.context_attention=ring on the CPU: diffusers' ring attention needs each block's "
                          "log-sum-exp, which its CPU attention backend (native SDPA) does not return; use "
                          "parallel.context_attention=ulysses")
+
+
+def context_modules(adapter) -> list[torch.nn.Module]:
+    """The modules whose calls context parallelism splits: every transformer of the pipeline (Wan2.2 A14B's
+    frozen second expert too) and the frozen reference copy of full fine-tuning, if any."""
+    parts = [m for name, m in adapter.pipe.components.items()
+             if name.startswith("transformer") and isinstance(m, torch.nn.Module)]
+    ref = adapter.frozen_reference
+    return parts + ([ref] if isinstance(ref, torch.nn.Module) else [])
 
 
 def _split_names(module) -> set[str]:
@@ -247,9 +256,9 @@ def _tokens(module, x: torch.Tensor) -> int:
     return out
 
 
-def _check_sequence(degree: int):
-    """A forward pre-hook refusing a call whose token counts the degree does not divide (``ValueError``, one line),
-    before diffusers' own split (an ``assert``) sees them."""
+def _check_sequence(degree: int, family: str):
+    """A forward pre-hook refusing a call whose token counts the degree does not divide (``ValueError``, one line
+    naming ``family``, the transformer's class), before diffusers' own split (an ``assert``) sees them."""
 
     def hook(module, args, kwargs):
         names = _split_names(module)
@@ -260,7 +269,7 @@ def _check_sequence(degree: int):
             n = _tokens(module, x)
             if n % degree:
                 raise ValueError(f"parallel.context_degree={degree} splits each call's tokens evenly: {name} of "
-                                 f"{type(module).__name__} has {n} tokens, not a multiple of {degree}; choose "
+                                 f"{family} has {n} tokens, not a multiple of {degree}; choose "
                                  "model.height/width (num_frames, model.max_sequence_length) to make it one")
         return None
 
@@ -289,7 +298,7 @@ def enable_context(modules, mesh, settings, device: torch.device) -> None:
             ContextParallelConfig(ulysses_degree=n, mesh=cp_mesh)
         with cpu_accelerator() if torch.device(device).type == "cpu" else contextlib.nullcontext():
             module.enable_parallelism(config=config)
-        module.register_forward_pre_hook(_check_sequence(n), with_kwargs=True)
+        module.register_forward_pre_hook(_check_sequence(n, type(module).__name__), with_kwargs=True)
 
 
 def shard(module: torch.nn.Module, *, mesh, param_dtype: torch.dtype | None, reshard: bool, offload: bool = False,
@@ -358,7 +367,7 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
         mesh = device_mesh(device, context)
         dist.set_context_degree(context)
         if context > 1:  # before sharding: diffusers' hooks wrap the plain modules' forwards
-            enable_context([m for m in (tr, ref) if isinstance(m, torch.nn.Module)], mesh, settings, device)
+            enable_context(context_modules(adapter), mesh, settings, device)
         names = getattr(adapter, "shard_blocks", None)
         units = len(shard_blocks(tr, names))
         flat = fsdp_mesh(mesh)

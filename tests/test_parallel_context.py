@@ -46,7 +46,7 @@ def test_a_family_without_a_cp_plan_is_refused_by_name():
     pipe = StableDiffusion3Pipeline(transformer=tr, **dict.fromkeys(
         ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3",
          "tokenizer_3")))
-    sd3 = SimpleNamespace(transformer=tr, pipe=pipe)  # what check_context reads of an adapter
+    sd3 = SimpleNamespace(transformer=tr, pipe=pipe, frozen_reference=None)  # what check_context reads
     with pytest.raises(ValueError, match=r"SD3Transformer2DModel \(StableDiffusion3Pipeline\), whose transformer "
                                          r"declares no _cp_plan") as err:
         parallel.check_context(sd3, _settings(), CPU)
@@ -83,7 +83,7 @@ def test_the_batch_is_split_over_the_data_ranks():
 
 
 def test_token_counts_the_degree_does_not_divide_are_refused(flux):
-    tr, check = flux.transformer, parallel._check_sequence(2)
+    tr, check = flux.transformer, parallel._check_sequence(2, "FluxTransformer2DModel")
     text = torch.zeros(1, 16, tr.config.joint_attention_dim)
     check(tr, (), {"hidden_states": torch.zeros(1, 4, 64), "encoder_hidden_states": text})
     with pytest.raises(ValueError, match=r"hidden_states of FluxTransformer2DModel has 9 tokens, not a multiple "
@@ -95,6 +95,7 @@ def test_token_counts_the_degree_does_not_divide_are_refused(flux):
     from diffusers import WanTransformer3DModel
 
     wan = SimpleNamespace(_cp_plan=WanTransformer3DModel._cp_plan, config=SimpleNamespace(patch_size=(1, 2, 2)))
+    check = parallel._check_sequence(2, "WanTransformer3DModel")
     check(wan, (), {"hidden_states": torch.zeros(1, 16, 3, 4, 4), "encoder_hidden_states": torch.zeros(1, 7, 8)})
     with pytest.raises(ValueError, match=r"has 3 tokens"):  # 3 frames x 1 x 1 patches
         check(wan, (torch.zeros(1, 16, 3, 2, 2),), {})
