@@ -1,12 +1,13 @@
 """Context parallelism (``parallel.context_degree``): two CPU processes under gloo split every transformer call's
 tokens (diffusers' Ulysses attention, FSDP2 over the flattened (shard, context) ranks) and train as one process
-does, to float32 rounding: the rollout's log-probabilities, the update's loss terms and gradient norm, and the
-weights, EMA and KL reference after an epoch of full fine-tuning; the first update stays exactly on-policy. And the
-one-line refusals: a family without a ``_cp_plan`` (SD3), token counts the degree does not divide, a world size it
-does not divide.
+does, to float32 rounding: the rollout's log-probabilities, the update's loss terms and gradient norm (a gradient
+not split by tokens would be twice it), and the weights and EMA after an epoch of full fine-tuning with a KL
+reference; the first update stays exactly on-policy and each pair is counted once. A token count the degree does
+not divide stops the run with one line. Four processes make two data ranks of two (``tests/training/data_ranks.py``).
 
-The one-process run is made in this process; the two-process one by ``torchrun --nproc_per_node 2``
-(``tests/training/sharded_train.py``).
+The one-process run is made in this process; the two-process ones by ``torchrun --nproc_per_node 2``
+(``tests/training/sharded_train.py``, both configs in the same processes). The one-process refusals are in
+``tests/test_parallel_context.py``.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def test_context_parallel_epoch_equals_one_process(runs, tiny_flux_dir):
     assert ra["log_probs"].shape == rb["log_probs"].shape == (6, 3)
     assert _close(ra["log_probs"], rb["log_probs"]) < ROUNDING
     assert _close(ra["advantages"], rb["advantages"]) < ROUNDING
+    assert "context degree 2 (ulysses), 1 data rank(s)" in (runs / "odd.log").read_text()
     ma, mb = _records(one), _records(two)
+    assert ma["policy/kl_ref"] == 0.0 and mb["policy/kl_ref"] < 1e-12  # the split reference is the base
     assert mb["policy/logprob_mismatch_max"] == 0.0  # rollout and update share the split forward
     assert mb["policy/pairs"] == ma["policy/pairs"]  # each pair counted once, not once per context rank
     for key in ("policy/grad_norm", "policy/ratio_mean", "policy/approx_kl", "policy/clipfrac"):
