@@ -3,7 +3,8 @@ in one process; the two-process runs are in ``tests/training/test_context_parall
 
 * the refusals, each one line naming the value: a family whose transformer diffusers cannot split (SD3: no
   ``_cp_plan``), Ulysses over more ranks than attention heads, ring attention on the CPU, a degree without FSDP2 or
-  not dividing the world size, ring with float32 compute, token counts the degree does not divide;
+  not dividing the world size, ring with float32 compute or without a degree, token counts the degree does not
+  divide;
 * the batch is split over world size / degree data ranks;
 * the CPU shim around diffusers' ``enable_parallelism``: without it, diffusers divides by the CPU's accelerator
   count (0) while resolving the parallel config; with it, resolution gets past the device, and torch's functions
@@ -62,9 +63,12 @@ def test_a_family_with_a_cp_plan_passes_and_its_limits_are_refused(flux):
         parallel.check_context(flux, _settings(context_attention="ring"), CPU)
 
 
-def test_the_degree_needs_fsdp2_and_ring_needs_half_precision():
+def test_the_degree_needs_fsdp2_and_ring_needs_half_precision_and_a_degree():
     with pytest.raises(ValueError, match=r"parallel.context_degree=2 .* set parallel.sharding=fsdp2"):
         ParallelConfig(context_degree=2)
+    with pytest.raises(ValueError, match=r"parallel.context_attention=ring is read only with "
+                                         r"parallel.context_degree > 1"):
+        ParallelConfig(**SHARDED, context_attention="ring")
     with pytest.raises(ValueError, match=r"context_attention=ring with model.dtype=float32"):
         build_config({"parallel": _settings(context_attention="ring").model_dump()})
     build_config({"model": {"dtype": "bfloat16"}, "parallel": _settings(context_attention="ring").model_dump()})

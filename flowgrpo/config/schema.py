@@ -292,7 +292,11 @@ class ParallelConfig(Section):
 
     @model_validator(mode="after")
     def _sharded_only(self) -> ParallelConfig:
-        """The settings that only FSDP2 reads are refused without it (``ValueError``), each naming itself."""
+        """The settings that only FSDP2 reads are refused without it (``ValueError``), each naming itself; so is
+        a context attention without context parallelism."""
+        if self.context_degree == 1 and self.context_attention != "ulysses":
+            raise ValueError(f"parallel.context_attention={self.context_attention} is read only with "
+                             "parallel.context_degree > 1: remove the setting, or set the degree")
         if self.sharding == "fsdp2":
             return self
         if self.context_degree > 1:
