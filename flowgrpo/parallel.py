@@ -256,12 +256,31 @@ def _tokens(module, x: torch.Tensor) -> int:
     return out
 
 
+def _pad_masked_text(kwargs: dict, degree: int) -> dict:
+    """``kwargs`` with ``encoder_hidden_states`` (B, L, D) and its mask (B, L) padded at the end to a multiple of
+    ``degree`` tokens: zero rows, masked out (mask 0; a mask of ones is made when there was none), so the
+    attention of every real token is unchanged."""
+    text = kwargs.get("encoder_hidden_states")
+    if not isinstance(text, torch.Tensor) or text.dim() != 3 or text.shape[1] % degree == 0:
+        return kwargs
+    pad = degree - text.shape[1] % degree
+    mask = kwargs.get("encoder_hidden_states_mask")
+    if mask is None:
+        mask = torch.ones(text.shape[:2], dtype=torch.long, device=text.device)
+    return {**kwargs, "encoder_hidden_states": torch.nn.functional.pad(text, (0, 0, 0, pad)),
+            "encoder_hidden_states_mask": torch.nn.functional.pad(mask, (0, pad))}
+
+
 def _check_sequence(degree: int, family: str):
     """A forward pre-hook refusing a call whose token counts the degree does not divide (``ValueError``, one line
-    naming ``family``, the transformer's class), before diffusers' own split (an ``assert``) sees them."""
+    naming ``family``, the transformer's class), before diffusers' own split (an ``assert``) sees them. A model
+    that takes a text mask and splits it (Qwen-Image, whose prompts are padded to the longest of the batch) gets
+    its text padded to a multiple of the degree instead (:func:`_pad_masked_text`)."""
 
     def hook(module, args, kwargs):
         names = _split_names(module)
+        if "encoder_hidden_states_mask" in names:
+            kwargs = _pad_masked_text(kwargs, degree)
         for name in ("hidden_states", "encoder_hidden_states"):
             x = kwargs.get(name, args[0] if name == "hidden_states" and args else None)
             if name not in names or not isinstance(x, torch.Tensor):
@@ -271,7 +290,7 @@ def _check_sequence(degree: int, family: str):
                 raise ValueError(f"parallel.context_degree={degree} splits each call's tokens evenly: {name} of "
                                  f"{family} has {n} tokens, not a multiple of {degree}; choose "
                                  "model.height/width (num_frames, model.max_sequence_length) to make it one")
-        return None
+        return args, kwargs
 
     return hook
 

@@ -125,3 +125,24 @@ def test_the_cpu_shim_lets_diffusers_resolve_its_parallel_config(flux):
     finally:
         tr._parallel_config = None
         dist.release_own_group()
+
+
+def test_a_masked_text_is_padded_to_the_degree_instead():
+    """Qwen-Image pads each batch's prompts to its longest (any length) and masks the padding: its text gets
+    masked zero rows up to a multiple of the degree (the real tokens' attention unchanged), the image tokens are
+    still checked."""
+    from diffusers import QwenImageTransformer2DModel
+
+    qwen = SimpleNamespace(_cp_plan=QwenImageTransformer2DModel._cp_plan, config=SimpleNamespace(patch_size=2))
+    check, text = parallel._check_sequence(2, "QwenImageTransformer2DModel"), torch.randn(2, 27, 8)
+    _, kw = check(qwen, (), {"hidden_states": torch.zeros(2, 4, 64), "encoder_hidden_states": text})
+    assert kw["encoder_hidden_states"].shape == (2, 28, 8) and torch.equal(kw["encoder_hidden_states"][:, :27], text)
+    assert not kw["encoder_hidden_states"][:, 27].any()
+    assert kw["encoder_hidden_states_mask"].tolist() == [[1] * 27 + [0]] * 2
+    mask = torch.ones(2, 27, dtype=torch.long)
+    mask[1, 20:] = 0  # the second prompt is shorter
+    _, kw = check(qwen, (), {"hidden_states": torch.zeros(2, 4, 64), "encoder_hidden_states": text,
+                             "encoder_hidden_states_mask": mask})
+    assert kw["encoder_hidden_states_mask"].tolist() == [[1] * 27 + [0], [1] * 20 + [0] * 8]
+    with pytest.raises(ValueError, match=r"hidden_states of QwenImageTransformer2DModel has 5 tokens"):
+        check(qwen, (), {"hidden_states": torch.zeros(2, 5, 64), "encoder_hidden_states": text})
