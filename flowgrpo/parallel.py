@@ -205,8 +205,9 @@ def check_context(adapter, settings, device: torch.device) -> None:
     Raises:
         ValueError: the transformer has no ``_cp_plan`` (diffusers cannot split it: SD3, Z-Image,
             HunyuanVideo-1.5), naming the family; Ulysses with attention heads the degree does not divide; ring
-            attention on the CPU (diffusers 0.42's ring needs the attention's log-sum-exp, which its CPU (native
-            SDPA) backend does not return).
+            attention with a masked text (Qwen-Image: the flash kernel ring runs takes no mask), or on the CPU
+            (diffusers 0.42's ring needs the attention's log-sum-exp, which its CPU (native SDPA) backend does not
+            return).
     """
     n = settings.context_degree
     if n == 1:
@@ -222,6 +223,10 @@ def check_context(adapter, settings, device: torch.device) -> None:
         raise ValueError(f"parallel.context_degree={n} with ulysses attention splits the attention heads: "
                          f"{family} has {heads}, not a multiple of {n}; choose a degree that divides {heads} or "
                          "parallel.context_attention=ring")
+    if settings.context_attention == "ring" and "encoder_hidden_states_mask" in _split_names(tr):
+        raise ValueError(f"parallel.context_attention=ring with {family}: its text is masked (prompts padded to the "
+                         "batch's longest), and the flash kernel of diffusers' ring attention takes no mask; use "
+                         "parallel.context_attention=ulysses")
     if settings.context_attention == "ring" and torch.device(device).type == "cpu":
         raise ValueError("parallel.context_attention=ring on the CPU: diffusers' ring attention needs each block's "
                          "log-sum-exp, which its CPU attention backend (native SDPA) does not return; use "

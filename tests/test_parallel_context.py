@@ -134,6 +134,10 @@ def test_a_masked_text_is_padded_to_the_degree_instead():
     from diffusers import QwenImageTransformer2DModel
 
     qwen = SimpleNamespace(_cp_plan=QwenImageTransformer2DModel._cp_plan, config=SimpleNamespace(patch_size=2))
+    with pytest.raises(ValueError, match=r"context_attention=ring with .*: its text is masked"):
+        parallel.check_context(SimpleNamespace(transformer=qwen, pipe=SimpleNamespace(components={}),
+                                               frozen_reference=None),
+                               _settings(context_attention="ring"), torch.device("cuda"))
     check, text = parallel._check_sequence(2, "QwenImageTransformer2DModel"), torch.randn(2, 27, 8)
     _, kw = check(qwen, (), {"hidden_states": torch.zeros(2, 4, 64), "encoder_hidden_states": text})
     assert kw["encoder_hidden_states"].shape == (2, 28, 8) and torch.equal(kw["encoder_hidden_states"][:, :27], text)
