@@ -301,15 +301,16 @@ def _check_sequence(degree: int, family: str):
 
 
 def enable_context(modules, mesh, settings, device: torch.device) -> None:
-    """Split each call of every module in ``modules`` (the transformer and any separate frozen reference) over the
-    mesh's ``context`` ranks with diffusers' context parallelism: ``enable_parallelism`` with a
-    ``ContextParallelConfig`` of ``ulysses_degree`` (or ``ring_degree``) ``parallel.context_degree`` on the
-    ``context`` dimension of ``mesh``, unflattened into the ``("ring", "ulysses")`` dimensions diffusers names.
-    The inputs the model's ``_cp_plan`` names are split along the sequence, attention exchanges heads (Ulysses)
-    or key/value blocks (ring), and the output is gathered, so every rank of the group gets the whole velocity;
-    the backward of the gather keeps each rank's slice, so the ranks' parameter gradients sum to the whole one.
-    Ring attention on CUDA uses diffusers' ``_native_flash`` attention backend (the native one returns no
-    log-sum-exp). A forward pre-hook refuses token counts the degree does not divide.
+    """Split each call of every module in ``modules`` (:func:`context_modules`: the transformers and any separate
+    frozen reference) over the mesh's ``context`` ranks with diffusers' context parallelism:
+    ``enable_parallelism`` with a ``ContextParallelConfig`` of ``ulysses_degree`` (or ``ring_degree``)
+    ``parallel.context_degree``, on the mesh's ``context`` dimension unflattened into the ``("ring", "ulysses")``
+    dimensions diffusers names. The inputs the model's ``_cp_plan`` names are split along the sequence, attention
+    exchanges heads (Ulysses) or key/value blocks (ring), and the output is gathered, so every rank of the group
+    gets the whole velocity; the backward of the gather keeps each rank's slice, so the ranks' parameter gradients
+    sum to the whole one. Ring attention on CUDA uses diffusers' ``_native_flash`` attention backend (the native
+    one returns no log-sum-exp). A forward pre-hook refuses token counts the degree does not divide, or pads a
+    masked text to a multiple of it (:func:`_check_sequence`).
     """
     from diffusers import ContextParallelConfig
 
@@ -401,9 +402,9 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
             adapter.frozen_reference = shard(ref, mesh=flat, param_dtype=None, reshard=True,
                                              offload=settings.reference == "cpu_offload", names=names)
         forward = model
-        logger.info("transformer sharded over %d process(es) (FSDP2, %d blocks); context degree %d (%s), %d data "
-                    "rank(s)", dist.world_size(), units, context, settings.context_attention,
-                    dist.data_world_size())
+        logger.info("transformer sharded over %d process(es) (FSDP2, %d blocks)%s", dist.world_size(), units,
+                    f"; context degree {context} ({settings.context_attention}), {dist.data_world_size()} data "
+                    "rank(s)" if context > 1 else "")
     else:
         if compute is not None:
             tr.to(torch.float32)

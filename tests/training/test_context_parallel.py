@@ -2,8 +2,11 @@
 tokens (diffusers' Ulysses attention, FSDP2 over the flattened (shard, context) ranks) and train as one process
 does, to float32 rounding: the rollout's log-probabilities, the update's loss terms and gradient norm (a gradient
 not split by tokens would be twice it), and the weights and EMA after an epoch of full fine-tuning with a KL
-reference; the first update stays exactly on-policy and each pair is counted once. A token count the degree does
-not divide stops the run with one line. Four processes make two data ranks of two (``tests/training/data_ranks.py``).
+reference, and the LoRA weights of a run with gradient checkpointing; the first update stays exactly on-policy and
+each pair is counted once. The reward is continuous in the pixels (``tests/training/smooth_reward.py``): a JPEG
+size, stepping by bytes, turned a rounding-level difference of one image into advantages 3e-2 apart. A token count
+the degree does not divide stops the run with one line. Four processes make two data ranks of two
+(``tests/training/data_ranks.py``).
 
 The one-process run is made in this process; the two-process ones by ``torchrun --nproc_per_node 2``
 (``tests/training/sharded_train.py``, both configs in the same processes). The one-process refusals are in
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from tests.training.test_distributed import _free_port
@@ -30,17 +34,31 @@ CONTEXT = {"sharding": "fsdp2", "context_degree": 2, "context_attention": "ulyss
 ROUNDING = 1e-6  # float32 rounding, relative to each figure's scale
 
 
+LORA = {"model": {"gradient_checkpointing": True}}  # LoRA (the default), activations recomputed in the backward
+
+
+def _smooth(path: Path) -> Path:
+    """The config at ``path`` with a reward continuous in the pixels (``tests/training/smooth_reward.py``)."""
+    cfg = yaml.safe_load(path.read_text())
+    cfg["rewards"] = [{"name": "tests.training.smooth_reward:MeanRed"}]
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_flux_dir) -> Path:
     root = tmp_path_factory.mktemp("context")
-    one = _config(root, tiny_flux_dir, "one", **FULL)
-    two = _config(root, tiny_flux_dir, "two", **FULL, parallel=CONTEXT)
-    # 48 px: 3 x 3 = 9 image tokens, which 2 ranks cannot share; run after the other, in the same processes
-    odd = _config(root, tiny_flux_dir, "odd", parallel=CONTEXT, model={"height": 48, "width": 48})
-    _in_process(one)
-    proc = _torchrun(["--nproc_per_node", "2", "--master_port", _free_port()], [two, odd])
+    c = {name: _smooth(_config(root, tiny_flux_dir, name, **sections)) for name, sections in {
+        "one": FULL, "two": {**FULL, "parallel": CONTEXT},
+        "one_lora": LORA, "two_lora": {**LORA, "parallel": CONTEXT},
+        # 48 px: 3 x 3 = 9 image tokens, which 2 ranks cannot share; run last, in the same processes
+        "odd": {"parallel": CONTEXT, "model": {"height": 48, "width": 48}},
+    }.items()}
+    _in_process(c["one"])
+    _in_process(c["one_lora"])
+    proc = _torchrun(["--nproc_per_node", "2", "--master_port", _free_port()], [c["two"], c["two_lora"], c["odd"]])
     (root / "odd.log").write_text(proc.stdout + proc.stderr)
-    assert (root / "two" / "process_1.json").is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert (root / "two_lora" / "process_1.json").is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return root
 
 
@@ -52,21 +70,27 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / a.double().abs().max().clamp(min=1e-30))
 
 
-def test_context_parallel_epoch_equals_one_process(runs, tiny_flux_dir):
-    one, two = runs / "one", runs / "two"
+def _same_epoch(one: Path, two: Path) -> tuple[dict, dict]:
+    """The rollouts and the first update's figures of ``one`` and ``two`` agree; returns their records."""
     ra, rb = (load_file(r / "rollouts" / "epoch_0.safetensors") for r in (one, two))
     for key in ("group_ids", "initial_latents"):  # the context group sampled the one-process batch
         assert torch.equal(ra[key], rb[key]), key
     assert ra["log_probs"].shape == rb["log_probs"].shape == (6, 3)
-    assert _close(ra["log_probs"], rb["log_probs"]) < ROUNDING
-    assert _close(ra["advantages"], rb["advantages"]) < ROUNDING
-    assert "context degree 2 (ulysses), 1 data rank(s)" in (runs / "odd.log").read_text()
+    for key in ("log_probs", "reward_total", "advantages"):
+        assert _close(ra[key], rb[key]) < ROUNDING, (key, _close(ra[key], rb[key]))
     ma, mb = _records(one), _records(two)
-    assert ma["policy/kl_ref"] == 0.0 and mb["policy/kl_ref"] < 1e-12  # the split reference is the base
     assert mb["policy/logprob_mismatch_max"] == 0.0  # rollout and update share the split forward
-    assert mb["policy/pairs"] == ma["policy/pairs"]  # each pair counted once, not once per context rank
+    assert mb["policy/pairs"] == ma["policy/pairs"] == 18  # each pair counted once, not once per context rank
     for key in ("policy/grad_norm", "policy/ratio_mean", "policy/approx_kl", "policy/clipfrac"):
         assert abs(ma[key] - mb[key]) <= ROUNDING * max(abs(ma[key]), 1e-6), (key, ma[key], mb[key])
+    return ma, mb
+
+
+def test_context_parallel_epoch_equals_one_process(runs, tiny_flux_dir):
+    one, two = runs / "one", runs / "two"
+    assert "context degree 2 (ulysses), 1 data rank(s)" in (runs / "odd.log").read_text()
+    ma, mb = _same_epoch(one, two)
+    assert ma["policy/kl_ref"] == 0.0 and mb["policy/kl_ref"] < 1e-12  # the split reference is the base
     base = _base(tiny_flux_dir)  # to 1e-6 of each tensor's scale, most tensors having moved 100 times that
     _assert_same_update(_ckpt(one, 0), _ckpt(two, 0), base, "weights after epoch 0")
     order = list(torch.load(one / "checkpoints" / "epoch_0" / "optimizer.pt", weights_only=True)["state"])
@@ -91,6 +115,18 @@ def test_four_processes_make_two_data_ranks_of_two(tmp_path):
         assert (g["data_rank"], g["data_world_size"], g["slice"]) == (d, 2, [4 * d, 4 * d + 4]), r
         assert g["gathered"] == [1.0, 11.0] and g["summed"] == [2.0, 1.0], r
         assert g["refused"] == "parallel.context_degree=3 must be >= 1 and divide the world size 4"
+
+
+def test_context_parallel_lora_with_checkpointing_equals_one_process(runs):
+    """LoRA's gradients through recomputed blocks (each recompute repeats the attention's all-to-all)."""
+    one, two = runs / "one_lora", runs / "two_lora"
+    _same_epoch(one, two)
+    a, b = (load_file(r / "lora" / "pytorch_lora_weights.safetensors") for r in (one, two))
+    assert a.keys() == b.keys()
+    moved = [k for k in a if "lora_B" in k]  # lora_B starts at zero: it is the update itself
+    assert len(moved) == len(a) // 2 and all(float(a[k].abs().max()) > 0 for k in moved)
+    for k in a:
+        assert _close(a[k], b[k]) < ROUNDING, (k, _close(a[k], b[k]))
 
 
 def test_token_counts_the_degree_does_not_divide_stop_the_run_with_one_line(runs):
