@@ -3,8 +3,10 @@ in one process; the two-process runs are in ``tests/training/test_context_parall
 
 * the refusals, each one line naming the value: a family whose transformer diffusers cannot split (SD3: no
   ``_cp_plan``), Ulysses over more ranks than attention heads, ring attention on the CPU, a degree without FSDP2 or
-  not dividing the world size, ring with float32 compute or without a degree, token counts the degree does not
-  divide;
+  not dividing the world size, ring with float32 compute, without a degree or over a masked text (Qwen-Image),
+  token counts the degree does not divide;
+* a masked text (Qwen-Image's prompts padded to the batch's longest) padded to a multiple of the degree with
+  masked zero rows instead;
 * the batch is split over world size / degree data ranks;
 * the CPU shim around diffusers' ``enable_parallelism``: without it, diffusers divides by the CPU's accelerator
   count (0) while resolving the parallel config; with it, resolution gets past the device, and torch's functions
