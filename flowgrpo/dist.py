@@ -3,6 +3,14 @@
 Callers pass tensors on any device and get results on that device. Inside, each collective runs on the device its
 backend needs (:func:`backend_device`): NCCL only takes CUDA tensors (a CPU tensor raises "No backend type
 associated with device type cpu"), gloo and MPI take CPU tensors. This module is the one place that converts.
+
+Data ranks. With context parallelism (``parallel.context_degree`` C > 1) the C consecutive global ranks
+``d·C … d·C + C − 1`` form one context group (the innermost dimension of the device mesh, ``"context"``): they
+split each transformer call's tokens and hold the same samples. The samples are split over the W / C data ranks
+(:func:`data_rank`, :func:`data_world_size`, :func:`local_slice`), and :func:`gather_cat` and
+:func:`all_reduce_sum` take each data rank's value once (a context group's C copies are equal); with C = 1 they
+are the plain collectives over all ranks. :func:`rank` and :func:`world_size` stay global (the main process,
+the gradient's mean over every rank that FSDP2 reduces over).
 """
 
 from __future__ import annotations
@@ -24,6 +32,37 @@ def world_size() -> int:
 
 def rank() -> int:
     return torch_dist.get_rank() if is_distributed() else 0
+
+
+_CONTEXT = 1  # the context-parallel degree C (set_context_degree)
+
+
+def set_context_degree(degree: int) -> None:
+    """Make the next collectives and splits treat each ``degree`` consecutive ranks as one data rank (module
+    docstring); 1 restores plain data parallelism.
+
+    Raises:
+        ValueError: ``degree`` < 1, or a world size it does not divide (naming both).
+    """
+    global _CONTEXT
+    if degree < 1 or world_size() % degree:
+        raise ValueError(f"parallel.context_degree={degree} must be >= 1 and divide the world size {world_size()}")
+    _CONTEXT = degree
+
+
+def context_degree() -> int:
+    """The context-parallel degree C set by :func:`set_context_degree` (1 by default)."""
+    return _CONTEXT
+
+
+def data_world_size() -> int:
+    """The number of data ranks, W / C: how many ways the samples are split."""
+    return world_size() // _CONTEXT
+
+
+def data_rank() -> int:
+    """This process's data rank, global rank // C (the ranks of one context group share it)."""
+    return rank() // _CONTEXT
 
 
 def backend_device(t: torch.Tensor) -> torch.device:
@@ -55,15 +94,21 @@ def _on_backend(t: torch.Tensor) -> torch.Tensor:
     return t.to(backend_device(t)).contiguous()
 
 
-def gather_cat(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate equal-shaped tensors from all ranks along dim 0 (rank order), on ``t``'s device; identity on
-    one process."""
-    if not is_distributed():
-        return t
+def _gather_data(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every data rank's ``t`` (equal shapes), in data-rank order, on the backend's device: one all-gather over
+    all ranks, keeping the first rank of each context group."""
     x = _on_backend(t)
     parts = [torch.empty_like(x) for _ in range(world_size())]
     torch_dist.all_gather(parts, x)
-    return torch.cat(parts).to(t.device)
+    return parts[::_CONTEXT]
+
+
+def gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped tensors from all data ranks along dim 0 (data-rank order; a context group's copy
+    once), on ``t``'s device; identity on one process."""
+    if not is_distributed():
+        return t
+    return torch.cat(_gather_data(t)).to(t.device)
 
 
 def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
@@ -75,7 +120,10 @@ def _all_reduce(t: torch.Tensor, op) -> torch.Tensor:
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (a new tensor on ``t``'s device); identity on one process."""
+    """Sum over data ranks, a context group's copy once (a new tensor on ``t``'s device); identity on one
+    process."""
+    if is_distributed() and _CONTEXT > 1:
+        return torch.stack(_gather_data(t)).sum(0).to(t.device)
     return _all_reduce(t, torch_dist.ReduceOp.SUM)
 
 
@@ -126,17 +174,20 @@ def ensure_process_group(device: torch.device) -> None:
 
 
 def release_own_group() -> None:
-    """Destroy the one-process group :func:`ensure_process_group` made (a launcher's group is left alone)."""
-    global _OWN_GROUP
+    """Destroy the one-process group :func:`ensure_process_group` made (a launcher's group is left alone), and
+    return to a context degree of 1."""
+    global _OWN_GROUP, _CONTEXT
     if _OWN_GROUP and is_distributed():
         torch_dist.destroy_process_group()
     _OWN_GROUP = False
+    _CONTEXT = 1
 
 
 def local_slice(total: int) -> slice:
-    """This rank's contiguous share of ``total`` items (``total`` must divide evenly)."""
-    n = world_size()
+    """This data rank's contiguous share of ``total`` items (``total`` must divide evenly over the data ranks;
+    the ranks of one context group get the same share)."""
+    n = data_world_size()
     if total % n:
-        raise ValueError(f"{total} items cannot be split evenly over {n} processes")
+        raise ValueError(f"{total} items cannot be split evenly over {n} data ranks")
     per = total // n
-    return slice(rank() * per, (rank() + 1) * per)
+    return slice(data_rank() * per, (data_rank() + 1) * per)

@@ -123,7 +123,8 @@ def check_rewards(specs) -> None:
 
 
 def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
-    """The batch layout, per process: each of ``world_size`` processes samples B/W trajectories in micro-batches
+    """The batch layout, per data rank: each of ``world_size`` / ``parallel.context_degree`` data ranks (C
+    processes of a context group hold the same samples) samples B/W trajectories in micro-batches
     of ``rollout_batch_size`` and trains them in micro-batches of ``train_batch_size``, cut into
     ``optimizer_steps_per_epoch`` consecutive shares (unequal shares are warned about). Raises ``ValueError``.
 
@@ -132,6 +133,11 @@ def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
     model is loaded, with it: its micro-batches (B/W·k / train_batch_size) must be at least the optimizer steps
     and split equally into them."""
     t, b = config.train, config.batch_size
+    context = config.parallel.context_degree
+    if world_size % context:
+        raise ValueError(f"parallel.context_degree={context} must divide the world size {world_size} (the "
+                         "processes of each context group split its transformer calls)")
+    world_size //= context  # the data ranks: a context group's processes hold the same samples
     if b % world_size:
         raise ValueError(f"the batch B = prompts_per_epoch*group_size = {b} cannot be split evenly over "
                          f"{world_size} processes; make B a multiple of {world_size}")

@@ -18,7 +18,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from flowgrpo import parallel
+from flowgrpo import dist, parallel
 from flowgrpo.checkpoint import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.divergence import TrainingDiverged
@@ -114,6 +114,9 @@ def _run(config) -> dict:
     ready = preflight(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir,
                               kwargs_handlers=parallel.process_group_kwargs(config.parallel))
+    # every process has checked the run folder (preflight) before the main one writes into it: else a process
+    # slower to start sees the main process's config.yaml as another run's
+    dist.barrier()
     parallel.check_engine(accelerator, config.parallel)
     set_seed(config.train.seed)
     m = config.model

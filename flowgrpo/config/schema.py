@@ -317,10 +317,25 @@ class ParallelConfig(Section):
         "fine-tuning). The default spends communication (an optimizer step of k packs reduces k times) to keep "
         "fsdp2's memory; DDP holds whole gradients either way, so step costs it no memory (LoRA: little)"
     )
+    context_degree: int = Field(
+        1, ge=1, description="context (sequence) parallel degree: each transformer call's tokens are split over "
+        "this many processes (diffusers' context parallelism, for the transformers with a _cp_plan: FLUX, "
+        "FLUX.2, Qwen-Image, Wan); the processes of one context group share their samples, so the batch is "
+        "split over world size / context_degree data ranks; needs sharding fsdp2 and a world size it divides"
+    )
+    context_attention: Literal["ulysses", "ring"] = Field(
+        "ulysses", description="context_degree > 1: ulysses (an all-to-all of the heads; the attention heads must "
+        "divide by the degree) or ring (key/value blocks passed around; needs a CUDA flash kernel and "
+        "bfloat16/float16 compute)"
+    )
 
     @model_validator(mode="after")
     def _sharded_only(self) -> ParallelConfig:
-        """The settings that only FSDP2 reads are refused without it (``ValueError``), each naming itself."""
+        """The settings that only FSDP2 reads are refused without it (``ValueError``), each naming itself; so is
+        a context attention without context parallelism."""
+        if self.context_degree == 1 and self.context_attention != "ulysses":
+            raise ValueError(f"parallel.context_attention={self.context_attention} is read only with "
+                             "parallel.context_degree > 1: remove the setting, or set the degree")
         if self.sharding == "fsdp2":
             return self
         if self.replicate > 1:
@@ -329,6 +344,10 @@ class ParallelConfig(Section):
         if self.offload == "cpu":
             raise ValueError("parallel.offload=cpu keeps the trained parameters' shards in host memory, which needs "
                              "parallel.sharding=fsdp2; or use parallel.offload=none")
+        if self.context_degree > 1:
+            raise ValueError(f"parallel.context_degree={self.context_degree} splits each transformer call over "
+                             "processes whose weights FSDP2 shards over the (shard, context) ranks: set "
+                             "parallel.sharding=fsdp2, or parallel.context_degree=1")
         if self.reference == "cpu_offload":
             raise ValueError("parallel.reference=cpu_offload keeps the reference's shards in host memory, which needs "
                              "parallel.sharding=fsdp2 (any process count, one included); or use "
@@ -384,7 +403,8 @@ class LoggingConfig(Section):
         "(0: only after the last); matplotlib takes about half a second for the two"
     )
     save_rollout_stats: bool = Field(
-        False, description="write each epoch's gathered rewards, advantages, group ids and initial noise to "
+        False, description="write each epoch's gathered rewards, advantages, group ids, initial noise (and the SDE "
+        "rollout's log-probabilities) to "
         "rollouts/epoch_<N>.safetensors (for analysis and the multi-process equivalence test)"
     )
 
@@ -457,6 +477,11 @@ class Config(Section):
         if self.parallel.ema == "cpu" and t.ema_decay is None:
             raise ValueError("parallel.ema=cpu places the EMA of train.ema_decay, which is not set (no EMA is kept): "
                              "set train.ema_decay, or remove parallel.ema")
+        par = self.parallel
+        if par.context_degree > 1 and par.context_attention == "ring" and self.model.dtype == "float32":
+            raise ValueError("parallel.context_attention=ring with model.dtype=float32: diffusers' ring attention "
+                             "needs a flash kernel, which takes bfloat16 or float16; set model.dtype=bfloat16 or "
+                             "use parallel.context_attention=ulysses")
         if not all(0 <= beta < 1 for beta in t.adam_betas):
             raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
         if not self.rewards:

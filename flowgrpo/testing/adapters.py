@@ -319,7 +319,8 @@ class AdapterConformance:
         made = not dist.is_distributed()
         dist.ensure_process_group(cpu)
         try:
-            parallel.shard(tr, mesh=parallel.device_mesh(cpu), param_dtype=None, reshard=True, names=own)
+            parallel.shard(tr, mesh=parallel.fsdp_mesh(parallel.device_mesh(cpu)), param_dtype=None, reshard=True,
+                           names=own)
             assert all(isinstance(p, DTensor) for p in tr.parameters())
             v_shard, g_shard = velocity_and_gradients()
         finally:

@@ -429,15 +429,18 @@ class Trainer:
 
     def save_rollout_stats(self, epoch: int, traj, rewards: Rewards, group_ids: torch.Tensor,
                            adv: Advantages) -> None:
-        """Gathered per-sample statistics of the epoch (global sample order) as safetensors."""
+        """Gathered per-sample statistics of the epoch (global sample order) as safetensors; with the rollout's
+        log-probabilities (B, T) when its record has them (the SDE objectives' ``Trajectory``)."""
         init = dist.gather_cat(traj.initial_noise.float().contiguous())
+        log_probs = getattr(traj, "log_probs", None)
+        extra = {} if log_probs is None else {"log_probs": dist.gather_cat(log_probs.float().contiguous()).cpu()}
         if not self.main:
             return
         folder = self.out / "rollouts"
         folder.mkdir(parents=True, exist_ok=True)
         save_file({"reward_total": rewards.total.contiguous(), "advantages": adv.values.contiguous(),
                    "group_ids": group_ids.contiguous(), "train_mask": adv.train_mask.contiguous(),
-                   "initial_latents": init.cpu().contiguous(),
+                   "initial_latents": init.cpu().contiguous(), **extra,
                    **{f"reward/{k}": v.contiguous() for k, v in rewards.components.items()}},
                   folder / f"epoch_{epoch}.safetensors")
 

@@ -290,10 +290,11 @@ class DGPO(ForwardObjective):
         if self.o.trunc_steps >= t:
             raise ValueError(f"objective dgpo: trunc_steps={self.o.trunc_steps} draws grid steps past the "
                              f"{t}-step grid; lower it below sampling.num_steps")
-        local, g = self.cfg.batch_size // dist.world_size(), self.cfg.train.group_size
+        local, g = self.cfg.batch_size // dist.data_world_size(), self.cfg.train.group_size
         if local % g:
             raise ValueError(f"objective dgpo sums its preference over each group's rows: the {local} samples each "
-                             f"of {dist.world_size()} processes holds must be whole groups of train.group_size={g}; "
+                             f"of {dist.data_world_size()} data ranks holds must be whole groups of "
+                             f"train.group_size={g}; "
                              "choose train.prompts_per_epoch divisible by the number of processes")
 
     def rollout_weights(self):

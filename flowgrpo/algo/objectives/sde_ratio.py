@@ -188,7 +188,7 @@ class SdeRatio(BaseObjective):
     def plan(self, traj: Trajectory, adv: Advantages, keep: torch.Tensor, epoch: int) -> SdeRatioWork:
         """The chunker's plan (filtered-out samples, ``keep`` (B,) False, are not forwarded at all) and its work
         (:meth:`work`)."""
-        plan = self.chunker.plan(traj, epoch, make_generator(self.cfg.train.seed, epoch, dist.rank(), "plan"))
+        plan = self.chunker.plan(traj, epoch, make_generator(self.cfg.train.seed, epoch, dist.data_rank(), "plan"))
         if not bool(keep.all()):
             plan = ChunkPlan(plan.chunks, plan.selected & keep[dist.local_slice(len(keep))].unsqueeze(1))
         return self.work(traj, adv, plan, epoch)
