@@ -274,9 +274,36 @@ class ParallelConfig(Section):
         "(sharded like the policy under fsdp2), or its shards in host memory, gathered to the device per forward "
         "(cpu_offload; needs sharding fsdp2)"
     )
-    text_encoders: Literal["device", "offload"] = Field(
+    text_encoders: Literal["device", "offload", "shard"] = Field(
         "device", description="device: text encoders stay on the device; offload: they live in host memory and "
-        "move to the device only while prompts are encoded (once per rollout and evaluation)"
+        "move to the device only while prompts are encoded (once per rollout and evaluation); shard: FSDP2 "
+        "shards them over the ranks of one replica (needs sharding fsdp2)"
+    )
+    replicate: int = Field(
+        1, ge=1, description="HSDP: replica groups (typically nodes); FSDP2 shards within each; the world is "
+        "replicate × shard × context processes"
+    )
+    context_degree: int = Field(
+        1, ge=1, description="context (sequence) parallel degree: the ranks of one context group share samples "
+        "and split each sample's tokens"
+    )
+    context_attention: Literal["ulysses", "ring"] = Field(
+        "ulysses", description="context parallelism's attention: ulysses (all-to-all over heads) or ring"
+    )
+    offload: Literal["none", "cpu"] = Field(
+        "none", description="cpu: FSDP2's CPUOffloadPolicy keeps the trained parameters, gradients and optimizer "
+        "state in host memory (needs sharding fsdp2)"
+    )
+    ema: Literal["device", "cpu"] = Field("device", description="where the EMA shadow lives")
+    experts: Literal["device", "offload", "shard"] = Field(
+        "device", description="Wan2.2 A14B: the untrained other expert (transformer_2) whole on the device, its "
+        "shards in host memory gathered per block (offload), or sharded like the policy (shard)"
+    )
+    reward_models: Literal["device", "offload"] = Field(
+        "device", description="reward models on the device, or in host memory and on the device only while scoring"
+    )
+    gradient_sync: Literal["step", "micro_batch"] = Field(
+        "step", description="fsdp2: reduce-scatter gradients once per optimizer step, or after every micro-batch"
     )
 
 
@@ -285,6 +312,12 @@ class ParallelConfig(Section):
         """The settings that only FSDP2 reads are refused without it (``ValueError``), each naming itself."""
         if self.sharding == "fsdp2":
             return self
+        for name, value, bad in (("offload", self.offload, "cpu"), ("text_encoders", self.text_encoders, "shard"),
+                                 ("experts", self.experts, "shard")):
+            if value == bad:
+                raise ValueError(f"parallel.{name}={bad} needs parallel.sharding=fsdp2 (FSDP2 does it)")
+        if self.replicate > 1:
+            raise ValueError(f"parallel.replicate={self.replicate} is HSDP, which needs parallel.sharding=fsdp2")
         if self.reference == "cpu_offload":
             raise ValueError("parallel.reference=cpu_offload keeps the reference's shards in host memory, which needs "
                              "parallel.sharding=fsdp2 (any process count, one included); or use "
