@@ -191,7 +191,7 @@ def _open_clip(name: str):
 
     root = logging.getLogger()
     level = root.level
-    root.setLevel(logging.WARNING)  # open_clip reports every step of building a model on the root logger
+    root.setLevel(logging.ERROR)  # open_clip reports every step of building a model on the root logger
     try:
         return open_clip.create_model(name, pretrained=None, device="meta")
     finally:
