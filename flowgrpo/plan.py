@@ -594,6 +594,7 @@ class Workload:
     steps: int
     gradient_checkpointing: bool
     guidance_scale: float = 1.0
+    train_guidance_scale: float | None = None  # the training forwards' (forward-process objectives), else the above
     cfg_detach_uncond: bool = False
     lora_rank: int = 64
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
@@ -677,7 +678,8 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     img = fam.tokens(w.height, w.width, w.frames)
     txt = fam.text_tokens(w.max_sequence_length)
     cfg = 2 if fam.true_cfg and w.guidance_scale > 1 else 1
-    cfg_train = 1 if w.cfg_detach_uncond else cfg
+    train_scale = w.guidance_scale if w.train_guidance_scale is None else w.train_guidance_scale
+    cfg_train = 2 if fam.true_cfg and train_scale > 1 and not w.cfg_detach_uncond else 1
     dev: dict[str, float] = dict.fromkeys(PARTS, 0.0)
     host: dict[str, float] = dict.fromkeys(PARTS, 0.0)
     off = "host" if w.offload == "cpu" else "dev"
@@ -766,7 +768,9 @@ def workload_of(config) -> Workload:
         frames=(m.num_frames or 81) if fam.video else 1, max_sequence_length=m.max_sequence_length,
         train_rows=config.train_batch_size, rollout_rows=t.rollout_batch_size, samples=samples,
         steps=config.sampling.num_steps, gradient_checkpointing=m.gradient_checkpointing,
-        guidance_scale=config.sampling.guidance_scale, cfg_detach_uncond=m.cfg_detach_uncond,
+        guidance_scale=config.sampling.guidance_scale,
+        train_guidance_scale=getattr(config.objective, "train_guidance_scale", None),
+        cfg_detach_uncond=m.cfg_detach_uncond,
         lora_rank=m.lora_rank, lora_targets=tuple(m.lora_target_modules), kl=config.algo.kl_beta > 0,
         ema=t.ema_decay is not None, latents_on_cpu=t.latents_on_cpu, rewards=_reward_sizes(unique),
         sharding=p.sharding, replicate=p.replicate, context_degree=p.context_degree,
@@ -795,7 +799,8 @@ def render(p: Plan, title: str = "") -> str:
     phases' peaks, and whether it fits."""
     w, lay = p.workload, p.layout
     fam = FAMILIES[w.family]
-    mesh = (f"{lay.gpus} GPUs = replicate {lay.replicate} × shard {lay.shard} × context {lay.context}; "
+    mesh = (f"{lay.gpus} GPU{'s' * (lay.gpus > 1)} = replicate {lay.replicate} × shard {lay.shard} × context "
+            f"{lay.context}; "
             + (f"FSDP2 shards over {lay.fsdp} ranks" if w.sharding == "fsdp2" else "no sharding (DDP)")
             + f", samples split over {lay.data} data ranks")
     img, txt = fam.tokens(w.height, w.width, w.frames), fam.text_tokens(w.max_sequence_length)
