@@ -726,6 +726,10 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
               "encode": resident - dev["text_encoders"] + enc,
               "score": resident - dev["reward_models"] + rew}
     notes = []
+    per_rank = w.samples / lay.data
+    if per_rank != int(per_rank) or int(per_rank) % w.rollout_rows:
+        notes.append(f"{w.samples} samples over {lay.data} data ranks is {per_rank:g} a rank, not a multiple of "
+                     f"train.rollout_batch_size={w.rollout_rows}: raise train.prompts_per_epoch")
     if not full:
         notes.append("LoRA: activations counted as full fine-tuning's (an upper bound)")
     if cfg_train > 1:
