@@ -26,8 +26,8 @@ def reference_workload(family: str, finetune: str, gradient_checkpointing: bool,
                     text_encoders="offload")
 
 
-COLUMNS = ("weights", "grads", "optimizer", "reference", "ema", "other_expert", "text_encoders", "vae", "activations",
-           "transient")
+COLUMNS = ("weights", "masters", "grads", "optimizer", "reference", "ema", "other_expert", "text_encoders", "vae",
+           "activations", "transient")
 
 
 def _row(label: list[str], p) -> str:
@@ -39,7 +39,7 @@ def _row(label: list[str], p) -> str:
 def reference_table() -> str:
     """GiB per GPU by part for LoRA / full × 1 / 8 / 16 GPUs × checkpointing off / on (one GPU: no sharding;
     several: FSDP2)."""
-    cols = ["model", "train", "GPUs", "ckpt", "weights", "grads", "optim.", "ref.", "EMA", "other expert",
+    cols = ["model", "train", "GPUs", "ckpt", "frozen", "masters", "grads", "optim.", "ref.", "EMA", "other expert",
             "text enc.", "VAE", "activ.", "transient", "peak", "fits 80 GB"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for family in ("flux", "sd3", "qwenimage", "wan22_a14b"):

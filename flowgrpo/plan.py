@@ -15,8 +15,9 @@ activations and the rollout's working set divide by the context degree.
 
 Parts (each "on each GPU" and "host memory per rank"):
 
-* weights: the transformer's (LoRA: frozen base in ``model.dtype`` + float32 adapter; full fine-tuning: float32
-  master weights); in host memory with ``parallel.offload: cpu`` (FSDP2's ``CPUOffloadPolicy``);
+* weights: the transformer's frozen weights in ``model.dtype`` (LoRA's base; none in full fine-tuning); masters:
+  the trained weights in float32 (LoRA's adapter; full fine-tuning: every weight); both in host memory with
+  ``parallel.offload: cpu`` (FSDP2's ``CPUOffloadPolicy``);
 * grads: float32 gradients of the trained parameters, during the update only (DDP over several ranks keeps a
   second copy in its buckets); host with ``offload: cpu``;
 * optimizer: AdamW's two float32 moments; host with ``offload: cpu``;
@@ -615,13 +616,13 @@ class Workload:
 
 
 #: parts in the order they are printed
-PARTS = ("weights", "grads", "optimizer", "reference", "ema", "other_expert", "text_encoders", "reward_models", "vae",
-         "rollout_latents", "activations", "transient", "decode")
-LABELS = {"weights": "weights (trained + frozen)", "grads": "gradients", "optimizer": "optimizer (AdamW)",
-          "reference": "KL reference", "ema": "EMA", "other_expert": "other expert (frozen)",
-          "text_encoders": "text encoders", "reward_models": "reward models", "vae": "VAE",
-          "rollout_latents": "rollout latents", "activations": "activations", "transient": "gathered weights",
-          "decode": "VAE decode"}
+PARTS = ("weights", "masters", "grads", "optimizer", "reference", "ema", "other_expert", "text_encoders",
+         "reward_models", "vae", "rollout_latents", "activations", "transient", "decode")
+LABELS = {"weights": "frozen weights", "masters": "trained weights (float32 masters)", "grads": "gradients",
+          "optimizer": "optimizer (AdamW)", "reference": "KL reference", "ema": "EMA",
+          "other_expert": "other expert (frozen)", "text_encoders": "text encoders", "reward_models": "reward models",
+          "vae": "VAE", "rollout_latents": "rollout latents", "activations": "activations",
+          "transient": "gathered weights", "decode": "VAE decode"}
 
 
 @dataclass(frozen=True)
@@ -687,7 +688,8 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     def put(part: str, where: str, value: float) -> None:
         (host if where == "host" else dev)[part] = value
 
-    put("weights", off, (frozen * half + trained * 4) / f)
+    put("weights", off, frozen * half / f)
+    put("masters", off, trained * 4 / f)
     put("grads", off, trained * 4 / f * (2 if lay.gpus > 1 and w.sharding == "none" else 1))
     put("optimizer", off, trained * 8 / f)
     if full and w.kl:
@@ -718,7 +720,7 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     # offloaded shards stream through the device a block at a time (FSDP2 gathers each block for its forward)
     streamed = block if (w.experts == "offload" and fam.experts > 1) or (full and w.kl and
                                                                        w.reference == "cpu_offload") else 0
-    resident = sum(dev[k] for k in ("weights", "optimizer", "reference", "ema", "other_expert", "vae",
+    resident = sum(dev[k] for k in ("weights", "masters", "optimizer", "reference", "ema", "other_expert", "vae",
                                     "rollout_latents", "text_encoders", "reward_models"))
     working = 10 * (img + txt) * fam.width * 2 * w.rollout_rows * cfg / lay.context
     phases = {"update": resident + dev["grads"] + dev["activations"] + dev["transient"] + streamed,

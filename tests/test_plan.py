@@ -102,14 +102,14 @@ def test_parts_follow_the_mesh_context_and_placements():
     assert n == sizes("flux").transformer
     cfg = REPO / "configs" / "flux_chunk.yaml"
     p8 = plan_config(cfg, 8)
-    assert p8.device["weights"] == 4 * n / 8 and p8.device["grads"] == 4 * n / 8
-    assert p8.device["optimizer"] == 8 * n / 8 and p8.host["weights"] == 0
+    assert p8.device["masters"] == 4 * n / 8 and p8.device["grads"] == 4 * n / 8 and p8.device["weights"] == 0
+    assert p8.device["optimizer"] == 8 * n / 8 and p8.host["masters"] == 0
     # 16 GPUs as 2 replicas of 8: the same shards per GPU
     p16 = plan_config(cfg, 16, overrides=["parallel.replicate=2"])
-    assert p16.device["weights"] == p8.device["weights"] and p16.layout.fsdp == 8
+    assert p16.device["masters"] == p8.device["masters"] and p16.layout.fsdp == 8
     # context degree 2 on 8 GPUs: FSDP2 still shards over all 8, each rank keeps half a row's activations
     pc = plan_config(cfg, 8, overrides=["parallel.context_degree=2"])
-    assert pc.device["weights"] == p8.device["weights"] and pc.layout.data == 4
+    assert pc.device["masters"] == p8.device["masters"] and pc.layout.data == 4
     s_img, s_txt, h = (720 // 16) ** 2, 512, 3072
     per_row_plain = (19 * (56.2 * s_img + 56.1 * s_txt) + 38 * (50.1 * s_img + 50.1 * s_txt)) * h
     assert p8.activations_plain == pytest.approx(4 * per_row_plain)
@@ -118,7 +118,7 @@ def test_parts_follow_the_mesh_context_and_placements():
     assert p8.device["activations"] == pytest.approx(4 * per_row_ckpt)
     # offload: trained parameters, grads and Adam in host memory; the EMA on the CPU
     po = plan_config(cfg, 8, overrides=["parallel.offload=cpu", "train.ema_decay=0.9", "parallel.ema=cpu"])
-    for part, per_param in (("weights", 4), ("grads", 4), ("optimizer", 8), ("ema", 4)):
+    for part, per_param in (("masters", 4), ("grads", 4), ("optimizer", 8), ("ema", 4)):
         assert po.device[part] == 0 and po.host[part] == per_param * n / 8, part
     assert po.phases["update"] == pytest.approx(p8.phases["update"] - 16 * n / 8)
 
