@@ -40,7 +40,9 @@ Parts (each "on each GPU" and "host memory per rank"):
   without gradient checkpointing Σ over blocks of (a·s_img + b·s_txt)·h bytes, with it each block's input
   (2·s·h) plus one block's (a·s_img + b·s_txt)·h while it is recomputed; a and b per block kind are
   :data:`COEFFICIENTS`, counted from the saved tensors of the real block classes (:func:`count_saved_bytes`);
-  LoRA keeps the same (an upper bound: a frozen linear's input is kept only where LoRA reads it);
+  a LoRA's are counted when it is planned, on the narrow model with the config's targets (:func:`lora_kinds`:
+  a frozen linear's input is kept only where the gradient needs it, and each adapted linear keeps a float32
+  copy of its input for the float32 adapter);
 * transient: FSDP2's gathered weights in ``model.dtype`` (the block computing and the next one prefetched; the
   whole model with ``reshard_after_forward: false``), or autocast's ``model.dtype`` copies of float32 master
   weights without sharding.
@@ -55,6 +57,7 @@ context, NCCL buffers and the caching allocator's fragmentation). The model is a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -244,6 +247,7 @@ class Family:
     decode_width: int = 128
     decode_frames: int = 1
     video: bool = False
+    narrow: str = ""  # the key of COEFFICIENTS and of the narrow model its blocks are counted on
 
 
 def _image_tokens(h: int, w: int, f: int) -> int:
@@ -324,6 +328,9 @@ def _register() -> None:
                                            BlockKind("context_refiner", 2, *c["zimage"]["context_refiner"]),
                                            BlockKind("block", 30, *c["zimage"]["block"])), true_cfg=True),
     })
+    narrow = {"kontext": "flux", "qwenimage_edit_plus": "qwenimage", "wan22_a14b": "wan_14b"}
+    for key, fam in FAMILIES.items():
+        FAMILIES[key] = dataclasses.replace(fam, narrow=narrow.get(key, key))
 
 
 #: a config's model.pretrained → family; configs of other models (the embedded digits and tiny models) are
@@ -512,14 +519,25 @@ def _narrow(family: str, image_tokens: int, text_tokens: int, heads: int):
     raise ValueError(f"no narrow model for family {family!r}")
 
 
-def count_saved_bytes(family: str, image_tokens: int, text_tokens: int, heads: int = 2) -> dict[str, int]:
+def count_saved_bytes(family: str, image_tokens: int, text_tokens: int, heads: int = 2,
+                      lora_targets: tuple[str, ...] = ()) -> tuple[dict[str, int], int]:
     """Bytes autograd saves for one block of each kind of ``family`` (a key of :data:`COEFFICIENTS`) on one row of
     ``image_tokens`` + ``text_tokens`` tokens, counted by :func:`saved_bytes` on a narrow bf16 model of the real
-    class (:func:`_narrow`) with every parameter trainable; the last block of each kind is reported (the first
-    block also saves what all blocks share, e.g. the rotary tables). Returns ({kind: bytes}, the width h)."""
+    class (:func:`_narrow`) with every parameter trainable, or, with ``lora_targets``, the base frozen and a
+    rank-1 float32 LoRA on those modules (as training sets it up: peft's adapter in float32 over the bf16 base);
+    the last block of each kind is reported (the first block also saves what all blocks share, e.g. the rotary
+    tables). Returns ({kind: bytes}, the width h)."""
     from flowgrpo.parallel import shard_blocks
 
     model, call, kinds, width = _narrow(family, image_tokens, text_tokens, heads)
+    if lora_targets:
+        from peft import LoraConfig
+
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=1, lora_alpha=1, target_modules=list(lora_targets)))
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
     blocks = shard_blocks(model)
     if kinds is None:  # Z-Image: its image and text refiners, then the joint layers, named by their attribute
         names = {id(m): n.split(".")[0] for n, m in model.named_modules()}
@@ -528,17 +546,44 @@ def count_saved_bytes(family: str, image_tokens: int, text_tokens: int, heads: i
     return dict(zip(kinds, counted, strict=True)), width
 
 
-def derive_coefficients(family: str, image_tokens: int = 1024, text_tokens: int = 256,
-                        heads: int = 2) -> dict[str, tuple[float, float]]:
-    """The (image, text) coefficients of each block kind of ``family``: counts at ``text_tokens`` and twice as many
-    give the text term, the rest is the image term (``bytes = (image·s_img + text·s_txt)·h``)."""
-    one, h = count_saved_bytes(family, image_tokens, text_tokens, heads)
-    two, _ = count_saved_bytes(family, image_tokens, 2 * text_tokens, heads)
+def derive_coefficients(family: str, image_tokens: int = 1024, text_tokens: int = 256, heads: int = 2,
+                        lora_targets: tuple[str, ...] = ()) -> dict[str, tuple[float, float]]:
+    """The (image, text) coefficients of each block kind of ``family`` (full fine-tuning, or a LoRA on
+    ``lora_targets``): counts at ``text_tokens`` and twice as many give the text term, the rest is the image term
+    (``bytes = (image·s_img + text·s_txt)·h``)."""
+    one, h = count_saved_bytes(family, image_tokens, text_tokens, heads, lora_targets)
+    two, _ = count_saved_bytes(family, image_tokens, 2 * text_tokens, heads, lora_targets)
     out = {}
     for kind in one:
         text = (two[kind] - one[kind]) / (text_tokens * h)
         out[kind] = (round((one[kind] - text * text_tokens * h) / (image_tokens * h), 2), round(text, 2))
     return out
+
+
+_LORA_KINDS: dict = {}
+
+
+def lora_kinds(family: str, rank: int, targets: tuple[str, ...]) -> tuple[BlockKind, ...]:
+    """``family``'s block kinds with the coefficients of a LoRA of ``rank`` on ``targets``, counted on the narrow
+    model (:func:`derive_coefficients`, cached): the rank-1 count plus each adapted linear's (s × rank) float32
+    intermediate, 4·rank/h per token and adapted linear of the block (counted on the image and the text term)."""
+    key = (family, rank, tuple(targets))
+    if key not in _LORA_KINDS:
+        fam = FAMILIES[family]
+        counted = derive_coefficients(fam.narrow, lora_targets=tuple(targets))
+        from peft import LoraConfig
+
+        from flowgrpo.parallel import shard_blocks
+
+        with torch.device("meta"):  # how many linears of one block of each kind the targets adapt
+            tr = fam.transformer()
+            tr.add_adapter(LoraConfig(r=1, lora_alpha=1, target_modules=list(targets)))
+            blocks = shard_blocks(tr)
+        adapted = max(sum(1 for n, _ in b.named_modules() if n.endswith("lora_A")) for b in blocks)
+        extra = 4 * (rank - 1) * adapted / fam.width  # the most any block adapts, for every kind (an upper bound)
+        _LORA_KINDS[key] = tuple(BlockKind(k.name, k.count, counted[k.name][0] + extra, counted[k.name][1] + extra)
+                                 for k in fam.kinds)
+    return _LORA_KINDS[key]
 
 
 _register()
@@ -709,8 +754,9 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     latents = math.ceil(w.samples / lay.data) * (w.steps + 1) * fam.latent(w.height, w.width, w.frames) * 4
     put("rollout_latents", "host" if w.latents_on_cpu else "dev", latents)
     rows = w.train_rows * cfg_train / lay.context
-    plain = activation_bytes(fam, img, txt, False) * rows
-    ckpt = activation_bytes(fam, img, txt, True) * rows
+    counted = fam if full else dataclasses.replace(fam, kinds=lora_kinds(w.family, w.lora_rank, w.lora_targets))
+    plain = activation_bytes(counted, img, txt, False) * rows
+    ckpt = activation_bytes(counted, img, txt, True) * rows
     dev["activations"] = ckpt if w.gradient_checkpointing else plain
     block = 2 * s.largest_block * half
     if w.sharding == "fsdp2":
@@ -732,8 +778,6 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     if per_rank != int(per_rank) or int(per_rank) % w.rollout_rows:
         notes.append(f"{w.samples} samples over {lay.data} data ranks is {per_rank:g} a rank, not a multiple of "
                      f"train.rollout_batch_size={w.rollout_rows}: raise train.prompts_per_epoch")
-    if not full:
-        notes.append("LoRA: activations counted as full fine-tuning's (an upper bound)")
     if cfg_train > 1:
         notes.append("true CFG: the training forward runs both branches with gradient (activations × 2)")
     return Plan(w, lay, dev, host, phases, plain, ckpt, gpu_memory_gib * USABLE * GIB, tuple(notes))
