@@ -456,8 +456,15 @@ def saved_bytes(model: torch.nn.Module, blocks: list[torch.nn.Module], call: Cal
 def _bf16(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` in bfloat16 except the modules its class keeps in float32 (as ``from_pretrained(torch_dtype=
     torch.bfloat16)`` loads it)."""
+    from diffusers.utils import logging as diffusers_logging
+
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    model.to(torch.bfloat16)
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # its advice to load with torch_dtype: the float32 modules are kept below
+    try:
+        model.to(torch.bfloat16)
+    finally:
+        diffusers_logging.set_verbosity(level)
     for name, module in model.named_modules():
         if any(k in name.split(".") for k in keep):
             module.float()
