@@ -207,3 +207,14 @@ def test_cli_plan_prints_the_table_and_refuses_a_bad_layout(capsys):
     assert err.value.code == 2
     assert "--gpus 6 is not a multiple" in capsys.readouterr().err
     assert GIB == 2**30 and plan  # the module's public names
+
+
+@pytest.mark.parametrize(("setting", "value"), [("offload", "cpu"), ("text_encoders", "shard"), ("experts", "shard"),
+                                                ("replicate", 2)])
+def test_placements_that_fsdp2_does_are_refused_without_it(setting, value):
+    """The parallel settings the plan reads that only FSDP2 carries out are refused without it, naming themselves."""
+    from flowgrpo.config import ConfigError, build_config
+
+    with pytest.raises((ConfigError, ValueError), match=f"parallel.{setting}"):
+        build_config({"parallel": {setting: value}})
+    build_config({"parallel": {"sharding": "fsdp2", setting: value}})
