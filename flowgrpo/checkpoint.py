@@ -1,22 +1,41 @@
 """Checkpoints: everything needed to resume a run bit for bit, written atomically.
 
-A checkpoint is a folder ``<output_dir>/checkpoints/epoch_<N>`` holding
+A checkpoint is a folder ``<output_dir>/checkpoints/epoch_<N>``. Its tensors come in one of two forms, chosen by
+the layout of the trained weights:
+
+**Sharded** (the trained parameters are DTensors: ``parallel.sharding=fsdp2``, on any process count, one
+included). Every process writes and reads only its own shards, so no process ever holds a whole tensor:
+
+* ``sharded/``: torch's distributed checkpoint (``torch.distributed.checkpoint``, DCP): one file per process,
+  ``__<rank>_0.distcp``, with that process's shards of the trained parameters (``model.<name>``), of the
+  optimizer's moments and step counts (``optim.<name>.<key>``), of the EMA (``ema.ema.<i>``) and of the
+  objective's own state (``objective.<key>``), and ``.metadata`` naming each tensor's whole shape and which file
+  holds which part (written by the main process). Loading reshards: a run with another process count or layout
+  reads the parts of the files it needs, in place into its own shards; an unsharded run (one process, or DDP)
+  reads them into whole tensors. ``.metadata`` is a pickle: it is read by an unpickler that admits only DCP's
+  own metadata classes (and torch's sizes and dtypes), so, as below, a checkpoint never runs code;
+* ``optimizer_groups.json``: the optimizer's parameter groups (settings and parameter names).
+
+**Whole** (every other run: one process, or DDP over several), each tensor whole, the main process writes:
 
 * ``trainable.safetensors``: the trained parameters (LoRA or the whole transformer), by parameter name;
 * ``ema.safetensors``: the EMA shadow weights (when EMA is on);
 * ``objective.safetensors``: the objective's own state (when it keeps any: the old copy of the weights of the
   forward-process objectives);
-* ``optimizer.pt``, ``rng.pt``: optimizer state (keyed by parameter name) and the torch RNG state, loaded with
-  ``weights_only=True`` (tensors and plain containers only: a pickled object is refused);
-* ``state.json``: epoch, LR-scheduler and prompt-sampler state.
+* ``optimizer.pt``: optimizer state keyed by parameter name, loaded with ``weights_only=True`` (tensors and
+  plain containers only: a pickled object is refused).
 
-Every tensor is whole, whatever the process count or sharding of the run that wrote it, so a run resumes with
-another process count (:mod:`flowgrpo.state_dicts` gathers a sharded model's tensors and hands them back). Saving
-and loading are collectives: every process calls them; the main process (global rank 0) alone writes.
+Both hold ``rng.pt`` (the torch RNG state, ``weights_only=True``) and ``state.json`` (epoch, LR-scheduler and
+prompt-sampler state). Either form loads into either kind of run (a run resumes with another process count or
+sharding); a sharded run loading a whole checkpoint (one written before the sharded form existed, or by an
+unsharded run) has the main process alone read the files and send each process its shards, one tensor at a
+time (:mod:`flowgrpo.state_dicts`). Saving and loading are collectives: every process calls them. The sharded
+form needs a file system every process sees (as a multi-node run's output folder is).
 
-The folder is written under a temporary name, made durable and renamed into place, and ``latest`` (a text file
-naming the folder) is replaced atomically after it: a crash mid-write leaves the previous checkpoint intact and
-``latest`` pointing at it. Re-saving an existing epoch (a resumed run) replaces it without a moment in which
+The folder is written under a temporary name, made durable (every file fsynced, the sharded ones by the process
+that wrote them and again by the main process) and renamed into place by the main process, and ``latest`` (a text
+file naming the folder) is replaced atomically after it: a crash mid-write leaves the previous checkpoint intact
+and ``latest`` pointing at it. Re-saving an existing epoch (a resumed run) replaces it without a moment in which
 ``latest`` names a missing or incomplete folder (:func:`publish_checkpoint`), and a checkpoint is removed (the
 ``keep`` rotation) by renaming it to a hidden name before deleting it, so no half-deleted folder keeps a
 checkpoint's name.
@@ -29,6 +48,7 @@ so its older, healthy checkpoints are never rotated out by bad ones.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -39,7 +59,25 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flowgrpo import dist
-from flowgrpo.state_dicts import load_optimizer_state, load_trainable_state, optimizer_state, trainable_state
+from flowgrpo.state_dicts import (
+    full_tensor,
+    is_sharded,
+    load_optimizer_state,
+    load_sharded_optimizer_state,
+    load_sharded_trainable_state,
+    load_trainable_state,
+    optimizer_state,
+    optimizer_target,
+    scatter_from_rank0,
+    sharded_optimizer_state,
+    sharded_trainable_state,
+    trainable_names,
+    trainable_state,
+)
+
+#: the folder of a sharded checkpoint's tensors (torch's distributed checkpoint) and its optimizer groups' file
+SHARDED = "sharded"
+GROUPS = "optimizer_groups.json"
 
 
 class CheckpointError(RuntimeError):
@@ -49,40 +87,89 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(root: str | Path, epoch: int, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
                     ema=None, keep: int = 2, objective=None) -> Path:
     """Write ``root/epoch_<epoch>`` atomically and point ``root/latest`` at it; keep the newest ``keep``.
-    ``objective``: the run's objective, whose ``state_dict()`` (whole tensors; empty: no file) is saved.
+    ``objective``: the run's objective, whose ``state_dict()`` (empty: none) is saved.
 
-    Every process calls it (a sharded model's tensors are gathered); the main process writes, and the others
-    wait until it has."""
+    Every process calls it. A sharded model (DTensor parameters): each process writes its own shards into the
+    temporary folder, then the main process writes the rest and publishes it. Otherwise the main process writes
+    whole tensors (gathered from DDP's identical copies: nothing to gather), and the others wait until it has."""
     root = Path(root)
-    weights, opt_state = trainable_state(model), optimizer_state(model, optimizer)
-    ema_state = ema.state_dict() if ema is not None else None
-    extra = objective.state_dict() if objective is not None else {}
     final = root / f"epoch_{epoch}"
+    sharded = is_sharded(model)
+    if sharded:
+        tmp = root / f".epoch_{epoch}.tmp"
+        if dist.rank() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        dist.barrier()
+        groups = _save_shards(tmp / SHARDED, model, optimizer, ema, objective)
+        parts = functools.partial(_write_groups, groups=groups)
+    else:
+        parts = functools.partial(
+            _write_whole, weights=trainable_state(model), opt_state=optimizer_state(model, optimizer),
+            ema_state=ema.state_dict() if ema is not None else None,
+            objective_state=objective.state_dict() if objective is not None else {})
     if dist.rank() == 0:
-        _write(root, epoch, weights, opt_state, ema_state, lr_scheduler, sampler, keep, extra)
+        _write(root, epoch, parts, lr_scheduler, sampler, keep, fresh=not sharded)
     dist.barrier()
     return final
 
 
-def _write(root: Path, epoch: int, weights: dict, opt_state: dict, ema_state: dict | None, lr_scheduler, sampler,
-           keep: int, objective_state: dict | None = None) -> None:
+def _save_shards(folder: Path, model, optimizer, ema, objective) -> list[dict]:
+    """Every process writes its shards of the trained parameters, optimizer state, EMA and objective state into
+    ``folder`` (torch's distributed checkpoint; the main process also writes ``.metadata``); returns the
+    optimizer's parameter groups (plain data, for :func:`_write_groups`). A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    opt_state, groups = sharded_optimizer_state(model, optimizer)
+    state = {"model": sharded_trainable_state(model)}
+    if opt_state:  # an optimizer that has not stepped has only its groups
+        state["optim"] = opt_state
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    extra = objective.state_dict() if objective is not None else {}
+    if extra:
+        state["objective"] = extra
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+    return groups
+
+
+def _write_groups(tmp: Path, *, groups: list[dict]) -> None:
+    """The optimizer's parameter groups of a sharded checkpoint, as JSON."""
+    (tmp / GROUPS).write_text(json.dumps(groups))
+
+
+def _write_whole(tmp: Path, *, weights: dict, opt_state: dict, ema_state: dict | None,
+                 objective_state: dict | None) -> None:
+    """The whole-tensor files of an unsharded run's checkpoint."""
+    save_file(weights, tmp / "trainable.safetensors")
+    if ema_state is not None:
+        save_file({k: full_tensor(v).cpu().contiguous() for k, v in ema_state.items()}, tmp / "ema.safetensors")
+    if objective_state:
+        save_file({k: full_tensor(v).cpu().contiguous() for k, v in objective_state.items()},
+                  tmp / "objective.safetensors")
+    torch.save(opt_state, tmp / "optimizer.pt")
+
+
+def _write(root: Path, epoch: int, parts, lr_scheduler, sampler, keep: int, *, fresh: bool = True) -> None:
+    """Write the checkpoint's files into a temporary folder (made here when ``fresh``; a sharded save's processes
+    have already written theirs into it), with ``parts(tmp)`` writing the tensors, make it durable and publish
+    it; then rotate to the newest ``keep``. Main process only."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"epoch_{epoch}"
     tmp = root / f".epoch_{epoch}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(weights, tmp / "trainable.safetensors")
-    if ema_state is not None:
-        save_file({k: v.contiguous() for k, v in ema_state.items()}, tmp / "ema.safetensors")
-    if objective_state:
-        save_file({k: v.contiguous() for k, v in objective_state.items()}, tmp / "objective.safetensors")
-    torch.save(opt_state, tmp / "optimizer.pt")
+    if fresh:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    parts(tmp)
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
     state = {"epoch": epoch, "lr_scheduler": lr_scheduler.state_dict(), "sampler": sampler.state_dict()}
     (tmp / "state.json").write_text(json.dumps(state))
-    for f in tmp.iterdir():  # make the bytes durable before the rename publishes them
+    for f in sorted(f for f in tmp.rglob("*") if f.is_file()):  # make the bytes durable before the rename
         with f.open("rb") as fh:
             os.fsync(fh.fileno())
+    for sub in (d for d in tmp.rglob("*") if d.is_dir()):
+        _fsync_dir(sub)
     publish_checkpoint(root, tmp, final)
     done = sorted((p for p in root.glob("epoch_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
     for old in done[:-keep] if keep > 0 else []:
@@ -130,14 +217,22 @@ def _remove(folder: Path) -> None:
 
 def _clone(src: Path, dst: Path) -> None:
     """``dst``: a complete copy of checkpoint folder ``src`` by hard links (no bytes copied; a copy where the file
-    system has none), ``state.json`` last, so it is complete once that exists."""
+    system has none), its sub-folders (a sharded checkpoint's ``sharded/``) first and ``state.json`` last, so it
+    is complete once that exists."""
     dst.mkdir()
+    for sub in sorted(d for d in src.iterdir() if d.is_dir()):
+        shutil.copytree(sub, dst / sub.name, copy_function=_link)
     files = sorted((f for f in src.iterdir() if f.is_file()), key=lambda f: f.name == "state.json")
     for f in files:
-        try:
-            os.link(f, dst / f.name)
-        except OSError:
-            shutil.copy2(f, dst / f.name)
+        _link(f, dst / f.name)
+
+
+def _link(src, dst) -> None:
+    """``dst`` a hard link to file ``src``, or a copy where the file system has none."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def publish_checkpoint(root: str | Path, tmp: str | Path, final: str | Path) -> None:
@@ -223,24 +318,262 @@ def _read(path: Path, read):
 
 
 def _load_objective(p: Path, objective) -> None:
-    """Hand ``objective`` the state of ``p/objective.safetensors``. Raises :class:`CheckpointError` when the
-    objective keeps state (``state_dict()`` non-empty) and the file is missing, or the file's state does not fit
-    the objective (another objective's, or another model's)."""
+    """Hand ``objective`` the state of ``p/objective.safetensors`` (a whole checkpoint). Raises
+    :class:`CheckpointError` when the objective keeps state (``state_dict()`` non-empty) and the file is missing,
+    or the file's state does not fit the objective (another objective's, or another model's). Under a sharded
+    model the main process alone reads the file and sends each process its shards."""
     if objective is None:
         return
     f = p / "objective.safetensors"
-    name = objective.cfg.objective.name if hasattr(objective, "cfg") else type(objective).__name__
+    held = objective.state_dict()
     if not f.is_file():
-        if objective.state_dict():
-            raise CheckpointError(f"checkpoint {str(p)!r} has no objective state (objective.safetensors), but "
-                                  f"objective {name!r} keeps some (the old copy of the weights); resume from a "
-                                  f"checkpoint of a {name!r} run")
+        if held:
+            _no_objective_state(p, objective)
         return
+    def unfit(err) -> CheckpointError:
+        return CheckpointError(f"checkpoint {str(p)!r}: objective.safetensors does not fit objective "
+                               f"{_objective_name(objective)!r} ({err})")
+
+    if any(_is_dtensor(v) for v in held.values()):  # the main process reads and checks, each process gets its shards
+        def read_checked() -> dict:
+            whole = _read(f, load_file)
+            if {k: tuple(v.shape) for k, v in whole.items()} != {k: tuple(v.shape) for k, v in held.items()}:
+                raise unfit(f"the checkpoint holds {sorted(whole)[:3]}, the objective keeps {sorted(held)[:3]} "
+                            "(or their shapes differ)")
+            return whole
+
+        whole = _on_main(read_checked)
+        state = {k: scatter_from_rank0(whole[k] if whole is not None else None, held[k]) for k in sorted(held)}
+    else:
+        state = _read(f, load_file)
     try:
-        objective.load_state_dict(_read(f, load_file))
+        objective.load_state_dict(state)
     except ValueError as err:
-        raise CheckpointError(f"checkpoint {str(p)!r}: objective.safetensors does not fit objective {name!r} "
-                              f"({err})") from err
+        raise unfit(err) from err
+
+
+def _objective_name(objective) -> str:
+    return objective.cfg.objective.name if hasattr(objective, "cfg") else type(objective).__name__
+
+
+def _no_objective_state(p: Path, objective) -> None:
+    name = _objective_name(objective)
+    raise CheckpointError(f"checkpoint {str(p)!r} has no objective state (objective.safetensors), but "
+                          f"objective {name!r} keeps some (the old copy of the weights); resume from a "
+                          f"checkpoint of a {name!r} run")
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _on_main(read):
+    """``read()`` on the main process alone (a whole checkpoint's file under a sharded model), its
+    :class:`CheckpointError` raised on every process; returns its value on the main process, None elsewhere."""
+    value, error = None, None
+    if dist.rank() == 0:
+        try:
+            value = read()
+        except CheckpointError as err:
+            error = str(err)
+    error = dist.broadcast_object(error)
+    if error is not None:
+        raise CheckpointError(error)
+    return value
+
+
+# the classes a DCP ``.metadata`` pickle may name: DCP's own metadata records, torch's sizes, dtypes and layouts,
+# and the path the checkpoint was written to
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` file admitting only classes of :data:`_METADATA_MODULES`, ``torch.Size``,
+    torch's dtypes and layouts and ``pathlib`` paths: anything else is a ``pickle.UnpicklingError``."""
+
+    def find_class(self, module: str, name: str):
+        import importlib
+
+        obj = getattr(importlib.import_module(module), name, None) if module.split(".")[0] in (
+            "torch", "pathlib") else None
+        allowed = (
+            (module in _METADATA_MODULES and isinstance(obj, type))
+            or (module == "torch" and (obj is torch.Size or isinstance(obj, torch.dtype | torch.layout)))
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"global '{module}.{name}' is forbidden")
+        return obj
+
+
+def _read_metadata(path: Path):
+    """A DCP ``.metadata`` file through :class:`_MetadataUnpickler`; raises ``ValueError`` when it is not DCP
+    metadata."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    with path.open("rb") as fh:
+        meta = _MetadataUnpickler(fh).load()
+    if not isinstance(meta, Metadata):
+        raise ValueError(f"not DCP metadata but a {type(meta).__name__}")
+    return meta
+
+
+def _reader(folder: Path, meta):
+    """A ``FileSystemReader`` of ``folder`` that hands DCP the checked ``meta`` (never unpickling the file again)
+    and refuses pickled (non-tensor) entries."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return Reader(folder)
+
+
+def _dcp_load(target: dict, folder: Path, meta, *, no_dist: bool) -> None:
+    """``torch.distributed.checkpoint.load`` of ``folder`` into ``target`` (in place), its failure (a
+    ``CheckpointException``, which is no ``Exception``: it gathers every process's) raised as a ``RuntimeError``
+    naming the first failing process and its error, for :func:`_read` to report."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(target, storage_reader=_reader(folder, meta), no_dist=no_dist)
+    except CheckpointException as err:
+        rank, (cause, _) = sorted(err.failures.items())[0]
+        raise RuntimeError(f"process {rank}: {_cause(cause)}") from None
+
+
+def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
+    """Load the tensors of sharded checkpoint ``p`` (``p/sharded``, ``p/optimizer_groups.json``) into the
+    model's trained parameters, the optimizer, the EMA and the objective, every process reading the parts of
+    the files its own shards need (the whole tensors, for an unsharded model). A collective.
+
+    Raises:
+        CheckpointError: as :func:`load_checkpoint`: a missing file, names or shapes that do not match the model,
+            the EMA or the objective, a forbidden global in the metadata, or a corrupt file (naming it).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = p / SHARDED
+    meta = _read(folder / ".metadata", _read_metadata)
+    for info in {i.relative_path for i in meta.storage_data.values()}:
+        if not (folder / info).is_file():
+            raise CheckpointError(f"checkpoint {str(p)!r} is incomplete: {SHARDED}/{info} is missing")
+    stored = meta.state_dict_metadata
+    groups = _read(p / GROUPS, lambda f: json.loads(f.read_text(encoding="utf-8")))
+
+    def section(prefix: str) -> dict:
+        return {k[len(prefix) + 1:]: v for k, v in stored.items() if k.startswith(prefix + ".")}
+
+    names, params = trainable_names(model), dict(model.named_parameters())
+    weights = section("model")
+    unknown = sorted(set(weights) - set(params))
+    missing = sorted(k for k in names if k not in weights)
+    if unknown or missing:
+        raise CheckpointError(f"checkpoint {str(p)!r} does not match the model: unknown {unknown[:3]}, "
+                              f"missing {missing[:3]}")
+    for k in names:  # in the model's parameter order: the first mismatch
+        _check_shape(p, k, tuple(weights[k].size), tuple(params[k].shape))
+    target = {"model": sharded_trainable_state(model)}
+    if section("optim"):
+        target["optim"] = optimizer_target(model, optimizer)
+    if ema is not None:
+        if not section("ema"):
+            raise CheckpointError(f"checkpoint {str(p)!r} has no EMA weights but this run uses EMA")
+        target["ema"] = ema.state_dict()
+    held = objective.state_dict() if objective is not None else {}
+    if objective is not None:
+        extra = section("objective")
+        if held and not extra:
+            _no_objective_state(p, objective)
+        if sorted(extra) != sorted(held):
+            raise CheckpointError(f"checkpoint {str(p)!r}: its objective state does not fit objective "
+                                  f"{_objective_name(objective)!r} (the checkpoint holds {sorted(extra)[:3]}, the "
+                                  f"objective keeps {sorted(held)[:3]})")
+        if held:
+            target["objective"] = held
+    flat = _flat(target)
+    for key, t in flat.items():
+        info = stored.get(key)
+        if not isinstance(info, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {str(p)!r} does not match this run: {key!r} is "
+                                  f"{'missing' if info is None else 'not a tensor'} in {SHARDED}/.metadata")
+        if tuple(info.size) != tuple(t.shape):
+            raise CheckpointError(f"checkpoint {str(p)!r} does not match this run: {key!r} has shape "
+                                  f"{tuple(info.size)} in the checkpoint but {tuple(t.shape)} here")
+    _read(folder, lambda f: _dcp_load(target, f, meta, no_dist=not dist.is_distributed()))
+    load_sharded_trainable_state(model, target["model"])
+    try:
+        load_sharded_optimizer_state(model, optimizer, target.get("optim", {}), groups)
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {str(p)!r}: {GROUPS} does not match the model ({_cause(err)})") from err
+    if ema is not None:
+        ema.load_state_dict(target["ema"])
+    if held:
+        objective.load_state_dict(target["objective"])
+
+
+def whole_tensors(path: str | Path) -> dict[str, dict]:
+    """Every tensor of a checkpoint (sharded or whole), whole, in this process's host memory, by part:
+    ``trainable`` {name: tensor}, ``ema`` {``ema.<i>``: tensor}, ``objective`` {key: tensor} (empty dicts when
+    absent) and ``optimizer`` {``state``: {name: {key: tensor}}}. For inspecting a checkpoint in one process (it
+    holds the whole state: not for a large model's training processes); no process group is needed.
+
+    Raises:
+        CheckpointError: as :func:`load_checkpoint`, for a missing, corrupt or refused file.
+    """
+    p = resolve_checkpoint(path)
+    if not (p / SHARDED).is_dir():
+        out = {"trainable": _read(p / "trainable.safetensors", load_file),
+               "optimizer": _read(p / "optimizer.pt", _torch_load)}
+        for part in ("ema", "objective"):
+            f = p / f"{part}.safetensors"
+            out[part] = _read(f, load_file) if f.is_file() else {}
+        return out
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = p / SHARDED
+    meta = _read(folder / ".metadata", _read_metadata)
+    target = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+              if isinstance(v, TensorStorageMetadata)}
+    _read(folder, lambda f: _dcp_load(target, f, meta, no_dist=True))
+    out = {"trainable": {}, "ema": {}, "objective": {}, "optimizer": {"state": {}}}
+    for key, t in target.items():
+        part, _, rest = key.partition(".")
+        if part == "optim":
+            name, _, slot = rest.rpartition(".")
+            out["optimizer"]["state"].setdefault(name, {})[slot] = t
+        else:
+            out[{"model": "trainable"}.get(part, part)][rest] = t
+    return out
+
+
+def _flat(state: dict, prefix: str = "") -> dict:
+    """A nested dict's tensors by dotted key, as DCP flattens them."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _check_shape(p: Path, k: str, stored: tuple, model: tuple) -> None:
+    if stored != model:
+        raise CheckpointError(
+            f"checkpoint {str(p)!r} does not match the model: parameter {k!r} has shape {stored} in "
+            f"the checkpoint but {model} in the model (was it written with other model "
+            "settings, e.g. model.lora_rank or model.finetune?)"
+        )
 
 
 def _cause(err: BaseException) -> str:
@@ -250,9 +583,11 @@ def _cause(err: BaseException) -> str:
 
 def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
                     ema=None, objective=None) -> int:
-    """Restore every part from a checkpoint; returns the epoch it was written after. Every process calls it and
-    reads the files (a sharded model keeps its shard of each whole tensor). ``objective``: the run's objective,
-    given back its ``objective.safetensors`` (:func:`_load_objective`).
+    """Restore every part from a checkpoint, sharded or whole (module docstring); returns the epoch it was
+    written after. Every process calls it. A sharded checkpoint: each process reads the parts its shards need. A
+    whole one: an unsharded model's processes each read the files; a sharded model's main process alone reads them
+    and sends each process its shards. ``objective``: the run's objective, given back its state
+    (:func:`_load_objective`).
 
     Raises:
         CheckpointError: incomplete folder, parameter names or shapes that do not match the model (naming the
@@ -261,33 +596,60 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_s
         ValueError: the prompt sampler's state does not match this run (``GroupSampler.load_state_dict``).
     """
     p = resolve_checkpoint(path)
-    _load_objective(p, objective)
-    weights = _read(p / "trainable.safetensors", load_file)
-    params = dict(model.named_parameters())
-    unknown = sorted(set(weights) - set(params))
-    missing = sorted(k for k, v in params.items() if v.requires_grad and k not in weights)
-    if unknown or missing:
-        raise CheckpointError(f"checkpoint {str(p)!r} does not match the model: unknown {unknown[:3]}, "
-                              f"missing {missing[:3]}")
-    for k in (k for k in params if k in weights):  # in the model's parameter order: the first mismatch
-        v = weights[k]
-        if tuple(v.shape) != tuple(params[k].shape):
-            raise CheckpointError(
-                f"checkpoint {str(p)!r} does not match the model: parameter {k!r} has shape {tuple(v.shape)} in "
-                f"the checkpoint but {tuple(params[k].shape)} in the model (was it written with other model "
-                "settings, e.g. model.lora_rank or model.finetune?)"
-            )
-    load_trainable_state(model, weights)
-    try:
-        load_optimizer_state(model, optimizer, _read(p / "optimizer.pt", _torch_load))
-    except (ValueError, KeyError) as err:
-        raise CheckpointError(f"checkpoint {str(p)!r}: optimizer.pt does not match the model ({_cause(err)})") from err
+    if (p / SHARDED).is_dir():
+        _load_sharded(p, model=model, optimizer=optimizer, ema=ema, objective=objective)
+    else:
+        _load_whole(p, model=model, optimizer=optimizer, ema=ema, objective=objective)
     torch.set_rng_state(_read(p / "rng.pt", lambda f: _torch_load(f)["torch"]))
-    if ema is not None:
-        if not (p / "ema.safetensors").is_file():
-            raise CheckpointError(f"checkpoint {str(p)!r} has no EMA weights but this run uses EMA")
-        ema.load_state_dict(_read(p / "ema.safetensors", load_file))
     state = _read(p / "state.json", _read_state)
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     sampler.load_state_dict(state["sampler"])
     return int(state["epoch"])
+
+
+def _load_whole(p: Path, *, model, optimizer, ema, objective) -> None:
+    """The tensors of whole checkpoint ``p`` (``trainable.safetensors``, ``optimizer.pt``, ``ema.safetensors``,
+    ``objective.safetensors``) into the model, optimizer, EMA and objective; under a sharded model the main
+    process alone reads the files (:func:`_on_main`) and each process receives its shards."""
+    from_rank0 = is_sharded(model) and dist.world_size() > 1
+    _load_objective(p, objective)
+    params = dict(model.named_parameters())
+
+    def weights_checked() -> dict:
+        weights = _read(p / "trainable.safetensors", load_file)
+        unknown = sorted(set(weights) - set(params))
+        missing = sorted(k for k, v in params.items() if v.requires_grad and k not in weights)
+        if unknown or missing:
+            raise CheckpointError(f"checkpoint {str(p)!r} does not match the model: unknown {unknown[:3]}, "
+                                  f"missing {missing[:3]}")
+        for k in (k for k in params if k in weights):  # in the model's parameter order: the first mismatch
+            _check_shape(p, k, tuple(weights[k].shape), tuple(params[k].shape))
+        return weights
+
+    if from_rank0:
+        load_trainable_state(model, _on_main(weights_checked), from_rank0=True)
+    else:
+        load_trainable_state(model, weights_checked())
+    try:
+        opt_state = (_on_main if from_rank0 else _call)(lambda: _read(p / "optimizer.pt", _torch_load))
+        load_optimizer_state(model, optimizer, opt_state, from_rank0=from_rank0)
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {str(p)!r}: optimizer.pt does not match the model ({_cause(err)})") from err
+    if ema is not None:
+        if not (p / "ema.safetensors").is_file():
+            raise CheckpointError(f"checkpoint {str(p)!r} has no EMA weights but this run uses EMA")
+        if from_rank0:
+            whole = _on_main(lambda: _read(p / "ema.safetensors", load_file))
+            held = ema.state_dict()
+            shapes = dist.broadcast_object({k: tuple(v.shape) for k, v in whole.items()} if whole is not None else None)
+            if shapes != {k: tuple(v.shape) for k, v in held.items()}:
+                raise CheckpointError(f"checkpoint {str(p)!r}: ema.safetensors holds other tensors than this "
+                                      f"run's EMA ({len(held)} tensors of the trained parameters' shapes)")
+            ema.load_state_dict({k: scatter_from_rank0(whole[k] if whole is not None else None, held[k])
+                                 for k in sorted(held)})
+        else:
+            ema.load_state_dict(_read(p / "ema.safetensors", load_file))
+
+
+def _call(read):
+    return read()

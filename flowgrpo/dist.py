@@ -84,6 +84,25 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return _all_reduce(t, torch_dist.ReduceOp.MAX)
 
 
+def broadcast_from_main(t: torch.Tensor) -> torch.Tensor:
+    """The main process's ``t`` on every process (a new tensor on ``t``'s device); ``t`` on one process."""
+    if not is_distributed():
+        return t
+    out = _on_backend(t).clone()
+    torch_dist.broadcast(out, src=0)
+    return out.to(t.device)
+
+
+def broadcast_object(obj):
+    """The main process's (global rank 0) ``obj`` on every process (a picklable object of plain data: an error
+    message, names and dtypes, an optimizer's parameter groups); ``obj`` itself on one process."""
+    if not is_distributed():
+        return obj
+    box = [obj if rank() == 0 else None]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     """Wait until every rank arrives (after the main process has written a shared file); no-op on one process."""
     if is_distributed():
@@ -95,12 +114,13 @@ _OWN_GROUP = False  # whether this module made the process group (one process, f
 
 def ensure_process_group(device: torch.device) -> None:
     """A default process group for torch's sharding: the launcher's (torchrun, accelerate) when there is one, else
-    a one-process group in memory (``HashStore``; NCCL for a CUDA device, gloo otherwise), so that a sharded model
-    runs the same code on one process as on many."""
+    a one-process group in memory (``HashStore``; NCCL for a CUDA device with gloo for CPU tensors, such as the
+    shards of ``parallel.offload=cpu``; gloo otherwise), so that a sharded model runs the same code on one process
+    as on many."""
     global _OWN_GROUP
     if is_distributed():
         return
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    backend = "cuda:nccl,cpu:gloo" if torch.device(device).type == "cuda" else "gloo"
     torch_dist.init_process_group(backend, store=torch_dist.HashStore(), rank=0, world_size=1)
     _OWN_GROUP = True
 

@@ -2,28 +2,54 @@
 
 One boundary decides it, once, before the first rollout (docs/many_gpus.md, "What sits on each GPU"):
 
-* :func:`check_engine` refuses accelerate's own FSDP and DeepSpeed engines (accelerate launches the processes
+* :func:`check_launch` refuses a launch that asked for several processes and started one (``accelerate launch
+  --cpu --num_processes N``: accelerate starts one process on the CPU unless MPI starts the others);
+  :func:`check_engine` refuses accelerate's own FSDP and DeepSpeed engines (accelerate launches the processes
   and names their devices; the sharding is ours, so that the same code runs under gloo on the CPU and NCCL on
   CUDA);
-* :func:`place_pipeline` puts the pipeline's parts on the device: the VAE always (it decodes every rollout
-  micro-batch), the text encoders unless ``parallel.text_encoders=offload`` (then they wait in host memory and
-  move to the device only while prompts are encoded), the transformer unless it is sharded (then each block
-  moves as its shard is made, so a process never holds the whole transformer on its device);
+* :func:`device_mesh` lays the processes out as a named three-dimensional mesh ``("replicate", "shard",
+  "context")`` of ``parallel.replicate`` x world/(replicate·context) x ``parallel.context_degree``; FSDP2 shards
+  over :func:`fsdp_mesh`, replicate x (shard·context): HSDP across the replica groups (typically nodes), plain
+  FSDP when ``replicate`` is 1;
+* :func:`place_pipeline` puts the pipeline's parts where the rule per module says:
+
+  - the VAE: on the device, whole (it decodes every rollout micro-batch);
+  - the text and image encoders (``parallel.text_encoders``): ``device`` whole; ``offload`` whole in host
+    memory, moved to the device only while prompts are encoded; ``shard`` FSDP2 over :func:`fsdp_mesh` on the
+    device, each block gathered for its forward and freed after it;
+  - the trained transformer: left in host memory when it is sharded (each block moves as its shard is made, by
+    :func:`prepare_model`, so a process never holds the whole transformer on its device), else on the device;
+  - the untrained other expert of a two-expert model (Wan2.2 A14B, ``parallel.experts``): ``device`` whole;
+    ``offload`` whole in host memory on every process, each block copied to the device for its forward
+    (diffusers' block-level group offloading: no collective, so processes may call it unequally); ``shard``
+    FSDP2 over :func:`fsdp_mesh` on the device (every process runs it in the same order: the rollout's steps and
+    the update's chunk plan are the same on every process);
+
+* :func:`place_rewards` keeps each reward's models on the device (``parallel.reward_models=device``) or in host
+  memory, moved to the device only while a batch is scored (``offload``);
 * :func:`prepare_model` makes the module the trainer calls: the transformer itself (one process), its DDP
   wrapper (several, ``parallel.sharding=none``), or the transformer with torch's ``fully_shard`` applied to each
-  block the model names in ``_no_split_modules`` and to the root (``fsdp2``, any process count). Full
-  fine-tuning keeps float32 master weights and computes in ``model.dtype`` (FSDP2's ``MixedPrecisionPolicy``,
-  or autocast without sharding); the frozen reference of full fine-tuning is sharded like the policy (or kept
-  in host memory, ``parallel.reference=cpu_offload``). Rollout, recompute and update all call the module this
-  returns, so the on-policy ratio stays exactly 1 whatever the layout of the weights;
-* :func:`clip_grad_norm` clips by the global gradient norm, sharded or not.
+  block the model names in ``_no_split_modules`` and to the root (``fsdp2``, any process count), its shards,
+  gradients and optimizer state on the device or in host memory (``parallel.offload=cpu``). Full fine-tuning
+  keeps float32 master weights and computes in ``model.dtype`` (FSDP2's ``MixedPrecisionPolicy``, or autocast
+  without sharding); the frozen reference of full fine-tuning is sharded like the policy (or kept in host
+  memory, ``parallel.reference=cpu_offload``). Rollout, recompute and update all call the module this returns,
+  so the on-policy ratio stays exactly 1 whatever the layout of the weights. On several processes the weights
+  are read once: the main process loads the transformer, the others build it on the meta device
+  (:mod:`flowgrpo.models.empty`) and receive their shards from it, one tensor at a time
+  (:func:`fill_from_main`); the full fine-tune's reference is built on the meta device too and filled from each
+  process's own policy shards (:func:`copy_shards`), never a whole copy;
+* :func:`gradient_sync` is the accumulation context of one micro-batch (``parallel.gradient_sync``);
+  :func:`clip_grad_norm` clips by the global gradient norm, sharded or not; :func:`reshard` frees gathered
+  weights around every swap of the shards' values (EMA, old copies), whatever ``reshard_after_forward``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -33,6 +59,49 @@ logger = logging.getLogger(__name__)
 
 #: pipeline components that only encode the conditioning (prompts, source images), by name prefix
 ENCODER_PREFIXES = ("text_encoder", "image_encoder")
+#: the names of the device mesh's dimensions (:func:`device_mesh`), outermost first
+MESH_DIMS = ("replicate", "shard", "context")
+#: the two dimensions of the mesh FSDP2 shards over (:func:`fsdp_mesh`)
+FSDP_DIMS = ("replicate", "shard_context")
+#: environment variables through which MPI tells a process how many were started
+_MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def check_launch(env: Mapping[str, str] | None = None) -> None:
+    """Refuse a launch that asked for several processes and started one, with one line naming the way that works.
+
+    ``accelerate launch --cpu --num_processes N`` (N > 1) starts a single Python process (accelerate's simple
+    launcher: on the CPU its other processes are MPI's to start, ``--mpirun_hostfile`` or ``mpirun``); that
+    process sees ``MASTER_ADDR`` (set by accelerate only when N > 1 or several machines were asked for) and
+    ``ACCELERATE_USE_CPU`` but no ``WORLD_SIZE``, and would train alone. (A ``MASTER_ADDR`` the shell exported
+    for a one-process CPU launch reads the same; the line says to unset it.)
+
+    Args:
+        env: the environment (default ``os.environ``).
+    Raises:
+        ValueError: that launch (``ACCELERATE_USE_CPU`` true, ``ACCELERATE_MIXED_PRECISION`` and ``MASTER_ADDR``
+            set by accelerate launch, neither ``WORLD_SIZE`` nor an MPI size).
+    """
+    env = os.environ if env is None else env
+    launched = "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env  # accelerate launch, N > 1
+    on_cpu = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if on_cpu and launched and "WORLD_SIZE" not in env and not any(k in env for k in _MPI_SIZES):
+        raise ValueError(
+            "accelerate launch --cpu with several processes started only this one (accelerate leaves the CPU's "
+            "other processes to MPI); launch with ACCELERATE_USE_CPU=true torchrun --nproc_per_node N "
+            "flowgrpo/train.py CONFIG (docs/many_gpus.md), or for one process unset MASTER_ADDR")
+
+
+def process_group_kwargs(settings) -> list:
+    """accelerate's ``kwargs_handlers`` for the run's process group: with ``parallel.offload=cpu`` on CUDA the
+    backend ``cuda:nccl,cpu:gloo`` (FSDP2 then holds CPU shards whose collectives, the clipping norm's all-reduce
+    and a checkpoint's gathering, NCCL cannot run; torch picks the backend by each tensor's device); else none
+    (accelerate's default: NCCL on CUDA, gloo on the CPU, where a given backend is ignored anyway)."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    if getattr(settings, "offload", "none") == "cpu" and torch.cuda.is_available():
+        return [InitProcessGroupKwargs(backend="cuda:nccl,cpu:gloo")]
+    return []
 
 
 def check_engine(accelerator, settings) -> None:
@@ -73,25 +142,65 @@ def is_encoder(name: str) -> bool:
     return name.startswith(ENCODER_PREFIXES)
 
 
+def other_expert(adapter) -> torch.nn.Module | None:
+    """The untrained expert of a two-expert adapter (Wan2.2 A14B: ``adapter.experts``, one of them trained), or
+    None."""
+    experts = getattr(adapter, "experts", None) or {}
+    others = [m for m in experts.values() if m is not None and m is not adapter.transformer]
+    return others[0] if others else None
+
+
 def place_pipeline(adapter, device: torch.device, settings) -> None:
     """Put every module of ``adapter.pipe`` where the run uses it (the rule of the module docstring).
 
     ``adapter.pipe.to(device)`` of everything is what this replaces: with ``text_encoders=offload`` the encoders
     stay in host memory, and the adapter's :meth:`~flowgrpo.models.base.AdapterBase.encoding` scope moves them to
-    ``device`` for each encoding; under ``sharding=fsdp2`` the transformer stays where it was loaded (host
-    memory) until :func:`prepare_model` shards it block by block onto the device.
+    ``device`` for each encoding; with ``text_encoders=shard`` they are FSDP2-sharded onto the device; under
+    ``sharding=fsdp2`` the transformer stays where it was loaded (host memory) until :func:`prepare_model` shards
+    it block by block onto the device; the other expert of a two-expert model goes where ``experts`` says.
+
+    Raises:
+        ValueError: a world size the mesh cannot take (:func:`mesh_shape`), when something is sharded; or
+            ``experts`` other than ``device`` for a model without an untrained second expert.
     """
     encoders = []
+    expert = other_expert(adapter)
+    if expert is None and settings.experts != "device":
+        raise ValueError(f"parallel.experts={settings.experts} places the untrained expert of a two-expert model "
+                         f"(Wan2.2 A14B); {type(adapter.transformer).__name__} here has no second expert: use "
+                         "parallel.experts=device")
     for name, part in adapter.pipe.components.items():
         if not isinstance(part, torch.nn.Module):
             continue
         if part is adapter.transformer and settings.sharding == "fsdp2":
             continue
+        if part is expert and settings.experts != "device":
+            place_expert(part, device, settings)
+            continue
         if is_encoder(name) and settings.text_encoders == "offload":
             encoders.append(part.to("cpu"))
             continue
+        if is_encoder(name) and settings.text_encoders == "shard":
+            shard(part, mesh=device_mesh(device, settings), param_dtype=None, reshard=True)
+            continue
         part.to(device)
     adapter.encoders_offload = EncoderOffload(encoders, device) if encoders else None
+
+
+def place_expert(expert: torch.nn.Module, device: torch.device, settings) -> None:
+    """Place the untrained expert by ``settings.experts``: ``shard`` FSDP2 over :func:`fsdp_mesh` on the device
+    (reshard after every forward); ``offload`` whole in host memory, each block copied to ``device`` for its
+    forward and dropped after (diffusers' block-level group offloading, one block a group, on a side stream on
+    CUDA; no collective); ``device`` whole on the device."""
+    if settings.experts == "shard":
+        shard(expert, mesh=device_mesh(device, settings), param_dtype=None, reshard=True)
+    elif settings.experts == "offload":
+        expert.to("cpu")
+        expert.enable_group_offload(onload_device=torch.device(device), offload_device=torch.device("cpu"),
+                                    offload_type="block_level", num_blocks_per_group=1,
+                                    use_stream=torch.device(device).type == "cuda")
+    else:
+        expert.to(device)
 
 
 class EncoderOffload:
@@ -111,6 +220,63 @@ class EncoderOffload:
         finally:
             for m in self.modules:
                 m.to("cpu")
+
+
+class OffloadedReward:
+    """A reward whose models wait in host memory and are on ``device`` only while it scores
+    (``parallel.reward_models=offload``). Every other attribute is the reward's own (its name, ``group_wise``,
+    hooks), so the scoring path (:func:`flowgrpo.rewards.compose.score_components_named`) calls it as the reward.
+
+    Args:
+        reward: a reward already ``setup`` on ``device``.
+        device: where its models compute.
+    Attributes:
+        modules: the reward's ``torch.nn.Module`` parts: the reward itself when it is one, else its attributes that
+            are modules (or lists, tuples and dict values of modules), one level deep.
+    """
+
+    def __init__(self, reward, device: torch.device) -> None:
+        self.reward = reward
+        self.device = torch.device(device)
+        self.modules = reward_modules(reward)
+        for m in self.modules:
+            m.to("cpu")
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["reward"], name)
+
+    def __call__(self, *args, **kwargs):
+        for m in self.modules:
+            m.to(self.device)
+        try:
+            return self.reward(*args, **kwargs)
+        finally:
+            for m in self.modules:
+                m.to("cpu")
+
+
+def reward_modules(reward) -> list[torch.nn.Module]:
+    """The ``torch.nn.Module`` parts of a reward object (:class:`OffloadedReward`), each once."""
+    if isinstance(reward, torch.nn.Module):
+        return [reward]
+    found: dict[int, torch.nn.Module] = {}
+    for value in getattr(reward, "__dict__", {}).values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
+        for v in items:
+            if isinstance(v, torch.nn.Module):
+                found.setdefault(id(v), v)
+    return list(found.values())
+
+
+def place_rewards(composed, device: torch.device, settings) -> None:
+    """Apply ``settings.reward_models`` to every reward of ``composed`` (a
+    :class:`~flowgrpo.rewards.compose.ComposedReward` already set up on ``device``, or None): ``offload`` wraps
+    each reward that holds modules in :class:`OffloadedReward`; ``device`` leaves them as set up."""
+    if composed is None or settings.reward_models != "offload":
+        return
+    for name, reward in list(composed.rewards.items()):
+        if not isinstance(reward, OffloadedReward) and reward_modules(reward):
+            composed.rewards[name] = OffloadedReward(reward, device)
 
 
 class ComputeIn:
@@ -148,12 +314,64 @@ def shard_blocks(module: torch.nn.Module, names=None) -> list[torch.nn.Module]:
     return blocks
 
 
-def device_mesh(device: torch.device):
-    """A one-dimensional device mesh over every process (a one-process group is made when none was launched)."""
+def mesh_shape(world: int, replicate: int = 1, context: int = 1) -> tuple[int, int, int]:
+    """(replicate, shard, context) sizes of the device mesh for ``world`` processes: shard = world / (replicate ·
+    context).
+
+    Raises:
+        ValueError: a size below 1, or a world size that is not replicate x shard x context (naming the numbers).
+    """
+    if replicate < 1 or context < 1:
+        raise ValueError(f"parallel.replicate and parallel.context_degree must be >= 1, got {replicate} and "
+                         f"{context}")
+    if world % (replicate * context):
+        raise ValueError(f"the world size {world} is not replicate x shard x context: parallel.replicate={replicate} "
+                         f"x parallel.context_degree={context} = {replicate * context} does not divide it")
+    return replicate, world // (replicate * context), context
+
+
+_MESHES: dict = {}  # (device type, shape) -> (process group, device mesh, FSDP2 mesh): made once per layout
+
+
+def device_mesh(device: torch.device, settings=None):
+    """The named device mesh ``("replicate", "shard", "context")`` over every process (a one-process group is made
+    when none was launched), of :func:`mesh_shape` (``settings.replicate``, ``settings.context_degree``; 1 and 1
+    without ``settings`` or without the field). A dimension of size 1 is kept, so code names the same dimensions
+    whatever the layout. Global rank = (r·shard + s)·context + c, so a replica group is a run of consecutive
+    ranks (a node when replicate is the node count) and a context group consecutive ranks inside it. Made once
+    per layout and process group (with its :func:`fsdp_mesh`).
+
+    Raises:
+        ValueError: a world size that is not replicate x shard x context (:func:`mesh_shape`).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.ensure_process_group(device)
-    return init_device_mesh(device.type, (dist.world_size(),))
+    r, s, c = shape = mesh_shape(dist.world_size(), getattr(settings, "replicate", 1),
+                                 getattr(settings, "context_degree", 1))
+    group = torch.distributed.group.WORLD
+    cached = _MESHES.get((device.type, shape))
+    if cached is not None and cached[0] is group:
+        return cached[1]
+    # one flat mesh over the world, unflattened into each named layout (torch's way to hold several layouts of
+    # the same ranks: none is sliced by a flattened name)
+    world = init_device_mesh(device.type, (dist.world_size(),), mesh_dim_names=("world",))
+    mesh = world._unflatten(0, shape, MESH_DIMS)
+    flat = world._unflatten(0, (r, s * c), FSDP_DIMS)
+    _MESHES[(device.type, shape)] = (group, mesh, flat if r > 1 else flat["shard_context"])
+    return mesh
+
+
+def fsdp_mesh(mesh):
+    """The mesh FSDP2 shards over, for the device mesh of :func:`device_mesh`: two-dimensional (``"replicate"``,
+    ``"shard_context"``), HSDP (each replica group holds the whole model, sharded over its shard·context ranks;
+    the gradient shards are all-reduced across the groups), when ``replicate`` > 1; one-dimensional
+    (``"shard_context"``), plain FSDP, when it is 1. Any other mesh is returned as it is (FSDP2 shards over it).
+    """
+    for _group, named, flat in _MESHES.values():
+        if named is mesh:
+            return flat
+    return mesh
 
 
 def shard(module: torch.nn.Module, *, mesh, param_dtype: torch.dtype | None, reshard: bool, offload: bool = False,
@@ -162,7 +380,8 @@ def shard(module: torch.nn.Module, *, mesh, param_dtype: torch.dtype | None, res
 
     Args:
         module: a module in host memory (each block is moved to the mesh's device as its shard is made).
-        mesh: the device mesh.
+        mesh: the device mesh of :func:`device_mesh` (sharded over :func:`fsdp_mesh`: HSDP when it replicates),
+            or a mesh for FSDP2 itself.
         param_dtype: the dtype the gathered weights compute in (None: each parameter's own dtype); gradients are
             reduced in float32.
         reshard: free the gathered weights after each forward (``reshard_after_forward``).
@@ -175,6 +394,7 @@ def shard(module: torch.nn.Module, *, mesh, param_dtype: torch.dtype | None, res
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    mesh = fsdp_mesh(mesh)
     blocks = shard_blocks(module, names)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     rest = [p for p in module.parameters() if id(p) not in in_blocks]  # embedders, norms, output projection
@@ -217,16 +437,29 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
     device = accelerator.device
     ref = adapter.frozen_reference
     if settings.sharding == "fsdp2":
-        mesh = device_mesh(device)
+        mesh = device_mesh(device, settings)
         names = getattr(adapter, "shard_blocks", None)
         units = len(shard_blocks(tr, names))
+        stream = dist.world_size() > 1  # the main process's weights, sent to the others (built on meta)
+        whole = _whole_weights(tr) if stream else None
         model = shard(tr, mesh=mesh, param_dtype=compute, reshard=settings.reshard_after_forward,
+                      offload=settings.offload == "cpu",
                       master_dtype=torch.float32 if compute is not None else None, names=names)
+        if stream:
+            # offloaded shards live in host memory (CPUOffloadPolicy), the rest on the device
+            fill_from_main(model, whole, torch.device("cpu") if settings.offload == "cpu" else device)
+            del whole
         if ref is not None:
-            adapter.frozen_reference = shard(ref, mesh=mesh, param_dtype=None, reshard=True,
-                                             offload=settings.reference == "cpu_offload", names=names)
+            offload = settings.reference == "cpu_offload"
+            adapter.frozen_reference = shard(ref, mesh=mesh, param_dtype=None, reshard=True, offload=offload,
+                                             names=names)
+            if _on_meta(ref):
+                copy_shards(model, ref, torch.device("cpu") if offload else device)
         forward = model
-        logger.info("transformer sharded over %d process(es) (FSDP2, %d blocks)", dist.world_size(), units)
+        r, s, c = mesh.shape
+        logger.info("transformer sharded over %d process(es) (FSDP2, %d blocks; mesh replicate=%d x shard=%d x "
+                    "context=%d%s)", dist.world_size(), units, r, s, c,
+                    "; shards, gradients and optimizer state in host memory" if settings.offload == "cpu" else "")
     else:
         if compute is not None:
             tr.to(torch.float32)
@@ -237,6 +470,91 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
     adapter.compute_dtype = compute
     adapter.forward_module = forward  # forward through the distributed wrapper (gradient sync)
     return model
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def _whole_weights(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Before sharding: {name: parameter} of the main process's whole transformer (kept alive until
+    :func:`fill_from_main` has sent it), None on the others; every process's parameters take the main
+    process's dtypes (a transformer built on the meta device has ``from_config``'s, not the loaded ones)."""
+    dtypes = dist.broadcast_object({n: p.dtype for n, p in module.named_parameters()} if dist.rank() == 0 else None)
+    for n, p in module.named_parameters():
+        if p.dtype != dtypes[n]:
+            p.data = p.data.to(dtypes[n])
+    return {n: p.detach() for n, p in module.named_parameters()} if dist.rank() == 0 else None
+
+
+def _materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give a sharded module built on the meta device real (uninitialised) shards on ``device``, its buffers
+    (real already: :func:`flowgrpo.models.empty.empty_components`, :func:`flowgrpo.models.lora.structure_copy`)
+    kept."""
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in module.named_buffers():
+            b.copy_(buffers[n])
+
+
+def fill_from_main(model: torch.nn.Module, whole: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """The weights of sharded ``model`` from the main process's whole tensors ``whole`` (None on the others, whose
+    transformer was built on the meta device and never read the files): each process receives its shard of one
+    tensor at a time (a scatter from the main process), and the persistent buffers by broadcast. A collective.
+    The main process's dtypes were given to every process before sharding (:func:`_whole_weights`)."""
+    from flowgrpo.ema import local
+    from flowgrpo.state_dicts import scatter_from_rank0
+
+    if _on_meta(model):
+        _materialize(model, device)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            part = scatter_from_rank0(whole[n] if whole is not None else None, p)
+            local(p).copy_(local(part))
+        for b in model.buffers():
+            b.copy_(dist.broadcast_from_main(b))
+
+
+def copy_shards(policy: torch.nn.Module, reference: torch.nn.Module, device: torch.device) -> None:
+    """Fill ``reference`` (the full fine-tune's frozen reference, sharded as ``policy`` but built on the meta
+    device) with ``policy``'s weights as they are now (the base model: before any update or resume), each process
+    copying its own shards (cast to the reference's dtype: exact, the policy's float32 masters hold
+    ``model.dtype`` values) onto ``device``; nothing is sent."""
+    from flowgrpo.ema import local
+
+    _materialize(reference, device)
+    weights = dict(policy.named_parameters())
+    with torch.no_grad():
+        for n, r in reference.named_parameters():
+            local(r).copy_(local(weights[n]))
+def gradient_sync(model: torch.nn.Module, *, sync: bool, every_micro_batch: bool):
+    """The accumulation context of one micro-batch's (pack's) forward and backward.
+
+    Gradients are reduced over the processes in this backward when ``sync`` (the optimizer step's last pack) or
+    ``every_micro_batch`` (``parallel.gradient_sync=micro_batch``); otherwise they accumulate locally and the last
+    pack's backward reduces their sum (``step``): an FSDP2 module through ``set_requires_gradient_sync(False)``
+    for the pack (it then holds whole unsharded gradients until the step; HSDP's all-reduce is skipped with the
+    reduce-scatter), a DDP wrapper through its ``no_sync``. A module that reduces nothing (one process unsharded)
+    gets a null context.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if sync or every_micro_batch:
+        return contextlib.nullcontext()
+    if isinstance(model, FSDPModule):
+        return _fsdp_no_sync(model)
+    no_sync = getattr(model, "no_sync", None)  # DistributedDataParallel
+    return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -263,9 +581,11 @@ def clip_grad_norm(accelerator, params: list[torch.nn.Parameter], max_norm: floa
 
 def reshard(model: torch.nn.Module | None) -> None:
     """Free the gathered weights of every FSDP2 unit of ``model`` (``FSDPModule.reshard``), so the next forward
-    gathers them again from the shards: needed around a swap of the shards' values (the old copy of the
-    forward-process objectives), since with ``reshard_after_forward=false`` a forward would reuse weights gathered
-    before the swap. A no-op for an unsharded module or None."""
+    gathers them again from the shards: needed before and after every swap of the shards' values (the EMA for
+    evaluation and saving, the old copy of the forward-process objectives), since with
+    ``reshard_after_forward=false`` a forward would reuse weights gathered before the swap (and a swap back would
+    leave the swapped-in values gathered for the next rollout). Harmless when nothing is gathered; a no-op for an
+    unsharded module or None."""
     if model is None:
         return
     from torch.distributed.fsdp import FSDPModule
@@ -276,5 +596,6 @@ def reshard(model: torch.nn.Module | None) -> None:
 
 
 def release() -> None:
-    """Undo what this module set up for a run that ends (the one-process group made for FSDP2)."""
+    """Undo what this module set up for a run that ends (the meshes, the one-process group made for FSDP2)."""
+    _MESHES.clear()
     dist.release_own_group()

@@ -18,15 +18,16 @@ Parts (each "on each GPU" and "host memory per rank"):
 * weights: the transformer's frozen weights in ``model.dtype`` (LoRA's base; none in full fine-tuning); masters:
   the trained weights in float32 (LoRA's adapter; full fine-tuning: every weight); both in host memory with
   ``parallel.offload: cpu`` (FSDP2's ``CPUOffloadPolicy``);
-* grads: float32 gradients of the trained parameters, during the update only (DDP over several ranks keeps a
-  second copy in its buckets); host with ``offload: cpu``;
+* grads: float32 gradients of the trained parameters, during the update only: sharded under FSDP2 with
+  ``parallel.gradient_sync: micro_batch``, whole until the step's reduce-scatter with ``step``; DDP over several
+  ranks keeps a second copy in its buckets; host with ``offload: cpu``;
 * optimizer: AdamW's two float32 moments; host with ``offload: cpu``;
 * reference: full fine-tuning with ``algo.kl_beta`` > 0 keeps a frozen copy in ``model.dtype``, sharded like the
   policy (``parallel.reference: cpu_offload``: its shards in host memory); LoRA's reference is the base, adapter off;
 * EMA: a float32 shadow of the trained parameters, sharded like them (``parallel.ema: cpu``: host);
 * other expert (Wan2.2 A14B): the untrained expert in ``model.dtype``: whole (``parallel.experts: device``),
-  sharded like the policy (``shard``), or its shards in host memory, each block gathered to the device for its
-  forward (``offload``);
+  sharded like the policy (``shard``), or whole in each rank's host memory, each block copied to the device for
+  its forward (``offload``);
 * text encoders: in ``model.dtype``: on the device (``device``), in host memory and whole on the device only while
   prompts are encoded (``offload``), or sharded over the replica's ranks (``shard``);
 * reward models: in their dtype (float32 unless the reward's ``dtype`` says otherwise; HPSv3 bfloat16): on the
@@ -665,6 +666,7 @@ class Workload:
     text_encoders: str = "device"
     experts: str = "device"
     reward_models: str = "device"
+    gradient_sync: str = "micro_batch"
 
 
 #: parts in the order they are printed
@@ -742,7 +744,10 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
 
     put("weights", off, frozen * half / f)
     put("masters", off, trained * 4 / f)
-    put("grads", off, trained * 4 / f * (2 if lay.gpus > 1 and w.sharding == "none" else 1))
+    if w.sharding == "fsdp2":  # gradient_sync step: whole unsharded gradients until the step's reduce-scatter
+        put("grads", off, trained * 4 / (f if w.gradient_sync == "micro_batch" else 1))
+    else:  # DDP over several processes keeps a second copy in its buckets
+        put("grads", off, trained * 4 * (2 if lay.gpus > 1 else 1))
     put("optimizer", off, trained * 8 / f)
     if full and w.kl:
         put("reference", "host" if w.reference == "cpu_offload" else "dev", s.transformer * half / f)
@@ -750,7 +755,10 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
         put("ema", "host" if w.ema_place == "cpu" else "dev", trained * 4 / f)
     if fam.experts > 1:
         other = s.transformer * half
-        put("other_expert", "host" if w.experts == "offload" else "dev", other / f if w.experts != "device" else other)
+        put("other_expert", "host" if w.experts == "offload" else "dev", other / f if w.experts == "shard" else other)
+    elif w.experts != "device":
+        raise ValueError(f"parallel.experts={w.experts} places the untrained expert of a two-expert model; "
+                         f"{fam.name} has one transformer: use parallel.experts=device")
     enc = s.encoders * half
     put("text_encoders", "host" if w.text_encoders == "offload" else "dev",
         enc / f if w.text_encoders == "shard" else enc)
@@ -770,9 +778,10 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
         dev["transient"] = block if w.reshard_after_forward else s.transformer * half
     else:
         dev["transient"] = s.transformer * half if full and half < 4 else 0
-    # offloaded shards stream through the device a block at a time (FSDP2 gathers each block for its forward)
-    streamed = block if (w.experts == "offload" and fam.experts > 1) or (full and w.kl and
-                                                                       w.reference == "cpu_offload") else 0
+    # offloaded weights stream through the device a block at a time (the reference's shards gathered by FSDP2 with
+    # the next block prefetched; the offloaded expert's blocks copied one by one)
+    streamed = (block if full and w.kl and w.reference == "cpu_offload" else 0) + (
+        block / 2 if w.experts == "offload" and fam.experts > 1 else 0)
     resident = sum(dev[k] for k in ("weights", "masters", "optimizer", "reference", "ema", "other_expert", "vae",
                                     "rollout_latents", "text_encoders", "reward_models"))
     working = 10 * (img + txt) * fam.width * 2 * w.rollout_rows * cfg / lay.context
@@ -832,7 +841,8 @@ def workload_of(config) -> Workload:
         ema=t.ema_decay is not None, latents_on_cpu=t.latents_on_cpu, rewards=_reward_sizes(unique),
         sharding=p.sharding, replicate=p.replicate, context_degree=p.context_degree,
         reshard_after_forward=p.reshard_after_forward, offload=p.offload, reference=p.reference, ema_place=p.ema,
-        text_encoders=p.text_encoders, experts=p.experts, reward_models=p.reward_models)
+        text_encoders=p.text_encoders, experts=p.experts, reward_models=p.reward_models,
+        gradient_sync=p.gradient_sync)
 
 
 def plan_config(path, gpus: int, gpu_memory_gib: float = 80.0, overrides: list[str] = ()) -> Plan:

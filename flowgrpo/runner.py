@@ -110,18 +110,23 @@ def _run(config) -> dict:
     (:func:`~flowgrpo.preflight.preflight`), the one that needs it right after it loads
     (:func:`~flowgrpo.preflight.check_on_grid`)."""
     quiet_libraries()
+    parallel.check_launch()  # the processes asked for were started
     ready = preflight(config)
-    accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir)
+    accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir,
+                              kwargs_handlers=parallel.process_group_kwargs(config.parallel))
     parallel.check_engine(accelerator, config.parallel)
     set_seed(config.train.seed)
     m = config.model
-    adapter = load_model_from_config(m)
+    # a sharded run reads the transformer's weights once: the others receive their shards (parallel.prepare_model)
+    adapter = load_model_from_config(m, empty_transformer=config.parallel.sharding == "fsdp2"
+                                     and accelerator.num_processes > 1 and accelerator.process_index != 0)
     sampling = SamplerSettings.from_config(config.sampling)
     check_on_grid(config, ready.objective, adapter.sigmas(sampling.num_steps), sampling, accelerator.num_processes)
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
         need_reference=ready.objective.needs_reference, gradient_checkpointing=m.gradient_checkpointing,
+        sharded=config.parallel.sharding == "fsdp2",
     )
     if m.finetune == "lora":  # LoRA weights train in float32 whatever the model's dtype
         for p in params:
@@ -129,6 +134,7 @@ def _run(config) -> dict:
     for r in (ready.rewards, ready.eval_rewards):
         if r is not None:
             r.setup(accelerator.device)
+            parallel.place_rewards(r, accelerator.device, config.parallel)  # reward models: device or host memory
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_tracker_config(config))
     trainer = Trainer(config, adapter=adapter, rewards=ready.rewards, eval_rewards=ready.eval_rewards,

@@ -1,10 +1,19 @@
-"""Whole (unsharded) state of the trained model, its optimizer and loose tensors, sharded or not, and the way back.
+"""The state of the trained model, its optimizer and loose tensors, whole or as each process holds it, and the way
+back.
 
 The one place that converts between the training state, whose parameters may be FSDP2 DTensors split over the
-processes, and the files a run writes, so that checkpoints and final weights are the same files whatever the
-process count (a run resumes with another one). Gathering uses ``torch.distributed.checkpoint.state_dict`` with
-``full_state_dict`` and ``cpu_offload``: the whole tensors arrive in host memory on the main process (global
-rank 0) alone. Loading hands every process the whole tensors (each reads the file), and each keeps its shard.
+processes, and what a run writes:
+
+* **sharded** (:func:`sharded_trainable_state`, :func:`sharded_optimizer_state`): ``torch.distributed.checkpoint
+  .state_dict`` without ``full_state_dict``: each process's DTensor shards, nothing gathered, for the sharded
+  checkpoint each process writes its own part of (:mod:`flowgrpo.checkpoint`), and loaded back in place (torch's
+  distributed checkpoint reshards: another process count or layout reads the same files);
+* **whole** (:func:`trainable_state`, :func:`optimizer_state`, :func:`model_state`): ``full_state_dict`` with
+  ``cpu_offload``: the whole tensors arrive in host memory on the main process (global rank 0) alone, for the
+  final weights (one export: the files a one-process run writes) and the checkpoints of unsharded runs. Loading
+  whole tensors into a sharded model (:func:`load_trainable_state`, :func:`load_optimizer_state` with
+  ``from_rank0``, :func:`scatter_from_rank0`) reads them on the main process alone and sends each process its
+  shard (``broadcast_from_rank0``), one tensor at a time.
 
 Every function is a collective when the model is sharded: every process calls it, in the same order.
 """
@@ -76,15 +85,26 @@ def _by_name(state: dict, names: list[str]) -> dict:
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
-def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict | None, *, from_rank0: bool = False) -> None:
     """Load an optimizer state written by :func:`optimizer_state` (or an index-keyed one) into ``optimizer``,
-    whose shards each process keeps.
+    whose shards each process keeps. ``from_rank0``: only the main process has ``state`` (the others pass None)
+    and sends each process its shards (a sharded model; every process calls it).
 
     Raises:
         ValueError: the state names parameters the model does not train (naming the first).
     """
     opt = _inner(optimizer)
     names = trainable_names(model)
+    if from_rank0:
+        stepped = dist.broadcast_object(bool(state and state.get("state")) if dist.rank() == 0 else None)
+        if stepped:
+            opt.zero_grad(set_to_none=True)
+            if dist.rank() == 0:
+                state = _by_name(state, names)
+            set_optimizer_state_dict(model, opt, state if dist.rank() == 0 else {},
+                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            return
+        state = dist.broadcast_object(state if dist.rank() == 0 else None)  # param groups only: small
     state = _by_name(state, names)
     unknown = [n for g in state["param_groups"] for n in g["params"] if n not in set(names)]
     if unknown:
@@ -98,12 +118,109 @@ def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None
     set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))
 
 
-def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, *,
+                         from_rank0: bool = False) -> None:
     """Copy whole tensors {name: tensor} into the model's parameters of those names (each process keeps its
-    shard; cast to each parameter's dtype). Names and shapes are the caller's check."""
+    shard; cast to each parameter's dtype). ``from_rank0``: only the main process has ``state`` (the others pass
+    None); it sends each process its shard of one tensor at a time (``broadcast_from_rank0``). Names and shapes
+    are the caller's check."""
     params = dict(model.named_parameters())
-    state = {k: v.to(params[k].dtype) for k, v in state.items()}
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    state = {k: v.to(params[k].dtype) for k, v in (state or {}).items()}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False,
+                                                                broadcast_from_rank0=from_rank0))
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (FSDP2-sharded, on any process count)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def sharded_trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{name: DTensor shard as this process holds it (no copy)} of the trained parameters: nothing is gathered."""
+    options = StateDictOptions(ignore_frozen_params=True)
+    names = set(trainable_names(model))
+    return {k: v for k, v in get_model_state_dict(model, options=options).items() if k in names}
+
+
+def sharded_optimizer_state(model: torch.nn.Module, optimizer) -> tuple[dict, list[dict]]:
+    """(state, param_groups) of the optimizer with parameters named: ``state`` {name: {key: tensor}} holds this
+    process's DTensor shards of the moments (and the step counts), ``param_groups`` the groups' settings with
+    parameter names (plain data). An optimizer that has not stepped yet gives ``{}`` (see :func:`optimizer_state`
+    for why it is not initialised)."""
+    opt = _inner(optimizer)
+    if not opt.state:
+        return {}, optimizer_state(model, optimizer)["param_groups"]
+    state = get_optimizer_state_dict(model, opt)
+    return state["state"], state["param_groups"]
+
+
+def load_sharded_optimizer_state(model: torch.nn.Module, optimizer, state: dict, param_groups: list[dict]) -> None:
+    """Load ``state`` (:func:`sharded_optimizer_state`'s shards, or whole tensors of an unsharded model) and
+    ``param_groups`` into ``optimizer``.
+
+    Raises:
+        ValueError: the groups name parameters the model does not train (naming the first).
+    """
+    opt = _inner(optimizer)
+    names = trainable_names(model)
+    unknown = [n for g in param_groups for n in g["params"] if n not in set(names)]
+    if unknown:
+        raise ValueError(f"the optimizer state names parameters this model does not train: {unknown[:3]}")
+    if not state:
+        load_optimizer_state(model, optimizer, {"state": {}, "param_groups": param_groups})
+        return
+    opt.zero_grad(set_to_none=True)
+    set_optimizer_state_dict(model, opt, {"state": state, "param_groups": param_groups})
+
+
+def load_sharded_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` (tensors of the model's own layout: its DTensor shards, or whole tensors of an unsharded
+    model; :func:`sharded_trainable_state`) into the trained parameters of those names."""
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+
+def optimizer_target(model: torch.nn.Module, optimizer) -> dict:
+    """{name: {key: tensor}}: tensors of the optimizer state's layout (this process's shards) for a sharded
+    checkpoint to load into; the optimizer's state is made (a step of learning rate 0) when it has none, which
+    the load then overwrites."""
+    return get_optimizer_state_dict(model, _inner(optimizer))["state"]
+
+
+def dtensor_like(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``part`` (this process's shard of a tensor laid out as ``like``) as a DTensor of ``like``'s mesh,
+    placements and shape, sharing ``part``'s memory; ``part`` itself when ``like`` is not a DTensor.
+
+    A shard in host memory (``parallel.ema=cpu``) stays there: ``DTensor.from_local`` would copy it to the
+    mesh's device, so it is wrapped as FSDP2 wraps its CPU-offloaded shards (a DTensor of a device mesh whose
+    local tensor is in host memory)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return part
+    mesh = like.device_mesh
+    if part.device.type == mesh.device_type:
+        return DTensor.from_local(part, mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(like.placements), tensor_meta=TensorMeta(like.shape, like.stride(), part.dtype))
+    return DTensor(part, spec, requires_grad=False)
+
+
+def scatter_from_rank0(whole: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor read by the main process alone (``whole``; None on the others) laid out as ``like``: for a
+    DTensor ``like``, each process receives its shard (``distribute_tensor`` with ``src_data_rank=0``, a
+    collective); otherwise ``whole`` itself, which every process must then have. ``like``'s dtype is kept."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return whole.to(like.dtype)
+    device = like.device_mesh.device_type
+    src = whole.to(device, like.dtype) if whole is not None else torch.empty(like.shape, dtype=like.dtype,
+                                                                             device=device)
+    return distribute_tensor(src, like.device_mesh, like.placements, src_data_rank=0)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -115,10 +232,13 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``whole`` laid out as ``like``: this process's shard of it when ``like`` is a DTensor (every process gives
-    the same ``whole``), else ``whole`` on ``like``'s device and dtype."""
+    the same ``whole``; a ``whole`` that is already a DTensor is taken as laid out), else ``whole`` on ``like``'s
+    device and dtype."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     whole = whole.to(like.dtype)
+    if isinstance(whole, DTensor):
+        return whole
     if isinstance(like, DTensor):
         return distribute_tensor(whole.to(like.device_mesh.device_type), like.device_mesh, like.placements)
     return whole.to(like.device)

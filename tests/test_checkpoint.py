@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from flowgrpo.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint
 from flowgrpo.config import build_config
@@ -118,20 +119,28 @@ def _kill_at(monkeypatch, k: int) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("resave", [True, False], ids=["resave_latest_epoch", "new_epoch_rotating"])
-def test_a_kill_between_any_two_steps_leaves_latest_naming_a_complete_checkpoint(tmp_path, monkeypatch, resave):
+@pytest.mark.parametrize(("resave", "sharded"), [(True, False), (False, False), (True, True)],
+                         ids=["resave_latest_epoch", "new_epoch_rotating", "resave_latest_sharded"])
+def test_a_kill_between_any_two_steps_leaves_latest_naming_a_complete_checkpoint(tmp_path, monkeypatch, resave,
+                                                                                  sharded, request):
     """Re-saving the epoch ``latest`` names (a resumed run's final save), or saving a new one that rotates an old
     one out, killed at each file-system step in turn: ``latest`` always resolves to a complete checkpoint holding
-    the old or the new weights, and the next save completes and leaves no hidden folder behind."""
+    the old or the new weights, and the next save completes and leaves no hidden folder behind. ``sharded``: the
+    sharded form (its tensors in a ``sharded/`` folder, cloned aside by hard links too)."""
+    parts = request.getfixturevalue("sharded_parts") if sharded else _parts
+
+    def weight(model) -> torch.Tensor:
+        return model.a.weight.full_tensor() if sharded else model.weight.detach()
+
     k = 0
     while True:
         root = tmp_path / f"k{k}"
-        model, opt, sched, sampler, ema = _parts()
+        model, opt, sched, sampler, ema = parts()
         save_checkpoint(root, 0, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, keep=1)
-        old_w = model.weight.detach().clone()
+        old_w = weight(model).clone()
         with torch.no_grad():
-            model.weight.add_(1.0)
-        new_w = model.weight.detach().clone()
+            (model.a if sharded else model).weight.add_(1.0)
+        new_w = weight(model).clone()
         epoch = 0 if resave else 1
         calls = _kill_at(monkeypatch, k)
         try:
@@ -139,11 +148,14 @@ def test_a_kill_between_any_two_steps_leaves_latest_naming_a_complete_checkpoint
             killed = False
         except _Killed:
             killed = True
+        except CheckpointException as err:  # killed inside torch's distributed checkpoint, which wraps it
+            assert all(isinstance(e, _Killed) for e, _ in err.failures.values()), err
+            killed = True
         monkeypatch.undo()
         folder = resolve_checkpoint(root)  # never "not a complete checkpoint"
-        model2, opt2, sched2, sampler2, _ = _parts()
+        model2, opt2, sched2, sampler2, _ = parts()
         load_checkpoint(root, model=model2, optimizer=opt2, lr_scheduler=sched2, sampler=sampler2)
-        w = model2.weight.detach()
+        w = weight(model2)
         assert torch.equal(w, old_w) or torch.equal(w, new_w), (k, calls, folder)
         if not killed:
             assert torch.equal(w, new_w) and folder.name == f"epoch_{epoch}"
@@ -179,3 +191,92 @@ def test_mismatched_checkpoint_names_the_problem(tmp_path):
                         lr_scheduler=sched, sampler=sampler)
     state = json.loads((tmp_path / "epoch_0" / "state.json").read_text())
     assert state["sampler"]["position"] == 0
+
+
+class _Blocks(torch.nn.Module):
+    _no_split_modules = ["Linear"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+
+
+@pytest.fixture
+def sharded_parts():
+    """A model sharded with FSDP2 on a one-process group (DTensor parameters: the sharded checkpoint form), AdamW
+    stepped once, an EMA; the group is released after the test."""
+    from flowgrpo import dist, parallel
+
+    def make():
+        torch.manual_seed(0)
+        model = parallel.shard(_Blocks(), mesh=parallel.device_mesh(torch.device("cpu")), param_dtype=None,
+                               reshard=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        return model, opt, sched, GroupSampler(10, 2, 0), EMA(list(model.parameters()), 0.9)
+
+    yield make
+    dist.release_own_group()
+
+
+def test_a_sharded_checkpoint_refuses_code_and_names_a_missing_or_corrupt_file(tmp_path, sharded_parts):
+    model, opt, sched, sampler, ema = sharded_parts()
+    folder = save_checkpoint(tmp_path, 0, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, ema=ema)
+    shards = folder / "sharded"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp"]
+    assert not (folder / "trainable.safetensors").exists()
+    model2, opt2, sched2, sampler2, ema2 = sharded_parts()
+    load_checkpoint(tmp_path, model=model2, optimizer=opt2, lr_scheduler=sched2, sampler=sampler2, ema=ema2)
+    for (n, a), b in zip(model.named_parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), n
+    data = (shards / "__0_0.distcp").read_bytes()
+    (shards / "__0_0.distcp").write_bytes(data[: len(data) // 2])  # truncated (a full disk, a cut copy)
+    with pytest.raises(CheckpointError, match=r"sharded.*corrupt or unreadable"):
+        load_checkpoint(tmp_path, model=model2, optimizer=opt2, lr_scheduler=sched2, sampler=sampler2, ema=ema2)
+    (shards / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"is incomplete: sharded/__0_0.distcp is missing"):
+        load_checkpoint(tmp_path, model=model2, optimizer=opt2, lr_scheduler=sched2, sampler=sampler2, ema=ema2)
+    (shards / ".metadata").write_bytes(pickle.dumps(_Evil()))  # the metadata is a pickle: it may not run code
+    with pytest.raises(CheckpointError, match="only tensors and plain data.*forbidden"):
+        load_checkpoint(tmp_path, model=model2, optimizer=opt2, lr_scheduler=sched2, sampler=sampler2, ema=ema2)
+
+
+def test_an_ema_in_host_memory_averages_as_on_the_device():
+    """``parallel.ema=cpu``: the shadow lives in host memory and follows ema ← d·ema + (1 − d)·θ (by hand:
+    d = 0.5, θ = 1 then 3 from 0 gives 0.5 then 1.75); a swap puts it in the model and restores the weights."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    ema = EMA([p], 0.5, place="cpu")
+    assert ema.shadow[0].device.type == "cpu"
+    for value in (1.0, 3.0):
+        with torch.no_grad():
+            p.fill_(value)
+        ema.update()
+    assert torch.equal(ema.shadow[0], torch.full((3,), 1.75))
+    with ema.swapped():
+        assert torch.equal(p.detach(), torch.full((3,), 1.75))
+    assert torch.equal(p.detach(), torch.full((3,), 3.0))
+    with pytest.raises(ValueError, match="EMA place must be one of"):
+        EMA([p], 0.5, place="disk")
+
+
+def test_the_sharded_full_fine_tune_reference_is_a_structure_on_the_meta_device(tiny_flux_dir):
+    """Under ``parallel.sharding=fsdp2`` the frozen reference holds no weights until it is sharded (no whole copy
+    per process): its parameters are on the meta device with the policy's names, shapes and dtypes, its buffers
+    real."""
+    from flowgrpo.models import load_model
+    from flowgrpo.models.lora import setup_trainable
+
+    adapter = load_model(str(tiny_flux_dir), max_sequence_length=16, height=32, width=32)
+    setup_trainable(adapter, finetune="full", rank=4, alpha=4.0, target_modules=["to_q"], need_reference=True,
+                    sharded=True)
+    ref, tr = adapter.frozen_reference, adapter.transformer
+    policy = dict(tr.named_parameters())
+    assert [n for n, _ in ref.named_parameters()] == list(policy)
+    for n, r in ref.named_parameters():
+        assert r.is_meta and not r.requires_grad and r.shape == policy[n].shape and r.dtype == policy[n].dtype, n
+    assert not any(p.is_meta for p in tr.parameters())
+    for (n, a), (_, b) in zip(ref.named_buffers(), tr.named_buffers(), strict=True):
+        assert not a.is_meta and torch.equal(a, b), n

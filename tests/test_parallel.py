@@ -133,3 +133,267 @@ def test_the_wrap_rule_is_the_models_own_list():
     assert [type(b).__name__ for b in blocks] == ["FluxTransformerBlock"] * 2 + ["FluxSingleTransformerBlock"]
     with pytest.raises(ValueError, match="JointTransformerBlock"):
         parallel.shard_blocks(tr, ["JointTransformerBlock"])
+
+
+# ---------------------------------------------------------------- the device mesh (issue 41, case 2)
+def test_the_mesh_shape_is_replicate_by_shard_by_context():
+    assert parallel.mesh_shape(16, 2, 1) == (2, 8, 1)  # 2 nodes of 8: shard inside a node
+    assert parallel.mesh_shape(64, 8, 2) == (8, 4, 2)
+    assert parallel.mesh_shape(1) == (1, 1, 1)
+    with pytest.raises(ValueError, match=r"world size 6 .*replicate=4 x parallel.context_degree=1 = 4") as err:
+        parallel.mesh_shape(6, 4, 1)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="world size 8 .*replicate=1 x parallel.context_degree=3 = 3"):
+        parallel.mesh_shape(8, 1, 3)
+
+
+def test_one_process_gets_a_named_mesh_of_size_one():
+    mesh = parallel.device_mesh(torch.device("cpu"), ParallelConfig(sharding="fsdp2"))
+    try:
+        assert mesh.mesh_dim_names == ("replicate", "shard", "context") and tuple(mesh.shape) == (1, 1, 1)
+        assert parallel.device_mesh(torch.device("cpu")) is mesh  # made once per layout
+        assert parallel.fsdp_mesh(mesh).mesh_dim_names == ("shard_context",)  # plain FSDP without replicas
+    finally:
+        parallel.release()
+
+
+@pytest.mark.parametrize(("setting", "named"), [({"replicate": 2}, "parallel.replicate=2"),
+                                                ({"offload": "cpu"}, "parallel.offload=cpu")])
+def test_settings_for_sharded_runs_are_refused_without_sharding(setting, named):
+    with pytest.raises(ValueError, match=named):
+        ParallelConfig(**setting)
+    ParallelConfig(sharding="fsdp2", **setting)
+
+
+def test_cpu_offload_on_cuda_adds_a_cpu_backend_to_the_process_group(monkeypatch):
+    """FSDP2's CPU shards reduce (the clipping norm) on the CPU: NCCL alone cannot (no GPU here: the kwargs only)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (kwargs,) = parallel.process_group_kwargs(ParallelConfig(sharding="fsdp2", offload="cpu"))
+    assert kwargs.backend == "cuda:nccl,cpu:gloo"
+    assert parallel.process_group_kwargs(ParallelConfig(sharding="fsdp2")) == []
+
+
+# ---------------------------------------------------------------- the launch (case 8)
+ACCELERATE_CPU_TWO = {"ACCELERATE_USE_CPU": "True", "ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "127.0.0.1",
+                      "MASTER_PORT": "29500"}  # what `accelerate launch --cpu --num_processes 2` gives its process
+
+
+def test_a_cpu_launch_of_several_processes_that_started_one_is_refused():
+    with pytest.raises(ValueError, match="ACCELERATE_USE_CPU=true torchrun --nproc_per_node N") as err:
+        parallel.check_launch(ACCELERATE_CPU_TWO)
+    assert "\n" not in str(err.value)
+    parallel.check_launch({**ACCELERATE_CPU_TWO, "WORLD_SIZE": "2", "RANK": "0"})  # torchrun started them
+    parallel.check_launch({**ACCELERATE_CPU_TWO, "OMPI_COMM_WORLD_SIZE": "2"})  # mpirun started them
+    parallel.check_launch({k: v for k, v in ACCELERATE_CPU_TWO.items() if not k.startswith("MASTER")})  # asked 1
+    parallel.check_launch({**ACCELERATE_CPU_TWO, "ACCELERATE_USE_CPU": "False"})  # GPUs: accelerate runs torchrun
+
+
+@pytest.mark.slow
+def test_accelerate_launch_cpu_with_two_processes_refuses_in_one_line(tmp_path):
+    """The real launch: ``accelerate launch --cpu --num_processes 2 flowgrpo/train.py CONFIG`` (main's code started
+    one process that trained alone)."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "run"), "model": {"pretrained": "tiny"},
+                                   "train": {"num_epochs": 1}}))
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "flowgrpo/train.py", str(cfg)],
+                          cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "torchrun --nproc_per_node N flowgrpo/train.py CONFIG" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- frozen modules placed by rule (case 4)
+class _Placed(torch.nn.Module):
+    """A module that records where ``.to`` sends it (its weights stay put: no GPU here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.where = "cpu"
+
+    def to(self, device):
+        self.where = torch.device(device).type
+        return self
+
+
+class _ScoringReward:
+    """A reward holding a module; it records where its module is when it scores."""
+
+    def __init__(self) -> None:
+        self.model = _Placed()
+        self.group_wise = False
+        self.seen: list[str] = []
+
+    def setup(self, device) -> None:
+        self.model.to(device)
+
+    def __call__(self, images, prompts, metadata):
+        self.seen.append(self.model.where)
+        return torch.zeros(images.shape[0])
+
+
+def test_offloaded_reward_models_are_on_the_device_only_while_scoring():
+    from flowgrpo.rewards.compose import ComposedReward
+
+    gpu = torch.device("cuda", 0)
+    for rule, between in (("device", "cuda"), ("offload", "cpu")):
+        reward = _ScoringReward()
+        composed = ComposedReward({"r": reward}, {"r": 1.0})
+        composed.setup(gpu)
+        parallel.place_rewards(composed, gpu, ParallelConfig(reward_models=rule))
+        assert reward.model.where == between, rule
+        composed(torch.zeros(2, 3, 4, 4), ["a", "b"], [{}, {}])
+        assert reward.seen == ["cuda"], rule  # scored on the device either way
+        assert reward.model.where == between, rule
+        assert composed.group_wise == []  # the wrapper answers as the reward
+
+
+@pytest.fixture
+def wan22(tmp_path_factory):
+    from flowgrpo.models.zoo import CASES
+    from tests.models.test_video_models import _load
+
+    case = CASES["wan22"]
+    return case, _load(case, tmp_path_factory)
+
+
+@pytest.mark.parametrize("rule", ["offload", "shard"])
+def test_the_other_wan_expert_offloaded_or_sharded_gives_the_same_velocity(wan22, rule):
+    from torch.distributed.tensor import DTensor
+
+    case, adapter = wan22
+    x = adapter.initial_latents(2, [torch.Generator().manual_seed(0) for _ in range(2)])
+    embeds = adapter.encode_prompts(list(case.prompts))
+    sigma = torch.tensor([0.5, 0.5])  # the low-noise side: the untrained transformer_2
+    with torch.no_grad():
+        whole = adapter.velocity(x, sigma, embeds, 4.0)
+    expert = adapter.pipe.transformer_2
+    assert parallel.other_expert(adapter) is expert
+    try:
+        parallel.place_pipeline(adapter, torch.device("cpu"), ParallelConfig(experts=rule))
+        with torch.no_grad():
+            placed = adapter.velocity(x, sigma, embeds, 4.0)
+        if rule == "shard":
+            assert all(isinstance(p, DTensor) for p in expert.parameters())
+            assert not any(isinstance(p, DTensor) for p in adapter.transformer.parameters())
+        else:  # diffusers' block-level group offloading hooks on the expert
+            from diffusers.hooks.group_offloading import _is_group_offload_enabled
+
+            assert _is_group_offload_enabled(expert) and not _is_group_offload_enabled(adapter.transformer)
+        torch.testing.assert_close(placed, whole, rtol=0, atol=1e-6)
+    finally:
+        parallel.release()
+
+
+def test_experts_placement_is_refused_for_a_model_with_one_transformer(adapter):
+    with pytest.raises(ValueError, match="parallel.experts=offload .*FluxTransformer2DModel here has no second"):
+        parallel.place_pipeline(adapter, META, ParallelConfig(experts="offload"))
+
+
+def test_sharded_text_encoders_encode_as_whole_ones(adapter):
+    from torch.distributed.tensor import DTensor
+
+    prompts = ["a red cube", "a blue ball"]
+    whole = adapter.encode_prompts(prompts)
+    try:
+        parallel.place_pipeline(adapter, torch.device("cpu"), ParallelConfig(text_encoders="shard"))
+        for name in ("text_encoder", "text_encoder_2"):
+            assert all(isinstance(p, DTensor) for p in getattr(adapter.pipe, name).parameters()), name
+        sharded = adapter.encode_prompts(prompts)
+        assert sharded.tensors.keys() == whole.tensors.keys()
+        for key in whole.tensors:
+            torch.testing.assert_close(sharded.tensors[key], whole.tensors[key], rtol=0, atol=1e-6)
+    finally:
+        parallel.release()
+
+
+# ---------------------------------------------------------------- gradient sync (case 6), DDP's side
+class _Wrapped(torch.nn.Module):
+    """Stands in for DDP: a ``no_sync`` context that records its use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    @__import__("contextlib").contextmanager
+    def no_sync(self):
+        self.calls += 1
+        yield
+
+
+def test_ddp_skips_the_all_reduce_of_a_steps_earlier_packs_only_when_asked():
+    ddp = _Wrapped()
+    with parallel.gradient_sync(ddp, sync=False, every_micro_batch=False):  # gradient_sync=step, an early pack
+        pass
+    assert ddp.calls == 1
+    for sync, every in ((True, False), (False, True), (True, True)):  # the last pack, or micro_batch
+        with parallel.gradient_sync(ddp, sync=sync, every_micro_batch=every):
+            pass
+    assert ddp.calls == 1
+
+
+# ---------------------------------------------------------------- swapped weights under FSDP2 (case 5, the kind)
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+class _Net(torch.nn.Module):
+    _no_split_modules = ["_Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("kind", ["ema", "old_copy"])
+def test_every_swap_of_sharded_weights_reaches_the_forwards(kind, reshard_after_forward):
+    """A forward inside a swap computes with the swapped-in values and one after it with the trained values, whether
+    or not FSDP2 kept the weights a forward gathered before (main's EMA swap left them: evaluation ran on the
+    trained weights with reshard_after_forward=false, and the rollout after it on the EMA)."""
+    import copy
+
+    from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy
+    from flowgrpo.ema import EMA
+
+    torch.manual_seed(0)
+    shadow_net = _Net()  # the values the swap puts in
+    trained_net = copy.deepcopy(shadow_net)
+    with torch.no_grad():
+        for p in trained_net.parameters():
+            p.add_(0.5)
+    model = copy.deepcopy(shadow_net)
+    x = torch.randn(3, 4)
+    try:
+        parallel.shard(model, mesh=parallel.device_mesh(torch.device("cpu")), param_dtype=None,
+                       reshard=reshard_after_forward)
+        params = list(model.parameters())
+        swap = EMA(params, 0.5) if kind == "ema" else OldCopy(params, DecaySchedule(), model=model)
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.5)  # training moved the weights away from the shadow
+            for _ in range(2):  # twice: the first swap's restore must reach the next one too
+                assert torch.equal(model(x), trained_net(x))  # gathers the trained weights
+                with swap.swapped(model) if kind == "ema" else swap.swapped():
+                    torch.testing.assert_close(model(x), shadow_net(x), rtol=0, atol=1e-6)
+                torch.testing.assert_close(model(x), trained_net(x), rtol=0, atol=1e-6)
+    finally:
+        parallel.release()

@@ -164,8 +164,8 @@ def test_wan22_a14b_other_expert_and_text_encoder_placements():
     assert whole.device["other_expert"] == 2 * n and whole.device["text_encoders"] == 2 * e
     sharded = plan_config(cfg, 8, overrides=[*base, "parallel.experts=shard", "parallel.text_encoders=shard"])
     assert sharded.device["other_expert"] == 2 * n / 8 and sharded.device["text_encoders"] == 2 * e / 8
-    off = plan_config(cfg, 8, overrides=[*base, "parallel.experts=offload"])
-    assert off.device["other_expert"] == 0 and off.host["other_expert"] == 2 * n / 8
+    off = plan_config(cfg, 8, overrides=[*base, "parallel.experts=offload"])  # whole in each rank's host memory
+    assert off.device["other_expert"] == 0 and off.host["other_expert"] == 2 * n
     # 81 frames at 720 x 1280: 21 latent frames of 45 x 80 tokens; the context degree divides the activations
     tokens = 21 * 45 * 80
     cp = plan_config(cfg, 8, overrides=[*base, "parallel.context_degree=8"])
@@ -209,12 +209,12 @@ def test_cli_plan_prints_the_table_and_refuses_a_bad_layout(capsys):
     assert GIB == 2**30 and plan  # the module's public names
 
 
-@pytest.mark.parametrize(("setting", "value"), [("offload", "cpu"), ("text_encoders", "shard"), ("experts", "shard"),
-                                                ("replicate", 2)])
-def test_placements_that_fsdp2_does_are_refused_without_it(setting, value):
-    """The parallel settings the plan reads that only FSDP2 carries out are refused without it, naming themselves."""
-    from flowgrpo.config import ConfigError, build_config
-
-    with pytest.raises((ConfigError, ValueError), match=f"parallel.{setting}"):
-        build_config({"parallel": {setting: value}})
-    build_config({"parallel": {"sharding": "fsdp2", setting: value}})
+def test_gradient_sync_and_a_one_transformer_model():
+    """FSDP2 with gradient_sync=step keeps whole float32 gradients until the step (4 bytes a parameter on every
+    rank), micro_batch their shards; parallel.experts other than device is refused for a one-transformer model."""
+    cfg = REPO / "configs" / "flux_chunk.yaml"
+    n = sizes("flux").transformer
+    assert plan_config(cfg, 8, overrides=["parallel.gradient_sync=micro_batch"]).device["grads"] == 4 * n / 8
+    assert plan_config(cfg, 8, overrides=["parallel.gradient_sync=step"]).device["grads"] == 4 * n
+    with pytest.raises(ValueError, match="parallel.experts=shard"):
+        plan_config(cfg, 8, overrides=["parallel.experts=shard"])

@@ -274,14 +274,22 @@ class ParallelConfig(Section):
         "(sharded like the policy under fsdp2), or its shards in host memory, gathered to the device per forward "
         "(cpu_offload; needs sharding fsdp2)"
     )
+    ema: Literal["device", "cpu"] = Field(
+        "device", description="train.ema_decay: where the EMA shadow (float32, each process's shard of it under "
+        "fsdp2) lives: on the device, or in host memory (cpu: no device memory for it; each optimizer step copies "
+        "the weights' shards to the host, each evaluation and final save copies the shadow to the device)"
+    )
     text_encoders: Literal["device", "offload", "shard"] = Field(
         "device", description="device: text encoders stay on the device; offload: they live in host memory and "
-        "move to the device only while prompts are encoded (once per rollout and evaluation); shard: FSDP2 "
-        "shards them over the ranks of one replica (needs sharding fsdp2)"
+        "move to the device only while prompts are encoded (once per rollout and evaluation); shard: FSDP2 over "
+        "the processes of the mesh (each holds 1/N of every encoder block on its device, gathered block by block "
+        "for each encoding; every process encodes in the same order)"
     )
     replicate: int = Field(
-        1, ge=1, description="HSDP: replica groups (typically nodes); FSDP2 shards within each; the world is "
-        "replicate × shard × context processes"
+        1, ge=1, description="HSDP: the number of replica groups (typically nodes); the transformer is sharded "
+        "within each group of world_size / replicate processes and replicated across groups (one all-reduce of "
+        "the gradient shards per step crosses groups, every all-gather stays inside one). The world size must be "
+        "a multiple of replicate x context_degree"
     )
     context_degree: int = Field(
         1, ge=1, description="context (sequence) parallel degree: the ranks of one context group share samples "
@@ -291,33 +299,43 @@ class ParallelConfig(Section):
         "ulysses", description="context parallelism's attention: ulysses (all-to-all over heads) or ring"
     )
     offload: Literal["none", "cpu"] = Field(
-        "none", description="cpu: FSDP2's CPUOffloadPolicy keeps the trained parameters, gradients and optimizer "
-        "state in host memory (needs sharding fsdp2)"
+        "none", description="fsdp2: cpu keeps the trained parameters' shards, their gradients and the optimizer "
+        "state in host memory (FSDP2 CPUOffloadPolicy; the optimizer steps on the CPU, each block is copied to "
+        "the device for its forward and backward); none keeps them on the device"
     )
-    ema: Literal["device", "cpu"] = Field("device", description="where the EMA shadow lives")
     experts: Literal["device", "offload", "shard"] = Field(
-        "device", description="Wan2.2 A14B: the untrained other expert (transformer_2) whole on the device, its "
-        "shards in host memory gathered per block (offload), or sharded like the policy (shard)"
+        "device", description="the untrained other expert of a two-expert model (Wan2.2 A14B transformer_2 or "
+        "transformer): device: whole on every device; offload: whole in host memory on every process, each "
+        "block copied to the device for its forward (no collective); shard: FSDP2 over the mesh on the device "
+        "(1/N each, gathered block by block; every process runs it in the same order, as the rollout and the "
+        "chunk plan do)"
     )
     reward_models: Literal["device", "offload"] = Field(
-        "device", description="reward models on the device, or in host memory and on the device only while scoring"
+        "device", description="device: each reward's models stay on the device after setup; offload: they wait "
+        "in host memory and move to the device only while a batch is scored (once per rollout batch and "
+        "evaluation)"
     )
     gradient_sync: Literal["step", "micro_batch"] = Field(
-        "step", description="fsdp2: reduce-scatter gradients once per optimizer step, or after every micro-batch"
+        "micro_batch", description="when the gradients of an optimizer step's micro-batches (packs) are reduced "
+        "over the processes: micro_batch after every pack's backward (fsdp2: reduce-scatter, so each process "
+        "only ever holds its gradient shard; DDP: all-reduce), or step after the step's last pack only (one "
+        "reduction per step, but fsdp2 then keeps whole unsharded float32 gradients of every trained "
+        "parameter on each process until the step: 4 bytes a parameter, 48 GB for FLUX.1-dev full "
+        "fine-tuning). The default spends communication (an optimizer step of k packs reduces k times) to keep "
+        "fsdp2's memory; DDP holds whole gradients either way, so step costs it no memory (LoRA: little)"
     )
-
 
     @model_validator(mode="after")
     def _sharded_only(self) -> ParallelConfig:
         """The settings that only FSDP2 reads are refused without it (``ValueError``), each naming itself."""
         if self.sharding == "fsdp2":
             return self
-        for name, value, bad in (("offload", self.offload, "cpu"), ("text_encoders", self.text_encoders, "shard"),
-                                 ("experts", self.experts, "shard")):
-            if value == bad:
-                raise ValueError(f"parallel.{name}={bad} needs parallel.sharding=fsdp2 (FSDP2 does it)")
         if self.replicate > 1:
-            raise ValueError(f"parallel.replicate={self.replicate} is HSDP, which needs parallel.sharding=fsdp2")
+            raise ValueError(f"parallel.replicate={self.replicate} (HSDP) replicates a sharded transformer across "
+                             "groups, which needs parallel.sharding=fsdp2; or use parallel.replicate=1")
+        if self.offload == "cpu":
+            raise ValueError("parallel.offload=cpu keeps the trained parameters' shards in host memory, which needs "
+                             "parallel.sharding=fsdp2; or use parallel.offload=none")
         if self.reference == "cpu_offload":
             raise ValueError("parallel.reference=cpu_offload keeps the reference's shards in host memory, which needs "
                              "parallel.sharding=fsdp2 (any process count, one included); or use "
@@ -431,6 +449,9 @@ class Config(Section):
         if self.model.finetune == "full" and self.model.dtype == "float16":
             raise ValueError("model.dtype=float16 with model.finetune=full: the float32 master weights would "
                              "compute in float16 without loss scaling, whose gradients underflow; use bfloat16")
+        if self.parallel.ema == "cpu" and t.ema_decay is None:
+            raise ValueError("parallel.ema=cpu places the EMA of train.ema_decay, which is not set (no EMA is kept): "
+                             "set train.ema_decay, or remove parallel.ema")
         if not all(0 <= beta < 1 for beta in t.adam_betas):
             raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
         if not self.rewards:

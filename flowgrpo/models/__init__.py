@@ -49,12 +49,14 @@ DIFFUSERS_PRIVATE_API: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 @ADAPTERS.register("FluxPipeline")
-def _flux(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
+def _flux(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False, empty_transformer=False):
     from diffusers import FluxPipeline
 
+    from flowgrpo.models.empty import empty_components
     from flowgrpo.models.flux import FluxAdapter
 
-    pipe = FluxPipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe = FluxPipeline.from_pretrained(
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
     # the VAE's sample size is the model's native resolution (1024 for FLUX.1, 64 for the tiny model)
     size = int(pipe.vae.config.get("sample_size") or pipe.default_sample_size * pipe.vae_scale_factor)
     msl = min(max_sequence_length, pipe.tokenizer_2.model_max_length)
@@ -62,15 +64,18 @@ def _flux(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_un
 
 
 def _lazy_adapter(target: str, *args, takes_cfg_detach: bool = False):
-    """An adapter loader ``(path, *, dtype, height, width, max_sequence_length, cfg_detach_uncond)`` calling the
-    family's ``module:function`` (imported on first use) with ``args`` after the path; ``cfg_detach_uncond`` is
-    passed on only to families with true classifier-free guidance (``takes_cfg_detach``)."""
+    """An adapter loader ``(path, *, dtype, height, width, max_sequence_length, cfg_detach_uncond,
+    empty_transformer)`` calling the family's ``module:function`` (imported on first use) with ``args`` after the
+    path; ``cfg_detach_uncond`` is passed on only to families with true classifier-free guidance
+    (``takes_cfg_detach``)."""
     module, name = target.split(":")
 
-    def load(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False):
+    def load(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_uncond=False,
+             empty_transformer=False):
         extra = {"cfg_detach_uncond": cfg_detach_uncond} if takes_cfg_detach else {}
         return getattr(importlib.import_module(module), name)(
-            path, *args, dtype=dtype, height=height, width=width, max_sequence_length=max_sequence_length, **extra)
+            path, *args, dtype=dtype, height=height, width=width, max_sequence_length=max_sequence_length,
+            empty_transformer=empty_transformer, **extra)
 
     return load
 
@@ -183,7 +188,7 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
                max_sequence_length: int = 512, cfg_detach_uncond: bool = False,
                scheduler_shift: float | None = None, attention_backend: str = "auto",
                num_frames: int | None = None, guidance_scale_2: float | None = None,
-               trained_expert: str = "transformer"):
+               trained_expert: str = "transformer", empty_transformer: bool = False):
     """Load ``name`` (folder, hub id, ``digits`` or ``tiny``) and wrap it in the adapter of its pipeline class.
 
     ``cfg_detach_uncond`` applies to models with true classifier-free guidance (SD3); FLUX.1 has a guidance
@@ -191,6 +196,8 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     (``FlowMatchEulerDiscreteScheduler(shift=s, use_dynamic_shifting=False)``, Esser et al. 2024 eq. 23).
     ``attention_backend`` names the SDPA kernels (:mod:`flowgrpo.models.attention`). ``num_frames``,
     ``guidance_scale_2`` and ``trained_expert`` are the video families' settings (:data:`VIDEO_FAMILIES`).
+    ``empty_transformer``: the trained transformer is built with its parameters on the meta device and its weight
+    files are not read (:mod:`flowgrpo.models.empty`; a sharded run's processes other than the main one).
 
     Raises:
         ValueError: an unknown dtype, or a video setting given for an image model."""
@@ -201,7 +208,7 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     cls = pipeline_class_name(path)
     video = {"num_frames": num_frames, "guidance_scale_2": guidance_scale_2, "trained_expert": trained_expert}
     kwargs = {"dtype": DTYPES[dtype], "height": height, "width": width, "max_sequence_length": max_sequence_length,
-              "cfg_detach_uncond": cfg_detach_uncond}
+              "cfg_detach_uncond": cfg_detach_uncond, "empty_transformer": empty_transformer}
     if cls in VIDEO_FAMILIES:
         kwargs.update(video)
     else:
@@ -220,12 +227,12 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     return adapter
 
 
-def load_model_from_config(model) -> object:
+def load_model_from_config(model, *, empty_transformer: bool = False) -> object:
     """The adapter a run's ``model`` section (:class:`~flowgrpo.config.ModelConfig`) describes: the one function
     training and ``flowgrpo sample --run`` both build the model with (so every setting, ``scheduler_shift``
-    included, is honoured by both)."""
+    included, is honoured by both). ``empty_transformer``: as :func:`load_model`."""
     return load_model(model.pretrained, dtype=model.dtype, height=model.height, width=model.width,
                       max_sequence_length=model.max_sequence_length, cfg_detach_uncond=model.cfg_detach_uncond,
                       scheduler_shift=model.scheduler_shift, attention_backend=model.attention_backend,
                       num_frames=model.num_frames, guidance_scale_2=model.guidance_scale_2,
-                      trained_expert=model.trained_expert)
+                      trained_expert=model.trained_expert, empty_transformer=empty_transformer)

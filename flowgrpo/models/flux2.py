@@ -29,6 +29,7 @@ import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, pipeline_timestep, scheduler_sigmas
+from flowgrpo.models.empty import empty_components
 from flowgrpo.models.zimage import build_tiny_qwen3_tokenizer
 
 __all__ = ["Flux2Adapter", "load_flux2_adapter", "build_tiny_flux2_klein"]
@@ -151,12 +152,13 @@ class Flux2Adapter(AdapterBase):
 
 
 def load_flux2_adapter(path: str, pipeline_class: str, *, dtype: torch.dtype, height: int | None,
-                       width: int | None, max_sequence_length: int) -> Flux2Adapter:
+                       width: int | None, max_sequence_length: int, empty_transformer: bool = False) -> Flux2Adapter:
     """``<pipeline_class>.from_pretrained(path)`` in ``dtype``, wrapped; the size defaults to the pipelines'
     1024 px (``default_sample_size`` 128 × 8); ``max_sequence_length`` is clipped to 512."""
     import diffusers
 
-    pipe = getattr(diffusers, pipeline_class).from_pretrained(path, torch_dtype=dtype)
+    pipe = getattr(diffusers, pipeline_class).from_pretrained(
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
     size = pipe.default_sample_size * pipe.vae_scale_factor
     return Flux2Adapter(pipe, height=height or size, width=width or size,
                         max_sequence_length=min(max_sequence_length, 512))

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds
+from flowgrpo.models.empty import empty_components
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,8 @@ _NAMES = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embe
 def load_hunyuan_video15_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
                                  max_sequence_length: int, num_frames: int | None = None,
                                  guidance_scale_2: float | None = None,
-                                 trained_expert: str = "transformer") -> HunyuanVideo15Adapter:
+                                 trained_expert: str = "transformer",
+                                 empty_transformer: bool = False) -> HunyuanVideo15Adapter:
     """``HunyuanVideo15Pipeline.from_pretrained(path)`` in ``dtype`` in a :class:`HunyuanVideo15Adapter`; the
     default size is the pipeline's (16:9 at its ``target_size``), 121 frames. The text length is the pipeline's
     (1000 tokens), whatever ``max_sequence_length`` says.
@@ -171,7 +173,8 @@ def load_hunyuan_video15_adapter(path: str, *, dtype: torch.dtype, height: int |
     if guidance_scale_2 is not None or trained_expert != "transformer":
         raise ValueError("model.guidance_scale_2 and model.trained_expert are Wan2.2 settings; HunyuanVideo-1.5 has "
                          "one transformer")
-    pipe = HunyuanVideo15Pipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe = HunyuanVideo15Pipeline.from_pretrained(
+        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else []))
     if height is None or width is None:
         h, w = pipe.video_processor.calculate_default_height_width(9, 16, pipe.target_size)
         height, width = height or h, width or w

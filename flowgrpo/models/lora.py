@@ -9,12 +9,16 @@ import torch
 
 
 def setup_trainable(adapter, *, finetune: str, rank: int, alpha: float, target_modules: list[str],
-                    need_reference: bool, gradient_checkpointing: bool = False) -> list[torch.nn.Parameter]:
+                    need_reference: bool, gradient_checkpointing: bool = False,
+                    sharded: bool = False) -> list[torch.nn.Parameter]:
     """Make the adapter's transformer trainable; return the trained parameters.
 
     ``lora``: freeze the base weights and add a peft adapter (Hu et al., arXiv 2106.09685; scale α/r);
     the reference policy is the same module with the adapter disabled. ``full``: train every transformer
-    weight; when ``need_reference`` (KL β > 0) a frozen copy serves as the reference.
+    weight; when ``need_reference`` (KL β > 0) a frozen copy serves as the reference: a deep copy, or with
+    ``sharded`` (``parallel.sharding=fsdp2``) a copy of the module's structure and buffers whose parameters are
+    on the meta device (:func:`structure_copy`: no memory), which :func:`flowgrpo.parallel.prepare_model`
+    shards and fills from the policy's own shards, so no process ever holds a second whole transformer.
 
     Raises:
         ValueError: unknown ``finetune``, or target modules that match nothing in the transformer.
@@ -39,10 +43,19 @@ def setup_trainable(adapter, *, finetune: str, rank: int, alpha: float, target_m
         return [p for p in tr.parameters() if p.requires_grad]
     if finetune == "full":
         if need_reference:
-            adapter.frozen_reference = copy.deepcopy(tr).requires_grad_(False).eval()
+            ref = structure_copy(tr) if sharded else copy.deepcopy(tr)
+            adapter.frozen_reference = ref.requires_grad_(False).eval()
         tr.requires_grad_(True)
         return list(tr.parameters())
     raise ValueError(f"finetune must be 'lora' or 'full', got {finetune!r}")
+
+
+def structure_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` (submodules, settings, buffers) whose parameters are on the meta device (shapes
+    and dtypes, no values, no memory)."""
+    memo = {id(p): torch.nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+            for p in module.parameters()}
+    return copy.deepcopy(module, memo)
 
 
 def save_lora(adapter, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:

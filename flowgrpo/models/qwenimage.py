@@ -33,6 +33,7 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, pipeline_timestep, scheduler_sigmas
+from flowgrpo.models.empty import empty_components
 
 __all__ = ["QwenImageAdapter", "load_qwenimage_adapter", "build_tiny_qwenimage", "build_qwen_tokenizer"]
 
@@ -165,11 +166,12 @@ class QwenImageAdapter(AdapterBase):
 
 
 def load_qwenimage_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
-                           max_sequence_length: int) -> QwenImageAdapter:
+                           max_sequence_length: int, empty_transformer: bool = False) -> QwenImageAdapter:
     """``QwenImagePipeline.from_pretrained(path)`` in ``dtype``, wrapped; the size defaults to the pipeline's
     (``default_sample_size`` 128 × ``vae_scale_factor`` 8 = 1024 px); ``max_sequence_length`` is clipped to the
     pipeline's limit of 1024."""
-    pipe = QwenImagePipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe = QwenImagePipeline.from_pretrained(
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
     size = pipe.default_sample_size * pipe.vae_scale_factor
     return QwenImageAdapter(pipe, height=height or size, width=width or size,
                             max_sequence_length=min(max_sequence_length, 1024))

@@ -30,6 +30,7 @@ from diffusers import QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
 
 from flowgrpo.models.base import PromptEmbeds
+from flowgrpo.models.empty import empty_components
 from flowgrpo.models.qwenimage import (
     QwenImageAdapter,
     build_qwen25vl_encoder,
@@ -122,10 +123,12 @@ class QwenImageEditPlusAdapter(QwenImageAdapter):
 
 
 def load_qwenimage_edit_plus_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
-                                     max_sequence_length: int) -> QwenImageEditPlusAdapter:
+                                     max_sequence_length: int,
+                                     empty_transformer: bool = False) -> QwenImageEditPlusAdapter:
     """``QwenImageEditPlusPipeline.from_pretrained(path)`` in ``dtype``, wrapped; the size defaults to 1024 px
     (the pipeline's square default); ``max_sequence_length`` is clipped to 1024."""
-    pipe = QwenImageEditPlusPipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe = QwenImageEditPlusPipeline.from_pretrained(
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
     size = pipe.default_sample_size * pipe.vae_scale_factor
     return QwenImageEditPlusAdapter(pipe, height=height or size, width=width or size,
                                     max_sequence_length=min(max_sequence_length, 1024))

@@ -31,6 +31,7 @@ from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds
+from flowgrpo.models.empty import empty_components
 from flowgrpo.models.tiny import build_clip_tokenizer, build_t5_tokenizer, build_tiny_vae, builder_main
 
 logger = logging.getLogger(__name__)
@@ -195,13 +196,15 @@ class SD3Adapter(AdapterBase):
 
 
 def load_sd3_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
-                     max_sequence_length: int, cfg_detach_uncond: bool = False) -> SD3Adapter:
+                     max_sequence_length: int, cfg_detach_uncond: bool = False,
+                     empty_transformer: bool = False) -> SD3Adapter:
     """``StableDiffusion3Pipeline.from_pretrained(path)`` in ``dtype``, wrapped in an :class:`SD3Adapter`.
 
     ``height``/``width`` default to the pipeline's sample size (1024 for SD3.5); ``max_sequence_length`` is
     clipped to the T5 tokenizer's ``model_max_length`` and to the pipeline's limit of 512.
     """
-    pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
     size = pipe.default_sample_size * pipe.vae_scale_factor
     msl = min(max_sequence_length, 512)
     if pipe.tokenizer_3 is not None:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds
+from flowgrpo.models.empty import empty_components
 
 logger = logging.getLogger(__name__)
 
@@ -203,12 +204,13 @@ def euler_scheduler(scheduler):
 
 def load_wan_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
                      max_sequence_length: int, num_frames: int | None = None, guidance_scale_2: float | None = None,
-                     trained_expert: str = "transformer") -> WanAdapter:
+                     trained_expert: str = "transformer", empty_transformer: bool = False) -> WanAdapter:
     """``WanPipeline.from_pretrained(path)`` in ``dtype`` with an Euler scheduler (:func:`euler_scheduler`),
     wrapped in a :class:`WanAdapter`. Defaults: the pipeline's 480 x 832 and 81 frames."""
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe = WanPipeline.from_pretrained(
+        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else []))
     pipe.scheduler = euler_scheduler(pipe.scheduler)
     return WanAdapter(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,
                       max_sequence_length=max_sequence_length, guidance_scale_2=guidance_scale_2,

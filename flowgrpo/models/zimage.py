@@ -30,6 +30,7 @@ from diffusers import ZImagePipeline
 from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
+from flowgrpo.models.empty import empty_components
 from flowgrpo.models.qwenimage import build_qwen_tokenizer
 from flowgrpo.models.tiny import build_tiny_vae
 
@@ -144,10 +145,11 @@ def _unpad(padded: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
 
 
 def load_zimage_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
-                        max_sequence_length: int) -> ZImageAdapter:
+                        max_sequence_length: int, empty_transformer: bool = False) -> ZImageAdapter:
     """``ZImagePipeline.from_pretrained(path)`` in ``dtype``, wrapped; the size defaults to the VAE's
     ``sample_size`` if it names one, else the pipeline's 1024 px."""
-    pipe = ZImagePipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe = ZImagePipeline.from_pretrained(
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
     size = int(pipe.vae.config.get("sample_size") or 1024)
     return ZImageAdapter(pipe, height=height or size, width=width or size, max_sequence_length=max_sequence_length)
 

@@ -21,6 +21,8 @@ never against a snapshot of the adapter's own output:
 * **sharding**: the blocks FSDP2 shards are found in the model by its own list (``_no_split_modules``, or the
   adapter's ``shard_blocks``); sharded (a one-process group), the transformer gives the velocity of the whole one
   bit for bit, and its gradients to 1e-5 (a weight several blocks read sums their terms in another order);
+* **start-up of a sharded run**: with ``empty_transformer`` the trained transformer is built on the meta device
+  (no weights read) with the loaded one's parameter names and shapes and its buffers;
 * **training**: one epoch through the real trainer (``flowgrpo.runner.run``) with the ``per_step`` and ``chunk``
   strategies, with a log-prob mismatch of exactly 0.0 at the first update.
 
@@ -330,6 +332,21 @@ class AdapterConformance:
             if g is not None:
                 gap = float((g - g_shard[n]).abs().max() / g.abs().max().clamp(min=1e-30))
                 assert gap < 1e-5, (n, gap)
+
+    def test_an_empty_transformer_is_the_loaded_ones_structure(self, folder, adapter):
+        """``empty_transformer`` (a sharded run's processes other than the main one): the trained transformer is
+        built from its config with its parameters on the meta device, the names and shapes of the loaded one's,
+        and its buffers (the rotary tables some models compute) real and equal; the rest of the pipeline loads."""
+        c = self.case
+        empty = load_model(str(folder), height=c.size, width=c.size, max_sequence_length=c.max_sequence_length,
+                           empty_transformer=True, **c.load_kwargs)
+        loaded = {n: p.shape for n, p in adapter.transformer.named_parameters()}
+        assert {n: p.shape for n, p in empty.transformer.named_parameters()} == loaded
+        assert all(p.is_meta for p in empty.transformer.parameters())
+        buffers = dict(adapter.transformer.named_buffers())
+        for n, b in empty.transformer.named_buffers():
+            assert not b.is_meta and torch.equal(b.to(buffers[n].dtype), buffers[n]), n
+        assert not any(p.is_meta for p in empty.pipe.vae.parameters())
 
     @pytest.mark.parametrize("strategy", ["per_step", "chunk"])
     def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):

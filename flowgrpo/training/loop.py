@@ -88,8 +88,8 @@ class Trainer:
         self.forward_count[1] += 0 if x is None else len(x)  # a batch tensor, or a list of samples (Z-Image)
 
     def save_checkpoint(self, epoch: int) -> None:
-        """Every process takes part (a sharded model is gathered); the main process writes, only from finite
-        weights (:func:`~flowgrpo.divergence.check_weights`)."""
+        """Every process takes part (under FSDP2 each writes its own shards, :mod:`flowgrpo.checkpoint`), only from
+        finite weights (:func:`~flowgrpo.divergence.check_weights`)."""
         check_weights(self.optim.named_weights(), epoch, self.cfg.train.num_epochs, self.out / "checkpoints")
         self.optim.save(self.out / "checkpoints", epoch, sampler=self.sampler,
                         keep=self.cfg.logging.checkpoints_total_limit, objective=self.objective)

@@ -46,6 +46,7 @@ class Optimization:
         self.train_cfg = train
         self.checkpoints = Path(config.output_dir) / "checkpoints"  # named by a stop on a non-finite gradient
         self.accelerator = accelerator
+        self.sync_every_micro_batch = config.parallel.gradient_sync == "micro_batch"
         # wrap (DDP) or shard (FSDP2) first: after fully_shard the parameters are new DTensor objects, so a list
         # taken before would get no gradient
         self.model = parallel.prepare_model(adapter, accelerator, config)
@@ -57,16 +58,15 @@ class Optimization:
             optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
         )
         self.optimizer = accelerator.prepare(optimizer)
-        self.ema = EMA(self.params, train.ema_decay) if train.ema_decay is not None else None
+        self.ema = (EMA(self.params, train.ema_decay, place=config.parallel.ema) if train.ema_decay is not None
+                    else None)
 
     # ------------------------------------------------------------------ one optimizer step
     def accumulating(self, *, sync: bool):
-        """The context of one pack's forward and backward: gradients are all-reduced only when ``sync`` (the
-        step's last pack)."""
-        # one process has nothing to all-reduce (accelerate's no_sync would only look that up per call)
-        if sync or self.accelerator.num_processes == 1:
-            return contextlib.nullcontext()
-        return self.accelerator.no_sync(self.model)
+        """The context of one pack's forward and backward (:func:`flowgrpo.parallel.gradient_sync`): with
+        ``parallel.gradient_sync=step`` gradients are reduced over the processes only when ``sync`` (the step's
+        last pack), with ``micro_batch`` after every pack (FSDP2's reduce-scatter keeps only gradient shards)."""
+        return parallel.gradient_sync(self.model, sync=sync, every_micro_batch=self.sync_every_micro_batch)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of the 0-dim ``loss`` (already scaled to the step's mean)."""
@@ -112,8 +112,9 @@ class Optimization:
         self.model.eval()
 
     def eval_weights(self):
-        """The weights evaluation and saving use: the EMA when on, else the trained ones (a context)."""
-        return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
+        """The weights evaluation and saving use: the EMA when on, else the trained ones (a context; a sharded
+        model's gathered weights are freed before and after the swap, so no forward sees the other values)."""
+        return self.ema.swapped(self.model) if self.ema is not None else contextlib.nullcontext()
 
     @property
     def unwrapped(self) -> torch.nn.Module:
@@ -124,13 +125,13 @@ class Optimization:
         """(name, tensor) of every trained parameter and EMA shadow tensor, as this process holds them (a sharded
         model's local shards), for the health check before a save."""
         named = [(n, p) for n, p in self.unwrapped.named_parameters() if p.requires_grad]
-        return named + ([(f"EMA {n}", v) for n, v in self.ema.state_dict().items()] if self.ema is not None else [])
+        return named + ([(f"EMA ema.{i}", v) for i, v in enumerate(self.ema.shadow)] if self.ema is not None else [])
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, root: Path, epoch: int, *, sampler, keep: int, objective=None) -> None:
         """Checkpoint epoch ``epoch`` (weights, optimizer, schedule, EMA, the prompt sampler and the objective's
-        state) under ``root``, keeping the newest ``keep``. Every process calls it (a sharded model is gathered);
-        the main one writes."""
+        state) under ``root``, keeping the newest ``keep``. Every process calls it; under FSDP2 each writes its own
+        shards (nothing is gathered), otherwise the main one writes (:mod:`flowgrpo.checkpoint`)."""
         save_checkpoint(root, epoch, model=self.unwrapped, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                         sampler=sampler, ema=self.ema, keep=keep, objective=objective)
 

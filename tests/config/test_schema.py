@@ -135,3 +135,10 @@ def test_settings_only_fsdp2_reads_are_refused_without_it(override, message):
         build_config({}, [override])
     sharded = build_config({}, [override, "parallel.sharding=fsdp2"]).parallel
     assert sharded.sharding == "fsdp2" and (not sharded.reshard_after_forward or sharded.reference == "cpu_offload")
+
+
+def test_an_ema_in_host_memory_needs_an_ema():
+    """parallel.ema=cpu without train.ema_decay would place nothing: refused, naming both settings."""
+    with pytest.raises(ConfigError, match=r"parallel.ema=cpu places the EMA of train.ema_decay, which is not set"):
+        build_config({}, ["parallel.ema=cpu"])
+    assert build_config({}, ["parallel.ema=cpu", "train.ema_decay=0.9"]).parallel.ema == "cpu"

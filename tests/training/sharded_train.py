@@ -8,7 +8,10 @@ of every process, ``<output_dir>/process_<global rank>.json``:
   sharded;
 * ``optimizer_trains_model``: whether every parameter the optimizer steps is a parameter of the prepared module;
 * ``bytes``: what this process holds of the transformer's weights, the optimizer state, the reference and the EMA;
-* ``packs``: per update, this process's real (not filler) transformer calls of each optimizer step.
+* ``packs``: per update, this process's real (not filler) transformer calls of each optimizer step;
+* ``loaded``: whether this process read the transformer's weights at start (``read``) or built it on the meta
+  device to receive its shards (``empty``), and whether the full fine-tune's reference was built on the meta
+  device (``reference_on_meta``; None without a reference).
 """
 
 from __future__ import annotations
@@ -27,6 +30,27 @@ from flowgrpo.config import load_config  # noqa: E402
 from flowgrpo.training.loop import Trainer  # noqa: E402
 
 PACKS: list[list[int]] = []
+LOADED: dict = {}
+
+
+def _recording_loader(load):
+    def loaded(model, **kwargs):
+        adapter = load(model, **kwargs)
+        empty = any(p.is_meta for p in adapter.transformer.parameters())
+        LOADED["transformer"] = "empty" if empty else "read"
+        return adapter
+
+    return loaded
+
+
+def _recording_setup(setup):
+    def done(adapter, **kwargs):
+        params = setup(adapter, **kwargs)
+        ref = adapter.frozen_reference
+        LOADED["reference_on_meta"] = None if ref is None else all(p.is_meta for p in ref.parameters())
+        return params
+
+    return done
 
 
 def _elements(module) -> list[int] | None:
@@ -76,7 +100,7 @@ def _report(trainer: Trainer) -> dict:
             "reference": _elements(trainer.adapter.frozen_reference),
             "optimizer_trains_model": bool(trained) and all(id(p) in model_params for p in trained),
             "bytes": _bytes(trainer),
-            "packs": list(PACKS)}
+            "packs": list(PACKS), "loaded": dict(LOADED)}
 
 
 def write_report(folder: Path, trainer: Trainer) -> None:
@@ -92,10 +116,13 @@ if __name__ == "__main__":
     # not make another: each later run would train alone. Keep it for all runs; destroy it after the last.
     PartialState.destroy_process_group = lambda self, group=None: None
     sde_ratio.schedule = _counting_schedule(sde_ratio.schedule)
+    runner.load_model_from_config = _recording_loader(runner.load_model_from_config)
+    runner.setup_trainable = _recording_setup(runner.setup_trainable)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     runner.quiet_libraries()
     for path in sys.argv[1:]:
         PACKS.clear()
+        LOADED.clear()
         config = load_config(path)
         runner.run(config)
         assert dist.world_size() == int(os.environ["WORLD_SIZE"]), "the run did not use every process"

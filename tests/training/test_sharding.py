@@ -169,8 +169,11 @@ def _base(tiny_flux_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(tiny_flux_dir / "transformer" / "diffusion_pytorch_model.safetensors")
 
 
-def _ckpt(run: Path, epoch: int, name: str = "trainable") -> dict[str, torch.Tensor]:
-    return load_file(run / "checkpoints" / f"epoch_{epoch}" / f"{name}.safetensors")
+def _ckpt(run: Path, epoch: int, name: str = "trainable") -> dict:
+    """A part of a checkpoint, whole, whatever its form (a sharded run's is one file per process)."""
+    from flowgrpo.checkpoint import whole_tensors
+
+    return whole_tensors(run / "checkpoints" / f"epoch_{epoch}")[name]
 
 
 def test_sharded_lora_epoch_equals_one_process(runs):
@@ -193,9 +196,8 @@ def test_sharded_full_epoch_equals_one_process(runs, tiny_flux_dir):
     one, two = runs / "one_full", runs / "two_full"
     base = _base(tiny_flux_dir)
     _assert_same_update(_ckpt(one, 0), _ckpt(two, 0), base, "weights after epoch 0")
-    oa = torch.load(one / "checkpoints" / "epoch_0" / "optimizer.pt", weights_only=True)
-    ob = torch.load(two / "checkpoints" / "epoch_0" / "optimizer.pt", weights_only=True)
-    assert list(oa["state"]) == list(ob["state"]) and set(oa["state"]) == set(base)  # keyed by parameter name
+    oa, ob = _ckpt(one, 0, "optimizer"), _ckpt(two, 0, "optimizer")
+    assert set(oa["state"]) == set(ob["state"]) == set(base)  # keyed by parameter name
     order = list(oa["state"])  # the trained parameters' order: the EMA's index
     _assert_same_update(_ckpt(one, 0, "ema"), _ckpt(two, 0, "ema"),
                         {f"ema.{i}": base[k] for i, k in enumerate(order)}, "EMA after epoch 0")
@@ -250,6 +252,17 @@ def test_each_process_holds_a_shard_of_policy_and_reference(runs):
         assert sum(r["transformer"][0] for r in reports) == reports[0]["transformer"][1]
     ref = [json.loads((runs / "two_full" / f"process_{r}.json").read_text())["reference"] for r in (0, 1)]
     assert sum(local for local, _ in ref) == ref[0][1] and max(local for local, _ in ref) < ref[0][1]
+
+
+def test_weights_are_read_once_and_the_reference_is_never_a_whole_copy(runs):
+    """At start the main process alone reads the transformer's weights (the other builds it on the meta device
+    and receives its shards), and the full fine-tune's reference is built on the meta device on every process
+    and filled from its own policy shards (equal to the base: the on-policy KL to it is 0, in
+    ``test_sharded_full_epoch_equals_one_process``)."""
+    for run, reference in (("two_full", True), ("two_lora", None), ("two_bf16", None)):
+        loaded = [json.loads((runs / run / f"process_{r}.json").read_text())["loaded"] for r in (0, 1)]
+        assert [x["transformer"] for x in loaded] == ["read", "empty"], run
+        assert [x["reference_on_meta"] for x in loaded] == [reference, reference], run
 
 
 def test_two_nodes_know_their_global_rank(runs):

@@ -79,11 +79,13 @@ class Objective(Protocol):
         resume: make what the objective keeps of the trained parameters (``optim.params``)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint must hold to resume the objective exactly: {name: whole tensor in host memory}
-        (empty when nothing). Every process calls it (sharded state is gathered)."""
+        """What a checkpoint must hold to resume the objective exactly: {name: tensor as this process holds it}
+        (empty when nothing): a DTensor shard of a sharded model's parameter (nothing gathered; the checkpoint
+        writes each process's shards and loads them back in place), the whole tensor otherwise."""
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load :meth:`state_dict`'s tensors (every process; ``ValueError`` when they do not fit)."""
+        """Load :meth:`state_dict`'s tensors, or whole tensors (every process; ``ValueError`` when they do not
+        fit)."""
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         """Check the settings on the model's σ grid ``sigmas`` (T+1,) with the run's

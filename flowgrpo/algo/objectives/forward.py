@@ -283,7 +283,7 @@ class ForwardObjective(BaseObjective):
             self.old = OldCopy(optim.params, self.o.decay(), model=optim.model)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The old copy (whole float32 tensors), or nothing."""
+        """The old copy (float32, as this process holds it: :meth:`OldCopy.state_dict`), or nothing."""
         return self.old.state_dict() if self.old is not None else {}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

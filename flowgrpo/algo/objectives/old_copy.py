@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from flowgrpo.parallel import reshard
-from flowgrpo.state_dicts import full_tensor, shard_like
+from flowgrpo.state_dicts import shard_like
 
 __all__ = ["DecaySchedule", "NFT_DECAY_TYPES", "decay_at", "update_old_copy_", "copy_into_", "OldCopy"]
 
@@ -120,8 +120,8 @@ class OldCopy:
     (:meth:`swapped`), as :class:`flowgrpo.ema.EMA` is for evaluation.
 
     Of sharded (FSDP2) parameters it keeps one shadow shard per parameter shard (the same layout, so an update
-    and a swap are local); its checkpoint state holds whole tensors (:meth:`state_dict`), so a run resumes with
-    another process count.
+    and a swap are local); its checkpoint state is those shards (:meth:`state_dict`), which torch's distributed
+    checkpoint reshards, so a run resumes with another process count.
 
     Args:
         params: the trained parameters of the prepared module (the optimizer's, DTensors under FSDP2).
@@ -165,13 +165,14 @@ class OldCopy:
                     p.copy_(b)
 
     def state_dict(self, prefix: str = "old_copy") -> dict[str, torch.Tensor]:
-        """{``<prefix>.<i>``: whole float32 old copy of the i-th trained parameter} in host memory; every process
-        calls it (sharded shadows are gathered) and gets the whole tensors."""
-        return {f"{prefix}.{i}": full_tensor(s).detach().cpu() for i, s in enumerate(self.shadow)}
+        """{``<prefix>.<i>``: float32 old copy of the i-th trained parameter as this process holds it}: the
+        shadow itself (no copy; a DTensor shard of a sharded parameter, written by each process into its own
+        checkpoint file and loaded in place, :mod:`flowgrpo.checkpoint`), nothing gathered."""
+        return {f"{prefix}.{i}": s for i, s in enumerate(self.shadow)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], prefix: str = "old_copy") -> None:
-        """Load whole tensors (:meth:`state_dict`); each process keeps its shard. Raises ``ValueError`` for a state
-        of another number of tensors or shapes."""
+        """Load whole tensors (each process keeps its shard) or tensors laid out as the shadows (:meth:`state_dict`).
+        Raises ``ValueError`` for a state of another number of tensors or shapes."""
         keys = [f"{prefix}.{i}" for i in range(len(self.shadow))]
         if sorted(state) != sorted(keys):
             raise ValueError(f"the old-copy state holds {len(state)} tensors {sorted(state)[:3]}, the model trains "
@@ -181,4 +182,5 @@ class OldCopy:
                 if tuple(state[k].shape) != tuple(s.shape):
                     raise ValueError(f"old-copy tensor {k} has shape {tuple(state[k].shape)}, its parameter "
                                      f"{tuple(s.shape)}")
-                s.copy_(shard_like(state[k].float(), s))
+                if state[k] is not s:  # a sharded checkpoint loads into the shadow itself
+                    s.copy_(shard_like(state[k].float(), s))
