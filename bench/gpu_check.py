@@ -719,13 +719,9 @@ SHARDED_BODY = (2, 4)
 def _sharded_body(c: Check, offload: bool):
     """The FLUX.1 body (:data:`SHARDED_BODY`) with float32 masters sharded by ``flowgrpo.parallel.shard`` on a
     one-process mesh (bf16 compute on a GPU), its AdamW, and one step's inputs."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from flowgrpo.parallel import device_mesh, shard
 
-    from flowgrpo import dist
-    from flowgrpo.parallel import shard
-
-    dist.ensure_process_group(c.dev)
-    mesh = init_device_mesh(c.dev.type, (1,))
+    mesh = device_mesh(c.dev)  # flowgrpo's mesh over a one-process group
     model = build_flux(c.size, torch.device("cpu"), torch.float32, layers=min(SHARDED_BODY[0], c.size.layers),
                        single_layers=min(SHARDED_BODY[1], c.size.single_layers)).transformer
     model = shard(model, mesh=mesh, param_dtype=c.dtype, reshard=True, offload=offload)

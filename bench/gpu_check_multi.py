@@ -3,9 +3,10 @@
     torchrun --nproc_per_node N bench/gpu_check_multi.py --out FILE [--dry-run]
 
 1. an HSDP / FSDP2 step: the FLUX.1 body (full width, 2 + 4 blocks; toy size in a dry run) fine-tuned in full,
-   float32 master weights computing in bf16, sharded by ``flowgrpo.parallel.shard`` over a 2-D mesh
-   (replicate × shard: 2 × N/2 when N ≥ 4 and even, else 1 × N), AdamW; the median step time, the peak memory,
-   and the largest difference between the replicas' weights after the steps (0 when HSDP keeps them equal);
+   float32 master weights computing in bf16, sharded by ``flowgrpo.parallel.shard`` over flowgrpo's device mesh
+   (``parallel.replicate`` 2 when N ≥ 4 and even, else 1: replicate × shard = 2 × N/2 or 1 × N), AdamW; the
+   median step time, the peak memory, and the largest difference between the replicas' weights after the steps
+   (0 when HSDP keeps them equal);
 2. a context-parallel forward and backward: the same body whole on every rank, diffusers'
    ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))``, against the unsplit forward and backward of
    the same inputs on each rank: the largest output difference, the largest gradient difference after the
@@ -58,13 +59,14 @@ def _body(size, dev, dtype):
 
 
 def hsdp_step(size, dev, dry: bool, steps: int = 3) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+    from types import SimpleNamespace
 
-    from flowgrpo.parallel import shard
+    from flowgrpo.parallel import device_mesh, shard
 
     world = torch_dist.get_world_size()
     replicate = 2 if world >= 4 and world % 2 == 0 else 1
-    mesh = init_device_mesh(dev.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+    mesh = device_mesh(dev, SimpleNamespace(replicate=replicate, context_degree=1))  # flowgrpo's (replicate, shard,
+    # context) mesh; shard() takes FSDP2's HSDP mesh from it
     compute = torch.float32 if dry else torch.bfloat16
     model = _body(size, torch.device("cpu"), torch.float32)  # float32 masters, each block moved as it is sharded
     model = shard(model, mesh=mesh, param_dtype=compute, reshard=True)
