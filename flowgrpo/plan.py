@@ -9,7 +9,8 @@ so their size is counted. Figures are bytes internally and GiB (2**30 bytes) in 
 
 Layout (``parallel``): a world of N = replicate × shard × context processes (``parallel.replicate``,
 ``parallel.context_degree``); under ``parallel.sharding: fsdp2`` what FSDP2 shards is divided over the
-N / replicate ranks of one replica (HSDP: shard × context), without sharding (DDP) every rank holds it whole;
+N / replicate ranks of one replica (HSDP: shard × context), without sharding (DDP) every rank holds it whole
+(text encoders or the other expert placed ``shard`` are divided over those ranks either way);
 samples are split over the N / context data ranks, and a context group's ranks split each sample's tokens, so
 activations and the rollout's working set divide by the context degree.
 
@@ -727,6 +728,7 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     s = s or sizes(w.family, w.lora_rank if w.finetune == "lora" else 0, w.lora_targets)
     half = BYTES[w.dtype]
     f = lay.fsdp
+    group = lay.shard * lay.context  # what a `shard` placement divides by, whether the transformer is sharded or not
     full = w.finetune == "full"
     trained = s.transformer if full else s.lora
     frozen = 0 if full else s.transformer
@@ -755,13 +757,14 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
         put("ema", "host" if w.ema_place == "cpu" else "dev", trained * 4 / f)
     if fam.experts > 1:
         other = s.transformer * half
-        put("other_expert", "host" if w.experts == "offload" else "dev", other / f if w.experts == "shard" else other)
+        put("other_expert", "host" if w.experts == "offload" else "dev",
+            other / group if w.experts == "shard" else other)
     elif w.experts != "device":
         raise ValueError(f"parallel.experts={w.experts} places the untrained expert of a two-expert model; "
                          f"{fam.name} has one transformer: use parallel.experts=device")
     enc = s.encoders * half
     put("text_encoders", "host" if w.text_encoders == "offload" else "dev",
-        enc / f if w.text_encoders == "shard" else enc)
+        enc / group if w.text_encoders == "shard" else enc)
     rew = sum(n * b for n, b in w.rewards)
     put("reward_models", "host" if w.reward_models == "offload" else "dev", rew)
     dev["vae"] = s.vae * half
