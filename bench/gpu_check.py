@@ -20,7 +20,13 @@ blocks, width 3072, 11.9 B transformer parameters; 1-layer CLIP and T5 encoders 
     2 processes (``configs/accelerate/fsdp.yaml``) where 2 GPUs or more are present (``--dry-run``: one process;
     two sharded CPU processes are ``tests/training/test_sharding.py``'s);
 (h) the forward-process update (DiffusionNFT: an old-copy and a reference pass per (sample, σ) row) vs the bare
-    forwards + backward of the same (x₀, σ, ε) draws (B = 4, T = 8: 28 rows; ``bench/forward_speed.py``).
+    forwards + backward of the same (x₀, σ, ε) draws (B = 4, T = 8: 28 rows; ``bench/forward_speed.py``);
+(i) sharded save and resume on one process: the FSDP2 state of the FLUX.1 body at full width (2 + 4 blocks,
+    float32 masters and AdamW moments) through ``torch.distributed.checkpoint``, seconds and GB/s each way;
+(j) the offload cost: a full fine-tuning step of the same body with FSDP2's ``CPUOffloadPolicy`` vs without;
+(k) several GPUs (when 2 or more are visible): torchrun over all of them runs ``bench/gpu_check_multi.py``, an
+    HSDP step (replicate × shard mesh) and a context-parallel (Ulysses) forward and backward against the unsplit
+    one; a dry run runs it on 2 CPU processes.
 
 Each part runs on its own; a failure is recorded in the JSON and the next part runs. ``--dry-run`` runs the same
 code at toy sizes on the CPU (every part; CI runs it).
@@ -705,7 +711,116 @@ def part_h(c: Check) -> dict:
             "peak_gib": peak}
 
 
-PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g, "h": part_h}
+#: parts (i) and (j): the FLUX.1 body at full width and reduced depth (2 + 4 blocks, 1.25 B parameters: float32
+#: masters, gradients and AdamW state 20 GB), so a sharded checkpoint of it is written in seconds
+SHARDED_BODY = (2, 4)
+
+
+def _sharded_body(c: Check, offload: bool):
+    """The FLUX.1 body (:data:`SHARDED_BODY`) with float32 masters sharded by ``flowgrpo.parallel.shard`` on a
+    one-process mesh (bf16 compute on a GPU), its AdamW, and one step's inputs."""
+    from flowgrpo.parallel import device_mesh, shard
+
+    mesh = device_mesh(c.dev)  # flowgrpo's mesh over a one-process group
+    model = build_flux(c.size, torch.device("cpu"), torch.float32, layers=min(SHARDED_BODY[0], c.size.layers),
+                       single_layers=min(SHARDED_BODY[1], c.size.single_layers)).transformer
+    model = shard(model, mesh=mesh, param_dtype=c.dtype, reshard=True, offload=offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    n, t = (c.size.resolution // 16) ** 2, c.size.text_tokens
+    g = torch.Generator().manual_seed(0)
+    x = {"hidden_states": torch.randn(1, n, 64, generator=g).to(c.dev, c.dtype),
+         "encoder_hidden_states": torch.randn(1, t, c.size.t5_width, generator=g).to(c.dev, c.dtype),
+         "pooled_projections": torch.randn(1, c.size.clip_width, generator=g).to(c.dev, c.dtype),
+         "timestep": torch.full((1,), 0.5, device=c.dev), "guidance": torch.full((1,), 3.5, device=c.dev),
+         "img_ids": torch.zeros(n, 3, device=c.dev), "txt_ids": torch.zeros(t, 3, device=c.dev)}
+
+    def step():
+        model(**x).sample.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+def part_i(c: Check) -> dict:
+    """(i) sharded save and resume on one process: the FSDP2 state (float32 masters and AdamW moments of
+    :data:`SHARDED_BODY`) written by ``torch.distributed.checkpoint`` and read back into the sharded model; the
+    seconds of each, the bytes written, and that the weights read back are the ones written."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, step = _sharded_body(c, offload=False)
+    step()
+    folder = c.out / "sharded_ckpt"
+    shutil.rmtree(folder, ignore_errors=True)
+    msd, osd = get_state_dict(model, opt)
+    before = {k: v.to_local().detach().clone() if hasattr(v, "to_local") else v for k, v in msd.items()}
+    c.sync()
+    start = time.perf_counter()
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(folder))
+    c.sync()
+    save_s = time.perf_counter() - start
+    written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    msd, osd = get_state_dict(model, opt)
+    c.sync()
+    start = time.perf_counter()
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder))
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    c.sync()
+    load_s = time.perf_counter() - start
+    after = get_state_dict(model, opt)[0]
+    diff = max(float((before[k].float() - (v.to_local() if hasattr(v, "to_local") else v).float()).abs().max())
+               for k, v in after.items() if torch.is_tensor(before[k]))
+    shutil.rmtree(folder, ignore_errors=True)
+    del model, opt
+    if c.dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"save_s": save_s, "load_s": load_s, "written_gb": written / 1e9, "save_gb_per_s": written / 1e9 / save_s,
+            "load_gb_per_s": written / 1e9 / load_s, "max_diff_after_resume": diff}
+
+
+def part_j(c: Check) -> dict:
+    """(j) the cost of FSDP2's ``CPUOffloadPolicy``: the median forward + backward + AdamW step of
+    :data:`SHARDED_BODY` with the shards, gradients and optimizer state in host memory vs on the device, and the
+    peak device memory of each."""
+    out = {}
+    for name, offload in (("device", False), ("cpu_offload", True)):
+        model, opt, step = _sharded_body(c, offload)
+        c.reset_peak()
+        out[f"{name}_step_s"] = c.timed(step)
+        out[f"{name}_peak_gib"] = c.peak_gib()
+        del model, opt, step
+        if c.dev.type == "cuda":
+            torch.cuda.empty_cache()
+    out["slowdown"] = out["cpu_offload_step_s"] / out["device_step_s"]
+    return out
+
+
+def part_k(c: Check) -> dict:
+    """(k) several GPUs: torchrun over every visible GPU runs ``bench/gpu_check_multi.py`` (an HSDP / FSDP2 step on
+    a replicate × shard mesh, and a context-parallel forward and backward against the unsplit one); the dry run
+    runs it on 2 CPU processes under gloo; one GPU: skipped."""
+    n = 2 if c.args.dry_run else torch.cuda.device_count()
+    if n < 2:
+        return {"skipped": f"{n} GPU visible: the multi-GPU part needs 2 or more"}
+    result = c.out / "multi.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+           str(REPO / "bench" / "gpu_check_multi.py"), "--out", str(result),
+           *(["--dry-run"] if c.args.dry_run else [])]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    if proc.returncode:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1500:]}")
+    return json.loads(result.read_text())
+
+
+PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g, "h": part_h,
+         "i": part_i, "j": part_j, "k": part_k}
 
 
 def _fmt(v) -> str:

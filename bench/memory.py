@@ -4,9 +4,10 @@ latents kept on the CPU between phases (a table; never a test).
     python bench/memory.py [--json PATH]
     python bench/memory.py --plan [--json PATH]   # per-GPU bytes of the real models, computed (bench/memory_plan.py)
 
-``--plan`` allocates nothing: FLUX.1-dev, SD3.5-Medium and Qwen-Image built on the meta device, LoRA / full
-fine-tuning on 1 / 8 / 16 GPUs with and without gradient checkpointing, then every shipped config of those
-families; the model of each column is in ``bench/memory_plan.py``.
+``--plan`` allocates nothing: FLUX.1-dev, SD3.5-Medium, Qwen-Image and Wan2.2 A14B built on the meta device, LoRA /
+full fine-tuning on 1 / 8 / 16 GPUs with and without gradient checkpointing, then every shipped config of a
+planned model at 1 to 64 GPUs; the computation is ``flowgrpo.plan`` (``flowgrpo plan CONFIG --gpus N`` for one
+config), the tables ``bench/memory_plan.py``.
 
 Each cell runs in a fresh subprocess so peaks do not leak between settings. On a CUDA machine the figure is
 ``torch.cuda.max_memory_allocated`` of the phase; on a CPU machine it is the process's peak resident set

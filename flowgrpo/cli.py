@@ -1,5 +1,8 @@
 """The ``flowgrpo`` command: ``flowgrpo train …``, ``flowgrpo sample …``, ``flowgrpo prompts …``,
-``flowgrpo push …``.
+``flowgrpo push …``, ``flowgrpo plan …``.
+
+``flowgrpo plan CONFIG --gpus N`` prints a config's memory per GPU and per rank's host memory by part, and whether
+it fits, under the config's ``parallel`` layout (:mod:`flowgrpo.plan`; nothing is loaded or allocated).
 
 ``flowgrpo sample`` draws ODE images from a base model plus (optionally) a trained LoRA or full transformer, for
 given prompts and seeds, to compare before and after training. With the run's evaluation settings and seeds it
@@ -274,6 +277,14 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
     return info.commit_url
 
 
+def _plan_arguments(pl: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    pl.add_argument("config", help="training config (YAML)")
+    pl.add_argument("overrides", nargs="*", help="key=value config overrides (as flowgrpo train takes them)")
+    pl.add_argument("--gpus", type=int_in(1), required=True, help="processes, one GPU each")
+    pl.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU in GiB")
+    return pl
+
+
 def _parser() -> argparse.ArgumentParser:
     """The ``flowgrpo`` command's parser (``train`` is only listed: its own parser is :func:`flowgrpo.runner.main`)."""
     parser = argparse.ArgumentParser(prog="flowgrpo", description=__doc__,
@@ -321,6 +332,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", required=True, type=Path, help="prompt file to write (.txt; geneval: .jsonl)")
     pr.add_argument("--per-task", type=int_in(1), help="geneval only: prompts per task (default 1000)")
     pr.add_argument("--seed", type=int_in(0), help="geneval only: generator seed (default 0)")
+    _plan_arguments(sub.add_parser("plan", help="per-GPU and host memory of a config on N GPUs, by part, and "
+                                   "whether it fits", formatter_class=DefaultsHelpFormatter))
     pu = sub.add_parser("push", help="upload a run's weights and model card to the Hugging Face Hub",
                         formatter_class=DefaultsHelpFormatter)
     pu.add_argument("run", help="the run folder (its lora/ or transformer/ folder is uploaded)")
@@ -339,7 +352,13 @@ def main(argv: list[str] | None = None) -> None:
 
         train_main(argv[1:], prog="flowgrpo train")
         return
-    args = parser.parse_args(argv)
+    if argv and argv[0] == "plan":  # overrides may follow the options: parsed intermixed, by its own parser
+        args = _plan_arguments(argparse.ArgumentParser(prog="flowgrpo plan", formatter_class=DefaultsHelpFormatter,
+                                                       description="per-GPU and host memory of a config on N GPUs, "
+                                                       "by part, and whether it fits")).parse_intermixed_args(argv[1:])
+        args.command = "plan"
+    else:
+        args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from flowgrpo.runner import quiet_libraries
 
@@ -353,6 +372,14 @@ def main(argv: list[str] | None = None) -> None:
             parser.exit(2, f"flowgrpo sample: error: {err}\n")
     elif args.command == "prompts":
         _prompts(args)
+    elif args.command == "plan":
+        from flowgrpo.plan import plan_config, render
+
+        try:
+            p = plan_config(args.config, args.gpus, args.gpu_memory_gib, args.overrides)
+        except (ConfigError, ValueError, OSError) as err:  # bad input (config, layout, model): one line
+            parser.exit(2, f"flowgrpo plan: error: {err}\n")
+        print(render(p, f"{Path(args.config).name} on {args.gpus} GPU{'s' * (args.gpus > 1)}"))  # noqa: T201
     else:
         print(push_run(args.run, args.repo_id, private=args.private, token=args.token,  # noqa: T201 - the result
                        endpoint=args.endpoint))

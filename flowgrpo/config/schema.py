@@ -291,6 +291,13 @@ class ParallelConfig(Section):
         "the gradient shards per step crosses groups, every all-gather stays inside one). The world size must be "
         "a multiple of replicate x context_degree"
     )
+    context_degree: int = Field(
+        1, ge=1, description="context (sequence) parallel degree: the ranks of one context group share samples "
+        "and split each sample's tokens"
+    )
+    context_attention: Literal["ulysses", "ring"] = Field(
+        "ulysses", description="context parallelism's attention: ulysses (all-to-all over heads) or ring"
+    )
     offload: Literal["none", "cpu"] = Field(
         "none", description="fsdp2: cpu keeps the trained parameters' shards, their gradients and the optimizer "
         "state in host memory (FSDP2 CPUOffloadPolicy; the optimizer steps on the CPU, each block is copied to "

@@ -65,7 +65,7 @@ def test_dry_run_writes_every_part(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "gpu_check.json").read_text())
-    for part in "abcdefgh":
+    for part in "abcdefghijk":
         assert "error" not in r[part], (part, r[part].get("error"))
     assert r["h"]["ratio"] > 0 and r["h"]["rows"] == 4 * 1  # (h): B = 4 x int(0.99 * T = 2) sigmas
     assert r["c"]["matched"]["mismatch"] == 0.0 and r["c"]["recompute"]["mismatch"] == 0.0
@@ -74,6 +74,13 @@ def test_dry_run_writes_every_part(tmp_path):
     # (g): full fine-tuning under FSDP2 (one process: a one-process group), on-policy exactly as unsharded
     assert [e["policy/logprob_mismatch_max"] for e in r["g"]["one_process"]["epochs"]] == [0.0, 0.0]
     assert "| c | matched mismatch | 0 |" in (tmp_path / "gpu_check.md").read_text()
+    # (i) the sharded state read back is the state written; (j) both placements step
+    assert r["i"]["max_diff_after_resume"] == 0.0 and r["i"]["written_gb"] > 0 and r["i"]["save_s"] > 0
+    assert r["j"]["device_step_s"] > 0 and r["j"]["cpu_offload_step_s"] > 0
+    # (k) two gloo processes: the FSDP2 step runs, Ulysses over 2 ranks gives the unsplit output and gradients
+    k = r["k"]
+    assert k["world"] == 2 and "error" not in k["hsdp"] and k["hsdp"]["replica_max_diff"] == 0.0
+    assert k["context_parallel"]["output_max_diff"] < 1e-5 and k["context_parallel"]["grad_max_diff"] < 1e-6
 
 
 @pytest.mark.parametrize("model", ["flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux2", "kontext",

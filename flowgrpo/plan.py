@@ -1,0 +1,898 @@
+"""Per-GPU and per-rank host memory of a training config on N GPUs, computed without allocating anything
+(``flowgrpo plan CONFIG --gpus N``; ``bench/memory.py --plan`` tabulates it for the shipped configs).
+
+Every released model is built on the meta device from its diffusers configuration (transformers, VAEs) or from
+its text encoder's architecture (T5-XXL, UMT5-XXL, CLIP-L, OpenCLIP bigG); the decoder LLMs that serve as text
+encoders (Qwen2.5-VL-7B, Mistral-Small-3.1-24B, Qwen3-4B) and the reward models that are not CLIPs enter by their
+published parameter counts. LoRA adapters are added to the meta transformer with the config's rank and targets,
+so their size is counted. Figures are bytes internally and GiB (2**30 bytes) in the output.
+
+Layout (``parallel``): a world of N = replicate × shard × context processes (``parallel.replicate``,
+``parallel.context_degree``); under ``parallel.sharding: fsdp2`` what FSDP2 shards is divided over the
+N / replicate ranks of one replica (HSDP: shard × context), without sharding (DDP) every rank holds it whole
+(text encoders or the other expert placed ``shard`` are divided over those ranks either way);
+samples are split over the N / context data ranks, and a context group's ranks split each sample's tokens, so
+activations and the rollout's working set divide by the context degree.
+
+Parts (each "on each GPU" and "host memory per rank"):
+
+* weights: the transformer's frozen weights in ``model.dtype`` (LoRA's base; none in full fine-tuning); masters:
+  the trained weights in float32 (LoRA's adapter; full fine-tuning: every weight); both in host memory with
+  ``parallel.offload: cpu`` (FSDP2's ``CPUOffloadPolicy``);
+* grads: float32 gradients of the trained parameters, during the update only: sharded under FSDP2 with
+  ``parallel.gradient_sync: micro_batch``, whole until the step's reduce-scatter with ``step``; DDP over several
+  ranks keeps a second copy in its buckets; host with ``offload: cpu``;
+* optimizer: AdamW's two float32 moments; host with ``offload: cpu``;
+* reference: full fine-tuning with ``algo.kl_beta`` > 0 keeps a frozen copy in ``model.dtype``, sharded like the
+  policy (``parallel.reference: cpu_offload``: its shards in host memory); LoRA's reference is the base, adapter off;
+* EMA: a float32 shadow of the trained parameters, sharded like them (``parallel.ema: cpu``: host);
+* other expert (Wan2.2 A14B): the untrained expert in ``model.dtype``: whole (``parallel.experts: device``),
+  sharded like the policy (``shard``), or whole in each rank's host memory, each block copied to the device for
+  its forward (``offload``);
+* text encoders: in ``model.dtype``: on the device (``device``), in host memory and whole on the device only while
+  prompts are encoded (``offload``), or sharded over the replica's ranks (``shard``);
+* reward models: in their dtype (float32 unless the reward's ``dtype`` says otherwise; HPSv3 bfloat16): on the
+  device (``parallel.reward_models: device``) or in host memory, on the device only while scoring (``offload``);
+* VAE: its weights in ``model.dtype``; decode: its activations while decoding a rollout micro-batch (three live
+  feature maps of its widest full-resolution stage, 16-bit; a video VAE decodes a latent frame at a time);
+* rollout latents: the rollout's latents of this rank's samples, float32, (T + 1) per sample (host memory with
+  ``train.latents_on_cpu``);
+* activations: what the training forward keeps for the backward, per transformer call of
+  ``train.train_batch_size`` rows (× 2 where true classifier-free guidance runs both branches with gradient):
+  without gradient checkpointing Σ over blocks of (a·s_img + b·s_txt)·h bytes, with it each block's input
+  (2·s·h) plus one block's (a·s_img + b·s_txt)·h while it is recomputed; a and b per block kind are
+  :data:`COEFFICIENTS`, counted from the saved tensors of the real block classes (:func:`count_saved_bytes`);
+  a LoRA's are counted when it is planned, on the narrow model with the config's targets (:func:`lora_kinds`:
+  a frozen linear's input is kept only where the gradient needs it, and each adapted linear keeps a float32
+  copy of its input for the float32 adapter);
+* transient: FSDP2's gathered weights in ``model.dtype`` (the block computing and the next one prefetched; the
+  whole model with ``reshard_after_forward: false``), or autocast's ``model.dtype`` copies of float32 master
+  weights without sharding.
+
+A phase's peak is the sum of what is live in it: the update (resident parts + grads + activations + transient),
+the rollout (resident parts + the larger of a no-grad forward's working set, 10·s·h·2 bytes per row, with the
+transient weights, and the decode), the encoding (resident + the text encoders whole) and the scoring (resident +
+the reward models). A plan *fits* a GPU of M GiB when the largest peak stays under 0.95·M (the rest for the CUDA
+context, NCCL buffers and the caching allocator's fragmentation). The model is an estimate to ±20 %
+(``tests/test_plan.py`` compares it with a measured peak); a real run logs ``memory/<phase>_peak_gb``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+GIB = 2**30
+#: usable fraction of a GPU's memory (the rest: CUDA context, NCCL buffers, allocator fragmentation)
+USABLE = 0.95
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The released models, built on the meta device
+# ---------------------------------------------------------------------------------------------------------------
+
+def _flux1(**over):
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(**{"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+                                     "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                                     "pooled_projection_dim": 768, "guidance_embeds": True,
+                                     "axes_dims_rope": (16, 56, 56), **over})
+
+
+def _sd35_medium(**over):
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(**{"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 24,
+                                    "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
+                                    "caption_projection_dim": 1536, "pooled_projection_dim": 2048,
+                                    "out_channels": 16, "pos_embed_max_size": 384,
+                                    "dual_attention_layers": tuple(range(13)), "qk_norm": "rms_norm", **over})
+
+
+def _qwen_image(**over):
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(**{"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+                                          "attention_head_dim": 128, "num_attention_heads": 24,
+                                          "joint_attention_dim": 3584, "guidance_embeds": False,
+                                          "axes_dims_rope": (16, 56, 56), **over})
+
+
+#: Wan transformers: Wan2.1-T2V-1.3B, Wan2.2-TI2V-5B and each expert of Wan2.2-T2V-A14B (= Wan2.1-14B's body),
+#: their diffusers transformer configs
+WAN = {"wan21_1.3b": {"num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30, "in_channels": 16,
+                      "out_channels": 16},
+       "wan22_5b": {"num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30, "in_channels": 48,
+                    "out_channels": 48},
+       "wan_14b": {"num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40, "in_channels": 16,
+                   "out_channels": 16}}
+
+
+def _wan(size: str, **over):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(**{"patch_size": (1, 2, 2), "attention_head_dim": 128, "text_dim": 4096,
+                                    "freq_dim": 256, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads",
+                                    "eps": 1e-6, "rope_max_seq_len": 1024, **WAN[size], **over})
+
+
+def _flux2_dev(**over):
+    from diffusers import Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel(**over)  # its constructor's defaults are FLUX.2 [dev]'s (8 + 48 blocks, 48 heads)
+
+
+def _zimage(**over):
+    from diffusers import ZImageTransformer2DModel
+
+    return ZImageTransformer2DModel(**{"axes_lens": [1536, 512, 512], **over})  # the defaults are Z-Image's
+
+
+def _kl_vae():
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+                         up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],
+                         layers_per_block=2, latent_channels=16)
+
+
+def _qwen_vae():
+    from diffusers import AutoencoderKLQwenImage
+
+    return AutoencoderKLQwenImage()  # its defaults are Qwen-Image's VAE (base_dim 96, z_dim 16)
+
+
+def _wan21_vae():
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan()  # its defaults are Wan2.1's VAE (base_dim 96, z_dim 16)
+
+
+def _wan22_vae():
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12,
+                            out_channels=12, patch_size=2, scale_factor_spatial=16,
+                            latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
+
+
+def _flux2_vae():
+    from diffusers import AutoencoderKLFlux2
+
+    return AutoencoderKLFlux2()  # its defaults are FLUX.2's VAE (32 latent channels)
+
+
+def _t5_xxl():
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(d_model=4096, d_ff=10240, num_layers=24, num_heads=64, d_kv=64, vocab_size=32128,
+                                   feed_forward_proj="gated-gelu", is_encoder_decoder=False))
+
+
+def _umt5_xxl():
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(d_model=4096, d_ff=10240, num_layers=24, num_heads=64, d_kv=64,
+                                       vocab_size=256384, feed_forward_proj="gated-gelu", is_encoder_decoder=False))
+
+
+def _clip(hidden: int, layers: int, heads: int, projection: bool):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, projection_dim=hidden)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(cfg)
+
+
+def _open_clip(name: str):
+    import logging
+
+    import open_clip
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # open_clip reports every step of building a model on the root logger
+    try:
+        return open_clip.create_model(name, pretrained=None, device="meta")
+    finally:
+        root.setLevel(level)
+
+
+#: published parameter counts (model cards) of the decoder LLMs used as text encoders and of non-CLIP rewards
+QWEN25_VL_7B = 8.29e9  # Qwen2.5-VL-7B-Instruct: Qwen-Image's text encoder
+QWEN2_VL_7B = 8.29e9  # Qwen2-VL-7B-Instruct: HPSv3's body
+MISTRAL_SMALL_31 = 24.0e9  # Mistral-Small-3.1-24B: FLUX.2 [dev]'s text encoder
+QWEN3_4B = 4.02e9  # Qwen3-4B: Z-Image's text encoder
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """One kind of transformer block: how many the model has and the bytes autograd keeps per row of one call,
+    ``(image · s_img + text · s_txt) · h`` (s_img, s_txt: image and text tokens, h: the model's width)."""
+
+    name: str
+    count: int
+    image: float
+    text: float
+
+
+@dataclass(frozen=True)
+class Family:
+    """A released model: its transformer, text encoders and VAE (builders run on the meta device), its width, how
+    many tokens an image (or video) and a prompt make, its latent size, its block kinds and its guidance.
+
+    ``tokens(height, width, frames)`` → image tokens of one sample; ``latent(height, width, frames)`` → latent
+    elements of one sample; ``text_tokens(max_sequence_length)`` → text tokens; ``true_cfg``: the velocity runs
+    an unconditional branch too when the guidance scale is above 1; ``experts``: transformers of the release (2:
+    Wan2.2 A14B, one trained, one frozen); ``decode_width``: channels of the VAE decoder's full-resolution stage;
+    ``decode_frames``: frames one decode step holds (video VAEs decode a latent frame at a time; Wan2.2's
+    decoder ends at half resolution with 256 channels before its 2×2 unpatchify, so 64 per full-resolution
+    pixel)."""
+
+    name: str
+    transformer: Callable
+    encoders: tuple[Callable | float, ...]
+    vae: Callable
+    width: int
+    tokens: Callable[[int, int, int], int]
+    latent: Callable[[int, int, int], int]
+    text_tokens: Callable[[int], int]
+    kinds: tuple[BlockKind, ...]
+    true_cfg: bool = False
+    experts: int = 1
+    decode_width: int = 128
+    decode_frames: int = 1
+    video: bool = False
+    narrow: str = ""  # the key of COEFFICIENTS and of the narrow model its blocks are counted on
+
+
+def _image_tokens(h: int, w: int, f: int) -> int:
+    return (h // 16) * (w // 16)
+
+
+def _image_latent(channels: int):
+    return lambda h, w, f: channels * (h // 8) * (w // 8)
+
+
+def _wan_frames(f: int) -> int:
+    return (f - 1) // 4 + 1
+
+
+#: Counted bytes per (row, token, width) that autograd keeps for one block, bf16, per block kind: ``image`` per
+#: image token, ``text`` per text token. Counted by :func:`count_saved_bytes` on the real block classes at a
+#: narrow width (2 heads of the real head width; the MLP at the real ratio; ``tests/test_plan.py`` recounts them);
+#: the per-token terms scale with the width at a fixed head width, so they hold at the released width.
+COEFFICIENTS: dict[str, dict[str, tuple[float, float]]] = {
+    "flux": {"double": (56.2, 56.1), "single": (50.1, 50.1)},
+    "flux2": {"double": (64.1, 64.1), "single": (62.1, 62.1)},
+    "sd3": {"dual": (86.5, 58.3), "joint": (58.3, 58.3), "last": (58.3, 32.2)},  # 64-wide heads: more per h
+    "qwenimage": {"block": (56.2, 56.1)},
+    # Wan: text enters by cross-attention only (its keys and values); float32 norms (kept so in the release)
+    "wan21_1.3b": {"block": (91.6, 12.0)},
+    "wan22_5b": {"block": (86.9, 12.0)},
+    "wan_14b": {"block": (79.0, 12.0)},
+    "zimage": {"noise_refiner": (91.5, 0.0), "context_refiner": (0.0, 83.5), "block": (89.5, 89.5)},
+}
+
+FAMILIES: dict[str, Family] = {}
+
+
+def _register() -> None:
+    c = COEFFICIENTS
+    flux_kinds = (BlockKind("double", 19, *c["flux"]["double"]), BlockKind("single", 38, *c["flux"]["single"]))
+    clip_t5 = (lambda: _clip(768, 12, 12, False), _t5_xxl)
+    FAMILIES.update({
+        "flux": Family("FLUX.1-dev", _flux1, clip_t5, _kl_vae, 3072, _image_tokens, _image_latent(16),
+                       lambda msl: msl, flux_kinds),
+        "kontext": Family("FLUX.1-Kontext-dev", _flux1, clip_t5, _kl_vae, 3072,
+                          lambda h, w, f: 2 * _image_tokens(h, w, f), _image_latent(16), lambda msl: msl,
+                          flux_kinds),
+        "sd3": Family("SD3.5-Medium", _sd35_medium,
+                      (lambda: _clip(768, 12, 12, True), lambda: _clip(1280, 32, 20, True), _t5_xxl), _kl_vae, 1536,
+                      _image_tokens, _image_latent(16), lambda msl: 77 + msl,
+                      (BlockKind("dual", 13, *c["sd3"]["dual"]), BlockKind("joint", 10, *c["sd3"]["joint"]),
+                       BlockKind("last", 1, *c["sd3"]["last"])), true_cfg=True),
+        "qwenimage": Family("Qwen-Image", _qwen_image, (QWEN25_VL_7B,), _qwen_vae, 3072, _image_tokens,
+                            _image_latent(16), lambda msl: msl, (BlockKind("block", 60, *c["qwenimage"]["block"]),),
+                            true_cfg=True, decode_width=96),
+        # the edit model: a 1024² source (the VAE area of QwenImageEditPlusPipeline) joins the output's tokens
+        "qwenimage_edit_plus": Family("Qwen-Image-Edit-2509", _qwen_image, (QWEN25_VL_7B,), _qwen_vae, 3072,
+                                      lambda h, w, f: _image_tokens(h, w, f) + 4096, _image_latent(16),
+                                      lambda msl: msl, (BlockKind("block", 60, *c["qwenimage"]["block"]),),
+                                      true_cfg=True, decode_width=96),
+        "wan21_1.3b": Family("Wan2.1-T2V-1.3B", lambda: _wan("wan21_1.3b"), (_umt5_xxl,), _wan21_vae, 1536,
+                             lambda h, w, f: _wan_frames(f) * (h // 16) * (w // 16),
+                             lambda h, w, f: 16 * _wan_frames(f) * (h // 8) * (w // 8), lambda msl: msl,
+                             (BlockKind("block", 30, *c["wan21_1.3b"]["block"]),), true_cfg=True, decode_width=96,
+                             decode_frames=4, video=True),
+        "wan22_5b": Family("Wan2.2-TI2V-5B", lambda: _wan("wan22_5b"), (_umt5_xxl,), _wan22_vae, 3072,
+                           lambda h, w, f: _wan_frames(f) * (h // 32) * (w // 32),
+                           lambda h, w, f: 48 * _wan_frames(f) * (h // 16) * (w // 16), lambda msl: msl,
+                           (BlockKind("block", 30, *c["wan22_5b"]["block"]),), true_cfg=True, decode_width=64,
+                           decode_frames=4, video=True),
+        "wan22_a14b": Family("Wan2.2-T2V-A14B", lambda: _wan("wan_14b"), (_umt5_xxl,), _wan21_vae, 5120,
+                             lambda h, w, f: _wan_frames(f) * (h // 16) * (w // 16),
+                             lambda h, w, f: 16 * _wan_frames(f) * (h // 8) * (w // 8), lambda msl: msl,
+                             (BlockKind("block", 40, *c["wan_14b"]["block"]),), true_cfg=True, experts=2,
+                             decode_width=96, decode_frames=4, video=True),
+        "flux2": Family("FLUX.2-dev", _flux2_dev, (MISTRAL_SMALL_31,), _flux2_vae, 6144, _image_tokens,
+                        _image_latent(32), lambda msl: msl,
+                        (BlockKind("double", 8, *c["flux2"]["double"]), BlockKind("single", 48,
+                                                                                   *c["flux2"]["single"]))),
+        "zimage": Family("Z-Image", _zimage, (QWEN3_4B,), _kl_vae, 3840, _image_tokens, _image_latent(16),
+                         lambda msl: msl, (BlockKind("noise_refiner", 2, *c["zimage"]["noise_refiner"]),
+                                           BlockKind("context_refiner", 2, *c["zimage"]["context_refiner"]),
+                                           BlockKind("block", 30, *c["zimage"]["block"])), true_cfg=True),
+    })
+    narrow = {"kontext": "flux", "qwenimage_edit_plus": "qwenimage", "wan22_a14b": "wan_14b"}
+    for key, fam in FAMILIES.items():
+        FAMILIES[key] = dataclasses.replace(fam, narrow=narrow.get(key, key))
+
+
+#: a config's model.pretrained → family; configs of other models (the embedded digits and tiny models) are
+#: refused by :func:`plan_config`
+PRETRAINED = {"black-forest-labs/FLUX.1-dev": "flux", "black-forest-labs/FLUX.1-Kontext-dev": "kontext",
+              "stabilityai/stable-diffusion-3.5-medium": "sd3", "Qwen/Qwen-Image": "qwenimage",
+              "Qwen/Qwen-Image-Edit-2509": "qwenimage_edit_plus",
+              "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "wan21_1.3b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers": "wan22_5b",
+              "Wan-AI/Wan2.2-T2V-A14B-Diffusers": "wan22_a14b", "black-forest-labs/FLUX.2-dev": "flux2",
+              "Tongyi-MAI/Z-Image": "zimage"}
+
+#: reward name → builder (meta device) or published parameter count, and its default bytes per parameter
+REWARD_MODELS: dict[str, tuple[Callable | float, int]] = {
+    "hpsv2": (lambda: _open_clip("ViT-H-14"), 4),
+    "pickscore": (lambda: _open_clip("ViT-H-14"), 4),  # a CLIPModel of the ViT-H-14 architecture
+    "clip_score": (lambda: _open_clip("ViT-H-14"), 4),  # its largest variant (DFN5B ViT-H-14)
+    "image_similarity": (lambda: _open_clip("ViT-L-14"), 4),  # openai/clip-vit-large-patch14
+    "aesthetic": (lambda: _open_clip("ViT-L-14"), 4),  # CLIP ViT-L/14 and a small MLP head
+    # GenEval: Mask2Former Swin-S (69 M, its model card) and the colour classifier's ViT-L-14
+    "geneval": (lambda: 69e6 + _count(lambda: _open_clip("ViT-L-14-quickgelu")), 4),
+    "image_reward": (447e6, 4),  # ImageReward: BLIP ViT-L + BERT-base (its paper)
+    "hpsv3": (QWEN2_VL_7B, 2),
+    "unifiedreward": (QWEN25_VL_7B, 2),
+}
+
+
+_COUNTS: dict = {}
+
+
+def _count(build) -> int:
+    """Parameters of a builder's meta-device model (cached per builder), or a published count as given."""
+    if isinstance(build, float | int):
+        return int(build)
+    if build in _COUNTS:
+        return _COUNTS[build]
+    with torch.device("meta"):
+        out = build()
+    _COUNTS[build] = int(out) if isinstance(out, float | int) else sum(p.numel() for p in out.parameters())
+    return _COUNTS[build]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Parameter counts of a family (and of a LoRA on it): one transformer (one expert), its largest block, its
+    blocks, the LoRA, the text encoders, the VAE."""
+
+    transformer: int
+    largest_block: int
+    blocks: int
+    lora: int
+    encoders: int
+    vae: int
+
+
+_SIZES: dict = {}
+
+
+def sizes(family: str, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -> Sizes:
+    """The family's parameter counts, from meta-device models (cached); ``lora`` for the given rank and targets
+    (0 without)."""
+    key = (family, lora_rank, tuple(lora_targets))
+    if key in _SIZES:
+        return _SIZES[key]
+    from flowgrpo.parallel import shard_blocks
+
+    fam = FAMILIES[family]
+    with torch.device("meta"):
+        tr = fam.transformer()
+        blocks = shard_blocks(tr)
+        n = sum(p.numel() for p in tr.parameters())
+        largest = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+        lora = 0
+        if lora_rank:
+            from peft import LoraConfig
+
+            tr.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=list(lora_targets)))
+            lora = sum(p.numel() for name, p in tr.named_parameters() if "lora_" in name)
+    out = Sizes(n, largest, len(blocks), lora, sum(_count(e) for e in fam.encoders), _count(fam.vae))
+    _SIZES[key] = out
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Counting what autograd saves (the source of COEFFICIENTS)
+# ---------------------------------------------------------------------------------------------------------------
+
+def saved_bytes(model: torch.nn.Module, blocks: list[torch.nn.Module], call: Callable) -> list[int]:
+    """Bytes of the tensors autograd saves for the backward inside each of ``blocks`` while ``call()`` runs
+    ``model``'s forward: every saved tensor's storage counted once (a storage saved by several operations, or by
+    a later block, belongs to the first block that saved it), the model's parameters left out (they are weights,
+    not activations). Returns one figure per block, in ``blocks``' order."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    per = [0] * len(blocks)
+    current: list[int | None] = [None]
+    index = {id(b): i for i, b in enumerate(blocks)}
+
+    def enter(module, args):
+        current[0] = index[id(module)]
+
+    def leave(module, args, out):
+        current[0] = None
+
+    hooks = [b.register_forward_pre_hook(enter) for b in blocks] + [b.register_forward_hook(leave) for b in blocks]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if current[0] is not None and key not in params and key not in seen:
+            seen.add(key)
+            per[current[0]] += storage.nbytes()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            call()
+    finally:
+        for h in hooks:
+            h.remove()
+    return per
+
+
+def _bf16(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in bfloat16 except the modules its class keeps in float32 (as ``from_pretrained(torch_dtype=
+    torch.bfloat16)`` loads it)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # its advice to load with torch_dtype: the float32 modules are kept below
+    try:
+        model.to(torch.bfloat16)
+    finally:
+        diffusers_logging.set_verbosity(level)
+    for name, module in model.named_modules():
+        if any(k in name.split(".") for k in keep):
+            module.float()
+    return model
+
+
+def _narrow(family: str, image_tokens: int, text_tokens: int, heads: int):
+    """A narrow model of ``family``'s transformer class (``heads`` heads of the real head width, the real MLP
+    ratio, few blocks, bf16) and a call of its forward on ``image_tokens`` + ``text_tokens`` tokens of one row;
+    returns (model, call, kind of each block in ``shard_blocks`` order or None: by its attribute name, width)."""
+    bf = torch.bfloat16
+    side = math.isqrt(image_tokens)
+    if side * side != image_tokens:
+        raise ValueError(f"image_tokens={image_tokens} must be a square (a square latent)")
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(bf)
+
+    if family == "flux":
+        m = _bf16(_flux1(num_layers=2, num_single_layers=2, num_attention_heads=heads, joint_attention_dim=64,
+                         pooled_projection_dim=32))
+        return m, lambda: m(hidden_states=rnd(1, image_tokens, 64), encoder_hidden_states=rnd(1, text_tokens, 64),
+                            pooled_projections=rnd(1, 32), timestep=torch.ones(1), guidance=torch.ones(1),
+                            img_ids=torch.zeros(image_tokens, 3), txt_ids=torch.zeros(text_tokens, 3)), \
+            ["double", "double", "single", "single"], 128 * heads
+    if family == "flux2":
+        m = _bf16(_flux2_dev(num_layers=2, num_single_layers=2, num_attention_heads=heads, joint_attention_dim=64,
+                             in_channels=32))
+        return m, lambda: m(hidden_states=rnd(1, image_tokens, 32), encoder_hidden_states=rnd(1, text_tokens, 64),
+                            timestep=torch.ones(1), guidance=torch.ones(1), img_ids=torch.zeros(1, image_tokens, 4),
+                            txt_ids=torch.zeros(1, text_tokens, 4)), ["double", "double", "single", "single"], \
+            128 * heads
+    if family == "sd3":
+        m = _bf16(_sd35_medium(num_layers=4, num_attention_heads=heads, joint_attention_dim=64,
+                               caption_projection_dim=64 * heads, pooled_projection_dim=32, sample_size=2 * side,
+                               pos_embed_max_size=2 * side, dual_attention_layers=(0, 1)))
+        return m, lambda: m(hidden_states=rnd(1, 16, 2 * side, 2 * side), encoder_hidden_states=rnd(1, text_tokens, 64),
+                            pooled_projections=rnd(1, 32), timestep=torch.ones(1)), ["dual", "dual", "joint", "last"], \
+            64 * heads
+    if family == "qwenimage":
+        m = _bf16(_qwen_image(num_layers=2, num_attention_heads=heads, joint_attention_dim=64))
+        return m, lambda: m(hidden_states=rnd(1, image_tokens, 64), encoder_hidden_states=rnd(1, text_tokens, 64),
+                            encoder_hidden_states_mask=torch.ones(1, text_tokens, dtype=torch.long),
+                            timestep=torch.ones(1), img_shapes=[[(1, side, side)]]), ["block", "block"], 128 * heads
+    if family in WAN:
+        ratio = WAN[family]["ffn_dim"] / (128 * WAN[family]["num_attention_heads"])
+        m = _bf16(_wan(family, num_layers=2, num_attention_heads=heads, ffn_dim=round(ratio * 128 * heads),
+                       text_dim=64, in_channels=16, out_channels=16))
+        return m, lambda: m(hidden_states=rnd(1, 16, 1, 2 * side, 2 * side), timestep=torch.ones(1),
+                            encoder_hidden_states=rnd(1, text_tokens, 64)), ["block", "block"], 128 * heads
+    if family == "zimage":
+        m = _bf16(_zimage(n_layers=2, n_refiner_layers=1, dim=128 * heads, n_heads=heads, n_kv_heads=heads,
+                          cap_feat_dim=64))
+        for name, p in m.named_parameters():  # its padding tokens are torch.empty in its constructor
+            if "pad_token" in name:
+                p.data.normal_()
+        return m, lambda: m([rnd(16, 1, 2 * side, 2 * side)], torch.ones(1), [rnd(text_tokens, 64)]), None, 128 * heads
+    raise ValueError(f"no narrow model for family {family!r}")
+
+
+def count_saved_bytes(family: str, image_tokens: int, text_tokens: int, heads: int = 2,
+                      lora_targets: tuple[str, ...] = ()) -> tuple[dict[str, int], int]:
+    """Bytes autograd saves for one block of each kind of ``family`` (a key of :data:`COEFFICIENTS`) on one row of
+    ``image_tokens`` + ``text_tokens`` tokens, counted by :func:`saved_bytes` on a narrow bf16 model of the real
+    class (:func:`_narrow`) with every parameter trainable, or, with ``lora_targets``, the base frozen and a
+    rank-1 float32 LoRA on those modules (as training sets it up: peft's adapter in float32 over the bf16 base);
+    the last block of each kind is reported (the first block also saves what all blocks share, e.g. the rotary
+    tables). Returns ({kind: bytes}, the width h)."""
+    from flowgrpo.parallel import shard_blocks
+
+    model, call, kinds, width = _narrow(family, image_tokens, text_tokens, heads)
+    if lora_targets:
+        from peft import LoraConfig
+
+        model.requires_grad_(False)
+        model.add_adapter(LoraConfig(r=1, lora_alpha=1, target_modules=list(lora_targets)))
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
+    blocks = shard_blocks(model)
+    if kinds is None:  # Z-Image: its image and text refiners, then the joint layers, named by their attribute
+        names = {id(m): n.split(".")[0] for n, m in model.named_modules()}
+        kinds = [{"layers": "block"}.get(names[id(b)], names[id(b)]) for b in blocks]
+    counted = saved_bytes(model, blocks, call)
+    return dict(zip(kinds, counted, strict=True)), width
+
+
+def derive_coefficients(family: str, image_tokens: int = 1024, text_tokens: int = 256, heads: int = 2,
+                        lora_targets: tuple[str, ...] = ()) -> dict[str, tuple[float, float]]:
+    """The (image, text) coefficients of each block kind of ``family`` (full fine-tuning, or a LoRA on
+    ``lora_targets``): counts at ``text_tokens`` and twice as many give the text term, the rest is the image term
+    (``bytes = (image·s_img + text·s_txt)·h``)."""
+    one, h = count_saved_bytes(family, image_tokens, text_tokens, heads, lora_targets)
+    two, _ = count_saved_bytes(family, image_tokens, 2 * text_tokens, heads, lora_targets)
+    out = {}
+    for kind in one:
+        text = (two[kind] - one[kind]) / (text_tokens * h)
+        out[kind] = (round((one[kind] - text * text_tokens * h) / (image_tokens * h), 2), round(text, 2))
+    return out
+
+
+_LORA_KINDS: dict = {}
+
+
+def lora_kinds(family: str, rank: int, targets: tuple[str, ...]) -> tuple[BlockKind, ...]:
+    """``family``'s block kinds with the coefficients of a LoRA of ``rank`` on ``targets``, counted on the narrow
+    model (:func:`derive_coefficients`, cached): the rank-1 count plus each adapted linear's (s × rank) float32
+    intermediate, 4·rank/h per token and adapted linear of the block (counted on the image and the text term)."""
+    key = (family, rank, tuple(targets))
+    if key not in _LORA_KINDS:
+        fam = FAMILIES[family]
+        counted = derive_coefficients(fam.narrow, lora_targets=tuple(targets))
+        from peft import LoraConfig
+
+        from flowgrpo.parallel import shard_blocks
+
+        with torch.device("meta"):  # how many linears of one block of each kind the targets adapt
+            tr = fam.transformer()
+            tr.add_adapter(LoraConfig(r=1, lora_alpha=1, target_modules=list(targets)))
+            blocks = shard_blocks(tr)
+        adapted = max(sum(1 for n, _ in b.named_modules() if n.endswith("lora_A")) for b in blocks)
+        extra = 4 * (rank - 1) * adapted / fam.width  # the most any block adapts, for every kind (an upper bound)
+        _LORA_KINDS[key] = tuple(BlockKind(k.name, k.count, counted[k.name][0] + extra, counted[k.name][1] + extra)
+                                 for k in fam.kinds)
+    return _LORA_KINDS[key]
+
+
+_register()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """How N processes are arranged: ``replicate`` × ``shard`` × ``context`` = ``gpus``; ``fsdp`` ranks share one
+    copy of what FSDP2 shards (shard × context; 1 without sharding), ``data`` ranks split the samples
+    (gpus / context)."""
+
+    gpus: int
+    replicate: int
+    shard: int
+    context: int
+    fsdp: int
+    data: int
+
+
+def layout(gpus: int, replicate: int = 1, context: int = 1, sharding: str = "fsdp2") -> Layout:
+    """The :class:`Layout` of ``gpus`` processes. Raises ``ValueError`` when replicate × context does not divide
+    ``gpus`` or a value is below 1."""
+    for name, v in (("gpus", gpus), ("parallel.replicate", replicate), ("parallel.context_degree", context)):
+        if v < 1:
+            raise ValueError(f"{name}={v} must be at least 1")
+    if gpus % (replicate * context):
+        raise ValueError(f"--gpus {gpus} is not a multiple of parallel.replicate × parallel.context_degree = "
+                         f"{replicate} × {context}: the world is replicate × shard × context processes")
+    shard = gpus // (replicate * context)
+    return Layout(gpus, replicate, shard, context, shard * context if sharding == "fsdp2" else 1, gpus // context)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one run asks of each GPU, read from a config (:func:`workload_of`) or written out.
+
+    Sizes in pixels and tokens; ``rewards``: (parameters, bytes per parameter) of each reward model; the
+    placement fields are the ``parallel`` settings of the same names."""
+
+    family: str
+    finetune: str  # lora | full
+    dtype: str
+    height: int
+    width: int
+    frames: int
+    max_sequence_length: int
+    train_rows: int
+    rollout_rows: int
+    samples: int  # trajectories per epoch over all processes
+    steps: int
+    gradient_checkpointing: bool
+    guidance_scale: float = 1.0
+    train_guidance_scale: float | None = None  # the training forwards' (forward-process objectives), else the above
+    cfg_detach_uncond: bool = False
+    lora_rank: int = 64
+    lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    kl: bool = False
+    ema: bool = False
+    latents_on_cpu: bool = False
+    rewards: tuple[tuple[int, int], ...] = ()
+    sharding: str = "none"
+    replicate: int = 1
+    context_degree: int = 1
+    reshard_after_forward: bool = True
+    offload: str = "none"
+    reference: str = "device"
+    ema_place: str = "device"
+    text_encoders: str = "device"
+    experts: str = "device"
+    reward_models: str = "device"
+    gradient_sync: str = "micro_batch"
+
+
+#: parts in the order they are printed
+PARTS = ("weights", "masters", "grads", "optimizer", "reference", "ema", "other_expert", "text_encoders",
+         "reward_models", "vae", "rollout_latents", "activations", "transient", "decode")
+LABELS = {"weights": "frozen weights", "masters": "trained weights (float32 masters)", "grads": "gradients",
+          "optimizer": "optimizer (AdamW)", "reference": "KL reference", "ema": "EMA",
+          "other_expert": "other expert (frozen)", "text_encoders": "text encoders", "reward_models": "reward models",
+          "vae": "VAE", "rollout_latents": "rollout latents", "activations": "activations",
+          "transient": "gathered weights", "decode": "VAE decode"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes on each GPU and in each rank's host memory, by part (:data:`PARTS`), and each phase's device peak.
+
+    ``activations_plain`` / ``activations_checkpointed``: the training forward's activations without and with
+    gradient checkpointing (``device["activations"]`` is the config's); ``budget``: usable bytes of one GPU."""
+
+    workload: Workload
+    layout: Layout
+    device: dict[str, float]
+    host: dict[str, float]
+    phases: dict[str, float]
+    activations_plain: float
+    activations_checkpointed: float
+    budget: float
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.budget
+
+
+def activation_bytes(fam: Family, image_tokens: int, text_tokens: int, checkpointing: bool) -> float:
+    """Bytes one row of one training transformer call keeps for the backward (the module docstring's rule)."""
+    per = [(k.count, (k.image * image_tokens + k.text * text_tokens) * fam.width) for k in fam.kinds]
+    if not checkpointing:
+        return sum(n * b for n, b in per)
+    # each block keeps its input stream(s) in 16-bit; a cross-attention family's text is one shared tensor
+    stream = image_tokens if fam.video else image_tokens + text_tokens
+    inputs = sum(n for n, _ in per) * 2 * stream * fam.width + (2 * text_tokens * fam.width if fam.video else 0)
+    return inputs + max(b for _, b in per)
+
+
+def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None = None) -> Plan:
+    """The :class:`Plan` of ``w`` on ``gpus`` processes with GPUs of ``gpu_memory_gib`` GiB (the module docstring
+    says what each part holds). Raises ``ValueError`` for a layout that does not divide ``gpus`` or a GPU memory
+    that is not positive."""
+    if gpu_memory_gib <= 0:
+        raise ValueError(f"--gpu-memory-gib {gpu_memory_gib} must be positive")
+    lay = layout(gpus, w.replicate, w.context_degree, w.sharding)
+    fam = FAMILIES[w.family]
+    s = s or sizes(w.family, w.lora_rank if w.finetune == "lora" else 0, w.lora_targets)
+    half = BYTES[w.dtype]
+    f = lay.fsdp
+    group = lay.shard * lay.context  # what a `shard` placement divides by, whether the transformer is sharded or not
+    full = w.finetune == "full"
+    trained = s.transformer if full else s.lora
+    frozen = 0 if full else s.transformer
+    img = fam.tokens(w.height, w.width, w.frames)
+    txt = fam.text_tokens(w.max_sequence_length)
+    cfg = 2 if fam.true_cfg and w.guidance_scale > 1 else 1
+    train_scale = w.guidance_scale if w.train_guidance_scale is None else w.train_guidance_scale
+    cfg_train = 2 if fam.true_cfg and train_scale > 1 and not w.cfg_detach_uncond else 1
+    dev: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+    host: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+    off = "host" if w.offload == "cpu" else "dev"
+
+    def put(part: str, where: str, value: float) -> None:
+        (host if where == "host" else dev)[part] = value
+
+    put("weights", off, frozen * half / f)
+    put("masters", off, trained * 4 / f)
+    if w.sharding == "fsdp2":  # gradient_sync step: whole unsharded gradients until the step's reduce-scatter
+        put("grads", off, trained * 4 / (f if w.gradient_sync == "micro_batch" else 1))
+    else:  # DDP over several processes keeps a second copy in its buckets
+        put("grads", off, trained * 4 * (2 if lay.gpus > 1 else 1))
+    put("optimizer", off, trained * 8 / f)
+    if full and w.kl:
+        put("reference", "host" if w.reference == "cpu_offload" else "dev", s.transformer * half / f)
+    if w.ema:
+        put("ema", "host" if w.ema_place == "cpu" else "dev", trained * 4 / f)
+    if fam.experts > 1:
+        other = s.transformer * half
+        put("other_expert", "host" if w.experts == "offload" else "dev",
+            other / group if w.experts == "shard" else other)
+    elif w.experts != "device":
+        raise ValueError(f"parallel.experts={w.experts} places the untrained expert of a two-expert model; "
+                         f"{fam.name} has one transformer: use parallel.experts=device")
+    enc = s.encoders * half
+    put("text_encoders", "host" if w.text_encoders == "offload" else "dev",
+        enc / group if w.text_encoders == "shard" else enc)
+    rew = sum(n * b for n, b in w.rewards)
+    put("reward_models", "host" if w.reward_models == "offload" else "dev", rew)
+    dev["vae"] = s.vae * half
+    dev["decode"] = 3 * fam.decode_width * w.height * w.width * 2 * min(w.frames, fam.decode_frames) * w.rollout_rows
+    latents = math.ceil(w.samples / lay.data) * (w.steps + 1) * fam.latent(w.height, w.width, w.frames) * 4
+    put("rollout_latents", "host" if w.latents_on_cpu else "dev", latents)
+    rows = w.train_rows * cfg_train / lay.context
+    counted = fam if full else dataclasses.replace(fam, kinds=lora_kinds(w.family, w.lora_rank, w.lora_targets))
+    plain = activation_bytes(counted, img, txt, False) * rows
+    ckpt = activation_bytes(counted, img, txt, True) * rows
+    dev["activations"] = ckpt if w.gradient_checkpointing else plain
+    block = 2 * s.largest_block * half
+    if w.sharding == "fsdp2":
+        dev["transient"] = block if w.reshard_after_forward else s.transformer * half
+    else:
+        dev["transient"] = s.transformer * half if full and half < 4 else 0
+    # offloaded weights stream through the device a block at a time (the reference's shards gathered by FSDP2 with
+    # the next block prefetched; the offloaded expert's blocks copied one by one)
+    streamed = (block if full and w.kl and w.reference == "cpu_offload" else 0) + (
+        block / 2 if w.experts == "offload" and fam.experts > 1 else 0)
+    resident = sum(dev[k] for k in ("weights", "masters", "optimizer", "reference", "ema", "other_expert", "vae",
+                                    "rollout_latents", "text_encoders", "reward_models"))
+    working = 10 * (img + txt) * fam.width * 2 * w.rollout_rows * cfg / lay.context
+    phases = {"update": resident + dev["grads"] + dev["activations"] + dev["transient"] + streamed,
+              "rollout": resident + max(working + dev["transient"] + streamed, dev["decode"]),
+              "encode": resident - dev["text_encoders"] + enc,
+              "score": resident - dev["reward_models"] + rew}
+    notes = []
+    per_rank = w.samples / lay.data
+    if per_rank != int(per_rank) or int(per_rank) % w.rollout_rows:
+        notes.append(f"{w.samples} samples over {lay.data} data ranks is {per_rank:g} a rank, not a multiple of "
+                     f"train.rollout_batch_size={w.rollout_rows}: raise train.prompts_per_epoch")
+    if cfg_train > 1:
+        notes.append("true CFG: the training forward runs both branches with gradient (activations × 2)")
+    return Plan(w, lay, dev, host, phases, plain, ckpt, gpu_memory_gib * USABLE * GIB, tuple(notes))
+
+
+def _reward_sizes(specs) -> tuple[tuple[int, int], ...]:
+    """(parameters, bytes per parameter) of each reward model the config loads (a video reward's image base
+    counts; rewards without a model, such as JPEG size, count 0)."""
+    out = []
+    for spec in specs:
+        name, kwargs = spec.name, dict(spec.kwargs)
+        if name in ("video_frames", "temporal_consistency") and "base" in kwargs:
+            name, kwargs = kwargs["base"], dict(kwargs.get("base_kwargs") or {})
+        if name not in REWARD_MODELS:
+            continue
+        build, width = REWARD_MODELS[name]
+        width = BYTES.get(kwargs.get("dtype", ""), width)
+        out.append((_count(build), width))
+    return tuple(out)
+
+
+def workload_of(config) -> Workload:
+    """The :class:`Workload` of a loaded config. Raises ``ValueError`` naming ``model.pretrained`` when its model
+    is not one of :data:`PRETRAINED`."""
+    m, t, p = config.model, config.train, config.parallel
+    if m.pretrained not in PRETRAINED:
+        raise ValueError(f"model.pretrained={m.pretrained!r} is not in the plan; planned models: "
+                         f"{', '.join(sorted(PRETRAINED))}")
+    family = PRETRAINED[m.pretrained]
+    fam = FAMILIES[family]
+    samples = config.batch_size
+    if config.chunker.name == "entropy_merge":  # E-GRPO: one trajectory per (sample, branch step)
+        samples *= len(getattr(config.chunker, "merge_steps", None) or [0, 1, 2, 4])
+    specs = list(config.rewards) + list(config.eval_rewards or [])
+    unique = list({(s.name, repr(sorted(s.kwargs.items()))): s for s in specs}.values())
+    return Workload(
+        family=family, finetune=m.finetune, dtype=m.dtype, height=m.height or 1024, width=m.width or 1024,
+        frames=(m.num_frames or 81) if fam.video else 1, max_sequence_length=m.max_sequence_length,
+        train_rows=config.train_batch_size, rollout_rows=t.rollout_batch_size, samples=samples,
+        steps=config.sampling.num_steps, gradient_checkpointing=m.gradient_checkpointing,
+        guidance_scale=config.sampling.guidance_scale,
+        train_guidance_scale=getattr(config.objective, "train_guidance_scale", None),
+        cfg_detach_uncond=m.cfg_detach_uncond,
+        lora_rank=m.lora_rank, lora_targets=tuple(m.lora_target_modules), kl=config.algo.kl_beta > 0,
+        ema=t.ema_decay is not None, latents_on_cpu=t.latents_on_cpu, rewards=_reward_sizes(unique),
+        sharding=p.sharding, replicate=p.replicate, context_degree=p.context_degree,
+        reshard_after_forward=p.reshard_after_forward, offload=p.offload, reference=p.reference, ema_place=p.ema,
+        text_encoders=p.text_encoders, experts=p.experts, reward_models=p.reward_models,
+        gradient_sync=p.gradient_sync)
+
+
+def plan_config(path, gpus: int, gpu_memory_gib: float = 80.0, overrides: list[str] = ()) -> Plan:
+    """The :class:`Plan` of the config at ``path`` (with ``key=value`` ``overrides``) on ``gpus`` GPUs.
+
+    Raises:
+        ValueError: a model outside the plan, a layout that does not divide ``gpus``, a bad GPU memory.
+        flowgrpo.config.ConfigError: an invalid config or override.
+    """
+    from flowgrpo.config import load_config
+
+    return plan(workload_of(load_config(path, list(overrides))), gpus, gpu_memory_gib)
+
+
+def _gib(v: float) -> str:
+    return f"{v / GIB:.1f}"
+
+
+def render(p: Plan, title: str = "") -> str:
+    """The plan as Markdown: the layout, a table of GiB per part on each GPU and in each rank's host memory, the
+    phases' peaks, and whether it fits."""
+    w, lay = p.workload, p.layout
+    fam = FAMILIES[w.family]
+    mesh = (f"{lay.gpus} GPU{'s' * (lay.gpus > 1)} = replicate {lay.replicate} × shard {lay.shard} × context "
+            f"{lay.context}; "
+            + (f"FSDP2 shards over {lay.fsdp} ranks" if w.sharding == "fsdp2" else "no sharding (DDP)")
+            + f", samples split over {lay.data} data ranks")
+    img, txt = fam.tokens(w.height, w.width, w.frames), fam.text_tokens(w.max_sequence_length)
+    size = f"{w.height}×{w.width}" + (f"×{w.frames} frames" if fam.video else "")
+    lines = [f"### {title or fam.name}", "",
+             f"{fam.name}, {w.finetune} fine-tuning, {w.dtype}, {size}: {img} image + {txt} text tokens; "
+             f"{mesh}.", "",
+             "| part | on each GPU (GiB) | host memory per rank (GiB) |", "|---|---|---|"]
+    for part in PARTS:
+        if part == "activations":
+            chosen = "on" if w.gradient_checkpointing else "off"
+            for label, v in (("off", p.activations_plain), ("on", p.activations_checkpointed)):
+                mark = " (config)" if label == chosen else ""
+                lines.append(f"| activations, checkpointing {label}{mark} | {_gib(v)} | 0.0 |")
+            continue
+        if p.device[part] or p.host[part]:
+            lines.append(f"| {LABELS[part]} | {_gib(p.device[part])} | {_gib(p.host[part])} |")
+    lines.append(f"| **host total** | | **{_gib(sum(p.host.values()))}** |")
+    lines += ["", "| phase | device peak (GiB) |", "|---|---|"]
+    lines += [f"| {k} | {_gib(v)} |" for k, v in p.phases.items()]
+    verdict = "fits" if p.fits else "does NOT fit"
+    lines += ["", f"Peak {_gib(p.peak)} GiB of {_gib(p.budget)} usable ({p.budget / USABLE / GIB:.0f} GiB GPU): "
+              f"**{verdict}**."]
+    lines += [f"Note: {n}." for n in p.notes]
+    return "\n".join(lines)
