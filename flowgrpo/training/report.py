@@ -1,7 +1,8 @@
 """What a run reports at its end: ``summary.json`` (every evaluation figure before and after, the time of each
 phase, where each product went), ``before_after.png``, the model card, and the console report
 (:func:`format_report`). A task adds its per-group figures through a reward's ``report_table(summary)`` hook
-(a :class:`~flowgrpo.records.GroupTable`); the core knows no task.
+(a :class:`~flowgrpo.records.GroupTable`) and its own summary figures through ``summary_figures(summary, records)``
+(e.g. the digits task's time to quality); the core knows no task.
 """
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ def report_tables(composed_rewards, summary: dict) -> list[GroupTable]:
             if table is not None:
                 tables.append(table)
     return tables
+
+
+def summary_figures(composed_rewards, summary: dict, records: list[dict]) -> dict:
+    """The figures the rewards of ``composed_rewards`` (ComposedReward or None each) add to ``summary``, through
+    their optional ``summary_figures(summary, records) -> dict`` (``records``: the run's ``metrics.jsonl``)."""
+    out: dict = {}
+    for composed in composed_rewards:
+        for reward in (composed.rewards.values() if composed is not None else ()):
+            hook = getattr(reward, "summary_figures", None)
+            if hook is not None:
+                out.update(hook(summary, records))
+    return out
 
 
 def outputs(out: Path, weights_dir: Path) -> dict[str, str]:
@@ -77,11 +90,13 @@ def summarize(before: dict, after: dict, records: list[dict], epochs: int, extra
 
 def write_summary(run, before, after, img_before, img_after, captions, *, extra_seconds: dict[str, float],
                   main: bool, composed_rewards=(), eval_metadata: list[dict] = ()) -> tuple[dict, list[GroupTable]]:
-    """Write ``summary.json`` (:func:`summarize` plus ``outputs``), ``eval_images_after.pt`` and
+    """Write ``summary.json`` (:func:`summarize`, the rewards' :func:`summary_figures`, ``outputs``),
+    ``eval_images_after.pt`` and
     ``before_after.png`` into the run folder ``run`` (a :class:`~flowgrpo.training.run_folder.RunFolder`; only
     the ``main`` process writes). Returns the summary and the rewards' per-group tables of it."""
     records = read_metrics(run.out / "metrics.jsonl") if main else []
     summary = summarize(before, after, records, run.cfg.train.num_epochs, extra_seconds)
+    summary.update(summary_figures(composed_rewards, summary, records))
     summary["outputs"] = outputs(run.out, run.weights_dir)
     tables = report_tables(composed_rewards, summary)
     if main:
@@ -129,11 +144,27 @@ def _table_lines(table: GroupTable) -> list[str]:
     return lines
 
 
+def _quality_lines(summary: dict) -> list[str]:
+    """``time to quality (<quality_bar>):`` and one line per ``quality_<r>_epoch`` of ``summary``: ``r: epoch N,
+    S s of RL`` or ``r: not reached``; empty without such figures."""
+    labels = [k.removeprefix("quality_").removesuffix("_epoch") for k in summary
+              if k.startswith("quality_") and k.endswith("_epoch")]
+    if not labels:
+        return []
+    lines = [f"time to quality ({summary.get('quality_bar', '')}):"]
+    for label in labels:
+        epoch, seconds = summary[f"quality_{label}_epoch"], summary.get(f"quality_{label}_rl_seconds")
+        lines.append(f"  <r> = {label}: " + ("not reached" if epoch is None else
+                                             f"epoch {epoch}, {seconds:.1f} s of RL"))
+    return lines
+
+
 def format_report(summary: dict, tables: list[GroupTable] = ()) -> str:
     """The end-of-run report: where everything was written, the before/after table of the evaluation figures
     (reference figures such as real-data diversity in both columns), each per-group table (``tables``, the
-    rewards' :func:`report_tables`; their keys are left out of the main table), and the wall time of each phase.
-    ``summary`` is what :func:`write_summary` returns."""
+    rewards' :func:`report_tables`; their keys are left out of the main table), the time to quality (a task's
+    ``quality_<r>_epoch`` / ``quality_<r>_rl_seconds`` figures, under its ``quality_bar``) and the wall time of
+    each phase. ``summary`` is what :func:`write_summary` returns."""
     blocks = []
     taken = frozenset().union(*(t.keys for t in tables))
     outs = summary.get("outputs", {})
@@ -150,6 +181,9 @@ def format_report(summary: dict, tables: list[GroupTable] = ()) -> str:
         lines += [f"{r:<{width}}  {_cell(summary[r])}  {_cell(summary[r])}" for r in refs]
         blocks.append("\n".join(lines))
     blocks += ["\n".join(_table_lines(t)) for t in tables if t.rows]
+    quality = _quality_lines(summary)
+    if quality:
+        blocks.append("\n".join(quality))
     phases = summary.get("phase_seconds", {})
     if phases:
         total = sum(phases.values())
