@@ -23,6 +23,7 @@ from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.divergence import DivergenceWatch, check_weights, run_history
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
 from flowgrpo.models import DTYPES
+from flowgrpo.monitors import X0NormWatch, x0_norm_metrics
 from flowgrpo.plots import reward_curve, sample_grid
 from flowgrpo.records import Advantages, Rewards
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
@@ -81,6 +82,8 @@ class Trainer:
         if config.train.resume_from:
             self.epoch = self.optim.resume(config.train.resume_from, sampler=self.sampler, objective=objective)
         self.watch = DivergenceWatch(run_history(self.out, config.train.resume_from, self.epoch))
+        self.x0_watch = X0NormWatch(config.logging.x0_norm_window, config.logging.x0_norm_drift,
+                                    run_history(self.out, config.train.resume_from, self.epoch))
 
     def _count_forward(self, module, args, kwargs) -> None:
         x = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
@@ -118,6 +121,9 @@ class Trainer:
             every = cfg.logging.eval_every
             record = self.train_epoch(epoch, evaluate=bool(every) and (epoch + 1) % every == 0 and epoch < last)
             self.watch.check(record, epoch, cfg.train.num_epochs, self.out / "checkpoints")  # before any save
+            drift = self.x0_watch.observe(record)
+            if drift and self.main:
+                logger.warning("%s", drift)
             if cfg.logging.save_every and (epoch + 1) % cfg.logging.save_every == 0 and epoch < last:
                 self.save_checkpoint(epoch)
             if self.main:
@@ -210,6 +216,7 @@ class Trainer:
             traj, handles = self.rollout_phase()
         m.log({"rollout/transformer_calls": self.forward_count[0] - calls0,
                "rollout/transformer_rows": self.forward_count[1] - rows0, "rollout/trajectories": traj.batch_size})
+        m.log(x0_norm_metrics(traj))  # rollout/x0_norm and its max (flowgrpo.monitors)
         if truncation is not None:
             cut = dist.all_reduce_sum(torch.tensor([float(truncation.total - cut0)], dtype=torch.float64))
             m.log({"rollout/truncated_prompts": float(cut[0])})
