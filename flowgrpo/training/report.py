@@ -201,7 +201,7 @@ def _numerics_line(n: dict) -> str:
     if n.get("blas"):
         parts.append(f"BLAS {n['blas']}" + (f" {n['mkl']}" if n.get("mkl") else ""))
     if n.get("mkl_cbwr_branch"):
-        parts.append(f"MKL branch {n['mkl_cbwr_branch']} (auto {n.get('mkl_auto_branch', '?')})")
+        parts.append(f"MKL CNR branch {n['mkl_cbwr_branch']}, auto branch {n.get('mkl_auto_branch', '?')}")
     if n.get("onednn"):
         parts.append(f"oneDNN {n['onednn']}")
     parts.append(f"{n.get('threads', '?')} thread{'s' if n.get('threads') != 1 else ''}"
