@@ -32,6 +32,10 @@ Figures per run (from the run's ``summary.json`` and ``metrics.jsonl``):
 - epochs to reach judge correctness 0.97: the first periodic evaluation (every ``--eval-every`` epochs, key
   ``eval/correctness``) at or above it, counted in epochs done; the final evaluation counts as epoch
   ``train.num_epochs``; none (``—``) if never;
+- time to quality (the summary's, :func:`flowgrpo.tasks.digits.report.time_to_quality`): the epochs done and the RL
+  seconds (as above, through that epoch) at the first evaluation with judge correctness >= 0.97 and every digit
+  >= 0.6 (and, a second column, >= 0.7) of its real diversity; the cell is ``epochs; seconds`` (mean (min–max) over
+  the seeds that got there, ``k/n seeds`` when some did not);
 - the steady state from epoch 60 (:func:`steady_state`): the smallest min per-digit diversity ratio over the
   evaluations after 60 epochs or more (the periodic ones and the final one), and how many seeds keep every one of
   them at judge correctness >= 0.97 with every digit >= 0.7 of its real diversity (``—``: no evaluation that late).
@@ -51,6 +55,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from flowgrpo.tasks.digits.report import QUALITY_JUDGE, QUALITY_RATIOS
 
 #: the shipped digits.yaml's settings before the collapse work, written out so the row keeps them whatever the
 #: shipped default becomes
@@ -129,9 +135,11 @@ RATIO_KEY = "eval/diversity_min_ratio"  # the smallest per-digit diversity ratio
 
 
 def rl_seconds(records: list[dict]) -> float:
-    """Sum over the epoch records of ``timing/<phase>`` seconds, phases in :data:`EXCLUDED_PHASES` left out."""
-    return sum(v for r in records for k, v in r.items()
-               if k.startswith("timing/") and k.removeprefix("timing/") not in EXCLUDED_PHASES and v is not None)
+    """Sum over the epoch records of ``timing/<phase>`` seconds, phases in :data:`EXCLUDED_PHASES` left out (the
+    library's :func:`flowgrpo.tasks.digits.report.rl_seconds`, which the summary's time to quality counts)."""
+    from flowgrpo.tasks.digits.report import rl_seconds as library_rl_seconds
+
+    return library_rl_seconds(records)
 
 
 def epochs_to_reach(records: list[dict], summary: dict, target: float = TARGET) -> int | None:
@@ -163,7 +171,7 @@ def seed_figures(run_dir: Path) -> dict:
     """The figures of one finished run folder (``summary.json`` and ``metrics.jsonl``), see the module docstring.
     Raises ``ValueError`` when the summary has no per-digit diversity (not a digits run)."""
     from flowgrpo.metrics import read_metrics
-    from flowgrpo.tasks.digits.report import per_digit_rows
+    from flowgrpo.tasks.digits.report import per_digit_rows, quality_figures
 
     summary = json.loads((run_dir / "summary.json").read_text())
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -180,6 +188,7 @@ def seed_figures(run_dir: Path) -> dict:
         "epochs": summary["epochs"], "rl_seconds": rl_seconds(records),
         "eval_seconds_periodic": sum(r.get("timing/eval") or 0.0 for r in records),
         "epochs_to_target": epochs_to_reach(records, summary),
+        **{k: v for k, v in quality_figures(records, summary).items() if k != "quality_bar"},
         "calls_per_epoch": last.get("rollout/transformer_calls"),
         "rows_per_epoch": last.get("rollout/transformer_rows"),
         "trajectories_per_epoch": last.get("rollout/trajectories"),
@@ -199,6 +208,19 @@ def spread(values: list[float | None], fmt: str) -> str:
     return text if len(got) == len(values) else f"{text}; {len(got)}/{len(values)} seeds"
 
 
+def _quality_cell(col: dict[str, list], ratio: float) -> str:
+    """The time-to-quality cell of a row: ``epochs; seconds`` spreads over the seeds that reached it (older
+    per-seed files without the figures count as not reached)."""
+    n = len(col["seed"])
+    epochs = col.get(f"quality_{ratio}_epoch", [None] * n)
+    seconds = col.get(f"quality_{ratio}_rl_seconds", [None] * n)
+    got = [i for i, e in enumerate(epochs) if e is not None]
+    if not got:
+        return "—"
+    text = f"{spread([epochs[i] for i in got], '.0f')}; {spread([seconds[i] for i in got], '.0f')} s"
+    return text if len(got) == n else f"{text}; {len(got)}/{n} seeds"
+
+
 def aggregate(results: list[dict]) -> list[dict]:
     """Per row (in first-seen order): its seeds and the table's cells (mean (min–max) over seeds)."""
     rows: dict[str, list[dict]] = {}
@@ -214,6 +236,7 @@ def aggregate(results: list[dict]) -> list[dict]:
             "ratio_min_after": spread(col["ratio_min_after"], ".2f"),
             "rl_seconds": spread(col["rl_seconds"], ".0f"), "epochs": spread(col["epochs"], ".0f"),
             "epochs_to_target": spread(col["epochs_to_target"], ".0f"),
+            **{f"quality_{r}": _quality_cell(col, r) for r in QUALITY_RATIOS},
             "min_ratio_from_60": spread(col.get("min_ratio_from_60", [None] * len(rs)), ".2f"),
             "steady": (f"{sum(bool(v) for v in col.get('steady_from_60', []))} of {len(rs)}"
                        if any(v is not None for v in col.get("steady_from_60", [])) else "—"),
@@ -230,11 +253,14 @@ def markdown(table: list[dict]) -> str:
              f"min per-digit diversity ratio | RL wall time (s) | epochs | epochs to {TARGET} | "
              f"smallest min ratio, evaluations from epoch {STEADY_FROM} | seeds steady from {STEADY_FROM} "
              f"(judge >= {TARGET}, min ratio >= {STEADY_RATIO}) | "
-             "calls / rows per epoch | extra samples | settings |", "|" + "---|" * 13]
+             + "".join(f"time to judge >= {QUALITY_JUDGE} with every digit >= {r}: epoch; RL s | "
+                       for r in QUALITY_RATIOS)
+             + "calls / rows per epoch | extra samples | settings |", "|" + "---|" * (13 + len(QUALITY_RATIOS))]
     for t in table:
         lines.append(f"| {t['row']} | {' '.join(map(str, t['seeds']))} | {t['correctness_after']} | "
                      f"{t['ratio_mean_after']} | {t['ratio_min_after']} | {t['rl_seconds']} | {t['epochs']} | "
-                     f"{t['epochs_to_target']} | {t['min_ratio_from_60']} | {t['steady']} | {t['calls_rows']} | "
+                     f"{t['epochs_to_target']} | {t['min_ratio_from_60']} | {t['steady']} | "
+                     + "".join(f"{t[f'quality_{r}']} | " for r in QUALITY_RATIOS) + f"{t['calls_rows']} | "
                      f"{t['extra_samples']} | `{t['settings']}` |")
     return "\n".join(lines)
 

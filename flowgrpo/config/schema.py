@@ -291,13 +291,6 @@ class ParallelConfig(Section):
         "the gradient shards per step crosses groups, every all-gather stays inside one). The world size must be "
         "a multiple of replicate x context_degree"
     )
-    context_degree: int = Field(
-        1, ge=1, description="context (sequence) parallel degree: the ranks of one context group share samples "
-        "and split each sample's tokens"
-    )
-    context_attention: Literal["ulysses", "ring"] = Field(
-        "ulysses", description="context parallelism's attention: ulysses (all-to-all over heads) or ring"
-    )
     offload: Literal["none", "cpu"] = Field(
         "none", description="fsdp2: cpu keeps the trained parameters' shards, their gradients and the optimizer "
         "state in host memory (FSDP2 CPUOffloadPolicy; the optimizer steps on the CPU, each block is copied to "
@@ -414,6 +407,10 @@ class LoggingConfig(Section):
         "rollout's log-probabilities) to "
         "rollouts/epoch_<N>.safetensors (for analysis and the multi-process equivalence test)"
     )
+    x0_norm_window: int = Field(5, ge=1, description="epochs of the x0-norm drift warning's baseline (the run's "
+                                "first) and recent (the last) means of rollout/x0_norm (flowgrpo.monitors)")
+    x0_norm_drift: float = Field(0.25, gt=0, description="warn once when the recent x0 norm leaves "
+                                 "[baseline/(1+f), (1+f)*baseline] (DiffusionNFT #47: drifting up, images brighten)")
 
 
 class Config(Section):

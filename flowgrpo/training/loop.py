@@ -32,6 +32,7 @@ from flowgrpo.divergence import (
 )
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
 from flowgrpo.models import DTYPES
+from flowgrpo.monitors import X0NormWatch, x0_norm_metrics
 from flowgrpo.plots import reward_curve, sample_grid
 from flowgrpo.records import Advantages, Rewards
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
@@ -97,6 +98,7 @@ class Trainer:
         self.best_metric = self._best_metric()
         self.collapse = CollapseWatch(self.best_metric, config.logging.collapse_fraction, history)
         self._record: dict = {}  # the last epoch's record (the final checkpoint's health record)
+        self.x0_watch = X0NormWatch(config.logging.x0_norm_window, config.logging.x0_norm_drift, history)
 
     def _count_forward(self, module, args, kwargs) -> None:
         x = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
@@ -180,6 +182,9 @@ class Trainer:
             self.watch.check(record, epoch, cfg.train.num_epochs, self.out / "checkpoints")  # before any save
             self._record = record
             self._warn_collapse(record, f"epoch {epoch + 1}")
+            drift = self.x0_watch.observe(record)
+            if drift and self.main:
+                logger.warning("%s", drift)
             if cfg.logging.save_every and (epoch + 1) % cfg.logging.save_every == 0 and epoch < last:
                 self.save_checkpoint(epoch, record)
             if self.main:
@@ -291,6 +296,7 @@ class Trainer:
         self.check_images(float(self._nonfinite), "rollout's", collective=True, made_by=self.epoch - 1)
         m.log({"rollout/transformer_calls": self.forward_count[0] - calls0,
                "rollout/transformer_rows": self.forward_count[1] - rows0, "rollout/trajectories": traj.batch_size})
+        m.log(x0_norm_metrics(traj))  # rollout/x0_norm and its max (flowgrpo.monitors)
         if truncation is not None:
             cut = dist.all_reduce_sum(torch.tensor([float(truncation.total - cut0)], dtype=torch.float64))
             m.log({"rollout/truncated_prompts": float(cut[0])})

@@ -1,7 +1,9 @@
 """What a run reports at its end: ``summary.json`` (every evaluation figure before and after, the time of each
 phase, where each product went), ``before_after.png``, the model card, and the console report
 (:func:`format_report`). A task adds its per-group figures through a reward's ``report_table(summary)`` hook
-(a :class:`~flowgrpo.records.GroupTable`); the core knows no task.
+(a :class:`~flowgrpo.records.GroupTable`) and its own summary figures through ``summary_figures(summary, records)``
+(e.g. the digits task's time to quality); the core knows no task. The summary also names the base model the run
+started from (:func:`base_model_record`: its weights' sha256, the numerics it was built with, this machine's).
 """
 
 from __future__ import annotations
@@ -35,6 +37,46 @@ def report_tables(composed_rewards, summary: dict) -> list[GroupTable]:
             if table is not None:
                 tables.append(table)
     return tables
+
+
+def summary_figures(composed_rewards, summary: dict, records: list[dict]) -> dict:
+    """The figures the rewards of ``composed_rewards`` (ComposedReward or None each) add to ``summary``, through
+    their optional ``summary_figures(summary, records) -> dict`` (``records``: the run's ``metrics.jsonl``)."""
+    out: dict = {}
+    for composed in composed_rewards:
+        for reward in (composed.rewards.values() if composed is not None else ()):
+            hook = getattr(reward, "summary_figures", None)
+            if hook is not None:
+                out.update(hook(summary, records))
+    return out
+
+
+#: base weights above this many bytes are not hashed (a 12B model's transformer would take minutes)
+DIGEST_MAX_BYTES = 2 * 2**30
+
+
+def base_model_record(pretrained: str) -> dict:
+    """``summary["base_model"]``: ``name`` (``model.pretrained``) and ``machine`` (this process's
+    :func:`~flowgrpo.pinned.numerics`: the numerics the run trained with); for a local folder (an embedded model's
+    cache folder, or a path) also ``path``, ``sha256`` (:func:`~flowgrpo.pinned.weights_digest` of its transformer
+    and VAE, or None above :data:`DIGEST_MAX_BYTES`) and ``built_with``, the ``numerics`` of a build record
+    ``flowgrpo_*.json`` beside the weights (an embedded model's builder writes one, e.g. the digits model's marker)."""
+    from flowgrpo.models import EMBEDDED_MODELS, resolve_pretrained
+    from flowgrpo.pinned import DIGEST_COMPONENTS, numerics, weights_digest
+
+    record: dict = {"name": pretrained}
+    folder = Path(resolve_pretrained(pretrained)) if pretrained in EMBEDDED_MODELS else Path(pretrained)
+    if folder.is_dir():
+        record["path"] = str(folder)
+        size = sum(f.stat().st_size for c in DIGEST_COMPONENTS for f in (folder / c).glob("*.safetensors"))
+        record["sha256"] = weights_digest(folder) if size <= DIGEST_MAX_BYTES else None
+        for marker in sorted(folder.glob("flowgrpo_*.json")):
+            built = json.loads(marker.read_text()).get("numerics")
+            if built is not None:
+                record["built_with"] = built
+                break
+    record["machine"] = numerics()
+    return record
 
 
 def outputs(out: Path, weights_dir: Path) -> dict[str, str]:
@@ -77,11 +119,15 @@ def summarize(before: dict, after: dict, records: list[dict], epochs: int, extra
 
 def write_summary(run, before, after, img_before, img_after, captions, *, extra_seconds: dict[str, float],
                   main: bool, composed_rewards=(), eval_metadata: list[dict] = ()) -> tuple[dict, list[GroupTable]]:
-    """Write ``summary.json`` (:func:`summarize` plus ``outputs``), ``eval_images_after.pt`` and
+    """Write ``summary.json`` (:func:`summarize`, the rewards' :func:`summary_figures`, ``base_model``
+    (:func:`base_model_record`), ``outputs``),
+    ``eval_images_after.pt`` and
     ``before_after.png`` into the run folder ``run`` (a :class:`~flowgrpo.training.run_folder.RunFolder`; only
     the ``main`` process writes). Returns the summary and the rewards' per-group tables of it."""
     records = read_metrics(run.out / "metrics.jsonl") if main else []
     summary = summarize(before, after, records, run.cfg.train.num_epochs, extra_seconds)
+    summary.update(summary_figures(composed_rewards, summary, records))
+    summary["base_model"] = base_model_record(run.cfg.model.pretrained)
     summary["outputs"] = outputs(run.out, run.weights_dir)
     tables = report_tables(composed_rewards, summary)
     if main:
@@ -129,11 +175,63 @@ def _table_lines(table: GroupTable) -> list[str]:
     return lines
 
 
+def _quality_lines(summary: dict) -> list[str]:
+    """``time to quality (<quality_bar>):`` and one line per ``quality_<r>_epoch`` of ``summary``: ``r: epoch N,
+    S s of RL`` or ``r: not reached``; empty without such figures."""
+    labels = [k.removeprefix("quality_").removesuffix("_epoch") for k in summary
+              if k.startswith("quality_") and k.endswith("_epoch")]
+    if not labels:
+        return []
+    lines = [f"time to quality ({summary.get('quality_bar', '')}):"]
+    for label in labels:
+        epoch, seconds = summary[f"quality_{label}_epoch"], summary.get(f"quality_{label}_rl_seconds")
+        lines.append(f"  <r> = {label}: " + ("not reached" if epoch is None else
+                                             f"epoch {epoch}, {seconds:.1f} s of RL"))
+    return lines
+
+
+def _numerics_line(n: dict) -> str:
+    """One line of a :func:`~flowgrpo.pinned.numerics` record: CPU, torch's and MKL's instruction sets, the BLAS
+    library and versions, threads, whether pinned."""
+    cpu = n.get("cpu") or {}
+    parts = [cpu.get("model") or cpu.get("vendor") or n.get("machine", "?")]
+    if cpu.get("vendor"):
+        parts[0] += f" ({cpu['vendor']})"
+    parts.append(f"torch {n.get('torch', '?')} kernels {n.get('cpu_capability', '?')}")
+    if n.get("blas"):
+        parts.append(f"BLAS {n['blas']}" + (f" {n['mkl']}" if n.get("mkl") else ""))
+    if n.get("mkl_cbwr_branch"):
+        parts.append(f"MKL CNR branch {n['mkl_cbwr_branch']}, auto branch {n.get('mkl_auto_branch', '?')}")
+    if n.get("onednn"):
+        parts.append(f"oneDNN {n['onednn']}")
+    parts.append(f"{n.get('threads', '?')} thread{'s' if n.get('threads') != 1 else ''}"
+                 + (", pinned" if n.get("pinned") else ""))
+    return ", ".join(parts)
+
+
+def _base_lines(base: dict) -> list[str]:
+    """The report's base-model block: name and folder, the weights' sha256, the build's and this machine's
+    numerics (:func:`base_model_record`)."""
+    lines = [f"base model {base['name']}" + (f" ({base['path']})" if base.get("path", base["name"]) != base["name"]
+                                            else "")]
+    if "sha256" in base:
+        digests = base["sha256"]
+        lines += ([f"  {k} sha256 {v}" for k, v in digests.items()] if digests is not None
+                  else ["  sha256 not computed (weights over 2 GiB)"])
+    if base.get("built_with"):
+        lines.append(f"  built with: {_numerics_line(base['built_with'])}")
+    if base.get("machine"):
+        lines.append(f"  this run:   {_numerics_line(base['machine'])}")
+    return lines
+
+
 def format_report(summary: dict, tables: list[GroupTable] = ()) -> str:
     """The end-of-run report: where everything was written, the before/after table of the evaluation figures
     (reference figures such as real-data diversity in both columns), each per-group table (``tables``, the
-    rewards' :func:`report_tables`; their keys are left out of the main table), and the wall time of each phase.
-    ``summary`` is what :func:`write_summary` returns."""
+    rewards' :func:`report_tables`; their keys are left out of the main table), the time to quality (a task's
+    ``quality_<r>_epoch`` / ``quality_<r>_rl_seconds`` figures, under its ``quality_bar``), the base model (its
+    weights' sha256, the numerics it was built and trained with) and the wall time of each phase. ``summary`` is
+    what :func:`write_summary` returns."""
     blocks = []
     taken = frozenset().union(*(t.keys for t in tables))
     outs = summary.get("outputs", {})
@@ -150,6 +248,11 @@ def format_report(summary: dict, tables: list[GroupTable] = ()) -> str:
         lines += [f"{r:<{width}}  {_cell(summary[r])}  {_cell(summary[r])}" for r in refs]
         blocks.append("\n".join(lines))
     blocks += ["\n".join(_table_lines(t)) for t in tables if t.rows]
+    quality = _quality_lines(summary)
+    if quality:
+        blocks.append("\n".join(quality))
+    if summary.get("base_model"):
+        blocks.append("\n".join(_base_lines(summary["base_model"])))
     phases = summary.get("phase_seconds", {})
     if phases:
         total = sum(phases.values())

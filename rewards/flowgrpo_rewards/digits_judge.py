@@ -8,7 +8,8 @@ real digits); per digit d, ``digit_<d>/correctness``, ``digit_<d>/diversity`` an
 and ``diversity_min_ratio``, the minimum over digits of the images' diversity divided by the same digit's real
 diversity (near 0: some digit collapsed to one prototype, which the average hides). ``eval_only``: the
 trainer refuses to optimise it, so images that fool the reward cannot count as correct. At the end of a run it
-hands the report its per-digit table (:meth:`DigitJudge.report_table`).
+hands the report its per-digit table (:meth:`DigitJudge.report_table`) and the summary its time to quality
+(:meth:`DigitJudge.summary_figures`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from flowgrpo.records import GroupTable
 from flowgrpo.rewards.base import BaseReward
-from flowgrpo.tasks.digits.report import digit_table
+from flowgrpo.tasks.digits.report import digit_table, quality_figures
 from flowgrpo.tasks.digits.scoring import (
     judge_correctness,
     min_diversity_ratio,
@@ -93,3 +94,8 @@ class DigitJudge(BaseReward):
     def report_table(self, summary: dict) -> GroupTable | None:
         """The per-digit table of the run's ``summary`` (:func:`flowgrpo.tasks.digits.report.digit_table`)."""
         return digit_table(summary)
+
+    def summary_figures(self, summary: dict, records: list[dict]) -> dict:
+        """The run's time to quality (:func:`flowgrpo.tasks.digits.report.quality_figures`) from its summary and
+        its ``metrics.jsonl`` ``records``."""
+        return quality_figures(records, summary)

@@ -201,8 +201,11 @@ def test_the_built_bytes_depend_only_on_the_seed_not_on_the_launching_process(tm
         torch.set_num_threads(before)
     assert digits.is_complete(tmp_path / "threads1")
     assert _digest(tmp_path / "threads2") == _digest(tmp_path / "threads1")
-    numerics = digits.read_model_info(tmp_path / "threads1")["numerics"]
+    info = digits.read_model_info(tmp_path / "threads1")
+    numerics = info["numerics"]
     assert numerics["pinned"] and numerics["threads"] == 1
+    assert numerics["cpu"]["model"] and numerics["blas"]  # the CPU and the BLAS library the bytes depend on
+    assert info["sha256"] == {k: v for k, v in _digest(tmp_path / "threads1").items() if k in ("transformer", "vae")}
     assert numerics["cpu_capability"] in ("AVX2", "DEFAULT")  # AVX2 on x86-64 (a CPU without it: DEFAULT)
 
 

@@ -69,6 +69,7 @@ def test_each_objective_trains_an_epoch_through_the_command(tmp_path, tiny_flux_
     assert (rec["rollout/transformer_calls"], rec["rollout/transformer_rows"]) == (6, 12 * (2 if model == "sd3"
                                                                                              else 1))
     assert (rec["update/transformer_calls"], rec["update/transformer_rows"]) == (12, 24)
+    assert 0 < rec["rollout/x0_norm"] <= rec["rollout/x0_norm_max"]  # every objective's rollout logs its x0 norm
     ckpt = tmp_path / "run" / "checkpoints" / "epoch_0"
     old, weights = load_file(ckpt / "objective.safetensors"), load_file(ckpt / "trainable.safetensors")
     assert len(old) == len(weights) > 0

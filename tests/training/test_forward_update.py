@@ -234,8 +234,10 @@ def test_each_step_minimises_the_mean_release_loss_over_its_rows(name):
         for s, v in zip(obj.old.shadow, old_start, strict=True):
             s.fill_(v)
     work = obj.plan(samples, adv, adv.train_mask, epoch=0)
-    assert work.step_rows == [2 * 2 * obj.sigmas_per_sample(samples.sigmas), 3 * obj.sigmas_per_sample(
-        samples.sigmas)]  # trained rows per step: the second step's micro-batches hold the masked sample
+    k = obj.sigmas_per_sample(samples.sigmas)
+    held = [any(MASKED in mb.tolist() for mb in share) for share in work.steps]
+    assert held == [False, True] or name == "awm"  # consecutive micro-batches: the masked sample in the second step
+    assert work.step_rows == [k * (4 - h) for h in held]  # 2 micro-batches of 2 a step, less the masked sample
     metrics = obj.update(adapter, optim, work, progress=False)
     assert set(adapter.guidances) == {TRAIN_G}  # every training forward at the training guidance
     assert len(optim.grads) == 2
@@ -282,6 +284,38 @@ def test_draw_scopes():
     for _, _, ds in found["dgpo"]:
         for d in ds:  # rows (2j, 2j + 1) are one group: one ε
             assert torch.equal(d.noise[0], d.noise[1])
+
+
+def test_awm_cuts_its_micro_batches_from_a_seeded_permutation_as_the_release():
+    """AWM's release shuffles the samples before cutting the micro-batches that share their σ's
+    (train_sd3_awm.py 1085–1087): by default a permutation of each rollout batch from the run's generator scheme
+    (seed 5, the epoch, ``awm_shuffle``, the batch's index; here one rollout batch of all 8 samples, the release's
+    layout); ``shuffle_micro_batches: false`` keeps consecutive samples (one
+    prompt's group together). Each micro-batch's σ's are drawn for its place in the plan."""
+    from flowgrpo.algo.objectives.awm import awm_train_sigma_indices
+    from flowgrpo.rng import derive_seed
+
+    plans = {}
+    for epoch in (0, 1):
+        _, obj, adapter, optim, samples, adv, draws = _setup({"name": "awm"})
+        work = obj.plan(samples, adv, adv.train_mask, epoch=epoch)
+        perm = torch.randperm(B, generator=torch.Generator().manual_seed(derive_seed(5, epoch, "awm_shuffle", 0)))
+        layout = [mb.tolist() for share in work.steps for mb in share]
+        assert layout == perm.reshape(4, 2).tolist()  # micro-batches of 2, steps of 2 of them, in that order
+        plans[epoch] = layout
+        # which samples share a micro-batch: not one group's two samples each (the consecutive layout)
+        assert any(len({int(samples.group_ids[i]) for i in mb}) == 2 for mb in layout)
+        obj.update(adapter, optim, work, progress=False)
+        grid = torch.linspace(1, 0, T + 1)
+        for place, (_, rows, ds) in enumerate(draws):
+            assert rows.tolist() == layout[place]
+            idx = awm_train_sigma_indices(T, obj.loss_settings(), torch.Generator().manual_seed(
+                derive_seed(5, epoch, 0, "awm_t", place)))
+            assert [float(d.sigma[0]) for d in ds] == grid[idx].tolist()  # the micro-batch's σ's: its place
+    assert plans[0] != plans[1]  # a new permutation every epoch
+    _, obj, _, _, samples, adv, _ = _setup({"name": "awm", "shuffle_micro_batches": False})
+    work = obj.plan(samples, adv, adv.train_mask, epoch=0)
+    assert [mb.tolist() for share in work.steps for mb in share] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def _fresh(name: str, **objective):

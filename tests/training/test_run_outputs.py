@@ -43,7 +43,8 @@ def test_two_epoch_run_writes_tracker_events_pictures_and_reproducible_eval(tmp_
     records = read_metrics(out / "metrics.jsonl")
     assert [r["epoch"] for r in records] == [0, 1]
     assert "eval/jpeg_compressibility/mean" in records[0]  # evaluated during training, not optimised
-    for key in ("reward/jpeg_incompressibility/mean", "policy/clipfrac", "timing/rollout", "timing/update"):
+    for key in ("reward/jpeg_incompressibility/mean", "policy/clipfrac", "timing/rollout", "timing/update",
+                "rollout/x0_norm", "rollout/x0_norm_max"):
         assert key in records[1]
     events = list(out.rglob("events.out.tfevents.*"))
     assert events, "no tensorboard event file"

@@ -314,6 +314,10 @@ class AWMConfig(ForwardConfig):
     timestep_fraction: float = Field(0.9, gt=0, le=1, description="the training sigmas: DiffusionNFT trains "
                                      "int(T*f) of the grid's T sigmas per sample (a random subset: 0.99); AWM draws "
                                      "its strata from the first int(T*f) grid steps (0.9)")
+    shuffle_micro_batches: bool = Field(True, description="AWM: cut the micro-batches (which share their training "
+                                        "sigmas) from a seeded permutation of each rollout batch, so they mix "
+                                        "prompts as the release's shuffle does (train_sd3_awm.py 1085-1087); "
+                                        "false: consecutive samples (one prompt's group together)")
     time_type: registered_name(AWM_TIME_TYPES, "objective.time_type") = Field(
         "discrete_wo_init", description="AWM time_type: discrete_wo_init (steps 1..), discrete (0..), "
         "discrete_with_init (step 0 and strata)")
@@ -355,11 +359,28 @@ class AWM(ForwardObjective):
         """old ← d·old + (1 − d)·θ, d = decay(k), k = the optimizer steps so far (train_sd3_awm.py 1409–1419)."""
         self.old.update(steps)
 
+    def micro_batch_order(self, n: int, epoch: int, offset: int) -> torch.Tensor | None:
+        """With ``objective.shuffle_micro_batches`` (the default) the release's layout, micro-batches that mix
+        prompts (it shuffles its samples before cutting them, train_sd3_awm.py 1085–1087): each rollout batch of
+        ``train.rollout_batch_size`` local samples in the order of a permutation from a generator of (seed, epoch,
+        ``awm_shuffle``, the batch's global index); on one process with ``rollout_batch_size`` = the batch, the
+        release's one permutation of the process's samples. Rollout batches never straddle processes, so the
+        micro-batches (and the epoch) are the same on any number of processes. Else None: consecutive samples (one
+        prompt's group together)."""
+        if not self.o.shuffle_micro_batches:
+            return None
+        size = self.cfg.train.rollout_batch_size
+        if n % size or offset % size:
+            raise ValueError(f"train.rollout_batch_size={size} must divide this process's {n} samples and its first "
+                             f"sample's index {offset}")
+        return torch.cat([j + torch.randperm(size, generator=make_generator(
+            self.cfg.train.seed, epoch, "awm_shuffle", (offset + j) // size)) for j in range(0, n, size)])
+
     def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[RowDraw]:
-        """K grid indices for the micro-batch, from a generator of (seed, epoch, pass, its global index); ε per
-        (sample, σ) from a generator of the sample."""
+        """K grid indices for the micro-batch, from a generator of (seed, epoch, pass, its global index
+        :meth:`ForwardWork.micro_batch_index`); ε per (sample, σ) from a generator of the sample."""
         s, t = work.samples, work.samples.sigmas.numel() - 1
-        mb = (work.offset + int(rows[0])) // self.cfg.train_batch_size
+        mb = work.micro_batch_index(rows)
         idx = awm_train_sigma_indices(t, self.loss_settings(),
                                       make_generator(self.cfg.train.seed, work.epoch, inner, "awm_t", mb))
         eps = torch.stack([torch.randn((len(idx), *s.x0.shape[1:]), generator=make_generator(

@@ -9,8 +9,10 @@ The epoch (the phases of :mod:`flowgrpo.algo.objectives.base`):
    ones until ``switch_ema_ref`` steps, then the old copy); only the final latents x₀ are kept
    (:class:`~flowgrpo.records.FinalSamples`).
 2. **reward, filter, advantage**: as for every objective (every estimator and group filter).
-3. **plan**: micro-batches of ``train_batch_size`` consecutive local samples, ``optimizer_steps_per_epoch`` equal
-   consecutive shares of them, and each step's trained rows summed over the processes (one collective an epoch).
+3. **plan**: micro-batches of ``train_batch_size`` local samples (consecutive, or cut from a seeded permutation of
+   each rollout batch: :meth:`ForwardObjective.micro_batch_order`, AWM's release layout),
+   ``optimizer_steps_per_epoch`` equal consecutive shares of them, and each step's trained rows summed over the
+   processes (one collective an epoch).
 4. **update**: for each micro-batch the objective draws its training σ's and fresh noise ε
    (:meth:`ForwardObjective.draws`: DiffusionNFT per sample, AWM per micro-batch, DGPO per epoch and per group);
    for each of the K draws one forward of the micro-batch's rows at ``x_σ = (1 − σ)·x₀ + σ·ε`` (the no-gradient
@@ -175,6 +177,16 @@ class ForwardWork:
     extra: dict = field(default_factory=dict)
     recompute: bool = False
 
+    def micro_batch_index(self, rows: torch.Tensor) -> int:
+        """The global index of micro-batch ``rows`` (one of :attr:`steps`' tensors): this process's first
+        micro-batch's (``offset // len(rows)``) plus its position in the plan. Raises ``ValueError`` for rows that
+        are not one of the plan's micro-batches."""
+        flat = [mb for share in self.steps for mb in share]
+        for i, mb in enumerate(flat):
+            if mb is rows or (mb.shape == rows.shape and torch.equal(mb, rows)):
+                return self.offset // len(rows) + i
+        raise ValueError(f"rows {rows.tolist()} are not one of the plan's micro-batches")
+
     @property
     def metrics(self) -> dict[str, float]:
         """``plan/trained_frac`` (the share of local samples trained) and ``plan/rows`` (all processes)."""
@@ -238,6 +250,11 @@ class ForwardObjective(BaseObjective):
         """The per-row loss of one forward (x0 (n, …) on the model's device)."""
         raise NotImplementedError
 
+    def micro_batch_order(self, n: int, epoch: int, offset: int) -> torch.Tensor | None:
+        """The order (n,) long of this process's ``n`` samples (the first of them global sample ``offset``) that
+        the plan cuts its micro-batches from, in ``epoch``; None: consecutive (the default)."""
+        return None
+
     def plan_extra(self, samples: FinalSamples, epoch: int) -> dict:
         """What the objective draws once an epoch (nothing by default)."""
         return {}
@@ -258,7 +275,7 @@ class ForwardObjective(BaseObjective):
     def grids(self, model_sigmas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rollout grid, training grid), (T+1,) float32 host each: the model's grid or DGPO's flow-shift grid;
         SA-Solver rolls out on AWM's moved grid (:func:`~flowgrpo.sampling.solvers.awm_sa_grid`, σ₀ = 1 − 1e-3,
-        the last non-zero σ halved) and trains on the unmoved one, as the release."""
+        the last non-zero σ set to half the σ before it) and trains on the unmoved one, as the release."""
         t = model_sigmas.numel() - 1
         base = model_sigmas.float().cpu() if self.o.grid == "model" else flow_sigmas(t, self.o.grid_shift)
         return (awm_sa_grid(base) if self.o.solver == "sa_solver" else base), base
@@ -325,8 +342,11 @@ class ForwardObjective(BaseObjective):
         t = self.cfg.train
         local = dist.local_slice(len(adv.values))
         trained = adv.train_mask[local] & keep[local]
-        shares = step_shares(micro_batches(samples.batch_size, self.cfg.train_batch_size),
-                             t.optimizer_steps_per_epoch)
+        mbs = micro_batches(samples.batch_size, self.cfg.train_batch_size)
+        order = self.micro_batch_order(samples.batch_size, epoch, local.start)
+        if order is not None:
+            mbs = [order[mb] for mb in mbs]
+        shares = step_shares(mbs, t.optimizer_steps_per_epoch)
         k = self.sigmas_per_sample(samples.sigmas)
         counts = torch.tensor([sum(float(trained[mb].sum()) * k for mb in share) for share in shares],
                               dtype=torch.float64)

@@ -7,8 +7,10 @@ loads with ``FluxPipeline.from_pretrained``, so it exercises the real loading an
 
 Data, splits and prompts: :mod:`flowgrpo.tasks.digits.data`.
 
-Recipe (:func:`pretrain`; the cache is built by :func:`pretrain_pinned`, whose bytes depend only on the seed and
-the library versions on any x86-64 CPU with AVX2, whatever the launcher, core count or load):
+Recipe (:func:`pretrain`; the cache is built by :func:`pretrain_pinned`, whose bytes depend only on the seed, the
+library versions and the CPU model, whatever the launcher, core count or load: another CPU, certainly another
+vendor's, may build other bytes, see :mod:`flowgrpo.pinned`; the marker file records the weights' sha256 and the
+build's numerical environment):
 
 1. frozen random text encoders (:func:`flowgrpo.models.tiny.build_text_encoders`) whose tokenizers know the words
    of the prompts; T5 sequences are :data:`MAX_SEQUENCE_LENGTH` tokens (the pipeline must be called with
@@ -116,7 +118,8 @@ def ensure_digits_model(seed: int = 0, folder: str | os.PathLike | None = None, 
 def pretrain_pinned(out_dir: str | os.PathLike, seed: int = 0, *, progress: bool = True, **recipe: int) -> Path:
     """:func:`pretrain` (``recipe``: its step and batch sizes) in a child process with the pinned numerical
     environment of :mod:`flowgrpo.pinned` (one thread, AVX2 kernels): the bytes depend only on the seed, the
-    recipe, the torch and diffusers versions and the CPU family. Raises ``RuntimeError`` if the child fails."""
+    recipe, the torch and diffusers versions and the CPU model (an Intel Xeon and an AMD EPYC built different
+    bytes; :mod:`flowgrpo.pinned`). Raises ``RuntimeError`` if the child fails."""
     from flowgrpo.pinned import run_pinned
 
     flags = [f"--{k.replace('_', '-')}={int(v)}" for k, v in _checked_sizes(**recipe).items()]
@@ -302,11 +305,12 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
     depend on the thread count and the instruction set of the kernels (1 and 2 threads, or AVX2 and AVX-512
     kernels, round differently and give different, equally good, models): the cached model is built by
     :func:`pretrain_pinned`, which pins them. The marker file :data:`MARKER_FILE` is written last and records the
-    numerical environment (:func:`flowgrpo.pinned.numerics`).
+    numerical environment (:func:`flowgrpo.pinned.numerics`: CPU, instruction sets, BLAS) and ``sha256``, the
+    transformer's and the VAE's weight digests (:func:`flowgrpo.pinned.weights_digest`).
     """
     from diffusers import FluxPipeline
 
-    from flowgrpo.pinned import numerics
+    from flowgrpo.pinned import numerics, weights_digest
 
     sizes = _checked_sizes(vae_steps=vae_steps, steps=steps, batch_size=batch_size, vae_batch_size=vae_batch_size)
     out = Path(out_dir)
@@ -340,7 +344,7 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
         "recipe": f"flowgrpo digits v{RECIPE_VERSION}", "seed": seed, **sizes, "height": IMAGE_SIZE,
         "width": IMAGE_SIZE, "max_sequence_length": MAX_SEQUENCE_LENGTH, "num_inference_steps": 8,
         "guidance_scale": None, "final_vae_loss": vae_loss, "final_transformer_loss": tr_loss,
-        "numerics": numerics(),
+        "numerics": numerics(), "sha256": weights_digest(out),
     }
     (out / MARKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
     logger.info("digits pipeline saved to %s (%.1f s in all)", out, time.perf_counter() - t_start)

@@ -1,13 +1,19 @@
 """The digits task's per-digit report: judge correctness and diversity before and after, each digit's diversity
 against the real digits', and a mark on a digit that collapsed toward one prototype — the console table and the
 panels under ``before_after.png`` (a :class:`~flowgrpo.records.GroupTable`, handed to the report by the
-``digit_judge`` reward's ``report_table``)."""
+``digit_judge`` reward's ``report_table``) — and the run's time to quality (:func:`time_to_quality`, handed to the
+summary by the reward's ``summary_figures``)."""
 
 from __future__ import annotations
 
 from flowgrpo.records import GroupTable
 
 COLLAPSE_RATIO = 0.6  # a digit less varied than this fraction of the same digit's real digits is flagged
+QUALITY_JUDGE = 0.97  # time to quality: judge correctness at least this ...
+QUALITY_RATIOS = (0.6, 0.7)  # ... with every digit's diversity at least this fraction of its real digits'
+JUDGE_KEY = "eval/correctness"  # a periodic evaluation record's judge correctness (the digit_judge reward's)
+RATIO_KEY = "eval/diversity_min_ratio"  # ... and its smallest per-digit diversity ratio
+EXCLUDED_PHASES = ("eval",)  # timing/<phase> not counted as RL seconds: the periodic evaluation
 _FIGURES = ("correctness_before", "correctness_after", "diversity_before", "diversity_after", "diversity_real")
 COLUMNS = (("digit", ">5"), ("correct before", ">14.3f"), ("after", ">5.3f"), ("diversity before", ">16.1f"),
            ("after", ">5.1f"), ("real", ">5.1f"), ("after/real", ">10.3f"))
@@ -60,3 +66,47 @@ def digit_table(summary: dict) -> GroupTable | None:
                     r["diversity_after"], r["diversity_real"], r["ratio_after"]) for r in rows),
         notes=tuple("<- collapsed" if r["collapsed"] else "" for r in rows),
         panels=tuple(_panel(r) for r in rows), alerts=tuple(r["collapsed"] for r in rows), keys=keys)
+
+
+def rl_seconds(records: list[dict]) -> float:
+    """RL seconds of epoch records (``metrics.jsonl``): the sum of their ``timing/<phase>`` seconds, the phases of
+    :data:`EXCLUDED_PHASES` (periodic evaluation) left out."""
+    return sum(v for r in records for k, v in r.items()
+               if k.startswith("timing/") and k.removeprefix("timing/") not in EXCLUDED_PHASES and v is not None)
+
+
+def time_to_quality(records: list[dict], summary: dict, min_ratio: float,
+                    judge: float = QUALITY_JUDGE) -> tuple[int | None, float | None]:
+    """(epochs, RL seconds) at the run's first evaluation with judge correctness >= ``judge`` and every digit's
+    diversity >= ``min_ratio`` of its real digits' (``diversity_min_ratio`` >= ``min_ratio``), or (None, None)
+    if no evaluation reached both.
+
+    The evaluations, in order: the periodic ones (a ``metrics.jsonl`` record of 0-based ``epoch`` e with
+    :data:`JUDGE_KEY` counts as e + 1 epochs done, its RL seconds :func:`rl_seconds` of the records up to e), then
+    the final one (``summary["correctness_after"]`` and ``["diversity_min_ratio_after"]``: ``summary["epochs"]``
+    epochs, the RL seconds of every record). A missing or NaN figure does not reach."""
+    ordered = sorted(records, key=lambda r: r["epoch"])
+    seconds = 0.0
+    for r in ordered:
+        seconds += rl_seconds([r])
+        if _reaches(r.get(JUDGE_KEY), r.get(RATIO_KEY), judge, min_ratio):
+            return r["epoch"] + 1, seconds
+    if _reaches(summary.get("correctness_after"), summary.get("diversity_min_ratio_after"), judge, min_ratio):
+        return summary["epochs"], seconds
+    return None, None
+
+
+def _reaches(correct, ratio, judge: float, min_ratio: float) -> bool:
+    return correct is not None and ratio is not None and correct >= judge and ratio >= min_ratio  # NaN: False
+
+
+def quality_figures(records: list[dict], summary: dict) -> dict[str, int | float | str | None]:
+    """The summary's time-to-quality figures (:func:`time_to_quality` at judge :data:`QUALITY_JUDGE`, for each
+    ratio r of :data:`QUALITY_RATIOS`): ``quality_<r>_epoch`` and ``quality_<r>_rl_seconds`` (None: not reached),
+    e.g. ``quality_0.6_epoch``, and ``quality_bar``, what ``<r>`` means (the report's heading)."""
+    out: dict[str, int | float | str | None] = {
+        "quality_bar": f"judge correctness >= {QUALITY_JUDGE} with every digit's diversity >= <r> of its real digits'"}
+    for ratio in QUALITY_RATIOS:
+        epoch, seconds = time_to_quality(records, summary, ratio)
+        out[f"quality_{ratio}_epoch"], out[f"quality_{ratio}_rl_seconds"] = epoch, seconds
+    return out
