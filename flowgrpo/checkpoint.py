@@ -63,6 +63,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flowgrpo import dist
+from flowgrpo.settings import flat_dict
 from flowgrpo.state_dicts import (
     full_tensor,
     is_sharded,
@@ -606,7 +607,7 @@ def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
                                   f"objective keeps {sorted(held)[:3]})")
         if held:
             target["objective"] = held
-    flat = _flat(target)
+    flat = flat_dict(target)
     for key, t in flat.items():
         info = stored.get(key)
         if not isinstance(info, TensorStorageMetadata):
@@ -659,17 +660,6 @@ def whole_tensors(path: str | Path) -> dict[str, dict]:
             out["optimizer"]["state"].setdefault(name, {})[slot] = t
         else:
             out[{"model": "trainable"}.get(part, part)][rest] = t
-    return out
-
-
-def _flat(state: dict, prefix: str = "") -> dict:
-    """A nested dict's tensors by dotted key, as DCP flattens them."""
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
     return out
 
 

@@ -70,25 +70,7 @@ def test_a_text_files_blank_lines_are_skipped_by_the_same_rule(tmp_path):
     ("a blank sign \u201c \u200b \u201d", None),
     ('one "quote only', None),
     ("Joe\u2019s diner, no double quotes", None),
-])
-def test_quoted_text_is_one_rule_for_the_prompt_set_and_the_reward(tmp_path, prompt, quoted):
-    from flowgrpo.data.public_prompts import ocr_prompts
-    from flowgrpo.text import quoted_text
-
-    assert quoted_text(prompt) == quoted
-    src = tmp_path / "ocr.txt"
-    src.write_text(prompt + "\n", encoding="utf-8")
-    assert ocr_prompts([src]) == ([prompt] if quoted else [])
-    ocr = pytest.importorskip("flowgrpo_rewards.ocr")
-    if quoted is None:
-        with pytest.raises(ValueError, match="ocr reward"):
-            ocr.quoted_text(prompt)
-    else:
-        assert ocr.quoted_text(prompt) == quoted
-
-
-# --- unit marks are not quote marks (issue 42, case 4) -----------------------------------------------------------
-@pytest.mark.parametrize("prompt, quoted", [
+    # unit marks are not quote marks when the prompt quotes its text elsewhere (issue 42, case 4)
     ('a shop sign 5\u2033 wide reading "SALE"', "SALE"),  # the issue's case: double prime (inches)
     ("a shop sign 5\u2036 wide reading \u201cSALE\u201d", "SALE"),  # reversed double prime
     ('a shop sign 5" wide reading "SALE"', "SALE"),  # a straight inch mark after a number
@@ -99,9 +81,7 @@ def test_quoted_text_is_one_rule_for_the_prompt_set_and_the_reward(tmp_path, pro
     ('a race lasting 9.58\u2033 on a board "FAST"', "FAST"),  # seconds
     ("a sign \u2033SALE\u2033", "SALE"),  # double primes typed as the only quotes are quotes
 ])
-def test_unit_marks_are_not_quote_marks_for_the_prompt_set_and_the_reward(tmp_path, prompt, quoted):
-    """A unit mark (the double primes, a straight " right after a number) is not a quote mark when the prompt
-    quotes its text elsewhere; ``flowgrpo prompts ocr`` and the OCR reward read the same span (one function)."""
+def test_quoted_text_is_one_rule_for_the_prompt_set_and_the_reward(tmp_path, prompt, quoted):
     from flowgrpo.data.public_prompts import ocr_prompts
     from flowgrpo.text import quoted_text
 
