@@ -18,15 +18,10 @@ from collections.abc import Iterator
 
 import torch
 
+from flowgrpo.state_dicts import local
+
 #: where the shadow lives (``parallel.ema``)
 PLACES = ("device", "cpu")
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This process's shard of a DTensor (a view: writing it writes the DTensor), or ``t`` itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class EMA:

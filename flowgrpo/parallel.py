@@ -662,8 +662,7 @@ def fill_from_main(model: torch.nn.Module, whole: dict[str, torch.Tensor] | None
     transformer was built on the meta device and never read the files): each process receives its shard of one
     tensor at a time (a scatter from the main process), and the persistent buffers by broadcast. A collective.
     The main process's dtypes were given to every process before sharding (:func:`_whole_weights`)."""
-    from flowgrpo.ema import local
-    from flowgrpo.state_dicts import scatter_from_rank0
+    from flowgrpo.state_dicts import local, scatter_from_rank0
 
     if _on_meta(model):
         _materialize(model, device)
@@ -680,7 +679,7 @@ def copy_shards(policy: torch.nn.Module, reference: torch.nn.Module, device: tor
     device) with ``policy``'s weights as they are now (the base model: before any update or resume), each process
     copying its own shards (cast to the reference's dtype: exact, the policy's float32 masters hold
     ``model.dtype`` values) onto ``device``; nothing is sent."""
-    from flowgrpo.ema import local
+    from flowgrpo.state_dicts import local
 
     _materialize(reference, device)
     weights = dict(policy.named_parameters())

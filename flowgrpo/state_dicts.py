@@ -223,6 +223,13 @@ def scatter_from_rank0(whole: torch.Tensor | None, like: torch.Tensor) -> torch.
     return distribute_tensor(src, like.device_mesh, like.placements, src_data_rank=0)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor (a view: writing it writes the DTensor), or ``t`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a DTensor shard (a collective, its value on every process), or ``t`` itself."""
     from torch.distributed.tensor import DTensor

@@ -116,10 +116,9 @@ class Trainer:
         known = [f"eval/{n}/mean" for c in every for n, r in c.rewards.items() if not hasattr(r, "batch_metrics")]
         whole_set = any(hasattr(r, "batch_metrics") for c in every for r in c.rewards.values())
         if metric not in known and not (whole_set and metric.startswith("eval/")):
-            from flowgrpo.config import ConfigError
-
-            raise ConfigError(f"logging.best_metric={metric!r} is no evaluation figure of this run; choose one of "
-                              f"{known} (or auto)")
+            # bad input found while setting up: the runner prints it as one line (a ValueError, as config errors are)
+            raise ValueError(f"logging.best_metric={metric!r} is no evaluation figure of this run; choose one of "
+                             f"{known} (or auto)")
         return metric
 
     def save_checkpoint(self, epoch: int, record: dict | None = None) -> None:
