@@ -7,7 +7,7 @@ never a test).
 (on the CPU: ``OMP_NUM_THREADS=1 torchrun ...``; gloo.) Each process builds (rank 0; the other waits) and loads the
 family's tiny random pipeline of the conformance suite (``flowgrpo.models.zoo.CASES``), computes the velocity of
 two rows at σ = 0.95 and the gradients of ``mean(v²)`` with the whole transformer, then applies what a run with
-``parallel.sharding: fsdp2, context_degree: 2`` applies (``flowgrpo.parallel.check_context``, ``enable_context``
+``parallel.sharding: fsdp2, context_degree: 2`` applies (``flowgrpo.context_parallel.check_context``, ``enable_context``
 on the mesh's ``context`` dimension, ``shard`` over the flattened (shard, context) ranks) and computes them again
 (the loss scaled by the world size: FSDP2 averages the ranks' gradients, whose sum is the whole gradient). Per
 family: the transformer's tokens (image, text), max |Δv| / max |v|, the largest gradient gap relative to that
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 
-from flowgrpo import dist, parallel  # noqa: E402
+from flowgrpo import context_parallel, dist, parallel  # noqa: E402
 from flowgrpo.config import ParallelConfig  # noqa: E402
 from flowgrpo.models import load_model  # noqa: E402
 from flowgrpo.models.zoo import CASES  # noqa: E402
@@ -59,7 +59,7 @@ def _sources(case, folder: Path) -> list[dict]:
 
 def _tokens(tr, shapes: dict) -> dict:
     """The transformer call's token counts, from the first call's input shapes."""
-    return {k: parallel._tokens(tr, torch.empty(s, device="meta")) for k, s in shapes.items()}
+    return {k: context_parallel._tokens(tr, torch.empty(s, device="meta")) for k, s in shapes.items()}
 
 
 def one_family(name: str, root: Path, attention: str) -> dict:
@@ -93,10 +93,10 @@ def one_family(name: str, root: Path, attention: str) -> dict:
     row = {"family": name, "transformer": type(tr).__name__, "tokens": _tokens(tr, shapes)}
     settings = ParallelConfig(sharding="fsdp2", context_degree=dist.world_size(), context_attention=attention)
     try:
-        parallel.check_context(adapter, settings, CPU)
+        context_parallel.check_context(adapter, settings, CPU)
         mesh = parallel.device_mesh(CPU, settings)
         dist.set_context_degree(settings.context_degree)
-        parallel.enable_context(parallel.context_modules(adapter), mesh, settings, CPU)
+        context_parallel.enable_context(context_parallel.context_modules(adapter), mesh, settings, CPU)
         parallel.shard(tr, mesh=parallel.fsdp_mesh(mesh), param_dtype=None, reshard=True,
                        names=getattr(adapter, "shard_blocks", None))
         v_split, g_split = velocity_and_gradients(float(dist.world_size()))

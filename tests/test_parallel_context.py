@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowgrpo import dist, parallel
+from flowgrpo import context_parallel, dist
 from flowgrpo.config import ParallelConfig
 from flowgrpo.config.loading import build_config
 from flowgrpo.preflight import check_batch
@@ -52,17 +52,17 @@ def test_a_family_without_a_cp_plan_is_refused_by_name():
     sd3 = SimpleNamespace(transformer=tr, pipe=pipe, frozen_reference=None)  # what check_context reads
     with pytest.raises(ValueError, match=r"SD3Transformer2DModel \(StableDiffusion3Pipeline\), whose transformer "
                                          r"declares no _cp_plan") as err:
-        parallel.check_context(sd3, _settings(), CPU)
+        context_parallel.check_context(sd3, _settings(), CPU)
     assert "\n" not in str(err.value)
-    parallel.check_context(sd3, ParallelConfig(**SHARDED), CPU)  # degree 1: nothing to split, nothing refused
+    context_parallel.check_context(sd3, ParallelConfig(**SHARDED), CPU)  # degree 1: nothing to split, nothing refused
 
 
 def test_a_family_with_a_cp_plan_passes_and_its_limits_are_refused(flux):
-    parallel.check_context(flux, _settings(), CPU)  # FLUX: a _cp_plan, 2 heads
+    context_parallel.check_context(flux, _settings(), CPU)  # FLUX: a _cp_plan, 2 heads
     with pytest.raises(ValueError, match=r"context_degree=4 with ulysses .* has 2, not a multiple of 4"):
-        parallel.check_context(flux, _settings(context_degree=4), CPU)
+        context_parallel.check_context(flux, _settings(context_degree=4), CPU)
     with pytest.raises(ValueError, match=r"context_attention=ring on the CPU: .*log-sum-exp"):
-        parallel.check_context(flux, _settings(context_attention="ring"), CPU)
+        context_parallel.check_context(flux, _settings(context_attention="ring"), CPU)
 
 
 def test_the_degree_needs_fsdp2_and_ring_needs_half_precision_and_a_degree():
@@ -89,7 +89,7 @@ def test_the_batch_is_split_over_the_data_ranks():
 
 
 def test_token_counts_the_degree_does_not_divide_are_refused(flux):
-    tr, check = flux.transformer, parallel._check_sequence(2, "FluxTransformer2DModel")
+    tr, check = flux.transformer, context_parallel._check_sequence(2, "FluxTransformer2DModel")
     text = torch.zeros(1, 16, tr.config.joint_attention_dim)
     check(tr, (), {"hidden_states": torch.zeros(1, 4, 64), "encoder_hidden_states": text})
     with pytest.raises(ValueError, match=r"hidden_states of FluxTransformer2DModel has 9 tokens, not a multiple "
@@ -101,7 +101,7 @@ def test_token_counts_the_degree_does_not_divide_are_refused(flux):
     from diffusers import WanTransformer3DModel
 
     wan = SimpleNamespace(_cp_plan=WanTransformer3DModel._cp_plan, config=SimpleNamespace(patch_size=(1, 2, 2)))
-    check = parallel._check_sequence(2, "WanTransformer3DModel")
+    check = context_parallel._check_sequence(2, "WanTransformer3DModel")
     check(wan, (), {"hidden_states": torch.zeros(1, 16, 3, 4, 4), "encoder_hidden_states": torch.zeros(1, 7, 8)})
     with pytest.raises(ValueError, match=r"has 3 tokens"):  # 3 frames x 1 x 1 patches
         check(wan, (torch.zeros(1, 16, 3, 2, 2),), {})
@@ -119,7 +119,7 @@ def test_the_cpu_shim_lets_diffusers_resolve_its_parallel_config(flux):
         tr = flux.transformer
         with pytest.raises(ZeroDivisionError):  # rank % torch.accelerator.device_count(), 0 here
             tr._resolve_parallel_config(ContextParallelConfig(ulysses_degree=2, mesh=mesh))
-        with parallel.cpu_accelerator():
+        with context_parallel.cpu_accelerator():
             assert torch._C._get_accelerator() == CPU and torch.accelerator.device_count() == 1
             with pytest.raises(ValueError, match=r"must not exceed the world size \(1\)"):  # past the device
                 tr._resolve_parallel_config(ContextParallelConfig(ulysses_degree=2, mesh=mesh))
@@ -137,10 +137,10 @@ def test_a_masked_text_is_padded_to_the_degree_instead():
 
     qwen = SimpleNamespace(_cp_plan=QwenImageTransformer2DModel._cp_plan, config=SimpleNamespace(patch_size=2))
     with pytest.raises(ValueError, match=r"context_attention=ring with .*: its text is masked"):
-        parallel.check_context(SimpleNamespace(transformer=qwen, pipe=SimpleNamespace(components={}),
+        context_parallel.check_context(SimpleNamespace(transformer=qwen, pipe=SimpleNamespace(components={}),
                                                frozen_reference=None),
                                _settings(context_attention="ring"), torch.device("cuda"))
-    check, text = parallel._check_sequence(2, "QwenImageTransformer2DModel"), torch.randn(2, 27, 8)
+    check, text = context_parallel._check_sequence(2, "QwenImageTransformer2DModel"), torch.randn(2, 27, 8)
     _, kw = check(qwen, (), {"hidden_states": torch.zeros(2, 4, 64), "encoder_hidden_states": text})
     assert kw["encoder_hidden_states"].shape == (2, 28, 8) and torch.equal(kw["encoder_hidden_states"][:, :27], text)
     assert not kw["encoder_hidden_states"][:, 27].any()
