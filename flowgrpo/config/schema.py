@@ -52,6 +52,11 @@ class ModelConfig(Section):
         description="module names (peft target_modules) that receive LoRA",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    cache_prompt_embeddings: bool = Field(
+        False, description="encode each distinct prompt once and keep its embeddings in host memory for every "
+        "later rollout and evaluation (bit for bit the first encoding); with parallel.text_encoders=offload the "
+        "encoders then reach the device only for a new prompt. Needs text_encoders device or offload"
+    )
     attention_backend: Literal["auto", "flash", "efficient", "math", "cudnn"] = Field(
         "auto", description="SDPA kernels of the transformer in rollout and training (torch sdpa_kernel); 'auto' "
         "lets torch choose but never cuDNN on CUDA (its backward fails on some torch/cuDNN versions); 'math' "

@@ -143,7 +143,8 @@ def encode_rows(adapter, prompts: list[str], metadata: list[dict] | None = None)
     device, shared by every row (the G samples of a group) that has the same prompt and conditioning images.
 
     An adapter with ``image_conditioned = True`` (an editing model) is given the images of each record's
-    ``images`` paths (``encode_prompts(prompts, images=...)``); for the others the text alone is the key.
+    ``images`` paths (``encode_prompts(prompts, images=...)``); for the others the text alone is the key. An
+    adapter with a ``prompt_cache`` (:mod:`flowgrpo.sampling.prompt_cache`) encodes only the keys it has not seen.
 
     Raises:
         ValueError: an image-conditioned adapter and a record without ``images``, or metadata of another length.
@@ -160,13 +161,18 @@ def encode_rows(adapter, prompts: list[str], metadata: list[dict] | None = None)
     keys = [(p, tuple(m.get("images", ())) if conditioned else ()) for p, m in zip(prompts, metadata, strict=True)]
     unique = list(dict.fromkeys(keys))
     where = torch.tensor([unique.index(k) for k in keys])
-    texts = [k[0] for k in unique]
-    encoding = getattr(adapter, "encoding", contextlib.nullcontext)  # offloaded encoders: on the device in it
-    with encoding():
-        if conditioned:
-            embeds = adapter.encode_prompts(texts, images=[load_condition_images(k[1]) for k in unique])
-        else:
-            embeds = adapter.encode_prompts(texts)
+
+    def encode(positions: list[int]) -> PromptEmbeds:
+        todo = [unique[i] for i in positions]
+        texts = [k[0] for k in todo]
+        encoding = getattr(adapter, "encoding", contextlib.nullcontext)  # offloaded encoders: on the device in it
+        with encoding():
+            if conditioned:
+                return adapter.encode_prompts(texts, images=[load_condition_images(k[1]) for k in todo])
+            return adapter.encode_prompts(texts)
+
+    cache = getattr(adapter, "prompt_cache", None)  # model.cache_prompt_embeddings (flowgrpo.sampling.prompt_cache)
+    embeds = encode(list(range(len(unique)))) if cache is None else cache.embeds(unique, encode, adapter.device)
     return embeds.index(where.to(embeds.device))
 
 
