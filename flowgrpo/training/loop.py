@@ -288,7 +288,7 @@ class Trainer:
             images = generate_images(
                 self.adapter, ps, seeds, num_steps=self.cfg.eval_sampling.num_steps,
                 guidance_scale=self.cfg.eval_sampling.guidance_scale, batch_size=self.cfg.train.rollout_batch_size,
-                progress=self.cfg.logging.progress and self.main, metadata=meta,
+                progress=self.cfg.logging.progress and self.main, metadata=meta, cache=self.cfg.eval_sampling.cache,
             )
         out: dict[str, float] = {}
         grouped: set[str] = set()
