@@ -125,7 +125,7 @@ def _run(config) -> dict:
     check_on_grid(config, ready.objective, adapter.sigmas(sampling.num_steps), sampling, accelerator.num_processes)
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
     if m.cache_prompt_embeddings:  # each distinct prompt encoded once (flowgrpo.sampling.prompt_cache)
-        attach_prompt_cache(adapter, m.pretrained, config.parallel.text_encoders)
+        attach_prompt_cache(adapter, m.pretrained, config.parallel.text_encoders, m.prompt_embeddings_dir)
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
         need_reference=ready.objective.needs_reference, gradient_checkpointing=m.gradient_checkpointing,

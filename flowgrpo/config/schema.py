@@ -58,6 +58,10 @@ class ModelConfig(Section):
         "later rollout and evaluation (bit for bit the first encoding); with parallel.text_encoders=offload the "
         "encoders then reach the device only for a new prompt. Needs text_encoders device or offload"
     )
+    prompt_embeddings_dir: str | None = Field(
+        None, description="with cache_prompt_embeddings: also keep each prompt's embeddings in this folder (one "
+        "safetensors file per prompt, under a digest of the encoder's identity), read by later or resumed runs"
+    )
     attention_backend: Literal["auto", "flash", "efficient", "math", "cudnn"] = Field(
         "auto", description="SDPA kernels of the transformer in rollout and training (torch sdpa_kernel); 'auto' "
         "lets torch choose but never cuDNN on CUDA (its backward fails on some torch/cuDNN versions); 'math' "
@@ -490,6 +494,9 @@ class Config(Section):
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         check_cache_allowed(self.objective.name, self.sampling.cache.name)  # no cached velocity in a log-prob
+        if self.model.prompt_embeddings_dir is not None and not self.model.cache_prompt_embeddings:
+            raise ValueError(f"model.prompt_embeddings_dir={self.model.prompt_embeddings_dir!r} is read only with "
+                             "model.cache_prompt_embeddings=true; set it, or remove the folder setting")
         self.objective.check(self)  # each strategy's checks against the other sections
         self.algo.group_filter.check(self)
         self.algo.policy_loss.check(self)

@@ -18,13 +18,22 @@ config, so embeddings of another encoder or other encoding settings are never mi
 
 Cost: host memory per distinct prompt = the bytes of one row (FLUX.1 at 512 tokens in bfloat16: 512·4096·2 B
 = 4 MiB for T5 plus 1.5 KiB pooled CLIP).
+
+On disk (``model.prompt_embeddings_dir``): each row is also written to
+``<dir>/<identity[:16]>/<sha256 of the key>.safetensors`` (written to a temporary name and renamed, so a reader never
+sees half a file) and read from there when it is not in host memory, so a resumed or later run with the same
+encoders skips the encoders too. The file holds the row's tensors, the shared tensors (``shared.<name>``) and, in
+its metadata, the full identity and key, which are checked on reading.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -66,16 +75,19 @@ class PromptEmbedCache:
 
     Args:
         identity: the encoder identity (:func:`encoder_identity`); part of every key.
+        directory: where rows are also kept on disk (module docstring), or None (host memory only).
 
     Attributes:
         encoded: how many rows were encoded (cache misses) since construction.
         hits: how many rows were read from the cache.
     """
 
-    def __init__(self, identity: str) -> None:
+    def __init__(self, identity: str, directory: str | Path | None = None) -> None:
         if not isinstance(identity, str) or not identity:
             raise ValueError(f"prompt cache identity must be a non-empty string, got {identity!r}")
         self.identity = identity
+        self.directory = None if directory is None else Path(directory) / identity[:16]
+        self.read = 0  # rows read from disk
         self.rows: dict[tuple, dict[str, torch.Tensor]] = {}
         self.shared: dict[str, torch.Tensor] | None = None
         self.encoded = 0
@@ -98,6 +110,10 @@ class PromptEmbedCache:
             ValueError: the encoder's rows or shared tensors differ in shape or value from those cached before
                 (an adapter whose embeddings depend on the batch), naming the tensor.
         """
+        if self.directory is not None:
+            for k in keys:
+                if self._key(k) not in self.rows:
+                    self._read(k)
         missing = [i for i, k in enumerate(keys) if self._key(k) not in self.rows]
         self.hits += len(keys) - len(missing)
         if missing:
@@ -112,6 +128,8 @@ class PromptEmbedCache:
             for j, i in enumerate(missing):
                 self.rows[self._key(keys[i])] = {k: v[j : j + 1].detach().to("cpu", copy=True)
                                                  for k, v in fresh.tensors.items()}
+                if self.directory is not None:
+                    self._write(keys[i])
             self.encoded += len(missing)
         rows = [self.rows[self._key(k)] for k in keys]
         tensors = {}
@@ -124,6 +142,56 @@ class PromptEmbedCache:
             tensors[name] = torch.cat([r[name] for r in rows]).to(device)
         return PromptEmbeds(tensors, {k: v.to(device) for k, v in self.shared.items()})
 
+    def _path(self, key: Hashable) -> Path:
+        text = json.dumps(key, default=str)
+        return self.directory / f"{hashlib.sha256(text.encode()).hexdigest()}.safetensors"
+
+    def _write(self, key: Hashable) -> None:
+        """The row of ``key`` (and the shared tensors) to its file, atomically (temporary file, then rename)."""
+        from safetensors.torch import save_file
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tensors = {**{f"row.{k}": v.contiguous() for k, v in self.rows[self._key(key)].items()},
+                   **{f"shared.{k}": v.contiguous() for k, v in self.shared.items()}}
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={"identity": self.identity, "key": json.dumps(key, default=str)})
+            os.replace(tmp, self._path(key))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _read(self, key: Hashable) -> None:
+        """The row of ``key`` from its file into host memory, if the file exists.
+
+        Raises:
+            ValueError: a file that cannot be read, or whose identity or key differ from the expected ones (the
+                message names the file).
+        """
+        from safetensors import safe_open
+
+        path = self._path(key)
+        if not path.exists():
+            return
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no iter
+        except Exception as err:  # noqa: BLE001 - whatever safetensors raises on a damaged file
+            raise ValueError(f"prompt embedding file {path} cannot be read ({type(err).__name__}: {err}); delete "
+                             "it to encode the prompt again") from None
+        if meta.get("identity") != self.identity or meta.get("key") != json.dumps(key, default=str):
+            raise ValueError(f"prompt embedding file {path} holds another encoder's or prompt's row (identity "
+                             f"{meta.get('identity', '')[:16]!r}, key {meta.get('key')!r}); delete it")
+        shared = {k[len("shared."):]: v for k, v in tensors.items() if k.startswith("shared.")}
+        if self.shared is None:
+            self.shared = shared
+        else:
+            self._check_shared(shared)
+        self.rows[self._key(key)] = {k[len("row."):]: v for k, v in tensors.items() if k.startswith("row.")}
+        self.read += 1
+
     def _check_shared(self, shared: dict[str, torch.Tensor]) -> None:
         for name in set(shared) | set(self.shared):
             a, b = self.shared.get(name), shared.get(name)
@@ -133,9 +201,10 @@ class PromptEmbedCache:
                                  "they cannot be cached; set model.cache_prompt_embeddings=false")
 
 
-def attach_prompt_cache(adapter, source: str, text_encoders: str) -> PromptEmbedCache:
-    """Give ``adapter`` a :class:`PromptEmbedCache` (``adapter.prompt_cache``), read by
-    :func:`~flowgrpo.sampling.rollout.encode_rows`.
+def attach_prompt_cache(adapter, source: str, text_encoders: str,
+                        directory: str | Path | None = None) -> PromptEmbedCache:
+    """Give ``adapter`` a :class:`PromptEmbedCache` (``adapter.prompt_cache``, on disk too in ``directory`` when
+    given), read by :func:`~flowgrpo.sampling.rollout.encode_rows`.
 
     Raises:
         ValueError: ``text_encoders`` is ``shard``: sharded encoders encode in lockstep on every process, and a
@@ -144,5 +213,5 @@ def attach_prompt_cache(adapter, source: str, text_encoders: str) -> PromptEmbed
     if text_encoders == "shard":
         raise ValueError("model.cache_prompt_embeddings=true needs parallel.text_encoders device or offload, got "
                          "'shard' (sharded encoders encode in lockstep; per-process cache misses would hang)")
-    adapter.prompt_cache = PromptEmbedCache(encoder_identity(adapter, source))
+    adapter.prompt_cache = PromptEmbedCache(encoder_identity(adapter, source), directory)
     return adapter.prompt_cache

@@ -84,3 +84,29 @@ def test_sharded_encoders_refuse_the_cache(tiny_flux):
 
     with pytest.raises(ValueError, match="text_encoders device or offload, got 'shard'"):
         attach_prompt_cache(tiny_flux, "tiny", "shard")
+
+
+def test_rows_on_disk_are_read_back_by_a_new_cache_and_checked(tiny_flux, tmp_path):
+    ident = encoder_identity(tiny_flux, "tiny")
+    first = PromptEmbedCache(ident, tmp_path)
+    want = first.embeds(list(PROMPTS), lambda pos: tiny_flux.encode_prompts([PROMPTS[i] for i in pos]), "cpu")
+    files = sorted((tmp_path / ident[:16]).glob("*.safetensors"))
+    assert len(files) == 3 and not list((tmp_path / ident[:16]).glob("*.tmp"))
+    second = PromptEmbedCache(ident, tmp_path)  # a later run: nothing encoded, every row read from disk
+    got = second.embeds(list(PROMPTS[::-1]), lambda pos: pytest.fail(f"encoded {pos}"), "cpu")
+    assert second.read == 3 and second.encoded == 0
+    for k in want.tensors:
+        assert torch.equal(got[k], want[k].flip(0)), k
+    for k in want.shared:
+        assert torch.equal(got[k], want[k]), k
+    other = PromptEmbedCache(ident, tmp_path)
+    files[0].write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=f"prompt embedding file {files[0]} cannot be read"):
+        other.embeds(list(PROMPTS), lambda pos: tiny_flux.encode_prompts([PROMPTS[i] for i in pos]), "cpu")
+
+
+def test_a_folder_without_the_cache_is_refused():
+    from flowgrpo.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="prompt_embeddings_dir='x' is read only with model.cache_prompt_embeddings"):
+        build_config({"model": {"prompt_embeddings_dir": "x"}})
