@@ -464,7 +464,7 @@ class RemoteReward:
 
         Each attempt goes to a server picked by :meth:`_pick`; a failed attempt is sent at once to a server not
         yet tried in this round, and only when all have failed does the request wait (jittered exponential
-        backoff, ``Retry-After`` honoured) and start a new round. ``only``: ask that server alone.
+        backoff, ``Retry-After`` honoured) and start a new round. ``only``: ask that server alone, once (no retry).
 
         The deadline is one for an outage, not one per request: once a request has failed for good, the requests
         after it (the other requests of a batch, the batches queued behind it) count theirs from that request's
@@ -481,7 +481,8 @@ class RemoteReward:
             if srv is None:  # every server failed in this round
                 elapsed = time.monotonic() - t0
                 wait = self.retry_wait(rounds, retry_after)
-                if (self.retries is not None and rounds >= self.retries) or elapsed + wait > self.deadline:
+                if (only is not None or (self.retries is not None and rounds >= self.retries)
+                        or elapsed + wait > self.deadline):
                     if self._down_since is None and only is None:
                         self._down_since = start
                     where = ", ".join(s.url + path for s in servers)
@@ -636,8 +637,8 @@ class RemoteReward:
         scores = reply.get("scores") if isinstance(reply, dict) else None
         if not isinstance(scores, list) or len(scores) != n:
             got = f"{len(scores)} scores" if isinstance(scores, list) else f"{str(reply)[:200]!r}"
-            raise RemoteRewardError(f"remote reward at {self.url} sent a malformed reply: expected {n} scores, "
-                                    f"got {got}")
+            raise RemoteRewardError(f"remote reward at {', '.join(self.urls)} sent a malformed reply: expected {n} "
+                                    f"scores, got {got}")
         vals = []
         for s in scores:
             if s is None:
@@ -646,19 +647,22 @@ class RemoteReward:
                 vals.append(float(s))
             else:
                 raise RemoteRewardError(
-                    f"remote reward at {self.url} sent a malformed reply: score {s!r} is not a number or null"
+                    f"remote reward at {', '.join(self.urls)} sent a malformed reply: score {s!r} is not a number "
+                    "or null"
                 )
         return torch.tensor(vals, dtype=torch.float32)
 
-    def __getstate__(self):  # the HTTP pools, lock and threads are not picklable; a copy reconnects lazily
+    def __getstate__(self):  # the HTTP pools, lock, threads and OS jitter source are not picklable; a copy
+        # reconnects lazily
         state = dict(self.__dict__)
         state["_servers"] = [_Server(srv.url, self.timeout) for srv in self._servers]
-        state["_lock"], state["_pool"] = None, None
+        state["_lock"], state["_pool"], state["_jitter"] = None, None, None
         return state
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._jitter = random.SystemRandom()
 
 
 def server_metrics(rewards) -> dict[str, float]:

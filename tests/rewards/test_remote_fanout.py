@@ -93,6 +93,27 @@ def test_a_request_in_flight_on_a_dying_server_is_sent_to_the_other():
         b.stop()
 
 
+def test_a_server_down_at_setup_is_left_out_at_once_and_the_reward_pickles():
+    import pickle
+
+    b = _server()
+    try:
+        down = f"http://127.0.0.1:{free_port()}"
+        remote = RemoteReward([down, b.url], backoff=0.05, max_backoff=30, deadline=60, timeout=5)
+        t0 = time.monotonic()
+        remote.setup("cpu")
+        assert time.monotonic() - t0 < 2.0  # one attempt at the down server, not retries until the 60 s deadline
+        assert remote.server_metrics()["server/0/failures"] == 1  # that attempt
+        images = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+        got = remote(images, ["p"] * 4, [{}] * 4)
+        torch.testing.assert_close(got, _expected(images), rtol=0, atol=1e-6)
+        assert remote.server_metrics()["server/0/failures"] == 0  # left out: not even tried for these requests
+        copy = pickle.loads(pickle.dumps(remote))
+        torch.testing.assert_close(copy(images, ["p"] * 4, [{}] * 4), got, rtol=0, atol=0)
+    finally:
+        b.stop()
+
+
 def test_every_server_down_fails_after_the_deadline_naming_them():
     urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
     remote = RemoteReward(urls, backoff=0.05, max_backoff=0.1, deadline=0.5, timeout=1)
