@@ -21,6 +21,9 @@ fresh state, and disabled at its end); every other forward, the update's above a
 Each transformer call inside a step gets its own cache context (``call0``, ``call1``, …: a CFG adapter's
 conditional and unconditional forwards keep separate state), as the diffusers pipelines name theirs.
 
+A cache decides for the whole batch of a call (first_block compares the batch's mean residual change), so a cached
+sample depends on its batch-mates: the same batching reproduces it, another may not.
+
 Exactness: ``first_block`` with ``threshold: 0`` skips no step (a step is skipped only when the first block's
 residual changed by at most the threshold, relative) and gives the uncached sampler's output bit for bit.
 """

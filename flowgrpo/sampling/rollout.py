@@ -306,7 +306,8 @@ def generate_images(
     """ODE samples, one per (prompt, seed): (B, 3, H, W) float32 in [0, 1] on the CPU.
 
     ``cache``: a :class:`~flowgrpo.config.FeatureCacheConfig` (``eval_sampling.cache``) enabled around each batch's
-    loop (:func:`~flowgrpo.sampling.feature_cache.feature_cache`), or None.
+    loop (:func:`~flowgrpo.sampling.feature_cache.feature_cache`), or None. A cache decides to skip a step for the
+    whole batch, so with one that skips an image depends on its batch too (the same ``batch_size`` reproduces it).
 
     The initial noise of image i comes from ``make_generator(seed_i, "eval")``, so an image depends only on its
     prompt and seed, never on the batch it was generated in. ``metadata`` (one dict per prompt) carries the
