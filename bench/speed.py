@@ -12,7 +12,10 @@ ratios, so a slow spell of a shared machine falls on both sides.
 (d) E-GRPO's update with each shared anchor forwarded once per (prompt, branch step) group vs once per sample
     (the same trajectory and plan; the chunker's ``shares_inputs`` switched off for the "before" figure);
 (e) the forward-process update (DiffusionNFT: B samples × int(0.99·T) σ's, an old-copy and a reference pass per
-    row) vs the bare forwards and backward of the same (x₀, σ, ε) draws (``bench/forward_speed.py``; target ≤ 1.15×).
+    row) vs the bare forwards and backward of the same (x₀, σ, ε) draws (``bench/forward_speed.py``; target ≤ 1.15×);
+(f) the forward-process rollout (euler, no log-probs) with ``sampling.cache`` = first_block at ``--cache-threshold``
+    vs uncached: time, the fraction of steps whose remaining blocks were skipped, and the largest pixel difference
+    of the decoded images (threshold 0: skips nothing, difference exactly 0).
 All on the tiny random FLUX model, on this machine's CPU.
 """
 
@@ -61,8 +64,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--parts", nargs="+", default=["a", "b", "c", "d", "e"], choices=["a", "b", "c", "d", "e"],
-                        help="which rows to measure")
+    parser.add_argument("--parts", nargs="+", default=["a", "b", "c", "d", "e", "f"],
+                        choices=["a", "b", "c", "d", "e", "f"], help="which rows to measure")
+    parser.add_argument("--cache-threshold", type=float, default=0.2, help="row (f): first_block's threshold")
     parser.add_argument("--stat", choices=sorted(STAT), default="median", help="statistic of the repeats")
     args = parser.parse_args()
     global _stat
@@ -226,12 +230,41 @@ def main() -> None:
         return (*_paired_seconds(upd, bare_fn, args.repeats), rows)
 
     e_ours, e_bare, e_ratio, e_rows = forward_update_times() if "e" in args.parts else (nan, nan, nan, 0)
+    # (f) the forward-process rollout with a first-block feature cache vs without
+    def cached_rollout_times() -> tuple[float, float, float, float, float]:
+        from flowgrpo.config.schema import FeatureCacheConfig
+        from flowgrpo.sampling.final_rollout import solver_rollout
+
+        request = RolloutRequest(prompts, [{}] * b, torch.arange(b) // 2, torch.arange(b) % 2,
+                                 settings=SamplerSettings(num_steps=t, guidance_scale=3.5), batch_size=b, seed=0,
+                                 epoch=0)
+        grid = adapter.sigmas(t)
+        cache = FeatureCacheConfig(name="first_block", kwargs={"threshold": args.cache_threshold})
+
+        def run(c):
+            return solver_rollout(adapter, request, solver="euler", sigmas=grid, cache=c)
+
+        tail = []  # the last block's output projection runs only at the steps the cache computes
+        handle = adapter.transformer.single_transformer_blocks[-1].proj_out.register_forward_hook(
+            lambda *a: tail.append(1))
+        try:
+            cached_images = run(cache).images
+        finally:
+            handle.remove()
+        skipped = 1 - len(tail) / t
+        diff = float((cached_images - run(None).images).abs().max())
+        return (*_paired_seconds(lambda: run(cache), lambda: run(None), args.repeats), skipped, diff)
+
+    f_cached, f_plain, f_ratio, f_skipped, f_diff = (cached_rollout_times() if "f" in args.parts
+                                                     else (nan,) * 5)
     figures = {
         "a_rollout_s": a_ours, "a_pipeline_s": a_theirs, "a_ratio": a_ratio,
         "b_update_s": b_ours, "b_bare_s": b_bare, "b_ratio": b_ratio,
         "c_epoch_s": e0, "c_epoch_2G_s": eg, "c_epoch_2T_s": et, "c_ratio_2G": eg / e0, "c_ratio_2T": et / e0,
         "d_egrpo_update_shared_s": d_once, "d_egrpo_update_per_row_s": d_each, "d_ratio": d_once / d_each,
         "e_forward_update_s": e_ours, "e_forward_bare_s": e_bare, "e_ratio": e_ratio, "e_rows": e_rows,
+        "f_cached_rollout_s": f_cached, "f_rollout_s": f_plain, "f_ratio": f_ratio, "f_skipped_frac": f_skipped,
+        "f_max_pixel_diff": f_diff, "f_threshold": args.cache_threshold,
         "batch": b, "steps": t, "threads": torch.get_num_threads(),
     }
     lines = [
@@ -249,6 +282,9 @@ def main() -> None:
         f"| (e) DiffusionNFT update vs bare forwards + backward of the same {e_rows} (x0, sigma, eps) rows (B={b}, "
         f"T={t}: old-copy and reference passes, 64²) | {e_ours*1e3:.0f} ms | {e_bare*1e3:.0f} ms | {e_ratio:.2f}× | "
         "≤ 1.15× |",
+        f"| (f) forward-process rollout (euler, B={b}, T={t}, 64²) with first_block cache (threshold "
+        f"{args.cache_threshold:g}: {f_skipped:.0%} of steps skipped, max pixel diff {f_diff:.3g}) vs uncached | "
+        f"{f_cached*1e3:.0f} ms | {f_plain*1e3:.0f} ms | {f_ratio:.2f}× | < 1× |",
     ]
     print("\n".join(lines))
     if args.json:

@@ -53,7 +53,8 @@ def _given(args: argparse.Namespace, name: str):
 
 def _sample_settings(args: argparse.Namespace) -> dict:
     """What ``flowgrpo sample`` draws: ``build`` (a function loading the model), ``steps``, ``guidance``, ``seed``,
-    ``weights`` (a folder or None), ``prompt_file`` and ``count`` (0: one image per prompt).
+    ``weights`` (a folder or None), ``prompt_file``, ``count`` (0: one image per prompt) and ``cache`` (the run's
+    ``eval_sampling.cache``, so its evaluation images are reproduced; None without ``--run``).
 
     With ``--run`` everything comes from the run folder's config, and each option of :data:`RUN_OVERRIDES` that is
     given replaces its setting (``--num-steps 1`` samples with one step, ``--seed 5`` draws the evaluation seeds of
@@ -85,7 +86,7 @@ def _sample_settings(args: argparse.Namespace) -> dict:
                 "seed": cfg.train.seed,
                 "weights": Path(args.run) / ("lora" if cfg.model.finetune == "lora" else "transformer"),
                 "prompt_file": args.prompts or cfg.data.eval_prompts or cfg.data.train_prompts,
-                "count": args.num_images or default_count}
+                "count": args.num_images or default_count, "cache": cfg.eval_sampling.cache}
     if not args.model:
         raise SystemExit("flowgrpo sample: give --run RUN_DIR or --model")
     v = {k: getattr(args, k) if _given(args, k) else d for k, d in SAMPLE_DEFAULTS.items()}
@@ -93,7 +94,7 @@ def _sample_settings(args: argparse.Namespace) -> dict:
                                         max_sequence_length=v["max_sequence_length"], num_frames=v["num_frames"]),
             "steps": v["num_steps"], "guidance": v["guidance_scale"], "seed": v["seed"],
             "weights": Path(args.lora) if args.lora else None, "prompt_file": args.prompts,
-            "count": args.num_images}
+            "count": args.num_images, "cache": None}
 
 
 def _load_weights(adapter, weights: Path) -> None:
@@ -147,7 +148,7 @@ def _sample(args: argparse.Namespace) -> None:
     prompts = [ps.prompts[i % len(ps)] for i in range(count)]
     seeds = [derive_seed(s["seed"], "eval", i) for i in range(count)]
     images = generate_images(adapter, prompts, seeds, num_steps=s["steps"], guidance_scale=s["guidance"],
-                             batch_size=args.batch_size)
+                             batch_size=args.batch_size, cache=s["cache"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(images, out / "images.pt")

@@ -30,6 +30,7 @@ from flowgrpo.rewards.compose import RewardError
 from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
 from flowgrpo.rewards.remote import RemoteRewardError
 from flowgrpo.run_lock import hold_run_folder
+from flowgrpo.sampling.prompt_cache import attach_prompt_cache
 from flowgrpo.sampling.rollout import SamplerSettings
 from flowgrpo.training.loop import Trainer
 from flowgrpo.training.report import format_report
@@ -127,6 +128,8 @@ def _run(config) -> dict:
     sampling = SamplerSettings.from_config(config.sampling)
     check_on_grid(config, ready.objective, adapter.sigmas(sampling.num_steps), sampling, accelerator.num_processes)
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
+    if m.cache_prompt_embeddings:  # each distinct prompt encoded once (flowgrpo.sampling.prompt_cache)
+        attach_prompt_cache(adapter, m.pretrained, config.parallel.text_encoders, m.prompt_embeddings_dir)
     params = setup_trainable(
         adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
         need_reference=ready.objective.needs_reference, gradient_checkpointing=m.gradient_checkpointing,

@@ -17,6 +17,7 @@ from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
 from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
 from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig
+from flowgrpo.sampling.feature_cache import check_cache_allowed
 from flowgrpo.sampling.rollout import FINAL_DECODES
 from flowgrpo.sampling.sde import KL_FORMS, SDE_KINDS
 from flowgrpo.settings import Section, registered_name, strategy_settings
@@ -52,6 +53,15 @@ class ModelConfig(Section):
         description="module names (peft target_modules) that receive LoRA",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    cache_prompt_embeddings: bool = Field(
+        False, description="encode each distinct prompt once and keep its embeddings in host memory for every "
+        "later rollout and evaluation (bit for bit the first encoding); with parallel.text_encoders=offload the "
+        "encoders then reach the device only for a new prompt. Needs text_encoders device or offload"
+    )
+    prompt_embeddings_dir: str | None = Field(
+        None, description="with cache_prompt_embeddings: also keep each prompt's embeddings in this folder (one "
+        "safetensors file per prompt, under a digest of the encoder's identity), read by later or resumed runs"
+    )
     attention_backend: Literal["auto", "flash", "efficient", "math", "cudnn"] = Field(
         "auto", description="SDPA kernels of the transformer in rollout and training (torch sdpa_kernel); 'auto' "
         "lets torch choose but never cuDNN on CUDA (its backward fails on some torch/cuDNN versions); 'math' "
@@ -119,6 +129,32 @@ def _refuse_unread_knobs(algo: AlgoConfig) -> None:
                 f"{algo.advantage!r}: remove the setting (default {default!r}) or choose {' / '.join(owners)}")
 
 
+class FeatureCacheConfig(Section):
+    """A diffusers feature cache on the transformer while sampling (flowgrpo.sampling.feature_cache): skipped
+    steps reuse earlier features, so it is allowed only where no log-prob reads the velocity."""
+
+    name: Literal["none", "first_block", "mag", "taylor_seer", "faster"] = Field(
+        "none", description="none; first_block (FirstBlockCacheConfig: skip the other blocks while the first "
+        "block's residual changes by at most threshold, relative), mag (MagCacheConfig), taylor_seer "
+        "(TaylorSeerCacheConfig) or faster (FasterCacheConfig)"
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="the diffusers config's settings, e.g. {threshold: 0.05} for first_block "
+        "(mag's num_inference_steps and faster's timestep callback come from the sampler)"
+    )
+
+    @model_validator(mode="after")
+    def _check_kwargs(self):
+        if self.name == "none":
+            if self.kwargs:
+                raise ValueError(f"cache kwargs {self.kwargs!r} given with name none; set a cache name")
+        else:
+            from flowgrpo.sampling.feature_cache import cache_config
+
+            cache_config(self.name, self.kwargs)
+        return self
+
+
 class SamplingConfig(Section):
     """How trajectories are sampled for training."""
 
@@ -142,6 +178,11 @@ class SamplingConfig(Section):
         "sample", description="latents decoded into the rewarded image: sample (the last SDE sample, Flow-GRPO) or "
         "x0_pred (x - sigma*v predicted at the last step, DanceGRPO/GCPO/MixGRPO/E-GRPO)"
     )
+    cache: FeatureCacheConfig = Field(
+        default_factory=FeatureCacheConfig, description="feature cache of the rollout (objective nft, awm or dgpo "
+        "only: their rollout records no log-prob; refused for sde_ratio, whose log-probs read every velocity); the "
+        "update's forwards are never cached"
+    )
 
 
 class EvalSamplingConfig(Section):
@@ -149,6 +190,9 @@ class EvalSamplingConfig(Section):
 
     num_steps: int = Field(40, ge=1, description="denoising steps for evaluation images")
     guidance_scale: float = Field(3.5, ge=0, description="guidance for evaluation images")
+    cache: FeatureCacheConfig = Field(
+        default_factory=FeatureCacheConfig, description="feature cache of the evaluation sampler (any objective)"
+    )
 
 
 class AlgoConfig(Section):
@@ -490,6 +534,10 @@ class Config(Section):
             raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
+        check_cache_allowed(self.objective.name, self.sampling.cache.name)  # no cached velocity in a log-prob
+        if self.model.prompt_embeddings_dir is not None and not self.model.cache_prompt_embeddings:
+            raise ValueError(f"model.prompt_embeddings_dir={self.model.prompt_embeddings_dir!r} is read only with "
+                             "model.cache_prompt_embeddings=true; set it, or remove the folder setting")
         self.objective.check(self)  # each strategy's checks against the other sections
         self.algo.group_filter.check(self)
         self.algo.policy_loss.check(self)

@@ -30,12 +30,21 @@ failed for good share its deadline (:meth:`RemoteReward._request`), and the back
 queued behind a failed one, so a run that loses its server stops after one deadline. A malformed reply or another
 error status is not retried.
 
+Several servers: ``url`` may be a list (``url: ["http://10.0.0.1:8765", "http://10.0.0.2:8765"]``). The
+requests of a batch then go out concurrently, each to the least-loaded server (fewest requests in flight, ties in
+turn); a request whose server fails (timeout, connection error, a retried status) is sent at once to another one,
+and the failed server is left out for ``max_backoff`` seconds before it is tried again. Only when every server has
+failed it does the request wait (the backoff above), so the deadline bounds an outage of all of them. Each
+server's latency is reported (:meth:`RemoteReward.server_metrics`, logged as ``reward/<name>/server/<i>/…``).
+
 The client needs ``httpx`` (``pip install "flowgrpo[server]"``).
 """
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import json
@@ -43,7 +52,9 @@ import logging
 import math
 import random
 import struct
+import threading
 import time
+import urllib.parse
 import warnings
 
 import numpy as np
@@ -278,11 +289,70 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(when.timestamp() - time.time(), 0.0)
 
 
+def check_server_urls(url) -> list[str]:
+    """The server base URLs of a remote reward's ``url`` (one string or a non-empty list of them), without a
+    trailing ``/``.
+
+    Raises:
+        ValueError: not a string or list of strings, an empty list, a URL that is not ``http(s)://host[:port]``
+            (the message names the value), or the same server twice.
+    """
+    items = [url] if isinstance(url, str) else url
+    if not isinstance(items, list | tuple) or not items:
+        raise ValueError(f"remote reward url must be a URL or a non-empty list of URLs, got {url!r}")
+    out = []
+    for i, u in enumerate(items):
+        name = "url" if isinstance(url, str) else f"url[{i}]"
+        if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+            raise ValueError(f"remote reward {name} must start with http:// or https://, got {u!r}")
+        try:
+            parts = urllib.parse.urlsplit(u)
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number in 0..65535
+        except ValueError as err:
+            raise ValueError(f"remote reward {name} is not a valid URL ({err}), got {u!r}") from None
+        if not parts.hostname or parts.query or parts.fragment:
+            raise ValueError(f"remote reward {name} must be http(s)://host[:port][/path] with a host and no query, "
+                             f"got {u!r}")
+        u = u.rstrip("/")
+        if u in out:
+            raise ValueError(f"remote reward {name} names the server {u!r} twice")
+        out.append(u)
+    return out
+
+
+class _Server:
+    """One reward server of a :class:`RemoteReward`: its connection pool, load and latency."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url, self.timeout = url, timeout
+        self.client = None
+        self.in_flight = 0
+        self.left_out_until = 0.0  # monotonic time before which it is tried only when no other server is left
+        self.latencies: list[float] = []  # seconds of the answered requests since the last metrics read
+        self.failures = 0  # failed attempts since the last metrics read
+        self.health: dict | None = None
+
+    def http(self):
+        if self.client is None:
+            try:
+                import httpx
+            except ImportError as err:
+                raise ImportError(f"the remote reward needs httpx: {_INSTALL}") from err
+            self.client = httpx.Client(timeout=self.timeout)
+        return self.client
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
 class RemoteReward:
     """A reward served by ``flowgrpo-reward-server`` at ``url`` (see the module docstring for the protocol).
 
     Args:
-        url: the server's base URL, e.g. ``http://127.0.0.1:8765``.
+        url: the server's base URL, e.g. ``http://127.0.0.1:8765``, or a list of the base URLs of several servers
+            of the same reward (requests are spread over them and fail over between them; module docstring).
         timeout: seconds allowed for each phase of one attempt (connect, send, wait for the reply). > 0. A busy
             server keeps a request in its queue for up to its ``--max-queue-wait`` (60 s by default) before it
             answers, so keep this above that.
@@ -304,11 +374,10 @@ class RemoteReward:
         ValueError: a kwarg out of range (at construction; nothing is contacted before :meth:`setup`).
     """
 
-    def __init__(self, url: str, timeout: float = 120.0, retries: int | None = None, backoff: float = 0.5,
-                 batch_size: int = 16, name: str = "remote", compress_level: int = 1,
+    def __init__(self, url: str | list[str], timeout: float = 120.0, retries: int | None = None,
+                 backoff: float = 0.5, batch_size: int = 16, name: str = "remote", compress_level: int = 1,
                  max_backoff: float = 30.0, deadline: float = 900.0) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"remote reward url must start with http:// or https://, got {url!r}")
+        urls = check_server_urls(url)
         for key, value in (("timeout", timeout), ("deadline", deadline)):
             if not (isinstance(value, int | float) and value > 0):
                 raise ValueError(f"remote reward {key} must be > 0 seconds, got {value!r}")
@@ -322,7 +391,8 @@ class RemoteReward:
             raise ValueError(f"remote reward batch_size must be an integer >= 1, got {batch_size!r}")
         if not (isinstance(compress_level, int) and 0 <= compress_level <= 9):
             raise ValueError(f"remote reward compress_level must be in 0..9, got {compress_level!r}")
-        self.url = url.rstrip("/")
+        self.urls = urls
+        self.url = urls[0]
         self.timeout = float(timeout)
         self.deadline = float(deadline)
         self.retries = retries
@@ -335,78 +405,177 @@ class RemoteReward:
         self.max_request_bytes: int | None = None
         self.waited_s = 0.0
         self.retried = 0
-        self._client = None
-        self._down_since: float | None = None  # monotonic start of the request that found the server down
+        self._servers = [_Server(u, self.timeout) for u in urls]
+        self._lock = threading.Lock()
+        self._turn = 0  # round-robin tie break between equally loaded servers
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._down_since: float | None = None  # monotonic start of the request that found every server down
         # Jitter must differ between the processes of one run (seeded alike, they would retry in lockstep), so it
         # comes from the OS, not from the run's seed; it never affects a score.
         self._jitter = random.SystemRandom()
 
     # ------------------------------------------------------------------ connection
-    def _http(self):
-        if self._client is None:
-            try:
-                import httpx
-            except ImportError as err:
-                raise ImportError(f"the remote reward needs httpx: {_INSTALL}") from err
-            self._client = httpx.Client(timeout=self.timeout)
-        return self._client
-
     def setup(self, device: torch.device | str | None = None) -> None:
-        """Check the server's ``/health`` (with the same retries) and read its request size limit.
+        """Check the servers' ``/health`` and read their request size limit (the smallest of them).
 
-        ``device`` is unused: the server chose its own device. Records the reply in :attr:`server_info`.
+        ``device`` is unused: the servers chose their own device. With one server its ``/health`` is asked with
+        the retries; with several each is asked once, and those that do not answer are left out for
+        ``max_backoff`` seconds (the retries apply only when none answers). Records the first answer in
+        :attr:`server_info`.
 
         Raises:
-            RemoteRewardError: the server did not answer ``/health`` after the retries, or answered malformed data.
+            RemoteRewardError: no server answered ``/health`` after the retries, or one answered malformed data.
         """
-        info = self._request("GET", "/health", None)
-        if not isinstance(info, dict) or info.get("status") != "ok":
-            raise RemoteRewardError(f"remote reward at {self.url}: /health replied {str(info)[:200]!r}")
-        self.server_info = info
-        limit = info.get("max_request_bytes")
-        self.max_request_bytes = int(limit) if isinstance(limit, int) and limit > 0 else None
-        logger.info("remote reward %s: serving %r from %s", self.url, info.get("reward"), info.get("origin"))
+        answered = []
+        if len(self._servers) > 1:
+            for srv in self._servers:
+                try:
+                    srv.health = self._request("GET", "/health", None, only=srv)
+                    answered.append(srv)
+                except RemoteRewardError as err:
+                    logger.warning("remote reward %s: left out for now: %s", srv.url, err)
+                    srv.left_out_until = time.monotonic() + self.max_backoff
+            self._down_since = None
+        if not answered:
+            srv, srv.health = self._send("GET", "/health", None)
+            answered.append(srv)
+        for srv in answered:
+            info = srv.health
+            if not isinstance(info, dict) or info.get("status") != "ok":
+                raise RemoteRewardError(f"remote reward at {srv.url}: /health replied {str(info)[:200]!r}")
+            logger.info("remote reward %s: serving %r from %s", srv.url, info.get("reward"), info.get("origin"))
+        self.server_info = answered[0].health
+        limits = [s.health.get("max_request_bytes") for s in answered]
+        limits = [int(v) for v in limits if isinstance(v, int) and v > 0]
+        self.max_request_bytes = min(limits) if limits else None
 
     def close(self) -> None:
-        """Close the HTTP connection pool (reopened on the next call)."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        """Close the HTTP connection pools (reopened on the next call)."""
+        for srv in self._servers:
+            srv.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def retry_wait(self, k: int, retry_after: float | None) -> float:
         """Seconds to wait before retry ``k`` (0-based): see :func:`retry_wait`."""
         return retry_wait(k, retry_after, self.backoff, self.max_backoff, self._jitter)
 
-    def _request(self, method: str, path: str, body: bytes | None):
-        """One logical request with retries until :attr:`deadline`; returns the decoded JSON reply of a 200.
+    def _pick(self, servers: list[_Server], tried: set) -> _Server | None:
+        """The server of ``servers`` for the next attempt: of those not ``tried`` in this round, one not left out
+        if any, the least loaded, ties in turn; None when every server was tried. Counts it in flight."""
+        with self._lock:
+            now = time.monotonic()
+            free = [s for s in servers if id(s) not in tried]
+            if not free:
+                return None
+            up = [s for s in free if s.left_out_until <= now] or free
+            n = len(self._servers)
+            best = min(up, key=lambda s: (s.in_flight, (self._servers.index(s) - self._turn) % n))
+            self._turn = (self._servers.index(best) + 1) % n
+            best.in_flight += 1
+            return best
+
+    def _request(self, method: str, path: str, body: bytes | None, only: _Server | None = None):
+        """The decoded JSON reply of a 200 to one logical request (:meth:`_send`)."""
+        return self._send(method, path, body, only)[1]
+
+    def _send(self, method: str, path: str, body: bytes | None, only: _Server | None = None):
+        """(the server that answered, its decoded JSON reply of a 200) of one logical request, with retries until
+        :attr:`deadline`.
+
+        Each attempt goes to a server picked by :meth:`_pick`; a failed attempt is sent at once to a server not
+        yet tried in this round, and only when all have failed does the request wait (jittered exponential
+        backoff, ``Retry-After`` honoured) and start a new round. ``only``: ask that server alone, once (no retry).
 
         The deadline is one for an outage, not one per request: once a request has failed for good, the requests
         after it (the other requests of a batch, the batches queued behind it) count theirs from that request's
-        start, so past it each ends after one failed attempt; any answer from the server ends the outage."""
-        url = self.url + path
+        start, so past it each ends after one failed round; any answer from a server ends the outage."""
         headers = {"Content-Type": "application/json"} if body is not None else None
-        stats = RetryStats()
+        servers = [only] if only is not None else self._servers
         start = time.monotonic()
-        try:
-            r = send_with_retries(self._http(), method, url, content=body, headers=headers, retries=self.retries,
-                                  backoff=self.backoff, max_backoff=self.max_backoff, deadline=self.deadline,
-                                  rng=self._jitter, stats=stats, started=self._down_since)
-        except RemoteRewardError:
-            if self._down_since is None:
-                self._down_since = start
-            raise
-        finally:
-            self.waited_s += stats.waited_s
-            self.retried += stats.retries
-        self._down_since = None  # the server answered
-        if r.status_code != 200:
-            self._raise_for_error(r, url)
-        try:
-            return r.json()
-        except ValueError:
-            raise RemoteRewardError(
-                f"remote reward at {url} sent a malformed reply (not JSON): {r.text[:200]!r}"
-            ) from None
+        t0 = self._down_since if (self._down_since is not None and only is None) else start
+        rounds, attempts, waited, retry_after = 0, 0, 0.0, None
+        tried: set = set()
+        last = None
+        while True:
+            srv = self._pick(servers, tried)
+            if srv is None:  # every server failed in this round
+                elapsed = time.monotonic() - t0
+                wait = self.retry_wait(rounds, retry_after)
+                if (only is not None or (self.retries is not None and rounds >= self.retries)
+                        or elapsed + wait > self.deadline):
+                    if self._down_since is None and only is None:
+                        self._down_since = start
+                    where = ", ".join(s.url + path for s in servers)
+                    raise RemoteRewardError(
+                        f"remote reward at {where} failed after {attempts} attempts; last error: {last} "
+                        f"({elapsed:.1f} s in all, {waited:.1f} s of it waiting to retry; deadline {self.deadline:g} s)"
+                    )
+                log = logger.warning if (rounds + 1) & rounds == 0 else logger.debug  # retries 1, 2, 4, ...
+                log("remote reward %s: %s; retry %d in %.1f s", ", ".join(s.url + path for s in servers), last,
+                    rounds + 1, wait)
+                time.sleep(wait)
+                rounds += 1
+                waited += wait
+                with self._lock:
+                    self.retried += 1
+                    self.waited_s += wait
+                tried.clear()
+                retry_after = None
+                continue
+            attempts += 1
+            sent = time.monotonic()
+            try:
+                r, why, after = _attempt(srv.http(), method, srv.url + path, body, headers, RETRY_STATUS)
+            finally:
+                with self._lock:
+                    srv.in_flight -= 1
+            if r is None:
+                tried.add(id(srv))
+                last = why if len(servers) == 1 else f"{srv.url}: {why}"
+                retry_after = max(retry_after or 0.0, after or 0.0) or None
+                with self._lock:
+                    srv.failures += 1
+                    if len(self._servers) > 1:
+                        srv.left_out_until = time.monotonic() + self.max_backoff
+                if len(tried) < len(servers):
+                    logger.warning("remote reward %s%s: %s; sending the request to another server", srv.url, path,
+                                   why)
+                continue
+            with self._lock:
+                if path == "/score":
+                    srv.latencies.append(time.monotonic() - sent)
+                srv.left_out_until = 0.0
+            if only is None:
+                self._down_since = None  # a server answered
+            if attempts > 1:
+                logger.info("remote reward %s%s: answered after %d attempts; waited %.1f s", srv.url, path,
+                            attempts, waited)
+            url = srv.url + path
+            if r.status_code != 200:
+                self._raise_for_error(r, url)
+            try:
+                return srv, r.json()
+            except ValueError:
+                raise RemoteRewardError(
+                    f"remote reward at {url} sent a malformed reply (not JSON): {r.text[:200]!r}"
+                ) from None
+
+    def server_metrics(self) -> dict[str, float]:
+        """Per server ``i`` (its position in ``url``), since the last call: ``server/<i>/latency_s`` (mean seconds
+        of an answered ``/score`` request, NaN if none), ``server/<i>/requests`` (answered ``/score`` requests) and
+        ``server/<i>/failures``
+        (failed attempts, each sent to another server or retried). Resets the counts."""
+        out = {}
+        with self._lock:
+            for i, srv in enumerate(self._servers):
+                n = len(srv.latencies)
+                out[f"server/{i}/latency_s"] = sum(srv.latencies) / n if n else math.nan
+                out[f"server/{i}/requests"] = float(n)
+                out[f"server/{i}/failures"] = float(srv.failures)
+                srv.latencies, srv.failures = [], 0
+        return out
 
     @staticmethod
     def _raise_for_error(r, url: str):
@@ -468,17 +637,30 @@ class RemoteReward:
             self.setup()
         encoded = images_to_png_b64(images, self.compress_level)
         out = torch.empty(images.shape[0], dtype=torch.float32)
-        for start, n, body in self._chunks(encoded, list(prompts), list(metadata)):
-            reply = self._request("POST", "/score", body)
-            out[start : start + n] = self._parse_scores(reply, n)
+        chunks = self._chunks(encoded, list(prompts), list(metadata))
+        if len(self._servers) == 1 or len(chunks) == 1:
+            for start, n, body in chunks:
+                out[start : start + n] = self._parse_scores(self._request("POST", "/score", body), n)
+            return out
+        if self._pool is None:  # the requests of a batch in flight together, one per server at a time
+            self._pool = concurrent.futures.ThreadPoolExecutor(len(self._servers), thread_name_prefix="remote")
+        futures = [(start, n, self._pool.submit(self._request, "POST", "/score", body)) for start, n, body in chunks]
+        try:
+            for start, n, fut in futures:
+                out[start : start + n] = self._parse_scores(fut.result(), n)
+        finally:
+            for _, _, fut in futures:
+                fut.cancel()
+            with contextlib.suppress(Exception):
+                concurrent.futures.wait([f for _, _, f in futures])
         return out
 
     def _parse_scores(self, reply, n: int) -> torch.Tensor:
         scores = reply.get("scores") if isinstance(reply, dict) else None
         if not isinstance(scores, list) or len(scores) != n:
             got = f"{len(scores)} scores" if isinstance(scores, list) else f"{str(reply)[:200]!r}"
-            raise RemoteRewardError(f"remote reward at {self.url} sent a malformed reply: expected {n} scores, "
-                                    f"got {got}")
+            raise RemoteRewardError(f"remote reward at {', '.join(self.urls)} sent a malformed reply: expected {n} "
+                                    f"scores, got {got}")
         vals = []
         for s in scores:
             if s is None:
@@ -487,11 +669,29 @@ class RemoteReward:
                 vals.append(float(s))
             else:
                 raise RemoteRewardError(
-                    f"remote reward at {self.url} sent a malformed reply: score {s!r} is not a number or null"
+                    f"remote reward at {', '.join(self.urls)} sent a malformed reply: score {s!r} is not a number "
+                    "or null"
                 )
         return torch.tensor(vals, dtype=torch.float32)
 
-    def __getstate__(self):  # the HTTP pool is not picklable; a copy reconnects lazily
+    def __getstate__(self):  # the HTTP pools, lock, threads and OS jitter source are not picklable; a copy
+        # reconnects lazily
         state = dict(self.__dict__)
-        state["_client"] = None
+        state["_servers"] = [_Server(srv.url, self.timeout) for srv in self._servers]
+        state["_lock"], state["_pool"], state["_jitter"] = None, None, None
         return state
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._jitter = random.SystemRandom()
+
+
+def server_metrics(rewards) -> dict[str, float]:
+    """``reward/<name>/server/<i>/…`` of every remote reward of a composed reward (``rewards.rewards``: name →
+    reward): :meth:`RemoteReward.server_metrics`, for rewards served by more than one server."""
+    out = {}
+    for name, reward in getattr(rewards, "rewards", {}).items():
+        if isinstance(reward, RemoteReward) and len(reward.urls) > 1:
+            out.update({f"reward/{name}/{k}": v for k, v in reward.server_metrics().items()})
+    return out

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from flowgrpo.records import FinalSamples
 from flowgrpo.rng import make_generator
+from flowgrpo.sampling.feature_cache import feature_cache
 from flowgrpo.sampling.rollout import RolloutRequest, decode_and_report, encode_rows
 from flowgrpo.sampling.solvers import SOLVERS, check_grid
 
@@ -23,7 +24,7 @@ __all__ = ["solver_rollout"]
 
 @torch.no_grad()
 def solver_rollout(adapter, request: RolloutRequest, *, solver: str, sigmas: torch.Tensor,
-                   train_sigmas: torch.Tensor | None = None, noise_level: float = 0.0) -> FinalSamples:
+                   train_sigmas: torch.Tensor | None = None, noise_level: float = 0.0, cache=None) -> FinalSamples:
     """Sample one final latent per requested sample with ``solver`` on the grid ``sigmas`` (T+1,), at the request's
     guidance.
 
@@ -36,6 +37,9 @@ def solver_rollout(adapter, request: RolloutRequest, *, solver: str, sigmas: tor
         train_sigmas: (T+1,) the grid recorded for the update's σ draws (default ``sigmas``; AWM trains on the grid
             its SA-Solver grid was made from).
         noise_level: the solver's noise (SA-Solver's τ); deterministic solvers ignore it.
+        cache: a :class:`~flowgrpo.config.FeatureCacheConfig` (``sampling.cache``) enabled, fresh, around each
+            micro-batch's loop (:func:`~flowgrpo.sampling.feature_cache.feature_cache`), or None: the rollout
+            records no log-prob, so a cached velocity reaches only the final latent.
 
     Returns:
         :class:`~flowgrpo.records.FinalSamples` (latents on the adapter's device, or on the host with
@@ -62,9 +66,12 @@ def solver_rollout(adapter, request: RolloutRequest, *, solver: str, sigmas: tor
         x = adapter.initial_latents(r.batch_size, init_gens[sl]).float()
         starts.append(x.cpu() if r.latents_on_cpu else x)
         rows, state = embeds.index(sl), None
-        for i in range(grid.numel() - 1):
-            v = adapter.velocity(x, grid[i].expand(r.batch_size).to(x.device), rows, r.settings.guidance_scale)
-            x, state = step(x, v, grid, i, state, generator=noise_gens[sl], noise_level=noise_level)
+        with feature_cache(adapter, cache, grid.numel() - 1) as cached:
+            for i in range(grid.numel() - 1):
+                if cached is not None:
+                    cached.step(float(grid[i]))
+                v = adapter.velocity(x, grid[i].expand(r.batch_size).to(x.device), rows, r.settings.guidance_scale)
+                x, state = step(x, v, grid, i, state, generator=noise_gens[sl], noise_level=noise_level)
         finals.append(x.cpu() if r.latents_on_cpu else x)
         images.append(decode_and_report(adapter, x, r.prompts[sl], r.metadata[sl], r))
     return FinalSamples(

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from flowgrpo.records import PromptEmbeds, Trajectory
 from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
+from flowgrpo.sampling.feature_cache import feature_cache
 from flowgrpo.sampling.sde import SDEStepOutput, sde_step
 
 # What the images are decoded from: (x (B, …) at the last step's σ, its velocity v, that σ, the last step's output)
@@ -88,6 +89,7 @@ def denoise(
     *,
     record: bool = True,
     return_final: bool = False,
+    cache_state=None,
 ):
     """Run T transitions from ``latents`` (B, …) at σ = sigmas[0].
 
@@ -96,6 +98,8 @@ def denoise(
         generators: one per sample for the SDE noise (None only when no step is stochastic).
         record: keep every latent and log-prob (training) or only the last latent (evaluation).
         return_final: also return the (B, …) latents to decode, chosen by ``settings.final_decode``.
+        cache_state: the open :class:`~flowgrpo.sampling.feature_cache.FeatureCache` of the loop (its
+            :meth:`~flowgrpo.sampling.feature_cache.FeatureCache.step` is called before each velocity), or None.
 
     Returns:
         (latents (B, T+1, …) or (B, …) final, log_probs (B, T), stochastic (B, T) bool), and with
@@ -110,6 +114,8 @@ def denoise(
     guard = settings.guard(sigmas)
     for t in range(t_count):
         sigma = sigmas[t].expand(b).to(x.device)
+        if cache_state is not None:
+            cache_state.step(float(sigmas[t]))
         v = adapter.velocity(x, sigma, embeds, settings.guidance_scale)
         kind = settings.sde_kind if bool(sde_steps[t]) else "ode"
         prev = x
@@ -143,7 +149,8 @@ def encode_rows(adapter, prompts: list[str], metadata: list[dict] | None = None)
     device, shared by every row (the G samples of a group) that has the same prompt and conditioning images.
 
     An adapter with ``image_conditioned = True`` (an editing model) is given the images of each record's
-    ``images`` paths (``encode_prompts(prompts, images=...)``); for the others the text alone is the key.
+    ``images`` paths (``encode_prompts(prompts, images=...)``); for the others the text alone is the key. An
+    adapter with a ``prompt_cache`` (:mod:`flowgrpo.sampling.prompt_cache`) encodes only the keys it has not seen.
 
     Raises:
         ValueError: an image-conditioned adapter and a record without ``images``, or metadata of another length.
@@ -160,13 +167,18 @@ def encode_rows(adapter, prompts: list[str], metadata: list[dict] | None = None)
     keys = [(p, tuple(m.get("images", ())) if conditioned else ()) for p, m in zip(prompts, metadata, strict=True)]
     unique = list(dict.fromkeys(keys))
     where = torch.tensor([unique.index(k) for k in keys])
-    texts = [k[0] for k in unique]
-    encoding = getattr(adapter, "encoding", contextlib.nullcontext)  # offloaded encoders: on the device in it
-    with encoding():
-        if conditioned:
-            embeds = adapter.encode_prompts(texts, images=[load_condition_images(k[1]) for k in unique])
-        else:
-            embeds = adapter.encode_prompts(texts)
+
+    def encode(positions: list[int]) -> PromptEmbeds:
+        todo = [unique[i] for i in positions]
+        texts = [k[0] for k in todo]
+        encoding = getattr(adapter, "encoding", contextlib.nullcontext)  # offloaded encoders: on the device in it
+        with encoding():
+            if conditioned:
+                return adapter.encode_prompts(texts, images=[load_condition_images(k[1]) for k in todo])
+            return adapter.encode_prompts(texts)
+
+    cache = getattr(adapter, "prompt_cache", None)  # model.cache_prompt_embeddings (flowgrpo.sampling.prompt_cache)
+    embeds = encode(list(range(len(unique)))) if cache is None else cache.embeds(unique, encode, adapter.device)
     return embeds.index(where.to(embeds.device))
 
 
@@ -289,8 +301,13 @@ def generate_images(
     batch_size: int = 8,
     progress: bool = False,
     metadata: list[dict] | None = None,
+    cache=None,
 ) -> torch.Tensor:
     """ODE samples, one per (prompt, seed): (B, 3, H, W) float32 in [0, 1] on the CPU.
+
+    ``cache``: a :class:`~flowgrpo.config.FeatureCacheConfig` (``eval_sampling.cache``) enabled around each batch's
+    loop (:func:`~flowgrpo.sampling.feature_cache.feature_cache`), or None. A cache decides to skip a step for the
+    whole batch, so with one that skips an image depends on its batch too (the same ``batch_size`` reproduces it).
 
     The initial noise of image i comes from ``make_generator(seed_i, "eval")``, so an image depends only on its
     prompt and seed, never on the batch it was generated in. ``metadata`` (one dict per prompt) carries the
@@ -307,6 +324,8 @@ def generate_images(
         meta = None if metadata is None else list(metadata[start : start + batch_size])
         gens = [make_generator(int(s), "eval") for s in seeds[start : start + batch_size]]
         x0 = adapter.initial_latents(len(ps), gens)
-        x, _, _ = denoise(adapter, x0, encode_rows(adapter, ps, meta), sigmas, settings, no_sde, None, record=False)
+        rows = encode_rows(adapter, ps, meta)
+        with feature_cache(adapter, cache, num_steps) as state:
+            x, _, _ = denoise(adapter, x0, rows, sigmas, settings, no_sde, None, record=False, cache_state=state)
         out.append(adapter.decode(x).cpu())
     return torch.cat(out)

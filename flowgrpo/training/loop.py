@@ -37,6 +37,7 @@ from flowgrpo.plots import reward_curve, sample_grid
 from flowgrpo.records import Advantages, Rewards
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
+from flowgrpo.rewards.remote import server_metrics
 from flowgrpo.rng import derive_seed
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, generate_images
 from flowgrpo.state_dicts import save_final_weights
@@ -264,6 +265,7 @@ class Trainer:
         if self.cfg.logging.save_rollout_stats:
             self.save_rollout_stats(epoch, traj, rewards, group_ids, adv)
         m.log(_reward_metrics(rewards))
+        m.log(server_metrics(self.rewards))  # reward/<name>/server/<i>/…: a remote reward's servers
         self._warn_low_signal(epoch, adv)
         m.log({"adv/zero_spread_frac": adv.zero_spread_frac, "adv/nan_frac": adv.nan_frac,
                "adv/learning_frac": adv.learning_frac,
@@ -376,7 +378,7 @@ class Trainer:
             images = generate_images(
                 self.adapter, ps, seeds, num_steps=self.cfg.eval_sampling.num_steps,
                 guidance_scale=self.cfg.eval_sampling.guidance_scale, batch_size=self.cfg.train.rollout_batch_size,
-                progress=self.cfg.logging.progress and self.main, metadata=meta,
+                progress=self.cfg.logging.progress and self.main, metadata=meta, cache=self.cfg.eval_sampling.cache,
             )
         # "before": the weights the run starts from; the others follow this epoch's update (the last one's, for
         # "after" in a resume that finds every epoch trained)

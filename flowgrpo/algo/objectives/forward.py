@@ -335,7 +335,7 @@ class ForwardObjective(BaseObjective):
         roll, train = self.grids(adapter.sigmas(request.settings.num_steps))
         with self.rollout_weights():
             return solver_rollout(adapter, request, solver=self.o.solver, sigmas=roll, train_sigmas=train,
-                                  noise_level=self.o.solver_noise_level)
+                                  noise_level=self.o.solver_noise_level, cache=self.cfg.sampling.cache)
 
     def plan(self, samples: FinalSamples, adv: Advantages, keep: torch.Tensor, epoch: int) -> ForwardWork:
         """Micro-batches, optimizer-step shares and each step's trained rows over all processes (one collective)."""

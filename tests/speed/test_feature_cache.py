@@ -1,0 +1,110 @@
+"""sampling.cache / eval_sampling.cache: diffusers' feature caches where no log-prob reads the velocity.
+
+Expected values are independent of the cache code: the uncached sampler's output (threshold 0 must equal it bit for
+bit, FirstBlockCache computes every block whenever the first block's residual changed at all), the count of the last
+transformer block's calls (a skipped step does not call it), and the plain transformer's forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowgrpo.config import ConfigError, build_config
+from flowgrpo.config.schema import FeatureCacheConfig
+from flowgrpo.models.flux import FluxAdapter
+from flowgrpo.sampling.feature_cache import feature_cache
+from flowgrpo.sampling.rollout import generate_images
+from tests.training.test_forward_runs import _config
+
+PROMPTS = ["a red cube", "a blue ball"]
+
+
+def _tail_calls(adapter) -> list:
+    """Calls of the last block's output projection: a block the cache skips is not run (its own forward hook would
+    still fire, the cache replaces the forward it wraps)."""
+    calls = []
+    handle = adapter.transformer.single_transformer_blocks[-1].proj_out.register_forward_hook(
+        lambda *a: calls.append(1))
+    return calls, handle
+
+
+def _eval(adapter, cache, steps=4):
+    return generate_images(adapter, PROMPTS, [1, 2], num_steps=steps, guidance_scale=3.5, batch_size=2, cache=cache)
+
+
+def test_threshold_zero_equals_the_uncached_sampler_and_a_skipping_cache_skips(tiny_flux):
+    tail, handle = _tail_calls(tiny_flux)
+    try:
+        _check_skips(tiny_flux, tail)
+    finally:
+        handle.remove()
+
+
+def _check_skips(tiny_flux, tail):
+    plain = _eval(tiny_flux, None)
+    assert len(tail) == 4  # one call per step of the one batch of 2
+    tail.clear()
+    exact = _eval(tiny_flux, FeatureCacheConfig(name="first_block", kwargs={"threshold": 0.0}))
+    assert torch.equal(exact, plain) and len(tail) == 4  # nothing skipped: bit for bit the uncached images
+    tail.clear()
+    skipping = _eval(tiny_flux, FeatureCacheConfig(name="first_block", kwargs={"threshold": 1e9}))
+    assert len(tail) == 1  # only the first step ran the remaining blocks; the others reused their residual
+    assert not torch.equal(skipping, plain)
+    assert not tiny_flux.transformer.is_cache_enabled  # off again after the sampler
+
+
+def test_the_cache_is_off_outside_its_scope_even_after_an_error(tiny_flux):
+    x = torch.randn(1, tiny_flux.initial_latents(1, None).shape[1], tiny_flux.initial_latents(1, None).shape[2])
+    embeds = tiny_flux.encode_prompts(PROMPTS[:1])
+    sigma = torch.tensor([0.5])
+    plain = tiny_flux.velocity(x, sigma, embeds, 3.5)
+    with pytest.raises(RuntimeError, match="boom"):
+        with feature_cache(tiny_flux, FeatureCacheConfig(name="first_block", kwargs={"threshold": 1e9}), 2) as st:
+            st.step(0.5)
+            tiny_flux.velocity(x, sigma, embeds, 3.5)
+            raise RuntimeError("boom")
+    assert not tiny_flux.transformer.is_cache_enabled
+    assert torch.equal(tiny_flux.velocity(x, sigma, embeds, 3.5), plain)
+
+
+def test_a_cache_is_refused_for_the_sde_ratio_rollout_in_one_line():
+    cache = {"cache": {"name": "first_block", "kwargs": {"threshold": 0.1}}}
+    with pytest.raises(ConfigError) as err:
+        build_config({"sampling": cache})  # the default objective, sde_ratio
+    (line,) = str(err.value).splitlines()
+    assert "sampling.cache='first_block' is refused with objective.name='sde_ratio'" in line and "log-probs" in line
+    build_config({"eval_sampling": cache})  # evaluation records no log-prob: allowed with any objective
+    build_config({"objective": "nft", "sampling": cache, "train": {"group_size": 4, "rollout_batch_size": 8}})
+
+
+@pytest.mark.parametrize("cache, match", [
+    ({"name": "first_block", "kwargs": {"thresh": 1}}, r"cache 'first_block' has no setting 'thresh'; allowed: "
+                                                       r"\['threshold'\]"),
+    ({"name": "mag", "kwargs": {"num_inference_steps": 5}}, "num_inference_steps is set from the sampler"),
+    ({"name": "none", "kwargs": {"threshold": 1}}, "given with name none"),
+    ({"name": "first_blok"}, "first_blok"),
+])
+def test_bad_cache_settings_are_refused_naming_the_value(cache, match):
+    with pytest.raises(ConfigError, match=match):
+        build_config({"eval_sampling": {"cache": cache}})
+
+
+def test_the_cached_nft_rollout_trains_an_epoch_and_the_update_is_uncached(tmp_path, tiny_flux_dir, monkeypatch):
+    from flowgrpo.metrics import read_metrics
+    from flowgrpo.runner import run
+
+    seen = []  # (gradient enabled, cache enabled) of every velocity
+    real = FluxAdapter.velocity
+
+    def spy(self, *args, **kwargs):
+        seen.append((torch.is_grad_enabled(), self.transformer.is_cache_enabled))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FluxAdapter, "velocity", spy)
+    cache = {"name": "first_block", "kwargs": {"threshold": 1e9}}
+    run(_config(tmp_path, tiny_flux_dir, "nft", sampling={"cache": cache}, eval_sampling={"cache": cache}))
+    rec = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert rec["objective/rows"] > 0 and rec["policy/grad_norm"] > 0
+    trained = [c for g, c in seen if g]
+    assert trained and not any(trained)  # every forward with gradient (the update's) ran the plain transformer
+    assert sum(c for g, c in seen if not g) >= 6  # the rollout's (2 micro-batches x 3 steps) and eval ran cached
