@@ -66,8 +66,10 @@ DRAIN_FACTOR = 4
 # makes, and its slot: measured with tracemalloc, up to 64 bytes (a list of two-letter strings; a list of ``[]``: 67
 # bytes a value, two separators each). A decoded pixel is budgeted 15 bytes (3 uint8 + 12 as float32), so each is
 # charged as 5 pixels against the decoded-pixel budgets, before the body is parsed (a 64 MiB body of ``"ab",`` would
-# parse into ~830 MB).
+# parse into ~830 MB). The first JSON_FREE_VALUES separators of a request are free (at most ~1 MiB of objects
+# a request in flight), so an ordinary request's metadata takes nothing from the budgets.
 JSON_VALUE_PIXELS = 5
+JSON_FREE_VALUES = 2**14
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
@@ -235,10 +237,13 @@ class _ScoreEndpoint:
                              "server's --max-pixels-in-flight)", "pixels_in_flight")
 
     def _check_json(self, values: int) -> int:
-        """Take the parsed JSON's charge (``values`` · JSON_VALUE_PIXELS) before the body is parsed; returns it."""
-        charge = values * JSON_VALUE_PIXELS
+        """Take the parsed JSON's charge (``values`` past JSON_FREE_VALUES, · JSON_VALUE_PIXELS) before the body is
+        parsed; returns it."""
+        charge = max(0, values - JSON_FREE_VALUES) * JSON_VALUE_PIXELS
+        if not charge:
+            return 0
         self._take_pixels(f"the request's JSON holds up to {values} values, charged as {charge} decoded pixels "
-                          f"({JSON_VALUE_PIXELS} each)", charge)
+                          f"({JSON_VALUE_PIXELS} each past the first {JSON_FREE_VALUES})", charge)
         return charge
 
     def _check_pixels(self, req: ScoreRequest, held: int = 0) -> None:

@@ -400,21 +400,21 @@ def test_nearest_rank_quantiles():
 
 
 def test_a_body_that_parses_into_many_json_values_is_charged_against_the_pixel_budgets_before_parsing():
-    # 6 KB of "[]," in a metadata dict parses into 2000 Python lists (~67 bytes each): each JSON separator is
-    # charged 5 pixels against --max-request-pixels before json.loads runs, like the decoded pixels; strings'
-    # commas do not count
-    serving = ServingConfig(max_request_pixels=16 * 16 + 5000, max_pixels_in_flight=16 * 16 + 5000)
+    # 60 KB of "[]," in a metadata dict parses into 20000 Python lists (~67 bytes each): each JSON separator past
+    # the first 2**14 is charged 5 pixels against --max-request-pixels before json.loads runs, like the decoded
+    # pixels; strings' commas do not count, and an ordinary request filling the budget exactly is not charged
+    serving = ServingConfig(max_request_pixels=4 * 16 * 16 + 5000, max_pixels_in_flight=4 * 16 * 16 + 5000)
     app = create_app(JpegCompressibility(), reward_name="jpeg", serving=serving)
     image = images_to_png_b64(images_8bit(1))
-    nested = json.dumps({"images": image, "prompts": ["p"], "metadata": [{"x": [[]] * 2000}]}).encode()
-    commas = json.dumps({"images": image, "prompts": ["a, b, [c], {d: e}" * 2000], "metadata": [{}]}).encode()
+    nested = json.dumps({"images": image, "prompts": ["p"], "metadata": [{"x": [[]] * 20000}]}).encode()
+    commas = json.dumps({"images": image, "prompts": ["a, b, [c], {d: e}" * 20000], "metadata": [{}]}).encode()
     with ServerThread(app) as srv:
         r = post(srv.url, nested)
         assert r.status_code == 413, r.text
-        assert r.json()["error"].startswith("the request's JSON holds up to 4012 values, charged as 20060 decoded "
-                                            "pixels (5 each), over the per-request budget of 5256 decoded pixels "
-                                            "(the server's --max-request-pixels)")
+        assert r.json()["error"].startswith(
+            "the request's JSON holds up to 40012 values, charged as 118140 decoded pixels (5 each past the first "
+            "16384), over the per-request budget of 6024 decoded pixels (the server's --max-request-pixels)")
         assert post(srv.url, commas).status_code == 200
-        assert post(srv.url, body_of(1)).status_code == 200  # the refused request gave its charge back
+        assert post(srv.url, body_of(4)).status_code == 200  # the refused request gave its charge back
         m = metrics_of(srv.url)
         assert m[("flowgrpo_reward_refusals_total", (("reason", "too_many_pixels"),))] == 1
