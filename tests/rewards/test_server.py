@@ -292,13 +292,14 @@ def test_worker_processes_score_exactly_like_the_in_process_reward():
 # ------------------------------------------------------------------------------------------------------------
 
 
-def png_declaring(width: int, height: int, mode: int = 2, idat: bytes | None = None) -> str:
-    """A base64 PNG whose IHDR declares width×height (colour type ``mode``: 2 RGB, 6 RGBA), with a tiny IDAT."""
+def png_declaring(width: int, height: int, mode: int = 2, idat: bytes | None = None, depth: int = 8) -> str:
+    """A base64 PNG whose IHDR declares width×height (colour type ``mode``: 2 RGB, 6 RGBA; bit ``depth``), with a
+    tiny IDAT."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, mode, 0, 0, 0)
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, mode, 0, 0, 0)
     raw = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat or zlib.compress(b"\0" * 64))
            + chunk(b"IEND", b""))
     return base64.b64encode(raw).decode()
@@ -316,6 +317,9 @@ def test_decompression_bombs_and_undecodable_images_are_400_naming_the_problem()
         (base64.b64encode(truncated).decode(), "truncated or corrupt PNG"),
         (base64.b64encode(rgba.getvalue()).decode(), "only 8-bit 'RGB'"),
         (base64.b64encode(b"GIF89a" + b"\0" * 40).decode(), "not a PNG image"),
+        # PIL opens 16-bit RGB as mode 'RGB' (cut to 8 bits): the header's bit depth and colour type are checked
+        (png_declaring(8, 8, idat=zlib.compress(b"\0" * 8 * 49), depth=16), "16-bit RGB PNG (its header); only 8-bit"),
+        (png_declaring(8, 8, mode=0), "8-bit greyscale PNG (its header); only 8-bit 'RGB'"),
     ]
     with ServerThread(app) as srv:
         for image, message in cases:
