@@ -205,6 +205,14 @@ class ScriptedEvalReward:
         return torch.full((len(images),), value)
 
 
+class WholeSetEvalReward(ScriptedEvalReward):
+    """An evaluation reward that reports whole-set figures (``batch_metrics``, as the digits judge): their names
+    are known only once evaluated."""
+
+    def batch_metrics(self, images, prompts, metadata):
+        return {"coverage": 0.5}
+
+
 # --- the collapse guard (issue 42, case 2) -------------------------------------------------------------------------
 def test_the_collapse_warning_on_a_hand_made_metric_stream():
     """The issue's digits collapse, as figures: correctness 0.58 at epoch 2, then 0.14. A fall of more than the
@@ -255,3 +263,22 @@ def test_a_collapse_through_the_cli_is_warned_and_its_best_checkpoint_kept(tmp_p
     # a figure the run never evaluates is refused before training, in one line
     code, err = _train(capsys, *args[:-1], "logging.best_metric=eval/nope/mean", f"output_dir={tmp_path / 'r2'}")
     assert code == 2 and err[-1].startswith("error: logging.best_metric='eval/nope/mean' is no evaluation figure")
+
+
+def test_a_best_metric_the_evaluation_never_reports_is_refused_also_beside_a_whole_set_reward(tmp_path, tiny_flux_dir,
+                                                                                               capsys):
+    """With a whole-set evaluation reward (figures named only once evaluated), a mistyped ``logging.best_metric``
+    passed the check before training and the collapse guard and keep_best then watched nothing, silently; it is
+    refused in one line after the "before" evaluation, before any epoch, naming the figures it could be."""
+    out = tmp_path / "run"
+    args = [*_tiny_overrides(tmp_path, tiny_flux_dir), "train.num_epochs=1", "logging.eval_every=1",
+            f"output_dir={out}", "logging.plot_every=0", "logging.best_metric=eval/covrage",
+            "eval_rewards=[{name: 'tests.test_health:WholeSetEvalReward'}]"]
+    code, err = _train(capsys, *args)
+    assert code == 2 and err[-1].startswith(
+        "error: logging.best_metric='eval/covrage' is no evaluation figure of this run: its evaluation reports [")
+    assert "'eval/coverage'" in err[-1] and "Traceback" not in "\n".join(err)
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+    # the figure it reports is accepted, and the run starts again with the resume the message names
+    code, err = _train(capsys, *args, "train.resume_from=auto", "logging.best_metric=eval/coverage")
+    assert code == 0, err[-3:]

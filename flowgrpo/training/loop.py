@@ -169,6 +169,7 @@ class Trainer:
             (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
         t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
         before, img_before, captions = self.run.before(self.evaluate, self.main)
+        self._check_best_metric(before)
         self.collapse.observe(before, "before training")
         eval_seconds = time.perf_counter() - t0
         last, first = cfg.train.num_epochs - 1, self.epoch
@@ -190,6 +191,20 @@ class Trainer:
         summary = self._finish(before, img_before, captions, eval_seconds)
         self.scorer.close()
         return summary
+
+    def _check_best_metric(self, before: dict) -> None:
+        """Refuse (one line) a ``logging.best_metric`` the "before" evaluation did not report: a whole-set reward's
+        figures are known only once evaluated, so ``eval/<typo>`` passes :meth:`_best_metric` where one is used,
+        and would leave the collapse guard and ``logging.keep_best`` watching nothing."""
+        metric = self.best_metric
+        if metric is None or not before or metric in before:
+            return
+        from flowgrpo.config import ConfigError
+
+        known = sorted(k for k in before if isinstance(before[k], int | float))
+        raise ConfigError(f"logging.best_metric={metric!r} is no evaluation figure of this run: its evaluation "
+                          f"reports {known}; choose one of them (or auto) and start the run again with "
+                          "train.resume_from=auto logging.best_metric=<figure>")
 
     def _warn_collapse(self, figures: dict, where: str) -> None:
         """The collapse guard's warning (:class:`~flowgrpo.divergence.CollapseWatch`), from the main process."""
