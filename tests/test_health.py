@@ -74,18 +74,21 @@ def test_a_diverged_update_that_no_later_step_measures_is_never_checkpointed(tmp
     assert record["epoch"] == 2 and record["health/weight_growth"] > 2
 
 
+@pytest.mark.parametrize("factor", [1e4, 30.0])
 def test_non_finite_images_stop_in_one_line_and_auto_resume_skips_the_checkpoint_that_made_them(
-        tmp_path, tiny_flux_dir, capsys):
-    """A checkpoint holding diverged weights (here: epoch_1's weights times 1e4, written as ``epoch_2`` as an older
-    version would have written it): its rollout's images are NaN. The run stops in one line, the checkpoint is
-    marked unhealthy, ``latest`` goes back to ``epoch_1``, and ``resume_from=auto`` with a sane lr continues from
-    there (main: a ValueError traceback from the reward scorer, then the same crash on every auto resume)."""
+        tmp_path, tiny_flux_dir, capsys, factor):
+    """A checkpoint holding diverged weights (here: epoch_1's weights times 1e4, or times 30, whose images are
+    finite, written as ``epoch_2`` as an older version would have written it): the resumed weights fail the probe
+    before their first update (times 1e4 would make the rollout's images NaN; times 30 made every resume diverge in
+    its first epoch and name the checkpoint intact). The run stops in one line, the checkpoint is marked
+    unhealthy, ``latest`` goes back to ``epoch_1``, and ``resume_from=auto`` with a sane lr continues from there
+    (main: a ValueError traceback from the reward scorer, then the same crash on every auto resume)."""
     args, ckpts = _good_run(tmp_path, tiny_flux_dir, capsys)
     bad = ckpts / "epoch_2"
     bad.mkdir()
     for f in (ckpts / "epoch_1").iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
-    save_file({k: v * 1e4 for k, v in load_file(bad / "trainable.safetensors").items()},
+    save_file({k: v * factor for k, v in load_file(bad / "trainable.safetensors").items()},
               bad / "trainable.safetensors")
     (bad / "health.json").unlink(missing_ok=True)  # an older version wrote no health record
     state = json.loads((bad / "state.json").read_text())
@@ -95,7 +98,7 @@ def test_non_finite_images_stop_in_one_line_and_auto_resume_skips_the_checkpoint
     code, err = _train(capsys, *args, "train.resume_from=auto", "train.num_epochs=4")
     assert code == 1 and "Traceback" not in "\n".join(err)
     assert err[-1].startswith("error: epoch 4/4: the run diverged: ")
-    assert "of the rollout's images are NaN or infinite" in err[-1]
+    assert "the run diverged: before its update, health/probe_rms = " in err[-1]
     assert f"checkpoint {bad} holds these weights and is now marked unhealthy" in err[-1]
     assert f"the last checkpoint, {ckpts / 'epoch_1'}, is intact" in err[-1]
     assert (ckpts / "latest").read_text() == "epoch_1"

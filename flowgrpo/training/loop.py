@@ -153,6 +153,31 @@ class Trainer:
         raise TrainingDiverged(stop_line(self.epoch, self.cfg.train.num_epochs,
                                          f"{int(bad)} values of the {what} images are NaN or infinite{marked}", root))
 
+    def _check_resumed_weights(self) -> None:
+        """A resumed run's weights pass the probe rule (:meth:`~flowgrpo.divergence.WeightHealth.flag`, against the
+        run's first start) before they are trained. A checkpoint without ``health.json`` (older versions) or
+        edited by hand may hold weights that diverged past every check yet make finite images: each resume from it
+        diverged again in its first epoch and named it intact. It is marked unhealthy (``latest`` pointed back at
+        the newest healthy one) and the run stops in one line."""
+        start = self.health.start
+        if not self.cfg.train.resume_from or start is None:
+            return
+        rms = self.health.probe()
+        why = WeightHealth.flag({"health/probe_rms": rms, "health/probe_rms_start": start})
+        if why is None and math.isfinite(rms):
+            return
+        why = why or f"health/probe_rms = {rms} (the resumed weights' velocity on the fixed probe is not finite)"
+        root = self.out / "checkpoints"
+        resumed = root / f"epoch_{self.epoch - 1}"
+        marked = ""
+        if resumed in checkpoint_folders(root) and is_healthy(resumed):
+            marked = f"; checkpoint {resumed} holds these weights and is now marked unhealthy"
+            if self.main:
+                mark_unhealthy(root, resumed, f"its weights fail the health probe on resume: {why}")
+            dist.barrier()
+        raise TrainingDiverged(stop_line(self.epoch, self.cfg.train.num_epochs, f"before its update, {why}{marked}",
+                                         root))
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         """Train for ``train.num_epochs`` epochs; returns the summary also written to ``summary.json``.
@@ -170,6 +195,7 @@ class Trainer:
         t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
         before, img_before, captions = self.run.before(self.evaluate, self.main)
         self._check_best_metric(before)
+        self._check_resumed_weights()
         self.collapse.observe(before, "before training")
         eval_seconds = time.perf_counter() - t0
         last, first = cfg.train.num_epochs - 1, self.epoch
