@@ -238,6 +238,26 @@ def test_the_collapse_warning_on_a_hand_made_metric_stream():
     assert CollapseWatch(None, 0.2, history).observe({"eval/c/mean": 0.0}, "e") is None
 
 
+def test_the_collapse_warning_says_what_is_kept_only_when_it_is():
+    """The warning claimed "the best evaluated checkpoint is kept out of the rotation" also with
+    ``logging.keep_best=false``, and when the best was the base model's "before" evaluation, which no checkpoint
+    holds (the digits default at train.lr=3e-3 falls below it in its first epochs)."""
+    from flowgrpo.divergence import CollapseWatch
+
+    off = CollapseWatch("eval/c/mean", 0.2, [{"epoch": 0, "eval/c/mean": 0.58}], keep_best=False)
+    warning = off.observe({"eval/c/mean": 0.14}, "epoch 5")
+    assert warning.endswith("the policy may be collapsing; logging.keep_best is off: the rotation may remove the "
+                            "best evaluated checkpoint")
+    base = CollapseWatch("eval/c/mean", 0.2)
+    assert base.observe({"eval/c/mean": 0.46}, "before training") is None
+    warning = base.observe({"eval/c/mean": 0.13}, "epoch 2")
+    assert warning.startswith("epoch 2: eval/c/mean = 0.13, 72% below its best, 0.46 at before training ")
+    assert warning.endswith("kept out of the rotation (logging.keep_best); its best is the base model's, which no "
+                            "checkpoint holds: start again from the base model with a lower train.lr")
+    kept = CollapseWatch("eval/c/mean", 0.2, [{"epoch": 1, "eval/c/mean": 0.58}])
+    assert kept.observe({"eval/c/mean": 0.14}, "epoch 5").endswith("kept out of the rotation (logging.keep_best)")
+
+
 def test_a_collapse_through_the_cli_is_warned_and_its_best_checkpoint_kept(tmp_path, tiny_flux_dir, capsys, caplog):
     """Evaluations before training and after each epoch give 0.5, 0.9, 0.4, then 0.3 at the final one; one
     checkpoint is kept by the rotation (``checkpoints_total_limit=1``), yet the best evaluated one (``epoch_0``,

@@ -95,7 +95,8 @@ class Trainer:
         self.health = WeightHealth(adapter, self.optim.params, prompt=prompts.prompts[0], metadata=prompts.metadata[0],
                                    guidance_scale=self.settings.guidance_scale, seed=config.train.seed, start=start)
         self.best_metric = self._best_metric()
-        self.collapse = CollapseWatch(self.best_metric, config.logging.collapse_fraction, history)
+        self.collapse = CollapseWatch(self.best_metric, config.logging.collapse_fraction, history,
+                                      keep_best=config.logging.keep_best)
         self._record: dict = {}  # the last epoch's record (the final checkpoint's health record)
 
     def _count_forward(self, module, args, kwargs) -> None:
