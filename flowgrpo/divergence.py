@@ -266,10 +266,12 @@ class CollapseWatch:
         metric: the evaluation figure (``eval/...``, higher is better); None: nothing is watched.
         fraction: the relative fall, (best − value) / |best|, above which a warning is given (0: never).
         history: the run's earlier epoch records (``metrics.jsonl``), whose figures set the best.
+        keep_best: ``logging.keep_best``; the warning says what is kept only when it is (and that the base model's
+            best, "before training", is in no checkpoint).
     """
 
-    def __init__(self, metric: str | None, fraction: float, history: list[dict] = ()) -> None:
-        self.metric, self.fraction = metric, fraction
+    def __init__(self, metric: str | None, fraction: float, history: list[dict] = (), keep_best: bool = True) -> None:
+        self.metric, self.fraction, self.keep_best = metric, fraction, keep_best
         self.best: tuple[float, str] | None = None  # (value, where: "epoch N" or "before training")
         for record in history:
             self.observe(record, f"epoch {record.get('epoch', 0) + 1}")
@@ -287,7 +289,12 @@ class CollapseWatch:
             if fall > self.fraction:
                 warning = (f"{where}: {self.metric} = {value:.4g}, {100 * fall:.0f}% below its best, {best:.4g} at "
                            f"{at} (logging.collapse_fraction={self.fraction:g}): the policy may be collapsing; "
-                           "the best evaluated checkpoint is kept out of the rotation (logging.keep_best)")
+                           + ("the best evaluated checkpoint is kept out of the rotation (logging.keep_best)"
+                              if self.keep_best else
+                              "logging.keep_best is off: the rotation may remove the best evaluated checkpoint"))
+                if at == "before training":
+                    warning += ("; its best is the base model's, which no checkpoint holds: start again from the "
+                                "base model with a lower train.lr")
         if self.best is None or value > self.best[0]:
             self.best = (float(value), where)
         return warning

@@ -74,18 +74,21 @@ def test_a_diverged_update_that_no_later_step_measures_is_never_checkpointed(tmp
     assert record["epoch"] == 2 and record["health/weight_growth"] > 2
 
 
+@pytest.mark.parametrize("factor", [1e4, 30.0])
 def test_non_finite_images_stop_in_one_line_and_auto_resume_skips_the_checkpoint_that_made_them(
-        tmp_path, tiny_flux_dir, capsys):
-    """A checkpoint holding diverged weights (here: epoch_1's weights times 1e4, written as ``epoch_2`` as an older
-    version would have written it): its rollout's images are NaN. The run stops in one line, the checkpoint is
-    marked unhealthy, ``latest`` goes back to ``epoch_1``, and ``resume_from=auto`` with a sane lr continues from
-    there (main: a ValueError traceback from the reward scorer, then the same crash on every auto resume)."""
+        tmp_path, tiny_flux_dir, capsys, factor):
+    """A checkpoint holding diverged weights (here: epoch_1's weights times 1e4, or times 30, whose images are
+    finite, written as ``epoch_2`` as an older version would have written it): the resumed weights fail the probe
+    before their first update (times 1e4 would make the rollout's images NaN; times 30 made every resume diverge in
+    its first epoch and name the checkpoint intact). The run stops in one line, the checkpoint is marked
+    unhealthy, ``latest`` goes back to ``epoch_1``, and ``resume_from=auto`` with a sane lr continues from there
+    (main: a ValueError traceback from the reward scorer, then the same crash on every auto resume)."""
     args, ckpts = _good_run(tmp_path, tiny_flux_dir, capsys)
     bad = ckpts / "epoch_2"
     bad.mkdir()
     for f in (ckpts / "epoch_1").iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
-    save_file({k: v * 1e4 for k, v in load_file(bad / "trainable.safetensors").items()},
+    save_file({k: v * factor for k, v in load_file(bad / "trainable.safetensors").items()},
               bad / "trainable.safetensors")
     (bad / "health.json").unlink(missing_ok=True)  # an older version wrote no health record
     state = json.loads((bad / "state.json").read_text())
@@ -95,7 +98,7 @@ def test_non_finite_images_stop_in_one_line_and_auto_resume_skips_the_checkpoint
     code, err = _train(capsys, *args, "train.resume_from=auto", "train.num_epochs=4")
     assert code == 1 and "Traceback" not in "\n".join(err)
     assert err[-1].startswith("error: epoch 4/4: the run diverged: ")
-    assert "of the rollout's images are NaN or infinite" in err[-1]
+    assert "the run diverged: before its update, health/probe_rms = " in err[-1]
     assert f"checkpoint {bad} holds these weights and is now marked unhealthy" in err[-1]
     assert f"the last checkpoint, {ckpts / 'epoch_1'}, is intact" in err[-1]
     assert (ckpts / "latest").read_text() == "epoch_1"
@@ -205,6 +208,14 @@ class ScriptedEvalReward:
         return torch.full((len(images),), value)
 
 
+class WholeSetEvalReward(ScriptedEvalReward):
+    """An evaluation reward that reports whole-set figures (``batch_metrics``, as the digits judge): their names
+    are known only once evaluated."""
+
+    def batch_metrics(self, images, prompts, metadata):
+        return {"coverage": 0.5}
+
+
 # --- the collapse guard (issue 42, case 2) -------------------------------------------------------------------------
 def test_the_collapse_warning_on_a_hand_made_metric_stream():
     """The issue's digits collapse, as figures: correctness 0.58 at epoch 2, then 0.14. A fall of more than the
@@ -225,6 +236,26 @@ def test_the_collapse_warning_on_a_hand_made_metric_stream():
     assert neg.observe({"eval/j/mean": -3.7}, "epoch 3").startswith("epoch 3: eval/j/mean = -3.7, 23% below")
     assert CollapseWatch("eval/c/mean", 0.0, history).observe({"eval/c/mean": 0.0}, "e") is None  # 0: never
     assert CollapseWatch(None, 0.2, history).observe({"eval/c/mean": 0.0}, "e") is None
+
+
+def test_the_collapse_warning_says_what_is_kept_only_when_it_is():
+    """The warning claimed "the best evaluated checkpoint is kept out of the rotation" also with
+    ``logging.keep_best=false``, and when the best was the base model's "before" evaluation, which no checkpoint
+    holds (the digits default at train.lr=3e-3 falls below it in its first epochs)."""
+    from flowgrpo.divergence import CollapseWatch
+
+    off = CollapseWatch("eval/c/mean", 0.2, [{"epoch": 0, "eval/c/mean": 0.58}], keep_best=False)
+    warning = off.observe({"eval/c/mean": 0.14}, "epoch 5")
+    assert warning.endswith("the policy may be collapsing; logging.keep_best is off: the rotation may remove the "
+                            "best evaluated checkpoint")
+    base = CollapseWatch("eval/c/mean", 0.2)
+    assert base.observe({"eval/c/mean": 0.46}, "before training") is None
+    warning = base.observe({"eval/c/mean": 0.13}, "epoch 2")
+    assert warning.startswith("epoch 2: eval/c/mean = 0.13, 72% below its best, 0.46 at before training ")
+    assert warning.endswith("kept out of the rotation (logging.keep_best); its best is the base model's, which no "
+                            "checkpoint holds: start again from the base model with a lower train.lr")
+    kept = CollapseWatch("eval/c/mean", 0.2, [{"epoch": 1, "eval/c/mean": 0.58}])
+    assert kept.observe({"eval/c/mean": 0.14}, "epoch 5").endswith("kept out of the rotation (logging.keep_best)")
 
 
 def test_a_collapse_through_the_cli_is_warned_and_its_best_checkpoint_kept(tmp_path, tiny_flux_dir, capsys, caplog):
@@ -255,3 +286,22 @@ def test_a_collapse_through_the_cli_is_warned_and_its_best_checkpoint_kept(tmp_p
     # a figure the run never evaluates is refused before training, in one line
     code, err = _train(capsys, *args[:-1], "logging.best_metric=eval/nope/mean", f"output_dir={tmp_path / 'r2'}")
     assert code == 2 and err[-1].startswith("error: logging.best_metric='eval/nope/mean' is no evaluation figure")
+
+
+def test_a_best_metric_the_evaluation_never_reports_is_refused_also_beside_a_whole_set_reward(tmp_path, tiny_flux_dir,
+                                                                                               capsys):
+    """With a whole-set evaluation reward (figures named only once evaluated), a mistyped ``logging.best_metric``
+    passed the check before training and the collapse guard and keep_best then watched nothing, silently; it is
+    refused in one line after the "before" evaluation, before any epoch, naming the figures it could be."""
+    out = tmp_path / "run"
+    args = [*_tiny_overrides(tmp_path, tiny_flux_dir), "train.num_epochs=1", "logging.eval_every=1",
+            f"output_dir={out}", "logging.plot_every=0", "logging.best_metric=eval/covrage",
+            "eval_rewards=[{name: 'tests.test_health:WholeSetEvalReward'}]"]
+    code, err = _train(capsys, *args)
+    assert code == 2 and err[-1].startswith(
+        "error: logging.best_metric='eval/covrage' is no evaluation figure of this run: its evaluation reports [")
+    assert "'eval/coverage'" in err[-1] and "Traceback" not in "\n".join(err)
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+    # the figure it reports is accepted, and the run starts again with the resume the message names
+    code, err = _train(capsys, *args, "train.resume_from=auto", "logging.best_metric=eval/coverage")
+    assert code == 0, err[-3:]

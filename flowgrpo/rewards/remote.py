@@ -179,9 +179,13 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def _png_header_size(raw: bytes, i: int) -> tuple[int, int]:
     """(width, height) from a PNG's IHDR chunk, read without PIL (PNG spec, section 11.2.2: the first chunk)."""
-    if raw[:8] != PNG_SIGNATURE or raw[12:16] != b"IHDR" or len(raw) < 24:
+    if raw[:8] != PNG_SIGNATURE or raw[12:16] != b"IHDR" or len(raw) < 26:
         raise ValueError(f"images[{i}] is not a PNG image (no PNG signature and IHDR header)")
     width, height = struct.unpack(">II", raw[16:24])
+    if raw[24:26] != b"\x08\x02":  # bit depth 8, colour type 2 (truecolour): 8-bit RGB
+        depth, colour = raw[24], raw[25]
+        kind = {0: "greyscale", 2: "RGB", 3: "palette", 4: "greyscale+alpha", 6: "RGBA"}.get(colour, f"type {colour}")
+        raise ValueError(f"images[{i}] is a {depth}-bit {kind} PNG (its header); only 8-bit 'RGB' is accepted")
     return width, height
 
 

@@ -35,6 +35,7 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -61,6 +62,23 @@ logger = logging.getLogger(__name__)
 _INSTALL = 'pip install "flowgrpo[server]"'
 #: a refused request's body is read and discarded up to this many times the size limit, then the connection closes
 DRAIN_FACTOR = 4
+# Each JSON separator (``,`` ``:`` ``[`` ``{`` outside strings) stands for at most one Python object that parsing
+# makes, and its slot: measured with tracemalloc, up to 64 bytes (a list of two-letter strings; a list of ``[]``: 67
+# bytes a value, two separators each). A decoded pixel is budgeted 15 bytes (3 uint8 + 12 as float32), so each is
+# charged as 5 pixels against the decoded-pixel budgets, before the body is parsed (a 64 MiB body of ``"ab",`` would
+# parse into ~830 MB). The first JSON_FREE_VALUES separators of a request are free (at most ~1 MiB of objects
+# a request in flight), so an ordinary request's metadata takes nothing from the budgets.
+JSON_VALUE_PIXELS = 5
+JSON_FREE_VALUES = 2**14
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_values_bound(body: bytes) -> int:
+    """An upper bound on the Python objects (JSON values and object keys) parsing ``body`` makes, without parsing
+    it: the separators ``,`` ``:`` ``[`` ``{`` outside strings, plus one. Strings are cut out first, so a prompt's
+    commas do not count."""
+    bare = _JSON_STRING.sub(b'""', body)
+    return 1 + sum(bare.count(c) for c in (b",", b":", b"[", b"{"))
 
 
 def _require_server_deps():
@@ -204,19 +222,36 @@ class _ScoreEndpoint:
                 raise refusal  # answered without reading: uvicorn closes the connection after the answer
             await self._refuse_after_drain(request, refusal)
 
-    def _check_pixels(self, req: ScoreRequest) -> None:
-        """Take the request's decoded pixels from the in-flight budget, or refuse it: 413 over the per-request
-        budget (it never fits), 503 with ``Retry-After`` when the requests in flight hold too many now."""
+    def _take_pixels(self, what: str, pixels: int, held: int = 0) -> None:
+        """Take ``pixels`` more from the in-flight budget for a request that holds ``held`` already, or refuse it:
+        413 when the request's total is over the per-request budget (it never fits), 503 with ``Retry-After`` when
+        the requests in flight hold too many now."""
         cfg = self.admission.config
-        what = f"{len(req.raws)} images of {req.width}x{req.height} decode to {req.pixels} pixels"
-        if req.pixels > cfg.max_request_pixels:
+        if held + pixels > cfg.max_request_pixels:
             raise _Refusal(413, f"{what}, over the per-request budget of {cfg.max_request_pixels} decoded pixels "
                                 "(the server's --max-request-pixels); send fewer or smaller images per request",
                            "RequestTooLarge", "too_many_pixels")
-        if not self.pixels.try_take(req.pixels):
+        if not self.pixels.try_take(pixels):
             raise self._busy(f"the server is busy: {what}, and the requests in flight hold {self.pixels.used}; "
                              f"together over the budget of {self.pixels.limit} decoded pixels in flight (the "
                              "server's --max-pixels-in-flight)", "pixels_in_flight")
+
+    def _check_json(self, values: int) -> int:
+        """Take the parsed JSON's charge (``values`` past JSON_FREE_VALUES, · JSON_VALUE_PIXELS) before the body is
+        parsed; returns it."""
+        charge = max(0, values - JSON_FREE_VALUES) * JSON_VALUE_PIXELS
+        if not charge:
+            return 0
+        self._take_pixels(f"the request's JSON holds up to {values} values, charged as {charge} decoded pixels "
+                          f"({JSON_VALUE_PIXELS} each past the first {JSON_FREE_VALUES})", charge)
+        return charge
+
+    def _check_pixels(self, req: ScoreRequest, held: int = 0) -> None:
+        """Take the request's decoded pixels from the in-flight budget, or refuse it (see :meth:`_take_pixels`)."""
+        what = f"{len(req.raws)} images of {req.width}x{req.height} decode to {req.pixels} pixels"
+        if held:
+            what += f" (its JSON is charged {held} more)"
+        self._take_pixels(what, req.pixels, held)
 
     async def _handle(self, request) -> list:
         import anyio
@@ -237,15 +272,17 @@ class _ScoreEndpoint:
                                "too_large")
             async with self.admission.slot() as waited:
                 self.metrics.queue_wait.observe(waited)
-                req = await anyio.to_thread.run_sync(read_score_request, body, self.max_image_pixels)
-                del body
-                self._check_pixels(req)
+                held = self._check_json(await anyio.to_thread.run_sync(json_values_bound, body))
                 try:
+                    req = await anyio.to_thread.run_sync(read_score_request, body, self.max_image_pixels)
+                    del body
+                    self._check_pixels(req, held)
+                    held += req.pixels
                     pixels = await anyio.to_thread.run_sync(decode_pngs, req.raws, req.width, req.height)
                     scores = await self.batcher.score(pixels, req.prompts, req.metadata)
                     del pixels
                 finally:
-                    self.pixels.give_back(req.pixels)
+                    self.pixels.give_back(held)
                 self.metrics.images.inc(len(scores))
                 return scores
         except QueueTimeout as err:

@@ -97,7 +97,8 @@ class Trainer:
         self.health = WeightHealth(adapter, self.optim.params, prompt=prompts.prompts[0], metadata=prompts.metadata[0],
                                    guidance_scale=self.settings.guidance_scale, seed=config.train.seed, start=start)
         self.best_metric = self._best_metric()
-        self.collapse = CollapseWatch(self.best_metric, config.logging.collapse_fraction, history)
+        self.collapse = CollapseWatch(self.best_metric, config.logging.collapse_fraction, history,
+                                      keep_best=config.logging.keep_best)
         self._record: dict = {}  # the last epoch's record (the final checkpoint's health record)
         self.x0_watch = X0NormWatch(config.logging.x0_norm_window, config.logging.x0_norm_drift, history)
 
@@ -155,6 +156,31 @@ class Trainer:
         raise TrainingDiverged(stop_line(self.epoch, self.cfg.train.num_epochs,
                                          f"{int(bad)} values of the {what} images are NaN or infinite{marked}", root))
 
+    def _check_resumed_weights(self) -> None:
+        """A resumed run's weights pass the probe rule (:meth:`~flowgrpo.divergence.WeightHealth.flag`, against the
+        run's first start) before they are trained. A checkpoint without ``health.json`` (older versions) or
+        edited by hand may hold weights that diverged past every check yet make finite images: each resume from it
+        diverged again in its first epoch and named it intact. It is marked unhealthy (``latest`` pointed back at
+        the newest healthy one) and the run stops in one line."""
+        start = self.health.start
+        if not self.cfg.train.resume_from or start is None:
+            return
+        rms = self.health.probe()
+        why = WeightHealth.flag({"health/probe_rms": rms, "health/probe_rms_start": start})
+        if why is None and math.isfinite(rms):
+            return
+        why = why or f"health/probe_rms = {rms} (the resumed weights' velocity on the fixed probe is not finite)"
+        root = self.out / "checkpoints"
+        resumed = root / f"epoch_{self.epoch - 1}"
+        marked = ""
+        if resumed in checkpoint_folders(root) and is_healthy(resumed):
+            marked = f"; checkpoint {resumed} holds these weights and is now marked unhealthy"
+            if self.main:
+                mark_unhealthy(root, resumed, f"its weights fail the health probe on resume: {why}")
+            dist.barrier()
+        raise TrainingDiverged(stop_line(self.epoch, self.cfg.train.num_epochs, f"before its update, {why}{marked}",
+                                         root))
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         """Train for ``train.num_epochs`` epochs; returns the summary also written to ``summary.json``.
@@ -171,6 +197,8 @@ class Trainer:
             (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
         t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
         before, img_before, captions = self.run.before(self.evaluate, self.main)
+        self._check_best_metric(before)
+        self._check_resumed_weights()
         self.collapse.observe(before, "before training")
         eval_seconds = time.perf_counter() - t0
         last, first = cfg.train.num_epochs - 1, self.epoch
@@ -195,6 +223,20 @@ class Trainer:
         summary = self._finish(before, img_before, captions, eval_seconds)
         self.scorer.close()
         return summary
+
+    def _check_best_metric(self, before: dict) -> None:
+        """Refuse (one line) a ``logging.best_metric`` the "before" evaluation did not report: a whole-set reward's
+        figures are known only once evaluated, so ``eval/<typo>`` passes :meth:`_best_metric` where one is used,
+        and would leave the collapse guard and ``logging.keep_best`` watching nothing."""
+        metric = self.best_metric
+        if metric is None or not before or metric in before:
+            return
+        from flowgrpo.config import ConfigError
+
+        known = sorted(k for k in before if isinstance(before[k], int | float))
+        raise ConfigError(f"logging.best_metric={metric!r} is no evaluation figure of this run: its evaluation "
+                          f"reports {known}; choose one of them (or auto) and start the run again with "
+                          "train.resume_from=auto logging.best_metric=<figure>")
 
     def _warn_collapse(self, figures: dict, where: str) -> None:
         """The collapse guard's warning (:class:`~flowgrpo.divergence.CollapseWatch`), from the main process."""

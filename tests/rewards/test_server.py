@@ -292,13 +292,14 @@ def test_worker_processes_score_exactly_like_the_in_process_reward():
 # ------------------------------------------------------------------------------------------------------------
 
 
-def png_declaring(width: int, height: int, mode: int = 2, idat: bytes | None = None) -> str:
-    """A base64 PNG whose IHDR declares width×height (colour type ``mode``: 2 RGB, 6 RGBA), with a tiny IDAT."""
+def png_declaring(width: int, height: int, mode: int = 2, idat: bytes | None = None, depth: int = 8) -> str:
+    """A base64 PNG whose IHDR declares width×height (colour type ``mode``: 2 RGB, 6 RGBA; bit ``depth``), with a
+    tiny IDAT."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, mode, 0, 0, 0)
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, mode, 0, 0, 0)
     raw = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat or zlib.compress(b"\0" * 64))
            + chunk(b"IEND", b""))
     return base64.b64encode(raw).decode()
@@ -316,6 +317,9 @@ def test_decompression_bombs_and_undecodable_images_are_400_naming_the_problem()
         (base64.b64encode(truncated).decode(), "truncated or corrupt PNG"),
         (base64.b64encode(rgba.getvalue()).decode(), "only 8-bit 'RGB'"),
         (base64.b64encode(b"GIF89a" + b"\0" * 40).decode(), "not a PNG image"),
+        # PIL opens 16-bit RGB as mode 'RGB' (cut to 8 bits): the header's bit depth and colour type are checked
+        (png_declaring(8, 8, idat=zlib.compress(b"\0" * 8 * 49), depth=16), "16-bit RGB PNG (its header); only 8-bit"),
+        (png_declaring(8, 8, mode=0), "8-bit greyscale PNG (its header); only 8-bit 'RGB'"),
     ]
     with ServerThread(app) as srv:
         for image, message in cases:
@@ -397,3 +401,24 @@ def test_nearest_rank_quantiles():
     values = [float(v) for v in range(1, 101)]  # 1..100: the q-quantile is the ceil(100q)-th value
     assert nearest_rank(values, 0.5) == 50.0 and nearest_rank(values, 0.99) == 99.0
     assert nearest_rank([3.0], 0.99) == 3.0
+
+
+def test_a_body_that_parses_into_many_json_values_is_charged_against_the_pixel_budgets_before_parsing():
+    # 60 KB of "[]," in a metadata dict parses into 20000 Python lists (~67 bytes each): each JSON separator past
+    # the first 2**14 is charged 5 pixels against --max-request-pixels before json.loads runs, like the decoded
+    # pixels; strings' commas do not count, and an ordinary request filling the budget exactly is not charged
+    serving = ServingConfig(max_request_pixels=4 * 16 * 16 + 5000, max_pixels_in_flight=4 * 16 * 16 + 5000)
+    app = create_app(JpegCompressibility(), reward_name="jpeg", serving=serving)
+    image = images_to_png_b64(images_8bit(1))
+    nested = json.dumps({"images": image, "prompts": ["p"], "metadata": [{"x": [[]] * 20000}]}).encode()
+    commas = json.dumps({"images": image, "prompts": ["a, b, [c], {d: e}" * 20000], "metadata": [{}]}).encode()
+    with ServerThread(app) as srv:
+        r = post(srv.url, nested)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"].startswith(
+            "the request's JSON holds up to 40012 values, charged as 118140 decoded pixels (5 each past the first "
+            "16384), over the per-request budget of 6024 decoded pixels (the server's --max-request-pixels)")
+        assert post(srv.url, commas).status_code == 200
+        assert post(srv.url, body_of(4)).status_code == 200  # the refused request gave its charge back
+        m = metrics_of(srv.url)
+        assert m[("flowgrpo_reward_refusals_total", (("reason", "too_many_pixels"),))] == 1
