@@ -291,8 +291,8 @@ class Trainer:
         if work.recompute:
             with m.timed("recompute"):
                 work = objective.recompute(self.adapter, work)
+        self.health.begin()  # (in the first epoch, a probe call: not the update's)
         calls0, rows0 = self.forward_count
-        self.health.begin()
         with m.timed("update"):
             upd = objective.update(self.adapter, self.optim, work, progress=self.cfg.logging.progress and self.main)
         counted = list(self.forward_count)
