@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -20,26 +21,48 @@ def cache_dir() -> Path:
 
 def build_once(target: Path, build, is_complete=lambda p: (p / "model_index.json").exists()) -> Path:
     """``target``, built by ``build(tmp_folder)`` into a temporary sibling and renamed into place when absent:
-    a crash never leaves a half-written model, and of concurrent builders the first rename wins.
+    a crash never leaves a half-written model. Concurrent builders (the processes of a launch, the workers of a
+    test run) take turns on a lock file beside ``target`` (``fcntl.flock``, where the platform has it): the first
+    builds, the others wait and use its copy; without the lock the first rename wins.
 
     Raises:
         FileExistsError: ``target`` exists but is not complete (remove it to rebuild).
     """
     if is_complete(target):
         return target
-    if target.exists():
-        raise FileExistsError(f"{target} exists but is not a finished model folder; remove it to rebuild")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        build(tmp)
+    with _locked(target.parent / f".{target.name}.lock"):
+        if is_complete(target):  # built by the builder this one waited for
+            logger.info("another process built %s; using it", target)
+            return target
+        if target.exists():
+            raise FileExistsError(f"{target} exists but is not a finished model folder; remove it to rebuild")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            os.rename(tmp, target)
-        except OSError:
-            if not is_complete(target):
-                raise
-            logger.info("another process finished %s first; using its copy", target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not is_complete(target):
+                    raise
+                logger.info("another process finished %s first; using its copy", target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive ``flock`` on ``path`` while open (none where ``fcntl`` is missing: Windows)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no POSIX locks: concurrent builders race, the first rename wins
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
