@@ -31,24 +31,31 @@ def build_once(target: Path, build, is_complete=lambda p: (p / "model_index.json
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{target.name}.lock"):
-        if is_complete(target):  # built by the builder this one waited for
-            logger.info("another process built %s; using it", target)
-            return target
-        if target.exists():
-            raise FileExistsError(f"{target} exists but is not a finished model folder; remove it to rebuild")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            build(tmp)
+    lock = target.parent / f".{target.name}.lock"
+    try:
+        with _locked(lock):
+            if is_complete(target):  # built by the builder this one waited for
+                logger.info("another process built %s; using it", target)
+                return target
+            if target.exists():
+                raise FileExistsError(f"{target} exists but is not a finished model folder; remove it to rebuild")
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
             try:
-                os.rename(tmp, target)
-            except OSError:
-                if not is_complete(target):
-                    raise
-                logger.info("another process finished %s first; using its copy", target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+                build(tmp)
+                try:
+                    os.rename(tmp, target)
+                except OSError:
+                    if not is_complete(target):
+                        raise
+                    logger.info("another process finished %s first; using its copy", target)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        # the lock's file is not left in the cache: a builder still waiting on it rechecks the target under it,
+        # and a later one checks completeness before it locks
+        with contextlib.suppress(OSError):
+            lock.unlink()
     return target
 
 

@@ -168,6 +168,11 @@ def strategy_rows(prefix: str, registry: Registry, base: type[Section]) -> list[
     return rows
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot run: unknown key, wrong type, or impossible combination (also exported as
+    ``flowgrpo.config.ConfigError``; defined here, below every layer that raises it)."""
+
+
 def save_config(config: BaseModel, path: str | Path) -> None:
     """Write resolved settings (a run's config: every field, defaults included) as YAML."""
     Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -19,11 +19,7 @@ from pydantic import BaseModel, ValidationError
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
 from flowgrpo.algo.policy_losses import loss_config_class
 from flowgrpo.config.schema import Config
-from flowgrpo.settings import settings_class
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run: unknown key, wrong type, or impossible combination."""
+from flowgrpo.settings import ConfigError, settings_class
 
 
 def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:

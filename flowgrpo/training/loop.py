@@ -40,6 +40,7 @@ from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rewards.remote import server_metrics
 from flowgrpo.rng import derive_seed
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, generate_images
+from flowgrpo.settings import ConfigError
 from flowgrpo.state_dicts import save_final_weights
 from flowgrpo.training import report
 from flowgrpo.training.optim import Optimization
@@ -118,9 +119,8 @@ class Trainer:
         known = [f"eval/{n}/mean" for c in every for n, r in c.rewards.items() if not hasattr(r, "batch_metrics")]
         whole_set = any(hasattr(r, "batch_metrics") for c in every for r in c.rewards.values())
         if metric not in known and not (whole_set and metric.startswith("eval/")):
-            # bad input found while setting up: the runner prints it as one line (a ValueError, as config errors are)
-            raise ValueError(f"logging.best_metric={metric!r} is no evaluation figure of this run; choose one of "
-                             f"{known} (or auto)")
+            raise ConfigError(f"logging.best_metric={metric!r} is no evaluation figure of this run; choose one of "
+                              f"{known} (or auto)")
         return metric
 
     def save_checkpoint(self, epoch: int, record: dict | None = None) -> None:
@@ -225,14 +225,20 @@ class Trainer:
         return summary
 
     def _check_best_metric(self, before: dict) -> None:
-        """Refuse (one line) a ``logging.best_metric`` the "before" evaluation did not report: a whole-set reward's
+        """Check ``logging.best_metric`` against what the "before" evaluation reported: a whole-set reward's
         figures are known only once evaluated, so ``eval/<typo>`` passes :meth:`_best_metric` where one is used,
-        and would leave the collapse guard and ``logging.keep_best`` watching nothing."""
+        and would leave the collapse guard and ``logging.keep_best`` watching nothing. A figure named by hand that
+        was not reported is refused (``ValueError``, one line naming what was); ``auto`` becomes the first
+        reported ``eval/<reward>/mean`` of the optimised rewards, then of the evaluation-only ones (a group-wise
+        reward reports none on an evaluation's one sample per prompt), or nothing to watch."""
         metric = self.best_metric
         if metric is None or not before or metric in before:
             return
-        from flowgrpo.config import ConfigError
-
+        if self.cfg.logging.best_metric == "auto":
+            names = [n for c in (self.rewards, self.eval_rewards) if c is not None for n in c.rewards]
+            self.best_metric = next((f"eval/{n}/mean" for n in names if f"eval/{n}/mean" in before), None)
+            self.collapse.metric = self.best_metric
+            return
         known = sorted(k for k in before if isinstance(before[k], int | float))
         raise ConfigError(f"logging.best_metric={metric!r} is no evaluation figure of this run: its evaluation "
                           f"reports {known}; choose one of them (or auto) and start the run again with "
