@@ -35,7 +35,7 @@ def test_to_uint8_refuses_what_has_no_8bit_form(bad):
 
 def test_every_writer_of_8bit_pixels_uses_the_same_quantisation():
     """The PNG wire format, JPEG sizes and saved samples all see to_uint8's pixels."""
-    from flowgrpo.rewards.remote import images_to_png_b64, png_b64_to_images
+    from flowgrpo.rewards.wire import images_to_png_b64, png_b64_to_images
 
     images = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     back = png_b64_to_images(images_to_png_b64(images))

@@ -44,7 +44,7 @@ import torch
 
 from flowgrpo.argtypes import int_in
 from flowgrpo.rewards.registry import RewardLoadError, load_reward
-from flowgrpo.rewards.remote import WIRE_VERSION, decode_pngs, read_png_headers
+from flowgrpo.rewards.remote import WIRE_VERSION
 from flowgrpo.rewards.serving import (
     Admission,
     Batcher,
@@ -56,6 +56,7 @@ from flowgrpo.rewards.serving import (
     ServingConfig,
     ThreadScorer,
 )
+from flowgrpo.rewards.wire import decode_pngs, read_png_headers
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def parse_score_request(body: bytes, max_image_pixels: int):
 
     Raises:
         ValueError: not JSON, a missing or mistyped field, lengths that differ, or an image that cannot be
-            decoded (see :func:`~flowgrpo.rewards.remote.decode_png_b64`).
+            decoded (see :func:`~flowgrpo.rewards.wire.decode_png_b64`).
     """
     request = read_score_request(body, max_image_pixels)
     return decode_pngs(request.raws, request.width, request.height), request.prompts, request.metadata
@@ -118,7 +119,7 @@ class ScoreRequest:
 
 def read_score_request(body: bytes, max_image_pixels: int) -> ScoreRequest:
     """The :class:`ScoreRequest` of a ``POST /score`` body; its images' sizes come from their PNG headers
-    (:func:`~flowgrpo.rewards.remote.read_png_headers`), so the server can check its decoded-pixel budgets before
+    (:func:`~flowgrpo.rewards.wire.read_png_headers`), so the server can check its decoded-pixel budgets before
     it decodes anything.
 
     Raises:

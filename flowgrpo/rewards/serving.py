@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from flowgrpo.rewards.registry import load_reward
-from flowgrpo.rewards.remote import pixels_to_images
+from flowgrpo.rewards.wire import pixels_to_images
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,8 +30,9 @@ from flowgrpo_rewards.jpeg import JpegCompressibility, jpeg_size_kb
 
 from flowgrpo.rewards.base import BaseReward
 from flowgrpo.rewards.registry import load_reward
-from flowgrpo.rewards.remote import RemoteReward, RemoteRewardError, images_to_png_b64, png_b64_to_images
+from flowgrpo.rewards.remote import RemoteReward, RemoteRewardError
 from flowgrpo.rewards.server import ServerThread, create_app
+from flowgrpo.rewards.wire import images_to_png_b64, png_b64_to_images
 from flowgrpo.testing.rewards import RewardConformance
 from tests.rewards.stubs import CatNotApplicable, images_8bit
 
