@@ -26,11 +26,13 @@ included). Every process writes and reads only its own shards, so no process eve
   plain containers only: a pickled object is refused).
 
 Both hold ``rng.pt`` (the torch RNG state, ``weights_only=True``) and ``state.json`` (epoch, LR-scheduler and
-prompt-sampler state). Either form loads into either kind of run (a run resumes with another process count or
-sharding); a sharded run loading a whole checkpoint (one written before the sharded form existed, or by an
-unsharded run) has the main process alone read the files and send each process its shards, one tensor at a
-time (:mod:`flowgrpo.state_dicts`). Saving and loading are collectives: every process calls them. The sharded
-form needs a file system every process sees (as a multi-node run's output folder is).
+prompt-sampler state, and ``files``: every other file's size in bytes, so a file truncated or lost after the write —
+a full disk, a cut copy — is found before a resume picks the checkpoint: :func:`incomplete`). Either form loads into
+either kind of run (a run resumes with another process count or sharding); a sharded run loading a whole checkpoint
+(one written before the sharded form existed, or by an unsharded run) has the main process alone read the files and
+send each process its shards, one tensor at a time (:mod:`flowgrpo.state_dicts`). Saving and loading are
+collectives: every process calls them. The sharded form needs a file system every process sees (as a multi-node
+run's output folder is).
 
 The folder is written under a temporary name, made durable (every file fsynced, the sharded ones by the process
 that wrote them and again by the main process) and renamed into place by the main process, and ``latest`` (a text
@@ -41,19 +43,19 @@ and ``latest`` pointing at it. Re-saving an existing epoch (a resumed run) repla
 checkpoint's name.
 
 The trainer writes a checkpoint only from healthy weights (:mod:`flowgrpo.divergence`): every trained parameter
-finite, the epoch's own update figures not flagged (a NaN or infinite figure, or a KL figure beyond both its
-floor and 1000 times its largest earlier value) and the new weights' own figures sound (their norm's growth, a
-probe forward); ``health.json`` records them. A diverging run stops instead, naming the figure and the epoch.
-A checkpoint whose weights later make non-finite images is marked unhealthy (:func:`mark_unhealthy`); a resume
-never picks one (:func:`newest_healthy`, :func:`resolve_checkpoint`), and the rotation keeps the newest ``keep``
-checkpoints not marked unhealthy plus the best evaluated one (:func:`rotation_victims`), so a healthy checkpoint
-is never rotated out by one that is not.
-"""
+finite, the epoch's own update figures not flagged (a NaN or infinite figure, or a KL figure beyond both its floor
+and 1000 times its largest earlier value) and the new weights' own figures sound (their norm's growth, a probe
+forward); ``health.json`` records them. A diverging run stops instead, naming the figure and the epoch. A checkpoint
+whose weights later make non-finite images is marked unhealthy (:func:`mark_unhealthy`); a resume never picks one,
+nor one whose files are not as written (:func:`newest_healthy`, :func:`resolve_checkpoint`), and the rotation keeps
+the newest ``keep`` checkpoints not marked unhealthy plus the best evaluated one (:func:`rotation_victims`), so a
+healthy checkpoint is never rotated out by one that is not."""
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -83,6 +85,11 @@ from flowgrpo.state_dicts import (
 #: the folder of a sharded checkpoint's tensors (torch's distributed checkpoint) and its optimizer groups' file
 SHARDED = "sharded"
 GROUPS = "optimizer_groups.json"
+#: the key of ``state.json`` listing every other file of the checkpoint with its size in bytes
+MANIFEST = "files"
+
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -171,7 +178,9 @@ def _write(root: Path, epoch: int, parts, lr_scheduler, sampler, keep: int, *, f
         tmp.mkdir()
     parts(tmp)
     torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-    state = {"epoch": epoch, "lr_scheduler": lr_scheduler.state_dict(), "sampler": sampler.state_dict()}
+    state = {"epoch": epoch, "lr_scheduler": lr_scheduler.state_dict(), "sampler": sampler.state_dict(),
+             MANIFEST: {f.relative_to(tmp).as_posix(): f.stat().st_size for f in sorted(tmp.rglob("*"))
+                        if f.is_file()}}
     (tmp / "state.json").write_text(json.dumps(state))
     if health is not None:
         (tmp / HEALTH_FILE).write_text(json.dumps(health))
@@ -298,9 +307,31 @@ def read_health(folder: str | Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+def incomplete(folder: str | Path) -> str | None:
+    """Why checkpoint ``folder`` is not as it was written, or None: a file its ``state.json`` lists (``files``:
+    {relative path: bytes}, every file written before ``state.json``) is missing or has another size (a file
+    truncated by a full disk or a cut copy). ``state.json`` itself unreadable is a reason too. A checkpoint written
+    before the list existed has none to check (None). Sizes only: nothing is hashed, so a file of the right size
+    with other bytes is found when it is read."""
+    folder = Path(folder)
+    try:
+        files = json.loads((folder / "state.json").read_text(encoding="utf-8")).get(MANIFEST, {})
+    except (OSError, ValueError, AttributeError) as err:
+        return f"its state.json is unreadable ({_cause(err)})"
+    for name, size in files.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} of its {size} bytes (truncated?)"
+    return None
+
+
 def is_healthy(folder: str | Path) -> bool:
-    """False only for a checkpoint marked unhealthy (``"healthy": false`` in its ``health.json``)."""
-    return read_health(folder).get("healthy") is not False
+    """False for a checkpoint marked unhealthy (``"healthy": false`` in its ``health.json``) and for one whose
+    files are not as they were written (:func:`incomplete`): a resume never picks either and neither counts
+    towards the rotation's ``keep``."""
+    return read_health(folder).get("healthy") is not False and incomplete(folder) is None
 
 
 def checkpoint_folders(root: str | Path) -> list[Path]:
@@ -315,8 +346,12 @@ def newest_healthy(root: str | Path) -> Path | None:
     else the newest checkpoint not marked unhealthy; None when there is none."""
     root = Path(root)
     name = _latest_name(root) if root.is_dir() else None
-    if name and (root / name / "state.json").is_file() and is_healthy(root / name):
-        return root / name
+    if name and (root / name / "state.json").is_file():
+        if is_healthy(root / name):
+            return root / name
+        why = incomplete(root / name)
+        if why is not None:
+            logger.warning("checkpoint %s is not as it was written (%s): a resume passes it over", root / name, why)
     healthy = [p for p in checkpoint_folders(root) if is_healthy(p)] if root.is_dir() else []
     return healthy[-1] if healthy else None
 
@@ -377,6 +412,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
         p = newest_healthy(p) or p / (p / "latest").read_text().strip()
     if not (p / "state.json").is_file():
         raise CheckpointError(f"{str(p)!r} is not a complete checkpoint (no state.json)")
+    why = incomplete(p)
+    if why is not None:
+        other = newest_healthy(p.parent)
+        raise CheckpointError(f"checkpoint {str(p)!r} is not as it was written: {why}; resume from "
+                              f"{'an intact one, ' + str(other) if other else 'the start'}")
     if not is_healthy(p):
         other = newest_healthy(p.parent)
         raise CheckpointError(f"checkpoint {str(p)!r} is marked unhealthy ({read_health(p).get('why', 'no reason')}"

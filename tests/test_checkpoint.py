@@ -178,6 +178,9 @@ def test_a_pickled_object_is_refused(tmp_path):
     folder = save_checkpoint(tmp_path, 0, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler)
     with (folder / "optimizer.pt").open("wb") as f:
         pickle.dump({"state": _Evil()}, f)
+    state = json.loads((folder / "state.json").read_text())  # who writes the file can write the list of sizes too
+    state["files"]["optimizer.pt"] = (folder / "optimizer.pt").stat().st_size
+    (folder / "state.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match="only tensors and plain data"):
         load_checkpoint(tmp_path, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler)
 
@@ -234,7 +237,12 @@ def test_a_sharded_checkpoint_refuses_code_and_names_a_missing_or_corrupt_file(t
         assert torch.equal(a.full_tensor(), b.full_tensor()), n
     data = (shards / "__0_0.distcp").read_bytes()
     (shards / "__0_0.distcp").write_bytes(data[: len(data) // 2])  # truncated (a full disk, a cut copy)
-    with pytest.raises(CheckpointError, match=r"sharded.*corrupt or unreadable"):
+    with pytest.raises(CheckpointError, match=rf"not as it was written: sharded/__0_0.distcp has {len(data) // 2} "
+                                              rf"of its {len(data)} bytes"):
+        load_checkpoint(tmp_path, model=model2, optimizer=opt2, lr_scheduler=sched2, sampler=sampler2, ema=ema2)
+    state = json.loads((folder / "state.json").read_text())  # a checkpoint without the list of sizes (an older
+    (folder / "state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "files"}))  # version's)
+    with pytest.raises(CheckpointError, match=r"sharded.*corrupt or unreadable"):  # found when it is read
         load_checkpoint(tmp_path, model=model2, optimizer=opt2, lr_scheduler=sched2, sampler=sampler2, ema=ema2)
     (shards / "__0_0.distcp").unlink()
     with pytest.raises(CheckpointError, match=r"is incomplete: sharded/__0_0.distcp is missing"):

@@ -305,3 +305,31 @@ def test_a_best_metric_the_evaluation_never_reports_is_refused_also_beside_a_who
     # the figure it reports is accepted, and the run starts again with the resume the message names
     code, err = _train(capsys, *args, "train.resume_from=auto", "logging.best_metric=eval/coverage")
     assert code == 0, err[-3:]
+
+
+@pytest.mark.parametrize("name", ["trainable.safetensors", "optimizer.pt"])
+def test_auto_resume_passes_over_a_checkpoint_truncated_after_it_was_written(tmp_path, tiny_flux_dir, capsys, caplog,
+                                                                             name):
+    """A file of the newest checkpoint cut short after the save (a full disk on a copy, a cut transfer): before,
+    ``train.resume_from=auto`` picked it on every restart and stopped on the corrupt file, so no restart could go
+    on. Now the sizes ``state.json`` lists show it; the resume continues from the intact ``epoch_0`` and says
+    which file it passed over; naming the truncated folder itself is refused in one line naming the file."""
+    args, ckpts = _good_run(tmp_path, tiny_flux_dir, capsys)
+    f = ckpts / "epoch_1" / name
+    size = f.stat().st_size
+    f.write_bytes(f.read_bytes()[: size // 2])
+    with pytest.raises(CheckpointError, match=rf"epoch_1' is not as it was written: {name} has {size // 2} of its "
+                                              rf"{size} bytes \(truncated\?\); resume from an intact one, .*epoch_0"):
+        resolve_checkpoint(ckpts / "epoch_1")
+    assert resolve_checkpoint(ckpts) == ckpts / "epoch_0"
+    assert rotation_victims([ckpts / "epoch_0", ckpts / "epoch_1"], 1, ckpts / "epoch_2") == [ckpts / "epoch_1"]
+
+    with caplog.at_level("WARNING", logger="flowgrpo"):
+        code, err = _train(capsys, *args, "train.resume_from=auto", "train.num_epochs=3")
+    assert code == 0, err[-3:]
+    warned = [r.getMessage() for r in caplog.records if "a resume passes it over" in r.getMessage()]
+    assert warned and f"{name} has {size // 2} of its {size} bytes (truncated?)" in warned[0], warned
+    assert (tmp_path / "run" / "config_resumed_at_epoch_1.yaml").is_file()  # continued after epoch_0
+    assert resolve_checkpoint(ckpts) == ckpts / "epoch_2"
+    assert sorted(p.name for p in ckpts.glob("epoch_*")) == ["epoch_1", "epoch_2"]  # epoch_1 written again, whole
+    assert (ckpts / "epoch_1" / name).stat().st_size == size

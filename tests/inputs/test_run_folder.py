@@ -248,19 +248,40 @@ def _load(tmp_path, sampler=None):
                            ema=ema)
 
 
+def _without_sizes(folder):
+    """``folder``'s ``state.json`` without its list of file sizes, as a version before the list wrote it."""
+    state = json.loads((folder / "state.json").read_text())
+    (folder / "state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "files"}))
+
+
 @pytest.mark.parametrize("name", ["trainable.safetensors", "ema.safetensors", "optimizer.pt", "rng.pt",
                                   "state.json"])
 def test_a_truncated_checkpoint_file_is_named_as_corrupt(tmp_path, name):
+    """Found by the sizes ``state.json`` lists before anything is read; in a checkpoint without them (an older
+    version's), when the file is read."""
     folder = _saved(tmp_path)
     f = folder / name
-    f.write_bytes(f.read_bytes()[:min(1000, f.stat().st_size // 2)])
+    size = f.stat().st_size
+    if name != "state.json":
+        f.write_bytes(f.read_bytes()[:min(1000, size // 2)])
+        with pytest.raises(CheckpointError, match=rf"epoch_0' is not as it was written: {name} has "
+                                                  rf"{min(1000, size // 2)} of its {size} bytes"):
+            _load(tmp_path)
+        _without_sizes(folder)
+    else:
+        f.write_bytes(f.read_bytes()[:min(1000, size // 2)])
+        with pytest.raises(CheckpointError, match=r"epoch_0' is not as it was written: its state.json is unreadable"):
+            _load(tmp_path)
+        return
     with pytest.raises(CheckpointError, match=rf"{name}' is corrupt or unreadable"):
         _load(tmp_path)
 
 
 def test_a_garbage_safetensors_file_is_named_as_corrupt(tmp_path):
+    """Bytes of the right size but not a safetensors file: found when the file is read."""
     folder = _saved(tmp_path)
-    (folder / "trainable.safetensors").write_bytes(b"\x00" * 1000)
+    f = folder / "trainable.safetensors"
+    f.write_bytes(b"\x00" * f.stat().st_size)
     with pytest.raises(CheckpointError, match=r"trainable.safetensors' is corrupt or unreadable"):
         _load(tmp_path)
 
@@ -275,7 +296,7 @@ def test_a_state_json_without_its_entries_is_named_as_corrupt(tmp_path):
 def test_a_missing_checkpoint_file_is_named(tmp_path):
     folder = _saved(tmp_path)
     (folder / "optimizer.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"is incomplete: optimizer.pt is missing"):
+    with pytest.raises(CheckpointError, match=r"optimizer.pt is missing"):
         _load(tmp_path)
 
 
