@@ -1,0 +1,112 @@
+"""The image-to-video adapters (Wan2.1 I2V with its CLIP image encoder, Wan2.2 I2V A14B with two experts,
+HunyuanVideo-1.5 I2V) through the shared adapter conformance suite, and what is particular to them: the
+conditioning image is a fixed input, never part of the sampled state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowgrpo.models.zoo import CASES
+from flowgrpo.testing.adapters import AdapterConformance
+
+
+class TestWan21I2V(AdapterConformance):
+    case = CASES["wan21_i2v"]
+
+
+class TestWan22I2VTwoExperts(AdapterConformance):
+    case = CASES["wan22_i2v"]
+
+    @pytest.mark.parametrize("strategy", ["per_step"])  # the chunk path of image-to-video latents: TestWan21I2V's
+    def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
+        super().test_one_epoch_of_training(folder, sources, tmp_path, strategy)
+
+
+class TestHunyuanVideo15I2V(AdapterConformance):
+    case = CASES["hunyuan_video15_i2v"]
+
+    @pytest.mark.parametrize("strategy", ["per_step"])  # the chunk path of image-to-video latents: TestWan21I2V's
+    def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
+        super().test_one_epoch_of_training(folder, sources, tmp_path, strategy)
+
+
+def _condition_by_hand(adapter, image, family: str):
+    """The condition channels the transformer must see, from the VAE directly: the image as [−1, 1] pixels (the
+    test images are already the output size), encoded with the posterior's mode; Wan: frame 0 of a black video,
+    normalised (z − mean)/std, after a 4-channel mask that is 1 on latent frame 0 only; HunyuanVideo-1.5: the image
+    alone, times the scaling factor, on latent frame 0 (zeros after), then a 1-channel mask, 1 on frame 0 only."""
+    import numpy as np
+
+    vae = adapter.pipe.vae
+    pixels = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)[None, :, None].float() / 127.5 - 1
+    _, f, h, w = adapter.latent_shape
+    with torch.no_grad():
+        if family == "wan":
+            video = torch.cat([pixels, torch.zeros(1, 3, adapter.num_frames - 1, *pixels.shape[-2:])], dim=2)
+            z = vae.encode(video).latent_dist.mode()
+            c = vae.config.z_dim
+            z = (z - torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1)) / torch.tensor(
+                vae.config.latents_std).view(1, c, 1, 1, 1)
+            mask = torch.zeros(1, 4, f, h, w)
+            mask[:, :, 0] = 1
+            return torch.cat([mask, z], dim=1)
+        z = vae.encode(pixels).latent_dist.mode() * vae.config.scaling_factor  # (1, C, 1, h, w)
+        cond = torch.zeros(1, z.shape[1], f, h, w)
+        cond[:, :, :1] = z
+        mask = torch.zeros(1, 1, f, h, w)
+        mask[:, :, 0] = 1
+        return torch.cat([cond, mask], dim=1)
+
+
+@pytest.mark.parametrize("name, family", [("wan21_i2v", "wan"), ("hunyuan_video15_i2v", "hunyuan")])
+def test_the_conditioning_image_is_a_fixed_input_never_sampled_or_noised(name, family, tmp_path_factory):
+    """The image's latents enter every transformer call as the same fixed condition channels — equal to the VAE's
+    encoding by hand, whatever the SDE noise of the rollout — while the sampled state (whose transitions carry the
+    log-probs) is the C latent channels alone; two rollouts with different SDE noise differ in the state only."""
+    from PIL import Image
+
+    from flowgrpo.models import load_model
+    from flowgrpo.sampling.rollout import SamplerSettings, denoise, encode_rows
+    from flowgrpo.testing.adapters import tiny_folder
+    from flowgrpo.testing.rewards import default_images
+
+    case = CASES[name]
+    adapter = load_model(str(tiny_folder(case, tmp_path_factory)), height=case.size, width=case.size,
+                         max_sequence_length=case.max_sequence_length, **case.load_kwargs)
+    pixels = default_images(2, case.size, case.size, torch.Generator().manual_seed(0))
+    paths = []
+    for i, img in enumerate(pixels):
+        paths.append(tmp_path_factory.mktemp("img") / f"first{i}.png")
+        Image.fromarray((img.permute(1, 2, 0) * 255).round().byte().numpy()).save(paths[-1])
+    meta = [{"images": [str(p)]} for p in paths]
+    expected = torch.cat([_condition_by_hand(adapter, Image.open(p).convert("RGB"), family) for p in paths])
+    c = adapter.latent_shape[0]
+    assert c == adapter.pipe.vae.config.latent_channels if family == "hunyuan" else adapter.pipe.vae.config.z_dim
+    seen = []
+    hook = adapter.transformer.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw["hidden_states"].detach().clone()), with_kwargs=True)
+    settings = SamplerSettings(num_steps=case.num_steps, guidance_scale=case.guidance_scale, sde_kind="flow_sde",
+                               noise_level=0.7)
+    runs = []
+    try:
+        for sde_seed in (100, 200):
+            seen.clear()
+            x0 = adapter.initial_latents(2, [torch.Generator().manual_seed(s) for s in (1, 2)])
+            with torch.no_grad():
+                embeds = encode_rows(adapter, list(case.prompts), meta)
+                xs, log_probs, stochastic = denoise(
+                    adapter, x0, embeds, adapter.sigmas(case.num_steps), settings,
+                    torch.ones(case.num_steps, dtype=torch.bool),
+                    [torch.Generator().manual_seed(sde_seed + i) for i in range(2)])
+            assert xs.shape == (2, case.num_steps + 1, *adapter.latent_shape)  # the state: latents alone
+            assert torch.isfinite(log_probs).all() and stochastic.all()
+            for hidden in seen:  # every call (cond and uncond, every step): [latents ‖ the fixed condition]
+                assert hidden.shape[1] == c + expected.shape[1]
+                torch.testing.assert_close(hidden[:, c:], expected, rtol=0, atol=1e-5)
+            runs.append((xs, [h[:, :c] for h in seen]))
+    finally:
+        hook.remove()
+    assert float((runs[0][0][:, -1] - runs[1][0][:, -1]).abs().max()) > 1e-3  # the SDE noise moved the state
+    image_latents = expected[:, 4:, 0] if family == "wan" else expected[:, :c, 0]
+    assert float((image_latents[0] - image_latents[1]).abs().max()) > 1e-3  # each row sees its own image
