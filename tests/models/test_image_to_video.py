@@ -139,3 +139,46 @@ def test_flowgrpo_sample_writes_image_to_video_samples(name, tmp_path_factory, t
     assert videos.shape == (2, case.num_frames, 3, case.size, case.size)
     gif = Image.open(tmp_path / "out" / "00001.gif")
     assert gif.n_frames == case.num_frames and gif.size == (case.size, case.size)
+
+
+def test_one_epoch_of_a_forward_process_objective_on_image_to_video(tmp_path_factory, tmp_path):
+    """DiffusionNFT (``objective: nft``) through the real trainer on the tiny Wan2.1 I2V model, the prompt file's
+    ``image`` conditioning every sample: at the first update the trained policy is the one that sampled, so its
+    implicit positive and negative policies coincide and their losses are equal bit for bit (the forward-process
+    form of an on-policy mismatch of 0.0)."""
+    import json
+
+    from PIL import Image
+
+    from flowgrpo.config import build_config
+    from flowgrpo.runner import run
+    from flowgrpo.testing.adapters import tiny_folder
+    from flowgrpo.testing.rewards import default_images
+
+    case = CASES["wan21_i2v"]
+    (tmp_path / "img").mkdir()
+    for i, img in enumerate(default_images(2, case.size, case.size, torch.Generator().manual_seed(0))):
+        Image.fromarray((img.permute(1, 2, 0) * 255).round().byte().numpy()).save(tmp_path / "img" / f"{i}.png")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "image": f"img/{i}.png"}) + "\n"
+                               for i, p in enumerate(case.prompts)))
+    out = tmp_path / "run"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run(build_config({}, [
+            f"model.pretrained={tiny_folder(case, tmp_path_factory)}", "model.max_sequence_length=16",
+            f"model.height={case.size}", f"model.width={case.size}", f"model.num_frames={case.num_frames}",
+            "model.lora_rank=4", "model.lora_alpha=8", f"sampling.num_steps={case.num_steps}",
+            f"sampling.guidance_scale={case.guidance_scale}", "objective={name: nft}", "train.num_epochs=1",
+            "train.group_size=2", "train.prompts_per_epoch=2", "train.rollout_batch_size=2", "train.lr=1e-3",
+            f"data.train_prompts={prompts}", f"output_dir={out}", "logging.progress=false", "data.eval_num_prompts=2",
+            f"eval_sampling.num_steps={case.num_steps}",
+            "rewards=[{name: video_frames, kwargs: {base: jpeg_compressibility}}]"]))
+    finally:
+        torch.set_num_threads(before)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0]
+    r = records[0]
+    assert r["objective/positive_loss"] == r["objective/negative_loss"] > 0 and r["adv/abs_mean"] > 0
+    assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
