@@ -182,3 +182,34 @@ def test_one_epoch_of_a_forward_process_objective_on_image_to_video(tmp_path_fac
     r = records[0]
     assert r["objective/positive_loss"] == r["objective/negative_loss"] > 0 and r["adv/abs_mean"] > 0
     assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_what_the_image_to_video_adapters_refuse(tmp_path_factory):
+    """One-line errors where the input enters: a record without its image, two images for one video, Wan2.2
+    TI2V-5B's image mode (the image written into the state's first frame) and a step-distilled (meanflow)
+    HunyuanVideo-1.5 I2V transformer."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, WanImageToVideoPipeline
+    from PIL import Image
+
+    from flowgrpo.models import load_model
+    from flowgrpo.models.hunyuan_video15 import HunyuanVideo15I2VAdapter
+    from flowgrpo.models.wan_i2v import WanI2VAdapter
+    from flowgrpo.sampling.rollout import encode_rows
+    from flowgrpo.testing.adapters import tiny_folder
+
+    folder = tiny_folder(CASES["wan21_i2v"], tmp_path_factory)
+    adapter = load_model(str(folder), height=32, width=32, max_sequence_length=16, num_frames=5)
+    with pytest.raises(ValueError, match="every prompt record needs 'image'"):
+        encode_rows(adapter, ["a red cube"], [{}])
+    img = Image.new("RGB", (32, 32))
+    with pytest.raises(ValueError, match="exactly one image per prompt, got \\[2\\]"):
+        adapter.encode_prompts(["a red cube"], images=[[img, img]])
+    pipe = WanImageToVideoPipeline.from_pretrained(str(folder))
+    pipe.register_to_config(expand_timesteps=True)
+    with pytest.raises(ValueError, match="expand_timesteps"):
+        WanI2VAdapter(pipe, height=32, width=32, num_frames=5, max_sequence_length=16)
+    hy = HunyuanVideo15ImageToVideoPipeline.from_pretrained(str(tiny_folder(CASES["hunyuan_video15_i2v"],
+                                                                             tmp_path_factory)))
+    hy.transformer.register_to_config(use_meanflow=True)
+    with pytest.raises(ValueError, match="use_meanflow"):
+        HunyuanVideo15I2VAdapter(hy, height=32, width=32, num_frames=5)
