@@ -227,6 +227,10 @@ REAL_SIZE["wan22_ti2v"] = {"num_layers": 30, "num_attention_heads": 24, "attenti
 REAL_SIZE["hunyuan_video15"] = {"num_layers": 54, "num_refiner_layers": 2, "num_attention_heads": 16,
                                 "attention_head_dim": 128, "mlp_ratio": 4.0, "rope_axes_dim": (16, 56, 56)}
 REAL_SIZE["kontext"] = REAL_SIZE["flux"]
+# image-to-video: the 14B bodies (Wan2.1 I2V's image key/value projections at the real width) and HunyuanVideo-1.5's
+REAL_SIZE["wan21_i2v"] = {**REAL_SIZE["wan22"], "added_kv_proj_dim": 5120}
+REAL_SIZE["wan22_i2v"] = REAL_SIZE["wan22"]
+REAL_SIZE["hunyuan_video15_i2v"] = REAL_SIZE["hunyuan_video15"]
 REAL_SIZE["qwenimage_edit_plus"] = REAL_SIZE["qwenimage"]
 
 
