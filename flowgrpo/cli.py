@@ -147,8 +147,10 @@ def _sample(args: argparse.Namespace) -> None:
     count = s["count"] or len(ps)
     prompts = [ps.prompts[i % len(ps)] for i in range(count)]
     seeds = [derive_seed(s["seed"], "eval", i) for i in range(count)]
+    # an image-conditioned model (editing, image-to-video) reads each record's conditioning images
+    metadata = [ps.metadata[i % len(ps)] for i in range(count)]
     images = generate_images(adapter, prompts, seeds, num_steps=s["steps"], guidance_scale=s["guidance"],
-                             batch_size=args.batch_size, cache=s["cache"])
+                             batch_size=args.batch_size, cache=s["cache"], metadata=metadata)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(images, out / "images.pt")

@@ -122,6 +122,14 @@ def _wan(size: str, **over):
                                     "eps": 1e-6, "rope_max_seq_len": 1024, **WAN[size], **over})
 
 
+def _clip_vit_h14_vision():
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    # open-clip xlm-roberta-large-vit-huge-14's vision tower: Wan2.1 I2V's image encoder (257 tokens of 1280)
+    return CLIPVisionModel(CLIPVisionConfig(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                                            num_attention_heads=16, image_size=224, patch_size=14))
+
+
 def _flux2_dev(**over):
     from diffusers import Flux2Transformer2DModel
 
@@ -321,6 +329,22 @@ def _register() -> None:
                              lambda h, w, f: 16 * _wan_frames(f) * (h // 8) * (w // 8), lambda msl: msl,
                              (BlockKind("block", 40, *c["wan_14b"]["block"]),), true_cfg=True, experts=2,
                              decode_width=96, decode_frames=4, video=True),
+        # image-to-video: the 14B body with 36 input channels (latents, mask, image latents); the image is not part
+        # of the sampled latents. Wan2.1 I2V adds CLIP image tokens to the cross-attention keys (257) and image
+        # key/value projections in every block (counted in the parameters; their activations are counted as 257
+        # more text tokens of the T2V block, an approximation within the plan's ±20 %)
+        "wan21_i2v_14b": Family("Wan2.1-I2V-14B-480P",
+                                lambda: _wan("wan_14b", in_channels=36, image_dim=1280, added_kv_proj_dim=5120),
+                                (_umt5_xxl, _clip_vit_h14_vision), _wan21_vae, 5120,
+                                lambda h, w, f: _wan_frames(f) * (h // 16) * (w // 16),
+                                lambda h, w, f: 16 * _wan_frames(f) * (h // 8) * (w // 8), lambda msl: msl + 257,
+                                (BlockKind("block", 40, *c["wan_14b"]["block"]),), true_cfg=True, decode_width=96,
+                                decode_frames=4, video=True),
+        "wan22_i2v_a14b": Family("Wan2.2-I2V-A14B", lambda: _wan("wan_14b", in_channels=36), (_umt5_xxl,),
+                                 _wan21_vae, 5120, lambda h, w, f: _wan_frames(f) * (h // 16) * (w // 16),
+                                 lambda h, w, f: 16 * _wan_frames(f) * (h // 8) * (w // 8), lambda msl: msl,
+                                 (BlockKind("block", 40, *c["wan_14b"]["block"]),), true_cfg=True, experts=2,
+                                 decode_width=96, decode_frames=4, video=True),
         "flux2": Family("FLUX.2-dev", _flux2_dev, (MISTRAL_SMALL_31,), _flux2_vae, 6144, _image_tokens,
                         _image_latent(32), lambda msl: msl,
                         (BlockKind("double", 8, *c["flux2"]["double"]), BlockKind("single", 48,
@@ -330,7 +354,8 @@ def _register() -> None:
                                            BlockKind("context_refiner", 2, *c["zimage"]["context_refiner"]),
                                            BlockKind("block", 30, *c["zimage"]["block"])), true_cfg=True),
     })
-    narrow = {"kontext": "flux", "qwenimage_edit_plus": "qwenimage", "wan22_a14b": "wan_14b"}
+    narrow = {"kontext": "flux", "qwenimage_edit_plus": "qwenimage", "wan22_a14b": "wan_14b",
+              "wan21_i2v_14b": "wan_14b", "wan22_i2v_a14b": "wan_14b"}
     for key, fam in FAMILIES.items():
         FAMILIES[key] = dataclasses.replace(fam, narrow=narrow.get(key, key))
 
@@ -342,7 +367,8 @@ PRETRAINED = {"black-forest-labs/FLUX.1-dev": "flux", "black-forest-labs/FLUX.1-
               "Qwen/Qwen-Image-Edit-2509": "qwenimage_edit_plus",
               "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "wan21_1.3b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers": "wan22_5b",
               "Wan-AI/Wan2.2-T2V-A14B-Diffusers": "wan22_a14b", "black-forest-labs/FLUX.2-dev": "flux2",
-              "Tongyi-MAI/Z-Image": "zimage"}
+              "Tongyi-MAI/Z-Image": "zimage", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": "wan21_i2v_14b",
+              "Wan-AI/Wan2.2-I2V-A14B-Diffusers": "wan22_i2v_a14b"}
 
 #: reward name → builder (meta device) or published parameter count, and its default bytes per parameter
 REWARD_MODELS: dict[str, tuple[Callable | float, int]] = {
@@ -808,7 +834,7 @@ def _reward_sizes(specs) -> tuple[tuple[int, int], ...]:
     out = []
     for spec in specs:
         name, kwargs = spec.name, dict(spec.kwargs)
-        if name in ("video_frames", "temporal_consistency") and "base" in kwargs:
+        if name in ("video_frames", "temporal_consistency", "i2v_consistency") and "base" in kwargs:
             name, kwargs = kwargs["base"], dict(kwargs.get("base_kwargs") or {})
         if name not in REWARD_MODELS:
             continue

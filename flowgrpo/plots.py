@@ -142,8 +142,10 @@ def before_after(img_before: torch.Tensor, img_after: torch.Tensor, captions: li
 
 def edits_before_after(sources: list[torch.Tensor], img_before: torch.Tensor, img_after: torch.Tensor,
                        captions: list[str], path: str | Path) -> None:
-    """``before_after.png`` of an editing run: one column per prompt (at most ``len(sources)``), its source image
-    ((H', W', 3) uint8, resized to the generated size) on top of the images before and after training."""
+    """``before_after.png`` of an editing or image-to-video run: one column per prompt (at most ``len(sources)``),
+    its source image ((H', W', 3) uint8, resized to the generated size) on top of the images before and after
+    training; videos (N, F, 3, H, W) are shown as strips of frames (:func:`video_stills`), the source at the
+    strip's left on white."""
     k = min(len(sources), img_before.shape[0])
     size = tuple(img_before.shape[-2:])
     src = torch.cat([
@@ -151,7 +153,9 @@ def edits_before_after(sources: list[torch.Tensor], img_before: torch.Tensor, im
                                         antialias=True, align_corners=False)
         for s in sources[:k]
     ]).clamp(0, 1)
-    sample_grid(torch.cat([src, img_before[:k], img_after[:k]]),
+    img_before, img_after = video_stills(img_before[:k]), video_stills(img_after[:k])
+    src = torch.nn.functional.pad(src, (0, img_before.shape[-1] - src.shape[-1]), value=1.0)
+    sample_grid(torch.cat([src, img_before, img_after]),
                 [f"source: {c}" for c in captions[:k]] + [f"before: {c}" for c in captions[:k]]
                 + [f"after: {c}" for c in captions[:k]], path, ncols=k,
                 title="edits: source (top), before training, after training")

@@ -181,6 +181,38 @@ def test_wan22_a14b_other_expert_and_text_encoder_placements():
     assert whole.activations_plain == pytest.approx(2 * whole.workload.train_rows * per_row)  # true CFG: 2 branches
 
 
+def test_wan_image_to_video_rows_count_the_released_transformers_and_encoders():
+    """Wan2.1 I2V 14B: a transformer of 36 input channels with image key/value projections (image_dim 1280), UMT5-XXL
+    and the CLIP ViT-H/14 vision tower as encoders; Wan2.2 I2V A14B: two 36-channel experts, no image encoder. The
+    transformers are built here from the released diffusers configs (scripts/convert_wan_to_diffusers.py)."""
+    from diffusers import WanTransformer3DModel
+    from transformers import CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+
+    body = {"patch_size": (1, 2, 2), "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 36,
+            "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
+            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6}
+    with torch.device("meta"):
+        wan21 = WanTransformer3DModel(**body, image_dim=1280, added_kv_proj_dim=5120)
+        wan22 = WanTransformer3DModel(**body)
+        umt5 = UMT5EncoderModel(UMT5Config(d_model=4096, d_ff=10240, num_layers=24, num_heads=64, d_kv=64,
+                                           vocab_size=256384, feed_forward_proj="gated-gelu",
+                                           is_encoder_decoder=False))
+        clip = CLIPVisionModel(CLIPVisionConfig(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                                                num_attention_heads=16, image_size=224, patch_size=14))
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    base = ["parallel.sharding=fsdp2", "model.finetune=full", "model.height=480", "model.width=832",
+            "model.num_frames=81"]
+    p21 = plan_config(REPO / "configs" / "wan21_i2v_14b.yaml", 8, overrides=base)
+    assert p21.device["weights"] == 0 and p21.device["masters"] == 4 * count(wan21) / 8
+    assert p21.device["text_encoders"] == 2 * (count(umt5) + count(clip))
+    p22 = plan_config(REPO / "configs" / "wan22_i2v_a14b.yaml", 8, overrides=base)
+    assert p22.device["other_expert"] == 2 * count(wan22) and p22.device["masters"] == 4 * count(wan22) / 8
+    assert count(wan21) > count(wan22) + 2e9  # the image projections: 2 x 5120² x 40 blocks and more
+    from flowgrpo.plan import FAMILIES
+
+    assert FAMILIES["wan21_i2v_14b"].text_tokens(512) == 512 + 257  # the CLIP image tokens join the keys
+
+
 def test_every_shipped_config_of_a_released_model_is_planned():
     """Every config in configs/ naming a released model gets a plan on 8 GPUs (FLUX.2 [klein] excepted: its
     architecture is not recorded here); the embedded digits and tiny models are refused with one line."""
@@ -189,7 +221,9 @@ def test_every_shipped_config_of_a_released_model_is_planned():
     planned = refused = 0
     for path in sorted((REPO / "configs").glob("*.yaml")):
         pretrained = load_config(path).model.pretrained
-        if pretrained in ("digits", "tiny") or "klein" in pretrained:
+        # HunyuanVideo-1.5 is not planned: its blocks' text mask sends the CPU count through the math attention,
+        # whose saved S x S weights a GPU kernel does not keep, so the linear coefficients cannot be counted here
+        if pretrained in ("digits", "tiny") or "klein" in pretrained or "HunyuanVideo-1.5" in pretrained:
             with pytest.raises(ValueError, match="not in the plan"):
                 plan_config(path, 8)
             refused += 1

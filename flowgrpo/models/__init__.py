@@ -95,7 +95,10 @@ for _cls, _target, _args, _detach in (
 #: Video pipelines (latents (B, C, F, h, w), decoded videos (B, F, 3, H, W)); their loaders also take
 #: ``num_frames``, ``guidance_scale_2`` and ``trained_expert``.
 VIDEO_FAMILIES = {"WanPipeline": "flowgrpo.models.wan:load_wan_adapter",
-                  "HunyuanVideo15Pipeline": "flowgrpo.models.hunyuan_video15:load_hunyuan_video15_adapter"}
+                  "WanImageToVideoPipeline": "flowgrpo.models.wan_i2v:load_wan_i2v_adapter",
+                  "HunyuanVideo15Pipeline": "flowgrpo.models.hunyuan_video15:load_hunyuan_video15_adapter",
+                  "HunyuanVideo15ImageToVideoPipeline":
+                      "flowgrpo.models.hunyuan_video15:load_hunyuan_video15_i2v_adapter"}
 
 
 def _video_adapter(target: str):

@@ -110,17 +110,24 @@ class HunyuanVideo15Adapter(AdapterBase):
         b = latents.shape[0]
         sigma = self.batch_sigma(latents, sigma, embeds)
         t = sigma * self.num_train_timesteps  # (B,) float32, bitwise the pipeline's scheduler.timesteps
-        x = latents.to(self.dtype)
-        zeros = torch.zeros((b, latents.shape[1] + 1, *latents.shape[2:]), dtype=self.dtype, device=x.device)
-        x = torch.cat([x, zeros], dim=1)  # [latents, cond latents (0), mask (0)]: text-to-video
-        image = torch.zeros((b, self.pipe.vision_num_semantic_tokens, self.pipe.vision_states_dim), dtype=self.dtype,
-                            device=x.device)
+        condition, image = self._condition(latents, embeds)
+        x = torch.cat([latents.to(self.dtype), condition], dim=1)  # [latents, cond latents, mask]
         cond = self._forward(x, t, image, *(embeds[n] for n in _NAMES))
         if math.isclose(guidance_scale, 1.0):  # the guider's _is_cfg_enabled
             return cond
         uncond = self._forward(x, t, image, *(embeds[f"negative_{n}"].expand(b, *embeds[f"negative_{n}"].shape[1:])
                                                for n in _NAMES))
         return uncond + guidance_scale * (cond - uncond)
+
+    def _condition(self, latents: torch.Tensor, embeds: PromptEmbeds) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformer's condition channels (B, C + 1, F', h, w) (cond latents, mask) and ``image_embeds``
+        (B, N, D_img), in the transformer's dtype: text-to-video's are zeros (``prepare_cond_latents_and_mask``; 729
+        zero image tokens), the image-to-video adapter's its image's (:class:`HunyuanVideo15I2VAdapter`)."""
+        b = latents.shape[0]
+        zeros = torch.zeros((b, latents.shape[1] + 1, *latents.shape[2:]), dtype=self.dtype, device=latents.device)
+        image = torch.zeros((b, self.pipe.vision_num_semantic_tokens, self.pipe.vision_states_dim), dtype=self.dtype,
+                            device=latents.device)
+        return zeros, image
 
     def _forward(self, x, t, image, text, text_mask, glyph, glyph_mask) -> torch.Tensor:
         with self.attention():
@@ -181,10 +188,106 @@ def load_hunyuan_video15_adapter(path: str, *, dtype: torch.dtype, height: int |
     return HunyuanVideo15Adapter(pipe, height=height, width=width, num_frames=num_frames or 121)
 
 
+class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
+    """Adapter for a loaded ``diffusers.HunyuanVideo15ImageToVideoPipeline``: the text-to-video adapter with each
+    prompt record's image (its ``image`` field) as ``__call__`` (diffusers 0.42) uses it:
+
+    * the image is resized and centre-cropped to the output size (``video_processor.resize(image, height, width,
+      resize_mode="crop")``);
+    * SigLIP's last hidden state of it (``encode_image``) is the transformer's ``image_embeds`` (729 tokens of 1152
+      for the released model), conditional and unconditional forwards alike;
+    * its VAE latents (posterior mode, times ``scaling_factor``) fill latent frame 0 of the condition channels,
+      zeros elsewhere, and the mask channel is 1 on frame 0 (``prepare_cond_latents_and_mask``): the transformer
+      sees ``[latents ‖ cond latents ‖ mask]``.
+
+    **The image is a fixed input, not part of the sampled state**: the state (B, C, F', h, w) whose transitions are
+    sampled and scored is the latents alone (frame 0 included: the model generates it, guided by the condition
+    channels); the condition, mask and image embeddings are in :class:`PromptEmbeds`, encoded once per (prompt,
+    image) without gradient, and get no noise.
+
+    Difference from the pipeline: ``__call__`` takes no size; it picks the bucket of its ``target_size`` (480p:
+    640) closest to the image's aspect ratio. The adapter uses the configured size (``model.height``,
+    ``model.width``); give the bucket of your images' aspect ratio to match the pipeline (480p, 16:9: 480 x 848).
+
+    Raises:
+        ValueError: as :class:`HunyuanVideo15Adapter`, or a step-distilled (``use_meanflow``) transformer, whose
+            forward takes the next step's timestep (a velocity that depends on the σ grid, not on (x, σ) alone).
+    """
+
+    image_conditioned = True
+
+    def __init__(self, pipe, *, height: int, width: int, num_frames: int) -> None:
+        if pipe.transformer.config.use_meanflow:
+            raise ValueError("HunyuanVideo-1.5 with use_meanflow (the step-distilled checkpoints) takes the next "
+                             "step's timestep in its forward; the adapter supports the undistilled transformer only")
+        super().__init__(pipe, height=height, width=width, num_frames=num_frames)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], images: list[list] | None = None) -> PromptEmbeds:
+        """:meth:`HunyuanVideo15Adapter.encode_prompts` plus, per row, its image's ``cond_latents`` (B, C + 1, F', h,
+        w) (condition latents and mask) and ``image_embeds`` (B, N, D_img) in the transformer's dtype.
+
+        Args:
+            prompts: B prompts. images: B lists holding one PIL image each.
+        Raises:
+            ValueError: no images, a count that differs from the prompts', or not exactly one image per prompt.
+        """
+        if images is None or len(images) != len(prompts):
+            raise ValueError(f"HunyuanVideo-1.5 image-to-video needs one image per prompt, got "
+                             f"{0 if images is None else len(images)} image lists for {len(prompts)} prompts")
+        if any(len(imgs) != 1 for imgs in images):
+            raise ValueError(f"HunyuanVideo-1.5 image-to-video takes exactly one image per prompt, got "
+                             f"{[len(i) for i in images]}")
+        text = super().encode_prompts(prompts)
+        pipe, conds, embeds = self.pipe, [], []
+        zeros = torch.zeros((1, *self.latent_shape), dtype=self.dtype, device=self.device)
+        for imgs in images:
+            image = pipe.video_processor.resize(imgs[0], height=self.height, width=self.width, resize_mode="crop")
+            embeds.append(pipe.encode_image(image=image, batch_size=1, device=self.device, dtype=self.dtype))
+            cond, mask = pipe.prepare_cond_latents_and_mask(latents=zeros, image=image, batch_size=1,
+                                                            height=self.height, width=self.width, dtype=self.dtype,
+                                                            device=self.device)
+            conds.append(torch.cat([cond, mask], dim=1))
+        return PromptEmbeds({**text.tensors, "cond_latents": torch.cat(conds), "image_embeds": torch.cat(embeds)},
+                            text.shared)
+
+    def _condition(self, latents: torch.Tensor, embeds: PromptEmbeds) -> tuple[torch.Tensor, torch.Tensor]:
+        return embeds["cond_latents"].to(self.dtype), embeds["image_embeds"].to(self.dtype)
+
+
+def load_hunyuan_video15_i2v_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
+                                     max_sequence_length: int, num_frames: int | None = None,
+                                     guidance_scale_2: float | None = None, trained_expert: str = "transformer",
+                                     empty_transformer: bool = False) -> HunyuanVideo15I2VAdapter:
+    """``HunyuanVideo15ImageToVideoPipeline.from_pretrained(path)`` in ``dtype`` in a
+    :class:`HunyuanVideo15I2VAdapter`; the default size is the 16:9 bucket of the pipeline's ``target_size``, 121
+    frames; the text length is the pipeline's (1000 tokens).
+
+    Raises:
+        ValueError: ``guidance_scale_2`` or ``trained_expert`` (Wan2.2 settings) given, or a step-distilled model.
+    """
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+
+    if guidance_scale_2 is not None or trained_expert != "transformer":
+        raise ValueError("model.guidance_scale_2 and model.trained_expert are Wan2.2 settings; HunyuanVideo-1.5 has "
+                         "one transformer")
+    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(
+        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else []))
+    if height is None or width is None:
+        h, w = pipe.video_processor.calculate_default_height_width(9, 16, pipe.target_size)
+        height, width = height or h, width or w
+    return HunyuanVideo15I2VAdapter(pipe, height=height, width=width, num_frames=num_frames or 121)
+
+
 # ---------------------------------------------------------------------------------------------- tiny builder
 def build_tiny_hunyuan_video15(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable[str] = (),
-                               sample_size: int = 32, transformer_kwargs: dict | None = None) -> Path:
+                               sample_size: int = 32, transformer_kwargs: dict | None = None,
+                               image_to_video: bool = False) -> Path:
     """Build a random tiny ``HunyuanVideo15Pipeline`` of the real classes and ``save_pretrained`` it.
+
+    ``image_to_video``: a ``HunyuanVideo15ImageToVideoPipeline`` instead, with a 1-layer ``SiglipVisionModel`` of
+    width 16 on 32² inputs (16 tokens) and its ``SiglipImageProcessor``, the transformer's ``task_type`` "i2v" and
+    ``target_size`` 32 (the pipeline sizes its output from the image at that target: a square image → 32²).
 
     Qwen2.5-VL text model (2 layers of width 16, a byte-level BPE tokenizer trained on the system message and
     ``words``, Qwen2-VL's chat template), ByT5 (``T5EncoderModel`` of width 16, the byte tokenizer), a 1-layer
@@ -232,15 +335,34 @@ def build_tiny_hunyuan_video15(out_dir: str | os.PathLike, seed: int = 0, *, wor
     transformer = HunyuanVideo15Transformer3DModel(**{
         "in_channels": 9, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1,
         "num_refiner_layers": 1, "mlp_ratio": 2.0, "text_embed_dim": 16, "text_embed_2_dim": 16,
-        "image_embed_dim": 16, "rope_axes_dim": (4, 6, 6), "target_size": 640, "task_type": "t2v",
-        **(transformer_kwargs or {})})
-    pipe = HunyuanVideo15Pipeline(text_encoder=text, tokenizer=tok, transformer=transformer, vae=vae,
-                                  scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
-                                  text_encoder_2=glyph, tokenizer_2=tok_2,
-                                  guider=ClassifierFreeGuidance(guidance_scale=6.0))
+        "image_embed_dim": 16, "rope_axes_dim": (4, 6, 6), "target_size": 32 if image_to_video else 640,
+        "task_type": "i2v" if image_to_video else "t2v", **(transformer_kwargs or {})})
+    components = dict(text_encoder=text, tokenizer=tok, transformer=transformer, vae=vae,
+                      scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
+                      text_encoder_2=glyph, tokenizer_2=tok_2, guider=ClassifierFreeGuidance(guidance_scale=6.0))
+    if image_to_video:
+        from diffusers import HunyuanVideo15ImageToVideoPipeline
+        from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+        torch.manual_seed(seed + 4)
+        siglip = SiglipVisionModel(SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                      num_attention_heads=2, image_size=32, patch_size=8)).eval()
+        pipe = HunyuanVideo15ImageToVideoPipeline(
+            image_encoder=siglip, feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}),
+            **components)
+    else:
+        pipe = HunyuanVideo15Pipeline(**components)
     out = Path(out_dir)
     pipe.save_pretrained(out)
     return out
+
+
+def build_tiny_hunyuan_video15_i2v(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable[str] = (),
+                                   sample_size: int = 32, transformer_kwargs: dict | None = None) -> Path:
+    """The tiny ``HunyuanVideo15ImageToVideoPipeline`` (:func:`build_tiny_hunyuan_video15` with
+    ``image_to_video``)."""
+    return build_tiny_hunyuan_video15(out_dir, seed, words=words, sample_size=sample_size,
+                                      transformer_kwargs=transformer_kwargs, image_to_video=True)
 
 
 #: Qwen2-VL / Qwen2.5-VL-Instruct's chat template (its chat_template.json).

@@ -160,20 +160,29 @@ class WanAdapter(AdapterBase):
         if module is self.transformer:
             module = self.forward_module  # the trained expert through its (possibly distributed) wrapper
         scale = guidance_scale if high or self.guidance_scale_2 is None else self.guidance_scale_2
-        cond = self._forward(module, latents, t, embeds["prompt_embeds"])
+        hidden, extra = self._model_inputs(latents, embeds)
+        cond = self._forward(module, hidden, t, embeds["prompt_embeds"], extra)
         if guidance_scale <= 1:  # the pipeline's do_classifier_free_guidance reads the first scale
             return cond
-        uncond = self._forward(module, latents, t, embeds["negative_prompt_embeds"].expand(latents.shape[0], -1, -1))
+        uncond = self._forward(module, hidden, t, embeds["negative_prompt_embeds"].expand(latents.shape[0], -1, -1),
+                               extra)
         return uncond + scale * (cond - uncond)
 
-    def _forward(self, module, latents, t, text) -> torch.Tensor:
+    def _model_inputs(self, latents: torch.Tensor, embeds: PromptEmbeds) -> tuple[torch.Tensor, dict]:
+        """The transformer's ``hidden_states`` for ``latents`` and its other conditioning arguments, shared by the
+        conditional and unconditional forwards: text-to-video passes the latents alone (the image-to-video
+        adapter, :mod:`flowgrpo.models.wan_i2v`, adds its condition channels and image embeddings)."""
+        return latents, {}
+
+    def _forward(self, module, latents, t, text, extra: dict | None = None) -> torch.Tensor:
         b = latents.shape[0]
         if self.expand_timesteps:  # one timestep per latent token: F' · (h/2) · (w/2), as __call__'s mask
             _, f, h, w = self.latent_shape
             t = t.view(b, 1).expand(b, f * (h // 2) * (w // 2))
+        extra = {k: v.to(self.dtype) for k, v in (extra or {}).items()}
         with self.attention():
             out = module(hidden_states=latents.to(self.dtype), timestep=t, encoder_hidden_states=text.to(self.dtype),
-                         return_dict=False)[0]
+                         return_dict=False, **extra)[0]
         return out.float()
 
     @torch.no_grad()

@@ -56,6 +56,8 @@ class ConformanceCase:
             ``call_kwargs``); None for image models.
         pipeline_setup: ``pipeline_setup(pipe, guidance_scale)`` before each ``__call__``, for a pipeline whose
             guidance is a component rather than a call argument (HunyuanVideo-1.5's guider); None: nothing.
+        call_takes_size: ``__call__`` takes ``height`` and ``width``; False for a pipeline that sizes its output
+            from the conditioning image (HunyuanVideo-1.5 image-to-video), whose case must give images that size.
     """
 
     name: str
@@ -74,6 +76,7 @@ class ConformanceCase:
     module_patches: dict = field(default_factory=dict)
     num_frames: int | None = None
     pipeline_setup: Callable | None = None
+    call_takes_size: bool = True
 
 
 def _words() -> list[str]:
@@ -108,6 +111,9 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "wan22": lambda out, **kw: _builder("flowgrpo.models.wan:build_tiny_wan")(out, variant="wan22", **kw),
     "wan22_ti2v": lambda out, **kw: _builder("flowgrpo.models.wan:build_tiny_wan")(out, variant="ti2v", **kw),
     "hunyuan_video15": _builder("flowgrpo.models.hunyuan_video15:build_tiny_hunyuan_video15"),
+    "wan21_i2v": _builder("flowgrpo.models.wan_i2v:build_tiny_wan_i2v"),
+    "wan22_i2v": lambda out, **kw: _builder("flowgrpo.models.wan_i2v:build_tiny_wan_i2v")(out, variant="wan22", **kw),
+    "hunyuan_video15_i2v": _builder("flowgrpo.models.hunyuan_video15:build_tiny_hunyuan_video15_i2v"),
 }
 
 def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: float) -> ConformanceCase:
@@ -125,6 +131,17 @@ def _video_case(name: str, size: int, guidance_scale: float, num_frames: int = 5
     return ConformanceCase(
         name=name, build=BUILDERS[name], size=size, max_sequence_length=16, guidance_scale=guidance_scale,
         call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 16, "num_frames": num_frames},
+        load_kwargs={"num_frames": num_frames}, num_frames=num_frames,
+    )
+
+
+def _i2v_case(name: str, size: int, guidance_scale: float, num_frames: int = 5) -> ConformanceCase:
+    """The case of an image-to-video family whose pipeline takes one ``image`` per call (the first frame's),
+    ``guidance_scale``, ``num_frames`` and ``max_sequence_length`` (Wan I2V)."""
+    return ConformanceCase(
+        name=name, build=BUILDERS[name], size=size, max_sequence_length=16, guidance_scale=guidance_scale,
+        call_kwargs=lambda s: {"guidance_scale": s, "max_sequence_length": 16, "num_frames": num_frames},
+        condition=lambda images: {"image": images[0][0]}, pipeline_batch_size=1,
         load_kwargs={"num_frames": num_frames}, num_frames=num_frames,
     )
 
@@ -169,6 +186,16 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
         guidance_scale=4.0, call_kwargs=lambda s: {"num_frames": 5}, load_kwargs={"num_frames": 5}, num_frames=5,
         pipeline_setup=_hunyuan_guider, pipeline_batch_size=1,  # its VAE decodes one video per call (0.42)
     ),
+    _i2v_case("wan21_i2v", 32, 4.0),
+    _i2v_case("wan22_i2v", 32, 4.0),  # 3 steps at shift 3: σ 1 on the high-noise expert, 0.75 and 0.009 on the low
+    ConformanceCase(
+        name="hunyuan_video15_i2v", build=BUILDERS["hunyuan_video15_i2v"], size=32, max_sequence_length=1000,
+        guidance_scale=4.0,
+        # no size argument: the pipeline sizes the video from the (square) image at target_size 32, i.e. 32²
+        call_kwargs=lambda s: {"num_frames": 5}, load_kwargs={"num_frames": 5}, num_frames=5,
+        condition=lambda images: {"image": images[0][0]}, pipeline_setup=_hunyuan_guider, pipeline_batch_size=1,
+        call_takes_size=False,
+    ),
 )}
 
 
@@ -200,6 +227,10 @@ REAL_SIZE["wan22_ti2v"] = {"num_layers": 30, "num_attention_heads": 24, "attenti
 REAL_SIZE["hunyuan_video15"] = {"num_layers": 54, "num_refiner_layers": 2, "num_attention_heads": 16,
                                 "attention_head_dim": 128, "mlp_ratio": 4.0, "rope_axes_dim": (16, 56, 56)}
 REAL_SIZE["kontext"] = REAL_SIZE["flux"]
+# image-to-video: the 14B bodies (Wan2.1 I2V's image key/value projections at the real width) and HunyuanVideo-1.5's
+REAL_SIZE["wan21_i2v"] = {**REAL_SIZE["wan22"], "added_kv_proj_dim": 5120}
+REAL_SIZE["wan22_i2v"] = REAL_SIZE["wan22"]
+REAL_SIZE["hunyuan_video15_i2v"] = REAL_SIZE["hunyuan_video15"]
 REAL_SIZE["qwenimage_edit_plus"] = REAL_SIZE["qwenimage"]
 
 

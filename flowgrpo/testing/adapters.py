@@ -181,7 +181,8 @@ class AdapterConformance:
                 c.pipeline_setup(pipe, guidance)
             with torch.no_grad(), _step_outputs(pipe, steps_here) as callback:
                 out = pipe(prompt=list(prompts[sl]), generator=_generators(seeds[sl]),
-                           num_inference_steps=steps or c.num_steps, height=c.size, width=c.size, output_type="pt",
+                           num_inference_steps=steps or c.num_steps, output_type="pt",
+                           **({"height": c.size, "width": c.size} if c.call_takes_size else {}),
                            **({} if callback is None else {"callback_on_step_end": keep}),
                            **c.call_kwargs(guidance), **extra)
             images.append(out.frames if c.num_frames else out.images)  # videos: (B, F, 3, H, W)

@@ -11,6 +11,12 @@
   of ``(max(0, cos(f_{i−1}, f_i)) + max(0, cos(f_1, f_i))) / 2``, with DINO ViT-B/16 features for subjects and
   CLIP ViT-B/32 for the background; ``mode: consecutive`` is the plain mean of ``cos(f_i, f_{i+1})``. A static
   video scores 1 — reward it together with a quality or motion reward, never alone.
+* :class:`ImageToVideoConsistency` (``i2v_consistency``): how alike the frames of an image-to-video sample look to
+  its conditioning image (the prompt record's ``image``), under the same encoders. ``mode: vbench`` (default) is
+  VBench-I2V's video-image subject consistency (Huang et al., VBench++, arXiv 2411.13503; the VBench repository's
+  ``vbench2_beta_i2v/i2v_subject.py``, DINO ViT-B/16): ``0.5·max_i max(0, cos(f_img, f_i)) + 0.5·mean_{i≥2}
+  max(0, cos(f_{i−1}, f_i))``; ``mode: mean`` is the plain average over frames of ``cos(f_img, f_i)``. A video
+  that repeats the image scores 1: combine it with a motion or quality reward.
 
 Frame choice (:func:`select_frames`): ``"all"``, ``"first"``, ``"middle"`` (index ⌊F/2⌋), ``"last"``, an int k
 (k frames evenly spaced from the first to the last, ``numpy.linspace(0, F − 1, k)`` truncated to int: the frame
@@ -209,3 +215,66 @@ class TemporalConsistency(BaseReward):
             return to_previous.mean(1).cpu()
         to_first = (feats[:, 1:] * feats[:, :1]).sum(-1)  # cos(f_1, f_i)
         return ((to_previous.clamp(min=0) + to_first.clamp(min=0)) / 2).mean(1).cpu()
+
+
+class ImageToVideoConsistency(TemporalConsistency):
+    """Feature similarity of each video's frames to its conditioning image under a frozen image encoder (module
+    docstring); the encoders, checkpoints and preprocessing of :class:`TemporalConsistency`, applied alike to the
+    frames and to the image (read as 8-bit RGB, scaled to [0, 1]).
+
+    Args:
+        backbone, checkpoint, image_size, dtype, batch_size: as :class:`TemporalConsistency`.
+        mode: ``"vbench"`` (default: VBench-I2V's subject consistency, DINO) or ``"mean"``.
+
+    Calling it: ``videos`` (B, F, 3, H, W) float in [0, 1] → (B,) float32 in [0, 1] (``vbench``; F >= 2) or
+    [−1, 1] (``mean``). Metadata: ``images`` (list of paths; the first is the conditioning image), as the prompt
+    loader writes it from a record's ``image``; each image's features are computed once and cached (the G samples
+    of a group share it). Prompts are not read.
+
+    Raises:
+        ValueError: bad settings (at construction); a record without ``images``, or a one-frame video in
+            ``vbench`` mode (when scoring).
+        OSError: an image that cannot be read.
+    """
+
+    name = "i2v_consistency"
+    modalities = ("video",)
+
+    def __init__(self, backbone: str = "dino", checkpoint: str | None = None, mode: str = "vbench",
+                 image_size: int = 224, dtype: str = "float32", batch_size: int = 32) -> None:
+        if mode not in ("vbench", "mean"):
+            raise ValueError(f"mode must be 'vbench' or 'mean', got {mode!r}")
+        super().__init__(backbone=backbone, checkpoint=checkpoint, image_size=image_size, dtype=dtype,
+                         batch_size=batch_size)
+        self.mode = mode
+        self._image_features: dict[str, torch.Tensor] = {}
+
+    def _image(self, path: str) -> torch.Tensor:
+        if path not in self._image_features:
+            import numpy as np
+            from PIL import Image
+
+            with Image.open(path) as img:
+                rgb = np.asarray(img.convert("RGB"))
+            pixels = torch.from_numpy(rgb.copy()).permute(2, 0, 1).unsqueeze(0).float() / 255
+            self._image_features[path] = self.features(pixels)[0]
+        return self._image_features[path]
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """(B,) float32 CPU consistency of each video with its conditioning image."""
+        if self.encoder is None:
+            raise RuntimeError("ImageToVideoConsistency.setup(device) must be called before scoring")
+        for i, m in enumerate(metadata):
+            if not m.get("images"):
+                raise ValueError(f"{self.name} needs metadata 'images' (the conditioning image); record {i} has keys "
+                                 f"{sorted(m)}")
+        b, f = images.shape[:2]
+        if self.mode == "vbench" and f < 2:
+            raise ValueError(f"{self.name}: mode vbench needs videos of at least 2 frames, got {f}")
+        source = torch.stack([self._image(m["images"][0]) for m in metadata])  # (B, D)
+        feats = self.features(images.reshape(b * f, *images.shape[2:])).view(b, f, -1)  # (B, F, D)
+        to_image = (feats * source.unsqueeze(1)).sum(-1)  # (B, F) cos(f_img, f_i)
+        if self.mode == "mean":
+            return to_image.mean(1).cpu()
+        to_previous = (feats[:, 1:] * feats[:, :-1]).sum(-1).clamp(min=0)  # (B, F−1)
+        return (0.5 * to_image.clamp(min=0).amax(1) + 0.5 * to_previous.mean(1)).cpu()

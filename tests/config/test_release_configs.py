@@ -19,6 +19,17 @@ REPO = Path(__file__).resolve().parents[2]
 SDE_RATIO_CLIPPED = {"objective.name": "sde_ratio", "algo.policy_loss.name": "clipped",
                      "algo.group_filter.name": "none"}
 
+# what Flow-Factory's two Wan image-to-video LoRA examples share (examples/grpo/lora/wan2{1,2}/i2v.yaml)
+_FLOW_FACTORY_I2V = {
+    "model.num_frames": 5, "model.finetune": "lora", "model.lora_rank": 64, "model.lora_alpha": 128,
+    "sampling.sde_kind": "flow_sde", "sampling.noise_level": 0.9, "eval_sampling.num_steps": 28,
+    "algo.advantage": "grpo", "algo.global_std": False, "algo.advantage_clip": 5.0, "algo.clip_range": 1e-4,
+    "algo.kl_beta": 0.0, "train.group_size": 16, "batch_size": 48 * 16, "train.rollout_batch_size": 1,
+    "train.optimizer_steps_per_epoch": 2, "train.lr": 1e-4, "train.weight_decay": 1e-4,
+    "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8, "train.max_grad_norm": 1.0, "train.ema_decay": 0.9,
+    "train.seed": 42,
+}
+
 # dotted config key -> value in the release (source in the comment)
 RELEASES: dict[str, dict[str, object]] = {
     # yifan123/flow_grpo: config/grpo.py pickscore_flux, config/base.py, scripts/train_flux.py
@@ -133,6 +144,20 @@ RELEASES: dict[str, dict[str, object]] = {
         "train.group_size": 8, "batch_size": 64 * 8, "train.optimizer_steps_per_epoch": 4,   # 64 / mini-batch 16
         "train.lr": 1e-5, "train.weight_decay": 1e-4, "train.seed": 42, "train.num_epochs": 120,
     },
+    # X-GenGroup/Flow-Factory: examples/grpo/lora/wan21/i2v.yaml (sampling shift: Wan2.1 generate.py, 480p I2V)
+    "wan21_i2v_14b": {
+        **SDE_RATIO_CLIPPED, **_FLOW_FACTORY_I2V,
+        "model.pretrained": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "model.height": 240, "model.width": 240,
+        "model.scheduler_shift": 3.0, "sampling.num_steps": 10, "sampling.guidance_scale": 5.0,
+        "eval_sampling.guidance_scale": 5.0, "model.gradient_checkpointing": False,
+    },
+    # X-GenGroup/Flow-Factory: examples/grpo/lora/wan22/i2v.yaml (shift, second scale: Wan2.2 wan_i2v_A14B.py)
+    "wan22_i2v_a14b": {
+        **SDE_RATIO_CLIPPED, **_FLOW_FACTORY_I2V,
+        "model.pretrained": "Wan-AI/Wan2.2-I2V-A14B-Diffusers", "model.height": 256, "model.width": 256,
+        "model.scheduler_shift": 5.0, "model.guidance_scale_2": 3.5, "model.trained_expert": "transformer",
+        "sampling.num_steps": 8, "sampling.guidance_scale": 3.5, "eval_sampling.guidance_scale": 3.5,
+    },
 }
 
 REWARDS = {  # reward names (and kwargs that matter) of each release
@@ -143,6 +168,8 @@ REWARDS = {  # reward names (and kwargs that matter) of each release
     "wan21_t2v_1.3b_dance": [("video_frames", {"base": "hpsv2", "base_kwargs": {"version": "v2.1"},
                                                 "frames": "first"})],
     "wan22_5b_dance": [("video_frames", {"base": "hpsv3", "frames": [0, 4, 8]})],   # every 4th of 9 frames
+    "wan21_i2v_14b": [("video_frames", {"base": "pickscore"})],   # Flow-Factory's PickScore, mean over frames
+    "wan22_i2v_a14b": [("video_frames", {"base": "pickscore"})],
 }
 
 
