@@ -127,3 +127,33 @@ def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir, 
     assert all(torch.equal(oa[k]["exp_avg"], ob[k]["exp_avg"]) for k in oa)
     ra, rb = (read_metrics(tmp_path / d / "metrics.jsonl")[-1] for d in ("whole", "resumed"))
     assert ra["objective/loss"] == rb["objective/loss"]
+
+
+def test_a_lora_run_is_a_teacher(tmp_path, tiny_flux_dir):
+    """``objective.teacher`` naming a LoRA run's output_dir: its LoRA fused into a copy of the base model gives the
+    velocity of the base model with that LoRA loaded (diffusers' ``load_lora_weights``), not the base's."""
+    from flowgrpo.algo.objectives.opd import load_teacher
+    from flowgrpo.models import load_model_from_config
+    from flowgrpo.models.base import _forward_with
+    from flowgrpo.models.lora import load_lora_into
+    from flowgrpo.runner import run
+
+    cfg = _config(tmp_path, tiny_flux_dir, {"name": "refl", "variant": "draft_k", "k": 1})
+    run(cfg)
+    assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    student = load_model_from_config(cfg.model, progress=False)
+    teacher = load_teacher(str(tmp_path / "run"), student, cfg.model)
+    with_lora = load_model_from_config(cfg.model, progress=False)
+    load_lora_into(with_lora.pipe, tmp_path / "run" / "lora")
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    x = student.initial_latents(2, gens)
+    sigma = torch.tensor([0.6, 0.6])
+    with torch.no_grad():
+        embeds = student.encode_prompts(["a red cube", "a blue ball"])
+        v_base = student.velocity(x, sigma, embeds, 3.0)
+        with _forward_with(student, teacher):
+            v_teacher = student.velocity(x, sigma, embeds, 3.0)
+        v_lora = with_lora.velocity(x, sigma, with_lora.encode_prompts(["a red cube", "a blue ball"]), 3.0)
+    assert torch.allclose(v_teacher, v_lora, atol=1e-5)
+    assert float((v_teacher - v_base).abs().max()) > 1e-4  # the LoRA moved the teacher: the test has power
+    assert not any(p.requires_grad for p in teacher.parameters())
