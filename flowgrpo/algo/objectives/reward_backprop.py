@@ -63,12 +63,12 @@ DIFFERENTIABLE_BUILTINS = ("digit_correctness", "hpsv2", "pickscore", "clip_scor
 
 @dataclass(frozen=True)
 class RewardBackpropSettings:
-    """The knobs of ReFL / DRaFT (module docstring), with the papers' values as defaults where they give one.
+    """The knobs of ReFL / DRaFT (module docstring), with ReFL's release values for its own knobs.
 
     Attributes:
         variant: ``draft_k``, ``draft_lv`` or ``refl``.
-        k: DRaFT-K's K, the last sampling steps the gradient flows through (1 ≤ K ≤ T; the paper's best: 1).
-        lv_samples: DRaFT-LV's n, the re-noised copies of each sample (the paper: 2).
+        k: DRaFT-K's K, the last sampling steps the gradient flows through (1 ≤ K ≤ T; K = T is full DRaFT).
+        lv_samples: DRaFT-LV's n, the re-noised copies of each sample (default 2).
         refl_last_steps: ReFL draws its step from the last this many grid steps (the release: 10 of 40).
         reward_scale: s, the loss scale (DRaFT: 1; ReFL's release ``grad_scale``: 1e-3).
         refl_margin: ReFL's hinge m in max(0, m − R) (the release: 2).
@@ -184,8 +184,8 @@ class RewardBackpropConfig(ObjectiveConfig):
         "draft_k", description="reward backpropagation: draft_k (DRaFT-K, the last k steps), draft_lv (DRaFT-LV: the "
         "last step, lv_samples re-noised copies), refl (ReFL: one-step x0 prediction from a random late step)")
     k: int = Field(1, ge=1, description="DRaFT-K: sampling steps the reward's gradient flows back through (<= "
-                   "sampling.num_steps; the paper's best 1)")
-    lv_samples: int = Field(2, ge=1, description="DRaFT-LV: re-noised copies of each sample (the paper: 2)")
+                   "sampling.num_steps; K = T is full DRaFT)")
+    lv_samples: int = Field(2, ge=1, description="DRaFT-LV: re-noised copies of each sample")
     refl_last_steps: int = Field(10, ge=1, description="ReFL: its step is drawn from the last this many grid steps "
                                  "(the release: 10 of 40)")
     reward_scale: float = Field(1.0, gt=0, description="reward backpropagation: loss scale s (DRaFT -s*R; ReFL "
