@@ -41,6 +41,14 @@ per-group figure, kept off the console's evaluation line), and ``report_table(su
 the per-group table (:class:`~flowgrpo.records.GroupTable`) of the end-of-run report and of the panels under
 ``before_after.png``, built from ``summary.json``'s figures (the digits judge: its per-digit table).
 
+A reward may declare that its score is **differentiable** in the images: the class attribute ``differentiable =
+True`` (read by the configuration check of the reward-gradient objectives, before anything is constructed; an
+instance may set it False when its settings make the score piecewise constant, e.g. a 0/1 verdict) and the method
+``score_differentiable(images, prompts, metadata) -> (B,) float32`` on the images' device, with the autograd graph
+back to ``images`` (no ``torch.no_grad``, no host copy, no 8-bit rounding). Its values equal ``__call__``'s. The
+ReFL / DRaFT objective (:mod:`flowgrpo.algo.objectives.reward_backprop`) backpropagates through it;
+:func:`is_differentiable` and :func:`differentiable_scores` are the checks and the call.
+
 Plugins are classes (or factories) registered in the ``flowgrpo.rewards`` entry-point group; they are constructed
 with the keyword arguments of the config's ``rewards[i].kwargs`` and must not load weights in ``__init__``:
 heavy state is loaded in :meth:`Reward.setup`, which the trainer calls once with the device to use.
@@ -105,6 +113,33 @@ class BaseReward:
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         raise NotImplementedError
+
+
+def is_differentiable(reward) -> bool:
+    """Whether ``reward`` (an instance, a class or a factory) declares a score differentiable in the images: its
+    ``differentiable`` attribute is True and it has ``score_differentiable`` (module docstring)."""
+    return getattr(reward, "differentiable", False) is True and callable(getattr(reward, "score_differentiable", None))
+
+
+def differentiable_scores(reward, images: torch.Tensor, prompts: list[str], metadata: list[dict],
+                          name: str = "reward") -> torch.Tensor:
+    """``reward.score_differentiable`` after the shared input check: (B,) float32 on the images' device, with
+    gradient to ``images`` (B, 3, H, W) float in [0, 1].
+
+    Raises:
+        ValueError: the reward ``name`` declares no differentiable score (naming it), bad inputs
+            (:func:`check_reward_inputs`), or a result that is not (B,) float.
+    """
+    if not is_differentiable(reward):
+        raise ValueError(f"reward {name!r} has no differentiable score (differentiable = True and "
+                         "score_differentiable); a reward-gradient objective cannot train on it")
+    check_reward_inputs(images, prompts, metadata, name, modalities_of(reward))
+    out = reward.score_differentiable(images, prompts, metadata)
+    if not isinstance(out, torch.Tensor) or out.shape != (images.shape[0],) or not out.is_floating_point():
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"reward {name!r}: score_differentiable returned {shape}, expected a ({images.shape[0]},) "
+                         "float tensor")
+    return out.float()
 
 
 def is_group_wise(reward) -> bool:

@@ -79,6 +79,9 @@ class Trainer:
         self.main = accelerator.is_main_process
         self.optim = Optimization(config, adapter=adapter, accelerator=accelerator)
         objective.prepare(self.optim)  # what the objective keeps of the prepared weights (an old copy)
+        attach = getattr(objective, "attach", None)  # optional: an update that needs the model and the rewards
+        if attach is not None:  # (ReFL / DRaFT's differentiable rewards, a distillation teacher)
+            attach(adapter, rewards)
         self.sampler = GroupSampler(len(prompts), config.train.prompts_per_epoch, config.train.seed)
         self.epoch = 0  # 0-based: the epoch training (or next to train)
         self.stage = "epochs"  # "epochs", then "final" (the final evaluation and save)

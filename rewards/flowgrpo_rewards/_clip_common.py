@@ -365,6 +365,10 @@ class HFClip:
     @torch.no_grad()
     def image_features(self, pixels: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """(b, 3, h, w) preprocessed pixels -> (b, D) projected image embeddings (L2-normalised by default)."""
+        return self.image_features_differentiable(pixels, normalize)
+
+    def image_features_differentiable(self, pixels: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """:meth:`image_features` with the autograd graph back to ``pixels`` (the weights stay frozen)."""
         pooled = self.model.vision_model(pixel_values=pixels).pooler_output
         features = self.model.visual_projection(pooled)
         return F.normalize(features, dim=-1) if normalize else features
@@ -443,6 +447,10 @@ class OpenClip:
     @torch.no_grad()
     def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """(b, 3, h, w) preprocessed pixels -> (b, D) L2-normalised image features."""
+        return self.image_features_differentiable(pixels)
+
+    def image_features_differentiable(self, pixels: torch.Tensor) -> torch.Tensor:
+        """:meth:`image_features` with the autograd graph back to ``pixels`` (the weights stay frozen)."""
         return self.model.encode_image(pixels, normalize=True)
 
     @torch.no_grad()

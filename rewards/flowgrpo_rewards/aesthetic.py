@@ -121,6 +121,8 @@ class AestheticReward(BaseReward):
     """
 
     name = "aesthetic"
+    #: differentiable in the images with the torch resize (:meth:`score_differentiable`); not with the 8-bit PIL one
+    differentiable = True
 
     def __init__(
         self,
@@ -148,6 +150,7 @@ class AestheticReward(BaseReward):
         self.dtype = parse_dtype(dtype)
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.resize_backend = check_resize_backend(resize_backend)
+        self.differentiable = self.resize_backend == "torch"
         self.clip = None
         self.mlp = None
 
@@ -156,7 +159,7 @@ class AestheticReward(BaseReward):
         super().setup(device)
         path = resolve_file(self.mlp_checkpoint, self.mlp_filename, "aesthetic MLP checkpoint",
                             reward=self.name, key="mlp_checkpoint")
-        self.mlp = load_aesthetic_mlp(path, self.mlp_dims).to(self.device)
+        self.mlp = load_aesthetic_mlp(path, self.mlp_dims).to(self.device).requires_grad_(False)
         self.clip = load_hf_clip(
             self.clip_checkpoint, self.clip_processor, self.clip_architecture, self.device, self.dtype,
             reward=self.name, keys=("clip_checkpoint", "clip_processor"),
@@ -176,3 +179,17 @@ class AestheticReward(BaseReward):
             return self.mlp(embeddings)
 
         return in_chunks(images, self.batch_size, chunk).cpu()
+
+    def score_differentiable(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """:meth:`score` with the autograd graph back to ``images`` (CLIP and the MLP frozen; the torch resize):
+        (B,) float32 on the reward's device."""
+        if self.clip is None or self.mlp is None:
+            raise RuntimeError("AestheticReward.setup(device) must be called before scoring")
+        if not self.differentiable:
+            raise ValueError("aesthetic: resize_backend='pil' rounds to 8 bits (no gradient); use 'torch'")
+
+        def chunk(imgs: torch.Tensor, sl: slice) -> torch.Tensor:
+            pixels = self.clip.preprocess(imgs.to(self.device)).to(self.dtype)
+            return self.mlp(self.clip.image_features_differentiable(pixels, normalize=True).float())
+
+        return in_chunks(images, self.batch_size, chunk)

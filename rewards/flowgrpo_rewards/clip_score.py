@@ -109,6 +109,8 @@ class ClipScoreReward(BaseReward):
     """
 
     name = "clip_score"
+    #: differentiable in the images with the torch resize (:meth:`score_differentiable`); not with the 8-bit PIL one
+    differentiable = True
 
     def __init__(
         self,
@@ -133,6 +135,7 @@ class ClipScoreReward(BaseReward):
         self.dtype = parse_dtype(dtype)
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.resize_backend = check_resize_backend(resize_backend)
+        self.differentiable = self.resize_backend == "torch"
         if spec.tensor_transform and resize_backend != "torch":
             raise ValueError(f"clip_score variant {variant!r} follows a float-tensor pipeline (torchvision on "
                              "tensors): resize_backend must be 'torch'")
@@ -175,3 +178,19 @@ class ClipScoreReward(BaseReward):
             return scale * cosine_rows(self.clip.image_features(pixels), text[sl])
 
         return in_chunks(images, self.batch_size, chunk).cpu()
+
+    def score_differentiable(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """:meth:`score` with the autograd graph back to ``images`` (the model frozen; the torch resize): (B,)
+        float32 on the reward's device."""
+        if self.clip is None:
+            raise RuntimeError("ClipScoreReward.setup(device) must be called before scoring")
+        if not self.differentiable:
+            raise ValueError("clip_score: resize_backend='pil' rounds to 8 bits (no gradient); use 'torch'")
+        text = encode_unique(prompts, self.clip.text_features)
+        scale = self._scale()
+
+        def chunk(imgs: torch.Tensor, sl: slice) -> torch.Tensor:
+            pixels = self.clip.preprocess(imgs.to(self.device)).to(self.dtype)
+            return scale * cosine_rows(self.clip.image_features_differentiable(pixels), text[sl])
+
+        return in_chunks(images, self.batch_size, chunk)

@@ -19,7 +19,11 @@ import numbers
 import torch
 
 from flowgrpo.rewards.base import BaseReward
-from flowgrpo.tasks.digits.scoring import digit_probabilities, reward_classifier
+from flowgrpo.tasks.digits.scoring import (
+    digit_probabilities,
+    digit_probabilities_differentiable,
+    reward_classifier,
+)
 
 DIGIT_FIELD = "digit"
 
@@ -63,6 +67,9 @@ class DigitCorrectness(BaseReward):
     """
 
     name = "digit_correctness"
+    #: the probability (capped or not) is differentiable in the images (:meth:`score_differentiable`); the 0/1
+    #: ``strict`` variant is not (an instance with ``strict=True`` sets it False)
+    differentiable = True
 
     def __init__(self, strict: bool = False, cap: float = 1.0) -> None:
         if not isinstance(strict, bool):
@@ -74,6 +81,7 @@ class DigitCorrectness(BaseReward):
         self.strict = strict
         self.cap = float(cap)
         self.name = "digit_correctness_strict" if strict else "digit_correctness"
+        self.differentiable = not strict
         self._ready = False
 
     def check_prompts(self, prompts) -> None:
@@ -97,9 +105,24 @@ class DigitCorrectness(BaseReward):
         return p.clamp(max=self.cap).contiguous() if self.cap < 1 else p.contiguous()
 
 
+    def score_differentiable(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """:meth:`score` (the probability, capped at ``cap``) with the graph back to ``images``: (B,) float32 on
+        the images' device (:func:`~flowgrpo.tasks.digits.scoring.digit_probabilities_differentiable`); past the
+        cap the gradient is 0. Raises ``ValueError`` for the strict (0/1) variant, which has no gradient."""
+        if self.strict:
+            raise ValueError(f"{self.name}: the 0/1 verdict has no gradient; use digit_correctness without strict")
+        labels = labels_from_metadata(metadata, self.name).to(images.device)
+        if not self._ready:
+            self.setup(images.device)
+        p = digit_probabilities_differentiable(images).gather(1, labels[:, None])[:, 0]
+        return p.clamp(max=self.cap) if self.cap < 1 else p
+
+
 class DigitCorrectnessStrict(DigitCorrectness):
     """:class:`DigitCorrectness` with ``strict=True``: 1.0 when the reward classifier's most probable digit is the
     intended one, else 0.0."""
+
+    differentiable = False  # a 0/1 verdict: no gradient
 
     def __init__(self) -> None:
         super().__init__(strict=True)

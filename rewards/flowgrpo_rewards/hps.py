@@ -76,6 +76,8 @@ class HPSv2Reward(BaseReward):
     """
 
     name = "hpsv2"
+    #: the score is differentiable in the images (:meth:`score_differentiable`)
+    differentiable = True
 
     def __init__(
         self,
@@ -120,3 +122,16 @@ class HPSv2Reward(BaseReward):
             return cosine_rows(self.clip.image_features(pixels), text[sl])
 
         return in_chunks(images, self.batch_size, chunk).cpu()
+
+    def score_differentiable(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """:meth:`score` with the autograd graph back to ``images`` (the model frozen): (B,) float32 on the
+        reward's device."""
+        if self.clip is None:
+            raise RuntimeError("HPSv2Reward.setup(device) must be called before scoring")
+        text = encode_unique(prompts, self.clip.text_features)
+
+        def chunk(imgs: torch.Tensor, sl: slice) -> torch.Tensor:
+            pixels = self.clip.preprocess(imgs.to(self.device)).to(self.dtype)
+            return cosine_rows(self.clip.image_features_differentiable(pixels), text[sl])
+
+        return in_chunks(images, self.batch_size, chunk)

@@ -61,6 +61,8 @@ class PickScoreReward(BaseReward):
     """
 
     name = "pickscore"
+    #: differentiable in the images with the torch resize (:meth:`score_differentiable`); not with the 8-bit PIL one
+    differentiable = True
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class PickScoreReward(BaseReward):
         self.dtype = parse_dtype(dtype)
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.resize_backend = check_resize_backend(resize_backend)
+        self.differentiable = self.resize_backend == "torch"
         self.clip = None
 
     def setup(self, device: torch.device) -> None:
@@ -104,3 +107,19 @@ class PickScoreReward(BaseReward):
             return scale * cosine_rows(self.clip.image_features(pixels), text[sl])
 
         return in_chunks(images, self.batch_size, chunk).cpu()
+
+    def score_differentiable(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """:meth:`score` with the autograd graph back to ``images`` (the model frozen; the torch resize): (B,)
+        float32 on the reward's device."""
+        if self.clip is None:
+            raise RuntimeError("PickScoreReward.setup(device) must be called before scoring")
+        if not self.differentiable:
+            raise ValueError("pickscore: resize_backend='pil' rounds to 8 bits (no gradient); use 'torch'")
+        text = encode_unique(prompts, self.clip.text_features)
+        scale = self.clip.logit_scale() / self.divisor
+
+        def chunk(imgs: torch.Tensor, sl: slice) -> torch.Tensor:
+            pixels = self.clip.preprocess(imgs.to(self.device)).to(self.dtype)
+            return scale * cosine_rows(self.clip.image_features_differentiable(pixels), text[sl])
+
+        return in_chunks(images, self.batch_size, chunk)

@@ -7,6 +7,8 @@ name           what it does                                                     
 ``nft``        DiffusionNFT: implicit positive/negative policies on the final samples      :mod:`.nft`
 ``awm``        AWM: advantage-weighted flow matching on the final samples                  :mod:`.awm`
 ``dgpo``       DGPO: group preference (DPO) on the forward process                         :mod:`.dgpo`
+``refl``       ReFL / DRaFT: a differentiable reward's gradient through the last steps     :mod:`.reward_backprop`
+``opd``        on-policy distillation (DiffusionOPD): a teacher scores the student's path  :mod:`.opd`
 =============  ==========================================================================  ======================
 
 The last three are the forward-process family (:mod:`.forward`): an ODE rollout with any solver, only the final
@@ -29,8 +31,11 @@ from flowgrpo.algo.objectives.base import (
 from flowgrpo.algo.objectives.dgpo import DGPO, DGPOConfig
 from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork
 from flowgrpo.algo.objectives.nft import NFT, NFTConfig
+from flowgrpo.algo.objectives.opd import OPD, OPDConfig
+from flowgrpo.algo.objectives.reward_backprop import RewardBackprop, RewardBackpropConfig
 from flowgrpo.algo.objectives.sde_ratio import SdeRatio, SdeRatioConfig, SdeRatioWork
 
 __all__ = ["OBJECTIVES", "BaseObjective", "Objective", "ObjectiveConfig", "build_objective", "objective_config_class",
            "SdeRatio", "SdeRatioConfig", "SdeRatioWork", "ForwardConfig", "ForwardObjective", "ForwardWork",
-           "NFT", "NFTConfig", "AWM", "AWMConfig", "DGPO", "DGPOConfig"]
+           "NFT", "NFTConfig", "AWM", "AWMConfig", "DGPO", "DGPOConfig", "RewardBackprop",
+           "RewardBackpropConfig", "OPD", "OPDConfig"]

@@ -29,7 +29,9 @@ Around the phases: :attr:`Objective.needs_reference` decides whether full fine-t
 copy; once the optimizer is built the loop calls :meth:`Objective.prepare` with it (an objective that keeps a
 copy of the weights makes it there, from the prepared parameters); and every checkpoint saves
 :meth:`Objective.state_dict` (``objective.safetensors``) and a resume loads it back
-(:meth:`Objective.load_state_dict`), so a resumed run continues bit for bit.
+(:meth:`Objective.load_state_dict`), so a resumed run continues bit for bit. An objective whose update needs the
+model adapter or the optimised rewards themselves (ReFL / DRaFT's differentiable rewards, a distillation teacher)
+defines the optional ``attach(adapter, rewards)``, which the loop calls once after :meth:`Objective.prepare`.
 """
 
 from __future__ import annotations

@@ -81,6 +81,28 @@ def digit_probabilities(images: torch.Tensor) -> torch.Tensor:
     return torch.softmax(feats @ w.T + b, dim=1).to(torch.float32)
 
 
+def digit_probabilities_differentiable(images: torch.Tensor) -> torch.Tensor:
+    """:func:`digit_probabilities` with the autograd graph back to ``images``: (B, 10) float32 on the images'
+    device. The same arithmetic (float64): ink = 1 − channel mean, g = clamp(16·P·ink·Pᵀ, 0, 16) (P the
+    least-squares downsampling of :func:`~flowgrpo.tasks.digits.data.images_to_digits`), p = softmax(W·g/16 + b).
+    Its gradient is zero where the clamp is active (an 8×8 cell outside 0–16 ink). ``images``: (B, 3, H, H) float in
+    [0, 1]; raises ``ValueError`` on another shape."""
+    from flowgrpo.tasks.digits.data import NATIVE_SIZE, _downsample_matrix
+
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3 \
+            or images.shape[2] != images.shape[3] or images.shape[2] < NATIVE_SIZE:
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"images must be a square (N, 3, H, H) tensor, H >= 8, in [0, 1], got {shape}")
+    clf = reward_classifier()
+    dev = images.device
+    p = _downsample_matrix(int(images.shape[-1])).to(dev)
+    ink = 1.0 - images.to(torch.float64).mean(dim=1)  # (B, H, H)
+    feats = (16.0 * (p @ ink @ p.T)).clamp(0.0, 16.0).reshape(len(images), -1) / 16.0  # (B, 64)
+    w = torch.as_tensor(clf.coef_, dtype=torch.float64, device=dev)  # (10, 64)
+    b = torch.as_tensor(clf.intercept_, dtype=torch.float64, device=dev)  # (10,)
+    return torch.softmax(feats @ w.T + b, dim=1).to(torch.float32)
+
+
 def _labels(labels) -> np.ndarray:
     arr = [check_digit(v, f"labels[{i}]") for i, v in enumerate(labels.tolist() if hasattr(labels, "tolist")
                                                                     else labels)]

@@ -1,0 +1,225 @@
+"""On-policy distillation: a student samples its own trajectory, a frozen teacher scores each of its states
+(``objective: {name: opd, teacher: FOLDER}``; DiffusionOPD, Li et al., arXiv 2605.15055).
+
+The student (the trained model) rolls out with ``sampling.num_steps`` steps (its step count: fewer than the
+teacher was trained with, for a few-step student) on the model's grid σ₀ = 1 > … > σ_T = 0, keeping every latent
+(:func:`~flowgrpo.algo.objectives.paths.path_rollout`): Euler steps, or Flow-GRPO's ``flow_sde`` with
+``a = objective.noise_level``. At each of the student's states x_j (j < ⌊T·f⌋, f = ``timestep_fraction``) the
+student's and the teacher's transition means are formed from their velocities with the same step
+(:func:`~flowgrpo.sampling.sde.transition_moments`), μ^S = μ(x_j, v_θ(x_j, σ_j)) and μ^T = μ(x_j, v_T(x_j, σ_j)),
+and the per-step loss is the KL between the two transitions (paper eq. 11) or, for the deterministic sampler, its
+ODE limit (eq. 12):
+
+    a > 0:  D_j = mean_dims((μ^S − μ^T)²) / (2·d_j²),   d_j = a·√(σ_j/(1 − σ_j))   (Flow-GRPO's std_dev_t, σ = 1
+                                                                                   guarded by the grid's σ₁)
+    a = 0:  D_j = ½·mean_dims((μ^S − μ^T)²)             (= ½·(σ_{j+1} − σ_j)²·mean_dims((v_θ − v_T)²))
+
+averaged over an optimizer step's (sample, j) rows, the teacher's mean detached. Release (a copy of ali-vilab/
+DiffusionOPD, ``scripts/train_sd3_opd.py``): ``compute_student_step`` / ``compute_teacher_step_mean`` (the
+transition means of both at the student's ``latents[:, j]``, the teacher at its own ``guidance_scale``), the loss
+block of the training pass (``delta = prev_sample_mean - teacher_prev_mean``; ``per_step_kl = 0.5 * delta**2`` when
+``noise_level <= 0`` else ``delta**2 / (2 * std_dev_t**2)``; ``.mean`` over the latent dims, ``.mean`` over the
+batch; one ``accelerator.backward`` per j with the accumulation over ``gradient_accumulation_steps ×
+num_train_timesteps``, i.e. the mean over (sample, j)), ``num_train_timesteps = int(sample.num_steps *
+train.timestep_fraction)`` (the first steps of the grid). The teacher in the release is a LoRA adapter beside the
+student's on one backbone; here it is a whole frozen transformer (:func:`load_teacher`), kept on the model's device
+beside the student (a sharded run keeps it whole on every process). No reward enters the loss: the rewards are
+scored and logged as monitors, as the release's ``proxy_reward``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from flowgrpo.algo.objectives.base import OBJECTIVES, ObjectiveConfig
+from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims
+from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork
+from flowgrpo.algo.objectives.paths import PathDraw, PathSamples, path_rollout
+from flowgrpo.records import Advantages
+from flowgrpo.sampling.sde import kl_to_reference, transition_moments
+
+__all__ = ["OPD", "OPDConfig", "opd_step_loss", "opd_train_steps", "teacher_source", "load_teacher"]
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def opd_train_steps(num_steps: int, fraction: float) -> int:
+    """⌊T·f⌋, the student's steps each trajectory trains (the first of the grid; the release's
+    ``num_train_timesteps``). Raises ``ValueError`` when it is 0 or f is outside (0, 1]."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"objective.timestep_fraction must be in (0, 1], got {fraction}")
+    k = int(num_steps * fraction)
+    if k < 1:
+        raise ValueError(f"objective.timestep_fraction={fraction} of sampling.num_steps={num_steps} trains no step")
+    return k
+
+
+def opd_step_loss(mean_student: torch.Tensor, mean_teacher: torch.Tensor, std: torch.Tensor | None, sigma,
+                  sigma_next, *, noise_level: float) -> torch.Tensor:
+    """D_j of n rows (module docstring), (n,) float32: ½·mean_dims((μ^S − μ^T)²) for ``noise_level`` 0, else
+    mean_dims((μ^S − μ^T)²)/(2·d²) with d Flow-GRPO's ``std_dev_t`` derived from the transition ``std`` (n,)
+    (:func:`~flowgrpo.sampling.sde.kl_to_reference`, form ``flow_grpo``). The teacher's mean is detached."""
+    mean_teacher = mean_teacher.detach().float()
+    if noise_level == 0:
+        return 0.5 * mean_dims((mean_student.float() - mean_teacher).square())
+    return kl_to_reference(mean_student.float(), mean_teacher, std, sigma, sigma_next, kind="flow_sde",
+                           form="flow_grpo")
+
+
+def teacher_source(folder: str) -> tuple[str, Path]:
+    """What ``objective.teacher`` names: ``("transformer", path)`` for a ``from_pretrained`` transformer folder (a
+    full fine-tuning run's ``output_dir/transformer``, or the ``transformer/`` of a pipeline folder or a run folder),
+    ``("lora", path)`` for a LoRA folder (a LoRA run's ``output_dir/lora``, or a run folder holding one).
+
+    Raises:
+        ValueError: no such folder, or one holding neither (one line naming what was looked for).
+    """
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"objective.teacher={folder!r} is not a folder: give a run's output_dir, its transformer "
+                         "or lora folder, or a diffusers pipeline folder")
+    places = (("transformer", path, "config.json"), ("lora", path, LORA_FILE),
+              ("transformer", path / "transformer", "config.json"), ("lora", path / "lora", LORA_FILE))
+    for kind, cand, marker in places:
+        if (cand / marker).is_file():
+            return kind, cand
+    raise ValueError(f"objective.teacher={folder!r} holds no transformer (config.json, here or in transformer/) and "
+                     f"no LoRA ({LORA_FILE}, here or in lora/)")
+
+
+def load_teacher(folder: str, adapter, model_config) -> torch.nn.Module:
+    """The frozen teacher transformer of ``objective.teacher`` (:func:`teacher_source`), on the adapter's device in
+    its dtype, in eval mode, without gradient: a transformer folder loaded with the student transformer's class
+    (``from_pretrained``); a LoRA folder loaded into a fresh copy of the run's base model (``model_config``, the
+    run's ``model`` section) and fused into its weights."""
+    kind, path = teacher_source(folder)
+    if kind == "transformer":
+        cls = type(adapter.transformer)
+        teacher = cls.from_pretrained(str(path), torch_dtype=adapter.dtype)
+    else:
+        from flowgrpo.models import load_model_from_config
+        from flowgrpo.models.lora import load_lora_into
+
+        base = load_model_from_config(model_config, progress=False)
+        load_lora_into(base.pipe, path)
+        base.transformer.fuse_lora()
+        base.transformer.unload_lora()
+        teacher = base.transformer
+    return teacher.to(adapter.device).requires_grad_(False).eval()
+
+
+class OPDConfig(ObjectiveConfig):
+    """``objective: {name: opd, teacher: FOLDER, ...}``: on-policy distillation (module docstring); the student's
+    step count is ``sampling.num_steps``."""
+
+    name: Literal["opd"] = "opd"
+    teacher: str | None = Field(None, description="on-policy distillation: the teacher, a run's output_dir (its "
+                                "transformer/ or lora/), a transformer folder, a LoRA folder, or a diffusers pipeline "
+                                "folder")
+    teacher_guidance_scale: float | None = Field(None, ge=0, description="on-policy distillation: the teacher's "
+                                                 "guidance (the release's per-teacher guidance_scale); default "
+                                                 "sampling.guidance_scale")
+    noise_level: float = Field(0.0, ge=0, description="on-policy distillation: the student's rollout noise a "
+                               "(flow_sde); 0 (the release): Euler steps and the loss 1/2*mean (mu_S - mu_T)^2, "
+                               "else the KL (mu_S - mu_T)^2 / (2*(a*sqrt(sigma/(1-sigma)))^2)")
+    timestep_fraction: float = Field(0.99, gt=0, le=1, description="on-policy distillation: the first "
+                                     "int(T*f) steps of the student's T train (the release: 0.99)")
+
+    def check(self, config) -> None:
+        """The forward family's refusals (the SDE-ratio settings, :meth:`ForwardConfig.check`)."""
+        ForwardConfig.check(self, config)
+
+
+@OBJECTIVES.register("opd")
+class OPD(ForwardObjective):
+    """On-policy distillation (module docstring) on the forward family's plan and update loop: per micro-batch one
+    draw per trained step j, the student's forward with gradient and the teacher's without."""
+
+    Config = OPDConfig
+    uses_old_copy = False
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.teacher = None
+
+    def loss_settings(self) -> tuple[float, float]:
+        """(noise level, timestep fraction), checked."""
+        opd_train_steps(max(self.cfg.sampling.num_steps, 1), self.o.timestep_fraction)
+        return self.o.noise_level, self.o.timestep_fraction
+
+    def validate(self) -> None:
+        """The settings and the teacher folder's layout (:func:`teacher_source`), before any model loads."""
+        self.loss_settings()
+        if not self.o.teacher:
+            raise ValueError("objective.name=opd needs objective.teacher: a run's output_dir, its transformer or lora "
+                             "folder, or a diffusers pipeline folder")
+        teacher_source(self.o.teacher)
+
+    @property
+    def needs_reference(self) -> bool:
+        """No KL to the base model (the release's ``train.beta = 0``)."""
+        return False
+
+    def attach(self, adapter, rewards) -> None:
+        """Load the frozen teacher (:func:`load_teacher`)."""
+        self.teacher = load_teacher(self.o.teacher, adapter, self.cfg.model)
+
+    def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
+        opd_train_steps(sigmas.numel() - 1, self.o.timestep_fraction)
+        return 1
+
+    def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
+        return opd_train_steps(sigmas.numel() - 1, self.o.timestep_fraction)
+
+    def rollout(self, adapter, request) -> PathSamples:
+        """The student's own path (no gradient): Euler steps, or ``flow_sde`` at ``objective.noise_level``."""
+        return path_rollout(adapter, request, noise_level=self.o.noise_level)
+
+    def plan(self, samples: PathSamples, adv: Advantages, keep: torch.Tensor, epoch: int) -> ForwardWork:
+        """The forward family's plan with every sample the group filter keeps trained (no advantage enters)."""
+        import dataclasses
+
+        return super().plan(samples, dataclasses.replace(adv, train_mask=torch.ones_like(adv.train_mask)), keep,
+                            epoch)
+
+    def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[PathDraw]:
+        """One draw per trained step j = 0 … ⌊T·f⌋ − 1, at σ_j (nothing random)."""
+        s = work.samples
+        zeros = torch.zeros(()).expand((len(rows), *s.x0.shape[1:]))
+        return [PathDraw(rows, s.sigmas[j].expand(len(rows)).clone(), zeros, step=j)
+                for j in range(self.sigmas_per_sample(s.sigmas))]
+
+    def teacher_velocity(self, adapter, x: torch.Tensor, sigma: torch.Tensor, embeds, guidance: float):
+        """The teacher's velocity (no gradient) at (x, σ): the adapter's forward with the teacher module."""
+        from flowgrpo.models.base import _forward_with
+
+        if self.teacher is None:
+            raise RuntimeError("objective opd: attach(adapter, rewards) was not called before the update")
+        with torch.no_grad(), _forward_with(adapter, self.teacher):
+            return adapter.velocity(x, sigma, embeds, guidance)
+
+    def terms(self, adapter, work: ForwardWork, draw: PathDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
+        """D_j of the draw's rows (module docstring) with stats ``teacher_gap`` (mean_dims (v_θ − v_T)²)."""
+        s, j, a = work.samples, draw.step, self.o.noise_level
+        dev, n = x0.device, len(draw.rows)
+        x = s.latents[draw.rows.to(s.latents.device), j].to(dev).float()
+        sig = torch.full((n,), float(s.sigmas[j]), device=dev)
+        g_student = s.guidance_scale
+        g_teacher = g_student if self.o.teacher_guidance_scale is None else self.o.teacher_guidance_scale
+        v_t = self.teacher_velocity(adapter, x, sig, embeds, g_teacher)
+        v_s = self.velocity(adapter, x, sig, embeds, guidance=g_student)
+        kind = "flow_sde" if a > 0 else "ode"
+        sigma, sigma_next = float(s.sigmas[j]), float(s.sigmas[j + 1])
+        guard = float(s.sigmas[1])  # the releases' sigma_max = sigmas[1] at sigma = 1
+        m_s, std = transition_moments(x, v_s, sigma, sigma_next, kind=kind, noise_level=a, sigma_one_next=guard,
+                                      check_sigmas=False)
+        m_t, _ = transition_moments(x, v_t, sigma, sigma_next, kind=kind, noise_level=a, sigma_one_next=guard,
+                                    check_sigmas=False)
+        loss = opd_step_loss(m_s, m_t, std, torch.full((n,), sigma, device=dev),
+                             torch.full((n,), sigma_next, device=dev), noise_level=a)
+        return ObjectiveTerms(loss=loss, stats={"teacher_gap": mean_dims((v_s.detach().float() - v_t.float())
+                                                                         .square())})

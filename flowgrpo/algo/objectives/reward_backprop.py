@@ -1,0 +1,328 @@
+"""ReFL and DRaFT: the reward's gradient back through the last sampling steps, the VAE decode and a differentiable
+reward (``objective: {name: refl, variant: ...}``).
+
+The rollout is an Euler (ODE) sample of every trajectory that keeps its whole path (:func:`~flowgrpo.algo.
+objectives.paths.path_rollout`, no gradient). The update restarts the sampler from a late latent of that path with
+gradient, decodes the result and maximises the composed reward ``R = Σ_i w_i·r_i(x̂)`` of the rewards with a
+non-zero weight, each of which must declare a differentiable score (:func:`flowgrpo.rewards.base.is_differentiable`;
+ours: ``digit_correctness`` (not ``strict``), ``hpsv2``, ``pickscore``, ``clip_score``, ``aesthetic``; JPEG
+compressibility, OCR, GenEval and the VLM judges are not and are refused by name when the config is built). With the
+σ grid σ₀ = 1 > … > σ_T = 0 of ``sampling.num_steps`` steps and the trained velocity v_θ:
+
+* ``draft_k`` (DRaFT-K, Clark et al., arXiv 2309.17400, §4 "DRaFT-K"): from the rollout's latent x_{T−K}
+  (detached), K Euler steps with gradient ``x_{i+1} = x_i + (σ_{i+1} − σ_i)·v_θ(x_i, σ_i)``, i = T−K … T−1 (the
+  same step the rollout took, so the replay reproduces the rollout's x₀ before any update); loss ``−s·R(x_T)``.
+  K = T is full DRaFT.
+* ``draft_lv`` (DRaFT-LV, the same paper's Algorithm 2, "lower variance"): n copies of the rollout's final x₀
+  (detached), each re-noised to the last grid step, ``x = (1 − σ_{T−1})·x₀ + σ_{T−1}·ε``, denoised in one step with
+  gradient ``x̂₀ = x − σ_{T−1}·v_θ(x, σ_{T−1})``; loss ``−s·R(x̂₀)`` for each copy. The paper sums the n
+  gradients; here each copy is one row of the optimizer step's mean, which is the sum divided by n (a constant
+  factor of the reward scale s).
+* ``refl`` (ReFL, ImageReward, Xu et al., arXiv 2304.05977, §4.2 and Algorithm 1; THUDM/ImageReward
+  ``train/src/refl.py``: ``mid_timestep = random.randint(30, 39)`` of 40 steps, the one-step prediction
+  ``pred_original_sample`` decoded and scored, ``loss = F.relu(-rewards + 2).mean() * grad_scale``): per
+  micro-batch a step j drawn uniformly from the last ``refl_last_steps`` of the grid, the rollout's latent x_j
+  (detached) predicted to the clean image in one step with gradient, ``x̂₀ = x_j − σ_j·v_θ(x_j, σ_j)``; loss
+  ``s·max(0, m − R(x̂₀))`` with the margin m (the release's 2) and s the release's ``grad_scale`` (1e-3).
+
+Each transformer call of the gradient path and the decode run under :func:`torch.utils.checkpoint.checkpoint`
+(``objective.checkpointing``, on by default): the backward recomputes one step's activations at a time instead of
+keeping K steps' (DRaFT's per-step checkpointing). The advantages are computed and logged as for every objective but
+not used: the reward itself is the signal, so a sample trains whatever its group. ReFL and DRaFT over-optimise
+(reward hacking): nothing here holds the samples near the base model (no KL), as in the papers; watch an independent
+evaluation reward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch.utils.checkpoint import checkpoint
+
+from flowgrpo.algo.objectives.base import OBJECTIVES, ObjectiveConfig
+from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised
+from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork
+from flowgrpo.algo.objectives.paths import PathDraw, PathSamples, decode_with_grad, path_rollout
+from flowgrpo.records import Advantages
+from flowgrpo.rewards.base import differentiable_scores, is_differentiable
+from flowgrpo.rng import make_generator
+
+__all__ = ["RewardBackprop", "RewardBackpropConfig", "RewardBackpropSettings", "VARIANTS", "euler_replay",
+           "x0_prediction", "draft_loss", "refl_loss", "refl_step", "check_differentiable_rewards"]
+
+VARIANTS = ("draft_k", "draft_lv", "refl")
+#: the built-in rewards with a differentiable score (named by the refusal of another)
+DIFFERENTIABLE_BUILTINS = ("digit_correctness", "hpsv2", "pickscore", "clip_score", "aesthetic")
+
+
+@dataclass(frozen=True)
+class RewardBackpropSettings:
+    """The knobs of ReFL / DRaFT (module docstring), with ReFL's release values for its own knobs.
+
+    Attributes:
+        variant: ``draft_k``, ``draft_lv`` or ``refl``.
+        k: DRaFT-K's K, the last sampling steps the gradient flows through (1 ≤ K ≤ T; K = T is full DRaFT).
+        lv_samples: DRaFT-LV's n, the re-noised copies of each sample (default 2).
+        refl_last_steps: ReFL draws its step from the last this many grid steps (the release: 10 of 40).
+        reward_scale: s, the loss scale (DRaFT: 1; ReFL's release ``grad_scale``: 1e-3).
+        refl_margin: ReFL's hinge m in max(0, m − R) (the release: 2).
+        checkpointing: recompute each step's activations in the backward (``torch.utils.checkpoint``).
+
+    Raises:
+        ValueError: on construction, an unknown variant, K, n or ``refl_last_steps`` < 1, or s ≤ 0.
+    """
+
+    variant: str = "draft_k"
+    k: int = 1
+    lv_samples: int = 2
+    refl_last_steps: int = 10
+    reward_scale: float = 1.0
+    refl_margin: float = 2.0
+    checkpointing: bool = True
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"objective.variant must be one of {VARIANTS}, got {self.variant!r}")
+        for name in ("k", "lv_samples", "refl_last_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"objective.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.reward_scale > 0:
+            raise ValueError(f"objective.reward_scale must be > 0, got {self.reward_scale}")
+
+    def forwards_per_sample(self) -> int:
+        """The update's rows per sample: n for DRaFT-LV, else 1."""
+        return self.lv_samples if self.variant == "draft_lv" else 1
+
+
+def euler_replay(velocity, x: torch.Tensor, sigmas: torch.Tensor, start: int, *,
+                 checkpointing: bool = True) -> torch.Tensor:
+    """Euler steps ``x ← x + (σ_{i+1} − σ_i)·v(x, σ_i)`` for i = start … T−1 on the (T+1,) grid ``sigmas`` (host),
+    from ``x`` (n, …) at σ_start; returns the (n, …) float32 latent at σ_T = 0. ``velocity(x, σ_i)`` (σ_i a float) is
+    the model call; with ``checkpointing`` each step runs under :func:`torch.utils.checkpoint.checkpoint`
+    (non-reentrant), so its activations are recomputed in the backward.
+
+    Raises:
+        ValueError: ``start`` outside [0, T − 1].
+    """
+    t = sigmas.numel() - 1
+    if not 0 <= start < t:
+        raise ValueError(f"euler_replay: start must be in [0, {t - 1}], got {start}")
+    x = x.float()
+    for i in range(start, t):
+        sigma, dt = float(sigmas[i]), float(sigmas[i + 1]) - float(sigmas[i])
+
+        def step(z: torch.Tensor, sigma=sigma, dt=dt) -> torch.Tensor:
+            return z + dt * velocity(z, sigma).float()
+
+        x = checkpoint(step, x, use_reentrant=False) if checkpointing else step(x)
+    return x
+
+
+def x0_prediction(velocity, x: torch.Tensor, sigma: float, *, checkpointing: bool = True) -> torch.Tensor:
+    """The one-step clean prediction ``x̂₀ = x − σ·v(x, σ)``, (n, …) float32 (diffusers' ``pred_original_sample``
+    of a flow-matching step; the Euler step from σ straight to 0)."""
+
+    def step(z: torch.Tensor) -> torch.Tensor:
+        return z.float() - sigma * velocity(z, sigma).float()
+
+    return checkpoint(step, x, use_reentrant=False) if checkpointing else step(x)
+
+
+def draft_loss(rewards: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """DRaFT's per-row loss ``−s·R``, (n,) (arXiv 2309.17400 Algorithm 1: gradient ascent on the reward)."""
+    return -scale * rewards
+
+
+def refl_loss(rewards: torch.Tensor, scale: float = 1e-3, margin: float = 2.0) -> torch.Tensor:
+    """ReFL's per-row loss ``s·max(0, m − R)``, (n,) (THUDM/ImageReward ``train/src/refl.py``:
+    ``F.relu(-rewards + 2).mean() * grad_scale``; the mean is the optimizer step's)."""
+    return scale * F.relu(margin - rewards)
+
+
+def refl_step(num_steps: int, last_steps: int, generator: torch.Generator) -> int:
+    """ReFL's training step j, uniform over the last ``last_steps`` of a ``num_steps``-step grid: T − L … T − 1
+    (the release's ``random.randint(30, 39)`` for T = 40, L = 10).
+
+    Raises:
+        ValueError: L outside [1, T].
+    """
+    if not 1 <= last_steps <= num_steps:
+        raise ValueError(f"objective.refl_last_steps must be in [1, sampling.num_steps={num_steps}], got {last_steps}")
+    return num_steps - last_steps + int(torch.randint(last_steps, (1,), generator=generator))
+
+
+def check_differentiable_rewards(specs) -> None:
+    """Refuse, before anything is constructed, a reward of non-zero weight whose plugin declares no differentiable
+    score (its class or factory lacks ``differentiable = True``), in one line naming it. ``specs``: the run's
+    ``rewards`` (:class:`~flowgrpo.config.RewardSpec`). A name that does not resolve is left to the reward check."""
+    from flowgrpo.rewards.registry import RewardLoadError, resolve_reward_factory
+
+    for spec in specs:
+        if spec.weight == 0:
+            continue
+        try:
+            factory, _ = resolve_reward_factory(spec.name)
+        except RewardLoadError:
+            continue
+        if not is_differentiable(factory):
+            raise ValueError(f"objective.name=refl backpropagates the reward's gradient, but reward {spec.name!r} "
+                             "declares no differentiable score; use one that does (built in: "
+                             f"{', '.join(DIFFERENTIABLE_BUILTINS)}), or give it weight 0 (a logged metric)")
+
+
+class RewardBackpropConfig(ObjectiveConfig):
+    """``objective: {name: refl, ...}``: ReFL and DRaFT (module docstring)."""
+
+    name: Literal["refl"] = "refl"
+    variant: Literal["draft_k", "draft_lv", "refl"] = Field(
+        "draft_k", description="reward backpropagation: draft_k (DRaFT-K, the last k steps), draft_lv (DRaFT-LV: the "
+        "last step, lv_samples re-noised copies), refl (ReFL: one-step x0 prediction from a random late step)")
+    k: int = Field(1, ge=1, description="DRaFT-K: sampling steps the reward's gradient flows back through (<= "
+                   "sampling.num_steps; K = T is full DRaFT)")
+    lv_samples: int = Field(2, ge=1, description="DRaFT-LV: re-noised copies of each sample")
+    refl_last_steps: int = Field(10, ge=1, description="ReFL: its step is drawn from the last this many grid steps "
+                                 "(the release: 10 of 40)")
+    reward_scale: float = Field(1.0, gt=0, description="reward backpropagation: loss scale s (DRaFT -s*R; ReFL "
+                                "s*relu(margin - R), the release's grad_scale 1e-3)")
+    refl_margin: float = Field(2.0, description="ReFL: the hinge m of relu(m - R) (the release: 2)")
+    checkpointing: bool = Field(True, description="reward backpropagation: torch.utils.checkpoint each sampling "
+                                "step and the decode of the gradient path (recompute in the backward)")
+
+    def check(self, config) -> None:
+        """The forward family's refusals (the SDE-ratio settings, :meth:`ForwardConfig.check`), then every reward
+        of non-zero weight must declare a differentiable score (:func:`check_differentiable_rewards`)."""
+        ForwardConfig.check(self, config)
+        check_differentiable_rewards(config.rewards)
+
+
+@OBJECTIVES.register("refl")
+class RewardBackprop(ForwardObjective):
+    """ReFL / DRaFT (module docstring) on the forward family's plan and update loop: one row per (sample, copy),
+    the loss of :meth:`terms` averaged over an optimizer step's rows on all processes."""
+
+    Config = RewardBackpropConfig
+    uses_old_copy = False
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.rewards = None
+
+    def loss_settings(self) -> RewardBackpropSettings:
+        o = self.o
+        return RewardBackpropSettings(variant=o.variant, k=o.k, lv_samples=o.lv_samples,
+                                      refl_last_steps=o.refl_last_steps, reward_scale=o.reward_scale,
+                                      refl_margin=o.refl_margin, checkpointing=o.checkpointing)
+
+    @property
+    def needs_reference(self) -> bool:
+        """No KL to the base model (the papers have none)."""
+        return False
+
+    def attach(self, adapter, rewards) -> None:
+        """Keep the optimised rewards (a :class:`~flowgrpo.rewards.compose.ComposedReward`, set up); every one of
+        non-zero weight must be differentiable as constructed (``strict`` digits or a PIL resize are not): else a
+        ``ValueError`` naming it."""
+        for name, reward in rewards.rewards.items():
+            if rewards.weights[name] != 0 and not is_differentiable(reward):
+                raise ValueError(f"objective.name=refl: reward {name!r} as configured has no differentiable score "
+                                 "(a 0/1 verdict such as strict=true, or resize_backend=pil); change its kwargs or "
+                                 "give it weight 0")
+        self.rewards = rewards
+
+    def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
+        """K and ReFL's window must fit the T-step grid (``ValueError``); one trajectory a sample."""
+        t = sigmas.numel() - 1
+        s = self.loss_settings()
+        if s.variant == "draft_k" and s.k > t:
+            raise ValueError(f"objective.k={s.k} exceeds sampling.num_steps={t}")
+        if s.variant == "refl" and s.refl_last_steps > t:
+            raise ValueError(f"objective.refl_last_steps={s.refl_last_steps} exceeds sampling.num_steps={t}")
+        return 1
+
+    def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
+        return self.loss_settings().forwards_per_sample()
+
+    def rollout(self, adapter, request) -> PathSamples:
+        """The Euler path of every sample (no gradient), decoded and scored as every rollout."""
+        return path_rollout(adapter, request, noise_level=0.0)
+
+    def plan(self, samples: PathSamples, adv: Advantages, keep: torch.Tensor, epoch: int) -> ForwardWork:
+        """The forward family's plan, every sample the group filter keeps trained whatever its advantage (the
+        reward's gradient is the signal; a NaN reward trains nothing: its rows' reward is left out)."""
+        return super().plan(samples, dataclasses.replace(adv, train_mask=torch.ones_like(adv.train_mask)), keep,
+                            epoch)
+
+    def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[PathDraw]:
+        """DRaFT-K: one draw from step T − K; DRaFT-LV: n draws at step T − 1, each with its own ε per sample
+        (seeded by the sample); ReFL: one draw from a step of the last window (seeded by the global micro-batch)."""
+        s, st = work.samples, self.loss_settings()
+        t = s.sigmas.numel() - 1
+        shape = (len(rows), *s.x0.shape[1:])
+        zeros = torch.zeros(()).expand(shape)
+        if st.variant == "draft_k":
+            j = t - st.k
+            return [PathDraw(rows, s.sigmas[j].expand(len(rows)).clone(), zeros, step=j)]
+        if st.variant == "refl":
+            g = make_generator(self.cfg.train.seed, work.epoch, inner, "refl", work.micro_batch_index(rows))
+            j = refl_step(t, st.refl_last_steps, g)
+            return [PathDraw(rows, s.sigmas[j].expand(len(rows)).clone(), zeros, step=j)]
+        eps = []
+        for r in rows.tolist():
+            g = make_generator(self.cfg.train.seed, work.epoch, inner, "draft_lv", int(s.group_ids[r]),
+                               int(s.sample_index[r]))
+            eps.append(torch.randn((st.lv_samples, *s.x0.shape[1:]), generator=g))
+        eps_t = torch.stack(eps)  # (n, copies, …)
+        sig = s.sigmas[t - 1].expand(len(rows)).clone()
+        return [PathDraw(rows, sig, eps_t[:, c], step=t - 1) for c in range(st.lv_samples)]
+
+    def terms(self, adapter, work: ForwardWork, draw: PathDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
+        """The gradient path of the draw (module docstring), the decode and the composed differentiable reward;
+        the per-row loss with stats ``reward`` (R) and ``images_mean`` (the decoded images' mean)."""
+        if self.rewards is None:
+            raise RuntimeError("objective refl: attach(adapter, rewards) was not called before the update")
+        st, s = self.loss_settings(), work.samples
+        dev, n = x0.device, len(draw.rows)
+        guidance = s.guidance_scale
+
+        def velocity(z: torch.Tensor, sigma: float) -> torch.Tensor:
+            return self.velocity(adapter, z, torch.full((n,), sigma, device=dev), embeds, guidance=guidance)
+
+        sigma = float(s.sigmas[draw.step])
+        if st.variant == "draft_k":
+            start = s.latents[draw.rows.to(s.latents.device), draw.step].to(dev).float()
+            x_hat = euler_replay(velocity, start, s.sigmas, draw.step, checkpointing=st.checkpointing)
+        elif st.variant == "draft_lv":
+            x_hat = x0_prediction(velocity, noised(x0, draw.noise.to(dev), sigma), sigma,
+                                  checkpointing=st.checkpointing)
+        else:
+            start = s.latents[draw.rows.to(s.latents.device), draw.step].to(dev).float()
+            x_hat = x0_prediction(velocity, start, sigma, checkpointing=st.checkpointing)
+        images = (checkpoint(decode_with_grad, adapter, x_hat, use_reentrant=False) if st.checkpointing
+                  else decode_with_grad(adapter, x_hat))
+        rows = draw.rows.tolist()
+        reward = self.reward_total(images, [s.prompts[r] for r in rows], [s.metadata[r] for r in rows])
+        if st.variant == "refl":
+            loss = refl_loss(reward, st.reward_scale, st.refl_margin)
+        else:
+            loss = draft_loss(reward, st.reward_scale)
+        return ObjectiveTerms(loss=loss, stats={"reward": reward.detach(),
+                                                "images_mean": images.detach().float().mean(dim=(1, 2, 3))})
+
+    def reward_total(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """``R = Σ_i w_i·r_i`` over the rewards of non-zero weight, each's differentiable score (a NaN score, "not
+        applicable", contributes nothing, as in :func:`~flowgrpo.rewards.compose.compose_rewards`): (n,) float32
+        with gradient to ``images``."""
+        total = torch.zeros(images.shape[0], device=images.device)
+        for name, reward in self.rewards.rewards.items():
+            w = float(self.rewards.weights[name])
+            if w == 0 or not math.isfinite(w):
+                continue
+            r = differentiable_scores(reward, images, prompts, metadata, name).to(images.device)
+            total = total + torch.where(torch.isnan(r), torch.zeros_like(r), w * r)
+        return total

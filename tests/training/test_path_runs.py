@@ -1,0 +1,159 @@
+"""The path objectives end to end (``refl``: ReFL / DRaFT; ``opd``: on-policy distillation) through
+``flowgrpo.runner.run`` on the tiny FLUX and SD3.5 pipelines, a save–kill–resume equal to the uninterrupted run, and
+one epoch on two CPU processes (DDP, gloo) equal to one process.
+
+The reward is the digits task's differentiable ``digit_correctness`` on the pipelines' 32×32 images (JSONL prompts
+with a ``digit``); the distillation teacher is the tiny pipeline's transformer with its weights moved (saved with
+``save_pretrained``), so the student has something to learn from its first step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowgrpo.config import build_config
+from flowgrpo.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+OBJECTIVES = {"refl": {"name": "refl", "variant": "draft_lv", "lv_samples": 2},
+              "refl_k": {"name": "refl", "variant": "draft_k", "k": 2},
+              "opd": {"name": "opd"}}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3_dir(tmp_path_factory):
+    from flowgrpo.models.sd3 import build_tiny_sd3
+
+    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"), seed=0, words="a red cube blue ball".split())
+
+
+def _teacher(tmp_path, model_dir):
+    """The pipeline's transformer, every weight moved by 2 % (a ``from_pretrained`` folder)."""
+    import diffusers
+
+    cfg = json.loads((model_dir / "transformer" / "config.json").read_text())
+    cls = getattr(diffusers, cfg["_class_name"])
+    tr = cls.from_pretrained(str(model_dir / "transformer"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in tr.parameters():
+            p.mul_(1 + 0.02 * torch.randn(p.shape, generator=g))
+    folder = tmp_path / "teacher"
+    tr.save_pretrained(str(folder))
+    return folder
+
+
+def _config(tmp_path, model_dir, objective: dict, out: str = "run", **sections):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a red cube", "digit": 3}\n{"prompt": "a blue ball", "digit": 7}\n')
+    cfg = {
+        "output_dir": str(tmp_path / out),
+        "model": {"pretrained": str(model_dir), "max_sequence_length": 12, "height": 32, "width": 32},
+        "sampling": {"num_steps": 3, "guidance_scale": 3.0},
+        "eval_sampling": {"num_steps": 2},
+        "objective": objective,
+        "algo": {"clip_range": 1e-4, "kl_beta": 0.0},
+        "train": {"num_epochs": 1, "prompts_per_epoch": 2, "group_size": 2, "rollout_batch_size": 2,
+                  "optimizer_steps_per_epoch": 2, "lr": 1e-2},
+        "rewards": [{"name": "digit_correctness"}],
+        "data": {"train_prompts": str(prompts), "eval_num_prompts": 2},
+        "logging": {"progress": False, "save_rollout_stats": True},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    return build_config(cfg)
+
+
+def _objective(name, tmp_path, model_dir):
+    o = dict(OBJECTIVES[name])
+    if o["name"] == "opd":
+        o["teacher"] = str(_teacher(tmp_path, model_dir))
+    return o
+
+
+@pytest.mark.parametrize("model", ["flux", "sd3"])
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_each_path_objective_trains_an_epoch_through_the_command(tmp_path, tiny_flux_dir, tiny_sd3_dir, name, model):
+    from flowgrpo.runner import run
+
+    folder = tiny_flux_dir if model == "flux" else tiny_sd3_dir
+    summary = run(_config(tmp_path, folder, _objective(name, tmp_path, folder)))
+    rec = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert summary and rec["policy/grad_norm"] > 0
+    # rows: DRaFT-LV 2 copies of each of the 4 samples; DRaFT-K 1; OPD int(3 * 0.99) = 2 steps of each
+    assert rec["objective/rows"] == {"refl": 8, "refl_k": 4, "opd": 8}[name]
+    # the rollout: T = 3 Euler calls for each of 2 micro-batches of 2 (SD3's CFG, guidance 3, doubles the rows)
+    assert rec["rollout/transformer_calls"] == 6
+    # the update (checkpointed steps recomputed in the backward; OPD's teacher is another module, not counted):
+    # DRaFT-LV 2 copies x 2 micro-batches x (forward + recompute); DRaFT-K 2 steps x 2 x 2; OPD 2 steps x 2
+    assert rec["update/transformer_calls"] == {"refl": 8, "refl_k": 8, "opd": 4}[name]
+    if name.startswith("refl"):  # the replay's reward is the rollout's before the first step (same sampler)
+        assert abs(rec["objective/reward"] - rec["reward/digit_correctness/mean"]) < 0.05
+    weights = load_file(tmp_path / "run" / "checkpoints" / "epoch_0" / "trainable.safetensors")
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in weights.items())  # the update moved LoRA B
+
+
+@pytest.mark.parametrize("name", ["refl", "opd"])
+def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir, name):
+    """Two epochs in one go against one epoch, saved, and a run resuming it: the same weights and optimizer
+    state to the bit (DRaFT-LV's re-noising draws are seeded by the sample and the epoch, not by a live RNG)."""
+    from flowgrpo.runner import run
+
+    o = _objective(name, tmp_path, tiny_flux_dir)
+    run(_config(tmp_path, tiny_flux_dir, o, "whole", train={"num_epochs": 2}, logging={"save_every": 1}))
+    run(_config(tmp_path, tiny_flux_dir, o, "first"))
+    first = tmp_path / "first" / "checkpoints" / "epoch_0"
+    run(_config(tmp_path, tiny_flux_dir, o, "resumed", train={"num_epochs": 2, "resume_from": str(first)}))
+    whole, resumed = tmp_path / "whole" / "checkpoints" / "epoch_1", tmp_path / "resumed" / "checkpoints" / "epoch_1"
+    a, b = load_file(whole / "trainable.safetensors"), load_file(resumed / "trainable.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    start = load_file(first / "trainable.safetensors")
+    assert any(not torch.equal(start[k], a[k]) for k in a)  # epoch 1 moved the weights: the test has power
+    oa = torch.load(whole / "optimizer.pt", weights_only=True)["state"]
+    ob = torch.load(resumed / "optimizer.pt", weights_only=True)["state"]
+    assert all(torch.equal(oa[k]["exp_avg"], ob[k]["exp_avg"]) for k in oa)
+    ra, rb = (read_metrics(tmp_path / d / "metrics.jsonl")[-1] for d in ("whole", "resumed"))
+    assert ra["objective/loss"] == rb["objective/loss"]
+
+
+def test_a_lora_run_is_a_teacher(tmp_path, tiny_flux_dir):
+    """``objective.teacher`` naming a LoRA run's output_dir: its LoRA fused into a copy of the base model gives the
+    velocity of the base model with that LoRA loaded (diffusers' ``load_lora_weights``), not the base's."""
+    from flowgrpo.algo.objectives.opd import load_teacher
+    from flowgrpo.models import load_model_from_config
+    from flowgrpo.models.base import _forward_with
+    from flowgrpo.models.lora import load_lora_into
+    from flowgrpo.runner import run
+
+    cfg = _config(tmp_path, tiny_flux_dir, {"name": "refl", "variant": "draft_k", "k": 1})
+    run(cfg)
+    assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    student = load_model_from_config(cfg.model, progress=False)
+    teacher = load_teacher(str(tmp_path / "run"), student, cfg.model)
+    with_lora = load_model_from_config(cfg.model, progress=False)
+    load_lora_into(with_lora.pipe, tmp_path / "run" / "lora")
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    x = student.initial_latents(2, gens)
+    sigma = torch.tensor([0.6, 0.6])
+    with torch.no_grad():
+        embeds = student.encode_prompts(["a red cube", "a blue ball"])
+        v_base = student.velocity(x, sigma, embeds, 3.0)
+        with _forward_with(student, teacher):
+            v_teacher = student.velocity(x, sigma, embeds, 3.0)
+        v_lora = with_lora.velocity(x, sigma, with_lora.encode_prompts(["a red cube", "a blue ball"]), 3.0)
+    assert torch.allclose(v_teacher, v_lora, atol=1e-5)
+    assert float((v_teacher - v_base).abs().max()) > 1e-4  # the LoRA moved the teacher: the test has power
+    assert not any(p.requires_grad for p in teacher.parameters())
