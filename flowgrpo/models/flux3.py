@@ -22,7 +22,8 @@ negative prompt, two transformer calls, off at s = 1 (the guider's ``isclose(s, 
 one call, and the transformer is a flow map (``flow_map=True``) that also takes the σ the step jumps to
 (``target_timestep``): the adapter jumps from σ to the largest σ' < σ of its sampling grid, which is the pipeline's
 step at every grid σ (the rollout, the ratio's re-scoring) and defines the velocity at any other σ (the
-forward-process objectives' σ, the health probe); one grid per run (the first :meth:`sigmas` fixes T). σ grid: ``linspace(1, 1/T, T)`` shifted by the scheduler's static shift 6.93
+forward-process objectives' σ, the health probe); one grid per run (the first :meth:`sigmas` fixes T).
+σ grid: ``linspace(1, 1/T, T)`` shifted by the scheduler's static shift 6.93
 (``Flux3SetTimestepsStep``; 50 steps by default, the distilled pipeline 16).
 
 The prompt upsampler block (a Qwen3.5 language model that rewrites a request into FLUX.3's long captions) is
