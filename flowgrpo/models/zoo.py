@@ -62,6 +62,8 @@ class ConformanceCase:
             None: that.
         guided: the guidance scale changes the velocity; False for a model sampled without guidance (a
             step-distilled one), whose guidance clause is skipped.
+        forward_objective: also train one epoch with a forward-process objective (DiffusionNFT); off for the
+            families that have it covered elsewhere (tests/training/test_forward_runs.py), to keep the suite's budget.
     """
 
     name: str
@@ -82,6 +84,7 @@ class ConformanceCase:
     pipeline_setup: Callable | None = None
     load_pipeline: Callable[[Path], object] | None = None
     guided: bool = True
+    forward_objective: bool = False
 
 
 def _words() -> list[str]:
@@ -169,7 +172,7 @@ def _flux3_case(name: str, guidance_scale: float) -> ConformanceCase:
         name=name, build=BUILDERS[name], size=32, max_sequence_length=512, guidance_scale=guidance_scale,
         call_kwargs=lambda s: {"max_sequence_length": 512}, pipeline_batch_size=1,
         pipeline_setup=None if name.endswith("distilled") else _modular_guider, load_pipeline=_load_flux3_pipeline,
-        guided=not name.endswith("distilled"),
+        guided=not name.endswith("distilled"), forward_objective=True,
         # the pipeline's first step feeds the transformer the transposed view of its noise, the adapter contiguous
         # tokens (as the rollout and the update both do): another matmul kernel, measured 7e-7 on the first velocity
         # and 1.5e-6 on the decoded images (2026-12-02, torch 2.14.1 CPU)
