@@ -91,6 +91,7 @@ for _cls, _target, _args, _detach in (
     ("Flux2Pipeline", "flowgrpo.models.flux2:load_flux2_adapter", ("Flux2Pipeline",), False),
     ("FluxKontextPipeline", "flowgrpo.models.kontext:load_kontext_adapter", (), False),
     ("QwenImageEditPlusPipeline", "flowgrpo.models.qwenimage_edit:load_qwenimage_edit_plus_adapter", (), False),
+    ("QwenImage21Pipeline", "flowgrpo.models.qwenimage21:load_qwenimage21_adapter", (), False),
     # modular repositories (modular_model_index.json)
     ("Flux3ModularPipeline", "flowgrpo.models.flux3:load_flux3_adapter", (), False),
     ("Flux3DistilledModularPipeline", "flowgrpo.models.flux3:load_flux3_adapter", (), False),

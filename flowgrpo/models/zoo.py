@@ -64,6 +64,9 @@ class ConformanceCase:
             step-distilled one), whose guidance clause is skipped.
         forward_objective: also train one epoch with a forward-process objective (DiffusionNFT); off for the
             families that have it covered elsewhere (tests/training/test_forward_runs.py), to keep the suite's budget.
+        pipeline_images: ``pipeline_images(images) -> images`` maps the pipeline's output to what the adapter
+            decodes, when they differ by a documented convention (Qwen-Image 2.1: RGBA → its RGB channels); None:
+            the same.
     """
 
     name: str
@@ -85,6 +88,7 @@ class ConformanceCase:
     load_pipeline: Callable[[Path], object] | None = None
     guided: bool = True
     forward_objective: bool = False
+    pipeline_images: Callable | None = None
 
 
 def _words() -> list[str]:
@@ -119,6 +123,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "wan22": lambda out, **kw: _builder("flowgrpo.models.wan:build_tiny_wan")(out, variant="wan22", **kw),
     "wan22_ti2v": lambda out, **kw: _builder("flowgrpo.models.wan:build_tiny_wan")(out, variant="ti2v", **kw),
     "hunyuan_video15": _builder("flowgrpo.models.hunyuan_video15:build_tiny_hunyuan_video15"),
+    "qwenimage21": _builder("flowgrpo.models.qwenimage21:build_tiny_qwenimage21"),
     "flux3": _builder("flowgrpo.models.flux3:build_tiny_flux3"),
     "flux3_distilled": lambda out, **kw: _builder("flowgrpo.models.flux3:build_tiny_flux3")(out, distilled=True, **kw),
 }
@@ -212,6 +217,11 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
         name="hunyuan_video15", build=BUILDERS["hunyuan_video15"], size=32, max_sequence_length=1000,
         guidance_scale=4.0, call_kwargs=lambda s: {"num_frames": 5}, load_kwargs={"num_frames": 5}, num_frames=5,
         pipeline_setup=_hunyuan_guider, pipeline_batch_size=1,  # its VAE decodes one video per call (0.42)
+    ),
+    ConformanceCase(
+        name="qwenimage21", build=BUILDERS["qwenimage21"], size=32, max_sequence_length=64, guidance_scale=4.0,
+        call_kwargs=lambda s: {"true_cfg_scale": s, "negative_prompt": [" "] * 2},
+        pipeline_images=lambda images: images[:, :3],  # the VAE decodes RGBA; the adapter gives its RGB channels
     ),
     _flux3_case("flux3", 3.5),
     _flux3_case("flux3_distilled", 1.0),

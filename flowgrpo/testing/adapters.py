@@ -196,7 +196,8 @@ class AdapterConformance:
                            num_inference_steps=steps or c.num_steps, height=c.size, width=c.size, output_type="pt",
                            **({} if callback is None else {"callback_on_step_end": keep}),
                            **({"output": "images"} if modular else {}), **c.call_kwargs(guidance), **extra)
-            images.append(out if modular else out.frames if c.num_frames else out.images)  # videos: (B, F, 3, H, W)
+            got = out if modular else out.frames if c.num_frames else out.images  # videos: (B, F, 3, H, W)
+            images.append(got if c.pipeline_images is None else c.pipeline_images(got))
             per_step.append(steps_here)
         return torch.cat(images), [torch.cat(step) for step in zip(*per_step, strict=True)]
 

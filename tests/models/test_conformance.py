@@ -43,6 +43,10 @@ class TestQwenImageEditPlus(AdapterConformance):
     case = CASES["qwenimage_edit_plus"]
 
 
+class TestQwenImage21(AdapterConformance):
+    case = CASES["qwenimage21"]
+
+
 class TestFlux3(AdapterConformance):  # a modular pipeline (modular_model_index.json)
     case = CASES["flux3"]
 
