@@ -48,6 +48,10 @@ DIFFUSERS_PRIVATE_API: dict[str, dict[str, tuple[str, ...]]] = {
                       "_prepare_latent_ids": ("latents",)},
     "Flux2KleinPipeline": {"_pack_latents": ("latents",), "_unpatchify_latents": ("latents",),
                            "_prepare_latent_ids": ("latents",)},
+    "QwenImage21Pipeline": {
+        "_pack_latents": ("latents", "batch_size", "num_channels_latents", "height", "width"),
+        "_unpack_latents": ("latents", "height", "width", "vae_scale_factor"),
+    },
 }
 
 

@@ -108,7 +108,7 @@ class Flux3Adapter(ModularAdapter):
     def _encode_one(self, prompt: str) -> torch.Tensor:
         """(1, L, D) of one prompt through the ``text_encoder`` block, L its own window."""
         guider = getattr(self.pipe, "guider", None)
-        enabled = guider is not None and guider._enabled
+        enabled = guider is not None and self.pipe.requires_unconditional_embeds
         if enabled:  # the negative prompt is encoded once per batch below, not once per prompt by the block
             guider.disable()
         try:

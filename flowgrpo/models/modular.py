@@ -86,9 +86,7 @@ def load_modular_pipeline(path: str, *, dtype: torch.dtype, drop_blocks: tuple[s
         for name in drop_blocks:
             blocks.sub_blocks.pop(name)
         pipe = type(pipe)(blocks=blocks, pretrained_model_name_or_path=path)
-    names = [n for n, spec in pipe._component_specs.items()
-             if spec.default_creation_method == "from_pretrained" and spec.pretrained_model_name_or_path is not None
-             and not (empty_transformer and n == "transformer")]
+    names = [n for n in pipe.pretrained_component_names if not (empty_transformer and n == "transformer")]
     pipe.load_components(names=names, torch_dtype=dtype)
     if empty_transformer:
         pipe.update_components(**empty_modular_components(path, ["transformer"]))
@@ -102,7 +100,7 @@ def find_block(pipe, path: str):
     Raises:
         ValueError: no block at ``path`` (naming the names available where it fails).
     """
-    node = pipe._blocks
+    node = pipe.blocks  # a copy of the pipeline's block tree (blocks hold their settings, not state)
     for name in path.split("."):
         subs = getattr(node, "sub_blocks", {})
         if name not in subs:
@@ -120,8 +118,11 @@ class ModularAdapter(AdapterBase):
     """
 
     def block(self, path: str):
-        """The block at ``path`` of this pipeline (:func:`find_block`)."""
-        return find_block(self.pipe, path)
+        """The block at ``path`` of this pipeline (:func:`find_block`), from the copy of its block tree taken
+        once per adapter."""
+        if getattr(self, "_tree", None) is None:
+            self._tree = _Holder(self.pipe.blocks)
+        return find_block(self._tree, path)
 
     @torch.no_grad()
     def run(self, path: str, **inputs):
@@ -144,6 +145,13 @@ class ModularAdapter(AdapterBase):
             state.set(name, inputs[name] if name in inputs else p.default, p.kwargs_type)
         _, state = block(self.pipe, state)
         return state
+
+
+class _Holder:
+    """A fixed block tree in the shape :func:`find_block` reads (``.blocks``)."""
+
+    def __init__(self, blocks) -> None:
+        self.blocks = blocks
 
 
 def is_modular_folder(path: str | Path) -> bool:
