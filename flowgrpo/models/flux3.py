@@ -262,7 +262,8 @@ def build_tiny_flux3(out_dir: str | os.PathLike, *, words: Iterable[str] = (), s
     ``AutoencoderKLFlux2`` (4 latent channels → 16 packed), a 32-layer ``Qwen3VLForConditionalGeneration`` of width
     16 (the block stacks layers 4…32: 128 channels) with a ``Qwen3VLProcessor`` around a tokenizer trained in memory;
     scheduler and guider are the blocks' own ``from_config`` defaults (shift 6.93, guidance 3.5), not saved. The index
-    names each component by this folder's absolute path, as diffusers writes it (move the folder: rebuild it).
+    names each component by this folder's absolute path, as diffusers writes it; a copy of the folder loads its own
+    component folders (diffusers reads local ones first).
     ``sample_size`` is only checked.
 
     Raises:

@@ -43,7 +43,8 @@ def empty_modular_components(path: str, names: list[str]) -> dict[str, torch.nn.
     """{name: component ``name`` of the modular repository ``path``, built from its config with its parameters on the
     meta device and its buffers real}, as :func:`flowgrpo.models.empty.empty_components` does for a regular
     pipeline; the component's class and folder are read from its loading spec in the modular index
-    (``[library, class, {pretrained_model_name_or_path, subfolder, ...}]``). Raises ``KeyError`` for a name the index
+    (``[library, class, {pretrained_model_name_or_path, subfolder, ...}]``; a local folder holding the component's
+    subfolder is read itself, as ``ModularPipeline`` reads a local copy). Raises ``KeyError`` for a name the index
     does not have."""
     if not names:
         return {}
@@ -54,10 +55,13 @@ def empty_modular_components(path: str, names: list[str]) -> dict[str, torch.nn.
     for name in names:
         library, class_name, spec = index[name]
         cls = getattr(importlib.import_module(library), class_name)
-        source = spec.get("pretrained_model_name_or_path") or path
+        subfolder = spec.get("subfolder") or name
+        # a local copy reads its own component folder first, as ModularPipeline does; else the spec's repository
+        local = Path(path, subfolder).is_dir()
+        source = path if local else spec.get("pretrained_model_name_or_path") or path
         with init_empty_weights(include_buffers=False):
-            out[name] = cls.from_config(cls.load_config(source, subfolder=spec.get("subfolder") or name,
-                                                        revision=spec.get("revision")))
+            out[name] = cls.from_config(cls.load_config(source, subfolder=subfolder,
+                                                        revision=None if local else spec.get("revision")))
     return out
 
 

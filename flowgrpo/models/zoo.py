@@ -255,6 +255,13 @@ REAL_SIZE["wan22_ti2v"] = {"num_layers": 30, "num_attention_heads": 24, "attenti
                            "freq_dim": 256, "rope_max_seq_len": 1024}
 REAL_SIZE["hunyuan_video15"] = {"num_layers": 54, "num_refiner_layers": 2, "num_attention_heads": 16,
                                 "attention_head_dim": 128, "mlp_ratio": 4.0, "rope_axes_dim": (16, 56, 56)}
+# FLUX.3 and Qwen-Image 2.1: their transformer classes' constructor defaults in diffusers 0.42.1 (no public
+# config.json was found); the input and context widths stay the tiny VAE's and encoders'
+REAL_SIZE["flux3"] = {"num_layers": 5, "num_single_layers": 28, "attention_head_dim": 128, "num_attention_heads": 24,
+                      "mlp_ratio": 3.0, "axes_dims_rope": (32, 32, 32, 32), "timestep_channels": 256}
+REAL_SIZE["flux3_distilled"] = REAL_SIZE["flux3"]
+REAL_SIZE["qwenimage21"] = {"num_layers": 32, "attention_head_dim": 128, "num_attention_heads": 32, "mlp_ratio": 3,
+                            "axes_dims_rope": (16, 56, 56)}
 REAL_SIZE["kontext"] = REAL_SIZE["flux"]
 REAL_SIZE["qwenimage_edit_plus"] = REAL_SIZE["qwenimage"]
 
