@@ -24,10 +24,6 @@ from flowgrpo.models.base import AdapterBase
 
 __all__ = ["ModularAdapter", "find_block", "load_modular_pipeline", "modular_index", "empty_modular_components"]
 
-#: the index file of a modular repository (diffusers ``ModularPipeline.config_name``)
-MODULAR_INDEX = "modular_model_index.json"
-
-
 def modular_index(path: str) -> dict:
     """The parsed ``modular_model_index.json`` of a local folder or hub id (diffusers' own reader).
 
@@ -156,8 +152,3 @@ class _Holder:
 
     def __init__(self, blocks) -> None:
         self.blocks = blocks
-
-
-def is_modular_folder(path: str | Path) -> bool:
-    """Whether the local folder ``path`` is a modular repository (has ``modular_model_index.json``)."""
-    return (Path(path) / MODULAR_INDEX).is_file()
