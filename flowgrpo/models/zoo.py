@@ -222,6 +222,7 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
         name="qwenimage21", build=BUILDERS["qwenimage21"], size=32, max_sequence_length=64, guidance_scale=4.0,
         call_kwargs=lambda s: {"true_cfg_scale": s, "negative_prompt": [" "] * 2},
         pipeline_images=lambda images: images[:, :3],  # the VAE decodes RGBA; the adapter gives its RGB channels
+        forward_objective=True,
     ),
     _flux3_case("flux3", 3.5),
     _flux3_case("flux3_distilled", 1.0),
