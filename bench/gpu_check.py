@@ -200,6 +200,10 @@ BODIES: dict[str, tuple[dict, dict, str]] = {
     "flux2_klein": ({}, {"num_layers": 1, "num_single_layers": 4},
                     "FLUX.2 [klein] 4B body, full depth (5 + 20 blocks, 24 heads of 128)"),
     "kontext": ({}, {"num_layers": 4, "num_single_layers": 8}, "FLUX.1 body, full depth (19 + 38 blocks)"),
+    # modular pipelines (modular_model_index.json): the constructors' defaults of diffusers 0.42.1
+    "flux3": ({}, {"num_layers": 1, "num_single_layers": 4},
+              "FLUX.3 body, full depth (5 + 5 + 5 per-mode and 28 single blocks, 24 heads of 128)"),
+    "qwenimage21": ({}, {"num_layers": 4}, "Qwen-Image 2.1 body, full depth (32 blocks, 32 heads of 128)"),
     # video families: frames of VIDEO_FRAMES at the check's resolution; Wan2.2 A14B's two 14 B experts each cut
     "wan21": ({}, {"num_layers": 4}, "Wan2.1-T2V-1.3B body, full depth (30 blocks)"),
     "wan22": ({"num_layers": 12}, {"num_layers": 2}, "Wan2.2-T2V-A14B width, 12 of 40 blocks in each expert"),
@@ -247,12 +251,22 @@ def _zoo_transformer(c, name: str, tiny, *, cli: bool = False):
     return big
 
 
+def _has_index(folder: Path) -> bool:
+    """Whether ``folder`` holds a saved pipeline (a regular or a modular one)."""
+    return (folder / "model_index.json").exists() or (folder / "modular_model_index.json").exists()
+
+
+def _set_component(pipe, **modules) -> None:
+    """Replace pipeline components: ``update_components`` of a modular pipeline, else ``register_modules``."""
+    (getattr(pipe, "update_components", None) or pipe.register_modules)(**modules)
+
+
 def _tiny_folder(c, name: str) -> Path:
     """The family's zoo pipeline (tiny transformer, encoders and VAE; a few MB) built once per output folder."""
     from flowgrpo.models.zoo import build_random_pipeline
 
     folder = c.out / f"tiny_{name}"
-    if not (folder / "model_index.json").exists():
+    if not _has_index(folder):
         build_random_pipeline(name, folder, sample_size=c.size.resolution)
     return folder
 
@@ -266,11 +280,11 @@ def _zoo_load(name: str, c):
                    num_frames=_frames(c))
     big = _zoo_transformer(c, name, a.pipe.transformer)
     a.pipe.to(c.dev)
-    a.pipe.register_modules(transformer=big)
+    _set_component(a.pipe, transformer=big)
     a.transformer = a.forward_module = big
     if getattr(a.pipe, "transformer_2", None) is not None:  # Wan2.2's second expert: the same body, frozen
         second = _zoo_transformer(c, name, a.pipe.transformer_2).requires_grad_(False)
-        a.pipe.register_modules(transformer_2=second)
+        _set_component(a.pipe, transformer_2=second)
         a.experts = {"transformer": big, "transformer_2": second}
     return a
 
@@ -474,11 +488,13 @@ def part_a(c: Check) -> dict:
                                                                for i in rows])
             if c.case.pipeline_setup is not None:  # HunyuanVideo-1.5: the CFG scale lives in its guider
                 c.case.pipeline_setup(a.pipe, c.case.guidance_scale)
+            modular = hasattr(a.pipe, "update_components")  # blocks taking one prompt a call get it as a string
+            prompt = ps[rows[0]] if modular and len(rows) == 1 else [ps[i] for i in rows]
             with torch.no_grad(), a.attention():
-                a.pipe(prompt=[ps[i] for i in rows], height=s.resolution, width=s.resolution,
+                a.pipe(prompt=prompt, height=s.resolution, width=s.resolution,
                        num_inference_steps=t, output_type="pt",
                        generator=[torch.Generator().manual_seed(i) for i in rows],
-                       **_pipeline_kwargs(c, len(rows)), **extra)
+                       **({"output": "images"} if modular else {}), **_pipeline_kwargs(c, len(rows)), **extra)
 
     c.reset_peak()
     t_ours = c.timed(ours)
@@ -620,7 +636,7 @@ def part_e(c: Check) -> dict:
 def _cli(c: Check, name: str, launcher: list[str], extra: tuple[str, ...] = ()) -> dict:
     entry = MODELS[c.args.model]
     folder = c.out / f"reduced_{c.args.model}"
-    if not (folder / "model_index.json").exists():
+    if not _has_index(folder):
         entry.cli_folder(c, folder)
         if c.dev.type == "cuda":
             torch.cuda.empty_cache()

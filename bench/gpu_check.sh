@@ -5,7 +5,7 @@
 # (DiffusionNFT) update against the bare passes of its draws; (i) sharded save/resume time (one process); (j) the
 # FSDP2 CPU-offload step against none; (k) where several GPUs are visible, torchrun over all of them: an HSDP step
 # and a context-parallel forward/backward (bench/gpu_check_multi.py; the dry run: 2 CPU processes).
-#   NAME: flux (default), sd3, qwenimage, qwenimage_edit_plus, zimage, flux2_klein, flux2, kontext
+#   NAME: flux (default), sd3, qwenimage, qwenimage_edit_plus, zimage, flux2_klein, flux2, kontext, flux3, qwenimage21
 # --wheels DIR: wheels carried to a bare GPU machine (diffusers, pydantic and its deps, open-clip-torch, ftfy,
 #   wcwidth, and this project's two wheels from `pip wheel --no-deps . ./rewards`), installed offline into
 #   OUT/site (pip --no-index --no-deps --target) and put first on PYTHONPATH, so their entry points are found too.

@@ -136,6 +136,21 @@ def _flux2_dev(**over):
     return Flux2Transformer2DModel(**over)  # its constructor's defaults are FLUX.2 [dev]'s (8 + 48 blocks, 48 heads)
 
 
+def _flux3(**over):
+    from diffusers import Flux3Transformer2DModel
+
+    # its constructor's defaults (diffusers 0.42.1): 5 per-mode blocks for each of the image, reference-image and
+    # text modes, 28 joint single blocks, 24 heads of 128, Qwen3-VL context 8 x 2560 (no public config.json found)
+    return Flux3Transformer2DModel(**over)
+
+
+def _qwen_image21(**over):
+    from diffusers import QwenImage21Transformer2DModel
+
+    # its constructor's defaults (diffusers 0.42.1): 32 single-stream blocks, 32 heads of 128, Qwen3-VL context 4096
+    return QwenImage21Transformer2DModel(**over)
+
+
 def _zimage(**over):
     from diffusers import ZImageTransformer2DModel
 
@@ -154,6 +169,12 @@ def _qwen_vae():
     from diffusers import AutoencoderKLQwenImage
 
     return AutoencoderKLQwenImage()  # its defaults are Qwen-Image's VAE (base_dim 96, z_dim 16)
+
+
+def _qwen21_vae():
+    from diffusers import AutoencoderKLQwenImage21
+
+    return AutoencoderKLQwenImage21()  # its defaults are Qwen-Image 2.1's VAE (z_dim 64, 16x, RGBA)
 
 
 def _wan21_vae():
@@ -217,6 +238,8 @@ QWEN25_VL_7B = 8.29e9  # Qwen2.5-VL-7B-Instruct: Qwen-Image's text encoder
 QWEN2_VL_7B = 8.29e9  # Qwen2-VL-7B-Instruct: HPSv3's body
 MISTRAL_SMALL_31 = 24.0e9  # Mistral-Small-3.1-24B: FLUX.2 [dev]'s text encoder
 QWEN3_4B = 4.02e9  # Qwen3-4B: Z-Image's text encoder
+QWEN3_VL_4B = 4.44e9  # Qwen3-VL-4B-Instruct: FLUX.3's text encoder (hidden 2560: its 8 stacked layers, 20480)
+QWEN3_VL_8B = 8.77e9  # Qwen3-VL-8B-Instruct: Qwen-Image 2.1's text encoder (hidden 4096, its context width)
 
 
 @dataclass(frozen=True)
@@ -286,6 +309,9 @@ COEFFICIENTS: dict[str, dict[str, tuple[float, float]]] = {
     "wan22_5b": {"block": (86.9, 12.0)},
     "wan_14b": {"block": (79.0, 12.0)},
     "zimage": {"noise_refiner": (91.5, 0.0), "context_refiner": (0.0, 83.5), "block": (89.5, 89.5)},
+    # FLUX.3: per-mode blocks see their own mode's tokens (the reference-image blocks none in text to image)
+    "flux3": {"image_mode": (68.11, 0.0), "cond_mode": (0.0, 0.0), "text_mode": (0.0, 68.11), "single": (58.11, 58.11)},
+    "qwenimage21": {"block": (73.12, 80.12)},  # block-causal: the text prefix is attended in its own pass
 }
 
 FAMILIES: dict[str, Family] = {}
@@ -349,13 +375,24 @@ def _register() -> None:
                         _image_latent(32), lambda msl: msl,
                         (BlockKind("double", 8, *c["flux2"]["double"]), BlockKind("single", 48,
                                                                                    *c["flux2"]["single"]))),
+        "flux3": Family("FLUX.3", _flux3, (QWEN3_VL_4B,), _flux2_vae, 3072, _image_tokens, _image_latent(32),
+                        lambda msl: msl, tuple(BlockKind(k, n, *c["flux3"][k]) for k, n in
+                                               (("image_mode", 5), ("cond_mode", 5), ("text_mode", 5), ("single", 28))),
+                        true_cfg=True),
+        "flux3_distilled": Family("FLUX.3 distilled", lambda **o: _flux3(flow_map=True, **o), (QWEN3_VL_4B,),
+                                  _flux2_vae, 3072, _image_tokens, _image_latent(32), lambda msl: msl,
+                                  tuple(BlockKind(k, n, *c["flux3"][k]) for k, n in
+                                        (("image_mode", 5), ("cond_mode", 5), ("text_mode", 5), ("single", 28)))),
+        "qwenimage21": Family("Qwen-Image-2.1", _qwen_image21, (QWEN3_VL_8B,), _qwen21_vae, 4096, _image_tokens,
+                              lambda h, w, f: 64 * (h // 16) * (w // 16), lambda msl: msl,
+                              (BlockKind("block", 32, *c["qwenimage21"]["block"]),), true_cfg=True, decode_width=144),
         "zimage": Family("Z-Image", _zimage, (QWEN3_4B,), _kl_vae, 3840, _image_tokens, _image_latent(16),
                          lambda msl: msl, (BlockKind("noise_refiner", 2, *c["zimage"]["noise_refiner"]),
                                            BlockKind("context_refiner", 2, *c["zimage"]["context_refiner"]),
                                            BlockKind("block", 30, *c["zimage"]["block"])), true_cfg=True),
     })
     narrow = {"kontext": "flux", "qwenimage_edit_plus": "qwenimage", "wan22_a14b": "wan_14b",
-              "wan21_i2v_14b": "wan_14b", "wan22_i2v_a14b": "wan_14b"}
+              "wan21_i2v_14b": "wan_14b", "wan22_i2v_a14b": "wan_14b", "flux3_distilled": "flux3"}
     for key, fam in FAMILIES.items():
         FAMILIES[key] = dataclasses.replace(fam, narrow=narrow.get(key, key))
 
@@ -368,7 +405,9 @@ PRETRAINED = {"black-forest-labs/FLUX.1-dev": "flux", "black-forest-labs/FLUX.1-
               "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "wan21_1.3b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers": "wan22_5b",
               "Wan-AI/Wan2.2-T2V-A14B-Diffusers": "wan22_a14b", "black-forest-labs/FLUX.2-dev": "flux2",
               "Tongyi-MAI/Z-Image": "zimage", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": "wan21_i2v_14b",
-              "Wan-AI/Wan2.2-I2V-A14B-Diffusers": "wan22_i2v_a14b"}
+              "Wan-AI/Wan2.2-I2V-A14B-Diffusers": "wan22_i2v_a14b", "Qwen/Qwen-Image-2.1": "qwenimage21",
+              # FLUX.3: no public hub id was found (2026-12-02); the configs name these, see configs/flux3.yaml
+              "black-forest-labs/FLUX.3": "flux3", "black-forest-labs/FLUX.3-distilled": "flux3_distilled"}
 
 #: reward name → builder (meta device) or published parameter count, and its default bytes per parameter
 REWARD_MODELS: dict[str, tuple[Callable | float, int]] = {
@@ -544,6 +583,26 @@ def _narrow(family: str, image_tokens: int, text_tokens: int, heads: int):
                        text_dim=64, in_channels=16, out_channels=16))
         return m, lambda: m(hidden_states=rnd(1, 16, 1, 2 * side, 2 * side), timestep=torch.ones(1),
                             encoder_hidden_states=rnd(1, text_tokens, 64)), ["block", "block"], 128 * heads
+    if family == "flux3":
+        m = _bf16(_flux3(num_layers=1, num_single_layers=2, num_attention_heads=heads, joint_attention_dim=64,
+                         in_channels=32, cond_in_channels=32))
+        names = {id(mod): n for n, mod in m.named_modules()}
+        kind = {"mode_blocks.image": "image_mode", "mode_blocks.image_cond": "cond_mode",
+                "txt_mode_blocks": "text_mode", "single_transformer_blocks": "single"}
+        from flowgrpo.parallel import shard_blocks
+
+        kinds = [kind[names[id(b)].rsplit(".", 1)[0]] for b in shard_blocks(m)]
+        return m, lambda: m(hidden_states=rnd(1, image_tokens, 32), encoder_hidden_states=rnd(1, text_tokens, 64),
+                            timestep=torch.ones(1), img_ids=torch.zeros(image_tokens, 4),
+                            txt_ids=torch.zeros(text_tokens, 4)), kinds, 128 * heads
+    if family == "qwenimage21":
+        m = _bf16(_qwen_image21(num_layers=2, num_attention_heads=heads, context_in_dim=64, in_channels=64,
+                                out_channels=64))
+        pad = torch.zeros(1, text_tokens + image_tokens // 4, dtype=torch.bool)
+        pad[:, text_tokens:] = True
+        return m, lambda: m(hidden_states=rnd(1, image_tokens, 64), encoder_hidden_states=rnd(1, text_tokens, 64),
+                            timestep=torch.ones(1), img_shapes=[[(1, side, side)]], img_mask=pad), \
+            ["block", "block"], 128 * heads
     if family == "zimage":
         m = _bf16(_zimage(n_layers=2, n_refiner_layers=1, dim=128 * heads, n_heads=heads, n_kv_heads=heads,
                           cap_feat_dim=64))

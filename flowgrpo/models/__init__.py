@@ -1,6 +1,8 @@
 """Model loading: a diffusers folder or hub id → the adapter of its pipeline class.
 
-Adapters are registered by the pipeline class named in the folder's ``model_index.json``; the embedded models
+Adapters are registered by the pipeline class named in the folder's ``model_index.json``, or, for a diffusers
+modular repository (blocks instead of a ``__call__``, :mod:`flowgrpo.models.modular`), in its
+``modular_model_index.json``; the embedded models
 (``digits``, ``tiny``) are built offline on first use and cached, then loaded through the same
 ``from_pretrained`` path as a real FLUX.1 folder.
 """
@@ -46,6 +48,10 @@ DIFFUSERS_PRIVATE_API: dict[str, dict[str, tuple[str, ...]]] = {
                       "_prepare_latent_ids": ("latents",)},
     "Flux2KleinPipeline": {"_pack_latents": ("latents",), "_unpatchify_latents": ("latents",),
                            "_prepare_latent_ids": ("latents",)},
+    "QwenImage21Pipeline": {
+        "_pack_latents": ("latents", "batch_size", "num_channels_latents", "height", "width"),
+        "_unpack_latents": ("latents", "height", "width", "vae_scale_factor"),
+    },
 }
 
 
@@ -89,6 +95,10 @@ for _cls, _target, _args, _detach in (
     ("Flux2Pipeline", "flowgrpo.models.flux2:load_flux2_adapter", ("Flux2Pipeline",), False),
     ("FluxKontextPipeline", "flowgrpo.models.kontext:load_kontext_adapter", (), False),
     ("QwenImageEditPlusPipeline", "flowgrpo.models.qwenimage_edit:load_qwenimage_edit_plus_adapter", (), False),
+    ("QwenImage21Pipeline", "flowgrpo.models.qwenimage21:load_qwenimage21_adapter", (), False),
+    # modular repositories (modular_model_index.json)
+    ("Flux3ModularPipeline", "flowgrpo.models.flux3:load_flux3_adapter", (), False),
+    ("Flux3DistilledModularPipeline", "flowgrpo.models.flux3:load_flux3_adapter", (), False),
 ):
     ADAPTERS.register(_cls)(_lazy_adapter(_target, *_args, takes_cfg_detach=_detach))
 
@@ -139,27 +149,34 @@ def resolve_pretrained(name: str, *, progress: bool = True) -> str:
     return str(build(progress=progress) if takes_progress else build())
 
 
+#: the index files naming a repository's pipeline class, in the order they are read: a regular pipeline's, then a
+#: modular pipeline's (diffusers ``ModularPipeline``; a repository with both is read as the regular pipeline)
+INDEX_FILES = ("model_index.json", "modular_model_index.json")
+
+
 def pipeline_class_name(path: str) -> str:
-    """The ``_class_name`` of a diffusers folder or hub repo (a local folder, the local hub cache, then the hub).
+    """The ``_class_name`` of a diffusers folder or hub repo (a local folder, the local hub cache, then the hub),
+    from its ``model_index.json`` or, for a modular repository, its ``modular_model_index.json``.
 
     Raises:
-        ValueError: naming the model when it cannot be read: a missing folder, or a hub id that is not cached and
-            cannot be fetched. An unreachable hub fails at once (one connection attempt of a few seconds), not
-            after huggingface_hub's retries; with ``HF_HUB_OFFLINE=1`` the hub is not tried at all.
+        ValueError: naming the model when it cannot be read: a folder with neither index, or a hub id that is not
+            cached and cannot be fetched. An unreachable hub fails at once (one connection attempt of a few
+            seconds), not after huggingface_hub's retries; with ``HF_HUB_OFFLINE=1`` the hub is not tried at all.
     """
     local = Path(path)
     if local.is_dir():
-        index = local / "model_index.json"
-        if not index.is_file():
-            raise ValueError(f"cannot read model {path!r}: the folder has no model_index.json (not a diffusers "
-                             "pipeline folder)")
-        return json.loads(index.read_text())["_class_name"]
+        for name in INDEX_FILES:
+            if (local / name).is_file():
+                return json.loads((local / name).read_text())["_class_name"]
+        raise ValueError(f"cannot read model {path!r}: the folder has neither model_index.json nor "
+                         "modular_model_index.json (not a diffusers pipeline folder)")
     from huggingface_hub import constants, hf_hub_download
 
-    try:
-        return _class_name(hf_hub_download(path, "model_index.json", local_files_only=True))
-    except Exception:  # noqa: BLE001 - not in the local cache (or not a valid id): try the hub below
-        pass
+    for name in INDEX_FILES:
+        try:
+            return _class_name(hf_hub_download(path, name, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not in the local cache (or not a valid id): try the next, then the hub
+            pass
     hint = f"download it first (hf download {path}) or pass a local diffusers folder"
     if constants.HF_HUB_OFFLINE:
         raise ValueError(f"cannot read model {path!r}: not a local folder and not in the local hub cache, and "
@@ -167,8 +184,13 @@ def pipeline_class_name(path: str) -> str:
     if not _reachable(constants.ENDPOINT):
         raise ValueError(f"cannot read model {path!r}: not a local folder, not in the local hub cache, and the hub "
                          f"({constants.ENDPOINT}) cannot be reached from this machine; {hint}") from None
+    from huggingface_hub.errors import EntryNotFoundError
+
     try:
-        return _class_name(hf_hub_download(path, "model_index.json"))
+        try:
+            return _class_name(hf_hub_download(path, INDEX_FILES[0]))
+        except EntryNotFoundError:  # no regular index: a modular repository?
+            return _class_name(hf_hub_download(path, INDEX_FILES[1]))
     except Exception as err:  # noqa: BLE001 - any failure to fetch the model is reported the same way
         raise ValueError(f"cannot read model {path!r} from the hub ({type(err).__name__}: {err}); {hint}") from err
 

@@ -55,7 +55,18 @@ class ConformanceCase:
         num_frames: video models: F, the frames of every test video (also in ``load_kwargs`` and
             ``call_kwargs``); None for image models.
         pipeline_setup: ``pipeline_setup(pipe, guidance_scale)`` before each ``__call__``, for a pipeline whose
-            guidance is a component rather than a call argument (HunyuanVideo-1.5's guider); None: nothing.
+            guidance is a component rather than a call argument (HunyuanVideo-1.5's and the modular pipelines'
+            guider); None: nothing.
+        load_pipeline: ``load_pipeline(folder) -> pipeline`` for the LoRA clause's fresh pipeline, when it is not
+            ``type(adapter.pipe).from_pretrained(folder)`` (a modular pipeline: blocks chosen, components loaded);
+            None: that.
+        guided: the guidance scale changes the velocity; False for a model sampled without guidance (a
+            step-distilled one), whose guidance clause is skipped.
+        forward_objective: also train one epoch with a forward-process objective (DiffusionNFT); off for the
+            families that have it covered elsewhere (tests/training/test_forward_runs.py), to keep the suite's budget.
+        pipeline_images: ``pipeline_images(images) -> images`` maps the pipeline's output to what the adapter
+            decodes, when they differ by a documented convention (Qwen-Image 2.1: RGBA → its RGB channels); None:
+            the same.
         call_takes_size: ``__call__`` takes ``height`` and ``width``; False for a pipeline that sizes its output
             from the conditioning image (HunyuanVideo-1.5 image-to-video), whose case must give images that size.
     """
@@ -77,6 +88,10 @@ class ConformanceCase:
     num_frames: int | None = None
     pipeline_setup: Callable | None = None
     call_takes_size: bool = True
+    load_pipeline: Callable[[Path], object] | None = None
+    guided: bool = True
+    forward_objective: bool = False
+    pipeline_images: Callable | None = None
 
 
 def _words() -> list[str]:
@@ -114,6 +129,9 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "wan21_i2v": _builder("flowgrpo.models.wan_i2v:build_tiny_wan_i2v"),
     "wan22_i2v": lambda out, **kw: _builder("flowgrpo.models.wan_i2v:build_tiny_wan_i2v")(out, variant="wan22", **kw),
     "hunyuan_video15_i2v": _builder("flowgrpo.models.hunyuan_video15:build_tiny_hunyuan_video15_i2v"),
+    "qwenimage21": _builder("flowgrpo.models.qwenimage21:build_tiny_qwenimage21"),
+    "flux3": _builder("flowgrpo.models.flux3:build_tiny_flux3"),
+    "flux3_distilled": lambda out, **kw: _builder("flowgrpo.models.flux3:build_tiny_flux3")(out, distilled=True, **kw),
 }
 
 def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: float) -> ConformanceCase:
@@ -151,6 +169,37 @@ def _hunyuan_guider(pipe, guidance_scale: float) -> None:
     from diffusers import ClassifierFreeGuidance
 
     pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance_scale)
+
+
+def _modular_guider(pipe, guidance_scale: float) -> None:
+    """A modular pipeline takes its CFG scale from its guider component (diffusers' ``ClassifierFreeGuidance``)."""
+    from diffusers import ClassifierFreeGuidance
+
+    pipe.update_components(guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
+
+
+def _load_flux3_pipeline(folder: Path):
+    """The modular FLUX.3 pipeline as its adapter loads it: without the prompt upsampler, components in float32."""
+    import torch
+
+    from flowgrpo.models.modular import load_modular_pipeline
+
+    return load_modular_pipeline(str(folder), dtype=torch.float32, drop_blocks=("prompt_upsampler",))
+
+
+def _flux3_case(name: str, guidance_scale: float) -> ConformanceCase:
+    """A modular FLUX.3 case: one prompt per pipeline call (the text encoder block takes one), the guidance as the
+    pipeline's guider, the transformer's attention projections and feed-forwards as LoRA targets."""
+    return ConformanceCase(
+        name=name, build=BUILDERS[name], size=32, max_sequence_length=512, guidance_scale=guidance_scale,
+        call_kwargs=lambda s: {"max_sequence_length": 512}, pipeline_batch_size=1,
+        pipeline_setup=None if name.endswith("distilled") else _modular_guider, load_pipeline=_load_flux3_pipeline,
+        guided=not name.endswith("distilled"), forward_objective=True,
+        # the pipeline's first step feeds the transformer the transposed view of its noise, the adapter contiguous
+        # tokens (as the rollout and the update both do): another matmul kernel, measured 7e-7 on the first velocity
+        # and 1.5e-6 on the decoded images (2026-12-02, torch 2.14.1 CPU)
+        parity_atol=2e-6,
+    )
 
 
 CASES: dict[str, ConformanceCase] = {case.name: case for case in (
@@ -196,6 +245,14 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
         condition=lambda images: {"image": images[0][0]}, pipeline_setup=_hunyuan_guider, pipeline_batch_size=1,
         call_takes_size=False,
     ),
+    ConformanceCase(
+        name="qwenimage21", build=BUILDERS["qwenimage21"], size=32, max_sequence_length=64, guidance_scale=4.0,
+        call_kwargs=lambda s: {"true_cfg_scale": s, "negative_prompt": [" "] * 2},
+        pipeline_images=lambda images: images[:, :3],  # the VAE decodes RGBA; the adapter gives its RGB channels
+        forward_objective=True,
+    ),
+    _flux3_case("flux3", 3.5),
+    _flux3_case("flux3_distilled", 1.0),
 )}
 
 
@@ -226,6 +283,13 @@ REAL_SIZE["wan22_ti2v"] = {"num_layers": 30, "num_attention_heads": 24, "attenti
                            "freq_dim": 256, "rope_max_seq_len": 1024}
 REAL_SIZE["hunyuan_video15"] = {"num_layers": 54, "num_refiner_layers": 2, "num_attention_heads": 16,
                                 "attention_head_dim": 128, "mlp_ratio": 4.0, "rope_axes_dim": (16, 56, 56)}
+# FLUX.3 and Qwen-Image 2.1: their transformer classes' constructor defaults in diffusers 0.42.1 (no public
+# config.json was found); the input and context widths stay the tiny VAE's and encoders'
+REAL_SIZE["flux3"] = {"num_layers": 5, "num_single_layers": 28, "attention_head_dim": 128, "num_attention_heads": 24,
+                      "mlp_ratio": 3.0, "axes_dims_rope": (32, 32, 32, 32), "timestep_channels": 256}
+REAL_SIZE["flux3_distilled"] = REAL_SIZE["flux3"]
+REAL_SIZE["qwenimage21"] = {"num_layers": 32, "attention_head_dim": 128, "num_attention_heads": 32, "mlp_ratio": 3,
+                            "axes_dims_rope": (16, 56, 56)}
 REAL_SIZE["kontext"] = REAL_SIZE["flux"]
 # image-to-video: the 14B bodies (Wan2.1 I2V's image key/value projections at the real width) and HunyuanVideo-1.5's
 REAL_SIZE["wan21_i2v"] = {**REAL_SIZE["wan22"], "added_kv_proj_dim": 5120}

@@ -24,7 +24,9 @@ never against a snapshot of the adapter's own output:
 * **start-up of a sharded run**: with ``empty_transformer`` the trained transformer is built on the meta device
   (no weights read) with the loaded one's parameter names and shapes and its buffers;
 * **training**: one epoch through the real trainer (``flowgrpo.runner.run``) with the ``per_step`` and ``chunk``
-  strategies, with a log-prob mismatch of exactly 0.0 at the first update.
+  strategies, with a log-prob mismatch of exactly 0.0 at the first update; for a case with ``forward_objective``
+  also one epoch of DiffusionNFT (a forward-process objective), whose trained and old-copy velocities agree
+  exactly at the epoch's one update (``objective/old_deviation`` 0.0).
 
 Video models (a case with ``num_frames``) run the same clauses: latents (B, C, F', h, w), decoded videos
 (B, F, 3, H, W) compared with the pipeline's ``frames``, and training with an image reward over every frame
@@ -94,6 +96,12 @@ def _step_outputs(pipe, record: list):
         yield None
     finally:
         del pipe.scheduler.step  # back to the class's method
+
+
+def _is_modular(pipe) -> bool:
+    from diffusers import ModularPipeline
+
+    return isinstance(pipe, ModularPipeline)
 
 
 def _generators(seeds) -> list[torch.Generator]:
@@ -179,13 +187,18 @@ class AdapterConformance:
 
             if c.pipeline_setup is not None:
                 c.pipeline_setup(pipe, guidance)
+            modular = _is_modular(pipe)
+            # a modular pipeline whose blocks take one prompt per call gets it as a string; it returns its state's
+            # "images" output (there is no __call__ output class)
+            prompt = prompts[sl][0] if modular and n == 1 else list(prompts[sl])
             with torch.no_grad(), _step_outputs(pipe, steps_here) as callback:
-                out = pipe(prompt=list(prompts[sl]), generator=_generators(seeds[sl]),
+                out = pipe(prompt=prompt, generator=_generators(seeds[sl]),
                            num_inference_steps=steps or c.num_steps, output_type="pt",
                            **({"height": c.size, "width": c.size} if c.call_takes_size else {}),
                            **({} if callback is None else {"callback_on_step_end": keep}),
-                           **c.call_kwargs(guidance), **extra)
-            images.append(out.frames if c.num_frames else out.images)  # videos: (B, F, 3, H, W)
+                           **({"output": "images"} if modular else {}), **c.call_kwargs(guidance), **extra)
+            got = out if modular else out.frames if c.num_frames else out.images  # videos: (B, F, 3, H, W)
+            images.append(got if c.pipeline_images is None else c.pipeline_images(got))
             per_step.append(steps_here)
         return torch.cat(images), [torch.cat(step) for step in zip(*per_step, strict=True)]
 
@@ -235,6 +248,8 @@ class AdapterConformance:
 
     def test_guidance_changes_the_velocity(self, adapter, sources):
         c = self.case
+        if not c.guided:
+            pytest.skip(f"{c.name} samples without guidance")
         x = adapter.initial_latents(2, _generators([5, 6]))
         embeds = encode_rows(adapter, list(c.prompts), self.metadata(sources))
         with torch.no_grad():
@@ -284,7 +299,7 @@ class AdapterConformance:
         with adapter.reference():
             _, ours_base = self.ode(adapter, c.prompts, seeds, sources, guidance=c.guidance_scale)
         save_lora(adapter, tmp_path / "lora")
-        fresh = type(adapter.pipe).from_pretrained(str(folder))
+        fresh = (c.load_pipeline or type(adapter.pipe).from_pretrained)(str(folder))
         fresh.set_progress_bar_config(disable=True)
         base, _ = self.call_pipeline(fresh, c.prompts, seeds, sources, guidance=c.guidance_scale)
         load_lora_into(fresh, tmp_path / "lora")  # the pipeline's load_lora_weights (or its transformer's loader)
@@ -350,8 +365,10 @@ class AdapterConformance:
             assert not b.is_meta and torch.equal(b.to(buffers[n].dtype), buffers[n]), n
         assert not any(p.is_meta for p in empty.pipe.vae.parameters())
 
-    @pytest.mark.parametrize("strategy", ["per_step", "chunk"])
-    def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
+    def run_one_epoch(self, folder, sources, tmp_path, overrides: list[str]) -> list[dict]:
+        """One epoch through the real trainer on the case's two prompts (2 samples each), with ``overrides``
+        (the objective's or chunker's settings); returns ``metrics.jsonl``'s records and checks the LoRA was
+        written."""
         c = self.case
         prompt_file = tmp_path / "prompts.jsonl"
         records = [{"prompt": p} for p in c.prompts]
@@ -362,14 +379,12 @@ class AdapterConformance:
                 r["image"] = f"img/s{i}.png"
         prompt_file.write_text("".join(json.dumps(r) + "\n" for r in records))
         out = tmp_path / "run"
-        chunk = f"{{name: chunk, chunk_sizes: [1, {c.num_steps - 1}]}}"
-        chunker = "{name: per_step}" if strategy == "per_step" else chunk
         cfg = build_config({}, [
             f"model.pretrained={folder}", f"model.max_sequence_length={c.max_sequence_length}",
             f"model.height={c.size}", f"model.width={c.size}", "model.lora_rank=4", "model.lora_alpha=8",
             f"model.lora_target_modules={json.dumps(list(c.lora_target_modules))}",
             f"sampling.num_steps={c.num_steps}", f"sampling.guidance_scale={c.guidance_scale}",
-            f"chunker={chunker}", "train.num_epochs=1", "train.group_size=2", "train.prompts_per_epoch=2",
+            "train.num_epochs=1", "train.group_size=2", "train.prompts_per_epoch=2",
             "train.rollout_batch_size=2", "train.lr=1e-3", f"data.train_prompts={prompt_file}", f"output_dir={out}",
             "logging.progress=false",
             # the evaluations before and after: 2 images in T steps (what this test checks is the training epoch)
@@ -378,10 +393,31 @@ class AdapterConformance:
             *([f"model.num_frames={c.num_frames}",
                "rewards=[{name: video_frames, kwargs: {base: jpeg_compressibility}}]"] if c.num_frames
               else ["rewards=[{name: jpeg_compressibility}]"]),
+            *overrides,
         ])
         run(cfg)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["epoch"] for r in records] == [0]
+        assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+        return records
+
+    @pytest.mark.parametrize("strategy", ["per_step", "chunk"])
+    def test_one_epoch_of_training(self, folder, sources, tmp_path, strategy):
+        c = self.case
+        chunk = f"{{name: chunk, chunk_sizes: [1, {c.num_steps - 1}]}}"
+        chunker = "{name: per_step}" if strategy == "per_step" else chunk
+        records = self.run_one_epoch(folder, sources, tmp_path, [f"chunker={chunker}"])
         assert records[0]["policy/logprob_mismatch_max"] == 0.0
         assert records[0]["adv/abs_mean"] > 0  # the update had a signal
-        assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+    def test_one_epoch_of_a_forward_process_objective(self, folder, sources, tmp_path):
+        """DiffusionNFT (the forward-process family): at the epoch's one optimizer step the trained weights are
+        the old copy's, so the trained velocity equals the old copy's bit for bit at every training σ (the
+        forward-process analogue of a log-prob mismatch of 0). Runs for the cases with ``forward_objective``."""
+        if not self.case.forward_objective:
+            pytest.skip(f"{self.case.name}: the forward-process epoch is run for the cases that ask for it")
+        records = self.run_one_epoch(folder, sources, tmp_path, ["objective={name: nft, kl_beta: 0.0}",
+                                                                 "train.optimizer_steps_per_epoch=1"])
+        assert records[0]["objective/rows"] > 0
+        assert records[0]["objective/old_deviation"] == 0.0
+        assert records[0]["policy/grad_norm"] > 0  # the update had a signal

@@ -43,6 +43,18 @@ class TestQwenImageEditPlus(AdapterConformance):
     case = CASES["qwenimage_edit_plus"]
 
 
+class TestQwenImage21(AdapterConformance):
+    case = CASES["qwenimage21"]
+
+
+class TestFlux3(AdapterConformance):  # a modular pipeline (modular_model_index.json)
+    case = CASES["flux3"]
+
+
+class TestFlux3Distilled(AdapterConformance):
+    case = CASES["flux3_distilled"]
+
+
 def test_flux2_klein_distilled_ignores_guidance_as_its_pipeline(tmp_path_factory):
     """A step-distilled klein (``is_distilled``) runs no CFG: the adapter's velocity does not depend on the
     guidance scale, and its ODE rollout still equals the pipeline's (which skips CFG for such a model)."""

@@ -69,3 +69,12 @@ def test_flux2_unpatchify_is_the_2x2_unpatchify(cls):
     x = torch.randn(2, 4, 6, 8)
     patched = _patchify(x).transpose(1, 2).reshape(2, 16, 3, 4)  # (B, C·4, H/2, W/2)
     assert torch.equal(getattr(diffusers, cls)._unpatchify_latents(patched), x)
+
+
+def test_qwenimage21_pack_is_a_flatten_and_unpack_inverts_it():
+    """Qwen-Image 2.1 consumes its latents unpatched: (B, 1, C, h, w) → (B, h·w, C) tokens, row-major."""
+    x = torch.randn(2, 1, 4, 4, 6)  # (an even latent grid: the pipeline's sizes are multiples of 32 px)
+    packed = diffusers.QwenImage21Pipeline._pack_latents(x, 2, 4, 4, 6)
+    assert torch.equal(packed, x[:, 0].flatten(2).transpose(1, 2))
+    back = diffusers.QwenImage21Pipeline._unpack_latents(packed, 4 * 16, 6 * 16, 16)  # pixel sizes, 16x VAE
+    assert torch.equal(back, x.transpose(1, 2))  # (B, C, 1, h, w)
