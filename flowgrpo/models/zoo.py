@@ -58,6 +58,9 @@ class ConformanceCase:
             guidance is a component rather than a call argument (HunyuanVideo-1.5's guider); None: nothing.
         call_takes_size: ``__call__`` takes ``height`` and ``width``; False for a pipeline that sizes its output
             from the conditioning image (HunyuanVideo-1.5 image-to-video), whose case must give images that size.
+        callback_state: ``callback_state(callback_kwargs) -> tensor``: the adapter's sampled state from the
+            tensors ``callback_on_step_end`` receives, for a state that is more than the pipeline's ``latents``
+            (LTX-2: video and audio latents); None: ``callback_kwargs["latents"]``.
     """
 
     name: str
@@ -77,6 +80,7 @@ class ConformanceCase:
     num_frames: int | None = None
     pipeline_setup: Callable | None = None
     call_takes_size: bool = True
+    callback_state: Callable[[dict], object] | None = None
 
 
 def _words() -> list[str]:
@@ -114,6 +118,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "wan21_i2v": _builder("flowgrpo.models.wan_i2v:build_tiny_wan_i2v"),
     "wan22_i2v": lambda out, **kw: _builder("flowgrpo.models.wan_i2v:build_tiny_wan_i2v")(out, variant="wan22", **kw),
     "hunyuan_video15_i2v": _builder("flowgrpo.models.hunyuan_video15:build_tiny_hunyuan_video15_i2v"),
+    "ltx2": _builder("flowgrpo.models.ltx2:build_tiny_ltx2"),
 }
 
 def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: float) -> ConformanceCase:
@@ -151,6 +156,26 @@ def _hunyuan_guider(pipe, guidance_scale: float) -> None:
     from diffusers import ClassifierFreeGuidance
 
     pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance_scale)
+
+
+def _LTX2_GUIDANCE():  # noqa: N802 - a constant, built on first use (importing the adapter imports diffusers)
+    from flowgrpo.models.ltx2 import LTX2Guidance
+
+    return LTX2Guidance(stg_blocks=(1,))
+
+
+def _ltx2_callback_inputs(pipe, guidance_scale: float) -> None:
+    """Let ``LTX2Pipeline``'s step callback see ``audio_latents`` too (the adapter's state is video and audio; the
+    pipeline's ``_callback_tensor_inputs`` lists the video latents only, and reads any name from its locals)."""
+    if "audio_latents" not in pipe._callback_tensor_inputs:
+        pipe._callback_tensor_inputs = [*type(pipe)._callback_tensor_inputs, "audio_latents"]
+
+
+def _ltx2_state(kwargs: dict):
+    """The LTX-2 adapter's joint state ``[video ‖ audio]`` (B, N) from the pipeline's step-callback tensors."""
+    import torch
+
+    return torch.cat([kwargs["latents"].flatten(1), kwargs["audio_latents"].flatten(1)], dim=1)
 
 
 CASES: dict[str, ConformanceCase] = {case.name: case for case in (
@@ -195,6 +220,17 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
         call_kwargs=lambda s: {"num_frames": 5}, load_kwargs={"num_frames": 5}, num_frames=5,
         condition=lambda images: {"image": images[0][0]}, pipeline_setup=_hunyuan_guider, pipeline_batch_size=1,
         call_takes_size=False,
+    ),
+    ConformanceCase(
+        name="ltx2", build=BUILDERS["ltx2"], size=32, max_sequence_length=16, guidance_scale=4.0,
+        # the pipeline's guidance stack (CFG on x0, STG, modality isolation, rescale) with the STG block scaled
+        # down to the tiny model's two blocks (the released default is block 28 of 48); decode noise off
+        call_kwargs=lambda s: {"num_frames": 9, "max_sequence_length": 16, "guidance_scale": s,
+                               "callback_on_step_end_tensor_inputs": ["latents", "audio_latents"],
+                               **_LTX2_GUIDANCE().call_kwargs()},
+        load_kwargs={"num_frames": 9}, num_frames=9, pipeline_setup=_ltx2_callback_inputs,
+        module_patches={"flowgrpo.models.ltx2:DEFAULT_GUIDANCE": _LTX2_GUIDANCE()},
+        callback_state=_ltx2_state,
     ),
 )}
 
