@@ -158,7 +158,8 @@ def _hunyuan_guider(pipe, guidance_scale: float) -> None:
     pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance_scale)
 
 
-def _LTX2_GUIDANCE():  # noqa: N802 - a constant, built on first use (importing the adapter imports diffusers)
+def _ltx2_guidance():
+    """The tiny LTX-2 case's guidance: the pipeline's defaults with the STG block scaled down to its two blocks."""
     from flowgrpo.models.ltx2 import LTX2Guidance
 
     return LTX2Guidance(stg_blocks=(1,))
@@ -227,9 +228,9 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
         # down to the tiny model's two blocks (the released default is block 28 of 48); decode noise off
         call_kwargs=lambda s: {"num_frames": 9, "max_sequence_length": 16, "guidance_scale": s,
                                "callback_on_step_end_tensor_inputs": ["latents", "audio_latents"],
-                               **_LTX2_GUIDANCE().call_kwargs()},
+                               **_ltx2_guidance().call_kwargs()},
         load_kwargs={"num_frames": 9}, num_frames=9, pipeline_setup=_ltx2_callback_inputs,
-        module_patches={"flowgrpo.models.ltx2:DEFAULT_GUIDANCE": _LTX2_GUIDANCE()},
+        module_patches={"flowgrpo.models.ltx2:DEFAULT_GUIDANCE": _ltx2_guidance()},
         callback_state=_ltx2_state,
     ),
 )}
