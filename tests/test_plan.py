@@ -223,7 +223,9 @@ def test_every_shipped_config_of_a_released_model_is_planned():
         pretrained = load_config(path).model.pretrained
         # HunyuanVideo-1.5 is not planned: its blocks' text mask sends the CPU count through the math attention,
         # whose saved S x S weights a GPU kernel does not keep, so the linear coefficients cannot be counted here
-        if pretrained in ("digits", "tiny") or "klein" in pretrained or "HunyuanVideo-1.5" in pretrained:
+        # LTX-2 is not planned yet: its joint video and audio blocks are not recorded here
+        if (pretrained in ("digits", "tiny") or "klein" in pretrained or "HunyuanVideo-1.5" in pretrained
+                or "LTX-2" in pretrained):
             with pytest.raises(ValueError, match="not in the plan"):
                 plan_config(path, 8)
             refused += 1

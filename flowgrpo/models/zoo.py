@@ -69,6 +69,9 @@ class ConformanceCase:
             the same.
         call_takes_size: ``__call__`` takes ``height`` and ``width``; False for a pipeline that sizes its output
             from the conditioning image (HunyuanVideo-1.5 image-to-video), whose case must give images that size.
+        callback_state: ``callback_state(callback_kwargs) -> tensor``: the adapter's sampled state from the
+            tensors ``callback_on_step_end`` receives, for a state that is more than the pipeline's ``latents``
+            (LTX-2: video and audio latents); None: ``callback_kwargs["latents"]``.
     """
 
     name: str
@@ -92,6 +95,7 @@ class ConformanceCase:
     guided: bool = True
     forward_objective: bool = False
     pipeline_images: Callable | None = None
+    callback_state: Callable[[dict], object] | None = None
 
 
 def _words() -> list[str]:
@@ -132,6 +136,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "qwenimage21": _builder("flowgrpo.models.qwenimage21:build_tiny_qwenimage21"),
     "flux3": _builder("flowgrpo.models.flux3:build_tiny_flux3"),
     "flux3_distilled": lambda out, **kw: _builder("flowgrpo.models.flux3:build_tiny_flux3")(out, distilled=True, **kw),
+    "ltx2": _builder("flowgrpo.models.ltx2:build_tiny_ltx2"),
 }
 
 def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: float) -> ConformanceCase:
@@ -202,6 +207,27 @@ def _flux3_case(name: str, guidance_scale: float) -> ConformanceCase:
     )
 
 
+def _ltx2_guidance():
+    """The tiny LTX-2 case's guidance: the pipeline's defaults with the STG block scaled down to its two blocks."""
+    from flowgrpo.models.ltx2 import LTX2Guidance
+
+    return LTX2Guidance(stg_blocks=(1,))
+
+
+def _ltx2_callback_inputs(pipe, guidance_scale: float) -> None:
+    """Let ``LTX2Pipeline``'s step callback see ``audio_latents`` too (the adapter's state is video and audio; the
+    pipeline's ``_callback_tensor_inputs`` lists the video latents only, and reads any name from its locals)."""
+    if "audio_latents" not in pipe._callback_tensor_inputs:
+        pipe._callback_tensor_inputs = [*type(pipe)._callback_tensor_inputs, "audio_latents"]
+
+
+def _ltx2_state(kwargs: dict):
+    """The LTX-2 adapter's joint state ``[video ‖ audio]`` (B, N) from the pipeline's step-callback tensors."""
+    import torch
+
+    return torch.cat([kwargs["latents"].flatten(1), kwargs["audio_latents"].flatten(1)], dim=1)
+
+
 CASES: dict[str, ConformanceCase] = {case.name: case for case in (
     _text_case("flux", 64, 32, 3.5),
     _text_case("sd3", 64, 12, 4.5),
@@ -253,6 +279,17 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
     ),
     _flux3_case("flux3", 3.5),
     _flux3_case("flux3_distilled", 1.0),
+    ConformanceCase(
+        name="ltx2", build=BUILDERS["ltx2"], size=32, max_sequence_length=16, guidance_scale=4.0,
+        # the pipeline's guidance stack (CFG on x0, STG, modality isolation, rescale) with the STG block scaled
+        # down to the tiny model's two blocks (the released default is block 28 of 48); decode noise off
+        call_kwargs=lambda s: {"num_frames": 9, "max_sequence_length": 16, "guidance_scale": s,
+                               "callback_on_step_end_tensor_inputs": ["latents", "audio_latents"],
+                               **_ltx2_guidance().call_kwargs()},
+        load_kwargs={"num_frames": 9}, num_frames=9, pipeline_setup=_ltx2_callback_inputs,
+        module_patches={"flowgrpo.models.ltx2:DEFAULT_GUIDANCE": _ltx2_guidance()},
+        callback_state=_ltx2_state,
+    ),
 )}
 
 

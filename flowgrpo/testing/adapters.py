@@ -182,7 +182,8 @@ class AdapterConformance:
             steps_here = []
 
             def keep(_pipe, i, t, kwargs, steps_here=steps_here):
-                steps_here.append(kwargs["latents"].clone())
+                state = kwargs["latents"] if c.callback_state is None else c.callback_state(kwargs)
+                steps_here.append(state.clone())
                 return {}
 
             if c.pipeline_setup is not None:
