@@ -32,11 +32,11 @@ R_L = [[0.7, 0.6, -1.1], [-0.4, 1.2, -0.3]]
 def _hand_dpo(beta: float) -> list[float]:
     """Per pair, by hand: the four squared errors, s and softplus(−s)."""
     out = []
-    for i in range(2):
-        def err(v, x0):
-            return sum((v[i][d] - (EPS[i][d] - x0[i][d])) ** 2 for d in range(3)) / 3
+    def err(v, x0, i):
+        return sum((v[i][d] - (EPS[i][d] - x0[i][d])) ** 2 for d in range(3)) / 3
 
-        s = -beta / 2 * ((err(V_W, X0_W) - err(R_W, X0_W)) - (err(V_L, X0_L) - err(R_L, X0_L)))
+    for i in range(2):
+        s = -beta / 2 * ((err(V_W, X0_W, i) - err(R_W, X0_W, i)) - (err(V_L, X0_L, i) - err(R_L, X0_L, i)))
         out.append(math.log1p(math.exp(-s)))
     return out
 
