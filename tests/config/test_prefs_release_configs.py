@@ -24,7 +24,7 @@ FLOW_FACTORY_DPO_SD35 = {
     "sampling.num_steps": 40, "sampling.guidance_scale": 1.0,         # 95, 97
     "eval_sampling.num_steps": 40, "eval_sampling.guidance_scale": 1.0,   # 147, 145
     "objective.name": "dpo", "objective.solver": "euler",             # trainer_type dpo (67); ODE (139)
-    "objective.beta": 100.0,                                          # 71
+    "objective.beta_dpo": 100.0,                                      # 71
     "objective.pairs": "best_worst",                                  # trainers/dpo.py 355-356
     "objective.num_train_timesteps": 1,                               # 81
     "objective.weighting_scheme": "logit_normal", "objective.logit_mean": 0.0, "objective.logit_std": 1.0,  # 75-77

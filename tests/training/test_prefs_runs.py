@@ -61,7 +61,7 @@ def _config(tmp_path, model_dir, data, name: str, out: str = "run", **sections):
         "model": {"pretrained": str(model_dir), "max_sequence_length": 12, "height": 32, "width": 32},
         "sampling": {"num_steps": 3, "guidance_scale": 3.0},
         "eval_sampling": {"num_steps": 2},
-        "objective": {"name": name, "num_train_timesteps": 2, **({"beta": 50.0} if name != "sft" else {})},
+        "objective": {"name": name, "num_train_timesteps": 2, **({"beta_dpo": 50.0} if name != "sft" else {})},
         "train": {"num_epochs": 1, "prompts_per_epoch": 2, "group_size": 2, "rollout_batch_size": 2,
                   "train_batch_size": 1, "optimizer_steps_per_epoch": 2, "lr": 1e-2},
         "rewards": [{"name": "jpeg_incompressibility"}],
@@ -130,7 +130,7 @@ def test_offline_dpo_needs_groups_of_two():
 
 @pytest.mark.parametrize("name", ["dpo", "dpo_offline"])
 def test_dpo_refuses_a_kl_weight(name):
-    with pytest.raises(ConfigError, match=r"objective.kl_beta=0.1 is not read by objective .*objective.beta"):
+    with pytest.raises(ConfigError, match=r"objective.kl_beta=0.1 is not read by objective .*objective.beta_dpo"):
         build_config({"objective": {"name": name, "kl_beta": 0.1}, "train": {"group_size": 2,
                                                                               "rollout_batch_size": 4}})
 

@@ -26,7 +26,7 @@ def runs(tmp_path_factory, tiny_flux_dir) -> Path:
     root = tmp_path_factory.mktemp("prefs_sharding")
     # P = 4 prompts x G = 2: each process two whole groups; every pair of a group (all: one slot for G = 2)
     sections = {"train": {"prompts_per_epoch": 4, "rollout_batch_size": 2, "train_batch_size": 1},
-                "algo": {"clip_range": 1e-4}, "objective": {"name": "dpo", "beta": 50.0, "num_train_timesteps": 2}}
+                "algo": {"clip_range": 1e-4}, "objective": {"name": "dpo", "beta_dpo": 50.0, "num_train_timesteps": 2}}
     one, two = (_config(root, tiny_flux_dir, f"dpo_{w}", **sections) for w in ("one", "two"))
     _in_process(one)
     _ok(_torchrun(["--nproc_per_node", "2", "--master_port", _free_port()], [two]))

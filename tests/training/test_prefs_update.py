@@ -90,7 +90,7 @@ def _dpo_grads(optim, draws, samples, pairs, beta, ref):
 @pytest.mark.parametrize("beta", [3.0, 40.0])
 def test_online_dpo_steps_minimise_the_mean_pair_loss(beta):
     cfg, obj, adapter, optim, samples, adv, draws = _setup(
-        {"name": "dpo", "beta": beta, "num_train_timesteps": 2}, group_size=4, steps=2)
+        {"name": "dpo", "beta_dpo": beta, "num_train_timesteps": 2}, group_size=4, steps=2)
     ref = torch.tensor([float(p.detach()) for p in optim.params], dtype=torch.float64)
     work = obj.plan(samples, adv, adv.train_mask, epoch=0)
     assert work.extra["chosen"].tolist() == [p[0] for p in PAIRS_BY_HAND]
@@ -112,7 +112,7 @@ def test_all_pairs_and_masked_slots():
     """``pairs: all``: 6 slots a group of 4, those with the masked sample or equal advantages masked; the step's
     mean runs over the real pairs only."""
     cfg, obj, adapter, optim, samples, adv, draws = _setup(
-        {"name": "dpo", "beta": 5.0, "pairs": "all"}, group_size=4, steps=1, train_batch_size=4)
+        {"name": "dpo", "beta_dpo": 5.0, "pairs": "all"}, group_size=4, steps=1, train_batch_size=4)
     work = obj.plan(samples, adv, adv.train_mask, epoch=0)
     pairs = [(int(a), int(b)) for a, b, k in zip(work.extra["chosen"], work.extra["rejected"], work.trained,
                                                   strict=True) if k]
@@ -132,7 +132,7 @@ def test_all_pairs_and_masked_slots():
 def test_offline_dpo_pairs_are_the_dataset_order():
     """Offline: sample 0 of each group of 2 is chosen, whatever the advantages (here the opposite way)."""
     cfg, obj, adapter, optim, samples, adv, draws = _setup(
-        {"name": "dpo_offline", "beta": 6.0}, group_size=2, steps=1, train_batch_size=4)
+        {"name": "dpo_offline", "beta_dpo": 6.0}, group_size=2, steps=1, train_batch_size=4)
     adv = Advantages(values=torch.tensor([-1.0, 1.0] * 4), train_mask=torch.ones(B, dtype=torch.bool),
                      zero_spread_frac=0.0, nan_frac=0.0, learning_frac=1.0)
     work = obj.plan(samples, adv, adv.train_mask, epoch=0)

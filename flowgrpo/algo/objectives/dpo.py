@@ -178,7 +178,7 @@ def preference_pairs(advantages: torch.Tensor, group_ids: torch.Tensor, valid: t
 class DPOBaseConfig(SigmaDensityConfig):
     """The knobs ``dpo`` and ``dpo_offline`` share (a settings base; no objective of its own)."""
 
-    beta: float = Field(100.0, gt=0, description="dpo: beta of the Diffusion-DPO preference -log sigmoid(-beta/2 "
+    beta_dpo: float = Field(100.0, gt=0, description="dpo: beta of the Diffusion-DPO preference -log sigmoid(-beta/2 "
                         "* ((e_w - e_ref_w) - (e_l - e_ref_l))) (flow_grpo pickscore_sd3: 100; Flow-Factory's "
                         "default 2000; Diffusion-DPO SD1.5: 5000)")
 
@@ -187,7 +187,7 @@ class DPOBaseConfig(SigmaDensityConfig):
         super().check(config)
         if self.kl_beta:
             raise ValueError(f"objective.kl_beta={self.kl_beta} is not read by objective {self.name!r}: its "
-                             "reference enters the loss through objective.beta; remove kl_beta")
+                             "reference enters the loss through objective.beta_dpo; remove kl_beta")
 
 
 class DPOConfig(DPOBaseConfig):
@@ -219,7 +219,7 @@ class DPO(ForwardObjective):
 
     def loss_settings(self) -> DPOSettings:
         o = self.o
-        return DPOSettings(beta=o.beta, num_train_timesteps=o.num_train_timesteps,
+        return DPOSettings(beta=o.beta_dpo, num_train_timesteps=o.num_train_timesteps,
                            weighting_scheme=o.weighting_scheme, logit_mean=o.logit_mean, logit_std=o.logit_std,
                            mode_scale=o.mode_scale, pairs=getattr(o, "pairs", "best_worst"))
 
@@ -284,4 +284,4 @@ class DPO(ForwardObjective):
         both = embeds.index(torch.cat([torch.arange(n), torch.arange(n)]).to(embeds.device))
         v_ref = self.velocity(adapter, x_t, sigma2, both, weights="reference")
         v = self.velocity(adapter, x_t, sigma2, both)
-        return dpo_terms(v[:n], v[n:], v_ref[:n], v_ref[n:], noise, x0, x0_l, self.o.beta)
+        return dpo_terms(v[:n], v[n:], v_ref[:n], v_ref[n:], noise, x0, x0_l, self.o.beta_dpo)
