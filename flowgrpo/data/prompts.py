@@ -9,7 +9,9 @@ conditioning image(s) with ``image`` (a path) or ``images`` (a list), relative t
 checks they exist and hands them on as ``images``, a list of absolute paths. Embedded sets: ``digits`` (the
 digits task), ``digits_eval`` (the canonical phrasing of each digit, a subset of the training phrasings: the
 frozen random text encoders cannot generalise to unseen ones) and ``t2i_compbench`` (T2I-CompBench validation
-prompts, MIT, see ``flowgrpo/assets/prompts/t2i_compbench/LICENSE``).
+prompts, MIT, see ``flowgrpo/assets/prompts/t2i_compbench/LICENSE``), and the digits task's datasets for the
+dataset objectives, built into the cache on first use (:mod:`flowgrpo.tasks.digits.datasets`): ``digits_real`` (the
+real training digits, an image set) and ``digits_pairs`` (the base model's scored samples, a preference set).
 """
 
 from __future__ import annotations
@@ -46,7 +48,16 @@ EMBEDDED = {
     "digits": lambda: [_assets() / "digits" / "prompts.jsonl"],
     "digits_eval": lambda: [_assets() / "digits" / "eval.jsonl"],
     "t2i_compbench": lambda: sorted((_assets() / "prompts" / "t2i_compbench").glob("*_val.txt")),
+    "digits_real": lambda: [_digits_sets().ensure_real_set()],
+    "digits_pairs": lambda: [_digits_sets().ensure_preference_set()],
 }
+
+
+def _digits_sets():
+    """The digits task's datasets (built into the cache on first use; imported late: they load the task)."""
+    from flowgrpo.tasks.digits import datasets
+
+    return datasets
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:

@@ -147,6 +147,14 @@ class AdapterBase:
         if height <= 0 or width <= 0 or height % step or width % step:
             raise ValueError(f"{what} must be a positive multiple of {step}, got {height}x{width}")
 
+    def check_images_shape(self, images: torch.Tensor) -> None:
+        """The input check of ``encode_images``: ``ValueError`` unless ``images`` is (B, 3, height, width) with
+        B >= 1, the adapter's size."""
+        want = (3, self.height, self.width)
+        if images.ndim != 4 or images.shape[0] < 1 or tuple(images.shape[1:]) != want:
+            raise ValueError(f"encode_images needs (B, 3, {self.height}, {self.width}) images in [0, 1], got shape "
+                             f"{tuple(images.shape)}")
+
     @staticmethod
     def check_sequence_length(family: str, max_sequence_length: int, limit: int) -> None:
         """The text-length check: ``ValueError`` unless ``max_sequence_length`` is in [1, ``limit``]."""

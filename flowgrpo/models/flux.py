@@ -97,6 +97,22 @@ class FluxAdapter(AdapterBase):
         image = vae.decode(x.to(vae.dtype), return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, N, 4·C) float32 packed clean latents of ``images`` (B, 3, H, W) in [0, 1], the inverse of
+        :meth:`decode`: [0, 1] → [-1, 1], the VAE posterior's mode, ``(z − shift_factor)·scaling_factor`` (as
+        ``FluxKontextPipeline`` encodes its source image), packed into 2×2 patches. Used by the objectives that train
+        on a dataset's images (``sft``, ``dpo_offline``).
+
+        Raises:
+            ValueError: images that are not (B, 3, height, width).
+        """
+        self.check_images_shape(images)
+        vae = self.pipe.vae
+        z = vae.encode((images * 2 - 1).to(self.device, vae.dtype)).latent_dist.mode()
+        z = (z.float() - vae.config.shift_factor) * vae.config.scaling_factor
+        return FluxPipeline._pack_latents(z, z.shape[0], self.num_channels, self.latent_h, self.latent_w)
+
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """(T+1,) float32 σ grid exactly as ``FluxPipeline.__call__`` builds it (resolution shift, terminal 0)."""
         self.check_num_steps(num_steps)

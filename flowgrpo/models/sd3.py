@@ -167,6 +167,20 @@ class SD3Adapter(AdapterBase):
         image = vae.decode(x.to(vae.dtype), return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, h, w) float32 clean latents of ``images`` (B, 3, H, W) in [0, 1], the inverse of :meth:`decode`:
+        [0, 1] → [-1, 1], the VAE posterior's mode, ``(z − shift_factor)·scaling_factor``. Used by the objectives
+        that train on a dataset's images (``sft``, ``dpo_offline``).
+
+        Raises:
+            ValueError: images that are not (B, 3, height, width).
+        """
+        self.check_images_shape(images)
+        vae = self.pipe.vae
+        z = vae.encode((images * 2 - 1).to(self.device, vae.dtype)).latent_dist.mode()
+        return (z.float() - vae.config.shift_factor) * vae.config.scaling_factor
+
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """(T+1,) float32 σ grid exactly as ``StableDiffusion3Pipeline.__call__`` builds it.
 
