@@ -203,9 +203,10 @@ class SamplingConfig(Section):
         "x0_pred (x - sigma*v predicted at the last step, DanceGRPO/GCPO/MixGRPO/E-GRPO)"
     )
     cache: FeatureCacheConfig = Field(
-        default_factory=FeatureCacheConfig, description="feature cache of the rollout (objective nft, awm or dgpo "
-        "only: their rollout records no log-prob; refused for sde_ratio, whose log-probs read every velocity); the "
-        "update's forwards are never cached"
+        default_factory=FeatureCacheConfig, description="feature cache of the rollout: objective nft, awm or dgpo "
+        "(their rollout records no log-prob), or sde_ratio with chunker window or entropy_merge, on their ODE steps "
+        "only (off at every step whose velocity enters a log-prob); refused for the other chunkers; the update's "
+        "forwards are never cached"
     )
 
 
@@ -562,7 +563,8 @@ class Config(Section):
             raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
-        check_cache_allowed(self.objective.name, self.sampling.cache.name)  # no cached velocity in a log-prob
+        check_cache_allowed(self.objective.name, self.sampling.cache.name,  # no cached velocity in a log-prob
+                            chunker_name=self.chunker.name)
         if self.model.prompt_embeddings_dir is not None and not self.model.cache_prompt_embeddings:
             raise ValueError(f"model.prompt_embeddings_dir={self.model.prompt_embeddings_dir!r} is read only with "
                              "model.cache_prompt_embeddings=true; set it, or remove the folder setting")

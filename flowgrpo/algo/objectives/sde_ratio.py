@@ -183,8 +183,11 @@ class SdeRatio(BaseObjective):
 
     # ------------------------------------------------------------------ phases
     def rollout(self, adapter, request) -> Trajectory:
-        """The chunker's rollout (SDE at its stochastic steps, log-probs of every transition)."""
-        return self.chunker.rollout(adapter, request)
+        """The chunker's rollout (SDE at its stochastic steps, log-probs of every transition); ``sampling.cache``,
+        allowed only with a chunker that has ODE steps, is on over those steps only
+        (:func:`~flowgrpo.sampling.feature_cache.ode_step_cache`)."""
+        cache = self.cfg.sampling.cache
+        return self.chunker.rollout(adapter, replace(request, ode_cache=None if cache.name == "none" else cache))
 
     def plan(self, traj: Trajectory, adv: Advantages, keep: torch.Tensor, epoch: int) -> SdeRatioWork:
         """The chunker's plan (filtered-out samples, ``keep`` (B,) False, are not forwarded at all) and its work
