@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not (tiny / "model_index.json").exists():
         build_tiny_flux(tiny)
     rows = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "rewards"),
-                                                                                 os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(REPO), str(REPO / "rewards"), os.environ.get("PYTHONPATH", "")])
+    # ACCELERATE_USE_CPU: accelerate's process group on gloo (the CPU), as tests/training/test_sharding.py
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": path}
     for name in args.rows:
         if name == "fsdp2":
             cfg = _config(root, tiny, name, args.backend, parallel={"sharding": "fsdp2", "text_encoders": "offload"})

@@ -988,6 +988,7 @@ def part_n(c: Check) -> dict:
                       objective=build_objective(cfg), prompts=PromptSet(_prompts(prompts), sub.metadata(prompts),
                                                                         "ocr"),
                       eval_prompts=None, accelerator=Accelerator(cpu=c.dev.type == "cpu"))
+    (c.out / "ocr_step").mkdir(parents=True, exist_ok=True)  # the run folder fit() would make (plots)
     c.reset_peak()
     c.sync()
     start = time.perf_counter()
