@@ -84,7 +84,7 @@ def training_graph(adapter) -> Iterator[None]:
         with torch.no_grad():
             yield
         return
-    module = adapter.forward_module
+    module = adapter.transformer  # the blocks' mode (forward_module may be a wrapper: DDP, FSDP, ComputeIn)
     if not module.training:
         module.train()
     with torch.enable_grad():
