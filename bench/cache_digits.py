@@ -1,6 +1,6 @@
 """Feature caches on the digits DiffusionNFT rollout (a table; never a test).
 
-    python bench/cache_digits.py
+    python bench/cache_digits.py [--cache 'first_block={"threshold": 0.6}' ...]
 
 The rollout of ``configs/digits_nft.yaml`` (64 samples, 8 steps of DPM-Solver++(2M), micro-batches of 32) with
 ``sampling.cache`` first_block at several thresholds and taylor_seer at a few intervals, against the uncached
@@ -11,6 +11,8 @@ with ``--set 'sampling.cache={name: …, kwargs: {…}}'``.
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 
 import torch
@@ -28,7 +30,12 @@ CACHES = [("first_block", {"threshold": th}) for th in (0.0, 0.1, 0.2, 0.4)] + [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", action="append", default=[], metavar="NAME=JSON",
+                        help="a cache to measure instead of the default list, e.g. 'first_block={\"threshold\": 0.6}'")
+    args = parser.parse_args(argv)
+    caches = [(c.split("=", 1)[0], json.loads(c.split("=", 1)[1])) for c in args.cache] or CACHES
     quiet_libraries()
     cfg = load_config("configs/digits_nft.yaml")
     adapter = load_model_from_config(cfg.model)
@@ -47,7 +54,7 @@ def main() -> None:
     base = run(None).images
     full = len(tail)
     print("| cache | last block ran | max pixel diff | mean pixel diff | time ratio |\n|---|---|---|---|---|")
-    for name, kwargs in CACHES:
+    for name, kwargs in caches:
         cache = FeatureCacheConfig(name=name, kwargs=kwargs)
         tail.clear()
         images = run(cache).images

@@ -26,7 +26,15 @@ blocks, width 3072, 11.9 B transformer parameters; 1-layer CLIP and T5 encoders 
 (j) the offload cost: a full fine-tuning step of the same body with FSDP2's ``CPUOffloadPolicy`` vs without;
 (k) several GPUs (when 2 or more are visible): torchrun over all of them runs ``bench/gpu_check_multi.py``, an
     HSDP step (replicate × shard mesh) and a context-parallel (Ulysses) forward and backward against the unsplit
-    one; a dry run runs it on 2 CPU processes.
+    one; a dry run runs it on 2 CPU processes;
+(l) ``model.compile=regional`` against eager: the rollout of (a) and the update of (b) (targets ≤ 0.75× and
+    ≤ 0.8×), the first (compiling) call of each, and the compiled first-update mismatch (recompute mode: 0.0;
+    the dry run compiles with aot_eager);
+(m) the cached DiffusionNFT rollout (``sampling.cache`` first_block) against uncached: time ratio and pixel
+    differences;
+(n) one epoch at verl-omni's Qwen-Image OCR LoRA configuration (this GPU's share of 32 prompts × 16 images over
+    4 GPUs, 512², LoRA r64, the full 60-block Qwen-Image with random weights, a zero reward): images/GPU/s beside
+    verl-omni's 0.305.
 
 Each part runs on its own; a failure is recorded in the JSON and the next part runs. ``--dry-run`` runs the same
 code at toy sizes on the CPU (every part; CI runs it).
@@ -835,8 +843,183 @@ def part_k(c: Check) -> dict:
     return json.loads(result.read_text())
 
 
+
+def _uncompile(module: torch.nn.Module) -> None:
+    """Undo ``model.compile=regional`` on ``module`` (the blocks' compiled call dropped), so later parts run eager."""
+    for m in module.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+    module._flowgrpo_compiled = False
+    torch._dynamo.reset()
+
+
+def part_l(c: Check) -> dict:
+    """(l) ``model.compile=regional`` (flowgrpo.compile) against eager: the SDE rollout with log-probs of (a) and
+    the LoRA update of (b) (targets ≤ 0.75× and ≤ 0.8×), the first compiled call of each (compile included), and
+    the first update's mismatch compiled: in the rollout's layout (reported) and in recompute mode (must be 0.0)."""
+    from flowgrpo.compile import compile_regions
+    from flowgrpo.config import CompileConfig
+    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
+
+    a, s = c.adapter, c.size
+    b, t = s.batch, s.rollout_steps
+    settings = SamplerSettings(num_steps=t, guidance_scale=c.case.guidance_scale, sde_kind="flow_sde",
+                               noise_level=0.7)
+    request = RolloutRequest(_prompts(b), c.metadata(b), torch.arange(b), torch.zeros(b, dtype=torch.long),
+                             settings=settings, batch_size=b, seed=0, epoch=0)
+    trainer = _trainer(c, False, b)
+    traj, adv, plan = _rollout_for(c, trainer)
+
+    def roll():
+        rollout(a, request, torch.ones(t, dtype=torch.bool))
+
+    def update():
+        _update(trainer, trainer.objective.work(traj, adv, plan, 0))
+
+    def first(fn) -> float:
+        c.sync()
+        start = time.perf_counter()
+        fn()
+        c.sync()
+        return time.perf_counter() - start
+
+    eager_roll, eager_upd = c.timed(roll), c.timed(update)
+    # the dry run (CI) checks the plumbing with aot_eager: inductor's C++ compiles take minutes on a CPU
+    compile_regions(a.transformer, CompileConfig(name="regional", backend="aot_eager" if c.args.dry_run
+                                                 else "inductor"))
+    try:
+        first_roll, first_upd = first(roll), first(update)
+        c.reset_peak()
+        comp_roll, comp_upd = c.timed(roll), c.timed(update)
+        peak = c.peak_gib()
+        mismatch = {}
+        for name, rec in (("matched", False), ("recompute", True)):
+            tr = _trainer(c, False, b, recompute=rec)
+            traj2, adv2, plan2 = _rollout_for(c, tr)
+            work = tr.objective.work(traj2, adv2, plan2, 0)
+            work = tr.objective.recompute(a, work) if rec else work
+            mismatch[name] = _update(tr, work)["policy/logprob_mismatch_max"]
+    finally:
+        _uncompile(a.transformer)
+    return {"rollout_eager_s": eager_roll, "rollout_compiled_s": comp_roll, "rollout_ratio": comp_roll / eager_roll,
+            "rollout_first_call_s": first_roll, "update_eager_s": eager_upd, "update_compiled_s": comp_upd,
+            "update_ratio": comp_upd / eager_upd, "update_first_call_s": first_upd, "peak_gib": peak,
+            "mismatch_matched": mismatch["matched"], "mismatch_recompute": mismatch["recompute"]}
+
+
+#: part (m)'s first_block thresholds (0.8: the digits row of docs/results.md)
+CACHE_THRESHOLDS = (0.2, 0.8)
+
+
+def part_m(c: Check) -> dict:
+    """(m) the cached forward-process rollout (DiffusionNFT's DPM-Solver++(2M), ``sampling.cache`` first_block)
+    against uncached: time ratio, largest and mean pixel difference of the decoded images, per threshold."""
+    from flowgrpo.config.schema import FeatureCacheConfig
+    from flowgrpo.sampling.final_rollout import solver_rollout
+    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
+
+    a, s = c.adapter, c.size
+    b, t = s.batch, s.rollout_steps
+    request = RolloutRequest(_prompts(b), c.metadata(b), torch.arange(b) // 2, torch.arange(b) % 2,
+                             settings=SamplerSettings(num_steps=t, guidance_scale=c.case.guidance_scale),
+                             batch_size=b, seed=0, epoch=0)
+    grid = a.sigmas(t)
+
+    def run(cache):
+        return solver_rollout(a, request, solver="dpmpp_2m", sigmas=grid, cache=cache)
+
+    base = run(None).images
+    t_plain = c.timed(lambda: run(None))
+    out = {"uncached_s": t_plain, "batch": b, "steps": t}
+    for th in CACHE_THRESHOLDS:
+        cache = FeatureCacheConfig(name="first_block", kwargs={"threshold": th})
+        diff = (run(cache).images - base).abs()
+        t_cached = c.timed(lambda cache=cache: run(cache))
+        out[f"threshold_{th}"] = {"cached_s": t_cached, "ratio": t_cached / t_plain,
+                                  "max_pixel_diff": float(diff.max()), "mean_pixel_diff": float(diff.mean())}
+    return out
+
+
+#: verl-omni's Qwen-Image OCR LoRA step (4×H800 with a dedicated reward GPU: 32 prompts × 16 images at 512² in
+#: 360 s): images per GPU per second
+VERL_OMNI_OCR = 0.305
+#: the OCR configuration: prompts × images per epoch over the GPUs of verl-omni's run
+OCR_PROMPTS, OCR_GROUP, OCR_GPUS = 32, 16, 4
+
+
+def part_n(c: Check) -> dict:
+    """(n) one end-to-end epoch (rollout, advantages, update; the first of two, so no end-of-run plot) at
+    verl-omni's Qwen-Image OCR LoRA configuration, this GPU's share of it: 32 prompts × 16 images over 4 GPUs =
+    8 prompts × 16 images here, 512², LoRA r64/α128 on ``configs/qwenimage.yaml``'s modules, its 10 steps, true
+    CFG 4.0, 2-step SDE window and gradient checkpointing, on the full 60-block Qwen-Image transformer with random
+    weights (20 B parameters, bf16); the text encoder and VAE are the zoo's tiny ones of the real output widths,
+    and the reward is a zero (verl-omni scores OCR on a dedicated GPU). Printed as images/GPU/s beside verl-omni's
+    0.305 (dry run: toy sizes)."""
+    from accelerate import Accelerator
+
+    from flowgrpo.algo.objectives import build_objective
+    from flowgrpo.config import load_config
+    from flowgrpo.data.prompts import PromptSet
+    from flowgrpo.models.lora import setup_trainable
+    from flowgrpo.models.zoo import REAL_SIZE
+    from flowgrpo.rewards.compose import ComposedReward
+    from flowgrpo.training.loop import Trainer
+
+    full = not c.args.dry_run
+    prompts, group = (OCR_PROMPTS // OCR_GPUS, OCR_GROUP) if full else (2, 2)
+    res = 512 if full else c.size.resolution
+    body = {**REAL_SIZE["qwenimage"], "num_layers": 60} if full else {}
+    sub = Check.__new__(Check)  # the qwenimage family at this check's device, dtype and output folder
+    sub.__dict__.update(c.__dict__)
+    from flowgrpo.models.zoo import CASES
+
+    sub.case = CASES["qwenimage"]
+    sub.size = dataclasses.replace(c.size, resolution=res, text_tokens=c.size.text_tokens if full else 64)
+    saved = BODIES["qwenimage"]
+    BODIES["qwenimage"] = (body, saved[1], "Qwen-Image, full depth (60 blocks)")
+    try:
+        a = _zoo_load("qwenimage", sub)
+    finally:
+        BODIES["qwenimage"] = saved
+    base = load_config(REPO / "configs" / "qwenimage.yaml")
+    cfg = load_config(REPO / "configs" / "qwenimage.yaml", [
+        "model.pretrained=unused", f"model.height={res}", f"model.width={res}",
+        f"model.max_sequence_length={sub.size.text_tokens}", f"train.prompts_per_epoch={prompts}",
+        f"train.group_size={group}", "train.num_epochs=2", "rewards=[{name: jpeg_compressibility}]",
+        "data.train_prompts=unused", "data.eval_prompts=null", "logging.trackers=[]", "logging.progress=false",
+        f"output_dir={c.out / 'ocr_step'}",
+        *([] if full else ["sampling.num_steps=3", "chunker.window_size=1", "train.optimizer_steps_per_epoch=1"])])
+    setup_trainable(a, finetune="lora", rank=base.model.lora_rank, alpha=base.model.lora_alpha,
+                    target_modules=list(base.model.lora_target_modules), need_reference=False,
+                    gradient_checkpointing=base.model.gradient_checkpointing)
+
+    class _Zero:
+        def setup(self, device):
+            pass
+
+        def __call__(self, images, prompts, metadata):
+            return torch.zeros(len(prompts))
+
+    trainer = Trainer(cfg, adapter=a, rewards=ComposedReward({"zero": _Zero()}, {"zero": 1.0}), eval_rewards=None,
+                      objective=build_objective(cfg), prompts=PromptSet(_prompts(prompts), sub.metadata(prompts),
+                                                                        "ocr"),
+                      eval_prompts=None, accelerator=Accelerator(cpu=c.dev.type == "cpu"))
+    (c.out / "ocr_step").mkdir(parents=True, exist_ok=True)  # the run folder fit() would make (plots)
+    c.reset_peak()
+    c.sync()
+    start = time.perf_counter()
+    record = trainer.train_epoch(0)
+    c.sync()
+    seconds = time.perf_counter() - start
+    images = prompts * group
+    return {"images": images, "epoch_s": seconds, "images_per_gpu_s": images / seconds,
+            "verl_omni_images_per_gpu_s": VERL_OMNI_OCR, "rollout_s": record.get("timing/rollout"),
+            "update_s": record.get("timing/update"), "peak_gib": c.peak_gib(),
+            "transformer_parameters": sum(p.numel() for p in a.transformer.parameters())}
+
+
 PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g, "h": part_h,
-         "i": part_i, "j": part_j, "k": part_k}
+         "i": part_i, "j": part_j, "k": part_k, "l": part_l, "m": part_m, "n": part_n}
 
 
 def _fmt(v) -> str:

@@ -15,7 +15,10 @@ ratios, so a slow spell of a shared machine falls on both sides.
     row) vs the bare forwards and backward of the same (x₀, σ, ε) draws (``bench/forward_speed.py``; target ≤ 1.15×);
 (f) the forward-process rollout (euler, no log-probs) with ``sampling.cache`` = first_block at ``--cache-threshold``
     vs uncached: time, the fraction of steps whose remaining blocks were skipped, and the largest pixel difference
-    of the decoded images (threshold 0: skips nothing, difference exactly 0).
+    of the decoded images (threshold 0: skips nothing, difference exactly 0);
+(g) ``model.compile=regional`` through the trainer (``bench/compile_cpu.py``): the recompute-mode mismatch (0.0),
+    the graphs compiled and compile seconds per epoch, on one process, on two under FSDP2, and with new shapes
+    (run only when named in ``--parts``: compile speed-ups are measured on a GPU, ``bench/gpu_check.sh`` part l).
 All on the tiny random FLUX model, on this machine's CPU.
 """
 
@@ -65,7 +68,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--parts", nargs="+", default=["a", "b", "c", "d", "e", "f"],
-                        choices=["a", "b", "c", "d", "e", "f"], help="which rows to measure")
+                        choices=["a", "b", "c", "d", "e", "f", "g"], help="which rows to measure (g: only when "
+                        "named; inductor compiles take minutes on a CPU)")
     parser.add_argument("--cache-threshold", type=float, default=0.2, help="row (f): first_block's threshold")
     parser.add_argument("--stat", choices=sorted(STAT), default="median", help="statistic of the repeats")
     args = parser.parse_args()
@@ -287,6 +291,10 @@ def main() -> None:
         f"{f_cached*1e3:.0f} ms | {f_plain*1e3:.0f} ms | {f_ratio:.2f}× | < 1× |",
     ]
     print("\n".join(lines))
+    if "g" in args.parts:  # model.compile=regional through the trainer: one process, FSDP2 on two, shape changes
+        from compile_cpu import main as compile_rows
+
+        figures["g_compile"] = compile_rows([])
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
 

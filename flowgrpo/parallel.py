@@ -440,6 +440,11 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
     device = accelerator.device
     ref = adapter.frozen_reference
     context_parallel.check_context(adapter, settings, device)
+    if config.model.compile.name == "regional":  # before sharding, as torchtitan: fully_shard renames the blocks
+        from flowgrpo.compile import compile_regions
+
+        for module in (tr, ref) if ref is not None else (tr,):
+            compile_regions(module, config.model.compile)
     if settings.sharding == "fsdp2":
         mesh = device_mesh(device, settings)
         context = settings.context_degree

@@ -20,6 +20,7 @@ from flowgrpo.config.loading import (
 from flowgrpo.config.schema import (
     SEED_MAX,
     AlgoConfig,
+    CompileConfig,
     Config,
     DataConfig,
     EvalSamplingConfig,
@@ -33,6 +34,6 @@ from flowgrpo.config.schema import (
 from flowgrpo.settings import Section, flat_dict, save_config
 
 __all__ = ["describe_fields", "ALIASES", "MOVED_KEYS", "RENAMED_SECTIONS", "ConfigError", "build_config",
-           "load_config", "parse_override", "read_yaml", "SEED_MAX", "AlgoConfig", "Config", "DataConfig",
-           "EvalSamplingConfig", "LoggingConfig", "ModelConfig", "ParallelConfig", "RewardSpec", "SamplingConfig",
-           "TrainConfig", "Section", "flat_dict", "save_config"]
+           "load_config", "parse_override", "read_yaml", "SEED_MAX", "AlgoConfig", "CompileConfig", "Config",
+           "DataConfig", "EvalSamplingConfig", "LoggingConfig", "ModelConfig", "ParallelConfig", "RewardSpec",
+           "SamplingConfig", "TrainConfig", "Section", "flat_dict", "save_config"]

@@ -23,6 +23,26 @@ from flowgrpo.sampling.sde import KL_FORMS, SDE_KINDS
 from flowgrpo.settings import Section, registered_name, strategy_settings
 
 
+class CompileConfig(Section):
+    """Regional compilation of the transformer's repeated blocks (flowgrpo.compile: diffusers'
+    compile_repeated_blocks), shared by the rollout and the update."""
+
+    name: Literal["none", "regional"] = Field(
+        "none", description="none (eager) or regional (torch.compile each repeated transformer block in place)"
+    )
+    dynamic: bool | None = Field(
+        None, description="torch.compile's dynamic: null (automatic: static first, one recompile with symbolic "
+        "dimensions when a shape changes), true (symbolic from the start) or false (a recompile per new shape)"
+    )
+    backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        "inductor", description="torch.compile backend (aot_eager and eager: for debugging a failure of inductor)"
+    )
+    mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="inductor's mode (CUDA graphs are not offered: the rollout and update shapes vary)"
+    )
+    fullgraph: bool = Field(False, description="fail on a graph break inside a block instead of splitting it")
+
+
 class ModelConfig(Section):
     """Which model to train and how."""
 
@@ -85,6 +105,10 @@ class ModelConfig(Section):
     trained_expert: Literal["transformer", "transformer_2"] = Field(
         "transformer", description="Wan2.2 two-expert models: which expert gets the LoRA (or full fine-tuning): "
         "the high-noise 'transformer' or the low-noise 'transformer_2'; the other stays frozen"
+    )
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig, description="regional torch.compile of the transformer for the rollout and "
+        "the update (one compiled forward path; flowgrpo.compile states the exactness contract)"
     )
 
 
@@ -179,9 +203,10 @@ class SamplingConfig(Section):
         "x0_pred (x - sigma*v predicted at the last step, DanceGRPO/GCPO/MixGRPO/E-GRPO)"
     )
     cache: FeatureCacheConfig = Field(
-        default_factory=FeatureCacheConfig, description="feature cache of the rollout (objective nft, awm or dgpo "
-        "only: their rollout records no log-prob; refused for sde_ratio, whose log-probs read every velocity); the "
-        "update's forwards are never cached"
+        default_factory=FeatureCacheConfig, description="feature cache of the rollout: objective nft, awm or dgpo "
+        "(their rollout records no log-prob), or sde_ratio with chunker window or entropy_merge, on their ODE steps "
+        "only (off at every step whose velocity enters a log-prob); refused for the other chunkers; the update's "
+        "forwards are never cached"
     )
 
 
@@ -530,11 +555,16 @@ class Config(Section):
             raise ValueError("parallel.context_attention=ring with model.dtype=float32: diffusers' ring attention "
                              "needs a flash kernel, which takes bfloat16 or float16; set model.dtype=bfloat16 or "
                              "use parallel.context_attention=ulysses")
+        if self.model.compile.name != "none" and par.context_degree > 1:
+            raise ValueError(f"model.compile={self.model.compile.name!r} with parallel.context_degree="
+                             f"{par.context_degree}: compiling blocks under diffusers' context-parallel hooks is not "
+                             "verified; set model.compile to none or parallel.context_degree to 1")
         if not all(0 <= beta < 1 for beta in t.adam_betas):
             raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
-        check_cache_allowed(self.objective.name, self.sampling.cache.name)  # no cached velocity in a log-prob
+        check_cache_allowed(self.objective.name, self.sampling.cache.name,  # no cached velocity in a log-prob
+                            chunker_name=self.chunker.name)
         if self.model.prompt_embeddings_dir is not None and not self.model.cache_prompt_embeddings:
             raise ValueError(f"model.prompt_embeddings_dir={self.model.prompt_embeddings_dir!r} is read only with "
                              "model.cache_prompt_embeddings=true; set it, or remove the folder setting")

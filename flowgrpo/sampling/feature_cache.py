@@ -12,9 +12,18 @@ Where it is allowed (``sampling.cache`` and ``eval_sampling.cache``, :class:`~fl
   :func:`~flowgrpo.sampling.final_rollout.solver_rollout`): only its final latent x₀ is kept, and the update
   trains on fresh noise around it with the real velocity.
 
-Where it is refused (one line, :func:`check_cache_allowed`): the SDE-ratio objective's rollout, whose
-velocities enter the recorded log-probabilities of its transitions (the old policy of the importance ratio);
-a cached velocity there is not the one the update recomputes, so the on-policy ratio would no longer be 1.
+* the ODE steps of an SDE-ratio rollout, whose velocity enters no log-prob: MixGRPO's steps outside the SDE
+  window (chunker ``window``) and E-GRPO's shared anchor prefix and ODE continuations (``entropy_merge``), through
+  :func:`ode_step_cache`: the cache is on only over each run of consecutive ODE steps, enabled fresh at its first
+  step and disabled (its state dropped) before any step whose velocity enters a log-prob (an SDE step, an
+  E-GRPO branch step). A cached ODE step changes which latent the next trained transition starts from, and the
+  record holds that latent; the update recomputes the trained transition's velocity at it with the plain
+  transformer, as the rollout did, so the recorded log-probs equal the training forward's bit for bit.
+
+Where it is refused (one line, :func:`check_cache_allowed`): an SDE-ratio rollout whose every step's velocity
+enters a recorded log-probability (the other chunkers: per_step, chunk, trajectory sample every step with the
+SDE); a cached velocity there is not the one the update recomputes, so the on-policy ratio would no longer be 1.
+``mag`` is refused on ODE segments: it maps its calibrated ratios by step index, which restarts at each segment.
 
 The cache is on only inside :func:`feature_cache` (one micro-batch of trajectories: enabled at its start, with
 fresh state, and disabled at its end); every other forward, the update's above all, runs the plain transformer.
@@ -44,6 +53,10 @@ CACHE_CONFIGS = {
 
 #: the objectives whose rollout records no log-prob (only its final latent is trained on)
 FORWARD_OBJECTIVES = ("nft", "awm", "dgpo")
+
+#: the SDE-ratio chunkers whose rollout has ODE steps (velocities that enter no log-prob), cached by
+#: :func:`ode_step_cache`: MixGRPO's window and E-GRPO's entropy_merge
+ODE_STEP_CHUNKERS = ("window", "entropy_merge")
 
 #: config fields flowgrpo fills from the sampler (a user value is refused: it would disagree with the sampler)
 _FILLED = {"mag": ("num_inference_steps",), "faster": ("current_timestep_callback",)}
@@ -82,14 +95,24 @@ def cache_config(name: str, kwargs: dict, num_steps: int | None = None, timestep
         raise ValueError(f"cache {name!r} refuses {kwargs!r}: {' '.join(str(err).split())}") from None
 
 
-def check_cache_allowed(objective_name: str, cache_name: str, where: str = "sampling.cache") -> None:
-    """Refuse a feature cache on a rollout whose velocities enter a log-prob: every objective but the
-    forward-process ones (``nft``, ``awm``, ``dgpo``), whose rollout records no log-prob. Raises ``ValueError``."""
-    if cache_name != "none" and objective_name not in FORWARD_OBJECTIVES:
-        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={objective_name!r}: its rollout's "
-                         "velocities enter the recorded log-probs of the SDE transitions (the importance ratio), so "
-                         "a cached velocity would bias the ratio; caching is for nft, awm and dgpo rollouts and "
-                         "eval_sampling.cache")
+def check_cache_allowed(objective_name: str, cache_name: str, where: str = "sampling.cache",
+                        chunker_name: str | None = None) -> None:
+    """Refuse a feature cache where a cached velocity would enter a log-prob. Allowed: the forward-process
+    objectives (``nft``, ``awm``, ``dgpo``; their rollout records no log-prob) and, on ODE steps only
+    (:func:`ode_step_cache`), the SDE-ratio chunkers of :data:`ODE_STEP_CHUNKERS` with a cache other than ``mag``.
+    Raises ``ValueError`` (one line naming the reason)."""
+    if cache_name == "none" or objective_name in FORWARD_OBJECTIVES:
+        return
+    if chunker_name not in ODE_STEP_CHUNKERS:
+        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={objective_name!r} and chunker "
+                         f"{chunker_name!r}: every step of its rollout is an SDE step whose velocity enters the "
+                         "recorded log-probs (the importance ratio), so a cached velocity would bias the ratio; "
+                         "caching is for nft, awm and dgpo rollouts, the ODE steps of the "
+                         f"{' and '.join(ODE_STEP_CHUNKERS)} chunkers, and eval_sampling.cache")
+    if cache_name == "mag":
+        raise ValueError(f"{where}=mag is refused with chunker {chunker_name!r}: the cache runs on each run of ODE "
+                         "steps afresh, and mag maps its calibrated ratios by step index from the run's start; use "
+                         "first_block, taylor_seer or faster")
 
 
 @dataclass
@@ -154,3 +177,60 @@ def feature_cache(adapter, cache, num_steps: int) -> Iterator[FeatureCache | Non
             open_contexts.pop().__exit__(None, None, None)
         transformer.disable_cache()
 
+
+
+class OdeStepCache:
+    """The feature cache of one sampling loop, on only over runs of ODE steps (:func:`ode_step_cache`): call
+    :meth:`step` before each step's velocity, with ``cached`` False for a step whose velocity enters a log-prob.
+
+    Attributes:
+        segments: runs of cached ODE steps opened so far (each with fresh cache state).
+        cached_steps: steps run with the cache on.
+    """
+
+    def __init__(self, adapter, cache, num_steps: int) -> None:
+        self.adapter, self.cache, self.num_steps = adapter, cache, num_steps
+        self._open = None
+        self._state: FeatureCache | None = None
+        self.segments = 0
+        self.cached_steps = 0
+
+    def step(self, sigma: float, cached: bool) -> None:
+        """A new step at σ = ``sigma``: with ``cached`` the cache is on for its transformer calls (opened fresh at
+        the first step of a run), otherwise it is closed first (its hooks removed, its state dropped)."""
+        if not cached:
+            self.close()
+            return
+        if self._open is None:
+            self._open = feature_cache(self.adapter, self.cache, self.num_steps)
+            self._state = self._open.__enter__()
+            self.segments += 1
+        self._state.step(sigma)
+        self.cached_steps += 1
+
+    def close(self) -> None:
+        """Disable the cache if it is on (the plain transformer from now on)."""
+        if self._open is not None:
+            ctx, self._open, self._state = self._open, None, None
+            ctx.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def ode_step_cache(adapter, cache, num_steps: int) -> Iterator[OdeStepCache | None]:
+    """An :class:`OdeStepCache` for a loop of ``num_steps`` steps with ``cache`` (a
+    :class:`~flowgrpo.config.FeatureCacheConfig`, or None / name ``none``: yields None); the cache is off on exit,
+    whatever happens.
+
+    Raises:
+        ValueError: ``mag`` (its step index would restart at every run of ODE steps).
+    """
+    if cache is None or cache.name == "none":
+        yield None
+        return
+    if cache.name == "mag":
+        raise ValueError("cache 'mag' is refused on ODE steps: its step index would restart at every run of them")
+    steps = OdeStepCache(adapter, cache, num_steps)
+    try:
+        yield steps
+    finally:
+        steps.close()

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from flowgrpo.records import PromptEmbeds, Trajectory
 from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
-from flowgrpo.sampling.feature_cache import feature_cache
+from flowgrpo.sampling.feature_cache import feature_cache, ode_step_cache
 from flowgrpo.sampling.sde import SDEStepOutput, sde_step
 
 # What the images are decoded from: (x (B, …) at the last step's σ, its velocity v, that σ, the last step's output)
@@ -90,6 +90,7 @@ def denoise(
     record: bool = True,
     return_final: bool = False,
     cache_state=None,
+    ode_cache=None,
 ):
     """Run T transitions from ``latents`` (B, …) at σ = sigmas[0].
 
@@ -100,6 +101,8 @@ def denoise(
         return_final: also return the (B, …) latents to decode, chosen by ``settings.final_decode``.
         cache_state: the open :class:`~flowgrpo.sampling.feature_cache.FeatureCache` of the loop (its
             :meth:`~flowgrpo.sampling.feature_cache.FeatureCache.step` is called before each velocity), or None.
+        ode_cache: an open :class:`~flowgrpo.sampling.feature_cache.OdeStepCache` (on over the runs of ODE steps
+            only, off at every step of ``sde_steps``), or None.
 
     Returns:
         (latents (B, T+1, …) or (B, …) final, log_probs (B, T), stochastic (B, T) bool), and with
@@ -116,6 +119,8 @@ def denoise(
         sigma = sigmas[t].expand(b).to(x.device)
         if cache_state is not None:
             cache_state.step(float(sigmas[t]))
+        if ode_cache is not None:  # off (state dropped) before a velocity that enters a log-prob
+            ode_cache.step(float(sigmas[t]), cached=not bool(sde_steps[t]))
         v = adapter.velocity(x, sigma, embeds, settings.guidance_scale)
         kind = settings.sde_kind if bool(sde_steps[t]) else "ode"
         prev = x
@@ -201,6 +206,8 @@ class RolloutRequest:
             is decoded, so rewards are scored in the background while the next micro-batch is sampled.
         latents_on_cpu: move each micro-batch's (b, T+1, …) latents to CPU memory once sampled (the trainer
             moves the rows it trains back to the device).
+        ode_cache: a :class:`~flowgrpo.config.FeatureCacheConfig` (``sampling.cache`` of a chunker with ODE steps)
+            on only over the runs of ODE steps (:func:`~flowgrpo.sampling.feature_cache.ode_step_cache`), or None.
 
     Raises:
         ValueError: on construction, when the lengths disagree or ``batch_size`` < 1.
@@ -218,6 +225,7 @@ class RolloutRequest:
     progress: bool = False
     on_images: Callable[[torch.Tensor, list[str], list[dict]], None] | None = None
     latents_on_cpu: bool = False
+    ode_cache: object | None = None
 
     def __post_init__(self) -> None:
         b = len(self.prompts)
@@ -267,8 +275,9 @@ def rollout(adapter, request: RolloutRequest, sde_steps: torch.Tensor) -> Trajec
     for start in tqdm(range(0, b, r.batch_size), desc="rollout", disable=not r.progress, leave=False):
         sl = slice(start, start + r.batch_size)
         x0 = adapter.initial_latents(r.batch_size, init_gens[sl])
-        xs, lp, st, final = denoise(adapter, x0, embeds.index(sl), sigmas, settings, sde_steps, noise_gens[sl],
-                                    return_final=True)
+        with ode_step_cache(adapter, r.ode_cache, settings.num_steps) as ode_cache:
+            xs, lp, st, final = denoise(adapter, x0, embeds.index(sl), sigmas, settings, sde_steps, noise_gens[sl],
+                                        return_final=True, ode_cache=ode_cache)
         chunks_x.append(xs.cpu() if r.latents_on_cpu else xs)
         chunks_lp.append(lp)
         chunks_st.append(st)

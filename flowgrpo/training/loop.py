@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from flowgrpo import dist
 from flowgrpo.checkpoint import checkpoint_folders, health_record, is_healthy, mark_unhealthy
+from flowgrpo.compile import CompileWatch
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.divergence import (
     CollapseWatch,
@@ -82,6 +83,8 @@ class Trainer:
         attach = getattr(objective, "attach", None)  # optional: an update that needs the model and the rewards
         if attach is not None:  # (ReFL / DRaFT's differentiable rewards, a distillation teacher)
             attach(adapter, rewards)
+        self.compile_watch = (CompileWatch(config.model.compile.dynamic) if config.model.compile.name != "none"
+                              else None)  # compile/… figures of a compiled transformer (flowgrpo.compile)
         self.sampler = GroupSampler(len(prompts), config.train.prompts_per_epoch, config.train.seed)
         self.epoch = 0  # 0-based: the epoch training (or next to train)
         self.stage = "epochs"  # "epochs", then "final" (the final evaluation and save)
@@ -330,6 +333,8 @@ class Trainer:
         if self.main and (epoch == self.cfg.train.num_epochs - 1 or (every and (epoch + 1) % every == 0)):
             with self.metrics.timed("plots"):
                 self._plot(epoch, traj, rewards)
+        if self.compile_watch is not None:
+            m.log(self.compile_watch.epoch_metrics(epoch))
         return m.commit(epoch)
 
     # ------------------------------------------------------------------ rollout and rewards

@@ -65,10 +65,14 @@ def test_dry_run_writes_every_part(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "gpu_check.json").read_text())
-    for part in "abcdefghijk":
+    for part in "abcdefghijklmn":
         assert "error" not in r[part], (part, r[part].get("error"))
     assert r["h"]["ratio"] > 0 and r["h"]["rows"] == 4 * 1  # (h): B = 4 x int(0.99 * T = 2) sigmas
     assert r["c"]["matched"]["mismatch"] == 0.0 and r["c"]["recompute"]["mismatch"] == 0.0
+    # (l) compiled (aot_eager in the dry run): recompute through the training graph is exact; (m) both caches ran;
+    # (n) the OCR epoch of 2 prompts x 2 images
+    assert r["l"]["mismatch_recompute"] == 0.0 and r["l"]["rollout_ratio"] > 0 and r["l"]["update_ratio"] > 0
+    assert r["m"]["threshold_0.8"]["ratio"] > 0 and r["n"]["images"] == 4 and r["n"]["images_per_gpu_s"] > 0
     assert r["b"]["plain"]["ratio"] > 0 and r["a"]["ratio"] > 0
     assert [e["policy/logprob_mismatch_max"] for e in r["f"]["epochs"]] == [0.0, 0.0]
     # (g): full fine-tuning under FSDP2 (one process: a one-process group), on-policy exactly as unsharded

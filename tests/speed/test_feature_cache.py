@@ -108,3 +108,78 @@ def test_the_cached_nft_rollout_trains_an_epoch_and_the_update_is_uncached(tmp_p
     trained = [c for g, c in seen if g]
     assert trained and not any(trained)  # every forward with gradient (the update's) ran the plain transformer
     assert sum(c for g, c in seen if not g) >= 6  # the rollout's (2 micro-batches x 3 steps) and eval ran cached
+
+
+def _request(b: int, steps: int, kind: str = "flow_sde", cache=None):
+    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
+
+    return RolloutRequest(PROMPTS * (b // 2), [{}] * b, torch.tensor([0, 1] * (b // 2)), torch.arange(b) // 2,
+                          settings=SamplerSettings(num_steps=steps, guidance_scale=3.5, sde_kind=kind, noise_level=0.7),
+                          batch_size=b, seed=3, epoch=0, ode_cache=cache)
+
+
+def _at_epoch(request, epoch: int):
+    from dataclasses import replace
+
+    return replace(request, epoch=epoch)
+
+
+def _recomputed(adapter, traj, step: int, shared: bool = False) -> torch.Tensor:
+    """The log-probs of every row's transition ``step`` under the training forward (plain transformer)."""
+    from flowgrpo.sampling.rollout import SamplerSettings
+    from flowgrpo.training.forward import packed_forward
+
+    settings = SamplerSettings(num_steps=traj.num_steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
+    rows = torch.nonzero(traj.stochastic[:, step]).flatten()
+    out = packed_forward(adapter, traj, [(rows, (step,))], settings, with_ref=False,
+                         shared_inputs=[traj.group_ids[rows]] if shared else None)[0]
+    return out.log_probs[:, 0].cpu(), rows
+
+
+@torch.no_grad()
+def test_ode_steps_are_cached_and_every_trained_transition_equals_the_training_forward(tiny_flux):
+    """MixGRPO (window) and E-GRPO (entropy_merge) rollouts with a cache that skips every ODE step it may
+    (first_block with an unreachable threshold): the ODE steps are cached (the latents entering the trained
+    transitions differ from the uncached rollout's), while every recorded log-prob equals the plain training
+    forward's at the recorded latents bit for bit (mismatch exactly 0.0)."""
+    from flowgrpo.algo.chunkers import build_chunker, chunker_settings
+
+    skip_all = FeatureCacheConfig(name="first_block", kwargs={"threshold": 1e9})
+    window = build_chunker(chunker_settings("window", window_size=2, window_end="stay"))  # epoch 3: steps 3, 4
+    calls, handle = _tail_calls(tiny_flux)
+    try:
+        plain = window.rollout(tiny_flux, _at_epoch(_request(4, 6), 3))
+        calls.clear()
+        cached = window.rollout(tiny_flux, _at_epoch(_request(4, 6, cache=skip_all), 3))
+        # steps 0-2 (a run: the first computed, 2 skipped), 3-4 SDE (computed), 5 (a fresh run: computed)
+        assert len(calls) == 4
+    finally:
+        handle.remove()
+    assert not tiny_flux.transformer.is_cache_enabled
+    assert cached.stochastic[0].tolist() == [False, False, False, True, True, False]
+    assert not torch.equal(cached.latents[:, 3], plain.latents[:, 3])  # the ODE prefix was cached
+    for t in (3, 4):
+        lp, rows = _recomputed(tiny_flux, cached, t)
+        assert float((lp - cached.log_probs[rows, t]).abs().max()) == 0.0
+
+    merge = build_chunker(chunker_settings("entropy_merge", merge_steps=[3]))
+    plain = merge.rollout(tiny_flux, _request(4, 6))
+    cached = merge.rollout(tiny_flux, _request(4, 6, cache=skip_all))
+    assert not tiny_flux.transformer.is_cache_enabled
+    assert not torch.equal(cached.latents[:, 3], plain.latents[:, 3])  # the anchor prefix was cached
+    lp, rows = _recomputed(tiny_flux, cached, 3, shared=True)
+    assert float((lp - cached.log_probs[rows, 3]).abs().max()) == 0.0
+
+
+def test_a_cache_on_ode_steps_is_allowed_for_window_and_entropy_merge_only():
+    from flowgrpo.sampling.feature_cache import check_cache_allowed
+
+    for chunker in ("window", "entropy_merge"):
+        check_cache_allowed("sde_ratio", "first_block", chunker_name=chunker)
+        with pytest.raises(ValueError, match="mag is refused with chunker") as err:
+            check_cache_allowed("sde_ratio", "mag", chunker_name=chunker)
+        assert "\n" not in str(err.value)
+    for chunker in ("per_step", "chunk", "trajectory"):
+        with pytest.raises(ValueError, match="every step of its rollout is an SDE step") as err:
+            check_cache_allowed("sde_ratio", "taylor_seer", chunker_name=chunker)
+        assert "\n" not in str(err.value)

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from flowgrpo.algo.chunkers.base import CHUNKERS, BaseChunker, ChunkerConfig, fraction_count, make_plan
 from flowgrpo.records import ChunkPlan, PromptEmbeds, Trajectory
 from flowgrpo.rng import make_generator
+from flowgrpo.sampling.feature_cache import ode_step_cache
 from flowgrpo.sampling.rollout import RolloutRequest, decode_and_report, denoise, encode_rows
 from flowgrpo.sampling.sde import gaussian_entropy_per_dim, sde_step, transition_moments
 
@@ -357,14 +358,17 @@ class _Anchors:
             gens = [make_generator(request.seed, request.epoch, p, "init", 0) for p in part]
             x = adapter.initial_latents(len(part), gens).float()
             xs = [x]
-            for t in range(s_max + 1):
-                v = adapter.velocity(x, sigmas[t].expand(len(part)).to(x.device), emb, settings.guidance_scale)
-                if t in branch_at:
-                    vel[t].append(v.float())
-                if t < s_max:
-                    x = sde_step(x, v, sigmas[t].item(), sigmas[t + 1].item(), kind="ode",
-                                 noise_level=settings.noise_level).next_latents
-                    xs.append(x)
+            with ode_step_cache(adapter, request.ode_cache, s_max + 1) as ode_cache:
+                for t in range(s_max + 1):
+                    if ode_cache is not None:  # off at a branch step: its velocity is the jump's mean
+                        ode_cache.step(float(sigmas[t]), cached=t not in branch_at)
+                    v = adapter.velocity(x, sigmas[t].expand(len(part)).to(x.device), emb, settings.guidance_scale)
+                    if t in branch_at:
+                        vel[t].append(v.float())
+                    if t < s_max:
+                        x = sde_step(x, v, sigmas[t].item(), sigmas[t + 1].item(), kind="ode",
+                                     noise_level=settings.noise_level).next_latents
+                        xs.append(x)
             lat.append(torch.stack(xs, dim=1))
         return cls(anchors, members, embeds, torch.cat(lat), {s: torch.cat(v) for s, v in vel.items()})
 
@@ -401,8 +405,10 @@ def _branch(adapter, request: RolloutRequest, sigmas: torch.Tensor, plan, anchor
                            generator=gens, reduction=settings.logprob_reduction,
                            simplified_log_prob=settings.cps_simplified_logprob, sigma_one_next=guard)
             start = s + 1 if ode_after_jump == "next_step" else s + m
-            rest, _, _ = denoise(adapter, out.next_latents, row_embeds.index(i_dev), sigmas[start:], settings,
-                                 no_sde[start:], None)  # (n_b, T−start+1, …), rest[:, 0] the landed latent
+            # (n_b, T−start+1, …), rest[:, 0] the landed latent; a cache only on these ODE steps
+            with ode_step_cache(adapter, request.ode_cache, t_count - start) as ode_cache:
+                rest, _, _ = denoise(adapter, out.next_latents, row_embeds.index(i_dev), sigmas[start:], settings,
+                                     no_sde[start:], None, ode_cache=ode_cache)
             latents[i_dev, : s + 1] = anchors.latents[a_idx, : s + 1]
             latents[i_dev, s + 1 : s + m + 1] = out.next_latents.unsqueeze(1)
             latents[i_dev, s + m + 1 :] = rest[:, s + m + 1 - start :]

@@ -26,6 +26,7 @@ from flowgrpo import dist
 from flowgrpo.algo.chunkers import build_chunker
 from flowgrpo.algo.objectives.base import OBJECTIVES, BaseObjective, ObjectiveConfig
 from flowgrpo.algo.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
+from flowgrpo.compile import training_graph
 from flowgrpo.records import Advantages, ChunkPlan, Trajectory
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.rollout import SamplerSettings
@@ -182,8 +183,11 @@ class SdeRatio(BaseObjective):
 
     # ------------------------------------------------------------------ phases
     def rollout(self, adapter, request) -> Trajectory:
-        """The chunker's rollout (SDE at its stochastic steps, log-probs of every transition)."""
-        return self.chunker.rollout(adapter, request)
+        """The chunker's rollout (SDE at its stochastic steps, log-probs of every transition); ``sampling.cache``,
+        allowed only with a chunker that has ODE steps, is on over those steps only
+        (:func:`~flowgrpo.sampling.feature_cache.ode_step_cache`)."""
+        cache = self.cfg.sampling.cache
+        return self.chunker.rollout(adapter, replace(request, ode_cache=None if cache.name == "none" else cache))
 
     def plan(self, traj: Trajectory, adv: Advantages, keep: torch.Tensor, epoch: int) -> SdeRatioWork:
         """The chunker's plan (filtered-out samples, ``keep`` (B,) False, are not forwarded at all) and its work
@@ -206,12 +210,16 @@ class SdeRatio(BaseObjective):
         group start their trained transition from one shared latent), else None."""
         return traj.group_ids[rows] if getattr(self.chunker, "shares_inputs", False) else None
 
-    @torch.no_grad()
     def recompute(self, adapter, work: SdeRatioWork) -> SdeRatioWork:
         """``work`` with old log-probs (B, T) float32 on the host recomputed in the training layout (the packs of
         the update's schedule), so the first ratio is exactly 1; for a loss that reads moments, with the rollout
         policy's transition means (B, T, …). Pairs no pack forwards keep the rollout's log-probs (the update never
-        reads them)."""
+        reads them). A compiled transformer recomputes through its training graph
+        (:func:`~flowgrpo.compile.training_graph`), the update's own."""
+        with training_graph(adapter):
+            return self._recompute(adapter, work)
+
+    def _recompute(self, adapter, work: SdeRatioWork) -> SdeRatioWork:
         traj, plan = work.traj, work.plan
         old = traj.log_probs.clone()
         keep_means = needs_moments(self.policy_loss)
@@ -223,9 +231,10 @@ class SdeRatio(BaseObjective):
                 continue
             for (rows, k), out in zip(pack, outs, strict=True):
                 idx = (rows.unsqueeze(1), torch.tensor(plan.chunks[k]).unsqueeze(0))
-                old[idx] = out.log_probs.cpu()
+                old[idx] = out.log_probs.detach().cpu()
                 if keep_means:
-                    old_means[idx[0].to(old_means.device), idx[1].to(old_means.device)] = out.means.to(old_means)
+                    old_means[idx[0].to(old_means.device), idx[1].to(old_means.device)] = \
+                        out.means.detach().to(old_means)
         return replace(work, old_log_probs=old, old_means=old_means)
 
     def update(self, adapter, optim, work: SdeRatioWork, *, progress: bool) -> dict[str, float]:
