@@ -21,8 +21,10 @@ from flowgrpo.algo.objectives.awm import AWM, AWMConfig
 from flowgrpo.algo.objectives.base import (
     OBJECTIVES,
     BaseObjective,
+    MicroBatchAt,
     Objective,
     ObjectiveConfig,
+    UpdateStep,
     build_objective,
     objective_config_class,
 )
@@ -31,6 +33,7 @@ from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, Fo
 from flowgrpo.algo.objectives.nft import NFT, NFTConfig
 from flowgrpo.algo.objectives.sde_ratio import SdeRatio, SdeRatioConfig, SdeRatioWork
 
-__all__ = ["OBJECTIVES", "BaseObjective", "Objective", "ObjectiveConfig", "build_objective", "objective_config_class",
+__all__ = ["OBJECTIVES", "BaseObjective", "Objective", "ObjectiveConfig", "UpdateStep", "MicroBatchAt",
+           "build_objective", "objective_config_class",
            "SdeRatio", "SdeRatioConfig", "SdeRatioWork", "ForwardConfig", "ForwardObjective", "ForwardWork",
            "NFT", "NFTConfig", "AWM", "AWMConfig", "DGPO", "DGPOConfig"]
