@@ -310,7 +310,7 @@ def test_awm_cuts_its_micro_batches_from_a_seeded_permutation_as_the_release():
         grid = torch.linspace(1, 0, T + 1)
         for place, (_, rows, ds) in enumerate(draws):
             assert rows.tolist() == layout[place]
-            idx = awm_train_sigma_indices(T, obj.loss_settings(), torch.Generator().manual_seed(
+            idx = awm_train_sigma_indices(T, obj.o, torch.Generator().manual_seed(
                 derive_seed(5, epoch, 0, "awm_t", place)))
             assert [float(d.sigma[0]) for d in ds] == grid[idx].tolist()  # the micro-batch's σ's: its place
     assert plans[0] != plans[1]  # a new permutation every epoch

@@ -220,7 +220,7 @@ class _Stats:
 
 class ForwardObjective(BaseObjective):
     """The forward-process family's phases (module docstring). Subclasses set ``Config`` and implement
-    :meth:`loss_settings`, :meth:`sigmas_per_sample`, :meth:`draws` and :meth:`terms`, and override the weight
+    :meth:`sigmas_per_sample`, :meth:`draws` and :meth:`terms`, and override the weight
     hooks (:meth:`rollout_weights`, :meth:`after_step`, :meth:`after_epoch`) and checks as their release does."""
 
     Config: ClassVar[type[ForwardConfig]] = ForwardConfig
@@ -234,10 +234,6 @@ class ForwardObjective(BaseObjective):
         self.old: OldCopy | None = None
 
     # ------------------------------------------------------------------ what a subclass provides
-    def loss_settings(self):
-        """The pure loss functions' settings (a frozen dataclass of the wave's module)."""
-        raise NotImplementedError
-
     def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
         """K, the training σ's (forwards) each sample gets per pass, on the training grid ``sigmas`` (T+1,)."""
         raise NotImplementedError
@@ -267,10 +263,6 @@ class ForwardObjective(BaseObjective):
     def needs_reference(self) -> bool:
         """A KL to the reference (``objective.kl_beta`` > 0)."""
         return self.o.kl_beta > 0
-
-    def validate(self) -> None:
-        """The loss settings' own checks (``ValueError``), before any model loads."""
-        self.loss_settings()
 
     def grids(self, model_sigmas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rollout grid, training grid), (T+1,) float32 host each: the model's grid or DGPO's flow-shift grid;
