@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from flowgrpo.training.update import run_update
+
 
 def update_and_bare(trainer, samples, adv):
     """Two callables, (the objective's update of one epoch, the bare work of its draws), and the rows each trains.
@@ -28,7 +30,7 @@ def update_and_bare(trainer, samples, adv):
     g = obj.o.train_guidance_scale
 
     def update():
-        obj.update(a, optim, work, progress=False)
+        run_update(obj, a, optim, work, inner_epochs=trainer.cfg.train.inner_epochs, progress=False)
 
     def bare():
         with a.attention():

@@ -573,7 +573,10 @@ def _rollout_for(c: Check, trainer):
 
 def _update(trainer, work) -> dict:
     """The objective's update of ``work`` (the trainer's optimizer step), its metrics."""
-    return trainer.objective.update(trainer.adapter, trainer.optim, work, progress=False)
+    from flowgrpo.training.update import run_update
+
+    return run_update(trainer.objective, trainer.adapter, trainer.optim, work,
+                      inner_epochs=trainer.cfg.train.inner_epochs, progress=False)
 
 
 def _update_vs_bare(c: Check, gc: bool) -> dict:

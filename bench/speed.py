@@ -112,6 +112,7 @@ def main() -> None:
     from flowgrpo.records import Advantages
     from flowgrpo.rewards.compose import ComposedReward
     from flowgrpo.training.loop import Trainer
+    from flowgrpo.training.update import run_update
 
     cfg = build_config({"model": {"pretrained": str(folder)}, "sampling": {"num_steps": t},
                         "train": {"prompts_per_epoch": b // 2, "group_size": 2, "rollout_batch_size": b},
@@ -147,7 +148,8 @@ def main() -> None:
 
     def update_of(tr, traj_, adv_, plan_):
         """The objective's update of a given plan, its schedule included (as a training epoch's)."""
-        tr.objective.update(tr.adapter, tr.optim, tr.objective.work(traj_, adv_, plan_, 0), progress=False)
+        run_update(tr.objective, tr.adapter, tr.optim, tr.objective.work(traj_, adv_, plan_, 0),
+                   inner_epochs=tr.cfg.train.inner_epochs, progress=False)
 
     def update():
         update_of(trainer, traj, adv, plan)

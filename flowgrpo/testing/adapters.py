@@ -54,6 +54,7 @@ from flowgrpo.models import ADAPTERS, load_model, pipeline_class_name
 from flowgrpo.models.lora import load_lora_into, save_lora, setup_trainable
 from flowgrpo.models.zoo import ConformanceCase
 from flowgrpo.runner import run
+from flowgrpo.sampling.packed_forward import chunk_forward
 from flowgrpo.sampling.rollout import (
     RolloutRequest,
     SamplerSettings,
@@ -63,7 +64,6 @@ from flowgrpo.sampling.rollout import (
     rollout,
 )
 from flowgrpo.testing.rewards import default_images
-from flowgrpo.training.forward import chunk_forward
 
 _BUILT: dict[tuple[str, str], Path] = {}
 

@@ -3,7 +3,8 @@
 An epoch is a flat list of timed phases (as verl's driver loop): ``rollout`` → ``reward`` → ``filter`` →
 ``advantage`` → ``plan`` → ``recompute`` (when the plan asks for it) → ``update``, with ``eval`` and ``save``
 around it. What each phase does beyond the rewards is the objective's (:mod:`flowgrpo.algo.objectives`: the
-order and what each phase receives and returns are in its ``base`` module); every gradient is applied by
+order and what each phase receives and returns are in its ``base`` module); the update phase is the one update
+loop of every objective (:func:`~flowgrpo.training.update.run_update`), and every gradient is applied by
 :class:`~flowgrpo.training.optim.Optimization`; the run folder's life is :mod:`flowgrpo.training.run_folder`, the
 end-of-run report :mod:`flowgrpo.training.report`.
 """
@@ -46,6 +47,7 @@ from flowgrpo.state_dicts import save_final_weights
 from flowgrpo.training import report
 from flowgrpo.training.optim import Optimization
 from flowgrpo.training.run_folder import RunFolder
+from flowgrpo.training.update import run_update
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +308,8 @@ class Trainer:
         self.health.begin()  # (in the first epoch, a probe call: not the update's)
         calls0, rows0 = self.forward_count
         with m.timed("update"):
-            upd = objective.update(self.adapter, self.optim, work, progress=self.cfg.logging.progress and self.main)
+            upd = run_update(objective, self.adapter, self.optim, work, inner_epochs=self.cfg.train.inner_epochs,
+                             progress=self.cfg.logging.progress and self.main)
         counted = list(self.forward_count)
         with m.timed("health"):
             health = self.health.measure()

@@ -365,7 +365,7 @@ def test_training_run_tiny_flux(tiny_flux_dir, tmp_path):
 def test_training_forwards_each_shared_anchor_once(tiny_flux):
     """E-GRPO's G rows of a (prompt, branch step) group start their jump from one anchor latent: the training
     forward runs the transformer once per group; log-probs and gradients equal G separate forwards."""
-    from flowgrpo.training.forward import chunk_forward
+    from flowgrpo.sampling.packed_forward import chunk_forward
 
     cfg = chunker_settings(name="entropy_merge", merge_steps=[0, 1], merge_lengths=[1, 2])
     chunker = build_chunker(cfg)
@@ -406,7 +406,7 @@ def test_training_forwards_each_shared_anchor_once(tiny_flux):
 def test_packed_forward_of_two_chunks_equals_their_separate_forwards(tiny_flux):
     """Two chunks' shared-anchor rows forwarded in one transformer call (the trainer packs a micro-batch's chunks
     up to train_batch_size transformer rows): the same log-probs and gradients as one call per chunk."""
-    from flowgrpo.training.forward import chunk_forward, packed_forward
+    from flowgrpo.sampling.packed_forward import chunk_forward, packed_forward
 
     chunker = build_chunker(chunker_settings(name="entropy_merge", merge_steps=[0, 1], merge_lengths=[1, 2]))
     g = 3
@@ -444,7 +444,7 @@ def test_packed_forward_of_two_chunks_equals_their_separate_forwards(tiny_flux):
 
 
 def test_pack_fills_calls_in_order_up_to_the_limit():
-    from flowgrpo.training.schedule import pack as _pack
+    from flowgrpo.algo.schedule import pack as _pack
 
     items = [("a", 1), ("b", 2), ("c", 1), ("d", 9), ("e", 3), ("f", 2)]
     assert _pack(items, lambda name, cost: cost, 4) == [

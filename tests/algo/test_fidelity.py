@@ -101,7 +101,7 @@ def test_the_trainer_uses_the_configured_kl_form(tiny_flux):
     """chunk_forward's KL equals the release's formula under the default form."""
     from types import SimpleNamespace
 
-    from flowgrpo.training.forward import chunk_forward
+    from flowgrpo.sampling.packed_forward import chunk_forward
 
     steps = 3
     settings = SamplerSettings(num_steps=steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
@@ -498,7 +498,7 @@ def test_egrpo_ode_after_a_merged_jump_runs_from_the_next_grid_step_as_the_relea
 @pytest.mark.parametrize("guard", ["grid", "next"])
 def test_egrpo_training_scores_a_merged_jump_from_sigma_one_with_the_rollouts_guard(guard):
 
-    from flowgrpo.training.forward import chunk_forward
+    from flowgrpo.sampling.packed_forward import chunk_forward
 
     adapter = TanhAdapter()
     traj = _egrpo(adapter, "next_step", guard)

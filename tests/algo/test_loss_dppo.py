@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flowgrpo.algo.policy_losses import PolicyLossInput
-from flowgrpo.algo.policy_losses.dppo import DPPOSettings, dppo_divergence, flow_dppo_loss
+from flowgrpo.algo.policy_losses.dppo import FlowDppoConfig, dppo_divergence, flow_dppo_loss
 
 STD = 0.1
 HIGH, LOW = 1e-6, 1e-8  # drifts: D = 5e-5 ≥ 1e-5 (outside the trust region), D = 5e-7 (inside)
@@ -44,7 +44,7 @@ def _input(cases=CASES, requires_grad=False):
 
 def test_flow_dppo_mask_and_loss_by_hand():
     inp, _ = _input()
-    terms = flow_dppo_loss(inp, DPPOSettings())
+    terms = flow_dppo_loss(inp, FlowDppoConfig())
     assert terms.clipped.tolist() == [c[3] for c in CASES]
     expected = [0.0 if c[3] else -c[0] * math.exp(c[1]) for c in CASES]
     torch.testing.assert_close(terms.loss, torch.tensor(expected), rtol=1e-6, atol=1e-7)
@@ -54,7 +54,7 @@ def test_flow_dppo_mask_and_loss_by_hand():
 def test_flow_dppo_gradient_is_removed_only_where_masked():
     """d(−A·ρ)/dΔ = −A·ρ for a kept pair, 0 for a masked one."""
     inp, new = _input(requires_grad=True)
-    flow_dppo_loss(inp, DPPOSettings()).loss.sum().backward()
+    flow_dppo_loss(inp, FlowDppoConfig()).loss.sum().backward()
     expected = [0.0 if c[3] else -c[0] * math.exp(c[1]) for c in CASES]
     torch.testing.assert_close(new.grad.squeeze(1), torch.tensor(expected), rtol=1e-6, atol=1e-7)
 
@@ -67,7 +67,7 @@ def test_divergence_by_hand():
         pytest.approx(5e-7, rel=1e-6)
     # without the coefficient every HIGH case (D = 5e-7) is inside the trust region: nothing is masked
     inp, _ = _input()
-    assert not bool(flow_dppo_loss(inp, DPPOSettings(add_kl_coefficient=False)).clipped.any())
+    assert not bool(flow_dppo_loss(inp, FlowDppoConfig(add_kl_coefficient=False)).clipped.any())
 
 
 def _verl_omni_dppo(old_lp, lp, adv, old_mean, mean, std_dev_t, sqrt_dt, threshold, add_kl_coefficient):
@@ -100,7 +100,7 @@ def test_flow_dppo_equals_verl_omni_on_random_steps(add_kl_coefficient):
     std = std_dev_t.flatten() * sqrt_dt  # our transition std s·√(−dt)
     inp = PolicyLossInput(lp[:, None].float(), old_lp[:, None].float(), adv.float(), std=std[:, None].float(),
                           dt=-(sqrt_dt**2)[:, None].float(), mean_drift_sq=drift[:, None].float())
-    terms = flow_dppo_loss(inp, DPPOSettings(kl_mask_threshold=threshold, add_kl_coefficient=add_kl_coefficient))
+    terms = flow_dppo_loss(inp, FlowDppoConfig(kl_mask_threshold=threshold, add_kl_coefficient=add_kl_coefficient))
     assert terms.clipped.tolist() == rm.tolist()
     assert terms.loss.mean().item() == pytest.approx(expected.item(), rel=1e-5)
 
@@ -113,7 +113,7 @@ def test_flow_dppo_chunk_uses_the_chunk_ratio_and_mean_divergence():
     drift = torch.tensor([[1e-6, 0.0], [1e-7, 1e-7]])
     inp = PolicyLossInput(new, old, torch.tensor([1.0, 1.0]), std=torch.full((2, 2), STD), dt=torch.full((2, 2), -0.1),
                           mean_drift_sq=drift)
-    terms = flow_dppo_loss(inp, DPPOSettings())
+    terms = flow_dppo_loss(inp, FlowDppoConfig())
     assert terms.clipped.tolist() == [True, False]
     torch.testing.assert_close(terms.loss, torch.tensor([0.0, -math.exp(0.2)]), rtol=1e-6, atol=1e-7)
 
@@ -123,17 +123,19 @@ def test_flow_dppo_adds_the_reference_kl():
     kl = torch.full((len(CASES), 1), 0.4)
     inp = PolicyLossInput(inp.new_log_probs, inp.old_log_probs, inp.advantages, kl_ref=kl, std=inp.std, dt=inp.dt,
                           mean_drift_sq=inp.mean_drift_sq)
-    base = flow_dppo_loss(inp, DPPOSettings()).loss
-    torch.testing.assert_close(flow_dppo_loss(inp, DPPOSettings(kl_beta=0.5)).loss, base + 0.2)
+    base = flow_dppo_loss(inp, FlowDppoConfig()).loss
+    torch.testing.assert_close(flow_dppo_loss(inp, FlowDppoConfig(), kl_beta=0.5).loss, base + 0.2)
 
 
 def test_flow_dppo_bad_input():
     inp, _ = _input()
     with pytest.raises(ValueError, match="needs std and mean_drift_sq"):
-        flow_dppo_loss(PolicyLossInput(inp.new_log_probs, inp.old_log_probs, inp.advantages), DPPOSettings())
+        flow_dppo_loss(PolicyLossInput(inp.new_log_probs, inp.old_log_probs, inp.advantages), FlowDppoConfig())
     zero_std = PolicyLossInput(inp.new_log_probs, inp.old_log_probs, inp.advantages, std=torch.zeros_like(inp.std),
                                dt=inp.dt, mean_drift_sq=inp.mean_drift_sq)
     with pytest.raises(ValueError, match="stochastic"):
-        flow_dppo_loss(zero_std, DPPOSettings())
-    with pytest.raises(ValueError, match="kl_mask_threshold must be > 0"):
-        DPPOSettings(kl_mask_threshold=0.0)
+        flow_dppo_loss(zero_std, FlowDppoConfig())
+    with pytest.raises(ValueError, match="kl_mask_threshold\n  Input should be greater than 0"):
+        FlowDppoConfig(kl_mask_threshold=0.0)
+    with pytest.raises(ValueError, match="kl_beta must be >= 0, got -0.1"):
+        flow_dppo_loss(inp, FlowDppoConfig(), kl_beta=-0.1)

@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.objectives.awm import AWMSettings, awm_log_prob, awm_terms, awm_train_sigma_indices
+from flowgrpo.algo.objectives.awm import AWMConfig, awm_log_prob, awm_terms, awm_train_sigma_indices
 from flowgrpo.algo.objectives.dgpo import (
-    DGPOSettings,
+    DGPOConfig,
     dgpo_group_sums,
     dgpo_terms,
     dgpo_train_indices,
@@ -23,7 +23,7 @@ from flowgrpo.algo.objectives.dgpo import (
     shared_group_noise,
 )
 from flowgrpo.algo.objectives.flow_matching import noised
-from flowgrpo.algo.objectives.nft import NFTSettings, nft_terms, nft_train_sigmas, reward_weight
+from flowgrpo.algo.objectives.nft import NFTConfig, nft_terms, nft_train_sigmas, reward_weight
 from flowgrpo.algo.objectives.old_copy import NFT_DECAY_TYPES, DecaySchedule, decay_at, update_old_copy_
 
 
@@ -97,7 +97,7 @@ def test_nft_loss_by_hand_one_dim():
     x0, eps = _t([1.0]), _t([3.0])
     x_t = noised(x0, eps, 0.5)
     assert x_t.tolist() == [[2.0]]
-    terms = nft_terms(_t([1.0]), _t([2.0]), x_t, x0, 0.5, _t(2.5), NFTSettings(), v_ref=_t([0.0]))
+    terms = nft_terms(_t([1.0]), _t([2.0]), x_t, x0, 0.5, _t(2.5), NFTConfig(), v_ref=_t([0.0]))
     assert terms.loss.item() == pytest.approx(2.5 + 1e-4, abs=1e-6)
     assert terms.stats["positive_loss"].item() == pytest.approx(0.5)
     assert terms.stats["negative_loss"].item() == pytest.approx(0.5)
@@ -105,7 +105,7 @@ def test_nft_loss_by_hand_one_dim():
     assert terms.stats["old_deviation"].item() == pytest.approx(1.0)
     # two dims, errors (0.5, 0.1) for v₊: w = 0.3, L₊ = (0.25 + 0.01)/2/0.3 = 0.43333; with r = 1 only L₊ counts
     x0 = _t([0.0, 0.0])
-    terms = nft_terms(_t([-0.5, -0.1]), _t([-0.5, -0.1]), x0, x0, 1.0, _t(5.0), NFTSettings(kl_beta=0.0))
+    terms = nft_terms(_t([-0.5, -0.1]), _t([-0.5, -0.1]), x0, x0, 1.0, _t(5.0), NFTConfig(kl_beta=0.0))
     assert terms.loss.item() == pytest.approx(5 * 0.13 / 0.3, rel=1e-6)
 
 
@@ -133,7 +133,7 @@ def test_nft_loss_equals_the_release_on_random_rows(beta):
     sigma = torch.rand(6, generator=g) * 0.9 + 0.05
     adv = torch.randn(6, generator=g) * 4
     x_t = noised(x0, eps, sigma)
-    settings = NFTSettings(beta=beta, kl_beta=0.01)
+    settings = NFTConfig(beta=beta, kl_beta=0.01)
     ours = nft_terms(v, v_old, x_t, x0, sigma, adv, settings, v_ref=v_ref).loss.mean()
     expected = _release_nft_loss(v, v_old, v_ref, x_t, x0, sigma, adv, beta, 5.0, 0.01)
     assert ours.item() == pytest.approx(expected.item(), rel=1e-5)
@@ -150,7 +150,7 @@ def test_nft_gradient_on_policy_by_hand(beta):
     adv = _t(2.5, 0.0, -1.0)
     x_t = noised(x0, eps, sigma)
     v = v0.clone().requires_grad_(True)
-    nft_terms(v, v0, x_t, x0, sigma, adv, NFTSettings(beta=beta, kl_beta=0.0)).loss.sum().backward()
+    nft_terms(v, v0, x_t, x0, sigma, adv, NFTConfig(beta=beta, kl_beta=0.0)).loss.sum().backward()
     s = sigma[:, None].double()
     e = x_t.double() - s * v0.double() - x0.double()
     w = e.abs().mean(1, keepdim=True)
@@ -163,7 +163,7 @@ def test_nft_gradient_on_policy_by_hand(beta):
 def test_nft_adaptive_weight_floor():
     """x̂₀ = x₀ exactly: the weight is the floor 1e-5 (no division by zero), the loss 0."""
     x0 = _t([1.0, 2.0])
-    terms = nft_terms(_t([0.0, 0.0]), _t([0.0, 0.0]), x0, x0, 0.5, _t(1.0), NFTSettings(kl_beta=0.0))
+    terms = nft_terms(_t([0.0, 0.0]), _t([0.0, 0.0]), x0, x0, 0.5, _t(1.0), NFTConfig(kl_beta=0.0))
     assert terms.loss.item() == 0.0
 
 
@@ -178,14 +178,14 @@ def test_nft_train_sigmas_are_a_random_subset_per_sample():
 
 
 def test_nft_bad_input():
-    with pytest.raises(ValueError, match="beta must be > 0"):
-        NFTSettings(beta=0.0)
-    with pytest.raises(KeyError, match="binary"):
-        NFTSettings(adv_mode="bin")
+    with pytest.raises(ValueError, match="beta\n  Input should be greater than 0"):
+        NFTConfig(beta=0.0)
+    with pytest.raises(ValueError, match="objective.adv_mode: .*binary"):
+        NFTConfig(adv_mode="bin")
     with pytest.raises(ValueError, match="needs the reference"):
-        nft_terms(_t([1.0]), _t([1.0]), _t([1.0]), _t([1.0]), 0.5, _t(1.0), NFTSettings())
+        nft_terms(_t([1.0]), _t([1.0]), _t([1.0]), _t([1.0]), 0.5, _t(1.0), NFTConfig())
     with pytest.raises(ValueError, match="shapes disagree"):
-        nft_terms(_t([1.0]), _t([1.0, 2.0]), _t([1.0]), _t([1.0]), 0.5, _t(1.0), NFTSettings(kl_beta=0))
+        nft_terms(_t([1.0]), _t([1.0, 2.0]), _t([1.0]), _t([1.0]), 0.5, _t(1.0), NFTConfig(kl_beta=0))
 
 
 # ================================================================================================ AWM
@@ -205,7 +205,7 @@ def test_awm_loss_and_gradient_by_hand():
     = 0.5·0.5·(1, −1) + 0.001·(0, 1) = (0.25, −0.249)."""
     x0, eps = _t([1.0, 0.0]), _t([0.0, 2.0])
     v = _t([0.0, 1.0]).requires_grad_(True)
-    terms = awm_terms(v, eps, x0, 0.5, _t(2.5), AWMSettings(), v_ref=_t([0.0, 0.0]), v_ema=_t([0.0, 1.0]))
+    terms = awm_terms(v, eps, x0, 0.5, _t(2.5), AWMConfig(), v_ref=_t([0.0, 0.0]), v_ema=_t([0.0, 1.0]))
     assert terms.loss.item() == pytest.approx(-0.5 + 0.0005, abs=1e-7)
     assert terms.stats["ratio"].item() == 1.0
     terms.loss.sum().backward()
@@ -232,7 +232,7 @@ def test_awm_loss_and_gradient_equal_the_release_on_random_rows():
     x0, eps, v0, v_ref, v_ema = (torch.randn(shape, generator=g) for _ in range(5))
     sigma, adv = torch.rand(6, generator=g), torch.randn(6, generator=g) * 3
     v = v0.clone().requires_grad_(True)
-    ours = awm_terms(v, eps, x0, sigma, adv, AWMSettings(), v_ref=v_ref, v_ema=v_ema).loss.mean()
+    ours = awm_terms(v, eps, x0, sigma, adv, AWMConfig(), v_ref=v_ref, v_ema=v_ema).loss.mean()
     ours.backward()
     v_rel = v0.double().clone().requires_grad_(True)
     expected = _release_awm_loss(v_rel, v_ref, v_ema, eps, x0, sigma, adv, 0.25, 0.001, 1.0)
@@ -246,7 +246,7 @@ def test_awm_off_policy_ratio_clip_by_hand():
     no gradient (ε = 0.2 here; the release's ε = 1 never binds on-policy)."""
     x0, eps = _t([1.0, 0.0]), _t([0.0, 2.0])
     v = _t([0.0, 1.0]).requires_grad_(True)
-    settings = AWMSettings(clip_range=0.2, kl_beta=0.0, ema_beta=0.0)
+    settings = AWMConfig(clip_range=0.2, kl_beta=0.0, ema_beta=0.0)
     lp = awm_log_prob(_t([0.0, 1.0]), eps, x0, 0.5)
     terms = awm_terms(v, eps, x0, 0.5, _t(5.0), settings, old_log_prob=lp - 0.5)
     assert terms.loss.item() == pytest.approx(-1.2, rel=1e-6)
@@ -260,7 +260,7 @@ def test_awm_elbo_kl_weight_by_hand():
     """kl_weight 'elbo': mean_dims((v − v_ref)²)/(2·std²), std = √(σ/(1 − σ))·0.7: σ = 0.5 → std = 0.7,
     KL = 0.5/(2·0.49)."""
     x0, eps, v = _t([1.0, 0.0]), _t([0.0, 2.0]), _t([0.0, 1.0])
-    terms = awm_terms(v, eps, x0, 0.5, _t(1.0), AWMSettings(kl_weight="elbo", ema_beta=0.0), v_ref=_t([0.0, 0.0]))
+    terms = awm_terms(v, eps, x0, 0.5, _t(1.0), AWMConfig(kl_weight="elbo", ema_beta=0.0), v_ref=_t([0.0, 0.0]))
     assert terms.stats["kl_ref"].item() == pytest.approx(0.5 / (2 * 0.49), rel=1e-6)
 
 
@@ -273,21 +273,21 @@ def test_awm_train_sigma_indices_are_stratified():
     for kind, bounds in strata.items():
         seen = set()
         for _ in range(200):
-            idx = awm_train_sigma_indices(14, AWMSettings(time_type=kind), g).tolist()
+            idx = awm_train_sigma_indices(14, AWMConfig(time_type=kind), g).tolist()
             assert all(lo <= i <= hi for i, (lo, hi) in zip(idx, bounds, strict=True)), (kind, idx)
             seen.update(idx)
         assert seen == {i for lo, hi in bounds for i in range(lo, hi + 1)}
-    first = awm_train_sigma_indices(14, AWMSettings(time_type="discrete_with_init"), g)
+    first = awm_train_sigma_indices(14, AWMConfig(time_type="discrete_with_init"), g)
     assert first[0].item() == 0 and first.shape == (6,)
 
 
 def test_awm_bad_input():
     with pytest.raises(ValueError, match="needs its velocity"):
-        awm_terms(_t([1.0]), _t([1.0]), _t([1.0]), 0.5, _t(1.0), AWMSettings())
-    with pytest.raises(KeyError, match="ghuber"):
-        AWMSettings(weighting="gauss")
+        awm_terms(_t([1.0]), _t([1.0]), _t([1.0]), 0.5, _t(1.0), AWMConfig())
+    with pytest.raises(ValueError, match="objective.weighting: .*ghuber"):
+        AWMConfig(weighting="gauss")
     with pytest.raises(ValueError, match=">= 2 steps"):
-        awm_train_sigma_indices(1, AWMSettings())
+        awm_train_sigma_indices(1, AWMConfig())
 
 
 # ================================================================================================ DGPO
@@ -295,7 +295,7 @@ def test_awm_bad_input():
 DG_EPS, DG_X0 = _t([1.0], [1.0], [0.0], [0.0]), torch.zeros(4, 1)
 DG_V, DG_REF = _t([0.5], [1.5], [1.0], [0.0]), _t([0.0], [1.0], [0.0], [1.0])
 DG_ADV, DG_GROUP = _t(1.0, -1.0, 2.0, -2.0), torch.tensor([0, 0, 1, 1])
-NO_CLIP = DGPOSettings(beta_dpo=1.0, kl_beta=0.02, clip_dsm=False)
+NO_CLIP = DGPOConfig(beta_dpo=1.0, kl_beta=0.02, clip_dsm=False)
 
 
 def test_dgpo_loss_by_hand():
@@ -327,7 +327,7 @@ def test_dgpo_clip_against_the_old_copy():
     v_old = DG_EPS - e_old.sqrt()[:, None]  # (target − v_old)² = e_old (target − v_old ≥ 0)
     for clip_kl in (False, True):
         v = DG_V.clone().requires_grad_(True)
-        settings = DGPOSettings(beta_dpo=1.0, kl_beta=0.02, clip_range=1e-2, clip_kl=clip_kl)
+        settings = DGPOConfig(beta_dpo=1.0, kl_beta=0.02, clip_range=1e-2, clip_kl=clip_kl)
         terms = dgpo_terms(v, DG_EPS, DG_X0, DG_ADV, DG_GROUP, 2, settings, group_size=2, v_ref=DG_REF, v_old=v_old)
         assert terms.stats["clipped"].tolist() == [1.0, 1.0, 0.0, 0.0]
         terms.loss.sum().backward()
@@ -339,7 +339,7 @@ def test_dgpo_clip_against_the_old_copy():
 
 def test_dgpo_ema_reference_uses_the_old_copy_for_the_preference_only():
     """use_ema_ref: s_g from e_old, the KL still to v_ref. With v_old = v: Δ = 0, s_g = 0, every weight ½."""
-    settings = DGPOSettings(beta_dpo=1.0, kl_beta=0.02, clip_dsm=False, use_ema_ref=True)
+    settings = DGPOConfig(beta_dpo=1.0, kl_beta=0.02, clip_dsm=False, use_ema_ref=True)
     terms = dgpo_terms(DG_V, DG_EPS, DG_X0, DG_ADV, DG_GROUP, 2, settings, group_size=2, v_ref=DG_REF, v_old=DG_V)
     assert terms.stats["group_weight"].tolist() == [0.5] * 4
     torch.testing.assert_close(terms.stats["kl_ref"], _t(0.25, 0.25, 1.0, 1.0))
@@ -361,7 +361,7 @@ def test_dgpo_group_sums_over_processes_equal_one_process():
 
 
 def test_dgpo_timesteps_and_noise():
-    s = DGPOSettings()
+    s = DGPOConfig()
     idx = dgpo_train_indices(s, torch.Generator().manual_seed(0))
     assert idx.shape == (4,) and len(set(idx.tolist())) == 4 and set(idx.tolist()) <= set(range(5))
     from diffusers import DPMSolverMultistepScheduler
@@ -377,8 +377,10 @@ def test_dgpo_timesteps_and_noise():
 
 def test_dgpo_bad_input():
     with pytest.raises(ValueError, match="needs the old copy"):
-        dgpo_terms(DG_V, DG_EPS, DG_X0, DG_ADV, DG_GROUP, 2, DGPOSettings(), group_size=2, v_ref=DG_REF)
+        dgpo_terms(DG_V, DG_EPS, DG_X0, DG_ADV, DG_GROUP, 2, DGPOConfig(), group_size=2, v_ref=DG_REF)
     with pytest.raises(ValueError, match="group_index must lie"):
         dgpo_group_sums(_t(1.0), _t(1.0), torch.tensor([3]), 2, 1.0, 2)
-    with pytest.raises(ValueError, match="distinct grid steps"):
-        DGPOSettings(num_train_timesteps=6, trunc_steps=4)
+    with pytest.raises(ValueError, match="num_train_timesteps=6: DGPO draws that many distinct grid steps from "
+                                         "0..trunc_steps=4, so it must be <= trunc_steps"):
+        DGPOConfig(num_train_timesteps=6, trunc_steps=4)
+    DGPOConfig(num_train_timesteps=5, trunc_steps=4)  # the bound itself is allowed

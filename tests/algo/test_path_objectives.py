@@ -38,6 +38,7 @@ from flowgrpo.algo.objectives.reward_backprop import (
 from flowgrpo.config import build_config
 from flowgrpo.records import Advantages, PromptEmbeds
 from flowgrpo.rng import make_generator
+from flowgrpo.training.update import run_update
 
 LR = 0.05
 G = 3.0
@@ -166,7 +167,7 @@ def _run(objective: dict, teacher: Lin | None = None):
         return out
 
     obj.draws = recording
-    metrics = obj.update(adapter, optim, work, progress=False)
+    metrics = run_update(obj, adapter, optim, work, inner_epochs=obj.cfg.train.inner_epochs, progress=False)
     return obj, adapter, optim, samples, work, draws, metrics
 
 

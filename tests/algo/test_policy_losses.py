@@ -255,7 +255,7 @@ def test_the_trainer_tells_grpo_guard_which_pairs_are_trained_and_share_a_micro_
 
     from flowgrpo.algo.objectives.sde_ratio import SdeRatio
     from flowgrpo.records import ChunkPlan
-    from flowgrpo.training.forward import ChunkForward
+    from flowgrpo.sampling.packed_forward import ChunkForward
 
     b, t, d = 4, 3, 5
     plan = ChunkPlan(chunks=[(0,), (1,), (2,)], selected=torch.ones(b, 3, dtype=torch.bool))

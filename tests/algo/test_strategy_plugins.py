@@ -128,15 +128,16 @@ def test_a_group_split_over_processes_is_refused_for_group_wise_rewards():
 def toy_objective():
     """An objective of the forward-process kind, registered by the test as a plugin would (and removed after): an
     ODE rollout whose final latents x0 are trained by advantage-weighted flow matching at fresh (t, ε) per sample,
-    x_t = (1 − t)·x0 + t·ε, loss = mean_b A_b·mean_d (v(x_t, t) − (ε − x0))², through the trainer's optimizer."""
+    x_t = (1 − t)·x0 + t·ε, loss = mean_b A_b·mean_d (v(x_t, t) − (ε − x0))², one optimizer step a micro-batch, run by
+    the trainer's update loop (the objective hands it its steps and a loss sum per micro-batch)."""
     from dataclasses import dataclass
     from typing import Literal
 
     from pydantic import Field
 
-    from flowgrpo.algo.objectives import OBJECTIVES, BaseObjective, ObjectiveConfig
+    from flowgrpo.algo.objectives import OBJECTIVES, BaseObjective, ObjectiveConfig, UpdateStep
+    from flowgrpo.algo.schedule import micro_batches
     from flowgrpo.sampling.rollout import rollout
-    from flowgrpo.training.schedule import micro_batches
 
     calls = []
 
@@ -169,28 +170,33 @@ def toy_objective():
         def recompute(self, adapter, work):
             raise AssertionError("a plan without recompute must not be recomputed")
 
-        def update(self, adapter, optim, work, *, progress):
+        # the update: one optimizer step a micro-batch, its loss the sum over its rows (the loop takes the mean)
+        def update_steps(self, work):
             calls.append("update")
+            return [UpdateStep(rows, len(rows)) for rows in micro_batches(work.traj.batch_size,
+                                                                          self.cfg.train_batch_size)]
+
+        def update_state(self, work):
+            return {"losses": [], "gen": torch.Generator().manual_seed(work.epoch)}
+
+        def micro_batches(self, work, step, inner):
+            return [step.plan]
+
+        def loss(self, adapter, work, rows, state, at):
             traj, dev = work.traj, adapter.device
-            gen = torch.Generator().manual_seed(work.epoch)
-            optim.train_mode()
-            losses, norms = [], []
-            for rows in micro_batches(traj.batch_size, self.cfg.train_batch_size):
-                x0 = traj.latents[rows, -1].to(dev)  # (n, …) the final latents
-                t = torch.rand(len(rows), generator=gen)  # (n,) fresh per sample
-                eps = torch.randn(x0.shape, generator=gen).to(dev)
-                tt = t.to(dev).reshape(-1, *[1] * (x0.ndim - 1))
-                with optim.accumulating(sync=True):
-                    v = adapter.velocity((1 - tt) * x0 + tt * eps, t.to(dev), traj.embeds.index(rows.to(dev)),
-                                         traj.guidance_scale)
-                    per_sample = ((v.float() - (eps - x0)) ** 2).flatten(1).mean(dim=1)
-                    loss = self.cfg.objective.weight * (work.adv.values[rows].to(dev) * per_sample).mean()
-                    optim.backward(loss)
-                norms.append(optim.step(work.epoch))
-                optim.zero_grad()
-                losses.append(float(loss.detach()))
-            return {"toy/loss": sum(losses) / len(losses), "policy/grad_norm": sum(norms) / len(norms),
-                    "train/lr": optim.lr}
+            x0 = traj.latents[rows, -1].to(dev)  # (n, …) the final latents
+            t = torch.rand(len(rows), generator=state["gen"])  # (n,) fresh per sample
+            eps = torch.randn(x0.shape, generator=state["gen"]).to(dev)
+            tt = t.to(dev).reshape(-1, *[1] * (x0.ndim - 1))
+            v = adapter.velocity((1 - tt) * x0 + tt * eps, t.to(dev), traj.embeds.index(rows.to(dev)),
+                                 traj.guidance_scale)
+            per_sample = ((v.float() - (eps - x0)) ** 2).flatten(1).mean(dim=1)
+            loss = self.cfg.objective.weight * (work.adv.values[rows].to(dev) * per_sample).sum()
+            state["losses"].append(float(loss.detach()) / len(rows))
+            return loss
+
+        def update_metrics(self, adapter, work, state):
+            return {"toy/loss": sum(state["losses"]) / len(state["losses"])}
 
     OBJECTIVES.register("toy_flow_matching")(ToyFlowMatching)
     yield calls

@@ -13,8 +13,8 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from flowgrpo.models.attention import ATTENTION_BACKENDS, AttentionBackendError, attention_context
+from flowgrpo.sampling.packed_forward import chunk_forward
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
-from flowgrpo.training.forward import chunk_forward
 
 STEPS = 2
 

@@ -18,9 +18,9 @@ from diffusers import FluxPipeline
 from flowgrpo.models import load_model
 from flowgrpo.models.lora import save_lora, setup_trainable
 from flowgrpo.rng import make_generator
+from flowgrpo.sampling.packed_forward import chunk_forward
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, denoise, generate_images, rollout
 from flowgrpo.sampling.sde import sde_step
-from flowgrpo.training.forward import chunk_forward
 
 PROMPTS = ["a red cube on a blue table", "two cats"]
 STEPS = 4

@@ -126,8 +126,8 @@ def _at_epoch(request, epoch: int):
 
 def _recomputed(adapter, traj, step: int, shared: bool = False) -> torch.Tensor:
     """The log-probs of every row's transition ``step`` under the training forward (plain transformer)."""
+    from flowgrpo.sampling.packed_forward import packed_forward
     from flowgrpo.sampling.rollout import SamplerSettings
-    from flowgrpo.training.forward import packed_forward
 
     settings = SamplerSettings(num_steps=traj.num_steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
     rows = torch.nonzero(traj.stochastic[:, step]).flatten()

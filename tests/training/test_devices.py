@@ -38,16 +38,15 @@ def _config(tmp_path, tiny_flux_dir, name: str, chunker: dict | None = None, tra
     })
 
 
-def _run_on_fake_accelerator(monkeypatch, config, objective_class=None) -> FakeAccelerator:
-    """``run(config)`` with the model on the fake accelerator; the mode records the host reads of each call of
-    ``objective_class.update`` (default: the SDE-ratio objective's) in ``update_reads``."""
-    from flowgrpo.algo.objectives import SdeRatio
+def _run_on_fake_accelerator(monkeypatch, config) -> FakeAccelerator:
+    """``run(config)`` with the model on the fake accelerator; the mode records the host reads of each update (the
+    update loop, :func:`~flowgrpo.training.update.run_update`, of any objective) in ``update_reads``."""
     from flowgrpo.runner import run
+    from flowgrpo.training import loop
     from flowgrpo.training.loop import Trainer
 
-    objective_class = objective_class or SdeRatio
     modes = []
-    fit, update = Trainer.fit, objective_class.update
+    fit, update = Trainer.fit, loop.run_update
 
     def fit_on_accelerator(self):
         mode = FakeAccelerator(*_modules(self.adapter))
@@ -61,14 +60,14 @@ def _run_on_fake_accelerator(monkeypatch, config, objective_class=None) -> FakeA
         with mode:
             return fit(self)
 
-    def counted_update(self, *args, **kwargs):
+    def counted_update(*args, **kwargs):
         before = modes[0].reads()
-        out = update(self, *args, **kwargs)
+        out = update(*args, **kwargs)
         modes[0].update_reads.append(modes[0].reads() - before)
         return out
 
     monkeypatch.setattr(Trainer, "fit", fit_on_accelerator)
-    monkeypatch.setattr(objective_class, "update", counted_update)
+    monkeypatch.setattr(loop, "run_update", counted_update)
     run(config)
     return modes[0]
 

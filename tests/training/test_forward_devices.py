@@ -21,8 +21,6 @@ def test_forward_objective_epoch_keeps_each_tensor_on_one_device(tmp_path, tiny_
     cfg = _config(tmp_path, tiny_flux_dir, objective["name"], chunker={"name": "per_step"},
                   train={"inner_epochs": 1}, kl_beta=0.0, recompute_old_log_probs=False)
     cfg.objective = objective
-    from flowgrpo.algo.objectives.forward import ForwardObjective
-
-    mode = _run_on_fake_accelerator(monkeypatch, cfg, ForwardObjective)
+    mode = _run_on_fake_accelerator(monkeypatch, cfg)
     assert mode.syncs
     assert mode.update_reads == [cfg.train.optimizer_steps_per_epoch + 1], mode.update_reads

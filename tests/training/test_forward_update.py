@@ -22,6 +22,7 @@ import torch
 from flowgrpo.algo.objectives import build_objective
 from flowgrpo.config import build_config
 from flowgrpo.records import Advantages, FinalSamples, PromptEmbeds
+from flowgrpo.training.update import run_update
 
 LR = 0.05
 TRAIN_G, ROLLOUT_G = 2.0, 3.0
@@ -238,7 +239,7 @@ def test_each_step_minimises_the_mean_release_loss_over_its_rows(name):
     held = [any(MASKED in mb.tolist() for mb in share) for share in work.steps]
     assert held == [False, True] or name == "awm"  # consecutive micro-batches: the masked sample in the second step
     assert work.step_rows == [k * (4 - h) for h in held]  # 2 micro-batches of 2 a step, less the masked sample
-    metrics = obj.update(adapter, optim, work, progress=False)
+    metrics = run_update(obj, adapter, optim, work, inner_epochs=1, progress=False)
     assert set(adapter.guidances) == {TRAIN_G}  # every training forward at the training guidance
     assert len(optim.grads) == 2
     # the old copy by hand: NFT and AWM keep theirs for the whole epoch and move it once after it (k = the 2
@@ -265,7 +266,7 @@ def test_draw_scopes():
     for name in ("nft", "awm", "dgpo"):
         objective = {"name": name, **({"trunc_steps": 3, "num_train_timesteps": 2} if name == "dgpo" else {})}
         _, obj, adapter, optim, samples, adv, draws = _setup(objective)
-        obj.update(adapter, optim, obj.plan(samples, adv, adv.train_mask, epoch=0), progress=False)
+        run_update(obj, adapter, optim, obj.plan(samples, adv, adv.train_mask, epoch=0), inner_epochs=1, progress=False)
         found[name] = draws
     for _, rows, ds in found["nft"]:
         sig = torch.stack([d.sigma for d in ds], dim=1)  # (n, K)
@@ -305,11 +306,11 @@ def test_awm_cuts_its_micro_batches_from_a_seeded_permutation_as_the_release():
         plans[epoch] = layout
         # which samples share a micro-batch: not one group's two samples each (the consecutive layout)
         assert any(len({int(samples.group_ids[i]) for i in mb}) == 2 for mb in layout)
-        obj.update(adapter, optim, work, progress=False)
+        run_update(obj, adapter, optim, work, inner_epochs=1, progress=False)
         grid = torch.linspace(1, 0, T + 1)
         for place, (_, rows, ds) in enumerate(draws):
             assert rows.tolist() == layout[place]
-            idx = awm_train_sigma_indices(T, obj.loss_settings(), torch.Generator().manual_seed(
+            idx = awm_train_sigma_indices(T, obj.o, torch.Generator().manual_seed(
                 derive_seed(5, epoch, 0, "awm_t", place)))
             assert [float(d.sigma[0]) for d in ds] == grid[idx].tolist()  # the micro-batch's σ's: its place
     assert plans[0] != plans[1]  # a new permutation every epoch

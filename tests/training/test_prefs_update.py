@@ -17,6 +17,7 @@ import torch
 from flowgrpo.algo.objectives import build_objective
 from flowgrpo.config import build_config
 from flowgrpo.records import Advantages, FinalSamples, PromptEmbeds
+from flowgrpo.training.update import run_update
 from tests.training.test_forward_update import TRAIN_G, FakeAdapter, FakeOptim, _f
 
 B, D = 8, 3
@@ -96,7 +97,7 @@ def test_online_dpo_steps_minimise_the_mean_pair_loss(beta):
     assert work.extra["chosen"].tolist() == [p[0] for p in PAIRS_BY_HAND]
     assert work.extra["rejected"].tolist() == [p[1] for p in PAIRS_BY_HAND]
     assert work.step_rows == [2.0, 2.0]  # one pair a step, K = 2 sigmas each
-    metrics = obj.update(adapter, optim, work, progress=False)
+    metrics = run_update(obj, adapter, optim, work, inner_epochs=obj.cfg.train.inner_epochs, progress=False)
     assert set(adapter.guidances) == {TRAIN_G}
     # the shared noise of a pair: one ε per (pair, σ), the same for its two images (one draw, one noise)
     assert all(d.noise.shape == (len(rows), D) for _, rows, ds in draws for d in ds)
@@ -119,7 +120,7 @@ def test_all_pairs_and_masked_slots():
     by_hand = [(0, 1), (2, 0), (0, 3), (2, 1), (3, 1), (2, 3), (4, 6), (7, 4), (7, 6)]
     assert pairs == by_hand
     assert work.step_rows == [9.0]
-    obj.update(adapter, optim, work, progress=False)
+    run_update(obj, adapter, optim, work, inner_epochs=obj.cfg.train.inner_epochs, progress=False)
     ref = torch.tensor(optim.before[0], dtype=torch.float64)
     slots = list(zip(work.extra["chosen"].tolist(), work.extra["rejected"].tolist(), strict=True))
     kept = [(s, rows, [type(d)(d.rows[work.trained[d.rows]], d.sigma[work.trained[d.rows]],
@@ -137,7 +138,7 @@ def test_offline_dpo_pairs_are_the_dataset_order():
                      zero_spread_frac=0.0, nan_frac=0.0, learning_frac=1.0)
     work = obj.plan(samples, adv, adv.train_mask, epoch=0)
     assert work.extra["chosen"].tolist() == [0, 2, 4, 6] and work.extra["rejected"].tolist() == [1, 3, 5, 7]
-    obj.update(adapter, optim, work, progress=False)
+    run_update(obj, adapter, optim, work, inner_epochs=obj.cfg.train.inner_epochs, progress=False)
     ref = torch.tensor(optim.before[0], dtype=torch.float64)
     expected = _dpo_grads(optim, draws, samples, [(0, 1), (2, 3), (4, 5), (6, 7)], 6.0, ref)
     assert optim.grads[0] == pytest.approx(expected[0], rel=1e-5, abs=1e-7)
@@ -150,7 +151,7 @@ def test_sft_steps_minimise_the_mean_flow_matching_loss():
                      nan_frac=0.0, learning_frac=0.0)
     work = obj.plan(samples, adv, adv.train_mask, epoch=0)
     assert work.step_rows == [8.0, 8.0]  # 4 samples a step, K = 2
-    obj.update(adapter, optim, work, progress=False)
+    run_update(obj, adapter, optim, work, inner_epochs=obj.cfg.train.inner_epochs, progress=False)
     x0, e = samples.x0.double(), samples.embeds["e"].double()
     for step, before in enumerate(optim.before):
         theta = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in before]

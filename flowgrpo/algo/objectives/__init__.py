@@ -28,8 +28,10 @@ from flowgrpo.algo.objectives.awm import AWM, AWMConfig
 from flowgrpo.algo.objectives.base import (
     OBJECTIVES,
     BaseObjective,
+    MicroBatchAt,
     Objective,
     ObjectiveConfig,
+    UpdateStep,
     build_objective,
     objective_config_class,
 )
@@ -43,7 +45,8 @@ from flowgrpo.algo.objectives.reward_backprop import RewardBackprop, RewardBackp
 from flowgrpo.algo.objectives.sde_ratio import SdeRatio, SdeRatioConfig, SdeRatioWork
 from flowgrpo.algo.objectives.sft import SFT, SFTConfig
 
-__all__ = ["OBJECTIVES", "BaseObjective", "Objective", "ObjectiveConfig", "build_objective", "objective_config_class",
+__all__ = ["OBJECTIVES", "BaseObjective", "Objective", "ObjectiveConfig", "UpdateStep", "MicroBatchAt",
+           "build_objective", "objective_config_class",
            "SdeRatio", "SdeRatioConfig", "SdeRatioWork", "ForwardConfig", "ForwardObjective", "ForwardWork",
            "NFT", "NFTConfig", "AWM", "AWMConfig", "DGPO", "DGPOConfig", "RewardBackprop",
            "RewardBackpropConfig", "OPD", "OPDConfig", "DPO", "DPOConfig", "DPOOffline", "DPOOfflineConfig",

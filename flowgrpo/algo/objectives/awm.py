@@ -20,7 +20,6 @@ updated once an epoch with decay min(0.3, 0.001·k), lines 1409–1419).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -40,7 +39,7 @@ from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
 from flowgrpo.settings import registered_name
 
-__all__ = ["AWM", "AWMConfig", "AWMSettings", "AWM_WEIGHTINGS", "AWM_KL_WEIGHTS", "AWM_TIME_TYPES", "awm_log_prob",
+__all__ = ["AWM", "AWMConfig", "AWM_WEIGHTINGS", "AWM_KL_WEIGHTS", "AWM_TIME_TYPES", "awm_log_prob",
            "awm_terms", "awm_train_sigma_indices"]
 
 _TINY = 1e-10  # the release's guard inside the square root / power
@@ -101,62 +100,6 @@ def _kl_elbo(sq, sigma):
     return sq / (2 * _elbo_std(sigma) ** 2)
 
 
-@dataclass(frozen=True)
-class AWMSettings:
-    """AWM's knobs with the release's defaults (config/dgx_awm.py, ``geneval_sd3_no_cfg_1node``).
-
-    Attributes:
-        adv_clip_max: c, advantages clipped to ±c (config/base_awm.py line 91: 5).
-        advantage_max: a_max, the clipped advantages are rescaled to ±a_max (dgx_awm.py line 58: 1), or None
-            (no rescale).
-        weighting: a registered :data:`AWM_WEIGHTINGS` name (line 63: ``ghuber``).
-        ghuber_power: p of ``ghuber`` (line 64: 0.25).
-        clip_range: ε of the ratio clip (line 86: 1; on-policy ρ = 1, so it never binds).
-        kl_beta: β_ref of the KL to the reference (line 55: 0.001 GenEval; OCR 0.003, PickScore 1e-4).
-        kl_weight: a registered :data:`AWM_KL_WEIGHTS` name for the reference KL (line 57: ``uniform``).
-        ema_beta: β_ema of the KL to the old copy (line 67: 1).
-        kl_ema_weight: the same for the old-copy KL (line 65: ``uniform``).
-        decay: the old copy's schedule (lines 66, 68: ``linear``, min(0.3, 0.001·k)).
-        train_timesteps: K training σ's per micro-batch (line 56: 6).
-        timestep_fraction: they are drawn from the first int(T·f) grid steps (line 60: 0.9).
-        time_type: a registered :data:`AWM_TIME_TYPES` name (line 88: ``discrete_wo_init``; PickScore
-            ``discrete``, line 367).
-
-    Raises:
-        ValueError: on construction, c <= 0, a negative β, p <= 0, ε < 0, K < 1 or f outside (0, 1]; KeyError for
-            an unknown registered name.
-    """
-
-    adv_clip_max: float = 5.0
-    advantage_max: float | None = 1.0
-    weighting: str = "ghuber"
-    ghuber_power: float = 0.25
-    clip_range: float = 1.0
-    kl_beta: float = 0.001
-    kl_weight: str = "uniform"
-    ema_beta: float = 1.0
-    kl_ema_weight: str = "uniform"
-    decay: DecaySchedule = field(default_factory=lambda: DecaySchedule(flat=0, ramp=0.001, cap=0.3))
-    train_timesteps: int = 6
-    timestep_fraction: float = 0.9
-    time_type: str = "discrete_wo_init"
-
-    def __post_init__(self) -> None:
-        if self.adv_clip_max <= 0 or self.ghuber_power <= 0:
-            raise ValueError(f"AWM adv_clip_max and ghuber_power must be > 0, got {self.adv_clip_max}, "
-                             f"{self.ghuber_power}")
-        if self.kl_beta < 0 or self.ema_beta < 0 or self.clip_range < 0:
-            raise ValueError(f"AWM kl_beta, ema_beta and clip_range must be >= 0, got {self.kl_beta}, "
-                             f"{self.ema_beta}, {self.clip_range}")
-        if self.train_timesteps < 1 or not 0.0 < self.timestep_fraction <= 1.0:
-            raise ValueError(f"AWM needs train_timesteps >= 1 and timestep_fraction in (0, 1], got "
-                             f"{self.train_timesteps}, {self.timestep_fraction}")
-        AWM_WEIGHTINGS.get(self.weighting)
-        AWM_KL_WEIGHTS.get(self.kl_weight)
-        AWM_KL_WEIGHTS.get(self.kl_ema_weight)
-        AWM_TIME_TYPES.get(self.time_type)
-
-
 def awm_log_prob(v: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, sigma, *, weighting: str = "ghuber",
                  ghuber_power: float = 0.25) -> torch.Tensor:
     """AWM's surrogate log-probability ℓ = w(mean_dims((v − (ε − x₀))²), σ), (N,) float32 (module docstring).
@@ -168,7 +111,7 @@ def awm_log_prob(v: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, sigma, 
     return AWM_WEIGHTINGS.get(weighting)(m, s, float(ghuber_power))
 
 
-def _scaled_advantages(advantages: torch.Tensor, settings: AWMSettings) -> torch.Tensor:
+def _scaled_advantages(advantages: torch.Tensor, settings: AWMConfig) -> torch.Tensor:
     c = settings.adv_clip_max
     a = advantages.float().clamp(-c, c)
     return a if settings.advantage_max is None else a / c * settings.advantage_max
@@ -188,7 +131,7 @@ def awm_terms(
     x0: torch.Tensor,
     sigma,
     advantages: torch.Tensor,
-    settings: AWMSettings,
+    settings: AWMConfig,
     *,
     old_log_prob: torch.Tensor | None = None,
     v_ref: torch.Tensor | None = None,
@@ -200,7 +143,7 @@ def awm_terms(
         v: (N, …) the trained velocity at x_σ = (1 − σ)·x₀ + σ·ε, with gradient.
         noise: (N, …) ε of each row; x0: (N, …) the rollout's final latents; sigma: float or (N,).
         advantages: (N,) advantages of each row's sample.
-        settings: :class:`AWMSettings`.
+        settings: the validated :class:`AWMConfig` (its loss knobs are read).
         old_log_prob: (N,) ℓ under the sampling policy (off-policy); None: ``sg(ℓ)``, the release's on-policy case.
         v_ref: (N, …) the reference velocity (needed when ``kl_beta > 0``); v_ema: the old copy's (``ema_beta``).
 
@@ -268,7 +211,7 @@ def _t_discrete_with_init(t: int, k: int, f: float, generator):
     return torch.cat([first, _stratified(1.0, float(int(t * f)), k - 1, generator)])
 
 
-def awm_train_sigma_indices(num_steps: int, settings: AWMSettings,
+def awm_train_sigma_indices(num_steps: int, settings: AWMConfig,
                             generator: torch.Generator | None = None) -> torch.Tensor:
     """The K grid indices a micro-batch trains on, (K,) long, shared by every sample of the micro-batch (the
     release repeats each of the K σ's over the batch: ``repeat_interleave(t_indices, batch_size)``, line 1204).
@@ -289,7 +232,26 @@ def awm_train_sigma_indices(num_steps: int, settings: AWMSettings,
 
 class AWMConfig(ForwardConfig):
     """``objective: {name: awm, ...}``: AWM with the release's defaults (scxue/advantage_weighted_matching,
-    config/dgx_awm.py ``geneval_sd3_no_cfg_1node`` over config/base_awm.py; docs/fidelity_forward.md)."""
+    config/dgx_awm.py ``geneval_sd3_no_cfg_1node`` over config/base_awm.py; docs/fidelity_forward.md). The pure
+    functions above read it as it is (validated once, here).
+
+    Attributes:
+        adv_clip_max: c, advantages clipped to ±c (config/base_awm.py line 91: 5).
+        advantage_max: a_max, the clipped advantages are rescaled to ±a_max (dgx_awm.py line 58: 1), or None
+            (no rescale).
+        weighting: a registered :data:`AWM_WEIGHTINGS` name (line 63: ``ghuber``).
+        ghuber_power: p of ``ghuber`` (line 64: 0.25).
+        clip_range: ε of the ratio clip (line 86: 1; on-policy ρ = 1, so it never binds).
+        kl_beta: β_ref of the KL to the reference (line 55: 0.001 GenEval; OCR 0.003, PickScore 1e-4).
+        kl_weight: a registered :data:`AWM_KL_WEIGHTS` name for the reference KL (line 57: ``uniform``).
+        ema_beta: β_ema of the KL to the old copy (line 67: 1).
+        kl_ema_weight: the same for the old-copy KL (line 65: ``uniform``).
+        decay_*: the old copy's schedule (lines 66, 68: ``linear``, min(0.3, 0.001·k)).
+        train_timesteps: K training σ's per micro-batch (line 56: 6).
+        timestep_fraction: they are drawn from the first int(T·f) grid steps (line 60: 0.9).
+        time_type: a registered :data:`AWM_TIME_TYPES` name (line 88: ``discrete_wo_init``; PickScore
+            ``discrete``, line 367).
+    """
 
     name: Literal["awm"] = "awm"
     solver: SolverName = shared("solver", "sa_solver")
@@ -339,21 +301,13 @@ class AWM(ForwardObjective):
     def needs_reference(self) -> bool:
         return self.o.kl_beta > 0
 
-    def loss_settings(self) -> AWMSettings:
-        o = self.o
-        return AWMSettings(adv_clip_max=o.adv_clip_max, advantage_max=o.advantage_max, weighting=o.weighting,
-                           ghuber_power=o.ghuber_power, clip_range=o.clip_range, kl_beta=o.kl_beta,
-                           kl_weight=o.kl_weight, ema_beta=o.ema_beta, kl_ema_weight=o.kl_ema_weight,
-                           decay=o.decay(), train_timesteps=o.train_timesteps,
-                           timestep_fraction=o.timestep_fraction, time_type=o.time_type)
-
     def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
         return self.o.train_timesteps
 
     def check_grid(self, sigmas: torch.Tensor) -> None:
         """The strata fit the grid (:func:`awm_train_sigma_indices` raises for an index past it; the strata's
         bounds do not depend on the draw)."""
-        awm_train_sigma_indices(sigmas.numel() - 1, self.loss_settings(), torch.Generator().manual_seed(0))
+        awm_train_sigma_indices(sigmas.numel() - 1, self.o, torch.Generator().manual_seed(0))
 
     def after_epoch(self, steps: int) -> None:
         """old ← d·old + (1 − d)·θ, d = decay(k), k = the optimizer steps so far (train_sd3_awm.py 1409–1419)."""
@@ -381,8 +335,7 @@ class AWM(ForwardObjective):
         :meth:`ForwardWork.micro_batch_index`); ε per (sample, σ) from a generator of the sample."""
         s, t = work.samples, work.samples.sigmas.numel() - 1
         mb = work.micro_batch_index(rows)
-        idx = awm_train_sigma_indices(t, self.loss_settings(),
-                                      make_generator(self.cfg.train.seed, work.epoch, inner, "awm_t", mb))
+        idx = awm_train_sigma_indices(t, self.o, make_generator(self.cfg.train.seed, work.epoch, inner, "awm_t", mb))
         eps = torch.stack([torch.randn((len(idx), *s.x0.shape[1:]), generator=make_generator(
             self.cfg.train.seed, work.epoch, inner, "awm_eps", int(s.group_ids[r]), int(s.sample_index[r])))
             for r in rows.tolist()])  # (n, K, …)
@@ -392,7 +345,7 @@ class AWM(ForwardObjective):
     def terms(self, adapter, work: ForwardWork, draw: RowDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
         """v_ref (base model, when kl_beta > 0), v_ema (old copy, when ema_beta > 0), then v_θ;
         :func:`awm_terms` on-policy."""
-        settings = self.loss_settings()
+        settings = self.o
         sigma, noise = draw.sigma.to(x0.device), draw.noise.to(x0.device)
         x_t = noised(x0, noise, sigma)
         v_ref = self.velocity(adapter, x_t, sigma, embeds, weights="reference") if settings.kl_beta > 0 else None

@@ -13,8 +13,9 @@ this order, each phase timed under its name:
 ``plan``       :meth:`Objective.plan` ``(record, adv, keep, epoch)`` → the objective's work record (frozen), with
                ``recompute`` (bool) and ``metrics`` (``plan/…`` figures)
 ``recompute``  :meth:`Objective.recompute` ``(adapter, work)`` → work, only when ``work.recompute``
-``update``     :meth:`Objective.update` ``(adapter, optim, work, progress=…)`` → ``policy/…`` metrics; every gradient
-               goes through ``optim`` (:class:`~flowgrpo.training.optim.Optimization`)
+``update``     the update loop (:func:`~flowgrpo.training.update.run_update`) runs the objective's optimizer steps
+               (:meth:`Objective.update_steps`), each a list of micro-batches (:meth:`Objective.micro_batches`), with
+               the loss of each (:meth:`Objective.loss`) → ``policy/…`` metrics (:meth:`Objective.update_metrics`)
 =============  =====================================================================================================
 
 The rollout record is a :class:`~flowgrpo.records.Trajectory` or any record with ``batch_size``, ``images``
@@ -24,6 +25,11 @@ a subclass of :class:`ObjectiveConfig`); the run config's ``objective:`` section
 of the objective its ``name`` selects, and its :meth:`ObjectiveConfig.check` refuses the other sections' settings
 it does not read. Before any model loads the run calls :meth:`Objective.validate`, and on the model's σ grid
 :meth:`Objective.trajectories_per_sample`.
+
+The update loop owns the inner epochs, the gradient accumulation, the back-propagation, the optimizer step and
+the gradient scaling (a micro-batch's loss is a sum over its trained rows; the loop scales it by world size / the
+step's trained rows on all processes, :attr:`UpdateStep.rows`); an objective hands it, per optimizer step, its
+micro-batches and a loss per micro-batch, and never touches a gradient.
 
 Around the phases: :attr:`Objective.needs_reference` decides whether full fine-tuning keeps a frozen reference
 copy; once the optimizer is built the loop calls :meth:`Objective.prepare` with it (an objective that keeps a
@@ -36,7 +42,8 @@ defines the optional ``attach(adapter, rewards)``, which the loop calls once aft
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from pydantic import Field
@@ -63,6 +70,37 @@ class ObjectiveConfig(Section):
     def check(self, config) -> None:
         """Reject run settings (``config``, the whole :class:`~flowgrpo.config.Config`) this objective does not
         read or cannot run with, before any model loads (``ValueError``); nothing by default."""
+
+
+@dataclass(frozen=True)
+class UpdateStep:
+    """One optimizer step of an update, as the update loop (:func:`~flowgrpo.training.update.run_update`) runs it.
+
+    Attributes:
+        plan: the objective's own record of the step, handed back to :meth:`Objective.micro_batches`.
+        rows: what the step trains (rows, (sample, chunk) pairs …) summed over all processes: each micro-batch's
+            loss, a sum over its trained rows, is scaled by ``world_size / max(rows, 1)``, so the step minimises
+            the mean over them (DDP's and FSDP2's gradient average over the processes turns the world-size factor
+            back into that mean).
+        progress: progress-bar units of the step (its micro-batches).
+        fillers: the last ``fillers`` micro-batches are fillers: forwarded and back-propagated with weight 0 so
+            that every process makes the same transformer calls, never recorded.
+    """
+
+    plan: Any
+    rows: float
+    progress: int = 1
+    fillers: int = 0
+
+
+@dataclass(frozen=True)
+class MicroBatchAt:
+    """Where a micro-batch stands in the update: pass ``inner`` (0-based) of ``train.inner_epochs``, optimizer step
+    ``step`` (0-based) of the pass; ``filler``: its loss is weighted 0 and nothing of it is recorded."""
+
+    inner: int
+    step: int
+    filler: bool = False
 
 
 @runtime_checkable
@@ -109,13 +147,38 @@ class Objective(Protocol):
     def recompute(self, adapter, work):
         """``work`` with what must be rescored under the training layout before the update (old log-probs)."""
 
-    def update(self, adapter, optim, work, *, progress: bool) -> dict[str, float]:
-        """Train on ``work`` (inner epochs × optimizer steps); returns the update's metrics."""
+    def update_steps(self, work) -> list[UpdateStep]:
+        """The optimizer steps of one pass over ``work``, in order (every pass runs them all)."""
+
+    def update_state(self, work) -> Any:
+        """What the update's losses share, made once an update: the metric accumulators and the host records the
+        losses read (handed to :meth:`loss` and :meth:`update_metrics`)."""
+
+    def micro_batches(self, work, step: UpdateStep, inner: int) -> list:
+        """The micro-batches of ``step`` in pass ``inner``, in order: each is forwarded and back-propagated once,
+        inside one accumulation context (:meth:`loss` receives it)."""
+
+    def loss(self, adapter, work, item, state, at: MicroBatchAt) -> torch.Tensor | None:
+        """The 0-dim loss of micro-batch ``item``: the sum over its trained rows, with gradient, unscaled (the loop
+        scales it, :attr:`UpdateStep.rows`); its statistics are added to ``state`` unless ``at.filler``. None: it
+        has nothing to back-propagate (every parameter it reaches is frozen) on every process alike."""
+
+    def after_step(self, steps_before: int) -> None:
+        """After each optimizer step (``steps_before`` steps were taken before it)."""
+
+    def after_epoch(self, steps: int) -> None:
+        """After the epoch's update (``steps`` optimizer steps taken so far), before :meth:`update_metrics`."""
+
+    def update_metrics(self, adapter, work, state) -> dict[str, float]:
+        """The update's own metrics (``policy/…``, ``objective/…``) from ``state``; every process calls it (the
+        reductions over the processes happen here). The loop adds ``policy/grad_norm`` and ``train/lr``."""
 
 
 class BaseObjective:
     """The phases every objective shares: the group filter (``algo.group_filter``) and the advantages
-    (``algo.advantage`` and its settings) from the kept samples; one trajectory a sample; nothing to check.
+    (``algo.advantage`` and its settings) from the kept samples; one trajectory a sample; nothing to check; no
+    update state, hooks or metrics of its own. A subclass implements ``rollout``, ``plan``, ``recompute``,
+    ``update_steps``, ``micro_batches`` and ``loss`` (:class:`Objective`).
 
     Args:
         config: the validated :class:`~flowgrpo.config.Config` (no model: constructed before any loads).
@@ -151,6 +214,20 @@ class BaseObjective:
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         """One trajectory a sample."""
         return 1
+
+    def update_state(self, work) -> Any:
+        """Nothing shared."""
+        return None
+
+    def after_step(self, steps_before: int) -> None:
+        """After each optimizer step (``steps_before`` steps were taken before it); nothing by default."""
+
+    def after_epoch(self, steps: int) -> None:
+        """After the epoch's update (``steps`` optimizer steps taken so far); nothing by default."""
+
+    def update_metrics(self, adapter, work, state) -> dict[str, float]:
+        """No metrics of its own."""
+        return {}
 
     def filter_groups(self, rewards: Rewards, group_ids: torch.Tensor) -> FilterResult:
         """The configured group filter (``none``: keep all)."""

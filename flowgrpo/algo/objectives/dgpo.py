@@ -24,78 +24,20 @@ reference, lines 1122–1124).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowgrpo import dist
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
 from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName, shared
-from flowgrpo.algo.objectives.old_copy import DecaySchedule
 from flowgrpo.records import FinalSamples
 from flowgrpo.rng import make_generator
 
-__all__ = ["DGPO", "DGPOConfig", "DGPOSettings", "dgpo_clip_mask", "dgpo_group_sums", "dgpo_terms",
+__all__ = ["DGPO", "DGPOConfig", "dgpo_clip_mask", "dgpo_group_sums", "dgpo_terms",
            "dgpo_train_indices", "dgpo_train_sigmas", "shared_group_noise"]
-
-
-@dataclass(frozen=True)
-class DGPOSettings:
-    """DGPO's knobs with the release's defaults (config/dgpo.py ``geneval_sd3_4gpu``, mode 1: CFG at rollout only).
-
-    Attributes:
-        beta_dpo: β_dpo of the group preference (dgpo.py line 88: 100; PickScore 10; EMA-reference mode 2000).
-        kl_beta: β_KL of the velocity KL to the frozen reference (line 63: 0.02; EMA-reference mode 1e-3).
-        clip_range: ε of the clip against the old copy (line 59: 1e-2; ``dgpo_wocfg.py`` 1e-3, EMA-reference 1e-5).
-        clip_dsm: clip the flow-matching error's gradient (line 39: True).
-        clip_kl: clip the KL's gradient with the same mask (line 40: False).
-        adv_clip_max: advantages clipped to ±c (config/base.py line 89: 5).
-        use_ema_ref: the preference reference is the old copy, not the frozen model (base.py line 30: False).
-        kl_cfg: guidance of the frozen reference's velocity, applied when > 1 (base.py line 29: 1.0;
-            ``dgpo_wocfg.py`` 4.5).
-        num_train_timesteps: M training σ's per epoch (dgpo.py line 28: 4).
-        trunc_steps: they are drawn from grid steps 0 … trunc_steps (line 64: 4; OCR 6, line 29).
-        shared_noise: the rows of a group share ε (line 30: True).
-        switch_ema_ref: past this many optimizer steps the rollout samples with the old copy (line 61: 500;
-            OCR 200, line 32).
-        decay: the old copy's schedule, applied after every optimizer step k (before k counts it):
-            min(0.3, 0.001·k) (train_sd3_dgpo.py line 1176).
-
-    Raises:
-        ValueError: on construction, a negative β, ε or c <= 0, M < 1, or M > trunc_steps + 1.
-    """
-
-    beta_dpo: float = 100.0
-    kl_beta: float = 0.02
-    clip_range: float = 1e-2
-    clip_dsm: bool = True
-    clip_kl: bool = False
-    adv_clip_max: float = 5.0
-    use_ema_ref: bool = False
-    kl_cfg: float = 1.0
-    num_train_timesteps: int = 4
-    trunc_steps: int = 4
-    shared_noise: bool = True
-    switch_ema_ref: int = 500
-    decay: DecaySchedule = field(default_factory=lambda: DecaySchedule(flat=0, ramp=0.001, cap=0.3))
-
-    def __post_init__(self) -> None:
-        if self.beta_dpo < 0 or self.kl_beta < 0 or self.clip_range < 0:
-            raise ValueError(f"DGPO beta_dpo, kl_beta and clip_range must be >= 0, got {self.beta_dpo}, "
-                             f"{self.kl_beta}, {self.clip_range}")
-        if self.adv_clip_max <= 0:
-            raise ValueError(f"DGPO adv_clip_max must be > 0, got {self.adv_clip_max}")
-        if not 1 <= self.num_train_timesteps <= self.trunc_steps + 1:
-            raise ValueError(f"DGPO draws num_train_timesteps={self.num_train_timesteps} distinct grid steps from "
-                             f"0..trunc_steps={self.trunc_steps}: needs 1 <= M <= trunc_steps + 1")
-
-    @property
-    def uses_old_copy(self) -> bool:
-        """Whether the update reads the old copy's velocity (clipping or the EMA reference)."""
-        return self.clip_dsm or self.clip_kl or self.use_ema_ref
 
 
 def dgpo_clip_mask(err: torch.Tensor, old_err: torch.Tensor, advantages: torch.Tensor,
@@ -132,7 +74,7 @@ def dgpo_group_sums(delta: torch.Tensor, advantages: torch.Tensor, group_index: 
                                                                                     term)
 
 
-def _check_terms_input(v, noise, x0, v_ref, v_old, advantages, settings: DGPOSettings) -> None:
+def _check_terms_input(v, noise, x0, v_ref, v_old, advantages, settings: DGPOConfig) -> None:
     if noise.shape != v.shape or x0.shape != v.shape or v_ref.shape != v.shape or advantages.shape != v.shape[:1]:
         raise ValueError(f"dgpo_terms shapes disagree: v {tuple(v.shape)}, noise {tuple(noise.shape)}, x0 "
                          f"{tuple(x0.shape)}, v_ref {tuple(v_ref.shape)}, advantages {tuple(advantages.shape)}")
@@ -147,7 +89,7 @@ def dgpo_terms(
     advantages: torch.Tensor,
     group_index: torch.Tensor,
     num_groups: int,
-    settings: DGPOSettings,
+    settings: DGPOConfig,
     *,
     group_size: int,
     v_ref: torch.Tensor,
@@ -160,7 +102,7 @@ def dgpo_terms(
         v: (N, …) the trained velocity at x_σ, with gradient. noise, x0: (N, …) ε and the rollout's final latents.
         advantages: (N,) advantages of each row's sample (clipped here to ±``adv_clip_max``).
         group_index, num_groups: each row's group, numbered alike on every process (see :func:`dgpo_group_sums`).
-        settings: :class:`DGPOSettings`; group_size: G.
+        settings: the validated :class:`DGPOConfig` (its loss knobs are read); group_size: G.
         v_ref: (N, …) the frozen reference's velocity (with ``kl_cfg`` guidance when > 1).
         v_old: (N, …) the old copy's velocity, needed when ``settings.uses_old_copy``.
         reduce_group_sums: sums the (num_groups,) partial sums over the processes (an all-reduce); None: one process.
@@ -199,7 +141,7 @@ def dgpo_terms(
     return ObjectiveTerms(loss=loss, stats=stats)
 
 
-def dgpo_train_indices(settings: DGPOSettings, generator: torch.Generator | None = None) -> torch.Tensor:
+def dgpo_train_indices(settings: DGPOConfig, generator: torch.Generator | None = None) -> torch.Tensor:
     """The M grid steps an epoch trains on, (M,) long: M distinct steps drawn uniformly from 0 … trunc_steps in
     random order, shared by every micro-batch of the epoch and every process (the release's
     ``random.sample(range(trunc_steps + 1), M)`` broadcast from rank 0, lines 1062–1064 and 52–74)."""
@@ -227,7 +169,28 @@ def shared_group_noise(shape: tuple[int, ...], group_index: torch.Tensor, num_gr
 
 class DGPOConfig(ForwardConfig):
     """``objective: {name: dgpo, ...}``: DGPO with the release's defaults (Luo-Yihong/DGPO, config/dgpo.py
-    ``geneval_sd3_4gpu``, mode 1: CFG at rollout only; docs/fidelity_forward.md)."""
+    ``geneval_sd3_4gpu``, mode 1: CFG at rollout only; docs/fidelity_forward.md). The pure functions above read it
+    as it is (validated once, here).
+
+    Attributes:
+        beta_dpo: β_dpo of the group preference (dgpo.py line 88: 100; PickScore 10; EMA-reference mode 2000).
+        kl_beta: β_KL of the velocity KL to the frozen reference (line 63: 0.02; EMA-reference mode 1e-3).
+        clip_range: ε of the clip against the old copy (line 59: 1e-2; ``dgpo_wocfg.py`` 1e-3, EMA-reference 1e-5).
+        clip_dsm: clip the flow-matching error's gradient (line 39: True).
+        clip_kl: clip the KL's gradient with the same mask (line 40: False).
+        adv_clip_max: advantages clipped to ±c (config/base.py line 89: 5).
+        use_ema_ref: the preference reference is the old copy, not the frozen model (base.py line 30: False).
+        kl_cfg: guidance of the frozen reference's velocity, applied when > 1 (base.py line 29: 1.0;
+            ``dgpo_wocfg.py`` 4.5).
+        num_train_timesteps: M training σ's per epoch (dgpo.py line 28: 4).
+        trunc_steps: they are drawn from grid steps 0 … trunc_steps (line 64: 4; OCR 6, line 29); M must not
+            exceed trunc_steps + 1 (checked on validation).
+        shared_noise: the rows of a group share ε (line 30: True).
+        switch_ema_ref: past this many optimizer steps the rollout samples with the old copy (line 61: 500;
+            OCR 200, line 32).
+        decay_*: the old copy's schedule, applied after every optimizer step k (before k counts it):
+            min(0.3, 0.001·k) (train_sd3_dgpo.py line 1176).
+    """
 
     name: Literal["dgpo"] = "dgpo"
     solver: SolverName = shared("solver", "dpmpp_2m")
@@ -251,6 +214,18 @@ class DGPOConfig(ForwardConfig):
     timestep_rounding: bool = Field(True, description="DGPO: training sigma floor(1000*sigma)/1000, the release's "
                                     "integer scheduler timestep")
 
+    @model_validator(mode="after")
+    def _timesteps_fit(self) -> DGPOConfig:
+        if self.num_train_timesteps > self.trunc_steps + 1:
+            raise ValueError(f"objective.num_train_timesteps={self.num_train_timesteps}: DGPO draws that many distinct "
+                             f"grid steps from 0..trunc_steps={self.trunc_steps}, so it must be <= trunc_steps + 1")
+        return self
+
+    @property
+    def uses_old_copy(self) -> bool:
+        """Whether the update reads the old copy's velocity (clipping or the EMA reference)."""
+        return self.clip_dsm or self.clip_kl or self.use_ema_ref
+
 
 @OBJECTIVES.register("dgpo")
 class DGPO(ForwardObjective):
@@ -266,15 +241,8 @@ class DGPO(ForwardObjective):
         """DGPO always forwards the frozen reference (its KL and, without ``use_ema_ref``, its preference)."""
         return True
 
-    def loss_settings(self) -> DGPOSettings:
-        o = self.o
-        return DGPOSettings(beta_dpo=o.beta_dpo, kl_beta=o.kl_beta, clip_range=o.clip_range, clip_dsm=o.clip_dsm,
-                            clip_kl=o.clip_kl, adv_clip_max=o.adv_clip_max, use_ema_ref=o.use_ema_ref,
-                            kl_cfg=o.kl_cfg, num_train_timesteps=o.num_train_timesteps, trunc_steps=o.trunc_steps,
-                            shared_noise=o.shared_noise, switch_ema_ref=o.switch_ema_ref, decay=o.decay())
-
     def validate(self) -> None:
-        """The settings' checks, and micro-batches of whole groups (the group sums run over a group's rows)."""
+        """Micro-batches of whole groups (the group sums run over a group's rows)."""
         super().validate()
         tb, g = self.cfg.train_batch_size, self.cfg.train.group_size
         if tb % g:
@@ -308,7 +276,7 @@ class DGPO(ForwardObjective):
 
     def plan_extra(self, samples: FinalSamples, epoch: int) -> dict:
         """The epoch's M grid steps and σ's (the same on every process) and the groups' global numbering."""
-        idx = dgpo_train_indices(self.loss_settings(), make_generator(self.cfg.train.seed, epoch, "dgpo_t"))
+        idx = dgpo_train_indices(self.o, make_generator(self.cfg.train.seed, epoch, "dgpo_t"))
         groups = torch.unique(dist.gather_cat(samples.group_ids))  # sorted: the same numbering everywhere
         return {"indices": idx, "sigmas": dgpo_train_sigmas(samples.sigmas, idx, timestep_rounding=self.o
                                                             .timestep_rounding),
@@ -330,7 +298,7 @@ class DGPO(ForwardObjective):
     def terms(self, adapter, work: ForwardWork, draw: RowDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
         """v_ref (base model, at ``kl_cfg`` when > 1), v_old (old copy, when clipping or ``use_ema_ref``), then
         v_θ; :func:`dgpo_terms` with the group sums all-reduced over the processes."""
-        settings, dev = self.loss_settings(), x0.device
+        settings, dev = self.o, x0.device
         sigma, noise = draw.sigma.to(dev), draw.noise.to(dev)
         x_t = noised(x0, noise, sigma)
         ref_g = self.o.kl_cfg if self.o.kl_cfg > 1 else None

@@ -37,9 +37,9 @@ from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, RowDraw
 from flowgrpo.algo.objectives.sft import SigmaDensityConfig, train_sigmas
+from flowgrpo.algo.schedule import step_shares
 from flowgrpo.records import Advantages, FinalSamples
 from flowgrpo.rng import make_generator
-from flowgrpo.training.schedule import step_shares
 
 __all__ = ["DPO", "DPOConfig", "DPOSettings", "DPOBaseConfig", "PAIR_MODES", "dpo_terms", "preference_pairs",
            "pair_slots"]

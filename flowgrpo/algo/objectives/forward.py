@@ -1,5 +1,5 @@
 """What the forward-process objectives (``nft``, ``awm``, ``dgpo``) share: their settings base, the rollout, the
-plan and the update loop; each objective adds only its σ and noise draws and its per-row loss.
+plan and the update's micro-batches and losses; each objective adds only its σ and noise draws and its per-row loss.
 
 The epoch (the phases of :mod:`flowgrpo.algo.objectives.base`):
 
@@ -17,10 +17,11 @@ The epoch (the phases of :mod:`flowgrpo.algo.objectives.base`):
    (:meth:`ForwardObjective.draws`: DiffusionNFT per sample, AWM per micro-batch, DGPO per epoch and per group);
    for each of the K draws one forward of the micro-batch's rows at ``x_σ = (1 − σ)·x₀ + σ·ε`` (the no-gradient
    forwards first: old copy, reference; then the trained weights with gradient, at
-   ``objective.train_guidance_scale``), the per-row loss (:meth:`ForwardObjective.terms`, the wave's pure
-   functions), and its backward through ``optim``, scaled so an optimizer step minimises the mean over all its
-   rows on all processes (the releases' gradient accumulation over micro-batches and σ's). Samples the advantages
-   leave out (NaN reward, a dropped group, a GFPO rejection) are forwarded and masked.
+   ``objective.train_guidance_scale``) and the per-row loss (:meth:`ForwardObjective.terms`, the wave's pure
+   functions) summed over the trained rows: each draw is one micro-batch of the update loop
+   (:mod:`flowgrpo.training.update`), which back-propagates it scaled so an optimizer step minimises the mean over
+   all its rows on all processes (the releases' gradient accumulation over micro-batches and σ's). Samples the
+   advantages leave out (NaN reward, a dropped group, a GFPO rejection) are forwarded and masked.
 5. the **old copy** moves on the objective's schedule (:meth:`ForwardObjective.after_step`, after every optimizer
    step; :meth:`ForwardObjective.after_epoch`, after the epoch's update) and is part of every checkpoint.
 
@@ -39,19 +40,18 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 from pydantic.fields import FieldInfo
-from tqdm.auto import tqdm
 
 from flowgrpo import dist
 from flowgrpo.algo.chunkers import ChunkerConfig
-from flowgrpo.algo.objectives.base import BaseObjective, ObjectiveConfig
+from flowgrpo.algo.objectives.base import BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms
 from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy
 from flowgrpo.algo.policy_losses import PolicyLossConfig
+from flowgrpo.algo.schedule import micro_batches, step_shares
 from flowgrpo.records import Advantages, FinalSamples
 from flowgrpo.sampling.final_rollout import solver_rollout
 from flowgrpo.sampling.solvers import SOLVERS, awm_sa_grid, check_grid, flow_sigmas
 from flowgrpo.settings import registered_name
-from flowgrpo.training.schedule import micro_batches, step_shares
 
 SolverName = registered_name(SOLVERS, "objective.solver")
 
@@ -220,7 +220,7 @@ class _Stats:
 
 class ForwardObjective(BaseObjective):
     """The forward-process family's phases (module docstring). Subclasses set ``Config`` and implement
-    :meth:`loss_settings`, :meth:`sigmas_per_sample`, :meth:`draws` and :meth:`terms`, and override the weight
+    :meth:`sigmas_per_sample`, :meth:`draws` and :meth:`terms`, and override the weight
     hooks (:meth:`rollout_weights`, :meth:`after_step`, :meth:`after_epoch`) and checks as their release does."""
 
     Config: ClassVar[type[ForwardConfig]] = ForwardConfig
@@ -234,10 +234,6 @@ class ForwardObjective(BaseObjective):
         self.old: OldCopy | None = None
 
     # ------------------------------------------------------------------ what a subclass provides
-    def loss_settings(self):
-        """The pure loss functions' settings (a frozen dataclass of the wave's module)."""
-        raise NotImplementedError
-
     def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
         """K, the training σ's (forwards) each sample gets per pass, on the training grid ``sigmas`` (T+1,)."""
         raise NotImplementedError
@@ -267,10 +263,6 @@ class ForwardObjective(BaseObjective):
     def needs_reference(self) -> bool:
         """A KL to the reference (``objective.kl_beta`` > 0)."""
         return self.o.kl_beta > 0
-
-    def validate(self) -> None:
-        """The loss settings' own checks (``ValueError``), before any model loads."""
-        self.loss_settings()
 
     def grids(self, model_sigmas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rollout grid, training grid), (T+1,) float32 host each: the model's grid or DGPO's flow-shift grid;
@@ -313,12 +305,6 @@ class ForwardObjective(BaseObjective):
         """The weights the rollout samples with (a context); the trained ones by default."""
         return contextlib.nullcontext()
 
-    def after_step(self, steps_before: int) -> None:
-        """After each optimizer step (``steps_before`` steps were taken before it); nothing by default."""
-
-    def after_epoch(self, steps: int) -> None:
-        """After the epoch's update (``steps`` optimizer steps taken so far); nothing by default."""
-
     def velocity(self, adapter, x, sigma, embeds, *, weights: str = "trained", guidance: float | None = None):
         """The velocity (n, …) at (x, σ) under ``weights``: ``trained`` (with gradient), ``old`` (the old copy,
         no gradient) or ``reference`` (the base model, no gradient), at ``train_guidance_scale`` by default."""
@@ -357,42 +343,33 @@ class ForwardObjective(BaseObjective):
         """Nothing to rescore (the plan never asks)."""
         return work
 
-    def update(self, adapter, optim, work: ForwardWork, *, progress: bool) -> dict[str, float]:
-        """Inner epochs × optimizer steps over the plan's micro-batches (module docstring, 4.–5.); returns the
-        ``objective/<stat>`` means over the trained rows, ``policy/grad_norm`` and ``train/lr``."""
-        t = self.cfg.train
-        stats, norms = _Stats(), []
-        optim.train_mode()
-        bar = tqdm(total=t.inner_epochs * sum(len(s) for s in work.steps), desc="update", leave=False,
-                   disable=not progress)
-        with adapter.attention():
-            for inner in range(t.inner_epochs):
-                for share, rows_total in zip(work.steps, work.step_rows, strict=True):
-                    calls = [d for mb in share for d in self.draws(work, mb, inner)]
-                    for i, draw in enumerate(calls):
-                        with optim.accumulating(sync=i == len(calls) - 1):
-                            self._train(adapter, optim, work, draw, rows_total, stats)
-                    norms.append(optim.step(work.epoch))
-                    optim.zero_grad()
-                    self.after_step(optim.steps - 1)
-                    bar.update(len(share))
-        bar.close()
-        self.after_epoch(optim.steps)
-        out = {**stats.metrics(), "train/lr": optim.lr}
-        if norms:
-            out["policy/grad_norm"] = sum(norms) / len(norms)
-        if self.old is not None:
-            out["objective/old_decay"] = self.old.decay
-        return out
+    # ------------------------------------------------------------------ the update (run by training.update)
+    def update_steps(self, work: ForwardWork) -> list[UpdateStep]:
+        """The plan's optimizer steps: each its micro-batches and its trained rows over all processes."""
+        return [UpdateStep(share, rows, len(share)) for share, rows in zip(work.steps, work.step_rows, strict=True)]
 
-    def _train(self, adapter, optim, work: ForwardWork, draw: RowDraw, rows_total: float, stats: _Stats) -> None:
-        """One forward's loss and backward; the rows' loss sum over the step's rows on all processes (DDP's and
-        FSDP2's gradient average over the processes turns the world-size factor back into that mean)."""
+    def update_state(self, work: ForwardWork) -> _Stats:
+        """The sums of the per-row statistics over the trained rows."""
+        return _Stats()
+
+    def micro_batches(self, work: ForwardWork, step: UpdateStep, inner: int) -> list[RowDraw]:
+        """The step's forwards in pass ``inner``: the K draws (:meth:`draws`) of each of its micro-batches."""
+        return [d for mb in step.plan for d in self.draws(work, mb, inner)]
+
+    def loss(self, adapter, work: ForwardWork, draw: RowDraw, stats: _Stats, at: MicroBatchAt) -> torch.Tensor:
+        """One forward's loss (:meth:`terms`) summed over the draw's trained rows; its statistics recorded."""
         s, dev = work.samples, adapter.device
         x0 = s.x0[draw.rows.to(s.x0.device)].to(dev).float()
         embeds = s.embeds.index(draw.rows.to(s.embeds.device))
         terms = self.terms(adapter, work, draw, x0, embeds)
         mask = work.trained[draw.rows].to(terms.loss.device)
-        stats.add(terms, mask)
-        loss = (terms.loss * mask.to(terms.loss.dtype)).sum()
-        optim.backward(loss * (dist.world_size() / max(rows_total, 1.0)))
+        if not at.filler:
+            stats.add(terms, mask)
+        return (terms.loss * mask.to(terms.loss.dtype)).sum()
+
+    def update_metrics(self, adapter, work: ForwardWork, stats: _Stats) -> dict[str, float]:
+        """The ``objective/<stat>`` means over the trained rows (all processes) and ``objective/old_decay``."""
+        out = stats.metrics()
+        if self.old is not None:
+            out["objective/old_decay"] = self.old.decay
+        return out

@@ -20,7 +20,6 @@ over that row's latent dims, floored at ``w_min``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -35,7 +34,6 @@ from flowgrpo.algo.objectives.flow_matching import (
     x0_from_velocity,
 )
 from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName, shared
-from flowgrpo.algo.objectives.old_copy import NFT_DECAY_TYPES, DecaySchedule
 from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
 from flowgrpo.settings import registered_name
@@ -43,7 +41,6 @@ from flowgrpo.settings import registered_name
 __all__ = [
     "NFT",
     "NFTConfig",
-    "NFTSettings",
     "ADV_MODES",
     "reward_weight",
     "implicit_velocities",
@@ -86,48 +83,6 @@ def _adv_binary(a: torch.Tensor, c: float) -> torch.Tensor:
     return torch.sign(a)
 
 
-@dataclass(frozen=True)
-class NFTSettings:
-    """DiffusionNFT's knobs, with the release's defaults (NVlabs/DiffusionNFT).
-
-    Attributes:
-        beta: β, the mixing of v_θ into the implicit policies (config/nft.py line 61: 1.0; ``sd3_ocr`` and
-            ``sd3_multi_reward`` 0.1, lines 77 and 137). Must be > 0 (the loss divides by it).
-        adv_clip_max: c, advantages are clipped to ±c and mapped to r; also the loss scale (config/base.py
-            line 84: 5).
-        kl_beta: β_KL of the velocity-space KL to the reference (``train.beta``, config/nft.py line 24: 1e-4).
-        adv_mode: a registered :data:`ADV_MODES` name (config/nft.py line 62: ``all``).
-        adaptive_weight_min: w_min, the floor of the adaptive weight (train_nft_sd3.py lines 945 and 952: 1e-5).
-        timestep_fraction: each sample trains on int(T·f) of the rollout grid's T σ's, a random subset per sample
-            (config/base.py line 87: 0.99, i.e. 9 of 10).
-        decay: the old copy's schedule (``decay_type``, config/nft.py line 60: 1; ``sd3_ocr`` 2, line 78).
-
-    Raises:
-        ValueError: on construction, β <= 0, c <= 0, a negative β_KL or w_min, f outside (0, 1], or an unknown
-            ``adv_mode`` (KeyError).
-    """
-
-    beta: float = 1.0
-    adv_clip_max: float = 5.0
-    kl_beta: float = 1e-4
-    adv_mode: str = "all"
-    adaptive_weight_min: float = 1e-5
-    timestep_fraction: float = 0.99
-    decay: DecaySchedule = field(default_factory=lambda: NFT_DECAY_TYPES[1])
-
-    def __post_init__(self) -> None:
-        if self.beta <= 0:
-            raise ValueError(f"DiffusionNFT beta must be > 0 (the loss divides by it), got {self.beta}")
-        if self.adv_clip_max <= 0:
-            raise ValueError(f"DiffusionNFT adv_clip_max must be > 0, got {self.adv_clip_max}")
-        if self.kl_beta < 0 or self.adaptive_weight_min < 0:
-            raise ValueError(f"DiffusionNFT kl_beta and adaptive_weight_min must be >= 0, got {self.kl_beta}, "
-                             f"{self.adaptive_weight_min}")
-        if not 0.0 < self.timestep_fraction <= 1.0:
-            raise ValueError(f"DiffusionNFT timestep_fraction must be in (0, 1], got {self.timestep_fraction}")
-        ADV_MODES.get(self.adv_mode)
-
-
 def reward_weight(advantages: torch.Tensor, adv_clip_max: float = 5.0, adv_mode: str = "all") -> torch.Tensor:
     """r = clamp(m(clamp(A, −c, c)) / (2c) + ½, 0, 1), (N,) float32, with m the ``adv_mode`` map.
 
@@ -165,7 +120,7 @@ def nft_terms(
     x0: torch.Tensor,
     sigma,
     advantages: torch.Tensor,
-    settings: NFTSettings,
+    settings: NFTConfig,
     *,
     v_ref: torch.Tensor | None = None,
 ) -> ObjectiveTerms:
@@ -178,7 +133,8 @@ def nft_terms(
         x0: (N, …) the rollout's final latents.
         sigma: float or (N,) training σ of each row.
         advantages: (N,) group-normalised advantages of each row's sample.
-        settings: :class:`NFTSettings`.
+        settings: the validated :class:`NFTConfig` (``beta``, ``adv_clip_max``, ``adv_mode``,
+            ``adaptive_weight_min``, ``kl_beta`` are read).
         v_ref: (N, …) the reference (base model) velocity, needed when ``settings.kl_beta > 0``.
 
     Returns:
@@ -231,7 +187,22 @@ def nft_train_sigmas(sigmas: torch.Tensor, batch: int, fraction: float = 0.99,
 
 class NFTConfig(ForwardConfig):
     """``objective: {name: nft, ...}``: DiffusionNFT with the release's defaults (NVlabs/DiffusionNFT,
-    config/nft.py ``sd3_geneval`` over config/base.py; docs/fidelity_forward.md)."""
+    config/nft.py ``sd3_geneval`` over config/base.py; docs/fidelity_forward.md). The pure functions above read
+    it as it is (validated once, here).
+
+    Attributes:
+        beta: β, the mixing of v_θ into the implicit policies (config/nft.py line 61: 1.0; ``sd3_ocr`` and
+            ``sd3_multi_reward`` 0.1, lines 77 and 137); > 0 (the loss divides by it).
+        adv_clip_max: c, advantages are clipped to ±c and mapped to r; also the loss scale (config/base.py
+            line 84: 5).
+        kl_beta: β_KL of the velocity-space KL to the reference (``train.beta``, config/nft.py line 24: 1e-4).
+        adv_mode: a registered :data:`ADV_MODES` name (config/nft.py line 62: ``all``).
+        adaptive_weight_min: w_min, the floor of the adaptive weight (train_nft_sd3.py lines 945 and 952: 1e-5).
+        timestep_fraction: each sample trains on int(T·f) of the rollout grid's T σ's, a random subset per sample
+            (config/base.py line 87: 0.99, i.e. 9 of 10).
+        decay_*: the old copy's schedule (``decay_type``, config/nft.py line 60: 1, i.e.
+            :data:`~flowgrpo.algo.objectives.old_copy.NFT_DECAY_TYPES` [1]; ``sd3_ocr`` 2, line 78).
+    """
 
     name: Literal["nft"] = "nft"
     solver: SolverName = shared("solver", "dpmpp_2m")
@@ -255,12 +226,6 @@ class NFT(ForwardObjective):
     drawn for it alone, with fresh ε per (sample, σ)."""
 
     Config = NFTConfig
-
-    def loss_settings(self) -> NFTSettings:
-        o = self.o
-        return NFTSettings(beta=o.beta, adv_clip_max=o.adv_clip_max, kl_beta=o.kl_beta, adv_mode=o.adv_mode,
-                           adaptive_weight_min=o.adaptive_weight_min, timestep_fraction=o.timestep_fraction,
-                           decay=o.decay())
 
     def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
         return int((sigmas.numel() - 1) * self.o.timestep_fraction)
@@ -288,7 +253,7 @@ class NFT(ForwardObjective):
 
     def terms(self, adapter, work: ForwardWork, draw: RowDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
         """v_old (old copy), v_ref (base model, when kl_beta > 0), then v_θ; :func:`nft_terms`."""
-        settings = self.loss_settings()
+        settings = self.o
         sigma, noise = draw.sigma.to(x0.device), draw.noise.to(x0.device)
         x_t = noised(x0, noise, sigma)
         v_old = self.velocity(adapter, x_t, sigma, embeds, weights="old")

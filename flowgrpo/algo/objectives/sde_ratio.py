@@ -1,14 +1,15 @@
 """``sde_ratio``: the GRPO family (Flow-GRPO, DanceGRPO, MixGRPO, GCPO, E-GRPO and their losses).
 
 The rollout samples SDE trajectories recording every transition's log-probability (the chunker decides which
-transitions are stochastic); the chunker's plan picks the trained transitions and groups them into chunks that
-share one importance ratio; the update minimises the registered policy loss (``algo.policy_loss``) of each chunk's
-ratio over the trained (sample, chunk) pairs, inner epochs × optimizer steps of micro-batches
-(:mod:`flowgrpo.training.schedule`). Every log-prob, in rollout and training, comes from the adapter's
-``velocity`` and :func:`~flowgrpo.sampling.sde.sde_step`, so the first ratio of an on-policy update is exactly 1
-when the training batch layout equals the rollout's (``policy/logprob_mismatch_max`` reports it); a chunker
-that changes the layout (``needs_recompute``), ``algo.recompute_old_log_probs`` or a loss that reads the
-transition moments rescore the old log-probs under the training layout first (the ``recompute`` phase).
+transitions are stochastic); the chunker's plan picks the trained transitions and groups them into chunks that share
+one importance ratio; the update minimises the registered policy loss (``algo.policy_loss``) of each chunk's ratio
+over the trained (sample, chunk) pairs: the update's optimizer steps are the schedule's packs of micro-batches
+(:mod:`flowgrpo.algo.schedule`), run by the update loop (:mod:`flowgrpo.training.update`). Every log-prob, in
+rollout and training, comes from the adapter's ``velocity`` and :func:`~flowgrpo.sampling.sde.sde_step`, so the
+first ratio of an on-policy update is exactly 1 when the training batch layout equals the rollout's
+(``policy/logprob_mismatch_max`` reports it); a chunker that changes the layout (``needs_recompute``),
+``algo.recompute_old_log_probs`` or a loss that reads the transition moments rescore the old log-probs under the
+training layout first (the ``recompute`` phase).
 
 Only the first optimizer step of the first pass is on-policy; the ratio statistics of the later ones are logged
 under ``policy_later/``.
@@ -20,19 +21,18 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
-from tqdm.auto import tqdm
 
 from flowgrpo import dist
 from flowgrpo.algo.chunkers import build_chunker
-from flowgrpo.algo.objectives.base import OBJECTIVES, BaseObjective, ObjectiveConfig
+from flowgrpo.algo.objectives.base import OBJECTIVES, BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep
 from flowgrpo.algo.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
+from flowgrpo.algo.schedule import StepWork, pair_mask, schedule
 from flowgrpo.compile import training_graph
 from flowgrpo.records import Advantages, ChunkPlan, Trajectory
 from flowgrpo.rng import make_generator
+from flowgrpo.sampling.packed_forward import ChunkForward, packed_forward
 from flowgrpo.sampling.rollout import SamplerSettings
 from flowgrpo.sampling.sde import SDE_KINDS
-from flowgrpo.training.forward import ChunkForward, packed_forward
-from flowgrpo.training.schedule import StepWork, pair_mask, schedule
 
 
 class SdeRatioConfig(ObjectiveConfig):
@@ -49,7 +49,7 @@ class SdeRatioWork:
     Attributes:
         traj: the rollout; adv: its advantages (B,) over all processes.
         plan: the chunks and which local samples train them (filtered-out samples deselected).
-        steps: each optimizer step's packed forwards (:func:`~flowgrpo.training.schedule.schedule`).
+        steps: each optimizer step's packed forwards (:func:`~flowgrpo.algo.schedule.schedule`).
         old_log_probs: (B_local, T) float32 host, the rollout policy's (rescored by :meth:`SdeRatio.recompute`).
         old_means: (B_local, T, …) rollout-policy transition means, for a loss that reads moments (after the
             recompute), else None.
@@ -78,7 +78,7 @@ class _Accum:
     """Sums over trained pairs of one group of optimizer steps (on-policy first step, or the later ones).
 
     Each chunk's detached statistics are kept as they are, on the model's device (a few (N,) tensors), so
-    accumulating a chunk launches no work and never waits for the device; :meth:`metrics` reduces them in one pass
+    adding a chunk launches no work and never waits for the device; :meth:`metrics` reduces them in one pass
     and reads them back once, after the update.
     """
 
@@ -126,6 +126,15 @@ class _Accum:
     def mismatch_max(self, device: torch.device) -> float:
         """max |Δ log p| over the trained pairs of all processes (0 when none)."""
         return float(dist.all_reduce_max(self._sums(device)[1].double()))
+
+
+@dataclass(frozen=True)
+class _UpdateState:
+    """An update's shared records (host) and its two accumulators (on-policy first step, the later ones)."""
+
+    batch: dict[str, torch.Tensor]
+    first: _Accum
+    later: _Accum
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -237,56 +246,32 @@ class SdeRatio(BaseObjective):
                         out.means.detach().to(old_means)
         return replace(work, old_log_probs=old, old_means=old_means)
 
-    def update(self, adapter, optim, work: SdeRatioWork, *, progress: bool) -> dict[str, float]:
-        """Inner epochs × optimizer steps of the policy loss over the plan's chunks, in the packs of
-        ``work.steps``.
+    # ------------------------------------------------------------------ the update (run by training.update)
+    def update_steps(self, work: SdeRatioWork) -> list[UpdateStep]:
+        """The schedule's optimizer steps: each its packs (``work.steps``), its trained pairs over all processes,
+        its micro-batches (progress) and its filler packs."""
+        return [UpdateStep(s, s.global_pairs, s.micro_batches, s.padding) for s in work.steps]
 
-        Records (advantages, masks, old log-probs) stay on the host and each chunk's rows move to the device;
-        statistics accumulate on the device and are read once, after the update."""
-        t = self.cfg.train
+    def update_state(self, work: SdeRatioWork) -> _UpdateState:
+        """The host records the packs read (advantages (B_local,), old log-probs (B, T), pair mask (B, K)) and the
+        statistics of the on-policy first step and of the later ones."""
         local = dist.local_slice(len(work.adv.values))
-        batch = {"advantages": work.adv.values[local], "old_log_probs": work.old_log_probs,
-                 "pair_mask": pair_mask(work.plan, work.adv)}  # (B,), (B, T), (B, K) host
-        first, later = _Accum(), _Accum()
-        optim.train_mode()
-        bar = tqdm(total=t.inner_epochs * sum(s.micro_batches for s in work.steps), desc="update", leave=False,
-                   disable=not progress)
-        grad_norms = []
-        # one attention-kernel scope for the whole update: every forward, its backward (and any checkpoint
-        # recompute) use the same kernels; the transformer calls' own scopes are no-ops inside it
-        with adapter.attention():
-            for inner in range(t.inner_epochs):
-                for u, step in enumerate(work.steps):
-                    acc = first if inner == 0 and u == 0 else later
-                    for i, pack in enumerate(step.work):
-                        with optim.accumulating(sync=i == len(step.work) - 1):
-                            self._train_pack(adapter, optim, work, pack, step, batch, acc,
-                                             filler=step.is_filler(i))
-                    if step.work:
-                        grad_norms.append(optim.step(work.epoch))
-                    optim.zero_grad()
-                    bar.update(step.micro_batches)
-        bar.close()
-        return self._update_metrics(adapter.device, first, later, grad_norms, optim.lr)
+        return _UpdateState({"advantages": work.adv.values[local], "old_log_probs": work.old_log_probs,
+                             "pair_mask": pair_mask(work.plan, work.adv)}, _Accum(), _Accum())
 
-    @staticmethod
-    def _update_metrics(dev, first: _Accum, later: _Accum, grad_norms: list[float], lr: float) -> dict[str, float]:
-        out = {**first.metrics("policy", dev), **later.metrics("policy_later", dev)}
-        mismatch = first.mismatch_max(dev)  # a collective: every process takes part
-        if "policy/pairs" in out:  # measured only when some pair was trained (nothing is logged otherwise)
-            out["policy/logprob_mismatch_max"] = mismatch
-        if grad_norms:
-            out["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["train/lr"] = lr
-        return out
+    def micro_batches(self, work: SdeRatioWork, step: UpdateStep, inner: int) -> list[list[tuple[torch.Tensor, int]]]:
+        """The step's packs of (rows, chunk index) items, one transformer call each (the same every pass)."""
+        return step.plan.work
 
-    def _train_pack(self, adapter, optim, work: SdeRatioWork, pack: list[tuple[torch.Tensor, int]], step: StepWork,
-                    batch: dict[str, torch.Tensor], acc: _Accum, *, filler: bool = False) -> None:
-        """Forward (one transformer call) and backward of a pack of (rows, chunk index) items, inside the update's
-        attention scope and the optimizer's accumulation context. The policy loss sees the pack's items of one
-        chunk length at once. A ``filler`` pack (:func:`~flowgrpo.training.schedule.pad_packs`) back-propagates
-        weight 0 and records nothing."""
-        a, plan = self.cfg.algo, work.plan
+    def loss(self, adapter, work: SdeRatioWork, pack: list[tuple[torch.Tensor, int]], state: _UpdateState,
+             at: MicroBatchAt) -> torch.Tensor | None:
+        """Forward (one transformer call) of a pack of (rows, chunk index) items: the policy loss summed over its
+        trained pairs. The policy loss sees the pack's items of one chunk length at once. Records (advantages,
+        masks, old log-probs) stay on the host and the pack's rows move to the device; statistics accumulate on the
+        device (the first pass's first step apart: the on-policy one). None when every transition is on a frozen
+        module (Wan2.2's untrained expert): the chunk plan, the same on every process, skips it everywhere."""
+        a, plan, batch = self.cfg.algo, work.plan, state.batch
+        acc = state.first if at.inner == 0 and at.step == 0 else state.later
         fwds = packed_forward(adapter, work.traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
                               with_ref=a.kl_beta > 0, kl_form=a.kl_form,
                               shared_inputs=[self._shared_inputs(work.traj, rows) for rows, _ in pack])
@@ -297,12 +282,20 @@ class SdeRatio(BaseObjective):
                                                       batch), self.loss_settings)
             m = _cat([batch["pair_mask"][r, k] for r, k in (pack[i] for i in items)]).to(terms.loss.device)
             part = (terms.loss * m).sum()
-            if not filler:
+            if not at.filler:
                 acc.add(terms, m, part)
             loss_sum = part if loss_sum is None else loss_sum + part
-        if not loss_sum.requires_grad:  # every transition on a frozen module (Wan2.2's untrained expert): no
-            return  # gradient to add; the chunk plan, the same on every process, skips it everywhere
-        optim.backward(loss_sum * (0.0 if filler else dist.world_size() / max(step.global_pairs, 1.0)))
+        return loss_sum if loss_sum.requires_grad else None
+
+    def update_metrics(self, adapter, work: SdeRatioWork, state: _UpdateState) -> dict[str, float]:
+        """``policy/…`` (the first step's pairs) and ``policy_later/…`` means, and ``policy/logprob_mismatch_max``
+        when some pair was trained (collectives: every process calls it)."""
+        dev = adapter.device
+        out = {**state.first.metrics("policy", dev), **state.later.metrics("policy_later", dev)}
+        mismatch = state.first.mismatch_max(dev)  # a collective: every process takes part
+        if "policy/pairs" in out:  # measured only when some pair was trained (nothing is logged otherwise)
+            out["policy/logprob_mismatch_max"] = mismatch
+        return out
 
     def _loss_input(self, fwds: list[ChunkForward], items: list[tuple[torch.Tensor, int]], work: SdeRatioWork,
                     batch: dict[str, torch.Tensor]) -> PolicyLossInput:

@@ -29,7 +29,7 @@ from flowgrpo.algo.policy_losses.base import (
     own_settings,
     policy_loss,
 )
-from flowgrpo.algo.policy_losses.dppo import DPPOSettings, FlowDppoConfig, dppo_divergence, flow_dppo_loss
+from flowgrpo.algo.policy_losses.dppo import FlowDppoConfig, dppo_divergence, flow_dppo_loss
 from flowgrpo.algo.policy_losses.ppo import (
     ClippedConfig,
     DualClipConfig,
@@ -45,7 +45,7 @@ from flowgrpo.algo.policy_losses.ppo import (
 __all__ = [
     "POLICY_LOSSES", "LossSettings", "PairTerms", "PolicyLoss", "PolicyLossConfig", "PolicyLossInput", "check_input",
     "clipped_terms", "loss_config_class", "needs_moments", "own_settings", "policy_loss",
-    "DPPOSettings", "FlowDppoConfig", "dppo_divergence", "flow_dppo_loss",
+    "FlowDppoConfig", "dppo_divergence", "flow_dppo_loss",
     "ClippedConfig", "DualClipConfig", "GrpoGuardConfig", "SapoConfig", "clipped_loss", "clipped_surrogate",
     "dual_clip_loss", "grpo_guard_loss", "sapo_loss",
 ]

@@ -26,7 +26,6 @@ the shared ``algo.kl_beta`` (verl-omni: none, 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -43,32 +42,7 @@ from flowgrpo.algo.policy_losses.base import (
     policy_loss,
 )
 
-__all__ = ["DPPOSettings", "FlowDppoConfig", "dppo_divergence", "flow_dppo_loss", "flow_dppo"]
-
-
-@dataclass(frozen=True)
-class DPPOSettings:
-    """Flow-DPPO's knobs with verl-omni's defaults (verl_omni/trainer/config/diffusion/actor/diffusion_actor.yaml).
-
-    Attributes:
-        kl_mask_threshold: ε_D, the divergence past which a pair moving away is masked (line 51: 1e-5; the
-            Qwen-Image OCR example, run_qwen_image_ocr_lora.sh line 37: 1e-5). Must be > 0.
-        add_kl_coefficient: divide the squared mean drift by 2·std² (the exact KL; line 54: true) rather than by 2.
-        kl_beta: β of the KL to the reference (verl-omni: ``use_kl_loss: false``, i.e. 0).
-
-    Raises:
-        ValueError: on construction, ε_D <= 0 or β < 0.
-    """
-
-    kl_mask_threshold: float = 1e-5
-    add_kl_coefficient: bool = True
-    kl_beta: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.kl_mask_threshold > 0:
-            raise ValueError(f"Flow-DPPO kl_mask_threshold must be > 0, got {self.kl_mask_threshold}")
-        if self.kl_beta < 0:
-            raise ValueError(f"Flow-DPPO kl_beta must be >= 0, got {self.kl_beta}")
+__all__ = ["FlowDppoConfig", "dppo_divergence", "flow_dppo_loss", "flow_dppo"]
 
 
 def dppo_divergence(mean_drift_sq: torch.Tensor, std: torch.Tensor, *, add_kl_coefficient: bool = True) -> torch.Tensor:
@@ -90,18 +64,22 @@ def dppo_divergence(mean_drift_sq: torch.Tensor, std: torch.Tensor, *, add_kl_co
     return sq / (2 * std**2)
 
 
-def flow_dppo_loss(inp: PolicyLossInput, settings: DPPOSettings) -> PairTerms:
+def flow_dppo_loss(inp: PolicyLossInput, config: FlowDppoConfig, *, kl_beta: float = 0.0) -> PairTerms:
     """Flow-DPPO's per-pair loss (module docstring) as :class:`~flowgrpo.algo.policy_losses.PairTerms`; ``clipped`` is
     the divergence mask (the pairs whose gradient was removed).
 
     Args:
         inp: the pairs; needs ``std`` and ``mean_drift_sq`` (N, k) besides the log-probs (the trainer provides them
             for a loss that declares ``needs_moments``).
-        settings: :class:`DPPOSettings`.
+        config: the validated :class:`FlowDppoConfig` (``kl_mask_threshold``, ``add_kl_coefficient``).
+        kl_beta: β of the KL to the reference (verl-omni: ``use_kl_loss: false``, i.e. 0; the trainer passes
+            ``algo.kl_beta``), >= 0.
 
     Raises:
-        ValueError: missing ``std``/``mean_drift_sq``, a deterministic step, or bad shapes.
+        ValueError: missing ``std``/``mean_drift_sq``, a deterministic step, bad shapes or a negative ``kl_beta``.
     """
+    if kl_beta < 0:
+        raise ValueError(f"Flow-DPPO kl_beta must be >= 0, got {kl_beta}")
     check_input(inp, LossSettings())
     if inp.std is None or inp.mean_drift_sq is None:
         raise ValueError("flow_dppo needs std and mean_drift_sq for every step (the trainer passes them when the "
@@ -109,15 +87,22 @@ def flow_dppo_loss(inp: PolicyLossInput, settings: DPPOSettings) -> PairTerms:
     delta = inp.new_log_probs.float() - inp.old_log_probs.float()
     ratio = torch.exp(delta.mean(dim=1))
     adv = inp.advantages.float().detach()
-    div = dppo_divergence(inp.mean_drift_sq, inp.std, add_kl_coefficient=settings.add_kl_coefficient).mean(dim=1)
-    high = div >= settings.kl_mask_threshold
+    div = dppo_divergence(inp.mean_drift_sq, inp.std, add_kl_coefficient=config.add_kl_coefficient).mean(dim=1)
+    high = div >= config.kl_mask_threshold
     masked = (high & (ratio > 1.0) & (adv > 0)) | (high & (ratio < 1.0) & (adv < 0))
     loss = torch.where(masked.detach(), torch.zeros_like(ratio), -adv * ratio)
-    return clipped_terms(inp, LossSettings(kl_beta=settings.kl_beta), loss, ratio, masked)
+    return clipped_terms(inp, LossSettings(kl_beta=kl_beta), loss, ratio, masked)
 
 
 class FlowDppoConfig(PolicyLossConfig):
-    """Settings of ``flow_dppo`` with verl-omni's defaults (diffusion_actor.yaml); it reads the transition moments."""
+    """Settings of ``flow_dppo`` with verl-omni's defaults (verl_omni/trainer/config/diffusion/actor/
+    diffusion_actor.yaml); it reads the transition moments.
+
+    Attributes:
+        kl_mask_threshold: ε_D, the divergence past which a pair moving away is masked (line 51: 1e-5; the
+            Qwen-Image OCR example, run_qwen_image_ocr_lora.sh line 37: 1e-5); > 0.
+        add_kl_coefficient: divide the squared mean drift by 2·std² (the exact KL; line 54: true) rather than by 2.
+    """
 
     name: Literal["flow_dppo"] = "flow_dppo"
     needs_moments: ClassVar[bool] = True
@@ -132,6 +117,4 @@ class FlowDppoConfig(PolicyLossConfig):
 def flow_dppo(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     """The registered ``flow_dppo`` loss: :func:`flow_dppo_loss` with the run's ``algo.policy_loss`` knobs and
     ``algo.kl_beta``."""
-    own = own_settings(settings, FlowDppoConfig)
-    return flow_dppo_loss(inp, DPPOSettings(kl_mask_threshold=own.kl_mask_threshold,
-                                            add_kl_coefficient=own.add_kl_coefficient, kl_beta=settings.kl_beta))
+    return flow_dppo_loss(inp, own_settings(settings, FlowDppoConfig), kl_beta=settings.kl_beta)

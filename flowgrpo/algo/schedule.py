@@ -16,7 +16,7 @@ import torch
 
 from flowgrpo import dist
 from flowgrpo.records import Advantages, ChunkPlan, Trajectory
-from flowgrpo.training.forward import transformer_rows
+from flowgrpo.sampling.packed_forward import transformer_rows
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ def pad_packs(work: list[list[list]], shares: list[list[torch.Tensor]]) -> tuple
     """Each optimizer step's packs padded to the most any process has, and the fillers added per step.
 
     Every process must make the same transformer calls in the same order: a sharded (FSDP2) transformer gathers
-    its weights in each forward and reduces gradients in each backward, and DDP reduces in the step's last
-    backward. A filler repeats one row of the step (its first trained item's, else the share's first sample)."""
+    its weights in each forward and reduces gradients in each back-propagation, and DDP reduces in the step's
+    last one. A filler repeats one row of the step (its first trained item's, else the share's first sample)."""
     if dist.world_size() == 1:
         return work, [0] * len(work)
     most = dist.all_reduce_max(torch.tensor([float(len(w)) for w in work], dtype=torch.float64)).tolist()

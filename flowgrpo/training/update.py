@@ -1,0 +1,89 @@
+"""The update loop of every objective: inner epochs × optimizer steps × micro-batches, gradient accumulation, the
+backward, the gradient scaling, the optimizer step, and the update's shared metrics.
+
+An objective (:class:`~flowgrpo.algo.objectives.base.Objective`) hands the loop what to train and never touches a
+gradient:
+
+* :meth:`~flowgrpo.algo.objectives.base.Objective.update_steps` ``(work)``: the optimizer steps of one pass
+  (:class:`~flowgrpo.algo.objectives.base.UpdateStep`: the objective's record of the step, its trained rows over all
+  processes, its progress units and fillers);
+* :meth:`~flowgrpo.algo.objectives.base.Objective.micro_batches` ``(work, step, inner)``: the step's micro-batches in
+  pass ``inner``;
+* :meth:`~flowgrpo.algo.objectives.base.Objective.loss` ``(adapter, work, item, state, at)``: one micro-batch's loss,
+  the sum over its trained rows (or None: nothing to back-propagate), its statistics added to ``state``
+  (:meth:`~flowgrpo.algo.objectives.base.Objective.update_state`, made once an update);
+* the hooks :meth:`~flowgrpo.algo.objectives.base.Objective.after_step` (after every optimizer step) and
+  :meth:`~flowgrpo.algo.objectives.base.Objective.after_epoch` (after the update), and
+  :meth:`~flowgrpo.algo.objectives.base.Objective.update_metrics` (its metrics from ``state``).
+
+Per optimizer step the loop runs every micro-batch in its own accumulation context
+(:meth:`~flowgrpo.training.optim.Optimization.accumulating`: gradients are reduced over the processes in the
+step's last backward, or after each with ``parallel.gradient_sync=micro_batch``), back-propagates its loss scaled by
+``world_size / max(step.rows, 1)`` (0 for a filler), so the step minimises the mean over its rows on all
+processes, then clips and applies the gradient (:meth:`~flowgrpo.training.optim.Optimization.step`; a step with no
+micro-batch on this process, the same on every process, is skipped) and zeroes it. One attention-kernel scope
+(the adapter's ``attention()``) covers the whole update: every forward, its backward and any checkpoint recompute
+use the same kernels. Metrics: the objective's, ``policy/grad_norm`` (the mean over the steps taken) and
+``train/lr`` (the learning rate of the next step).
+"""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from flowgrpo import dist
+from flowgrpo.algo.objectives.base import MicroBatchAt
+
+__all__ = ["run_update"]
+
+
+def run_update(objective, adapter, optim, work, *, inner_epochs: int, progress: bool) -> dict[str, float]:
+    """Train ``objective`` on its planned ``work`` for ``inner_epochs`` passes (module docstring).
+
+    Args:
+        objective: the run's objective (:class:`~flowgrpo.algo.objectives.base.Objective`).
+        adapter: the model adapter (its ``attention()`` scope and ``device``).
+        optim: the run's :class:`~flowgrpo.training.optim.Optimization`; every gradient goes through it.
+        work: the objective's work record (``plan``/``recompute`` phases); ``work.epoch`` names the epoch (0-based)
+            in a stop on a non-finite gradient.
+        inner_epochs: passes over the work (``train.inner_epochs``, >= 1).
+        progress: show a progress bar (micro-batches).
+
+    Returns:
+        The objective's :meth:`~flowgrpo.algo.objectives.base.Objective.update_metrics`, ``policy/grad_norm`` (when a
+        step was taken) and ``train/lr``.
+
+    Raises:
+        ValueError: ``inner_epochs`` < 1.
+        TrainingDiverged: a non-finite gradient norm (the weights were not updated).
+    """
+    if inner_epochs < 1:
+        raise ValueError(f"inner_epochs must be >= 1, got {inner_epochs}")
+    steps = objective.update_steps(work)
+    state = objective.update_state(work)
+    norms: list[float] = []
+    optim.train_mode()
+    bar = tqdm(total=inner_epochs * sum(s.progress for s in steps), desc="update", leave=False, disable=not progress)
+    with adapter.attention():
+        for inner in range(inner_epochs):
+            for u, step in enumerate(steps):
+                items = objective.micro_batches(work, step, inner)
+                for i, item in enumerate(items):
+                    filler = i >= len(items) - step.fillers
+                    with optim.accumulating(sync=i == len(items) - 1):
+                        loss = objective.loss(adapter, work, item, state, MicroBatchAt(inner, u, filler))
+                        if loss is not None:
+                            optim.backward(loss * (0.0 if filler else dist.world_size() / max(step.rows, 1.0)))
+                if items:
+                    norms.append(optim.step(work.epoch))
+                optim.zero_grad()
+                if items:
+                    objective.after_step(optim.steps - 1)
+                bar.update(step.progress)
+    bar.close()
+    objective.after_epoch(optim.steps)
+    out = objective.update_metrics(adapter, work, state)
+    if norms:
+        out["policy/grad_norm"] = sum(norms) / len(norms)
+    out["train/lr"] = optim.lr
+    return out
