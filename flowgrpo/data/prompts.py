@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import resources
+from importlib import import_module, resources
 from pathlib import Path
 
 import torch
@@ -44,20 +44,25 @@ def _assets() -> Path:
     return Path(str(resources.files("flowgrpo") / "assets"))
 
 
+def _built(target: str):
+    """An embedded set built into the cache on first use by ``target`` (``"module:function"`` returning the set's
+    file), imported only when the set is named: a task's builders load the task, which stands above this module
+    (as the model zoo's builders are named in :mod:`flowgrpo.models`)."""
+
+    def build() -> list[Path]:
+        module, attr = target.split(":")
+        return [Path(getattr(import_module(module), attr)())]
+
+    return build
+
+
 EMBEDDED = {
     "digits": lambda: [_assets() / "digits" / "prompts.jsonl"],
     "digits_eval": lambda: [_assets() / "digits" / "eval.jsonl"],
     "t2i_compbench": lambda: sorted((_assets() / "prompts" / "t2i_compbench").glob("*_val.txt")),
-    "digits_real": lambda: [_digits_sets().ensure_real_set()],
-    "digits_pairs": lambda: [_digits_sets().ensure_preference_set()],
+    "digits_real": _built("flowgrpo.tasks.digits.datasets:ensure_real_set"),
+    "digits_pairs": _built("flowgrpo.tasks.digits.datasets:ensure_preference_set"),
 }
-
-
-def _digits_sets():
-    """The digits task's datasets (built into the cache on first use; imported late: they load the task)."""
-    from flowgrpo.tasks.digits import datasets
-
-    return datasets
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
