@@ -75,7 +75,7 @@ def save_lora(adapter, folder: str | Path, state: dict[str, torch.Tensor] | None
     type(adapter.pipe).save_lora_weights(
         str(folder),
         transformer_lora_layers=get_peft_model_state_dict(tr, state_dict=state),
-        transformer_lora_adapter_metadata=tr.peft_config["default"].to_dict(),
+        transformer_lora_adapter_metadata=_adapter_metadata(tr),
         safe_serialization=True,
     )
 
@@ -97,7 +97,15 @@ def _save_transformer_lora(tr, folder: str | Path, layers: dict[str, torch.Tenso
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
     from safetensors.torch import save_file
 
-    config = {k: list(v) if isinstance(v, set) else v for k, v in tr.peft_config["default"].to_dict().items()}
+    config = _adapter_metadata(tr)
     Path(folder).mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in layers.items()}, str(Path(folder) / LORA_WEIGHT_NAME_SAFE),
               metadata={"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True)})
+
+
+def _adapter_metadata(tr) -> dict:
+    """The LoRA's peft config as saved beside its weights, every set (``target_modules``) as a sorted list: a set's
+    order follows the process's string hashing (``PYTHONHASHSEED``), so the same weights would otherwise be saved
+    as other bytes by every process."""
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in tr.peft_config["default"].to_dict().items()}
+

@@ -217,3 +217,45 @@ def test_lora_round_trip_through_diffusers(tiny_flux_dir, pipe, tmp_path):
     assert (theirs - base).abs().max() > 1000 * TOL
     # ... and the reference policy (adapter disabled) is the base model
     torch.testing.assert_close(ours_base, base, rtol=0, atol=TOL)
+
+
+_SAVE_LORA = """
+import sys, torch
+from flowgrpo.models import load_model
+from flowgrpo.models.lora import save_lora, setup_trainable
+adapter = load_model(sys.argv[1], max_sequence_length=32, height=64, width=64)
+torch.manual_seed(0)  # the LoRA's initial weights
+setup_trainable(adapter, finetune="lora", rank=4, alpha=8.0, need_reference=False,
+                target_modules=["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj"])
+save_lora(adapter, sys.argv[2])
+"""
+
+
+def test_a_lora_is_saved_with_the_same_contents_by_every_process(tiny_flux_dir, tmp_path):
+    """The same LoRA saved by processes with other string hashing (``PYTHONHASHSEED``): the same tensors and the same
+    metadata (before: the adapter metadata listed ``target_modules`` in the set's hash order, so two runs of the
+    same code wrote other files). The files' bytes may still differ: safetensors writes the header's metadata keys
+    in the order of a Rust hash map, seeded anew by each process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+
+    saved = []
+    for seed in ("1", "2", "3"):
+        out = tmp_path / f"lora{seed}"
+        env = {**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, "-c", _SAVE_LORA, str(tiny_flux_dir), str(out)], env=env, check=True,
+                       capture_output=True)
+        with safe_open(out / "pytorch_lora_weights.safetensors", "pt") as f:
+            meta = {k: json.loads(v) if k == "lora_adapter_metadata" else v for k, v in f.metadata().items()}
+            saved.append((meta, {k: f.get_tensor(k) for k in f.keys()}))  # noqa: SIM118 - safe_open has no iterator
+    (meta, tensors), *others = saved
+    assert meta["lora_adapter_metadata"]["transformer.target_modules"] == sorted(
+        ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj"])
+    for other_meta, other_tensors in others:
+        assert other_meta == meta  # lists compared in order
+        assert other_tensors.keys() == tensors.keys() and all(torch.equal(other_tensors[k], v)
+                                                              for k, v in tensors.items())
