@@ -1,7 +1,7 @@
 """GRPO on the digits task, one row per setting, over several RL seeds (a table; never a test).
 
-    python bench/learning.py [--seed 0 1 2] [--rows default old_default ...] [--epochs N] [--set KEY=VALUE ...]
-                             [--eval-every 5] [--out runs/learning] [--resume] [--json PATH]
+    python bench/learning.py [--seed 0 1 2] [--base-seed 0 1 2] [--rows default old_default ...] [--epochs N]
+                             [--set KEY=VALUE ...] [--eval-every 5] [--out runs/learning] [--resume] [--json PATH]
 
 Every row starts from the same pretrained base model and changes only the settings named in its row: ``default``
 is the shipped ``flowgrpo/configs/digits.yaml`` as it is when the bench runs; ``per_step_default`` and
@@ -16,9 +16,20 @@ each row keeps its config's ``train.num_epochs``), then the bench's own (seed, o
 it) before the first run trains: a bad one (e.g. a ``--set`` key that a row's chunker lacks) stops the bench with an
 error naming the row, nothing trained.
 
-Per (row, seed) the run folder is ``OUT/<row>/seed<s>/`` and its figures go to ``OUT/<row>/seed<s>.json`` as soon as
-the run ends, so an interrupted table keeps its finished runs; ``--resume`` skips every (row, seed) whose JSON
-exists (and refuses one written with other overrides). Runs go one after another.
+Base models (``--base-seed``): without it every run starts from the config's ``model.pretrained`` (the cached
+digits base of pretraining seed 0, or whatever ``--set model.pretrained=…`` names). With ``--base-seed B …`` (each
+in 0 to 2**32 - 1, no repeats) the base is a random draw, a stand-in for another machine's build (an AMD and an
+Intel CPU build different bytes, :mod:`flowgrpo.pinned`): every (row, base, seed) trains from the digits base of
+pretraining seed B (:func:`flowgrpo.tasks.digits.model.ensure_digits_model`, built into the cache first if absent,
+about 5 minutes of one thread each, before any run trains), through ``model.pretrained=<its folder>`` after every
+other override; ``--set model.pretrained=…`` is then refused. Each run's JSON and the per-run table record the base
+seed and its weights' sha256 (:func:`flowgrpo.pinned.weights_digest`), so 3 base seeds × 3 RL seeds come out of
+one command.
+
+Per (row, seed) the run folder is ``OUT/<row>/seed<s>/`` (with base seeds ``OUT/<row>/base<b>/seed<s>/``) and its
+figures go to ``OUT/<row>/seed<s>.json`` (``OUT/<row>/base<b>/seed<s>.json``) as soon as the run ends, so an
+interrupted table keeps its finished runs; ``--resume`` skips every run whose JSON exists (and refuses one written
+with other overrides or from a base of other bytes). Runs go one after another.
 
 Figures per run (from the run's ``summary.json`` and ``metrics.jsonl``):
 
@@ -38,12 +49,16 @@ Figures per run (from the run's ``summary.json`` and ``metrics.jsonl``):
   the seeds that got there, ``k/n seeds`` when some did not);
 - the steady state from epoch 60 (:func:`steady_state`): the smallest min per-digit diversity ratio over the
   evaluations after 60 epochs or more (the periodic ones and the final one), and how many seeds keep every one of
-  them at judge correctness >= 0.97 with every digit >= 0.7 of its real diversity (``—``: no evaluation that late).
+  them at judge correctness >= 0.97 with every digit >= 0.7 of its real diversity (``—``: no evaluation that late);
+  the per-run table also gives the smallest judge correctness over those evaluations;
+- the main job's bar (:func:`meets_bar`): the final evaluation at judge correctness >= 0.97 with every digit >= 0.65
+  of its real diversity, and every evaluation from epoch 60 on at judge >= 0.95 with every digit >= 0.6.
 
 Rows ``nft``, ``awm`` and ``dgpo`` train the shipped ``configs/digits_<method>.yaml`` (the forward-process
 objectives; :data:`ROW_BASES`) instead of the default, with the same bench overrides.
 
-The table gives, per row, the mean over seeds and the spread as (min–max) over seeds.
+The table gives, per row, the mean over its runs (seeds, and base seeds if given) and the spread as (min–max) over
+them; a second table gives every run on its own line (:func:`runs_markdown`).
 """
 
 from __future__ import annotations
@@ -52,6 +67,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -132,6 +148,8 @@ EXCLUDED_PHASES = ("eval",)  # timing/<phase> not counted as RL time
 STEADY_FROM = 60  # the steady-state columns read the evaluations after this many epochs and later
 STEADY_RATIO = 0.7  # ... each at judge >= TARGET with every digit >= this ratio of its real diversity
 RATIO_KEY = "eval/diversity_min_ratio"  # the smallest per-digit diversity ratio in a periodic evaluation record
+BAR_FINAL = (0.97, 0.65)  # the main job's bar: the final evaluation's (judge correctness, min per-digit ratio) ...
+BAR_STEADY = (0.95, 0.6)  # ... and every evaluation's from epoch STEADY_FROM on
 
 
 def rl_seconds(records: list[dict]) -> float:
@@ -167,6 +185,26 @@ def steady_state(records: list[dict], summary: dict, start: int = STEADY_FROM) -
     return min(m for _, m in evals), all(j >= TARGET and m >= STEADY_RATIO for j, m in evals)
 
 
+def steady_judge_min(records: list[dict], summary: dict, start: int = STEADY_FROM) -> float | None:
+    """The smallest judge correctness over the evaluations after ``start`` epochs or more (as
+    :func:`steady_state` counts them); None when the run has none that late."""
+    got = [r[JUDGE_KEY] for r in records if r["epoch"] + 1 >= start and r.get(JUDGE_KEY) is not None]
+    if summary.get("epochs", 0) >= start and summary.get("correctness_after") is not None:
+        got.append(summary["correctness_after"])
+    return min(got) if got else None
+
+
+def meets_bar(fig: dict) -> bool | None:
+    """Whether one run's figures (:func:`seed_figures`) meet the main job's bar: final judge correctness and min
+    per-digit ratio at least :data:`BAR_FINAL`, and the smallest of each over the evaluations from epoch
+    :data:`STEADY_FROM` on at least :data:`BAR_STEADY`; None when the run has no evaluation that late."""
+    late = (fig.get("judge_min_from_60"), fig.get("min_ratio_from_60"))
+    if None in late or fig.get("correctness_after") is None:
+        return None
+    return (fig["correctness_after"] >= BAR_FINAL[0] and fig["ratio_min_after"] >= BAR_FINAL[1]
+            and late[0] >= BAR_STEADY[0] and late[1] >= BAR_STEADY[1])
+
+
 def seed_figures(run_dir: Path) -> dict:
     """The figures of one finished run folder (``summary.json`` and ``metrics.jsonl``), see the module docstring.
     Raises ``ValueError`` when the summary has no per-digit diversity (not a digits run)."""
@@ -180,8 +218,11 @@ def seed_figures(run_dir: Path) -> dict:
         raise ValueError(f"{run_dir / 'summary.json'} has no digit_<d>_diversity_after/_real: not a digits run")
     last = records[-1] if records else {}
     late_min, steady = steady_state(records, summary)
+    digits = [r for r in per_digit_rows(summary) if r["ratio_after"] is not None]
     return {
         "min_ratio_from_60": late_min, "steady_from_60": steady,
+        "judge_min_from_60": steady_judge_min(records, summary),
+        "ratio_min_digit": min(digits, key=lambda r: r["ratio_after"])["digit"],
         "correctness_before": summary.get("correctness_before"), "correctness_after": summary.get("correctness_after"),
         "diversity_after": summary.get("diversity_after"), "diversity_real": summary.get("diversity_real"),
         "ratio_mean_after": sum(ratios) / len(ratios), "ratio_min_after": min(ratios),
@@ -221,8 +262,16 @@ def _quality_cell(col: dict[str, list], ratio: float) -> str:
     return text if len(got) == n else f"{text}; {len(got)}/{n} seeds"
 
 
+def run_label(result: dict) -> str:
+    """How the tables name one run: its RL seed, or ``<base seed>/<RL seed>`` for a run from a ``--base-seed``
+    base."""
+    base = result.get("base_seed")
+    return str(result["seed"]) if base is None else f"{base}/{result['seed']}"
+
+
 def aggregate(results: list[dict]) -> list[dict]:
-    """Per row (in first-seen order): its seeds and the table's cells (mean (min–max) over seeds)."""
+    """Per row (in first-seen order): its seeds, its runs' labels (:func:`run_label`) and the table's cells
+    (mean (min–max) over the row's runs)."""
     rows: dict[str, list[dict]] = {}
     for r in results:
         rows.setdefault(r["row"], []).append(r)
@@ -231,6 +280,7 @@ def aggregate(results: list[dict]) -> list[dict]:
         col = {k: [r[k] for r in rs] for k in rs[0]}
         out.append({
             "row": name, "settings": ROW_LABELS.get(name, " ".join(ROWS.get(name, []))), "seeds": col["seed"],
+            "runs": [run_label(r) for r in rs],
             "correctness_after": spread(col["correctness_after"], ".3f"),
             "ratio_mean_after": spread(col["ratio_mean_after"], ".2f"),
             "ratio_min_after": spread(col["ratio_min_after"], ".2f"),
@@ -240,6 +290,8 @@ def aggregate(results: list[dict]) -> list[dict]:
             "min_ratio_from_60": spread(col.get("min_ratio_from_60", [None] * len(rs)), ".2f"),
             "steady": (f"{sum(bool(v) for v in col.get('steady_from_60', []))} of {len(rs)}"
                        if any(v is not None for v in col.get("steady_from_60", [])) else "—"),
+            "bar": (f"{sum(bool(meets_bar(r)) for r in rs)} of {len(rs)}"
+                    if any(meets_bar(r) is not None for r in rs) else "—"),
             "calls_rows": " / ".join("—" if v is None else f"{v:.0f}"
                                      for v in (rs[0]["calls_per_epoch"], rs[0]["rows_per_epoch"])),
             "extra_samples": f"{rs[0]['extra_sample_frac']:.0%}",
@@ -252,16 +304,47 @@ def markdown(table: list[dict]) -> str:
     lines = [f"| row | seeds | judge correctness after | diversity ratio, mean over digits | "
              f"min per-digit diversity ratio | RL wall time (s) | epochs | epochs to {TARGET} | "
              f"smallest min ratio, evaluations from epoch {STEADY_FROM} | seeds steady from {STEADY_FROM} "
-             f"(judge >= {TARGET}, min ratio >= {STEADY_RATIO}) | "
+             f"(judge >= {TARGET}, min ratio >= {STEADY_RATIO}) | runs meeting the bar | "
              + "".join(f"time to judge >= {QUALITY_JUDGE} with every digit >= {r}: epoch; RL s | "
                        for r in QUALITY_RATIOS)
-             + "calls / rows per epoch | extra samples | settings |", "|" + "---|" * (13 + len(QUALITY_RATIOS))]
+             + "calls / rows per epoch | extra samples | settings |", "|" + "---|" * (14 + len(QUALITY_RATIOS))]
     for t in table:
-        lines.append(f"| {t['row']} | {' '.join(map(str, t['seeds']))} | {t['correctness_after']} | "
+        lines.append(f"| {t['row']} | {' '.join(t['runs'])} | {t['correctness_after']} | "
                      f"{t['ratio_mean_after']} | {t['ratio_min_after']} | {t['rl_seconds']} | {t['epochs']} | "
-                     f"{t['epochs_to_target']} | {t['min_ratio_from_60']} | {t['steady']} | "
+                     f"{t['epochs_to_target']} | {t['min_ratio_from_60']} | {t['steady']} | {t['bar']} | "
                      + "".join(f"{t[f'quality_{r}']} | " for r in QUALITY_RATIOS) + f"{t['calls_rows']} | "
                      f"{t['extra_samples']} | `{t['settings']}` |")
+    return "\n".join(lines)
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "—" if value is None else f"{value:{fmt}}"
+
+
+def runs_markdown(results: list[dict]) -> str:
+    """Every run on its own line: row, base (seed and the first 8 hex digits of its transformer's sha256; ``—``
+    without ``--base-seed``), RL seed, judge correctness before → after, the smallest per-digit diversity ratio after
+    (its digit), time to quality (``epoch; RL s`` per ratio of :data:`QUALITY_RATIOS`), the smallest judge correctness
+    and min ratio over the evaluations from epoch :data:`STEADY_FROM` on, whether the run meets the bar
+    (:func:`meets_bar`), and its RL seconds."""
+    lines = ["| row | base seed | base transformer sha256 | RL seed | judge before → after | min per-digit ratio "
+             "after (digit) | " + "".join(f"time to judge >= {QUALITY_JUDGE}, every digit >= {r}: epoch; RL s | "
+                                        for r in QUALITY_RATIOS)
+             + f"from epoch {STEADY_FROM}: smallest judge / smallest min ratio | meets the bar | RL s |",
+             "|" + "---|" * (9 + len(QUALITY_RATIOS))]
+    for r in results:
+        digest = (r.get("base_sha256") or {}).get("transformer")
+        quality = "".join(
+            ("— | " if r.get(f"quality_{q}_epoch") is None
+             else f"{r[f'quality_{q}_epoch']}; {_num(r.get(f'quality_{q}_rl_seconds'), '.0f')} | ")
+            for q in QUALITY_RATIOS)
+        bar = meets_bar(r)
+        lines.append(
+            f"| {r['row']} | {_num(r.get('base_seed'), 'd')} | {'—' if digest is None else f'`{digest[:8]}…`'} | "
+            f"{r['seed']} | {_num(r['correctness_before'], '.3f')} → {_num(r['correctness_after'], '.3f')} | "
+            f"{r['ratio_min_after']:.3f} ({r.get('ratio_min_digit', '?')}) | {quality}"
+            f"{_num(r.get('judge_min_from_60'), '.3f')} / {_num(r.get('min_ratio_from_60'), '.3f')} | "
+            f"{'—' if bar is None else ('yes' if bar else 'no')} | {r['rl_seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -286,30 +369,73 @@ def row_config(overrides: list[str], seed: int, run_dir: Path, name: str | None 
                                "logging.overwrite=true"])
 
 
-def run_one(name: str, overrides: list[str], seed: int, out_root: Path) -> dict:
-    """Trains one (row, seed) into ``out_root/<row>/seed<seed>`` and writes its figures next to it as JSON."""
+@dataclass(frozen=True)
+class Base:
+    """One ``--base-seed`` base model: its pretraining ``seed``, its pipeline ``folder`` and ``sha256``
+    (:func:`flowgrpo.pinned.weights_digest`: component name -> hex digest of its weights)."""
+
+    seed: int
+    folder: Path
+    sha256: dict[str, str]
+
+
+def locate_base(seed: int) -> Base:
+    """The digits base of pretraining ``seed`` (:func:`flowgrpo.tasks.digits.model.ensure_digits_model`: built into
+    the cache first if absent, minutes) and its weights' sha256."""
+    from flowgrpo.pinned import weights_digest
+    from flowgrpo.tasks.digits.model import ensure_digits_model
+
+    folder = Path(ensure_digits_model(seed))
+    return Base(seed=seed, folder=folder, sha256=weights_digest(folder))
+
+
+def run_path(out_root: Path, name: str, seed: int, base_seed: int | None = None) -> Path:
+    """The run folder of one (row, [base,] seed): ``out_root/<row>/seed<s>``, or ``out_root/<row>/base<b>/seed<s>``
+    for a ``--base-seed`` base; its figures go to the same path with ``.json``."""
+    folder = out_root / name if base_seed is None else out_root / name / f"base{base_seed}"
+    return folder / f"seed{seed}"
+
+
+def base_override(base: Base | None) -> list[str]:
+    """The override that points a run at ``base`` (none without one)."""
+    return [] if base is None else [f"model.pretrained={base.folder}"]
+
+
+def run_one(name: str, overrides: list[str], seed: int, out_root: Path, base: Base | None = None) -> dict:
+    """Trains one (row, [base,] seed) into :func:`run_path` and writes its figures next to it as JSON (with the
+    base's seed and sha256 when a ``base`` is given)."""
     from flowgrpo.runner import run
 
-    run_dir = out_root / name / f"seed{seed}"
-    cfg = row_config(overrides, seed, run_dir, name)
+    run_dir = run_path(out_root, name, seed, None if base is None else base.seed)
+    cfg = row_config([*overrides, *base_override(base)], seed, run_dir, name)
     start = time.perf_counter()
     run(cfg)
     result = {"row": name, "seed": seed, "overrides": overrides, "process_seconds": time.perf_counter() - start,
+              **({} if base is None else {"base_seed": base.seed, "base_sha256": base.sha256}),
               **seed_figures(run_dir)}
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
-    (out_root / name / f"seed{seed}.json").write_text(json.dumps(clean, indent=1))
+    path = run_dir.with_suffix(".json")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(clean, indent=1))
+    tmp.replace(path)
     return clean
 
 
-def load_finished(path: Path, overrides: list[str]) -> dict | None:
-    """A finished (row, seed)'s figures, or None if not run yet. Raises ``ValueError`` when it was run with
-    other overrides (choose another ``--out`` or delete the file)."""
+def load_finished(path: Path, overrides: list[str], base: Base | None = None) -> dict | None:
+    """A finished run's figures, or None if not run yet. Raises ``ValueError`` when it was run with other
+    overrides, or from another base (another base seed, or a base of the same seed whose weights have other
+    bytes, e.g. built on another CPU): choose another ``--out`` or delete the file."""
     if not path.exists():
         return None
     got = json.loads(path.read_text())
     if got["overrides"] != overrides:
         raise ValueError(f"{path} was run with overrides {got['overrides']}, not {overrides}; use another --out or "
                          "delete it to re-run")
+    want = (None, None) if base is None else (base.seed, base.sha256)
+    if (got.get("base_seed"), got.get("base_sha256")) != want:
+        raise ValueError(f"{path} was run from base seed {got.get('base_seed')} with sha256 "
+                         f"{got.get('base_sha256')}, not {want[0]} with {want[1]}; use another --out or delete it "
+                         "to re-run")
     return got
 
 
@@ -335,6 +461,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=positive_int, default=None, help="train.num_epochs (>= 1) for every row "
                         "(default: each row's config: digits.yaml's for most, 80 for old_default)")
     parser.add_argument("--seed", type=seed_int, nargs="+", default=[0, 1, 2], help="RL seeds (0 to 2**32 - 1)")
+    parser.add_argument("--base-seed", type=seed_int, nargs="+", default=None, metavar="B",
+                        help="digits base models by pretraining seed (0 to 2**32 - 1), each built into the cache "
+                        "if absent; every row and RL seed runs on each (default: the config's model.pretrained)")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--eval-every", type=int, default=5, help="logging.eval_every of every row (epochs to 0.97)")
     parser.add_argument("--out", default="runs/learning", help="run folders and per-(row, seed) JSON files")
@@ -348,12 +477,17 @@ def make_parser() -> argparse.ArgumentParser:
 def check_rows(parser: argparse.ArgumentParser, args: argparse.Namespace, shared: list[str]) -> None:
     """Builds every (row, seed)'s config as its run will, before any training: a bad one is a parser error (exit
     status 2) naming the row."""
+    from flowgrpo.tasks.digits.model import default_model_dir
+
+    bases = [None] if args.base_seed is None else args.base_seed
     for name in args.rows:
-        for seed in args.seed:
-            try:
-                row_config([*ROWS[name], *shared], seed, Path(args.out) / name / f"seed{seed}", name)
-            except ValueError as err:  # flowgrpo.config.ConfigError is a ValueError
-                parser.error(f"row {name!r}: {'; '.join(str(err).splitlines())}")
+        for b in bases:
+            point = [] if b is None else [f"model.pretrained={default_model_dir(b)}"]  # built later, if absent
+            for seed in args.seed:
+                try:
+                    row_config([*ROWS[name], *shared, *point], seed, run_path(Path(args.out), name, seed, b), name)
+                except ValueError as err:  # flowgrpo.config.ConfigError is a ValueError
+                    parser.error(f"row {name!r}: {'; '.join(str(err).splitlines())}")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -362,6 +496,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     args = parser.parse_args(argv)
     if args.eval_every < 1:
         parser.error(f"--eval-every must be >= 1 (epochs to {TARGET} needs periodic evaluation), got {args.eval_every}")
+    for flag, values in (("--seed", args.seed), ("--base-seed", args.base_seed or [])):
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            parser.error(f"{flag} names {', '.join(map(str, repeated))} more than once; each seed runs once")
+    if args.base_seed is not None:
+        named = [s for s in args.set if s.split("=", 1)[0].strip() == "model.pretrained"]
+        if named:
+            parser.error(f"--set {named[0]} and --base-seed both choose the base model; give one of them")
     shared = [*args.set, *([f"train.num_epochs={args.epochs}"] if args.epochs is not None else []),
               f"logging.eval_every={args.eval_every}"]
     check_rows(parser, args, shared)
@@ -371,21 +513,33 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def main() -> None:
     args, shared = parse_args()
     out_root = Path(args.out)
+    bases: list[Base | None] = [None]
+    if args.base_seed is not None:
+        bases = []
+        for b in args.base_seed:
+            bases.append(locate_base(b))
+            print(f"base seed {b}: {bases[-1].folder}, sha256 "
+                  + ", ".join(f"{k} {v}" for k, v in bases[-1].sha256.items()), flush=True)
     results = []
     for name in args.rows:
         overrides = [*ROWS[name], *shared]
-        for seed in args.seed:
-            r = load_finished(out_root / name / f"seed{seed}.json", overrides) if args.resume else None
-            r = r or run_one(name, overrides, seed, out_root)
-            results.append(r)
-            print(f"{name} seed {seed}: judge {r['correctness_before']:.3f} -> {r['correctness_after']:.3f}, "
-                  f"diversity ratio mean {r['ratio_mean_after']:.2f} min {r['ratio_min_after']:.2f}, "
-                  f"RL {r['rl_seconds']:.0f} s, epochs to {TARGET}: {r['epochs_to_target'] or '—'}", flush=True)
+        for base in bases:
+            for seed in args.seed:
+                path = run_path(out_root, name, seed, None if base is None else base.seed).with_suffix(".json")
+                r = load_finished(path, overrides, base) if args.resume else None
+                r = r or run_one(name, overrides, seed, out_root, base)
+                results.append(r)
+                print(f"{name} {'' if base is None else f'base {base.seed} '}seed {seed}: judge "
+                      f"{r['correctness_before']:.3f} -> {r['correctness_after']:.3f}, diversity ratio mean "
+                      f"{r['ratio_mean_after']:.2f} min {r['ratio_min_after']:.2f}, RL {r['rl_seconds']:.0f} s, "
+                      f"epochs to {TARGET}: {r['epochs_to_target'] or '—'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print(f"\nRL seeds {' '.join(map(str, args.seed))}; every row also has: {' '.join(shared)}\n"
-          "cells: mean over seeds (min–max over seeds)\n", flush=True)
+    print(f"\nRL seeds {' '.join(map(str, args.seed))}"
+          + ("" if args.base_seed is None else f"; base seeds {' '.join(map(str, args.base_seed))} (runs: base/RL)")
+          + f"; every row also has: {' '.join(shared)}\ncells: mean over runs (min–max over runs)\n", flush=True)
     print(markdown(aggregate(results)), flush=True)
+    print("\n" + runs_markdown(results), flush=True)
 
 
 if __name__ == "__main__":

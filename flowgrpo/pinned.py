@@ -15,19 +15,27 @@ pretraining, torch 2.14 with MKL 2024.2 and oneDNN 3.12, 30 + 30 optimizer steps
 * the **CPU vendor and model**, even with all of the above pinned: the pinned build of ``digits-v2-seed0`` (torch
   2.14.1, diffusers 0.42.1) gave transformer sha256 ``b95f31c1…d250c01`` and VAE ``1306c5bb…4cba995d`` on an Intel
   Xeon with AVX-512 and AMX, but transformer ``39527b84…a51505`` and VAE ``12c7e805…467adbe`` on an AMD EPYC (AVX2,
-  no AVX-512). The VAE, trained first, already differs. Under :data:`PINNED_ENV` the matrix products run in MKL
-  with conditional numerical reproducibility (``MKL_VERBOSE``: ``SGEMM … CNR:AVX2``), but the VAE's convolutions
-  run in oneDNN (``ONEDNN_VERBOSE``: ``convolution,jit:avx2``), which has no such mode and sizes its kernels'
-  blocking for the CPU it finds: the likely cause, not isolated (only one vendor's machine at hand)
-  (docs/digits.md, "What is reproducible").
+  no AVX-512), and the two bases are not equally good: the judge reads 0.609 of the Intel base's digits as the
+  prompted one before RL, 0.586 of the AMD base's. The VAE, trained first, already differs. Under
+  :data:`PINNED_ENV` the matrix products run in MKL with conditional numerical reproducibility (``MKL_VERBOSE``:
+  ``SGEMM … CNR:AVX2``), but the VAE's convolutions run in oneDNN (``ONEDNN_VERBOSE``: ``convolution,jit:avx2``),
+  which has no such mode and sizes its kernels' blocking for the CPU it finds. On the Intel machine (a 30 + 10
+  step build of seed 0, 2026-12-02) oneDNN is in the path and its dispatch moves the bytes:
+  ``torch.backends.mkldnn.enabled = False`` gives another VAE (``372990f9…`` against ``26f2064e…``), and with
+  oneDNN on, capping it at SSE4.1 instead of AVX2 gives a third (``a35fb760…``); with oneDNN off the same cap
+  changes nothing (the convolutions then run as MKL products, ``MKL_VERBOSE``: ``SGEMM … CNR:AVX2``);
+  ``torch.backends.mkldnn.deterministic = True`` changes nothing (one thread). So oneDNN's CPU-dependent kernel
+  choice is a candidate for the vendor dependence, not a proven cause: no build with oneDNN off has been compared
+  across vendors (docs/digits.md, "What is reproducible").
 
 Load on the machine did not change them (two 2-thread builds on 2 busy cores were identical). These settings are
 read when each library initialises, so they cannot be changed inside a process that has already computed: the
 build runs in a fresh child process with :data:`PINNED_ENV`. Its bytes are then the same for one seed, recipe,
-torch and diffusers version **on one CPU model** (tested: whatever the launcher, the parent's thread count, the
-load); another CPU model, and certainly another vendor, may build other bytes, an equally good but different base
-model. :func:`numerics` records what a build's bytes depend on (the CPU, the dispatched instruction sets, the BLAS
-library) and :func:`weights_digest` the bytes themselves, so a run can say which base it started from.
+torch and diffusers version **on one kind of machine** (one CPU model; tested: whatever the launcher, the parent's
+thread count, the load); another CPU model, and certainly another vendor, may build other bytes: another draw of the
+same recipe, which RL may take elsewhere (docs/results.md measures the default over three base seeds as a stand-in
+for three machines). :func:`numerics` records what a build's bytes depend on (the CPU, the dispatched instruction
+sets, the BLAS library) and :func:`weights_digest` the bytes themselves, so a run can say which base it started from.
 """
 
 from __future__ import annotations

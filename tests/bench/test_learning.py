@@ -18,6 +18,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "learning.py"
 def learning():
     spec = importlib.util.spec_from_file_location("bench_learning", BENCH)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # registered before it runs, as importlib's recipe does (its dataclasses need it)
     spec.loader.exec_module(mod)
     return mod
 
