@@ -33,13 +33,12 @@ def tiny_sd3_dir(tmp_path_factory):
     return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"), seed=0, words="a red cube blue ball".split())
 
 
-@pytest.fixture(scope="module")
-def datasets(tmp_path_factory):
-    """A preference set (two pairs a prompt) and an image set (two images a prompt) of random 32×32 PNGs, written
-    by hand in the documented layouts (paths relative to the JSONL)."""
+def write_datasets(root):
+    """``root/pairs.jsonl``, a preference set (two pairs a prompt), and ``root/items.jsonl``, an image set (two
+    images a prompt), of random 32×32 PNGs under ``root/img``, written by hand in the documented layouts (paths
+    relative to the JSONL); returns ``root``."""
     from PIL import Image
 
-    root = tmp_path_factory.mktemp("prefs_data")
     (root / "img").mkdir()
     rng = np.random.default_rng(0)
     for i in range(8):
@@ -50,6 +49,12 @@ def datasets(tmp_path_factory):
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
     (root / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
     return root
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """The sets of :func:`write_datasets`."""
+    return write_datasets(tmp_path_factory.mktemp("prefs_data"))
 
 
 def _config(tmp_path, model_dir, data, name: str, out: str = "run", **sections):
@@ -99,7 +104,7 @@ def test_each_objective_trains_an_epoch_through_the_command(tmp_path, tiny_flux_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dpo", "sft"])
+@pytest.mark.parametrize("name", ["dpo", "dpo_offline", "sft"])
 def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir, datasets, name):
     """Two epochs in one go against one epoch, saved, and a second run resuming it: the same weights and
     optimizer state, to the bit (the pairs, draws and dataset records of epoch 1 come back from the seed and the
