@@ -88,14 +88,16 @@ def test_dry_run_writes_every_part(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux2", "kontext",
-                                   "qwenimage_edit_plus", "wan21", "wan22", "wan22_ti2v", "hunyuan_video15"])
+                                   "qwenimage_edit_plus", "wan21", "wan22", "wan22_ti2v", "hunyuan_video15", "flux3",
+                                   "qwenimage21"])
 def test_dry_run_of_every_family(model, tmp_path):
     """Parts (a) and (c) of every ``--model`` at toy size, in process (the cheap parts: a few s per family):
     the family's own pipeline is called with its conformance settings and the first update is exactly on-policy."""
     from gpu_check import MODELS, main
 
     assert set(MODELS) == {"flux", "sd3", "qwenimage", "zimage", "flux2_klein", "flux2", "kontext",
-                           "qwenimage_edit_plus", "wan21", "wan22", "wan22_ti2v", "hunyuan_video15"}
+                           "qwenimage_edit_plus", "wan21", "wan22", "wan22_ti2v", "hunyuan_video15", "flux3",
+                           "qwenimage21"}
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -107,6 +109,6 @@ def test_dry_run_of_every_family(model, tmp_path):
     for part in "ac":
         assert "error" not in r[part], (part, r[part].get("error"), r[part].get("trace"))
     assert r["a"]["ratio"] > 0 and r["a"]["flops_per_velocity"] > 0
-    assert r["a"]["pipeline_batch"] == (1 if model in ("qwenimage_edit_plus", "hunyuan_video15") else 4)
+    assert r["a"]["pipeline_batch"] == (1 if model in ("qwenimage_edit_plus", "hunyuan_video15", "flux3") else 4)
     assert r["c"]["matched"]["mismatch"] == 0.0 and r["c"]["recompute"]["mismatch"] == 0.0
     assert (tmp_path / "source.png").is_file() == (model in ("kontext", "qwenimage_edit_plus"))

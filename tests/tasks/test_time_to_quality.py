@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,7 @@ def test_summary_and_report_carry_time_to_quality():
 def test_the_learning_bench_has_time_to_quality_columns(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_learning_ttq", BENCH)
     learning = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = learning  # registered before it runs, as importlib's recipe does (its dataclasses need it)
     spec.loader.exec_module(learning)
     results = []
     for seed, evals in enumerate([EVALS, {11: (0.98, 0.65)}, {}]):  # 0.6 at 15, 12, the final one (20)
