@@ -157,3 +157,26 @@ def test_a_lora_run_is_a_teacher(tmp_path, tiny_flux_dir):
     assert torch.allclose(v_teacher, v_lora, atol=1e-5)
     assert float((v_teacher - v_base).abs().max()) > 1e-4  # the LoRA moved the teacher: the test has power
     assert not any(p.requires_grad for p in teacher.parameters())
+
+
+def test_a_teacher_of_another_architecture_is_refused_in_one_line_before_any_run(tmp_path, tiny_flux_dir):
+    """A teacher whose transformer differs from the student's (another width here) is refused when it loads,
+    naming the first differing setting; before, it loaded and the first update crashed on a shape mismatch, after
+    the "before" evaluation."""
+    from diffusers import FluxTransformer2DModel
+
+    from flowgrpo.algo.objectives.opd import load_teacher
+    from flowgrpo.models import load_model
+
+    adapter = load_model(str(tiny_flux_dir), max_sequence_length=16, height=32, width=32)
+    config = dict(adapter.transformer.config)
+    other = {k: v for k, v in config.items() if not k.startswith("_")}
+    other["num_attention_heads"] = config["num_attention_heads"] * 2
+    FluxTransformer2DModel(**other).save_pretrained(tmp_path / "teacher" / "transformer")
+    heads = config["num_attention_heads"]
+    with pytest.raises(ValueError, match=rf"is another architecture than the student: its num_attention_heads is "
+                                         rf"{2 * heads}, the student's {heads}"):
+        load_teacher(str(tmp_path / "teacher"), adapter, None)
+    same = tmp_path / "same" / "transformer"
+    adapter.transformer.save_pretrained(same)
+    assert load_teacher(str(tmp_path / "same"), adapter, None) is not None

@@ -109,6 +109,12 @@ def load_teacher(folder: str, adapter, model_config) -> torch.nn.Module:
         base.transformer.fuse_lora()
         base.transformer.unload_lora()
         teacher = base.transformer
+    student = adapter.transformer.config
+    differ = [k for k in student if not k.startswith("_") and k in teacher.config and teacher.config[k] != student[k]]
+    if differ:
+        k = differ[0]
+        raise ValueError(f"objective.teacher={folder!r} is another architecture than the student: its {k} is "
+                         f"{teacher.config[k]!r}, the student's {student[k]!r}; give a teacher of the student's model")
     return teacher.to(adapter.device).requires_grad_(False).eval()
 
 
