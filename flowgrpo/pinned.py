@@ -14,8 +14,7 @@ pretraining, torch 2.14 with MKL 2024.2 and oneDNN 3.12, 30 + 30 optimizer steps
   AVX-512 machine each changes the weights, so machines with other CPUs build other models;
 * the **CPU vendor and model**, even with all of the above pinned: the pinned build of ``digits-v2-seed0`` (torch
   2.14.1, diffusers 0.42.1) gave transformer sha256 ``b95f31c1…d250c01`` and VAE ``1306c5bb…4cba995d`` on an Intel
-  Xeon with AVX-512 and AMX, but transformer ``39527b84…a51505`` and VAE ``12c7e805…467adbe`` on an AMD EPYC (AVX2,
-  no AVX-512), and the two bases are not equally good: the judge reads 0.609 of the Intel base's digits as the
+  Xeon with AVX-512 and AMX, but transformer ``39527b84…a51505`` and VAE ``12c7e805…467adbe`` on two AMD EPYCs, and the two bases are not equally good: the judge reads 0.609 of the Intel base's digits as the
   prompted one before RL, 0.586 of the AMD base's. The VAE, trained first, already differs. Under
   :data:`PINNED_ENV` the matrix products run in MKL with conditional numerical reproducibility (``MKL_VERBOSE``:
   ``SGEMM … CNR:AVX2``), but the VAE's convolutions run in oneDNN (``ONEDNN_VERBOSE``: ``convolution,jit:avx2``),
@@ -24,9 +23,14 @@ pretraining, torch 2.14 with MKL 2024.2 and oneDNN 3.12, 30 + 30 optimizer steps
   ``torch.backends.mkldnn.enabled = False`` gives another VAE (``372990f9…`` against ``26f2064e…``), and with
   oneDNN on, capping it at SSE4.1 instead of AVX2 gives a third (``a35fb760…``); with oneDNN off the same cap
   changes nothing (the convolutions then run as MKL products, ``MKL_VERBOSE``: ``SGEMM … CNR:AVX2``);
-  ``torch.backends.mkldnn.deterministic = True`` changes nothing (one thread). So oneDNN's CPU-dependent kernel
-  choice is a candidate for the vendor dependence, not a proven cause: no build with oneDNN off has been compared
-  across vendors (docs/digits.md, "What is reproducible").
+  ``torch.backends.mkldnn.deterministic = True`` changes nothing (one thread). So oneDNN's CPU-dependent kernel choice
+  is in the path, but turning oneDNN off does not make the vendors agree: on an AMD EPYC (2026-12-02) the short build
+  gives other bytes than the Intel one's with oneDNN on, off, or capped. The cause found there: **MKL honours
+  ``MKL_CBWR`` only on Intel processors**; on the AMD machine it reports ``SGEMM … CNR:AUTO`` under
+  ``MKL_CBWR=AVX2`` (``mkl_serv_cbwr_get`` reads AUTO: ``numerics()['mkl_cbwr_branch']``) and honours only
+  ``COMPATIBLE``. Two AMD machines (AVX2 only; AVX-512, family 26) built the same bytes. oneDNN off with
+  ``MKL_CBWR=COMPATIBLE`` routes every product through MKL's compatible branch: the candidate for vendor-independent
+  bytes, 1.85x slower, not yet compared with an Intel build (docs/digits.md, "What is reproducible").
 
 Load on the machine did not change them (two 2-thread builds on 2 busy cores were identical). These settings are
 read when each library initialises, so they cannot be changed inside a process that has already computed: the
