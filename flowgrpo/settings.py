@@ -8,6 +8,7 @@ strategy is an error naming its owner. This module imports nothing of flowgrpo a
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from pathlib import Path
@@ -145,9 +146,11 @@ def _foreign_key(prefix: str, key: str, value, name: str, settings: type[Section
         return (f"unknown config key '{prefix}.{key}' for {registry.what} {name!r} (its keys: "
                 f"{sorted(settings.model_fields)}){close}")
     them = " / ".join(owners)
+    example = f"{{name: {owners[0]}, {key}: {json.dumps(value, default=str)}}}"
     return (f"{prefix}.{key}={value!r} is read only by {prefix}.name={them}, but {prefix}.name is {name!r}: remove "
-            f"the setting or choose {them} (to switch strategies, replace the whole section, e.g. "
-            f"'{prefix}={{name: {name}}}', or '{prefix}: {{name: {name}}}' in a config that extends another)")
+            f"the setting, or switch to {them} by replacing the whole section, e.g. the override "
+            f"'{prefix}={example}' (a config that extends another merges its sections key by key over the base's: "
+            f"there a plain name, '{prefix}: {owners[0]}', replaces the base's section)")
 
 
 def strategy_rows(prefix: str, registry: Registry, base: type[Section]) -> list[tuple[str, str, str]]:
