@@ -110,6 +110,11 @@ class Objective(Protocol):
     needs_reference: bool
     """Whether the update forwards the frozen reference (full fine-tuning then keeps a frozen copy)."""
 
+    trains_on_advantages: bool
+    """Whether the update's signal is the group advantages (a group of equal rewards then trains nothing): the loop
+    measures the share of samples with a learning signal against ``algo.min_learning_frac`` (metric
+    ``adv/low_signal``, a console warning) only for such an objective."""
+
     def validate(self) -> None:
         """Reject settings this objective cannot run with, before any model loads (``ValueError`` naming the
         setting and what is allowed)."""
@@ -185,6 +190,9 @@ class BaseObjective:
     """
 
     Config: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
+    #: the update trains on the group advantages (:attr:`Objective.trains_on_advantages`); False for an objective
+    #: whose signal is a dataset, the reward's gradient or a teacher
+    trains_on_advantages: ClassVar[bool] = True
 
     def __init__(self, config) -> None:
         self.cfg = config

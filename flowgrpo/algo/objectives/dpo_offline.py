@@ -55,6 +55,7 @@ class DPOOffline(DPO):
     images for a rollout and the dataset's pairs for the plan."""
 
     Config = DPOOfflineConfig
+    trains_on_advantages = False  # the dataset's images (or pairs) are the signal, whatever the rewards
 
     def image_key(self, j: int) -> str:
         """Sample 0 of a group is the chosen image, sample 1 the rejected one."""

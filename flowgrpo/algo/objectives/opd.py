@@ -147,6 +147,7 @@ class OPD(ForwardObjective):
 
     Config = OPDConfig
     uses_old_copy = False
+    trains_on_advantages = False  # the teacher's velocity is the signal, no reward enters
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -208,6 +208,7 @@ class RewardBackprop(ForwardObjective):
 
     Config = RewardBackpropConfig
     uses_old_copy = False
+    trains_on_advantages = False  # the reward's gradient is the signal, whatever the group
 
     def __init__(self, config) -> None:
         super().__init__(config)

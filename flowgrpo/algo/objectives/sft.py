@@ -130,6 +130,7 @@ class SFT(ForwardObjective):
 
     Config = SFTConfig
     uses_old_copy = False
+    trains_on_advantages = False  # the dataset's images (or pairs) are the signal, whatever the rewards
 
     def loss_settings(self) -> SFTSettings:
         o = self.o
