@@ -120,8 +120,8 @@ def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Sect
         base: the settings every strategy of the kind has (its ``name`` field's default is the default strategy).
 
     Raises:
-        ValueError: an unknown strategy (listing the registered ones); a key of another strategy (naming the
-            strategies that read it and how to switch); an unknown key (its closest key).
+        ValueError: an unknown strategy (listing the registered ones); every key of another strategy (naming the
+            strategies that read it and how to switch) and every unknown key (its closest key), one line each.
     """
     if isinstance(value, BaseModel):
         return value
@@ -131,16 +131,18 @@ def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Sect
         settings = settings_class(registry, name, base)
     except KeyError as err:
         raise ValueError(f"{prefix}.name: {err.args[0]}") from None
-    for key in section:
-        if key not in settings.model_fields:
-            raise ValueError(_foreign_key(prefix, key, section[key], name, settings, registry, base))
+    foreign = [_foreign_key(prefix, key, section[key], name, settings, registry, base)
+               for key in section if key not in settings.model_fields]
+    refuse(foreign, f"{prefix} {name!r} has settings of other strategies")
     return settings.model_validate(section)
 
 
 def _foreign_key(prefix: str, key: str, value, name: str, settings: type[Section], registry: Registry,
                  base: type[Section]) -> str:
-    """Why ``key`` cannot be in the section of strategy ``name``: it is another strategy's knob, or a typo."""
-    owners = [n for n in registry if key in settings_class(registry, n, base).model_fields]
+    """Why ``key`` cannot be in the section of strategy ``name``: it is the knob of other strategies (those whose
+    settings have it and do not declare it ``unread``), or a typo."""
+    owners = [n for n in registry if key in settings_class(registry, n, base).model_fields
+              and key not in getattr(settings_class(registry, n, base), "unread", {})]
     if not owners:
         close = did_you_mean(key, settings.model_fields).replace(" (", "; ").rstrip(")")
         return (f"unknown config key '{prefix}.{key}' for {registry.what} {name!r} (its keys: "
@@ -169,6 +171,17 @@ def strategy_rows(prefix: str, registry: Registry, base: type[Section]) -> list[
         text = f.description or (base.model_fields[key].description if key in base.model_fields else "") or ""
         rows.append((f"{prefix}.{key}", default, where + text))
     return rows
+
+
+def refuse(problems: list[str], what: str) -> None:
+    """Raise one ``ValueError`` for every problem of a config at once, so that it is fixed in one go: the problem's
+    own line when there is one, else ``what`` and the count, then one line each; nothing when ``problems`` is
+    empty."""
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(f"{what}: {len(problems)} settings to change, one a line:\n"
+                         + "\n".join(f"  - {p}" for p in problems))
 
 
 class ConfigError(ValueError):
