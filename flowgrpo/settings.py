@@ -8,6 +8,7 @@ strategy is an error naming its owner. This module imports nothing of flowgrpo a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 import typing
@@ -89,10 +90,30 @@ class Section(BaseModel):
         return value
 
 
+@dataclasses.dataclass(frozen=True)
+class RegisteredIn:
+    """Field metadata of a :func:`registered_name` field: the registry its values come from (``--help`` lists the
+    names registered when it is shown, :func:`registered_names`)."""
+
+    registry: Registry
+
+
+def registered_names(field) -> list[str] | None:
+    """The names registered now in the registry of a :func:`registered_name` field (a pydantic ``FieldInfo``),
+    else None."""
+    marks = [m for m in field.metadata if isinstance(m, RegisteredIn)]
+    return marks[0].registry.names() if marks else None
+
+
+def with_names(text: str, names: list[str] | None) -> str:
+    """A ``--help`` description followed by the names a registry holds now (unchanged without names)."""
+    return f"{text} (registered: {', '.join(names)})" if names else text
+
+
 def registered_name(registry: Registry, key: str):
     """A ``str`` field type whose value must be registered in ``registry`` when validated (plugins register
     before the config is built); otherwise a ValueError naming ``key`` with the registry's own message (valid
-    names, the closest)."""
+    names, the closest). The field carries :class:`RegisteredIn` (``--help`` lists the registered names)."""
 
     def check(name: str) -> str:
         try:
@@ -101,7 +122,7 @@ def registered_name(registry: Registry, key: str):
             raise ValueError(f"{key}: {err.args[0]}") from None
         return name
 
-    return Annotated[str, AfterValidator(check)]
+    return Annotated[str, AfterValidator(check), RegisteredIn(registry)]
 
 
 def settings_class(registry: Registry, name: str, base: type[Section]) -> type[Section]:
@@ -157,19 +178,23 @@ def _foreign_key(prefix: str, key: str, value, name: str, settings: type[Section
 
 def strategy_rows(prefix: str, registry: Registry, base: type[Section]) -> list[tuple[str, str, str]]:
     """``--help`` rows (dotted key, default, description) of a strategy section: every registered strategy's
-    settings, each key marked with the strategies that have it (``name`` shows the default strategy)."""
+    settings, each key marked with the strategies that have it (``name`` shows the default strategy and lists the
+    registered ones; a :func:`registered_name` field lists its registry's names)."""
     owners: dict[str, list[str]] = {}
     fields = {}
     for strategy in registry:
-        for key, f in settings_class(registry, strategy, base).model_fields.items():
-            owners.setdefault(key, []).append(strategy)
+        settings = settings_class(registry, strategy, base)
+        for key, f in settings.model_fields.items():
+            if key not in getattr(settings, "unread", {}):  # a field the strategy has but never reads
+                owners.setdefault(key, []).append(strategy)
             fields.setdefault(key, f)
     rows = []
     for key, f in fields.items():
         default = repr(base.model_fields["name"].default) if key == "name" else repr(f.default)
-        where = "" if key == "name" else f"[{', '.join(owners[key])}] "
+        where = "" if key == "name" else f"[{', '.join(owners.get(key, []))}] "
         text = f.description or (base.model_fields[key].description if key in base.model_fields else "") or ""
-        rows.append((f"{prefix}.{key}", default, where + text))
+        names = registry.names() if key == "name" else registered_names(f)
+        rows.append((f"{prefix}.{key}", default, where + with_names(text, names)))
     return rows
 
 
