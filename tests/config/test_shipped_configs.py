@@ -83,3 +83,25 @@ def test_a_missing_prompt_file_names_the_command_that_builds_it(tmp_path):
     (line,) = str(err.value).splitlines()
     assert f"'flowgrpo prompts SET SOURCE... --out {missing}'" in line and "flowgrpo prompts --help" in line
     assert all(name in line for name in [*PROMPT_SETS.names(), "geneval"]), line
+
+
+def test_the_digits_variants_are_described_by_what_they_change():
+    """Each configs/digits_*.yaml changes one method of configs/digits.yaml; docs/configs.md and digits.yaml's
+    header name every kind of method they change (they said "one per chunker / SDE kind" once objectives came)."""
+    base = load_config(REPO / "configs" / "digits.yaml")
+
+    def methods(c) -> dict[str, str]:
+        return {"a chunker": c.chunker.name, "an SDE kind": c.sampling.sde_kind,
+                "an advantage estimator": c.algo.advantage, "an objective": c.objective.name}
+
+    kinds = set()
+    for path in sorted((REPO / "configs").glob("digits_*.yaml")):
+        changed = [k for k, v in methods(load_config(path)).items() if v != methods(base)[k]]
+        assert len(changed) == 1, (path.name, changed)
+        kinds.add(changed[0])
+    assert kinds == set(methods(base))  # every kind occurs, so every kind must be named
+    row = next(ln for ln in (REPO / "docs" / "configs.md").read_text().splitlines() if "`configs/digits_*.yaml`" in ln)
+    header = " ".join(ln.lstrip("# ") for ln in (REPO / "configs" / "digits.yaml").read_text().splitlines()
+                      if ln.startswith("#"))
+    for kind in kinds:
+        assert kind in row and kind in header, kind
