@@ -105,10 +105,11 @@ def test_a_single_problem_stays_one_line():
 
 
 def test_refl_names_every_reward_without_a_gradient_in_one_error():
-    text = _error({"objective": "refl", "sampling": {"noise_level": 0.5},
+    text = _error({"objective": {"name": "refl", "k": 5}, "sampling": {"noise_level": 0.5, "num_steps": 4},
                    "rewards": [{"name": "jpeg_compressibility"}, {"name": "digit_correctness"},
                                {"name": "digit_correctness_strict"}]})
-    assert text.splitlines()[0].endswith("3 settings to change, one a line:"), text
+    assert text.splitlines()[0].endswith("4 settings to change, one a line:"), text
+    assert "objective.k=5 exceeds sampling.num_steps=4" in text  # known before the model loads
     assert "reward 'jpeg_compressibility' declares no" in text and "reward 'digit_correctness_strict' declares" in text
     assert "reward 'digit_correctness' declares" not in text
 

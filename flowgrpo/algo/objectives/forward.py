@@ -28,7 +28,8 @@ The epoch (the phases of :mod:`flowgrpo.algo.objectives.base`):
 Every draw comes from a generator seeded by (run seed, epoch, pass, what, and the sample, the global micro-batch
 or nothing), so an epoch is the same on any number of processes and any batching that keeps the draws' scope.
 The SDE-ratio family's settings (``chunker``, ``sampling.sde_kind`` and its noise, ``algo.policy_loss``, the clip
-ranges, ``algo.kl_*``) are refused with a forward-process objective (:meth:`ForwardConfig.check`).
+ranges, ``algo.kl_*``) are refused with a forward-process objective, all of them in one error, one line each
+(:func:`sde_ratio_problems`, :meth:`ForwardConfig.problems`).
 """
 
 from __future__ import annotations

@@ -216,11 +216,16 @@ class RewardBackpropConfig(ObjectiveConfig):
     }
 
     def problems(self, config) -> list[str]:
-        """The SDE-ratio settings (:func:`~flowgrpo.algo.objectives.forward.sde_ratio_problems`) and every reward
-        of non-zero weight without a differentiable score (:func:`differentiable_reward_problems`), one line
-        each."""
-        return (super().problems(config) + sde_ratio_problems(self, config)
-                + differentiable_reward_problems(config.rewards))
+        """The SDE-ratio settings (:func:`~flowgrpo.algo.objectives.forward.sde_ratio_problems`), every reward of
+        non-zero weight without a differentiable score (:func:`differentiable_reward_problems`), and DRaFT-K's K or
+        ReFL's window longer than the ``sampling.num_steps`` grid, one line each."""
+        out = super().problems(config) + sde_ratio_problems(self, config)
+        t = config.sampling.num_steps
+        if self.variant == "draft_k" and self.k > t:
+            out.append(f"objective.k={self.k} exceeds sampling.num_steps={t}")
+        if self.variant == "refl" and self.refl_last_steps > t:
+            out.append(f"objective.refl_last_steps={self.refl_last_steps} exceeds sampling.num_steps={t}")
+        return out + differentiable_reward_problems(config.rewards)
 
 
 @OBJECTIVES.register("refl")
