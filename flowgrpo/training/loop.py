@@ -96,6 +96,8 @@ class Trainer:
         self.scorer = AsyncRewardScorer(rewards)
         self.tables: list = []  # the rewards' per-group tables of the final summary (report.report_tables)
         self._low_signal_warned = False
+        # whether the objective trains on the group advantages (a plugin objective that does not say: it does)
+        self._on_advantages = getattr(objective, "trains_on_advantages", True)
         self.forward_count = [0, 0]  # transformer calls and rows, for the rollout/update cost metrics
         adapter.transformer.register_forward_pre_hook(self._count_forward, with_kwargs=True)
         if config.train.resume_from:
@@ -227,7 +229,7 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 eta = elapsed / (epoch + 1 - first) * (last - epoch)
                 logger.info("%s", epoch_line(record, epoch, cfg.train.num_epochs, elapsed, eta,
-                                             advantages=self.objective.trains_on_advantages))
+                                             advantages=self._on_advantages))
         self.stage = "final"  # the final evaluation and save (what an interruption report names)
         summary = self._finish(before, img_before, captions, eval_seconds)
         self.scorer.close()
@@ -482,7 +484,7 @@ class Trainer:
         numbered from 1, as the epoch lines). Only for an objective that trains on the group advantages
         (:attr:`~flowgrpo.algo.objectives.base.Objective.trains_on_advantages`): for the others (a dataset, the
         reward's gradient, a teacher) groups of equal rewards are no lack of signal, and neither is logged."""
-        if not self.objective.trains_on_advantages:
+        if not self._on_advantages:
             return
         low = adv.learning_frac < self.cfg.algo.min_learning_frac
         self.metrics.log({"adv/low_signal": float(low)})

@@ -38,8 +38,8 @@ def test_low_signal_is_warned_and_logged_only_for_objectives_on_advantages(name,
     """Every group of equal rewards (sft draws each record G times): learning_frac 0 < min_learning_frac 0.1."""
     adv = Advantages(values=torch.zeros(8), train_mask=torch.ones(8, dtype=torch.bool), zero_spread_frac=1.0,
                      nan_frac=0.0, learning_frac=0.0)
-    trainer = SimpleNamespace(objective=OBJECTIVES.get(name), metrics=_Metrics(), main=True,
-                              _low_signal_warned=False,
+    trainer = SimpleNamespace(_on_advantages=OBJECTIVES.get(name).trains_on_advantages, metrics=_Metrics(),
+                              main=True, _low_signal_warned=False,
                               cfg=SimpleNamespace(algo=SimpleNamespace(min_learning_frac=0.1)))
     with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         for epoch in range(3):

@@ -139,7 +139,7 @@ class Objective(Protocol):
     trains_on_advantages: bool
     """Whether the update's signal is the group advantages (a group of equal rewards then trains nothing): the loop
     measures the share of samples with a learning signal against ``algo.min_learning_frac`` (metric
-    ``adv/low_signal``, a console warning) only for such an objective."""
+    ``adv/low_signal``, a console warning) only for such an objective (one that does not say: True)."""
 
     def validate(self) -> None:
         """Reject settings this objective cannot run with, before any model loads (``ValueError`` naming the
