@@ -328,9 +328,9 @@ def _parser() -> argparse.ArgumentParser:
                         formatter_class=DefaultsHelpFormatter,
                         description="sets: hpd (HPDv2 train.json/test.json), pickapic (Pick-a-Pic parquet/JSONL/CSV "
                                     "'caption'), ocr (quoted-text prompts), geneval (generated, no source)")
-    from flowgrpo.data.public_prompts import PROMPT_SETS
+    from flowgrpo.data.public_prompts import prompt_set_names
 
-    pr.add_argument("set", choices=[*PROMPT_SETS.names(), "geneval"])
+    pr.add_argument("set", choices=prompt_set_names())
     pr.add_argument("sources", nargs="*", help="the dataset's files (local copies)")
     pr.add_argument("--out", required=True, type=Path, help="prompt file to write (.txt; geneval: .jsonl)")
     pr.add_argument("--per-task", type=int_in(1), help="geneval only: prompts per task (default 1000)")

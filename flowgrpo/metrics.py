@@ -78,7 +78,8 @@ def _clock(seconds: float) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
-def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: float) -> str:
+def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: float, *,
+               advantages: bool = True) -> str:
     """The console line of one epoch, from its ``metrics.jsonl`` record::
 
         epoch 5/80 · 0:31 elapsed · ETA 7:44 · reward 0.612 ± 0.301 · trained 100% of samples, 100% of steps
@@ -87,7 +88,8 @@ def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: f
     ``epoch`` is 0-based (shown 1-based); ``elapsed`` and ``eta`` in seconds. The ``reward`` is the composed
     reward's mean ± population std over the epoch's B samples; ``trained`` the samples whose advantage is used
     (``adv/kept_frac``; in brackets the share with a learning signal, ``adv/learning_frac``, when it is smaller: a
-    group of equal rewards has none) and the transitions the chunker trains (``plan/trained_frac``); ``later clip`` and
+    group of equal rewards has none; only with ``advantages``, for an objective that trains on them) and the
+    transitions the chunker trains (``plan/trained_frac``); ``later clip`` and
     ``kl`` the clip fraction and approximate KL (½·mean Δlog p²) of the off-policy optimizer steps
     (``policy_later/*``: the first step of an epoch is on-policy, its ratio exactly 1); ``kl_ref`` when a KL
     penalty is on; ``first-update mismatch`` only when ``policy/logprob_mismatch_max`` is not 0 (the training
@@ -99,7 +101,8 @@ def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: f
     kept, steps = record.get("adv/kept_frac"), record.get("plan/trained_frac")
     if kept is not None and steps is not None:
         signal = record.get("adv/learning_frac")
-        note = f" ({signal:.0%} with a learning signal)" if signal is not None and signal < kept else ""
+        note = (f" ({signal:.0%} with a learning signal)" if advantages and signal is not None and signal < kept
+                else "")
         parts.append(f"trained {kept:.0%} of samples{note}, {steps:.0%} of steps")
     if record.get("policy_later/clipfrac") is not None:
         parts.append(f"later clip {record['policy_later/clipfrac']:.3g} kl {record['policy_later/approx_kl']:.2g}")

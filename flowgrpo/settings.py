@@ -8,6 +8,8 @@ strategy is an error naming its owner. This module imports nothing of flowgrpo a
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -88,10 +90,30 @@ class Section(BaseModel):
         return value
 
 
+@dataclasses.dataclass(frozen=True)
+class RegisteredIn:
+    """Field metadata of a :func:`registered_name` field: the registry its values come from (``--help`` lists the
+    names registered when it is shown, :func:`registered_names`)."""
+
+    registry: Registry
+
+
+def registered_names(field) -> list[str] | None:
+    """The names registered now in the registry of a :func:`registered_name` field (a pydantic ``FieldInfo``),
+    else None."""
+    marks = [m for m in field.metadata if isinstance(m, RegisteredIn)]
+    return marks[0].registry.names() if marks else None
+
+
+def with_names(text: str, names: list[str] | None) -> str:
+    """A ``--help`` description followed by the names a registry holds now (unchanged without names)."""
+    return f"{text} (registered: {', '.join(names)})" if names else text
+
+
 def registered_name(registry: Registry, key: str):
     """A ``str`` field type whose value must be registered in ``registry`` when validated (plugins register
     before the config is built); otherwise a ValueError naming ``key`` with the registry's own message (valid
-    names, the closest)."""
+    names, the closest). The field carries :class:`RegisteredIn` (``--help`` lists the registered names)."""
 
     def check(name: str) -> str:
         try:
@@ -100,7 +122,7 @@ def registered_name(registry: Registry, key: str):
             raise ValueError(f"{key}: {err.args[0]}") from None
         return name
 
-    return Annotated[str, AfterValidator(check)]
+    return Annotated[str, AfterValidator(check), RegisteredIn(registry)]
 
 
 def settings_class(registry: Registry, name: str, base: type[Section]) -> type[Section]:
@@ -119,8 +141,8 @@ def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Sect
         base: the settings every strategy of the kind has (its ``name`` field's default is the default strategy).
 
     Raises:
-        ValueError: an unknown strategy (listing the registered ones); a key of another strategy (naming the
-            strategies that read it and how to switch); an unknown key (its closest key).
+        ValueError: an unknown strategy (listing the registered ones); every key of another strategy (naming the
+            strategies that read it and how to switch) and every unknown key (its closest key), one line each.
     """
     if isinstance(value, BaseModel):
         return value
@@ -130,42 +152,61 @@ def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Sect
         settings = settings_class(registry, name, base)
     except KeyError as err:
         raise ValueError(f"{prefix}.name: {err.args[0]}") from None
-    for key in section:
-        if key not in settings.model_fields:
-            raise ValueError(_foreign_key(prefix, key, section[key], name, settings, registry, base))
+    foreign = [_foreign_key(prefix, key, section[key], name, settings, registry, base)
+               for key in section if key not in settings.model_fields]
+    refuse(foreign, f"{prefix} {name!r} has settings of other strategies")
     return settings.model_validate(section)
 
 
 def _foreign_key(prefix: str, key: str, value, name: str, settings: type[Section], registry: Registry,
                  base: type[Section]) -> str:
-    """Why ``key`` cannot be in the section of strategy ``name``: it is another strategy's knob, or a typo."""
-    owners = [n for n in registry if key in settings_class(registry, n, base).model_fields]
+    """Why ``key`` cannot be in the section of strategy ``name``: it is the knob of other strategies (those whose
+    settings have it and do not declare it ``unread``), or a typo."""
+    owners = [n for n in registry if key in settings_class(registry, n, base).model_fields
+              and key not in getattr(settings_class(registry, n, base), "unread", {})]
     if not owners:
         close = did_you_mean(key, settings.model_fields).replace(" (", "; ").rstrip(")")
         return (f"unknown config key '{prefix}.{key}' for {registry.what} {name!r} (its keys: "
                 f"{sorted(settings.model_fields)}){close}")
     them = " / ".join(owners)
+    example = f"{{name: {owners[0]}, {key}: {json.dumps(value, default=str)}}}"
     return (f"{prefix}.{key}={value!r} is read only by {prefix}.name={them}, but {prefix}.name is {name!r}: remove "
-            f"the setting or choose {them} (to switch strategies, replace the whole section, e.g. "
-            f"'{prefix}={{name: {name}}}', or '{prefix}: {{name: {name}}}' in a config that extends another)")
+            f"the setting, or switch to {them} by replacing the whole section, e.g. the override "
+            f"'{prefix}={example}' (a config that extends another merges its sections key by key over the base's: "
+            f"there a plain name, '{prefix}: {owners[0]}', replaces the base's section)")
 
 
 def strategy_rows(prefix: str, registry: Registry, base: type[Section]) -> list[tuple[str, str, str]]:
     """``--help`` rows (dotted key, default, description) of a strategy section: every registered strategy's
-    settings, each key marked with the strategies that have it (``name`` shows the default strategy)."""
+    settings, each key marked with the strategies that have it (``name`` shows the default strategy and lists the
+    registered ones; a :func:`registered_name` field lists its registry's names)."""
     owners: dict[str, list[str]] = {}
     fields = {}
     for strategy in registry:
-        for key, f in settings_class(registry, strategy, base).model_fields.items():
-            owners.setdefault(key, []).append(strategy)
+        settings = settings_class(registry, strategy, base)
+        for key, f in settings.model_fields.items():
+            if key not in getattr(settings, "unread", {}):  # a field the strategy has but never reads
+                owners.setdefault(key, []).append(strategy)
             fields.setdefault(key, f)
     rows = []
     for key, f in fields.items():
         default = repr(base.model_fields["name"].default) if key == "name" else repr(f.default)
-        where = "" if key == "name" else f"[{', '.join(owners[key])}] "
+        where = "" if key == "name" else f"[{', '.join(owners.get(key, []))}] "
         text = f.description or (base.model_fields[key].description if key in base.model_fields else "") or ""
-        rows.append((f"{prefix}.{key}", default, where + text))
+        names = registry.names() if key == "name" else registered_names(f)
+        rows.append((f"{prefix}.{key}", default, where + with_names(text, names)))
     return rows
+
+
+def refuse(problems: list[str], what: str) -> None:
+    """Raise one ``ValueError`` for every problem of a config at once, so that it is fixed in one go: the problem's
+    own line when there is one, else ``what`` and the count, then one line each; nothing when ``problems`` is
+    empty."""
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(f"{what}: {len(problems)} settings to change, one a line:\n"
+                         + "\n".join(f"  - {p}" for p in problems))
 
 
 class ConfigError(ValueError):

@@ -20,6 +20,10 @@ def test_epoch_line_shows_progress_eta_reward_and_later_updates():
     assert "trained 75% of samples, 50% of steps" in line  # every kept sample carries a signal: no note
     line = epoch_line({**record, "adv/learning_frac": 0.0}, 4, 80, elapsed=65.0, eta=0.0)
     assert "trained 75% of samples (0% with a learning signal), 50% of steps" in line  # a constant reward
+    # an objective that does not train on the advantages (sft: each record drawn G times, equal rewards) has no
+    # lack of signal to show
+    line = epoch_line({**record, "adv/learning_frac": 0.0}, 4, 80, elapsed=65.0, eta=0.0, advantages=False)
+    assert "trained 75% of samples, 50% of steps" in line and "learning signal" not in line
     line = epoch_line({**record, "policy/logprob_mismatch_max": 1.2e-7}, 0, 3, elapsed=3725.0, eta=0.0)
     assert line.startswith("epoch 1/3 · 1:02:05 elapsed · ETA 0:00")
     assert line.endswith("first-update mismatch 1.2e-07")

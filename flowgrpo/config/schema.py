@@ -48,8 +48,8 @@ class ModelConfig(Section):
 
     pretrained: str = Field(
         "digits",
-        description="diffusers folder or hub id (FLUX.1 or SD3.5), or an embedded model: 'digits' (built and "
-        "cached on first use) or 'tiny' (random weights, for plumbing tests)",
+        description="diffusers folder or hub id of a model whose pipeline class (its model_index.json's) has an "
+        "adapter, or an embedded model, built and cached on first use ('tiny': random weights, for plumbing tests)",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the transformer's forward (and of its frozen weights and of the final "
@@ -184,7 +184,7 @@ class SamplingConfig(Section):
 
     num_steps: int = Field(10, ge=1, description="T, denoising steps per trajectory")
     guidance_scale: float = Field(3.5, ge=0, description="FLUX guidance embedding / SD3 CFG scale")
-    sde_kind: SdeKindName = Field("flow_sde", description="registered SDE kind: flow_sde, dance_sde, cps, ode")
+    sde_kind: SdeKindName = Field("flow_sde", description="the rollout's SDE kind (flowgrpo.sampling.sde.SDE_KINDS)")
     noise_level: float = Field(
         0.7, ge=0, description="SDE noise: a for flow_sde and cps (cps: in [0, 1]), eta for dance_sde"
     )
@@ -223,7 +223,8 @@ class EvalSamplingConfig(Section):
 class AlgoConfig(Section):
     """Advantages and the policy loss."""
 
-    advantage: EstimatorName = Field("grpo", description="registered estimator: grpo, dr_grpo, rloo")
+    advantage: EstimatorName = Field("grpo", description="the advantage estimator "
+                                     "(flowgrpo.algo.advantages.ESTIMATORS)")
     global_std: bool = Field(False, description="grpo: divide by the batch's std instead of each group's")
     multi_reward: Literal["sum_then_normalize", "gdpo", "normalize_then_sum"] = Field(
         "sum_then_normalize", description="several rewards: weighted sum first; gdpo (each normalised in its group, "
@@ -441,8 +442,11 @@ class RewardSpec(Section):
 class DataConfig(Section):
     """Prompt files: plain text (one prompt a line) or JSONL (a 'prompt' field plus metadata)."""
 
-    train_prompts: str = Field("digits", description="prompt file, or an embedded set: digits, t2i_compbench")
-    eval_prompts: str | None = Field(None, description="held-out prompt file for periodic evaluation")
+    train_prompts: str = Field("digits", description="prompt file (.txt: one prompt a line; .jsonl: a 'prompt' "
+                               "field and metadata; flowgrpo prompts builds one from a public set), or an embedded "
+                               "set")
+    eval_prompts: str | None = Field(None, description="held-out prompt file (or embedded set) for periodic "
+                                     "evaluation")
     eval_num_prompts: int = Field(200, ge=1, description="evaluation prompts (cycled with new seeds if fewer)")
 
 

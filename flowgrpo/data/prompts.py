@@ -124,6 +124,16 @@ def _read_jsonl(path: Path) -> tuple[list[str], list[dict]]:
     return prompts, meta
 
 
+def how_to_make(path: Path) -> str:
+    """How to make a missing prompt file ``path``: the ``flowgrpo prompts`` command and its sets (read from
+    :func:`flowgrpo.data.public_prompts.prompt_set_names`), or a file written by hand."""
+    from flowgrpo.data.public_prompts import prompt_set_names
+
+    return (f"build it from a local copy of a public prompt set with 'flowgrpo prompts SET SOURCE... --out "
+            f"{path}' (SET: {', '.join(prompt_set_names())}; see flowgrpo prompts --help; a shipped config's header "
+            "names its set), or write it: one prompt a line (.txt), or JSONL with a 'prompt' field")
+
+
 def load_prompts(name_or_path: str) -> PromptSet:
     """Read a prompt file or an embedded set. Raises ``ValueError`` for a missing/empty/malformed file."""
     paths = EMBEDDED[name_or_path]() if name_or_path in EMBEDDED else [Path(name_or_path)]
@@ -133,9 +143,8 @@ def load_prompts(name_or_path: str) -> PromptSet:
         if path.is_dir():
             raise ValueError(f"prompt file {str(path)!r} is a directory; give a .txt or .jsonl file in it")
         if not path.is_file():
-            raise ValueError(
-                f"prompt file {str(path)!r} does not exist (embedded sets: {sorted(EMBEDDED)})"
-            )
+            raise ValueError(f"prompt file {str(path)!r} does not exist (embedded sets: {sorted(EMBEDDED)}); "
+                             f"{how_to_make(path)}")
         if path.suffix == ".jsonl":
             p, m = _read_jsonl(path)
         else:

@@ -38,6 +38,14 @@ logger = logging.getLogger(__name__)
 
 PROMPT_SETS: Registry[Callable[[list[Path]], list[str]]] = Registry("prompt set")
 
+#: sets ``flowgrpo prompts`` makes without source files (a generator, not a reader of :data:`PROMPT_SETS`)
+GENERATED_SETS = ("geneval",)
+
+
+def prompt_set_names() -> list[str]:
+    """Every set ``flowgrpo prompts SET`` takes: the registered readers, then the generated sets."""
+    return [*PROMPT_SETS.names(), *GENERATED_SETS]
+
 
 def _unique(prompts: Iterable) -> list[str]:
     seen, out, nulls = set(), [], 0

@@ -96,6 +96,8 @@ class Trainer:
         self.scorer = AsyncRewardScorer(rewards)
         self.tables: list = []  # the rewards' per-group tables of the final summary (report.report_tables)
         self._low_signal_warned = False
+        # whether the objective trains on the group advantages (a plugin objective that does not say: it does)
+        self._on_advantages = getattr(objective, "trains_on_advantages", True)
         self.forward_count = [0, 0]  # transformer calls and rows, for the rollout/update cost metrics
         adapter.transformer.register_forward_pre_hook(self._count_forward, with_kwargs=True)
         if config.train.resume_from:
@@ -226,7 +228,8 @@ class Trainer:
             if self.main:
                 elapsed = time.perf_counter() - start
                 eta = elapsed / (epoch + 1 - first) * (last - epoch)
-                logger.info("%s", epoch_line(record, epoch, cfg.train.num_epochs, elapsed, eta))
+                logger.info("%s", epoch_line(record, epoch, cfg.train.num_epochs, elapsed, eta,
+                                             advantages=self._on_advantages))
         self.stage = "final"  # the final evaluation and save (what an interruption report names)
         summary = self._finish(before, img_before, captions, eval_seconds)
         self.scorer.close()
@@ -478,7 +481,11 @@ class Trainer:
     def _warn_low_signal(self, epoch: int, adv: Advantages) -> None:
         """Metric ``adv/low_signal`` (1.0 or 0.0) each epoch; a console warning, with what to change, the first
         epoch the fraction of samples with a learning signal falls below ``algo.min_learning_frac`` (the epoch
-        numbered from 1, as the epoch lines)."""
+        numbered from 1, as the epoch lines). Only for an objective that trains on the group advantages
+        (:attr:`~flowgrpo.algo.objectives.base.Objective.trains_on_advantages`): for the others (a dataset, the
+        reward's gradient, a teacher) groups of equal rewards are no lack of signal, and neither is logged."""
+        if not self._on_advantages:
+            return
         low = adv.learning_frac < self.cfg.algo.min_learning_frac
         self.metrics.log({"adv/low_signal": float(low)})
         if not low or self._low_signal_warned or not self.main:

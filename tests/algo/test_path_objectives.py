@@ -376,9 +376,12 @@ def test_settings_out_of_range_are_refused():
     for bad in ({"variant": "draft"}, {"k": 0}, {"reward_scale": 0.0}):
         with pytest.raises(ValueError):
             build_config({"objective": {"name": "refl", **bad}, "algo": {"clip_range": 1e-4, "kl_beta": 0.0}})
-    cfg = build_config({"objective": {"name": "refl", "k": 5}, "sampling": {"num_steps": 4},
+    with pytest.raises(ValueError, match="objective.k=5 exceeds sampling.num_steps=4"):  # before any model loads
+        build_config({"objective": {"name": "refl", "k": 5}, "sampling": {"num_steps": 4},
+                      "algo": {"clip_range": 1e-4, "kl_beta": 0.0}})
+    cfg = build_config({"objective": {"name": "refl", "k": 5}, "sampling": {"num_steps": 5},
                         "algo": {"clip_range": 1e-4, "kl_beta": 0.0}})
-    with pytest.raises(ValueError, match="objective.k=5 exceeds sampling.num_steps=4"):
+    with pytest.raises(ValueError, match="objective.k=5 exceeds sampling.num_steps=4"):  # and on the model's grid
         build_objective(cfg).trajectories_per_sample(SIGMAS, None)
     with pytest.raises(ValueError, match="objective.name=opd needs objective.teacher"):
         build_objective(build_config({"objective": {"name": "opd"}, "algo": {"clip_range": 1e-4,

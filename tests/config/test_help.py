@@ -74,3 +74,56 @@ def test_geneval_help_shows_defaults():
     assert out.returncode == 0, out.stderr
     flat = " ".join(out.stdout.split())
     assert "(default: 28)" in flat and "(default: 4)" in flat and "(default: float32)" in flat
+
+
+# ------------------------------------------------------------------------------- lists derived from the registries
+def _rows(text: str) -> dict[str, str]:
+    return {ln.split()[0]: ln for ln in text.splitlines() if ln.startswith("  ") and ln.split()}
+
+
+def test_help_lists_every_registered_name_and_no_stale_list():
+    """The strategies, a registered field's names, the model families and the embedded prompt sets are read from
+    their registries when --help is shown: a plugin registered now is listed too."""
+    from flowgrpo.algo.objectives import OBJECTIVES, SdeRatio
+    from flowgrpo.config.schema import STRATEGY_SECTIONS, SamplingConfig
+    from flowgrpo.data.prompts import EMBEDDED
+    from flowgrpo.models import ADAPTERS, EMBEDDED_MODELS
+    from flowgrpo.runner import help_text
+    from flowgrpo.sampling.sde import SDE_KINDS
+
+    OBJECTIVES.register("help_probe")(SdeRatio)
+    try:
+        text = help_text(None, [])
+    finally:
+        OBJECTIVES.unregister("help_probe")
+    rows = _rows(text)
+    for prefix, (registry, _) in STRATEGY_SECTIONS.items():
+        listed = rows[f"{prefix}.name"].split("(registered: ")[1].split(")")[0].split(", ")
+        assert listed == sorted(registry.names() + (["help_probe"] if registry is OBJECTIVES else [])), prefix
+    for name in [*ADAPTERS.names(), *EMBEDDED_MODELS]:
+        assert name in rows["model.pretrained"], name
+    for key in ("data.train_prompts", "data.eval_prompts"):
+        for name in EMBEDDED:
+            assert name in rows[key], (key, name)
+    assert SDE_KINDS.names() and all(n in rows["sampling.sde_kind"] for n in SDE_KINDS.names())
+    assert "RegisteredIn" in repr(SamplingConfig.model_fields["sde_kind"].metadata)
+    assert "FLUX.1 or SD3.5" not in text and "an embedded set: digits, t2i_compbench" not in text
+
+
+def test_help_shows_strategy_settings_the_chosen_strategy_does_not_read_as_not_read():
+    """A setting of another objective (refl has no solver) or one the objective has but never reads (sft's
+    solver) shows no value, as no value of it is used; the ones it reads show the config's."""
+    from flowgrpo.runner import help_text
+
+    def value(rows: dict, key: str) -> str:
+        return rows[key].rsplit("[", 1)[1].rstrip("]")
+
+    refl = _rows(help_text("configs/digits_refl.yaml", []))
+    assert value(refl, "objective.solver_noise_level") == "not read by objective 'refl'"
+    assert value(refl, "objective.k") == "1" and value(refl, "objective.variant") == "draft_k"
+    assert value(refl, "chunker.window_size") == "not read by chunker 'per_step'"
+    sft = _rows(help_text("configs/digits_sft.yaml", []))
+    for key in ("solver", "solver_noise_level", "grid", "adv_clip_max", "decay_cap", "pairs"):
+        assert value(sft, f"objective.{key}") == "not read by objective 'sft'", key
+    assert value(sft, "objective.num_train_timesteps") == "1" and value(sft, "objective.kl_beta") == "0.0"
+    assert "[awm, dgpo, dpo, nft] " in sft["objective.solver"]  # who reads it: not sft, which has it unread

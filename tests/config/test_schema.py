@@ -64,8 +64,9 @@ def test_each_chunker_has_its_own_section():
     with pytest.raises(ConfigError, match="chunker.window_size=8 is read only by chunker.name=window, but chunker.name "
                                           "is 'per_step'"):
         build_config({"chunker": {"name": "per_step", "window_size": 8}})
-    # switching the default's E-GRPO chunker by name alone leaves its knobs: the error says how to switch
-    with pytest.raises(ConfigError, match=r"replace the whole section, e.g. 'chunker=\{name: chunk\}'"):
+    # switching the default's E-GRPO chunker by name alone leaves its knobs: the error says how sections merge
+    with pytest.raises(ConfigError, match=r"replacing the whole section, e.g. the override 'chunker=\{name: "
+                                          r"entropy_merge, entropy_threshold: 0.9\}'.*a plain name"):
         build_config({"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9}}, ["chunker.name=chunk"])
     assert build_config({"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9}},
                         ["chunker={name: chunk}"]).chunker.name == "chunk"
@@ -142,3 +143,25 @@ def test_an_ema_in_host_memory_needs_an_ema():
     with pytest.raises(ConfigError, match=r"parallel.ema=cpu places the EMA of train.ema_decay, which is not set"):
         build_config({}, ["parallel.ema=cpu"])
     assert build_config({}, ["parallel.ema=cpu", "train.ema_decay=0.9"]).parallel.ema == "cpu"
+
+
+def test_the_switch_hint_never_names_the_chosen_strategy():
+    """Every strategy kind, every strategy, every key only other strategies have: the refusal's hint (after
+    "remove the setting") names a strategy that reads the key, never the one already chosen (it used to suggest
+    '{name: <the chosen one>}')."""
+    from flowgrpo.config.schema import STRATEGY_SECTIONS
+    from flowgrpo.settings import settings_class, strategy_settings
+
+    checked = 0
+    for prefix, (registry, base) in STRATEGY_SECTIONS.items():
+        fields = {n: settings_class(registry, n, base).model_fields for n in registry}
+        for chosen in registry:
+            for key in sorted({k for f in fields.values() for k in f} - set(fields[chosen])):
+                owners = [n for n in registry if key in fields[n]]
+                with pytest.raises(ValueError) as err:
+                    strategy_settings({"name": chosen, key: 1}, prefix=prefix, registry=registry, base=base)
+                hint = str(err.value).split("remove the setting", 1)[1]
+                assert f"name: {chosen}" not in hint and f"{prefix}: {chosen}'" not in hint, str(err.value)
+                assert f"'{prefix}={{name: {owners[0]}, {key}: 1}}'" in hint, str(err.value)
+                checked += 1
+    assert checked > 50

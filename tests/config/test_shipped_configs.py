@@ -54,12 +54,54 @@ def test_shipped_launch_defaults_silence_accelerates_warning():
 
 
 def test_configs_name_the_command_that_builds_their_prompt_files():
+    """A config whose prompt file is not shipped says, in its comments, how to make it: the ``flowgrpo prompts``
+    command, or (records with a conditioning image, which no public set provides) the record's format. (The video
+    configs passed on "Prompt file: JSONL or plain text", naming no way to make it.)"""
     import yaml
 
+    checked = 0
     for path in sorted((REPO / "configs").glob("*.yaml")):
-        data = yaml.safe_load(path.read_text())
-        train = (data.get("data") or {}).get("train_prompts", "")
-        if train.startswith("data/"):
-            text = path.read_text()
-            # a builder command, or (editing sets with source images, which no public set ships) the file's format
-            assert "flowgrpo prompts" in text or "geneval.prompts" in text or "# Prompt file: JSONL" in text, path
+        text = path.read_text()
+        data = yaml.safe_load(text)
+        for key in ("train_prompts", "eval_prompts"):
+            file = (data.get("data") or {}).get(key) or ""
+            if "/" not in file or (REPO / file).is_file():
+                continue  # an embedded set, or a file in the repository
+            header = " ".join(ln.lstrip("# ") for ln in text.split("\n") if ln.startswith("#"))
+            assert "flowgrpo prompts" in header or (file.endswith(".jsonl") and '"image"' in header), path.name
+            checked += 1
+    assert checked >= 20
+
+
+def test_a_missing_prompt_file_names_the_command_that_builds_it(tmp_path):
+    from flowgrpo.data.prompts import load_prompts
+    from flowgrpo.data.public_prompts import PROMPT_SETS
+
+    missing = tmp_path / "data" / "pickscore_train.txt"
+    with pytest.raises(ValueError) as err:
+        load_prompts(str(missing))
+    (line,) = str(err.value).splitlines()
+    assert f"'flowgrpo prompts SET SOURCE... --out {missing}'" in line and "flowgrpo prompts --help" in line
+    assert all(name in line for name in [*PROMPT_SETS.names(), "geneval"]), line
+
+
+def test_the_digits_variants_are_described_by_what_they_change():
+    """Each configs/digits_*.yaml changes one method of configs/digits.yaml; docs/configs.md and digits.yaml's
+    header name every kind of method they change (they said "one per chunker / SDE kind" once objectives came)."""
+    base = load_config(REPO / "configs" / "digits.yaml")
+
+    def methods(c) -> dict[str, str]:
+        return {"a chunker": c.chunker.name, "an SDE kind": c.sampling.sde_kind,
+                "an advantage estimator": c.algo.advantage, "an objective": c.objective.name}
+
+    kinds = set()
+    for path in sorted((REPO / "configs").glob("digits_*.yaml")):
+        changed = [k for k, v in methods(load_config(path)).items() if v != methods(base)[k]]
+        assert len(changed) == 1, (path.name, changed)
+        kinds.add(changed[0])
+    assert kinds == set(methods(base))  # every kind occurs, so every kind must be named
+    row = next(ln for ln in (REPO / "docs" / "configs.md").read_text().splitlines() if "`configs/digits_*.yaml`" in ln)
+    header = " ".join(ln.lstrip("# ") for ln in (REPO / "configs" / "digits.yaml").read_text().splitlines()
+                      if ln.startswith("#"))
+    for kind in kinds:
+        assert kind in row and kind in header, kind

@@ -101,6 +101,7 @@ def test_each_objective_trains_an_epoch_through_the_command(tmp_path, tiny_flux_
     weights = load_file(tmp_path / "run" / "checkpoints" / "epoch_0" / "trainable.safetensors")
     assert [k for k, v in weights.items() if "lora_B" in k and v.abs().max() > 0]  # the update moved LoRA B
     assert "jpeg_incompressibility_mean_after" in summary
+    assert ("adv/low_signal" in rec) == (name == "dpo")  # only online DPO trains on the group advantages
 
 
 @pytest.mark.slow

@@ -36,8 +36,8 @@ CHUNKERS: Registry = Registry("chunker")
 class ChunkerConfig(Section):
     """Settings every chunker has. Subclasses add their own and fix ``name`` to their registered name."""
 
-    name: str = Field("per_step", description="registered chunker: per_step, chunk, trajectory, window, "
-                      "entropy_merge (or one a plugin registers); a plain name is shorthand for {name: ...}")
+    name: str = Field("per_step", description="the chunker (flowgrpo.algo.chunkers.CHUNKERS: a built-in or one a "
+                      "plugin registers); a plain name is shorthand for {name: ...}")
     #: the rollout draws more than P·G trajectories an epoch, a number only the model's σ grid decides (E-GRPO:
     #: G per prompt and branch step), so the batch checks on B = P·G check only what holds for any multiple of it
     multiplies_batch: ClassVar[bool] = False

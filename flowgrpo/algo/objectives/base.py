@@ -52,7 +52,7 @@ from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.algo.filters import GROUP_FILTERS, FilterResult, advantages_of_kept
 from flowgrpo.records import Advantages, Rewards
 from flowgrpo.registry import Registry
-from flowgrpo.settings import Section
+from flowgrpo.settings import Section, refuse
 
 OBJECTIVES: Registry = Registry("objective")
 
@@ -67,9 +67,35 @@ class ObjectiveConfig(Section):
         "or one a plugin registers; a plain name is shorthand for {name: ...}"
     )
 
+    #: fields of this settings model that the objective never reads: field -> why (what it reads instead); one
+    #: moved from its default is refused (:meth:`problems`), and ``--help`` shows them as not read
+    unread: ClassVar[dict[str, str]] = {}
+
+    def problems(self, config) -> list[str]:
+        """Every run setting (``config``, the whole :class:`~flowgrpo.config.Config`) this objective does not read
+        or cannot run with, one line each naming the setting, why and what to do (empty: none). Here: a field of
+        :attr:`unread` moved from its default, and ``algo.min_learning_frac`` moved for an objective that does not
+        train on the advantages (it is the low-signal warning's threshold, :attr:`Objective.trains_on_advantages`)."""
+        out = [f"objective.{key}={getattr(self, key)!r} is not read by objective {self.name!r} ({why}): remove the "
+               f"setting (default {type(self).model_fields[key].default!r})"
+               for key, why in self.unread.items() if _moved(self, key)]
+        if not getattr(OBJECTIVES.get(self.name), "trains_on_advantages", True) and _moved(config.algo,
+                                                                                           "min_learning_frac"):
+            out.append(f"algo.min_learning_frac={config.algo.min_learning_frac!r} is read only by objectives that "
+                       f"train on the group advantages, but objective {self.name!r} does not (its signal is not "
+                       "the differences within a group): remove the setting (default "
+                       f"{type(config.algo).model_fields['min_learning_frac'].default!r})")
+        return out
+
     def check(self, config) -> None:
-        """Reject run settings (``config``, the whole :class:`~flowgrpo.config.Config`) this objective does not
-        read or cannot run with, before any model loads (``ValueError``); nothing by default."""
+        """Reject, before any model loads, every problem :meth:`problems` finds, all in one ``ValueError`` (one
+        line each)."""
+        refuse(self.problems(config), f"objective {self.name!r} cannot run with this config")
+
+
+def _moved(section, key: str) -> bool:
+    """Whether ``section.key`` differs from its field's default."""
+    return getattr(section, key) != type(section).model_fields[key].default
 
 
 @dataclass(frozen=True)
@@ -109,6 +135,11 @@ class Objective(Protocol):
 
     needs_reference: bool
     """Whether the update forwards the frozen reference (full fine-tuning then keeps a frozen copy)."""
+
+    trains_on_advantages: bool
+    """Whether the update's signal is the group advantages (a group of equal rewards then trains nothing): the loop
+    measures the share of samples with a learning signal against ``algo.min_learning_frac`` (metric
+    ``adv/low_signal``, a console warning) only for such an objective (one that does not say: True)."""
 
     def validate(self) -> None:
         """Reject settings this objective cannot run with, before any model loads (``ValueError`` naming the
@@ -185,6 +216,9 @@ class BaseObjective:
     """
 
     Config: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
+    #: the update trains on the group advantages (:attr:`Objective.trains_on_advantages`); False for an objective
+    #: whose signal is a dataset, the reward's gradient or a teacher
+    trains_on_advantages: ClassVar[bool] = True
 
     def __init__(self, config) -> None:
         self.cfg = config

@@ -26,7 +26,7 @@ the same advantage gives no pair. Offline pairs from a preference dataset: :mod:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,7 @@ from pydantic import Field
 from flowgrpo import dist
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
-from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, RowDraw
+from flowgrpo.algo.objectives.forward import NO_OLD_COPY_UNREAD, ForwardObjective, ForwardWork, RowDraw
 from flowgrpo.algo.objectives.sft import SigmaDensityConfig, train_sigmas
 from flowgrpo.algo.schedule import step_shares
 from flowgrpo.records import Advantages, FinalSamples
@@ -182,12 +182,13 @@ class DPOBaseConfig(SigmaDensityConfig):
                         "* ((e_w - e_ref_w) - (e_l - e_ref_l))) (flow_grpo pickscore_sd3: 100; Flow-Factory's "
                         "default 2000; Diffusion-DPO SD1.5: 5000)")
 
-    def check(self, config) -> None:
-        """The forward family's refusals, and ``objective.kl_beta`` (DPO's reference enters through ``beta``)."""
-        super().check(config)
-        if self.kl_beta:
-            raise ValueError(f"objective.kl_beta={self.kl_beta} is not read by objective {self.name!r}: its "
-                             "reference enters the loss through objective.beta_dpo; remove kl_beta")
+    #: DPO's reference enters through beta; no advantage is clipped (the pairs are ordered by them); no old copy
+    unread: ClassVar[dict[str, str]] = {
+        **NO_OLD_COPY_UNREAD, "adv_clip_max": "it orders a group's samples by their advantages and clips none",
+        "kl_beta": "its reference enters the loss through objective.beta_dpo"}
+    instead: ClassVar[dict[tuple[str, str], str]] = {
+        ("algo", "kl_beta"): "its reference enters the loss through objective.beta_dpo",
+        ("algo", "kl_form"): "its reference enters the loss through objective.beta_dpo"}
 
 
 class DPOConfig(DPOBaseConfig):

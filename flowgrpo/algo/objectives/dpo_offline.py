@@ -11,12 +11,13 @@ model's VAE (:func:`~flowgrpo.sampling.dataset_rollout.dataset_rollout`). The re
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.dpo import DPO, DPOBaseConfig
+from flowgrpo.algo.objectives.forward import DATASET_INSTEAD, DATASET_UNREAD
 from flowgrpo.data.image_sets import PAIR_KEYS, dataset_folder
 from flowgrpo.records import FinalSamples
 from flowgrpo.sampling.dataset_rollout import dataset_rollout
@@ -40,13 +41,18 @@ class DPOOfflineConfig(DPOBaseConfig):
     ``data.train_prompts`` names; ``train.group_size`` must be 2 (a pair)."""
 
     name: Literal["dpo_offline"] = "dpo_offline"
+    trains_on: ClassVar[str] = "the dataset's pairs of images"
+    instead: ClassVar[dict[tuple[str, str], str]] = {**DATASET_INSTEAD, **DPOBaseConfig.instead}
+    unread: ClassVar[dict[str, str]] = {**DPOBaseConfig.unread, **DATASET_UNREAD,
+                                        "adv_clip_max": "no advantage enters its loss: the dataset's pairs do"}
 
-    def check(self, config) -> None:
-        """:class:`DPOBaseConfig`'s refusals, and groups of 2 (the chosen and the rejected image)."""
-        super().check(config)
+    def problems(self, config) -> list[str]:
+        """:class:`DPOBaseConfig`'s problems, and groups of 2 (the chosen and the rejected image)."""
+        out = super().problems(config)
         if config.train.group_size != 2:
-            raise ValueError(f"objective dpo_offline trains a pair a group: train.group_size must be 2, got "
-                             f"{config.train.group_size}")
+            out.append(f"objective dpo_offline trains a pair a group: train.group_size must be 2, got "
+                       f"{config.train.group_size}")
+        return out
 
 
 @OBJECTIVES.register("dpo_offline")
@@ -55,6 +61,7 @@ class DPOOffline(DPO):
     images for a rollout and the dataset's pairs for the plan."""
 
     Config = DPOOfflineConfig
+    trains_on_advantages = False  # the dataset's images (or pairs) are the signal, whatever the rewards
 
     def image_key(self, j: int) -> str:
         """Sample 0 of a group is the chosen image, sample 1 the rejected one."""

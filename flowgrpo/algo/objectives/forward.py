@@ -28,7 +28,8 @@ The epoch (the phases of :mod:`flowgrpo.algo.objectives.base`):
 Every draw comes from a generator seeded by (run seed, epoch, pass, what, and the sample, the global micro-batch
 or nothing), so an epoch is the same on any number of processes and any batching that keeps the draws' scope.
 The SDE-ratio family's settings (``chunker``, ``sampling.sde_kind`` and its noise, ``algo.policy_loss``, the clip
-ranges, ``algo.kl_*``) are refused with a forward-process objective (:meth:`ForwardConfig.check`).
+ranges, ``algo.kl_*``) are refused with a forward-process objective, all of them in one error, one line each
+(:func:`sde_ratio_problems`, :meth:`ForwardConfig.problems`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pydantic.fields import FieldInfo
 
 from flowgrpo import dist
 from flowgrpo.algo.chunkers import ChunkerConfig
-from flowgrpo.algo.objectives.base import BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep
+from flowgrpo.algo.objectives.base import BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep, _moved
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms
 from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy
 from flowgrpo.algo.policy_losses import PolicyLossConfig
@@ -55,7 +56,8 @@ from flowgrpo.settings import registered_name
 
 SolverName = registered_name(SOLVERS, "objective.solver")
 
-#: settings only the SDE-ratio objective reads: (section, key) -> what a forward-process objective uses instead
+#: settings only the SDE-ratio objective reads: (section, key) -> what a forward-process objective uses instead (an
+#: objective's :attr:`ForwardConfig.instead` replaces the entries that are not true of it)
 SDE_RATIO_ONLY = {
     ("sampling", "sde_kind"): "its rollout solver is objective.solver",
     ("sampling", "noise_level"): "its solver's noise is objective.solver_noise_level",
@@ -71,9 +73,14 @@ SDE_RATIO_ONLY = {
     ("algo", "recompute_old_log_probs"): "it computes no log-probabilities",
 }
 
-
-def _moved(section, key: str) -> bool:
-    return getattr(section, key) != type(section).model_fields[key].default
+#: what a dataset objective (``sft``, ``dpo_offline``) reads in place of the rollout's settings
+DATASET_INSTEAD = {("sampling", k): "it samples nothing: the dataset's images are its samples"
+                   for k in ("sde_kind", "noise_level", "sigma_one_guard", "final_decode")}
+#: the :class:`ForwardConfig` fields a dataset objective never reads (it samples nothing)
+DATASET_UNREAD = {k: "it samples nothing: the dataset's images are its samples"
+                  for k in ("solver", "solver_noise_level", "grid", "grid_shift")}
+#: the old copy's fields, unread by an objective that keeps no old copy
+NO_OLD_COPY_UNREAD = {k: "it keeps no old copy of the weights" for k in ("decay_flat", "decay_ramp", "decay_cap")}
 
 
 def _is_default_strategy(section, base) -> bool:
@@ -82,9 +89,38 @@ def _is_default_strategy(section, base) -> bool:
     return section.name == base.model_fields["name"].default and section == type(section)()
 
 
+def sde_ratio_problems(objective, config) -> list[str]:
+    """One line for each setting only the SDE-ratio objective reads (:data:`SDE_RATIO_ONLY`, ``chunker``,
+    ``algo.policy_loss``) moved from its default, for the objective settings ``objective`` (an
+    :class:`~flowgrpo.algo.objectives.base.ObjectiveConfig` whose class declares ``trains_on`` and ``instead``, as
+    :class:`ForwardConfig` does) in the run config ``config``: who reads it, what the objective trains on and
+    reads instead."""
+    out = []
+    instead = {**SDE_RATIO_ONLY, **type(objective).instead}
+    for (sec, key), why in instead.items():
+        section = getattr(config, sec)
+        if _moved(section, key):
+            default = type(section).model_fields[key].default
+            out.append(f"{sec}.{key}={getattr(section, key)!r} is read only by objective.name=sde_ratio, but "
+                       f"objective.name is {objective.name!r}, which trains on {objective.trains_on} ({why}): remove "
+                       f"the setting (default {default!r})")
+    for sec, what, base in (("chunker", config.chunker, ChunkerConfig),
+                            ("algo.policy_loss", config.algo.policy_loss, PolicyLossConfig)):
+        if not _is_default_strategy(what, base):
+            out.append(f"{sec} {what.name!r} (and its settings) is read only by objective.name=sde_ratio (its SDE "
+                       f"transitions and their ratio loss), but objective.name is {objective.name!r}, whose loss "
+                       f"and training sigmas are its own (objective.*): remove the {sec} section")
+    return out
+
+
 class ForwardConfig(ObjectiveConfig):
     """Settings every forward-process objective has (``objective:``); each objective sets the release's defaults
     with :func:`shared` (the same constraints and description, its own default)."""
+
+    #: what the objective trains on, for the refusals of the SDE-ratio settings (:func:`sde_ratio_problems`)
+    trains_on: ClassVar[str] = "the rollout's final samples"
+    #: what it reads in place of an SDE-ratio setting, where :data:`SDE_RATIO_ONLY`'s text is not true of it
+    instead: ClassVar[dict[tuple[str, str], str]] = {}
 
     solver: SolverName = Field("euler", description="forward-process objectives: the rollout's solver "
                                "(flowgrpo.sampling.solvers: euler; dpmpp_2m, DiffusionNFT's dpm2 and DGPO's "
@@ -115,23 +151,10 @@ class ForwardConfig(ObjectiveConfig):
         """The old copy's schedule."""
         return DecaySchedule(flat=self.decay_flat, ramp=self.decay_ramp, cap=self.decay_cap)
 
-    def check(self, config) -> None:
-        """Refuse every setting only the SDE-ratio objective reads (:data:`SDE_RATIO_ONLY`, ``chunker``,
-        ``algo.policy_loss``) when moved from its default, one line naming who reads it. Raises ``ValueError``."""
-        for (sec, key), instead in SDE_RATIO_ONLY.items():
-            section = getattr(config, sec)
-            if _moved(section, key):
-                default = type(section).model_fields[key].default
-                raise ValueError(f"{sec}.{key}={getattr(section, key)!r} is read only by objective.name=sde_ratio, "
-                                 f"but objective.name is {self.name!r}, which trains on the rollout's final samples "
-                                 f"({instead}): remove the setting (default {default!r})")
-        for sec, what, base in (("chunker", config.chunker, ChunkerConfig),
-                                ("algo.policy_loss", config.algo.policy_loss, PolicyLossConfig)):
-            if not _is_default_strategy(what, base):
-                raise ValueError(f"{sec} {what.name!r} (and its settings) is read only by objective.name=sde_ratio "
-                                 f"(its SDE transitions and their ratio loss), but objective.name is {self.name!r}, "
-                                 f"whose loss and training sigmas are its own (objective.*): remove the {sec} "
-                                 "section")
+    def problems(self, config) -> list[str]:
+        """:class:`ObjectiveConfig`'s problems (its :attr:`unread` fields), then every setting only the SDE-ratio
+        objective reads (:func:`sde_ratio_problems`), one line each."""
+        return super().problems(config) + sde_ratio_problems(self, config)
 
 
 def shared(name: str, default):

@@ -30,14 +30,14 @@ scored and logged as monitors, as the release's ``proxy_reward``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from flowgrpo.algo.objectives.base import OBJECTIVES, ObjectiveConfig
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims
-from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork
+from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, sde_ratio_problems
 from flowgrpo.algo.objectives.paths import PathDraw, PathSamples, path_rollout
 from flowgrpo.records import Advantages
 from flowgrpo.sampling.sde import kl_to_reference, transition_moments
@@ -135,9 +135,21 @@ class OPDConfig(ObjectiveConfig):
     timestep_fraction: float = Field(0.99, gt=0, le=1, description="on-policy distillation: the first "
                                      "int(T*f) steps of the student's T train (the release: 0.99)")
 
-    def check(self, config) -> None:
-        """The forward family's refusals (the SDE-ratio settings, :meth:`ForwardConfig.check`)."""
-        ForwardConfig.check(self, config)
+    trains_on: ClassVar[str] = "every step of the student's own rollout path, against the teacher's velocity"
+    instead: ClassVar[dict[tuple[str, str], str]] = {
+        ("sampling", "sde_kind"): "its rollout is Euler steps, or flow_sde at objective.noise_level",
+        ("sampling", "noise_level"): "its rollout's noise is objective.noise_level",
+        ("sampling", "sigma_one_guard"): "its rollout is Euler steps, or flow_sde at objective.noise_level",
+        ("sampling", "final_decode"): "it decodes its rollout's final sample",
+        **{("algo", k): "its loss is the distance to the teacher's velocity (objective.teacher)"
+           for k in ("clip_range", "clip_range_low", "clip_range_high")},
+        **{("algo", k): "it has no KL to the base model: its loss is the distance to the teacher's velocity"
+           for k in ("kl_beta", "kl_form")},
+    }
+
+    def problems(self, config) -> list[str]:
+        """The SDE-ratio settings (:func:`~flowgrpo.algo.objectives.forward.sde_ratio_problems`), one line each."""
+        return super().problems(config) + sde_ratio_problems(self, config)
 
 
 @OBJECTIVES.register("opd")
@@ -147,6 +159,7 @@ class OPD(ForwardObjective):
 
     Config = OPDConfig
     uses_old_copy = False
+    trains_on_advantages = False  # the teacher's velocity is the signal, no reward enters
 
     def __init__(self, config) -> None:
         super().__init__(config)

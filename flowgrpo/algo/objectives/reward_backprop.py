@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,14 +47,16 @@ from torch.utils.checkpoint import checkpoint
 
 from flowgrpo.algo.objectives.base import OBJECTIVES, ObjectiveConfig
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised
-from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork
+from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, sde_ratio_problems
 from flowgrpo.algo.objectives.paths import PathDraw, PathSamples, decode_with_grad, path_rollout
 from flowgrpo.records import Advantages
 from flowgrpo.rewards.base import differentiable_scores, is_differentiable
 from flowgrpo.rng import make_generator
+from flowgrpo.settings import refuse
 
 __all__ = ["RewardBackprop", "RewardBackpropConfig", "RewardBackpropSettings", "VARIANTS", "euler_replay",
-           "x0_prediction", "draft_loss", "refl_loss", "refl_step", "check_differentiable_rewards"]
+           "x0_prediction", "draft_loss", "refl_loss", "refl_step", "check_differentiable_rewards",
+           "differentiable_reward_problems"]
 
 VARIANTS = ("draft_k", "draft_lv", "refl")
 #: the built-in rewards with a differentiable score (named by the refusal of another)
@@ -157,12 +159,13 @@ def refl_step(num_steps: int, last_steps: int, generator: torch.Generator) -> in
     return num_steps - last_steps + int(torch.randint(last_steps, (1,), generator=generator))
 
 
-def check_differentiable_rewards(specs) -> None:
-    """Refuse, before anything is constructed, a reward of non-zero weight whose plugin declares no differentiable
-    score (its class or factory lacks ``differentiable = True``), in one line naming it. ``specs``: the run's
-    ``rewards`` (:class:`~flowgrpo.config.RewardSpec`). A name that does not resolve is left to the reward check."""
+def differentiable_reward_problems(specs) -> list[str]:
+    """One line for each reward of non-zero weight whose plugin declares no differentiable score (its class or
+    factory lacks ``differentiable = True``), before anything is constructed. ``specs``: the run's ``rewards``
+    (:class:`~flowgrpo.config.RewardSpec`). A name that does not resolve is left to the reward check."""
     from flowgrpo.rewards.registry import RewardLoadError, resolve_reward_factory
 
+    out = []
     for spec in specs:
         if spec.weight == 0:
             continue
@@ -171,9 +174,15 @@ def check_differentiable_rewards(specs) -> None:
         except RewardLoadError:
             continue
         if not is_differentiable(factory):
-            raise ValueError(f"objective.name=refl backpropagates the reward's gradient, but reward {spec.name!r} "
-                             "declares no differentiable score; use one that does (built in: "
-                             f"{', '.join(DIFFERENTIABLE_BUILTINS)}), or give it weight 0 (a logged metric)")
+            out.append(f"objective.name=refl backpropagates the reward's gradient, but reward {spec.name!r} "
+                       "declares no differentiable score; use one that does (built in: "
+                       f"{', '.join(DIFFERENTIABLE_BUILTINS)}), or give it weight 0 (a logged metric)")
+    return out
+
+
+def check_differentiable_rewards(specs) -> None:
+    """Refuse every reward :func:`differentiable_reward_problems` finds, in one ``ValueError`` (one line each)."""
+    refuse(differentiable_reward_problems(specs), "objective 'refl' cannot optimise these rewards")
 
 
 class RewardBackpropConfig(ObjectiveConfig):
@@ -194,11 +203,29 @@ class RewardBackpropConfig(ObjectiveConfig):
     checkpointing: bool = Field(True, description="reward backpropagation: torch.utils.checkpoint each sampling "
                                 "step and the decode of the gradient path (recompute in the backward)")
 
-    def check(self, config) -> None:
-        """The forward family's refusals (the SDE-ratio settings, :meth:`ForwardConfig.check`), then every reward
-        of non-zero weight must declare a differentiable score (:func:`check_differentiable_rewards`)."""
-        ForwardConfig.check(self, config)
-        check_differentiable_rewards(config.rewards)
+    trains_on: ClassVar[str] = ("its Euler rollout's path (a late step's latent; draft_lv: the final sample) and the "
+                                "reward's gradient")
+    instead: ClassVar[dict[tuple[str, str], str]] = {
+        ("sampling", "sde_kind"): "its rollout is Euler (ODE) steps",
+        ("sampling", "noise_level"): "its rollout is Euler (ODE) steps, without noise",
+        ("sampling", "sigma_one_guard"): "its rollout is Euler (ODE) steps",
+        ("sampling", "final_decode"): "it decodes its rollout's final sample",
+        **{("algo", k): "its loss has its own settings: objective.reward_scale, objective.refl_margin"
+           for k in ("clip_range", "clip_range_low", "clip_range_high")},
+        **{("algo", k): "it has no KL to the reference, as the ReFL and DRaFT papers" for k in ("kl_beta", "kl_form")},
+    }
+
+    def problems(self, config) -> list[str]:
+        """The SDE-ratio settings (:func:`~flowgrpo.algo.objectives.forward.sde_ratio_problems`), every reward of
+        non-zero weight without a differentiable score (:func:`differentiable_reward_problems`), and DRaFT-K's K or
+        ReFL's window longer than the ``sampling.num_steps`` grid, one line each."""
+        out = super().problems(config) + sde_ratio_problems(self, config)
+        t = config.sampling.num_steps
+        if self.variant == "draft_k" and self.k > t:
+            out.append(f"objective.k={self.k} exceeds sampling.num_steps={t}")
+        if self.variant == "refl" and self.refl_last_steps > t:
+            out.append(f"objective.refl_last_steps={self.refl_last_steps} exceeds sampling.num_steps={t}")
+        return out + differentiable_reward_problems(config.rewards)
 
 
 @OBJECTIVES.register("refl")
@@ -208,6 +235,7 @@ class RewardBackprop(ForwardObjective):
 
     Config = RewardBackpropConfig
     uses_old_copy = False
+    trains_on_advantages = False  # the reward's gradient is the signal, whatever the group
 
     def __init__(self, config) -> None:
         super().__init__(config)

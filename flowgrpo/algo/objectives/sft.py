@@ -22,7 +22,7 @@ with its own σ's and noise. The rewards score the dataset images (logged; the l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from diffusers.training_utils import compute_density_for_timestep_sampling
@@ -30,7 +30,15 @@ from pydantic import Field
 
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
-from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw
+from flowgrpo.algo.objectives.forward import (
+    DATASET_INSTEAD,
+    DATASET_UNREAD,
+    NO_OLD_COPY_UNREAD,
+    ForwardConfig,
+    ForwardObjective,
+    ForwardWork,
+    RowDraw,
+)
 from flowgrpo.data.image_sets import TARGET_KEY, dataset_folder
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.dataset_rollout import dataset_rollout
@@ -121,6 +129,10 @@ class SFTConfig(SigmaDensityConfig):
     (:mod:`flowgrpo.data.image_sets`); the σ density of diffusers' SD3 DreamBooth script."""
 
     name: Literal["sft"] = "sft"
+    trains_on: ClassVar[str] = "the dataset's images"
+    instead: ClassVar[dict[tuple[str, str], str]] = DATASET_INSTEAD
+    unread: ClassVar[dict[str, str]] = {**DATASET_UNREAD, **NO_OLD_COPY_UNREAD,
+                                        "adv_clip_max": "no advantage enters its loss"}
 
 
 @OBJECTIVES.register("sft")
@@ -130,6 +142,7 @@ class SFT(ForwardObjective):
 
     Config = SFTConfig
     uses_old_copy = False
+    trains_on_advantages = False  # the dataset's images (or pairs) are the signal, whatever the rewards
 
     def loss_settings(self) -> SFTSettings:
         o = self.o
