@@ -764,8 +764,8 @@ def _narrow(family: str, image_tokens: int, text_tokens: int, heads: int):
         return m, lambda: m(hidden_states=rnd(1, image_tokens, 128), audio_hidden_states=rnd(1, a, 128),
                             encoder_hidden_states=rnd(1, text_tokens, 64),
                             audio_encoder_hidden_states=rnd(1, text_tokens, 64), timestep=torch.ones(1),
-                            sigma=torch.ones(1), num_frames=1, height=side, width=side, audio_num_frames=a, use_cross_timestep=True,
-                            return_dict=False), ["block", "block"], 128 * heads
+                            sigma=torch.ones(1), num_frames=1, height=side, width=side, audio_num_frames=a,
+                            use_cross_timestep=True, return_dict=False), ["block", "block"], 128 * heads
     if family == "hunyuan_video15":
         m = _bf16(_hunyuan_video15(num_layers=2, num_refiner_layers=2, num_attention_heads=heads,
                                    text_embed_dim=64, text_embed_2_dim=32, image_embed_dim=32))

@@ -37,7 +37,8 @@ adapter's ``decode`` is unchanged). The alternative — frame 0 kept in the stat
 a per-element mask in the SDE step and its log-prob for every sampler, a wider change to shared code.
 
 Not supported: a transformer patch size other than 1 (the pipeline's ``conditioning_mask`` packing assumes it),
-given latents, ``noise_scale`` > 0, prompt enhancement, the duration head, and LTX-2.5 (a Gemma 4 text encoder).
+given latents, ``noise_scale`` > 0, prompt enhancement, the duration head. LTX-2.5 (a Gemma 4 text encoder, CRF 18 by
+the same ``resolve_default_image_crf``) is untested.
 The pipeline takes one image per call; a batch here holds one image per row.
 
     python -m flowgrpo.models.ltx2_i2v OUT_DIR   # a tiny random pipeline
@@ -74,7 +75,7 @@ class LTX2I2VAdapter(LTX2Adapter):
 
     Raises:
         ValueError: as :class:`~flowgrpo.models.ltx2.LTX2Adapter`; a transformer patch size other than 1; a
-            negative ``image_crf``; a Gemma 4 (LTX-2.5) text encoder.
+            negative ``image_crf``.
     """
 
     image_conditioned = True
@@ -86,9 +87,6 @@ class LTX2I2VAdapter(LTX2Adapter):
         if (p, pt) != (1, 1):
             raise ValueError(f"LTX-2 image-to-video needs transformer patch sizes 1 x 1 (the pipeline packs its "
                              f"conditioning mask with them), got patch_size {p}, patch_size_t {pt}")
-        model_type = getattr(getattr(pipe.text_encoder, "config", None), "model_type", None)
-        if model_type in ("gemma4", "gemma4_unified"):
-            raise ValueError("LTX-2.5 (a Gemma 4 text encoder) is not supported by the LTX-2 image-to-video adapter")
         if image_crf is not None and image_crf < 0:
             raise ValueError(f"LTX-2 image_crf must be >= 0 (0: no re-compression), got {image_crf}")
         super().__init__(pipe, height=height, width=width, num_frames=num_frames,
