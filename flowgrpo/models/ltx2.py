@@ -35,6 +35,9 @@ What ``LTX2Pipeline.__call__`` (diffusers 0.42) does, and this adapter with it:
 Not supported: ``noise_scale`` > 0, given latents, prompt enhancement, the duration head (``num_frames`` is always
 given), LTX-2.3's per-modality projections are taken as the connectors compute them.
 
+Image-to-video (``LTX2ImageToVideoPipeline``, the image as a clean latent frame 0 kept out of the state) is
+:mod:`flowgrpo.models.ltx2_i2v`, built on this adapter's ``_guided`` and ``_decode_video``.
+
     python -m flowgrpo.models.ltx2 OUT_DIR   # a tiny random pipeline
 """
 
