@@ -118,13 +118,15 @@ def test_the_conditioning_frame_is_a_fixed_input_never_in_the_sampled_state(tmp_
 
 def test_decode_puts_the_rows_conditioning_frame_back(tmp_path_factory, tmp_path):
     """The same clean state decoded with two rows' embeddings gives two videos that differ (the image frame is
-    theirs), and equals the text-to-video decode of the joint latents [frame 0 ‖ state]; without embeddings
-    decode refuses in one line; the gradient of the decode reaches the state (ReFL's ``decode_with_grad``)."""
+    theirs), equal to the text-to-video adapter's decode of the joint latents [frame 0 ‖ state] (the same folder
+    loaded as ``LTX2Pipeline``); the rollout's ``decode_and_report`` gives the same, given the embeddings or
+    encoding the records itself (E-GRPO's branches); without embeddings decode refuses in one line; the gradient
+    of the decode reaches the state (ReFL's ``decode_with_grad``)."""
     from diffusers import LTX2Pipeline
 
     from flowgrpo.algo.objectives.paths import decode_with_grad
     from flowgrpo.models.ltx2 import LTX2Adapter
-    from flowgrpo.sampling.rollout import encode_rows
+    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, decode_and_report, encode_rows
 
     folder, adapter = _adapter(tmp_path_factory)
     paths = _images(tmp_path / "img")
@@ -139,6 +141,13 @@ def test_decode_puts_the_rows_conditioning_frame_back(tmp_path_factory, tmp_path
     torch.testing.assert_close(videos, t2v.decode(joint), rtol=0, atol=0)
     with pytest.raises(ValueError, match="decodes with its rows' embeddings .*got none for 2 latents"):
         adapter.decode(x)
+    meta = [{"images": [str(p)]} for p in paths]
+    request = RolloutRequest(prompts=[CASE.prompts[0]] * 2, metadata=meta, prompt_ids=torch.tensor([0, 1]),
+                             sample_index=torch.tensor([0, 0]), settings=SamplerSettings(1, guidance_scale=1.0),
+                             batch_size=2, seed=0, epoch=0)
+    for rows in (embeds, None):
+        got = decode_and_report(adapter, x, request.prompts, meta, request, rows)
+        torch.testing.assert_close(got, videos, rtol=0, atol=0)
     z = x[:1].clone().requires_grad_(True)
     decode_with_grad(adapter, z, embeds.index(slice(0, 1))).mean().backward()
     assert z.grad is not None and float(z.grad.abs().max()) > 0
