@@ -2,9 +2,10 @@
 (``flowgrpo plan CONFIG --gpus N``; ``bench/memory.py --plan`` tabulates it for the shipped configs).
 
 Every released model is built on the meta device from its diffusers configuration (transformers, VAEs) or from
-its text encoder's architecture (T5-XXL, UMT5-XXL, CLIP-L, OpenCLIP bigG); the decoder LLMs that serve as text
-encoders (Qwen2.5-VL-7B, Mistral-Small-3.1-24B, Qwen3-4B) and the reward models that are not CLIPs enter by their
-published parameter counts. LoRA adapters are added to the meta transformer with the config's rank and targets,
+its text encoder's architecture (T5-XXL, UMT5-XXL, CLIP-L, OpenCLIP bigG; for LTX-2 and HunyuanVideo-1.5 also
+Gemma 3 12B, Qwen2.5-VL-7B's language model, ByT5-small and SigLIP so400m); the other decoder LLMs that serve as
+text encoders (Qwen2.5-VL-7B, Mistral-Small-3.1-24B, Qwen3-4B) and the reward models that are not CLIPs enter by
+their published parameter counts. LoRA adapters are added to the meta transformer with the config's rank and targets,
 so their size is counted. Figures are bytes internally and GiB (2**30 bytes) in the output.
 
 Layout (``parallel``): a world of N = replicate × shard × context processes (``parallel.replicate``,
