@@ -2,9 +2,10 @@
 (``flowgrpo plan CONFIG --gpus N``; ``bench/memory.py --plan`` tabulates it for the shipped configs).
 
 Every released model is built on the meta device from its diffusers configuration (transformers, VAEs) or from
-its text encoder's architecture (T5-XXL, UMT5-XXL, CLIP-L, OpenCLIP bigG); the decoder LLMs that serve as text
-encoders (Qwen2.5-VL-7B, Mistral-Small-3.1-24B, Qwen3-4B) and the reward models that are not CLIPs enter by their
-published parameter counts. LoRA adapters are added to the meta transformer with the config's rank and targets,
+its text encoder's architecture (T5-XXL, UMT5-XXL, CLIP-L, OpenCLIP bigG; for LTX-2 and HunyuanVideo-1.5 also
+Gemma 3 12B, Qwen2.5-VL-7B's language model, ByT5-small and SigLIP so400m); the other decoder LLMs that serve as
+text encoders (Qwen2.5-VL-7B, Mistral-Small-3.1-24B, Qwen3-4B) and the reward models that are not CLIPs enter by
+their published parameter counts. LoRA adapters are added to the meta transformer with the config's rank and targets,
 so their size is counted. Figures are bytes internally and GiB (2**30 bytes) in the output.
 
 Layout (``parallel``): a world of N = replicate × shard × context processes (``parallel.replicate``,
@@ -34,7 +35,8 @@ Parts (each "on each GPU" and "host memory per rank"):
 * reward models: in their dtype (float32 unless the reward's ``dtype`` says otherwise; HPSv3 bfloat16): on the
   device (``parallel.reward_models: device``) or in host memory, on the device only while scoring (``offload``);
 * VAE: its weights in ``model.dtype``; decode: its activations while decoding a rollout micro-batch (three live
-  feature maps of its widest full-resolution stage, 16-bit; a video VAE decodes a latent frame at a time);
+  feature maps of its widest full-resolution stage, 16-bit; Wan's video VAEs decode a latent frame at a time,
+  LTX-2's and HunyuanVideo-1.5's the whole video);
 * rollout latents: the rollout's latents of this rank's samples, float32, (T + 1) per sample (host memory with
   ``train.latents_on_cpu``);
 * activations: what the training forward keeps for the backward, per transformer call of
@@ -120,6 +122,75 @@ def _wan(size: str, **over):
     return WanTransformer3DModel(**{"patch_size": (1, 2, 2), "attention_head_dim": 128, "text_dim": 4096,
                                     "freq_dim": 256, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads",
                                     "eps": 1e-6, "rope_max_seq_len": 1024, **WAN[size], **over})
+
+
+def _ltx2(**over):
+    from diffusers import LTX2VideoTransformer3DModel
+
+    return LTX2VideoTransformer3DModel(**over)  # its defaults are LTX-2's (18.9 B: "19B"; diffusers 0.42.1)
+
+
+def _ltx2_vaes():
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+    from diffusers.pipelines.ltx2 import LTX2Vocoder
+
+    # the video VAE, the audio VAE and the vocoder the pipeline holds (their class defaults: LTX-2's)
+    return torch.nn.ModuleList([AutoencoderKLLTX2Video(), AutoencoderKLLTX2Audio(), LTX2Vocoder()])
+
+
+def _ltx2_connectors():
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    return LTX2TextConnectors()  # its defaults are LTX-2's (Gemma 3's 49 stacked hidden states of 3840)
+
+
+def _gemma3_12b():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    # google/gemma-3-12b-it (LTX-2's text_encoder, vision tower included), its config.json
+    return Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=Gemma3TextConfig(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                                     num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262208),
+        vision_config=SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                         num_attention_heads=16, image_size=896, patch_size=14),
+        mm_tokens_per_image=256))
+
+
+def _hunyuan_video15(**over):
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    return HunyuanVideo15Transformer3DModel(**over)  # its defaults are HunyuanVideo-1.5's (8.3 B)
+
+
+def _hunyuan_vae():
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    return AutoencoderKLHunyuanVideo15()  # its defaults are HunyuanVideo-1.5's (32 channels, 16x, 4x temporal)
+
+
+def _qwen25_vl_7b_text():
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    # Qwen2.5-VL-7B-Instruct's language model (HunyuanVideo-1.5's text_encoder: the text model alone), its config
+    return Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                                    num_attention_heads=28, num_key_value_heads=4,
+                                                    vocab_size=152064))
+
+
+def _byt5_small():
+    from transformers import T5Config, T5EncoderModel
+
+    # google/byt5-small's encoder (HunyuanVideo-1.5's glyph encoder, text_encoder_2; width 1472 = text_embed_2_dim)
+    return T5EncoderModel(T5Config(d_model=1472, d_ff=3584, num_layers=12, num_heads=6, d_kv=64, vocab_size=384,
+                                   feed_forward_proj="gated-gelu", is_encoder_decoder=False))
+
+
+def _siglip_so400m():
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    # google/siglip-so400m-patch14-384's vision tower (HunyuanVideo-1.5 I2V's image_encoder: 729 tokens of 1152)
+    return SiglipVisionModel(SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                                num_attention_heads=16, image_size=384, patch_size=14))
 
 
 def _clip_vit_h14_vision():
@@ -262,9 +333,12 @@ class Family:
     elements of one sample; ``text_tokens(max_sequence_length)`` → text tokens; ``true_cfg``: the velocity runs
     an unconditional branch too when the guidance scale is above 1; ``experts``: transformers of the release (2:
     Wan2.2 A14B, one trained, one frozen); ``decode_width``: channels of the VAE decoder's full-resolution stage;
-    ``decode_frames``: frames one decode step holds (video VAEs decode a latent frame at a time; Wan2.2's
+    ``decode_frames``: frames one decode step holds (Wan's VAEs decode a latent frame at a time; Wan2.2's
     decoder ends at half resolution with 256 channels before its 2×2 unpatchify, so 64 per full-resolution
-    pixel)."""
+    pixel); ``joint_text``: the text joins every block's attention as a stream (HunyuanVideo-1.5) rather than
+    by cross-attention (Wan, LTX-2); ``guided_rows``: the rows one sample's guided velocity runs with gradient
+    whatever the scale (LTX-2's fixed stack: the CFG pair, STG and modality isolation), 0 for the rule of
+    ``true_cfg``."""
 
     name: str
     transformer: Callable
@@ -281,6 +355,8 @@ class Family:
     decode_frames: int = 1
     video: bool = False
     narrow: str = ""  # the key of COEFFICIENTS and of the narrow model its blocks are counted on
+    joint_text: bool = False  # a video family whose text is a token stream of every block (an MMDiT), not keys
+    guided_rows: int = 0  # rows of one sample's velocity whatever the guidance scale (LTX-2: 4); 0: true_cfg's rule
 
 
 def _image_tokens(h: int, w: int, f: int) -> int:
@@ -293,6 +369,20 @@ def _image_latent(channels: int):
 
 def _wan_frames(f: int) -> int:
     return (f - 1) // 4 + 1
+
+
+def _ltx2_frames(f: int) -> int:
+    return (f - 1) // 8 + 1
+
+
+#: ``decode_frames`` of a VAE that decodes the whole video in one call (LTX-2, HunyuanVideo-1.5 without tiling)
+ALL_FRAMES = 1 << 30
+
+
+def _hunyuan_kinds() -> tuple[BlockKind, ...]:
+    c = COEFFICIENTS["hunyuan_video15"]
+    return (BlockKind("patch_embed", 1, *c["patch_embed"]), BlockKind("refiner", 1, *c["refiner"]),
+            BlockKind("block", 54, *c["block"]))
 
 
 #: Counted bytes per (row, token, width) that autograd keeps for one block, bf16, per block kind: ``image`` per
@@ -312,6 +402,16 @@ COEFFICIENTS: dict[str, dict[str, tuple[float, float]]] = {
     # FLUX.3: per-mode blocks see their own mode's tokens (the reference-image blocks none in text to image)
     "flux3": {"image_mode": (68.11, 0.0), "cond_mode": (0.0, 0.0), "text_mode": (0.0, 68.11), "single": (58.11, 58.11)},
     "qwenimage21": {"block": (73.12, 80.12)},  # block-causal: the text prefix is attended in its own pass
+    # LTX-2: video ‖ audio blocks, text by cross-attention (two streams); the audio's fixed 16 tokens folded in the
+    # video term (LTX2_NARROW_AUDIO)
+    "ltx2": {"block": (111.22, 18.03)},
+    # HunyuanVideo-1.5 (an MMDiT: text is a stream of every block), counted with its all-True (S, S) attention
+    # masks dropped (_without_full_masks): the CPU's masked attention is the math kernel, which keeps S x S
+    # weights no GPU kernel keeps. What a GPU run keeps for the mask itself (a bool (S, S) per block, or the
+    # float bias a masked memory-efficient kernel makes of it) cannot be counted on the CPU and is not in these
+    # terms: read the HunyuanVideo-1.5 activations as a lower bound. The refiner sees the Qwen text only (its
+    # image term is the derivation's remainder, within the 3 % check)
+    "hunyuan_video15": {"patch_embed": (0.51, 0.0), "refiner": (-0.98, 42.31), "block": (56.16, 56.12)},
 }
 
 FAMILIES: dict[str, Family] = {}
@@ -390,9 +490,40 @@ def _register() -> None:
                          lambda msl: msl, (BlockKind("noise_refiner", 2, *c["zimage"]["noise_refiner"]),
                                            BlockKind("context_refiner", 2, *c["zimage"]["context_refiner"]),
                                            BlockKind("block", 30, *c["zimage"]["block"])), true_cfg=True),
+        # LTX-2 (Lightricks/LTX-2, 19 B): the transformer, VAEs and connectors are their diffusers classes'
+        # defaults (the release's), Gemma 3 12B its config. Tokens: the video's F'·(H/32)·(W/32) (the audio's
+        # ~1 a frame at half width are folded into the coefficient); text 1024 connector tokens by cross-attention.
+        # The sampled state is video ‖ audio latents (128 per video token, 8 x 16 per audio latent frame,
+        # F/24·25 frames); image-to-video's lacks frame 0's tokens, 1/F' less, which the row does not subtract
+        # (one row for both: the folder is the same). The guidance stack runs 4 rows a sample (CFG pair, STG,
+        # modality isolation), each with gradient in training. The VAE decodes every frame at once (no
+        # framewise decoding by default): its last stage is 256 channels at H/4 before the 4x4 unpatchify, 16 a
+        # full-resolution pixel.
+        "ltx2": Family("LTX-2", _ltx2, (_gemma3_12b, _ltx2_connectors), _ltx2_vaes, 4096,
+                       lambda h, w, f: _ltx2_frames(f) * (h // 32) * (w // 32),
+                       lambda h, w, f: 128 * _ltx2_frames(f) * (h // 32) * (w // 32) + 128 * round(f / 24 * 25),
+                       lambda msl: msl, (BlockKind("block", 48, *c["ltx2"]["block"]),), true_cfg=True,
+                       decode_width=16, decode_frames=ALL_FRAMES, video=True, guided_rows=4),
+        # HunyuanVideo-1.5 (8.3 B): transformer and VAE their classes' defaults (the release's); Qwen2.5-VL-7B's
+        # language model and ByT5-small (glyphs) their configs, SigLIP so400m for image-to-video. Tokens:
+        # F'·(H/16)·(W/16) (patch 1 on the 16x VAE); text 1000 Qwen + 256 ByT5 + 729 image tokens (zeros,
+        # masked, in text-to-video), joined to every block's attention. Activations: a lower bound (COEFFICIENTS).
+        # The VAE decodes every frame at once (tiling off), its last stage 128 channels at full resolution.
+        "hunyuan_video15": Family("HunyuanVideo-1.5", _hunyuan_video15, (_qwen25_vl_7b_text, _byt5_small),
+                                  _hunyuan_vae, 2048, lambda h, w, f: _wan_frames(f) * (h // 16) * (w // 16),
+                                  lambda h, w, f: 32 * _wan_frames(f) * (h // 16) * (w // 16),
+                                  lambda msl: 1000 + 256 + 729, _hunyuan_kinds(), true_cfg=True,
+                                  decode_width=128, decode_frames=ALL_FRAMES, video=True, joint_text=True),
+        "hunyuan_video15_i2v": Family("HunyuanVideo-1.5 I2V", _hunyuan_video15,
+                                      (_qwen25_vl_7b_text, _byt5_small, _siglip_so400m), _hunyuan_vae, 2048,
+                                      lambda h, w, f: _wan_frames(f) * (h // 16) * (w // 16),
+                                      lambda h, w, f: 32 * _wan_frames(f) * (h // 16) * (w // 16),
+                                      lambda msl: 1000 + 256 + 729, _hunyuan_kinds(), true_cfg=True,
+                                      decode_width=128, decode_frames=ALL_FRAMES, video=True, joint_text=True),
     })
     narrow = {"kontext": "flux", "qwenimage_edit_plus": "qwenimage", "wan22_a14b": "wan_14b",
-              "wan21_i2v_14b": "wan_14b", "wan22_i2v_a14b": "wan_14b", "flux3_distilled": "flux3"}
+              "wan21_i2v_14b": "wan_14b", "wan22_i2v_a14b": "wan_14b", "flux3_distilled": "flux3",
+              "hunyuan_video15_i2v": "hunyuan_video15"}
     for key, fam in FAMILIES.items():
         FAMILIES[key] = dataclasses.replace(fam, narrow=narrow.get(key, key))
 
@@ -407,7 +538,13 @@ PRETRAINED = {"black-forest-labs/FLUX.1-dev": "flux", "black-forest-labs/FLUX.1-
               "Tongyi-MAI/Z-Image": "zimage", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": "wan21_i2v_14b",
               "Wan-AI/Wan2.2-I2V-A14B-Diffusers": "wan22_i2v_a14b", "Qwen/Qwen-Image-2.1": "qwenimage21",
               # FLUX.3: no public hub id was found (2026-12-02); the configs name these, see configs/flux3.yaml
-              "black-forest-labs/FLUX.3": "flux3", "black-forest-labs/FLUX.3-distilled": "flux3_distilled"}
+              "black-forest-labs/FLUX.3": "flux3", "black-forest-labs/FLUX.3-distilled": "flux3_distilled",
+              # one folder for LTX-2's text- and image-to-video pipelines (one row: see FAMILIES["ltx2"])
+              "Lightricks/LTX-2": "ltx2",
+              # the diffusers conversions of HunyuanVideo-1.5 (hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-
+              # {480p,720p}_{t2v,i2v}; 720p_t2v is the one a model card names, the others follow its pattern)
+              **{f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{r}_{t}":
+                 "hunyuan_video15" + ("_i2v" if t == "i2v" else "") for r in ("480p", "720p") for t in ("t2v", "i2v")}}
 
 #: reward name → builder (meta device) or published parameter count, and its default bytes per parameter
 REWARD_MODELS: dict[str, tuple[Callable | float, int]] = {
@@ -439,6 +576,17 @@ def _count(build) -> int:
     return _COUNTS[build]
 
 
+#: the blocks of a transformer class that declares none (``_no_split_modules`` empty): its adapter's ``shard_blocks``
+OWN_BLOCKS = {"LTX2VideoTransformer3DModel": ("LTX2VideoTransformerBlock",)}
+
+
+def _shard_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks FSDP2 shards in ``model`` (:func:`flowgrpo.parallel.shard_blocks`, with :data:`OWN_BLOCKS`)."""
+    from flowgrpo.parallel import shard_blocks
+
+    return shard_blocks(model, OWN_BLOCKS.get(type(model).__name__))
+
+
 @dataclass(frozen=True)
 class Sizes:
     """Parameter counts of a family (and of a LoRA on it): one transformer (one expert), its largest block, its
@@ -461,12 +609,10 @@ def sizes(family: str, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -
     key = (family, lora_rank, tuple(lora_targets))
     if key in _SIZES:
         return _SIZES[key]
-    from flowgrpo.parallel import shard_blocks
-
     fam = FAMILIES[family]
     with torch.device("meta"):
         tr = fam.transformer()
-        blocks = shard_blocks(tr)
+        blocks = _shard_blocks(tr)
         n = sum(p.numel() for p in tr.parameters())
         largest = max(sum(p.numel() for p in b.parameters()) for b in blocks)
         lora = 0
@@ -610,7 +756,58 @@ def _narrow(family: str, image_tokens: int, text_tokens: int, heads: int):
             if "pad_token" in name:
                 p.data.normal_()
         return m, lambda: m([rnd(16, 1, 2 * side, 2 * side)], torch.ones(1), [rnd(text_tokens, 64)]), None, 128 * heads
+    if family == "ltx2":
+        # video tokens: one latent frame of side x side; the audio stream a fixed LTX2_NARROW_AUDIO tokens (at half
+        # the video's width); text by cross-attention only, unmasked (a padding mask is a (B, 1, L) bias)
+        m = _bf16(_ltx2(num_layers=2, num_attention_heads=heads, audio_num_attention_heads=heads,
+                        cross_attention_dim=128 * heads, audio_cross_attention_dim=64 * heads, caption_channels=64))
+        a = LTX2_NARROW_AUDIO
+        return m, lambda: m(hidden_states=rnd(1, image_tokens, 128), audio_hidden_states=rnd(1, a, 128),
+                            encoder_hidden_states=rnd(1, text_tokens, 64),
+                            audio_encoder_hidden_states=rnd(1, text_tokens, 64), timestep=torch.ones(1),
+                            sigma=torch.ones(1), num_frames=1, height=side, width=side, audio_num_frames=a,
+                            use_cross_timestep=True, return_dict=False), ["block", "block"], 128 * heads
+    if family == "hunyuan_video15":
+        m = _bf16(_hunyuan_video15(num_layers=2, num_refiner_layers=2, num_attention_heads=heads,
+                                   text_embed_dim=64, text_embed_2_dim=32, image_embed_dim=32))
+        n2, n3 = text_tokens // 4, text_tokens // 4  # glyph and image tokens: shares of the counted text tokens
+        n1 = text_tokens - n2 - n3
+        return m, _without_full_masks(lambda: m(
+            hidden_states=rnd(1, 65, 1, side, side), timestep=torch.ones(1, dtype=bf),
+            encoder_hidden_states=rnd(1, n1, 64),
+            encoder_attention_mask=torch.ones(1, n1), encoder_hidden_states_2=rnd(1, n2, 32),
+            encoder_attention_mask_2=torch.ones(1, n2), image_embeds=rnd(1, n3, 32), return_dict=False)), \
+            ["patch_embed", "refiner", "block", "block"], 128 * heads
     raise ValueError(f"no narrow model for family {family!r}")
+
+
+#: audio tokens of the narrow LTX-2 model (the released 121 frames at 24 fps have 126, beside 6144 video tokens
+#: at 512 x 768: their bytes, at half the video's width, are folded into the video term at this fixed count)
+LTX2_NARROW_AUDIO = 16
+
+
+def _without_full_masks(call: Callable) -> Callable:
+    """``call`` with every attention mask that masks nothing dropped before ``dispatch_attention_fn`` (the same
+    attention): HunyuanVideo-1.5's blocks always pass an (S, S) boolean mask, which sends the CPU count through the
+    math attention that keeps the S x S weights; a GPU kernel does not keep those (module docstring of the row)."""
+
+    def run():
+        import diffusers.models.transformers.transformer_hunyuan_video15 as mod
+
+        dispatch = mod.dispatch_attention_fn
+
+        def unmasked(*args, attn_mask=None, **kwargs):
+            if attn_mask is not None and bool(attn_mask.all()):
+                attn_mask = None
+            return dispatch(*args, attn_mask=attn_mask, **kwargs)
+
+        mod.dispatch_attention_fn = unmasked
+        try:
+            return call()
+        finally:
+            mod.dispatch_attention_fn = dispatch
+
+    return run
 
 
 def count_saved_bytes(family: str, image_tokens: int, text_tokens: int, heads: int = 2,
@@ -621,8 +818,6 @@ def count_saved_bytes(family: str, image_tokens: int, text_tokens: int, heads: i
     rank-1 float32 LoRA on those modules (as training sets it up: peft's adapter in float32 over the bf16 base);
     the last block of each kind is reported (the first block also saves what all blocks share, e.g. the rotary
     tables). Returns ({kind: bytes}, the width h)."""
-    from flowgrpo.parallel import shard_blocks
-
     model, call, kinds, width = _narrow(family, image_tokens, text_tokens, heads)
     if lora_targets:
         from peft import LoraConfig
@@ -632,7 +827,7 @@ def count_saved_bytes(family: str, image_tokens: int, text_tokens: int, heads: i
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.data = p.data.float()
-    blocks = shard_blocks(model)
+    blocks = _shard_blocks(model)
     if kinds is None:  # Z-Image: its image and text refiners, then the joint layers, named by their attribute
         names = {id(m): n.split(".")[0] for n, m in model.named_modules()}
         kinds = [{"layers": "block"}.get(names[id(b)], names[id(b)]) for b in blocks]
@@ -667,12 +862,10 @@ def lora_kinds(family: str, rank: int, targets: tuple[str, ...]) -> tuple[BlockK
         counted = derive_coefficients(fam.narrow, lora_targets=tuple(targets))
         from peft import LoraConfig
 
-        from flowgrpo.parallel import shard_blocks
-
         with torch.device("meta"):  # how many linears of one block of each kind the targets adapt
             tr = fam.transformer()
             tr.add_adapter(LoraConfig(r=1, lora_alpha=1, target_modules=list(targets)))
-            blocks = shard_blocks(tr)
+            blocks = _shard_blocks(tr)
         adapted = max(sum(1 for n, _ in b.named_modules() if n.endswith("lora_A")) for b in blocks)
         extra = 4 * (rank - 1) * adapted / fam.width  # the most any block adapts, for every kind (an upper bound)
         _LORA_KINDS[key] = tuple(BlockKind(k.name, k.count, counted[k.name][0] + extra, counted[k.name][1] + extra)
@@ -797,8 +990,9 @@ def activation_bytes(fam: Family, image_tokens: int, text_tokens: int, checkpoin
     if not checkpointing:
         return sum(n * b for n, b in per)
     # each block keeps its input stream(s) in 16-bit; a cross-attention family's text is one shared tensor
-    stream = image_tokens if fam.video else image_tokens + text_tokens
-    inputs = sum(n for n, _ in per) * 2 * stream * fam.width + (2 * text_tokens * fam.width if fam.video else 0)
+    cross = fam.video and not fam.joint_text
+    stream = image_tokens if cross else image_tokens + text_tokens
+    inputs = sum(n for n, _ in per) * 2 * stream * fam.width + (2 * text_tokens * fam.width if cross else 0)
     return inputs + max(b for _, b in per)
 
 
@@ -819,9 +1013,9 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     frozen = 0 if full else s.transformer
     img = fam.tokens(w.height, w.width, w.frames)
     txt = fam.text_tokens(w.max_sequence_length)
-    cfg = 2 if fam.true_cfg and w.guidance_scale > 1 else 1
+    cfg = 2 if (fam.true_cfg and w.guidance_scale > 1) or fam.guided_rows else 1  # rows of one rollout call
     train_scale = w.guidance_scale if w.train_guidance_scale is None else w.train_guidance_scale
-    cfg_train = 2 if fam.true_cfg and train_scale > 1 and not w.cfg_detach_uncond else 1
+    cfg_train = fam.guided_rows or (2 if fam.true_cfg and train_scale > 1 and not w.cfg_detach_uncond else 1)
     dev: dict[str, float] = dict.fromkeys(PARTS, 0.0)
     host: dict[str, float] = dict.fromkeys(PARTS, 0.0)
     off = "host" if w.offload == "cpu" else "dev"
@@ -882,7 +1076,10 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     if per_rank != int(per_rank) or int(per_rank) % w.rollout_rows:
         notes.append(f"{w.samples} samples over {lay.data} data ranks is {per_rank:g} a rank, not a multiple of "
                      f"train.rollout_batch_size={w.rollout_rows}: raise train.prompts_per_epoch")
-    if cfg_train > 1:
+    if fam.guided_rows:
+        notes.append(f"{fam.name}'s guidance: the training forward runs {fam.guided_rows} rows a sample with "
+                     f"gradient (activations × {fam.guided_rows})")
+    elif cfg_train > 1:
         notes.append("true CFG: the training forward runs both branches with gradient (activations × 2)")
     return Plan(w, lay, dev, host, phases, plain, ckpt, gpu_memory_gib * USABLE * GIB, tuple(notes))
 

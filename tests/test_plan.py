@@ -221,11 +221,7 @@ def test_every_shipped_config_of_a_released_model_is_planned():
     planned = refused = 0
     for path in sorted((REPO / "configs").glob("*.yaml")):
         pretrained = load_config(path).model.pretrained
-        # HunyuanVideo-1.5 is not planned: its blocks' text mask sends the CPU count through the math attention,
-        # whose saved S x S weights a GPU kernel does not keep, so the linear coefficients cannot be counted here
-        # LTX-2 is not planned yet: its joint video and audio blocks are not recorded here
-        if (pretrained in ("digits", "tiny") or "klein" in pretrained or "HunyuanVideo-1.5" in pretrained
-                or "LTX-2" in pretrained):
+        if pretrained in ("digits", "tiny") or "klein" in pretrained:
             with pytest.raises(ValueError, match="not in the plan"):
                 plan_config(path, 8)
             refused += 1
@@ -261,3 +257,73 @@ def test_gradient_sync_and_a_one_transformer_model():
     assert plan_config(cfg, 8, overrides=["parallel.gradient_sync=step"]).device["grads"] == 4 * n
     with pytest.raises(ValueError, match="parallel.experts=shard"):
         plan_config(cfg, 8, overrides=["parallel.experts=shard"])
+
+
+def test_ltx2_and_hunyuan_video15_rows_count_the_released_models():
+    """LTX-2 and HunyuanVideo-1.5 (text- and image-to-video): parts built here from the released architectures
+    (their diffusers classes' defaults, which give the published 18.9 B / 8.3 B; Gemma 3 12B, Qwen2.5-VL-7B's
+    language model, ByT5-small and SigLIP so400m from their configs), tokens and latents by hand from the VAEs'
+    compressions, and LTX-2's four guided rows a sample (CFG pair, STG, modality isolation) in the activations."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        HunyuanVideo15Transformer3DModel,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        Qwen2_5_VLTextConfig,
+        Qwen2_5_VLTextModel,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+        T5Config,
+        T5EncoderModel,
+    )
+
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    with torch.device("meta"):
+        ltx = count(LTX2VideoTransformer3DModel())
+        gemma = count(Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=Gemma3TextConfig(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                                         num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                         vocab_size=262208),
+            vision_config=SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                             num_attention_heads=16, image_size=896, patch_size=14))))
+        connectors = count(LTX2TextConnectors())
+        ltx_vaes = count(AutoencoderKLLTX2Video()) + count(AutoencoderKLLTX2Audio()) + count(LTX2Vocoder())
+        hy = count(HunyuanVideo15Transformer3DModel())
+        qwen = count(Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(hidden_size=3584, intermediate_size=18944,
+                                                              num_hidden_layers=28, num_attention_heads=28,
+                                                              num_key_value_heads=4, vocab_size=152064)))
+        byt5 = count(T5EncoderModel(T5Config(d_model=1472, d_ff=3584, num_layers=12, num_heads=6, d_kv=64,
+                                             vocab_size=384, feed_forward_proj="gated-gelu",
+                                             is_encoder_decoder=False)))
+        siglip = count(SiglipVisionModel(SiglipVisionConfig(hidden_size=1152, intermediate_size=4304,
+                                                            num_hidden_layers=27, num_attention_heads=16,
+                                                            image_size=384, patch_size=14)))
+        hy_vae = count(AutoencoderKLHunyuanVideo15())
+    assert 18.5e9 < ltx < 19.5e9 and 8.2e9 < hy < 8.4e9 and 12.1e9 < gemma < 12.3e9  # "19B", "8.3B", "12B"
+    full = ["parallel.sharding=fsdp2", "model.finetune=full"]
+    p = plan_config(REPO / "configs" / "ltx2_t2v.yaml", 8, overrides=full)
+    assert p.device["masters"] == 4 * ltx / 8 and p.device["text_encoders"] == 2 * (gemma + connectors)
+    assert p.device["vae"] == 2 * ltx_vaes
+    fam = FAMILIES["ltx2"]
+    # 512 x 768 x 121: F' = 16 latent frames of 16 x 24 tokens; 126 audio latent frames of 8 x 16
+    assert fam.tokens(512, 768, 121) == 16 * 16 * 24
+    assert fam.latent(512, 768, 121) == 128 * 16 * 16 * 24 + 8 * 16 * 126
+    w = p.workload
+    one = activation_bytes(fam, fam.tokens(512, 768, 121), 1024, True)  # one row, checkpointing on (config)
+    assert p.device["activations"] == pytest.approx(4 * w.train_rows * one)  # four guided rows, even at scale 1
+    p_i2v = plan_config(REPO / "configs" / "hunyuan_video15_i2v.yaml", 8, overrides=full)
+    assert p_i2v.device["masters"] == 4 * hy / 8 and p_i2v.device["vae"] == 2 * hy_vae
+    assert p_i2v.device["text_encoders"] == 2 * (qwen + byt5 + siglip)
+    t2v = plan_config(REPO / "configs" / "hunyuan_video15_i2v.yaml", 8, overrides=[
+        *full, "model.pretrained=hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"])
+    assert t2v.device["text_encoders"] == 2 * (qwen + byt5)
+    hfam = FAMILIES["hunyuan_video15"]
+    assert hfam.tokens(480, 848, 121) == 31 * 30 * 53 and hfam.latent(480, 848, 121) == 32 * 31 * 30 * 53
+    assert hfam.text_tokens(1000) == 1000 + 256 + 729

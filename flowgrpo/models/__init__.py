@@ -109,7 +109,8 @@ VIDEO_FAMILIES = {"WanPipeline": "flowgrpo.models.wan:load_wan_adapter",
                   "HunyuanVideo15Pipeline": "flowgrpo.models.hunyuan_video15:load_hunyuan_video15_adapter",
                   "HunyuanVideo15ImageToVideoPipeline":
                       "flowgrpo.models.hunyuan_video15:load_hunyuan_video15_i2v_adapter",
-                  "LTX2Pipeline": "flowgrpo.models.ltx2:load_ltx2_adapter"}
+                  "LTX2Pipeline": "flowgrpo.models.ltx2:load_ltx2_adapter",
+                  "LTX2ImageToVideoPipeline": "flowgrpo.models.ltx2_i2v:load_ltx2_i2v_adapter"}
 
 
 def _video_adapter(target: str):

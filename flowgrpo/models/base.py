@@ -20,7 +20,7 @@ from flowgrpo.records import PromptEmbeds
 logger = logging.getLogger(__name__)
 
 
-__all__ = ["AdapterBase", "ModelAdapter", "PromptEmbeds"]  # PromptEmbeds lives in flowgrpo.records
+__all__ = ["AdapterBase", "ModelAdapter", "PromptEmbeds", "decode_latents"]  # PromptEmbeds lives in flowgrpo.records
 
 
 class ModelAdapter(Protocol):
@@ -52,7 +52,9 @@ class ModelAdapter(Protocol):
         """
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) float32 images in [0, 1] from clean latents (σ = 0)."""
+        """(B, 3, H, W) float32 images in [0, 1] from clean latents (σ = 0). An adapter whose state lacks part of
+        what it decodes (LTX-2 image-to-video: the conditioning frame) sets ``decode_needs_embeds = True`` and
+        takes the rows' :class:`PromptEmbeds` as a second argument; callers go through :func:`decode_latents`."""
 
     def sigmas(self, num_steps: int) -> torch.Tensor:
         """(T+1,) float32 σ grid of the model's scheduler for ``num_steps`` steps, from 1 down to 0, on the host
@@ -60,6 +62,14 @@ class ModelAdapter(Protocol):
 
     def reference(self) -> contextlib.AbstractContextManager:
         """Context in which :meth:`velocity` is the frozen reference policy (LoRA disabled, or a frozen copy)."""
+
+
+def decode_latents(adapter, latents: torch.Tensor, embeds: PromptEmbeds | None) -> torch.Tensor:
+    """``adapter.decode(latents)``, or ``adapter.decode(latents, embeds)`` for an adapter with
+    ``decode_needs_embeds`` (:meth:`ModelAdapter.decode`); ``embeds`` are the B rows of the latents."""
+    if getattr(adapter, "decode_needs_embeds", False):
+        return adapter.decode(latents, embeds)
+    return adapter.decode(latents)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,9 @@ What ``LTX2Pipeline.__call__`` (diffusers 0.42) does, and this adapter with it:
 Not supported: ``noise_scale`` > 0, given latents, prompt enhancement, the duration head (``num_frames`` is always
 given), LTX-2.3's per-modality projections are taken as the connectors compute them.
 
+Image-to-video (``LTX2ImageToVideoPipeline``, the image as a clean latent frame 0 kept out of the state) is
+:mod:`flowgrpo.models.ltx2_i2v`, built on this adapter's ``_guided`` and ``_decode_video``.
+
     python -m flowgrpo.models.ltx2 OUT_DIR   # a tiny random pipeline
 """
 
@@ -208,17 +211,21 @@ class LTX2Adapter(AdapterBase):
                             {"neg_video_text": video[:1], "neg_audio_text": audio[:1], "neg_text_mask": mask[:1]})
 
     # ------------------------------------------------------------------ velocity
-    def _forward(self, video, audio, t, vtext, atext, mask, *, stg: bool = False, isolate: bool = False):
+    def _forward(self, video, audio, t, vtext, atext, mask, *, stg: bool = False, isolate: bool = False,
+                 video_t: torch.Tensor | None = None):
+        """One transformer call → (video, audio) velocities, float32. ``video_t``: a per-token (B, S_v) video
+        timestep (image-to-video: 0 on the conditioning frame), the audio's then ``t``; None: ``t`` for both."""
         f, h, w = self.grid
         b = video.shape[0]
         tr = self.transformer
         vcoords = tr.rope.prepare_video_coords(b, f, h, w, video.device, fps=self.fps)
         acoords = tr.audio_rope.prepare_audio_coords(b, self.audio_frames, video.device)
+        timesteps = {"timestep": t} if video_t is None else {"timestep": video_t, "audio_timestep": t}
         with self.attention():
             v, a = self.forward_module(
                 hidden_states=video.to(self.dtype), audio_hidden_states=audio.to(self.dtype),
                 encoder_hidden_states=vtext.to(self.dtype), audio_encoder_hidden_states=atext.to(self.dtype),
-                timestep=t, sigma=t, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
+                **timesteps, sigma=t, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
                 num_frames=f, height=h, width=w, fps=self.fps, audio_num_frames=self.audio_frames,
                 video_coords=vcoords, audio_coords=acoords, isolate_modalities=isolate,
                 spatio_temporal_guidance_blocks=list(self.guidance.stg_blocks) if stg else None,
@@ -236,13 +243,21 @@ class LTX2Adapter(AdapterBase):
         Raises:
             ValueError: embeds whose batch size differs from the latents'.
         """
+        sigma = self.batch_sigma(latents, sigma, embeds)
+        video, audio = self._unflatten(latents)
+        out_v, out_a = self._guided(video, audio, sigma, embeds, guidance_scale)
+        return torch.cat([out_v.flatten(1), out_a.flatten(1)], dim=1)
+
+    def _guided(self, video, audio, sigma, embeds, guidance_scale, video_t_scale=None):
+        """The guided (video (B, S_v, D_v), audio (B, S_a, D_a)) float32 velocities of the packed streams at σ
+        (B,) (:meth:`velocity`). ``video_t_scale``: (1, S_v) float32 factor of the video timestep per token (the
+        image-to-video pipeline's ``1 − conditioning_mask``), or None."""
         from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
 
-        sigma = self.batch_sigma(latents, sigma, embeds)
         g = self.guidance
-        b = latents.shape[0]
-        video, audio = self._unflatten(latents)
+        b = video.shape[0]
         t = sigma * self.pipe.scheduler.config.num_train_timesteps  # bitwise scheduler.timesteps
+        vt = None if video_t_scale is None else t.unsqueeze(-1) * video_t_scale  # the pipeline's video_timestep
         s = sigma.view(b, 1, 1)
         audio_scale = g.audio_guidance_scale or guidance_scale
         cfg = guidance_scale > 1.0 or audio_scale > 1.0
@@ -252,7 +267,8 @@ class LTX2Adapter(AdapterBase):
                 torch.cat([video] * 2), torch.cat([audio] * 2), torch.cat([t] * 2),
                 torch.cat([embeds["neg_video_text"].expand_as(vtext), vtext]),
                 torch.cat([embeds["neg_audio_text"].expand_as(atext), atext]),
-                torch.cat([embeds["neg_text_mask"].expand_as(mask), mask]))
+                torch.cat([embeds["neg_text_mask"].expand_as(mask), mask]),
+                video_t=None if vt is None else torch.cat([vt] * 2))
             vu, vc = v.chunk(2)
             au, ac = a.chunk(2)
             xv, xvu = video - vc * s, video - vu * s
@@ -260,17 +276,17 @@ class LTX2Adapter(AdapterBase):
             v_cfg = (guidance_scale - 1) * (xv - xvu)
             a_cfg = (audio_scale - 1) * (xa - xau)
         else:
-            vc, ac = self._forward(video, audio, t, vtext, atext, mask)
+            vc, ac = self._forward(video, audio, t, vtext, atext, mask, video_t=vt)
             xv, xa = video - vc * s, audio - ac * s
             v_cfg = a_cfg = 0
         v_stg = a_stg = 0
         if g.stg_scale > 0.0 or g.audio_stg_scale > 0.0:
-            vs, as_ = self._forward(video, audio, t, vtext, atext, mask, stg=True)
+            vs, as_ = self._forward(video, audio, t, vtext, atext, mask, stg=True, video_t=vt)
             v_stg = g.stg_scale * (xv - (video - vs * s))
             a_stg = g.audio_stg_scale * (xa - (audio - as_ * s))
         v_mod = a_mod = 0
         if g.modality_scale > 1.0 or g.audio_modality_scale > 1.0:
-            vm, am = self._forward(video, audio, t, vtext, atext, mask, isolate=True)
+            vm, am = self._forward(video, audio, t, vtext, atext, mask, isolate=True, video_t=vt)
             v_mod = (g.modality_scale - 1) * (xv - (video - vm * s))
             a_mod = (g.audio_modality_scale - 1) * (xa - (audio - am * s))
         xv_g = xv + v_cfg + v_stg + v_mod
@@ -279,18 +295,19 @@ class LTX2Adapter(AdapterBase):
             xv_g = rescale_noise_cfg(xv_g, xv, guidance_rescale=g.guidance_rescale)
         if g.audio_guidance_rescale > 0:
             xa_g = rescale_noise_cfg(xa_g, xa, guidance_rescale=g.audio_guidance_rescale)
-        out_v = (video - xv_g) / s
-        out_a = (audio - xa_g) / s
-        return torch.cat([out_v.flatten(1), out_a.flatten(1)], dim=1)
+        return (video - xv_g) / s, (audio - xa_g) / s
 
     # ------------------------------------------------------------------ decoding and σ
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """(B, F, 3, H, W) float32 in [0, 1] from (B, N) clean joint latents: the video part, as ``LTX2Pipeline``
         decodes it with ``decode_noise_scale=0`` (module docstring); the audio part is not decoded."""
+        return self._decode_video(self._unflatten(latents)[0])
+
+    def _decode_video(self, video: torch.Tensor) -> torch.Tensor:
+        """(B, F, 3, H, W) float32 in [0, 1] from the packed clean video latents (B, S_v, D_v) (:meth:`decode`)."""
         pipe, vae = self.pipe, self.pipe.vae
         f, h, w = self.grid
-        video, _ = self._unflatten(latents)
         x = pipe._unpack_latents(video, f, h, w, pipe.transformer_spatial_patch_size,
                                  pipe.transformer_temporal_patch_size).to(self.dtype)
         timestep = None
@@ -361,8 +378,9 @@ def build_gemma_tokenizer(words: Iterable[str] = (), model_max_length: int = 32)
 
 
 def build_tiny_ltx2(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable[str] = (), sample_size: int = 32,
-                    transformer_kwargs: dict | None = None) -> Path:
-    """Build a random tiny ``LTX2Pipeline`` of the real classes and ``save_pretrained`` it.
+                    transformer_kwargs: dict | None = None, image_to_video: bool = False) -> Path:
+    """Build a random tiny ``LTX2Pipeline`` of the real classes and ``save_pretrained`` it (``image_to_video``: an
+    ``LTX2ImageToVideoPipeline`` of the same components, as the released folder serves both).
 
     Gemma 3 (``Gemma3ForConditionalGeneration``, 2 layers of width 16, a 1-layer SigLIP), ``LTX2TextConnectors``
     (1 layer per stream, 8 registers), ``LTX2VideoTransformer3DModel`` (2 blocks, video width 16, audio width 8,
@@ -425,8 +443,11 @@ def build_tiny_ltx2(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterabl
                           output_sampling_rate=16000)
     scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
                                                 base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
-    pipe = LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text, tokenizer=tok,
-                        connectors=connectors, transformer=transformer, vocoder=vocoder)
+    cls = LTX2Pipeline
+    if image_to_video:
+        from diffusers import LTX2ImageToVideoPipeline as cls
+    pipe = cls(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text, tokenizer=tok,
+               connectors=connectors, transformer=transformer, vocoder=vocoder)
     out = Path(out_dir)
     pipe.save_pretrained(out)
     return out

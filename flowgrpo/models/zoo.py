@@ -137,6 +137,7 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "flux3": _builder("flowgrpo.models.flux3:build_tiny_flux3"),
     "flux3_distilled": lambda out, **kw: _builder("flowgrpo.models.flux3:build_tiny_flux3")(out, distilled=True, **kw),
     "ltx2": _builder("flowgrpo.models.ltx2:build_tiny_ltx2"),
+    "ltx2_i2v": _builder("flowgrpo.models.ltx2_i2v:build_tiny_ltx2_i2v"),
 }
 
 def _text_case(name: str, size: int, max_sequence_length: int, guidance_scale: float) -> ConformanceCase:
@@ -228,6 +229,32 @@ def _ltx2_state(kwargs: dict):
     return torch.cat([kwargs["latents"].flatten(1), kwargs["audio_latents"].flatten(1)], dim=1)
 
 
+_LTX2_I2V = "diffusers.pipelines.ltx2.pipeline_ltx2_image2video"
+
+
+def _fake_h264(image, crf: int):
+    """A stand-in for ``apply_image_conditioning_crf`` (PyAV's H.264 round trip, not installed in the test
+    environment): a visible, deterministic change of the uint8 image, so that the pipeline and the adapter are seen
+    to re-compress the conditioning image at the same place (before the resize)."""
+    return (image // 32 * 32 + 16).astype(image.dtype)
+
+
+def _ltx2_i2v_callback_inputs(pipe, guidance_scale: float) -> None:
+    """Let ``LTX2ImageToVideoPipeline``'s step callback see ``audio_latents`` and ``conditioning_mask``."""
+    names = ("audio_latents", "conditioning_mask")
+    pipe._callback_tensor_inputs = [*type(pipe)._callback_tensor_inputs, *names]
+
+
+def _ltx2_i2v_state(kwargs: dict):
+    """The LTX-2 I2V adapter's state ``[generated video tokens ‖ audio]`` (B, N): the pipeline's packed video
+    latents without the tokens its ``conditioning_mask`` marks (frame 0, the image), then the audio."""
+    import torch
+
+    video = kwargs["latents"]
+    keep = kwargs["conditioning_mask"][0] == 0  # (S_v,) the same for every row (and doubled for CFG)
+    return torch.cat([video[:, keep].flatten(1), kwargs["audio_latents"].flatten(1)], dim=1)
+
+
 CASES: dict[str, ConformanceCase] = {case.name: case for case in (
     _text_case("flux", 64, 32, 3.5),
     _text_case("sd3", 64, 12, 4.5),
@@ -289,6 +316,19 @@ CASES: dict[str, ConformanceCase] = {case.name: case for case in (
         load_kwargs={"num_frames": 9}, num_frames=9, pipeline_setup=_ltx2_callback_inputs,
         module_patches={"flowgrpo.models.ltx2:DEFAULT_GUIDANCE": _ltx2_guidance()},
         callback_state=_ltx2_state,
+    ),
+    ConformanceCase(
+        name="ltx2_i2v", build=BUILDERS["ltx2_i2v"], size=32, max_sequence_length=16, guidance_scale=4.0,
+        # as "ltx2", with the first frame's image (one per call) at the pipeline's default CRF (33), re-compressed
+        # by a stand-in for PyAV's H.264 round trip (_fake_h264) that the pipeline and the adapter both call
+        call_kwargs=lambda s: {"num_frames": 9, "max_sequence_length": 16, "guidance_scale": s,
+                               "callback_on_step_end_tensor_inputs": ["latents", "audio_latents", "conditioning_mask"],
+                               **_ltx2_guidance().call_kwargs()},
+        condition=lambda images: {"image": images[0][0]}, pipeline_batch_size=1,
+        load_kwargs={"num_frames": 9}, num_frames=9, pipeline_setup=_ltx2_i2v_callback_inputs,
+        module_patches={"flowgrpo.models.ltx2:DEFAULT_GUIDANCE": _ltx2_guidance(),
+                        f"{_LTX2_I2V}:apply_image_conditioning_crf": _fake_h264},
+        callback_state=_ltx2_i2v_state, forward_objective=True,
     ),
 )}
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from flowgrpo.models.base import decode_latents
 from flowgrpo.records import PromptEmbeds, Trajectory
 from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
@@ -239,13 +240,22 @@ class RolloutRequest:
 
 
 def decode_and_report(adapter, final_latents: torch.Tensor, prompts: list[str], metadata: list[dict],
-                      request: RolloutRequest) -> torch.Tensor:
+                      request: RolloutRequest, embeds: PromptEmbeds | None = None) -> torch.Tensor:
     """Decode (B, …) final latents in micro-batches of ``request.batch_size``, handing each decoded batch to
-    ``request.on_images`` at once. Returns (B, 3, H, W) float32 images in [0, 1] on the CPU."""
+    ``request.on_images`` at once. Returns (B, 3, H, W) float32 images in [0, 1] on the CPU.
+
+    ``embeds``: the B rows' embeddings, for an adapter that decodes with them (``decode_needs_embeds``:
+    :func:`~flowgrpo.models.base.decode_latents`); None: such an adapter's rows are encoded here (from the prompt
+    cache when it has one)."""
     out = []
+    needs = getattr(adapter, "decode_needs_embeds", False)
     for i in range(0, final_latents.shape[0], request.batch_size):
         sl = slice(i, i + request.batch_size)
-        out.append(adapter.decode(final_latents[sl].to(adapter.device)).cpu())
+        rows = None
+        if needs:
+            rows = embeds.index(sl) if embeds is not None else encode_rows(adapter, list(prompts[sl]),
+                                                                           list(metadata[sl]))
+        out.append(decode_latents(adapter, final_latents[sl].to(adapter.device), rows).cpu())
         if request.on_images is not None:
             request.on_images(out[-1], list(prompts[sl]), list(metadata[sl]))
     return torch.cat(out)
@@ -281,7 +291,7 @@ def rollout(adapter, request: RolloutRequest, sde_steps: torch.Tensor) -> Trajec
         chunks_x.append(xs.cpu() if r.latents_on_cpu else xs)
         chunks_lp.append(lp)
         chunks_st.append(st)
-        images.append(decode_and_report(adapter, final, r.prompts[sl], r.metadata[sl], r))
+        images.append(decode_and_report(adapter, final, r.prompts[sl], r.metadata[sl], r, embeds.index(sl)))
     stochastic = torch.cat(chunks_st)
     return Trajectory(
         latents=torch.cat(chunks_x),
@@ -336,5 +346,5 @@ def generate_images(
         rows = encode_rows(adapter, ps, meta)
         with feature_cache(adapter, cache, num_steps) as state:
             x, _, _ = denoise(adapter, x0, rows, sigmas, settings, no_sde, None, record=False, cache_state=state)
-        out.append(adapter.decode(x).cpu())
+        out.append(decode_latents(adapter, x, rows).cpu())
     return torch.cat(out)

@@ -51,6 +51,7 @@ except ImportError as err:  # pragma: no cover - the class is only useful under 
 
 from flowgrpo.config import build_config
 from flowgrpo.models import ADAPTERS, load_model, pipeline_class_name
+from flowgrpo.models.base import decode_latents
 from flowgrpo.models.lora import load_lora_into, save_lora, setup_trainable
 from flowgrpo.models.zoo import ConformanceCase
 from flowgrpo.runner import run
@@ -213,7 +214,7 @@ class AdapterConformance:
             embeds = encode_rows(adapter, list(prompts), self.metadata(sources, len(prompts)))
             xs, _, _ = denoise(adapter, x0, embeds, adapter.sigmas(t), settings,
                                torch.ones(t, dtype=torch.bool), _generators([s + 100 for s in seeds]))
-            images = adapter.decode(xs[:, -1])
+            images = decode_latents(adapter, xs[:, -1], embeds)
         return xs, images
 
     # ------------------------------------------------------------------ clauses

@@ -158,6 +158,21 @@ RELEASES: dict[str, dict[str, object]] = {
         "model.scheduler_shift": 5.0, "model.guidance_scale_2": 3.5, "model.trained_expert": "transformer",
         "sampling.num_steps": 8, "sampling.guidance_scale": 3.5, "eval_sampling.guidance_scale": 3.5,
     },
+    # X-GenGroup/Flow-Factory: examples/grpo/lora/ltx2/i2av.yaml (commit 5f6cda1; guidance and rewards differ:
+    # docs/fidelity.md)
+    "ltx2_i2v": {
+        **SDE_RATIO_CLIPPED,
+        "model.pretrained": "Lightricks/LTX-2", "model.dtype": "bfloat16", "model.height": 512, "model.width": 768,
+        "model.num_frames": 121, "model.finetune": "lora", "model.lora_rank": 64, "model.lora_alpha": 128,
+        "model.gradient_checkpointing": True, "sampling.num_steps": 30, "sampling.sde_kind": "flow_sde",
+        "sampling.noise_level": 0.7, "eval_sampling.num_steps": 50, "algo.advantage": "grpo",
+        "algo.multi_reward": "gdpo", "algo.global_std": True, "algo.advantage_clip": 5.0, "algo.clip_range": 1e-4,
+        "algo.kl_beta": 0.0, "train.group_size": 16, "batch_size": 16 * 16, "train.rollout_batch_size": 1,
+        "train.optimizer_steps_per_epoch": 2, "train.lr": 1e-4, "train.weight_decay": 1e-4,
+        "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8, "train.max_grad_norm": 1.0,
+        "train.ema_decay": 0.9, "train.latents_on_cpu": True, "train.seed": 42, "logging.eval_every": 60,
+        "logging.save_every": 60,
+    },
 }
 
 REWARDS = {  # reward names (and kwargs that matter) of each release

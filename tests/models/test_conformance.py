@@ -55,6 +55,10 @@ class TestFlux3Distilled(AdapterConformance):
     case = CASES["flux3_distilled"]
 
 
+class TestLTX2I2V(AdapterConformance):  # image-to-video whose image is latent frame 0 (not in the sampled state)
+    case = CASES["ltx2_i2v"]
+
+
 def test_flux2_klein_distilled_ignores_guidance_as_its_pipeline(tmp_path_factory):
     """A step-distilled klein (``is_distilled``) runs no CFG: the adapter's velocity does not depend on the
     guidance scale, and its ODE rollout still equals the pipeline's (which skips CFG for such a model)."""

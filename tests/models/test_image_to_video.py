@@ -1,6 +1,7 @@
 """The image-to-video adapters (Wan2.1 I2V with its CLIP image encoder, Wan2.2 I2V A14B with two experts,
 HunyuanVideo-1.5 I2V) through the shared adapter conformance suite, and what is particular to them: the
-conditioning image is a fixed input, never part of the sampled state."""
+conditioning image is a fixed input, never part of the sampled state. LTX-2 I2V, whose image is a latent frame of
+the video rather than condition channels, has its own file (tests/models/test_ltx2_i2v.py)."""
 
 from __future__ import annotations
 
@@ -112,11 +113,12 @@ def test_the_conditioning_image_is_a_fixed_input_never_sampled_or_noised(name, f
     assert float((image_latents[0] - image_latents[1]).abs().max()) > 1e-3  # each row sees its own image
 
 
-@pytest.mark.parametrize("name", ["wan21_i2v", "hunyuan_video15_i2v"])
-def test_flowgrpo_sample_writes_image_to_video_samples(name, tmp_path_factory, tmp_path):
+@pytest.mark.parametrize("name", ["wan21_i2v", "hunyuan_video15_i2v", "ltx2_i2v"])
+def test_flowgrpo_sample_writes_image_to_video_samples(name, tmp_path_factory, tmp_path, monkeypatch):
     """``flowgrpo sample`` on an image-to-video model with a JSONL prompt file whose records name their first-frame
     image (relative paths): each record's image reaches the model (without it the model refuses the record), and a
-    GIF per video and the exact frames are written."""
+    GIF per video and the exact frames are written (LTX-2: decoded with the record's image as latent frame 0)."""
+    import importlib
     import json
 
     from PIL import Image
@@ -126,6 +128,9 @@ def test_flowgrpo_sample_writes_image_to_video_samples(name, tmp_path_factory, t
     from flowgrpo.testing.rewards import default_images
 
     case = CASES[name]
+    for target, value in case.module_patches.items():  # LTX-2: the two-block STG, the H.264 stand-in
+        module, attr = target.split(":")
+        monkeypatch.setattr(importlib.import_module(module), attr, value)
     (tmp_path / "img").mkdir()
     for i, img in enumerate(default_images(2, case.size, case.size, torch.Generator().manual_seed(3))):
         Image.fromarray((img.permute(1, 2, 0) * 255).round().byte().numpy()).save(tmp_path / "img" / f"{i}.png")

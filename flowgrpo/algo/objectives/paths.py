@@ -64,17 +64,19 @@ def path_rollout(adapter, request: RolloutRequest, *, noise_level: float = 0.0) 
                        sample_index=request.sample_index.clone(), latents=traj.latents)
 
 
-def decode_with_grad(adapter, latents: torch.Tensor) -> torch.Tensor:
+def decode_with_grad(adapter, latents: torch.Tensor, embeds=None) -> torch.Tensor:
     """The adapter's :meth:`decode` with the autograd graph back to ``latents``: (B, 3, H, W) float32 in [0, 1].
     The adapters decorate ``decode`` with ``torch.no_grad`` (sampling never needs a gradient); its body, the
     function the decorator wraps (``functools.wraps``' ``__wrapped__``), is the same arithmetic with the graph.
+    ``embeds``: the rows' embeddings, passed to an adapter that decodes with them (``decode_needs_embeds``).
 
     Raises:
         RuntimeError: ``latents`` require a gradient but the decoded images have none (an adapter whose decode
             detaches inside its body), naming the adapter.
     """
     fn = type(adapter).decode
-    images = getattr(fn, "__wrapped__", fn)(adapter, latents)
+    extra = (embeds,) if getattr(adapter, "decode_needs_embeds", False) else ()
+    images = getattr(fn, "__wrapped__", fn)(adapter, latents, *extra)
     if latents.requires_grad and not images.requires_grad:
         raise RuntimeError(f"{type(adapter).__name__}.decode detaches its output: the reward's gradient cannot reach "
                            "the latents")

@@ -331,8 +331,8 @@ class RewardBackprop(ForwardObjective):
         else:
             start = s.latents[draw.rows.to(s.latents.device), draw.step].to(dev).float()
             x_hat = x0_prediction(velocity, start, sigma, checkpointing=st.checkpointing)
-        images = (checkpoint(decode_with_grad, adapter, x_hat, use_reentrant=False) if st.checkpointing
-                  else decode_with_grad(adapter, x_hat))
+        images = (checkpoint(decode_with_grad, adapter, x_hat, embeds, use_reentrant=False) if st.checkpointing
+                  else decode_with_grad(adapter, x_hat, embeds))
         rows = draw.rows.tolist()
         reward = self.reward_total(images, [s.prompts[r] for r in rows], [s.metadata[r] for r in rows])
         if st.variant == "refl":
