@@ -71,7 +71,7 @@ class LTX2I2VAdapter(LTX2Adapter):
         pipe, height, width, num_frames, max_sequence_length, guidance: as :class:`~flowgrpo.models.ltx2.LTX2Adapter`.
         image_crf: the H.264 CRF the conditioning image is re-compressed at (the pipeline's ``image_crf``); None:
             the pipeline's default for its text encoder (33 for LTX-2 / 2.3); 0: no re-compression. A CRF other
-            than 0 needs PyAV (``pip install av``), as the pipeline does.
+            than 0 needs PyAV (``pip install "flowgrpo[video]"``), as the pipeline does.
 
     Raises:
         ValueError: as :class:`~flowgrpo.models.ltx2.LTX2Adapter`; a transformer patch size other than 1; a
@@ -156,8 +156,9 @@ class LTX2I2VAdapter(LTX2Adapter):
             try:
                 image = PIL.Image.fromarray(mod.apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
             except ImportError as err:
-                raise ImportError(f"LTX-2 image-to-video re-compresses the conditioning image at H.264 CRF {crf} as "
-                                  f"its pipeline does, which needs PyAV: pip install av ({err})") from None
+                raise ImportError(f"LTX-2 image-to-video re-compresses the conditioning image at H.264 CRF {crf} "
+                                  f"as its pipeline does, which needs PyAV: pip install 'flowgrpo[video]' "
+                                  f"({err})") from None
         pixels = pipe.video_processor.preprocess(image, height=self.height, width=self.width)
         pixels = pixels.to(device=self.device, dtype=vae.dtype)
         z = vae.encode(pixels[0].unsqueeze(0).unsqueeze(2)).latent_dist.mode()  # retrieve_latents(…, "argmax")

@@ -18,8 +18,8 @@ CASE = CASES["ltx2_i2v"]
 
 @pytest.fixture(autouse=True)
 def _one_thread_and_patches(monkeypatch):
-    """One intra-op thread (tiny models), and the case's module patches (the STG block of the two-block model,
-    the stand-in for PyAV's H.264 round trip) as the conformance suite sets them."""
+    """One intra-op thread (tiny models), and the case's module patches (the STG block of the two-block model)
+    as the conformance suite sets them."""
     for target, value in CASE.module_patches.items():
         module, attr = target.split(":")
         monkeypatch.setattr(importlib.import_module(module), attr, value)
