@@ -45,6 +45,23 @@ def test_a_modular_folder_is_read_by_its_modular_index(tmp_path):
         pipeline_class_name(str(tmp_path))
 
 
+def test_an_unknown_block_is_named_with_the_pipeline_class():
+    """``ModularAdapter.block`` reads a copy of the block tree held for the adapter; its error names the pipeline's
+    class and the names available where the path fails (not the holder's class)."""
+    from flowgrpo.models.modular import ModularAdapter
+
+    class Flux3ModularPipeline:  # the shape find_block reads: blocks with sub_blocks
+        blocks = SimpleNamespace(sub_blocks={"denoise": SimpleNamespace(sub_blocks={"text2image": object()})})
+
+    adapter = ModularAdapter.__new__(ModularAdapter)
+    adapter.pipe = Flux3ModularPipeline()
+    assert adapter.block("denoise.text2image") is Flux3ModularPipeline.blocks.sub_blocks["denoise"].sub_blocks[
+        "text2image"]
+    with pytest.raises(ValueError, match=r"^Flux3ModularPipeline has no block 'denoise.image2image': "
+                                         r"'image2image' is not one of \['text2image'\]$"):
+        adapter.block("denoise.image2image")
+
+
 def test_flux3_rows_keep_their_own_text_windows(tmp_path_factory):
     """FLUX.3's text windows are multiples of 80 tokens the transformer attends to in full (no mask): a batch of a
     long and a short prompt gives each row the velocity it has alone (to float rounding: the batch's transformer
