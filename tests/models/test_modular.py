@@ -84,6 +84,17 @@ def test_flux3_rows_keep_their_own_text_windows(tmp_path_factory):
     assert float((padded - both[1:]).abs().max()) > 1e-3  # the short row's padding would matter
 
 
+def test_the_flow_map_target_below_every_grid_sigma_is_zero():
+    """At σ = 0 no grid σ' is below σ: the target is 0 (argmax over an all-False row would pick the grid's first
+    entry, 1, a jump back up); at a grid σ the next one, between two the lower, below the last positive one 0."""
+    from flowgrpo.models.flux3 import Flux3Adapter
+
+    adapter = Flux3Adapter.__new__(Flux3Adapter)
+    adapter._grid = torch.tensor([1.0, 0.75, 0.5, 0.0])
+    got = adapter._target(torch.tensor([1.0, 0.8, 0.75, 0.3, 0.0]))
+    assert got.tolist() == [0.75, 0.75, 0.5, 0.0, 0.0]
+
+
 def test_the_distilled_flow_map_jumps_to_the_next_step_of_its_one_grid(tmp_path_factory):
     """The distilled transformer is called with the σ it jumps to: the next σ of the sampling grid at a grid σ, the
     largest grid σ below it elsewhere (checked against the transformer called directly); a second grid is refused."""
