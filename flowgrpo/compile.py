@@ -47,11 +47,15 @@ def compile_regions(module: torch.nn.Module, settings) -> int:
     Returns the number of blocks compiled.
 
     Raises:
-        ValueError: ``module`` is not a diffusers model with ``_repeated_blocks`` (one line naming its class), or is
+        ValueError: a ``mode`` other than ``default`` with a backend other than inductor (it would be ignored);
+            ``module`` is not a diffusers model with ``_repeated_blocks`` (one line naming its class), or is
             already sharded (its blocks would not be found by class name).
     """
     from diffusers.models.modeling_utils import ModelMixin
 
+    if settings.backend != "inductor" and settings.mode != "default":
+        raise ValueError(f"model.compile.mode={settings.mode!r} is inductor's; backend {settings.backend!r} has no "
+                         "modes: set mode to default or backend to inductor")
     name = type(module).__name__
     if not isinstance(module, ModelMixin) or not getattr(module, "_repeated_blocks", None):
         raise ValueError(f"model.compile=regional: {name} names no repeated blocks (diffusers' _repeated_blocks); "

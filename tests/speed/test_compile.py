@@ -54,6 +54,20 @@ def test_compile_seconds_count_the_lazily_compiled_backward_graphs(monkeypatch):
     assert watch.epoch_metrics(1)["compile/seconds"] == 0.0
 
 
+def test_an_inductor_mode_with_another_backend_is_refused_not_ignored():
+    """``mode`` is passed to torch.compile only with inductor; with aot_eager or eager a non-default mode would be
+    dropped without a word, so it is refused in one line naming both settings (before any module is looked at)."""
+    from flowgrpo.compile import compile_regions
+
+    for backend in ("aot_eager", "eager"):
+        settings = CompileConfig(name="regional", backend=backend, mode="max-autotune-no-cudagraphs")
+        with pytest.raises(ValueError, match=rf"^model.compile.mode='max-autotune-no-cudagraphs' is inductor's; "
+                                             rf"backend '{backend}' has no modes"):
+            compile_regions(torch.nn.Linear(1, 1), settings)
+    with pytest.raises(ValueError, match="Linear names no repeated blocks"):  # the next check: the module's
+        compile_regions(torch.nn.Linear(1, 1), CompileConfig(name="regional", backend="aot_eager"))
+
+
 @pytest.mark.slow
 def test_regional_compile_matches_eager_and_recompute_is_exact(tmp_path, tiny_flux_dir):
     from flowgrpo.compile import compile_regions, is_compiled
