@@ -93,6 +93,11 @@ def test_the_flow_map_target_below_every_grid_sigma_is_zero():
     adapter._grid = torch.tensor([1.0, 0.75, 0.5, 0.0])
     got = adapter._target(torch.tensor([1.0, 0.8, 0.75, 0.3, 0.0]))
     assert got.tolist() == [0.75, 0.75, 0.5, 0.0, 0.0]
+    # the loop passes next_t / 1000 with next_t = σ'·1000 the scheduler's float32 timestep: for this σ' the float32
+    # round trip lands one ulp above it (0x1.607b82p-2, written out by hand), and the target is that value
+    odd = float.fromhex("0x1.607b80p-2")
+    adapter._grid = torch.tensor([1.0, odd, 0.0])
+    assert adapter._target(torch.tensor([0.5])).item() == float.fromhex("0x1.607b82p-2")
 
 
 def test_the_distilled_flow_map_jumps_to_the_next_step_of_its_one_grid(tmp_path_factory):
