@@ -36,10 +36,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: torch.compile backends offered (``inductor``: generated kernels; ``aot_eager``: the same graphs run by eager
-#: kernels, for debugging a failure of inductor)
-BACKENDS = ("inductor", "aot_eager", "eager")
-
 
 def compile_regions(module: torch.nn.Module, settings) -> int:
     """Compile every repeated block of ``module`` in place with ``settings`` (a
