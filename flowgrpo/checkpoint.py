@@ -310,7 +310,8 @@ def read_health(folder: str | Path) -> dict:
 def incomplete(folder: str | Path) -> str | None:
     """Why checkpoint ``folder`` is not as it was written, or None: a file its ``state.json`` lists (``files``:
     {relative path: bytes}, every file written before ``state.json``) is missing or has another size (a file
-    truncated by a full disk or a cut copy). ``state.json`` itself unreadable is a reason too. A checkpoint written
+    truncated by a full disk or a cut copy). ``state.json`` itself unreadable, or its ``files`` not a mapping of
+    names to integer sizes, is a reason too. A checkpoint written
     before the list existed has none to check (None). Sizes only: nothing is hashed, so a file of the right size
     with other bytes is found when it is read."""
     folder = Path(folder)
@@ -318,6 +319,8 @@ def incomplete(folder: str | Path) -> str | None:
         files = json.loads((folder / "state.json").read_text(encoding="utf-8")).get(MANIFEST, {})
     except (OSError, ValueError, AttributeError) as err:
         return f"its state.json is unreadable ({_cause(err)})"
+    if not isinstance(files, dict) or not all(isinstance(n, str) and type(s) is int for n, s in files.items()):
+        return f"its state.json's {MANIFEST!r} is not a mapping of file names to sizes in bytes"
     for name, size in files.items():
         f = folder / name
         if not f.is_file():

@@ -36,10 +36,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-#: torch.compile backends offered (``inductor``: generated kernels; ``aot_eager``: the same graphs run by eager
-#: kernels, for debugging a failure of inductor)
-BACKENDS = ("inductor", "aot_eager", "eager")
-
 
 def compile_regions(module: torch.nn.Module, settings) -> int:
     """Compile every repeated block of ``module`` in place with ``settings`` (a
@@ -47,11 +43,15 @@ def compile_regions(module: torch.nn.Module, settings) -> int:
     Returns the number of blocks compiled.
 
     Raises:
-        ValueError: ``module`` is not a diffusers model with ``_repeated_blocks`` (one line naming its class), or is
+        ValueError: a ``mode`` other than ``default`` with a backend other than inductor (it would be ignored);
+            ``module`` is not a diffusers model with ``_repeated_blocks`` (one line naming its class), or is
             already sharded (its blocks would not be found by class name).
     """
     from diffusers.models.modeling_utils import ModelMixin
 
+    if settings.backend != "inductor" and settings.mode != "default":
+        raise ValueError(f"model.compile.mode={settings.mode!r} is inductor's; backend {settings.backend!r} has no "
+                         "modes: set mode to default or backend to inductor")
     name = type(module).__name__
     if not isinstance(module, ModelMixin) or not getattr(module, "_repeated_blocks", None):
         raise ValueError(f"model.compile=regional: {name} names no repeated blocks (diffusers' _repeated_blocks); "
@@ -91,20 +91,28 @@ def training_graph(adapter) -> Iterator[None]:
         yield
 
 
+#: torch._dynamo's compile timers summed into ``compile/seconds``: the forward compile (dynamo's trace and the
+#: backend's forward graph) and AOTAutograd's backward graph, which is compiled lazily, at the first backward of
+#: each training graph, outside the first timer (torch 2.14 ``_functorch/_aot_autograd/runtime_wrappers.py``)
+COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
 def _dynamo_totals() -> tuple[int, float]:
-    """(graphs compiled, seconds spent compiling) by torch._dynamo in this process so far."""
+    """(graphs compiled, seconds spent compiling forward and backward graphs: :data:`COMPILE_TIMERS`) by
+    torch._dynamo in this process so far."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     graphs = int(counters["stats"]["unique_graphs"])
-    seconds = float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
+    seconds = float(sum(sum(compilation_time_metrics.get(k, [])) for k in COMPILE_TIMERS))
     return graphs, seconds
 
 
 class CompileWatch:
     """Per-epoch compile figures of a compiled run: ``compile/graphs`` (graphs compiled during the epoch),
-    ``compile/seconds`` (dynamo + backend time of those compiles) and ``compile/graphs_total``. The first epoch's
-    compile is logged in one line; an epoch after the first that compiles again (a new batch size, resolution,
-    train/eval mode or guard) is warned about once, with its count; later ones are only counted."""
+    ``compile/seconds`` (dynamo + backend time of those compiles, the lazily compiled backward graphs included:
+    :data:`COMPILE_TIMERS`) and ``compile/graphs_total``. The first epoch's compile is logged in one line; an epoch
+    after the first that compiles again (a new batch size, resolution, train/eval mode or guard) is warned about
+    once, with its count; later ones are only counted."""
 
     def __init__(self, dynamic) -> None:
         self.dynamic = dynamic

@@ -288,3 +288,22 @@ def test_the_sharded_full_fine_tune_reference_is_a_structure_on_the_meta_device(
     assert not any(p.is_meta for p in tr.parameters())
     for (n, a), (_, b) in zip(ref.named_buffers(), tr.named_buffers(), strict=True):
         assert not a.is_meta and torch.equal(a, b), n
+
+
+def test_a_malformed_list_of_file_sizes_is_a_reason_not_a_crash(tmp_path):
+    """``incomplete`` reads ``state.json``'s ``files`` as {relative path: int bytes}; any other shape (a list, a
+    size that is a string) makes the checkpoint not intact, in one line, instead of an AttributeError in the
+    resume's scan of the checkpoints."""
+    from flowgrpo.checkpoint import incomplete, is_healthy
+
+    folder = tmp_path / "epoch_0"
+    folder.mkdir()
+    (folder / "rng.pt").write_bytes(b"1234")
+    for files in ([["rng.pt", 4]], {"rng.pt": "4"}, None):
+        (folder / "state.json").write_text(json.dumps({"epoch": 0, "lr_scheduler": {}, "sampler": {}, "files": files}))
+        why = incomplete(folder)
+        assert why == "its state.json's 'files' is not a mapping of file names to sizes in bytes", files
+        assert not is_healthy(folder)
+    (folder / "state.json").write_text(json.dumps({"epoch": 0, "lr_scheduler": {}, "sampler": {},
+                                                   "files": {"rng.pt": 4}}))
+    assert incomplete(folder) is None and is_healthy(folder)

@@ -18,15 +18,17 @@ formats from local files and write the layouts above (images as PNG, the JSONL w
   bytes; base64 strings in JSONL) and ``label_0`` (1: ``jpg_0`` preferred, 0: ``jpg_1``, 0.5: a tie, dropped), read
   from a local ``.parquet`` (needs pyarrow) or ``.jsonl`` (:func:`read_pickapic`; the convention of Diffusion-DPO's
   train.py, SalesforceAIResearch/DiffusionDPO 5233e75, lines 72–73, 782–784 and 857);
-- ranked lists (HPDv2's ``train.json`` layout): ``{"prompt": ..., "image_path": [...], "rank": [...]}`` with rank 1
-  the best, pairs best-vs-worst or every ordered pair (:func:`read_ranked`);
+- ranked lists (HPDv2's ``test.json`` layout; its ``train.json`` holds a 0/1 ``human_preference`` list instead of
+  ``rank`` and is refused, naming the fields):
+  ``{"prompt": ..., "image_path": [...], "rank": [...]}`` with rank 1 the best, pairs best-vs-worst or every
+  ordered pair (:func:`read_ranked`);
 - a Hugging Face ``imagefolder`` with its ``metadata.jsonl`` (``{"file_name": ..., "text": ...}``, the caption
   column settable) (:func:`read_imagefolder`).
 
 Command line::
 
     python -m flowgrpo.data.image_sets pickapic train.parquet out/ [--size 512 512]
-    python -m flowgrpo.data.image_sets ranked train.json out/ [--pairs all]
+    python -m flowgrpo.data.image_sets ranked test.json out/ [--pairs all]
     python -m flowgrpo.data.image_sets imagefolder folder/ out/
 """
 
@@ -240,6 +242,14 @@ def _save_png(image: str | bytes, out: Path, size: tuple[int, int] | None) -> No
     img.save(out, format="PNG")
 
 
+def _check_metadata(metadata: dict, written: tuple[str, ...], i: int) -> None:
+    """Refuse metadata holding a field the writer fills (it would replace the prompt or an image path)."""
+    clash = [k for k in written if k in metadata]
+    if clash:
+        raise ValueError(f"record {i}: its metadata has the field(s) {clash}, which the written layout fills "
+                         f"({', '.join(written)}); rename or drop them in the source")
+
+
 def _write_jsonl(records: list[dict], out: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -252,11 +262,16 @@ def write_preference_set(pairs: Iterable[PreferencePair], out_dir: str | Path,
                          size: tuple[int, int] | None = None) -> Path:
     """Write ``pairs`` in the preference layout: ``out_dir/images/<i>_chosen.png``, ``<i>_rejected.png`` and
     ``out_dir/data.jsonl`` (one line a pair: ``prompt``, ``chosen``, ``rejected``, the metadata); ``size``
-    (height, width) resizes every image (bicubic). Returns the JSONL's path."""
+    (height, width) resizes every image (bicubic). Returns the JSONL's path.
+
+    Raises:
+        ValueError: no pairs, or a pair whose metadata has a ``prompt``, ``chosen`` or ``rejected`` field (it would
+            replace the written one)."""
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     records = []
     for i, p in enumerate(pairs):
+        _check_metadata(p.metadata, ("prompt", *PAIR_KEYS), i)
         names = {k: f"images/{i}_{k}.png" for k in PAIR_KEYS}
         _save_png(p.chosen, out / names["chosen"], size)
         _save_png(p.rejected, out / names["rejected"], size)
@@ -269,11 +284,16 @@ def write_preference_set(pairs: Iterable[PreferencePair], out_dir: str | Path,
 
 def write_image_set(items: Iterable[ImageItem], out_dir: str | Path, size: tuple[int, int] | None = None) -> Path:
     """Write ``items`` in the image-set layout: ``out_dir/images/<i>.png`` and ``out_dir/data.jsonl`` (``prompt``,
-    ``target``, the metadata); ``size`` (height, width) resizes every image. Returns the JSONL's path."""
+    ``target``, the metadata); ``size`` (height, width) resizes every image. Returns the JSONL's path.
+
+    Raises:
+        ValueError: no items, or an item whose metadata has a ``prompt`` or ``target`` field (it would replace the
+            written one)."""
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     records = []
     for i, item in enumerate(items):
+        _check_metadata(item.metadata, ("prompt", TARGET_KEY), i)
         name = f"images/{i}.png"
         _save_png(item.image, out / name, size)
         records.append({"prompt": item.prompt, TARGET_KEY: name, **item.metadata})

@@ -179,10 +179,14 @@ class Flux3Adapter(ModularAdapter):
 
     def _target(self, sigma: torch.Tensor) -> torch.Tensor:
         """(B,) float32: for each σ the largest σ' < σ of the flow map's grid (the next step of a grid σ, as the
-        distilled pipeline's loop passes it; 0 below the last positive step)."""
-        grid = self._grid if self._grid is not None else self._default_grid
-        below = grid.to(sigma.device)[None, :] < sigma[:, None]  # the grid descends: the first True is the largest
-        return grid.to(sigma.device)[below.float().argmax(dim=1)]
+        distilled pipeline's loop passes it; 0 below the last positive step, and 0 at σ = 0, where no σ' is
+        below: the identity jump, never a jump back up the grid), computed as the loop computes it from the
+        scheduler's timestep: ``(σ'·1000)/1000`` in float32 (``next_t / 1000``, ``next_t = timesteps[i + 1]``;
+        one float32 ulp from σ' at some σ')."""
+        grid = (self._grid if self._grid is not None else self._default_grid).to(sigma.device)
+        below = grid[None, :] < sigma[:, None]  # the grid descends: the first True is the largest
+        nxt = torch.where(below.any(dim=1), grid[below.float().argmax(dim=1)], torch.zeros_like(sigma))
+        return nxt.float() * 1000 / 1000
 
     def _by_length(self, latents, t, target, prompt_embeds, lengths) -> torch.Tensor:
         """The transformer on the rows of each text length (one call per length, in order of first appearance)."""

@@ -101,10 +101,11 @@ def find_block(pipe, path: str):
         ValueError: no block at ``path`` (naming the names available where it fails).
     """
     node = pipe.blocks  # a copy of the pipeline's block tree (blocks hold their settings, not state)
+    owner = pipe.label if isinstance(pipe, _Holder) else type(pipe).__name__
     for name in path.split("."):
         subs = getattr(node, "sub_blocks", {})
         if name not in subs:
-            raise ValueError(f"{type(pipe).__name__} has no block {path!r}: {name!r} is not one of {list(subs)}")
+            raise ValueError(f"{owner} has no block {path!r}: {name!r} is not one of {list(subs)}")
         node = subs[name]
     return node
 
@@ -121,7 +122,7 @@ class ModularAdapter(AdapterBase):
         """The block at ``path`` of this pipeline (:func:`find_block`), from the copy of its block tree taken
         once per adapter."""
         if getattr(self, "_tree", None) is None:
-            self._tree = _Holder(self.pipe.blocks)
+            self._tree = _Holder(self.pipe.blocks, type(self.pipe).__name__)
         return find_block(self._tree, path)
 
     @torch.no_grad()
@@ -148,7 +149,8 @@ class ModularAdapter(AdapterBase):
 
 
 class _Holder:
-    """A fixed block tree in the shape :func:`find_block` reads (``.blocks``)."""
+    """A fixed block tree in the shape :func:`find_block` reads (``.blocks``), and the pipeline class's name
+    (``label``) its errors name."""
 
-    def __init__(self, blocks) -> None:
-        self.blocks = blocks
+    def __init__(self, blocks, label: str) -> None:
+        self.blocks, self.label = blocks, label

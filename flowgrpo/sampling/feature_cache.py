@@ -99,10 +99,16 @@ def check_cache_allowed(objective_name: str, cache_name: str, where: str = "samp
                         chunker_name: str | None = None) -> None:
     """Refuse a feature cache where a cached velocity would enter a log-prob. Allowed: the forward-process
     objectives (``nft``, ``awm``, ``dgpo``; their rollout records no log-prob) and, on ODE steps only
-    (:func:`ode_step_cache`), the SDE-ratio chunkers of :data:`ODE_STEP_CHUNKERS` with a cache other than ``mag``.
-    Raises ``ValueError`` (one line naming the reason)."""
+    (:func:`ode_step_cache`), the SDE-ratio chunkers of :data:`ODE_STEP_CHUNKERS` with a cache other than ``mag``;
+    every other objective (``dpo``, ``dpo_offline``, ``sft``, ``refl``, ``opd``) is refused. Raises ``ValueError``
+    (one line naming the reason)."""
     if cache_name == "none" or objective_name in FORWARD_OBJECTIVES:
         return
+    if objective_name != "sde_ratio":  # no chunker: no ODE steps to cache (dpo, sft, refl, opd, …)
+        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={objective_name!r}: caching is for "
+                         f"the {', '.join(FORWARD_OBJECTIVES)} rollouts (they record no log-prob and train on the "
+                         "final latent alone), the ODE steps of sde_ratio's "
+                         f"{' and '.join(ODE_STEP_CHUNKERS)} chunkers, and eval_sampling.cache")
     if chunker_name not in ODE_STEP_CHUNKERS:
         raise ValueError(f"{where}={cache_name!r} is refused with objective.name={objective_name!r} and chunker "
                          f"{chunker_name!r}: every step of its rollout is an SDE step whose velocity enters the "

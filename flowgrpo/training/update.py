@@ -56,6 +56,10 @@ def run_update(objective, adapter, optim, work, *, inner_epochs: int, progress: 
     Raises:
         ValueError: ``inner_epochs`` < 1.
         TrainingDiverged: a non-finite gradient norm (the weights were not updated).
+        RuntimeError: with several processes and ``parallel.gradient_sync=step``, a step whose last micro-batch has
+            no loss (None) after an earlier one back-propagated: the reduction that micro-batch's backward would
+            have made never happens (DDP's ``no_sync`` and FSDP2's deferred reduce-scatter wait for it), so the
+            step stops before the optimizer applies unaveraged gradients.
     """
     if inner_epochs < 1:
         raise ValueError(f"inner_epochs must be >= 1, got {inner_epochs}")
@@ -68,12 +72,22 @@ def run_update(objective, adapter, optim, work, *, inner_epochs: int, progress: 
         for inner in range(inner_epochs):
             for u, step in enumerate(steps):
                 items = objective.micro_batches(work, step, inner)
+                deferred = False  # a backward ran whose gradient reduction waits for the step's last one
                 for i, item in enumerate(items):
                     filler = i >= len(items) - step.fillers
-                    with optim.accumulating(sync=i == len(items) - 1):
+                    sync = i == len(items) - 1
+                    with optim.accumulating(sync=sync):
                         loss = objective.loss(adapter, work, item, state, MicroBatchAt(inner, u, filler))
                         if loss is not None:
                             optim.backward(loss * (0.0 if filler else dist.world_size() / max(step.rows, 1.0)))
+                            deferred = not (sync or optim.sync_every_micro_batch)
+                if deferred and dist.world_size() > 1:
+                    raise RuntimeError(
+                        f"update pass {inner + 1}, optimizer step {u + 1}: the step's last micro-batch has no gradient "
+                        "(every transition on a frozen module, e.g. Wan2.2's untrained expert), and the earlier "
+                        "ones left their gradient reduction to it (parallel.gradient_sync=step): the processes would "
+                        "step on gradients never averaged; set parallel.gradient_sync=micro_batch, or train only "
+                        "the trained module's steps (chunker)")
                 if items:
                     norms.append(optim.step(work.epoch))
                 optim.zero_grad()

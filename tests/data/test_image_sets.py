@@ -84,6 +84,24 @@ def test_imagefolder_to_image_set(tmp_path):
         load_image(tmp_path / "missing.png", 4, 4)
 
 
+def test_metadata_that_would_replace_a_written_field_is_refused(tmp_path):
+    """An imagefolder line with a ``prompt`` besides its caption, or a ``target`` field, would have replaced the
+    written prompt or image path (the metadata was spread after them); a Pick-a-Pic row with a ``chosen`` column
+    likewise. Each is refused in one line naming the field."""
+    (tmp_path / "a.png").write_bytes(_png(7))
+    for extra, field in (({"prompt": "other"}, "prompt"), ({"target": "x.png"}, "target")):
+        (tmp_path / "metadata.jsonl").write_text(json.dumps({"file_name": "a.png", "text": "a cat", **extra}) + "\n")
+        with pytest.raises(ValueError, match=rf"record 0: its metadata has the field\(s\) \['{field}'\]") as err:
+            write_image_set(read_imagefolder(tmp_path), tmp_path / "out")
+        assert "\n" not in str(err.value)
+    rows = [{"caption": "a", "jpg_0": _png(10), "jpg_1": _png(20), "label_0": 1, "chosen": "jpg_0"}]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({**r, "jpg_0": base64.b64encode(r["jpg_0"]).decode(),
+                                       "jpg_1": base64.b64encode(r["jpg_1"]).decode()}) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"its metadata has the field\(s\) \['chosen'\]"):
+        write_preference_set(read_pickapic(src), tmp_path / "out2")
+
+
 def test_flux_encode_images_is_the_vae_mode_packed(tiny_flux):
     from diffusers import FluxPipeline
 

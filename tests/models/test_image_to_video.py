@@ -83,7 +83,8 @@ def test_the_conditioning_image_is_a_fixed_input_never_sampled_or_noised(name, f
     meta = [{"images": [str(p)]} for p in paths]
     expected = torch.cat([_condition_by_hand(adapter, Image.open(p).convert("RGB"), family) for p in paths])
     c = adapter.latent_shape[0]
-    assert c == adapter.pipe.vae.config.latent_channels if family == "hunyuan" else adapter.pipe.vae.config.z_dim
+    # parenthesised: ``assert c == a if h else b`` asserted b alone (a truthy int) for Wan, which could not fail
+    assert c == (adapter.pipe.vae.config.latent_channels if family == "hunyuan" else adapter.pipe.vae.config.z_dim)
     seen = []
     hook = adapter.transformer.register_forward_pre_hook(
         lambda _m, _a, kw: seen.append(kw["hidden_states"].detach().clone()), with_kwargs=True)

@@ -45,6 +45,23 @@ def test_a_modular_folder_is_read_by_its_modular_index(tmp_path):
         pipeline_class_name(str(tmp_path))
 
 
+def test_an_unknown_block_is_named_with_the_pipeline_class():
+    """``ModularAdapter.block`` reads a copy of the block tree held for the adapter; its error names the pipeline's
+    class and the names available where the path fails (not the holder's class)."""
+    from flowgrpo.models.modular import ModularAdapter
+
+    class Flux3ModularPipeline:  # the shape find_block reads: blocks with sub_blocks
+        blocks = SimpleNamespace(sub_blocks={"denoise": SimpleNamespace(sub_blocks={"text2image": object()})})
+
+    adapter = ModularAdapter.__new__(ModularAdapter)
+    adapter.pipe = Flux3ModularPipeline()
+    assert adapter.block("denoise.text2image") is Flux3ModularPipeline.blocks.sub_blocks["denoise"].sub_blocks[
+        "text2image"]
+    with pytest.raises(ValueError, match=r"^Flux3ModularPipeline has no block 'denoise.image2image': "
+                                         r"'image2image' is not one of \['text2image'\]$"):
+        adapter.block("denoise.image2image")
+
+
 def test_flux3_rows_keep_their_own_text_windows(tmp_path_factory):
     """FLUX.3's text windows are multiples of 80 tokens the transformer attends to in full (no mask): a batch of a
     long and a short prompt gives each row the velocity it has alone (to float rounding: the batch's transformer
@@ -65,6 +82,22 @@ def test_flux3_rows_keep_their_own_text_windows(tmp_path_factory):
         padded = adapter.velocity(x[1:], torch.full((1,), 0.8), type(embeds)(
             {"prompt_embeds": embeds["prompt_embeds"][1:], "text_len": torch.tensor([160])}, embeds.shared), 1.0)
     assert float((padded - both[1:]).abs().max()) > 1e-3  # the short row's padding would matter
+
+
+def test_the_flow_map_target_below_every_grid_sigma_is_zero():
+    """At σ = 0 no grid σ' is below σ: the target is 0 (argmax over an all-False row would pick the grid's first
+    entry, 1, a jump back up); at a grid σ the next one, between two the lower, below the last positive one 0."""
+    from flowgrpo.models.flux3 import Flux3Adapter
+
+    adapter = Flux3Adapter.__new__(Flux3Adapter)
+    adapter._grid = torch.tensor([1.0, 0.75, 0.5, 0.0])
+    got = adapter._target(torch.tensor([1.0, 0.8, 0.75, 0.3, 0.0]))
+    assert got.tolist() == [0.75, 0.75, 0.5, 0.0, 0.0]
+    # the loop passes next_t / 1000 with next_t = σ'·1000 the scheduler's float32 timestep: for this σ' the float32
+    # round trip lands one ulp above it (0x1.607b82p-2, written out by hand), and the target is that value
+    odd = float.fromhex("0x1.607b80p-2")
+    adapter._grid = torch.tensor([1.0, odd, 0.0])
+    assert adapter._target(torch.tensor([0.5])).item() == float.fromhex("0x1.607b82p-2")
 
 
 def test_the_distilled_flow_map_jumps_to_the_next_step_of_its_one_grid(tmp_path_factory):

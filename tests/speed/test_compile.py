@@ -36,6 +36,38 @@ def _rollout_and_grads(adapter, embeds, x0):
     return log_probs, v.detach(), grads
 
 
+def test_compile_seconds_count_the_lazily_compiled_backward_graphs(monkeypatch):
+    """AOTAutograd compiles a training graph's backward at its first backward, timed under its own key
+    (``backward._backward_impl``), not inside dynamo's forward compile (``_compile.compile_inner``): an epoch's
+    ``compile/seconds`` is the sum of both timers' new entries (here 1.5 + 2.25 s, written into torch's own table)."""
+    from torch._dynamo import utils
+
+    from flowgrpo.compile import CompileWatch
+
+    table = {k: list(v) for k, v in utils.compilation_time_metrics.items()}
+    monkeypatch.setattr(utils, "compilation_time_metrics", table)
+    watch = CompileWatch(None)
+    table.setdefault("_compile.compile_inner", []).append(1.5)
+    table.setdefault("backward._backward_impl", []).append(2.25)
+    table.setdefault("some_other_timer", []).append(100.0)  # a timer nested in the two: not counted again
+    assert watch.epoch_metrics(0)["compile/seconds"] == 3.75
+    assert watch.epoch_metrics(1)["compile/seconds"] == 0.0
+
+
+def test_an_inductor_mode_with_another_backend_is_refused_not_ignored():
+    """``mode`` is passed to torch.compile only with inductor; with aot_eager or eager a non-default mode would be
+    dropped without a word, so it is refused in one line naming both settings (before any module is looked at)."""
+    from flowgrpo.compile import compile_regions
+
+    for backend in ("aot_eager", "eager"):
+        settings = CompileConfig(name="regional", backend=backend, mode="max-autotune-no-cudagraphs")
+        with pytest.raises(ValueError, match=rf"^model.compile.mode='max-autotune-no-cudagraphs' is inductor's; "
+                                             rf"backend '{backend}' has no modes"):
+            compile_regions(torch.nn.Linear(1, 1), settings)
+    with pytest.raises(ValueError, match="Linear names no repeated blocks"):  # the next check: the module's
+        compile_regions(torch.nn.Linear(1, 1), CompileConfig(name="regional", backend="aot_eager"))
+
+
 @pytest.mark.slow
 def test_regional_compile_matches_eager_and_recompute_is_exact(tmp_path, tiny_flux_dir):
     from flowgrpo.compile import compile_regions, is_compiled

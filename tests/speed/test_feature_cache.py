@@ -183,3 +183,11 @@ def test_a_cache_on_ode_steps_is_allowed_for_window_and_entropy_merge_only():
         with pytest.raises(ValueError, match="every step of its rollout is an SDE step") as err:
             check_cache_allowed("sde_ratio", "taylor_seer", chunker_name=chunker)
         assert "\n" not in str(err.value)
+    for objective in ("dpo", "dpo_offline", "sft", "refl", "opd"):  # no chunker of theirs has ODE steps to cache
+        for chunker in ("per_step", "window"):
+            with pytest.raises(ValueError, match=rf"refused with objective.name='{objective}': caching is for the "
+                                                 "nft, awm, dgpo rollouts") as err:
+                check_cache_allowed(objective, "first_block", chunker_name=chunker)
+            assert "\n" not in str(err.value) and "SDE step" not in str(err.value)
+    for objective in ("nft", "awm", "dgpo"):
+        check_cache_allowed(objective, "mag", chunker_name="per_step")

@@ -22,6 +22,7 @@ class RecordingOptim:
         self.grads: list[float] = []
         self.steps = 0
         self.lr = 0.25
+        self.sync_every_micro_batch = False  # parallel.gradient_sync=step
 
     def train_mode(self) -> None:
         self.events.append(("train_mode",))
@@ -141,3 +142,30 @@ def test_no_step_taken_reports_no_grad_norm_and_inner_epochs_are_checked():
     assert out == {"toy/recorded": 0, "train/lr": 0.25}
     with pytest.raises(ValueError, match="inner_epochs must be >= 1, got 0"):
         run_update(Toy(optim, []), Adapter(), optim, Work(), inner_epochs=0, progress=False)
+
+
+def test_a_last_micro_batch_without_gradient_after_deferred_ones_stops_on_several_processes(monkeypatch):
+    """With gradient_sync=step the earlier micro-batches' gradients are reduced over the processes in the step's
+    last backward (DDP's no_sync, FSDP2's deferred reduce-scatter); a last micro-batch with no loss (None: every
+    transition on a frozen module) makes no backward, so the step would apply gradients never averaged. It stops, in
+    one line, before the optimizer step; a None that is not last, one process, or gradient_sync=micro_batch is fine."""
+    from flowgrpo import dist
+
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    optim = RecordingOptim()
+    with pytest.raises(RuntimeError, match=r"^update pass 1, optimizer step 2: the step's last micro-batch has no "
+                                           r"gradient .*set parallel.gradient_sync=micro_batch") as err:
+        run_update(Toy(optim, [UpdateStep([1.0], rows=1.0), UpdateStep([1.0, 0.0], rows=1.0)]), Adapter(), optim,
+                   Work(), inner_epochs=1, progress=False)
+    assert "\n" not in str(err.value)
+    assert [e[0] for e in optim.events].count("step") == 1  # the first step only: the weights were not updated
+    for steps, every in (([UpdateStep([0.0, 1.0], rows=1.0)], False), ([UpdateStep([1.0, 0.0], rows=1.0)], True),
+                         ([UpdateStep([0.0, 0.0], rows=1.0)], False)):
+        optim = RecordingOptim()
+        optim.sync_every_micro_batch = every
+        run_update(Toy(optim, steps), Adapter(), optim, Work(), inner_epochs=1, progress=False)
+    monkeypatch.setattr(dist, "world_size", lambda: 1)
+    optim = RecordingOptim()
+    run_update(Toy(optim, [UpdateStep([1.0, 0.0], rows=1.0)]), Adapter(), optim, Work(), inner_epochs=1,
+               progress=False)
+    assert optim.grads == pytest.approx([1.0])
