@@ -110,7 +110,7 @@ def test_checkpointed_functions_are_checked_again_when_the_backward_recomputes_t
     with FakeAccelerator(lin) as mode:
         x = torch.ones(4, 3).to(lin.weight.device)
         assert x.device == dev
-        with pytest.raises(NotImplementedError, match="meta"):
+        with pytest.raises((NotImplementedError, RuntimeError), match="meta"):  # a real meta tensor recomputed
             checkpoint(step, x, use_reentrant=False).sum().backward()
         lin.zero_grad()
         mode.recomputing(checkpoint)(step, x, use_reentrant=False).sum().backward()
