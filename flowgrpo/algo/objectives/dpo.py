@@ -36,10 +36,9 @@ from flowgrpo import dist
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, RowDraw
-from flowgrpo.algo.objectives.sft import SigmaDensityConfig, train_sigmas
+from flowgrpo.algo.objectives.sft import SigmaDensityConfig, seeded_draws
 from flowgrpo.algo.schedule import step_shares
 from flowgrpo.records import Advantages, FinalSamples
-from flowgrpo.rng import make_generator
 
 __all__ = ["DPO", "DPOConfig", "DPOSettings", "DPOBaseConfig", "PAIR_MODES", "dpo_terms", "preference_pairs",
            "pair_slots"]
@@ -262,16 +261,10 @@ class DPO(ForwardObjective):
                            local.start, epoch, extra)
 
     def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[RowDraw]:
-        """Per pair, K σ's and K noises from a generator of (seed, epoch, pass, group, slot)."""
-        s, k, settings = work.samples, self.o.num_train_timesteps, self.loss_settings()
-        sig, eps = [], []
-        for r in rows.tolist():
-            g = make_generator(self.cfg.train.seed, work.epoch, inner, "dpo", int(s.group_ids[r]),
-                               int(s.sample_index[r]))
-            sig.append(train_sigmas(k, settings, g))
-            eps.append(torch.randn((k, *s.x0.shape[1:]), generator=g))
-        sig_t, eps_t = torch.stack(sig), torch.stack(eps)
-        return [RowDraw(rows, sig_t[:, j], eps_t[:, j]) for j in range(k)]
+        """Per pair, K σ's and K noises from a generator of (seed, epoch, pass, group, slot) (the pair view's
+        ``sample_index`` is the slot; :func:`~flowgrpo.algo.objectives.sft.seeded_draws`)."""
+        return seeded_draws(work.samples, rows, self.o.num_train_timesteps, self.loss_settings(),
+                            self.cfg.train.seed, work.epoch, inner, "dpo")
 
     def terms(self, adapter, work: ForwardWork, draw: RowDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
         """The reference, then the trained weights, each on the chosen and rejected images in one call;

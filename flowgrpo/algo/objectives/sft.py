@@ -35,7 +35,7 @@ from flowgrpo.data.image_sets import TARGET_KEY, dataset_folder
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.dataset_rollout import dataset_rollout
 
-__all__ = ["SFT", "SFTConfig", "SFTSettings", "SigmaDensityConfig", "sft_terms", "train_sigmas"]
+__all__ = ["SFT", "SFTConfig", "SFTSettings", "SigmaDensityConfig", "seeded_draws", "sft_terms", "train_sigmas"]
 
 WeightingScheme = Literal["logit_normal", "uniform", "mode"]
 
@@ -76,6 +76,30 @@ def train_sigmas(k: int, settings, generator: torch.Generator) -> torch.Tensor:
     return compute_density_for_timestep_sampling(settings.weighting_scheme, k, logit_mean=settings.logit_mean,
                                                  logit_std=settings.logit_std, mode_scale=settings.mode_scale,
                                                  generator=generator).float()
+
+
+def seeded_draws(samples, rows: torch.Tensor, k: int, density, *parts: object) -> list[RowDraw]:
+    """The K draws of micro-batch ``rows`` (K ≥ 1), each row's own: one generator per row,
+    :func:`~flowgrpo.rng.make_generator` of (``parts``, the row's group id, its sample index), draws the row's K σ's
+    (:func:`train_sigmas` of ``density``) and then its K noises ε (K, …) of the shape of one of ``samples.x0``, so a
+    row's draws depend on its sample and the parts, never on the batching or the process.
+
+    Args:
+        samples: the rollout (``group_ids``, ``sample_index`` (B,) and ``x0`` (B, …) are read).
+        rows: (n,) long host, local sample indices. density: the σ density's settings (:func:`train_sigmas`).
+        parts: the generator's scope before the sample, e.g. (seed, epoch, pass, the objective's name).
+
+    Returns:
+        K :class:`~flowgrpo.algo.objectives.forward.RowDraw`, draw j holding every row's j-th σ (n,) and noise (n, …),
+        float32 host.
+    """
+    sig, eps = [], []
+    for r in rows.tolist():
+        g = make_generator(*parts, int(samples.group_ids[r]), int(samples.sample_index[r]))
+        sig.append(train_sigmas(k, density, g))
+        eps.append(torch.randn((k, *samples.x0.shape[1:]), generator=g))
+    sig_t, eps_t = torch.stack(sig), torch.stack(eps)
+    return [RowDraw(rows, sig_t[:, j], eps_t[:, j]) for j in range(k)]
 
 
 def sft_terms(v: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, settings: SFTSettings, *,
@@ -151,16 +175,10 @@ class SFT(ForwardObjective):
                                image_key=self.image_key, sigmas=adapter.sigmas(request.settings.num_steps))
 
     def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[RowDraw]:
-        """Per sample, K σ's and K noises from a generator of (seed, epoch, pass, the sample)."""
-        s, k, settings = work.samples, self.o.num_train_timesteps, self.loss_settings()
-        sig, eps = [], []
-        for r in rows.tolist():
-            g = make_generator(self.cfg.train.seed, work.epoch, inner, "sft", int(s.group_ids[r]),
-                               int(s.sample_index[r]))
-            sig.append(train_sigmas(k, settings, g))
-            eps.append(torch.randn((k, *s.x0.shape[1:]), generator=g))
-        sig_t, eps_t = torch.stack(sig), torch.stack(eps)
-        return [RowDraw(rows, sig_t[:, j], eps_t[:, j]) for j in range(k)]
+        """Per sample, K σ's and K noises from a generator of (seed, epoch, pass, the sample)
+        (:func:`seeded_draws`)."""
+        return seeded_draws(work.samples, rows, self.o.num_train_timesteps, self.loss_settings(),
+                            self.cfg.train.seed, work.epoch, inner, "sft")
 
     def terms(self, adapter, work: ForwardWork, draw: RowDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
         """v_ref (when kl_beta > 0), then v_θ; :func:`sft_terms`."""
