@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from flowgrpo.config import build_config
+from tests.training.objective_runs import tiny_run
 from tests.training.test_devices import _run_on_fake_accelerator
 from tests.training.test_distributed import _free_port, _run
 from tests.training.test_path_runs import _teacher
@@ -57,20 +58,11 @@ def _sections(out, tiny_flux_dir, inputs, name: str, **train) -> dict:
     prompts = inputs / ("p.jsonl" if path else "p.txt")
     if o["name"] == "opd":
         o["teacher"] = str(inputs / "teacher")
-    return {
-        "output_dir": str(out),
-        "model": {"pretrained": str(tiny_flux_dir), "max_sequence_length": 12, "height": 32, "width": 32},
-        "sampling": {"num_steps": 3, "guidance_scale": 3.0},
-        "eval_sampling": {"num_steps": 2},
-        "objective": o,
-        "train": {"num_epochs": 1, "prompts_per_epoch": 2, "group_size": 2, "rollout_batch_size": 2,
-                  "train_batch_size": 1, "optimizer_steps_per_epoch": 2, "lr": 1e-2, "ema_decay": 0.9, **train},
+    train_prompts = {"dpo_offline": inputs / "pairs.jsonl", "sft": inputs / "items.jsonl"}.get(o["name"], prompts)
+    return tiny_run(out, tiny_flux_dir, o, train_prompts, {
+        "train": {"train_batch_size": 1, "ema_decay": 0.9, **train},
         "rewards": [{"name": "digit_correctness" if path else "jpeg_incompressibility"}],
-        "data": {"train_prompts": str({"dpo_offline": inputs / "pairs.jsonl",
-                                       "sft": inputs / "items.jsonl"}.get(o["name"], prompts)),
-                 "eval_prompts": str(prompts), "eval_num_prompts": 2},
-        "logging": {"progress": False, "save_rollout_stats": True},
-    }
+        "data": {"eval_prompts": str(prompts)}, "logging": {"save_rollout_stats": True}})
 
 
 @pytest.mark.parametrize("name", IN_PROCESS)
