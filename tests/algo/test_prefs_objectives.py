@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.objectives.dpo import DPOSettings, dpo_terms, pair_slots, preference_pairs
+from flowgrpo.algo.objectives.dpo import DPOConfig, dpo_terms, pair_slots, preference_pairs
 from flowgrpo.algo.objectives.dpo_offline import dataset_pairs
-from flowgrpo.algo.objectives.sft import SFTSettings, sft_terms, train_sigmas
+from flowgrpo.algo.objectives.sft import SFTConfig, sft_terms, train_sigmas
 
 # two pairs of 3-dim "latents": chosen/rejected clean latents, the shared noise, four velocities each
 X0_W = [[0.2, -0.1, 0.4], [1.0, 0.5, -0.3]]
@@ -78,8 +78,8 @@ def test_dpo_stats_and_refusals():
         dpo_terms(_t(V_W), _t(V_L), _t(R_W), _t(R_L), _t(EPS), _t(X0_W), _t(X0_L), 0.0)
     with pytest.raises(ValueError, match="equal shapes"):
         dpo_terms(_t(V_W)[:1], _t(V_L), _t(R_W), _t(R_L), _t(EPS), _t(X0_W), _t(X0_L), 1.0)
-    with pytest.raises(ValueError, match="pairs must be one of"):
-        DPOSettings(pairs="random")
+    with pytest.raises(ValueError, match="pairs\n  Input should be 'best_worst' or 'all'"):
+        DPOConfig(pairs="random")
 
 
 def test_best_worst_pairs_by_hand():
@@ -120,18 +120,18 @@ def test_sft_loss_by_hand():
     v, eps, x0, ref = _t(V_W), _t(EPS), _t(X0_W), _t(R_W)
     want = [sum((V_W[i][d] - (EPS[i][d] - X0_W[i][d])) ** 2 for d in range(3)) / 3 for i in range(2)]
     kl = [sum((V_W[i][d] - R_W[i][d]) ** 2 for d in range(3)) / 3 for i in range(2)]
-    assert sft_terms(v, eps, x0, SFTSettings()).loss.tolist() == pytest.approx(want, rel=1e-6)
-    got = sft_terms(v, eps, x0, SFTSettings(kl_beta=0.5), v_ref=ref).loss.tolist()
+    assert sft_terms(v, eps, x0, SFTConfig()).loss.tolist() == pytest.approx(want, rel=1e-6)
+    got = sft_terms(v, eps, x0, SFTConfig(kl_beta=0.5), v_ref=ref).loss.tolist()
     assert got == pytest.approx([a + 0.5 * b for a, b in zip(want, kl, strict=True)], rel=1e-6)
     with pytest.raises(ValueError, match="needs the reference"):
-        sft_terms(v, eps, x0, SFTSettings(kl_beta=0.5))
+        sft_terms(v, eps, x0, SFTConfig(kl_beta=0.5))
 
 
 def test_train_sigmas_are_the_logit_normal_density():
     """σ = sigmoid(m + s·z), z standard normal from the generator (diffusers' logit_normal scheme)."""
-    s = SFTSettings(logit_mean=0.4, logit_std=2.0, num_train_timesteps=5)
+    s = SFTConfig(logit_mean=0.4, logit_std=2.0, num_train_timesteps=5)
     got = train_sigmas(5, s, torch.Generator().manual_seed(3))
     z = torch.randn(5, generator=torch.Generator().manual_seed(3))
     assert got.tolist() == pytest.approx(torch.sigmoid(0.4 + 2.0 * z).tolist(), rel=1e-6)
-    u = train_sigmas(4, SFTSettings(weighting_scheme="uniform"), torch.Generator().manual_seed(1))
+    u = train_sigmas(4, SFTConfig(weighting_scheme="uniform"), torch.Generator().manual_seed(1))
     assert u.tolist() == pytest.approx(torch.rand(4, generator=torch.Generator().manual_seed(1)).tolist())
