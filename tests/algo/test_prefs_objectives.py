@@ -17,7 +17,7 @@ import torch
 
 from flowgrpo.algo.objectives.dpo import DPOConfig, dpo_terms, pair_slots, preference_pairs
 from flowgrpo.algo.objectives.dpo_offline import dataset_pairs
-from flowgrpo.algo.objectives.sft import SFTConfig, sft_terms, train_sigmas
+from flowgrpo.algo.objectives.sft import SFTConfig, seeded_draws, sft_terms, train_sigmas
 
 # two pairs of 3-dim "latents": chosen/rejected clean latents, the shared noise, four velocities each
 X0_W = [[0.2, -0.1, 0.4], [1.0, 0.5, -0.3]]
@@ -135,3 +135,29 @@ def test_train_sigmas_are_the_logit_normal_density():
     assert got.tolist() == pytest.approx(torch.sigmoid(0.4 + 2.0 * z).tolist(), rel=1e-6)
     u = train_sigmas(4, SFTConfig(weighting_scheme="uniform"), torch.Generator().manual_seed(1))
     assert u.tolist() == pytest.approx(torch.rand(4, generator=torch.Generator().manual_seed(1)).tolist())
+
+
+def test_seeded_draws_are_each_rows_own():
+    """dpo's and sft's draws (:func:`seeded_draws`): row r's K σ's and then its K noises come from one generator
+    seeded by sha256 of "parts/group/sample" (:func:`flowgrpo.rng.derive_seed`); σ = sigmoid(m + s·z) (the
+    logit-normal density); the same row in another micro-batch draws the same numbers."""
+    import hashlib
+    from types import SimpleNamespace
+
+    samples = SimpleNamespace(group_ids=torch.tensor([5, 5, 9, 9]), sample_index=torch.tensor([0, 1, 0, 1]),
+                              x0=torch.zeros(4, 2, 3))
+    density = SFTConfig(num_train_timesteps=3, logit_mean=0.4, logit_std=2.0)
+    draws = seeded_draws(samples, torch.tensor([1, 2]), 3, density, 7, 0, 1, "sft")
+    assert len(draws) == 3
+    for i, r in enumerate((1, 2)):
+        text = f"7/0/1/sft/{int(samples.group_ids[r])}/{int(samples.sample_index[r])}"
+        seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+        g = torch.Generator().manual_seed(seed)
+        z, eps = torch.randn(3, generator=g), torch.randn((3, 2, 3), generator=g)
+        for j, d in enumerate(draws):
+            assert d.rows.tolist() == [1, 2]
+            assert float(d.sigma[i]) == pytest.approx(float(torch.sigmoid(0.4 + 2.0 * z[j])), rel=1e-6)
+            assert torch.equal(d.noise[i], eps[j])
+    alone = seeded_draws(samples, torch.tensor([2]), 3, density, 7, 0, 1, "sft")
+    assert all(torch.equal(a.noise[0], d.noise[1]) and a.sigma[0] == d.sigma[1] for a, d in zip(alone, draws,
+                                                                                                 strict=True))
