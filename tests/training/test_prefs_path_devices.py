@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 import yaml
 
 from flowgrpo.config import build_config
@@ -22,8 +23,6 @@ from tests.training.test_devices import _run_on_fake_accelerator
 from tests.training.test_distributed import _free_port, _run
 from tests.training.test_path_runs import _teacher
 from tests.training.test_prefs_runs import write_datasets
-
-pytestmark = pytest.mark.slow
 
 PROMPTS = ("a red cube", "a blue ball", "a green tree", "a red ball")
 OBJECTIVES = {
@@ -65,6 +64,7 @@ def _sections(out, tiny_flux_dir, inputs, name: str, **train) -> dict:
         "data": {"eval_prompts": str(prompts)}, "logging": {"save_rollout_stats": True}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", IN_PROCESS)
 def test_objective_epoch_keeps_each_tensor_on_one_device(tmp_path, tiny_flux_dir, inputs, monkeypatch, name):
     cfg = build_config(_sections(tmp_path / name, tiny_flux_dir, inputs, name))
@@ -72,6 +72,7 @@ def test_objective_epoch_keeps_each_tensor_on_one_device(tmp_path, tiny_flux_dir
     assert mode.syncs and mode.update_reads  # the mode was active through the update
 
 
+@pytest.mark.slow
 def test_two_processes_with_host_latents_keep_each_tensor_on_one_device(tmp_path, tiny_flux_dir, inputs):
     # 4 prompts (or dataset records) x G = 2: each process two whole groups (DPO's pairs never span processes)
     configs = []
@@ -84,3 +85,17 @@ def test_two_processes_with_host_latents_keep_each_tensor_on_one_device(tmp_path
           "tests/training/fake_device_train.py", *configs], tmp_path)
     for name in TWO_PROCESSES:
         assert (tmp_path / name / "checkpoints" / "epoch_0").is_dir(), name
+
+
+def test_the_teacher_is_loaded_onto_the_models_device(tmp_path, tiny_flux_dir, monkeypatch):
+    """The harness above puts the teacher on the accelerator (it is built before training, outside the mode); this
+    is what makes that true: :func:`~flowgrpo.algo.objectives.opd.load_teacher` moves it to ``adapter.device``
+    (here a device the teacher's files cannot be on)."""
+    from flowgrpo.algo.objectives.opd import load_teacher
+    from flowgrpo.models import load_model
+
+    adapter = load_model(str(tiny_flux_dir), max_sequence_length=12, height=32, width=32)
+    adapter.transformer.save_pretrained(tmp_path / "teacher" / "transformer")
+    monkeypatch.setattr(type(adapter), "device", property(lambda self: torch.device("meta")))
+    teacher = load_teacher(str(tmp_path / "teacher"), adapter, None)
+    assert {p.device for p in teacher.parameters()} == {torch.device("meta")}
