@@ -161,3 +161,24 @@ def test_seeded_draws_are_each_rows_own():
     alone = seeded_draws(samples, torch.tensor([2]), 3, density, 7, 0, 1, "sft")
     assert all(torch.equal(a.noise[0], d.noise[1]) and a.sigma[0] == d.sigma[1] for a, d in zip(alone, draws,
                                                                                                  strict=True))
+
+
+@pytest.mark.parametrize(("name", "why"), [("dpo", "pairs the samples of a group"),
+                                           ("dpo_offline", "pairs the samples of a group"),
+                                           ("dgpo", "sums its preference over each group's rows")])
+def test_groups_spanning_processes_are_refused(name, why, monkeypatch):
+    """3 prompts x G = 2 on 2 data ranks: 3 samples each, a group across both (its pair or group sum would be cut);
+    4 prompts: two whole groups each, accepted."""
+    from flowgrpo import dist
+    from flowgrpo.algo.objectives import build_objective
+    from flowgrpo.config import build_config
+
+    monkeypatch.setattr(dist, "data_world_size", lambda: 2)
+    grid = torch.linspace(1, 0, 4)
+    o = {"name": name, **({"trunc_steps": 1, "num_train_timesteps": 2} if name == "dgpo" else {})}
+    cfg = build_config({"objective": o, "train": {"group_size": 2, "prompts_per_epoch": 3, "rollout_batch_size": 2}})
+    with pytest.raises(ValueError, match=rf"objective '{name}' {why}: the 3 samples each of 2 data ranks holds must "
+                                         r"be whole groups of train.group_size=2"):
+        build_objective(cfg).check_grid(grid)
+    cfg = build_config({"objective": o, "train": {"group_size": 2, "prompts_per_epoch": 4, "rollout_batch_size": 2}})
+    build_objective(cfg).check_grid(grid)

@@ -192,12 +192,7 @@ class DPO(ForwardObjective):
 
     def check_grid(self, sigmas: torch.Tensor) -> None:
         """Every process holds whole groups (a pair is two samples of one group)."""
-        local, g = self.cfg.batch_size // dist.data_world_size(), self.cfg.train.group_size
-        if local % g:
-            raise ValueError(f"objective {self.o.name!r} pairs the samples of a group: the {local} samples each of "
-                             f"{dist.data_world_size()} data ranks holds must be whole groups of "
-                             f"train.group_size={g}; choose train.prompts_per_epoch divisible by the number of "
-                             "processes")
+        self.check_whole_groups("pairs the samples of a group")
 
     def pairs(self, samples: FinalSamples, advantages: torch.Tensor, valid: torch.Tensor):
         """(chosen, rejected, is_pair) local rows of the epoch's pair slots: by the advantages (online)."""
