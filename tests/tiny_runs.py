@@ -1,15 +1,27 @@
 """Short runs on the tiny FLUX pipeline for the tests that go through the real entry points
 (``flowgrpo.runner.run``, ``flowgrpo/train.py``, the ``flowgrpo`` CLI): a config of two epochs on three prompts
-(``_cfg``), the same as command-line overrides (``_tiny_overrides``), and the rollouts a run saved (``_rollouts``).
+(``_cfg``), the same as command-line overrides (``_tiny_overrides``), and the rollouts a run saved (``_rollouts``);
+``_one_thread``, a fixture that runs a test on one thread (autouse in a module that imports it).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
 from safetensors.torch import load_file
 
 from flowgrpo.config import build_config
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from threads on a shared 2-core machine (and a run's rounding is its threads')."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _cfg(tmp_path: Path, tiny_flux_dir: Path, name: str = "run", *, prompts=("a red cube", "a blue ball",

@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from flowgrpo.algo.objectives.dpo import DPOSettings, dpo_terms, pair_slots, preference_pairs
+from flowgrpo.algo.objectives.dpo import DPOConfig, dpo_terms, pair_slots, preference_pairs
 from flowgrpo.algo.objectives.dpo_offline import dataset_pairs
-from flowgrpo.algo.objectives.sft import SFTSettings, sft_terms, train_sigmas
+from flowgrpo.algo.objectives.sft import SFTConfig, seeded_draws, sft_terms, train_sigmas
 
 # two pairs of 3-dim "latents": chosen/rejected clean latents, the shared noise, four velocities each
 X0_W = [[0.2, -0.1, 0.4], [1.0, 0.5, -0.3]]
@@ -78,8 +78,8 @@ def test_dpo_stats_and_refusals():
         dpo_terms(_t(V_W), _t(V_L), _t(R_W), _t(R_L), _t(EPS), _t(X0_W), _t(X0_L), 0.0)
     with pytest.raises(ValueError, match="equal shapes"):
         dpo_terms(_t(V_W)[:1], _t(V_L), _t(R_W), _t(R_L), _t(EPS), _t(X0_W), _t(X0_L), 1.0)
-    with pytest.raises(ValueError, match="pairs must be one of"):
-        DPOSettings(pairs="random")
+    with pytest.raises(ValueError, match="pairs\n  Input should be 'best_worst' or 'all'"):
+        DPOConfig(pairs="random")
 
 
 def test_best_worst_pairs_by_hand():
@@ -120,18 +120,65 @@ def test_sft_loss_by_hand():
     v, eps, x0, ref = _t(V_W), _t(EPS), _t(X0_W), _t(R_W)
     want = [sum((V_W[i][d] - (EPS[i][d] - X0_W[i][d])) ** 2 for d in range(3)) / 3 for i in range(2)]
     kl = [sum((V_W[i][d] - R_W[i][d]) ** 2 for d in range(3)) / 3 for i in range(2)]
-    assert sft_terms(v, eps, x0, SFTSettings()).loss.tolist() == pytest.approx(want, rel=1e-6)
-    got = sft_terms(v, eps, x0, SFTSettings(kl_beta=0.5), v_ref=ref).loss.tolist()
+    assert sft_terms(v, eps, x0, SFTConfig()).loss.tolist() == pytest.approx(want, rel=1e-6)
+    got = sft_terms(v, eps, x0, SFTConfig(kl_beta=0.5), v_ref=ref).loss.tolist()
     assert got == pytest.approx([a + 0.5 * b for a, b in zip(want, kl, strict=True)], rel=1e-6)
     with pytest.raises(ValueError, match="needs the reference"):
-        sft_terms(v, eps, x0, SFTSettings(kl_beta=0.5))
+        sft_terms(v, eps, x0, SFTConfig(kl_beta=0.5))
 
 
 def test_train_sigmas_are_the_logit_normal_density():
     """σ = sigmoid(m + s·z), z standard normal from the generator (diffusers' logit_normal scheme)."""
-    s = SFTSettings(logit_mean=0.4, logit_std=2.0, num_train_timesteps=5)
+    s = SFTConfig(logit_mean=0.4, logit_std=2.0, num_train_timesteps=5)
     got = train_sigmas(5, s, torch.Generator().manual_seed(3))
     z = torch.randn(5, generator=torch.Generator().manual_seed(3))
     assert got.tolist() == pytest.approx(torch.sigmoid(0.4 + 2.0 * z).tolist(), rel=1e-6)
-    u = train_sigmas(4, SFTSettings(weighting_scheme="uniform"), torch.Generator().manual_seed(1))
+    u = train_sigmas(4, SFTConfig(weighting_scheme="uniform"), torch.Generator().manual_seed(1))
     assert u.tolist() == pytest.approx(torch.rand(4, generator=torch.Generator().manual_seed(1)).tolist())
+
+
+def test_seeded_draws_are_each_rows_own():
+    """dpo's and sft's draws (:func:`seeded_draws`): row r's K σ's and then its K noises come from one generator
+    seeded by sha256 of "parts/group/sample" (:func:`flowgrpo.rng.derive_seed`); σ = sigmoid(m + s·z) (the
+    logit-normal density); the same row in another micro-batch draws the same numbers."""
+    import hashlib
+    from types import SimpleNamespace
+
+    samples = SimpleNamespace(group_ids=torch.tensor([5, 5, 9, 9]), sample_index=torch.tensor([0, 1, 0, 1]),
+                              x0=torch.zeros(4, 2, 3))
+    density = SFTConfig(num_train_timesteps=3, logit_mean=0.4, logit_std=2.0)
+    draws = seeded_draws(samples, torch.tensor([1, 2]), 3, density, 7, 0, 1, "sft")
+    assert len(draws) == 3
+    for i, r in enumerate((1, 2)):
+        text = f"7/0/1/sft/{int(samples.group_ids[r])}/{int(samples.sample_index[r])}"
+        seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+        g = torch.Generator().manual_seed(seed)
+        z, eps = torch.randn(3, generator=g), torch.randn((3, 2, 3), generator=g)
+        for j, d in enumerate(draws):
+            assert d.rows.tolist() == [1, 2]
+            assert float(d.sigma[i]) == pytest.approx(float(torch.sigmoid(0.4 + 2.0 * z[j])), rel=1e-6)
+            assert torch.equal(d.noise[i], eps[j])
+    alone = seeded_draws(samples, torch.tensor([2]), 3, density, 7, 0, 1, "sft")
+    assert all(torch.equal(a.noise[0], d.noise[1]) and a.sigma[0] == d.sigma[1] for a, d in zip(alone, draws,
+                                                                                                 strict=True))
+
+
+@pytest.mark.parametrize(("name", "why"), [("dpo", "pairs the samples of a group"),
+                                           ("dpo_offline", "pairs the samples of a group"),
+                                           ("dgpo", "sums its preference over each group's rows")])
+def test_groups_spanning_processes_are_refused(name, why, monkeypatch):
+    """3 prompts x G = 2 on 2 data ranks: 3 samples each, a group across both (its pair or group sum would be cut);
+    4 prompts: two whole groups each, accepted."""
+    from flowgrpo import dist
+    from flowgrpo.algo.objectives import build_objective
+    from flowgrpo.config import build_config
+
+    monkeypatch.setattr(dist, "data_world_size", lambda: 2)
+    grid = torch.linspace(1, 0, 4)
+    o = {"name": name, **({"trunc_steps": 1, "num_train_timesteps": 2} if name == "dgpo" else {})}
+    cfg = build_config({"objective": o, "train": {"group_size": 2, "prompts_per_epoch": 3, "rollout_batch_size": 2}})
+    with pytest.raises(ValueError, match=rf"objective '{name}' {why}: the 3 samples each of 2 data ranks holds must "
+                                         r"be whole groups of train.group_size=2"):
+        build_objective(cfg).check_grid(grid)
+    cfg = build_config({"objective": o, "train": {"group_size": 2, "prompts_per_epoch": 4, "rollout_batch_size": 2}})
+    build_objective(cfg).check_grid(grid)

@@ -13,18 +13,11 @@ import torch
 from flowgrpo.config import load_config
 from flowgrpo.models.zoo import CASES
 from flowgrpo.testing.adapters import tiny_folder
+from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_OF = {"qwenimage": "qwenimage", "zimage": "zimage", "flux2_klein": "flux2_klein", "flux2": "flux2",
              "kontext": "kontext", "qwenimage_edit_plus": "qwenimage_edit_plus"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIG_OF))

@@ -1,6 +1,6 @@
 """The shipped Diffusion-DPO release config reproduces its release's settings, field by field (the table is written
 from Flow-Factory's examples/dpo/lora/sd3_5/default.yaml at a0b2bc5 and the files it names, line per value, not
-from our config); the objectives' settings models default to their pure functions' settings; the digits configs
+from our config); the objectives' settings models default to the releases' settings; the digits configs
 of the preference and supervised objectives are valid and name their embedded datasets."""
 
 from __future__ import annotations
@@ -49,13 +49,19 @@ def test_sd35_dpo_reproduces_flow_factorys_example():
 
 
 @pytest.mark.parametrize("name", ["dpo", "dpo_offline", "sft"])
-def test_objective_settings_models_default_to_the_pure_functions_settings(name):
-    from flowgrpo.algo.objectives import build_objective
-    from flowgrpo.algo.objectives.dpo import DPOSettings
-    from flowgrpo.algo.objectives.sft import SFTSettings
-
+def test_objective_settings_models_default_to_the_release_settings(name):
+    """The objectives' settings models default to the releases' values (written from the sources, not from the
+    models): K = 1 and the logit-normal (0, 1) density of diffusers' SD3 DreamBooth script (``--weighting_scheme``
+    logit_normal, ``--logit_mean`` 0, ``--logit_std`` 1, ``--mode_scale`` 1.29) and Flow-Factory's DPO; DPO's β of
+    flow_grpo's ``pickscore_sd3`` (100) and Flow-Factory's ``best_worst`` pairs; SFT without a KL."""
     cfg = build_config({"objective": name, "train": {"group_size": 2, "rollout_batch_size": 4}})
-    assert build_objective(cfg).loss_settings() == (SFTSettings() if name == "sft" else DPOSettings())
+    o = cfg.objective
+    assert (o.num_train_timesteps, o.weighting_scheme, o.logit_mean, o.logit_std, o.mode_scale) == \
+        (1, "logit_normal", 0.0, 1.0, 1.29)
+    if name == "sft":
+        assert o.kl_beta == 0.0
+    else:
+        assert o.beta_dpo == 100.0 and getattr(o, "pairs", "best_worst") == "best_worst"
 
 
 @pytest.mark.parametrize(("config", "objective", "prompts"), [

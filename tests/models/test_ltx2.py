@@ -10,19 +10,11 @@ import torch
 
 from flowgrpo.models.zoo import CASES
 from flowgrpo.testing.adapters import AdapterConformance
+from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
 
 
 class TestLTX2(AdapterConformance):
     case = CASES["ltx2"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and lose much on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _tiny_adapter(tmp_path_factory, monkeypatch):

@@ -15,14 +15,7 @@ import torch
 from flowgrpo.models import load_model, pipeline_class_name
 from flowgrpo.models.zoo import CASES
 from flowgrpo.testing.adapters import tiny_folder
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
 
 
 def _load(name: str, tmp_path_factory):

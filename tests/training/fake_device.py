@@ -60,6 +60,24 @@ class FakeAccelerator(TorchFunctionMode):
         for t in tensors:
             self.on_acc[t] = True
 
+    def recomputing(self, checkpoint):
+        """``checkpoint`` (:func:`torch.utils.checkpoint.checkpoint`) whose function runs inside this mode when the
+        backward recomputes it: a backward is dispatched through the mode's handler, where the mode is off, so
+        without this a recomputation would run unchecked and its factories (``device=x.device``) would make real
+        ``meta`` tensors."""
+        from torch.overrides import _get_current_function_mode_stack
+
+        def wrapped(function, *args, **kwargs):
+            def run(*a, **k):
+                if self in _get_current_function_mode_stack():
+                    return function(*a, **k)
+                with self:
+                    return function(*a, **k)
+
+            return checkpoint(run, *args, **kwargs)
+
+        return wrapped
+
     def _acc(self, t) -> bool:
         return isinstance(t, torch.Tensor) and t in self.on_acc
 

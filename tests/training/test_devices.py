@@ -15,9 +15,12 @@ from flowgrpo.config import build_config
 from tests.training.fake_device import FakeAccelerator
 
 
-def _modules(adapter) -> list[torch.nn.Module]:
+def _modules(adapter, objective=None) -> list[torch.nn.Module]:
+    """The modules on the accelerator: the pipeline's, the frozen reference and an objective's own model (a
+    distillation teacher, built on the model's device before training)."""
     mods = [c for c in adapter.pipe.components.values() if isinstance(c, torch.nn.Module)]
-    return mods + ([adapter.frozen_reference] if adapter.frozen_reference is not None else [])
+    teacher = getattr(objective, "teacher", None)
+    return mods + [m for m in (adapter.frozen_reference, teacher) if m is not None]
 
 
 def _config(tmp_path, tiny_flux_dir, name: str, chunker: dict | None = None, train: dict | None = None, **algo):
@@ -40,16 +43,22 @@ def _config(tmp_path, tiny_flux_dir, name: str, chunker: dict | None = None, tra
 
 def _run_on_fake_accelerator(monkeypatch, config) -> FakeAccelerator:
     """``run(config)`` with the model on the fake accelerator; the mode records the host reads of each update (the
-    update loop, :func:`~flowgrpo.training.update.run_update`, of any objective) in ``update_reads``."""
+    update loop, :func:`~flowgrpo.training.update.run_update`, of any objective) in ``update_reads``. Checkpointed
+    functions (``torch.utils.checkpoint``) are checked again when the backward recomputes them."""
+    import torch.utils.checkpoint
+
+    from flowgrpo.algo.objectives import reward_backprop
     from flowgrpo.runner import run
     from flowgrpo.training import loop
     from flowgrpo.training.loop import Trainer
 
     modes = []
-    fit, update = Trainer.fit, loop.run_update
+    fit, update, checkpoint = Trainer.fit, loop.run_update, torch.utils.checkpoint.checkpoint
 
     def fit_on_accelerator(self):
-        mode = FakeAccelerator(*_modules(self.adapter))
+        mode = FakeAccelerator(*_modules(self.adapter, self.objective))
+        monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", mode.recomputing(checkpoint))
+        monkeypatch.setattr(reward_backprop, "checkpoint", mode.recomputing(checkpoint))
         # the EMA and an old copy are built from the parameters before the mode: on their device, as on a GPU
         shadows = [*(self.optim.ema.shadow if self.optim.ema is not None else []),
                    *(self.objective.old.shadow if getattr(self.objective, "old", None) is not None else [])]
@@ -84,6 +93,28 @@ def test_fake_accelerator_catches_what_cuda_catches():
             lin(torch.ones(4, 3))
         float(y.sum())
     assert mode.syncs["__float__"] == 1
+
+
+def test_checkpointed_functions_are_checked_again_when_the_backward_recomputes_them():
+    """A backward runs outside the mode (it is dispatched through the mode's handler): a checkpointed function's
+    recomputation would run unchecked, its ``device=x.device`` factories making real ``meta`` tensors, unless the
+    checkpoint is :meth:`FakeAccelerator.recomputing`'s."""
+    from torch.utils.checkpoint import checkpoint
+
+    lin = torch.nn.Linear(3, 2)
+    dev = torch.device("meta")  # the accelerator's device, read in the forward (as ReFL's steps read x0.device)
+
+    def step(z):
+        return lin(z) * torch.full((z.shape[0], 1), 2.0, device=dev)
+
+    with FakeAccelerator(lin) as mode:
+        x = torch.ones(4, 3).to(lin.weight.device)
+        assert x.device == dev
+        with pytest.raises((NotImplementedError, RuntimeError), match="meta"):  # a real meta tensor recomputed
+            checkpoint(step, x, use_reentrant=False).sum().backward()
+        lin.zero_grad()
+        mode.recomputing(checkpoint)(step, x, use_reentrant=False).sum().backward()
+    assert lin.bias.grad.tolist() == [8.0, 8.0]  # d/db sum(2·(Wx + b)) over 4 rows
 
 
 @pytest.mark.slow

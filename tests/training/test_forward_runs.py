@@ -11,44 +11,16 @@ from safetensors.torch import load_file
 
 from flowgrpo.config import ConfigError, build_config
 from flowgrpo.metrics import read_metrics
+from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
+from tests.training.objective_runs import assert_resume_equals_whole, tiny_config
 
 SMALL = {"nft": {}, "awm": {"train_timesteps": 2}, "dgpo": {"trunc_steps": 2, "num_train_timesteps": 2}}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads on a shared 2-core machine (and a run's rounding is its threads')."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_sd3_dir(tmp_path_factory):
-    from flowgrpo.models.sd3 import build_tiny_sd3
-
-    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"), seed=0, words="a red cube blue ball".split())
 
 
 def _config(tmp_path, model_dir, name: str, out: str = "run", **sections):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red cube\na blue ball\n")
-    cfg = {
-        "output_dir": str(tmp_path / out),
-        "model": {"pretrained": str(model_dir), "max_sequence_length": 12, "height": 32, "width": 32},
-        "sampling": {"num_steps": 3, "guidance_scale": 3.0},
-        "eval_sampling": {"num_steps": 2},
-        "objective": {"name": name, **SMALL[name]},
-        "train": {"num_epochs": 1, "prompts_per_epoch": 2, "group_size": 2, "rollout_batch_size": 2,
-                  "optimizer_steps_per_epoch": 2, "lr": 1e-2},
-        "rewards": [{"name": "jpeg_incompressibility"}],
-        "data": {"train_prompts": str(prompts), "eval_num_prompts": 2},
-        "logging": {"progress": False},
-    }
-    for key, value in sections.items():
-        cfg[key] = {**cfg.get(key, {}), **value}
-    return build_config(cfg)
+    return tiny_config(tmp_path / out, model_dir, {"name": name, **SMALL[name]}, prompts, sections)
 
 
 @pytest.mark.slow
@@ -83,24 +55,9 @@ def test_each_objective_trains_an_epoch_through_the_command(tmp_path, tiny_flux_
 def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir, name):
     """Two epochs in one go against one epoch, saved, and a second process resuming it: the same weights,
     optimizer state and old copy, to the bit (DiffusionNFT: the old copy both rolls out and moves)."""
-    from flowgrpo.runner import run
-
-    two = {"train": {"num_epochs": 2}, "logging": {"save_every": 1}}
-    run(_config(tmp_path, tiny_flux_dir, name, "whole", **two))
-    run(_config(tmp_path, tiny_flux_dir, name, "first"))  # stops after epoch 0 (its final checkpoint)
-    first = tmp_path / "first" / "checkpoints" / "epoch_0"
-    run(_config(tmp_path, tiny_flux_dir, name, "resumed", train={"num_epochs": 2, "resume_from": str(first)}))
-    whole, resumed = tmp_path / "whole" / "checkpoints" / "epoch_1", tmp_path / "resumed" / "checkpoints" / "epoch_1"
-    start = load_file(first / "objective.safetensors")
-    for f in ("trainable.safetensors", "objective.safetensors"):
-        a, b = load_file(whole / f), load_file(resumed / f)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
-    assert any(not torch.equal(start[k], a[k]) for k in a)  # the old copy moved in epoch 1: the test has power
-    oa = torch.load(whole / "optimizer.pt", weights_only=True)["state"]
-    ob = torch.load(resumed / "optimizer.pt", weights_only=True)["state"]
-    assert all(torch.equal(oa[k]["exp_avg"], ob[k]["exp_avg"]) for k in oa)
-    ra, rb = (read_metrics(tmp_path / d / "metrics.jsonl")[-1] for d in ("whole", "resumed"))
-    assert ra["objective/loss"] == rb["objective/loss"] and ra["reward/total/mean"] == rb["reward/total/mean"]
+    assert_resume_equals_whole(tmp_path, lambda out, **s: _config(tmp_path, tiny_flux_dir, name, out, **s),
+                               files=("trainable.safetensors", "objective.safetensors"), moved="objective.safetensors",
+                               figures=("objective/loss", "reward/total/mean"))
 
 
 def test_a_checkpoint_without_the_old_copy_is_refused(tmp_path, tiny_flux_dir):

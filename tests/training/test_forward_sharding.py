@@ -15,11 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from flowgrpo.checkpoint import whole_tensors
-from tests.training.test_sharding import RTOL, SHARDED, _config, _free_port, _in_process, _ok, _records, _torchrun
+from tests.training.objective_runs import assert_two_processes_equal_one
+from tests.training.test_sharding import SHARDED, _config, _free_port, _in_process, _ok, _torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -48,21 +46,7 @@ def runs(tmp_path_factory, tiny_flux_dir) -> Path:
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_a_two_process_epoch_equals_one_process(runs, name):
-    one, two = runs / f"{name}_one", runs / f"{name}_two"
-    for key in ("reward_total", "advantages", "group_ids", "initial_latents"):
-        assert torch.equal(load_file(one / "rollouts" / "epoch_0.safetensors")[key],
-                           load_file(two / "rollouts" / "epoch_0.safetensors")[key]), key
-    ckpt = "checkpoints/epoch_0"
-    for f in ("trainable", "objective"):  # the weights and the old copy, whole whatever the checkpoint's form
-        a, b = whole_tensors(one / ckpt)[f], whole_tensors(two / ckpt)[f]
-        assert a.keys() == b.keys()
-        moved = 0
-        for k in a:
-            scale = a[k].abs().max().clamp(min=1e-12)
-            assert float((a[k] - b[k]).abs().max() / scale) < RTOL, (f, k)
-            moved += int("lora_B" in k and float(a[k].abs().max()) > 0)
-        assert f != "trainable" or moved, "the update moved no LoRA weight: the test has no power"
-    ra, rb = _records(one)[0], _records(two)[0]
-    assert ra["objective/rows"] == rb["objective/rows"] > 0
-    for key in ("policy/grad_norm", "objective/loss"):
-        assert abs(ra[key] - rb[key]) <= 1e-5 * abs(ra[key]) + 1e-7, (key, ra[key], rb[key])
+    # the weights and the old copy, whole whatever the checkpoint's form
+    assert_two_processes_equal_one(runs / f"{name}_one", runs / f"{name}_two",
+                                   rollout_keys=("reward_total", "advantages", "group_ids", "initial_latents"),
+                                   parts=("trainable", "objective"))

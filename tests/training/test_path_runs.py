@@ -15,29 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowgrpo.config import build_config
 from flowgrpo.metrics import read_metrics
+from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
+from tests.training.objective_runs import assert_resume_equals_whole, tiny_config
 
 pytestmark = pytest.mark.slow
 
 OBJECTIVES = {"refl": {"name": "refl", "variant": "draft_lv", "lv_samples": 2},
               "refl_k": {"name": "refl", "variant": "draft_k", "k": 2},
               "opd": {"name": "opd"}}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_sd3_dir(tmp_path_factory):
-    from flowgrpo.models.sd3 import build_tiny_sd3
-
-    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"), seed=0, words="a red cube blue ball".split())
 
 
 def _teacher(tmp_path, model_dir):
@@ -59,22 +45,9 @@ def _teacher(tmp_path, model_dir):
 def _config(tmp_path, model_dir, objective: dict, out: str = "run", **sections):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a red cube", "digit": 3}\n{"prompt": "a blue ball", "digit": 7}\n')
-    cfg = {
-        "output_dir": str(tmp_path / out),
-        "model": {"pretrained": str(model_dir), "max_sequence_length": 12, "height": 32, "width": 32},
-        "sampling": {"num_steps": 3, "guidance_scale": 3.0},
-        "eval_sampling": {"num_steps": 2},
-        "objective": objective,
-        "algo": {"clip_range": 1e-4, "kl_beta": 0.0},
-        "train": {"num_epochs": 1, "prompts_per_epoch": 2, "group_size": 2, "rollout_batch_size": 2,
-                  "optimizer_steps_per_epoch": 2, "lr": 1e-2},
-        "rewards": [{"name": "digit_correctness"}],
-        "data": {"train_prompts": str(prompts), "eval_num_prompts": 2},
-        "logging": {"progress": False, "save_rollout_stats": True},
-    }
-    for key, value in sections.items():
-        cfg[key] = {**cfg.get(key, {}), **value}
-    return build_config(cfg)
+    return tiny_config(tmp_path / out, model_dir, objective, prompts,
+                       {"algo": {"clip_range": 1e-4, "kl_beta": 0.0}, "rewards": [{"name": "digit_correctness"}],
+                        "logging": {"save_rollout_stats": True}}, sections)
 
 
 def _objective(name, tmp_path, model_dir):
@@ -110,23 +83,8 @@ def test_each_path_objective_trains_an_epoch_through_the_command(tmp_path, tiny_
 def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir, name):
     """Two epochs in one go against one epoch, saved, and a run resuming it: the same weights and optimizer
     state to the bit (DRaFT-LV's re-noising draws are seeded by the sample and the epoch, not by a live RNG)."""
-    from flowgrpo.runner import run
-
     o = _objective(name, tmp_path, tiny_flux_dir)
-    run(_config(tmp_path, tiny_flux_dir, o, "whole", train={"num_epochs": 2}, logging={"save_every": 1}))
-    run(_config(tmp_path, tiny_flux_dir, o, "first"))
-    first = tmp_path / "first" / "checkpoints" / "epoch_0"
-    run(_config(tmp_path, tiny_flux_dir, o, "resumed", train={"num_epochs": 2, "resume_from": str(first)}))
-    whole, resumed = tmp_path / "whole" / "checkpoints" / "epoch_1", tmp_path / "resumed" / "checkpoints" / "epoch_1"
-    a, b = load_file(whole / "trainable.safetensors"), load_file(resumed / "trainable.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    start = load_file(first / "trainable.safetensors")
-    assert any(not torch.equal(start[k], a[k]) for k in a)  # epoch 1 moved the weights: the test has power
-    oa = torch.load(whole / "optimizer.pt", weights_only=True)["state"]
-    ob = torch.load(resumed / "optimizer.pt", weights_only=True)["state"]
-    assert all(torch.equal(oa[k]["exp_avg"], ob[k]["exp_avg"]) for k in oa)
-    ra, rb = (read_metrics(tmp_path / d / "metrics.jsonl")[-1] for d in ("whole", "resumed"))
-    assert ra["objective/loss"] == rb["objective/loss"]
+    assert_resume_equals_whole(tmp_path, lambda out, **s: _config(tmp_path, tiny_flux_dir, o, out, **s))
 
 
 def test_a_lora_run_is_a_teacher(tmp_path, tiny_flux_dir):

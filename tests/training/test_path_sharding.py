@@ -14,12 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-import yaml
-from safetensors.torch import load_file
 
+from tests.training.objective_runs import assert_two_processes_equal_one
 from tests.training.test_path_runs import _teacher
-from tests.training.test_sharding import RTOL, _free_port, _in_process, _ok, _records, _torchrun
+from tests.training.test_sharding import _config as sharding_config
+from tests.training.test_sharding import _free_port, _in_process, _ok, _torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -31,24 +30,14 @@ OBJECTIVES = {"refl": ({"name": "refl", "variant": "draft_lv", "lv_samples": 2},
 
 
 def _config(root: Path, tiny: Path, name: str, objective: dict) -> Path:
+    """test_sharding.py's run with 4 prompts of a digit x G = 2 (each process two whole groups), micro-batches of one
+    group, the digits reward, and the clip range back at its default (the path objectives refuse another)."""
     prompts = root / "p.jsonl"
     prompts.write_text("".join(f'{{"prompt": "{p}", "digit": {d}}}\n' for p, d in
                                (("a red cube", 1), ("a blue ball", 4), ("a green tree", 7), ("a red ball", 9))))
-    cfg = {
-        "output_dir": str(root / name),
-        "model": {"pretrained": str(tiny), "max_sequence_length": 16, "height": 32, "width": 32, "lora_rank": 4},
-        "sampling": {"num_steps": 3},
-        "eval_sampling": {"num_steps": 2},
-        "objective": objective,
-        "train": {"num_epochs": 1, "prompts_per_epoch": 4, "group_size": 2, "rollout_batch_size": 2,
-                  "train_batch_size": 2, "lr": 1.0, "adam_eps": 1.0e3, "weight_decay": 0.0},
-        "rewards": [{"name": "digit_correctness"}],
-        "data": {"train_prompts": str(prompts), "eval_num_prompts": 2},
-        "logging": {"progress": False, "save_rollout_stats": True},
-    }
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return sharding_config(root, tiny, name, objective=objective, algo={"clip_range": 1e-4},
+                           train={"prompts_per_epoch": 4, "rollout_batch_size": 2, "train_batch_size": 2},
+                           rewards=[{"name": "digit_correctness"}], data={"train_prompts": str(prompts)})
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +55,7 @@ def runs(tmp_path_factory, tiny_flux_dir) -> Path:
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_a_two_process_epoch_equals_one_process(runs, name):
-    one, two = runs / f"{name}_one", runs / f"{name}_two"
-    for key in ("reward_total", "group_ids", "initial_latents"):
-        assert torch.equal(load_file(one / "rollouts" / "epoch_0.safetensors")[key],
-                           load_file(two / "rollouts" / "epoch_0.safetensors")[key]), key
-    a = load_file(one / "checkpoints" / "epoch_0" / "trainable.safetensors")
-    b = load_file(two / "checkpoints" / "epoch_0" / "trainable.safetensors")
-    assert a.keys() == b.keys()
-    moved = 0
-    for k in a:
-        scale = a[k].abs().max().clamp(min=1e-12)
-        assert float((a[k] - b[k]).abs().max() / scale) < RTOL, k
-        moved += int("lora_B" in k and float(a[k].abs().max()) > 0)
-    assert moved, "the update moved no LoRA weight: the test has no power"
     _, rows, figures = OBJECTIVES[name]
-    ra, rb = _records(one)[0], _records(two)[0]
-    assert ra["objective/rows"] == rb["objective/rows"] == rows
-    for key in ("policy/grad_norm", "objective/loss", *figures):
-        assert abs(ra[key] - rb[key]) <= 1e-5 * abs(ra[key]) + 1e-7, (key, ra[key], rb[key])
+    assert_two_processes_equal_one(runs / f"{name}_one", runs / f"{name}_two",
+                                   rollout_keys=("reward_total", "group_ids", "initial_latents"), rows=rows,
+                                   figures=("objective/loss", *figures))

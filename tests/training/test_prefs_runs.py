@@ -14,23 +14,10 @@ from safetensors.torch import load_file
 
 from flowgrpo.config import ConfigError, build_config
 from flowgrpo.metrics import read_metrics
+from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
+from tests.training.objective_runs import assert_resume_equals_whole, tiny_config
 
 PROMPTS = ("a red cube", "a blue ball")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_sd3_dir(tmp_path_factory):
-    from flowgrpo.models.sd3 import build_tiny_sd3
-
-    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"), seed=0, words="a red cube blue ball".split())
 
 
 def write_datasets(root):
@@ -61,21 +48,9 @@ def _config(tmp_path, model_dir, data, name: str, out: str = "run", **sections):
     prompts = tmp_path / "p.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     train_prompts = {"dpo": prompts, "dpo_offline": data / "pairs.jsonl", "sft": data / "items.jsonl"}[name]
-    cfg = {
-        "output_dir": str(tmp_path / out),
-        "model": {"pretrained": str(model_dir), "max_sequence_length": 12, "height": 32, "width": 32},
-        "sampling": {"num_steps": 3, "guidance_scale": 3.0},
-        "eval_sampling": {"num_steps": 2},
-        "objective": {"name": name, "num_train_timesteps": 2, **({"beta_dpo": 50.0} if name != "sft" else {})},
-        "train": {"num_epochs": 1, "prompts_per_epoch": 2, "group_size": 2, "rollout_batch_size": 2,
-                  "train_batch_size": 1, "optimizer_steps_per_epoch": 2, "lr": 1e-2},
-        "rewards": [{"name": "jpeg_incompressibility"}],
-        "data": {"train_prompts": str(train_prompts), "eval_prompts": str(prompts), "eval_num_prompts": 2},
-        "logging": {"progress": False},
-    }
-    for key, value in sections.items():
-        cfg[key] = {**cfg.get(key, {}), **value}
-    return build_config(cfg)
+    objective = {"name": name, "num_train_timesteps": 2, **({"beta_dpo": 50.0} if name != "sft" else {})}
+    return tiny_config(tmp_path / out, model_dir, objective, train_prompts,
+                       {"train": {"train_batch_size": 1}, "data": {"eval_prompts": str(prompts)}}, sections)
 
 
 @pytest.mark.slow
@@ -110,23 +85,8 @@ def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir, 
     """Two epochs in one go against one epoch, saved, and a second run resuming it: the same weights and
     optimizer state, to the bit (the pairs, draws and dataset records of epoch 1 come back from the seed and the
     prompt sampler's position)."""
-    from flowgrpo.runner import run
-
-    two = {"train": {"num_epochs": 2}, "logging": {"save_every": 1}}
-    run(_config(tmp_path, tiny_flux_dir, datasets, name, "whole", **two))
-    run(_config(tmp_path, tiny_flux_dir, datasets, name, "first"))
-    first = tmp_path / "first" / "checkpoints" / "epoch_0"
-    run(_config(tmp_path, tiny_flux_dir, datasets, name, "resumed",
-                train={"num_epochs": 2, "resume_from": str(first)}))
-    whole, resumed = tmp_path / "whole" / "checkpoints" / "epoch_1", tmp_path / "resumed" / "checkpoints" / "epoch_1"
-    a, b, start = (load_file(d / "trainable.safetensors") for d in (whole, resumed, first))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert any(not torch.equal(start[k], a[k]) for k in a)  # epoch 1 moved the weights: the test has power
-    oa = torch.load(whole / "optimizer.pt", weights_only=True)["state"]
-    ob = torch.load(resumed / "optimizer.pt", weights_only=True)["state"]
-    assert all(torch.equal(oa[k]["exp_avg"], ob[k]["exp_avg"]) for k in oa)
-    ra, rb = (read_metrics(tmp_path / d / "metrics.jsonl")[-1] for d in ("whole", "resumed"))
-    assert ra["objective/loss"] == rb["objective/loss"] and ra["reward/total/mean"] == rb["reward/total/mean"]
+    assert_resume_equals_whole(tmp_path, lambda out, **s: _config(tmp_path, tiny_flux_dir, datasets, name, out, **s),
+                               figures=("objective/loss", "reward/total/mean"))
 
 
 def test_offline_dpo_needs_groups_of_two():

@@ -53,7 +53,7 @@ def _config(root: Path, tiny: Path, name: str, **sections) -> Path:
         "logging": {"progress": False, "save_rollout_stats": True},
     }
     for key, value in sections.items():
-        cfg[key] = {**cfg.get(key, {}), **value}
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -258,12 +258,7 @@ class DGPO(ForwardObjective):
         if self.o.trunc_steps >= t:
             raise ValueError(f"objective dgpo: trunc_steps={self.o.trunc_steps} draws grid steps past the "
                              f"{t}-step grid; lower it below sampling.num_steps")
-        local, g = self.cfg.batch_size // dist.data_world_size(), self.cfg.train.group_size
-        if local % g:
-            raise ValueError(f"objective dgpo sums its preference over each group's rows: the {local} samples each "
-                             f"of {dist.data_world_size()} data ranks holds must be whole groups of "
-                             f"train.group_size={g}; "
-                             "choose train.prompts_per_epoch divisible by the number of processes")
+        self.check_whole_groups("sums its preference over each group's rows")
 
     def rollout_weights(self):
         """The trained weights until ``switch_ema_ref`` optimizer steps, then the old copy

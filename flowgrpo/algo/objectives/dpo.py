@@ -25,8 +25,8 @@ the same advantage gives no pair. Offline pairs from a preference dataset: :mod:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import ClassVar, Literal
+from dataclasses import replace
+from typing import ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -36,47 +36,15 @@ from flowgrpo import dist
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
 from flowgrpo.algo.objectives.forward import NO_OLD_COPY_UNREAD, ForwardObjective, ForwardWork, RowDraw
-from flowgrpo.algo.objectives.sft import SigmaDensityConfig, train_sigmas
+from flowgrpo.algo.objectives.sft import SigmaDensityConfig, seeded_draws
 from flowgrpo.algo.schedule import step_shares
 from flowgrpo.records import Advantages, FinalSamples
-from flowgrpo.rng import make_generator
 
-__all__ = ["DPO", "DPOConfig", "DPOSettings", "DPOBaseConfig", "PAIR_MODES", "dpo_terms", "preference_pairs",
+__all__ = ["DPO", "DPOConfig", "DPOBaseConfig", "PAIR_MODES", "dpo_terms", "preference_pairs",
            "pair_slots"]
 
-PAIR_MODES = ("best_worst", "all")
-
-
-@dataclass(frozen=True)
-class DPOSettings:
-    """Diffusion-DPO's knobs (module docstring for the sources).
-
-    Attributes:
-        beta: β of the preference (flow_grpo's 100).
-        num_train_timesteps: K, the σ's each pair trains per pass (Flow-Factory: 1).
-        weighting_scheme, logit_mean, logit_std, mode_scale: the σ density (Flow-Factory: logit-normal (0, 1)).
-        pairs: ``best_worst`` or ``all`` (online only).
-
-    Raises:
-        ValueError: on construction, β <= 0, K < 1, logit_std <= 0, another ``pairs``.
-    """
-
-    beta: float = 100.0
-    num_train_timesteps: int = 1
-    weighting_scheme: str = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    mode_scale: float = 1.29
-    pairs: str = "best_worst"
-
-    def __post_init__(self) -> None:
-        if self.beta <= 0:
-            raise ValueError(f"DPO beta must be > 0, got {self.beta}")
-        if self.num_train_timesteps < 1 or self.logit_std <= 0:
-            raise ValueError(f"DPO num_train_timesteps must be >= 1 and logit_std > 0, got "
-                             f"{self.num_train_timesteps}, {self.logit_std}")
-        if self.pairs not in PAIR_MODES:
-            raise ValueError(f"DPO pairs must be one of {PAIR_MODES}, got {self.pairs!r}")
+PairMode = Literal["best_worst", "all"]
+PAIR_MODES = get_args(PairMode)
 
 
 def dpo_terms(v_w: torch.Tensor, v_l: torch.Tensor, v_ref_w: torch.Tensor, v_ref_l: torch.Tensor,
@@ -176,7 +144,9 @@ def preference_pairs(advantages: torch.Tensor, group_ids: torch.Tensor, valid: t
 
 
 class DPOBaseConfig(SigmaDensityConfig):
-    """The knobs ``dpo`` and ``dpo_offline`` share (a settings base; no objective of its own)."""
+    """The knobs ``dpo`` and ``dpo_offline`` share (a settings base; no objective of its own), read as they are
+    (validated once, here): ``beta_dpo``, β > 0 of the preference (flow_grpo's 100), and the σ density of
+    :class:`~flowgrpo.algo.objectives.sft.SigmaDensityConfig` (Flow-Factory: K = 1, logit-normal (0, 1))."""
 
     beta_dpo: float = Field(100.0, gt=0, description="dpo: beta of the Diffusion-DPO preference -log sigmoid(-beta/2 "
                         "* ((e_w - e_ref_w) - (e_l - e_ref_l))) (flow_grpo pickscore_sd3: 100; Flow-Factory's "
@@ -196,7 +166,7 @@ class DPOConfig(DPOBaseConfig):
     reward (module docstring)."""
 
     name: Literal["dpo"] = "dpo"
-    pairs: Literal["best_worst", "all"] = Field(
+    pairs: PairMode = Field(
         "best_worst", description="dpo: the pairs of a group: best_worst (the highest advantage against the lowest; "
         "Flow-Factory) or all (every two samples of different advantage)")
 
@@ -218,23 +188,12 @@ class DPO(ForwardObjective):
         """Always: the preference is measured against the frozen reference."""
         return True
 
-    def loss_settings(self) -> DPOSettings:
-        o = self.o
-        return DPOSettings(beta=o.beta_dpo, num_train_timesteps=o.num_train_timesteps,
-                           weighting_scheme=o.weighting_scheme, logit_mean=o.logit_mean, logit_std=o.logit_std,
-                           mode_scale=o.mode_scale, pairs=getattr(o, "pairs", "best_worst"))
-
     def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
         return self.o.num_train_timesteps
 
     def check_grid(self, sigmas: torch.Tensor) -> None:
         """Every process holds whole groups (a pair is two samples of one group)."""
-        local, g = self.cfg.batch_size // dist.data_world_size(), self.cfg.train.group_size
-        if local % g:
-            raise ValueError(f"objective {self.o.name!r} pairs the samples of a group: the {local} samples each of "
-                             f"{dist.data_world_size()} data ranks holds must be whole groups of "
-                             f"train.group_size={g}; choose train.prompts_per_epoch divisible by the number of "
-                             "processes")
+        self.check_whole_groups("pairs the samples of a group")
 
     def pairs(self, samples: FinalSamples, advantages: torch.Tensor, valid: torch.Tensor):
         """(chosen, rejected, is_pair) local rows of the epoch's pair slots: by the advantages (online)."""
@@ -263,16 +222,10 @@ class DPO(ForwardObjective):
                            local.start, epoch, extra)
 
     def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[RowDraw]:
-        """Per pair, K σ's and K noises from a generator of (seed, epoch, pass, group, slot)."""
-        s, k, settings = work.samples, self.o.num_train_timesteps, self.loss_settings()
-        sig, eps = [], []
-        for r in rows.tolist():
-            g = make_generator(self.cfg.train.seed, work.epoch, inner, "dpo", int(s.group_ids[r]),
-                               int(s.sample_index[r]))
-            sig.append(train_sigmas(k, settings, g))
-            eps.append(torch.randn((k, *s.x0.shape[1:]), generator=g))
-        sig_t, eps_t = torch.stack(sig), torch.stack(eps)
-        return [RowDraw(rows, sig_t[:, j], eps_t[:, j]) for j in range(k)]
+        """Per pair, K σ's and K noises from a generator of (seed, epoch, pass, group, slot) (the pair view's
+        ``sample_index`` is the slot; :func:`~flowgrpo.algo.objectives.sft.seeded_draws`)."""
+        return seeded_draws(work.samples, rows, self.o.num_train_timesteps, self.o, self.cfg.train.seed, work.epoch,
+                            inner, "dpo")
 
     def terms(self, adapter, work: ForwardWork, draw: RowDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
         """The reference, then the trained weights, each on the chosen and rejected images in one call;

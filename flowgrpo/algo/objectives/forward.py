@@ -281,6 +281,15 @@ class ForwardObjective(BaseObjective):
     def check_grid(self, sigmas: torch.Tensor) -> None:
         """The objective's checks on its training grid (T+1,) (``ValueError``); nothing by default."""
 
+    def check_whole_groups(self, why: str) -> None:
+        """Refuse a batch whose groups span data ranks (``ValueError`` in one line, saying ``why`` the objective
+        needs every group on one process): each rank's share of ``batch_size`` must be whole groups."""
+        local, g = self.cfg.batch_size // dist.data_world_size(), self.cfg.train.group_size
+        if local % g:
+            raise ValueError(f"objective {self.o.name!r} {why}: the {local} samples each of {dist.data_world_size()} "
+                             f"data ranks holds must be whole groups of train.group_size={g}; choose "
+                             "train.prompts_per_epoch divisible by the number of processes")
+
     # ------------------------------------------------------------------ checks
     @property
     def needs_reference(self) -> bool:

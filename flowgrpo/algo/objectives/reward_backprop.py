@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -54,52 +53,14 @@ from flowgrpo.rewards.base import differentiable_scores, is_differentiable
 from flowgrpo.rng import make_generator
 from flowgrpo.settings import refuse
 
-__all__ = ["RewardBackprop", "RewardBackpropConfig", "RewardBackpropSettings", "VARIANTS", "euler_replay",
+__all__ = ["RewardBackprop", "RewardBackpropConfig", "VARIANTS", "euler_replay",
            "x0_prediction", "draft_loss", "refl_loss", "refl_step", "check_differentiable_rewards",
            "differentiable_reward_problems"]
 
-VARIANTS = ("draft_k", "draft_lv", "refl")
+Variant = Literal["draft_k", "draft_lv", "refl"]
+VARIANTS = get_args(Variant)
 #: the built-in rewards with a differentiable score (named by the refusal of another)
 DIFFERENTIABLE_BUILTINS = ("digit_correctness", "hpsv2", "pickscore", "clip_score", "aesthetic")
-
-
-@dataclass(frozen=True)
-class RewardBackpropSettings:
-    """The knobs of ReFL / DRaFT (module docstring), with ReFL's release values for its own knobs.
-
-    Attributes:
-        variant: ``draft_k``, ``draft_lv`` or ``refl``.
-        k: DRaFT-K's K, the last sampling steps the gradient flows through (1 ≤ K ≤ T; K = T is full DRaFT).
-        lv_samples: DRaFT-LV's n, the re-noised copies of each sample (default 2).
-        refl_last_steps: ReFL draws its step from the last this many grid steps (the release: 10 of 40).
-        reward_scale: s, the loss scale (DRaFT: 1; ReFL's release ``grad_scale``: 1e-3).
-        refl_margin: ReFL's hinge m in max(0, m − R) (the release: 2).
-        checkpointing: recompute each step's activations in the backward (``torch.utils.checkpoint``).
-
-    Raises:
-        ValueError: on construction, an unknown variant, K, n or ``refl_last_steps`` < 1, or s ≤ 0.
-    """
-
-    variant: str = "draft_k"
-    k: int = 1
-    lv_samples: int = 2
-    refl_last_steps: int = 10
-    reward_scale: float = 1.0
-    refl_margin: float = 2.0
-    checkpointing: bool = True
-
-    def __post_init__(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ValueError(f"objective.variant must be one of {VARIANTS}, got {self.variant!r}")
-        for name in ("k", "lv_samples", "refl_last_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"objective.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.reward_scale > 0:
-            raise ValueError(f"objective.reward_scale must be > 0, got {self.reward_scale}")
-
-    def forwards_per_sample(self) -> int:
-        """The update's rows per sample: n for DRaFT-LV, else 1."""
-        return self.lv_samples if self.variant == "draft_lv" else 1
 
 
 def euler_replay(velocity, x: torch.Tensor, sigmas: torch.Tensor, start: int, *,
@@ -186,10 +147,22 @@ def check_differentiable_rewards(specs) -> None:
 
 
 class RewardBackpropConfig(ObjectiveConfig):
-    """``objective: {name: refl, ...}``: ReFL and DRaFT (module docstring)."""
+    """``objective: {name: refl, ...}``: ReFL and DRaFT (module docstring), read as it is by the objective
+    (validated once, here), with ReFL's release values for its own knobs.
+
+    Attributes:
+        variant: ``draft_k``, ``draft_lv`` or ``refl``.
+        k: DRaFT-K's K ≥ 1, the last sampling steps the gradient flows through (K ≤ T, checked against the grid;
+            K = T is full DRaFT).
+        lv_samples: DRaFT-LV's n ≥ 1, the re-noised copies of each sample (default 2).
+        refl_last_steps: ReFL draws its step from the last this many grid steps (≥ 1; the release: 10 of 40).
+        reward_scale: s > 0, the loss scale (DRaFT: 1; ReFL's release ``grad_scale``: 1e-3).
+        refl_margin: ReFL's hinge m in max(0, m − R) (the release: 2).
+        checkpointing: recompute each step's activations in the backward (``torch.utils.checkpoint``).
+    """
 
     name: Literal["refl"] = "refl"
-    variant: Literal["draft_k", "draft_lv", "refl"] = Field(
+    variant: Variant = Field(
         "draft_k", description="reward backpropagation: draft_k (DRaFT-K, the last k steps), draft_lv (DRaFT-LV: the "
         "last step, lv_samples re-noised copies), refl (ReFL: one-step x0 prediction from a random late step)")
     k: int = Field(1, ge=1, description="DRaFT-K: sampling steps the reward's gradient flows back through (<= "
@@ -227,6 +200,10 @@ class RewardBackpropConfig(ObjectiveConfig):
             out.append(f"objective.refl_last_steps={self.refl_last_steps} exceeds sampling.num_steps={t}")
         return out + differentiable_reward_problems(config.rewards)
 
+    def forwards_per_sample(self) -> int:
+        """The update's rows per sample: n for DRaFT-LV, else 1."""
+        return self.lv_samples if self.variant == "draft_lv" else 1
+
 
 @OBJECTIVES.register("refl")
 class RewardBackprop(ForwardObjective):
@@ -240,12 +217,6 @@ class RewardBackprop(ForwardObjective):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.rewards = None
-
-    def loss_settings(self) -> RewardBackpropSettings:
-        o = self.o
-        return RewardBackpropSettings(variant=o.variant, k=o.k, lv_samples=o.lv_samples,
-                                      refl_last_steps=o.refl_last_steps, reward_scale=o.reward_scale,
-                                      refl_margin=o.refl_margin, checkpointing=o.checkpointing)
 
     @property
     def needs_reference(self) -> bool:
@@ -266,7 +237,7 @@ class RewardBackprop(ForwardObjective):
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         """K and ReFL's window must fit the T-step grid (``ValueError``); one trajectory a sample."""
         t = sigmas.numel() - 1
-        s = self.loss_settings()
+        s = self.o
         if s.variant == "draft_k" and s.k > t:
             raise ValueError(f"objective.k={s.k} exceeds sampling.num_steps={t}")
         if s.variant == "refl" and s.refl_last_steps > t:
@@ -274,7 +245,7 @@ class RewardBackprop(ForwardObjective):
         return 1
 
     def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
-        return self.loss_settings().forwards_per_sample()
+        return self.o.forwards_per_sample()
 
     def rollout(self, adapter, request) -> PathSamples:
         """The Euler path of every sample (no gradient), decoded and scored as every rollout."""
@@ -289,7 +260,7 @@ class RewardBackprop(ForwardObjective):
     def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[PathDraw]:
         """DRaFT-K: one draw from step T − K; DRaFT-LV: n draws at step T − 1, each with its own ε per sample
         (seeded by the sample); ReFL: one draw from a step of the last window (seeded by the global micro-batch)."""
-        s, st = work.samples, self.loss_settings()
+        s, st = work.samples, self.o
         t = s.sigmas.numel() - 1
         shape = (len(rows), *s.x0.shape[1:])
         zeros = torch.zeros(()).expand(shape)
@@ -314,7 +285,7 @@ class RewardBackprop(ForwardObjective):
         the per-row loss with stats ``reward`` (R) and ``images_mean`` (the decoded images' mean)."""
         if self.rewards is None:
             raise RuntimeError("objective refl: attach(adapter, rewards) was not called before the update")
-        st, s = self.loss_settings(), work.samples
+        st, s = self.o, work.samples
         dev, n = x0.device, len(draw.rows)
         guidance = s.guidance_scale
 

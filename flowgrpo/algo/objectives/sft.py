@@ -21,7 +21,6 @@ with its own σ's and noise. The rewards score the dataset images (logged; the l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -43,56 +42,52 @@ from flowgrpo.data.image_sets import TARGET_KEY, dataset_folder
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.dataset_rollout import dataset_rollout
 
-__all__ = ["SFT", "SFTConfig", "SFTSettings", "SigmaDensityConfig", "sft_terms", "train_sigmas"]
+__all__ = ["SFT", "SFTConfig", "SigmaDensityConfig", "seeded_draws", "sft_terms", "train_sigmas"]
 
 WeightingScheme = Literal["logit_normal", "uniform", "mode"]
 
 
-@dataclass(frozen=True)
-class SFTSettings:
-    """The flow-matching loss's knobs (defaults: diffusers' SD3 DreamBooth script).
-
-    Attributes:
-        kl_beta: β_KL of the velocity KL to the reference (0: none).
-        num_train_timesteps: K, the σ's each sample trains per pass (the script: 1).
-        weighting_scheme, logit_mean, logit_std, mode_scale: the σ density (the script's defaults).
-
-    Raises:
-        ValueError: on construction, K < 1, a negative β_KL or logit_std <= 0.
-    """
-
-    kl_beta: float = 0.0
-    num_train_timesteps: int = 1
-    weighting_scheme: str = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    mode_scale: float = 1.29
-
-    def __post_init__(self) -> None:
-        if self.num_train_timesteps < 1:
-            raise ValueError(f"num_train_timesteps must be >= 1, got {self.num_train_timesteps}")
-        if self.kl_beta < 0 or self.logit_std <= 0:
-            raise ValueError(f"kl_beta must be >= 0 and logit_std > 0, got {self.kl_beta}, {self.logit_std}")
-        if self.weighting_scheme not in ("logit_normal", "uniform", "mode"):
-            raise ValueError(f"weighting_scheme must be logit_normal, uniform or mode, got {self.weighting_scheme!r}")
-
-
 def train_sigmas(k: int, settings, generator: torch.Generator) -> torch.Tensor:
     """(k,) float32 host training σ's in (0, 1) from the settings' density (``weighting_scheme``, ``logit_mean``,
-    ``logit_std``, ``mode_scale``), drawn by diffusers' ``compute_density_for_timestep_sampling`` with
-    ``generator``."""
+    ``logit_std``, ``mode_scale`` of a validated :class:`SigmaDensityConfig`), drawn by diffusers'
+    ``compute_density_for_timestep_sampling`` with ``generator``."""
     return compute_density_for_timestep_sampling(settings.weighting_scheme, k, logit_mean=settings.logit_mean,
                                                  logit_std=settings.logit_std, mode_scale=settings.mode_scale,
                                                  generator=generator).float()
 
 
-def sft_terms(v: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, settings: SFTSettings, *,
+def seeded_draws(samples, rows: torch.Tensor, k: int, density, *parts: object) -> list[RowDraw]:
+    """The K draws of micro-batch ``rows`` (K ≥ 1), each row's own: one generator per row,
+    :func:`~flowgrpo.rng.make_generator` of (``parts``, the row's group id, its sample index), draws the row's K σ's
+    (:func:`train_sigmas` of ``density``) and then its K noises ε (K, …) of the shape of one of ``samples.x0``, so a
+    row's draws depend on its sample and the parts, never on the batching or the process.
+
+    Args:
+        samples: the rollout (``group_ids``, ``sample_index`` (B,) and ``x0`` (B, …) are read).
+        rows: (n,) long host, local sample indices. density: the σ density's settings (:func:`train_sigmas`).
+        parts: the generator's scope before the sample, e.g. (seed, epoch, pass, the objective's name).
+
+    Returns:
+        K :class:`~flowgrpo.algo.objectives.forward.RowDraw`, draw j holding every row's j-th σ (n,) and noise (n, …),
+        float32 host.
+    """
+    sig, eps = [], []
+    for r in rows.tolist():
+        g = make_generator(*parts, int(samples.group_ids[r]), int(samples.sample_index[r]))
+        sig.append(train_sigmas(k, density, g))
+        eps.append(torch.randn((k, *samples.x0.shape[1:]), generator=g))
+    sig_t, eps_t = torch.stack(sig), torch.stack(eps)
+    return [RowDraw(rows, sig_t[:, j], eps_t[:, j]) for j in range(k)]
+
+
+def sft_terms(v: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, settings: SFTConfig, *,
               v_ref: torch.Tensor | None = None) -> ObjectiveTerms:
     """The flow-matching loss of N rows (module docstring), float32.
 
     Args:
         v: (N, …) the trained velocity at x_σ, with gradient. noise: (N, …) ε. x0: (N, …) the dataset latents.
-        settings: :class:`SFTSettings`. v_ref: (N, …) the reference velocity, needed when ``kl_beta > 0``.
+        settings: the validated :class:`SFTConfig` (``kl_beta`` is read). v_ref: (N, …) the reference velocity,
+            needed when ``kl_beta > 0``.
 
     Returns:
         ``loss`` (N,) and the detached stats ``fm_loss`` (the flow-matching error) and ``kl_ref``.
@@ -112,7 +107,15 @@ def sft_terms(v: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor, settings: 
 
 
 class SigmaDensityConfig(ForwardConfig):
-    """The training-σ knobs ``sft``, ``dpo`` and ``dpo_offline`` share (a settings base; no objective of its own)."""
+    """The training-σ knobs ``sft``, ``dpo`` and ``dpo_offline`` share (a settings base; no objective of its own);
+    :func:`train_sigmas` reads it as it is (validated once, here).
+
+    Attributes:
+        num_train_timesteps: K ≥ 1, the σ's each sample (or pair) trains per pass (diffusers' SD3 DreamBooth script
+            and Flow-Factory's DPO: 1).
+        weighting_scheme, logit_mean, logit_std, mode_scale: the σ density (the script's defaults: ``logit_normal``
+            with mean 0 and std 1 > 0; ``mode`` with scale 1.29; ``uniform``).
+    """
 
     num_train_timesteps: int = Field(1, ge=1, description="sft/dpo: training sigmas per sample (or pair) per pass "
                                      "(diffusers' SD3 DreamBooth script and Flow-Factory's DPO: 1)")
@@ -126,7 +129,8 @@ class SigmaDensityConfig(ForwardConfig):
 
 class SFTConfig(SigmaDensityConfig):
     """``objective: {name: sft, ...}``: the flow-matching loss on the dataset ``data.train_prompts`` names
-    (:mod:`flowgrpo.data.image_sets`); the σ density of diffusers' SD3 DreamBooth script."""
+    (:mod:`flowgrpo.data.image_sets`); the σ density of diffusers' SD3 DreamBooth script. :func:`sft_terms` reads it
+    as it is: ``kl_beta`` (β_KL ≥ 0 of the velocity KL to the reference; 0, the script's: none)."""
 
     name: Literal["sft"] = "sft"
     trains_on: ClassVar[str] = "the dataset's images"
@@ -144,12 +148,6 @@ class SFT(ForwardObjective):
     uses_old_copy = False
     trains_on_advantages = False  # the dataset's images (or pairs) are the signal, whatever the rewards
 
-    def loss_settings(self) -> SFTSettings:
-        o = self.o
-        return SFTSettings(kl_beta=o.kl_beta, num_train_timesteps=o.num_train_timesteps,
-                           weighting_scheme=o.weighting_scheme, logit_mean=o.logit_mean, logit_std=o.logit_std,
-                           mode_scale=o.mode_scale)
-
     def sigmas_per_sample(self, sigmas: torch.Tensor) -> int:
         return self.o.num_train_timesteps
 
@@ -164,22 +162,15 @@ class SFT(ForwardObjective):
                                image_key=self.image_key, sigmas=adapter.sigmas(request.settings.num_steps))
 
     def draws(self, work: ForwardWork, rows: torch.Tensor, inner: int) -> list[RowDraw]:
-        """Per sample, K σ's and K noises from a generator of (seed, epoch, pass, the sample)."""
-        s, k, settings = work.samples, self.o.num_train_timesteps, self.loss_settings()
-        sig, eps = [], []
-        for r in rows.tolist():
-            g = make_generator(self.cfg.train.seed, work.epoch, inner, "sft", int(s.group_ids[r]),
-                               int(s.sample_index[r]))
-            sig.append(train_sigmas(k, settings, g))
-            eps.append(torch.randn((k, *s.x0.shape[1:]), generator=g))
-        sig_t, eps_t = torch.stack(sig), torch.stack(eps)
-        return [RowDraw(rows, sig_t[:, j], eps_t[:, j]) for j in range(k)]
+        """Per sample, K σ's and K noises from a generator of (seed, epoch, pass, the sample)
+        (:func:`seeded_draws`)."""
+        return seeded_draws(work.samples, rows, self.o.num_train_timesteps, self.o, self.cfg.train.seed, work.epoch,
+                            inner, "sft")
 
     def terms(self, adapter, work: ForwardWork, draw: RowDraw, x0: torch.Tensor, embeds) -> ObjectiveTerms:
         """v_ref (when kl_beta > 0), then v_θ; :func:`sft_terms`."""
-        settings = self.loss_settings()
         sigma, noise = draw.sigma.to(x0.device), draw.noise.to(x0.device)
         x_t = noised(x0, noise, sigma)
-        v_ref = self.velocity(adapter, x_t, sigma, embeds, weights="reference") if settings.kl_beta > 0 else None
+        v_ref = self.velocity(adapter, x_t, sigma, embeds, weights="reference") if self.o.kl_beta > 0 else None
         v = self.velocity(adapter, x_t, sigma, embeds)
-        return sft_terms(v, noise, x0, settings, v_ref=v_ref)
+        return sft_terms(v, noise, x0, self.o, v_ref=v_ref)
