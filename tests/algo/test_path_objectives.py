@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 
 import pytest
 import torch
@@ -39,6 +38,7 @@ from flowgrpo.config import build_config
 from flowgrpo.records import Advantages, PromptEmbeds
 from flowgrpo.rng import make_generator
 from flowgrpo.training.update import run_update
+from tests.training.test_forward_update import FakeOptim
 
 LR = 0.05
 G = 3.0
@@ -92,38 +92,6 @@ class Composed:
     def __init__(self, weight: float = 1.0) -> None:
         self.rewards = {"linear": LinearReward()}
         self.weights = {"linear": weight}
-
-
-class FakeOptim:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.params = list(model.parameters())
-        self.steps = 0
-        self.lr = LR
-        self.grads: list[list[float]] = []
-        self.before: list[list[float]] = []
-
-    def accumulating(self, *, sync):
-        return contextlib.nullcontext()
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self, epoch):
-        self.before.append([float(p.detach()) for p in self.params])
-        self.grads.append([float(p.grad) for p in self.params])
-        with torch.no_grad():
-            for p in self.params:
-                p -= LR * p.grad
-        self.steps += 1
-        return math.sqrt(sum(g * g for g in self.grads[-1]))
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    def train_mode(self):
-        pass
 
 
 def _f(theta, x, sigma, e, g=G):

@@ -79,6 +79,7 @@ class FakeOptim:
         self.lr = LR
         self.grads: list[list[float]] = []
         self.before: list[list[float]] = []
+        self.sync_every_micro_batch = False  # parallel.gradient_sync=step: one process, nothing deferred
 
     def accumulating(self, *, sync):
         return contextlib.nullcontext()
