@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowgrpo.checkpoint import (
+from flowgrpo.checkpoint_health import (
     CheckpointError,
     best_checkpoint,
     mark_unhealthy,

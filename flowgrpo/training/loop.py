@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from flowgrpo import dist
-from flowgrpo.checkpoint import checkpoint_folders, health_record, is_healthy, mark_unhealthy
+from flowgrpo.checkpoint_health import checkpoint_folders, health_record, is_healthy, mark_unhealthy
 from flowgrpo.compile import CompileWatch
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.divergence import (
