@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from flowgrpo.plan import FAMILIES, GIB, PRETRAINED, Workload, plan, workload_of
+from flowgrpo.plan import GIB, Workload, plan, workload_of
+from flowgrpo.plan_families import FAMILIES, PRETRAINED
 
 
 def reference_workload(family: str, finetune: str, gradient_checkpointing: bool, sharding: str) -> Workload:

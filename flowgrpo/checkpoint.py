@@ -27,12 +27,12 @@ included). Every process writes and reads only its own shards, so no process eve
 
 Both hold ``rng.pt`` (the torch RNG state, ``weights_only=True``) and ``state.json`` (epoch, LR-scheduler and
 prompt-sampler state, and ``files``: every other file's size in bytes, so a file truncated or lost after the write —
-a full disk, a cut copy — is found before a resume picks the checkpoint: :func:`incomplete`). Either form loads into
-either kind of run (a run resumes with another process count or sharding); a sharded run loading a whole checkpoint
-(one written before the sharded form existed, or by an unsharded run) has the main process alone read the files and
-send each process its shards, one tensor at a time (:mod:`flowgrpo.state_dicts`). Saving and loading are
-collectives: every process calls them. The sharded form needs a file system every process sees (as a multi-node
-run's output folder is).
+a full disk, a cut copy — is found before a resume picks the checkpoint:
+:func:`~flowgrpo.checkpoint_health.incomplete`). Either form loads into either kind of run (a run resumes with
+another process count or sharding); a sharded run loading a whole checkpoint (one written before the sharded form
+existed, or by an unsharded run) has the main process alone read the files and send each process its shards, one
+tensor at a time (:mod:`flowgrpo.state_dicts`). Saving and loading are collectives: every process calls them. The
+sharded form needs a file system every process sees (as a multi-node run's output folder is).
 
 The folder is written under a temporary name, made durable (every file fsynced, the sharded ones by the process
 that wrote them and again by the main process) and renamed into place by the main process, and ``latest`` (a text
@@ -42,20 +42,13 @@ and ``latest`` pointing at it. Re-saving an existing epoch (a resumed run) repla
 ``keep`` rotation) by renaming it to a hidden name before deleting it, so no half-deleted folder keeps a
 checkpoint's name.
 
-The trainer writes a checkpoint only from healthy weights (:mod:`flowgrpo.divergence`): every trained parameter
-finite, the epoch's own update figures not flagged (a NaN or infinite figure, or a KL figure beyond both its floor
-and 1000 times its largest earlier value) and the new weights' own figures sound (their norm's growth, a probe
-forward); ``health.json`` records them. A diverging run stops instead, naming the figure and the epoch. A checkpoint
-whose weights later make non-finite images is marked unhealthy (:func:`mark_unhealthy`); a resume never picks one,
-nor one whose files are not as written (:func:`newest_healthy`, :func:`resolve_checkpoint`), and the rotation keeps
-the newest ``keep`` checkpoints not marked unhealthy plus the best evaluated one (:func:`rotation_victims`), so a
-healthy checkpoint is never rotated out by one that is not."""
+Which checkpoints a save keeps and a resume picks (health, the file-size check, ``latest``, the rotation) is
+:mod:`flowgrpo.checkpoint_health`."""
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import pickle
 import shutil
@@ -65,6 +58,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flowgrpo import dist
+from flowgrpo.checkpoint_health import (
+    HEALTH_FILE,
+    MANIFEST,
+    CheckpointError,
+    checkpoint_folders,
+    error_cause,
+    fsync_dir,
+    latest_name,
+    point_latest,
+    resolve_checkpoint,
+    rotation_victims,
+)
 from flowgrpo.settings import flat_dict
 from flowgrpo.state_dicts import (
     full_tensor,
@@ -85,23 +90,15 @@ from flowgrpo.state_dicts import (
 #: the folder of a sharded checkpoint's tensors (torch's distributed checkpoint) and its optimizer groups' file
 SHARDED = "sharded"
 GROUPS = "optimizer_groups.json"
-#: the key of ``state.json`` listing every other file of the checkpoint with its size in bytes
-MANIFEST = "files"
-
-
-logger = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, or holds something other than tensors and plain data."""
 
 
 def save_checkpoint(root: str | Path, epoch: int, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
                     ema=None, keep: int = 2, objective=None, health: dict | None = None) -> Path:
     """Write ``root/epoch_<epoch>`` atomically and point ``root/latest`` at it; keep the newest ``keep`` healthy
-    ones and the best evaluated one (:func:`rotation_victims`).
+    ones and the best evaluated one (:func:`~flowgrpo.checkpoint_health.rotation_victims`).
     ``objective``: the run's objective, whose ``state_dict()`` (empty: none) is saved.
-    ``health``: the health record written as the folder's ``health.json`` (:func:`health_record`).
+    ``health``: the health record written as the folder's ``health.json``
+    (:func:`~flowgrpo.checkpoint_health.health_record`).
 
     Every process calls it. A sharded model (DTensor parameters): each process writes its own shards into the
     temporary folder, then the main process writes the rest and publishes it. Otherwise the main process writes
@@ -188,39 +185,10 @@ def _write(root: Path, epoch: int, parts, lr_scheduler, sampler, keep: int, *, f
         with f.open("rb") as fh:
             os.fsync(fh.fileno())
     for sub in (d for d in tmp.rglob("*") if d.is_dir()):
-        _fsync_dir(sub)
+        fsync_dir(sub)
     publish_checkpoint(root, tmp, final)
     for old in rotation_victims(checkpoint_folders(root), keep, final):
         _remove(old)
-
-
-def _latest_name(root: Path) -> str | None:
-    pointer = root / "latest"
-    return pointer.read_text().strip() if pointer.is_file() else None
-
-
-def _point_latest(root: Path, name: str) -> None:
-    """``root/latest`` names ``name``, replaced atomically (written beside it, then renamed over it)."""
-    pointer = root / ".latest.tmp"
-    pointer.write_text(name)
-    with pointer.open("rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(pointer, root / "latest")
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the renames in folder ``path`` durable (a no-op where folders cannot be opened, e.g. Windows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _remove(folder: Path) -> None:
@@ -267,164 +235,18 @@ def publish_checkpoint(root: str | Path, tmp: str | Path, final: str | Path) -> 
         shutil.rmtree(stale, ignore_errors=True)
     aside = root / f".{final.name}.old"
     if final.exists():
-        if aside.exists() and _latest_name(root) != aside.name:
+        if aside.exists() and latest_name(root) != aside.name:
             shutil.rmtree(aside)
         if not aside.exists():
             _clone(final, aside)
-        if _latest_name(root) == final.name:
-            _point_latest(root, aside.name)
+        if latest_name(root) == final.name:
+            point_latest(root, aside.name)
         _remove(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
-    _point_latest(root, final.name)
+    fsync_dir(root)
+    point_latest(root, final.name)
     for old in root.glob(".epoch_*.old"):  # this one's clone, and any an earlier crash left
         shutil.rmtree(old, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------- health, rotation and the resume choice
-HEALTH_FILE = "health.json"
-
-
-def health_record(figures: dict[str, float], best_metric: str | None = None) -> dict:
-    """What ``health.json`` holds for a checkpoint written from weights the trainer found healthy: ``healthy``
-    true, the ``health/*`` figures that showed it (:class:`~flowgrpo.divergence.WeightHealth`) and, when the epoch
-    was evaluated, the evaluation figure ``best_metric`` and its value (``eval``; higher is better), which
-    :func:`rotation_victims` keeps the best of."""
-    record: dict = {"healthy": True, "checks": {k: v for k, v in figures.items() if k.startswith("health/")}}
-    value = figures.get(best_metric) if best_metric else None
-    if isinstance(value, int | float) and value == value:  # a figure, not NaN
-        record["eval"] = {"metric": best_metric, "value": float(value)}
-    return record
-
-
-def read_health(folder: str | Path) -> dict:
-    """A checkpoint's ``health.json`` as a dict; ``{}`` when it has none (written before health records) or it
-    cannot be read (a checkpoint not marked is not unhealthy)."""
-    try:
-        record = json.loads((Path(folder) / HEALTH_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def incomplete(folder: str | Path) -> str | None:
-    """Why checkpoint ``folder`` is not as it was written, or None: a file its ``state.json`` lists (``files``:
-    {relative path: bytes}, every file written before ``state.json``) is missing or has another size (a file
-    truncated by a full disk or a cut copy). ``state.json`` itself unreadable, or its ``files`` not a mapping of
-    names to integer sizes, is a reason too. A checkpoint written
-    before the list existed has none to check (None). Sizes only: nothing is hashed, so a file of the right size
-    with other bytes is found when it is read."""
-    folder = Path(folder)
-    try:
-        files = json.loads((folder / "state.json").read_text(encoding="utf-8")).get(MANIFEST, {})
-    except (OSError, ValueError, AttributeError) as err:
-        return f"its state.json is unreadable ({_cause(err)})"
-    if not isinstance(files, dict) or not all(isinstance(n, str) and type(s) is int for n, s in files.items()):
-        return f"its state.json's {MANIFEST!r} is not a mapping of file names to sizes in bytes"
-    for name, size in files.items():
-        f = folder / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} of its {size} bytes (truncated?)"
-    return None
-
-
-def is_healthy(folder: str | Path) -> bool:
-    """False for a checkpoint marked unhealthy (``"healthy": false`` in its ``health.json``) and for one whose
-    files are not as they were written (:func:`incomplete`): a resume never picks either and neither counts
-    towards the rotation's ``keep``."""
-    return read_health(folder).get("healthy") is not False and incomplete(folder) is None
-
-
-def checkpoint_folders(root: str | Path) -> list[Path]:
-    """The complete checkpoint folders ``root/epoch_<N>`` (with ``state.json``), oldest epoch first."""
-    found = [p for p in Path(root).glob("epoch_*") if p.is_dir() and p.name[6:].isdigit()
-             and (p / "state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[6:]))
-
-
-def newest_healthy(root: str | Path) -> Path | None:
-    """The checkpoint a resume of ``root`` continues from: the one ``latest`` names unless it is marked unhealthy,
-    else the newest checkpoint not marked unhealthy; None when there is none."""
-    root = Path(root)
-    name = _latest_name(root) if root.is_dir() else None
-    if name and (root / name / "state.json").is_file():
-        if is_healthy(root / name):
-            return root / name
-        why = incomplete(root / name)
-        if why is not None:
-            logger.warning("checkpoint %s is not as it was written (%s): a resume passes it over", root / name, why)
-    healthy = [p for p in checkpoint_folders(root) if is_healthy(p)] if root.is_dir() else []
-    return healthy[-1] if healthy else None
-
-
-def best_checkpoint(folders: list[Path]) -> Path | None:
-    """Of ``folders``, the healthy checkpoint with the highest evaluation figure in its ``health.json`` (the
-    newest on a tie), or None when none was evaluated. Only figures of one metric are compared: that of the
-    newest evaluated checkpoint."""
-    rated = [(p, read_health(p).get("eval")) for p in folders if is_healthy(p)]
-    rated = [(p, e) for p, e in rated if isinstance(e, dict) and isinstance(e.get("value"), int | float)]
-    if not rated:
-        return None
-    metric = rated[-1][1].get("metric")
-    same = [(p, float(e["value"])) for p, e in rated if e.get("metric") == metric]
-    return max(reversed(same), key=lambda pe: pe[1])[0]
-
-
-def rotation_victims(folders: list[Path], keep: int, written: Path) -> list[Path]:
-    """The checkpoints of ``folders`` (oldest first) a save of ``written`` removes: all but the newest ``keep``
-    not marked unhealthy, the best evaluated one (:func:`best_checkpoint`) and ``written`` itself. A checkpoint
-    marked unhealthy never counts towards ``keep``, so it never pushes a healthy one out."""
-    healthy = [p for p in folders if is_healthy(p)]
-    kept = set(healthy[-keep:] if keep > 0 else healthy) | {Path(written)}
-    best = best_checkpoint(folders)
-    if best is not None:
-        kept.add(best)
-    return [p for p in folders if p not in kept]
-
-
-def mark_unhealthy(root: str | Path, folder: str | Path, why: str) -> Path | None:
-    """Mark checkpoint ``folder`` unhealthy (its ``health.json`` replaced atomically, ``healthy`` false and
-    ``why``) and point ``root/latest`` at the newest healthy checkpoint, or remove ``latest`` when none is left
-    (a resume then starts the run again). Main process only. Returns the checkpoint ``latest`` now names."""
-    root, folder = Path(root), Path(folder)
-    record = {**read_health(folder), "healthy": False, "why": why}
-    tmp = folder / f".{HEALTH_FILE}.tmp"
-    tmp.write_text(json.dumps(record))
-    with tmp.open("rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, folder / HEALTH_FILE)
-    _fsync_dir(folder)
-    healthy = [p for p in checkpoint_folders(root) if is_healthy(p)]
-    if healthy:
-        _point_latest(root, healthy[-1].name)
-        return healthy[-1]
-    (root / "latest").unlink(missing_ok=True)
-    _fsync_dir(root)
-    return None
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from a folder, or from a checkpoints root holding ``latest``."""
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"checkpoint {str(p)!r} does not exist (train.resume_from: a checkpoint folder such as "
-                              "OUTPUT_DIR/checkpoints/epoch_N, N 0-based, or OUTPUT_DIR/checkpoints for the latest)")
-    if (p / "latest").is_file():
-        p = newest_healthy(p) or p / (p / "latest").read_text().strip()
-    if not (p / "state.json").is_file():
-        raise CheckpointError(f"{str(p)!r} is not a complete checkpoint (no state.json)")
-    why = incomplete(p)
-    if why is not None:
-        other = newest_healthy(p.parent)
-        raise CheckpointError(f"checkpoint {str(p)!r} is not as it was written: {why}; resume from "
-                              f"{'an intact one, ' + str(other) if other else 'the start'}")
-    if not is_healthy(p):
-        other = newest_healthy(p.parent)
-        raise CheckpointError(f"checkpoint {str(p)!r} is marked unhealthy ({read_health(p).get('why', 'no reason')}"
-                              f"); resume from {'a healthy one, ' + str(other) if other else 'the start'}")
-    return p
 
 
 def _torch_load(path: Path):
@@ -458,12 +280,12 @@ def _read(path: Path, read):
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"refusing {str(path)!r}: checkpoints may hold only tensors and plain data, and this file holds "
-            f"something else or is corrupt ({_cause(err)})"
+            f"something else or is corrupt ({error_cause(err)})"
         ) from err
     except Exception as err:  # noqa: BLE001 - safetensors, torch, json and the OS each raise their own types
         raise CheckpointError(
-            f"checkpoint file {str(path)!r} is corrupt or unreadable ({_cause(err)}); was it truncated (full disk, "
-            "interrupted copy)? Resume from another checkpoint"
+            f"checkpoint file {str(path)!r} is corrupt or unreadable ({error_cause(err)}); was it truncated (full "
+            "disk, interrupted copy)? Resume from another checkpoint"
         ) from err
 
 
@@ -598,7 +420,7 @@ def _dcp_load(target: dict, folder: Path, meta, *, no_dist: bool) -> None:
         dcp.load(target, storage_reader=_reader(folder, meta), no_dist=no_dist)
     except CheckpointException as err:
         rank, (cause, _) = sorted(err.failures.items())[0]
-        raise RuntimeError(f"process {rank}: {_cause(cause)}") from None
+        raise RuntimeError(f"process {rank}: {error_cause(cause)}") from None
 
 
 def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
@@ -664,7 +486,7 @@ def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
     try:
         load_sharded_optimizer_state(model, optimizer, target.get("optim", {}), groups)
     except (ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"checkpoint {str(p)!r}: {GROUPS} does not match the model ({_cause(err)})") from err
+        raise CheckpointError(f"checkpoint {str(p)!r}: {GROUPS} does not match the model ({error_cause(err)})") from err
     if ema is not None:
         ema.load_state_dict(target["ema"])
     if held:
@@ -713,11 +535,6 @@ def _check_shape(p: Path, k: str, stored: tuple, model: tuple) -> None:
             f"the checkpoint but {model} in the model (was it written with other model "
             "settings, e.g. model.lora_rank or model.finetune?)"
         )
-
-
-def _cause(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
@@ -773,7 +590,8 @@ def _load_whole(p: Path, *, model, optimizer, ema, objective) -> None:
         opt_state = (_on_main if from_rank0 else _call)(lambda: _read(p / "optimizer.pt", _torch_load))
         load_optimizer_state(model, optimizer, opt_state, from_rank0=from_rank0)
     except (ValueError, KeyError) as err:
-        raise CheckpointError(f"checkpoint {str(p)!r}: optimizer.pt does not match the model ({_cause(err)})") from err
+        raise CheckpointError(
+            f"checkpoint {str(p)!r}: optimizer.pt does not match the model ({error_cause(err)})") from err
     if ema is not None:
         if not (p / "ema.safetensors").is_file():
             raise CheckpointError(f"checkpoint {str(p)!r} has no EMA weights but this run uses EMA")

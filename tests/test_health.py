@@ -1,4 +1,4 @@
-"""Health before a checkpoint, as a kind (flowgrpo.divergence rule 4, flowgrpo.checkpoint's health records).
+"""Health before a checkpoint, as a kind (flowgrpo.divergence rule 4, flowgrpo.checkpoint_health's health records).
 
 The statement tested: a checkpoint is written only from weights shown healthy by figures of the weights
 themselves (the norm of the trained weights at most doubled by the epoch's update; a probe forward of the new
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowgrpo.checkpoint import (
+from flowgrpo.checkpoint_health import (
     CheckpointError,
     best_checkpoint,
     mark_unhealthy,
@@ -169,6 +169,42 @@ def test_weight_health_rule_by_hand():
     assert watch.flag({"objective/loss": math.inf}) == "objective/loss = inf"
     assert watch.flag({"objective/kl_ref": 1001.0}).startswith("objective/kl_ref = 1e+03")
     assert watch.flag({"objective/kl_ref": 999.0}) is None
+
+
+def test_the_evaluation_hands_its_non_finite_count_to_the_check_before_any_reward_scores(monkeypatch):
+    """The evaluation's images (3 of them, 2 NaN values and 1 infinite, counted by hand) reach ``check`` as 3.0
+    before any reward is asked for a score (the rewards here are an object with no attribute: scoring first would
+    raise AttributeError, not the check's own exception)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from flowgrpo.data.prompts import PromptSet
+    from flowgrpo.training import evaluation
+
+    images = torch.zeros(3, 3, 4, 4)
+    images[0, 0, 0, :2] = math.nan
+    images[2, 1, 1, 1] = math.inf
+    monkeypatch.setattr(evaluation, "generate_images", lambda *args, **kwargs: images)
+    cfg = SimpleNamespace(train=SimpleNamespace(seed=0, rollout_batch_size=2), data=SimpleNamespace(eval_num_prompts=3),
+                          eval_sampling=SimpleNamespace(num_steps=2, guidance_scale=1.0, cache=None),
+                          logging=SimpleNamespace(progress=False), batch_size=4)
+    optim = SimpleNamespace(eval_mode=lambda: None, eval_weights=contextlib.nullcontext)
+    prompts = PromptSet(["a", "b"], [{}, {}], "test")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def check(bad: float) -> None:
+        seen.append(bad)
+        raise Stop
+
+    ev = evaluation.Evaluation(cfg, adapter=None, optim=optim, rewards=object(), eval_rewards=None, prompts=prompts,
+                               eval_prompts=None, main=True)
+    assert ev.eval_set() == (["a", "b", "a"], [{}, {}, {}])  # min(3, B=4) training prompts, cycled
+    with pytest.raises(Stop):
+        ev.evaluate("before", check)
+    assert seen == [3.0]
 
 
 def test_the_probe_measures_the_weights_growth_and_velocity(tiny_flux_dir):

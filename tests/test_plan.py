@@ -10,17 +10,8 @@ import math
 import pytest
 import torch
 
-from flowgrpo.plan import (
-    COEFFICIENTS,
-    FAMILIES,
-    GIB,
-    BlockKind,
-    activation_bytes,
-    count_saved_bytes,
-    plan,
-    plan_config,
-    sizes,
-)
+from flowgrpo.plan import GIB, activation_bytes, plan, plan_config
+from flowgrpo.plan_families import COEFFICIENTS, FAMILIES, BlockKind, count_saved_bytes, sizes
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -65,7 +56,7 @@ def test_plan_activations_agree_with_a_measured_peak(checkpointing, lora):
     19.2 / 72.9 MiB)."""
     from peft import LoraConfig
 
-    from flowgrpo.plan import _bf16, _flux1, lora_kinds
+    from flowgrpo.plan_families import _bf16, _flux1, lora_kinds
 
     s_img, s_txt, heads = 1024, 128, 2
     model = _bf16(_flux1(num_layers=2, num_single_layers=4, num_attention_heads=heads, joint_attention_dim=64,
@@ -208,7 +199,7 @@ def test_wan_image_to_video_rows_count_the_released_transformers_and_encoders():
     p22 = plan_config(REPO / "configs" / "wan22_i2v_a14b.yaml", 8, overrides=base)
     assert p22.device["other_expert"] == 2 * count(wan22) and p22.device["masters"] == 4 * count(wan22) / 8
     assert count(wan21) > count(wan22) + 2e9  # the image projections: 2 x 5120² x 40 blocks and more
-    from flowgrpo.plan import FAMILIES
+    from flowgrpo.plan_families import FAMILIES
 
     assert FAMILIES["wan21_i2v_14b"].text_tokens(512) == 512 + 257  # the CLIP image tokens join the keys
 

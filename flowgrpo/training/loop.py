@@ -7,6 +7,11 @@ order and what each phase receives and returns are in its ``base`` module); the 
 loop of every objective (:func:`~flowgrpo.training.update.run_update`), and every gradient is applied by
 :class:`~flowgrpo.training.optim.Optimization`; the run folder's life is :mod:`flowgrpo.training.run_folder`, the
 end-of-run report :mod:`flowgrpo.training.report`.
+
+Owns the epoch's phases and their order, the per-epoch records (metrics, plots, rollout statistics, the
+low-signal warning) and the saves. The held-out evaluation is :mod:`flowgrpo.training.evaluation`, the health
+watch (divergence, non-finite images, the resumed weights' probe, the best metric's collapse guard, the x0-norm
+drift) :mod:`flowgrpo.training.health_watch`: the loop says when each runs.
 """
 
 from __future__ import annotations
@@ -20,31 +25,23 @@ import torch
 from safetensors.torch import save_file
 
 from flowgrpo import dist
-from flowgrpo.checkpoint import checkpoint_folders, health_record, is_healthy, mark_unhealthy
+from flowgrpo.checkpoint_health import health_record
 from flowgrpo.compile import CompileWatch
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
-from flowgrpo.divergence import (
-    CollapseWatch,
-    DivergenceWatch,
-    TrainingDiverged,
-    WeightHealth,
-    check_weights,
-    run_history,
-    stop_line,
-)
+from flowgrpo.divergence import WeightHealth, check_weights
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
 from flowgrpo.models import DTYPES
-from flowgrpo.monitors import X0NormWatch, x0_norm_metrics
+from flowgrpo.monitors import x0_norm_metrics
 from flowgrpo.plots import reward_curve, sample_grid
 from flowgrpo.records import Advantages, Rewards
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rewards.remote import server_metrics
-from flowgrpo.rng import derive_seed
-from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, generate_images
-from flowgrpo.settings import ConfigError
+from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
 from flowgrpo.state_dicts import save_final_weights
 from flowgrpo.training import report
+from flowgrpo.training.evaluation import Evaluation
+from flowgrpo.training.health_watch import HealthWatch
 from flowgrpo.training.optim import Optimization
 from flowgrpo.training.run_folder import RunFolder
 from flowgrpo.training.update import run_update
@@ -102,36 +99,18 @@ class Trainer:
         adapter.transformer.register_forward_pre_hook(self._count_forward, with_kwargs=True)
         if config.train.resume_from:
             self.epoch = self.optim.resume(config.train.resume_from, sampler=self.sampler, objective=objective)
-        history = run_history(self.out, config.train.resume_from, self.epoch)
-        self.watch = DivergenceWatch(history)
-        start = next((r["health/probe_rms_start"] for r in reversed(history) if "health/probe_rms_start" in r), None)
-        self.health = WeightHealth(adapter, self.optim.params, prompt=prompts.prompts[0], metadata=prompts.metadata[0],
-                                   guidance_scale=self.settings.guidance_scale, seed=config.train.seed, start=start)
-        self.best_metric = self._best_metric()
-        self.collapse = CollapseWatch(self.best_metric, config.logging.collapse_fraction, history,
-                                      keep_best=config.logging.keep_best)
+        self.health = HealthWatch(config, adapter=adapter, params=self.optim.params, prompts=prompts, rewards=rewards,
+                                  eval_rewards=eval_rewards, out=self.out, main=self.main, epoch=self.epoch,
+                                  guidance_scale=self.settings.guidance_scale)
         self._record: dict = {}  # the last epoch's record (the final checkpoint's health record)
-        self.x0_watch = X0NormWatch(config.logging.x0_norm_window, config.logging.x0_norm_drift, history)
+        self.evaluation = Evaluation(config, adapter=adapter, optim=self.optim, rewards=rewards,
+                                     eval_rewards=eval_rewards, prompts=prompts, eval_prompts=eval_prompts,
+                                     main=self.main)
 
     def _count_forward(self, module, args, kwargs) -> None:
         x = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
         self.forward_count[0] += 1
         self.forward_count[1] += 0 if x is None else len(x)  # a batch tensor, or a list of samples (Z-Image)
-
-    def _best_metric(self) -> str | None:
-        """``logging.best_metric`` resolved: ``auto`` is ``eval/<first optimised reward>/mean`` (None when every
-        optimised reward reports whole-set figures instead)."""
-        metric = self.cfg.logging.best_metric
-        names = [n for n, r in self.rewards.rewards.items() if not hasattr(r, "batch_metrics")]
-        if metric == "auto":
-            return f"eval/{names[0]}/mean" if names else None
-        every = [c for c in (self.rewards, self.eval_rewards) if c is not None]
-        known = [f"eval/{n}/mean" for c in every for n, r in c.rewards.items() if not hasattr(r, "batch_metrics")]
-        whole_set = any(hasattr(r, "batch_metrics") for c in every for r in c.rewards.values())
-        if metric not in known and not (whole_set and metric.startswith("eval/")):
-            raise ConfigError(f"logging.best_metric={metric!r} is no evaluation figure of this run; choose one of "
-                              f"{known} (or auto)")
-        return metric
 
     def save_checkpoint(self, epoch: int, record: dict | None = None) -> None:
         """Every process takes part (under FSDP2 each writes its own shards, :mod:`flowgrpo.checkpoint`), only
@@ -139,57 +118,10 @@ class Trainer:
         already passed by :class:`~flowgrpo.divergence.DivergenceWatch`) showed healthy; its ``health/*``
         figures and evaluation figure go into the checkpoint's ``health.json``."""
         check_weights(self.optim.named_weights(), epoch, self.cfg.train.num_epochs, self.out / "checkpoints")
-        best = self.best_metric if self.cfg.logging.keep_best else None
+        best = self.health.best_metric if self.cfg.logging.keep_best else None
         self.optim.save(self.out / "checkpoints", epoch, sampler=self.sampler,
                         keep=self.cfg.logging.checkpoints_total_limit, objective=self.objective,
                         health=health_record(record or {}, best))
-
-    def check_images(self, bad: float, what: str, collective: bool, made_by: int) -> None:
-        """Stop the run (:class:`~flowgrpo.divergence.TrainingDiverged`, one line) when ``bad`` (a count of NaN or
-        infinite image values) is not 0: the weights that made the images diverged. ``made_by``: the epoch
-        (0-based) after whose update those weights are (-1: the base model's). The newest checkpoint, when it is
-        that epoch's (written after the previous epoch, or the one this run resumed from), is marked unhealthy, so
-        ``train.resume_from=auto`` skips it. ``collective``: every process calls it (a rollout; each counts its
-        own images), so all stop together."""
-        if collective:
-            bad = float(dist.all_reduce_sum(torch.tensor([bad], dtype=torch.float64))[0])
-        if not bad:
-            return
-        root = self.out / "checkpoints"
-        done = checkpoint_folders(root)
-        marked = ""
-        if done and int(done[-1].name[6:]) == made_by and is_healthy(done[-1]):
-            marked = f"; checkpoint {done[-1]} holds these weights and is now marked unhealthy"
-            if self.main:
-                mark_unhealthy(root, done[-1], f"{what} made non-finite images at epoch {self.epoch + 1}")
-            dist.barrier()
-        raise TrainingDiverged(stop_line(self.epoch, self.cfg.train.num_epochs,
-                                         f"{int(bad)} values of the {what} images are NaN or infinite{marked}", root))
-
-    def _check_resumed_weights(self) -> None:
-        """A resumed run's weights pass the probe rule (:meth:`~flowgrpo.divergence.WeightHealth.flag`, against the
-        run's first start) before they are trained. A checkpoint without ``health.json`` (older versions) or
-        edited by hand may hold weights that diverged past every check yet make finite images: each resume from it
-        diverged again in its first epoch and named it intact. It is marked unhealthy (``latest`` pointed back at
-        the newest healthy one) and the run stops in one line."""
-        start = self.health.start
-        if not self.cfg.train.resume_from or start is None:
-            return
-        rms = self.health.probe()
-        why = WeightHealth.flag({"health/probe_rms": rms, "health/probe_rms_start": start})
-        if why is None and math.isfinite(rms):
-            return
-        why = why or f"health/probe_rms = {rms} (the resumed weights' velocity on the fixed probe is not finite)"
-        root = self.out / "checkpoints"
-        resumed = root / f"epoch_{self.epoch - 1}"
-        marked = ""
-        if resumed in checkpoint_folders(root) and is_healthy(resumed):
-            marked = f"; checkpoint {resumed} holds these weights and is now marked unhealthy"
-            if self.main:
-                mark_unhealthy(root, resumed, f"its weights fail the health probe on resume: {why}")
-            dist.barrier()
-        raise TrainingDiverged(stop_line(self.epoch, self.cfg.train.num_epochs, f"before its update, {why}{marked}",
-                                         root))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -207,9 +139,9 @@ class Trainer:
             (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
         t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
         before, img_before, captions = self.run.before(self.evaluate, self.main)
-        self._check_best_metric(before)
-        self._check_resumed_weights()
-        self.collapse.observe(before, "before training")
+        self.health.check_best_metric(before)
+        self.health.check_resumed_weights(self.epoch)
+        self.health.collapse.observe(before, "before training")
         eval_seconds = time.perf_counter() - t0
         last, first = cfg.train.num_epochs - 1, self.epoch
         start = time.perf_counter()
@@ -217,12 +149,8 @@ class Trainer:
             self.epoch = epoch
             every = cfg.logging.eval_every
             record = self.train_epoch(epoch, evaluate=bool(every) and (epoch + 1) % every == 0 and epoch < last)
-            self.watch.check(record, epoch, cfg.train.num_epochs, self.out / "checkpoints")  # before any save
+            self.health.check_epoch(record, epoch)  # before any save
             self._record = record
-            self._warn_collapse(record, f"epoch {epoch + 1}")
-            drift = self.x0_watch.observe(record)
-            if drift and self.main:
-                logger.warning("%s", drift)
             if cfg.logging.save_every and (epoch + 1) % cfg.logging.save_every == 0 and epoch < last:
                 self.save_checkpoint(epoch, record)
             if self.main:
@@ -234,32 +162,6 @@ class Trainer:
         summary = self._finish(before, img_before, captions, eval_seconds)
         self.scorer.close()
         return summary
-
-    def _check_best_metric(self, before: dict) -> None:
-        """Check ``logging.best_metric`` against what the "before" evaluation reported: a whole-set reward's
-        figures are known only once evaluated, so ``eval/<typo>`` passes :meth:`_best_metric` where one is used,
-        and would leave the collapse guard and ``logging.keep_best`` watching nothing. A figure named by hand that
-        was not reported is refused (``ValueError``, one line naming what was); ``auto`` becomes the first
-        reported ``eval/<reward>/mean`` of the optimised rewards, then of the evaluation-only ones (a group-wise
-        reward reports none on an evaluation's one sample per prompt), or nothing to watch."""
-        metric = self.best_metric
-        if metric is None or not before or metric in before:
-            return
-        if self.cfg.logging.best_metric == "auto":
-            names = [n for c in (self.rewards, self.eval_rewards) if c is not None for n in c.rewards]
-            self.best_metric = next((f"eval/{n}/mean" for n in names if f"eval/{n}/mean" in before), None)
-            self.collapse.metric = self.best_metric
-            return
-        known = sorted(k for k in before if isinstance(before[k], int | float))
-        raise ConfigError(f"logging.best_metric={metric!r} is no evaluation figure of this run: its evaluation "
-                          f"reports {known}; choose one of them (or auto) and start the run again with "
-                          "train.resume_from=auto logging.best_metric=<figure>")
-
-    def _warn_collapse(self, figures: dict, where: str) -> None:
-        """The collapse guard's warning (:class:`~flowgrpo.divergence.CollapseWatch`), from the main process."""
-        warning = self.collapse.observe(figures, where)
-        if warning and self.main:
-            logger.warning("%s", warning)
 
     def _already_finished(self) -> dict:
         """The existing summary of a finished run (its ``outputs`` those of this output_dir; a copied run folder's
@@ -276,7 +178,7 @@ class Trainer:
         """The final evaluation, checkpoint, weights, summary and model card."""
         t0 = time.perf_counter()
         after, img_after, captions_after = self.evaluate("after")
-        self._warn_collapse(after, "the final evaluation")
+        self.health.warn_collapse(after, "the final evaluation")
         eval_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.save_checkpoint(self.cfg.train.num_epochs - 1, {**self._record, **after})
@@ -286,7 +188,7 @@ class Trainer:
         summary, self.tables = report.write_summary(
             self.run, before, after, img_before, img_after, captions or captions_after,
             extra_seconds={"eval": eval_seconds, "save": save_seconds}, main=self.main,
-            composed_rewards=(self.rewards, self.eval_rewards), eval_metadata=self._eval_set()[1])
+            composed_rewards=(self.rewards, self.eval_rewards), eval_metadata=self.evaluation.eval_set()[1])
         if self.main:
             report.write_card(self.run, summary, adapter=self.adapter, prompt=self.prompts.prompts[0],
                               tables=self.tables)
@@ -308,14 +210,14 @@ class Trainer:
         if work.recompute:
             with m.timed("recompute"):
                 work = objective.recompute(self.adapter, work)
-        self.health.begin()  # (in the first epoch, a probe call: not the update's)
+        self.health.weights.begin()  # (in the first epoch, a probe call: not the update's)
         calls0, rows0 = self.forward_count
         with m.timed("update"):
             upd = run_update(objective, self.adapter, self.optim, work, inner_epochs=self.cfg.train.inner_epochs,
                              progress=self.cfg.logging.progress and self.main)
         counted = list(self.forward_count)
         with m.timed("health"):
-            health = self.health.measure()
+            health = self.health.weights.measure()
         self.forward_count[:] = counted  # the probe's transformer calls are not the update's
         m.log(health)
         if WeightHealth.flag(health) or not all(math.isfinite(v) for v in health.values()):
@@ -356,7 +258,8 @@ class Trainer:
             traj, handles = self.rollout_phase()
         if not self._nonfinite and sum(h.batch_size for h in handles) != traj.batch_size:  # not scored as made
             self._nonfinite = int((~torch.isfinite(traj.images)).sum())
-        self.check_images(float(self._nonfinite), "rollout's", collective=True, made_by=self.epoch - 1)
+        self.health.check_images(float(self._nonfinite), "rollout's", collective=True, made_by=self.epoch - 1,
+                                 epoch=self.epoch)
         m.log({"rollout/transformer_calls": self.forward_count[0] - calls0,
                "rollout/transformer_rows": self.forward_count[1] - rows0, "rollout/trajectories": traj.batch_size})
         m.log(x0_norm_metrics(traj))  # rollout/x0_norm and its max (flowgrpo.monitors)
@@ -413,60 +316,14 @@ class Trainer:
         return compose_rewards(gathered, self.rewards.weights), group_ids
 
     # ------------------------------------------------------------------ evaluation
-    def _eval_set(self) -> tuple[list[str], list[dict]]:
-        """The evaluation prompts and metadata: ``data.eval_num_prompts`` held-out prompts, cycled; without
-        evaluation prompts, the training prompts (cycled, at most one epoch's B = P·G of them), which the seeds
-        below still make held-out images."""
-        if self.eval_prompts is not None:
-            source, n = self.eval_prompts, self.cfg.data.eval_num_prompts
-        else:
-            source, n = self.prompts, min(self.cfg.data.eval_num_prompts, self.cfg.batch_size)
-        idx = [i % len(source) for i in range(n)]
-        return [source.prompts[i] for i in idx], [source.metadata[i] for i in idx]
-
-    @torch.no_grad()
     def evaluate(self, tag: str) -> tuple[dict[str, float], torch.Tensor, list[str]]:
-        """ODE images of the fixed evaluation set (:meth:`_eval_set`; image i seeded
-        ``derive_seed(train.seed, "eval", i)``, never a training seed), scored by every reward and eval reward.
-
-        Returns (metrics ``eval/<name>/mean`` and batch metrics, the images (N, 3, H, W) in [0, 1], captions).
-        A reward with ``batch_metrics`` reports its whole-set figures under their own names (``eval/correctness``,
-        a per-group ``eval/<group>/<figure>`` …) instead of its per-image mean; the console line leaves the
-        per-group figures out."""
-        ps, meta = self._eval_set()
-        seeds = [derive_seed(self.cfg.train.seed, "eval", i) for i in range(len(ps))]
-        self.optim.eval_mode()
-        with self.optim.eval_weights():
-            images = generate_images(
-                self.adapter, ps, seeds, num_steps=self.cfg.eval_sampling.num_steps,
-                guidance_scale=self.cfg.eval_sampling.guidance_scale, batch_size=self.cfg.train.rollout_batch_size,
-                progress=self.cfg.logging.progress and self.main, metadata=meta, cache=self.cfg.eval_sampling.cache,
-            )
+        """The held-out evaluation (:meth:`~flowgrpo.training.evaluation.Evaluation.evaluate`: metrics, images,
+        captions), its images checked as made by the weights of the epoch they follow."""
         # "before": the weights the run starts from; the others follow this epoch's update (the last one's, for
         # "after" in a resume that finds every epoch trained)
         made_by = self.epoch - 1 if tag == "before" else min(self.epoch, self.cfg.train.num_epochs - 1)
-        self.check_images(float((~torch.isfinite(images)).sum()), f"evaluation ({tag})", collective=False,
-                          made_by=made_by)
-        out: dict[str, float] = {}
-        grouped: set[str] = set()
-        for composed in (self.rewards, self.eval_rewards):
-            if composed is None:
-                continue
-            for name, scores in score_components_named(composed, images, ps, meta).items():
-                if hasattr(composed.rewards.get(name), "batch_metrics"):
-                    continue
-                valid = scores[~torch.isnan(scores)]
-                out[f"eval/{name}/mean"] = float(valid.mean()) if valid.numel() else float("nan")
-            for reward in composed.rewards.values():
-                if hasattr(reward, "batch_metrics"):  # whole-set figures (correctness, diversity) under their own name
-                    for k, v in reward.batch_metrics(images, ps, meta).items():
-                        out[f"eval/{k}"] = float(v)
-                        if "/" in k:  # a per-group figure <group>/<figure>
-                            grouped.add(f"eval/{k}")
-        captions = [p[:40] for p in ps]
-        if self.main:  # every process evaluates the same images; one reports them
-            logger.info("eval (%s): %s", tag, ", ".join(f"{k}={v:.4f}" for k, v in out.items() if k not in grouped))
-        return out, images, captions
+        return self.evaluation.evaluate(tag, lambda bad: self.health.check_images(
+            bad, f"evaluation ({tag})", collective=False, made_by=made_by, epoch=self.epoch))
 
     # ------------------------------------------------------------------ records of the run
     def _plot(self, epoch: int, traj, rewards: Rewards) -> None:

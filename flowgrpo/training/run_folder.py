@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from flowgrpo.checkpoint import resolve_checkpoint
+from flowgrpo.checkpoint_health import resolve_checkpoint
 from flowgrpo.metrics import read_metrics
 from flowgrpo.settings import flat_dict, save_config
 

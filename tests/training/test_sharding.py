@@ -313,7 +313,8 @@ def test_bf16_full_fine_tuning_moves_every_weight_as_float32_does(runs, tiny_flu
 def test_memory_plan_counts_what_each_process_holds(runs, tiny_flux_dir):
     """``flowgrpo.plan``'s byte rules against the tensors a run holds: float32 weights, Adam's two moments,
     the reference and the EMA, whole on one process and divided among the processes under FSDP2."""
-    from flowgrpo.plan import Sizes, Workload, plan
+    from flowgrpo.plan import Workload, plan
+    from flowgrpo.plan_families import Sizes
 
     n = sum(v.numel() for v in _base(tiny_flux_dir).values())
     sizes = Sizes(transformer=n, largest_block=0, blocks=0, lora=0, encoders=0, vae=0)
