@@ -14,8 +14,9 @@ pretraining, torch 2.14 with MKL 2024.2 and oneDNN 3.12, 30 + 30 optimizer steps
   AVX-512 machine each changes the weights, so machines with other CPUs build other models;
 * the **CPU vendor and model**, even with all of the above pinned: the pinned build of ``digits-v2-seed0`` (torch
   2.14.1, diffusers 0.42.1) gave transformer sha256 ``b95f31c1…d250c01`` and VAE ``1306c5bb…4cba995d`` on an Intel
-  Xeon with AVX-512 and AMX, but transformer ``39527b84…a51505`` and VAE ``12c7e805…467adbe`` on two AMD EPYCs, and the two bases are not equally good: the judge reads 0.609 of the Intel base's digits as the
-  prompted one before RL, 0.586 of the AMD base's. The VAE, trained first, already differs. Under
+  Xeon with AVX-512 and AMX, but transformer ``39527b84…a51505`` and VAE ``12c7e805…467adbe`` on two AMD EPYCs,
+  and the two bases are not equally good: the judge reads 0.609 of the Intel base's digits as the prompted one
+  before RL, 0.586 of the AMD base's. The VAE, trained first, already differs. Under
   :data:`PINNED_ENV` the matrix products run in MKL with conditional numerical reproducibility (``MKL_VERBOSE``:
   ``SGEMM … CNR:AVX2``), but the VAE's convolutions run in oneDNN (``ONEDNN_VERBOSE``: ``convolution,jit:avx2``),
   which has no such mode and sizes its kernels' blocking for the CPU it finds. On the Intel machine (a 30 + 10

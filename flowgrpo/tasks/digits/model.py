@@ -24,7 +24,8 @@ build's numerical environment):
    trained by rectified flow (Liu et al. 2023; Lipman et al. 2023): x_σ = (1−σ)·x₀ + σ·ε, target v = ε − x₀,
    σ drawn logit-normal(0, 1) (Esser et al. 2024, SD3 paper, §3.1), AdamW at a constant rate after a short
    warmup; 450 steps of batch 128, so that the base model is good but imperfect and reinforcement learning has
-   headroom: with 8 Euler steps the independent judge reads 0.83–0.91 of its digits as the prompted one (pretraining seeds 0, 1, 2 on an AMD EPYC: 0.913, 0.827, 0.891; 1000 images).
+   headroom: with 8 Euler steps the independent judge reads 0.83–0.91 of its digits as the prompted one
+   (pretraining seeds 0, 1, 2 on an AMD EPYC: 0.913, 0.827, 0.891; 1000 images).
    Recipe 2 stopped at 225 steps and its bases read 0.40–0.61 depending on the seed and the machine: far from
    trained (at the same 225 steps a cosine decay of the rate read 0.13), so a base was a wide draw and the RL
    default's figures did not carry from one machine to another (docs/results.md, "The digits task").
