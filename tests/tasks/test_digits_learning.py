@@ -1,11 +1,14 @@
-"""The embedded default learns: a short GRPO run on the digits task raises the independent judge's strict
-correctness by a stated margin.
+"""The embedded default learns: a short GRPO run on the digits task cuts the independent judge's error rate (1 −
+strict correctness) by a stated fraction.
 
-The base model is the cached pretrained digits pipeline (``ensure_digits_model``: built once, about 2 minutes,
-into ``$FLOWGRPO_CACHE``). The run is deterministic for its seed on a given machine; the margin (+0.06 on the
-default's 1000 ODE evaluation images, 100 per digit) is below the gain the full default shows in its first 10
-epochs (+0.155 and +0.200 on RL seeds 0 and 1, bench/learning.py), so the test fails when learning breaks, not
-when rounding changes.
+The base model is the cached pretrained digits pipeline (``ensure_digits_model``: built once, about 4 minutes of
+one thread, into ``$FLOWGRPO_CACHE``). The run is deterministic for its seed on a given machine, but the base is a
+draw that depends on the machine (docs/digits.md, "What is reproducible"): recipe 3's bases read 0.81–0.93 before
+RL, so a fixed margin in correctness would ask a strong base for more than it has left. The test asks for the error
+rate to fall to at most ``ERROR_FRACTION`` of its value before RL, on the default's 1000 ODE evaluation images (100
+per digit): the full default cut it to 0.21 (base seed 0, 0.929 → 0.985) and 0.39 (base seed 1, 0.812 → 0.926) of
+its value in its first 10 epochs (bench/learning.py, 2026-12-02, AMD EPYC), so the test fails when learning breaks,
+not when rounding changes.
 
 It also checks that no digit collapsed: every digit's diversity stays at least ``MIN_RATIO`` of the same digit's
 real diversity (``diversity_min_ratio_after``), the bar the README's main job must clear. The run is the shipped
@@ -21,7 +24,7 @@ import yaml
 
 from flowgrpo.config import build_config
 
-MARGIN = 0.06
+ERROR_FRACTION = 0.6
 MIN_RATIO = 0.6
 
 
@@ -36,7 +39,7 @@ def test_short_grpo_run_raises_judge_correctness(tmp_path):
     summary = run(cfg)
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
     before, after = summary["correctness_before"], summary["correctness_after"]
-    assert after >= before + MARGIN, (before, after)
+    assert 1.0 - after <= ERROR_FRACTION * (1.0 - before), (before, after)
     assert summary["diversity_after"] >= 0.5 * summary["diversity_real"]
     per_digit = [summary[f"digit_{d}_diversity_after"] / summary[f"digit_{d}_diversity_real"] for d in range(10)]
     assert summary["diversity_min_ratio_after"] >= MIN_RATIO, per_digit
