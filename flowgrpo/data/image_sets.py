@@ -47,7 +47,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowgrpo.data.prompts import EMBEDDED, iter_jsonl
+from flowgrpo.data.prompts import EMBEDDED
+from flowgrpo.data.text_files import iter_jsonl
 
 __all__ = ["ImageItem", "PreferencePair", "dataset_folder", "load_image", "record_image", "read_pickapic",
            "read_ranked", "read_imagefolder", "write_image_set", "write_preference_set", "main"]

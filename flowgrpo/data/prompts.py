@@ -16,14 +16,14 @@ real training digits, an image set) and ``digits_pairs`` (the base model's score
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import import_module, resources
 from pathlib import Path
 
 import torch
 
+from flowgrpo.data.public_prompts import prompt_set_names
+from flowgrpo.data.text_files import iter_jsonl, read_text_lines
 from flowgrpo.rng import make_generator
 from flowgrpo.text import is_blank
 
@@ -65,33 +65,6 @@ EMBEDDED = {
 }
 
 
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
-    """(line number, parsed value) for each non-blank line of a JSONL file; a line that is not JSON raises
-    ``ValueError`` naming ``path:line``."""
-    for lineno, line in enumerate(read_text(path).split("\n"), 1):  # only \n ends a JSONL line (U+2028 may not)
-        if not line.strip():
-            continue
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-
-
-def read_text(path: str | Path) -> str:
-    """A UTF-8 text file's contents; a file that is not UTF-8 text raises ``ValueError`` naming the file and the
-    byte offset (prompt files must be UTF-8)."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 4]!r}); "
-                         "prompt files must be UTF-8 encoded text") from None
-
-
-def read_text_lines(path: str | Path) -> list[str]:
-    """The lines of a UTF-8 text file (:func:`read_text`)."""
-    return read_text(path).splitlines()
-
-
 def _resolve_images(obj: dict, path: Path, lineno: int) -> None:
     """Conditioning images of an editing record: ``image`` (a path) or ``images`` (a list of paths), relative to
     the prompt file's folder; replaced in place by ``images``, the list of absolute paths of existing files."""
@@ -127,8 +100,6 @@ def _read_jsonl(path: Path) -> tuple[list[str], list[dict]]:
 def how_to_make(path: Path) -> str:
     """How to make a missing prompt file ``path``: the ``flowgrpo prompts`` command and its sets (read from
     :func:`flowgrpo.data.public_prompts.prompt_set_names`), or a file written by hand."""
-    from flowgrpo.data.public_prompts import prompt_set_names
-
     return (f"build it from a local copy of a public prompt set with 'flowgrpo prompts SET SOURCE... --out "
             f"{path}' (SET: {', '.join(prompt_set_names())}; see flowgrpo prompts --help; a shipped config's header "
             "names its set), or write it: one prompt a line (.txt), or JSONL with a 'prompt' field")

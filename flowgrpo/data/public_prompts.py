@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from flowgrpo.data.prompts import iter_jsonl, read_text, read_text_lines
+from flowgrpo.data.text_files import iter_jsonl, read_text, read_text_lines
 from flowgrpo.registry import Registry
 from flowgrpo.text import quoted_text
 

@@ -171,7 +171,7 @@ def read_results(path: str | Path) -> list[dict]:
         ValueError: a line that is not a JSON object with ``tag`` and a boolean ``correct`` (names the file
             and line).
     """
-    from flowgrpo.data.prompts import iter_jsonl
+    from flowgrpo.data.text_files import iter_jsonl
 
     rows = []
     for lineno, row in iter_jsonl(path):
