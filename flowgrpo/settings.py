@@ -146,6 +146,9 @@ def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Sect
     """
     if isinstance(value, BaseModel):
         return value
+    if not isinstance(value, str | dict):
+        raise ValueError(f"{prefix}={value!r}: a {registry.what} section is a name or a mapping with a 'name' "
+                         f"(registered: {', '.join(registry.names())}); a section cannot be removed, only replaced")
     section = {"name": value} if isinstance(value, str) else dict(value)
     name = section.get("name", base.model_fields["name"].default)
     try:

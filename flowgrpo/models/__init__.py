@@ -172,6 +172,8 @@ def pipeline_class_name(path: str) -> str:
                 return json.loads((local / name).read_text())["_class_name"]
         raise ValueError(f"cannot read model {path!r}: the folder has neither model_index.json nor "
                          "modular_model_index.json (not a diffusers pipeline folder)")
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1:  # not a hub id ('owner/name')
+        raise ValueError(f"cannot read model {path!r}: no such folder (a local path; a hub id is 'owner/name')")
     from huggingface_hub import constants, hf_hub_download
 
     for name in INDEX_FILES:

@@ -185,7 +185,7 @@ def _quality_lines(summary: dict) -> list[str]:
     lines = [f"time to quality ({summary.get('quality_bar', '')}):"]
     for label in labels:
         epoch, seconds = summary[f"quality_{label}_epoch"], summary.get(f"quality_{label}_rl_seconds")
-        lines.append(f"  <r> = {label}: " + ("not reached" if epoch is None else
+        lines.append(f"  r = {label}: " + ("not reached" if epoch is None else
                                              f"epoch {epoch}, {seconds:.1f} s of RL"))
     return lines
 

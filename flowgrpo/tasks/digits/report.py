@@ -103,9 +103,10 @@ def _reaches(correct, ratio, judge: float, min_ratio: float) -> bool:
 def quality_figures(records: list[dict], summary: dict) -> dict[str, int | float | str | None]:
     """The summary's time-to-quality figures (:func:`time_to_quality` at judge :data:`QUALITY_JUDGE`, for each
     ratio r of :data:`QUALITY_RATIOS`): ``quality_<r>_epoch`` and ``quality_<r>_rl_seconds`` (None: not reached),
-    e.g. ``quality_0.6_epoch``, and ``quality_bar``, what ``<r>`` means (the report's heading)."""
+    e.g. ``quality_0.6_epoch``, and ``quality_bar``, what r means (the report's heading)."""
     out: dict[str, int | float | str | None] = {
-        "quality_bar": f"judge correctness >= {QUALITY_JUDGE} with every digit's diversity >= <r> of its real digits'"}
+        "quality_bar": f"judge correctness >= {QUALITY_JUDGE} with every digit's diversity >= r of its real digits', "
+                       "at the first periodic or final evaluation that reaches it"}
     for ratio in QUALITY_RATIOS:
         epoch, seconds = time_to_quality(records, summary, ratio)
         out[f"quality_{ratio}_epoch"], out[f"quality_{ratio}_rl_seconds"] = epoch, seconds
