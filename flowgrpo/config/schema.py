@@ -183,7 +183,11 @@ class SamplingConfig(Section):
     """How trajectories are sampled for training."""
 
     num_steps: int = Field(10, ge=1, description="T, denoising steps per trajectory")
-    guidance_scale: float = Field(3.5, ge=0, description="FLUX guidance embedding / SD3 CFG scale")
+    guidance_scale: float = Field(
+        3.5, ge=0, description="the guidance embedding's input for guidance-distilled models (FLUX.1-dev, FLUX.2), "
+        "the classifier-free guidance scale for the others (SD3.5, Qwen-Image, Wan, LTX-2, ...); per family: "
+        "docs/models.md"
+    )
     sde_kind: SdeKindName = Field("flow_sde", description="the rollout's SDE kind (flowgrpo.sampling.sde.SDE_KINDS)")
     noise_level: float = Field(
         0.7, ge=0, description="SDE noise: a for flow_sde and cps (cps: in [0, 1]), eta for dance_sde"
