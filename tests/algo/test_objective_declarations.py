@@ -149,3 +149,24 @@ def test_min_learning_frac_is_refused_where_no_advantage_trains(name):
     assert text.startswith(f"algo.min_learning_frac=0.3 is read only by objectives that train on the group "
                            f"advantages, but objective {name!r} does not"), text
     build_config({**RUN, "objective": "dpo", "algo": {"min_learning_frac": 0.3, "clip_range": 1e-4}})
+
+
+@pytest.mark.parametrize("objective", ["nft", "awm", "dgpo"])
+def test_the_command_line_fix_the_refusal_names_builds_a_valid_config(objective):
+    """Switching the embedded default to a forward objective by an override is refused naming each SDE-ratio
+    setting; the refusal's own command-line fixes (``key=default``) then build a config that runs (a fresh-eyes
+    run found "remove the setting" only, which an override cannot do)."""
+    import re
+
+    import yaml
+
+    from flowgrpo.config import build_config
+    from flowgrpo.runner import DEFAULT_CONFIG
+
+    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    with pytest.raises(ValueError) as err:
+        build_config(data, [f"objective={objective}"])
+    fixes = re.findall(r"set it back on the command line: (\S+)$", str(err.value), flags=re.M)
+    assert len(fixes) == len(str(err.value).splitlines()) - 1 >= 3, str(err.value)
+    cfg = build_config(data, [f"objective={objective}", *fixes])
+    assert cfg.objective.name == objective

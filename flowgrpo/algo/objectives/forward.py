@@ -103,13 +103,14 @@ def sde_ratio_problems(objective, config) -> list[str]:
             default = type(section).model_fields[key].default
             out.append(f"{sec}.{key}={getattr(section, key)!r} is read only by objective.name=sde_ratio, but "
                        f"objective.name is {objective.name!r}, which trains on {objective.trains_on} ({why}): remove "
-                       f"the setting (default {default!r})")
+                       f"the setting, or set it back on the command line: {sec}.{key}={default!r}")
     for sec, what, base in (("chunker", config.chunker, ChunkerConfig),
                             ("algo.policy_loss", config.algo.policy_loss, PolicyLossConfig)):
         if not _is_default_strategy(what, base):
             out.append(f"{sec} {what.name!r} (and its settings) is read only by objective.name=sde_ratio (its SDE "
                        f"transitions and their ratio loss), but objective.name is {objective.name!r}, whose loss "
-                       f"and training sigmas are its own (objective.*): remove the {sec} section")
+                       f"and training sigmas are its own (objective.*): remove the {sec} section, or set it back on "
+                       f"the command line: {sec}={base.model_fields['name'].default}")
     return out
 
 
