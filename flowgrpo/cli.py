@@ -179,7 +179,8 @@ def _check_prompts_args(args: argparse.Namespace) -> None:
         return
     given = [f"--{k.replace('_', '-')}" for k in ("per_task", "seed") if getattr(args, k) is not None]
     if given:
-        raise SystemExit(f"flowgrpo prompts {args.set}: {' and '.join(given)} apply only to the geneval generator; "
+        raise SystemExit(f"flowgrpo prompts {args.set}: {' and '.join(given)} "
+                         f"{'applies' if len(given) == 1 else 'apply'} only to the geneval generator; "
                          f"the {args.set} prompts are read from the source files as they are")
     if out.suffix == ".jsonl":
         raise SystemExit(f"flowgrpo prompts {args.set}: --out {str(out)!r} would be read as JSONL, but the file holds "

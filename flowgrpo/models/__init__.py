@@ -247,7 +247,8 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     else:
         given = [f"model.{k}" for k, v in video.items() if v is not None and v != "transformer"]
         if given:
-            raise ValueError(f"{', '.join(given)} apply to video models; {name!r} is a {cls}, which makes images")
+            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to video models "
+                             f"only; {name!r} is a {cls}, which makes images")
     adapter = ADAPTERS.get(cls)(path, **kwargs)
     if scheduler_shift is not None:
         from diffusers import FlowMatchEulerDiscreteScheduler

@@ -104,8 +104,8 @@ def test_flowgrpo_prompts_names_the_line_of_a_bad_jsonl_source(tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["prompts", "hpd", "SRC", "--out", "o.txt", "--per-task", "5"], "--per-task apply only to the geneval"),
-    (["prompts", "ocr", "SRC", "--out", "o.txt", "--seed", "3"], "--seed apply only to the geneval generator"),
+    (["prompts", "hpd", "SRC", "--out", "o.txt", "--per-task", "5"], "--per-task applies only to the geneval"),
+    (["prompts", "ocr", "SRC", "--out", "o.txt", "--seed", "3"], "--seed applies only to the geneval generator"),
     (["prompts", "hpd", "SRC", "--out", "o.jsonl"], "would be read as JSONL, but the file holds one prompt a line"),
     (["prompts", "geneval", "--out", "o.txt"], "must end in .jsonl"),
 ])

@@ -109,7 +109,7 @@ def test_video_settings_are_checked_where_they_enter(tmp_path_factory):
         _load(CASES["wan21"], tmp_path_factory, guidance_scale_2=2.0)
     with pytest.raises(ValueError, match="multiple of 16"):
         load_model(str(tiny_folder(CASES["wan21"], tmp_path_factory)), height=40, width=32, num_frames=5)
-    with pytest.raises(ValueError, match="model.num_frames apply to video models"):
+    with pytest.raises(ValueError, match="model.num_frames applies to video models only"):
         load_model("tiny", num_frames=5)
     unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
     euler = euler_scheduler(unipc)  # what the released Wan folders ship, made the Euler scheduler
