@@ -29,10 +29,18 @@ WORKER = REPO / "tests" / "training" / "sharded_checkpoint.py"
 
 
 def _in_process(root: Path, *jobs: str) -> None:
+    """The one-process jobs, on one thread as the torchrun children (``OMP_NUM_THREADS=1``): a matrix product split
+    over another number of threads rounds otherwise (on an AMD EPYC, where MKL ignores its reproducibility branch,
+    the EMA after a resumed step then differed by 1.1e-5 relative under pytest's default threads)."""
     sys.path.insert(0, str(WORKER.parent))
     from tests.training import sharded_checkpoint
 
-    sharded_checkpoint.main(root, list(jobs))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sharded_checkpoint.main(root, list(jobs))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
