@@ -82,6 +82,22 @@ def lora_disabled(module: torch.nn.Module) -> Iterator[None]:
         module.enable_adapters()
 
 
+def one_image_per_prompt(images, prompts: list[str], family: str) -> list:
+    """The image-to-video adapters' conditioning check: ``images`` holds one list of exactly one image per prompt.
+    Returns each prompt's image.
+
+    Raises:
+        ValueError: naming ``family``: no images, a count that differs from the prompts', or a prompt with other
+            than one image.
+    """
+    if images is None or len(images) != len(prompts):
+        raise ValueError(f"{family} image-to-video needs one image per prompt, got "
+                         f"{0 if images is None else len(images)} image lists for {len(prompts)} prompts")
+    if any(len(imgs) != 1 for imgs in images):
+        raise ValueError(f"{family} image-to-video takes exactly one image per prompt, got {[len(i) for i in images]}")
+    return [imgs[0] for imgs in images]
+
+
 def check_num_steps(num_steps: int) -> None:
     """The σ grid's input check: ``ValueError`` unless ``num_steps`` >= 1."""
     if num_steps < 1:

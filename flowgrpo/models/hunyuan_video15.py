@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowgrpo.models.base import AdapterBase, PromptEmbeds
+from flowgrpo.models.base import AdapterBase, PromptEmbeds, one_image_per_prompt
 from flowgrpo.models.empty import empty_components
 
 logger = logging.getLogger(__name__)
@@ -232,12 +232,7 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
         Raises:
             ValueError: no images, a count that differs from the prompts', or not exactly one image per prompt.
         """
-        if images is None or len(images) != len(prompts):
-            raise ValueError(f"HunyuanVideo-1.5 image-to-video needs one image per prompt, got "
-                             f"{0 if images is None else len(images)} image lists for {len(prompts)} prompts")
-        if any(len(imgs) != 1 for imgs in images):
-            raise ValueError(f"HunyuanVideo-1.5 image-to-video takes exactly one image per prompt, got "
-                             f"{[len(i) for i in images]}")
+        one_image_per_prompt(images, prompts, "HunyuanVideo-1.5")
         text = super().encode_prompts(prompts)
         pipe, conds, embeds = self.pipe, [], []
         zeros = torch.zeros((1, *self.latent_shape), dtype=self.dtype, device=self.device)

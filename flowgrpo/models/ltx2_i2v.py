@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.models.base import PromptEmbeds
+from flowgrpo.models.base import PromptEmbeds, one_image_per_prompt
 from flowgrpo.models.empty import empty_components
 from flowgrpo.models.ltx2 import LTX2Adapter, LTX2Guidance, build_tiny_ltx2
 
@@ -131,12 +131,7 @@ class LTX2I2VAdapter(LTX2Adapter):
             ValueError: no images, a count that differs from the prompts', or not exactly one image per prompt.
             ImportError: a CRF other than 0 without PyAV installed.
         """
-        if images is None or len(images) != len(prompts):
-            raise ValueError(f"LTX-2 image-to-video needs one image per prompt, got "
-                             f"{0 if images is None else len(images)} image lists for {len(prompts)} prompts")
-        if any(len(imgs) != 1 for imgs in images):
-            raise ValueError(f"LTX-2 image-to-video takes exactly one image per prompt, got "
-                             f"{[len(i) for i in images]}")
+        one_image_per_prompt(images, prompts, "LTX-2")
         text = super().encode_prompts(prompts)
         tokens = torch.cat([self._image_tokens(imgs[0]) for imgs in images])
         return PromptEmbeds({**text.tensors, "image_tokens": tokens}, text.shared)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.models.base import PromptEmbeds
+from flowgrpo.models.base import PromptEmbeds, one_image_per_prompt
 from flowgrpo.models.empty import empty_components
 from flowgrpo.models.wan import WanAdapter, _tiny_transformer, _tiny_vae, euler_scheduler
 
@@ -85,11 +85,7 @@ class WanI2VAdapter(WanAdapter):
         Raises:
             ValueError: no images, a count that differs from the prompts', or not exactly one image per prompt.
         """
-        if images is None or len(images) != len(prompts):
-            raise ValueError(f"Wan image-to-video needs one image per prompt, got "
-                             f"{0 if images is None else len(images)} image lists for {len(prompts)} prompts")
-        if any(len(imgs) != 1 for imgs in images):
-            raise ValueError(f"Wan image-to-video takes exactly one image per prompt, got {[len(i) for i in images]}")
+        one_image_per_prompt(images, prompts, "Wan")
         text = super().encode_prompts(prompts)
         tensors = {**text.tensors, "condition": torch.cat([self._condition(imgs[0]) for imgs in images])}
         if self.image_embeddings:
