@@ -307,6 +307,13 @@ class TrainConfig(Section):
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warmup, in optimizer steps")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="the learning rate over the epochs (times the warmup's factor): constant, as every "
+        "release; or cosine (SGDR without restarts, Loshchilov & Hutter, arXiv 1608.03983, eq. 5), train.lr at the "
+        "first epoch down to train.lr * lr_min_ratio after the last, one value per epoch"
+    )
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the learning rate the schedule ends at, as a "
+                                "fraction of train.lr")
     seed: int = Field(
         0, description="seed of every random draw (prompts, noise, chunk sampling), in 0..2**32-1 (numpy's range)"
     )
@@ -329,6 +336,14 @@ class TrainConfig(Section):
             raise ValueError(f"train.seed={seed} is out of range: a seed must be an integer in 0..2**32-1 "
                              f"(0..{SEED_MAX})")
         return seed
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        """Raises ``ValueError`` for ``lr_min_ratio`` set with a schedule that does not read it."""
+        if self.lr_schedule == "constant" and self.lr_min_ratio != 0.0:
+            raise ValueError(f"train.lr_min_ratio={self.lr_min_ratio} is read only by train.lr_schedule=cosine, but "
+                             "train.lr_schedule is 'constant': remove the setting or set train.lr_schedule=cosine")
+        return self
 
 
 class ParallelConfig(Section):

@@ -197,6 +197,7 @@ class Trainer:
     def train_epoch(self, epoch: int, evaluate: bool = False) -> dict:
         """One epoch's phases; with ``evaluate`` the held-out evaluation joins the epoch's record."""
         m, objective = self.metrics, self.objective
+        self.optim.begin_epoch(epoch)
         traj, handles = self._timed_rollout()
         with m.timed("reward"):  # only the wait for scores not finished during the rollout
             rewards, group_ids = self.reward_phase(traj, handles)

@@ -54,14 +54,23 @@ class Optimization:
         optimizer = torch.optim.AdamW(self.params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
                                       weight_decay=train.weight_decay)
         warm = train.warmup_steps
+        self.epoch_factor = 1.0  # the schedule's factor of the epoch being trained (begin_epoch)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
+            optimizer, lambda step: (min(1.0, (step + 1) / warm) if warm else 1.0) * self.epoch_factor
         )
         self.optimizer = accelerator.prepare(optimizer)
         self.ema = (EMA(self.params, train.ema_decay, place=config.parallel.ema) if train.ema_decay is not None
                     else None)
 
     # ------------------------------------------------------------------ one optimizer step
+    def begin_epoch(self, epoch: int) -> None:
+        """Set the learning rate of epoch ``epoch`` (0-based): ``train.lr`` × the warmup's factor of the next step
+        × :func:`epoch_lr_factor` (``train.lr_schedule``), for every step of the epoch."""
+        t = self.train_cfg
+        self.epoch_factor = epoch_lr_factor(epoch, t.num_epochs, t.lr_schedule, t.lr_min_ratio)
+        for group, base in zip(self.optimizer.param_groups, self.lr_scheduler.base_lrs):
+            group["lr"] = base * self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
+
     def accumulating(self, *, sync: bool):
         """The context of one pack's forward and backward (:func:`flowgrpo.parallel.gradient_sync`): with
         ``parallel.gradient_sync=step`` gradients are reduced over the processes only when ``sync`` (the step's
@@ -150,3 +159,16 @@ class Optimization:
             group["lr"] = t.lr * self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
         logger.info("resumed from %s at epoch %d", checkpoint, epoch)
         return epoch
+
+
+def epoch_lr_factor(epoch: int, num_epochs: int, schedule: str, min_ratio: float = 0.0) -> float:
+    """The learning rate of epoch ``epoch`` (0-based) of ``num_epochs``, as a fraction of ``train.lr``.
+
+    ``constant``: 1. ``cosine``: ``m + (1 - m) · (1 + cos(π · epoch / num_epochs)) / 2`` with ``m = min_ratio``
+    (SGDR without restarts, Loshchilov & Hutter, arXiv 1608.03983, eq. 5, with T_cur counted in epochs): 1 at
+    epoch 0, falling to ``m`` after the last epoch. Raises ``ValueError`` for another schedule name."""
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * epoch / num_epochs))
+    raise ValueError(f"train.lr_schedule={schedule!r} is not a schedule: choose constant or cosine")
