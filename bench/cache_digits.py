@@ -1,8 +1,9 @@
 """Feature caches on the digits DiffusionNFT rollout (a table; never a test).
 
-    python bench/cache_digits.py [--cache 'first_block={"threshold": 0.6}' ...]
+    python bench/cache_digits.py [--cache 'first_block={"threshold": 0.6}' ...] [--steps 8]
 
-The rollout of ``configs/digits_nft.yaml`` (64 samples, 8 steps of DPM-Solver++(2M), micro-batches of 32) with
+The rollout of ``configs/digits_nft.yaml`` (64 samples, ``--steps`` steps of DPM-Solver++(2M), 8 by default as the
+config's ``sampling.num_steps``, micro-batches of 32) with
 ``sampling.cache`` first_block at several thresholds and taylor_seer at a few intervals, against the uncached
 rollout: steps whose last block ran, the largest and mean pixel difference of the decoded images, and the median
 of three paired time ratios. The learning row (judge and diversity after a cached run) is ``bench/learning.py``
@@ -34,7 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", action="append", default=[], metavar="NAME=JSON",
                         help="a cache to measure instead of the default list, e.g. 'first_block={\"threshold\": 0.6}'")
+    parser.add_argument("--steps", type=int, default=8, help="sampling steps of both rollouts (>= 2; default 8)")
     args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps must be >= 2, got {args.steps}")
     caches = [(c.split("=", 1)[0], json.loads(c.split("=", 1)[1])) for c in args.cache] or CACHES
     quiet_libraries()
     cfg = load_config("configs/digits_nft.yaml")
@@ -42,9 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     b = 64
     prompts = [f"the digit {i % 10}" for i in range(b)]
     request = RolloutRequest(prompts, [{}] * b, torch.arange(b) // 8, torch.arange(b) % 8,
-                             settings=SamplerSettings(num_steps=8, guidance_scale=1.0), batch_size=32, seed=0,
+                             settings=SamplerSettings(num_steps=args.steps, guidance_scale=1.0), batch_size=32, seed=0,
                              epoch=0)
-    grid = adapter.sigmas(8)
+    grid = adapter.sigmas(args.steps)
     tail = []  # the last block's output projection: it runs only where the cache computes the remaining blocks
     adapter.transformer.single_transformer_blocks[-1].proj_out.register_forward_hook(lambda *a: tail.append(1))
 

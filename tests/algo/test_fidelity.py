@@ -274,9 +274,15 @@ def test_std_ddof_is_checked():
 
 
 def test_default_config_is_flow_grpo():
+    """The schema's defaults are Flow-GRPO's; the embedded digits task sets its std floor apart (its config's
+    comment)."""
+    from flowgrpo.runner import DEFAULT_CONFIG
+
     cfg = load_config()
     assert (cfg.algo.kl_form, cfg.algo.std_ddof, cfg.algo.std_eps) == ("flow_grpo", 0, 1e-4)
     assert cfg.sampling.final_decode == "sample"
+    digits = load_config(DEFAULT_CONFIG)
+    assert (digits.algo.kl_form, digits.algo.std_ddof, digits.algo.std_eps) == ("flow_grpo", 0, 0.02)
 
 
 # ------------------------------------------------------------------------------------------------ 6. E-GRPO jump std
