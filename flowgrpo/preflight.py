@@ -25,7 +25,7 @@ from flowgrpo.registry import did_you_mean
 from flowgrpo.rewards.compose import ComposedReward
 from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
 from flowgrpo.run_lock import check_folder_path
-from flowgrpo.training.run_folder import latest_run_config, occupied_message
+from flowgrpo.training.run_folder import latest_run_config, occupied_message, refuse_changed_evaluation
 
 logger = logging.getLogger(__name__)
 
@@ -182,13 +182,15 @@ def check_trackers(trackers) -> None:
 
 
 def check_output_dir(config) -> None:
-    """A checkpoint to resume must exist, and a folder holding another run is refused (unless resumed or
-    ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, before any model loads. Raises
-    CheckpointError / FileExistsError."""
+    """A checkpoint to resume must exist, a resume into its run folder keeps the run's evaluation
+    (:func:`~flowgrpo.training.run_folder.refuse_changed_evaluation`), and a folder holding another run is refused
+    (unless resumed or ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, before any
+    model loads. Raises CheckpointError / ConfigError / FileExistsError."""
     out = Path(config.output_dir)
     check_folder_path(out)
     if config.train.resume_from:
         resolve_checkpoint(config.train.resume_from)
+        refuse_changed_evaluation(config)
     elif (out / "config.yaml").exists() and not config.logging.overwrite:
         raise FileExistsError(occupied_message(out))
 
