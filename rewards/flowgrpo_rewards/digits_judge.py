@@ -6,9 +6,10 @@ strict correctness. Per batch (:meth:`DigitJudge.batch_metrics`): ``correctness`
 (intra-digit diversity of the images, 0–16 ink units at 8×8) and ``diversity_real`` (the same measure on the
 real digits); per digit d, ``digit_<d>/correctness``, ``digit_<d>/diversity`` and ``digit_<d>/diversity_real``;
 ``digit_images_min``, the fewest images of any digit (0 when one is missing); and ``diversity_min_ratio``, the
-minimum over digits of the images' diversity divided by the same digit's real diversity (near 0: some digit collapsed to one prototype, which the average hides). ``eval_only``: the
-trainer refuses to optimise it, so images that fool the reward cannot count as correct. At the end of a run it
-hands the report its per-digit table (:meth:`DigitJudge.report_table`) and the summary its time to quality
+minimum over digits of the images' diversity divided by the same digit's real diversity (near 0: some digit
+collapsed to one prototype, which the average hides). ``eval_only``: the trainer refuses to optimise it, so images
+that fool the reward cannot count as correct. At the end of a run it hands the report its per-digit table
+(:meth:`DigitJudge.report_table`) and the summary its time to quality
 (:meth:`DigitJudge.summary_figures`).
 """
 
