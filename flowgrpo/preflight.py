@@ -25,6 +25,7 @@ from flowgrpo.registry import did_you_mean
 from flowgrpo.rewards.compose import ComposedReward
 from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
 from flowgrpo.run_lock import check_folder_path
+from flowgrpo.sampling.sde import noise_level_warning
 from flowgrpo.training.run_folder import latest_run_config, occupied_message, refuse_changed_evaluation
 
 logger = logging.getLogger(__name__)
@@ -257,7 +258,9 @@ def preflight(config, world_size: int | None = None) -> Preflight:
        against its strategy's settings (objective, chunker, policy loss, group filter) and each strategy's
        checks against the other sections, the batch sizes dividing B;
     1. the objective's checks of its settings against the sampling settings (:func:`check_strategies`: the
-       chunker on T and the SDE kind, some noise to train);
+       chunker on T and the SDE kind, some noise to train), and a warning for a ``sampling.noise_level`` far
+       above the releases' for its SDE kind, and OPD's ``objective.noise_level``
+       (:func:`~flowgrpo.sampling.sde.noise_level_warning`);
     2. the per-process batch layout for ``world_size`` processes (:func:`check_batch`; default: the launcher's
        ``WORLD_SIZE``, else 1);
     3. reward names and their kwargs, without constructing them (:func:`check_rewards`);
@@ -272,6 +275,11 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     ``CheckpointError``) or ``FileExistsError`` naming the setting."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     objective = check_strategies(config)
+    notes = [noise_level_warning(config.sampling.sde_kind, config.sampling.noise_level)]
+    if config.objective.name == "opd":  # its own flow_sde noise a (objective.noise_level)
+        notes.append(noise_level_warning("flow_sde", config.objective.noise_level, "objective.noise_level"))
+    for note in filter(None, notes):
+        logger.warning("%s", note)
     check_batch(config, world)
     check_rewards(config.rewards + config.eval_rewards)
     check_trackers(config.logging.trackers)
