@@ -32,7 +32,7 @@ from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
 from flowgrpo.rewards.remote import RemoteRewardError
 from flowgrpo.run_lock import hold_run_folder
 from flowgrpo.sampling.prompt_cache import attach_prompt_cache
-from flowgrpo.sampling.rollout import SamplerSettings
+from flowgrpo.sampling.rollout import SamplerSettings, check_condition_images
 from flowgrpo.training.loop import Trainer
 from flowgrpo.training.report import format_report
 
@@ -135,6 +135,8 @@ def _run(config) -> dict:
     adapter = load_model_from_config(m, empty_transformer=config.parallel.sharding == "fsdp2"
                                      and accelerator.num_processes > 1 and accelerator.process_index != 0,
                                      progress=config.logging.progress and accelerator.is_main_process)
+    for prompts, setting in ((ready.prompts, "data.train_prompts"), (ready.eval_prompts, "data.eval_prompts")):
+        check_condition_images(adapter, prompts, setting)  # an image-to-video or editing model: every image given
     sampling = SamplerSettings.from_config(config.sampling)
     check_on_grid(config, ready.objective, adapter.sigmas(sampling.num_steps), sampling, accelerator.num_processes)
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
