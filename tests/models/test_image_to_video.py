@@ -205,7 +205,8 @@ def test_what_the_image_to_video_adapters_refuse(tmp_path_factory):
 
     folder = tiny_folder(CASES["wan21_i2v"], tmp_path_factory)
     adapter = load_model(str(folder), height=32, width=32, max_sequence_length=16, num_frames=5)
-    with pytest.raises(ValueError, match="every prompt record needs 'image'"):
+    with pytest.raises(ValueError, match="conditions every sample on an image \\(its first frame\\), but the prompt "
+                       "record 'a red cube' has none: write the prompt file as JSONL"):
         encode_rows(adapter, ["a red cube"], [{}])
     img = Image.new("RGB", (32, 32))
     with pytest.raises(ValueError, match="exactly one image per prompt, got \\[2\\]"):
