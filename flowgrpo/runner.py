@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
 DESCRIPTION = """Train a flow-matching text-to-image or text/image-to-video model with the GRPO family and its kin.
 
-    accelerate launch flowgrpo/train.py [CONFIG.yaml] [dotted.key=value ...]
+    accelerate launch -q flowgrpo/train.py [CONFIG.yaml] [dotted.key=value ...]
     python flowgrpo/train.py [CONFIG.yaml] --help   # every config field with the value this run would use
 
 With no config the embedded default runs: the digits task (a small FLUX-architecture model that draws

@@ -150,3 +150,40 @@ def test_opds_own_noise_level_is_warned_too():
     line = noise_level_warning("flow_sde", 9.0, "objective.noise_level")
     assert line.startswith("objective.noise_level=9 is 7.5 times the largest") and "a typo for 0.9?" in line
     assert noise_level_warning("cps", 8.0) is None and noise_level_warning("ode", 8.0) is None
+
+
+def test_a_config_error_under_accelerate_launch_is_our_one_line(tmp_path):
+    """``accelerate launch flowgrpo/train.py bad.yaml`` printed the one-line error, then accelerate's launcher
+    traceback (CalledProcessError: the process exited non-zero); with ``-q``, as every documented command launches,
+    the one line alone and a non-zero exit."""
+    import os
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {num_epochs: -1}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "rewards"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "-q", "--config_file",
+                          str(REPO / "configs" / "accelerate" / "default.yaml"), "flowgrpo/train.py", str(bad)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert out.returncode != 0
+    assert out.stderr.strip() == ("error: config field 'train.num_epochs': Input should be greater than or equal to 1 "
+                                  "(got -1)"), out.stderr[-2000:]
+
+
+def test_every_documented_accelerate_launch_is_quiet():
+    """The commands users copy (README, docs, the configs' headers, the training script's usage) launch with
+    ``-q``, so that an error ends with the run's own line (the test above)."""
+    import re
+
+    texts = [REPO / "README.md", REPO / "flowgrpo" / "train.py", REPO / "flowgrpo" / "runner.py",
+             *(p for p in (REPO / "docs").glob("*.md") if p.name != "results.md"),  # results: commands as run
+             *(REPO / "configs").rglob("*.yaml"), *(REPO / "flowgrpo" / "configs").glob("*.yaml")]
+    found = 0
+    for path in texts:
+        for command in re.findall(r"accelerate launch (?:--config_file|--multi_gpu|-q|flowgrpo/train\.py)",
+                                  path.read_text()):
+            assert command == "accelerate launch -q", (path.name, command)
+            found += 1
+    assert found >= 40
