@@ -144,6 +144,11 @@ def test_resume_refuses_another_evaluation_names_a_changed_reward_and_counts_epo
         run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, data={"eval_num_prompts": 3},
                  train={"num_epochs": 3, "resume_from": str(out / "checkpoints")}))
     assert (out / "metrics.jsonl").read_text() == metrics and not list(out.glob("config_resumed_at_epoch_*"))
+    # other records: refused (the same records under another file name pass: tests/inputs/test_run_folder.py)
+    (tmp_path / "other.txt").write_text("a yellow star\na blue ball\n")
+    with pytest.raises(ConfigError, match=r"another evaluation than its first leg \(data.eval_prompts: "):
+        run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, data={"eval_prompts": str(tmp_path / "other.txt")},
+                 train={"num_epochs": 3, "resume_from": str(out / "checkpoints")}))
     judge = {"eval_rewards": [{"name": "jpeg_compressibility"}]}
     with caplog.at_level(logging.INFO, logger="flowgrpo.training"):
         run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, **judge,
