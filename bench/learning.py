@@ -229,7 +229,7 @@ def seed_figures(run_dir: Path) -> dict:
         "epochs": summary["epochs"], "rl_seconds": rl_seconds(records),
         "eval_seconds_periodic": sum(r.get("timing/eval") or 0.0 for r in records),
         "epochs_to_target": epochs_to_reach(records, summary),
-        **{k: v for k, v in quality_figures(records, summary).items() if k != "quality_bar"},
+        **{k: v for k, v in quality_figures(records, summary).items() if k not in ("quality_bar", "quality_skipped")},
         "calls_per_epoch": last.get("rollout/transformer_calls"),
         "rows_per_epoch": last.get("rollout/transformer_rows"),
         "trajectories_per_epoch": last.get("rollout/trajectories"),

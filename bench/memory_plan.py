@@ -4,7 +4,9 @@
 * :func:`reference_table`: FLUX.1-dev, SD3.5-Medium, Qwen-Image and Wan2.2 A14B, LoRA / full × 1 / 8 / 16 GPUs ×
   gradient checkpointing off / on, on a reference workload;
 * :func:`config_table`: the peak per GPU of every shipped config of a planned model at 1 to 64 GPUs, as shipped
-  and with FSDP2 (and the text encoders offloaded) where that differs.
+  and with FSDP2 (and the text encoders offloaded) where that differs;
+* :func:`one_gpu`: the shipped configs that fit one GPU as shipped, and those that do not (docs/many_gpus.md's
+  list, which ``tests/test_plan.py`` checks against it).
 """
 
 from __future__ import annotations
@@ -73,3 +75,16 @@ def config_table(paths, gpu_counts=(1, 2, 4, 8, 16, 64)) -> str:
             cells = [f"{p.peak / GIB:.0f}" if p.fits else f"**{p.peak / GIB:.0f}**" for p in peaks]
             lines.append(f"| {path.name} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def one_gpu(paths) -> tuple[list[str], list[str]]:
+    """(names of the configs of ``paths`` of a planned model whose shipped layout fits one 80 GB GPU, names of
+    those that do not), each in the order of ``paths``: the "1 GPU" cell of :func:`config_table`'s shipped row."""
+    from flowgrpo.config import load_config
+
+    fit, over = [], []
+    for path in paths:
+        cfg = load_config(path)
+        if cfg.model.pretrained in PRETRAINED:
+            (fit if plan(workload_of(cfg), 1).fits else over).append(path.name)
+    return fit, over

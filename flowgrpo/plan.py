@@ -307,8 +307,14 @@ def _reward_sizes(specs) -> tuple[tuple[int, int], ...]:
 
 def workload_of(config) -> Workload:
     """The :class:`Workload` of a loaded config. Raises ``ValueError`` naming ``model.pretrained`` when its model
-    is not one of :data:`~flowgrpo.plan_families.PRETRAINED`."""
+    is an embedded one (digits, tiny: nothing to plan) or not one of :data:`~flowgrpo.plan_families.PRETRAINED`."""
     m, t, p = config.model, config.train, config.parallel
+    from flowgrpo.models import EMBEDDED_MODELS
+
+    if m.pretrained in EMBEDDED_MODELS:
+        raise ValueError(f"model.pretrained={m.pretrained!r} is an embedded model (a few MB, built on the CPU): it "
+                         "needs no memory plan and runs on one process; the plan is for the released models "
+                         "(flowgrpo plan configs/flux_grpo.yaml --gpus 8)")
     if m.pretrained not in PRETRAINED:
         raise ValueError(f"model.pretrained={m.pretrained!r} is not in the plan; planned models: "
                          f"{', '.join(sorted(PRETRAINED))}")

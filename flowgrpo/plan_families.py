@@ -158,6 +158,19 @@ def _flux2_dev(**over):
     return Flux2Transformer2DModel(**over)  # its constructor's defaults are FLUX.2 [dev]'s (8 + 48 blocks, 48 heads)
 
 
+#: FLUX.2 [klein] transformers: the FLUX.2 blocks at another depth and width, Qwen3's 3 stacked hidden states as
+#: the text context, no guidance embedding. From VincentGourbin/flux-2-swift-mlx
+#: Sources/Flux2Core/Configuration/Flux2Config.swift (commit 15dbdd5; no diffusers config.json was at hand): 9B
+#: 8 double + 24 single blocks, 32 heads of 128, context 3 x 4096 (Qwen3-8B); 4B 5 + 20, 24 heads, 3 x 2560
+#: (Qwen3-4B). Built here they count 9.08 B and 3.88 B parameters, the releases' "9B" and "4B".
+KLEIN = {"9b": {"num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32, "joint_attention_dim": 12288},
+         "4b": {"num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24, "joint_attention_dim": 7680}}
+
+
+def _flux2_klein(size: str, **over):
+    return _flux2_dev(**{**KLEIN[size], "attention_head_dim": 128, "guidance_embeds": False, **over})
+
+
 def _flux3(**over):
     from diffusers import Flux3Transformer2DModel
 
@@ -259,7 +272,8 @@ def _open_clip(name: str):
 QWEN25_VL_7B = 8.29e9  # Qwen2.5-VL-7B-Instruct: Qwen-Image's text encoder
 QWEN2_VL_7B = 8.29e9  # Qwen2-VL-7B-Instruct: HPSv3's body
 MISTRAL_SMALL_31 = 24.0e9  # Mistral-Small-3.1-24B: FLUX.2 [dev]'s text encoder
-QWEN3_4B = 4.02e9  # Qwen3-4B: Z-Image's text encoder
+QWEN3_4B = 4.02e9  # Qwen3-4B: Z-Image's and FLUX.2 [klein] 4B's text encoder
+QWEN3_8B = 8.19e9  # Qwen3-8B (its model card: 8.2 B): FLUX.2 [klein] 9B's text encoder
 QWEN3_VL_4B = 4.44e9  # Qwen3-VL-4B-Instruct: FLUX.3's text encoder (hidden 2560: its 8 stacked layers, 20480)
 QWEN3_VL_8B = 8.77e9  # Qwen3-VL-8B-Instruct: Qwen-Image 2.1's text encoder (hidden 4096, its context width)
 
@@ -426,6 +440,15 @@ def _register() -> None:
                         _image_latent(32), lambda msl: msl,
                         (BlockKind("double", 8, *c["flux2"]["double"]), BlockKind("single", 48,
                                                                                    *c["flux2"]["single"]))),
+        # FLUX.2 [klein]: the base models run true CFG with the empty negative prompt (Flux2KleinPipeline), the
+        # step-distilled ones no guidance (is_distilled)
+        **{f"flux2_klein_{size}{'' if base else '_distilled'}": Family(
+            f"FLUX.2-klein-{'base-' if base else ''}{size.upper()}", lambda size=size, **o: _flux2_klein(size, **o),
+            (QWEN3_8B if size == "9b" else QWEN3_4B,), _flux2_vae, 128 * KLEIN[size]["num_attention_heads"],
+            _image_tokens, _image_latent(32), lambda msl: msl,
+            (BlockKind("double", KLEIN[size]["num_layers"], *c["flux2"]["double"]),
+             BlockKind("single", KLEIN[size]["num_single_layers"], *c["flux2"]["single"])), true_cfg=base)
+           for size in ("9b", "4b") for base in (True, False)},
         "flux3": Family("FLUX.3", _flux3, (QWEN3_VL_4B,), _flux2_vae, 3072, _image_tokens, _image_latent(32),
                         lambda msl: msl, tuple(BlockKind(k, n, *c["flux3"][k]) for k, n in
                                                (("image_mode", 5), ("cond_mode", 5), ("text_mode", 5), ("single", 28))),
@@ -472,7 +495,9 @@ def _register() -> None:
                                       lambda msl: 1000 + 256 + 729, _hunyuan_kinds(), true_cfg=True,
                                       decode_width=128, decode_frames=ALL_FRAMES, video=True, joint_text=True),
     })
-    narrow = {"kontext": "flux", "qwenimage_edit_plus": "qwenimage", "wan22_a14b": "wan_14b",
+    narrow = {"kontext": "flux", "qwenimage_edit_plus": "qwenimage",
+              **{f"flux2_klein_{k}": "flux2" for k in ("9b", "9b_distilled", "4b", "4b_distilled")},
+              "wan22_a14b": "wan_14b",
               "wan21_i2v_14b": "wan_14b", "wan22_i2v_a14b": "wan_14b", "flux3_distilled": "flux3",
               "hunyuan_video15_i2v": "hunyuan_video15"}
     for key, fam in FAMILIES.items():
@@ -486,6 +511,10 @@ PRETRAINED = {"black-forest-labs/FLUX.1-dev": "flux", "black-forest-labs/FLUX.1-
               "Qwen/Qwen-Image-Edit-2509": "qwenimage_edit_plus",
               "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "wan21_1.3b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers": "wan22_5b",
               "Wan-AI/Wan2.2-T2V-A14B-Diffusers": "wan22_a14b", "black-forest-labs/FLUX.2-dev": "flux2",
+              "black-forest-labs/FLUX.2-klein-base-9B": "flux2_klein_9b",
+              "black-forest-labs/FLUX.2-klein-9B": "flux2_klein_9b_distilled",
+              "black-forest-labs/FLUX.2-klein-base-4B": "flux2_klein_4b",
+              "black-forest-labs/FLUX.2-klein-4B": "flux2_klein_4b_distilled",
               "Tongyi-MAI/Z-Image": "zimage", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": "wan21_i2v_14b",
               "Wan-AI/Wan2.2-I2V-A14B-Diffusers": "wan22_i2v_a14b", "Qwen/Qwen-Image-2.1": "qwenimage21",
               # FLUX.3: no public hub id was found (2026-12-02); the configs name these, see configs/flux3.yaml

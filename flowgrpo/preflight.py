@@ -25,7 +25,8 @@ from flowgrpo.registry import did_you_mean
 from flowgrpo.rewards.compose import ComposedReward
 from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
 from flowgrpo.run_lock import check_folder_path
-from flowgrpo.training.run_folder import latest_run_config, occupied_message
+from flowgrpo.sampling.sde import noise_level_warning
+from flowgrpo.training.run_folder import latest_run_config, occupied_message, refuse_changed_evaluation
 
 logger = logging.getLogger(__name__)
 
@@ -182,13 +183,15 @@ def check_trackers(trackers) -> None:
 
 
 def check_output_dir(config) -> None:
-    """A checkpoint to resume must exist, and a folder holding another run is refused (unless resumed or
-    ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, before any model loads. Raises
-    CheckpointError / FileExistsError."""
+    """A checkpoint to resume must exist, a resume into its run folder keeps the run's evaluation
+    (:func:`~flowgrpo.training.run_folder.refuse_changed_evaluation`), and a folder holding another run is refused
+    (unless resumed or ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, before any
+    model loads. Raises CheckpointError / ConfigError / FileExistsError."""
     out = Path(config.output_dir)
     check_folder_path(out)
     if config.train.resume_from:
         resolve_checkpoint(config.train.resume_from)
+        refuse_changed_evaluation(config)
     elif (out / "config.yaml").exists() and not config.logging.overwrite:
         raise FileExistsError(occupied_message(out))
 
@@ -255,7 +258,9 @@ def preflight(config, world_size: int | None = None) -> Preflight:
        against its strategy's settings (objective, chunker, policy loss, group filter) and each strategy's
        checks against the other sections, the batch sizes dividing B;
     1. the objective's checks of its settings against the sampling settings (:func:`check_strategies`: the
-       chunker on T and the SDE kind, some noise to train);
+       chunker on T and the SDE kind, some noise to train), and a warning for a ``sampling.noise_level`` far
+       above the releases' for its SDE kind, and OPD's ``objective.noise_level``
+       (:func:`~flowgrpo.sampling.sde.noise_level_warning`);
     2. the per-process batch layout for ``world_size`` processes (:func:`check_batch`; default: the launcher's
        ``WORLD_SIZE``, else 1);
     3. reward names and their kwargs, without constructing them (:func:`check_rewards`);
@@ -270,6 +275,11 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     ``CheckpointError``) or ``FileExistsError`` naming the setting."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     objective = check_strategies(config)
+    notes = [noise_level_warning(config.sampling.sde_kind, config.sampling.noise_level)]
+    if config.objective.name == "opd":  # its own flow_sde noise a (objective.noise_level)
+        notes.append(noise_level_warning("flow_sde", config.objective.noise_level, "objective.noise_level"))
+    for note in filter(None, notes):
+        logger.warning("%s", note)
     check_batch(config, world)
     check_rewards(config.rewards + config.eval_rewards)
     check_trackers(config.logging.trackers)

@@ -21,7 +21,7 @@ from accelerate.utils import set_seed
 from flowgrpo import dist, parallel
 from flowgrpo.checkpoint import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
-from flowgrpo.config.help import not_read
+from flowgrpo.config.help import help_config, not_read, refused
 from flowgrpo.divergence import TrainingDiverged
 from flowgrpo.models import load_model_from_config
 from flowgrpo.models.lora import setup_trainable
@@ -32,7 +32,7 @@ from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
 from flowgrpo.rewards.remote import RemoteRewardError
 from flowgrpo.run_lock import hold_run_folder
 from flowgrpo.sampling.prompt_cache import attach_prompt_cache
-from flowgrpo.sampling.rollout import SamplerSettings
+from flowgrpo.sampling.rollout import SamplerSettings, check_condition_images
 from flowgrpo.training.loop import Trainer
 from flowgrpo.training.report import format_report
 
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
 DESCRIPTION = """Train a flow-matching text-to-image or text/image-to-video model with the GRPO family and its kin.
 
-    accelerate launch flowgrpo/train.py [CONFIG.yaml] [dotted.key=value ...]
+    accelerate launch -q flowgrpo/train.py [CONFIG.yaml] [dotted.key=value ...]
     python flowgrpo/train.py [CONFIG.yaml] --help   # every config field with the value this run would use
 
 With no config the embedded default runs: the digits task (a small FLUX-architecture model that draws
@@ -66,19 +66,27 @@ resume:
 def help_text(config_path: str | None, overrides: list[str]) -> str:
     """Every config field with the value this command line would use: the given config's (with its bases and
     the overrides), or the embedded digits default's without one, and "not read by ..." for a strategy setting
-    the chosen strategy does not read (:func:`~flowgrpo.config.help.not_read`); the schema's value when the config
-    cannot be read. Then the config-file and resume notes and the installed reward plugins."""
+    the chosen strategy does not read (:func:`~flowgrpo.config.help.not_read`); when a strategy refuses settings
+    of the command (``objective=nft`` over a config with SDE-ratio settings), the refusals first and those rows
+    marked ``REFUSED`` with the value it accepts (:func:`~flowgrpo.config.help.refused`); the schema's value when
+    the config cannot be read for another fault. Then the config-file and resume notes and the installed reward
+    plugins."""
     source = config_path or f"{DEFAULT_CONFIG} (the embedded default)"
     rows = describe_fields()
+    keys = [r[0] for r in rows]
+    problems = []
     try:
-        config = load_config(config_path or DEFAULT_CONFIG, [o for o in overrides if "=" in o])
-        values = {**flat_dict(config.model_dump(mode="json")), **not_read(config, [r[0] for r in rows])}
+        config, problems = help_config(config_path or DEFAULT_CONFIG, [o for o in overrides if "=" in o])
+        values = {**flat_dict(config.model_dump(mode="json")), **not_read(config, keys),
+                  **refused(config, problems, keys)}
     except Exception as err:  # noqa: BLE001 - help must print whatever is wrong with the config
         values, source = {}, f"schema defaults ({source} could not be read: {err})"
     width = max(len(r[0]) for r in rows)
     lines = [f"  {k:<{width}}  {d}  [{values[k] if k in values else v}]" for k, v, d in rows]
+    refusals = "".join(f"  this command is refused: {what}; the rows marked REFUSED:\n"
+                       + "".join(f"    - {p}\n" for p in ps) for what, ps in problems)
     return (f"config fields (set in YAML or as dotted.key=value), [values this command uses: {source}]:\n"
-            + "\n".join(lines) + "\n\n" + CONFIG_HELP + "\n\n" + _rewards_help())
+            + refusals + "\n".join(lines) + "\n\n" + CONFIG_HELP + "\n\n" + _rewards_help())
 
 
 def _rewards_help() -> str:
@@ -127,6 +135,8 @@ def _run(config) -> dict:
     adapter = load_model_from_config(m, empty_transformer=config.parallel.sharding == "fsdp2"
                                      and accelerator.num_processes > 1 and accelerator.process_index != 0,
                                      progress=config.logging.progress and accelerator.is_main_process)
+    for prompts, setting in ((ready.prompts, "data.train_prompts"), (ready.eval_prompts, "data.eval_prompts")):
+        check_condition_images(adapter, prompts, setting)  # an image-to-video or editing model: every image given
     sampling = SamplerSettings.from_config(config.sampling)
     check_on_grid(config, ready.objective, adapter.sigmas(sampling.num_steps), sampling, accelerator.num_processes)
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device

@@ -1,4 +1,4 @@
-"""The training script: ``accelerate launch flowgrpo/train.py [CONFIG.yaml] [dotted.key=value ...]``.
+"""The training script: ``accelerate launch -q flowgrpo/train.py [CONFIG.yaml] [dotted.key=value ...]``.
 
 ``python flowgrpo/train.py [CONFIG.yaml] --help`` lists every config field with the value the run would use. The
 command itself is :func:`flowgrpo.runner.main`; :func:`flowgrpo.runner.run` trains from a config in Python.

@@ -5,7 +5,9 @@ placements against hand computation from the released architectures' parameter c
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import re
 
 import pytest
 import torch
@@ -204,23 +206,61 @@ def test_wan_image_to_video_rows_count_the_released_transformers_and_encoders():
     assert FAMILIES["wan21_i2v_14b"].text_tokens(512) == 512 + 257  # the CLIP image tokens join the keys
 
 
-def test_every_shipped_config_of_a_released_model_is_planned():
-    """Every config in configs/ naming a released model gets a plan on 8 GPUs (FLUX.2 [klein] excepted: its
-    architecture is not recorded here); the embedded digits and tiny models are refused with one line."""
+def test_every_shipped_config_is_planned_or_refused_in_one_line(capsys):
+    """Every shipped config (configs/ and the embedded default) gets a plan on 1 and 8 GPUs from ``flowgrpo plan``
+    (FLUX.2 [klein] was "not in the plan"), except the embedded digits and tiny models, refused in one line that
+    says why."""
+    from flowgrpo.cli import main
     from flowgrpo.config import load_config
 
     planned = refused = 0
-    for path in sorted((REPO / "configs").glob("*.yaml")):
+    for path in [*sorted((REPO / "configs").glob("*.yaml")), REPO / "flowgrpo" / "configs" / "digits.yaml"]:
         pretrained = load_config(path).model.pretrained
-        if pretrained in ("digits", "tiny") or "klein" in pretrained:
-            with pytest.raises(ValueError, match="not in the plan"):
-                plan_config(path, 8)
-            refused += 1
-            continue
-        p = plan_config(path, 8)
-        assert p.peak > 0 and math.isfinite(p.peak) and p.phases["update"] >= p.device["activations"], path.name
-        planned += 1
-    assert planned >= 16 and refused >= 1
+        for gpus in (1, 8):
+            if pretrained in ("digits", "tiny"):
+                with pytest.raises(SystemExit) as err:
+                    main(["plan", str(path), "--gpus", str(gpus)])
+                line = capsys.readouterr().err
+                assert err.value.code == 2 and line.count("\n") == 1, (path.name, line)
+                assert f"model.pretrained={pretrained!r} is an embedded model" in line and "no memory plan" in line
+                refused += 1
+                continue
+            if gpus == 8:  # the command itself once, the plan's figures on 1 GPU
+                main(["plan", str(path), "--gpus", str(gpus)])
+                assert f"{path.name} on {gpus} GPUs" in capsys.readouterr().out, path.name
+            else:
+                p = plan_config(path, gpus)
+                assert p.peak > 0 and math.isfinite(p.peak) and p.phases["update"] >= p.device["activations"], path
+            planned += 1
+    assert planned >= 2 * 26 and refused >= 2 * 16
+    # docs/many_gpus.md's table of the shipped configs and its one-GPU list are the plan's (the list missed most
+    # configs; the table eight), counted here on the sizes the loop above cached
+    spec = importlib.util.spec_from_file_location("bench_memory_plan", REPO / "bench" / "memory_plan.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    doc = (REPO / "docs" / "many_gpus.md").read_text()
+    paths = sorted((REPO / "configs").glob("*.yaml"))
+    table = bench.config_table(paths)
+    assert table in doc, "docs/many_gpus.md: regenerate the shipped configs' table (bench/memory.py --plan)"
+    fit, over = bench.one_gpu(paths)
+    bullet = " ".join(doc.split("\n- one GPU, as shipped")[1].split("\n\n")[0].split())
+    listed_fit, listed_over = (re.findall(r"`([\w.]+\.yaml)`", part) for part in
+                               re.search(r"\): fit (.*?); do not fit (.*?)\. ", bullet).groups())
+    assert (listed_fit, listed_over) == (fit, over)
+    assert {*fit, *over} == {p.name for p in paths if load_config(p).model.pretrained not in ("digits", "tiny")}
+
+
+def test_flux2_klein_rows_count_the_released_sizes():
+    """The klein rows are FLUX.2's blocks at klein's depth and width: 9.08 B and 3.88 B parameters (the "9B" and
+    "4B" of the names, counted here on the meta device), Qwen3-8B / -4B encoders, true CFG for the base models only."""
+    from flowgrpo.plan_families import PRETRAINED, QWEN3_4B, QWEN3_8B, parameter_count
+
+    fams = {k: FAMILIES[PRETRAINED[f"black-forest-labs/FLUX.2-klein-{k}"]] for k in ("base-9B", "9B", "base-4B", "4B")}
+    assert parameter_count(fams["base-9B"].transformer) == pytest.approx(9.08e9, rel=2e-3)
+    assert parameter_count(fams["4B"].transformer) == pytest.approx(3.88e9, rel=2e-3)
+    assert fams["base-9B"].encoders == (QWEN3_8B,) and fams["4B"].encoders == (QWEN3_4B,)
+    assert [f.true_cfg for f in fams.values()] == [True, False, True, False]
+    assert fams["base-9B"].width == 4096 and sum(k.count for k in fams["9B"].kinds) == 8 + 24
 
 
 def test_cli_plan_prints_the_table_and_refuses_a_bad_layout(capsys):

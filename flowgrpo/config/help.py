@@ -11,8 +11,9 @@ from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
 from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
 from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig
-from flowgrpo.config.schema import STRATEGY_SECTIONS, AlgoConfig, Config
-from flowgrpo.settings import registered_names, strategy_rows, with_names
+from flowgrpo.config.loading import ConfigError, load_config
+from flowgrpo.config.schema import STRATEGY_SECTIONS, AlgoConfig, Config, strategy_problems
+from flowgrpo.settings import flat_dict, registered_names, strategy_rows, with_names
 
 #: the strategy sections of the schema: (model, field) -> (registry, settings base)
 STRATEGIES = {(Config, "objective"): (OBJECTIVES, ObjectiveConfig), (Config, "chunker"): (CHUNKERS, ChunkerConfig),
@@ -75,3 +76,51 @@ def not_read(config, keys) -> dict[str, str]:
                 if field not in cls.model_fields or field in getattr(cls, "unread", {}):
                     out[key] = f"not read by {prefix} {section.name!r}"
     return out
+
+
+def help_config(path, overrides) -> tuple[Config, list[tuple[str, list[str]]]]:
+    """The config ``--help`` shows for YAML ``path`` and ``overrides``, and what its strategies refuse in it
+    (:func:`~flowgrpo.config.schema.strategy_problems`; empty for a config that runs). A config whose only faults
+    are those refusals (``objective=nft`` over a config with an SDE-ratio setting, say) is shown with its own
+    values, the refused ones marked (:func:`refused`), not replaced by the schema's defaults. Raises
+    :class:`~flowgrpo.config.ConfigError` for any other fault."""
+    try:
+        return load_config(path, overrides), []
+    except ConfigError as err:
+        config = load_config(path, overrides, strategy_checks=False)  # raises the other faults
+        problems = strategy_problems(config)
+        if not problems:  # pragma: no cover - a refusal that strategy_problems does not reproduce
+            raise err
+        return config, problems
+
+
+def refused(config, problems: list[tuple[str, list[str]]], keys) -> dict[str, str]:
+    """Of the dotted ``keys`` (the ``--help`` rows), those a problem line of ``problems`` names (it starts with
+    ``key=``, or with a strategy section's name for each key its chosen strategy has): key -> ``"REFUSED: 0.0003
+    (objective 'nft' accepts 0.0001)"``, the config's value and, for a plain setting, the value the refusing strategy
+    accepts (the field's default: every such refusal is of a setting moved from it)."""
+    lines = [(what.split(" cannot run")[0], line) for what, ps in problems for line in ps]
+    values = flat_dict(config.model_dump(mode="json"))
+    out = {}
+    for key in keys:
+        for who, line in lines:
+            section = next((p for p in STRATEGY_SECTIONS if key.startswith(p + ".")), None)
+            if line.startswith(f"{key}="):
+                owner, field = _section_of(config, key)
+                default = type(owner).model_fields[field].default
+                out[key] = f"REFUSED: {values.get(key)!r} ({who} accepts {default!r})"
+            elif section is not None and line.startswith(f"{section} ") and key in values:
+                out[key] = f"REFUSED: {values[key]!r} ({who} refuses the {section} section)"
+            else:
+                continue
+            break
+    return out
+
+
+def _section_of(config, key: str):
+    """(the settings model holding dotted ``key`` in ``config``, its field name)."""
+    *parts, field = key.split(".")
+    owner = config
+    for part in parts:
+        owner = getattr(owner, part)
+    return owner, field

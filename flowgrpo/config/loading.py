@@ -228,8 +228,10 @@ def _descend(node: dict, key: str, path: str, text: str) -> dict:
     return child
 
 
-def build_config(data: dict | None = None, overrides: list[str] = ()) -> Config:
-    """Validate a config dict after applying dotted overrides. Raises :class:`ConfigError`.
+def build_config(data: dict | None = None, overrides: list[str] = (), *, strategy_checks: bool = True) -> Config:
+    """Validate a config dict after applying dotted overrides. Raises :class:`ConfigError`. ``strategy_checks``
+    False leaves out each strategy's checks against the other sections, for ``--help`` alone, which shows what they
+    refuse (:func:`flowgrpo.config.help.help_config`); a run never builds a config so.
 
     Renamed sections (:data:`RENAMED_SECTIONS`) are accepted under their old name with a ``FutureWarning``, and
     the keys of earlier versions are brought to their new places (:func:`_legacy`)."""
@@ -248,7 +250,7 @@ def build_config(data: dict | None = None, overrides: list[str] = ()) -> Config:
         node[path[-1]] = value
     _legacy(data)
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, context={"strategy_checks": strategy_checks})
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
 
@@ -293,6 +295,7 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read YAML ``path`` (or the defaults when None), apply overrides, validate. Raises :class:`ConfigError`."""
-    return build_config(read_yaml(path) if path is not None else {}, overrides)
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *, strategy_checks: bool = True) -> Config:
+    """Read YAML ``path`` (or the defaults when None), apply overrides, validate (``strategy_checks``: see
+    :func:`build_config`). Raises :class:`ConfigError`."""
+    return build_config(read_yaml(path) if path is not None else {}, overrides, strategy_checks=strategy_checks)

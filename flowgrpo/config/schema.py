@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, SerializeAsAny, field_validator, model_validator
+from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from flowgrpo.algo.advantages import ESTIMATORS
 from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
@@ -505,6 +505,22 @@ class LoggingConfig(Section):
                                  "[baseline/(1+f), (1+f)*baseline] (DiffusionNFT #47: drifting up, images brighten)")
 
 
+def strategy_problems(config) -> list[tuple[str, list[str]]]:
+    """What :meth:`Config._derive` refuses through each strategy's checks of the run ``config`` against the other
+    sections, as (what, problems), for ``--help`` (a config built with those checks off): the
+    objective's :meth:`~flowgrpo.algo.objectives.base.ObjectiveConfig.problems` (one line each), then the group
+    filter's and the policy loss's ``check`` (a ``ValueError``'s message); a strategy without problems is left
+    out."""
+    out = [(f"objective {config.objective.name!r} cannot run with this config", config.objective.problems(config))]
+    for what, section in (("algo.group_filter", config.algo.group_filter), ("algo.policy_loss",
+                                                                           config.algo.policy_loss)):
+        try:
+            section.check(config)
+        except ValueError as err:
+            out.append((f"{what} {section.name!r} cannot run with this config", [str(err)]))
+    return [(what, problems) for what, problems in out if problems]
+
+
 class Config(Section):
     """A whole training run."""
 
@@ -547,7 +563,7 @@ class Config(Section):
         return strategy_section(info.field_name, value)
 
     @model_validator(mode="after")
-    def _derive(self) -> Config:
+    def _derive(self, info: ValidationInfo) -> Config:
         t = self.train
         b = t.prompts_per_epoch * t.group_size
         if b % t.rollout_batch_size:
@@ -591,9 +607,10 @@ class Config(Section):
         if self.model.prompt_embeddings_dir is not None and not self.model.cache_prompt_embeddings:
             raise ValueError(f"model.prompt_embeddings_dir={self.model.prompt_embeddings_dir!r} is read only with "
                              "model.cache_prompt_embeddings=true; set it, or remove the folder setting")
-        self.objective.check(self)  # each strategy's checks against the other sections
-        self.algo.group_filter.check(self)
-        self.algo.policy_loss.check(self)
+        if (info.context or {}).get("strategy_checks", True):  # --help marks their refusals (strategy_problems)
+            self.objective.check(self)  # each strategy's checks against the other sections
+            self.algo.group_filter.check(self)
+            self.algo.policy_loss.check(self)
         if all(r.weight == 0 for r in self.rewards):
             raise ValueError("every reward in rewards has weight 0: the composed reward would be 0 and nothing "
                              "would be optimised; give at least one a weight")

@@ -7,6 +7,7 @@ step: the same velocity function and the same step function that training calls.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -149,6 +150,32 @@ def load_condition_images(paths) -> list:
     return [Image.open(p).convert("RGB") for p in paths]
 
 
+def missing_image_line(adapter, prompt: str, where: str = "") -> str:
+    """One line for a prompt record without the conditioning image that ``adapter`` (``image_conditioned``: an
+    image-to-video or editing model) needs, saying exactly what to add to the prompt file: the record as a JSONL
+    line with its ``image``. ``where``: the record's setting and file, as `` of data.train_prompts (p.txt)``."""
+    pipeline = type(getattr(adapter, "pipe", adapter)).__name__
+    what, example = (("its first frame", "first_frames/0001.png") if getattr(adapter, "video", False)
+                     else ("the image it edits", "sources/0001.png"))
+    record = json.dumps({"prompt": prompt, "image": example}, ensure_ascii=False)
+    return (f"{pipeline} conditions every sample on an image ({what}), but the prompt record {prompt!r}{where} has "
+            f"none: write the prompt file as JSONL (.jsonl), one record a line with its image, e.g. {record} (the "
+            "path relative to the prompt file's folder; several images: \"images\": [...])")
+
+
+def check_condition_images(adapter, prompts, setting: str) -> None:
+    """Every record of ``prompts`` (a :class:`~flowgrpo.data.prompts.PromptSet`, from ``setting``, e.g.
+    ``data.train_prompts``) has its conditioning images when ``adapter`` is image-conditioned; checked right after
+    the model loads, before anything is sampled. Raises ``ValueError``: :func:`missing_image_line` for the first
+    record without, with the count."""
+    if prompts is None or not getattr(adapter, "image_conditioned", False):
+        return
+    missing = [p for p, m in zip(prompts.prompts, prompts.metadata, strict=True) if not m.get("images")]
+    if missing:
+        raise ValueError(missing_image_line(adapter, missing[0], f" of {setting} ({prompts.source}; "
+                                                                 f"{len(missing)} of {len(prompts)} records lack one)"))
+
+
 @torch.no_grad()
 def encode_rows(adapter, prompts: list[str], metadata: list[dict] | None = None) -> PromptEmbeds:
     """Conditioning of B rows, each distinct one encoded once: B :class:`PromptEmbeds` rows on the adapter's
@@ -168,8 +195,7 @@ def encode_rows(adapter, prompts: list[str], metadata: list[dict] | None = None)
     if conditioned:
         missing = [p for p, m in zip(prompts, metadata, strict=True) if not m.get("images")]
         if missing:
-            raise ValueError(f"{type(adapter).__name__} edits images: every prompt record needs 'image' or "
-                             f"'images' (first without: {missing[0]!r})")
+            raise ValueError(missing_image_line(adapter, missing[0]))
     keys = [(p, tuple(m.get("images", ())) if conditioned else ()) for p, m in zip(prompts, metadata, strict=True)]
     unique = list(dict.fromkeys(keys))
     where = torch.tensor([unique.index(k) for k in keys])

@@ -27,6 +27,8 @@ from flowgrpo.registry import Registry
 __all__ = [
     "SDEStepOutput",
     "SDE_KINDS",
+    "RELEASE_NOISE_LEVELS",
+    "noise_level_warning",
     "sde_step",
     "transition_moments",
     "gaussian_log_prob",
@@ -38,6 +40,36 @@ __all__ = [
 ]
 
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+#: the noise levels the releases run each kind with: kind -> (smallest, largest, where). flow_sde's a: 0.7 in
+#: Flow-GRPO's config/base.py (sample.noise_level; configs/sd35_grpo.yaml) to 1.2 in its Qwen-Image setting
+#: (config/grpo.py pickscore_qwenimage; configs/qwenimage.yaml). dance_sde's eta: 0.3 in DanceGRPO's
+#: scripts/finetune/finetune_wan_2_1_grpo.sh (--eta; configs/wan21_t2v_1.3b_dance.yaml) to 1.2 in verl-omni's
+#: examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh (rollout.algo.noise_level;
+#: configs/wan22_5b_dance.yaml). cps's a is refused outside [0, 1] (:func:`_cps_moments`), the releases' 0.8
+#: (Flow-Factory's LTX-2 example; configs/ltx2_t2v.yaml) inside it.
+RELEASE_NOISE_LEVELS: dict[str, tuple[float, float, str]] = {
+    "flow_sde": (0.7, 1.2, "Flow-GRPO: SD3.5 0.7, Qwen-Image 1.2"),
+    "dance_sde": (0.3, 1.2, "DanceGRPO's Wan2.1 0.3, verl-omni's Wan2.2 1.2"),
+}
+#: :func:`noise_level_warning` warns above this multiple of a kind's largest release value: far enough out that no
+#: release-like setting trips it, near enough to catch a misplaced decimal point (7 typed for 0.7)
+NOISE_LEVEL_WARN_FACTOR = 2.0
+
+
+def noise_level_warning(kind: str, noise_level: float, key: str = "sampling.noise_level") -> str | None:
+    """One line, naming the setting ``key``, when ``noise_level`` is more than :data:`NOISE_LEVEL_WARN_FACTOR`
+    times the largest value the releases run ``kind`` with (:data:`RELEASE_NOISE_LEVELS`), else None (also for a
+    kind without release values: ``ode``, ``cps``, whose range its step refuses, or a plugin's)."""
+    if kind not in RELEASE_NOISE_LEVELS:
+        return None
+    low, high, where = RELEASE_NOISE_LEVELS[kind]
+    if noise_level <= NOISE_LEVEL_WARN_FACTOR * high:
+        return None
+    return (f"{key}={noise_level:g} is {noise_level / high:.1f} times the largest the releases run "
+            f"sde_kind {kind!r} with ({low:g} to {high:g}; {where}): every SDE step's noise grows with it (a "
+            f"typo for {noise_level / 10:g}?); the run uses it as given")
 
 
 @dataclass(frozen=True)

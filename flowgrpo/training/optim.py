@@ -19,6 +19,7 @@ import torch
 
 from flowgrpo import parallel
 from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
+from flowgrpo.checkpoint_health import resolve_checkpoint
 from flowgrpo.divergence import TrainingDiverged, stop_line
 from flowgrpo.ema import EMA
 
@@ -157,8 +158,17 @@ class Optimization:
         self.lr_scheduler.base_lrs = [t.lr] * len(self.optimizer.param_groups)
         for group in self.optimizer.param_groups:
             group["lr"] = t.lr * self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
-        logger.info("resumed from %s at epoch %d", checkpoint, epoch)
+        logger.info("%s", resumed_line(resolve_checkpoint(checkpoint), epoch, t.num_epochs))
         return epoch
+
+
+def resumed_line(checkpoint, epoch: int, num_epochs: int) -> str:
+    """The console line of a resume from ``checkpoint`` whose next epoch is ``epoch`` (0-based, as
+    ``metrics.jsonl``'s ``epoch`` and the checkpoint names: ``epoch_N`` holds the state after 0-based epoch N),
+    counted from 1 as the epoch lines: ``resumed from …/epoch_1 (saved after epoch 2/10); continuing with epoch
+    3/10``."""
+    return (f"resumed from {checkpoint} (saved after epoch {epoch}/{num_epochs}); continuing with epoch "
+            f"{epoch + 1}/{num_epochs}")
 
 
 def epoch_lr_factor(epoch: int, num_epochs: int, schedule: str, min_ratio: float = 0.0) -> float:

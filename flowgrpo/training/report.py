@@ -177,7 +177,10 @@ def _table_lines(table: GroupTable) -> list[str]:
 
 def _quality_lines(summary: dict) -> list[str]:
     """``time to quality (<quality_bar>):`` and one line per ``quality_<r>_epoch`` of ``summary``: ``r: epoch N,
-    S s of RL`` or ``r: not reached``; empty without such figures."""
+    S s of RL`` or ``r: not reached``; ``time to quality: <quality_skipped>`` when a task measured none and says
+    why; empty without such figures."""
+    if summary.get("quality_skipped"):
+        return [f"time to quality: {summary['quality_skipped']}"]
     labels = [k.removeprefix("quality_").removesuffix("_epoch") for k in summary
               if k.startswith("quality_") and k.endswith("_epoch")]
     if not labels:

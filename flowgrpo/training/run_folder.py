@@ -16,7 +16,7 @@ import yaml
 
 from flowgrpo.checkpoint_health import resolve_checkpoint
 from flowgrpo.metrics import read_metrics
-from flowgrpo.settings import flat_dict, save_config
+from flowgrpo.settings import ConfigError, flat_dict, save_config
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,9 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "rew
 #: the settings that decide what an evaluation measures (the RL seed also picks the evaluation's seeds)
 EVAL_SETTINGS = ("data.eval_prompts", "data.eval_num_prompts", "eval_sampling.", "eval_rewards", "rewards",
                  "train.seed")
+#: of them, the ones that decide which images an evaluation scores (its prompts, their count, its sampler): a
+#: resume into the run's folder cannot change them (:func:`refuse_changed_evaluation`)
+EVAL_IMAGES = ("data.eval_prompts", "data.eval_num_prompts", "eval_sampling.")
 
 
 def latest_run_config(out: str | os.PathLike) -> Path:
@@ -61,6 +64,46 @@ def changed_settings(saved: Path, cfg) -> dict[str, str]:
 
     return {k: f"{k}: {shown(old.get(k, absent))} -> {shown(new.get(k, absent))}" for k in sorted(set(old) | set(new))
             if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
+
+
+def refuse_changed_evaluation(config) -> None:
+    """A resume into a run folder (``output_dir`` holding the run's ``config.yaml``) with another evaluation than
+    the run's first leg (:data:`EVAL_IMAGES`: other prompts, count or evaluation sampler; a prompt file under
+    another name with the same records is the same, :func:`_same_prompts`) is refused: the
+    run's ``metrics.jsonl`` would hold evaluations of different images, which its best checkpoint, collapse
+    warning, reward curve and time to quality compare as one series (digits: the diversity of a digit from 20
+    images is off by ~0.03, configs/digits.yaml). Raises :class:`~flowgrpo.settings.ConfigError` naming each
+    changed key, the run's value and the command line's."""
+    saved = Path(config.output_dir) / "config.yaml"
+    if not config.train.resume_from or not saved.is_file():
+        return
+    changed = [v for k, v in changed_settings(saved, config).items() if k.startswith(EVAL_IMAGES)
+               and not (k == "data.eval_prompts" and _same_prompts(saved, config.data.eval_prompts))]
+    if changed:
+        raise ConfigError(f"resuming {str(config.output_dir)!r} with another evaluation than its first leg "
+                          f"({'; '.join(changed)}): one run's metrics.jsonl compares its evaluations as one series "
+                          "(best checkpoint, curves, time to quality); keep the run's value (the first of each "
+                          "pair), or evaluate the other way in a new run")
+
+
+def _same_prompts(saved: Path, prompts: str | None) -> bool:
+    """Whether ``prompts`` (a prompt file or embedded set) holds the records of the saved config's
+    ``data.eval_prompts`` (the run folder or its prompt file moved, say), or that file can no longer be read (then
+    only its name can be compared, which :meth:`RunFolder.write_config` warns about)."""
+    from flowgrpo.data.prompts import load_prompts
+
+    old = (yaml.safe_load(saved.read_text()) or {}).get("data", {}).get("eval_prompts")
+    if old is None or prompts is None:
+        return old == prompts
+    try:
+        before = load_prompts(old)
+    except (OSError, ValueError):
+        return True
+    try:
+        now = load_prompts(prompts)
+    except (OSError, ValueError):
+        return True  # the preflight's reading of the prompt files says what is wrong with it
+    return (before.prompts, before.metadata) == (now.prompts, now.metadata)
 
 
 class RunFolder:

@@ -5,10 +5,11 @@ see :mod:`flowgrpo.tasks.digits.scoring`) reads the digit named in ``metadata["d
 strict correctness. Per batch (:meth:`DigitJudge.batch_metrics`): ``correctness`` (the mean), ``diversity``
 (intra-digit diversity of the images, 0–16 ink units at 8×8) and ``diversity_real`` (the same measure on the
 real digits); per digit d, ``digit_<d>/correctness``, ``digit_<d>/diversity`` and ``digit_<d>/diversity_real``;
-and ``diversity_min_ratio``, the minimum over digits of the images' diversity divided by the same digit's real
-diversity (near 0: some digit collapsed to one prototype, which the average hides). ``eval_only``: the
-trainer refuses to optimise it, so images that fool the reward cannot count as correct. At the end of a run it
-hands the report its per-digit table (:meth:`DigitJudge.report_table`) and the summary its time to quality
+``digit_images_min``, the fewest images of any digit (0 when one is missing); and ``diversity_min_ratio``, the
+minimum over digits of the images' diversity divided by the same digit's real diversity (near 0: some digit
+collapsed to one prototype, which the average hides). ``eval_only``: the trainer refuses to optimise it, so images
+that fool the reward cannot count as correct. At the end of a run it hands the report its per-digit table
+(:meth:`DigitJudge.report_table`) and the summary its time to quality
 (:meth:`DigitJudge.summary_figures`).
 """
 
@@ -83,6 +84,8 @@ class DigitJudge(BaseReward):
             "diversity": sum(per_digit.values()) / len(per_digit) if per_digit else float("nan"),
             "diversity_real": real_diversity(),
             "diversity_min_ratio": min_diversity_ratio(per_digit, real) if per_digit else float("nan"),
+            # the fewest images of any digit 0-9: how precise diversity_min_ratio is (the time to quality's gate)
+            "digit_images_min": float(min(labels.count(d) for d in real)),
         }
         lab = torch.tensor(labels)
         for d in sorted(set(labels)):

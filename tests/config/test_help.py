@@ -127,3 +127,37 @@ def test_help_shows_strategy_settings_the_chosen_strategy_does_not_read_as_not_r
         assert value(sft, f"objective.{key}") == "not read by objective 'sft'", key
     assert value(sft, "objective.num_train_timesteps") == "1" and value(sft, "objective.kl_beta") == "0.0"
     assert "[awm, dgpo, dpo, nft] " in sft["objective.solver"]  # who reads it: not sft, which has it unread
+
+
+def test_help_of_an_objective_the_config_refuses_shows_the_configs_values_and_marks_the_refused_ones():
+    """``objective=nft`` (or dpo) over the digits default, whose SDE-ratio settings the objective refuses: --help
+    showed every row at the schema's default (objective.name 'sde_ratio', model.pretrained 'tiny'); it shows the
+    command's own values, lists the refusals first and marks each refused row with the value it accepts."""
+    import yaml
+
+    from flowgrpo.runner import help_text
+
+    digits = yaml.safe_load((REPO / "flowgrpo" / "configs" / "digits.yaml").read_text())
+    for name in ("nft", "dpo"):
+        text = help_text(None, [f"objective={name}"])
+        rows = _rows(text)
+
+        def value(key: str) -> str:
+            return rows[key].rsplit("  [", 1)[1].rstrip("]")  # noqa: B023 - used at once
+
+        assert "could not be read" not in text and "schema defaults" not in text
+        assert value("objective.name") == name and value("model.pretrained") == digits["model"]["pretrained"]
+        assert value("output_dir") == digits["output_dir"]
+        head = text.split("\n  output_dir")[0]
+        assert f"this command is refused: objective {name!r} cannot run with this config" in head
+        assert f"- algo.clip_range={digits['algo']['clip_range']!r} is read only by objective.name=sde_ratio" in head
+        assert value("algo.clip_range") == f"REFUSED: {digits['algo']['clip_range']!r} (objective {name!r} accepts " \
+                                           "0.0001)"
+        kl_beta = float(digits["algo"]["kl_beta"])
+        assert value("algo.kl_beta") == f"REFUSED: {kl_beta!r} (objective {name!r} accepts 0.0)"
+        assert value("chunker.name") == f"REFUSED: 'entropy_merge' (objective {name!r} refuses the chunker section)"
+        assert value("chunker.window_size") == "not read by chunker 'entropy_merge'"  # not its setting at all
+        assert value("sampling.num_steps") == str(digits["sampling"]["num_steps"])  # read by nft and dpo too
+    # a config that runs lists no refusal; one with another fault still falls back to the schema's defaults
+    assert "this command is refused" not in help_text("configs/digits_nft.yaml", [])
+    assert "could not be read" in help_text(None, ["train.num_epochs=0"])

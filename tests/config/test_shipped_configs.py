@@ -105,3 +105,85 @@ def test_the_digits_variants_are_described_by_what_they_change():
                       if ln.startswith("#"))
     for kind in kinds:
         assert kind in row and kind in header, kind
+
+
+def test_every_shipped_noise_level_is_in_its_kinds_release_range():
+    """The release ranges the noise-level warning compares with hold every shipped config's value (each config
+    names its release), so none of them is warned about."""
+    from flowgrpo.sampling.sde import RELEASE_NOISE_LEVELS, noise_level_warning
+
+    seen = set()
+    for path in CONFIGS:
+        s = load_config(path).sampling
+        if s.sde_kind in RELEASE_NOISE_LEVELS:
+            low, high, _ = RELEASE_NOISE_LEVELS[s.sde_kind]
+            assert low <= s.noise_level <= high, (path.name, s.sde_kind, s.noise_level)
+            assert noise_level_warning(s.sde_kind, s.noise_level) is None
+            seen.add((s.sde_kind, s.noise_level))
+    # each range's ends are a shipped release config's value
+    for kind, (low, high, _) in RELEASE_NOISE_LEVELS.items():
+        assert (kind, low) in seen and (kind, high) in seen, kind
+
+
+@pytest.mark.parametrize(("config", "typed", "meant"), [("digits.yaml", 7.0, 0.7), ("digits_dance.yaml", 3.0, 0.3)])
+def test_a_noise_level_far_above_the_releases_is_warned_before_any_model_loads(tmp_path, caplog, config, typed,
+                                                                                meant):
+    from flowgrpo.preflight import preflight
+
+    cfg = load_config(REPO / "configs" / config, [f"output_dir={tmp_path / 'run'}", f"sampling.noise_level={typed}"])
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.preflight"):
+        preflight(cfg, world_size=1)
+    (line,) = [r.getMessage() for r in caplog.records if "noise_level" in r.getMessage()]
+    kind = cfg.sampling.sde_kind
+    assert line.startswith(f"sampling.noise_level={typed:g} is ") and f"sde_kind {kind!r}" in line, line
+    assert f"a typo for {meant:g}?" in line and "\n" not in line
+    caplog.clear()
+    ok = load_config(REPO / "configs" / config, [f"output_dir={tmp_path / 'ok'}", "sampling.noise_level=2.4"])
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.preflight"):
+        preflight(ok, world_size=1)  # twice the largest release value (1.2): not warned
+    assert not [r for r in caplog.records if "noise_level" in r.getMessage()]
+
+
+def test_opds_own_noise_level_is_warned_too():
+    from flowgrpo.sampling.sde import noise_level_warning
+
+    line = noise_level_warning("flow_sde", 9.0, "objective.noise_level")
+    assert line.startswith("objective.noise_level=9 is 7.5 times the largest") and "a typo for 0.9?" in line
+    assert noise_level_warning("cps", 8.0) is None and noise_level_warning("ode", 8.0) is None
+
+
+def test_a_config_error_under_accelerate_launch_is_our_one_line(tmp_path):
+    """``accelerate launch flowgrpo/train.py bad.yaml`` printed the one-line error, then accelerate's launcher
+    traceback (CalledProcessError: the process exited non-zero); with ``-q``, as every documented command launches,
+    the one line alone and a non-zero exit."""
+    import os
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {num_epochs: -1}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "rewards"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "-q", "--config_file",
+                          str(REPO / "configs" / "accelerate" / "default.yaml"), "flowgrpo/train.py", str(bad)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert out.returncode != 0
+    assert out.stderr.strip() == ("error: config field 'train.num_epochs': Input should be greater than or equal to 1 "
+                                  "(got -1)"), out.stderr[-2000:]
+
+
+def test_every_documented_accelerate_launch_is_quiet():
+    """The commands users copy (README, docs, the configs' headers, the training script's usage) launch with
+    ``-q``, so that an error ends with the run's own line (the test above)."""
+    import re
+
+    texts = [REPO / "README.md", REPO / "flowgrpo" / "train.py", REPO / "flowgrpo" / "runner.py",
+             *(p for p in (REPO / "docs").glob("*.md") if p.name != "results.md"),  # results: commands as run
+             *(REPO / "configs").rglob("*.yaml"), *(REPO / "flowgrpo" / "configs").glob("*.yaml")]
+    found = 0
+    for path in texts:
+        for command in re.findall(r"accelerate launch (?:--config_file|--multi_gpu|-q|flowgrpo/train\.py)",
+                                  path.read_text()):
+            assert command == "accelerate launch -q", (path.name, command)
+            found += 1
+    assert found >= 40

@@ -79,5 +79,7 @@ def test_each_distinct_prompt_and_source_is_encoded_once(tmp_path):
 
 
 def test_an_editing_model_needs_a_source_per_record():
-    with pytest.raises(ValueError, match="needs 'image' or 'images'.*'make it green'"):
+    with pytest.raises(ValueError, match="conditions every sample on an image \\(the image it edits\\), but the prompt "
+                       "record 'make it green' has none: write the prompt file as JSONL .* e.g. \\{\"prompt\": "
+                       "\"make it green\", \"image\": \"sources/0001.png\"\\}"):
         encode_rows(_EditStub(), ["make it green"], [{}])

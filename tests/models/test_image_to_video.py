@@ -205,7 +205,8 @@ def test_what_the_image_to_video_adapters_refuse(tmp_path_factory):
 
     folder = tiny_folder(CASES["wan21_i2v"], tmp_path_factory)
     adapter = load_model(str(folder), height=32, width=32, max_sequence_length=16, num_frames=5)
-    with pytest.raises(ValueError, match="every prompt record needs 'image'"):
+    with pytest.raises(ValueError, match="conditions every sample on an image \\(its first frame\\), but the prompt "
+                       "record 'a red cube' has none: write the prompt file as JSONL"):
         encode_rows(adapter, ["a red cube"], [{}])
     img = Image.new("RGB", (32, 32))
     with pytest.raises(ValueError, match="exactly one image per prompt, got \\[2\\]"):
@@ -219,3 +220,39 @@ def test_what_the_image_to_video_adapters_refuse(tmp_path_factory):
     hy.transformer.register_to_config(use_meanflow=True)
     with pytest.raises(ValueError, match="use_meanflow"):
         HunyuanVideo15I2VAdapter(hy, height=32, width=32, num_frames=5)
+
+
+def test_training_without_a_records_first_frame_says_what_to_add_before_anything_is_sampled(
+        tmp_path_factory, tmp_path, capsys):
+    """``flowgrpo train`` on an image-to-video model with a prompt file whose records lack their image: the one
+    error line named an editing model ("edits images") and came from the first evaluation; it now comes right
+    after the model loads, names the setting, the file and the count, and shows the JSONL record to write."""
+    import json
+
+    from PIL import Image
+
+    from flowgrpo.runner import main
+    from flowgrpo.testing.adapters import tiny_folder
+    from tests.tiny_runs import _tiny_overrides
+
+    case = CASES["wan21_i2v"]
+    model = [f"model.pretrained={tiny_folder(case, tmp_path_factory)}", f"model.num_frames={case.num_frames}",
+             f"model.max_sequence_length={case.max_sequence_length}"]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a red cube", "image": "f.png"}) + "\n"
+                                      + json.dumps({"prompt": "a blue ball"}) + "\n")
+    Image.new("RGB", (case.size, case.size)).save(tmp_path / "f.png")
+    for prompts, setting, count in ((tmp_path / "p.txt", "data.train_prompts", "2 of 2"),
+                                    (tmp_path / "p.jsonl", "data.train_prompts", "1 of 2")):
+        out = tmp_path / f"run_{prompts.suffix[1:]}"
+        with pytest.raises(SystemExit) as err:
+            main([*_tiny_overrides(tmp_path, tmp_path), *model, f"model.height={case.size}",
+                  f"model.width={case.size}", f"output_dir={out}", f"data.train_prompts={prompts}",
+                  f"data.eval_prompts={prompts}"])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.value.code == 2
+        missing = "a blue ball" if prompts.suffix == ".jsonl" else "a red cube"
+        assert line.startswith(f"error: WanImageToVideoPipeline conditions every sample on an image (its first frame), "
+                               f"but the prompt record {missing!r} of {setting} ({prompts}; {count} records lack one) "
+                               "has none: write the prompt file as JSONL (.jsonl), one record a line with its image, "
+                               f'e.g. {{"prompt": "{missing}", "image": "first_frames/0001.png"}}'), line
+        assert not (out / "eval_before.json").exists()  # refused before the first evaluation sampled anything

@@ -214,7 +214,8 @@ def test_what_the_ltx2_i2v_adapter_refuses(tmp_path_factory):
     from flowgrpo.sampling.rollout import encode_rows
 
     folder, adapter = _adapter(tmp_path_factory)
-    with pytest.raises(ValueError, match="every prompt record needs 'image'"):
+    with pytest.raises(ValueError, match="LTX2ImageToVideoPipeline conditions every sample on an image \\(its first "
+                       "frame\\), but the prompt record 'a red cube' has none"):
         encode_rows(adapter, ["a red cube"], [{}])
     img = Image.new("RGB", (32, 32))
     with pytest.raises(ValueError, match="exactly one image per prompt, got \\[2\\]"):

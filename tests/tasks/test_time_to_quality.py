@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "learning.py"
 
@@ -54,6 +55,41 @@ def test_the_final_evaluation_counts_at_the_last_epoch_and_none_when_never():
     nan = {**SUMMARY, "diversity_min_ratio_after": float("nan")}  # diversity not measured: not reached
     assert time_to_quality(records, nan, 0.6) == (None, None)
     assert time_to_quality([], {"epochs": 3}, 0.6) == (None, None)  # no evaluation at all
+
+
+def test_an_evaluation_too_small_for_the_ratio_records_no_time_to_quality():
+    """With 20 images a digit the smallest of ten diversity ratios is off by several hundredths, too coarse to
+    tell r = 0.6 from 0.7: an evaluation of fewer than 50 a digit reaches nothing, and a run whose final
+    evaluation is that small records why instead of figures (the report prints it)."""
+    from flowgrpo.tasks.digits.report import quality_figures, time_to_quality
+    from flowgrpo.training.report import format_report
+
+    records = stream(EVALS)
+    for r in records:
+        if "eval/correctness" in r:
+            r["eval/digit_images_min"] = 49.0 if r["epoch"] == 14 else 50.0  # the r = 0.6 evaluation: 49 a digit
+    assert time_to_quality(records, SUMMARY, 0.6) == (18, pytest.approx(72.0))  # not 15: too few images there
+    small = {**SUMMARY, "digit_images_min_after": 20.0}
+    figures = quality_figures(stream(EVALS), small)
+    assert not any(k.endswith("_epoch") for k in figures)
+    assert "scored 20 images of some digit, fewer than 50" in figures["quality_skipped"]
+    text = format_report({**small, **figures})
+    assert any(ln.strip().startswith("time to quality: not measured: the evaluation scored 20 images")
+               for ln in text.splitlines())
+    assert "r = 0.6:" not in text
+    enough = quality_figures(stream(EVALS), {**SUMMARY, "digit_images_min_after": 100.0})
+    assert enough["quality_0.6_epoch"] == 15 and "quality_skipped" not in enough
+
+
+def test_the_judge_counts_the_fewest_images_of_a_digit():
+    from flowgrpo_rewards.digits_judge import DigitJudge
+
+    images = torch.rand(23, 3, 32, 32)
+    labels = [d for d in range(10) for _ in range(2)] + [3, 3, 7]  # two of every digit, four of 3, three of 7
+    out = DigitJudge().batch_metrics(images, [""] * 23, [{"digit": d} for d in labels])
+    assert out["digit_images_min"] == 2.0
+    out = DigitJudge().batch_metrics(images[:19], [""] * 19, [{"digit": d} for d in labels[:19]])  # one 9
+    assert out["digit_images_min"] == 1.0
 
 
 def test_summary_and_report_carry_time_to_quality():

@@ -1,7 +1,7 @@
 """Resume that loses nothing, from a fresh user's trials: ``train.resume_from=auto`` continues with the settings
 the run last ran with (an extension is not forgotten), a run stopped during its final evaluation and save is
-finished by its resume, an evaluation changed on resume is named, and the interruption report counts epochs as
-the epoch lines do."""
+finished by its resume, another evaluation size on resume is refused and another evaluation reward named, and the
+resume line and the interruption report count epochs as the epoch lines do."""
 
 from __future__ import annotations
 
@@ -130,25 +130,45 @@ def test_a_run_stopped_during_its_final_save_is_finished_by_its_resume(tmp_path,
 
 
 @pytest.mark.slow
-def test_resume_with_another_evaluation_says_before_and_after_differ(tmp_path, tiny_flux_dir, caplog):
+def test_resume_refuses_another_evaluation_names_a_changed_reward_and_counts_epochs_as_the_files(
+        tmp_path, tiny_flux_dir, caplog):
+    """Another evaluation size on resume is refused before anything is written (metrics.jsonl would mix
+    evaluations of 2 and 3 images); another evaluation reward is named; the resume line counts epochs as the epoch
+    lines (1-based) and names the checkpoint whose 0-based number metrics.jsonl and the checkpoint folders use."""
     from flowgrpo.runner import run
 
     out = tmp_path / "run"
     run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}))
-    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
+    metrics = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"another evaluation than its first leg \(data.eval_num_prompts: 2 -> 3\)"):
         run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, data={"eval_num_prompts": 3},
                  train={"num_epochs": 3, "resume_from": str(out / "checkpoints")}))
+    assert (out / "metrics.jsonl").read_text() == metrics and not list(out.glob("config_resumed_at_epoch_*"))
+    # other records: refused (the same records under another file name pass: tests/inputs/test_run_folder.py)
+    (tmp_path / "other.txt").write_text("a yellow star\na blue ball\n")
+    with pytest.raises(ConfigError, match=r"another evaluation than its first leg \(data.eval_prompts: "):
+        run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, data={"eval_prompts": str(tmp_path / "other.txt")},
+                 train={"num_epochs": 3, "resume_from": str(out / "checkpoints")}))
+    judge = {"eval_rewards": [{"name": "jpeg_compressibility"}]}
+    with caplog.at_level(logging.INFO, logger="flowgrpo.training"):
+        run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, **judge,
+                 train={"num_epochs": 3, "resume_from": str(out / "checkpoints")}))
     messages = [r.getMessage() for r in caplog.records]
-    assert any("compare different evaluations" in m and "data.eval_num_prompts: 2 -> 3" in m for m in messages)
-    # extending alone changes no evaluation setting: no such warning
+    assert any("compare different evaluations" in m and "eval_rewards" in m for m in messages)
+    # epoch_1 holds the state after the epoch line "epoch 2/3"; the next line is "epoch 3/3", record epoch 2
+    assert f"resumed from {out / 'checkpoints' / 'epoch_1'} (saved after epoch 2/3); continuing with epoch 3/3" \
+        in messages
+    assert [r["epoch"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [0, 1, 2]
+    assert (out / "checkpoints" / "epoch_2").is_dir() and (out / "config_resumed_at_epoch_2.yaml").is_file()
+    # extending alone changes no evaluation setting against the last leg, but still against the first
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
-        run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, data={"eval_num_prompts": 3},
+        run(_cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, **judge,
                  train={"num_epochs": 4, "resume_from": str(out / "checkpoints")}))
     messages = [r.getMessage() for r in caplog.records]
     assert any("differ from" in m and "config_resumed_at_epoch_2.yaml" in m and "train.num_epochs: 3 -> 4" in m
                for m in messages)
-    assert any("compare different evaluations" in m for m in messages)  # still 3 against the original 2
+    assert any("compare different evaluations" in m for m in messages)  # eval_rewards against the original
 
 
 def test_interruption_report_counts_epochs_from_one_and_names_the_final_save(tmp_path, monkeypatch):

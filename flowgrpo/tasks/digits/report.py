@@ -13,6 +13,14 @@ QUALITY_JUDGE = 0.97  # time to quality: judge correctness at least this ...
 QUALITY_RATIOS = (0.6, 0.7)  # ... with every digit's diversity at least this fraction of its real digits'
 JUDGE_KEY = "eval/correctness"  # a periodic evaluation record's judge correctness (the digit_judge reward's)
 RATIO_KEY = "eval/diversity_min_ratio"  # ... and its smallest per-digit diversity ratio
+IMAGES_KEY = "eval/digit_images_min"  # ... and the fewest images of any digit it was measured on
+#: time to quality needs at least this many images of every digit in an evaluation. A digit's diversity ratio
+#: from 20 images is off by ~0.03 (configs/digits.yaml); as a mean over the images' pairs its error shrinks as
+#: 1/sqrt(n), and the figure is the smallest of ten such ratios, biased low by ~1.5 of their errors (the expected
+#: largest of ten standard normals is 1.54): ~0.046 at 20 images a digit, ~0.03 at 50, under a third of the 0.1
+#: between the bars r = 0.6 and 0.7 (QUALITY_RATIOS). A smaller evaluation records no time to quality
+#: (``quality_skipped`` says why); the embedded default evaluates 100 a digit.
+MIN_IMAGES_PER_DIGIT = 50
 EXCLUDED_PHASES = ("eval",)  # timing/<phase> not counted as RL seconds: the periodic evaluation
 _FIGURES = ("correctness_before", "correctness_after", "diversity_before", "diversity_after", "diversity_real")
 COLUMNS = (("digit", ">5"), ("correct before", ">14.3f"), ("after", ">5.3f"), ("diversity before", ">16.1f"),
@@ -84,29 +92,43 @@ def time_to_quality(records: list[dict], summary: dict, min_ratio: float,
     The evaluations, in order: the periodic ones (a ``metrics.jsonl`` record of 0-based ``epoch`` e with
     :data:`JUDGE_KEY` counts as e + 1 epochs done, its RL seconds :func:`rl_seconds` of the records up to e), then
     the final one (``summary["correctness_after"]`` and ``["diversity_min_ratio_after"]``: ``summary["epochs"]``
-    epochs, the RL seconds of every record). A missing or NaN figure does not reach."""
+    epochs, the RL seconds of every record). A missing or NaN figure does not reach, nor does an evaluation of
+    fewer than :data:`MIN_IMAGES_PER_DIGIT` images of some digit (:data:`IMAGES_KEY`; a record written before
+    that count was recorded is taken as it is)."""
     ordered = sorted(records, key=lambda r: r["epoch"])
     seconds = 0.0
     for r in ordered:
         seconds += rl_seconds([r])
-        if _reaches(r.get(JUDGE_KEY), r.get(RATIO_KEY), judge, min_ratio):
+        if _reaches(r.get(JUDGE_KEY), r.get(RATIO_KEY), r.get(IMAGES_KEY), judge, min_ratio):
             return r["epoch"] + 1, seconds
-    if _reaches(summary.get("correctness_after"), summary.get("diversity_min_ratio_after"), judge, min_ratio):
+    if _reaches(summary.get("correctness_after"), summary.get("diversity_min_ratio_after"),
+                summary.get("digit_images_min_after"), judge, min_ratio):
         return summary["epochs"], seconds
     return None, None
 
 
-def _reaches(correct, ratio, judge: float, min_ratio: float) -> bool:
+def _reaches(correct, ratio, images, judge: float, min_ratio: float) -> bool:
+    if images is not None and images < MIN_IMAGES_PER_DIGIT:
+        return False
     return correct is not None and ratio is not None and correct >= judge and ratio >= min_ratio  # NaN: False
 
 
 def quality_figures(records: list[dict], summary: dict) -> dict[str, int | float | str | None]:
     """The summary's time-to-quality figures (:func:`time_to_quality` at judge :data:`QUALITY_JUDGE`, for each
     ratio r of :data:`QUALITY_RATIOS`): ``quality_<r>_epoch`` and ``quality_<r>_rl_seconds`` (None: not reached),
-    e.g. ``quality_0.6_epoch``, and ``quality_bar``, what r means (the report's heading)."""
+    e.g. ``quality_0.6_epoch``, and ``quality_bar``, what r means (the report's heading). When the final
+    evaluation scored fewer than :data:`MIN_IMAGES_PER_DIGIT` images of some digit, no figure but
+    ``quality_skipped``, why (the report prints it in place of the figures)."""
     out: dict[str, int | float | str | None] = {
         "quality_bar": f"judge correctness >= {QUALITY_JUDGE} with every digit's diversity >= r of its real digits', "
                        "at the first periodic or final evaluation that reaches it"}
+    images = summary.get("digit_images_min_after")
+    if images is not None and images < MIN_IMAGES_PER_DIGIT:
+        out["quality_skipped"] = (f"not measured: the evaluation scored {images:.0f} images of some digit, fewer "
+                                  f"than {MIN_IMAGES_PER_DIGIT}, too few for a digit's diversity ratio to tell "
+                                  f"r = {' from '.join(str(r) for r in QUALITY_RATIOS)}; set data.eval_num_prompts "
+                                  f">= {10 * MIN_IMAGES_PER_DIGIT}")
+        return out
     for ratio in QUALITY_RATIOS:
         epoch, seconds = time_to_quality(records, summary, ratio)
         out[f"quality_{ratio}_epoch"], out[f"quality_{ratio}_rl_seconds"] = epoch, seconds
