@@ -76,7 +76,7 @@ def _sample_settings(args: argparse.Namespace) -> dict:
                                  "other weights, give --model (and --lora) without --run")
         cfg_path = Path(args.run) / "config.yaml"
         if not cfg_path.is_file():
-            raise SystemExit(f"flowgrpo sample: {args.run!r} is not a run folder (no config.yaml in it)")
+            raise ValueError(f"{args.run!r} is not a run folder (no config.yaml in it)")
         cfg = load_config(cfg_path, [f"{RUN_OVERRIDES[k]}={getattr(args, k)}" for k in RUN_OVERRIDES
                                      if _given(args, k)])
         default_count = cfg.data.eval_num_prompts if cfg.data.eval_prompts else min(cfg.data.eval_num_prompts,
@@ -126,6 +126,17 @@ def _unfinished_run_hint(run: Path) -> str:
             f"continues from {pick.name if pick else 'none: each is marked unhealthy'}); {finish}")
 
 
+def make_output_folder(folder: Path, what: str) -> None:
+    """Make the output folder ``folder`` (and the folders above it). Raises ``ValueError`` naming ``what`` (the
+    option), the folder and the OS's reason when it cannot be made (no permission, a read-only or virtual file
+    system such as ``/sys`` or ``/proc``)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{what} {str(folder)!r} cannot be made: {err.strerror or err} "
+                         f"({err.filename or folder}); choose a folder you can write to") from None
+
+
 def _sample(args: argparse.Namespace) -> None:
     import torch
     from PIL import Image
@@ -140,6 +151,8 @@ def _sample(args: argparse.Namespace) -> None:
     weights = None if args.no_weights else s["weights"]
     if s["prompt_file"] is None:
         raise SystemExit("flowgrpo sample: no prompts (give --prompts FILE)")
+    out = Path(args.out)
+    make_output_folder(out, "--out")  # before the model is built: a folder that cannot be made fails at once
     ps = load_prompts(s["prompt_file"])
     adapter = s["build"]()
     if weights is not None:
@@ -151,8 +164,6 @@ def _sample(args: argparse.Namespace) -> None:
     metadata = [ps.metadata[i % len(ps)] for i in range(count)]
     images = generate_images(adapter, prompts, seeds, num_steps=s["steps"], guidance_scale=s["guidance"],
                              batch_size=args.batch_size, cache=s["cache"], metadata=metadata)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     torch.save(images, out / "images.pt")
     sample_grid(images[:40], [p[:30] for p in prompts[:40]], out / "grid.png", ncols=10)
     for i, img in enumerate(images):
@@ -187,6 +198,15 @@ def _check_prompts_args(args: argparse.Namespace) -> None:
                          "one prompt a line: give a .txt file")
 
 
+def _refuse_unwritable(err: OSError, out: Path) -> None:
+    """Raise ``ValueError`` naming ``--out`` and the OS's reason when ``err`` is about writing ``out`` or making a
+    folder above it; any other ``OSError`` is raised again as it is."""
+    if err.filename is None or Path(err.filename) not in (out, *out.parents):
+        raise err
+    raise ValueError(f"--out {str(out)!r} cannot be written: {err.strerror or err} ({err.filename}); "
+                     "choose a file in a folder you can write to") from None
+
+
 def _prompts(args: argparse.Namespace) -> None:
     _check_prompts_args(args)
     if args.set == "geneval":
@@ -196,14 +216,17 @@ def _prompts(args: argparse.Namespace) -> None:
             raise SystemExit("flowgrpo prompts geneval: needs the flowgrpo-rewards distribution "
                              "(pip install -e ./rewards)") from None
         per_task, seed = args.per_task or 1000, args.seed or 0
-        geneval_main([str(args.out), "--per-task", str(per_task), "--seed", str(seed), "--allow-fewer"])
+        try:
+            geneval_main([str(args.out), "--per-task", str(per_task), "--seed", str(seed), "--allow-fewer"])
+        except OSError as err:
+            _refuse_unwritable(err, Path(args.out))
         return
     from flowgrpo.data.public_prompts import build_prompt_file
 
     try:
         build_prompt_file(args.set, args.sources, args.out)
-    except (KeyError, ValueError) as err:
-        raise SystemExit(f"flowgrpo prompts: {err.args[0] if isinstance(err, KeyError) else err}") from None
+    except KeyError as err:
+        raise ValueError(err.args[0]) from None
 
 
 def _hub_errors() -> tuple[type[BaseException], ...]:
@@ -375,7 +398,10 @@ def main(argv: list[str] | None = None) -> None:
         except (ConfigError, ValueError) as err:  # bad input (config, prompts, model folder): one line
             parser.exit(2, f"flowgrpo sample: error: {err}\n")
     elif args.command == "prompts":
-        _prompts(args)
+        try:
+            _prompts(args)
+        except ValueError as err:  # bad input (sources, an --out that cannot be written): one line
+            parser.exit(2, f"flowgrpo prompts: error: {err}\n")
     elif args.command == "plan":
         from flowgrpo.plan import plan_config, render
 
