@@ -13,6 +13,7 @@ reproduces the run's evaluation images: image i uses seed ``derive_seed(train.se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -138,6 +139,25 @@ def make_output_folder(folder: Path, what: str) -> None:
 
 
 def _sample(args: argparse.Namespace) -> None:
+    s = _sample_settings(args)
+    weights = None if args.no_weights else s["weights"]
+    if s["prompt_file"] is None:
+        raise SystemExit("flowgrpo sample: no prompts (give --prompts FILE)")
+    out = Path(args.out)
+    made = not out.exists()
+    make_output_folder(out, "--out")  # before the model is built: a folder that cannot be made fails at once
+    try:
+        _sample_into(out, args, s, weights)
+    except BaseException:  # a failed sample leaves no empty folder it made
+        with contextlib.suppress(OSError):
+            if made and not any(out.iterdir()):
+                out.rmdir()
+        raise
+
+
+def _sample_into(out: Path, args: argparse.Namespace, s: dict, weights: Path | None) -> None:
+    """Build the model of the settings ``s``, sample and write images.pt, grid.png and one PNG (GIF) each into
+    ``out``."""
     import torch
     from PIL import Image
 
@@ -147,12 +167,6 @@ def _sample(args: argparse.Namespace) -> None:
     from flowgrpo.rng import derive_seed
     from flowgrpo.sampling.rollout import generate_images
 
-    s = _sample_settings(args)
-    weights = None if args.no_weights else s["weights"]
-    if s["prompt_file"] is None:
-        raise SystemExit("flowgrpo sample: no prompts (give --prompts FILE)")
-    out = Path(args.out)
-    make_output_folder(out, "--out")  # before the model is built: a folder that cannot be made fails at once
     ps = load_prompts(s["prompt_file"])
     adapter = s["build"]()
     if weights is not None:
@@ -179,22 +193,22 @@ def _check_prompts_args(args: argparse.Namespace) -> None:
     """Refuse what ``flowgrpo prompts`` would not honour: ``--per-task`` and ``--seed`` for a set read from files
     (only the geneval generator takes them), sources for geneval, and an ``--out`` whose suffix the prompt loader
     would read in another format than the one written (geneval writes JSONL records, every other set one prompt a
-    line)."""
+    line). Each refusal is a ``ValueError``."""
     out = Path(args.out)
     if args.set == "geneval":
         if args.sources:
-            raise SystemExit("flowgrpo prompts geneval: the generator reads no source files")
+            raise ValueError("geneval: the generator reads no source files")
         if out.suffix != ".jsonl":
-            raise SystemExit(f"flowgrpo prompts geneval: --out {str(out)!r} must end in .jsonl (each line a GenEval "
+            raise ValueError(f"geneval: --out {str(out)!r} must end in .jsonl (each line a GenEval "
                              "record with its metadata, which the prompt loader reads only from a .jsonl file)")
         return
     given = [f"--{k.replace('_', '-')}" for k in ("per_task", "seed") if getattr(args, k) is not None]
     if given:
-        raise SystemExit(f"flowgrpo prompts {args.set}: {' and '.join(given)} "
+        raise ValueError(f"{args.set}: {' and '.join(given)} "
                          f"{'applies' if len(given) == 1 else 'apply'} only to the geneval generator; "
                          f"the {args.set} prompts are read from the source files as they are")
     if out.suffix == ".jsonl":
-        raise SystemExit(f"flowgrpo prompts {args.set}: --out {str(out)!r} would be read as JSONL, but the file holds "
+        raise ValueError(f"{args.set}: --out {str(out)!r} would be read as JSONL, but the file holds "
                          "one prompt a line: give a .txt file")
 
 
@@ -213,7 +227,7 @@ def _prompts(args: argparse.Namespace) -> None:
         try:
             from flowgrpo_rewards.geneval.prompts import main as geneval_main
         except ImportError:
-            raise SystemExit("flowgrpo prompts geneval: needs the flowgrpo-rewards distribution "
+            raise ValueError("geneval: needs the flowgrpo-rewards distribution "
                              "(pip install -e ./rewards)") from None
         per_task, seed = args.per_task or 1000, args.seed or 0
         try:
