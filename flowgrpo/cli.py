@@ -13,6 +13,7 @@ reproduces the run's evaluation images: image i uses seed ``derive_seed(train.se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -76,7 +77,7 @@ def _sample_settings(args: argparse.Namespace) -> dict:
                                  "other weights, give --model (and --lora) without --run")
         cfg_path = Path(args.run) / "config.yaml"
         if not cfg_path.is_file():
-            raise SystemExit(f"flowgrpo sample: {args.run!r} is not a run folder (no config.yaml in it)")
+            raise ValueError(f"{args.run!r} is not a run folder (no config.yaml in it)")
         cfg = load_config(cfg_path, [f"{RUN_OVERRIDES[k]}={getattr(args, k)}" for k in RUN_OVERRIDES
                                      if _given(args, k)])
         default_count = cfg.data.eval_num_prompts if cfg.data.eval_prompts else min(cfg.data.eval_num_prompts,
@@ -126,7 +127,37 @@ def _unfinished_run_hint(run: Path) -> str:
             f"continues from {pick.name if pick else 'none: each is marked unhealthy'}); {finish}")
 
 
+def make_output_folder(folder: Path, what: str) -> None:
+    """Make the output folder ``folder`` (and the folders above it). Raises ``ValueError`` naming ``what`` (the
+    option), the folder and the OS's reason when it cannot be made (no permission, a read-only or virtual file
+    system such as ``/sys`` or ``/proc``)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{what} {str(folder)!r} cannot be made: {err.strerror or err} "
+                         f"({err.filename or folder}); choose a folder you can write to") from None
+
+
 def _sample(args: argparse.Namespace) -> None:
+    s = _sample_settings(args)
+    weights = None if args.no_weights else s["weights"]
+    if s["prompt_file"] is None:
+        raise SystemExit("flowgrpo sample: no prompts (give --prompts FILE)")
+    out = Path(args.out)
+    made = not out.exists()
+    make_output_folder(out, "--out")  # before the model is built: a folder that cannot be made fails at once
+    try:
+        _sample_into(out, args, s, weights)
+    except BaseException:  # a failed sample leaves no empty folder it made
+        with contextlib.suppress(OSError):
+            if made and not any(out.iterdir()):
+                out.rmdir()
+        raise
+
+
+def _sample_into(out: Path, args: argparse.Namespace, s: dict, weights: Path | None) -> None:
+    """Build the model of the settings ``s``, sample and write images.pt, grid.png and one PNG (GIF) each into
+    ``out``."""
     import torch
     from PIL import Image
 
@@ -136,10 +167,6 @@ def _sample(args: argparse.Namespace) -> None:
     from flowgrpo.rng import derive_seed
     from flowgrpo.sampling.rollout import generate_images
 
-    s = _sample_settings(args)
-    weights = None if args.no_weights else s["weights"]
-    if s["prompt_file"] is None:
-        raise SystemExit("flowgrpo sample: no prompts (give --prompts FILE)")
     ps = load_prompts(s["prompt_file"])
     adapter = s["build"]()
     if weights is not None:
@@ -151,8 +178,6 @@ def _sample(args: argparse.Namespace) -> None:
     metadata = [ps.metadata[i % len(ps)] for i in range(count)]
     images = generate_images(adapter, prompts, seeds, num_steps=s["steps"], guidance_scale=s["guidance"],
                              batch_size=args.batch_size, cache=s["cache"], metadata=metadata)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     torch.save(images, out / "images.pt")
     sample_grid(images[:40], [p[:30] for p in prompts[:40]], out / "grid.png", ncols=10)
     for i, img in enumerate(images):
@@ -168,23 +193,32 @@ def _check_prompts_args(args: argparse.Namespace) -> None:
     """Refuse what ``flowgrpo prompts`` would not honour: ``--per-task`` and ``--seed`` for a set read from files
     (only the geneval generator takes them), sources for geneval, and an ``--out`` whose suffix the prompt loader
     would read in another format than the one written (geneval writes JSONL records, every other set one prompt a
-    line)."""
+    line). Each refusal is a ``ValueError``."""
     out = Path(args.out)
     if args.set == "geneval":
         if args.sources:
-            raise SystemExit("flowgrpo prompts geneval: the generator reads no source files")
+            raise ValueError("geneval: the generator reads no source files")
         if out.suffix != ".jsonl":
-            raise SystemExit(f"flowgrpo prompts geneval: --out {str(out)!r} must end in .jsonl (each line a GenEval "
+            raise ValueError(f"geneval: --out {str(out)!r} must end in .jsonl (each line a GenEval "
                              "record with its metadata, which the prompt loader reads only from a .jsonl file)")
         return
     given = [f"--{k.replace('_', '-')}" for k in ("per_task", "seed") if getattr(args, k) is not None]
     if given:
-        raise SystemExit(f"flowgrpo prompts {args.set}: {' and '.join(given)} "
+        raise ValueError(f"{args.set}: {' and '.join(given)} "
                          f"{'applies' if len(given) == 1 else 'apply'} only to the geneval generator; "
                          f"the {args.set} prompts are read from the source files as they are")
     if out.suffix == ".jsonl":
-        raise SystemExit(f"flowgrpo prompts {args.set}: --out {str(out)!r} would be read as JSONL, but the file holds "
+        raise ValueError(f"{args.set}: --out {str(out)!r} would be read as JSONL, but the file holds "
                          "one prompt a line: give a .txt file")
+
+
+def _refuse_unwritable(err: OSError, out: Path) -> None:
+    """Raise ``ValueError`` naming ``--out`` and the OS's reason when ``err`` is about writing ``out`` or making a
+    folder above it; any other ``OSError`` is raised again as it is."""
+    if err.filename is None or Path(err.filename) not in (out, *out.parents):
+        raise err
+    raise ValueError(f"--out {str(out)!r} cannot be written: {err.strerror or err} ({err.filename}); "
+                     "choose a file in a folder you can write to") from None
 
 
 def _prompts(args: argparse.Namespace) -> None:
@@ -193,17 +227,20 @@ def _prompts(args: argparse.Namespace) -> None:
         try:
             from flowgrpo_rewards.geneval.prompts import main as geneval_main
         except ImportError:
-            raise SystemExit("flowgrpo prompts geneval: needs the flowgrpo-rewards distribution "
+            raise ValueError("geneval: needs the flowgrpo-rewards distribution "
                              "(pip install -e ./rewards)") from None
         per_task, seed = args.per_task or 1000, args.seed or 0
-        geneval_main([str(args.out), "--per-task", str(per_task), "--seed", str(seed), "--allow-fewer"])
+        try:
+            geneval_main([str(args.out), "--per-task", str(per_task), "--seed", str(seed), "--allow-fewer"])
+        except OSError as err:
+            _refuse_unwritable(err, Path(args.out))
         return
     from flowgrpo.data.public_prompts import build_prompt_file
 
     try:
         build_prompt_file(args.set, args.sources, args.out)
-    except (KeyError, ValueError) as err:
-        raise SystemExit(f"flowgrpo prompts: {err.args[0] if isinstance(err, KeyError) else err}") from None
+    except KeyError as err:
+        raise ValueError(err.args[0]) from None
 
 
 def _hub_errors() -> tuple[type[BaseException], ...]:
@@ -375,7 +412,10 @@ def main(argv: list[str] | None = None) -> None:
         except (ConfigError, ValueError) as err:  # bad input (config, prompts, model folder): one line
             parser.exit(2, f"flowgrpo sample: error: {err}\n")
     elif args.command == "prompts":
-        _prompts(args)
+        try:
+            _prompts(args)
+        except ValueError as err:  # bad input (sources, an --out that cannot be written): one line
+            parser.exit(2, f"flowgrpo prompts: error: {err}\n")
     elif args.command == "plan":
         from flowgrpo.plan import plan_config, render
 

@@ -50,6 +50,7 @@ import hashlib
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -67,16 +68,45 @@ PINNED_ENV = {
 }
 
 
+#: ``prctl`` option (linux/prctl.h): the signal the kernel sends a process when the thread that started it ends
+PR_SET_PDEATHSIG = 1
+
+
+def _end_with_parent(parent_pid: int) -> None:
+    """The child's ``preexec_fn`` (between fork and exec): on Linux, ask the kernel to SIGKILL it when its parent
+    ends (``prctl(PR_SET_PDEATHSIG)``; it survives the exec), however the parent ends (``kill``, ``timeout``, a
+    scheduler's SIGTERM, ``kill -9``), so a killed run leaves no orphan build running; then, if the parent already
+    ended before the request (its pid is no longer the child's parent), exit at once. Elsewhere nothing is asked:
+    the parent still ends the child on an exception (:func:`run_pinned`)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+            return
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
 def run_pinned(argv: list[str], what: str) -> None:
     """Run ``python argv…`` in a child process with :data:`PINNED_ENV` over this process's environment; its
-    output goes to this process's.
+    output goes to this process's. The child ends with this process: killed by the kernel when this process ends
+    (Linux, :func:`_end_with_parent`), and killed here when waiting for it is interrupted (Ctrl-C, an exception
+    raised by a signal handler).
 
     Raises:
         RuntimeError: the child failed (its exit code; its own error is above in the output).
     """
-    proc = subprocess.run([sys.executable, *argv], env={**os.environ, **PINNED_ENV}, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed in its child process (exit code {proc.returncode}); its error is above")
+    parent = os.getpid()
+    proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **PINNED_ENV},
+                            preexec_fn=lambda: _end_with_parent(parent))  # noqa: PLW1509 - prctl needs it
+    try:
+        returncode = proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if returncode != 0:
+        raise RuntimeError(f"{what} failed in its child process (exit code {returncode}); its error is above")
 
 
 #: MKL's conditional-numerical-reproducibility branches (mkl_cbwr.h ``MKL_CBWR_*``) by value

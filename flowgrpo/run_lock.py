@@ -41,6 +41,11 @@ class RunFolderBusy(FileExistsError):
     """``output_dir`` is held by a live run (another process)."""
 
 
+class RunFolderUnusable(ValueError):
+    """``output_dir`` cannot be made, or its lock file cannot be written (no permission, a read-only or virtual
+    file system such as ``/sys`` or ``/proc``): a ``ValueError``, bad input reported in one line."""
+
+
 def _describe(text: str) -> str:
     try:
         info = json.loads(text)
@@ -75,11 +80,17 @@ def _acquire(folder: Path, command: str) -> object:
     Raises:
         RunFolderBusy: another process holds it.
         FileExistsError: ``folder`` or a folder above it is a file (:func:`check_folder_path`).
+        RunFolderUnusable: ``folder`` cannot be made or its lock file cannot be written (the OS's reason).
     """
     check_folder_path(folder)
     made = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
-    fh = open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's life
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fh = open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's life
+    except OSError as err:
+        raise RunFolderUnusable(f"output_dir {str(folder)!r} cannot be used as a run folder: "
+                                f"{err.strerror or err} ({err.filename or folder}); choose a folder you can write to"
+                                ) from None
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -126,6 +137,7 @@ def hold_run_folder(output_dir: str | os.PathLike, command: str | None = None) -
     Raises:
         RunFolderBusy: another live process holds the folder (a ``FileExistsError``).
         FileExistsError: ``output_dir`` or a folder above it is a file.
+        RunFolderUnusable: ``output_dir`` cannot be made or written (a ``ValueError``).
     """
     if fcntl is None:  # pragma: no cover - Windows
         logger.warning("no fcntl on this platform: %s is not locked against a second run", output_dir)

@@ -134,7 +134,8 @@ def ocr_prompts(sources: list[Path]) -> list[str]:
 def build_prompt_file(name: str, sources: list[str | Path], out: str | Path) -> int:
     """Write the prompts of set ``name`` (:data:`PROMPT_SETS`) read from ``sources`` to ``out``, one a line.
     Returns the number written. Raises ``ValueError`` for a missing source file, a file without the set's
-    field, or no prompts at all; ``KeyError`` (with the valid names) for an unknown set."""
+    field, no prompts at all, or an ``out`` that cannot be written (the OS's reason); ``KeyError`` (with the valid
+    names) for an unknown set."""
     build = PROMPT_SETS.get(name)
     if Path(out).is_dir():
         raise ValueError(f"--out {str(out)!r} is a folder; give the prompt file to write (e.g. data/train.txt)")
@@ -148,7 +149,11 @@ def build_prompt_file(name: str, sources: list[str | Path], out: str | Path) -> 
     if not prompts:
         raise ValueError(f"prompt set {name!r}: no prompts found in {[str(p) for p in paths]}")
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(p + "\n" for p in prompts), encoding="utf-8")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(p + "\n" for p in prompts), encoding="utf-8")
+    except OSError as err:  # no permission, a read-only or virtual file system (/sys, /proc)
+        raise ValueError(f"--out {str(out)!r} cannot be written: {err.strerror or err} ({err.filename or out}); "
+                         "choose a file in a folder you can write to") from None
     logger.info("wrote %d %s prompts to %s", len(prompts), name, out)
     return len(prompts)

@@ -71,8 +71,10 @@ def test_an_out_of_the_wrong_kind_is_one_line_before_any_work(tmp_path, capsys):
     assert info.value.code == 2 and f"--out {str(a_file)!r} is a file; give a folder" in err
     src = tmp_path / "p.txt"
     src.write_text('draw "hi"\n')
-    with pytest.raises(SystemExit, match=rf"--out {str(tmp_path)!r} is a folder; give the prompt file"):
+    with pytest.raises(SystemExit) as info:
         cli_main(["prompts", "ocr", str(src), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"error: --out {str(tmp_path)!r} is a folder; give the prompt file" in err
 
 
 @pytest.mark.slow
@@ -88,6 +90,48 @@ def test_sample_run_rebuilds_the_model_as_training_did(tmp_path, tiny_flux_dir):
                                rtol=0, atol=1e-5)
     proc = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "sample", "--run", str(tmp_path), "--out",
                            str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"flowgrpo sample: {str(tmp_path)!r} is not a run folder (no "
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"flowgrpo sample: error: {str(tmp_path)!r} is not a run folder (no "
                                                 "config.yaml in it)"]
+
+
+def _no_such(tmp_path):
+    """A path whose folder cannot be made: under ``/proc`` (a virtual file system: no such file or directory)."""
+    if not Path("/proc/self").exists():
+        pytest.skip("no /proc on this platform")
+    return Path("/proc/flowgrpo-no-such-folder")
+
+
+def test_sample_out_that_cannot_be_made_is_one_line_before_the_model(tmp_path, capsys):
+    """Before: the model was built and sampled, then a FileNotFoundError / PermissionError traceback from mkdir."""
+    out = _no_such(tmp_path) / "s7"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["sample", "--model", "/nonexistent/model", "--prompts", "digits_eval", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2
+    assert err == [f"flowgrpo sample: error: --out {str(out)!r} cannot be made: No such file or directory "
+                   f"({out.parent}); choose a folder you can write to"]
+
+
+@pytest.mark.parametrize("prompt_set", ["ocr", "geneval"])
+def test_prompts_out_that_cannot_be_written_is_one_line(tmp_path, capsys, prompt_set):
+    """Before: a FileNotFoundError / PermissionError traceback from writing the prompt file."""
+    pytest.importorskip("flowgrpo_rewards") if prompt_set == "geneval" else None
+    out = _no_such(tmp_path) / ("x.jsonl" if prompt_set == "geneval" else "x.txt")
+    src = tmp_path / "p.txt"
+    src.write_text('draw "hi"\n')
+    with pytest.raises(SystemExit) as info:
+        cli_main(["prompts", prompt_set, *([str(src)] if prompt_set == "ocr" else []), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2
+    assert err[-1] == (f"flowgrpo prompts: error: --out {str(out)!r} cannot be written: No such file or directory "
+                       f"({out.parent}); choose a file in a folder you can write to")
+
+
+def test_sample_of_a_folder_that_is_not_a_run_is_an_error_line(tmp_path, capsys):
+    """Before: ``flowgrpo sample: '…' is not a run folder``, without the ``error:`` the other lines have."""
+    with pytest.raises(SystemExit) as info:
+        cli_main(["sample", "--run", str(tmp_path), "--out", str(tmp_path / "s")])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"flowgrpo sample: error: {str(tmp_path)!r} is not a run folder (no config.yaml in it)"]

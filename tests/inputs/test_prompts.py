@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,16 @@ from tests.tiny_runs import _cfg, _rollouts
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_UTF8 = b"\xff\xfe\x00a handwritten digit\n"
+
+
+def _refused(capsys, argv: list[str], match: str) -> None:
+    """``flowgrpo prompts`` refuses ``argv`` with exit code 2 and one ``flowgrpo prompts: error:`` line matching
+    ``match``."""
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and err[-1].startswith("flowgrpo prompts: error: ")
+    assert re.search(match, err[-1]), err[-1]
 
 
 def _assert_groups_distinct(stats: dict, group_size: int) -> None:
@@ -69,20 +80,19 @@ def test_a_directory_given_as_a_prompt_file_is_named_as_a_directory(tmp_path):
 
 @pytest.mark.parametrize("name, suffix", [("hpd", ".json"), ("pickapic", ".jsonl"), ("ocr", ".txt"),
                                           ("pickapic", ".csv")])
-def test_flowgrpo_prompts_names_a_source_that_is_not_utf8(tmp_path, name, suffix):
+def test_flowgrpo_prompts_names_a_source_that_is_not_utf8(tmp_path, capsys, name, suffix):
     src = tmp_path / f"src{suffix}"
     src.write_bytes(NOT_UTF8)
-    with pytest.raises(SystemExit, match=rf"{src}: not UTF-8 text"):
-        cli_main(["prompts", name, str(src), "--out", str(tmp_path / "o.txt")])
+    _refused(capsys, ["prompts", name, str(src), "--out", str(tmp_path / "o.txt")], rf"{src}: not UTF-8 text")
 
 
-def test_flowgrpo_prompts_refuses_a_prompt_that_is_not_a_string(tmp_path):
+def test_flowgrpo_prompts_refuses_a_prompt_that_is_not_a_string(tmp_path, capsys):
     """Before: ``{"prompt": 5}`` was dropped silently and the file written without it."""
     src = tmp_path / "train.json"
     src.write_text(json.dumps([{"prompt": "a cat"}, {"prompt": 5}]))
     out = tmp_path / "o.txt"
-    with pytest.raises(SystemExit, match=r"record 1: field 'prompt' must be a string .*got int 5"):
-        cli_main(["prompts", "hpd", str(src), "--out", str(out)])
+    _refused(capsys, ["prompts", "hpd", str(src), "--out", str(out)],
+             r"record 1: field 'prompt' must be a string .*got int 5")
     assert not out.exists()
 
 
@@ -96,11 +106,10 @@ def test_flowgrpo_prompts_counts_null_prompts_it_drops(tmp_path, caplog):
     assert "dropped 1 records whose prompt field is null" in caplog.text
 
 
-def test_flowgrpo_prompts_names_the_line_of_a_bad_jsonl_source(tmp_path):
+def test_flowgrpo_prompts_names_the_line_of_a_bad_jsonl_source(tmp_path, capsys):
     src = tmp_path / "train.jsonl"
     src.write_text('{"caption": "a cat"}\n{oops\n')
-    with pytest.raises(SystemExit, match=rf"{src}:2: not valid JSON"):
-        cli_main(["prompts", "pickapic", str(src), "--out", str(tmp_path / "o.txt")])
+    _refused(capsys, ["prompts", "pickapic", str(src), "--out", str(tmp_path / "o.txt")], rf"{src}:2: not valid JSON")
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -109,26 +118,24 @@ def test_flowgrpo_prompts_names_the_line_of_a_bad_jsonl_source(tmp_path):
     (["prompts", "hpd", "SRC", "--out", "o.jsonl"], "would be read as JSONL, but the file holds one prompt a line"),
     (["prompts", "geneval", "--out", "o.txt"], "must end in .jsonl"),
 ])
-def test_prompts_options_that_cannot_apply_are_refused(tmp_path, argv, match):
+def test_prompts_options_that_cannot_apply_are_refused(tmp_path, capsys, argv, match):
     src = tmp_path / "train.json"
     src.write_text(json.dumps([{"prompt": "a cat"}]))
     argv = [str(src) if a == "SRC" else str(tmp_path / a) if a.startswith("o.") else a for a in argv]
-    with pytest.raises(SystemExit, match=match):
-        cli_main(argv)
+    _refused(capsys, argv, match)
     assert not any(tmp_path.glob("o.*"))
 
 
-def test_hpd_record_without_prompt_is_an_error(tmp_path):
+def test_hpd_record_without_prompt_is_an_error(tmp_path, capsys):
     (tmp_path / "train.json").write_text(json.dumps([{"caption": "x"}]))
-    with pytest.raises(SystemExit, match="record 0 has no field prompt"):
-        cli_main(["prompts", "hpd", str(tmp_path / "train.json"), "--out", str(tmp_path / "o.txt")])
+    _refused(capsys, ["prompts", "hpd", str(tmp_path / "train.json"), "--out", str(tmp_path / "o.txt")],
+             "record 0 has no field prompt")
 
 
-def test_unknown_set_and_missing_source(tmp_path):
-    with pytest.raises(SystemExit):
-        cli_main(["prompts", "laion", "x.json", "--out", str(tmp_path / "o.txt")])
-    with pytest.raises(SystemExit, match="no such file"):
-        cli_main(["prompts", "hpd", str(tmp_path / "absent.json"), "--out", str(tmp_path / "o.txt")])
+def test_unknown_set_and_missing_source(tmp_path, capsys):
+    _refused(capsys, ["prompts", "laion", "x.json", "--out", str(tmp_path / "o.txt")], "unknown prompt set|laion")
+    _refused(capsys, ["prompts", "hpd", str(tmp_path / "absent.json"), "--out", str(tmp_path / "o.txt")],
+             "no such file")
 
 
 # ------------------------------------------------------------------------------------------ sampling the prompt set

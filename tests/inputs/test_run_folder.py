@@ -370,3 +370,41 @@ def test_ctrl_c_under_the_cli_prints_the_cli_command_that_resumes(tmp_path, tiny
     line = err.strip().splitlines()[-1]
     assert line.startswith("interrupted in epoch ") and "; resume: flowgrpo train model.pretrained=" in line
     assert line.endswith(f"train.resume_from={out / 'checkpoints'}")
+
+
+def _unmakeable(tmp_path, monkeypatch, kind):
+    """A folder whose making fails as the OS would fail it: under ``/proc`` (no such file or directory: a real
+    virtual file system, Linux) or, for "permission", a ``mkdir`` refused with EACCES (the tests run as root, who
+    may write anywhere)."""
+    if kind == "proc":
+        if not Path("/proc/self").exists():
+            pytest.skip("no /proc on this platform")
+        return Path("/proc/flowgrpo-no-such-folder/run"), "No such file or directory"
+    target = tmp_path / "locked" / "run"
+    real_mkdir = Path.mkdir
+
+    def refuse(self, *a, **k):
+        if self in (target, target.parent):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    return target, "Permission denied"
+
+
+@pytest.mark.parametrize("kind", ["proc", "permission"])
+def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, capsys, kind):
+    """Before: a PermissionError (``/sys/…``) or FileNotFoundError (``/proc/…``) traceback from the run lock's
+    mkdir."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    monkeypatch.setattr(models, "load_model_from_config", lambda *a, **k: pytest.fail("the model was loaded"))
+    folder, reason = _unmakeable(tmp_path, monkeypatch, kind)
+    with pytest.raises(SystemExit) as info:
+        main([f"output_dir={folder}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2
+    assert len(err) == 1 and err[0].startswith(f"error: output_dir {str(folder)!r} cannot be used as a run folder: "
+                                               f"{reason} (")
+    assert err[0].endswith("); choose a folder you can write to")
