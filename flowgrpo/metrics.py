@@ -89,7 +89,8 @@ def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: f
     reward's mean ± population std over the epoch's B samples; ``trained`` the samples whose advantage is used
     (``adv/kept_frac``; in brackets the share with a learning signal, ``adv/learning_frac``, when it is smaller: a
     group of equal rewards has none; only with ``advantages``, for an objective that trains on them) and the
-    transitions the chunker trains (``plan/trained_frac``); ``later clip`` and
+    share of the trajectory's transitions a trained sample trains (``plan/trained_frac``, a merged jump counting the
+    grid steps it spans); ``later clip`` and
     ``kl`` the clip fraction and approximate KL (½·mean Δlog p²) of the off-policy optimizer steps
     (``policy_later/*``: the first step of an epoch is on-policy, its ratio exactly 1); ``kl_ref`` when a KL
     penalty is on; ``first-update mismatch`` only when ``policy/logprob_mismatch_max`` is not 0 (the training
