@@ -283,8 +283,10 @@ def _interrupted_line(args, prog: str | None = None) -> str:
     words = [*command, *([args.config] if args.config else [])]
     words += [o for o in args.overrides if not o.startswith("train.resume_from=")]
     n = _TRAINER.cfg.train.num_epochs
-    where = ("during the final evaluation and save" if _TRAINER.stage == "final"
-             else f"in epoch {_TRAINER.epoch + 1}/{n}")  # 1-based, as the epoch lines
+    e = _TRAINER.epoch  # 0-based: shown 1-based, as the epoch lines
+    where = {"final": "during the final evaluation and save",
+             "before": (f"before {'the first epoch' if e == 0 else f'epoch {e + 1}/{n}'} (setting up or evaluating "
+                        "before training)")}.get(_TRAINER.stage, f"in epoch {e + 1}/{n}")
     if (ckpt / "latest").is_file():
         latest = (ckpt / "latest").read_text().strip()
         resume = shlex.join([*words, f"train.resume_from={ckpt}"])
