@@ -100,11 +100,11 @@ def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: f
     if mean is not None:
         parts.append(f"reward {mean:.4g} ± {std:.3g}" if std is not None else f"reward {mean:.4g}")
     kept, steps = record.get("adv/kept_frac"), record.get("plan/trained_frac")
-    if kept is not None and steps is not None:
+    if kept is not None:  # "of steps" only from a chunker's plan (the forward objectives train no transitions)
         signal = record.get("adv/learning_frac")
         note = (f" ({signal:.0%} with a learning signal)" if advantages and signal is not None and signal < kept
                 else "")
-        parts.append(f"trained {kept:.0%} of samples{note}, {steps:.0%} of steps")
+        parts.append(f"trained {kept:.0%} of samples{note}" + (f", {steps:.0%} of steps" if steps is not None else ""))
     if record.get("policy_later/clipfrac") is not None:
         parts.append(f"later clip {record['policy_later/clipfrac']:.3g} kl {record['policy_later/approx_kl']:.2g}")
     if record.get("policy/kl_ref"):
