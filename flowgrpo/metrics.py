@@ -89,7 +89,8 @@ def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: f
     reward's mean ± population std over the epoch's B samples; ``trained`` the samples whose advantage is used
     (``adv/kept_frac``; in brackets the share with a learning signal, ``adv/learning_frac``, when it is smaller: a
     group of equal rewards has none; only with ``advantages``, for an objective that trains on them) and the
-    transitions the chunker trains (``plan/trained_frac``); ``later clip`` and
+    share of the trajectory's transitions a trained sample trains (``plan/trained_frac``, a merged jump counting the
+    grid steps it spans); ``later clip`` and
     ``kl`` the clip fraction and approximate KL (½·mean Δlog p²) of the off-policy optimizer steps
     (``policy_later/*``: the first step of an epoch is on-policy, its ratio exactly 1); ``kl_ref`` when a KL
     penalty is on; ``first-update mismatch`` only when ``policy/logprob_mismatch_max`` is not 0 (the training
@@ -99,11 +100,11 @@ def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: f
     if mean is not None:
         parts.append(f"reward {mean:.4g} ± {std:.3g}" if std is not None else f"reward {mean:.4g}")
     kept, steps = record.get("adv/kept_frac"), record.get("plan/trained_frac")
-    if kept is not None and steps is not None:
+    if kept is not None:  # "of steps" only from a chunker's plan (the forward objectives train no transitions)
         signal = record.get("adv/learning_frac")
         note = (f" ({signal:.0%} with a learning signal)" if advantages and signal is not None and signal < kept
                 else "")
-        parts.append(f"trained {kept:.0%} of samples{note}, {steps:.0%} of steps")
+        parts.append(f"trained {kept:.0%} of samples{note}" + (f", {steps:.0%} of steps" if steps is not None else ""))
     if record.get("policy_later/clipfrac") is not None:
         parts.append(f"later clip {record['policy_later/clipfrac']:.3g} kl {record['policy_later/approx_kl']:.2g}")
     if record.get("policy/kl_ref"):

@@ -192,6 +192,24 @@ class ChunkPlan:
     def num_chunks(self) -> int:
         return len(self.chunks)
 
+    def trained_transition_frac(self, jump: torch.Tensor) -> float:
+        """The share of the trajectory's transitions that the plan trains, averaged over the samples that train
+        at least one chunk (0.0 when none does): ``plan/trained_frac``.
+
+        A sample's count is the grid steps its selected chunks cover, ``Σ_k selected[b, k]·Σ_(t ∈ chunk k)
+        jump[b, t]`` (an E-GRPO merged jump of m grid steps counts m), divided by T, the trajectory's grid steps.
+        E.g. MixGRPO's 4-step window of 8 steps gives 0.5; per-step with ``timestep_fraction`` 0.5 gives 0.5.
+
+        Args:
+            jump: (B, T) long, the trajectory's :attr:`Trajectory.jump` (B equal to ``selected``'s rows).
+        """
+        b, t = jump.shape
+        span = torch.stack([jump[:, list(c)].sum(dim=1) for c in self.chunks], dim=1) if self.chunks else \
+            torch.zeros(b, 0, dtype=torch.long)
+        covered = (span * self.selected.long()).sum(dim=1)
+        trained = self.selected.any(dim=1)
+        return float(covered[trained].double().mean() / t) if bool(trained.any()) else 0.0
+
 
 @dataclass(frozen=True)
 class GroupTable:

@@ -80,13 +80,30 @@ def help_text(config_path: str | None, overrides: list[str]) -> str:
         values = {**flat_dict(config.model_dump(mode="json")), **not_read(config, keys),
                   **refused(config, problems, keys)}
     except Exception as err:  # noqa: BLE001 - help must print whatever is wrong with the config
-        values, source = {}, f"schema defaults ({source} could not be read: {err})"
+        bad = _bad_override(config_path or DEFAULT_CONFIG, [o for o in overrides if "=" in o])
+        values, source = {}, (f"schema defaults (the override {bad!r} could not be applied to {source}: {err})"
+                              if bad is not None else f"schema defaults ({source} could not be read: {err})")
     width = max(len(r[0]) for r in rows)
     lines = [f"  {k:<{width}}  {d}  [{values[k] if k in values else v}]" for k, v, d in rows]
     refusals = "".join(f"  this command is refused: {what}; the rows marked REFUSED:\n"
                        + "".join(f"    - {p}\n" for p in ps) for what, ps in problems)
     return (f"config fields (set in YAML or as dotted.key=value), [values this command uses: {source}]:\n"
             + refusals + "\n".join(lines) + "\n\n" + CONFIG_HELP + "\n\n" + _rewards_help())
+
+
+def _bad_override(path, overrides: list[str]) -> str | None:
+    """The first override that makes the config at ``path`` fail to load (the file alone loading), or None when
+    the file itself cannot be read: what ``--help`` blames."""
+    try:
+        load_config(path, [], strategy_checks=False)
+    except Exception:  # noqa: BLE001 - the file's own fault
+        return None
+    for i in range(len(overrides)):
+        try:
+            load_config(path, overrides[: i + 1], strategy_checks=False)
+        except Exception:  # noqa: BLE001 - any fault of this override
+            return overrides[i]
+    return None
 
 
 def _rewards_help() -> str:
@@ -283,8 +300,10 @@ def _interrupted_line(args, prog: str | None = None) -> str:
     words = [*command, *([args.config] if args.config else [])]
     words += [o for o in args.overrides if not o.startswith("train.resume_from=")]
     n = _TRAINER.cfg.train.num_epochs
-    where = ("during the final evaluation and save" if _TRAINER.stage == "final"
-             else f"in epoch {_TRAINER.epoch + 1}/{n}")  # 1-based, as the epoch lines
+    e = _TRAINER.epoch  # 0-based: shown 1-based, as the epoch lines
+    where = {"final": "during the final evaluation and save",
+             "before": (f"before {'the first epoch' if e == 0 else f'epoch {e + 1}/{n}'} (setting up or evaluating "
+                        "before training)")}.get(_TRAINER.stage, f"in epoch {e + 1}/{n}")
     if (ckpt / "latest").is_file():
         latest = (ckpt / "latest").read_text().strip()
         resume = shlex.join([*words, f"train.resume_from={ckpt}"])

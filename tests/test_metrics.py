@@ -24,6 +24,11 @@ def test_epoch_line_shows_progress_eta_reward_and_later_updates():
     # lack of signal to show
     line = epoch_line({**record, "adv/learning_frac": 0.0}, 4, 80, elapsed=65.0, eta=0.0, advantages=False)
     assert "trained 75% of samples, 50% of steps" in line and "learning signal" not in line
+    # a forward objective (DiffusionNFT …) trains no chunker transitions: no "of steps" (its sample share is
+    # plan/trained_samples_frac, not shown as steps)
+    forward = {k: v for k, v in record.items() if k != "plan/trained_frac"} | {"plan/trained_samples_frac": 0.75}
+    line = epoch_line(forward, 4, 80, elapsed=65.0, eta=0.0)
+    assert "trained 75% of samples ·" in line and "of steps" not in line
     line = epoch_line({**record, "policy/logprob_mismatch_max": 1.2e-7}, 0, 3, elapsed=3725.0, eta=0.0)
     assert line.startswith("epoch 1/3 · 1:02:05 elapsed · ETA 0:00")
     assert line.endswith("first-update mismatch 1.2e-07")

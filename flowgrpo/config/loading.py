@@ -171,10 +171,12 @@ def _strategy_name(section, default: str) -> str:
     return section if isinstance(section, str) else (section or {}).get("name", default)
 
 
-def _move_loss_knobs(algo: dict) -> None:
+def _move_loss_knobs(algo: dict, overridden: frozenset[str] = frozenset()) -> None:
     """The flat ``algo.sapo_tau_pos`` / ``sapo_tau_neg`` / ``dual_clip_c`` of configs written before the policy
     loss had its own section: moved into ``algo.policy_loss`` (with a ``FutureWarning``) when their loss is the
-    chosen one, dropped at their default (a saved config lists every key), else refused naming their loss."""
+    chosen one, dropped at their default when a config file gives them (a saved config of that layout lists every
+    key), else refused naming their loss: always when an override sets them (``overridden``: the dotted keys the
+    overrides set; the user asked for a knob the chosen loss does not read)."""
     for old in [k for k in MOVED_KEYS if k in algo]:
         owner, key = MOVED_KEYS[old]
         value = algo.pop(old)
@@ -188,15 +190,16 @@ def _move_loss_knobs(algo: dict) -> None:
                 raise ConfigError(f"config has both algo.{old} and its new key algo.policy_loss.{key}; keep only "
                                   f"algo.policy_loss.{key}")
             algo["policy_loss"] = {**section, key: value}
-        elif value != loss_config_class(owner).model_fields[key].default:
+        elif value != loss_config_class(owner).model_fields[key].default or f"algo.{old}" in overridden:
             raise ConfigError(f"algo.{old}={value!r} is read only by algo.policy_loss={owner}, but algo.policy_loss "
                               f"is {chosen!r}: remove the setting or choose {owner} (its key is now "
                               f"algo.policy_loss.{key})")
 
 
-def _drop_unread_filter_defaults(algo: dict) -> None:
-    """Keys of ``algo.group_filter`` that only other filters read, at those filters' default: dropped (configs
-    written before each filter had its own settings list every key of every filter)."""
+def _drop_unread_filter_defaults(algo: dict, overridden: frozenset[str] = frozenset()) -> None:
+    """Keys of ``algo.group_filter`` that only other filters read, at those filters' default and not set by an
+    override (``overridden``, dotted keys): dropped (configs written before each filter had its own settings list
+    every key of every filter); an override's is left for the schema to refuse."""
     section = algo.get("group_filter")
     if not isinstance(section, dict) or section.get("name", "none") not in GROUP_FILTERS:
         return  # the schema names an unknown filter
@@ -204,17 +207,18 @@ def _drop_unread_filter_defaults(algo: dict) -> None:
     models = [settings_class(GROUP_FILTERS, n, GroupFilterConfig).model_fields for n in GROUP_FILTERS]
     for key in [k for k in section if k not in own]:
         defaults = [fields[key].default for fields in models if key in fields]
-        if defaults and all(section[key] == d for d in defaults):
+        if defaults and all(section[key] == d for d in defaults) and f"algo.group_filter.{key}" not in overridden:
             del section[key]
 
 
-def _legacy(data: dict) -> None:
+def _legacy(data: dict, overridden: frozenset[str] = frozenset()) -> None:
     """Bring keys of configs written by earlier versions to the schema's places (:data:`MOVED_KEYS`, the
-    all-filters ``group_filter`` section); renamed sections are handled by :func:`build_config`."""
+    all-filters ``group_filter`` section); renamed sections are handled by :func:`build_config`. ``overridden``:
+    the dotted keys the command's overrides set (never dropped as an old file's defaults)."""
     algo = data.get("algo")
     if isinstance(algo, dict):
-        _move_loss_knobs(algo)
-        _drop_unread_filter_defaults(algo)
+        _move_loss_knobs(algo, overridden)
+        _drop_unread_filter_defaults(algo, overridden)
 
 
 def _descend(node: dict, key: str, path: str, text: str) -> dict:
@@ -241,14 +245,16 @@ def build_config(data: dict | None = None, overrides: list[str] = (), *, strateg
         if new in data:
             raise ConfigError(f"config has both {old!r} and its new name {new!r}; keep only {new!r}")
         data[new] = data.pop(old)
+    overridden = set()
     for text in overrides:
         path, value = parse_override(text)
         path[0] = _renamed(path[0], f"override {text!r}")
+        overridden.add(".".join(path))
         node = data
         for i, p in enumerate(path[:-1]):
             node = _descend(node, p, ".".join(path[: i + 1]), text)
         node[path[-1]] = value
-    _legacy(data)
+    _legacy(data, frozenset(overridden))
     try:
         return Config.model_validate(data, context={"strategy_checks": strategy_checks})
     except ValidationError as err:

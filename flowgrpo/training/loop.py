@@ -86,7 +86,8 @@ class Trainer:
                               else None)  # compile/… figures of a compiled transformer (flowgrpo.compile)
         self.sampler = GroupSampler(len(prompts), config.train.prompts_per_epoch, config.train.seed)
         self.epoch = 0  # 0-based: the epoch training (or next to train)
-        self.stage = "epochs"  # "epochs", then "final" (the final evaluation and save)
+        self.stage = "before"  # "before" (set-up, the evaluation before training), "epochs", "final" (the final
+        # evaluation and save): what an interruption report names
         self.settings = SamplerSettings.from_config(config.sampling)
         self.metrics = MetricsSink(self.out / "metrics.jsonl", accelerator, self.main)
         self.reward_origins = reward_origins or []
@@ -145,6 +146,7 @@ class Trainer:
         eval_seconds = time.perf_counter() - t0
         last, first = cfg.train.num_epochs - 1, self.epoch
         start = time.perf_counter()
+        self.stage = "epochs"
         for epoch in range(self.epoch, cfg.train.num_epochs):
             self.epoch = epoch
             every = cfg.logging.eval_every

@@ -158,15 +158,20 @@ class Optimization:
         self.lr_scheduler.base_lrs = [t.lr] * len(self.optimizer.param_groups)
         for group in self.optimizer.param_groups:
             group["lr"] = t.lr * self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
-        logger.info("%s", resumed_line(resolve_checkpoint(checkpoint), epoch, t.num_epochs))
+        line = resumed_line(resolve_checkpoint(checkpoint), epoch, t.num_epochs)
+        if line is not None:  # a finished run: the run folder's "already finished" line says it alone
+            logger.info("%s", line)
         return epoch
 
 
-def resumed_line(checkpoint, epoch: int, num_epochs: int) -> str:
+def resumed_line(checkpoint, epoch: int, num_epochs: int) -> str | None:
     """The console line of a resume from ``checkpoint`` whose next epoch is ``epoch`` (0-based, as
     ``metrics.jsonl``'s ``epoch`` and the checkpoint names: ``epoch_N`` holds the state after 0-based epoch N),
     counted from 1 as the epoch lines: ``resumed from …/epoch_1 (saved after epoch 2/10); continuing with epoch
-    3/10``."""
+    3/10``; None when no epoch is left (``epoch`` ≥ ``num_epochs``: :meth:`RunFolder.finished
+    <flowgrpo.training.run_folder.RunFolder.finished>` reports it)."""
+    if epoch >= num_epochs:
+        return None
     return (f"resumed from {checkpoint} (saved after epoch {epoch}/{num_epochs}); continuing with epoch "
             f"{epoch + 1}/{num_epochs}")
 

@@ -197,8 +197,18 @@ class RunFolder:
                            "stopped during its final evaluation and save; finishing them now", self.out,
                            self.cfg.train.num_epochs, " and no ".join(missing))
             return False
-        logger.warning("the run of %s already finished all %d epochs (its checkpoint epoch_%d is after epoch %d/%d, "
-                       "counted as the epoch lines): nothing to do, nothing rewritten. To train further, resume with "
-                       "a larger train.num_epochs.", self.cfg.train.resume_from, self.cfg.train.num_epochs, epoch - 1,
-                       epoch, self.cfg.train.num_epochs)
+        logger.warning("%s", finished_line(self.cfg.train.resume_from, epoch, self.cfg.train.num_epochs))
         return True
+
+
+def finished_line(resume_from, epoch: int, num_epochs: int) -> str:
+    """The one line of resuming a finished run: its checkpoint is after ``epoch`` epochs (counted as the epoch
+    lines; the checkpoint ``epoch_<epoch - 1>``), at least ``num_epochs``; saying so when it has more than
+    ``train.num_epochs`` asks."""
+    if epoch > num_epochs:
+        return (f"the run of {resume_from} already trained {epoch} epochs (its checkpoint epoch_{epoch - 1} is after "
+                f"epoch {epoch}, counted as the epoch lines), more than train.num_epochs={num_epochs} asks: nothing "
+                f"to do, nothing rewritten. To train further, resume with train.num_epochs above {epoch}.")
+    return (f"the run of {resume_from} already finished all {num_epochs} epochs (its checkpoint epoch_{epoch - 1} is "
+            f"after epoch {epoch}/{num_epochs}, counted as the epoch lines): nothing to do, nothing rewritten. To "
+            "train further, resume with a larger train.num_epochs.")

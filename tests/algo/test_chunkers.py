@@ -307,3 +307,57 @@ def test_a_plan_without_stochastic_steps_is_an_error():
 def test_unknown_chunker_suggests():
     with pytest.raises(KeyError, match="did you mean 'per_step'"):
         build_chunker(chunker_settings(name="per-step"))
+
+
+# ----------------------------------------------------------------------------------------------- plan/trained_frac
+
+
+def _frac(chunker_kwargs, traj, epoch=0):
+    from flowgrpo.algo.objectives.sde_ratio import SdeRatioWork
+
+    plan = build_chunker(chunker_settings(**chunker_kwargs)).plan(traj, epoch, _gen())
+    return SdeRatioWork(traj, None, plan, [], traj.log_probs, None, epoch, False).metrics["plan/trained_frac"]
+
+
+def test_trained_frac_is_the_share_of_the_trajectorys_transitions():
+    # the epoch line's "% of steps": the transitions a trained sample trains over T, by hand for every chunker
+    t8 = _random_traj(t=8)
+    assert _frac({"name": "per_step"}, _random_traj(t=6)) == pytest.approx(1.0)
+    assert _frac({"name": "per_step", "timestep_fraction": 0.5}, _random_traj(t=6)) == pytest.approx(3 / 6)
+    assert _frac({"name": "per_step", "drop_last_step": True}, _random_traj(t=6)) == pytest.approx(5 / 6)
+    # chunk: sizes 3 + 4 over the 7 trainable of 8 (last dropped): one chunk of 7 steps or two, all trained: 7/8
+    assert _frac({"name": "chunk", "chunk_sizes": [3, 4], "drop_last_step": True}, t8) == pytest.approx(7 / 8)
+    # chunk_fraction 0.5 of sizes [2, 6]: int(2·0.5) = 1 chunk a sample, of 2 or 6 steps: mean over samples / 8
+    traj = _random_traj(b=4, t=8)
+    plan = build_chunker(chunker_settings(name="chunk", chunk_sizes=[2, 6], chunk_fraction=0.5)).plan(traj, 0, _gen())
+    sizes = [2 if row[0] else 6 for row in plan.selected.tolist()]
+    assert plan.trained_transition_frac(traj.jump) == pytest.approx(sum(sizes) / 4 / 8)
+    assert _frac({"name": "trajectory"}, t8) == pytest.approx(1.0)
+    assert _frac({"name": "trajectory", "drop_last_step": True}, t8) == pytest.approx(7 / 8)
+    # MixGRPO: a 4-step SDE window of 8 steps trains half of the trajectory (not 100% of its 4 chunks)
+    window = build_chunker(chunker_settings(name="window", window_size=4))
+    assert _frac({"name": "window", "window_size": 4}, _random_traj(t=8, stochastic=window.sde_steps(8, 0))) == \
+        pytest.approx(4 / 8)
+
+
+def test_trained_frac_counts_the_grid_steps_of_a_merged_jump():
+    # E-GRPO on 8 steps with jumps (0, 1), (1, 1), (2, 2): one row per branch step, each training its jump of
+    # 1, 1 and 2 grid steps: (1 + 1 + 2) / 3 / 8 = 1/6
+    traj = _random_traj(b=3, t=8, stochastic=torch.zeros(3, 8, dtype=torch.bool))
+    for row, (s, m) in enumerate([(0, 1), (1, 1), (2, 2)]):
+        traj.stochastic[row, s] = True
+        traj.jump[row, s] = m
+        traj.jump[row, s + 1:s + m] = 0
+    assert _frac({"name": "entropy_merge", "merge_steps": [0, 1, 2], "merge_lengths": [1, 1, 2]}, traj) == \
+        pytest.approx(1 / 6)
+
+
+def test_trained_frac_averages_over_the_trained_samples_only():
+    # a filtered-out sample (no chunk selected) does not lower the share of steps (it is in "% of samples");
+    # sample 0 trains steps 0 and 2 of 4, sample 1 step 1 (half a trained jump of 2 counts 2), sample 2 nothing
+    from flowgrpo.records import ChunkPlan
+
+    jump = torch.tensor([[1, 1, 1, 1], [1, 2, 0, 1], [1, 1, 1, 1]])
+    plan = ChunkPlan(((0,), (1,), (2,)), torch.tensor([[True, False, True], [False, True, False], [False] * 3]))
+    assert plan.trained_transition_frac(jump) == pytest.approx((2 / 4 + 2 / 4) / 2)
+    assert ChunkPlan(((0,),), torch.zeros(2, 1, dtype=torch.bool)).trained_transition_frac(jump[:2]) == 0.0

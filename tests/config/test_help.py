@@ -160,4 +160,19 @@ def test_help_of_an_objective_the_config_refuses_shows_the_configs_values_and_ma
         assert value("sampling.num_steps") == str(digits["sampling"]["num_steps"])  # read by nft and dpo too
     # a config that runs lists no refusal; one with another fault still falls back to the schema's defaults
     assert "this command is refused" not in help_text("configs/digits_nft.yaml", [])
-    assert "could not be read" in help_text(None, ["train.num_epochs=0"])
+    assert "the override 'train.num_epochs=0' could not be applied" in help_text(None, ["train.num_epochs=0"])
+
+
+def test_help_blames_a_bad_override_not_the_config_file(tmp_path):
+    from flowgrpo.runner import help_text
+
+    # a typo'd override names the override, not the (good) embedded default
+    text = help_text(None, ["train.lr=1e-4", "train.num_epoch=3"])
+    head = text.splitlines()[0]
+    assert "the override 'train.num_epoch=3' could not be applied to" in head and "(the embedded default)" in head
+    assert "unknown config key 'train.num_epoch'" in head and "could not be read" not in head
+    # a file that is itself broken is still the one blamed
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {num_epoch: 3}\n")
+    head = help_text(str(bad), ["train.lr=1e-4"]).splitlines()[0]
+    assert f"{bad} could not be read" in head and "override" not in head

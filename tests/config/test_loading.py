@@ -174,3 +174,14 @@ def test_a_config_written_before_the_strategy_sections_still_loads():
         build_config({"algo": {"policy_loss": "sapo", "dual_clip_c": 5}})
     with pytest.raises(ConfigError, match="keep=4 is read only by algo.group_filter.name=gfpo"):
         build_config({"algo": {"group_filter": {"name": "none", "keep": 4}}})
+
+
+def test_an_override_of_a_key_the_chosen_strategy_does_not_read_is_refused_even_at_its_default():
+    # docs/configs.md: such a key "is refused"; only an old saved config file's defaults are dropped
+    with pytest.raises(ConfigError, match="algo.sapo_tau_pos=1 is read only by algo.policy_loss=sapo"):
+        build_config({}, ["algo.sapo_tau_pos=1"])
+    with pytest.raises(ConfigError, match="algo.dual_clip_c=3.0 is read only by algo.policy_loss=dual_clip"):
+        build_config({}, ["algo.dual_clip_c=3.0"])
+    with pytest.raises(ConfigError, match="read only by algo.group_filter.name="):
+        build_config({}, ["algo.group_filter.min_pass_rate=0.0"])
+    assert build_config({"algo": {"sapo_tau_pos": 1.0}}).algo.policy_loss.name == "clipped"  # a file's: dropped

@@ -182,10 +182,11 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
 
     before = stamps()
     again = _cfg(tmp_path, tiny_flux_dir, train={"resume_from": str(out / "checkpoints")})
-    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
+    with caplog.at_level(logging.INFO, logger="flowgrpo.training"):  # INFO: the resumed line's level
         summary = run(again)
     assert any("already finished all 2 epochs (its checkpoint epoch_1 is after epoch 2/2" in r.getMessage()
                for r in caplog.records)  # numbered as the epoch lines, not "after epoch 1" of 2
+    assert not any("continuing with epoch" in r.getMessage() for r in caplog.records)  # only the finished line
     assert summary == json.loads((out / "summary.json").read_text())
     assert stamps() == before
     # a copy of the finished folder resumed in place reports its own files, not the original's
@@ -408,3 +409,18 @@ def test_an_output_dir_that_cannot_be_made_is_one_line(tmp_path, monkeypatch, ca
     assert len(err) == 1 and err[0].startswith(f"error: output_dir {str(folder)!r} cannot be used as a run folder: "
                                                f"{reason} (")
     assert err[0].endswith("); choose a folder you can write to")
+
+
+def test_resuming_a_finished_run_prints_only_the_finished_line():
+    # no "continuing with epoch 6/5" beside "already finished"; a checkpoint past train.num_epochs says so
+    from flowgrpo.training.optim import resumed_line
+    from flowgrpo.training.run_folder import finished_line
+
+    assert resumed_line("runs/x/checkpoints/epoch_4", 5, 5) is None
+    assert resumed_line("runs/x/checkpoints/epoch_4", 7, 5) is None
+    assert resumed_line("c/epoch_1", 2, 10) == "resumed from c/epoch_1 (saved after epoch 2/10); continuing with epoch 3/10"
+    assert finished_line("runs/x/checkpoints", 5, 5).startswith(
+        "the run of runs/x/checkpoints already finished all 5 epochs (its checkpoint epoch_4 is after epoch 5/5")
+    line = finished_line("runs/x/checkpoints", 7, 5)
+    assert "already trained 7 epochs (its checkpoint epoch_6 is after epoch 7" in line
+    assert "more than train.num_epochs=5 asks" in line and "train.num_epochs above 7" in line

@@ -186,3 +186,34 @@ def test_interruption_report_counts_epochs_from_one_and_names_the_final_save(tmp
     line = runner._interrupted_line(args, "flowgrpo train")
     assert line.startswith("\ninterrupted during the final evaluation and save; last checkpoint")
     assert line.rstrip().endswith(f"train.resume_from={tmp_path / 'checkpoints'}")
+    # Ctrl-C during the evaluation before training: no epoch started (a fresh run, then a resumed one at epoch 2)
+    monkeypatch.setattr(runner, "_TRAINER", SimpleNamespace(out=tmp_path, cfg=cfg, epoch=0, stage="before"))
+    assert runner._interrupted_line(args, "flowgrpo train").startswith("\ninterrupted before the first epoch (")
+    monkeypatch.setattr(runner, "_TRAINER", SimpleNamespace(out=tmp_path, cfg=cfg, epoch=1, stage="before"))
+    assert runner._interrupted_line(args, "flowgrpo train").startswith("\ninterrupted before epoch 2/2 (")
+
+
+def test_the_trainer_is_before_its_first_epoch_until_the_epochs_start():
+    # the loop's stage: "before" from construction to the first epoch (read from the source order of fit)
+    import inspect
+
+    from flowgrpo.training.loop import Trainer
+
+    init, fit = inspect.getsource(Trainer.__init__), inspect.getsource(Trainer.fit)
+    assert 'self.stage = "before"' in init
+    assert fit.index("self.run.before(") < fit.index('self.stage = "epochs"') < fit.index("for epoch in range(")
+
+
+def test_the_embedded_default_saves_checkpoints_during_its_epochs():
+    # a 90-epoch default with save_every 0 loses the whole run to Ctrl-C at epoch 89: it saves every 10 epochs,
+    # so the last save before the end is after epoch 80 (epoch_79), as docs/checkpoints.md says
+    from flowgrpo.config import load_config
+    from flowgrpo.runner import DEFAULT_CONFIG
+
+    cfg = load_config(DEFAULT_CONFIG, [])
+    every, n = cfg.logging.save_every, cfg.train.num_epochs
+    assert (every, n) == (10, 90)
+    assert [e for e in range(n - 1) if (e + 1) % every == 0][-1] == 79
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
+    assert "saves every 10 epochs" in " ".join(text.split())

@@ -213,8 +213,11 @@ class ForwardWork:
 
     @property
     def metrics(self) -> dict[str, float]:
-        """``plan/trained_frac`` (the share of local samples trained) and ``plan/rows`` (all processes)."""
-        return {"plan/trained_frac": float(self.trained.double().mean()), "plan/rows": float(sum(self.step_rows))}
+        """``plan/trained_samples_frac`` (the share of local samples trained; not ``plan/trained_frac``, the share
+        of a trajectory's transitions, which the epoch line shows as "% of steps") and ``plan/rows`` (all
+        processes)."""
+        return {"plan/trained_samples_frac": float(self.trained.double().mean()),
+                "plan/rows": float(sum(self.step_rows))}
 
 
 class _Stats:

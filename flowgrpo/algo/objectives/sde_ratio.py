@@ -67,8 +67,10 @@ class SdeRatioWork:
 
     @property
     def metrics(self) -> dict[str, float]:
-        """``plan/chunks`` (K) and ``plan/trained_frac`` (the planned share of (sample, chunk) pairs)."""
-        return {"plan/chunks": self.plan.num_chunks, "plan/trained_frac": float(self.plan.selected.double().mean())}
+        """``plan/chunks`` (K) and ``plan/trained_frac`` (the share of the trajectory's transitions a trained
+        sample trains: :meth:`~flowgrpo.records.ChunkPlan.trained_transition_frac`)."""
+        return {"plan/chunks": self.plan.num_chunks,
+                "plan/trained_frac": self.plan.trained_transition_frac(self.traj.jump)}
 
 
 _STATS = ("pairs", "ratio", "clipped", "approx_kl", "kl_ref", "loss")
