@@ -27,3 +27,21 @@ def int_in(low: int, high: int | None = None, meaning: str = "") -> Callable[[st
 
     parse.__name__ = "int"  # argparse names the type in some messages
     return parse
+
+
+def float_at_least(low: float, meaning: str = "") -> Callable[[str], float]:
+    """An argparse ``type`` accepting finite numbers >= ``low`` (``meaning`` appended to the allowed range).
+    Raises ``argparse.ArgumentTypeError`` (argparse prints it with the option's name and exits 2)."""
+    allowed = f"a number >= {low}" + (f" ({meaning})" if meaning else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: {allowed}") from None
+        if not value >= low or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{value} is out of range; allowed: {allowed}")
+        return value
+
+    parse.__name__ = "float"
+    return parse

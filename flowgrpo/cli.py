@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from flowgrpo.argtypes import int_in
+from flowgrpo.argtypes import float_at_least, int_in
 
 logger = logging.getLogger("flowgrpo.cli")
 # Each subcommand imports its own modules when it runs (deliberately lazy): ``flowgrpo --help`` and ``flowgrpo
@@ -350,7 +350,8 @@ def _parser() -> argparse.ArgumentParser:
                    "with --run: train.seed)")
     s.add_argument("--num-steps", type=int_in(1), help=f"ODE steps (default {d['num_steps']}; with --run: "
                    "eval_sampling.num_steps)")
-    s.add_argument("--guidance-scale", type=float, help=f"guidance (default {d['guidance_scale']}; with --run: "
+    s.add_argument("--guidance-scale", type=float_at_least(0.0, "as sampling.guidance_scale"),
+                   help=f"guidance (default {d['guidance_scale']}; with --run: "
                    "eval_sampling.guidance_scale)")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help=f"model dtype (default {d['dtype']}; with --run: model.dtype)")

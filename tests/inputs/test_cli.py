@@ -50,13 +50,19 @@ def test_reward_server_refuses_a_port_out_of_range_in_one_line(port):
     (["sample", "--model", "tiny", "--num-images", "-2", "--out", "s"], "argument --num-images: -2 is out of range"),
     (["sample", "--model", "tiny", "--batch-size", "0", "--out", "s"], "argument --batch-size: 0 is out of range"),
     (["sample", "--model", "tiny", "--height", "-64", "--out", "s"], "argument --height: -64 is out of range"),
+    (["sample", "--model", "tiny", "--guidance-scale", "-3", "--out", "s"],
+     "argument --guidance-scale: -3.0 is out of range; allowed: a number >= 0.0"),
+    (["sample", "--model", "tiny", "--guidance-scale", "nan", "--out", "s"],
+     "argument --guidance-scale: nan is out of range; allowed: a number >= 0.0"),
+    (["sample", "--model", "tiny", "--guidance-scale", "x", "--out", "s"],
+     "argument --guidance-scale: 'x' is not a number; allowed: a number >= 0.0"),
 ])
 def test_cli_numbers_out_of_range_are_usage_errors(tmp_path, monkeypatch, capsys, argv, needle):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
         cli_main(argv)
     err = capsys.readouterr().err
-    assert info.value.code == 2 and needle in err and "allowed: an integer" in err
+    assert info.value.code == 2 and needle in err and "allowed: a" in err
     assert not list(tmp_path.iterdir())  # nothing written
 
 
