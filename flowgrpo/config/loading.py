@@ -297,7 +297,12 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     if base is not None:
         if not isinstance(base, str):
             raise ConfigError(f"config file {str(path)!r}: 'base' must be a file name, got {base!r}")
-        data = _deep_merge(read_yaml(p.parent / base, (*_seen, p)), data)
+        target = p.parent / base
+        if not target.is_file():
+            where = "is a directory" if target.is_dir() else "does not exist"
+            raise ConfigError(f"config file {str(path)!r}: its base {base!r} ({str(target)!r}) {where}; 'base' names a "
+                              "YAML file relative to the file that names it")
+        data = _deep_merge(read_yaml(target, (*_seen, p)), data)
     return data
 
 

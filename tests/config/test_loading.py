@@ -146,6 +146,20 @@ def test_base_config_is_merged_key_by_key(tmp_path):
         load_config(tmp_path / "loop.yaml")
 
 
+@pytest.mark.parametrize("make", ["missing", "folder"])
+def test_a_base_that_is_not_a_file_is_one_error_naming_the_file_that_names_it(tmp_path, make):
+    from flowgrpo.config import load_config
+
+    if make == "folder":
+        (tmp_path / "parent.yaml").mkdir()
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\ntrain: {lr: 0.25}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "child.yaml")
+    msg = str(err.value)
+    assert "child.yaml" in msg and "'parent.yaml'" in msg and "\n" not in msg
+    assert ("does not exist" if make == "missing" else "is a directory") in msg
+
+
 def test_old_grouper_section_is_an_alias_that_warns():
     """The strategy section was renamed grouper -> chunker; the old key (file or override) still works, warning."""
     with pytest.warns(FutureWarning, match="'grouper' is now called 'chunker'"):
