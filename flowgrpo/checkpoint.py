@@ -551,7 +551,7 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer, lr_s
             unreadable (naming it; every file is read through :func:`_read`).
         ValueError: the prompt sampler's state does not match this run (``GroupSampler.load_state_dict``).
     """
-    p = resolve_checkpoint(path)
+    p = resolve_checkpoint(path, warn=True)
     if (p / SHARDED).is_dir():
         _load_sharded(p, model=model, optimizer=optimizer, ema=ema, objective=objective)
     else:

@@ -135,16 +135,18 @@ def checkpoint_folders(root: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[6:]))
 
 
-def newest_healthy(root: str | Path) -> Path | None:
+def newest_healthy(root: str | Path, *, warn: bool = False) -> Path | None:
     """The checkpoint a resume of ``root`` continues from: the one ``latest`` names unless it is marked unhealthy,
-    else the newest checkpoint not marked unhealthy; None when there is none."""
+    else the newest checkpoint not marked unhealthy; None when there is none. ``warn``: log that the one ``latest``
+    names is passed over because its files are not as they were written (the load of a resume asks, so a
+    resume says it once, not once per look)."""
     root = Path(root)
     name = latest_name(root) if root.is_dir() else None
     if name and (root / name / "state.json").is_file():
         if is_healthy(root / name):
             return root / name
         why = incomplete(root / name)
-        if why is not None:
+        if why is not None and warn:
             logger.warning("checkpoint %s is not as it was written (%s): a resume passes it over", root / name, why)
     healthy = [p for p in checkpoint_folders(root) if is_healthy(p)] if root.is_dir() else []
     return healthy[-1] if healthy else None
@@ -196,14 +198,15 @@ def mark_unhealthy(root: str | Path, folder: str | Path, why: str) -> Path | Non
     return None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from a folder, or from a checkpoints root holding ``latest``."""
+def resolve_checkpoint(path: str | Path, *, warn: bool = False) -> Path:
+    """A checkpoint folder from a folder, or from a checkpoints root holding ``latest`` (``warn``: as
+    :func:`newest_healthy`'s)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint {str(p)!r} does not exist (train.resume_from: a checkpoint folder such as "
                               "OUTPUT_DIR/checkpoints/epoch_N, N 0-based, or OUTPUT_DIR/checkpoints for the latest)")
     if (p / "latest").is_file():
-        p = newest_healthy(p) or p / (p / "latest").read_text().strip()
+        p = newest_healthy(p, warn=warn) or p / (p / "latest").read_text().strip()
     if not (p / "state.json").is_file():
         raise CheckpointError(f"{str(p)!r} is not a complete checkpoint (no state.json)")
     why = incomplete(p)
