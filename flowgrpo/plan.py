@@ -362,10 +362,14 @@ def render(p: Plan, title: str = "") -> str:
     phases' peaks, and whether it fits."""
     w, lay = p.workload, p.layout
     fam = FAMILIES[w.family]
-    mesh = (f"{lay.gpus} GPU{'s' * (lay.gpus > 1)} = replicate {lay.replicate} × shard {lay.shard} × context "
-            f"{lay.context}; "
-            + (f"FSDP2 shards over {lay.fsdp} ranks" if w.sharding == "fsdp2" else "no sharding (DDP)")
-            + f", samples split over {lay.data} data ranks")
+    gpus = f"{lay.gpus} GPU{'s' * (lay.gpus > 1)}"
+    if w.sharding == "fsdp2":
+        mesh = (f"{gpus} = replicate {lay.replicate} × shard {lay.shard} × context {lay.context}; FSDP2 shards over "
+                f"{lay.fsdp} ranks")
+    else:  # no shard dimension to name: every GPU holds the whole model
+        mesh = (f"{gpus}" + (f" = {lay.data} data × context {lay.context}" if lay.context > 1 else "")
+                + "; no sharding (DDP: every GPU holds the whole model)")
+    mesh += f", samples split over {lay.data} data ranks"
     img, txt = fam.tokens(w.height, w.width, w.frames), fam.text_tokens(w.max_sequence_length)
     size = f"{w.height}×{w.width}" + (f"×{w.frames} frames" if fam.video else "")
     lines = [f"### {title or fam.name}", "",

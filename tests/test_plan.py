@@ -276,6 +276,12 @@ def test_cli_plan_prints_the_table_and_refuses_a_bad_layout(capsys):
         main(["plan", str(REPO / "configs" / "flux_chunk.yaml"), "--gpus", "6", "parallel.replicate=4"])
     assert err.value.code == 2
     assert "--gpus 6 is not a multiple" in capsys.readouterr().err
+    # without sharding there is no shard dimension: the line names none (it said "shard 8 ... no sharding")
+    main(["plan", str(REPO / "configs" / "flux_chunk.yaml"), "--gpus", "8", "parallel.sharding=none",
+          "--gpu-memory-gib", "141"])
+    head = next(line for line in capsys.readouterr().out.splitlines() if "tokens;" in line)
+    assert "8 GPUs; no sharding (DDP: every GPU holds the whole model), samples split over 8 data ranks" in head
+    assert "shard" not in head.replace("no sharding", "")
     assert GIB == 2**30 and plan  # the module's public names
 
 
