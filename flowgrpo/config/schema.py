@@ -342,7 +342,8 @@ class TrainConfig(Section):
         """Raises ``ValueError`` for ``lr_min_ratio`` set with a schedule that does not read it."""
         if self.lr_schedule == "constant" and self.lr_min_ratio != 0.0:
             raise ValueError(f"train.lr_min_ratio={self.lr_min_ratio} is read only by train.lr_schedule=cosine, but "
-                             "train.lr_schedule is 'constant': remove the setting or set train.lr_schedule=cosine")
+                             "train.lr_schedule is 'constant': set train.lr_min_ratio=0 (or remove it) or set "
+                             "train.lr_schedule=cosine")
         return self
 
 

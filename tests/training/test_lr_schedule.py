@@ -75,3 +75,9 @@ def test_a_resumed_optimizer_takes_the_epochs_rate(monkeypatch):
 def test_min_ratio_without_the_cosine_schedule_is_refused():
     with pytest.raises(ConfigError, match="train.lr_min_ratio=0.1 is read only by train.lr_schedule=cosine"):
         build_config({}, ["train.lr_min_ratio=0.1"])
+    # the fix it names works by override alone (a file's cosine with its floor switched to constant)
+    with pytest.raises(ConfigError, match="set train.lr_min_ratio=0 "):
+        build_config({"train": {"lr_schedule": "cosine", "lr_min_ratio": 0.1}}, ["train.lr_schedule=constant"])
+    cfg = build_config({"train": {"lr_schedule": "cosine", "lr_min_ratio": 0.1}},
+                       ["train.lr_schedule=constant", "train.lr_min_ratio=0"])
+    assert (cfg.train.lr_schedule, cfg.train.lr_min_ratio) == ("constant", 0.0)
