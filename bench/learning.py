@@ -81,7 +81,7 @@ OLD_DEFAULT = [
     "algo.kl_beta=0", "train.lr=2.0e-4", "train.num_epochs=80", "train.prompts_per_epoch=16", "train.group_size=8",
     "train.rollout_batch_size=32", "train.train_batch_size=null", "train.optimizer_steps_per_epoch=2",
     "chunker={name: per_step}", "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full",
-    "algo.group_filter={name: none}", "algo.std_eps=1.0e-4",
+    "algo.group_filter={name: none}", "algo.std_eps=1.0e-4", "train.lr_schedule=constant", "train.lr_min_ratio=0",
 ]
 
 #: the shipped digits.yaml between the collapse work and E-GRPO (Flow-GRPO's per-step chunker, KL beta 0.04, 16
@@ -92,7 +92,7 @@ PER_STEP_DEFAULT = [
     "train.num_epochs=50", "train.prompts_per_epoch=16", "train.group_size=8", "train.rollout_batch_size=32",
     "train.train_batch_size=null", "train.optimizer_steps_per_epoch=2", "chunker={name: per_step}",
     "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full", "algo.group_filter={name: none}",
-    "algo.std_eps=1.0e-4",
+    "algo.std_eps=1.0e-4", "train.lr_schedule=constant", "train.lr_min_ratio=0",
 ]
 
 ROWS: dict[str, list[str]] = {
