@@ -49,6 +49,23 @@ from flowgrpo.training.update import run_update
 logger = logging.getLogger(__name__)
 
 
+
+def solved_group_frac(total: torch.Tensor, group_ids: torch.Tensor) -> float | None:
+    """Of the groups whose finite rewards are all equal, the fraction whose shared reward is the highest finite
+    reward in ``total`` (B,) (groups by ``group_ids`` (B,)): solved groups, as a capped reward makes them. None
+    when no group is equal or every finite reward is the same (a constant reward solves nothing)."""
+    finite = torch.isfinite(total)
+    if not finite.any() or bool((total[finite] == total[finite].max()).all()):
+        return None
+    top = total[finite].max()
+    equal = at_top = 0
+    for g in torch.unique(group_ids):
+        r = total[(group_ids == g) & finite]
+        if r.numel() and bool((r == r[0]).all()):
+            equal += 1
+            at_top += bool(r[0] == top)
+    return at_top / equal if equal else None
+
 class Trainer:
     """The training loop of any objective.
 
@@ -231,7 +248,7 @@ class Trainer:
             self.save_rollout_stats(epoch, traj, rewards, group_ids, adv)
         m.log(_reward_metrics(rewards))
         m.log(server_metrics(self.rewards))  # reward/<name>/server/<i>/…: a remote reward's servers
-        self._warn_low_signal(epoch, adv)
+        self._warn_low_signal(epoch, adv, rewards.total, group_ids)
         m.log({"adv/zero_spread_frac": adv.zero_spread_frac, "adv/nan_frac": adv.nan_frac,
                "adv/learning_frac": adv.learning_frac,
                "adv/kept_frac": float(adv.train_mask.double().mean()), "adv/abs_mean": float(adv.values.abs().mean()),
@@ -338,12 +355,16 @@ class Trainer:
         caps = [f"{p[:28]}\n{r:.3g}" for p, r in zip(traj.prompts[:k], rewards.total[:k].tolist(), strict=True)]
         sample_grid(traj.images[:k], caps, self.out / "samples_latest.png", title=f"epoch {epoch + 1}")
 
-    def _warn_low_signal(self, epoch: int, adv: Advantages) -> None:
+    def _warn_low_signal(self, epoch: int, adv: Advantages, total: torch.Tensor | None = None,
+                         group_ids: torch.Tensor | None = None) -> None:
         """Metric ``adv/low_signal`` (1.0 or 0.0) each epoch; a console warning, with what to change, the first
         epoch the fraction of samples with a learning signal falls below ``algo.min_learning_frac`` (the epoch
         numbered from 1, as the epoch lines). Only for an objective that trains on the group advantages
         (:attr:`~flowgrpo.algo.objectives.base.Objective.trains_on_advantages`): for the others (a dataset, the
-        reward's gradient, a teacher) groups of equal rewards are no lack of signal, and neither is logged."""
+        reward's gradient, a teacher) groups of equal rewards are no lack of signal, and neither is logged.
+        ``total`` (B,) and ``group_ids`` (B,), this process's rewards and groups: when most equal groups sit at
+        the epoch's highest reward while others score lower (:func:`solved_group_frac`), the warning says the
+        prompts are solved (a capped reward's steady state) instead of advising a denser reward."""
         if not self._on_advantages:
             return
         low = adv.learning_frac < self.cfg.algo.min_learning_frac
@@ -351,6 +372,18 @@ class Trainer:
         if not low or self._low_signal_warned or not self.main:
             return
         self._low_signal_warned = True
+        solved = solved_group_frac(total, group_ids) if total is not None and group_ids is not None else None
+        if solved is not None and solved >= 0.5:
+            logger.warning(
+                "epoch %d: only %.1f%% of the samples carry a learning signal (%.1f%% of the groups have equal "
+                "rewards, %.0f%% of those at the epoch's highest reward; algo.min_learning_frac=%g): those prompts "
+                "are solved. With a capped reward (every sample past the cap scores the same, as the digits task's "
+                "cap 0.8) that is the intended steady state, not a fault; raise the cap or give harder prompts to "
+                "keep training them, or lower algo.min_learning_frac to silence this. Metric adv/low_signal marks "
+                "each such epoch; this warning is shown once.",
+                epoch + 1, 100 * adv.learning_frac, 100 * adv.zero_spread_frac, 100 * solved,
+                self.cfg.algo.min_learning_frac)
+            return
         logger.warning(
             "epoch %d: only %.1f%% of the samples carry a learning signal (%.1f%% of the groups have equal rewards, "
             "%.1f%% of the samples a NaN reward; algo.min_learning_frac=%g): the update moves the policy little or "

@@ -51,6 +51,32 @@ def test_low_signal_is_warned_and_logged_only_for_objectives_on_advantages(name,
         assert trainer.metrics.logged == {} and warned == []
 
 
+@pytest.mark.parametrize("case", ["solved", "failed", "constant"])
+def test_low_signal_says_solved_when_the_equal_groups_sit_at_the_highest_reward(case, caplog):
+    """Groups of 4: two equal groups and one that varies. At the epoch's highest reward (a capped reward's solved
+    prompts) the warning says so and gives no advice to densify the reward; equal groups at a low reward, or one
+    constant reward everywhere (nothing solved), keep the advice."""
+    from flowgrpo.training.loop import solved_group_frac
+
+    total = {"solved": [0.8] * 8 + [0.2, 0.8, 0.5, 0.8], "failed": [0.1] * 8 + [0.2, 0.8, 0.5, 0.8],
+             "constant": [0.8] * 12}[case]
+    total, ids = torch.tensor(total), torch.arange(3).repeat_interleave(4)
+    assert solved_group_frac(total, ids) == {"solved": 1.0, "failed": 0.0, "constant": None}[case]
+    adv = Advantages(values=torch.zeros(12), train_mask=torch.ones(12, dtype=torch.bool), zero_spread_frac=2 / 3,
+                     nan_frac=0.0, learning_frac=1 / 3)
+    trainer = SimpleNamespace(_on_advantages=True, metrics=_Metrics(), main=True, _low_signal_warned=False,
+                              cfg=SimpleNamespace(algo=SimpleNamespace(min_learning_frac=0.5)))
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
+        Trainer._warn_low_signal(trainer, 66, adv, total, ids)
+    (msg,) = [r.getMessage() for r in caplog.records if "carry a learning signal" in r.getMessage()]
+    assert msg.startswith("epoch 67: only 33.3% of the samples carry a learning signal (66.7% of the groups")
+    if case == "solved":
+        assert "100% of those at the epoch's highest reward" in msg and "are solved" in msg
+        assert "denser reward" not in msg and "algo.min_learning_frac" in msg
+    else:
+        assert "denser reward" in msg and "solved" not in msg
+
+
 # ------------------------------------------------------------------------------------------ the refusals, gathered
 from flowgrpo.config import ConfigError, build_config  # noqa: E402
 
