@@ -842,8 +842,17 @@ def part_k(c: Check) -> dict:
            *(["--dry-run"] if c.args.dry_run else [])]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     if proc.returncode:
-        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1500:]}")
+        raise RuntimeError(f"exit {proc.returncode}: {_failure_lines(proc.stderr)}")
     return json.loads(result.read_text())
+
+
+def _failure_lines(stderr: str) -> str:
+    """What a failed torchrun's stderr says of the cause: its lines naming an error, an abort or a C++ exception
+    (a worker killed by a signal leaves no Python traceback, and the launcher's summary at the end names only the
+    signal), then the last 1500 characters."""
+    marks = ("Error", "error:", "terminate called", "what():", "Traceback", "Aborted", "Signal")
+    cause = [line for line in stderr.splitlines() if any(m in line for m in marks)][:12]
+    return "\n".join(cause) + "\n…\n" + stderr[-1500:]
 
 
 

@@ -18,6 +18,19 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
 
+def test_a_failed_multi_process_part_names_the_cause_not_only_the_launchers_summary():
+    """A worker killed by a signal: the C++ exception's line comes first in the part's error, before the tail (the
+    launcher's summary, which names only the signal; one such CI failure under load was undiagnosable)."""
+    from gpu_check import _failure_lines
+
+    stderr = ("[rank1]: terminate called after throwing an instance of 'gloo::IoException'\n"
+              "[rank1]:   what():  Connection reset by peer\n" + "noise\n" * 600
+              + "traceback : Signal 6 (SIGABRT) received by PID 8006\n")
+    text = _failure_lines(stderr)
+    assert text.index("gloo::IoException") < text.index("noise") and "what():  Connection reset" in text
+    assert text.endswith(stderr[-1500:]) and "noise" not in text.split("\n…\n")[0]
+
+
 def test_flop_model_matches_torchs_counter():
     from gpu_check import Size, build_flux, flux_flops
     from torch.nn.attention import SDPBackend, sdpa_kernel
