@@ -114,6 +114,21 @@ def _flat_groups(r: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return mx <= mn
 
 
+def solved_group_frac(r: torch.Tensor, group_ids: torch.Tensor) -> float | None:
+    """Of the groups whose valid (non-NaN) rewards in ``r`` (B,) are all equal (groups by ``group_ids`` (B,)), the
+    fraction whose shared reward is the highest valid reward of the batch: solved groups, as a capped reward makes
+    them. None when no group is equal or every valid reward is the same (a constant reward solves nothing)."""
+    valid = ~torch.isnan(r)
+    if not valid.any() or bool((r[valid] == r[valid].max()).all()):
+        return None
+    inv, n = _group_index(group_ids)
+    cnt, _, _, mx, mn = _group_stats(r, inv, n)
+    equal = (mx <= mn) & (cnt > 0)
+    groups = torch.unique(inv[equal]).numel()
+    at_top = torch.unique(inv[equal & (mx == r[valid].max())]).numel()
+    return at_top / groups if groups else None
+
+
 def _normalize(r: torch.Tensor, group_ids: torch.Tensor, estimator: str, global_std: bool, ddof: int,
                eps: float) -> torch.Tensor:
     a = ESTIMATORS.get(estimator)(r, group_ids, global_std, ddof=ddof, eps=eps)

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from flowgrpo import dist
+from flowgrpo.algo.advantages import solved_group_frac
 from flowgrpo.checkpoint_health import health_record
 from flowgrpo.compile import CompileWatch
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
@@ -48,23 +49,6 @@ from flowgrpo.training.update import run_update
 
 logger = logging.getLogger(__name__)
 
-
-
-def solved_group_frac(total: torch.Tensor, group_ids: torch.Tensor) -> float | None:
-    """Of the groups whose finite rewards are all equal, the fraction whose shared reward is the highest finite
-    reward in ``total`` (B,) (groups by ``group_ids`` (B,)): solved groups, as a capped reward makes them. None
-    when no group is equal or every finite reward is the same (a constant reward solves nothing)."""
-    finite = torch.isfinite(total)
-    if not finite.any() or bool((total[finite] == total[finite].max()).all()):
-        return None
-    top = total[finite].max()
-    equal = at_top = 0
-    for g in torch.unique(group_ids):
-        r = total[(group_ids == g) & finite]
-        if r.numel() and bool((r == r[0]).all()):
-            equal += 1
-            at_top += bool(r[0] == top)
-    return at_top / equal if equal else None
 
 class Trainer:
     """The training loop of any objective.
@@ -362,7 +346,7 @@ class Trainer:
         numbered from 1, as the epoch lines). Only for an objective that trains on the group advantages
         (:attr:`~flowgrpo.algo.objectives.base.Objective.trains_on_advantages`): for the others (a dataset, the
         reward's gradient, a teacher) groups of equal rewards are no lack of signal, and neither is logged.
-        ``total`` (B,) and ``group_ids`` (B,), this process's rewards and groups: when most equal groups sit at
+        ``total`` (B,) and ``group_ids`` (B,), the epoch's gathered rewards and groups: when most equal groups sit at
         the epoch's highest reward while others score lower (:func:`solved_group_frac`), the warning says the
         prompts are solved (a capped reward's steady state) instead of advising a denser reward."""
         if not self._on_advantages:

@@ -56,7 +56,7 @@ def test_low_signal_says_solved_when_the_equal_groups_sit_at_the_highest_reward(
     """Groups of 4: two equal groups and one that varies. At the epoch's highest reward (a capped reward's solved
     prompts) the warning says so and gives no advice to densify the reward; equal groups at a low reward, or one
     constant reward everywhere (nothing solved), keep the advice."""
-    from flowgrpo.training.loop import solved_group_frac
+    from flowgrpo.algo.advantages import solved_group_frac
 
     total = {"solved": [0.8] * 8 + [0.2, 0.8, 0.5, 0.8], "failed": [0.1] * 8 + [0.2, 0.8, 0.5, 0.8],
              "constant": [0.8] * 12}[case]
