@@ -136,7 +136,7 @@ def main() -> None:
         dist.barrier()
     if dist.rank() == 0 and args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    torch_dist.destroy_process_group()
+    dist.end_worker()
 
 
 if __name__ == "__main__":

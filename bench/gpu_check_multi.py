@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from gpu_check import FULL, TOY
 
+    from flowgrpo.dist import end_worker
+
     if args.dry_run:
         dev = torch.device("cpu")
         torch_dist.init_process_group("gloo")
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             out[name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
     if torch_dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out, indent=1))
-    torch_dist.destroy_process_group()
+    end_worker()  # not the interpreter's teardown: gloo subgroups the meshes keep can abort it (see end_worker)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ def worker(folder: Path, out: Path) -> None:
     figures["resume"] = _hwm_mb()
     figures["seconds"] = time.perf_counter() - t0
     (out / f"rank_{dist.rank()}.json").write_text(json.dumps(figures))
-    torch.distributed.destroy_process_group()
+    dist.end_worker()
 
 
 def _free_port() -> str:

@@ -15,6 +15,10 @@ the gradient's mean over every rank that FSDP2 reduces over).
 
 from __future__ import annotations
 
+import os
+import sys
+from typing import NoReturn
+
 import torch
 import torch.distributed as torch_dist
 
@@ -181,6 +185,23 @@ def release_own_group() -> None:
         torch_dist.destroy_process_group()
     _OWN_GROUP = False
     _CONTEXT = 1
+
+
+def end_worker(code: int = 0) -> NoReturn:
+    """End a torchrun worker script: destroy the process groups, flush stdout and stderr, and leave with ``code``
+    without the interpreter's teardown (``os._exit``).
+
+    Gloo subgroups that a device mesh or a context-parallel plan still references outlive
+    ``destroy_process_group``; their worker threads are then torn down during interpreter finalisation, where a
+    thread that touches a Python object aborts the process (``terminate called without an active exception``,
+    SIGABRT; seen in CI on a loaded 2-core machine after the results were written; pytorch/pytorch#179291 describes
+    the mechanism). For scripts whose results are already on disk; a library caller's process is never ended here.
+    """
+    if is_distributed():
+        torch_dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def local_slice(total: int) -> slice:

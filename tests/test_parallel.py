@@ -11,6 +11,9 @@ GPU (the meta device stands in for one: moving a module there is observable, and
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -397,3 +400,19 @@ def test_every_swap_of_sharded_weights_reaches_the_forwards(kind, reshard_after_
                 torch.testing.assert_close(model(x), trained_net(x), rtol=0, atol=1e-6)
     finally:
         parallel.release()
+
+
+def test_end_worker_flushes_and_skips_the_teardown(tmp_path):
+    """A torchrun worker ends through ``dist.end_worker``: the group destroyed, buffered output kept, the exit code
+    as asked, and no atexit handler (the interpreter's teardown) run."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import atexit, sys, torch.distributed as td\n"
+        "from flowgrpo import dist\n"
+        "td.init_process_group('gloo', store=td.HashStore(), rank=0, world_size=1)\n"
+        "atexit.register(lambda: print('teardown ran', flush=True))\n"
+        "print('figures'); sys.stderr.write('note')\n"
+        "dist.end_worker(3)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as under a launcher
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "figures\n", "note")

@@ -69,7 +69,7 @@ class Optimization:
         × :func:`epoch_lr_factor` (``train.lr_schedule``), for every step of the epoch."""
         t = self.train_cfg
         self.epoch_factor = epoch_lr_factor(epoch, t.num_epochs, t.lr_schedule, t.lr_min_ratio)
-        for group, base in zip(self.optimizer.param_groups, self.lr_scheduler.base_lrs):
+        for group, base in zip(self.optimizer.param_groups, self.lr_scheduler.base_lrs, strict=True):
             group["lr"] = base * self.lr_scheduler.lr_lambdas[0](self.lr_scheduler.last_epoch)
 
     def accumulating(self, *, sync: bool):

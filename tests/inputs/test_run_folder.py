@@ -418,7 +418,8 @@ def test_resuming_a_finished_run_prints_only_the_finished_line():
 
     assert resumed_line("runs/x/checkpoints/epoch_4", 5, 5) is None
     assert resumed_line("runs/x/checkpoints/epoch_4", 7, 5) is None
-    assert resumed_line("c/epoch_1", 2, 10) == "resumed from c/epoch_1 (saved after epoch 2/10); continuing with epoch 3/10"
+    assert resumed_line("c/epoch_1", 2, 10) == (
+        "resumed from c/epoch_1 (saved after epoch 2/10); continuing with epoch 3/10")
     assert finished_line("runs/x/checkpoints", 5, 5).startswith(
         "the run of runs/x/checkpoints already finished all 5 epochs (its checkpoint epoch_4 is after epoch 5/5")
     line = finished_line("runs/x/checkpoints", 7, 5)
