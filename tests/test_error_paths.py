@@ -112,6 +112,7 @@ def test_under_two_processes_one_rank_speaks_for_the_run(tmp_path, tiny_flux_dir
     """A run resumed under torchrun with changed settings and a learning rate that diverges: the resume messages,
     the changed-settings warning and the one-line stop are each printed once (main: once per process)."""
     common = [*_tiny_overrides(tmp_path, tiny_flux_dir), "model.finetune=full", "logging.save_every=1",
+              "train.lr_schedule=cosine",
               f"output_dir={tmp_path / 'run'}", "train.rollout_batch_size=2", "train.train_batch_size=2"]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -125,4 +126,5 @@ def test_under_two_processes_one_rank_speaks_for_the_run(tmp_path, tiny_flux_dir
     assert two.returncode != 0, out[-2000:]
     assert out.count("resuming with settings that differ") == 1, out[-3000:]
     assert out.count("resumed from") == 1, out[-3000:]
+    assert out.count("the cosine learning rate follows the run's length") == 1, out[-3000:]
     assert out.count("error: epoch 2/3: the run diverged") == 1, out[-3000:]

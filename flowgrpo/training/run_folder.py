@@ -66,6 +66,27 @@ def changed_settings(saved: Path, cfg) -> dict[str, str]:
             if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
 
 
+def schedule_shift_line(saved: dict, train, epoch: int) -> str | None:
+    """A warning when a resume at ``epoch`` (0-based, the next to run) changes ``train.num_epochs`` or
+    ``train.lr_min_ratio`` of a ``cosine`` schedule (``saved``: the run's last config as a dict; ``train``: the
+    resumed run's ``train`` settings): the cosine's length is the run's, so the rate jumps at the resume and the
+    epochs already run followed another curve. None when the rate of ``epoch`` is unchanged."""
+    from flowgrpo.training.optim import epoch_lr_factor
+
+    old = saved.get("train", {})
+    if train.lr_schedule != "cosine" or old.get("lr_schedule") != "cosine":
+        return None
+    n_old, m_old = old.get("num_epochs", train.num_epochs), old.get("lr_min_ratio", train.lr_min_ratio)
+    if (n_old, m_old) == (train.num_epochs, train.lr_min_ratio):
+        return None
+    before = epoch_lr_factor(min(epoch, n_old), n_old, "cosine", m_old)
+    after = epoch_lr_factor(epoch, train.num_epochs, "cosine", train.lr_min_ratio)
+    return (f"the cosine learning rate follows the run's length: resumed at epoch {epoch + 1} with "
+            f"train.num_epochs {n_old} -> {train.num_epochs} (lr_min_ratio {m_old} -> {train.lr_min_ratio}), the rate "
+            f"goes from {before:.3g} to {after:.3g} of train.lr at the resume; the epochs already run followed the "
+            "old curve (to keep it, resume with the run's values)")
+
+
 def refuse_changed_evaluation(config) -> None:
     """A resume into a run folder (``output_dir`` holding the run's ``config.yaml``) with another evaluation than
     the run's first leg (:data:`EVAL_IMAGES`: other prompts, count or evaluation sampler; a prompt file under
@@ -152,6 +173,9 @@ class RunFolder:
         changed = changed_settings(last, self.cfg)
         if changed:
             logger.warning("resuming with settings that differ from %s: %s", last, "; ".join(changed.values()))
+        line = schedule_shift_line(yaml.safe_load(last.read_text()) or {}, self.cfg.train, epoch)
+        if line:
+            logger.warning("%s", line)
         eval_changed = [v for k, v in changed_settings(path, self.cfg).items() if k.startswith(EVAL_SETTINGS)]
         if eval_changed:
             logger.warning("the evaluation differs from the one the run's 'before' figures were measured with (%s): "

@@ -425,3 +425,20 @@ def test_resuming_a_finished_run_prints_only_the_finished_line():
     line = finished_line("runs/x/checkpoints", 7, 5)
     assert "already trained 7 epochs (its checkpoint epoch_6 is after epoch 7" in line
     assert "more than train.num_epochs=5 asks" in line and "train.num_epochs above 7" in line
+
+
+def test_a_resume_that_stretches_a_cosine_schedule_says_the_rate_jumps():
+    """90 → 180 epochs resumed at epoch 45 (0-based): the old curve's rate there is 0.1 + 0.9·(1 + cos(π/2))/2 =
+    0.55 of train.lr, the new one's 0.1 + 0.9·(1 + cos(π/4))/2 = 0.868; same length or a constant rate: no line."""
+    from types import SimpleNamespace
+
+    from flowgrpo.training.run_folder import schedule_shift_line
+
+    saved = {"train": {"lr_schedule": "cosine", "num_epochs": 90, "lr_min_ratio": 0.1}}
+    train = SimpleNamespace(lr_schedule="cosine", num_epochs=180, lr_min_ratio=0.1)
+    line = schedule_shift_line(saved, train, 45)
+    assert "epoch 46" in line and "train.num_epochs 90 -> 180" in line and "from 0.55 to 0.868" in line
+    same = SimpleNamespace(lr_schedule="cosine", num_epochs=90, lr_min_ratio=0.1)
+    assert schedule_shift_line(saved, same, 45) is None
+    assert schedule_shift_line(saved, SimpleNamespace(lr_schedule="constant", num_epochs=180, lr_min_ratio=0.0),
+                               45) is None
