@@ -161,6 +161,16 @@ def barrier() -> None:
         torch_dist.barrier()
 
 
+def local_main_first(fn):
+    """``fn()`` on the first process of each node (``LOCAL_RANK`` 0) and, after every process has reached a
+    barrier, on the others: a download made once per node, which the rest then read from the cache. Returns
+    ``fn()``'s value on every process; a plain call on one process. A collective."""
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    out = fn() if first else None
+    barrier()
+    return out if first else fn()
+
+
 _OWN_GROUP = False  # whether this module made the process group (one process, for torch's sharding)
 
 

@@ -34,11 +34,12 @@ One boundary decides it, once, before the first rollout (docs/many_gpus.md, "Wha
   keeps float32 master weights and computes in ``model.dtype`` (FSDP2's ``MixedPrecisionPolicy``, or autocast
   without sharding); the frozen reference of full fine-tuning is sharded like the policy (or kept in host
   memory, ``parallel.reference=cpu_offload``). Rollout, recompute and update all call the module this returns,
-  so the on-policy ratio stays exactly 1 whatever the layout of the weights. On several processes the weights
-  are read once: the main process loads the transformer, the others build it on the meta device
-  (:mod:`flowgrpo.models.empty`) and receive their shards from it, one tensor at a time
-  (:func:`fill_from_main`); the full fine-tune's reference is built on the meta device too and filled from each
-  process's own policy shards (:func:`copy_shards`), never a whole copy;
+  so the on-policy ratio stays exactly 1 whatever the layout of the weights. On several processes no process
+  holds the whole transformer: in full fine-tuning every process builds it on the meta device
+  (:mod:`flowgrpo.models.empty`) and reads only its own shards from the weight files
+  (:func:`~flowgrpo.state_dicts.read_own_shards`); with LoRA the main process loads it and sends the others their
+  shards, one tensor at a time (:func:`fill_from_main`); the full fine-tune's reference is built on the meta
+  device too and filled from each process's own policy shards (:func:`copy_shards`), never a whole copy;
 * :func:`gradient_sync` is the accumulation context of one micro-batch (``parallel.gradient_sync``);
   :func:`clip_grad_norm` clips by the global gradient norm, sharded or not; :func:`reshard` frees gathered
   weights around every swap of the shards' values (EMA, old copies), whatever ``reshard_after_forward``.
@@ -57,6 +58,8 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from flowgrpo import context_parallel, dist
+from flowgrpo.models.empty import weights_folder
+from flowgrpo.state_dicts import read_own_shards
 
 logger = logging.getLogger(__name__)
 
@@ -453,14 +456,23 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
             context_parallel.enable_context(context_parallel.context_modules(adapter), mesh, settings, device)
         names = getattr(adapter, "shard_blocks", None)
         units = len(shard_blocks(tr, names))
-        stream = dist.world_size() > 1  # the main process's weights, sent to the others (built on meta)
-        whole = _whole_weights(tr) if stream else None
+        stream = dist.world_size() > 1  # built on the meta device: each process reads or receives its shards
+        files = _files_of(tr) if stream else None
+        dtypes = {n: p.dtype for n, p in tr.named_parameters()}
+        whole = _whole_weights(tr) if stream and files is None else None
         model = shard(tr, mesh=mesh, param_dtype=compute, reshard=settings.reshard_after_forward,
                       offload=settings.offload == "cpu",
                       master_dtype=torch.float32 if compute is not None else None, names=names)
         if stream:
             # offloaded shards live in host memory (CPUOffloadPolicy), the rest on the device
-            fill_from_main(model, whole, torch.device("cpu") if settings.offload == "cpu" else device)
+            place = torch.device("cpu") if settings.offload == "cpu" else device
+            if files is not None:
+                _materialize(model, place)
+                folder = weights_folder(files)
+                read_own_shards(model, folder, dtypes)
+                logger.info("each process read its own shards of the transformer from %s", folder)
+            else:
+                fill_from_main(model, whole, place)
             del whole
         if ref is not None:
             offload = settings.reference == "cpu_offload"
@@ -486,6 +498,17 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
     adapter.compute_dtype = compute
     adapter.forward_module = forward  # forward through the distributed wrapper (gradient sync)
     return model
+
+
+def _files_of(module: torch.nn.Module) -> tuple[str, str] | None:
+    """Where every process reads its shards of ``module`` from, when the main process built it empty too (a full
+    fine-tune: :func:`flowgrpo.runner` builds it on the meta device everywhere); None when the main process holds
+    the whole module (it sends the others their shards: LoRA's base, whose adapter the main process initialised).
+    The main process decides for all."""
+    from flowgrpo.models.empty import WEIGHTS_ATTR
+
+    files = getattr(module, WEIGHTS_ATTR, None) if _on_meta(module) else None
+    return dist.broadcast_object(files)
 
 
 def _on_meta(module: torch.nn.Module) -> bool:

@@ -148,9 +148,7 @@ def _run(config) -> dict:
     parallel.check_engine(accelerator, config.parallel)
     set_seed(config.train.seed)
     m = config.model
-    # a sharded run reads the transformer's weights once: the others receive their shards (parallel.prepare_model)
-    adapter = load_model_from_config(m, empty_transformer=config.parallel.sharding == "fsdp2"
-                                     and accelerator.num_processes > 1 and accelerator.process_index != 0,
+    adapter = load_model_from_config(m, empty_transformer=_built_empty(config, accelerator),
                                      progress=config.logging.progress and accelerator.is_main_process)
     for prompts, setting in ((ready.prompts, "data.train_prompts"), (ready.eval_prompts, "data.eval_prompts")):
         check_condition_images(adapter, prompts, setting)  # an image-to-video or editing model: every image given
@@ -159,14 +157,7 @@ def _run(config) -> dict:
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
     if m.cache_prompt_embeddings:  # each distinct prompt encoded once (flowgrpo.sampling.prompt_cache)
         attach_prompt_cache(adapter, m.pretrained, config.parallel.text_encoders, m.prompt_embeddings_dir)
-    params = setup_trainable(
-        adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
-        need_reference=ready.objective.needs_reference, gradient_checkpointing=m.gradient_checkpointing,
-        sharded=config.parallel.sharding == "fsdp2",
-    )
-    if m.finetune == "lora":  # LoRA weights train in float32 whatever the model's dtype
-        for p in params:
-            p.data = p.data.float()
+    _make_trainable(adapter, config, ready.objective)
     for r in (ready.rewards, ready.eval_rewards):
         if r is not None:
             r.setup(accelerator.device)
@@ -183,6 +174,32 @@ def _run(config) -> dict:
     accelerator.end_training()
     parallel.release()
     return summary
+
+
+def _built_empty(config, accelerator) -> bool:
+    """Whether this process builds the trained transformer on the meta device instead of loading it: on every
+    process of a sharded (FSDP2) run of several processes in full fine-tuning (each then reads only its own shards
+    from the weight files: :func:`flowgrpo.parallel.prepare_model`), and on all but the main process for LoRA (the
+    main process loads the base and initialises the adapter, and sends each process its shards)."""
+    sharded = config.parallel.sharding == "fsdp2" and accelerator.num_processes > 1
+    return sharded and (config.model.finetune == "full" or accelerator.process_index != 0)
+
+
+def _make_trainable(adapter, config, objective) -> None:
+    """Make the adapter's transformer trainable (:func:`~flowgrpo.models.lora.setup_trainable`), LoRA weights in
+    float32 whatever the model's dtype. The list of trained parameters is not kept: the optimizer takes them from
+    the prepared module (:func:`~flowgrpo.parallel.trainable_parameters`), and under FSDP2 a list kept here would
+    hold every original, unsharded parameter (the whole model, moved to the device before sharding) for the whole
+    run, on the main process (the others' are on the meta device)."""
+    m = config.model
+    params = setup_trainable(
+        adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
+        need_reference=objective.needs_reference, gradient_checkpointing=m.gradient_checkpointing,
+        sharded=config.parallel.sharding == "fsdp2",
+    )
+    if m.finetune == "lora":
+        for p in params:
+            p.data = p.data.float()
 
 
 def _tracker_config(config) -> dict:

@@ -8,9 +8,12 @@ processes, and what a run writes:
   .state_dict`` without ``full_state_dict``: each process's DTensor shards, nothing gathered, for the sharded
   checkpoint each process writes its own part of (:mod:`flowgrpo.checkpoint`), and loaded back in place (torch's
   distributed checkpoint reshards: another process count or layout reads the same files);
-* **whole** (:func:`trainable_state`, :func:`optimizer_state`, :func:`model_state`): ``full_state_dict`` with
-  ``cpu_offload``: the whole tensors arrive in host memory on the main process (global rank 0) alone, for the
-  final weights (one export: the files a one-process run writes) and the checkpoints of unsharded runs. Loading
+* **whole** (:func:`trainable_state`, :func:`optimizer_state`): ``full_state_dict`` with ``cpu_offload``: the
+  whole tensors arrive in host memory on the main process (global rank 0) alone, for the final LoRA and the
+  checkpoints of unsharded runs; the final transformer of a full fine-tune is written one file at a time
+  (:func:`export_transformer`: the files a one-process run writes, never the whole state at once).
+* **from the weight files** (:func:`read_own_shards`): a sharded model built empty reads only its own shards of
+  the safetensors files it was configured from. Loading
   whole tensors into a sharded model (:func:`load_trainable_state`, :func:`load_optimizer_state` with
   ``from_rank0``, :func:`scatter_from_rank0`) reads them on the main process alone and sends each process its
   shard (``broadcast_from_rank0``), one tensor at a time.
@@ -47,11 +50,6 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     state = get_model_state_dict(model, options=options)
     names = set(trainable_names(model))
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if k in names}
-
-
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer, whole and in host memory, on the main process ({} elsewhere)."""
-    return {k: v.detach().cpu().contiguous() for k, v in get_model_state_dict(model, options=_GATHER).items()}
 
 
 def _inner(optimizer):
@@ -251,23 +249,79 @@ def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return whole.to(like.device)
 
 
-def save_transformer(model: torch.nn.Module, state: dict[str, torch.Tensor], folder, dtype: torch.dtype) -> None:
-    """Write a whole transformer ``state`` (:func:`model_state`) as ``model.save_pretrained`` would, weights in
-    ``dtype``: a copy of the model's class built on the meta device takes the tensors, so no second model is
-    allocated and a sharded model is written exactly as an unsharded one. Main process only."""
+#: diffusers' default largest file of a saved model (``ModelMixin.save_pretrained(max_shard_size=...)``)
+MAX_FILE_SIZE = "10GB"
+
+
+def export_transformer(model: torch.nn.Module, folder, dtype: torch.dtype, *, main: bool,
+                       max_file_size: int | str = MAX_FILE_SIZE) -> None:
+    """Write the whole transformer as diffusers' ``save_pretrained(folder, max_shard_size=max_file_size)`` writes it
+    (the same files, byte for byte: ``config.json``, the safetensors files split by huggingface_hub's
+    ``split_torch_state_dict_into_shards`` and their index), every tensor in ``dtype``, **one file at a time**:
+    each file's tensors are gathered whole (a sharded one by an all-gather of its shards), written by the main
+    process and freed before the next file's, so no process ever holds more than one file (at most
+    ``max_file_size``: 10 GB, where gathering the whole state held 71 GB of float32 masters for Wan2.2 A14B).
+    Every process takes part in the same order (a collective when the model is sharded); the main process writes.
+    """
+    import json
+    from pathlib import Path
+
+    import safetensors.torch
+    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    state = model.state_dict()  # parameters (a sharded model's DTensors) and persistent buffers, nothing gathered
+    plan = split_torch_state_dict_into_shards(
+        {k: torch.empty(v.shape, dtype=dtype, device="meta") for k, v in state.items()},
+        max_shard_size=max_file_size, filename_pattern=SAFETENSORS_WEIGHTS_NAME.replace(".safetensors",
+                                                                                        "{suffix}.safetensors"))
+    folder = Path(folder)
+    if main:
+        folder.mkdir(parents=True, exist_ok=True)
+        _meta_clone(model).save_config(folder)
+    for filename, names in plan.filename_to_tensors.items():
+        tensors = {n: _gathered(state[n]).to(dtype).contiguous() for n in names}
+        if main:
+            safetensors.torch.save_file(tensors, folder / filename, metadata={"format": "pt"})
+        del tensors
+    if main and plan.is_sharded:
+        index = {"metadata": dict(plan.metadata), "weight_map": plan.tensor_to_filename}
+        (folder / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n",
+                                                      encoding="utf-8")
+
+
+def _meta_clone(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model``'s own class (not FSDP2's subclass, whose name would go into ``config.json``) built on
+    the meta device from its config: no memory."""
     from torch.distributed.fsdp import FSDPModule
 
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with torch.device("meta"):
-        clone = cls.from_config(model.config)
-    clone.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    clone.save_pretrained(folder)
+        return cls.from_config(model.config)
+
+
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole in host memory: a DTensor's shards all-gathered over its mesh (moved to the mesh's device first
+    when they are kept in host memory, ``parallel.offload=cpu``), a plain tensor as it is. A collective for a
+    DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    if isinstance(t, DTensor):
+        mesh = t.device_mesh
+        local = t.to_local()
+        if local.device.type != mesh.device_type:
+            t = DTensor.from_local(local.to(mesh.device_type), mesh, t.placements, run_check=False, shape=t.shape,
+                                   stride=t.stride())
+        t = t.full_tensor()
+    return t.cpu()
 
 
 def save_final_weights(adapter, model: torch.nn.Module, folder, *, finetune: str, dtype: torch.dtype,
                        main: bool) -> None:
     """The trained LoRA (diffusers ``load_lora_weights`` format) or the whole transformer (``from_pretrained``
-    folder, weights in ``dtype``) in ``folder``; every process takes part, the main process writes."""
+    folder, weights in ``dtype``, written one file at a time: :func:`export_transformer`) in ``folder``; every
+    process takes part, the main process writes."""
     from flowgrpo.models.lora import save_lora
 
     if finetune == "lora":
@@ -275,7 +329,35 @@ def save_final_weights(adapter, model: torch.nn.Module, folder, *, finetune: str
         if main:
             save_lora(adapter, folder, state)
     else:
-        state = model_state(model)
-        if main:
-            save_transformer(model, state, folder, dtype)
+        export_transformer(model, folder, dtype, main=main)
     dist.barrier()
+
+
+def read_own_shards(model: torch.nn.Module, folder: str, dtypes: dict[str, torch.dtype]) -> None:
+    """Fill sharded ``model`` (FSDP2, its parameters already given storage on their device) from the safetensors
+    files in ``folder``, each process reading only the slices of its own shards (torch's distributed checkpoint with
+    its ``HuggingFaceStorageReader``, which reads ``safe_open(...).get_slice(name)[rows]``): no process holds a
+    whole tensor it does not keep, and nothing is sent between them. Persistent buffers the files hold are read
+    too; the others keep their constructor's values.
+
+    ``dtypes``: {parameter name: the dtype loading the model gives it} (:func:`flowgrpo.models.empty
+    .cast_as_loaded`); a parameter held in another dtype (the float32 master of a model loaded in bfloat16) is
+    rounded through it after reading, so it holds exactly what loading then casting gives on one process.
+
+    Raises:
+        ValueError: a parameter of the model that the files do not hold (named, with the folder). A collective.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.HuggingFaceStorageReader(folder)
+    stored = reader.read_metadata().state_dict_metadata
+    missing = [n for n, _ in model.named_parameters() if n not in stored]
+    if missing:
+        raise ValueError(f"the weight files in {folder} do not hold {len(missing)} parameter(s) of "
+                         f"{type(model).__name__}, e.g. {missing[:3]}: not this model's weights")
+    state = {k: v for k, v in model.state_dict().items() if k in stored}
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(folder))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if dtypes[n] != p.dtype:
+                local(p).copy_(local(p).to(dtypes[n]))

@@ -63,7 +63,7 @@ def _flux(path: str, *, dtype, height, width, max_sequence_length, cfg_detach_un
     from flowgrpo.models.flux import FluxAdapter
 
     pipe = FluxPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
     # the VAE's sample size is the model's native resolution (1024 for FLUX.1, 64 for the tiny model)
     size = int(pipe.vae.config.get("sample_size") or pipe.default_sample_size * pipe.vae_scale_factor)
     msl = min(max_sequence_length, pipe.tokenizer_2.model_max_length)

@@ -158,7 +158,7 @@ def load_flux2_adapter(path: str, pipeline_class: str, *, dtype: torch.dtype, he
     import diffusers
 
     pipe = getattr(diffusers, pipeline_class).from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
     size = pipe.default_sample_size * pipe.vae_scale_factor
     return Flux2Adapter(pipe, height=height or size, width=width or size,
                         max_sequence_length=min(max_sequence_length, 512))

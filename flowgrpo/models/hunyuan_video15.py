@@ -181,7 +181,7 @@ def load_hunyuan_video15_adapter(path: str, *, dtype: torch.dtype, height: int |
         raise ValueError("model.guidance_scale_2 and model.trained_expert are Wan2.2 settings; HunyuanVideo-1.5 has "
                          "one transformer")
     pipe = HunyuanVideo15Pipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else [], dtype))
     if height is None or width is None:
         h, w = pipe.video_processor.calculate_default_height_width(9, 16, pipe.target_size)
         height, width = height or h, width or w
@@ -267,7 +267,7 @@ def load_hunyuan_video15_i2v_adapter(path: str, *, dtype: torch.dtype, height: i
         raise ValueError("model.guidance_scale_2 and model.trained_expert are Wan2.2 settings; HunyuanVideo-1.5 has "
                          "one transformer")
     pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else [], dtype))
     if height is None or width is None:
         h, w = pipe.video_processor.calculate_default_height_width(9, 16, pipe.target_size)
         height, width = height or h, width or w

@@ -104,7 +104,7 @@ def load_kontext_adapter(path: str, *, dtype: torch.dtype, height: int | None, w
     """``FluxKontextPipeline.from_pretrained(path)`` in ``dtype``, wrapped; the size defaults to the VAE's sample
     size (1024 px for FLUX.1 Kontext); ``max_sequence_length`` is clipped to the T5 tokenizer's maximum."""
     pipe = FluxKontextPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
     size = int(pipe.vae.config.get("sample_size") or pipe.default_sample_size * pipe.vae_scale_factor)
     msl = min(max_sequence_length, pipe.tokenizer_2.model_max_length)
     return KontextAdapter(pipe, height=height or size, width=width or size, max_sequence_length=msl)

@@ -350,7 +350,7 @@ def load_ltx2_adapter(path: str, *, dtype: torch.dtype, height: int | None, widt
     if guidance_scale_2 is not None or trained_expert != "transformer":
         raise ValueError("LTX-2 has one transformer: model.guidance_scale_2 and model.trained_expert do not apply")
     pipe = LTX2Pipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
     return LTX2Adapter(pipe, height=height or 512, width=width or 768, num_frames=num_frames or 121,
                        max_sequence_length=max_sequence_length)
 

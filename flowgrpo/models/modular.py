@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.models.base import AdapterBase
+from flowgrpo.models.empty import WEIGHTS_ATTR, cast_as_loaded
 
 __all__ = ["ModularAdapter", "find_block", "load_modular_pipeline", "modular_index", "empty_modular_components"]
 
@@ -35,13 +36,15 @@ def modular_index(path: str) -> dict:
     return dict(ModularPipeline.load_config(path))
 
 
-def empty_modular_components(path: str, names: list[str]) -> dict[str, torch.nn.Module]:
+def empty_modular_components(path: str, names: list[str],
+                             dtype: torch.dtype | None = None) -> dict[str, torch.nn.Module]:
     """{name: component ``name`` of the modular repository ``path``, built from its config with its parameters on the
     meta device and its buffers real}, as :func:`flowgrpo.models.empty.empty_components` does for a regular
     pipeline; the component's class and folder are read from its loading spec in the modular index
     (``[library, class, {pretrained_model_name_or_path, subfolder, ...}]``; a local folder holding the component's
-    subfolder is read itself, as ``ModularPipeline`` reads a local copy). Raises ``KeyError`` for a name the index
-    does not have."""
+    subfolder is read itself, as ``ModularPipeline`` reads a local copy); ``dtype`` and the weights' location
+    (:data:`~flowgrpo.models.empty.WEIGHTS_ATTR`) as there. Raises ``KeyError`` for a name the index does not
+    have."""
     if not names:
         return {}
     from accelerate import init_empty_weights
@@ -58,6 +61,9 @@ def empty_modular_components(path: str, names: list[str]) -> dict[str, torch.nn.
         with init_empty_weights(include_buffers=False):
             out[name] = cls.from_config(cls.load_config(source, subfolder=subfolder,
                                                         revision=None if local else spec.get("revision")))
+        if dtype is not None:
+            cast_as_loaded(out[name], dtype)
+        setattr(out[name], WEIGHTS_ATTR, (source, subfolder))
     return out
 
 
@@ -89,7 +95,7 @@ def load_modular_pipeline(path: str, *, dtype: torch.dtype, drop_blocks: tuple[s
     names = [n for n in pipe.pretrained_component_names if not (empty_transformer and n == "transformer")]
     pipe.load_components(names=names, torch_dtype=dtype)
     if empty_transformer:
-        pipe.update_components(**empty_modular_components(path, ["transformer"]))
+        pipe.update_components(**empty_modular_components(path, ["transformer"], dtype))
     return pipe
 
 

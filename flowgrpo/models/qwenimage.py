@@ -171,7 +171,7 @@ def load_qwenimage_adapter(path: str, *, dtype: torch.dtype, height: int | None,
     (``default_sample_size`` 128 × ``vae_scale_factor`` 8 = 1024 px); ``max_sequence_length`` is clipped to the
     pipeline's limit of 1024."""
     pipe = QwenImagePipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
     size = pipe.default_sample_size * pipe.vae_scale_factor
     return QwenImageAdapter(pipe, height=height or size, width=width or size,
                             max_sequence_length=min(max_sequence_length, 1024))

@@ -159,7 +159,7 @@ def load_qwenimage21_adapter(path: str, *, dtype: torch.dtype, height: int | Non
     from diffusers import QwenImage21Pipeline
 
     pipe = QwenImage21Pipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
     return QwenImage21Adapter(pipe, height=height or 1024, width=width or 1024)
 
 

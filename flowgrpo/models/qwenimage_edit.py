@@ -128,7 +128,7 @@ def load_qwenimage_edit_plus_adapter(path: str, *, dtype: torch.dtype, height: i
     """``QwenImageEditPlusPipeline.from_pretrained(path)`` in ``dtype``, wrapped; the size defaults to 1024 px
     (the pipeline's square default); ``max_sequence_length`` is clipped to 1024."""
     pipe = QwenImageEditPlusPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
     size = pipe.default_sample_size * pipe.vae_scale_factor
     return QwenImageEditPlusAdapter(pipe, height=height or size, width=width or size,
                                     max_sequence_length=min(max_sequence_length, 1024))

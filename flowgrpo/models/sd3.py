@@ -218,7 +218,7 @@ def load_sd3_adapter(path: str, *, dtype: torch.dtype, height: int | None, width
     clipped to the T5 tokenizer's ``model_max_length`` and to the pipeline's limit of 512.
     """
     pipe = StableDiffusion3Pipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
     size = pipe.default_sample_size * pipe.vae_scale_factor
     msl = min(max_sequence_length, 512)
     if pipe.tokenizer_3 is not None:

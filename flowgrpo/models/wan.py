@@ -239,7 +239,7 @@ def load_wan_adapter(path: str, *, dtype: torch.dtype, height: int | None, width
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else [], dtype))
     pipe.scheduler = euler_scheduler(pipe.scheduler)
     try:
         return WanAdapter(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,

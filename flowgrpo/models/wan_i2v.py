@@ -123,7 +123,7 @@ def load_wan_i2v_adapter(path: str, *, dtype: torch.dtype, height: int | None, w
     from diffusers import WanImageToVideoPipeline
 
     pipe = WanImageToVideoPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else [], dtype))
     pipe.scheduler = euler_scheduler(pipe.scheduler)
     try:
         return WanI2VAdapter(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,

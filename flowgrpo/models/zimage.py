@@ -149,7 +149,7 @@ def load_zimage_adapter(path: str, *, dtype: torch.dtype, height: int | None, wi
     """``ZImagePipeline.from_pretrained(path)`` in ``dtype``, wrapped; the size defaults to the VAE's
     ``sample_size`` if it names one, else the pipeline's 1024 px."""
     pipe = ZImagePipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else []))
+        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
     size = int(pipe.vae.config.get("sample_size") or 1024)
     return ZImageAdapter(pipe, height=height or size, width=width or size, max_sequence_length=max_sequence_length)
 

@@ -1,0 +1,108 @@
+"""What each rank holds on its device, counted through the real entry point (``flowgrpo.runner.main``, the path of
+``flowgrpo/train.py``) under ``torchrun`` on CPU: no rank's device peak exceeds another's by more than one block and
+its optimizer state (:mod:`tests.training.device_ledger`, ``tests/training/ledger_train.py``).
+
+The faults this catches: the runner kept the list of the original, unsharded parameters of a full fine-tune under
+FSDP2 for the whole run, so the main process held the whole model beside its shards (on a GPU, FSDP2 moves them to
+the device before sharding: ≈ 47.6 GB more on rank 0 for FLUX.1-dev); and a bfloat16 full fine-tune with a KL
+reference crashed on two processes (the processes that built the transformer empty built their reference in
+float32, the main process in bfloat16). The model has 12 blocks, so one block and its AdamW moments (3 × a block) is
+a quarter of the model: a whole model held by one rank is far outside the bound.
+
+Every process of a full fine-tune under FSDP2 reads its own shards from the weight files (the transformer is built
+empty everywhere); that the values are the files' is checked where two processes are compared with one
+(``tests/training/test_sharding.py``, ``tests/training/test_context_parallel.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.training.test_distributed import _free_port
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+pytestmark = pytest.mark.slow
+
+FULL = {"model": {"finetune": "full"}, "algo": {"kl_beta": 0.01}}
+RUNS2 = {  # two processes, in the same processes one after the other
+    "full_fp32": {**FULL, "train": {"ema_decay": 0.9}},
+    "full_bf16": {**FULL, "model": {"finetune": "full", "dtype": "bfloat16"}},
+    "lora": {"model": {"finetune": "lora", "lora_rank": 4}},
+    "context": {**FULL, "parallel": {"sharding": "fsdp2", "context_degree": 2, "context_attention": "ulysses"}},
+}
+RUNS4 = {"hsdp": {**FULL, "model": {"finetune": "full", "dtype": "bfloat16"},
+                  "parallel": {"sharding": "fsdp2", "replicate": 2}}}
+
+
+def _config(root: Path, model: Path, name: str, sections: dict) -> Path:
+    prompts = root / "prompts.txt"
+    prompts.write_text("a red cube\na blue ball\na green tree\na cat\n")
+    cfg = {
+        "output_dir": str(root / name),
+        "model": {"pretrained": str(model), "max_sequence_length": 16, "height": 32, "width": 32},
+        "sampling": {"num_steps": 3}, "eval_sampling": {"num_steps": 2},
+        "train": {"num_epochs": 1, "prompts_per_epoch": 4, "group_size": 2, "rollout_batch_size": 2,
+                  "train_batch_size": 2, "lr": 1e-4},
+        "algo": {"clip_range": 1e-2},
+        "parallel": {"sharding": "fsdp2"},
+        "rewards": [{"name": "jpeg_incompressibility"}],
+        "data": {"train_prompts": str(prompts), "eval_num_prompts": 2},
+        "logging": {"progress": False},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _torchrun(n: int, configs: list[Path], root: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", _free_port(),
+           "tests/training/ledger_train.py", *map(str, configs)]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def _ledgers(tmp_path_factory, runs: dict, n: int) -> dict[str, list[dict]]:
+    """Run ``runs`` in one ``torchrun`` of ``n`` processes; {run: every rank's ledger}."""
+    from flowgrpo.models.tiny import build_tiny_flux
+
+    root = tmp_path_factory.mktemp("ledger")
+    model = build_tiny_flux(root / "flux12", transformer_kwargs={
+        "num_layers": 2, "num_single_layers": 10, "attention_head_dim": 16, "num_attention_heads": 4})
+    _torchrun(n, [_config(root, model, k, v) for k, v in runs.items()], root)
+    return {name: [json.loads((root / name / f"ledger_{r}.json").read_text()) for r in range(n)] for name in runs}
+
+
+def _check(name: str, ranks: list[dict]) -> None:
+    """No rank's device peak, nor what it holds in any phase, exceeds another's by more than one block and its two
+    AdamW moments."""
+    sizes = ranks[0]
+    assert sizes["sharded"]
+    bound = 3 * sizes["block_bytes"]
+    peaks = [r["peak"] for r in ranks]
+    assert min(peaks) > sizes["model_bytes"] // len(ranks)  # the ledger counts the shards at least
+    assert max(peaks) - min(peaks) <= bound, (name, peaks, bound, [r["stages"] for r in ranks])
+    for stage in ranks[0]["stages"]:  # load, shard, fit, end
+        held = [r["stages"][stage] for r in ranks]
+        assert max(held) - min(held) <= bound, (name, stage, held, bound)
+
+
+# one test per torchrun: a module fixture shared by several tests would run once per xdist worker
+def test_two_processes_hold_alike_on_their_devices(tmp_path_factory):
+    for name, ranks in _ledgers(tmp_path_factory, RUNS2, 2).items():
+        _check(name, ranks)
+
+
+def test_four_processes_hold_alike_on_their_devices(tmp_path_factory):
+    for name, ranks in _ledgers(tmp_path_factory, RUNS4, 4).items():
+        _check(name, ranks)
