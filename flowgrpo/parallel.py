@@ -195,11 +195,17 @@ def place_pipeline(adapter, device: torch.device, settings) -> None:
 
 def place_expert(expert: torch.nn.Module, device: torch.device, settings) -> None:
     """Place the untrained expert by ``settings.experts``: ``shard`` FSDP2 over :func:`fsdp_mesh` on the device
-    (reshard after every forward); ``offload`` whole in host memory, each block copied to ``device`` for its
-    forward and dropped after (diffusers' block-level group offloading, one block a group, on a side stream on
-    CUDA; no collective); ``device`` whole on the device."""
+    (reshard after every forward; on several processes it was built empty and each reads its own shards from the
+    weight files, :func:`~flowgrpo.state_dicts.read_own_shards`); ``offload`` whole in host memory, each block
+    copied to ``device`` for its forward and dropped after (diffusers' block-level group offloading, one block a
+    group, on a side stream on CUDA; no collective); ``device`` whole on the device."""
     if settings.experts == "shard":
+        files = _files_of(expert)  # built empty (several processes): each reads its own shards from the files
+        dtypes = {n: p.dtype for n, p in expert.named_parameters()}
         shard(expert, mesh=device_mesh(device, settings), param_dtype=None, reshard=True)
+        if files is not None:
+            _materialize(expert, device)
+            read_own_shards(expert, weights_folder(files), dtypes)
     elif settings.experts == "offload":
         expert.to("cpu")
         expert.enable_group_offload(onload_device=torch.device(device), offload_device=torch.device("cpu"),
@@ -502,9 +508,9 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
 
 def _files_of(module: torch.nn.Module) -> tuple[str, str] | None:
     """Where every process reads its shards of ``module`` from, when the main process built it empty too (a full
-    fine-tune: :func:`flowgrpo.runner` builds it on the meta device everywhere); None when the main process holds
-    the whole module (it sends the others their shards: LoRA's base, whose adapter the main process initialised).
-    The main process decides for all."""
+    fine-tune's transformer, a sharded untrained expert: :func:`flowgrpo.runner` builds them on the meta device
+    everywhere); None when the main process holds the whole module (it sends the others their shards: LoRA's base,
+    whose adapter the main process initialised). The main process decides for all. A collective."""
     from flowgrpo.models.empty import WEIGHTS_ATTR
 
     files = getattr(module, WEIGHTS_ATTR, None) if _on_meta(module) else None

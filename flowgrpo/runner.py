@@ -148,7 +148,9 @@ def _run(config) -> dict:
     parallel.check_engine(accelerator, config.parallel)
     set_seed(config.train.seed)
     m = config.model
+    several = accelerator.num_processes > 1  # an expert sharded over several processes: each reads its shards
     adapter = load_model_from_config(m, empty_transformer=_built_empty(config, accelerator),
+                                     empty_other_expert=several and config.parallel.experts == "shard",
                                      progress=config.logging.progress and accelerator.is_main_process)
     for prompts, setting in ((ready.prompts, "data.train_prompts"), (ready.eval_prompts, "data.eval_prompts")):
         check_condition_images(adapter, prompts, setting)  # an image-to-video or editing model: every image given

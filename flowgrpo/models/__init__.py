@@ -104,6 +104,8 @@ for _cls, _target, _args, _detach in (
 
 #: Video pipelines (latents (B, C, F, h, w), decoded videos (B, F, 3, H, W)); their loaders also take
 #: ``num_frames``, ``guidance_scale_2`` and ``trained_expert``.
+#: the video families whose pipelines may hold two experts (Wan2.2 A14B), one of them untrained
+TWO_EXPERT_FAMILIES = ("WanPipeline", "WanImageToVideoPipeline")
 VIDEO_FAMILIES = {"WanPipeline": "flowgrpo.models.wan:load_wan_adapter",
                   "WanImageToVideoPipeline": "flowgrpo.models.wan_i2v:load_wan_i2v_adapter",
                   "HunyuanVideo15Pipeline": "flowgrpo.models.hunyuan_video15:load_hunyuan_video15_adapter",
@@ -220,7 +222,8 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
                max_sequence_length: int = 512, cfg_detach_uncond: bool = False,
                scheduler_shift: float | None = None, attention_backend: str = "auto",
                num_frames: int | None = None, guidance_scale_2: float | None = None,
-               trained_expert: str = "transformer", empty_transformer: bool = False, progress: bool = True):
+               trained_expert: str = "transformer", empty_transformer: bool = False,
+               empty_other_expert: bool = False, progress: bool = True):
     """Load ``name`` (folder, hub id, ``digits`` or ``tiny``) and wrap it in the adapter of its pipeline class.
     ``progress``: progress bars while an embedded model is built on first use (``logging.progress``).
 
@@ -230,7 +233,8 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     ``attention_backend`` names the SDPA kernels (:mod:`flowgrpo.models.attention`). ``num_frames``,
     ``guidance_scale_2`` and ``trained_expert`` are the video families' settings (:data:`VIDEO_FAMILIES`).
     ``empty_transformer``: the trained transformer is built with its parameters on the meta device and its weight
-    files are not read (:mod:`flowgrpo.models.empty`; a sharded run's processes other than the main one).
+    files are not read (:mod:`flowgrpo.models.empty`; a sharded run's processes). ``empty_other_expert``: so is
+    the untrained expert of a two-expert video model (``parallel.experts: shard``); ignored by other models.
 
     Raises:
         ValueError: an unknown dtype, or a video setting given for an image model."""
@@ -240,6 +244,8 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     path = resolve_pretrained(name, progress=progress)
     cls = pipeline_class_name(path)
     video = {"num_frames": num_frames, "guidance_scale_2": guidance_scale_2, "trained_expert": trained_expert}
+    if empty_other_expert and cls in TWO_EXPERT_FAMILIES:
+        video["empty_other_expert"] = True
     kwargs = {"dtype": DTYPES[dtype], "height": height, "width": width, "max_sequence_length": max_sequence_length,
               "cfg_detach_uncond": cfg_detach_uncond, "empty_transformer": empty_transformer}
     if cls in VIDEO_FAMILIES:
@@ -261,13 +267,15 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     return adapter
 
 
-def load_model_from_config(model, *, empty_transformer: bool = False, progress: bool = True) -> object:
+def load_model_from_config(model, *, empty_transformer: bool = False, empty_other_expert: bool = False,
+                           progress: bool = True) -> object:
     """The adapter a run's ``model`` section (:class:`~flowgrpo.config.ModelConfig`) describes: the one function
     training and ``flowgrpo sample --run`` both build the model with (so every setting, ``scheduler_shift``
-    included, is honoured by both). ``empty_transformer`` and ``progress``: as :func:`load_model`'s."""
+    included, is honoured by both). ``empty_transformer``, ``empty_other_expert`` and ``progress``: as
+    :func:`load_model`'s."""
     return load_model(model.pretrained, dtype=model.dtype, height=model.height, width=model.width,
                       max_sequence_length=model.max_sequence_length, cfg_detach_uncond=model.cfg_detach_uncond,
                       scheduler_shift=model.scheduler_shift, attention_backend=model.attention_backend,
                       num_frames=model.num_frames, guidance_scale_2=model.guidance_scale_2,
                       trained_expert=model.trained_expert, empty_transformer=empty_transformer,
-                      progress=progress)
+                      empty_other_expert=empty_other_expert, progress=progress)

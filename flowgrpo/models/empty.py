@@ -45,6 +45,20 @@ def empty_components(path: str, names: list[str], dtype: torch.dtype | None = No
     return out
 
 
+def empty_names(path: str, trained: str, empty_transformer: bool, empty_other_expert: bool) -> list[str]:
+    """The components of a two-expert pipeline (Wan2.2 A14B: ``transformer`` and ``transformer_2``) to build empty:
+    the trained expert with ``empty_transformer``, the other one with ``empty_other_expert`` (it is sharded,
+    ``parallel.experts: shard``, and each process reads its own shards), when the pipeline has it."""
+    names = [trained] if empty_transformer else []
+    other = "transformer_2" if trained == "transformer" else "transformer"
+    if empty_other_expert:
+        from diffusers import DiffusionPipeline
+
+        if (DiffusionPipeline.load_config(path).get(other) or [None])[0] is not None:
+            names.append(other)
+    return names
+
+
 def cast_as_loaded(module: torch.nn.Module, dtype: torch.dtype) -> None:
     """Give the floating-point parameters of ``module`` (built from its config) the dtypes
     ``from_pretrained(..., torch_dtype=dtype)`` gives them: ``dtype``, except those of a module the class keeps in

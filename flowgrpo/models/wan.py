@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds
-from flowgrpo.models.empty import empty_components
+from flowgrpo.models.empty import empty_components, empty_names
 
 logger = logging.getLogger(__name__)
 
@@ -233,13 +233,15 @@ def euler_scheduler(scheduler):
 
 def load_wan_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
                      max_sequence_length: int, num_frames: int | None = None, guidance_scale_2: float | None = None,
-                     trained_expert: str = "transformer", empty_transformer: bool = False) -> WanAdapter:
+                     trained_expert: str = "transformer", empty_transformer: bool = False,
+                     empty_other_expert: bool = False) -> WanAdapter:
     """``WanPipeline.from_pretrained(path)`` in ``dtype`` with an Euler scheduler (:func:`euler_scheduler`),
     wrapped in a :class:`WanAdapter`. Defaults: the pipeline's 480 x 832 and 81 frames."""
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else [], dtype))
+        path, torch_dtype=dtype, **empty_components(
+            path, empty_names(path, trained_expert, empty_transformer, empty_other_expert), dtype))
     pipe.scheduler = euler_scheduler(pipe.scheduler)
     try:
         return WanAdapter(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.models.base import PromptEmbeds, one_image_per_prompt
-from flowgrpo.models.empty import empty_components
+from flowgrpo.models.empty import empty_components, empty_names
 from flowgrpo.models.wan import WanAdapter, _tiny_transformer, _tiny_vae, euler_scheduler
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class WanI2VAdapter(WanAdapter):
 def load_wan_i2v_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
                          max_sequence_length: int, num_frames: int | None = None,
                          guidance_scale_2: float | None = None, trained_expert: str = "transformer",
-                         empty_transformer: bool = False) -> WanI2VAdapter:
+                         empty_transformer: bool = False, empty_other_expert: bool = False) -> WanI2VAdapter:
     """``WanImageToVideoPipeline.from_pretrained(path)`` in ``dtype`` with an Euler scheduler
     (:func:`~flowgrpo.models.wan.euler_scheduler`), wrapped in a :class:`WanI2VAdapter`. Defaults: the pipeline's
     480 x 832 and 81 frames.
@@ -123,7 +123,8 @@ def load_wan_i2v_adapter(path: str, *, dtype: torch.dtype, height: int | None, w
     from diffusers import WanImageToVideoPipeline
 
     pipe = WanImageToVideoPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else [], dtype))
+        path, torch_dtype=dtype, **empty_components(
+            path, empty_names(path, trained_expert, empty_transformer, empty_other_expert), dtype))
     pipe.scheduler = euler_scheduler(pipe.scheduler)
     try:
         return WanI2VAdapter(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,

@@ -2,8 +2,9 @@
 (``flowgrpo.runner.main``, the path ``flowgrpo/train.py`` runs) for each config in turn, in the same processes, with
 the per-rank device-memory ledger of :mod:`device_ledger`. After each run every process writes
 ``<output_dir>/ledger_<global rank>.json``: its device peak and the phase of it, the most live bytes in each phase,
-its host peak, and the sizes a test compares them with: ``model_bytes`` (the transformer's parameters, whole),
-``block_bytes`` (its largest FSDP2 unit's parameters, whole).
+its host peak, the sizes a test compares them with: ``model_bytes`` (the transformer's parameters, whole),
+``block_bytes`` (its largest FSDP2 unit's parameters, whole), and ``built_empty``: the pipeline components this
+process built on the meta device instead of reading their weights.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import device_ledger  # noqa: E402 - after the path set-up
+import torch  # noqa: E402
 
 from flowgrpo import runner  # noqa: E402
 
@@ -38,6 +40,18 @@ def _sizes(module) -> dict[str, int]:
             "sharded": any(isinstance(p, DTensor) for p in module.parameters())}
 
 
+def _recording_load(load):
+    """The pipeline components this process built empty (parameters on the meta device) instead of reading."""
+    def loaded(model, **kwargs):
+        adapter = load(model, **kwargs)
+        RUN["sizes"] = {"built_empty": sorted(n for n, m in adapter.pipe.components.items()
+                                              if isinstance(m, torch.nn.Module)
+                                              and any(p.is_meta for p in m.parameters()))}
+        return adapter
+
+    return loaded
+
+
 def _recording(run):
     def recorded(config):
         RUN["config"] = config
@@ -48,7 +62,7 @@ def _recording(run):
 
 def _fit_then_size(fit):
     def sized(self):
-        RUN["sizes"] = _sizes(self.adapter.transformer)
+        RUN["sizes"].update(_sizes(self.adapter.transformer))
         return fit(self)
 
     return sized
@@ -61,6 +75,7 @@ if __name__ == "__main__":
     from flowgrpo.training.loop import Trainer
 
     runner._run = _recording(runner._run)
+    runner.load_model_from_config = _recording_load(runner.load_model_from_config)
     device_ledger.install(LEDGER, lambda: RUN["config"])
     Trainer.fit = _fit_then_size(Trainer.fit)
     configs = sys.argv[1:]

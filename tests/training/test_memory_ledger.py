@@ -33,12 +33,19 @@ ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTH
 pytestmark = pytest.mark.slow
 
 FULL = {"model": {"finetune": "full"}, "algo": {"kl_beta": 0.01}}
+WAN22 = {"model": {"finetune": "full", "num_frames": 5, "pretrained": None}, "algo": {"kl_beta": 0.01},
+         "sampling": {"num_steps": 3, "guidance_scale": 4.0}, "eval_sampling": {"num_steps": 3},
+         "parallel": {"sharding": "fsdp2", "experts": "shard"},
+         "rewards": [{"name": "video_frames", "kwargs": {"base": "jpeg_incompressibility"}}]}
 RUNS2 = {  # two processes, in the same processes one after the other
     "full_fp32": {**FULL, "train": {"ema_decay": 0.9}},
     "full_bf16": {**FULL, "model": {"finetune": "full", "dtype": "bfloat16"}},
     "lora": {"model": {"finetune": "lora", "lora_rank": 4}},
     "context": {**FULL, "parallel": {"sharding": "fsdp2", "context_degree": 2, "context_attention": "ulysses"}},
+    "wan22_experts": WAN22,
 }
+#: the components each rank builds empty (and then reads its own shards of, or receives them: LoRA)
+EMPTY = {"lora": [[], ["transformer"]], "wan22_experts": [["transformer", "transformer_2"]] * 2}
 RUNS4 = {"hsdp": {**FULL, "model": {"finetune": "full", "dtype": "bfloat16"},
                   "parallel": {"sharding": "fsdp2", "replicate": 2}}}
 
@@ -59,7 +66,9 @@ def _config(root: Path, model: Path, name: str, sections: dict) -> Path:
         "logging": {"progress": False},
     }
     for key, value in sections.items():
-        cfg[key] = {**cfg.get(key, {}), **value}
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    if cfg["model"]["pretrained"] is None:  # the Wan2.2 A14B run: its own two-expert pipeline
+        cfg["model"]["pretrained"] = str(root / "wan22")
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -75,10 +84,13 @@ def _torchrun(n: int, configs: list[Path], root: Path) -> None:
 def _ledgers(tmp_path_factory, runs: dict, n: int) -> dict[str, list[dict]]:
     """Run ``runs`` in one ``torchrun`` of ``n`` processes; {run: every rank's ledger}."""
     from flowgrpo.models.tiny import build_tiny_flux
+    from flowgrpo.models.zoo import build_random_pipeline
 
     root = tmp_path_factory.mktemp("ledger")
     model = build_tiny_flux(root / "flux12", transformer_kwargs={
         "num_layers": 2, "num_single_layers": 10, "attention_head_dim": 16, "num_attention_heads": 4})
+    if any(v.get("parallel", {}).get("experts") == "shard" for v in runs.values()):
+        build_random_pipeline("wan22", root / "wan22", transformer_kwargs={"num_layers": 6})
     _torchrun(n, [_config(root, model, k, v) for k, v in runs.items()], root)
     return {name: [json.loads((root / name / f"ledger_{r}.json").read_text()) for r in range(n)] for name in runs}
 
@@ -101,8 +113,11 @@ def _check(name: str, ranks: list[dict]) -> None:
 def test_two_processes_hold_alike_on_their_devices(tmp_path_factory):
     for name, ranks in _ledgers(tmp_path_factory, RUNS2, 2).items():
         _check(name, ranks)
+        # no rank reads the whole transformer (full fine-tuning), nor the untrained expert it shards
+        assert [r["built_empty"] for r in ranks] == EMPTY.get(name, [["transformer"]] * 2), name
 
 
 def test_four_processes_hold_alike_on_their_devices(tmp_path_factory):
     for name, ranks in _ledgers(tmp_path_factory, RUNS4, 4).items():
         _check(name, ranks)
+        assert [r["built_empty"] for r in ranks] == [["transformer"]] * 4, name
