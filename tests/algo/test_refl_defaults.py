@@ -150,7 +150,8 @@ def test_the_margin_is_refused_through_the_command_before_any_model_loads(tmp_pa
     capsys.readouterr()
     with pytest.raises(SystemExit) as info:
         cli_main(["train", str(REPO / "configs" / "digits_refl.yaml"), "objective.variant=refl",
-                  "objective.refl_last_steps=4", "rewards=[{name: aesthetic}]", f"output_dir={tmp_path / 'run'}", "logging.progress=false"])
+                  "objective.refl_last_steps=4", "rewards=[{name: aesthetic}]", f"output_dir={tmp_path / 'run'}",
+                  "logging.progress=false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and len(err) == 1, err
     assert "objective.refl_margin=2 is at or below every score the optimised reward takes (aesthetic ≈ [4, 7]" \
