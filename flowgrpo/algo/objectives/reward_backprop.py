@@ -228,7 +228,7 @@ class RewardBackpropConfig(ObjectiveConfig):
         "the variant's source's, 1e-3 for refl (ImageReward's grad_scale), 1 for draft_k / draft_lv")
     refl_margin: float = Field(REFL_MARGIN, description="ReFL: the hinge m of relu(m - R) (the release: 2, in "
                                "ImageReward's units; refused when every score the rewards declare lies at or above "
-                               "it: set it per reward, e.g. above PickScore's 18-24)")
+                               "it: set it for the reward's scale, e.g. 24 for PickScore's 18-24)")
     checkpointing: bool = Field(True, description="reward backpropagation: torch.utils.checkpoint each sampling "
                                 "step and the decode of the gradient path (recompute in the backward)")
 
