@@ -268,7 +268,8 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     5. the output folder free, or the checkpoint to resume there (:func:`check_output_dir`);
     6. the prompt files read (:func:`load_prompt_field`);
     7. the rewards constructed and shown the prompt sets they will score (their ``check_prompts``, an
-       evaluation-only reward refused under ``rewards``).
+       evaluation-only reward refused under ``rewards``), and the objective's optional ``check_rewards(rewards)``
+       of the constructed optimised rewards (ReFL: its margin against their declared ranges).
 
     Once the model is loaded, :func:`check_on_grid` checks the objective on its σ grid. Returns
     :class:`Preflight`; raises ``ValueError`` (or a subclass: ``ConfigError``, ``RewardLoadError``,
@@ -286,6 +287,9 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     check_output_dir(config)
     prompts, eval_prompts = load_prompt_field(config, "train_prompts"), load_prompt_field(config, "eval_prompts")
     rewards, eval_rewards, origins = _rewards_for(config, prompts, eval_prompts)
+    check = getattr(objective, "check_rewards", None)  # optional: an objective's checks of the rewards it optimises
+    if check is not None and rewards is not None:  # (ReFL's margin against their declared ranges)
+        check(rewards)
     return Preflight(objective, prompts, eval_prompts, rewards, eval_rewards, origins)
 
 

@@ -49,6 +49,12 @@ back to ``images`` (no ``torch.no_grad``, no host copy, no 8-bit rounding). Its 
 ReFL / DRaFT objective (:mod:`flowgrpo.algo.objectives.reward_backprop`) backpropagates through it;
 :func:`is_differentiable` and :func:`differentiable_scores` are the checks and the call.
 
+A reward may declare the **range of its score**, ``typical_range = (lo, hi)`` (class or instance attribute, floats,
+lo < hi, in the score's own units): its bounds where it has them (a probability: (0, 1)), else where the scores of
+ordinary images lie (PickScore ≈ 18–24), with the source in the reward's docstring. ReFL's hinge relu(m − R) reads
+it (:func:`typical_range`) to refuse a margin m at or below every score the composed reward can take, where no
+sample would ever get a gradient.
+
 Plugins are classes (or factories) registered in the ``flowgrpo.rewards`` entry-point group; they are constructed
 with the keyword arguments of the config's ``rewards[i].kwargs`` and must not load weights in ``__init__``:
 heavy state is loaded in :meth:`Reward.setup`, which the trainer calls once with the device to use.
@@ -57,6 +63,7 @@ heavy state is loaded in :meth:`Reward.setup`, which the trainer calls once with
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -119,6 +126,25 @@ def is_differentiable(reward) -> bool:
     """Whether ``reward`` (an instance, a class or a factory) declares a score differentiable in the images: its
     ``differentiable`` attribute is True and it has ``score_differentiable`` (module docstring)."""
     return getattr(reward, "differentiable", False) is True and callable(getattr(reward, "score_differentiable", None))
+
+
+def typical_range(reward, name: str = "reward") -> tuple[float, float] | None:
+    """The ``typical_range`` ``reward`` declares (module docstring) as ``(lo, hi)`` floats, or None when it
+    declares none.
+
+    Raises:
+        ValueError: a declaration that is not two finite numbers lo < hi (naming the reward).
+    """
+    value = getattr(reward, "typical_range", None)
+    if value is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"reward {name!r}: typical_range must be two numbers (lo, hi), got {value!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError(f"reward {name!r}: typical_range must be finite with lo < hi, got {value!r}")
+    return lo, hi
 
 
 def differentiable_scores(reward, images: torch.Tensor, prompts: list[str], metadata: list[dict],

@@ -123,6 +123,9 @@ class AestheticReward(BaseReward):
     name = "aesthetic"
     #: differentiable in the images with the torch resize (:meth:`score_differentiable`); not with the 8-bit PIL one
     differentiable = True
+    #: where the predictor's scores of most images lie (module docstring: 4 - 7 of its 1 - 10 scale); None with
+    #: ``architecture`` (a stand-in model). Read by ReFL's margin check
+    typical_range = (4.0, 7.0)
 
     def __init__(
         self,
@@ -141,6 +144,7 @@ class AestheticReward(BaseReward):
             raise ValueError(f"aesthetic architecture keys {sorted(unknown)} unknown; allowed: clip, mlp_dims")
         self.mlp_dims = check_mlp_dims(architecture.get("mlp_dims", AESTHETIC_MLP_DIMS))
         self.clip_architecture = architecture.get("clip")
+        self.typical_range = None if architecture else type(self).typical_range
         self.clip_checkpoint = clip_checkpoint
         self.clip_processor = clip_processor or clip_checkpoint
         self.mlp_checkpoint = mlp_checkpoint

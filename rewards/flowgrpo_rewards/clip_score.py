@@ -73,6 +73,9 @@ CLIP_SCORE_VARIANTS = {
     "dfn5b": ClipScoreVariant("open_clip", "apple/DFN5B-CLIP-ViT-H-14-378", None, "1"),
 }
 
+#: each variant's typical range of ordinary images' scores (the module docstring's table)
+CLIP_SCORE_TYPICAL_RANGES = {"openai": (15.0, 35.0), "flowgrpo": (0.5, 1.2), "dfn5b": (0.1, 0.4)}
+
 
 def flowgrpo_tensor_preprocess(preprocess: ImagePreprocess) -> ImagePreprocess:
     """``preprocess`` (the processor's size, mean, std) with Flow-GRPO's ``clip_scorer.py`` transform: torchvision
@@ -111,6 +114,9 @@ class ClipScoreReward(BaseReward):
     name = "clip_score"
     #: differentiable in the images with the torch resize (:meth:`score_differentiable`); not with the 8-bit PIL one
     differentiable = True
+    #: the variant's typical range (module docstring's table), set per instance; None with ``architecture`` (a
+    #: stand-in model). Read by ReFL's margin check
+    typical_range = None
 
     def __init__(
         self,
@@ -132,6 +138,7 @@ class ClipScoreReward(BaseReward):
         self.checkpoint = checkpoint or spec.checkpoint
         self.processor = processor or checkpoint or spec.processor
         self.architecture = architecture
+        self.typical_range = None if architecture else CLIP_SCORE_TYPICAL_RANGES[variant]
         self.dtype = parse_dtype(dtype)
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.resize_backend = check_resize_backend(resize_backend)

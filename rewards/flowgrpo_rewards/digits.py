@@ -70,6 +70,8 @@ class DigitCorrectness(BaseReward):
     #: the probability (capped or not) is differentiable in the images (:meth:`score_differentiable`); the 0/1
     #: ``strict`` variant is not (an instance with ``strict=True`` sets it False)
     differentiable = True
+    #: the score's bounds: a probability in [0, 1], or [0, cap] (set per instance). Read by ReFL's margin check
+    typical_range = (0.0, 1.0)
 
     def __init__(self, strict: bool = False, cap: float = 1.0) -> None:
         if not isinstance(strict, bool):
@@ -80,6 +82,7 @@ class DigitCorrectness(BaseReward):
             raise ValueError("digit_correctness: cap applies to the probability reward, not to strict=true")
         self.strict = strict
         self.cap = float(cap)
+        self.typical_range = (0.0, self.cap)
         self.name = "digit_correctness_strict" if strict else "digit_correctness"
         self.differentiable = not strict
         self._ready = False

@@ -78,6 +78,9 @@ class HPSv2Reward(BaseReward):
     name = "hpsv2"
     #: the score is differentiable in the images (:meth:`score_differentiable`)
     differentiable = True
+    #: where the released checkpoints' cosines of ordinary images lie (about 0.2 - 0.35, docs/rewards.md); None
+    #: with ``architecture`` (a stand-in model). Read by ReFL's margin check
+    typical_range = (0.2, 0.35)
 
     def __init__(
         self,
@@ -92,6 +95,7 @@ class HPSv2Reward(BaseReward):
         self.version = version
         self.checkpoint = checkpoint or HPS_HUB_REPO
         self.architecture = architecture
+        self.typical_range = None if architecture else type(self).typical_range
         self.dtype = parse_dtype(dtype)
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.clip = None

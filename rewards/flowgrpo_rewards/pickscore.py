@@ -63,6 +63,9 @@ class PickScoreReward(BaseReward):
     name = "pickscore"
     #: differentiable in the images with the torch resize (:meth:`score_differentiable`); not with the 8-bit PIL one
     differentiable = True
+    #: where the released model's scores of ordinary images lie (module docstring: about 18 - 24), divided by
+    #: ``divisor``; None with ``architecture`` (a stand-in model of another scale). Read by ReFL's margin check
+    typical_range = (18.0, 24.0)
 
     def __init__(
         self,
@@ -80,6 +83,7 @@ class PickScoreReward(BaseReward):
         self.processor = processor
         self.architecture = architecture
         self.divisor = float(divisor)
+        self.typical_range = None if architecture else (18.0 / self.divisor, 24.0 / self.divisor)
         self.dtype = parse_dtype(dtype)
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.resize_backend = check_resize_backend(resize_backend)

@@ -235,7 +235,8 @@ def test_refl_gradient_is_the_hinge_at_a_late_step():
 
 
 def test_refl_step_window_is_the_releases_randint():
-    """ImageReward's refl.py: random.randint(30, 39) of 40 steps: every step of [30, 39], none outside."""
+    """THUDM/ImageReward ``ImageReward/ReFL.py`` lines 714, 717: ``random.randint(30, 39)`` of 40 steps: every step
+    of [30, 39], none outside."""
     g = torch.Generator().manual_seed(0)
     seen = {refl_step(40, 10, g) for _ in range(400)}
     assert seen == set(range(30, 40))

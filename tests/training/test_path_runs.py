@@ -79,6 +79,18 @@ def test_each_path_objective_trains_an_epoch_through_the_command(tmp_path, tiny_
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in weights.items())  # the update moved LoRA B
 
 
+def test_refl_trains_at_the_releases_scale_and_margin_through_the_command(tmp_path, tiny_flux_dir):
+    """``objective: {name: refl, variant: refl}`` with nothing else set: the loss of every row is
+    1e-3·relu(2 − R) (ImageReward ``ImageReward/ReFL.py`` lines 70, 755–756), and with the digits probability
+    (R ≤ 1) every row is inside the margin: the logged loss is 1e-3·(2 − mean R)."""
+    from flowgrpo.runner import run
+
+    run(_config(tmp_path, tiny_flux_dir, {"name": "refl", "variant": "refl", "refl_last_steps": 3}))
+    rec = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert rec["objective/active"] == 1.0 and rec["policy/grad_norm"] > 0
+    assert rec["objective/loss"] == pytest.approx(1e-3 * (2.0 - rec["objective/reward"]), rel=1e-4)
+
+
 @pytest.mark.parametrize("name", ["refl", "opd"])
 def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir, name):
     """Two epochs in one go against one epoch, saved, and a run resuming it: the same weights and optimizer

@@ -18,12 +18,24 @@ compressibility, OCR, GenEval and the VLM judges are not and are refused by name
   gradient ``x̂₀ = x − σ_{T−1}·v_θ(x, σ_{T−1})``; loss ``−s·R(x̂₀)`` for each copy. The paper sums the n
   gradients; here each copy is one row of the optimizer step's mean, which is the sum divided by n (a constant
   factor of the reward scale s).
-* ``refl`` (ReFL, ImageReward, Xu et al., arXiv 2304.05977, §4.2 and Algorithm 1; THUDM/ImageReward
-  ``train/src/refl.py``: ``mid_timestep = random.randint(30, 39)`` of 40 steps, the one-step prediction
-  ``pred_original_sample`` decoded and scored, ``loss = F.relu(-rewards + 2).mean() * grad_scale``): per
-  micro-batch a step j drawn uniformly from the last ``refl_last_steps`` of the grid, the rollout's latent x_j
-  (detached) predicted to the clean image in one step with gradient, ``x̂₀ = x_j − σ_j·v_θ(x_j, σ_j)``; loss
-  ``s·max(0, m − R(x̂₀))`` with the margin m (the release's 2) and s the release's ``grad_scale`` (1e-3).
+* ``refl`` (ReFL, ImageReward, Xu et al., arXiv 2304.05977, §4.2: Eq. 2 ``L_reward = λ·E_y φ(r(y, g_θ(y)))``
+  with φ = ReLU, and Algorithm 1; the release THUDM/ImageReward ``ImageReward/ReFL.py`` at c1392c6: line 70
+  ``--grad_scale`` default 1e-3 (``scripts/train_refl.sh`` line 12 passes 0.001), line 717
+  ``mid_timestep = random.randint(30, 39)`` of the 40 steps set at line 714, line 737 the one-step
+  ``pred_original_sample`` decoded and scored, lines 755–756 ``loss = F.relu(-rewards+2)`` then
+  ``loss.mean() * args.grad_scale``): per micro-batch a step j drawn uniformly from the last
+  ``refl_last_steps`` of the grid, the rollout's latent x_j (detached) predicted to the clean image in one step
+  with gradient, ``x̂₀ = x_j − σ_j·v_θ(x_j, σ_j)``; loss ``s·max(0, m − R(x̂₀))`` with the margin m (the
+  release's 2) and s = λ, the release's ``grad_scale`` (1e-3). The release's 2 is in ImageReward's units (its
+  score standardised by the mean and std of its training scores, ``ImageReward/ImageReward.py`` line 98), and no
+  reward with a differentiable score here is on that scale: a margin at or below every score the composed reward
+  can take (the rewards' declared ``typical_range``, :func:`refl_margin_problem`) is refused before any model
+  loads, and an update in which no row is inside the margin (every relu term 0, no gradient) is warned about
+  once (``objective/active`` is the share of rows inside it).
+
+The reward scale s (``objective.reward_scale``) defaults to each variant's source: 1e-3 for ``refl`` (the
+release's ``grad_scale``; with gradient clipping at 1.0, as the release's ``max_grad_norm``, the scale is not
+neutral), 1 for ``draft_k`` / ``draft_lv`` (the paper's loss is −R; DRaFT has no public code).
 
 Each transformer call of the gradient path and the decode run under :func:`torch.utils.checkpoint.checkpoint`
 (``objective.checkpointing``, on by default): the backward recomputes one step's activations at a time instead of
@@ -36,6 +48,7 @@ evaluation reward.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import ClassVar, Literal, get_args
 
@@ -44,23 +57,33 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.utils.checkpoint import checkpoint
 
+from flowgrpo import dist
 from flowgrpo.algo.objectives.base import OBJECTIVES, ObjectiveConfig
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, sde_ratio_problems
 from flowgrpo.algo.objectives.paths import PathDraw, PathSamples, decode_with_grad, path_rollout
 from flowgrpo.records import Advantages
-from flowgrpo.rewards.base import differentiable_scores, is_differentiable
+from flowgrpo.rewards.base import differentiable_scores, is_differentiable, typical_range
 from flowgrpo.rng import make_generator
 from flowgrpo.settings import refuse
 
 __all__ = ["RewardBackprop", "RewardBackpropConfig", "VARIANTS", "euler_replay",
            "x0_prediction", "draft_loss", "refl_loss", "refl_step", "check_differentiable_rewards",
-           "differentiable_reward_problems"]
+           "differentiable_reward_problems", "refl_margin_problem", "REFL_GRAD_SCALE", "REFL_MARGIN", "DRAFT_SCALE"]
+
+logger = logging.getLogger(__name__)
 
 Variant = Literal["draft_k", "draft_lv", "refl"]
 VARIANTS = get_args(Variant)
 #: the built-in rewards with a differentiable score (named by the refusal of another)
 DIFFERENTIABLE_BUILTINS = ("digit_correctness", "hpsv2", "pickscore", "clip_score", "aesthetic")
+#: ReFL's loss scale λ: THUDM/ImageReward ``ImageReward/ReFL.py`` line 70 (``--grad_scale`` default 1e-3) and
+#: ``scripts/train_refl.sh`` line 12 (``--grad_scale 0.001``)
+REFL_GRAD_SCALE = 1e-3
+#: ReFL's hinge m in relu(m − R): ``ImageReward/ReFL.py`` line 755 (``F.relu(-rewards+2)``), in ImageReward's units
+REFL_MARGIN = 2.0
+#: DRaFT's loss scale: the paper's loss is −R (arXiv 2309.17400, Algorithm 1); no public code
+DRAFT_SCALE = 1.0
 
 
 def euler_replay(velocity, x: torch.Tensor, sigmas: torch.Tensor, start: int, *,
@@ -102,10 +125,37 @@ def draft_loss(rewards: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return -scale * rewards
 
 
-def refl_loss(rewards: torch.Tensor, scale: float = 1e-3, margin: float = 2.0) -> torch.Tensor:
-    """ReFL's per-row loss ``s·max(0, m − R)``, (n,) (THUDM/ImageReward ``train/src/refl.py``:
-    ``F.relu(-rewards + 2).mean() * grad_scale``; the mean is the optimizer step's)."""
+def refl_loss(rewards: torch.Tensor, scale: float = REFL_GRAD_SCALE, margin: float = REFL_MARGIN) -> torch.Tensor:
+    """ReFL's per-row loss ``s·max(0, m − R)``, (n,) (arXiv 2304.05977 Eq. 2 with φ = ReLU; THUDM/ImageReward
+    ``ImageReward/ReFL.py`` lines 755–756: ``F.relu(-rewards+2)``, ``loss.mean() * args.grad_scale``; the mean is
+    the optimizer step's)."""
     return scale * F.relu(margin - rewards)
+
+
+def refl_margin_problem(margin: float, rewards) -> str | None:
+    """One line when ReFL's hinge can never be active, else None. ``rewards``: the composed reward
+    (:class:`~flowgrpo.rewards.compose.ComposedReward`, constructed). With R = Σ_i w_i·r_i over the rewards of
+    non-zero weight and each r_i in its declared ``typical_range`` [lo_i, hi_i]
+    (:func:`~flowgrpo.rewards.base.typical_range`), R ≥ Σ_i min(w_i·lo_i, w_i·hi_i); a margin m at or below that
+    bound makes relu(m − R) = 0 for every sample (no gradient). None too when a reward declares no range (the
+    update's warning is then the only check)."""
+    low, high, parts = 0.0, 0.0, []
+    for name, reward in rewards.rewards.items():
+        w = float(rewards.weights[name])
+        if w == 0:
+            continue
+        span = typical_range(reward, name)
+        if span is None:
+            return None
+        ends = (w * span[0], w * span[1])
+        low, high = low + min(ends), high + max(ends)
+        parts.append(f"{name} ≈ [{span[0]:g}, {span[1]:g}]" + ("" if w == 1 else f" × {w:g}"))
+    if not parts or margin > low:
+        return None
+    return (f"objective.refl_margin={margin:g} is at or below every score the optimised reward takes "
+            f"({'; '.join(parts)}: R ≈ [{low:g}, {high:g}]), so relu(m − R) is 0 for every sample and nothing "
+            f"trains; the release's {REFL_MARGIN:g} is in ImageReward's standardised units; set "
+            f"objective.refl_margin above {low:g} (e.g. {high:g}, the top of the range), or use variant draft_k")
 
 
 def refl_step(num_steps: int, last_steps: int, generator: torch.Generator) -> int:
@@ -156,8 +206,11 @@ class RewardBackpropConfig(ObjectiveConfig):
             K = T is full DRaFT).
         lv_samples: DRaFT-LV's n ≥ 1, the re-noised copies of each sample (default 2).
         refl_last_steps: ReFL draws its step from the last this many grid steps (≥ 1; the release: 10 of 40).
-        reward_scale: s > 0, the loss scale (DRaFT: 1; ReFL's release ``grad_scale``: 1e-3).
-        refl_margin: ReFL's hinge m in max(0, m − R) (the release: 2).
+        reward_scale: s > 0, the loss scale, or None (the default) for the variant's source's:
+            :data:`REFL_GRAD_SCALE` (1e-3, the release's ``grad_scale``) for ``refl``, :data:`DRAFT_SCALE` (1) for
+            DRaFT; :meth:`scale` resolves it.
+        refl_margin: ReFL's hinge m in max(0, m − R) (the release: 2, in ImageReward's units); refused where the
+            rewards' declared ranges put every score at or above it (:func:`refl_margin_problem`).
         checkpointing: recompute each step's activations in the backward (``torch.utils.checkpoint``).
     """
 
@@ -170,9 +223,12 @@ class RewardBackpropConfig(ObjectiveConfig):
     lv_samples: int = Field(2, ge=1, description="DRaFT-LV: re-noised copies of each sample")
     refl_last_steps: int = Field(10, ge=1, description="ReFL: its step is drawn from the last this many grid steps "
                                  "(the release: 10 of 40)")
-    reward_scale: float = Field(1.0, gt=0, description="reward backpropagation: loss scale s (DRaFT -s*R; ReFL "
-                                "s*relu(margin - R), the release's grad_scale 1e-3)")
-    refl_margin: float = Field(2.0, description="ReFL: the hinge m of relu(m - R) (the release: 2)")
+    reward_scale: float | None = Field(
+        None, gt=0, description="reward backpropagation: loss scale s (DRaFT -s*R; ReFL s*relu(margin - R)); unset: "
+        "the variant's source's, 1e-3 for refl (ImageReward's grad_scale), 1 for draft_k / draft_lv")
+    refl_margin: float = Field(REFL_MARGIN, description="ReFL: the hinge m of relu(m - R) (the release: 2, in "
+                               "ImageReward's units; refused when every score the rewards declare lies at or above "
+                               "it: set it for the reward's scale, e.g. 24 for PickScore's 18-24)")
     checkpointing: bool = Field(True, description="reward backpropagation: torch.utils.checkpoint each sampling "
                                 "step and the decode of the gradient path (recompute in the backward)")
 
@@ -200,6 +256,13 @@ class RewardBackpropConfig(ObjectiveConfig):
             out.append(f"objective.refl_last_steps={self.refl_last_steps} exceeds sampling.num_steps={t}")
         return out + differentiable_reward_problems(config.rewards)
 
+    def scale(self) -> float:
+        """The loss scale s: ``reward_scale``, else the variant's source's (:data:`REFL_GRAD_SCALE` for ``refl``,
+        :data:`DRAFT_SCALE` for DRaFT)."""
+        if self.reward_scale is not None:
+            return self.reward_scale
+        return REFL_GRAD_SCALE if self.variant == "refl" else DRAFT_SCALE
+
     def forwards_per_sample(self) -> int:
         """The update's rows per sample: n for DRaFT-LV, else 1."""
         return self.lv_samples if self.variant == "draft_lv" else 1
@@ -217,6 +280,16 @@ class RewardBackprop(ForwardObjective):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.rewards = None
+        self._warned_inactive = False
+
+    def check_rewards(self, rewards) -> None:
+        """ReFL's margin against the constructed rewards' declared ranges (:func:`refl_margin_problem`):
+        ``ValueError`` in one line where it can never be active. Called before any model loads
+        (:func:`flowgrpo.preflight.preflight`) and again by :meth:`attach`; nothing for DRaFT."""
+        if self.o.variant == "refl":
+            problem = refl_margin_problem(self.o.refl_margin, rewards)
+            if problem:
+                raise ValueError(problem)
 
     @property
     def needs_reference(self) -> bool:
@@ -232,6 +305,7 @@ class RewardBackprop(ForwardObjective):
                 raise ValueError(f"objective.name=refl: reward {name!r} as configured has no differentiable score "
                                  "(a 0/1 verdict such as strict=true, or resize_backend=pil); change its kwargs or "
                                  "give it weight 0")
+        self.check_rewards(rewards)
         self.rewards = rewards
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
@@ -306,12 +380,27 @@ class RewardBackprop(ForwardObjective):
                   else decode_with_grad(adapter, x_hat, embeds))
         rows = draw.rows.tolist()
         reward = self.reward_total(images, [s.prompts[r] for r in rows], [s.metadata[r] for r in rows])
+        stats = {"reward": reward.detach(), "images_mean": images.detach().float().mean(dim=(1, 2, 3))}
         if st.variant == "refl":
-            loss = refl_loss(reward, st.reward_scale, st.refl_margin)
+            loss = refl_loss(reward, st.scale(), st.refl_margin)
+            stats["active"] = (reward.detach() < st.refl_margin).float()  # inside the hinge: a gradient
         else:
-            loss = draft_loss(reward, st.reward_scale)
-        return ObjectiveTerms(loss=loss, stats={"reward": reward.detach(),
-                                                "images_mean": images.detach().float().mean(dim=(1, 2, 3))})
+            loss = draft_loss(reward, st.scale())
+        return ObjectiveTerms(loss=loss, stats=stats)
+
+    def update_metrics(self, adapter, work: ForwardWork, stats) -> dict[str, float]:
+        """The forward family's metrics (ReFL's ``objective/active``: the share of trained rows, on all
+        processes, whose reward is below the margin); the first update in which no row is (every relu term 0,
+        no gradient) is warned about in one line on rank 0, once a run."""
+        out = super().update_metrics(adapter, work, stats)
+        if out.get("objective/active", 1.0) == 0 and not self._warned_inactive:
+            self._warned_inactive = True
+            if dist.rank() == 0:
+                logger.warning("objective refl: no sample was inside the margin in this update (every reward >= "
+                               "objective.refl_margin=%g; mean %.4g): relu(m - R) is 0, nothing trained; set the "
+                               "margin above the reward's range", self.o.refl_margin,
+                               out.get("objective/reward", float("nan")))
+        return out
 
     def reward_total(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """``R = Σ_i w_i·r_i`` over the rewards of non-zero weight, each's differentiable score (a NaN score, "not
