@@ -131,7 +131,8 @@ def test_a_single_problem_stays_one_line():
 
 
 def test_refl_names_every_reward_without_a_gradient_in_one_error():
-    text = _error({"objective": {"name": "refl", "k": 5}, "sampling": {"noise_level": 0.5, "num_steps": 4},
+    text = _error({"objective": {"name": "refl", "variant": "draft_k", "k": 5},
+                   "sampling": {"noise_level": 0.5, "num_steps": 4},
                    "rewards": [{"name": "jpeg_compressibility"}, {"name": "digit_correctness"},
                                {"name": "digit_correctness_strict"}]})
     assert text.splitlines()[0].endswith("4 settings to change, one a line:"), text

@@ -346,9 +346,9 @@ def test_settings_out_of_range_are_refused():
         with pytest.raises(ValueError):
             build_config({"objective": {"name": "refl", **bad}, "algo": {"clip_range": 1e-4, "kl_beta": 0.0}})
     with pytest.raises(ValueError, match="objective.k=5 exceeds sampling.num_steps=4"):  # before any model loads
-        build_config({"objective": {"name": "refl", "k": 5}, "sampling": {"num_steps": 4},
+        build_config({"objective": {"name": "refl", "variant": "draft_k", "k": 5}, "sampling": {"num_steps": 4},
                       "algo": {"clip_range": 1e-4, "kl_beta": 0.0}})
-    cfg = build_config({"objective": {"name": "refl", "k": 5}, "sampling": {"num_steps": 5},
+    cfg = build_config({"objective": {"name": "refl", "variant": "draft_k", "k": 5}, "sampling": {"num_steps": 5},
                         "algo": {"clip_range": 1e-4, "kl_beta": 0.0}})
     with pytest.raises(ValueError, match="objective.k=5 exceeds sampling.num_steps=4"):  # and on the model's grid
         build_objective(cfg).trajectories_per_sample(SIGMAS, None)

@@ -130,8 +130,8 @@ def test_the_built_in_rewards_ranges_decide_the_releases_margin(spec, refused):
     else:
         obj.check_rewards(rewards)
     # DRaFT has no margin: never refused
-    build_objective(build_config({"objective": {"name": "refl"}, "rewards": [spec], **SDE_DEFAULTS})).check_rewards(
-        rewards)
+    build_objective(build_config({"objective": {"name": "refl", "variant": "draft_k"}, "rewards": [spec],
+                                  **SDE_DEFAULTS})).check_rewards(rewards)
 
 
 def test_a_stand_in_model_declares_no_range():

@@ -201,7 +201,8 @@ class RewardBackpropConfig(ObjectiveConfig):
     (validated once, here), with ReFL's release values for its own knobs.
 
     Attributes:
-        variant: ``draft_k``, ``draft_lv`` or ``refl``.
+        variant: ``refl`` (the default: ``objective: {name: refl}`` is ReFL as released), ``draft_k`` or
+            ``draft_lv``.
         k: DRaFT-K's K ≥ 1, the last sampling steps the gradient flows through (K ≤ T, checked against the grid;
             K = T is full DRaFT).
         lv_samples: DRaFT-LV's n ≥ 1, the re-noised copies of each sample (default 2).
@@ -216,8 +217,9 @@ class RewardBackpropConfig(ObjectiveConfig):
 
     name: Literal["refl"] = "refl"
     variant: Variant = Field(
-        "draft_k", description="reward backpropagation: draft_k (DRaFT-K, the last k steps), draft_lv (DRaFT-LV: the "
-        "last step, lv_samples re-noised copies), refl (ReFL: one-step x0 prediction from a random late step)")
+        "refl", description="reward backpropagation: refl (ReFL, the objective's name and default: one-step x0 "
+        "prediction from a random late step, as ImageReward/ReFL.py), draft_k (DRaFT-K, the last k steps), draft_lv "
+        "(DRaFT-LV: the last step, lv_samples re-noised copies)")
     k: int = Field(1, ge=1, description="DRaFT-K: sampling steps the reward's gradient flows back through (<= "
                    "sampling.num_steps; K = T is full DRaFT)")
     lv_samples: int = Field(2, ge=1, description="DRaFT-LV: re-noised copies of each sample")
