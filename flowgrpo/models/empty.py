@@ -11,6 +11,7 @@ module remembers where its weights are (:data:`WEIGHTS_ATTR`: the folder or hub 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import torch
 
@@ -41,6 +42,8 @@ def empty_components(path: str, names: list[str], dtype: torch.dtype | None = No
             out[name] = cls.from_config(cls.load_config(path, subfolder=name))
         if dtype is not None:
             cast_as_loaded(out[name], dtype)
+        # as loading through the pipeline records it (its config.json is written with the final weights)
+        out[name].register_to_config(_name_or_path=str(Path(path, name)) if Path(path).is_dir() else path)
         setattr(out[name], WEIGHTS_ATTR, (path, name))
     return out
 
@@ -83,8 +86,6 @@ def weights_folder(source: tuple[str, str]) -> str:
         FileNotFoundError: the folder holds no ``*.safetensors`` file (only the safetensors format can be read a
             slice at a time).
     """
-    from pathlib import Path
-
     from flowgrpo import dist
 
     path, subfolder = source
