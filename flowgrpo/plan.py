@@ -23,9 +23,15 @@ Parts (each "on each GPU" and "host memory per rank"):
   ``parallel.gradient_sync: micro_batch``, whole until the step's reduce-scatter with ``step``; DDP over several
   ranks keeps a second copy in its buckets; host with ``offload: cpu``;
 * optimizer: AdamW's two float32 moments; host with ``offload: cpu``;
-* reference: full fine-tuning with ``algo.kl_beta`` > 0 keeps a frozen copy in ``model.dtype``, sharded like the
-  policy (``parallel.reference: cpu_offload``: its shards in host memory); LoRA's reference is the base, adapter off;
+* reference: full fine-tuning keeps a frozen copy in ``model.dtype`` when the objective forwards the reference (its
+  ``needs_reference``, as the trainer asks it: the SDE-ratio objective with ``algo.kl_beta`` > 0, DPO and DGPO
+  always, NFT and AWM with their ``objective.kl_beta`` > 0), sharded like the policy (``parallel.reference:
+  cpu_offload``: its shards in host memory); LoRA's reference is the base, adapter off;
 * EMA: a float32 shadow of the trained parameters, sharded like them (``parallel.ema: cpu``: host);
+* old copy: a float32 shadow of the trained parameters, sharded like them, when the objective keeps one (its
+  ``uses_old_copy``: NFT, AWM, DGPO);
+* teacher: OPD's whole frozen teacher transformer in ``model.dtype`` on the device (the objective's
+  ``frozen_teacher``);
 * other expert (Wan2.2 A14B): the untrained expert in ``model.dtype``: whole (``parallel.experts: device``),
   sharded like the policy (``shard``), or whole in each rank's host memory, each block copied to the device for
   its forward (``offload``);
@@ -37,7 +43,8 @@ Parts (each "on each GPU" and "host memory per rank"):
   feature maps of its widest full-resolution stage, 16-bit; Wan's video VAEs decode a latent frame at a time,
   LTX-2's and HunyuanVideo-1.5's the whole video);
 * rollout latents: the rollout's latents of this rank's samples, float32, (T + 1) per sample (host memory with
-  ``train.latents_on_cpu``);
+  ``train.latents_on_cpu``), the samples being the objective's trajectories (E-GRPO's branches: several a
+  requested sample, :func:`_objective_of`);
 * activations: what the training forward keeps for the backward, per transformer call of
   ``train.train_batch_size`` rows (× 2 where true classifier-free guidance runs both branches with gradient):
   without gradient checkpointing Σ over blocks of (a·s_img + b·s_txt)·h bytes, with it each block's input
@@ -53,7 +60,9 @@ Parts (each "on each GPU" and "host memory per rank"):
 A phase's peak is the sum of what is live in it: the update (resident parts + grads + activations + transient),
 the rollout (resident parts + the larger of a no-grad forward's working set, 10·s·h·2 bytes per row, with the
 transient weights, and the decode), the encoding (resident + the text encoders whole) and the scoring (resident +
-the reward models). A plan *fits* a GPU of M GiB when the largest peak stays under 0.95·M (the rest for the CUDA
+the reward models). Beside these steady-state parts the plan counts what a rank holds at start-up, at a save and
+at the final export, in host memory (rank 0, each other rank, the node of rank 0) and on the device
+(:func:`stages`). A plan *fits* a GPU of M GiB when the largest peak stays under 0.95·M (the rest for the CUDA
 context, NCCL buffers and the caching allocator's fragmentation). The model is an estimate to ±20 %
 (``tests/test_plan.py`` compares it with a measured peak); a real run logs ``memory/<phase>_peak_gb``.
 """
@@ -362,8 +371,9 @@ def stages(w: Workload, lay: Layout, s: Sizes, dev: dict[str, float], host: dict
       the frozen modules each rank loads whole (text encoders, VAE, every reward model, Wan2.2's untrained
       expert, OPD's teacher) and the transformer as the loader holds it in ``model.dtype``: under ``fsdp2`` on
       several processes, full fine-tuning builds it on the meta device and each rank reads only its shard from
-      the safetensors files (one tensor at a time beyond it), a LoRA's base is read whole by rank 0 alone and
-      its shards scattered; without sharding (or on one process) every rank reads it whole. Full fine-tuning's
+      the safetensors files (one tensor at a time beyond it: the streamed start-up; before it, rank 0 read the
+      whole transformer and scattered it), a LoRA's base is read whole by rank 0 alone and its shards
+      scattered; without sharding (or on one process) every rank reads it whole. Full fine-tuning's
       reference copy is made the same way. Device: the resident parts but AdamW's moments (made at the first
       step) and the rollout latents.
     * steady state: the device peak of the phases and the host parts of :func:`plan`, the same on every rank.
