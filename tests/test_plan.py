@@ -242,6 +242,7 @@ def test_every_shipped_config_is_planned_or_refused_in_one_line(capsys):
     paths = sorted((REPO / "configs").glob("*.yaml"))
     table = bench.config_table(paths)
     assert table in doc, "docs/many_gpus.md: regenerate the shipped configs' table (bench/memory.py --plan)"
+    assert bench.host_table(paths) in doc, "docs/many_gpus.md: regenerate the host table (bench/memory.py --plan)"
     fit, over = bench.one_gpu(paths)
     bullet = " ".join(doc.split("\n- one GPU, as shipped")[1].split("\n\n")[0].split())
     listed_fit, listed_over = (re.findall(r"`([\w.]+\.yaml)`", part) for part in
@@ -513,3 +514,21 @@ def test_every_registered_objective_is_planned_above():
 
     covered = {load_config(REPO / "configs" / f"{n}.yaml").objective.name for n in OBJECTIVE_CONFIGS}
     assert covered == set(OBJECTIVES)
+
+
+def test_cli_plan_nodes_and_host_memory(capsys):
+    """``--gpus-per-node`` sets the ranks a node's host figure sums (start-up of flux_chunk.yaml: 4 ranks of
+    21.0 GiB), ``--host-gib`` the node's host memory a note compares it with; a non-positive one is refused in one
+    line."""
+    from flowgrpo.cli import main
+
+    cfg = str(REPO / "configs" / "flux_chunk.yaml")
+    main(["plan", cfg, "--gpus", "16", "parallel.replicate=2", "--gpus-per-node", "4", "--host-gib", "50"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| start-up |")).split(" | ")
+    assert "host, node of rank 0 (4 ranks, GiB)" in out and float(row[4].strip(" |")) == pytest.approx(
+        4 * float(row[2]), abs=0.2)
+    assert "Note: the node of rank 0 holds" in out and "above the 50 GiB assumed a node (--host-gib)" in out
+    with pytest.raises(SystemExit) as err:
+        main(["plan", cfg, "--gpus", "8", "--host-gib", "0"])
+    assert err.value.code == 2 and "--host-gib 0.0 must be positive" in capsys.readouterr().err
