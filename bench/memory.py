@@ -101,13 +101,16 @@ def _print_plan(json_path: str | None) -> None:
 
     configs = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     reference, shipped = memory_plan.reference_table(), memory_plan.config_table(configs)
+    host = memory_plan.host_table(configs)
     print(f"per-GPU GiB, reference workload ({memory_plan.reference_workload.__doc__.split(': ', 1)[1].strip()})")
     print(reference)
     print("\nper-GPU GiB of the shipped configs")
     print(shipped)
+    print("\nhost GiB per rank (rank 0 / each other rank) of the shipped configs on 8 GPUs, as shipped")
+    print(host)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"reference": reference, "configs": shipped}, f, indent=1)
+            json.dump({"reference": reference, "configs": shipped, "host": host}, f, indent=1)
 
 
 if __name__ == "__main__":

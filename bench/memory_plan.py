@@ -5,6 +5,8 @@
   gradient checkpointing off / on, on a reference workload;
 * :func:`config_table`: the peak per GPU of every shipped config of a planned model at 1 to 64 GPUs, as shipped
   and with FSDP2 (and the text encoders offloaded) where that differs;
+* :func:`host_table`: what a rank of every shipped config of a planned model holds in host memory at start-up,
+  steady state, save and export on one node of 8 GPUs, as shipped;
 * :func:`one_gpu`: the shipped configs that fit one GPU as shipped, and those that do not (docs/many_gpus.md's
   list, which ``tests/test_plan.py`` checks against it).
 """
@@ -88,3 +90,25 @@ def one_gpu(paths) -> tuple[list[str], list[str]]:
         if cfg.model.pretrained in PRETRAINED:
             (fit if plan(workload_of(cfg), 1).fits else over).append(path.name)
     return fit, over
+
+
+def host_table(paths, gpus: int = 8) -> str:
+    """GiB of host memory of each shipped config of a planned model on ``gpus`` GPUs (one node), as shipped: each
+    stage's rank 0 / each other rank (one figure where they are equal), and the node's largest total."""
+    from flowgrpo.config import load_config
+
+    head = ["config", "parallel", "start-up", "steady state", "save", "export", f"node peak ({gpus} ranks)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for path in paths:
+        cfg = load_config(path)
+        if cfg.model.pretrained not in PRETRAINED:
+            continue
+        p = plan(workload_of(cfg), gpus)
+        cells = []
+        for st in p.stages.values():
+            r0, other = f"{st.rank0 / GIB:.1f}", f"{st.other / GIB:.1f}"
+            cells.append(r0 if r0 == other else f"{r0} / {other}")
+        top = max(st.node(p.ranks_per_node) for st in p.stages.values())
+        parallel = p.workload.sharding + (f", {p.workload.finetune}")
+        lines.append(f"| {path.name} | {parallel} | " + " | ".join(cells) + f" | {top / GIB:.0f} |")
+    return "\n".join(lines)

@@ -323,6 +323,10 @@ def _plan_arguments(pl: argparse.ArgumentParser) -> argparse.ArgumentParser:
     pl.add_argument("overrides", nargs="*", help="key=value config overrides (as flowgrpo train takes them)")
     pl.add_argument("--gpus", type=int_in(1), required=True, help="processes, one GPU each")
     pl.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU in GiB")
+    pl.add_argument("--gpus-per-node", type=int_in(1), default=None,
+                    help="processes on one node, for the per-node host memory (default: min(--gpus, 8))")
+    pl.add_argument("--host-gib", type=float, default=1800.0,
+                    help="host memory of one node in GiB: a note when a stage needs more (assumed default)")
     return pl
 
 
@@ -421,7 +425,8 @@ def main(argv: list[str] | None = None) -> None:
         from flowgrpo.plan import plan_config, render
 
         try:
-            p = plan_config(args.config, args.gpus, args.gpu_memory_gib, args.overrides)
+            p = plan_config(args.config, args.gpus, args.gpu_memory_gib, args.overrides,
+                            gpus_per_node=args.gpus_per_node, host_gib=args.host_gib)
         except (ConfigError, ValueError, OSError) as err:  # bad input (config, layout, model): one line
             parser.exit(2, f"flowgrpo plan: error: {err}\n")
         print(render(p, f"{Path(args.config).name} on {args.gpus} GPU{'s' * (args.gpus > 1)}"))  # noqa: T201

@@ -23,9 +23,15 @@ Parts (each "on each GPU" and "host memory per rank"):
   ``parallel.gradient_sync: micro_batch``, whole until the step's reduce-scatter with ``step``; DDP over several
   ranks keeps a second copy in its buckets; host with ``offload: cpu``;
 * optimizer: AdamW's two float32 moments; host with ``offload: cpu``;
-* reference: full fine-tuning with ``algo.kl_beta`` > 0 keeps a frozen copy in ``model.dtype``, sharded like the
-  policy (``parallel.reference: cpu_offload``: its shards in host memory); LoRA's reference is the base, adapter off;
+* reference: full fine-tuning keeps a frozen copy in ``model.dtype`` when the objective forwards the reference (its
+  ``needs_reference``, as the trainer asks it: the SDE-ratio objective with ``algo.kl_beta`` > 0, DPO and DGPO
+  always, NFT and AWM with their ``objective.kl_beta`` > 0), sharded like the policy (``parallel.reference:
+  cpu_offload``: its shards in host memory); LoRA's reference is the base, adapter off;
 * EMA: a float32 shadow of the trained parameters, sharded like them (``parallel.ema: cpu``: host);
+* old copy: a float32 shadow of the trained parameters, sharded like them, when the objective keeps one (its
+  ``uses_old_copy``: NFT, AWM, DGPO);
+* teacher: OPD's whole frozen teacher transformer in ``model.dtype`` on the device (the objective's
+  ``frozen_teacher``);
 * other expert (Wan2.2 A14B): the untrained expert in ``model.dtype``: whole (``parallel.experts: device``),
   sharded like the policy (``shard``), or whole in each rank's host memory, each block copied to the device for
   its forward (``offload``);
@@ -37,7 +43,8 @@ Parts (each "on each GPU" and "host memory per rank"):
   feature maps of its widest full-resolution stage, 16-bit; Wan's video VAEs decode a latent frame at a time,
   LTX-2's and HunyuanVideo-1.5's the whole video);
 * rollout latents: the rollout's latents of this rank's samples, float32, (T + 1) per sample (host memory with
-  ``train.latents_on_cpu``);
+  ``train.latents_on_cpu``), the samples being the objective's trajectories (E-GRPO's branches: several a
+  requested sample, :func:`_objective_of`);
 * activations: what the training forward keeps for the backward, per transformer call of
   ``train.train_batch_size`` rows (× 2 where true classifier-free guidance runs both branches with gradient):
   without gradient checkpointing Σ over blocks of (a·s_img + b·s_txt)·h bytes, with it each block's input
@@ -53,7 +60,9 @@ Parts (each "on each GPU" and "host memory per rank"):
 A phase's peak is the sum of what is live in it: the update (resident parts + grads + activations + transient),
 the rollout (resident parts + the larger of a no-grad forward's working set, 10·s·h·2 bytes per row, with the
 transient weights, and the decode), the encoding (resident + the text encoders whole) and the scoring (resident +
-the reward models). A plan *fits* a GPU of M GiB when the largest peak stays under 0.95·M (the rest for the CUDA
+the reward models). Beside these steady-state parts the plan counts what a rank holds at start-up, at a save and
+at the final export, in host memory (rank 0, each other rank, the node of rank 0) and on the device
+(:func:`stages`). A plan *fits* a GPU of M GiB when the largest peak stays under 0.95·M (the rest for the CUDA
 context, NCCL buffers and the caching allocator's fragmentation). The model is an estimate to ±20 %
 (``tests/test_plan.py`` compares it with a measured peak); a real run logs ``memory/<phase>_peak_gb``.
 """
@@ -136,7 +145,9 @@ class Workload:
     cfg_detach_uncond: bool = False
     lora_rank: int = 64
     lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    kl: bool = False
+    reference_copy: bool = False  # the objective forwards the frozen reference (Objective.needs_reference)
+    old_copy: bool = False  # the objective keeps a float32 old copy of the trained weights (uses_old_copy)
+    teacher: bool = False  # the objective loads a whole frozen teacher transformer (frozen_teacher)
     ema: bool = False
     latents_on_cpu: bool = False
     rewards: tuple[tuple[int, int], ...] = ()
@@ -154,13 +165,40 @@ class Workload:
 
 
 #: parts in the order they are printed
-PARTS = ("weights", "masters", "grads", "optimizer", "reference", "ema", "other_expert", "text_encoders",
-         "reward_models", "vae", "rollout_latents", "activations", "transient", "decode")
+PARTS = ("weights", "masters", "grads", "optimizer", "reference", "ema", "old_copy", "teacher", "other_expert",
+         "text_encoders", "reward_models", "vae", "rollout_latents", "activations", "transient", "decode")
 LABELS = {"weights": "frozen weights", "masters": "trained weights (float32 masters)", "grads": "gradients",
           "optimizer": "optimizer (AdamW)", "reference": "KL reference", "ema": "EMA",
+          "old_copy": "old copy (float32)", "teacher": "teacher (frozen)",
           "other_expert": "other expert (frozen)", "text_encoders": "text encoders", "reward_models": "reward models",
           "vae": "VAE", "rollout_latents": "rollout latents", "activations": "activations",
           "transient": "gathered weights", "decode": "VAE decode"}
+
+
+#: the run's stages whose host and device holdings the plan counts (:func:`stages`)
+STAGES = ("start-up", "steady state", "save", "export")
+#: DCP's ``FileSystemWriter`` copies a rank's tensors to host memory at most this many bytes ahead of writing them
+#: (its ``per_thread_copy_ahead`` default)
+DCP_COPY_AHEAD = 10_000_000
+#: diffusers' ``save_pretrained`` default ``max_shard_size`` ("10GB"): safetensors builds one file's bytes in memory
+EXPORT_FILE = 10 * 10**9
+#: assumed host memory of one node, GiB (about the 2 TB of a DGX H100-class 8-GPU node): a note, not a verdict
+HOST_GIB = 1800.0
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Bytes one rank holds at a stage of the run: ``device`` on each GPU (its peak), ``rank0`` in the main
+    process's host memory, ``other`` in each other rank's."""
+
+    device: float
+    rank0: float
+    other: float
+
+    def node(self, ranks: int) -> float:
+        """Host bytes of the node that holds rank 0 and ``ranks`` − 1 others (a node without rank 0: ``ranks`` ×
+        ``other``)."""
+        return self.rank0 + (ranks - 1) * self.other
 
 
 @dataclass(frozen=True)
@@ -168,7 +206,9 @@ class Plan:
     """Bytes on each GPU and in each rank's host memory, by part (:data:`PARTS`), and each phase's device peak.
 
     ``activations_plain`` / ``activations_checkpointed``: the training forward's activations without and with
-    gradient checkpointing (``device["activations"]`` is the config's); ``budget``: usable bytes of one GPU."""
+    gradient checkpointing (``device["activations"]`` is the config's); ``budget``: usable bytes of one GPU;
+    ``stages``: each of :data:`STAGES`' :class:`Stage` (:func:`stages`); ``ranks_per_node``: processes on one
+    node (the per-node host figures); ``host_budget``: bytes of one node's host memory (notes only)."""
 
     workload: Workload
     layout: Layout
@@ -179,6 +219,9 @@ class Plan:
     activations_checkpointed: float
     budget: float
     notes: tuple[str, ...] = field(default=())
+    stages: dict[str, Stage] = field(default_factory=dict)
+    ranks_per_node: int = 1
+    host_budget: float = HOST_GIB * GIB
 
     @property
     def peak(self) -> float:
@@ -201,26 +244,16 @@ def activation_bytes(fam: Family, image_tokens: int, text_tokens: int, checkpoin
     return inputs + max(b for _, b in per)
 
 
-def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None = None) -> Plan:
-    """The :class:`Plan` of ``w`` on ``gpus`` processes with GPUs of ``gpu_memory_gib`` GiB (the module docstring
-    says what each part holds). Raises ``ValueError`` for a layout that does not divide ``gpus`` or a GPU memory
-    that is not positive."""
-    if gpu_memory_gib <= 0:
-        raise ValueError(f"--gpu-memory-gib {gpu_memory_gib} must be positive")
-    lay = layout(gpus, w.replicate, w.context_degree, w.sharding)
-    fam = FAMILIES[w.family]
-    s = s or sizes(w.family, w.lora_rank if w.finetune == "lora" else 0, w.lora_targets)
-    half = BYTES[w.dtype]
-    f = lay.fsdp
+def _held_parts(w: Workload, lay: Layout, s: Sizes) -> tuple[dict[str, float], dict[str, float]]:
+    """(bytes on each GPU, bytes in each rank's host memory) by part of what stays held through training: the
+    weights, their gradients and optimizer state, the frozen copies and modules (the module docstring's rules);
+    the other parts 0. Raises ``ValueError`` for ``parallel.experts`` other than device on a one-transformer
+    model."""
+    fam, half, f = FAMILIES[w.family], BYTES[w.dtype], lay.fsdp
     group = lay.shard * lay.context  # what a `shard` placement divides by, whether the transformer is sharded or not
     full = w.finetune == "full"
     trained = s.transformer if full else s.lora
     frozen = 0 if full else s.transformer
-    img = fam.tokens(w.height, w.width, w.frames)
-    txt = fam.text_tokens(w.max_sequence_length)
-    cfg = 2 if (fam.true_cfg and w.guidance_scale > 1) or fam.guided_rows else 1  # rows of one rollout call
-    train_scale = w.guidance_scale if w.train_guidance_scale is None else w.train_guidance_scale
-    cfg_train = fam.guided_rows or (2 if fam.true_cfg and train_scale > 1 and not w.cfg_detach_uncond else 1)
     dev: dict[str, float] = dict.fromkeys(PARTS, 0.0)
     host: dict[str, float] = dict.fromkeys(PARTS, 0.0)
     off = "host" if w.offload == "cpu" else "dev"
@@ -235,10 +268,14 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     else:  # DDP over several processes keeps a second copy in its buckets
         put("grads", off, trained * 4 * (2 if lay.gpus > 1 else 1))
     put("optimizer", off, trained * 8 / f)
-    if full and w.kl:
+    if full and w.reference_copy:
         put("reference", "host" if w.reference == "cpu_offload" else "dev", s.transformer * half / f)
     if w.ema:
         put("ema", "host" if w.ema_place == "cpu" else "dev", trained * 4 / f)
+    if w.old_copy:  # OldCopy: a float32 clone of each trained parameter as this rank holds it
+        dev["old_copy"] = trained * 4 / f
+    if w.teacher:  # load_teacher: the whole transformer, on the device
+        dev["teacher"] = s.transformer * half
     if fam.experts > 1:
         other = s.transformer * half
         put("other_expert", "host" if w.experts == "offload" else "dev",
@@ -251,10 +288,35 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
         enc / group if w.text_encoders == "shard" else enc)
     rew = sum(n * b for n, b in w.rewards)
     put("reward_models", "host" if w.reward_models == "offload" else "dev", rew)
+    return dev, host
+
+
+def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None = None,
+         gpus_per_node: int | None = None, host_gib: float = HOST_GIB) -> Plan:
+    """The :class:`Plan` of ``w`` on ``gpus`` processes with GPUs of ``gpu_memory_gib`` GiB, ``gpus_per_node``
+    processes a node (default min(gpus, 8)) and ``host_gib`` GiB of host memory a node (the module docstring says
+    what each part holds). Raises ``ValueError`` for a layout that does not divide ``gpus``, or a GPU memory,
+    host memory or GPUs per node that is not positive."""
+    for name, v in (("--gpu-memory-gib", gpu_memory_gib), ("--host-gib", host_gib), ("--gpus-per-node",
+                                                                                       gpus_per_node or 1)):
+        if v <= 0:
+            raise ValueError(f"{name} {v} must be positive")
+    lay = layout(gpus, w.replicate, w.context_degree, w.sharding)
+    fam = FAMILIES[w.family]
+    s = s or sizes(w.family, w.lora_rank if w.finetune == "lora" else 0, w.lora_targets)
+    half = BYTES[w.dtype]
+    full = w.finetune == "full"
+    img = fam.tokens(w.height, w.width, w.frames)
+    txt = fam.text_tokens(w.max_sequence_length)
+    cfg = 2 if (fam.true_cfg and w.guidance_scale > 1) or fam.guided_rows else 1  # rows of one rollout call
+    train_scale = w.guidance_scale if w.train_guidance_scale is None else w.train_guidance_scale
+    cfg_train = fam.guided_rows or (2 if fam.true_cfg and train_scale > 1 and not w.cfg_detach_uncond else 1)
+    dev, host = _held_parts(w, lay, s)
+    enc, rew = s.encoders * half, sum(n * b for n, b in w.rewards)
     dev["vae"] = s.vae * half
     dev["decode"] = 3 * fam.decode_width * w.height * w.width * 2 * min(w.frames, fam.decode_frames) * w.rollout_rows
     latents = math.ceil(w.samples / lay.data) * (w.steps + 1) * fam.latent(w.height, w.width, w.frames) * 4
-    put("rollout_latents", "host" if w.latents_on_cpu else "dev", latents)
+    (host if w.latents_on_cpu else dev)["rollout_latents"] = latents
     rows = w.train_rows * cfg_train / lay.context
     counted = fam if full else dataclasses.replace(fam, kinds=lora_kinds(w.family, w.lora_rank, w.lora_targets))
     plain = activation_bytes(counted, img, txt, False) * rows
@@ -267,15 +329,26 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
         dev["transient"] = s.transformer * half if full and half < 4 else 0
     # offloaded weights stream through the device a block at a time (the reference's shards gathered by FSDP2 with
     # the next block prefetched; the offloaded expert's blocks copied one by one)
-    streamed = (block if full and w.kl and w.reference == "cpu_offload" else 0) + (
+    streamed = (block if full and w.reference_copy and w.reference == "cpu_offload" else 0) + (
         block / 2 if w.experts == "offload" and fam.experts > 1 else 0)
-    resident = sum(dev[k] for k in ("weights", "masters", "optimizer", "reference", "ema", "other_expert", "vae",
-                                    "rollout_latents", "text_encoders", "reward_models"))
+    resident = sum(dev[k] for k in ("weights", "masters", "optimizer", "reference", "ema", "old_copy", "teacher",
+                                    "other_expert", "vae", "rollout_latents", "text_encoders", "reward_models"))
     working = 10 * (img + txt) * fam.width * 2 * w.rollout_rows * cfg / lay.context
     phases = {"update": resident + dev["grads"] + dev["activations"] + dev["transient"] + streamed,
               "rollout": resident + max(working + dev["transient"] + streamed, dev["decode"]),
               "encode": resident - dev["text_encoders"] + enc,
               "score": resident - dev["reward_models"] + rew}
+    notes = _notes(w, lay, cfg_train)
+    per_node = min(gpus, gpus_per_node or 8)
+    held = stages(w, lay, s, dev, host, phases, resident)
+    notes += _stage_notes(w, lay, s, held, per_node, host_gib)
+    return Plan(w, lay, dev, host, phases, plain, ckpt, gpu_memory_gib * USABLE * GIB, tuple(notes), held,
+                per_node, host_gib * GIB)
+
+
+def _notes(w: Workload, lay: Layout, cfg_train: int) -> list[str]:
+    """The plan's notes on the batch split and on guidance rows trained with gradient."""
+    fam = FAMILIES[w.family]
     notes = []
     per_rank = w.samples / lay.data
     if per_rank != int(per_rank) or int(per_rank) % w.rollout_rows:
@@ -286,7 +359,75 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
                      f"gradient (activations × {fam.guided_rows})")
     elif cfg_train > 1:
         notes.append("true CFG: the training forward runs both branches with gradient (activations × 2)")
-    return Plan(w, lay, dev, host, phases, plain, ckpt, gpu_memory_gib * USABLE * GIB, tuple(notes))
+    return notes
+
+
+def stages(w: Workload, lay: Layout, s: Sizes, dev: dict[str, float], host: dict[str, float],
+           phases: dict[str, float], resident: float) -> dict[str, Stage]:
+    """What a rank holds at each of :data:`STAGES` (:class:`Stage`; bytes), from the parts of :func:`plan`.
+
+    * start-up: what the loaders put in host memory, summed as if all were held at once (an upper bound: the
+      pipeline's modules are read into host memory before they move, the reward models and OPD's teacher after):
+      the frozen modules each rank loads whole (text encoders, VAE, every reward model, Wan2.2's untrained
+      expert, OPD's teacher) and the transformer as the loader holds it in ``model.dtype``: under ``fsdp2`` on
+      several processes, full fine-tuning builds it on the meta device and each rank reads only its shard from
+      the safetensors files (one tensor at a time beyond it: the streamed start-up; before it, rank 0 read the
+      whole transformer and scattered it), a LoRA's base is read whole by rank 0 alone and its shards
+      scattered; without sharding (or on one process) every rank reads it whole. Full fine-tuning's
+      reference copy is made the same way. Device: the resident parts but AdamW's moments (made at the first
+      step) and the rollout latents.
+    * steady state: the device peak of the phases and the host parts of :func:`plan`, the same on every rank.
+    * save: under ``fsdp2`` torch's distributed checkpoint writes each rank's shards, copying to host memory at
+      most :data:`DCP_COPY_AHEAD` bytes ahead plus one tensor (bounded by the largest block's float32 shard);
+      without sharding rank 0 gathers the whole float32 trained weights, AdamW's two moments, the EMA and the
+      old copy.
+    * export (the run's final weights): rank 0 gathers the whole float32 transformer in host memory
+      (``model_state``), converts it to ``model.dtype`` beside it and serializes one file (diffusers' 10 GB
+      shards) of it; a LoRA its float32 adapter and its file. On the device one gathered block in float32.
+
+    Save and export keep the steady host parts (rollout latents included: an upper bound)."""
+    half, full, fam = BYTES[w.dtype], w.finetune == "full", FAMILIES[w.family]
+    whole = s.transformer * half
+    if w.sharding == "fsdp2" and lay.gpus > 1:
+        loaded0, loaded = (whole / lay.fsdp, whole / lay.fsdp) if full else (whole, 0.0)
+    else:
+        loaded0 = loaded = whole
+    copies = 2 if full and w.reference_copy else 1
+    frozen = ((whole if fam.experts > 1 else 0) + (s.encoders + s.vae) * half + sum(n * b for n, b in w.rewards)
+              + (whole if w.teacher else 0))
+    steady = sum(host.values())
+    out = {"start-up": Stage(resident - dev["optimizer"] - dev["rollout_latents"], frozen + copies * loaded0,
+                             frozen + copies * loaded),
+           "steady state": Stage(max(phases.values()), steady, steady)}
+    trained = s.transformer if full else s.lora
+    if w.sharding == "fsdp2":
+        staged = steady + DCP_COPY_AHEAD + s.largest_block * 4 / lay.fsdp
+        out["save"] = Stage(resident, staged, staged)
+    else:
+        out["save"] = Stage(resident, steady + trained * 4 * (3 + w.ema + w.old_copy), steady)
+    if full:
+        gathered = s.transformer * 4 + (whole if half < 4 else 0) + min(EXPORT_FILE, whole)
+    else:
+        gathered = 2 * s.lora * 4
+    out["export"] = Stage(resident + s.largest_block * 4, steady + gathered, steady)
+    return out
+
+
+def _stage_notes(w: Workload, lay: Layout, s: Sizes, held: dict[str, Stage], per_node: int,
+                 host_gib: float) -> list[str]:
+    """The notes on the stages: LoRA's whole base on rank 0 at start-up, a node's host memory above
+    ``host_gib``."""
+    notes = []
+    if w.sharding == "fsdp2" and lay.gpus > 1 and w.finetune == "lora":
+        base = _gib(s.transformer * BYTES[w.dtype])
+        notes.append(f"LoRA under fsdp2: rank 0 reads the whole base transformer ({base} GiB) at start-up "
+                     "and scatters its shards; the other ranks read none of it")
+    worst = max(held, key=lambda k: held[k].node(per_node))
+    top = held[worst].node(per_node)
+    if top > host_gib * GIB:
+        notes.append(f"the node of rank 0 holds {_gib(top)} GiB of host memory at {worst} ({per_node} ranks), "
+                     f"above the {host_gib:g} GiB assumed a node (--host-gib)")
+    return notes
 
 
 def _reward_sizes(specs) -> tuple[tuple[int, int], ...]:
@@ -305,6 +446,24 @@ def _reward_sizes(specs) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def _objective_of(config):
+    """(the run's objective, built from ``config`` as preflight builds it; trajectories one requested sample
+    becomes). The objective answers what it keeps (``needs_reference``, ``uses_old_copy``, ``frozen_teacher``) and
+    its trajectories per sample on a σ grid: here the grid linspace(1, 0, T + 1) shifted by ``model.scheduler_shift``
+    (σ' = k·σ / (1 + (k − 1)·σ); unshifted when unset), an assumption where the model's own scheduler moves it
+    otherwise (a resolution-dependent shift). Raises ``ValueError`` from the objective's checks on that grid."""
+    import torch
+
+    from flowgrpo.algo.objectives import build_objective
+    from flowgrpo.sampling.rollout import SamplerSettings
+
+    objective = build_objective(config)
+    k = config.model.scheduler_shift or 1.0
+    s = torch.linspace(1, 0, config.sampling.num_steps + 1, dtype=torch.float64)
+    grid = (k * s / (1 + (k - 1) * s)).float()
+    return objective, objective.trajectories_per_sample(grid, SamplerSettings.from_config(config.sampling))
+
+
 def workload_of(config) -> Workload:
     """The :class:`Workload` of a loaded config. Raises ``ValueError`` naming ``model.pretrained`` when its model
     is an embedded one (digits, tiny: nothing to plan) or not one of :data:`~flowgrpo.plan_families.PRETRAINED`."""
@@ -320,9 +479,8 @@ def workload_of(config) -> Workload:
                          f"{', '.join(sorted(PRETRAINED))}")
     family = PRETRAINED[m.pretrained]
     fam = FAMILIES[family]
-    samples = config.batch_size
-    if config.chunker.name == "entropy_merge":  # E-GRPO: one trajectory per (sample, branch step)
-        samples *= len(getattr(config.chunker, "merge_steps", None) or [0, 1, 2, 4])
+    objective, per_sample = _objective_of(config)
+    samples = config.batch_size * per_sample
     specs = list(config.rewards) + list(config.eval_rewards or [])
     unique = list({(s.name, repr(sorted(s.kwargs.items()))): s for s in specs}.values())
     return Workload(
@@ -333,16 +491,20 @@ def workload_of(config) -> Workload:
         guidance_scale=config.sampling.guidance_scale,
         train_guidance_scale=getattr(config.objective, "train_guidance_scale", None),
         cfg_detach_uncond=m.cfg_detach_uncond,
-        lora_rank=m.lora_rank, lora_targets=tuple(m.lora_target_modules), kl=config.algo.kl_beta > 0,
-        ema=t.ema_decay is not None, latents_on_cpu=t.latents_on_cpu, rewards=_reward_sizes(unique),
+        lora_rank=m.lora_rank, lora_targets=tuple(m.lora_target_modules),
+        reference_copy=bool(objective.needs_reference), old_copy=bool(getattr(objective, "uses_old_copy", False)),
+        teacher=bool(getattr(objective, "frozen_teacher", False)), ema=t.ema_decay is not None,
+        latents_on_cpu=t.latents_on_cpu, rewards=_reward_sizes(unique),
         sharding=p.sharding, replicate=p.replicate, context_degree=p.context_degree,
         reshard_after_forward=p.reshard_after_forward, offload=p.offload, reference=p.reference, ema_place=p.ema,
         text_encoders=p.text_encoders, experts=p.experts, reward_models=p.reward_models,
         gradient_sync=p.gradient_sync)
 
 
-def plan_config(path, gpus: int, gpu_memory_gib: float = 80.0, overrides: list[str] = ()) -> Plan:
-    """The :class:`Plan` of the config at ``path`` (with ``key=value`` ``overrides``) on ``gpus`` GPUs.
+def plan_config(path, gpus: int, gpu_memory_gib: float = 80.0, overrides: list[str] = (),
+                gpus_per_node: int | None = None, host_gib: float = HOST_GIB) -> Plan:
+    """The :class:`Plan` of the config at ``path`` (with ``key=value`` ``overrides``) on ``gpus`` GPUs
+    (:func:`plan`'s other arguments).
 
     Raises:
         ValueError: a model outside the plan, a layout that does not divide ``gpus``, a bad GPU memory.
@@ -350,11 +512,24 @@ def plan_config(path, gpus: int, gpu_memory_gib: float = 80.0, overrides: list[s
     """
     from flowgrpo.config import load_config
 
-    return plan(workload_of(load_config(path, list(overrides))), gpus, gpu_memory_gib)
+    return plan(workload_of(load_config(path, list(overrides))), gpus, gpu_memory_gib,
+                gpus_per_node=gpus_per_node, host_gib=host_gib)
 
 
 def _gib(v: float) -> str:
     return f"{v / GIB:.1f}"
+
+
+def _stage_table(p: Plan) -> str:
+    """What a rank holds at each stage (:func:`stages`), GiB: on each GPU, in rank 0's host memory, in each other
+    rank's, and on the node of rank 0."""
+    n = p.ranks_per_node
+    lines = [f"| stage | on each GPU (GiB) | host, rank 0 (GiB) | host, each other rank (GiB) | host, node of rank 0 "
+             f"({n} rank{'s' * (n > 1)}, GiB) |", "|---|---|---|---|---|"]
+    for name, st in p.stages.items():
+        other = _gib(st.other) if p.layout.gpus > 1 else "–"
+        lines.append(f"| {name} | {_gib(st.device)} | {_gib(st.rank0)} | {other} | {_gib(st.node(n))} |")
+    return "\n".join(lines)
 
 
 def render(p: Plan, title: str = "") -> str:
@@ -388,6 +563,7 @@ def render(p: Plan, title: str = "") -> str:
     lines.append(f"| **host total** | | **{_gib(sum(p.host.values()))}** |")
     lines += ["", "| phase | device peak (GiB) |", "|---|---|"]
     lines += [f"| {k} | {_gib(v)} |" for k, v in p.phases.items()]
+    lines += ["", _stage_table(p)]
     verdict = "fits" if p.fits else "does NOT fit"
     lines += ["", f"Peak {_gib(p.peak)} GiB of {_gib(p.budget)} usable ({p.budget / USABLE / GIB:.0f} GiB GPU): "
               f"**{verdict}**."]

@@ -197,7 +197,8 @@ def _kl_vae():
 
     return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
                          up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],
-                         layers_per_block=2, latent_channels=16)
+                         layers_per_block=2, latent_channels=16, use_quant_conv=False,
+                         use_post_quant_conv=False)  # FLUX.1's and SD3.5's vae/config.json: no quant convs
 
 
 def _qwen_vae():

@@ -242,6 +242,7 @@ def test_every_shipped_config_is_planned_or_refused_in_one_line(capsys):
     paths = sorted((REPO / "configs").glob("*.yaml"))
     table = bench.config_table(paths)
     assert table in doc, "docs/many_gpus.md: regenerate the shipped configs' table (bench/memory.py --plan)"
+    assert bench.host_table(paths) in doc, "docs/many_gpus.md: regenerate the host table (bench/memory.py --plan)"
     fit, over = bench.one_gpu(paths)
     bullet = " ".join(doc.split("\n- one GPU, as shipped")[1].split("\n\n")[0].split())
     listed_fit, listed_over = (re.findall(r"`([\w.]+\.yaml)`", part) for part in
@@ -364,3 +365,170 @@ def test_ltx2_and_hunyuan_video15_rows_count_the_released_models():
     hfam = FAMILIES["hunyuan_video15"]
     assert hfam.tokens(480, 848, 121) == 31 * 30 * 53 and hfam.latent(480, 848, 121) == 32 * 31 * 30 * 53
     assert hfam.text_tokens(1000) == 1000 + 256 + 729
+
+
+def _count(build) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in build().parameters())
+
+
+def _flux_frozen_modules() -> tuple[int, int, int]:
+    """(T5-XXL encoder, CLIP-L text encoder, VAE) parameters, built from FLUX.1-dev's text_encoder_2/,
+    text_encoder/ and vae/ config.json."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    t5 = _count(lambda: T5EncoderModel(T5Config(d_model=4096, d_ff=10240, num_layers=24, num_heads=64, d_kv=64,
+                                                vocab_size=32128, feed_forward_proj="gated-gelu",
+                                                is_encoder_decoder=False)))
+    clip = _count(lambda: CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                                       num_attention_heads=12, vocab_size=49408,
+                                                       max_position_embeddings=77)))
+    vae = _count(lambda: AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                                       up_block_types=("UpDecoderBlock2D",) * 4,
+                                       block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                                       latent_channels=16, use_quant_conv=False, use_post_quant_conv=False))
+    return t5, clip, vae
+
+
+def test_stages_of_flux_full_fine_tuning_on_8_gpus():
+    """What a rank of FLUX.1-dev full fine-tuning (bf16, FSDP2 over 8 GPUs, one float32 reward model of 1 B
+    parameters, latents in host memory) holds at each stage, from parameter counts: at start-up the frozen modules
+    every rank loads whole (T5-XXL ≈ 4.76 B and CLIP-L ≈ 0.12 B in bf16, the VAE, the reward model) and its own
+    bf16 shard of the transformer (and of the reference copy when the objective needs one); at a save the
+    steady host parts and DCP's 10 MB copy-ahead plus one tensor; at the export rank 0 gathers the whole float32
+    model, its bf16 conversion and one 10 GB file, the others nothing. Per node: rank 0 and 7 others. LoRA
+    under FSDP2: rank 0 reads the whole base; without sharding every rank does."""
+    from flowgrpo.plan import Workload, render
+
+    n = _flux_dev_parameters()
+    t5, clip, vae = _flux_frozen_modules()
+    assert 4.7e9 < t5 < 4.8e9 and 0.12e9 < clip < 0.13e9
+    with torch.device("meta"):
+        from flowgrpo.plan_families import _flux1
+
+        model = _flux1()
+    block = max(sum(p.numel() for p in b.parameters())
+                for b in [*model.transformer_blocks, *model.single_transformer_blocks])
+    reward = 10**9
+    w = Workload(family="flux", finetune="full", dtype="bfloat16", height=720, width=720, frames=1,
+                 max_sequence_length=512, train_rows=1, rollout_rows=1, samples=16, steps=15,
+                 gradient_checkpointing=True, rewards=((reward, 4),), sharding="fsdp2", latents_on_cpu=True)
+    latents = 2 * 16 * (720 // 8) ** 2 * 4 * 16  # 2 samples a rank, 16 latents each, 16 × 90 × 90 float32
+    frozen = 2 * (t5 + clip + vae) + 4 * reward
+    p = plan(w, 8)
+    st = p.stages
+    assert p.host["rollout_latents"] == latents
+    assert st["start-up"].rank0 == pytest.approx(frozen + 2 * n / 8) and st["start-up"].other == st["start-up"].rank0
+    assert st["start-up"].node(8) == pytest.approx(8 * (frozen + 2 * n / 8)) and p.ranks_per_node == 8
+    assert st["steady state"].rank0 == pytest.approx(latents) and st["steady state"].device == p.peak
+    assert st["save"].rank0 == pytest.approx(latents + 10**7 + 4 * block / 8) == st["save"].other
+    assert st["export"].rank0 == pytest.approx(latents + 4 * n + 2 * n + 10**10)
+    assert st["export"].other == pytest.approx(latents)
+    assert st["export"].node(8) == pytest.approx(8 * latents + 6 * n + 10**10)
+    # the rendered stage table, one row per stage with the figures above in GiB
+    out = render(p)
+    g = lambda v: f"{v / 2**30:.1f}"  # noqa: E731
+    assert (f"| start-up | {g(st['start-up'].device)} | {g(frozen + n / 4)} | {g(frozen + n / 4)} | "
+            f"{g(8 * frozen + 2 * n)} |") in out
+    assert f"| export | {g(st['export'].device)} | {g(latents + 6 * n + 10**10)} | {g(latents)} |" in out
+    assert "host, node of rank 0 (8 ranks, GiB)" in out
+    # a reference copy: its shard too; 16 GPUs on nodes of 8: the node holds 8 ranks
+    ref = plan(dataclasses.replace(w, reference_copy=True), 16, gpus_per_node=8)
+    assert ref.stages["start-up"].rank0 == pytest.approx(frozen + 2 * (2 * n / 16))
+    # LoRA under FSDP2: rank 0 reads the whole bf16 base, the others none of it; without sharding every rank
+    lora = plan(dataclasses.replace(w, finetune="lora"), 8)
+    assert lora.stages["start-up"].rank0 == pytest.approx(frozen + 2 * n)
+    assert lora.stages["start-up"].other == pytest.approx(frozen)
+    assert any("rank 0 reads the whole base transformer" in note for note in lora.notes)
+    ddp = plan(dataclasses.replace(w, sharding="none"), 8)
+    assert ddp.stages["start-up"].other == pytest.approx(frozen + 2 * n)
+    # an unsharded save: rank 0 gathers the float32 weights, AdamW's two moments and the EMA
+    ddp_ema = plan(dataclasses.replace(w, sharding="none", ema=True), 8)
+    assert ddp_ema.stages["save"].rank0 == pytest.approx(latents + 4 * n * 4)
+    assert ddp_ema.stages["save"].other == pytest.approx(latents)
+    # a node's host memory above --host-gib is noted; 8 × start-up here is about 177 GiB
+    assert not any("assumed a node" in note for note in p.notes)
+    small = plan(w, 8, host_gib=100)
+    assert any("at start-up (8 ranks), above the 100 GiB assumed a node" in note for note in small.notes)
+
+
+def test_wan22_a14b_recipe_latents_per_rank_and_node():
+    """The documented Wan2.2 A14B recipe on 8 GPUs (context degree 8, latents in host memory): one data rank, so
+    every rank keeps all the epoch's samples' latents, (T + 1) × 16 × 21 × 90 × 160 float32 each: 72.7 GiB a rank,
+    8 × that a node; and at start-up each rank loads the untrained expert whole (bf16) beside its shard."""
+    from flowgrpo.config import load_config
+
+    over = ["model.pretrained=Wan-AI/Wan2.2-T2V-A14B-Diffusers", "model.height=720", "model.width=1280",
+            "model.num_frames=81", "train.rollout_batch_size=1", "train.train_batch_size=1",
+            "parallel.sharding=fsdp2", "parallel.experts=shard", "parallel.text_encoders=shard",
+            "train.latents_on_cpu=true", "parallel.context_degree=8"]
+    cfg = REPO / "configs" / "wan21_t2v_1.3b_dance.yaml"
+    c = load_config(cfg, over)
+    latents = c.batch_size * (c.sampling.num_steps + 1) * 16 * 21 * 90 * 160 * 4
+    assert latents / GIB == pytest.approx(72.7, abs=0.05)
+    p = plan_config(cfg, 8, overrides=over)
+    assert p.host["rollout_latents"] == latents
+    assert p.stages["steady state"].node(8) == pytest.approx(8 * latents)
+    n = sizes("wan22_a14b").transformer
+    assert p.stages["start-up"].other >= 2 * n + 2 * n / 8  # the other expert whole, its own shard
+
+
+#: a shipped config of each registered objective (full fine-tuning), for the test below
+OBJECTIVE_CONFIGS = ("digits", "digits_awm", "digits_dgpo", "digits_dpo", "digits_dpo_offline", "digits_nft",
+                     "digits_opd", "digits_refl", "digits_sft")
+
+
+@pytest.mark.parametrize("name", OBJECTIVE_CONFIGS)
+@pytest.mark.parametrize("kl", [None, 0.0, 0.04])
+def test_plan_counts_what_the_objective_keeps(name, kl):
+    """Full fine-tuning of FLUX.1-dev (FSDP2, 8 GPUs) with each registered objective: the plan counts the frozen
+    reference copy exactly when the objective the trainer builds says it forwards one (``needs_reference``; DPO,
+    DGPO, NFT and AWM with ``algo.kl_beta`` 0 do), the float32 old copy when it keeps one, and OPD's whole teacher
+    (the plan read ``algo.kl_beta > 0`` and missed them)."""
+    from flowgrpo.algo.objectives import build_objective
+    from flowgrpo.config import ConfigError, load_config
+
+    over = ["model.pretrained=black-forest-labs/FLUX.1-dev", "model.finetune=full", "model.dtype=bfloat16",
+            "parallel.sharding=fsdp2"]
+    path = REPO / "configs" / f"{name}.yaml"
+    if kl is not None:  # the KL weight where the objective reads it
+        key = "algo.kl_beta" if load_config(path).objective.name == "sde_ratio" else "objective.kl_beta"
+        over.append(f"{key}={kl}")
+    try:
+        config = load_config(path, over)
+    except ConfigError:
+        pytest.skip(f"{name} has no KL weight to set")
+    trainer = build_objective(config)  # what runner.py asks
+    n = sizes("flux").transformer
+    p = plan_config(path, 8, overrides=over)
+    assert p.device["reference"] == (2 * n / 8 if trainer.needs_reference else 0), name
+    assert p.device["old_copy"] == (4 * n / 8 if getattr(trainer, "uses_old_copy", False) else 0), name
+    assert p.device["teacher"] == (2 * n if name == "digits_opd" else 0), name
+
+
+def test_every_registered_objective_is_planned_above():
+    """The objective test above covers every registered objective (a new one must join it)."""
+    from flowgrpo.algo.objectives import OBJECTIVES
+    from flowgrpo.config import load_config
+
+    covered = {load_config(REPO / "configs" / f"{n}.yaml").objective.name for n in OBJECTIVE_CONFIGS}
+    assert covered == set(OBJECTIVES)
+
+
+def test_cli_plan_nodes_and_host_memory(capsys):
+    """``--gpus-per-node`` sets the ranks a node's host figure sums (start-up of flux_chunk.yaml: 4 ranks of
+    21.0 GiB), ``--host-gib`` the node's host memory a note compares it with; a non-positive one is refused in one
+    line."""
+    from flowgrpo.cli import main
+
+    cfg = str(REPO / "configs" / "flux_chunk.yaml")
+    main(["plan", cfg, "--gpus", "16", "parallel.replicate=2", "--gpus-per-node", "4", "--host-gib", "50"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| start-up |")).split(" | ")
+    assert "host, node of rank 0 (4 ranks, GiB)" in out and float(row[4].strip(" |")) == pytest.approx(
+        4 * float(row[2]), abs=0.3)  # 4 × a rounded figure
+    assert "Note: the node of rank 0 holds" in out and "above the 50 GiB assumed a node (--host-gib)" in out
+    with pytest.raises(SystemExit) as err:
+        main(["plan", cfg, "--gpus", "8", "--host-gib", "0"])
+    assert err.value.code == 2 and "--host-gib 0.0 must be positive" in capsys.readouterr().err

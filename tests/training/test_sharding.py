@@ -321,7 +321,8 @@ def test_memory_plan_counts_what_each_process_holds(runs, tiny_flux_dir):
     for run, gpus in (("one_full", 1), ("two_full", 2)):
         w = Workload(family="flux", finetune="full", dtype="float32", height=32, width=32, frames=1,
                      max_sequence_length=16, train_rows=3, rollout_rows=3, samples=6, steps=3,
-                     gradient_checkpointing=False, kl=True, ema=True, sharding="fsdp2" if gpus > 1 else "none")
+                     gradient_checkpointing=False, reference_copy=True, ema=True,
+                     sharding="fsdp2" if gpus > 1 else "none")
         expected = plan(w, gpus, s=sizes).device
         expected["weights"] += expected["masters"]  # a run reports its frozen and trained weights together
         held = [json.loads((runs / run / f"process_{r}.json").read_text())["bytes"] for r in range(gpus)]

@@ -219,6 +219,12 @@ class BaseObjective:
     #: the update trains on the group advantages (:attr:`Objective.trains_on_advantages`); False for an objective
     #: whose signal is a dataset, the reward's gradient or a teacher
     trains_on_advantages: ClassVar[bool] = True
+    #: the objective keeps an old copy of the trained weights (a float32 shadow made in :meth:`prepare`, sharded
+    #: like them); the memory plan (:mod:`flowgrpo.plan`) counts it
+    uses_old_copy: ClassVar[bool] = False
+    #: the objective loads a whole frozen teacher transformer (in ``model.dtype``, on the device); the memory plan
+    #: counts it
+    frozen_teacher: ClassVar[bool] = False
 
     def __init__(self, config) -> None:
         self.cfg = config

@@ -159,6 +159,7 @@ class OPD(ForwardObjective):
 
     Config = OPDConfig
     uses_old_copy = False
+    frozen_teacher = True  # load_teacher: a whole transformer on the device (the memory plan counts it)
     trains_on_advantages = False  # the teacher's velocity is the signal, no reward enters
 
     def __init__(self, config) -> None:
