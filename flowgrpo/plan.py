@@ -381,9 +381,11 @@ def stages(w: Workload, lay: Layout, s: Sizes, dev: dict[str, float], host: dict
       most :data:`DCP_COPY_AHEAD` bytes ahead plus one tensor (bounded by the largest block's float32 shard);
       without sharding rank 0 gathers the whole float32 trained weights, AdamW's two moments, the EMA and the
       old copy.
-    * export (the run's final weights): rank 0 gathers the whole float32 transformer in host memory
-      (``model_state``), converts it to ``model.dtype`` beside it and serializes one file (diffusers' 10 GB
-      shards) of it; a LoRA its float32 adapter and its file. On the device one gathered block in float32.
+    * export (the run's final weights): the transformer is written one file at a time
+      (:func:`~flowgrpo.state_dicts.export_transformer`): rank 0 holds one file's tensors in ``model.dtype``
+      (diffusers' files of at most 10 GB) and the float32 tensor being gathered, every other rank that tensor
+      (bounded by the largest block); a LoRA: its float32 adapter and its file on rank 0. On the device one
+      gathered tensor in float32 (bounded by a block).
 
     Save and export keep the steady host parts (rollout latents included: an upper bound)."""
     half, full, fam = BYTES[w.dtype], w.finetune == "full", FAMILIES[w.family]
@@ -393,7 +395,9 @@ def stages(w: Workload, lay: Layout, s: Sizes, dev: dict[str, float], host: dict
     else:
         loaded0 = loaded = whole
     copies = 2 if full and w.reference_copy else 1
-    frozen = ((whole if fam.experts > 1 else 0) + (s.encoders + s.vae) * half + sum(n * b for n, b in w.rewards)
+    # a sharded untrained expert is built empty on several processes and each reads its own shards
+    expert = (whole / lay.fsdp if w.experts == "shard" and lay.gpus > 1 else whole) if fam.experts > 1 else 0
+    frozen = (expert + (s.encoders + s.vae) * half + sum(n * b for n, b in w.rewards)
               + (whole if w.teacher else 0))
     steady = sum(host.values())
     out = {"start-up": Stage(resident - dev["optimizer"] - dev["rollout_latents"], frozen + copies * loaded0,
@@ -405,11 +409,11 @@ def stages(w: Workload, lay: Layout, s: Sizes, dev: dict[str, float], host: dict
         out["save"] = Stage(resident, staged, staged)
     else:
         out["save"] = Stage(resident, steady + trained * 4 * (3 + w.ema + w.old_copy), steady)
-    if full:
-        gathered = s.transformer * 4 + (whole if half < 4 else 0) + min(EXPORT_FILE, whole)
+    if full:  # one file of model.dtype tensors and the float32 tensor being gathered (at most a block)
+        gathered, each = min(EXPORT_FILE, whole) + s.largest_block * 4, s.largest_block * 4
     else:
-        gathered = 2 * s.lora * 4
-    out["export"] = Stage(resident + s.largest_block * 4, steady + gathered, steady)
+        gathered, each = 2 * s.lora * 4, 0.0
+    out["export"] = Stage(resident + s.largest_block * 4, steady + gathered, steady + each)
     return out
 
 
