@@ -255,13 +255,15 @@ def test_each_process_holds_a_shard_of_policy_and_reference(runs):
 
 
 def test_weights_are_read_once_and_the_reference_is_never_a_whole_copy(runs):
-    """At start the main process alone reads the transformer's weights (the other builds it on the meta device
-    and receives its shards), and the full fine-tune's reference is built on the meta device on every process
-    and filled from its own policy shards (equal to the base: the on-policy KL to it is 0, in
-    ``test_sharded_full_epoch_equals_one_process``)."""
-    for run, reference in (("two_full", True), ("two_lora", None), ("two_bf16", None)):
+    """At start no process of a full fine-tune reads the whole transformer: each builds it on the meta device and
+    reads its own shards from the files (their values are the files': the sharded epoch equals one process's, in
+    ``test_sharded_full_epoch_equals_one_process``); with LoRA the main process alone reads it (it initialises the
+    adapter) and the other receives its shards. The full fine-tune's reference is built on the meta device on every
+    process and filled from its own policy shards (equal to the base: the on-policy KL to it is 0)."""
+    for run, reference, read in (("two_full", True, ["empty", "empty"]), ("two_lora", None, ["read", "empty"]),
+                                 ("two_bf16", None, ["empty", "empty"])):
         loaded = [json.loads((runs / run / f"process_{r}.json").read_text())["loaded"] for r in (0, 1)]
-        assert [x["transformer"] for x in loaded] == ["read", "empty"], run
+        assert [x["transformer"] for x in loaded] == read, run
         assert [x["reference_on_meta"] for x in loaded] == [reference, reference], run
 
 
