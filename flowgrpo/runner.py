@@ -266,6 +266,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                              args.overrides)
         with _hold(config.output_dir):  # before anything in the folder is read
             summary = run(resolve_auto_resume(config, args.overrides, config_file=args.config))
+    except parallel.LaunchRefused as err:  # one process where several were asked for: the line, no launcher's trace
+        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.flush()
+        parallel.end_launcher()
+        sys.exit(2)
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError,
             RemoteRewardError) as err:  # RemoteRewardError: the reward server is unreachable at setup
         # a config error is the same on every process: rank 0 says it

@@ -210,6 +210,31 @@ def test_accelerate_launch_cpu_with_two_processes_refuses_in_one_line(tmp_path):
     assert proc.returncode != 0
     assert "torchrun --nproc_per_node N flowgrpo/train.py CONFIG" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # our line is the only one: accelerate's launcher (no -q) printed a CalledProcessError traceback after it
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == [ln for ln in lines if ln.startswith("error: accelerate launch --cpu")] and len(lines) == 1, \
+        proc.stderr[-3000:]
+
+
+def test_the_launcher_is_ended_only_when_it_is_accelerates(monkeypatch):
+    """:func:`parallel.end_launcher` signals its parent only when that parent's command is accelerate's launch."""
+    import signal
+    import subprocess
+    import sys
+
+    killed = []
+    monkeypatch.setattr(__import__("os"), "kill", lambda pid, sig: killed.append((pid, sig)))
+    shell = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "accelerate", "launch"])
+    try:
+        assert not parallel.end_launcher(shell.pid) and killed == []
+        assert parallel.end_launcher(launcher.pid) and killed == [(launcher.pid, signal.SIGTERM)]
+        assert not parallel.end_launcher(2**22 + 12345)  # no such process
+    finally:
+        monkeypatch.undo()  # the real os.kill, for Popen.kill
+        for p in (shell, launcher):
+            p.kill()
+            p.wait()
 
 
 # ---------------------------------------------------------------- frozen modules placed by rule (case 4)
