@@ -129,15 +129,21 @@ def end_launcher(pid: int | None = None) -> bool:
 
 
 def process_group_kwargs(settings) -> list:
-    """accelerate's ``kwargs_handlers`` for the run's process group: with ``parallel.offload=cpu`` on CUDA the
-    backend ``cuda:nccl,cpu:gloo`` (FSDP2 then holds CPU shards whose collectives, the clipping norm's all-reduce
-    and a checkpoint's gathering, NCCL cannot run; torch picks the backend by each tensor's device); else none
-    (accelerate's default: NCCL on CUDA, gloo on the CPU, where a given backend is ignored anyway)."""
+    """accelerate's ``kwargs_handlers`` for the run's process group: its timeout,
+    ``parallel.collective_timeout_s`` (how long a process waits in a barrier or broadcast of the default group,
+    where the others wait while the main process exports alone; the device mesh's groups, whose collectives every
+    process enters together, keep torch's default); and with ``parallel.offload=cpu`` on CUDA the backend
+    ``cuda:nccl,cpu:gloo`` (FSDP2 then holds CPU shards whose collectives, the clipping norm's all-reduce and a
+    checkpoint's gathering, NCCL cannot run; torch picks the backend by each tensor's device), else accelerate's
+    default (NCCL on CUDA, gloo on the CPU, where a given backend is ignored anyway)."""
+    from datetime import timedelta
+
     from accelerate.utils import InitProcessGroupKwargs
 
+    timeout = timedelta(seconds=getattr(settings, "collective_timeout_s", 3600.0))
     if getattr(settings, "offload", "none") == "cpu" and torch.cuda.is_available():
-        return [InitProcessGroupKwargs(backend="cuda:nccl,cpu:gloo")]
-    return []
+        return [InitProcessGroupKwargs(backend="cuda:nccl,cpu:gloo", timeout=timeout)]
+    return [InitProcessGroupKwargs(timeout=timeout)]
 
 
 def check_engine(accelerator, settings) -> None:

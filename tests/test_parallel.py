@@ -11,6 +11,7 @@ GPU (the meta device stands in for one: moving a module there is observable, and
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
@@ -173,7 +174,41 @@ def test_cpu_offload_on_cuda_adds_a_cpu_backend_to_the_process_group(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     (kwargs,) = parallel.process_group_kwargs(ParallelConfig(sharding="fsdp2", offload="cpu"))
     assert kwargs.backend == "cuda:nccl,cpu:gloo"
-    assert parallel.process_group_kwargs(ParallelConfig(sharding="fsdp2")) == []
+    (kwargs,) = parallel.process_group_kwargs(ParallelConfig(sharding="fsdp2"))
+    assert kwargs.to_kwargs() == {"timeout": datetime.timedelta(hours=1)}  # accelerate's backend left as it is
+
+
+def test_the_collective_timeout_reaches_init_process_group(monkeypatch):
+    """``parallel.collective_timeout_s`` is the timeout accelerate gives ``init_process_group`` (NCCL's default,
+    10 minutes, aborted a run whose main process exported alone for longer): a two-process CPU launch's
+    environment, the call recorded and stopped there."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def init_process_group(backend=None, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise Stop
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    for key, value in {"ACCELERATE_USE_CPU": "true", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+                       "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    AcceleratorState._reset_state(True)
+    try:
+        with pytest.raises(Stop):
+            Accelerator(cpu=True, kwargs_handlers=parallel.process_group_kwargs(
+                ParallelConfig(collective_timeout_s=5400)))
+    finally:
+        AcceleratorState._reset_state(True)
+    assert seen["timeout"] == datetime.timedelta(seconds=5400) and seen["backend"] == "gloo"
+    with pytest.raises(ValueError, match="collective_timeout_s"):
+        ParallelConfig(collective_timeout_s=0)
 
 
 # ---------------------------------------------------------------- the launch (case 8)
