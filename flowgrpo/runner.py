@@ -23,7 +23,7 @@ from flowgrpo.checkpoint import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.config.help import help_config, not_read, refused
 from flowgrpo.divergence import TrainingDiverged
-from flowgrpo.models import load_model_from_config
+from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.preflight import auto_resume_config_file, check_on_grid, preflight, resolve_auto_resume
 from flowgrpo.rewards.base import MissingWeightsError
@@ -148,6 +148,7 @@ def _run(config) -> dict:
     parallel.check_engine(accelerator, config.parallel)
     set_seed(config.train.seed)
     m = config.model
+    fetch_first(m.pretrained, accelerator.is_local_main_process)  # a hub id: one download per machine, then all
     # a sharded run reads the transformer's weights once: the others receive their shards (parallel.prepare_model)
     adapter = load_model_from_config(m, empty_transformer=config.parallel.sharding == "fsdp2"
                                      and accelerator.num_processes > 1 and accelerator.process_index != 0,

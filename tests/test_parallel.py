@@ -15,6 +15,7 @@ import datetime
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -476,3 +477,48 @@ def test_end_worker_flushes_and_skips_the_teardown(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as under a launcher
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "figures\n", "note")
+
+
+# ---------------------------------------------------------------- models fetched main-process-first
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+FETCHER = textwrap.dedent("""
+    import os, sys
+    import torch.distributed
+    from diffusers import DiffusionPipeline
+    from flowgrpo import dist
+    from flowgrpo.models import fetch_first
+
+    log = sys.argv[1]
+    def note(text):
+        with open(log, "a") as f:
+            f.write(f"{text}\\n")
+    DiffusionPipeline.download = classmethod(lambda cls, name, **kw: note(f"rank {dist.rank()} fetched {name}"))
+    torch.distributed.init_process_group("gloo")
+    fetch_first("org/model", local_main=os.environ["LOCAL_RANK"] == "0")
+    note(f"rank {dist.rank()} loads")
+    fetch_first(sys.argv[2], local_main=os.environ["LOCAL_RANK"] == "0")  # a local folder: nothing fetched
+    dist.end_worker()
+""")
+
+
+@pytest.mark.slow
+def test_a_hub_model_is_fetched_by_the_local_main_process_before_the_others_load(tmp_path):
+    """Two processes (torchrun, gloo) with a recording download (no network): only local rank 0 fetches, and
+    before any process goes on to load (every rank downloaded at once)."""
+    log = tmp_path / "log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", _free_port(), "--no-python", sys.executable,
+                           "-c", FETCHER, str(log), str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = log.read_text().splitlines()
+    assert lines[0] == "rank 0 fetched org/model" and sorted(lines[1:]) == ["rank 0 loads", "rank 1 loads"], lines
