@@ -63,7 +63,13 @@ def _tokens(tr, shapes: dict) -> dict:
 
 
 def one_family(name: str, root: Path, attention: str) -> dict:
-    case = CASES[name]
+    """One family's row, with the case's module constants scaled to its tiny model (LTX-2's STG block)."""
+    with CASES[name].patched() as case:
+        return _one_family(case, root, attention)
+
+
+def _one_family(case, root: Path, attention: str) -> dict:
+    name = case.name
     folder = root / name
     if dist.rank() == 0:
         case.build(folder / "pipeline")

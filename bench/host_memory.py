@@ -1,10 +1,11 @@
 """Peak host memory (resident set) per process at start, save and resume of a sharded full fine-tune, on 1, 2 and 4
 CPU processes (torchrun, gloo): a table, never a test.
 
-    python bench/host_memory.py [--procs 1 2 4] [--json PATH]
+    python bench/host_memory.py [--procs 1 2 4] [--width 512] [--json PATH]
 
 The model is the tiny FLUX architecture widened to 512 (8 heads of 64; 2 double-stream and 4 single-stream blocks:
-34.6 M parameters, 138 MB in float32), written once as a diffusers folder. Each process count runs in fresh
+36.4 M parameters, 145 MB in float32), written once as a diffusers folder (``--width 64``: one head, the CI's dry
+run, ``tests/bench/test_benches.py``). Each process count runs in fresh
 processes, each doing what a ``parallel.sharding=fsdp2`` run does (``flowgrpo.parallel.prepare_model``,
 ``flowgrpo.checkpoint``):
 
@@ -38,7 +39,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WIDTH, HEADS, DOUBLE, SINGLE = 512, 8, 2, 4
+HEAD, DOUBLE, SINGLE = 64, 2, 4
 
 
 def _hwm_mb() -> float:
@@ -61,8 +62,9 @@ def _reset_hwm() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def build_model(folder: Path) -> Path:
-    """The widened tiny FLUX transformer as a diffusers folder (``model_index.json`` naming it, ``transformer/``)."""
+def build_model(folder: Path, width: int = 512) -> Path:
+    """The widened tiny FLUX transformer as a diffusers folder (``model_index.json`` naming it, ``transformer/``):
+    ``width`` / 64 heads of 64."""
     import torch
     from diffusers import FluxTransformer2DModel
 
@@ -70,7 +72,7 @@ def build_model(folder: Path) -> Path:
         return folder
     torch.manual_seed(0)
     tr = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=DOUBLE, num_single_layers=SINGLE,
-                                attention_head_dim=WIDTH // HEADS, num_attention_heads=HEADS, joint_attention_dim=64,
+                                attention_head_dim=HEAD, num_attention_heads=width // HEAD, joint_attention_dim=64,
                                 pooled_projection_dim=64, guidance_embeds=True, axes_dims_rope=(16, 24, 24))
     tr.save_pretrained(folder / "transformer")
     (folder / "model_index.json").write_text(json.dumps(
@@ -86,6 +88,7 @@ def _build(folder: Path):
     from diffusers import FluxTransformer2DModel
 
     from flowgrpo import dist, parallel
+    from flowgrpo.config import ModelConfig, ParallelConfig
     from flowgrpo.ema import EMA
     from flowgrpo.models.empty import empty_components
     from flowgrpo.models.lora import structure_copy
@@ -98,8 +101,8 @@ def _build(folder: Path):
     tr.requires_grad_(True)
     adapter = SimpleNamespace(transformer=tr, frozen_reference=structure_copy(tr).requires_grad_(False).eval())
     config = SimpleNamespace(
-        parallel=SimpleNamespace(sharding="fsdp2", reshard_after_forward=True, reference="device"),
-        model=SimpleNamespace(finetune="full", dtype="float32"))
+        parallel=ParallelConfig(sharding="fsdp2", reshard_after_forward=True, reference="device"),
+        model=ModelConfig(pretrained=str(folder), finetune="full", dtype="float32"))
     model = parallel.prepare_model(adapter, SimpleNamespace(device=device), config)
     params = parallel.trainable_parameters(model)
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -184,6 +187,7 @@ def table(results: dict[int, list[dict]], params: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--width", type=int, default=512, help="the transformer's width, a multiple of 64")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -193,7 +197,9 @@ def main() -> None:
     import torch
 
     root = Path(tempfile.mkdtemp(prefix="host_memory_"))
-    folder = build_model(root / "model")
+    if args.width < HEAD or args.width % HEAD:
+        parser.error(f"--width {args.width}: a positive multiple of {HEAD} (heads of {HEAD})")
+    folder = build_model(root / "model", args.width)
     params = sum(t.numel() for t in __import__("safetensors.torch", fromlist=["load_file"]).load_file(
         folder / "transformer" / "diffusion_pytorch_model.safetensors").values())
     t0 = time.perf_counter()

@@ -37,13 +37,22 @@ def cpu_accelerator() -> Iterator[None]:
         torch._C._get_accelerator, torch.accelerator.device_count = get, count
 
 
+#: a transformer's second token stream (beside ``hidden_states``) that its own attention layers run over: under
+#: context parallelism diffusers' attention dispatch treats every sequence as split, so a stream the ``_cp_plan``
+#: leaves whole reaches Ulysses' all-to-all unsplit (LTX-2 in diffusers 0.42: its audio self- and cross-attention
+#: fail on shapes; ``bench/context_families.py``). A text the plan leaves whole is harmless (Wan: cross-attention
+#: keys repeated on every rank give the same softmax average) and not listed.
+UNSPLIT_STREAMS = ("audio_hidden_states",)
+
+
 def check_context(adapter, settings, device: torch.device) -> None:
     """Refuse a context-parallel run this model or device cannot run, with one line (``parallel.context_degree``
     > 1; nothing to check at 1).
 
     Raises:
         ValueError: the transformer has no ``_cp_plan`` (diffusers cannot split it: SD3, Z-Image,
-            HunyuanVideo-1.5), naming the family; Ulysses with attention heads the degree does not divide; ring
+            HunyuanVideo-1.5), naming the family; a second token stream the plan leaves whole (LTX-2's audio,
+            :data:`UNSPLIT_STREAMS`); Ulysses with attention heads the degree does not divide; ring
             attention with a masked text (Qwen-Image: the flash kernel ring runs takes no mask), or on the CPU
             (diffusers 0.42's ring needs the attention's log-sum-exp, which its CPU (native SDPA) backend does not
             return).
@@ -57,6 +66,11 @@ def check_context(adapter, settings, device: torch.device) -> None:
         raise ValueError(f"parallel.context_degree={n}: diffusers cannot split the tokens of {family}, whose "
                          "transformer declares no _cp_plan (context parallelism runs on FLUX, FLUX.2, Qwen-Image "
                          "and Wan); set parallel.context_degree=1")
+    unsplit = [a for a in UNSPLIT_STREAMS if a in _forward_args(tr) and a not in _split_names(tr)]
+    if unsplit:
+        raise ValueError(f"parallel.context_degree={n}: diffusers' _cp_plan of {family} splits its video tokens "
+                         f"but not its {unsplit[0]}, whose attention then mixes whole and split sequences and "
+                         "fails; set parallel.context_degree=1")
     heads = getattr(tr.config, "num_attention_heads", None)
     if settings.context_attention == "ulysses" and heads is not None and heads % n:
         raise ValueError(f"parallel.context_degree={n} with ulysses attention splits the attention heads: "
@@ -79,6 +93,17 @@ def context_modules(adapter) -> list[torch.nn.Module]:
              if name.startswith("transformer") and isinstance(m, torch.nn.Module)]
     ref = adapter.frozen_reference
     return parts + ([ref] if isinstance(ref, torch.nn.Module) else [])
+
+
+def _forward_args(module) -> set[str]:
+    """The names of ``module.forward``'s arguments (none when it has no inspectable forward)."""
+    import inspect
+
+    forward = getattr(module, "forward", None)
+    try:
+        return set(inspect.signature(forward).parameters) if forward is not None else set()
+    except (TypeError, ValueError):
+        return set()
 
 
 def _split_names(module) -> set[str]:

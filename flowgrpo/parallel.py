@@ -73,6 +73,10 @@ FSDP_DIMS = ("replicate", "shard_context")
 _MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE")
 
 
+class LaunchRefused(ValueError):
+    """A launch that started fewer processes than it asked for (:func:`check_launch`)."""
+
+
 def check_launch(env: Mapping[str, str] | None = None) -> None:
     """Refuse a launch that asked for several processes and started one, with one line naming the way that works.
 
@@ -85,29 +89,64 @@ def check_launch(env: Mapping[str, str] | None = None) -> None:
     Args:
         env: the environment (default ``os.environ``).
     Raises:
-        ValueError: that launch (``ACCELERATE_USE_CPU`` true, ``ACCELERATE_MIXED_PRECISION`` and ``MASTER_ADDR``
-            set by accelerate launch, neither ``WORLD_SIZE`` nor an MPI size).
+        LaunchRefused: (a ``ValueError``) that launch (``ACCELERATE_USE_CPU`` true, ``ACCELERATE_MIXED_PRECISION``
+            and ``MASTER_ADDR`` set by accelerate launch, neither ``WORLD_SIZE`` nor an MPI size); the command
+            says it and ends accelerate's launcher with :func:`end_launcher`.
     """
     env = os.environ if env is None else env
     launched = "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env  # accelerate launch, N > 1
     on_cpu = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
     if on_cpu and launched and "WORLD_SIZE" not in env and not any(k in env for k in _MPI_SIZES):
-        raise ValueError(
+        raise LaunchRefused(
             "accelerate launch --cpu with several processes started only this one (accelerate leaves the CPU's "
             "other processes to MPI); launch with ACCELERATE_USE_CPU=true torchrun --nproc_per_node N "
             "flowgrpo/train.py CONFIG (docs/many_gpus.md), or for one process unset MASTER_ADDR")
 
 
+def end_launcher(pid: int | None = None) -> bool:
+    """End accelerate's launcher that started this process, so that a refusal already said stays the last line.
+
+    accelerate's simple launcher (``accelerate launch`` without ``-q``: the CPU launch of :func:`check_launch`)
+    raises ``CalledProcessError`` with its own traceback, which repeats the child's stderr, when its child exits
+    non-zero; on SIGTERM it ends its child and exits 143 without one (``accelerate.commands.launch``'s
+    ``_run_subprocess``). The parent is signalled only when its command line is accelerate's launch.
+
+    Args:
+        pid: the parent process (default ``os.getppid()``).
+    Returns:
+        Whether a launcher was signalled.
+    """
+    import signal
+
+    import psutil
+
+    pid = os.getppid() if pid is None else pid
+    try:
+        command = " ".join(psutil.Process(pid).cmdline())
+    except (psutil.Error, OSError):
+        return False
+    if "accelerate" not in command or "launch" not in command:
+        return False
+    os.kill(pid, signal.SIGTERM)
+    return True
+
+
 def process_group_kwargs(settings) -> list:
-    """accelerate's ``kwargs_handlers`` for the run's process group: with ``parallel.offload=cpu`` on CUDA the
-    backend ``cuda:nccl,cpu:gloo`` (FSDP2 then holds CPU shards whose collectives, the clipping norm's all-reduce
-    and a checkpoint's gathering, NCCL cannot run; torch picks the backend by each tensor's device); else none
-    (accelerate's default: NCCL on CUDA, gloo on the CPU, where a given backend is ignored anyway)."""
+    """accelerate's ``kwargs_handlers`` for the run's process group: its timeout,
+    ``parallel.collective_timeout_s`` (how long a process waits in a barrier or broadcast of the default group,
+    where the others wait while the main process exports alone; the device mesh's groups, whose collectives every
+    process enters together, keep torch's default); and with ``parallel.offload=cpu`` on CUDA the backend
+    ``cuda:nccl,cpu:gloo`` (FSDP2 then holds CPU shards whose collectives, the clipping norm's all-reduce and a
+    checkpoint's gathering, NCCL cannot run; torch picks the backend by each tensor's device), else accelerate's
+    default (NCCL on CUDA, gloo on the CPU, where a given backend is ignored anyway)."""
+    from datetime import timedelta
+
     from accelerate.utils import InitProcessGroupKwargs
 
+    timeout = timedelta(seconds=getattr(settings, "collective_timeout_s", 3600.0))
     if getattr(settings, "offload", "none") == "cpu" and torch.cuda.is_available():
-        return [InitProcessGroupKwargs(backend="cuda:nccl,cpu:gloo")]
-    return []
+        return [InitProcessGroupKwargs(backend="cuda:nccl,cpu:gloo", timeout=timeout)]
+    return [InitProcessGroupKwargs(timeout=timeout)]
 
 
 def check_engine(accelerator, settings) -> None:

@@ -511,13 +511,22 @@ def plan_config(path, gpus: int, gpu_memory_gib: float = 80.0, overrides: list[s
     (:func:`plan`'s other arguments).
 
     Raises:
-        ValueError: a model outside the plan, a layout that does not divide ``gpus``, a bad GPU memory.
+        ValueError: a model outside the plan, a layout that does not divide ``gpus``, a batch the trainer would
+            not split over ``gpus`` processes (:func:`flowgrpo.preflight.check_batch`, the trainer's own check),
+            a bad GPU memory.
         flowgrpo.config.ConfigError: an invalid config or override.
     """
     from flowgrpo.config import load_config
+    from flowgrpo.preflight import check_batch
 
-    return plan(workload_of(load_config(path, list(overrides))), gpus, gpu_memory_gib,
-                gpus_per_node=gpus_per_node, host_gib=host_gib)
+    config = load_config(path, list(overrides))
+    work = workload_of(config)
+    layout(gpus, work.replicate, work.context_degree, work.sharding)  # the mesh's refusal first
+    try:
+        check_batch(config, gpus)
+    except ValueError as err:
+        raise ValueError(f"--gpus {gpus}: the run would not start: {err}") from err
+    return plan(work, gpus, gpu_memory_gib, gpus_per_node=gpus_per_node, host_gib=host_gib)
 
 
 def _gib(v: float) -> str:

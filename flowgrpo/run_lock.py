@@ -10,6 +10,14 @@ and command (written into the lock file by its holder) and never suggesting anyt
 Reading a run folder (``flowgrpo sample --run``, plotting ``metrics.jsonl``) takes no lock. Where ``fcntl`` is
 missing (Windows) no lock is taken and a warning says so once. File systems without ``flock`` support refuse the
 lock with an ``OSError`` that is reported as such.
+
+On a shared file system (:data:`SHARED_FILE_SYSTEMS`: NFS, Lustre, GPFS, BeeGFS, CIFS, ..., the type of the
+folder's mount read from ``/proc/mounts``) ``flock`` is not reliable across machines (NFS emulates it with
+byte-range locks, or not at all with ``local_lock``; Lustre only with its ``flock`` mount option), so the lock is
+the lock file itself, created with ``O_CREAT | O_EXCL`` (atomic on NFSv3+ and the parallel file systems) and
+removed when the run ends. A run killed without cleanup (``kill -9``, a lost node) leaves it behind: it is stale,
+and replaced, when it names this machine and a process that is gone (or a later one with its PID); one naming
+another machine is reported with the remedy (delete the file once that run is known to be gone).
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ except ImportError:  # pragma: no cover - Windows
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".flowgrpo.lock"
+#: file system types (``/proc/mounts``' third field) whose ``flock`` is not reliable across machines
+SHARED_FILE_SYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "smbfs", "ceph", "glusterfs",
+                       "fuse.glusterfs", "fuse.sshfs", "panfs", "wekafs", "afs")
+MOUNTS = "/proc/mounts"
 #: folder -> [open lock file, nesting depth, whether the hold created the folder] of the locks this process holds
 _HELD: dict[Path, list] = {}
 
@@ -73,6 +85,82 @@ def check_folder_path(output_dir: str | os.PathLike) -> None:
                               "not a folder; choose a folder for the run")
 
 
+def file_system_type(path: Path, mounts: str | os.PathLike | None = None) -> str | None:
+    """The type of the file system holding ``path`` (an existing path): the ``/proc/mounts`` entry with the
+    longest mount point above it; None where the table cannot be read (not Linux)."""
+    try:
+        lines = Path(mounts or MOUNTS).read_text().splitlines()
+    except OSError:
+        return None
+    path, best = Path(path).resolve(), (-1, None)
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = Path(fields[1].replace("\\040", " "))
+        if (point == path or point in path.parents) and len(point.parts) > best[0]:
+            best = (len(point.parts), fields[2])
+    return best[1]
+
+
+def _live(info: dict) -> bool:
+    """Whether the lock file's holder may still run: not on this machine (unknowable here), or a process of its
+    PID here that started no later than the lock (a later one reuses a dead run's PID)."""
+    import psutil
+
+    if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
+        return True
+    try:
+        created = psutil.Process(info["pid"]).create_time()
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
+    try:
+        started = datetime.datetime.fromisoformat(info["started"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return True
+    return created <= started + 1.0
+
+
+def _acquire_exclusive(folder: Path, record: str) -> object:
+    """The lock of a folder on a shared file system: ``folder/LOCK_FILE`` created with ``O_EXCL`` (a stale one
+    replaced once, :func:`_live`); returns the open file (removed at release).
+
+    Raises:
+        RunFolderBusy: the file exists and its holder may be alive.
+    """
+    path = folder / LOCK_FILE
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        except PermissionError as err:
+            raise RunFolderUnusable(f"output_dir {str(folder)!r} cannot be used as a run folder: {err.strerror} "
+                                    f"({path}); choose a folder you can write to") from None
+        except FileExistsError:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            try:
+                info = json.loads(text)
+            except ValueError:
+                info = {}
+            if info and not _live(info):
+                logger.warning("replacing the stale lock of %s (%s: that process is gone)", folder, _describe(text))
+                path.unlink(missing_ok=True)
+                continue
+            raise RunFolderBusy(
+                f"output_dir {str(folder)!r} is in use by a run that is still running ({_describe(text)}); a second "
+                f"run cannot share its folder. Wait for it to finish (or stop it), or give this run another "
+                f"output_dir; on this shared file system the lock is the file {str(path)!r}: if that run is gone "
+                "(a lost node), delete it") from None
+        fh = os.fdopen(fd, "w", encoding="utf-8")
+        fh.write(record)
+        fh.flush()
+        fh.exclusive = True
+        return fh
+    raise RunFolderBusy(f"output_dir {str(folder)!r}: its lock file {str(path)!r} keeps reappearing; another run "
+                        "is starting there")
+
+
 def _acquire(folder: Path, command: str) -> object:
     """Open and lock ``folder/LOCK_FILE`` (created with the folder); returns the open file holding the lock, with
     ``made_folder`` set when this call created ``folder``.
@@ -84,13 +172,18 @@ def _acquire(folder: Path, command: str) -> object:
     """
     check_folder_path(folder)
     made = not folder.exists()
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+                         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")})
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fh = open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the run's life
+        shared = file_system_type(folder) in SHARED_FILE_SYSTEMS
+        fh = None if shared else open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held open
     except OSError as err:
         raise RunFolderUnusable(f"output_dir {str(folder)!r} cannot be used as a run folder: "
                                 f"{err.strerror or err} ({err.filename or folder}); choose a folder you can write to"
                                 ) from None
+    if shared:
+        return _acquire_exclusive(folder, record), made
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -106,8 +199,7 @@ def _acquire(folder: Path, command: str) -> object:
         raise
     fh.seek(0)
     fh.truncate()
-    fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-                         "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}))
+    fh.write(record)
     fh.flush()
     return fh, made
 
@@ -116,8 +208,11 @@ def _release(folder: Path, fh, made: bool) -> None:
     """Close the lock file (which releases the lock); a folder this hold created and nothing but the lock file
     came to live in (a run that stopped at a setup error) is removed again, so a refused run leaves nothing."""
     try:
-        if made and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
-            (folder / LOCK_FILE).unlink()
+        if getattr(fh, "exclusive", False):  # a shared file system's lock: the file itself
+            fh.close()
+            (folder / LOCK_FILE).unlink(missing_ok=True)
+        if made and [p.name for p in folder.iterdir()] in ([LOCK_FILE], []):
+            (folder / LOCK_FILE).unlink(missing_ok=True)
             folder.rmdir()
     except OSError:  # another process made something there meanwhile: leave it
         pass

@@ -23,7 +23,7 @@ from flowgrpo.checkpoint import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.config.help import help_config, not_read, refused
 from flowgrpo.divergence import TrainingDiverged
-from flowgrpo.models import load_model_from_config
+from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.preflight import auto_resume_config_file, check_on_grid, preflight, resolve_auto_resume
 from flowgrpo.rewards.base import MissingWeightsError
@@ -148,6 +148,7 @@ def _run(config) -> dict:
     parallel.check_engine(accelerator, config.parallel)
     set_seed(config.train.seed)
     m = config.model
+    fetch_first(m.pretrained, accelerator.is_local_main_process)  # a hub id: one download per machine, then all
     several = accelerator.num_processes > 1  # an expert sharded over several processes: each reads its shards
     adapter = load_model_from_config(m, empty_transformer=_built_empty(config, accelerator),
                                      empty_other_expert=several and config.parallel.experts == "shard",
@@ -285,6 +286,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                              args.overrides)
         with _hold(config.output_dir):  # before anything in the folder is read
             summary = run(resolve_auto_resume(config, args.overrides, config_file=args.config))
+    except parallel.LaunchRefused as err:  # one process where several were asked for: the line, no launcher's trace
+        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.flush()
+        parallel.end_launcher()
+        sys.exit(2)
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError,
             RemoteRewardError) as err:  # RemoteRewardError: the reward server is unreachable at setup
         # a config error is the same on every process: rank 0 says it

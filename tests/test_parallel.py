@@ -11,9 +11,11 @@ GPU (the meta device stands in for one: moving a module there is observable, and
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -173,7 +175,41 @@ def test_cpu_offload_on_cuda_adds_a_cpu_backend_to_the_process_group(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     (kwargs,) = parallel.process_group_kwargs(ParallelConfig(sharding="fsdp2", offload="cpu"))
     assert kwargs.backend == "cuda:nccl,cpu:gloo"
-    assert parallel.process_group_kwargs(ParallelConfig(sharding="fsdp2")) == []
+    (kwargs,) = parallel.process_group_kwargs(ParallelConfig(sharding="fsdp2"))
+    assert kwargs.to_kwargs() == {"timeout": datetime.timedelta(hours=1)}  # accelerate's backend left as it is
+
+
+def test_the_collective_timeout_reaches_init_process_group(monkeypatch):
+    """``parallel.collective_timeout_s`` is the timeout accelerate gives ``init_process_group`` (NCCL's default,
+    10 minutes, aborted a run whose main process exported alone for longer): a two-process CPU launch's
+    environment, the call recorded and stopped there."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def init_process_group(backend=None, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise Stop
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    for key, value in {"ACCELERATE_USE_CPU": "true", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+                       "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    AcceleratorState._reset_state(True)
+    try:
+        with pytest.raises(Stop):
+            Accelerator(cpu=True, kwargs_handlers=parallel.process_group_kwargs(
+                ParallelConfig(collective_timeout_s=5400)))
+    finally:
+        AcceleratorState._reset_state(True)
+    assert seen["timeout"] == datetime.timedelta(seconds=5400) and seen["backend"] == "gloo"
+    with pytest.raises(ValueError, match="collective_timeout_s"):
+        ParallelConfig(collective_timeout_s=0)
 
 
 # ---------------------------------------------------------------- the launch (case 8)
@@ -210,6 +246,31 @@ def test_accelerate_launch_cpu_with_two_processes_refuses_in_one_line(tmp_path):
     assert proc.returncode != 0
     assert "torchrun --nproc_per_node N flowgrpo/train.py CONFIG" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # our line is the only one: accelerate's launcher (no -q) printed a CalledProcessError traceback after it
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == [ln for ln in lines if ln.startswith("error: accelerate launch --cpu")] and len(lines) == 1, \
+        proc.stderr[-3000:]
+
+
+def test_the_launcher_is_ended_only_when_it_is_accelerates(monkeypatch):
+    """:func:`parallel.end_launcher` signals its parent only when that parent's command is accelerate's launch."""
+    import signal
+    import subprocess
+    import sys
+
+    killed = []
+    monkeypatch.setattr(__import__("os"), "kill", lambda pid, sig: killed.append((pid, sig)))
+    shell = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "accelerate", "launch"])
+    try:
+        assert not parallel.end_launcher(shell.pid) and killed == []
+        assert parallel.end_launcher(launcher.pid) and killed == [(launcher.pid, signal.SIGTERM)]
+        assert not parallel.end_launcher(2**22 + 12345)  # no such process
+    finally:
+        monkeypatch.undo()  # the real os.kill, for Popen.kill
+        for p in (shell, launcher):
+            p.kill()
+            p.wait()
 
 
 # ---------------------------------------------------------------- frozen modules placed by rule (case 4)
@@ -416,3 +477,48 @@ def test_end_worker_flushes_and_skips_the_teardown(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as under a launcher
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "figures\n", "note")
+
+
+# ---------------------------------------------------------------- models fetched main-process-first
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+FETCHER = textwrap.dedent("""
+    import os, sys
+    import torch.distributed
+    from diffusers import DiffusionPipeline
+    from flowgrpo import dist
+    from flowgrpo.models import fetch_first
+
+    log = sys.argv[1]
+    def note(text):
+        with open(log, "a") as f:
+            f.write(f"{text}\\n")
+    DiffusionPipeline.download = classmethod(lambda cls, name, **kw: note(f"rank {dist.rank()} fetched {name}"))
+    torch.distributed.init_process_group("gloo")
+    fetch_first("org/model", local_main=os.environ["LOCAL_RANK"] == "0")
+    note(f"rank {dist.rank()} loads")
+    fetch_first(sys.argv[2], local_main=os.environ["LOCAL_RANK"] == "0")  # a local folder: nothing fetched
+    dist.end_worker()
+""")
+
+
+@pytest.mark.slow
+def test_a_hub_model_is_fetched_by_the_local_main_process_before_the_others_load(tmp_path):
+    """Two processes (torchrun, gloo) with a recording download (no network): only local rank 0 fetches, and
+    before any process goes on to load (every rank downloaded at once)."""
+    log = tmp_path / "log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", _free_port(), "--no-python", sys.executable,
+                           "-c", FETCHER, str(log), str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = log.read_text().splitlines()
+    assert lines[0] == "rank 0 fetched org/model" and sorted(lines[1:]) == ["rank 0 loads", "rank 1 loads"], lines

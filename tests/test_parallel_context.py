@@ -152,3 +152,20 @@ def test_a_masked_text_is_padded_to_the_degree_instead():
     assert kw["encoder_hidden_states_mask"].tolist() == [[1] * 27 + [0], [1] * 20 + [0] * 8]
     with pytest.raises(ValueError, match=r"hidden_states of QwenImageTransformer2DModel has 5 tokens"):
         check(qwen, (), {"hidden_states": torch.zeros(2, 5, 64), "encoder_hidden_states": text})
+
+
+def test_a_second_token_stream_the_plan_leaves_whole_is_refused():
+    """LTX-2 (diffusers 0.42): its ``_cp_plan`` splits the video tokens and the text, not the audio stream, whose
+    attention then crashed on shapes at the first forward (``bench/context_families.py`` on 2 processes); the
+    check refuses it at the boundary instead, naming the stream."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    with torch.device("meta"):
+        tr = LTX2VideoTransformer3DModel(num_layers=1, num_attention_heads=2, attention_head_dim=8,
+                                         audio_num_attention_heads=2, audio_attention_head_dim=8)
+    ltx2 = SimpleNamespace(transformer=tr, pipe=SimpleNamespace(components={"transformer": tr}),
+                           frozen_reference=None)
+    with pytest.raises(ValueError, match=r"LTX2VideoTransformer3DModel .* but not its audio_hidden_states") as err:
+        context_parallel.check_context(ltx2, _settings(), CPU)
+    assert "\n" not in str(err.value)
+    context_parallel.check_context(ltx2, ParallelConfig(**SHARDED), CPU)  # degree 1: nothing split

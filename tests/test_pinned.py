@@ -98,3 +98,27 @@ def test_the_summary_and_the_report_name_the_base_models_bytes_and_numerics(tmp_
     assert any(ln.startswith("this run:") for ln in lines)
     hub = base_model_record("black-forest-labs/FLUX.1-dev")  # not a local folder: its name only
     assert set(hub) == {"name", "machine"}
+
+
+def test_only_the_main_process_hashes_the_base_model_at_the_end_of_a_run(tmp_path, monkeypatch):
+    """``write_summary`` runs on every process; the others take the main process's record (a broadcast, here
+    the value rank 0 would send) and never read the weights."""
+    from types import SimpleNamespace
+
+    import flowgrpo.pinned
+    from flowgrpo import dist
+    from flowgrpo.training import report
+
+    _pipeline(tmp_path)
+    hashed = []
+    monkeypatch.setattr(flowgrpo.pinned, "weights_digest", lambda folder: hashed.append(folder) or {})
+    sent = {"name": str(tmp_path), "sha256": {"transformer": "rank 0's"}}
+    monkeypatch.setattr(dist, "broadcast_object", lambda obj: sent if obj is None else obj)
+    run = SimpleNamespace(out=tmp_path, weights_dir=tmp_path / "weights", cfg=SimpleNamespace(
+        train=SimpleNamespace(num_epochs=1), model=SimpleNamespace(pretrained=str(tmp_path))))
+    summary, _ = report.write_summary(run, {}, {}, torch.zeros(0), torch.zeros(0), [], extra_seconds={},
+                                      main=False)
+    assert hashed == [] and summary["base_model"] is sent
+    summary, _ = report.write_summary(run, {}, {}, torch.zeros(0), torch.zeros(0), [], extra_seconds={},
+                                      main=True)
+    assert hashed == [tmp_path] and summary["base_model"]["path"] == str(tmp_path)

@@ -277,6 +277,16 @@ def test_cli_plan_prints_the_table_and_refuses_a_bad_layout(capsys):
         main(["plan", str(REPO / "configs" / "flux_chunk.yaml"), "--gpus", "6", "parallel.replicate=4"])
     assert err.value.code == 2
     assert "--gpus 6 is not a multiple" in capsys.readouterr().err
+    # a layout the mesh takes but a batch the trainer refuses to split (it said "fits"): the trainer's own line
+    with pytest.raises(SystemExit) as err:
+        main(["plan", str(REPO / "configs" / "flux_chunk.yaml"), "--gpus", "7"])
+    line = capsys.readouterr().err
+    assert err.value.code == 2 and line.count("\n") == 1
+    from flowgrpo.config import load_config
+
+    b = load_config(REPO / "configs" / "flux_chunk.yaml").batch_size
+    assert b % 7 and f"--gpus 7: the run would not start: the batch B = prompts_per_epoch*group_size = {b} " \
+                      "cannot be split evenly over 7 processes" in line, line
     # without sharding there is no shard dimension: the line names none (it said "shard 8 ... no sharding")
     main(["plan", str(REPO / "configs" / "flux_chunk.yaml"), "--gpus", "8", "parallel.sharding=none",
           "--gpu-memory-gib", "141"])

@@ -95,3 +95,74 @@ def test_a_killed_run_leaves_no_stale_lock(run_a):
         with hold_run_folder(folder):  # re-entrant within the holding process
             pass
         assert "run B" in (folder / ".flowgrpo.lock").read_text()
+
+
+# ---------------------------------------------------------------- shared file systems (NFS, Lustre, ...)
+@pytest.fixture
+def on_nfs(tmp_path, monkeypatch):
+    """``tmp_path`` as an NFS mount in a fake ``/proc/mounts`` (below a local root), and ``flock`` unusable."""
+    from flowgrpo import run_lock
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/export {tmp_path.resolve()} nfs4 rw,vers=4.2 0 0\n")
+    monkeypatch.setattr(run_lock, "MOUNTS", str(mounts))
+
+    def no_flock(*args):
+        raise AssertionError("flock used on a shared file system")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_flock)
+    return tmp_path / "run"
+
+
+def test_the_file_system_type_is_the_longest_mount_above_the_path(tmp_path):
+    from flowgrpo.run_lock import file_system_type
+
+    mounts = tmp_path / "mounts"
+    (tmp_path / "a b" / "c").mkdir(parents=True)
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nsrv:/x {tmp_path}/a\\040b lustre rw 0 0\n")
+    assert file_system_type(tmp_path / "a b" / "c", mounts) == "lustre"  # \040: a space in /proc/mounts
+    assert file_system_type(tmp_path, mounts) == "ext4"
+    assert file_system_type(tmp_path, tmp_path / "missing") is None
+
+
+def test_on_a_shared_file_system_the_lock_is_an_exclusive_file_removed_at_the_end(on_nfs):
+    import json
+
+    from flowgrpo.run_lock import RunFolderBusy, _acquire, hold_run_folder
+
+    folder = on_nfs
+    folder.mkdir()
+    with hold_run_folder(folder, command="run A"):
+        info = json.loads((folder / ".flowgrpo.lock").read_text())
+        assert info["pid"] == os.getpid() and info["command"] == "run A"
+        with pytest.raises(RunFolderBusy, match=r"in use by .*run A.* the lock is the file .*: if that run is gone"):
+            _acquire(folder.resolve(), "run B")  # a second holder (the same live process here)
+    assert not (folder / ".flowgrpo.lock").exists() and folder.is_dir()
+
+
+def test_a_stale_lock_on_a_shared_file_system_is_replaced_only_when_its_process_is_gone_here(on_nfs):
+    import json
+    import socket
+
+    from flowgrpo.run_lock import RunFolderBusy, hold_run_folder
+
+    folder = on_nfs
+    folder.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = folder / ".flowgrpo.lock"
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "command": "killed run",
+                                "started": "2026-01-01T00:00:00+00:00"}))
+    with hold_run_folder(folder, command="run B"):  # a kill -9'd run on this machine: replaced
+        assert json.loads(lock.read_text())["command"] == "run B"
+    # a run on another machine cannot be checked from here: refused, naming the file to delete
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": "node-7", "command": "run on node 7",
+                                "started": "2026-01-01T00:00:00+00:00"}))
+    with pytest.raises(RunFolderBusy, match=r"PID \d+ on node-7.*delete it"):
+        with hold_run_folder(folder, command="run C"):
+            pass
+    # this machine's PID reused by a process started after the lock: the lock's run is gone
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": "old run",
+                                "started": "2000-01-01T00:00:00+00:00"}))
+    with hold_run_folder(folder, command="run D"):
+        assert json.loads(lock.read_text())["command"] == "run D"

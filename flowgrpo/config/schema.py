@@ -413,6 +413,13 @@ class ParallelConfig(Section):
         "FLUX.2, Qwen-Image, Wan); the processes of one context group share their samples, so the batch is "
         "split over world size / context_degree data ranks; needs sharding fsdp2 and a world size it divides"
     )
+    collective_timeout_s: float = Field(
+        3600.0, gt=0, description="seconds a process waits in a collective of the run's process group (a barrier, "
+        "a broadcast) before the run is aborted: it must cover the work the main process does alone while the "
+        "others wait (the final export, writing the weights and model card, hashing the base model). torch's "
+        "default is 600 s for NCCL, which a 12B model's export on a shared file system can pass; a real hang "
+        "is reported only after this long"
+    )
     context_attention: Literal["ulysses", "ring"] = Field(
         "ulysses", description="context_degree > 1: ulysses (an all-to-all of the heads; the attention heads must "
         "divide by the degree) or ring (key/value blocks passed around; needs a CUDA flash kernel and "

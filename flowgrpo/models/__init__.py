@@ -267,6 +267,31 @@ def load_model(name: str, *, dtype: str = "float32", height: int | None = None, 
     return adapter
 
 
+def fetch_first(pretrained: str, local_main: bool) -> None:
+    """A hub id's files fetched into the local cache by one process per machine before the others look: the
+    machine's local main process downloads the pipeline's files (``DiffusionPipeline.download``: the components
+    the pipeline loads, not a repository's other checkpoints), then every process meets at a barrier and loads
+    from that cache. Without it every process of a machine downloaded the same tens of GB into the same cache at
+    once. A collective on several processes; nothing on one process, or for an embedded name or a local folder.
+
+    A download that fails is logged and left to the loading that follows, which reports it as it would have
+    (raising here would leave the other processes in the barrier until the collective timeout).
+    """
+    from flowgrpo import dist
+
+    if not dist.is_distributed() or pretrained in EMBEDDED_MODELS or Path(pretrained).exists():
+        return  # one process loads as it always did
+    if local_main:
+        from diffusers import DiffusionPipeline
+
+        try:
+            DiffusionPipeline.download(pretrained)
+        except Exception as err:  # noqa: BLE001 - reported by the loading that follows
+            logger.warning("fetching %s before the other processes failed (%s: %s); each process loads it itself",
+                           pretrained, type(err).__name__, err)
+    dist.barrier()
+
+
 def load_model_from_config(model, *, empty_transformer: bool = False, empty_other_expert: bool = False,
                            progress: bool = True) -> object:
     """The adapter a run's ``model`` section (:class:`~flowgrpo.config.ModelConfig`) describes: the one function

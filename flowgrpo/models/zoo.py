@@ -14,6 +14,7 @@ Two uses:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -96,6 +97,21 @@ class ConformanceCase:
     forward_objective: bool = False
     pipeline_images: Callable | None = None
     callback_state: Callable[[dict], object] | None = None
+
+    @contextlib.contextmanager
+    def patched(self):
+        """Inside: the case's ``module_patches`` set (the pipeline and the adapter read them), restored after."""
+        saved = []
+        try:
+            for target, value in self.module_patches.items():
+                module, attr = target.split(":")
+                module = importlib.import_module(module)
+                saved.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, value)
+            yield self
+        finally:
+            for module, attr, value in reversed(saved):
+                setattr(module, attr, value)
 
 
 def _words() -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowgrpo import dist
 from flowgrpo.metrics import read_metrics
 from flowgrpo.model_card import pipeline_call, write_model_card
 from flowgrpo.plots import before_after, edits_before_after
@@ -123,11 +124,13 @@ def write_summary(run, before, after, img_before, img_after, captions, *, extra_
     (:func:`base_model_record`), ``outputs``),
     ``eval_images_after.pt`` and
     ``before_after.png`` into the run folder ``run`` (a :class:`~flowgrpo.training.run_folder.RunFolder`; only
-    the ``main`` process writes). Returns the summary and the rewards' per-group tables of it."""
+    the ``main`` process writes). Returns the summary and the rewards' per-group tables of it. Every process
+    calls it (a collective): the base model's weights are hashed by the main process alone and its record sent
+    to the others (on 8 processes the whole transformer and VAE were read 8 times)."""
     records = read_metrics(run.out / "metrics.jsonl") if main else []
     summary = summarize(before, after, records, run.cfg.train.num_epochs, extra_seconds)
     summary.update(summary_figures(composed_rewards, summary, records))
-    summary["base_model"] = base_model_record(run.cfg.model.pretrained)
+    summary["base_model"] = dist.broadcast_object(base_model_record(run.cfg.model.pretrained) if main else None)
     summary["outputs"] = outputs(run.out, run.weights_dir)
     tables = report_tables(composed_rewards, summary)
     if main:
