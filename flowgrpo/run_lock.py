@@ -25,6 +25,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from flowgrpo.outputs import LOCK_FILE, check_folder, claim_folder, foreign_files
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -32,7 +34,6 @@ except ImportError:  # pragma: no cover - Windows
 
 logger = logging.getLogger(__name__)
 
-LOCK_FILE = ".flowgrpo.lock"
 #: folder -> [open lock file, nesting depth, whether the hold created the folder] of the locks this process holds
 _HELD: dict[Path, list] = {}
 
@@ -74,15 +75,19 @@ def check_folder_path(output_dir: str | os.PathLike) -> None:
 
 
 def _acquire(folder: Path, command: str) -> object:
-    """Open and lock ``folder/LOCK_FILE`` (created with the folder); returns the open file holding the lock, with
-    ``made_folder`` set when this call created ``folder``.
+    """Open and lock ``folder/LOCK_FILE`` (created with the folder, which is marked as a run's:
+    :func:`flowgrpo.outputs.claim_folder`); returns the open file holding the lock and whether this call created
+    ``folder``.
 
     Raises:
         RunFolderBusy: another process holds it.
         FileExistsError: ``folder`` or a folder above it is a file (:func:`check_folder_path`).
+        OutputRefused: ``folder`` holds files flowgrpo did not write, or another kind of flowgrpo output
+            (:func:`flowgrpo.outputs.check_folder`; checked before anything is written there).
         RunFolderUnusable: ``folder`` cannot be made or its lock file cannot be written (the OS's reason).
     """
     check_folder_path(folder)
+    check_folder(folder, "output_dir", "run")
     made = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -104,6 +109,11 @@ def _acquire(folder: Path, command: str) -> object:
     except BaseException:
         fh.close()
         raise
+    try:
+        claim_folder(folder, "run")
+    except BaseException:
+        fh.close()
+        raise
     fh.seek(0)
     fh.truncate()
     fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
@@ -113,11 +123,13 @@ def _acquire(folder: Path, command: str) -> object:
 
 
 def _release(folder: Path, fh, made: bool) -> None:
-    """Close the lock file (which releases the lock); a folder this hold created and nothing but the lock file
-    came to live in (a run that stopped at a setup error) is removed again, so a refused run leaves nothing."""
+    """Close the lock file (which releases the lock); a folder this hold created and nothing but flowgrpo's own
+    files (the lock's, the marker: :data:`flowgrpo.outputs.OWN_FILES`) came to live in (a run that stopped at a
+    setup error) is removed again, so a refused run leaves nothing."""
     try:
-        if made and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
-            (folder / LOCK_FILE).unlink()
+        if made and not foreign_files(folder):
+            for p in folder.iterdir():
+                p.unlink()
             folder.rmdir()
     except OSError:  # another process made something there meanwhile: leave it
         pass
@@ -137,6 +149,7 @@ def hold_run_folder(output_dir: str | os.PathLike, command: str | None = None) -
     Raises:
         RunFolderBusy: another live process holds the folder (a ``FileExistsError``).
         FileExistsError: ``output_dir`` or a folder above it is a file.
+        OutputRefused: ``output_dir`` holds files flowgrpo did not write (a ``ValueError``).
         RunFolderUnusable: ``output_dir`` cannot be made or written (a ``ValueError``).
     """
     if fcntl is None:  # pragma: no cover - Windows

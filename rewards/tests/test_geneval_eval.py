@@ -334,7 +334,7 @@ def test_reward_strict_agrees_with_the_evaluation_and_partial_is_in_range(tiny_c
         ev.write_metadata(folder, index, spec)
         ev.write_sample(folder, index, 0, image)
     cli.main(["--images", str(folder), "--tiny", "--threshold", "0", "--counting-threshold", "0"])
-    verdicts = [r["correct"] for r in read_jsonl(folder / "results.jsonl")]
+    verdicts = [r["correct"] for r in read_jsonl(tmp_path / "images_geneval" / "results.jsonl")]  # never the input
     assert verdicts == [bool(v) for v in s_scores.tolist()]
 
     # behind flowgrpo's reward server (PNG over HTTP): the same scores, and bad metadata is still a ValueError
