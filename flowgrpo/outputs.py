@@ -178,12 +178,12 @@ def _check_parts(out: Path, shown: str) -> None:
 
 
 def claim_for_command(parser, folder: str | os.PathLike, kind: str, what: str = "out_dir",
-                      inputs: Iterable = ()) -> bool:
-    """A command line's output folder: :func:`check_folder`, then :func:`claim_folder`; a refusal ends the command
-    with its one line (``PROG: error: …``, exit status 2) through the ``argparse`` ``parser``. Returns whether the
-    folder was made."""
+                      inputs: Iterable = (), own_names: str | None = None) -> bool:
+    """A command line's output folder: :func:`check_folder` (``inputs``, ``own_names`` as there), then
+    :func:`claim_folder`; a refusal ends the command with its one line (``PROG: error: …``, exit status 2) through
+    the ``argparse`` ``parser``. Returns whether the folder was made."""
     try:
-        check_folder(folder, what, kind, inputs)
+        check_folder(folder, what, kind, inputs, own_names)
         return claim_folder(folder, kind, what)
     except OutputRefused as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")

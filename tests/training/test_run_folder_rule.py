@@ -127,3 +127,15 @@ def test_an_empty_folder_and_a_runs_own_folder_are_taken(tmp_path):
     check_output_dir(cfg)
     RunFolder(cfg).claim(0)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".flowgrpo-output", "notes.txt"]
+
+
+def test_a_prompt_embeddings_dir_of_a_users_files_is_refused(tmp_path, tiny_flux_dir, monkeypatch, capsys):
+    """The run's other output folder: the prompt embeddings' cache (before: rows written among the user's files)."""
+    folder = _users_folder(tmp_path / "mine")
+    code, errors = _train([*_tiny_overrides(tmp_path, tiny_flux_dir), f"output_dir={tmp_path / 'run'}",
+                           "model.cache_prompt_embeddings=true", f"model.prompt_embeddings_dir={folder}"],
+                          monkeypatch, capsys)
+    assert code == 2 and errors == [f"error: model.prompt_embeddings_dir {str(folder)!r} is not empty and was not "
+                                    "made by flowgrpo (it holds 'lora' and 3 more): nothing was written; choose "
+                                    "another folder, or empty this one"]
+    assert _contents(folder) == USERS_FILES and not (tmp_path / "run").exists()
