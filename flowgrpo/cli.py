@@ -365,7 +365,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sequence-length", type=int_in(1), help=f"text tokens (default "
                    f"{d['max_sequence_length']}; with --run: model.max_sequence_length)")
     s.add_argument("--batch-size", type=int_in(1), default=8, help="images a pipeline call")
-    s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt)")
+    s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt): absent, empty or an "
+                   "earlier sample's; never in a run's weights or checkpoints")
     pr = sub.add_parser("prompts", help="build a config's prompt file from a local copy of a public prompt set",
                         formatter_class=DefaultsHelpFormatter,
                         description="sets: hpd (HPDv2 train.json/test.json), pickapic (Pick-a-Pic parquet/JSONL/CSV "
@@ -374,7 +375,8 @@ def _parser() -> argparse.ArgumentParser:
 
     pr.add_argument("set", choices=prompt_set_names())
     pr.add_argument("sources", nargs="*", help="the dataset's files (local copies)")
-    pr.add_argument("--out", required=True, type=Path, help="prompt file to write (.txt; geneval: .jsonl)")
+    pr.add_argument("--out", required=True, type=Path, help="prompt file to write (.txt; geneval: .jsonl); an "
+                    "existing one only with --overwrite")
     pr.add_argument("--per-task", type=int_in(1), help="geneval only: prompts per task (default 1000)")
     pr.add_argument("--seed", type=int_in(0), help="geneval only: generator seed (default 0)")
     pr.add_argument("--overwrite", action="store_true", help="replace --out when it exists (never one of the "
