@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flowgrpo.outputs import check_file
+from flowgrpo.outputs import OutputRefused, check_file
 from flowgrpo.text import fold_text
 from flowgrpo_rewards.geneval.rules import COLORS, RELATIONS, TASKS, evaluation_metadata, object_names
 
@@ -305,7 +305,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="a task with fewer distinct prompts than --per-task gives all it has (counting: 160)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT when it exists")
     args = parser.parse_args(argv)
-    check_file(args.out, "out", overwrite=args.overwrite)  # flowgrpo's write rule (flowgrpo.outputs)
+    try:  # flowgrpo's write rule (flowgrpo.outputs): an existing OUT only with --overwrite
+        check_file(args.out, "out", overwrite=args.overwrite)
+    except OutputRefused as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     specs = generate_training_prompts(args.per_task, args.seed, args.tasks, args.max_count, args.allow_fewer)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
