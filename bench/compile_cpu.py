@@ -72,9 +72,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     args = parser.parse_args(argv)
     from flowgrpo.models.tiny import build_tiny_flux
+    from flowgrpo.outputs import claim_for_command
 
     root = Path(args.out or tempfile.mkdtemp(prefix="compile_cpu_"))
-    root.mkdir(parents=True, exist_ok=True)
+    claim_for_command(parser, root, "compile bench", "--out")  # flowgrpo's write rule (flowgrpo.outputs)
     tiny = root / "tiny_flux"
     if not (tiny / "model_index.json").exists():
         build_tiny_flux(tiny)

@@ -66,12 +66,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from flowgrpo.outputs import OutputRefused, check_file, check_folder, claim_folder
 from flowgrpo.tasks.digits.report import QUALITY_JUDGE, QUALITY_RATIOS
 
 #: the shipped digits.yaml's settings before the collapse work, written out so the row keeps them whatever the
@@ -151,6 +153,8 @@ STEADY_RATIO = 0.7  # ... each at judge >= TARGET with every digit >= this ratio
 RATIO_KEY = "eval/diversity_min_ratio"  # the smallest per-digit diversity ratio in a periodic evaluation record
 BAR_FINAL = (0.97, 0.65)  # the main job's bar: the final evaluation's (judge correctness, min per-digit ratio) ...
 BAR_STEADY = (0.95, 0.6)  # ... and every evaluation's from epoch STEADY_FROM on
+#: the names this bench gives the folders of --out (one per row): a folder holding only them is its own
+OWN_NAMES = "|".join(re.escape(name) for name in ROWS)
 
 
 def rl_seconds(records: list[dict]) -> float:
@@ -470,6 +474,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="runs/learning", help="run folders and per-(row, seed) JSON files")
     parser.add_argument("--resume", action="store_true", help="skip the (row, seed) pairs whose JSON exists")
     parser.add_argument("--json", help="also write every run's figures here (one list)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the --json file when it exists")
     parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
                         help="overrides applied to every row after its own (e.g. a smaller budget); may be repeated")
     return parser
@@ -508,12 +513,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     shared = [*args.set, *([f"train.num_epochs={args.epochs}"] if args.epochs is not None else []),
               f"logging.eval_every={args.eval_every}"]
     check_rows(parser, args, shared)
+    # flowgrpo's write rule (flowgrpo.outputs): --out empty, absent or this bench's (a folder of an older version
+    # holds only row folders: OWN_NAMES); --json replaced only with --overwrite; before any base model or run
+    try:
+        check_folder(args.out, "--out", "learning bench", own_names=OWN_NAMES)
+        if args.json:
+            check_file(args.json, "--json", overwrite=args.overwrite)
+    except OutputRefused as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     return args, shared
 
 
 def main() -> None:
     args, shared = parse_args()
     out_root = Path(args.out)
+    claim_folder(out_root, "learning bench", "--out")  # checked by parse_args
     bases: list[Base | None] = [None]
     if args.base_seed is not None:
         bases = []

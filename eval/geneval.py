@@ -33,6 +33,7 @@ from flowgrpo_rewards.geneval.reward import GenEvalScorer, to_pil
 from flowgrpo_rewards.geneval.rules import TASKS, RuleConfig, details, evaluation_metadata, validate_metadata
 
 from flowgrpo.cli import DefaultsHelpFormatter
+from flowgrpo.outputs import check_folder, claim_folder
 from flowgrpo.rewards.base import MissingWeightsError
 
 logger = logging.getLogger("geneval")
@@ -46,8 +47,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     src = p.add_argument_group("what to evaluate (one of)")
     src.add_argument("--model", help="diffusers folder or hub id (or 'tiny', 'digits') to generate with")
     src.add_argument("--images", type=Path, help="score this existing folder in GenEval's layout instead")
-    p.add_argument("--outdir", type=Path, help="results folder; generated images go to <outdir>/images "
-                   "(default with --images: the image folder itself)")
+    p.add_argument("--outdir", type=Path, help="results folder, empty or made by this script; generated images go "
+                   "to <outdir>/images (default with --images: <images>_geneval beside the image folder)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny random detector and CLIP, offline (and model 'tiny' when no --model)")
 
@@ -243,12 +244,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     try:  # the inputs, read before any model loads: a missing or malformed one is one line, exit status 2
         if args.images is not None:
             folder = args.images
-            outdir = args.outdir or folder
+            outdir = args.outdir or folder.parent / f"{folder.name}_geneval"
             ev.read_folder(folder)
         else:
             outdir = args.outdir
             folder = outdir / "images"
             prompts = select_prompts(load_specs(args.metadata), args.per_task)
+        # flowgrpo's write rule: a folder of its own (a resumed generation's) or an empty one, never an input
+        check_folder(outdir, "--outdir", "geneval", inputs=[args.images, args.lora, args.metadata, args.model])
+        claim_folder(outdir, "geneval", "--outdir")
     except (FileNotFoundError, ValueError) as err:
         print(f"geneval.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

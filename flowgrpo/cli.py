@@ -13,7 +13,6 @@ reproduces the run's evaluation images: image i uses seed ``derive_seed(train.se
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -127,31 +126,29 @@ def _unfinished_run_hint(run: Path) -> str:
             f"continues from {pick.name if pick else 'none: each is marked unhealthy'}); {finish}")
 
 
-def make_output_folder(folder: Path, what: str) -> None:
-    """Make the output folder ``folder`` (and the folders above it). Raises ``ValueError`` naming ``what`` (the
-    option), the folder and the OS's reason when it cannot be made (no permission, a read-only or virtual file
-    system such as ``/sys`` or ``/proc``)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"{what} {str(folder)!r} cannot be made: {err.strerror or err} "
-                         f"({err.filename or folder}); choose a folder you can write to") from None
+def _sample_inputs(args: argparse.Namespace, s: dict, weights: Path | None) -> list:
+    """What ``flowgrpo sample`` reads (the run's config, the weights, the model folder, the prompt file): its
+    ``--out`` may not be or lie inside any of them (:func:`flowgrpo.outputs.check_folder`; the run folder itself
+    and its checkpoints are a run's, refused as such, and a new folder beside them, ``RUN/samples``, is fine)."""
+    return [Path(args.run) / "config.yaml" if args.run else None, weights, args.model, s["prompt_file"]]
 
 
 def _sample(args: argparse.Namespace) -> None:
+    from flowgrpo.outputs import check_folder, claim_folder, unclaim_folder
+
     s = _sample_settings(args)
     weights = None if args.no_weights else s["weights"]
     if s["prompt_file"] is None:
         raise SystemExit("flowgrpo sample: no prompts (give --prompts FILE)")
     out = Path(args.out)
-    made = not out.exists()
-    make_output_folder(out, "--out")  # before the model is built: a folder that cannot be made fails at once
+    # before the model is built: a folder that holds other files, lies in the run, or cannot be made fails at once
+    check_folder(out, "--out", "sample", inputs=_sample_inputs(args, s, weights))
+    made = claim_folder(out, "sample", "--out")
     try:
         _sample_into(out, args, s, weights)
     except BaseException:  # a failed sample leaves no empty folder it made
-        with contextlib.suppress(OSError):
-            if made and not any(out.iterdir()):
-                out.rmdir()
+        if made:
+            unclaim_folder(out)
         raise
 
 
@@ -193,8 +190,13 @@ def _check_prompts_args(args: argparse.Namespace) -> None:
     """Refuse what ``flowgrpo prompts`` would not honour: ``--per-task`` and ``--seed`` for a set read from files
     (only the geneval generator takes them), sources for geneval, and an ``--out`` whose suffix the prompt loader
     would read in another format than the one written (geneval writes JSONL records, every other set one prompt a
-    line). Each refusal is a ``ValueError``."""
+    line), and an ``--out`` the write rule refuses (:func:`flowgrpo.outputs.check_file`: one of the sources, or an
+    existing file without ``--overwrite``). Each refusal is a ``ValueError``, raised before any source is read."""
+    from flowgrpo.outputs import check_file
+
     out = Path(args.out)
+    if not out.is_dir():  # a folder: named by the prompt set's writer (it wants a file)
+        check_file(out, "--out", inputs=args.sources, overwrite=args.overwrite)
     if args.set == "geneval":
         if args.sources:
             raise ValueError("geneval: the generator reads no source files")
@@ -231,7 +233,8 @@ def _prompts(args: argparse.Namespace) -> None:
                              "(pip install -e ./rewards)") from None
         per_task, seed = args.per_task or 1000, args.seed or 0
         try:
-            geneval_main([str(args.out), "--per-task", str(per_task), "--seed", str(seed), "--allow-fewer"])
+            geneval_main([str(args.out), "--per-task", str(per_task), "--seed", str(seed), "--allow-fewer",
+                          *(["--overwrite"] if args.overwrite else [])])
         except OSError as err:
             _refuse_unwritable(err, Path(args.out))
         return
@@ -366,7 +369,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sequence-length", type=int_in(1), help=f"text tokens (default "
                    f"{d['max_sequence_length']}; with --run: model.max_sequence_length)")
     s.add_argument("--batch-size", type=int_in(1), default=8, help="images a pipeline call")
-    s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt)")
+    s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt): absent, empty or an "
+                   "earlier sample's; never in a run's weights or checkpoints")
     pr = sub.add_parser("prompts", help="build a config's prompt file from a local copy of a public prompt set",
                         formatter_class=DefaultsHelpFormatter,
                         description="sets: hpd (HPDv2 train.json/test.json), pickapic (Pick-a-Pic parquet/JSONL/CSV "
@@ -375,9 +379,12 @@ def _parser() -> argparse.ArgumentParser:
 
     pr.add_argument("set", choices=prompt_set_names())
     pr.add_argument("sources", nargs="*", help="the dataset's files (local copies)")
-    pr.add_argument("--out", required=True, type=Path, help="prompt file to write (.txt; geneval: .jsonl)")
+    pr.add_argument("--out", required=True, type=Path, help="prompt file to write (.txt; geneval: .jsonl); an "
+                    "existing one only with --overwrite")
     pr.add_argument("--per-task", type=int_in(1), help="geneval only: prompts per task (default 1000)")
     pr.add_argument("--seed", type=int_in(0), help="geneval only: generator seed (default 0)")
+    pr.add_argument("--overwrite", action="store_true", help="replace --out when it exists (never one of the "
+                    "sources)")
     _plan_arguments(sub.add_parser("plan", help="per-GPU and host memory of a config on N GPUs, by part, and "
                                    "whether it fits", formatter_class=DefaultsHelpFormatter))
     pu = sub.add_parser("push", help="upload a run's weights and model card to the Hugging Face Hub",

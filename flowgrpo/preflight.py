@@ -21,6 +21,7 @@ from flowgrpo.algo.objectives import Objective, build_objective
 from flowgrpo.checkpoint_health import resolve_checkpoint
 from flowgrpo.config import ConfigError, build_config, parse_override, read_yaml
 from flowgrpo.data.prompts import PromptSet, load_prompts
+from flowgrpo.outputs import check_folder
 from flowgrpo.registry import did_you_mean
 from flowgrpo.rewards.compose import ComposedReward
 from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
@@ -185,10 +186,20 @@ def check_trackers(trackers) -> None:
 def check_output_dir(config) -> None:
     """A checkpoint to resume must exist, a resume into its run folder keeps the run's evaluation
     (:func:`~flowgrpo.training.run_folder.refuse_changed_evaluation`), and a folder holding another run is refused
-    (unless resumed or ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, before any
-    model loads. Raises CheckpointError / ConfigError / FileExistsError."""
+    (unless resumed or ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, and one
+    that the write rule refuses (:func:`flowgrpo.outputs.check_folder`: a folder holding files flowgrpo did not
+    write, one inside another run's weights or checkpoints, or the model's folder or a prompt file; the same for
+    ``model.prompt_embeddings_dir``), before any
+    model loads. Raises CheckpointError / ConfigError / FileExistsError / OutputRefused."""
     out = Path(config.output_dir)
     check_folder_path(out)
+    check_folder(out, "output_dir", "run", inputs=(config.model.pretrained, config.data.train_prompts,
+                                                    config.data.eval_prompts))
+    if config.model.prompt_embeddings_dir:  # the run's other output folder: the prompt embeddings' cache
+        from flowgrpo.sampling.prompt_cache import OWN_NAMES
+
+        check_folder(config.model.prompt_embeddings_dir, "model.prompt_embeddings_dir", "prompt embeddings",
+                     inputs=(config.model.pretrained,), own_names=OWN_NAMES)
     if config.train.resume_from:
         resolve_checkpoint(config.train.resume_from)
         refuse_changed_evaluation(config)

@@ -33,6 +33,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from flowgrpo.outputs import LOCK_FILE, check_folder, claim_folder, foreign_files
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -40,7 +42,6 @@ except ImportError:  # pragma: no cover - Windows
 
 logger = logging.getLogger(__name__)
 
-LOCK_FILE = ".flowgrpo.lock"
 #: file system types (``/proc/mounts``' third field) whose ``flock`` is not reliable across machines
 SHARED_FILE_SYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "smbfs", "ceph", "glusterfs",
                        "fuse.glusterfs", "fuse.sshfs", "panfs", "wekafs", "afs")
@@ -162,15 +163,19 @@ def _acquire_exclusive(folder: Path, record: str) -> object:
 
 
 def _acquire(folder: Path, command: str) -> object:
-    """Open and lock ``folder/LOCK_FILE`` (created with the folder); returns the open file holding the lock, with
-    ``made_folder`` set when this call created ``folder``.
+    """Open and lock ``folder/LOCK_FILE`` (created with the folder, which is marked as a run's:
+    :func:`flowgrpo.outputs.claim_folder`); returns the open file holding the lock and whether this call created
+    ``folder``.
 
     Raises:
         RunFolderBusy: another process holds it.
         FileExistsError: ``folder`` or a folder above it is a file (:func:`check_folder_path`).
+        OutputRefused: ``folder`` holds files flowgrpo did not write, or another kind of flowgrpo output
+            (:func:`flowgrpo.outputs.check_folder`; checked before anything is written there).
         RunFolderUnusable: ``folder`` cannot be made or its lock file cannot be written (the OS's reason).
     """
     check_folder_path(folder)
+    check_folder(folder, "output_dir", "run")
     made = not folder.exists()
     record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": command,
                          "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")})
@@ -183,7 +188,13 @@ def _acquire(folder: Path, command: str) -> object:
                                 f"{err.strerror or err} ({err.filename or folder}); choose a folder you can write to"
                                 ) from None
     if shared:
-        return _acquire_exclusive(folder, record), made
+        fh = _acquire_exclusive(folder, record)
+        try:
+            claim_folder(folder, "run")
+        except BaseException:
+            _release(folder, fh, made)
+            raise
+        return fh, made
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -197,6 +208,11 @@ def _acquire(folder: Path, command: str) -> object:
     except BaseException:
         fh.close()
         raise
+    try:
+        claim_folder(folder, "run")
+    except BaseException:
+        fh.close()
+        raise
     fh.seek(0)
     fh.truncate()
     fh.write(record)
@@ -205,14 +221,16 @@ def _acquire(folder: Path, command: str) -> object:
 
 
 def _release(folder: Path, fh, made: bool) -> None:
-    """Close the lock file (which releases the lock); a folder this hold created and nothing but the lock file
-    came to live in (a run that stopped at a setup error) is removed again, so a refused run leaves nothing."""
+    """Close the lock file (which releases the lock); a folder this hold created and nothing but flowgrpo's own
+    files (the lock's, the marker: :data:`flowgrpo.outputs.OWN_FILES`) came to live in (a run that stopped at a
+    setup error) is removed again, so a refused run leaves nothing."""
     try:
         if getattr(fh, "exclusive", False):  # a shared file system's lock: the file itself
             fh.close()
             (folder / LOCK_FILE).unlink(missing_ok=True)
-        if made and [p.name for p in folder.iterdir()] in ([LOCK_FILE], []):
-            (folder / LOCK_FILE).unlink(missing_ok=True)
+        if made and not foreign_files(folder):
+            for p in folder.iterdir():
+                p.unlink()
             folder.rmdir()
     except OSError:  # another process made something there meanwhile: leave it
         pass
@@ -232,6 +250,7 @@ def hold_run_folder(output_dir: str | os.PathLike, command: str | None = None) -
     Raises:
         RunFolderBusy: another live process holds the folder (a ``FileExistsError``).
         FileExistsError: ``output_dir`` or a folder above it is a file.
+        OutputRefused: ``output_dir`` holds files flowgrpo did not write (a ``ValueError``).
         RunFolderUnusable: ``output_dir`` cannot be made or written (a ``ValueError``).
     """
     if fcntl is None:  # pragma: no cover - Windows

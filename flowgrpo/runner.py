@@ -25,6 +25,7 @@ from flowgrpo.config.help import help_config, not_read, refused
 from flowgrpo.divergence import TrainingDiverged
 from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
+from flowgrpo.outputs import OutputRefused
 from flowgrpo.preflight import auto_resume_config_file, check_on_grid, preflight, resolve_auto_resume
 from flowgrpo.rewards.base import MissingWeightsError
 from flowgrpo.rewards.compose import RewardError
@@ -292,9 +293,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         parallel.end_launcher()
         sys.exit(2)
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError,
-            RemoteRewardError) as err:  # RemoteRewardError: the reward server is unreachable at setup
-        # a config error is the same on every process: rank 0 says it
-        parser.exit(2, f"error: {err}\n" if main_process or not isinstance(err, ConfigError) else "")
+            RemoteRewardError, OutputRefused) as err:  # RemoteRewardError: the reward server is unreachable at setup
+        # a config error or a refused output_dir is the same on every process: rank 0 says it
+        parser.exit(2, f"error: {err}\n" if main_process or not isinstance(err, ConfigError | OutputRefused) else "")
     except RewardError as err:
         if err.__cause__ is not None and not isinstance(err.__cause__, ValueError | RemoteRewardError):
             raise  # the plugin itself failed: its traceback is what its author needs

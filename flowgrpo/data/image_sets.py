@@ -49,6 +49,7 @@ import torch
 
 from flowgrpo.data.prompts import EMBEDDED
 from flowgrpo.data.text_files import iter_jsonl
+from flowgrpo.outputs import OutputRefused, check_folder, claim_folder
 
 __all__ = ["ImageItem", "PreferencePair", "dataset_folder", "load_image", "record_image", "read_pickapic",
            "read_ranked", "read_imagefolder", "write_image_set", "write_preference_set", "main"]
@@ -266,9 +267,13 @@ def write_preference_set(pairs: Iterable[PreferencePair], out_dir: str | Path,
     (height, width) resizes every image (bicubic). Returns the JSONL's path.
 
     Raises:
+        OutputRefused: ``out_dir`` holds files flowgrpo did not write, or other flowgrpo output
+            (:func:`flowgrpo.outputs.check_folder`).
         ValueError: no pairs, or a pair whose metadata has a ``prompt``, ``chosen`` or ``rejected`` field (it would
             replace the written one)."""
     out = Path(out_dir)
+    check_folder(out, "out_dir", "preference set")  # flowgrpo's write rule (flowgrpo.outputs)
+    claim_folder(out, "preference set", "out_dir")
     (out / "images").mkdir(parents=True, exist_ok=True)
     records = []
     for i, p in enumerate(pairs):
@@ -288,9 +293,13 @@ def write_image_set(items: Iterable[ImageItem], out_dir: str | Path, size: tuple
     ``target``, the metadata); ``size`` (height, width) resizes every image. Returns the JSONL's path.
 
     Raises:
+        OutputRefused: ``out_dir`` holds files flowgrpo did not write, or other flowgrpo output
+            (:func:`flowgrpo.outputs.check_folder`).
         ValueError: no items, or an item whose metadata has a ``prompt`` or ``target`` field (it would replace the
             written one)."""
     out = Path(out_dir)
+    check_folder(out, "out_dir", "image set")  # flowgrpo's write rule (flowgrpo.outputs)
+    claim_folder(out, "image set", "out_dir")
     (out / "images").mkdir(parents=True, exist_ok=True)
     records = []
     for i, item in enumerate(items):
@@ -315,6 +324,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--caption-column", default="text", help="imagefolder: the caption field of metadata.jsonl")
     a = ap.parse_args(argv)
     size = tuple(a.size) if a.size else None
+    kind = "image set" if a.format == "imagefolder" else "preference set"
+    try:  # before the source is read: never into a folder of other files, never onto the source
+        check_folder(a.out, "out", kind, inputs=[a.source])
+    except OutputRefused as err:
+        ap.exit(2, f"{ap.prog}: error: {err}\n")
     if a.format == "pickapic":
         path = write_preference_set(read_pickapic(a.source), a.out, size)
     elif a.format == "ranked":

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from flowgrpo.outputs import claim_for_command
+
 logger = logging.getLogger(__name__)
 
 TEXT_DIM = 32  # hidden size of both tiny text encoders (= the transformer's joint_attention_dim)
@@ -146,6 +148,7 @@ def builder_main(build, what: str, doc: str, argv: list[str] | None = None) -> N
     parser.add_argument("--prompts", help="a prompt file whose words become T5 pieces")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    claim_for_command(parser, args.out_dir, "model", inputs=[args.prompts])  # flowgrpo's write rule
     words = Path(args.prompts).read_text().split() if args.prompts else ()
     logging.basicConfig(level=logging.INFO)
     logger.info("tiny %s pipeline saved to %s", what, build(args.out_dir, words=words, seed=args.seed))

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flowgrpo.outputs import claim_for_command
+
 logger = logging.getLogger(__name__)
 
 _PROMPTS = ("a red cube on a blue table", "two green dogs")
@@ -413,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--real-size", action="store_true", help="the released transformer's body (REAL_SIZE)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.outputs)
     if args.real_size and args.family not in REAL_SIZE:
         parser.error(f"no real size recorded for {args.family!r}; give --transformer")
     tk = {**(REAL_SIZE[args.family] if args.real_size else {}), **json.loads(args.transformer or "{}")} or None

@@ -16,14 +16,11 @@ import yaml
 
 from flowgrpo.checkpoint_health import resolve_checkpoint
 from flowgrpo.metrics import read_metrics
+from flowgrpo.outputs import RUN_FILES, claim_folder
 from flowgrpo.settings import ConfigError, flat_dict, save_config
 
 logger = logging.getLogger(__name__)
 
-#: what a run writes into its output_dir; ``logging.overwrite=true`` removes these of the old run
-RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "rewards.json", "eval_before.json",
-             "eval_images_before.pt", "eval_images_after.pt", "lora", "transformer", "rollouts",
-             "samples_latest.png", "reward_curve.png", "before_after.png")
 
 #: the settings that decide what an evaluation measures (the RL seed also picks the evaluation's seeds)
 EVAL_SETTINGS = ("data.eval_prompts", "data.eval_num_prompts", "eval_sampling.", "eval_rewards", "rewards",
@@ -158,7 +155,7 @@ class RunFolder:
             if old:
                 logger.warning("logging.overwrite=true: removed the old run's %s from %s",
                                ", ".join(p.name for p in old), self.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        claim_folder(self.out, "run")  # the preflight checked the folder (flowgrpo.outputs.check_folder)
 
     def write_config(self, epoch: int) -> None:
         """``config.yaml`` is the run's original config and is never overwritten: a resume at ``epoch`` warns with

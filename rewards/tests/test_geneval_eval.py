@@ -334,7 +334,7 @@ def test_reward_strict_agrees_with_the_evaluation_and_partial_is_in_range(tiny_c
         ev.write_metadata(folder, index, spec)
         ev.write_sample(folder, index, 0, image)
     cli.main(["--images", str(folder), "--tiny", "--threshold", "0", "--counting-threshold", "0"])
-    verdicts = [r["correct"] for r in read_jsonl(folder / "results.jsonl")]
+    verdicts = [r["correct"] for r in read_jsonl(tmp_path / "images_geneval" / "results.jsonl")]  # never the input
     assert verdicts == [bool(v) for v in s_scores.tolist()]
 
     # behind flowgrpo's reward server (PNG over HTTP): the same scores, and bad metadata is still a ValueError
@@ -361,3 +361,21 @@ def test_reward_input_errors():
         GenEvalReward(mode="soft")
     with pytest.raises(ValueError, match="geneval_strict"):
         GenEvalStrictReward(mode="partial")
+
+
+def test_results_never_go_into_the_scored_folder_nor_a_users_folder(tmp_path, capsys):
+    """flowgrpo's write rule (flowgrpo.outputs), checked before any model loads. Before: results.jsonl,
+    summary.json and summary.md went into the scored image folder (by default) or any --outdir."""
+    images = tmp_path / "images"
+    write_random_folder(images, first_of_each_task()[:1], samples=1)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.jsonl").write_text("my results\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for outdir, why in ((images, "is also an input of this command"), (mine, "is not empty and was not made by")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["--images", str(images), "--tiny", "--outdir", str(outdir), "--device", "cpu"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert info.value.code == 2 and err[-1].startswith(f"geneval.py: error: --outdir {str(outdir)!r} ")
+        assert why in err[-1] and sum("error" in line for line in err) == 1
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -132,6 +132,21 @@ def test_cli_writes_jsonl(tmp_path):
     assert lines == generate_training_prompts(per_task=3, seed=1, tasks=["colors", "position"])
 
 
+def test_cli_replaces_an_existing_file_only_with_overwrite(tmp_path, capsys):
+    """flowgrpo's write rule (flowgrpo.outputs); before: OUT was replaced without a word."""
+    out = tmp_path / "train.jsonl"
+    out.write_text("my own specs\n")
+    with pytest.raises(SystemExit) as info:
+        main([str(out), "--per-task", "1", "--tasks", "colors"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert info.value.code == 2 and len(errors) == 1 and errors[0].endswith(
+        f"error: out {str(out)!r} exists and flowgrpo does not replace a file unasked: nothing was written; choose "
+        "another path, or give --overwrite to replace it")
+    assert out.read_text() == "my own specs\n"
+    main([str(out), "--per-task", "1", "--tasks", "colors", "--overwrite"])
+    assert [json.loads(line)["tag"] for line in out.read_text().splitlines()] == ["colors"]
+
+
 @pytest.mark.parametrize("name", ["geneval", "geneval_strict"])
 def test_the_reward_warns_at_setup_when_training_prompts_overlap_the_evaluation_set(name, caplog):
     """The trainer's ``check_training_prompts`` hook (flowgrpo.rewards.base): one warning naming the prompt file,

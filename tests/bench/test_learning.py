@@ -216,3 +216,25 @@ def test_repeated_set_combines_and_resume_compares_the_combined_list(learning, t
     path.write_text(json.dumps({"row": "trajectory", "seed": 0, "overrides": overrides, **fig}))
     with pytest.raises(ValueError, match="was run with overrides"):
         learning.main()
+
+
+def test_out_and_json_keep_the_write_rule(learning, monkeypatch, capsys, tmp_path):
+    """flowgrpo.outputs: --out is empty, absent or this bench's (an older one holds only row folders); --json is
+    replaced only with --overwrite. Before: the bench wrote its row folders into any folder and replaced --json."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    line = parser_error(learning, monkeypatch, capsys, ["--rows", "default", "--seed", "0", "--out", str(mine)])
+    assert line == (f"learning.py: error: --out {str(mine)!r} is not empty and was not made by flowgrpo (it holds "
+                    "'notes.txt'): nothing was written; choose another folder, or empty this one")
+    old = tmp_path / "old"
+    (old / "default").mkdir(parents=True)
+    figures = tmp_path / "figures.json"
+    figures.write_text("[]")
+    line = parser_error(learning, monkeypatch, capsys, ["--rows", "default", "--seed", "0", "--out", str(old),
+                                                        "--json", str(figures)])
+    assert line.startswith(f"learning.py: error: --json {str(figures)!r} exists") and "--overwrite" in line
+    learning.parse_args(["--rows", "default", "--seed", "0", "--out", str(old), "--json", str(figures),
+                         "--overwrite"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.json", "mine", "old"]
+    assert (mine / "notes.txt").read_text() == "mine" and figures.read_text() == "[]"

@@ -38,9 +38,16 @@ def test_an_occupied_output_dir_is_refused_before_any_model_loads(tmp_path, tiny
 
     monkeypatch.setattr(models, "load_model_from_config", lambda *a, **k: pytest.fail("the model was loaded"))
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "config.yaml").write_text("{}\n")
+    _saved_run_config(tmp_path / "run")
     with pytest.raises(FileExistsError, match="already holds a run"):
         run(_cfg(tmp_path, tiny_flux_dir))
+
+
+def _saved_run_config(folder):
+    """A run's config.yaml in ``folder``, as a run saves it (a folder holding it is a flowgrpo run's)."""
+    from flowgrpo.config import save_config
+
+    save_config(build_config({"output_dir": str(folder)}), folder / "config.yaml")
 
 
 def _run_folder(tmp_path, **train):
@@ -103,7 +110,7 @@ def test_a_run_that_stopped_before_its_first_checkpoint_says_how_to_start_it_aga
     train.resume_from=auto said 'starting a new run' and then hit the same refusal."""
     from flowgrpo.preflight import check_output_dir, resolve_auto_resume
 
-    (tmp_path / "config.yaml").write_text("{}\n")
+    _saved_run_config(tmp_path)
     cfg = build_config({"output_dir": str(tmp_path)})
     with pytest.raises(FileExistsError, match="stopped before its first checkpoint; start it again with "
                                               "logging.overwrite=true") as info:

@@ -26,6 +26,7 @@ import torch
 
 from flowgrpo.cache import build_once, cache_dir
 from flowgrpo.data.image_sets import ImageItem, PreferencePair, write_image_set, write_preference_set
+from flowgrpo.outputs import OutputRefused, check_folder
 from flowgrpo.tasks.digits.data import PHRASINGS, digit_prompt, digits_to_images, load_digit_split, prompt_records
 
 __all__ = ["build_real_set", "build_preference_set", "ensure_real_set", "ensure_preference_set", "main"]
@@ -118,6 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group-size", type=int, default=8, help="pairs: samples per group")
     ap.add_argument("--seed", type=int, default=0, help="pairs: the sampling seed")
     a = ap.parse_args(argv)
+    try:  # before the digits are read or the base model sampled (a minute): flowgrpo's write rule
+        check_folder(a.out, "out", "image set" if a.set == "real" else "preference set")
+    except OutputRefused as err:
+        ap.exit(2, f"{ap.prog}: error: {err}\n")
     if a.set == "real":
         path = build_real_set(a.out, a.split)
     else:

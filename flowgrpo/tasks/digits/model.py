@@ -54,6 +54,7 @@ import torch
 
 from flowgrpo.cache import build_once, cache_dir
 from flowgrpo.models.tiny import TEXT_DIM, build_text_encoders
+from flowgrpo.outputs import OutputRefused, check_folder
 from flowgrpo.tasks.digits.data import (
     IMAGE_SIZE,
     PHRASINGS,
@@ -361,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", nargs="?", help="model folder (default: the cache folder for the seed)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    parser.add_argument("--overwrite", "--force", dest="force", action="store_true",
+                        help="rebuild even if the folder holds a complete digits model (never a folder of other files)")
     parser.add_argument("--vae-steps", type=int, default=VAE_STEPS)
     parser.add_argument("--steps", type=int, default=TRANSFORMER_STEPS, help="transformer optimizer steps")
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="transformer batch size")
@@ -379,9 +381,14 @@ def main(argv: list[str] | None = None) -> None:
               "vae_batch_size": args.vae_batch_size}
     default = recipe == {"vae_steps": VAE_STEPS, "steps": TRANSFORMER_STEPS, "batch_size": BATCH_SIZE,
                          "vae_batch_size": VAE_BATCH_SIZE}
+    if not (target / MARKER_FILE).is_file():  # not a digits model: flowgrpo's write rule (flowgrpo.outputs)
+        try:
+            check_folder(target, "OUT_DIR", "model")
+        except OutputRefused as err:
+            parser.exit(2, f"{parser.prog}: error: {err}\n")
     if target.exists() and (args.force or not default):
         if not args.force:
-            parser.error(f"{target} exists; pass --force to overwrite it with a non-default recipe")
+            parser.error(f"{target} exists; pass --overwrite to rebuild it with a non-default recipe")
         shutil.rmtree(target)
     if default:
         ensure_digits_model(args.seed, folder=target, progress=not args.no_progress)

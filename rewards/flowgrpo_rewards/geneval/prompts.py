@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flowgrpo.outputs import OutputRefused, check_file
 from flowgrpo.text import fold_text
 from flowgrpo_rewards.geneval.rules import COLORS, RELATIONS, TASKS, evaluation_metadata, object_names
 
@@ -302,7 +303,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-count", type=int, default=4, help="counting asks for 2..max_count objects")
     parser.add_argument("--allow-fewer", action="store_true",
                         help="a task with fewer distinct prompts than --per-task gives all it has (counting: 160)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT when it exists")
     args = parser.parse_args(argv)
+    try:  # flowgrpo's write rule (flowgrpo.outputs): an existing OUT only with --overwrite
+        check_file(args.out, "out", overwrite=args.overwrite)
+    except OutputRefused as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     specs = generate_training_prompts(args.per_task, args.seed, args.tasks, args.max_count, args.allow_fewer)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:

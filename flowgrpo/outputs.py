@@ -1,0 +1,189 @@
+"""What flowgrpo writes and where: the one rule every writer of the toolkit checks before any slow work.
+
+A writer (a run's ``output_dir``, ``flowgrpo sample --out``, ``flowgrpo prompts --out``, the dataset and model
+builders, ``eval/geneval.py --outdir``; the list is in docs/run_folder.md, "What flowgrpo writes and where")
+
+- writes a **folder** only when it is absent, empty, or **owned** by flowgrpo output of the same kind: it holds
+  :data:`MARKER_FILE`, which the writer puts there when it claims the folder (:func:`claim_folder`), or it is the
+  run folder of an older version (a flowgrpo ``config.yaml``: :func:`owner`). The files flowgrpo itself leaves in
+  a folder it claimed (:data:`OWN_FILES`) do not make it non-empty;
+- writes a **file** only when it is absent, or when the writer's explicit overwrite option was given
+  (``--overwrite``, named so in every command that has one, as ``logging.overwrite`` is for a run);
+- never writes **onto its own input**: the output is not one of the command's inputs and does not lie inside
+  one;
+- never writes **into a part of another flowgrpo output** (a run's ``transformer/``, ``lora/``, ``checkpoints/``
+  …: :data:`RUN_FILES`), which ``flowgrpo push`` uploads or a resume reads.
+
+Anything else is :class:`OutputRefused` (a ``ValueError``) with one line naming the path, a file found there and
+the remedy. Writers that build into a temporary folder and rename it into place (the cache,
+:func:`flowgrpo.cache.build_once`) never replace an existing folder and need no check.
+
+This module is the home of the rule because it is the one thing every writer shares; it imports nothing heavy
+(the CLI checks an ``--out`` before torch is imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import yaml
+
+#: the file flowgrpo writes into a folder it claims; it names the kind of output the folder holds
+MARKER_FILE = ".flowgrpo-output"
+#: the run lock's file (:mod:`flowgrpo.run_lock`)
+LOCK_FILE = ".flowgrpo.lock"
+#: files flowgrpo leaves in a folder it claimed: they do not make the folder non-empty
+OWN_FILES = (MARKER_FILE, LOCK_FILE)
+#: what a run writes into its output_dir; ``logging.overwrite`` removes these of the old run and keeps the rest
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "rewards.json", "eval_before.json",
+             "eval_images_before.pt", "eval_images_after.pt", "lora", "transformer", "rollouts",
+             "samples_latest.png", "reward_curve.png", "before_after.png")
+#: the parts of each kind of output another writer may not write into
+OWNED_PARTS = {"run": RUN_FILES}
+
+
+class OutputRefused(ValueError):
+    """A path a writer may not write (module docstring); the message is one line with the remedy."""
+
+
+def owner(folder: str | os.PathLike) -> str | None:
+    """The kind of flowgrpo output that owns ``folder`` (``"run"``, ``"sample"``, …): its :data:`MARKER_FILE`'s
+    ``kind``, else ``"run"`` for a folder holding a flowgrpo ``config.yaml`` (run folders written before the
+    marker), else None (not flowgrpo's, or absent)."""
+    folder = Path(folder)
+    try:
+        return json.loads((folder / MARKER_FILE).read_text(encoding="utf-8"))["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        saved = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    # every config.yaml a run writes has these keys (a run folder of a version without the marker)
+    return "run" if isinstance(saved, dict) and "output_dir" in saved and isinstance(saved.get("train"), dict) \
+        else None
+
+
+def foreign_files(folder: str | os.PathLike) -> list[str]:
+    """The names in ``folder`` (sorted) other than :data:`OWN_FILES`; empty for an absent folder."""
+    try:
+        return sorted(n for n in os.listdir(folder) if n not in OWN_FILES)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def check_folder(folder: str | os.PathLike, what: str, kind: str, inputs: Iterable = (),
+                 own_names: str | None = None) -> None:
+    """Refuse to write the output folder ``folder`` of ``kind`` unless it is absent, empty or owned by output of
+    ``kind`` (:func:`owner`), and unless it stays clear of the command's ``inputs`` (paths; None entries skipped)
+    and of the parts of other flowgrpo outputs. ``what`` names the option in the message (``"--out"``,
+    ``"output_dir"``). ``own_names``: a regular expression of the names the writer gives its files; a folder
+    holding only such names counts as owned (a cache written before the marker). Reads only names and marker
+    files (no slow work). Raises :class:`OutputRefused`."""
+    folder = Path(folder)
+    shown = f"{what} {str(folder)!r}"
+    if folder.exists() and not folder.is_dir():
+        raise OutputRefused(f"{shown} is a file, not a folder; give a folder to write into")
+    _check_inputs(folder, shown, inputs)
+    _check_parts(folder, shown)
+    found = foreign_files(folder)
+    if not found:
+        return
+    mine = owner(folder)
+    if mine == kind or (mine is None and own_names and all(re.fullmatch(own_names, n) for n in found)):
+        return
+    if mine is not None:
+        raise OutputRefused(f"{shown} holds flowgrpo's {mine} output, not {kind} output; choose another folder")
+    raise OutputRefused(f"{shown} is not empty and was not made by flowgrpo (it holds {found[0]!r}"
+                        f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}): nothing was written; choose "
+                        "another folder, or empty this one")
+
+
+def claim_folder(folder: str | os.PathLike, kind: str, what: str = "output folder") -> bool:
+    """Make ``folder`` (and the folders above it) and mark it as flowgrpo output of ``kind`` (:data:`MARKER_FILE`,
+    kept when there). Call after :func:`check_folder`. Returns whether this call made the folder.
+    Raises :class:`OutputRefused` naming ``what`` (the option), the folder and the OS's reason when it cannot be
+    made or written (no permission, a read-only or virtual file system such as ``/proc``)."""
+    folder = Path(folder)
+    made = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not (folder / MARKER_FILE).is_file():
+            (folder / MARKER_FILE).write_text(json.dumps({"kind": kind}) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise OutputRefused(f"{what} {str(folder)!r} cannot be made: {err.strerror or err} "
+                            f"({err.filename or folder}); choose a folder you can write to") from None
+    return made
+
+
+def unclaim_folder(folder: str | os.PathLike) -> None:
+    """Remove ``folder`` when it holds nothing but :data:`OWN_FILES` (a writer that failed before writing
+    anything leaves no folder it made); anything else is left as it is."""
+    folder = Path(folder)
+    if not folder.is_dir() or foreign_files(folder):
+        return
+    try:
+        for name in OWN_FILES:
+            (folder / name).unlink(missing_ok=True)
+        folder.rmdir()
+    except OSError:  # another process wrote there meanwhile: leave it
+        pass
+
+
+def check_file(path: str | os.PathLike, what: str, inputs: Iterable = (), overwrite: bool = False) -> None:
+    """Refuse to write the output file ``path`` when it is one of the command's ``inputs`` (whatever
+    ``overwrite`` says), lies inside an input folder or another output's part, is a folder, or exists and
+    ``overwrite`` (the command's ``--overwrite``) is not given. Raises :class:`OutputRefused`."""
+    path = Path(path)
+    shown = f"{what} {str(path)!r}"
+    _check_inputs(path, shown, inputs)
+    _check_parts(path, shown)
+    if path.is_dir():
+        raise OutputRefused(f"{shown} is a folder; give the file to write")
+    if path.exists() and not overwrite:
+        raise OutputRefused(f"{shown} exists and flowgrpo does not replace a file unasked: nothing was written; "
+                            "choose another path, or give --overwrite to replace it")
+
+
+def _check_inputs(out: Path, shown: str, inputs: Iterable) -> None:
+    """Refuse an output that is one of ``inputs`` or lies inside one (an output folder that holds an input is
+    non-empty: refused unless flowgrpo's own, whose writer writes only its own names)."""
+    target = out.resolve()
+    for given in inputs:
+        if given is None or not Path(given).exists():
+            continue
+        source = Path(given).resolve()
+        if target == source:
+            raise OutputRefused(f"{shown} is also an input of this command ({str(given)!r}): writing would replace "
+                                "it; choose another path")
+        if source in target.parents:
+            raise OutputRefused(f"{shown} lies inside {str(given)!r}, an input of this command; choose a path "
+                                "outside it")
+
+
+def _check_parts(out: Path, shown: str) -> None:
+    """Refuse an output inside a part of another flowgrpo output (:data:`OWNED_PARTS`: a run's weights,
+    checkpoints … folder), or that is such a part."""
+    target = out.resolve()
+    for above in target.parents:
+        parts = OWNED_PARTS.get(owner(above) or "", ())
+        name = target.relative_to(above).parts[0]
+        if name in parts:
+            raise OutputRefused(f"{shown} would write into {str(above / name)!r}, part of the flowgrpo "
+                                f"{owner(above)} in {str(above)!r}: choose a folder outside it")
+
+
+def claim_for_command(parser, folder: str | os.PathLike, kind: str, what: str = "out_dir",
+                      inputs: Iterable = (), own_names: str | None = None) -> bool:
+    """A command line's output folder: :func:`check_folder` (``inputs``, ``own_names`` as there), then
+    :func:`claim_folder`; a refusal ends the command with its one line (``PROG: error: …``, exit status 2) through
+    the ``argparse`` ``parser``. Returns whether the folder was made."""
+    try:
+        check_folder(folder, what, kind, inputs, own_names)
+        return claim_folder(folder, kind, what)
+    except OutputRefused as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
