@@ -54,7 +54,12 @@ def occupied_message(out: Path) -> str:
 
 def changed_settings(saved: Path, cfg) -> dict[str, str]:
     """{key: "key: old -> new"} for every setting of ``cfg`` that differs from the saved config file ``saved``
-    (``train.resume_from`` left out; a key one of them lacks shows as ``(absent)``)."""
+    (``train.resume_from`` left out; a key one of them lacks shows as ``(absent)``). A strategy section whose
+    strategy changed (``objective.name: 'dpo' -> 'sde_ratio'``; :data:`~flowgrpo.config.schema.STRATEGY_SECTIONS`)
+    comes first, as one entry under its ``name`` key that counts the settings of the old strategy dropped and of
+    the new one added instead of listing each ``-> (absent)``; its settings that both have are listed as usual."""
+    from flowgrpo.config.schema import STRATEGY_SECTIONS
+
     old = flat_dict(yaml.safe_load(saved.read_text()) or {})
     new = flat_dict(cfg.model_dump(mode="json"))
     absent = object()
@@ -62,8 +67,22 @@ def changed_settings(saved: Path, cfg) -> dict[str, str]:
     def shown(v) -> str:
         return "(absent)" if v is absent else repr(v)
 
-    return {k: f"{k}: {shown(old.get(k, absent))} -> {shown(new.get(k, absent))}" for k in sorted(set(old) | set(new))
-            if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
+    changed = {k: f"{k}: {shown(old.get(k, absent))} -> {shown(new.get(k, absent))}"
+               for k in sorted(set(old) | set(new))
+               if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
+    switched = {}
+    for section in STRATEGY_SECTIONS:
+        name = f"{section}.name"
+        if name not in changed:
+            continue
+        mine = [k for k in changed if k.startswith(f"{section}.") and k != name]
+        gone = [k for k in mine if k not in new]
+        added = [k for k in mine if k not in old]
+        for k in gone + added:
+            del changed[k]
+        switched[name] = (f"{changed.pop(name)} (the section's settings follow its {section.rsplit('.', 1)[-1]}: "
+                          f"{len(gone)} of the old one's dropped, {len(added)} of the new one's at their values)")
+    return switched | changed
 
 
 def schedule_shift_line(saved: dict, train, epoch: int) -> str | None:

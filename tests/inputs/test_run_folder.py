@@ -442,3 +442,23 @@ def test_a_resume_that_stretches_a_cosine_schedule_says_the_rate_jumps():
     assert schedule_shift_line(saved, same, 45) is None
     assert schedule_shift_line(saved, SimpleNamespace(lr_schedule="constant", num_epochs=180, lr_min_ratio=0.0),
                                45) is None
+
+
+def test_a_resume_with_another_objective_reports_the_switch_first_in_one_line(tmp_path):
+    """Resuming a dpo run with sde_ratio once buried ``objective.name: 'dpo' -> 'sde_ratio'`` among one
+    ``-> (absent)`` line per setting of either objective (issue 54): the switch comes first, one entry counting the
+    settings dropped and added; a setting outside the section is still listed by itself."""
+    from flowgrpo.settings import save_config
+    from flowgrpo.training.run_folder import changed_settings
+
+    dpo = build_config({"objective": {"name": "dpo"}})
+    save_config(dpo, tmp_path / "config.yaml")
+    grpo = build_config({"train": {"lr": dpo.train.lr * 2}})
+    old_keys = {k for k in dpo.objective.model_dump() if k != "name"}
+    new_keys = {k for k in grpo.objective.model_dump() if k != "name"}
+    changed = changed_settings(tmp_path / "config.yaml", grpo)
+    first = next(iter(changed.values()))
+    assert first.startswith("objective.name: 'dpo' -> 'sde_ratio'")
+    assert f"{len(old_keys - new_keys)} of the old one's dropped, {len(new_keys - old_keys)} of the new one's" in first
+    assert not any("(absent)" in line for line in changed.values())
+    assert f"train.lr: {dpo.train.lr!r} -> {grpo.train.lr!r}" in changed.values()
