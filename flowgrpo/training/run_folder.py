@@ -107,23 +107,28 @@ def schedule_shift_line(saved: dict, train, epoch: int) -> str | None:
 
 
 def refuse_changed_evaluation(config) -> None:
-    """A resume into a run folder (``output_dir`` holding the run's ``config.yaml``) with another evaluation than
-    the run's first leg (:data:`EVAL_IMAGES`: other prompts, count or evaluation sampler; a prompt file under
-    another name with the same records is the same, :func:`_same_prompts`) is refused: the
-    run's ``metrics.jsonl`` would hold evaluations of different images, which its best checkpoint, collapse
-    warning, reward curve and time to quality compare as one series (digits: the diversity of a digit from 20
-    images is off by ~0.03, configs/digits.yaml). Raises :class:`~flowgrpo.settings.ConfigError` naming each
-    changed key, the run's value and the command line's."""
-    saved = Path(config.output_dir) / "config.yaml"
-    if not config.train.resume_from or not saved.is_file():
+    """A resume with another evaluation than the run's first leg (:data:`EVAL_IMAGES`: other prompts, count or
+    evaluation sampler; a prompt file under another name with the same records is the same, :func:`_same_prompts`)
+    is refused, whether into the run's folder (``output_dir`` holding its ``config.yaml``: the run's
+    ``metrics.jsonl`` would hold evaluations of different images, which its best checkpoint, collapse warning,
+    reward curve and time to quality compare as one series; digits: the diversity of a digit from 20 images is off
+    by ~0.03, configs/digits.yaml) or into a new folder (the "before" figures and images are the checkpoint's run's,
+    ``eval_before.json``, so the before/after table would compare evaluations of different images). Raises
+    :class:`~flowgrpo.settings.ConfigError` naming each changed key, the run's value and the command line's."""
+    if not config.train.resume_from:
         return
+    saved = Path(config.output_dir) / "config.yaml"
+    if not saved.is_file():  # a new folder: the checkpoint's run measured the "before" evaluation
+        saved = resolve_checkpoint(config.train.resume_from).parent.parent / "config.yaml"
+        if not saved.is_file():
+            return
     changed = [v for k, v in changed_settings(saved, config).items() if k.startswith(EVAL_IMAGES)
                and not (k == "data.eval_prompts" and _same_prompts(saved, config.data.eval_prompts))]
     if changed:
-        raise ConfigError(f"resuming {str(config.output_dir)!r} with another evaluation than its first leg "
-                          f"({'; '.join(changed)}): one run's metrics.jsonl compares its evaluations as one series "
-                          "(best checkpoint, curves, time to quality); keep the run's value (the first of each "
-                          "pair), or evaluate the other way in a new run")
+        raise ConfigError(f"resuming {str(saved.parent)!r} with another evaluation than its first leg "
+                          f"({'; '.join(changed)}): one run's metrics.jsonl and its before/after table compare its "
+                          "evaluations as one series (best checkpoint, curves, time to quality); keep the run's value "
+                          "(the first of each pair), or evaluate the other way in a new run")
 
 
 def _same_prompts(saved: Path, prompts: str | None) -> bool:

@@ -462,3 +462,20 @@ def test_a_resume_with_another_objective_reports_the_switch_first_in_one_line(tm
     assert f"{len(old_keys - new_keys)} of the old one's dropped, {len(new_keys - old_keys)} of the new one's" in first
     assert not any("(absent)" in line for line in changed.values())
     assert f"train.lr: {dpo.train.lr!r} -> {grpo.train.lr!r}" in changed.values()
+
+
+def test_a_resume_into_a_new_folder_with_another_evaluation_size_is_refused(tmp_path, monkeypatch):
+    """A resume into a new output_dir takes the "before" figures of the checkpoint's run (its eval_before.json), so
+    another data.eval_num_prompts there once mixed evaluation sizes in the before/after table (issue 54): refused,
+    naming the key and both values; the same evaluation passes."""
+    from flowgrpo.settings import save_config
+    from flowgrpo.training import run_folder
+
+    origin = tmp_path / "origin"
+    (origin / "checkpoints" / "epoch_1").mkdir(parents=True)
+    save_config(build_config({"output_dir": str(origin), "data": {"eval_num_prompts": 2}}), origin / "config.yaml")
+    monkeypatch.setattr(run_folder, "resolve_checkpoint", lambda path, **_: Path(path))
+    resume = {"output_dir": str(tmp_path / "new"), "train": {"resume_from": str(origin / "checkpoints" / "epoch_1")}}
+    with pytest.raises(ConfigError, match=r"another evaluation than its first leg \(data.eval_num_prompts: 2 -> 3\)"):
+        run_folder.refuse_changed_evaluation(build_config({**resume, "data": {"eval_num_prompts": 3}}))
+    run_folder.refuse_changed_evaluation(build_config({**resume, "data": {"eval_num_prompts": 2}}))
