@@ -479,3 +479,35 @@ def test_a_resume_into_a_new_folder_with_another_evaluation_size_is_refused(tmp_
     with pytest.raises(ConfigError, match=r"another evaluation than its first leg \(data.eval_num_prompts: 2 -> 3\)"):
         run_folder.refuse_changed_evaluation(build_config({**resume, "data": {"eval_num_prompts": 3}}))
     run_folder.refuse_changed_evaluation(build_config({**resume, "data": {"eval_num_prompts": 2}}))
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_accelerate_launch_prints_the_line_with_the_same_launch(tmp_path, tiny_flux_dir):
+    """Ctrl-C under ``accelerate launch`` (the terminal's SIGINT to the launcher and its child, one process group)
+    once lost the "interrupted …; resume: …" line: accelerate 1.16 answers it with SIGTERM to the child (then
+    SIGKILL after 5 s), whose default ends Python at once. The child now stops on the first of the two signals and
+    prints the line, and the resume command is the accelerate launch it was started with."""
+    import shutil
+
+    accelerate = shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("accelerate's launcher is not on PATH")
+    cfg = _cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 500}, logging={"save_every": 1})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    launch = [accelerate, "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no", "flowgrpo/train.py", str(path)]
+    proc = subprocess.Popen(launch, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            preexec_fn=_default_sigint)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    while not latest.exists() and proc.poll() is None:  # no deadline: as long as the machine takes
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    _, err = proc.communicate()
+    assert proc.returncode == 130, err[-2000:]
+    lines = [x for x in err.splitlines() if x.startswith("interrupted ")]
+    assert len(lines) == 1, err[-2000:]
+    assert re.match(r"interrupted in epoch [1-9]\d*/500; last checkpoint .* is intact; resume: accelerate launch "
+                    r"--cpu --num_processes 1 .*flowgrpo/train.py ", lines[0]), lines[0]
+    assert lines[0].endswith(f"train.resume_from={tmp_path / 'run' / 'checkpoints'}")
