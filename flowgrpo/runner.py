@@ -28,7 +28,7 @@ from flowgrpo.models import load_model_from_config
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.preflight import auto_resume_config_file, check_on_grid, preflight, resolve_auto_resume
 from flowgrpo.rewards.base import MissingWeightsError
-from flowgrpo.rewards.compose import RewardError
+from flowgrpo.rewards.compose import OOM_HINT, RewardError
 from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
 from flowgrpo.rewards.remote import RemoteRewardError
 from flowgrpo.run_lock import hold_run_folder
@@ -283,7 +283,8 @@ def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process:
         # a config error is the same on every process: rank 0 says it
         parser.exit(2, f"error: {err}\n" if main_process or not isinstance(err, ConfigError) else "")
     except RewardError as err:
-        if err.__cause__ is not None and not isinstance(err.__cause__, ValueError | RemoteRewardError):
+        if err.__cause__ is not None and not isinstance(err.__cause__, ValueError | RemoteRewardError
+                                                        | torch.OutOfMemoryError):
             raise  # the plugin itself failed: its traceback is what its author needs
         # an impossible score (±inf, wrong shape), the plugin's ValueError, which by the reward contract names
         # bad input (a missing metadata field, a bad image), or a lost reward server: the message says it all
@@ -294,6 +295,10 @@ def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process:
         raise
     except TrainingDiverged as err:  # the rule of flowgrpo.divergence: one line, the last checkpoint kept
         parser.exit(1, f"error: {err}\n" if main_process else "")  # every process stops together; one says it
+    except torch.OutOfMemoryError as err:  # the rollout, the update, the evaluation: what to change, not a trace
+        where = f" ({_TRAINER.stage}, epoch {_TRAINER.epoch + 1})" if _TRAINER is not None else " (setting up)"
+        first = str(err).splitlines()[0] if str(err) else "OutOfMemoryError"
+        parser.exit(1, f"error: out of device memory{where}: {first}; {OOM_HINT}\n")
     except KeyboardInterrupt:
         parser.exit(128 + stopping_signal(), _interrupted_line(args, prog) if main_process else "")
     return summary
