@@ -14,8 +14,9 @@ ODE limit (eq. 12):
                                                                                    guarded by the grid's σ₁)
     a = 0:  D_j = ½·mean_dims((μ^S − μ^T)²)             (= ½·(σ_{j+1} − σ_j)²·mean_dims((v_θ − v_T)²))
 
-averaged over an optimizer step's (sample, j) rows, the teacher's mean detached. Release (a copy of ali-vilab/
-DiffusionOPD, ``scripts/train_sd3_opd.py``): ``compute_student_step`` / ``compute_teacher_step_mean`` (the
+averaged over an optimizer step's (sample, j) rows, the teacher's mean detached. Release (ali-vilab/DiffusionOPD
+as read in an unofficial mirror at commit abecb69cfa29, not linked: docs/fidelity_forward.md;
+``scripts/train_sd3_opd.py``): ``compute_student_step`` / ``compute_teacher_step_mean`` (the
 transition means of both at the student's ``latents[:, j]``, the teacher at its own ``guidance_scale``), the loss
 block of the training pass (``delta = prev_sample_mean - teacher_prev_mean``; ``per_step_kl = 0.5 * delta**2`` when
 ``noise_level <= 0`` else ``delta**2 / (2 * std_dev_t**2)``; ``.mean`` over the latent dims, ``.mean`` over the
