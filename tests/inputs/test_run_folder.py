@@ -511,3 +511,30 @@ def test_ctrl_c_under_accelerate_launch_prints_the_line_with_the_same_launch(tmp
     assert re.match(r"interrupted in epoch [1-9]\d*/500; last checkpoint .* is intact; resume: accelerate launch "
                     r"--cpu --num_processes 1 .*flowgrpo/train.py ", lines[0]), lines[0]
     assert lines[0].endswith(f"train.resume_from={tmp_path / 'run' / 'checkpoints'}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_prints_one_line_with_the_torchrun_launch(tmp_path, tiny_flux_dir):
+    """Under torchrun the resume command was a single-process ``<python> flowgrpo/train.py …`` (issue 54): it is the
+    torchrun launch, printed once (rank 0), though torchrun's agent also sends its workers SIGTERM."""
+    import shutil
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    cfg = _cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 500, "rollout_batch_size": 2},
+               logging={"save_every": 1})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    proc = subprocess.Popen([torchrun, "--nproc_per_node", "2", "flowgrpo/train.py", str(path)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"},
+                            preexec_fn=_default_sigint)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    while not latest.exists() and proc.poll() is None:  # no deadline: as long as the machine takes
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate()
+    lines = [x for x in err.splitlines() if x.startswith("interrupted ")]
+    assert len(lines) == 1, err[-3000:]
+    assert f"; resume: torchrun --nproc_per_node 2 flowgrpo/train.py {path} train.resume_from=" in lines[0], lines[0]
