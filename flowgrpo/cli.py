@@ -340,7 +340,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train (same as flowgrpo/train.py; flowgrpo train --help lists the config)",
                    add_help=False)
-    s = sub.add_parser("sample", help="ODE images from a base model plus a trained LoRA",
+    s = sub.add_parser("sample", help="ODE images (or videos) from a base model plus a trained LoRA",
                        formatter_class=DefaultsHelpFormatter)
     s.add_argument("--run", help="a run folder: model, weights, evaluation settings and seeds from its config.yaml "
                    "(the options below marked 'with --run' replace the run's setting when given)")

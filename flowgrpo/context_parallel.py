@@ -51,9 +51,9 @@ def check_context(adapter, settings, device: torch.device) -> None:
 
     Raises:
         ValueError: the transformer has no ``_cp_plan`` (diffusers cannot split it: SD3, Z-Image,
-            HunyuanVideo-1.5), naming the family; a second token stream the plan leaves whole (LTX-2's audio,
-            :data:`UNSPLIT_STREAMS`); Ulysses with attention heads the degree does not divide; ring
-            attention with a masked text (Qwen-Image: the flash kernel ring runs takes no mask), or on the CPU
+            HunyuanVideo-1.5, Qwen-Image 2.1, FLUX.3), naming the family; a second token stream the plan leaves
+            whole (LTX-2's audio, :data:`UNSPLIT_STREAMS`); Ulysses with attention heads the degree does not divide;
+            ring attention with a masked text (Qwen-Image: the flash kernel ring runs takes no mask), or on the CPU
             (diffusers 0.42's ring needs the attention's log-sum-exp, which its CPU (native SDPA) backend does not
             return).
     """
@@ -64,8 +64,9 @@ def check_context(adapter, settings, device: torch.device) -> None:
     family = f"{type(tr).__name__} ({type(adapter.pipe).__name__})"
     if getattr(tr, "_cp_plan", None) is None:
         raise ValueError(f"parallel.context_degree={n}: diffusers cannot split the tokens of {family}, whose "
-                         "transformer declares no _cp_plan (context parallelism runs on FLUX, FLUX.2, Qwen-Image "
-                         "and Wan); set parallel.context_degree=1")
+                         "transformer declares no _cp_plan (context parallelism runs on FLUX.1, FLUX.2, Qwen-Image "
+                         "and Wan, text-to-video and image-to-video; docs/many_gpus.md lists each family); set "
+                         "parallel.context_degree=1")
     unsplit = [a for a in UNSPLIT_STREAMS if a in _forward_args(tr) and a not in _split_names(tr)]
     if unsplit:
         raise ValueError(f"parallel.context_degree={n}: diffusers' _cp_plan of {family} splits its video tokens "

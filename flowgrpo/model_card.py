@@ -55,9 +55,20 @@ def _figures_table(summary: dict, exclude: frozenset[str] = frozenset()) -> str:
     return "| figure | before | after |\n|---|---|---|\n" + "\n".join(rows) + "\n"
 
 
-def _card_metadata(m) -> dict:
-    """The card's YAML header for model settings ``m``: library, tags, and the base model when it is a Hub id."""
-    meta = {"library_name": "diffusers", "tags": ["flowgrpo", "text-to-image", "reinforcement-learning",
+def card_task(pipeline_class: str) -> str:
+    """The Hugging Face task tag of a pipeline class: ``image-to-video`` or ``text-to-video`` for a video family
+    (:data:`~flowgrpo.models.VIDEO_FAMILIES`), else ``text-to-image``."""
+    from flowgrpo.models import VIDEO_FAMILIES
+
+    if pipeline_class in VIDEO_FAMILIES:
+        return "image-to-video" if "ImageToVideo" in pipeline_class else "text-to-video"
+    return "text-to-image"
+
+
+def _card_metadata(m, pipeline_class: str = "FluxPipeline") -> dict:
+    """The card's YAML header for model settings ``m`` of a ``pipeline_class`` model: library, tags (its task,
+    :func:`card_task`), and the base model when it is a Hub id."""
+    meta = {"library_name": "diffusers", "tags": ["flowgrpo", card_task(pipeline_class), "reinforcement-learning",
                                                   "lora" if m.finetune == "lora" else "full-finetune"]}
     if _is_hub_id(m.pretrained):
         meta["base_model"] = m.pretrained
@@ -84,7 +95,7 @@ def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", r
     """
     m, s, a, t = config.model, config.sampling, config.algo, config.train
     base = m.pretrained
-    meta = _card_metadata(m)
+    meta = _card_metadata(m, pipeline_class)
     rewards = ", ".join(f"`{r.name}` (weight {r.weight:g})" for r in config.rewards)
     evals = ", ".join(f"`{r.name}`" for r in config.eval_rewards) or "none"
     pics = "".join(f"![{f.removesuffix('.png').replace('_', ' ')}]({f})\n\n" for f in figures)

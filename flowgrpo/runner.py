@@ -23,12 +23,13 @@ from flowgrpo.checkpoint import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.config.help import help_config, not_read, refused
 from flowgrpo.divergence import TrainingDiverged
+from flowgrpo.launch import launcher_words, restore_signals, stop_on_signals, stopping_signal
 from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.outputs import OutputRefused
 from flowgrpo.preflight import auto_resume_config_file, check_on_grid, preflight, resolve_auto_resume
 from flowgrpo.rewards.base import MissingWeightsError
-from flowgrpo.rewards.compose import RewardError
+from flowgrpo.rewards.compose import OOM_HINT, RewardError
 from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
 from flowgrpo.rewards.remote import RemoteRewardError
 from flowgrpo.run_lock import hold_run_folder
@@ -282,6 +283,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         one_rank_speaks()
     global _SETUP_DONE, _TRAINER
     _SETUP_DONE, _TRAINER = False, None  # a fresh command (main may run twice in one process)
+    replaced = stop_on_signals()  # a launcher's SIGTERM after Ctrl-C ends the run with its line too
+    try:
+        summary = _main(args, parser, prog, main_process)
+    finally:
+        restore_signals(replaced)
+    if main_process:
+        print_summary(summary, _TRAINER.tables if _TRAINER is not None else ())
+
+
+def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process: bool) -> dict:
+    """The run of :func:`main`, each known failure one line (``parser.exit``); returns the run's summary."""
     try:
         config = load_config(args.config or auto_resume_config_file(DEFAULT_CONFIG, args.overrides) or DEFAULT_CONFIG,
                              args.overrides)
@@ -297,7 +309,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         # a config error or a refused output_dir is the same on every process: rank 0 says it
         parser.exit(2, f"error: {err}\n" if main_process or not isinstance(err, ConfigError | OutputRefused) else "")
     except RewardError as err:
-        if err.__cause__ is not None and not isinstance(err.__cause__, ValueError | RemoteRewardError):
+        if err.__cause__ is not None and not isinstance(err.__cause__, ValueError | RemoteRewardError
+                                                        | torch.OutOfMemoryError):
             raise  # the plugin itself failed: its traceback is what its author needs
         # an impossible score (±inf, wrong shape), the plugin's ValueError, which by the reward contract names
         # bad input (a missing metadata field, a bad image), or a lost reward server: the message says it all
@@ -308,21 +321,29 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         raise
     except TrainingDiverged as err:  # the rule of flowgrpo.divergence: one line, the last checkpoint kept
         parser.exit(1, f"error: {err}\n" if main_process else "")  # every process stops together; one says it
+    except torch.OutOfMemoryError as err:  # the rollout, the update, the evaluation: what to change, not a trace
+        where = f" ({_TRAINER.stage}, epoch {_TRAINER.epoch + 1})" if _TRAINER is not None else " (setting up)"
+        first = str(err).splitlines()[0] if str(err) else "OutOfMemoryError"
+        parser.exit(1, f"error: out of device memory{where}: {first}; {OOM_HINT}\n")
     except KeyboardInterrupt:
-        parser.exit(130, _interrupted_line(args, prog) if main_process else "")
-    if main_process:
-        print_summary(summary, _TRAINER.tables if _TRAINER is not None else ())
+        parser.exit(128 + stopping_signal(), _interrupted_line(args, prog) if main_process else "")
+    return summary
 
 
 def _interrupted_line(args, prog: str | None = None) -> str:
     """One line for Ctrl-C: the epoch reached, the checkpoint left, and the command that resumes the run (the
-    command as it was started: ``flowgrpo train`` from the CLI, else the training script by its absolute path,
-    which works from any folder)."""
+    command as it was started: under ``torchrun`` or ``accelerate launch`` the same launch
+    (:func:`flowgrpo.launch.launcher_words`), else ``flowgrpo train`` from the CLI, else the training script by its
+    absolute path, which works from any folder)."""
     if _TRAINER is None:
         return "\ninterrupted while setting up; nothing was trained\n"
     ckpt = _TRAINER.out / "checkpoints"
     script = Path(__file__).resolve().parent / "train.py"
-    command = prog.split() if prog else [sys.executable, str(script)]
+    launcher = launcher_words(sys.argv[0]) if sys.argv and sys.argv[0] else []
+    if launcher:  # torchrun / accelerate launch: the same launch (flowgrpo.launch), the CLI's subcommand after it
+        command = [*launcher, *(prog.split()[1:] if prog else [])]
+    else:
+        command = prog.split() if prog else [sys.executable, str(script)]
     words = [*command, *([args.config] if args.config else [])]
     words += [o for o in args.overrides if not o.startswith("train.resume_from=")]
     n = _TRAINER.cfg.train.num_epochs

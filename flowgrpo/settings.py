@@ -120,7 +120,7 @@ def registered_name(registry: Registry, key: str):
             registry.get(name)
         except KeyError as err:
             raise ValueError(f"{key}: {err.args[0]}") from None
-        return name
+        return registry.canonical(name)
 
     return Annotated[str, AfterValidator(check), RegisteredIn(registry)]
 
@@ -133,7 +133,8 @@ def settings_class(registry: Registry, name: str, base: type[Section]) -> type[S
 
 def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Section]) -> Section:
     """Validate a strategy section: ``value`` is a plain strategy name (shorthand for ``{name: value}``) or a
-    mapping whose ``name`` (default: ``base``'s) selects the settings model (:func:`settings_class`).
+    mapping whose ``name`` (default: ``base``'s) selects the settings model (:func:`settings_class`); an alias of
+    the registry (:meth:`~flowgrpo.registry.Registry.alias`) is replaced by the name it stands for.
 
     Args:
         prefix: the section's dotted key (``chunker``, ``algo.policy_loss``), for messages.
@@ -151,6 +152,8 @@ def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Sect
                          f"(registered: {', '.join(registry.names())}); a section cannot be removed, only replaced")
     section = {"name": value} if isinstance(value, str) else dict(value)
     name = section.get("name", base.model_fields["name"].default)
+    if isinstance(name, str) and name != registry.canonical(name):  # a common name (``grpo``): the registered one
+        name = section["name"] = registry.canonical(name)
     try:
         settings = settings_class(registry, name, base)
     except KeyError as err:

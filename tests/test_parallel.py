@@ -522,3 +522,55 @@ def test_a_hub_model_is_fetched_by_the_local_main_process_before_the_others_load
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = log.read_text().splitlines()
     assert lines[0] == "rank 0 fetched org/model" and sorted(lines[1:]) == ["rank 0 loads", "rank 1 loads"], lines
+
+
+_IN_PLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__setitem__"}
+
+
+class _InPlaceOnOutputs(torch.overrides.TorchFunctionMode):
+    """Records every in-place operation whose target is one of ``outputs`` or a view of the same base."""
+
+    def __init__(self, outputs: list) -> None:
+        super().__init__()
+        self.outputs, self.hits = outputs, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        in_place = name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+        if in_place and args and isinstance(args[0], torch.Tensor):
+            t = args[0]
+            if any(t is o or (t._base is not None and t._base is o._base) for o in self.outputs):
+                self.hits.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_in_place_operation_touches_a_sharded_flux_blocks_output(tiny_flux_dir):
+    """Under FSDP2 (and on resume) torch warns once per process that a wrapped FLUX block "returned a view tensor",
+    since an in-place operation on that view would skip FSDP2's pre-backward all-gather and could give wrong
+    gradients (issue 54). The view is FluxSingleTransformerBlock's split of its output into text and image tokens
+    (``hidden_states[:, :text_seq_len]``, diffusers 0.42); this records every in-place operation of a forward of
+    the model and its backward and finds none on any output of the blocks FSDP2 wraps (flowgrpo.parallel.
+    shard_blocks), views included: the warning cannot apply here (docs/many_gpus.md). The resumed sharded update
+    equals the uninterrupted run's in tests/training/test_sharding.py
+    (test_checkpoints_resume_with_another_process_count)."""
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel.from_pretrained(tiny_flux_dir / "transformer")
+    outputs: list = []
+
+    def keep(module, args, out):
+        outputs.extend(o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor))
+
+    for block in parallel.shard_blocks(model):
+        block.register_forward_hook(keep)
+    c, n, t = model.config, 16, 8
+    g = torch.Generator().manual_seed(0)
+    with _InPlaceOnOutputs(outputs) as mode:
+        v = model(hidden_states=torch.randn(1, n, c.in_channels, generator=g),
+                  encoder_hidden_states=torch.randn(1, t, c.joint_attention_dim, generator=g),
+                  pooled_projections=torch.randn(1, c.pooled_projection_dim, generator=g),
+                  timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+                  img_ids=torch.zeros(n, 3), txt_ids=torch.zeros(t, 3)).sample
+        v.square().mean().backward()
+    assert any(o._base is not None for o in outputs)  # the view FSDP2 warns about is there
+    assert mode.hits == []

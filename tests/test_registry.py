@@ -20,3 +20,16 @@ def test_registry_lists_names_suggests_and_refuses_duplicates():
     assert "did you mean 'alpha'" in str(err.value)
     with pytest.raises(ValueError, match="twice"):
         reg.register("alpha")(3)
+
+
+def test_an_alias_resolves_to_its_name_and_is_listed_when_a_name_is_unknown():
+    reg: Registry = Registry("widget")
+    reg.register("alpha")(1)
+    reg.alias("first", "alpha")
+    assert reg.get("first") == 1 and reg.canonical("first") == "alpha" and reg.canonical("alpha") == "alpha"
+    assert "first" in reg and reg.names() == ["alpha"]
+    with pytest.raises(KeyError) as err:
+        reg.get("frist")
+    assert "'first' = 'alpha'" in str(err.value) and "did you mean 'first'" in str(err.value)
+    with pytest.raises(ValueError, match="already"):
+        reg.alias("alpha", "alpha")

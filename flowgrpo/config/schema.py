@@ -56,10 +56,10 @@ class ModelConfig(Section):
         "transformer folder); full fine-tuning keeps float32 master weights; SDE arithmetic is always float32"
     )
     height: int | None = Field(
-        None, ge=1, description="image height in pixels (default, null: the pipeline's sample size)"
+        None, ge=1, description="image (or video frame) height in pixels (default, null: the pipeline's sample size)"
     )
     width: int | None = Field(
-        None, ge=1, description="image width in pixels (default, null: the pipeline's sample size)"
+        None, ge=1, description="image (or video frame) width in pixels (default, null: the pipeline's sample size)"
     )
     max_sequence_length: int = Field(
         512, ge=1, le=4096, description="text-encoder tokens per prompt (FLUX.1 / SD3: T5, at most 512; Qwen-Image "

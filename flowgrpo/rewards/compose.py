@@ -30,6 +30,12 @@ from flowgrpo.rewards.base import is_group_wise, score_groups
 logger = logging.getLogger(__name__)
 
 
+#: what to try when the device runs out of memory (a reward's scoring, the rollout or the update)
+OOM_HINT = ("to fit: parallel.reward_models=offload (reward models on the device only while they score), "
+            "parallel.text_encoders=offload, a smaller train.rollout_batch_size or train.train_batch_size, "
+            "model.gradient_checkpointing=true, or parallel.sharding=fsdp2 over several GPUs (docs/gpus.md)")
+
+
 class RewardError(RuntimeError):
     """A reward failed while scoring a batch. ``reward_name`` is the name it has in the config's composition.
 
@@ -129,6 +135,10 @@ def score_components_named(composed: ComposedReward, images: torch.Tensor, promp
             try:
                 raw = score_groups(reward, images, prompts, metadata, group_ids) if group_wise else \
                     reward(images, prompts, metadata)
+            except torch.OutOfMemoryError as err:
+                raise RewardError(name, f"reward {name!r} ran out of device memory on a batch of {b} "
+                                        f"({str(err).splitlines()[0] if str(err) else 'OutOfMemoryError'}); "
+                                        f"{OOM_HINT}") from err
             except Exception as err:
                 raise RewardError(name, f"reward {name!r} failed on a batch of {b}: {type(err).__name__}: {err}") \
                     from err

@@ -51,7 +51,12 @@ def occupied_message(out: Path) -> str:
 
 def changed_settings(saved: Path, cfg) -> dict[str, str]:
     """{key: "key: old -> new"} for every setting of ``cfg`` that differs from the saved config file ``saved``
-    (``train.resume_from`` left out; a key one of them lacks shows as ``(absent)``)."""
+    (``train.resume_from`` left out; a key one of them lacks shows as ``(absent)``). A strategy section whose
+    strategy changed (``objective.name: 'dpo' -> 'sde_ratio'``; :data:`~flowgrpo.config.schema.STRATEGY_SECTIONS`)
+    comes first, as one entry under its ``name`` key that counts the settings of the old strategy dropped and of
+    the new one added instead of listing each ``-> (absent)``; its settings that both have are listed as usual."""
+    from flowgrpo.config.schema import STRATEGY_SECTIONS
+
     old = flat_dict(yaml.safe_load(saved.read_text()) or {})
     new = flat_dict(cfg.model_dump(mode="json"))
     absent = object()
@@ -59,8 +64,22 @@ def changed_settings(saved: Path, cfg) -> dict[str, str]:
     def shown(v) -> str:
         return "(absent)" if v is absent else repr(v)
 
-    return {k: f"{k}: {shown(old.get(k, absent))} -> {shown(new.get(k, absent))}" for k in sorted(set(old) | set(new))
-            if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
+    changed = {k: f"{k}: {shown(old.get(k, absent))} -> {shown(new.get(k, absent))}"
+               for k in sorted(set(old) | set(new))
+               if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
+    switched = {}
+    for section in STRATEGY_SECTIONS:
+        name = f"{section}.name"
+        if name not in changed:
+            continue
+        mine = [k for k in changed if k.startswith(f"{section}.") and k != name]
+        gone = [k for k in mine if k not in new]
+        added = [k for k in mine if k not in old]
+        for k in gone + added:
+            del changed[k]
+        switched[name] = (f"{changed.pop(name)} (the section's settings follow its {section.rsplit('.', 1)[-1]}: "
+                          f"{len(gone)} of the old one's dropped, {len(added)} of the new one's at their values)")
+    return switched | changed
 
 
 def schedule_shift_line(saved: dict, train, epoch: int) -> str | None:
@@ -85,23 +104,28 @@ def schedule_shift_line(saved: dict, train, epoch: int) -> str | None:
 
 
 def refuse_changed_evaluation(config) -> None:
-    """A resume into a run folder (``output_dir`` holding the run's ``config.yaml``) with another evaluation than
-    the run's first leg (:data:`EVAL_IMAGES`: other prompts, count or evaluation sampler; a prompt file under
-    another name with the same records is the same, :func:`_same_prompts`) is refused: the
-    run's ``metrics.jsonl`` would hold evaluations of different images, which its best checkpoint, collapse
-    warning, reward curve and time to quality compare as one series (digits: the diversity of a digit from 20
-    images is off by ~0.03, configs/digits.yaml). Raises :class:`~flowgrpo.settings.ConfigError` naming each
-    changed key, the run's value and the command line's."""
-    saved = Path(config.output_dir) / "config.yaml"
-    if not config.train.resume_from or not saved.is_file():
+    """A resume with another evaluation than the run's first leg (:data:`EVAL_IMAGES`: other prompts, count or
+    evaluation sampler; a prompt file under another name with the same records is the same, :func:`_same_prompts`)
+    is refused, whether into the run's folder (``output_dir`` holding its ``config.yaml``: the run's
+    ``metrics.jsonl`` would hold evaluations of different images, which its best checkpoint, collapse warning,
+    reward curve and time to quality compare as one series; digits: the diversity of a digit from 20 images is off
+    by ~0.03, configs/digits.yaml) or into a new folder (the "before" figures and images are the checkpoint's run's,
+    ``eval_before.json``, so the before/after table would compare evaluations of different images). Raises
+    :class:`~flowgrpo.settings.ConfigError` naming each changed key, the run's value and the command line's."""
+    if not config.train.resume_from:
         return
+    saved = Path(config.output_dir) / "config.yaml"
+    if not saved.is_file():  # a new folder: the checkpoint's run measured the "before" evaluation
+        saved = resolve_checkpoint(config.train.resume_from).parent.parent / "config.yaml"
+        if not saved.is_file():
+            return
     changed = [v for k, v in changed_settings(saved, config).items() if k.startswith(EVAL_IMAGES)
                and not (k == "data.eval_prompts" and _same_prompts(saved, config.data.eval_prompts))]
     if changed:
-        raise ConfigError(f"resuming {str(config.output_dir)!r} with another evaluation than its first leg "
-                          f"({'; '.join(changed)}): one run's metrics.jsonl compares its evaluations as one series "
-                          "(best checkpoint, curves, time to quality); keep the run's value (the first of each "
-                          "pair), or evaluate the other way in a new run")
+        raise ConfigError(f"resuming {str(saved.parent)!r} with another evaluation than its first leg "
+                          f"({'; '.join(changed)}): one run's metrics.jsonl and its before/after table compare its "
+                          "evaluations as one series (best checkpoint, curves, time to quality); keep the run's value "
+                          "(the first of each pair), or evaluate the other way in a new run")
 
 
 def _same_prompts(saved: Path, prompts: str | None) -> bool:

@@ -371,3 +371,50 @@ def test_the_teacher_is_a_frozen_copy_of_the_weights_it_was_given():
     vt = obj.teacher_velocity(adapter, x, s, e, 1.0)
     assert torch.allclose(vt, 1.7 * x + -0.3 * 0.5 + 0.05)
     assert adapter.forward_module is adapter.transformer and not vt.requires_grad
+
+
+def _tiny_flux_teacher(folder):
+    from diffusers import FluxTransformer2DModel
+
+    FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                           num_attention_heads=1, joint_attention_dim=8, pooled_projection_dim=8,
+                           axes_dims_rope=(2, 2, 4)).save_pretrained(folder)
+
+
+def test_a_teacher_of_another_family_is_refused_naming_both_families(tmp_path):
+    """A FLUX teacher for an SD3 student once reached diffusers' "Cannot load ... pass ignore_mismatched_sizes=True"
+    (issue 54, the wrong fix): the teacher's class is compared with the student's before its weights are read."""
+    from types import SimpleNamespace
+
+    from diffusers import SD3Transformer2DModel
+
+    from flowgrpo.algo.objectives.opd import load_teacher
+
+    _tiny_flux_teacher(tmp_path / "teacher" / "transformer")
+    student = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
+                                    num_attention_heads=1, joint_attention_dim=8, caption_projection_dim=8,
+                                    pooled_projection_dim=8, out_channels=4)
+    adapter = SimpleNamespace(transformer=student, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="teacher family FluxTransformer2DModel vs student family "
+                                         "SD3Transformer2DModel"):
+        load_teacher(str(tmp_path / "teacher"), adapter, None)
+
+
+def test_the_teacher_family_is_checked_before_any_model_loads_when_the_student_folder_names_it(tmp_path):
+    """The student's transformer class is read from its folder's model_index.json, so ``validate`` (before any
+    model loads) refuses the FLUX teacher of an SD3 pipeline folder; a teacher of the same class passes."""
+    import json
+
+    _tiny_flux_teacher(tmp_path / "teacher")
+    (tmp_path / "sd3").mkdir()
+    (tmp_path / "sd3" / "model_index.json").write_text(json.dumps(
+        {"_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"]}))
+    cfg = build_config({"model": {"pretrained": str(tmp_path / "sd3")}, "algo": {"clip_range": 1e-4, "kl_beta": 0.0},
+                        "objective": {"name": "opd", "teacher": str(tmp_path / "teacher")}})
+    with pytest.raises(ValueError, match="teacher family FluxTransformer2DModel vs student family "
+                                         "SD3Transformer2DModel"):
+        build_objective(cfg).validate()
+    index = json.loads((tmp_path / "sd3" / "model_index.json").read_text())
+    index["transformer"] = ["diffusers", "FluxTransformer2DModel"]
+    (tmp_path / "sd3" / "model_index.json").write_text(json.dumps(index))
+    build_objective(cfg).validate()

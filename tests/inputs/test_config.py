@@ -380,3 +380,13 @@ def test_shipped_cpu_configs_split_over_two_processes(path):
     from flowgrpo.preflight import check_batch
 
     check_batch(load_config(path), 2)  # the README's `torchrun --nproc_per_node 2` command
+
+
+@pytest.mark.parametrize("common", ["grpo", "flow_grpo", "flowgrpo"])
+def test_the_common_names_of_grpo_select_the_sde_ratio_objective(common):
+    """``objective=grpo`` once answered "did you mean 'dgpo'?" (issue 54): GRPO is the ``sde_ratio`` objective, and
+    its common names are aliases of it in the objective registry, as a plain name and as a section's name."""
+    from flowgrpo.config import build_config
+
+    assert build_config(overrides=[f"objective={common}"]).objective.name == "sde_ratio"
+    assert build_config(overrides=[f"objective={{name: {common}}}"]).objective.name == "sde_ratio"

@@ -59,6 +59,18 @@ class Verdicts:
         return ["good"] * len(prompts)
 
 
+class OutOfMemory:
+    """A reward whose model does not fit the device: scoring raises CUDA's out-of-memory error."""
+
+    name = "oom"
+
+    def setup(self, device):
+        pass
+
+    def __call__(self, images, prompts, metadata):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+
+
 class RefusesPrompts:
     """A reward that refuses the prompts it is given only when scoring (it has no ``check_prompts`` hook)."""
 
@@ -153,6 +165,40 @@ def test_a_reward_returning_words_is_one_line_naming_it_not_a_traceback(tmp_path
     assert info.value.code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(
         "error: reward 'Verdicts' returned list ['good', 'good'], which is not numbers")
+
+
+def test_a_reward_out_of_device_memory_is_one_line_with_what_to_change(tmp_path, tiny_flux_dir, capsys):
+    """Before: a reward raising CUDA out-of-memory gave a traceback with no hint (issue 54). Now one line naming the
+    reward and the settings that make it fit."""
+    from flowgrpo.train import main
+
+    with pytest.raises(SystemExit) as info:
+        main([*_tiny_overrides(tmp_path, tiny_flux_dir), f"rewards=[{{name: '{MOD}:OutOfMemory'}}]", "eval_rewards=[]",
+              "train.num_epochs=1", f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: reward 'OutOfMemory' ran out of device memory on a batch of ")
+    assert "CUDA out of memory. Tried to allocate 2.00 GiB" in line and "parallel.reward_models=offload" in line
+
+
+def test_out_of_device_memory_in_the_run_is_one_line_with_what_to_change(tmp_path, tiny_flux_dir, capsys,
+                                                                        monkeypatch):
+    """The rollout or the update out of memory: one line naming the stage and the settings to change."""
+    import flowgrpo.training.loop as loop
+    from flowgrpo.train import main
+
+    def oom(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(loop.Trainer, "rollout_phase", oom)
+    with pytest.raises(SystemExit) as info:
+        main([*_tiny_overrides(tmp_path, tiny_flux_dir), "train.num_epochs=1", f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: out of device memory (epochs, epoch 1): CUDA out of memory. Tried to allocate")
+    assert "train.rollout_batch_size" in line
 
 
 # --------------------------------------------------------- rewards that cannot be built or cannot score the prompts

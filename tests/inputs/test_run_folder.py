@@ -449,3 +449,99 @@ def test_a_resume_that_stretches_a_cosine_schedule_says_the_rate_jumps():
     assert schedule_shift_line(saved, same, 45) is None
     assert schedule_shift_line(saved, SimpleNamespace(lr_schedule="constant", num_epochs=180, lr_min_ratio=0.0),
                                45) is None
+
+
+def test_a_resume_with_another_objective_reports_the_switch_first_in_one_line(tmp_path):
+    """Resuming a dpo run with sde_ratio once buried ``objective.name: 'dpo' -> 'sde_ratio'`` among one
+    ``-> (absent)`` line per setting of either objective (issue 54): the switch comes first, one entry counting the
+    settings dropped and added; a setting outside the section is still listed by itself."""
+    from flowgrpo.settings import save_config
+    from flowgrpo.training.run_folder import changed_settings
+
+    dpo = build_config({"objective": {"name": "dpo"}})
+    save_config(dpo, tmp_path / "config.yaml")
+    grpo = build_config({"train": {"lr": dpo.train.lr * 2}})
+    old_keys = {k for k in dpo.objective.model_dump() if k != "name"}
+    new_keys = {k for k in grpo.objective.model_dump() if k != "name"}
+    changed = changed_settings(tmp_path / "config.yaml", grpo)
+    first = next(iter(changed.values()))
+    assert first.startswith("objective.name: 'dpo' -> 'sde_ratio'")
+    assert f"{len(old_keys - new_keys)} of the old one's dropped, {len(new_keys - old_keys)} of the new one's" in first
+    assert not any("(absent)" in line for line in changed.values())
+    assert f"train.lr: {dpo.train.lr!r} -> {grpo.train.lr!r}" in changed.values()
+
+
+def test_a_resume_into_a_new_folder_with_another_evaluation_size_is_refused(tmp_path, monkeypatch):
+    """A resume into a new output_dir takes the "before" figures of the checkpoint's run (its eval_before.json), so
+    another data.eval_num_prompts there once mixed evaluation sizes in the before/after table (issue 54): refused,
+    naming the key and both values; the same evaluation passes."""
+    from flowgrpo.settings import save_config
+    from flowgrpo.training import run_folder
+
+    origin = tmp_path / "origin"
+    (origin / "checkpoints" / "epoch_1").mkdir(parents=True)
+    save_config(build_config({"output_dir": str(origin), "data": {"eval_num_prompts": 2}}), origin / "config.yaml")
+    monkeypatch.setattr(run_folder, "resolve_checkpoint", lambda path, **_: Path(path))
+    resume = {"output_dir": str(tmp_path / "new"), "train": {"resume_from": str(origin / "checkpoints" / "epoch_1")}}
+    with pytest.raises(ConfigError, match=r"another evaluation than its first leg \(data.eval_num_prompts: 2 -> 3\)"):
+        run_folder.refuse_changed_evaluation(build_config({**resume, "data": {"eval_num_prompts": 3}}))
+    run_folder.refuse_changed_evaluation(build_config({**resume, "data": {"eval_num_prompts": 2}}))
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_accelerate_launch_prints_the_line_with_the_same_launch(tmp_path, tiny_flux_dir):
+    """Ctrl-C under ``accelerate launch`` (the terminal's SIGINT to the launcher and its child, one process group)
+    once lost the "interrupted …; resume: …" line: accelerate 1.16 answers it with SIGTERM to the child (then
+    SIGKILL after 5 s), whose default ends Python at once. The child now stops on the first of the two signals and
+    prints the line, and the resume command is the accelerate launch it was started with."""
+    import shutil
+
+    accelerate = shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("accelerate's launcher is not on PATH")
+    cfg = _cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 500}, logging={"save_every": 1})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    launch = [accelerate, "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no", "flowgrpo/train.py", str(path)]
+    proc = subprocess.Popen(launch, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            preexec_fn=_default_sigint)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    while not latest.exists() and proc.poll() is None:  # no deadline: as long as the machine takes
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    _, err = proc.communicate()
+    assert proc.returncode == 130, err[-2000:]
+    lines = [x for x in err.splitlines() if x.startswith("interrupted ")]
+    assert len(lines) == 1, err[-2000:]
+    assert re.match(r"interrupted in epoch [1-9]\d*/500; last checkpoint .* is intact; resume: accelerate launch "
+                    r"--cpu --num_processes 1 .*flowgrpo/train.py ", lines[0]), lines[0]
+    assert lines[0].endswith(f"train.resume_from={tmp_path / 'run' / 'checkpoints'}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_torchrun_prints_one_line_with_the_torchrun_launch(tmp_path, tiny_flux_dir):
+    """Under torchrun the resume command was a single-process ``<python> flowgrpo/train.py …`` (issue 54): it is the
+    torchrun launch, printed once (rank 0), though torchrun's agent also sends its workers SIGTERM."""
+    import shutil
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    cfg = _cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 500, "rollout_batch_size": 2},
+               logging={"save_every": 1})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    proc = subprocess.Popen([torchrun, "--nproc_per_node", "2", "flowgrpo/train.py", str(path)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"},
+                            preexec_fn=_default_sigint)
+    latest = tmp_path / "run" / "checkpoints" / "latest"
+    while not latest.exists() and proc.poll() is None:  # no deadline: as long as the machine takes
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate()
+    lines = [x for x in err.splitlines() if x.startswith("interrupted ")]
+    assert len(lines) == 1, err[-3000:]
+    assert f"; resume: torchrun --nproc_per_node 2 flowgrpo/train.py {path} train.resume_from=" in lines[0], lines[0]

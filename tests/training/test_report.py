@@ -89,6 +89,21 @@ def test_model_card_names_base_algorithm_figures_and_loading():
     assert 'FluxTransformer2DModel.from_pretrained("me/x")' in full and "load_lora_weights" not in full
 
 
+@pytest.mark.parametrize("pipeline, task", [("FluxPipeline", "text-to-image"), ("WanPipeline", "text-to-video"),
+                                            ("WanImageToVideoPipeline", "image-to-video"),
+                                            ("LTX2ImageToVideoPipeline", "image-to-video")])
+def test_the_model_card_tags_the_task_of_its_pipeline(pipeline, task):
+    """A video model's card was tagged text-to-image (issue 54): the tag is the pipeline's task."""
+    import yaml
+
+    from flowgrpo.model_card import model_card
+
+    front = yaml.safe_load(model_card(_config(finetune="lora"), SUMMARY, pipeline_class=pipeline,
+                                      repo="me/x").split("---")[1])
+    others = {"text-to-image", "text-to-video", "image-to-video"} - {task}
+    assert task in front["tags"] and not others & set(front["tags"])
+
+
 def test_quiet_libraries_hides_http_request_lines_unless_debugging():
     from flowgrpo.runner import quiet_libraries
 

@@ -63,7 +63,8 @@ class ObjectiveConfig(Section):
 
     name: str = Field(
         "sde_ratio", description="registered objective (flowgrpo.algo.objectives.OBJECTIVES): sde_ratio (the GRPO "
-        "family: SDE rollout with per-step log-probs, the chunker's plan, a clipped-ratio policy loss over chunks), "
+        "family, also accepted as grpo, flow_grpo or flowgrpo: SDE rollout with per-step log-probs, the "
+        "chunker's plan, a clipped-ratio policy loss over chunks), "
         "or one a plugin registers; a plain name is shorthand for {name: ...}"
     )
 

@@ -14,8 +14,9 @@ ODE limit (eq. 12):
                                                                                    guarded by the grid's σ₁)
     a = 0:  D_j = ½·mean_dims((μ^S − μ^T)²)             (= ½·(σ_{j+1} − σ_j)²·mean_dims((v_θ − v_T)²))
 
-averaged over an optimizer step's (sample, j) rows, the teacher's mean detached. Release (a copy of ali-vilab/
-DiffusionOPD, ``scripts/train_sd3_opd.py``): ``compute_student_step`` / ``compute_teacher_step_mean`` (the
+averaged over an optimizer step's (sample, j) rows, the teacher's mean detached. Release (ali-vilab/DiffusionOPD
+as read in an unofficial mirror at commit abecb69cfa29, not linked: docs/fidelity_forward.md;
+``scripts/train_sd3_opd.py``): ``compute_student_step`` / ``compute_teacher_step_mean`` (the
 transition means of both at the student's ``latents[:, j]``, the teacher at its own ``guidance_scale``), the loss
 block of the training pass (``delta = prev_sample_mean - teacher_prev_mean``; ``per_step_kl = 0.5 * delta**2`` when
 ``noise_level <= 0`` else ``delta**2 / (2 * std_dev_t**2)``; ``.mean`` over the latent dims, ``.mean`` over the
@@ -29,6 +30,7 @@ scored and logged as monitors, as the release's ``proxy_reward``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -91,14 +93,61 @@ def teacher_source(folder: str) -> tuple[str, Path]:
                      f"no LoRA ({LORA_FILE}, here or in lora/)")
 
 
+def _json_field(path: Path, *keys):
+    """``path``'s JSON value at ``keys`` (e.g. ``config.json``'s ``_class_name``), or None when unreadable."""
+    try:
+        value = json.loads(path.read_text())
+        for key in keys:
+            value = value[key]
+        return value
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def student_transformer_class(pretrained: str) -> str | None:
+    """The transformer class of the student ``model.pretrained`` when it is known without building, loading or
+    downloading anything: the ``transformer`` entry of a local folder's ``model_index.json`` (e.g.
+    ``["diffusers", "SD3Transformer2DModel"]``) or of the one in the local hub cache; None otherwise (an embedded
+    model not built yet, a hub id not cached: the check is then made when the teacher loads)."""
+    from flowgrpo.models import EMBEDDED_MODELS
+
+    if pretrained in EMBEDDED_MODELS:
+        return None
+    local = Path(pretrained).expanduser()
+    if not local.is_dir():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(pretrained, "model_index.json")
+        except Exception:  # noqa: BLE001 - not a hub id: the model's own loading names it
+            return None
+        if not isinstance(cached, str):
+            return None
+        local = Path(cached).parent
+    entry = _json_field(local / "model_index.json", "transformer")
+    return entry[1] if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str) else None
+
+
+def check_teacher_family(folder: str, path: Path, student: str | None) -> None:
+    """Refuse a transformer teacher (``path``, its ``config.json``) whose class is not the student's (``student``,
+    a transformer class name; None: unknown, nothing checked) before diffusers reads its weights, whose own error
+    would advise ``ignore_mismatched_sizes=True``. Raises ValueError naming both families."""
+    teacher = _json_field(path / "config.json", "_class_name")
+    if student and isinstance(teacher, str) and teacher != student:
+        raise ValueError(f"objective.teacher={folder!r}: teacher family {teacher} vs student family {student} "
+                         f"(model.pretrained): OPD needs a teacher of the student's model family")
+
+
 def load_teacher(folder: str, adapter, model_config) -> torch.nn.Module:
     """The frozen teacher transformer of ``objective.teacher`` (:func:`teacher_source`), on the adapter's device in
     its dtype, in eval mode, without gradient: a transformer folder loaded with the student transformer's class
-    (``from_pretrained``); a LoRA folder loaded into a fresh copy of the run's base model (``model_config``, the
-    run's ``model`` section) and fused into its weights."""
+    (``from_pretrained``), its class checked first to be the student's (:func:`check_teacher_family`); a LoRA
+    folder loaded into a fresh copy of the run's base model (``model_config``, the run's ``model`` section) and
+    fused into its weights."""
     kind, path = teacher_source(folder)
     if kind == "transformer":
         cls = type(adapter.transformer)
+        check_teacher_family(folder, path, cls.__name__)
         teacher = cls.from_pretrained(str(path), torch_dtype=adapter.dtype)
     else:
         from flowgrpo.models import load_model_from_config
@@ -172,12 +221,15 @@ class OPD(ForwardObjective):
         return self.o.noise_level, self.o.timestep_fraction
 
     def validate(self) -> None:
-        """The settings and the teacher folder's layout (:func:`teacher_source`), before any model loads."""
+        """The settings, the teacher folder's layout (:func:`teacher_source`) and, where the student's class is known
+        from its folder (:func:`student_transformer_class`), the teacher's family, before any model loads."""
         self.loss_settings()
         if not self.o.teacher:
             raise ValueError("objective.name=opd needs objective.teacher: a run's output_dir, its transformer or lora "
                              "folder, or a diffusers pipeline folder")
-        teacher_source(self.o.teacher)
+        kind, path = teacher_source(self.o.teacher)
+        if kind == "transformer":
+            check_teacher_family(self.o.teacher, path, student_transformer_class(self.cfg.model.pretrained))
 
     @property
     def needs_reference(self) -> bool:

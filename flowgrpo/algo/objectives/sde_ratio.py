@@ -318,3 +318,8 @@ class SdeRatio(BaseObjective):
         groups = torch.cat([torch.full((len(r),), i) for i, (r, _) in enumerate(items)]).to(dev)  # one an item
         return PolicyLossInput(new, old, adv, kl_ref=kl, std=_cat([f.stds for f in fwds]),
                                dt=_cat([f.dts for f in fwds]), mean_drift_sq=drift, trained=trained, groups=groups)
+
+
+#: the common names of the GRPO family's objective (Flow-GRPO's and the papers' own), accepted as objective.name
+for _alias in ("grpo", "flow_grpo", "flowgrpo"):
+    OBJECTIVES.alias(_alias, "sde_ratio")

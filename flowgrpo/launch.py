@@ -1,0 +1,109 @@
+"""How this process was launched, for the command a stopped run prints to resume it, and the stop signals that
+end a run with that line.
+
+A run started by ``torchrun`` or ``accelerate launch`` is resumed by the same launch: the launcher's own words are
+read from its command line (the parent process's, ``/proc/<ppid>/cmdline`` on Linux), up to this process's script;
+where that cannot be read, a ``torchrun`` launch is rebuilt from the variables torchrun sets (``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``: the nodes).
+
+``accelerate launch`` (1.16, ``accelerate/commands/launch.py``, ``_terminate_process_tree``) answers Ctrl-C by
+sending its child SIGTERM, then SIGKILL after 5 s; torchrun's agent likewise sends its workers SIGTERM. Python's
+default SIGTERM ends the process at once, so a run under a launcher died before saying where it stopped:
+:func:`stop_on_signals` makes the first SIGINT or SIGTERM a ``KeyboardInterrupt`` and ignores the ones after it, so
+the run prints its "interrupted …; resume: …" line within the launcher's grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+__all__ = ["launcher_words", "restore_signals", "stop_on_signals", "stopping_signal"]
+
+#: the launchers' executables whose name is shown rather than the interpreter running them
+_LAUNCHERS = ("torchrun", "accelerate")
+
+_STOPPED_BY: list[int] = []
+
+
+def _interrupt_once(signum: int, frame) -> None:
+    """The first stop signal raises ``KeyboardInterrupt``; the launcher's SIGTERM that follows a Ctrl-C (or a
+    second Ctrl-C) is ignored, so it cannot cut the interrupted line short."""
+    if _STOPPED_BY:
+        return
+    _STOPPED_BY.append(signum)
+    raise KeyboardInterrupt
+
+
+def stop_on_signals() -> dict:
+    """SIGINT and SIGTERM both stop the run through ``KeyboardInterrupt``, once (:func:`_interrupt_once`); returns
+    the handlers it replaced (for :func:`restore_signals`). Only from the main thread (``signal.signal`` refuses
+    others: nothing is changed); a signal set to be ignored (a job started in the background has SIGINT ignored)
+    stays ignored."""
+    import threading
+
+    _STOPPED_BY.clear()
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    replaced = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            replaced[sig] = signal.signal(sig, _interrupt_once)
+    return replaced
+
+
+def restore_signals(replaced: dict) -> None:
+    """Put back the handlers :func:`stop_on_signals` replaced (a command run inside another program)."""
+    for sig, handler in replaced.items():
+        signal.signal(sig, handler)
+
+
+def stopping_signal() -> int:
+    """The number of the signal that stopped the run (SIGINT = 2 when none was recorded: a ``KeyboardInterrupt``
+    raised another way)."""
+    return _STOPPED_BY[0] if _STOPPED_BY else int(signal.SIGINT)
+
+
+def _parent_command(pid: int) -> tuple[list[str], Path] | None:
+    """The command line and working folder of process ``pid`` (Linux ``/proc``), or None where unreadable."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return None
+    return [w.decode(errors="replace") for w in words if w], cwd
+
+
+def launcher_words(script: str, *, parent: tuple[list[str], Path] | None = None,
+                   env: dict[str, str] | None = None) -> list[str]:
+    """The launcher's words before ``script`` (this process's ``sys.argv[0]``), ending with the script as the
+    launcher was given it, e.g. ``["torchrun", "--nproc_per_node", "2", "flowgrpo/train.py"]``; empty when this
+    process was not started by ``torchrun`` or ``accelerate launch`` (``env``: torchrun's ``TORCHELASTIC_RUN_ID``
+    or accelerate's ``ACCELERATE_*`` variables) or its launch cannot be told.
+
+    Args:
+        script: this process's script path (as in ``sys.argv[0]``).
+        parent: the launcher's (command words, working folder); default: the parent process's.
+        env: the environment; default ``os.environ``.
+    """
+    env = os.environ if env is None else env
+    torchrun = "TORCHELASTIC_RUN_ID" in env
+    if not torchrun and not any(k.startswith("ACCELERATE_") for k in env):
+        return []
+    parent = _parent_command(os.getppid()) if parent is None else parent
+    mine = Path(script).resolve()
+    if parent is not None:
+        words, cwd = parent
+        for i, word in enumerate(words):
+            if (cwd / word).resolve() == mine:
+                head = words[:i + 1]
+                if len(head) > 1 and Path(head[1]).name in _LAUNCHERS and "python" in Path(head[0]).name:
+                    head = [Path(head[1]).name, *head[2:]]  # the launcher's script, as it was typed
+                elif head and Path(head[0]).name in _LAUNCHERS:
+                    head = [Path(head[0]).name, *head[1:]]
+                return head
+    if torchrun:  # the launcher's words cannot be read: torchrun's own settings, from its variables
+        nodes, per_node = env.get("GROUP_WORLD_SIZE", "1"), env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))
+        return ["torchrun", *(["--nnodes", nodes] if nodes != "1" else []), "--nproc_per_node", per_node, script]
+    return []

@@ -1,0 +1,81 @@
+"""Specification of flowgrpo.launch: the launch a stopped run prints to resume it is the one it was started with
+(torchrun, accelerate launch), read from the launcher's command line or rebuilt from torchrun's variables; and the
+first SIGINT or SIGTERM stops the run through KeyboardInterrupt, the ones after it ignored (issue 54)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flowgrpo.launch import launcher_words, restore_signals, stop_on_signals, stopping_signal
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = str(REPO / "flowgrpo" / "train.py")
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"}
+
+
+def test_a_torchrun_launch_is_read_from_the_launcher_command_line():
+    """What the kernel shows for ``torchrun --nproc_per_node 2 flowgrpo/train.py cfg.yaml``: the interpreter running
+    the torchrun script; the launch shown as typed, up to the script as given (relative to the launcher's folder)."""
+    parent = (["/usr/bin/python3", "/usr/local/bin/torchrun", "--nproc_per_node", "2", "flowgrpo/train.py", "cfg.yaml",
+               "train.resume_from=old"], REPO)
+    assert launcher_words(SCRIPT, parent=parent, env=TORCHRUN) == ["torchrun", "--nproc_per_node", "2",
+                                                                    "flowgrpo/train.py"]
+
+
+def test_an_accelerate_launch_is_read_from_the_launcher_command_line():
+    parent = (["/opt/venv/bin/python", "/opt/venv/bin/accelerate", "launch", "--num_processes", "2", SCRIPT, "x=1"],
+              Path("/"))
+    env = {"ACCELERATE_USE_CPU": "False"}
+    assert launcher_words(SCRIPT, parent=parent, env=env) == ["accelerate", "launch", "--num_processes", "2", SCRIPT]
+    # a shell (or anything that does not hold the script as one of its words) is not the launcher
+    shell = (["bash", "-c", f"python {SCRIPT}"], REPO)
+    assert launcher_words(SCRIPT, parent=shell, env=env) == []
+
+
+def test_a_torchrun_launch_is_rebuilt_from_its_variables_when_the_launcher_cannot_be_read():
+    unreadable = (["/usr/bin/python3", "-m", "something_else"], REPO)
+    assert launcher_words(SCRIPT, parent=unreadable, env=TORCHRUN) == ["torchrun", "--nnodes", "2",
+                                                                       "--nproc_per_node", "2", SCRIPT]
+
+
+def test_a_single_process_has_no_launcher():
+    assert launcher_words(SCRIPT, parent=(["/usr/bin/python3", SCRIPT], REPO), env={}) == []
+
+
+def test_the_interrupted_line_under_torchrun_resumes_with_the_same_launch(tmp_path, monkeypatch):
+    """The resume command under torchrun was ``<python> flowgrpo/train.py …``, one process: it is the launch."""
+    import flowgrpo.launch as launch
+    import flowgrpo.runner as runner
+    from flowgrpo.config import build_config
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("epoch_1\n")
+    cfg = build_config({"output_dir": str(tmp_path), "train": {"num_epochs": 2}})
+    args = SimpleNamespace(config="cfg.yaml", overrides=["train.resume_from=old", "x=1"])
+    monkeypatch.setattr(runner, "_TRAINER", SimpleNamespace(out=tmp_path, cfg=cfg, epoch=0, stage="epochs"))
+    monkeypatch.setattr(runner.sys, "argv", [SCRIPT, "cfg.yaml", "x=1"])
+    for key, value in TORCHRUN.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(launch, "_parent_command", lambda pid: (["/usr/local/bin/torchrun", "--nproc_per_node", "2",
+                                                                 "flowgrpo/train.py", "cfg.yaml", "x=1"], REPO))
+    line = runner._interrupted_line(args, None)
+    assert line.rstrip().endswith(f"resume: torchrun --nproc_per_node 2 flowgrpo/train.py cfg.yaml x=1 "
+                                  f"train.resume_from={tmp_path / 'checkpoints'}")
+
+
+def test_the_first_stop_signal_interrupts_and_the_next_is_ignored():
+    replaced = stop_on_signals()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM after a Ctrl-C: ignored
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stopping_signal() == signal.SIGTERM
+    finally:
+        restore_signals(replaced)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
