@@ -20,7 +20,9 @@ import torch
 from flowgrpo.algo.objectives import Objective, build_objective
 from flowgrpo.checkpoint_health import resolve_checkpoint
 from flowgrpo.config import ConfigError, build_config, parse_override, read_yaml
+from flowgrpo.data.image_sets import check_dataset_images
 from flowgrpo.data.prompts import PromptSet, load_prompts
+from flowgrpo.metrics import read_metrics
 from flowgrpo.registry import did_you_mean
 from flowgrpo.rewards.compose import ComposedReward
 from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
@@ -123,7 +125,7 @@ def check_rewards(specs) -> None:
             raise RewardLoadError(f"reward {spec.name!r}: {err} (rewards[].kwargs); it accepts {allowed}") from None
 
 
-def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
+def check_batch(config, world_size: int, per_sample: int | None = None, objective: Objective | None = None) -> None:
     """The batch layout, per data rank: each of ``world_size`` / ``parallel.context_degree`` data ranks (C
     processes of a context group hold the same samples) samples B/W trajectories in micro-batches
     of ``rollout_batch_size`` and trains them in micro-batches of ``train_batch_size``, cut into
@@ -132,7 +134,8 @@ def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
     ``per_sample``: trajectories a sample becomes (the chunker's ``trajectories_per_sample`` on the model's σ
     grid). A chunker whose count only the grid decides (E-GRPO, ``multiplies_batch``) is checked again once the
     model is loaded, with it: its micro-batches (B/W·k / train_batch_size) must be at least the optimizer steps
-    and split equally into them."""
+    and split equally into them. ``objective``: one whose update cuts something else into micro-batches (DPO's
+    pairs: its ``training_units``) is checked on those, ⌈units / train_batch_size⌉ micro-batches."""
     t, b = config.train, config.batch_size
     context = config.parallel.context_degree
     if world_size % context:
@@ -149,6 +152,17 @@ def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
     if local % tb:
         raise ValueError(f"train.train_batch_size={tb} must divide {where}")
     steps = t.optimizer_steps_per_epoch
+    units = getattr(objective, "training_units", lambda _: None)(local)
+    if units is not None:  # DPO: micro-batches of pairs, the last one possibly smaller
+        count, what = units
+        micro = -(-count // tb)
+        if micro < steps:
+            raise ValueError(f"train.optimizer_steps_per_epoch={steps} exceeds the {micro} training micro-batches "
+                             f"of objective {config.objective.name!r} on each of the {world_size} processes: "
+                             f"{count} {what} of its {local} samples / train.train_batch_size={tb}; lower "
+                             "train.optimizer_steps_per_epoch or train.train_batch_size, or raise "
+                             "train.prompts_per_epoch")
+        return
     if config.chunker.multiplies_batch:  # E-GRPO: the micro-batch count is a multiple only the σ grid decides
         if per_sample is not None:
             _check_grid_batch(config, local, per_sample)
@@ -186,12 +200,15 @@ def check_output_dir(config) -> None:
     """A checkpoint to resume must exist, a resume into its run folder keeps the run's evaluation
     (:func:`~flowgrpo.training.run_folder.refuse_changed_evaluation`), and a folder holding another run is refused
     (unless resumed or ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, before any
-    model loads. Raises CheckpointError / ConfigError / FileExistsError."""
+    model loads; a resume reads the run's ``metrics.jsonl`` (:func:`~flowgrpo.metrics.read_metrics`: a cut-off last
+    line is dropped with a warning, any other bad line refused naming the file and line). Raises CheckpointError /
+    ConfigError / FileExistsError / ValueError."""
     out = Path(config.output_dir)
     check_folder_path(out)
     if config.train.resume_from:
         resolve_checkpoint(config.train.resume_from)
         refuse_changed_evaluation(config)
+        read_metrics(out / "metrics.jsonl")
     elif (out / "config.yaml").exists() and not config.logging.overwrite:
         raise FileExistsError(occupied_message(out))
 
@@ -249,6 +266,37 @@ class Preflight:
     rewards: ComposedReward
     eval_rewards: ComposedReward | None
     origins: list
+    dataset_image: tuple[tuple[int, int], str] | None = None
+
+
+def check_dataset(config, objective: Objective) -> tuple[tuple[int, int], str] | None:
+    """A dataset objective's images (``sft``: each record's ``target``; ``dpo_offline``: its ``chosen`` and
+    ``rejected``: the keys its ``image_key`` gives the G samples of a record), every one opened and its size read
+    (:func:`~flowgrpo.data.image_sets.check_dataset_images`; ``model.width`` × ``model.height`` when both are set,
+    else the first image's). Returns the first image's (size, where) for :func:`check_dataset_size`; None for an
+    objective that samples. Raises ``ValueError`` naming the file and line."""
+    key = getattr(objective, "image_key", None)
+    if key is None:
+        return None
+    m = config.model
+    size = (m.width, m.height) if m.width and m.height else None
+    keys = dict.fromkeys(key(j) for j in range(config.train.group_size))
+    try:
+        return check_dataset_images(config.data.train_prompts, keys, size)
+    except ValueError as err:
+        raise ValueError(f"data.train_prompts (objective {config.objective.name!r}): {err}") from None
+
+
+def check_dataset_size(first: tuple[tuple[int, int], str] | None, adapter) -> None:
+    """The dataset's images (all of one size, :func:`check_dataset`) at the loaded model's ``width`` × ``height``,
+    before any evaluation. Raises ``ValueError`` naming the first image's file and line."""
+    if first is None:
+        return
+    (w, h), where = first
+    if (w, h) != (adapter.width, adapter.height):
+        raise ValueError(f"data.train_prompts: {where} is {w}x{h} (width x height), the model makes "
+                         f"{adapter.width}x{adapter.height} (model.width x model.height); resize the set (python -m "
+                         "flowgrpo.data.image_sets ... --size H W) or set model.height and model.width")
 
 
 def preflight(config, world_size: int | None = None) -> Preflight:
@@ -266,7 +314,8 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     3. reward names and their kwargs, without constructing them (:func:`check_rewards`);
     4. the trackers installed (:func:`check_trackers`);
     5. the output folder free, or the checkpoint to resume there (:func:`check_output_dir`);
-    6. the prompt files read (:func:`load_prompt_field`);
+    6. the prompt files read (:func:`load_prompt_field`), and a dataset objective's images, each opened and its
+       size read (:func:`check_dataset`);
     7. the rewards constructed and shown the prompt sets they will score (their ``check_prompts``, an
        evaluation-only reward refused under ``rewards``).
 
@@ -280,17 +329,18 @@ def preflight(config, world_size: int | None = None) -> Preflight:
         notes.append(noise_level_warning("flow_sde", config.objective.noise_level, "objective.noise_level"))
     for note in filter(None, notes):
         logger.warning("%s", note)
-    check_batch(config, world)
+    check_batch(config, world, objective=objective)
     check_rewards(config.rewards + config.eval_rewards)
     check_trackers(config.logging.trackers)
     check_output_dir(config)
     prompts, eval_prompts = load_prompt_field(config, "train_prompts"), load_prompt_field(config, "eval_prompts")
+    dataset_image = check_dataset(config, objective)
     rewards, eval_rewards, origins = _rewards_for(config, prompts, eval_prompts)
-    return Preflight(objective, prompts, eval_prompts, rewards, eval_rewards, origins)
+    return Preflight(objective, prompts, eval_prompts, rewards, eval_rewards, origins, dataset_image)
 
 
 def check_on_grid(config, objective: Objective, sigmas: torch.Tensor, settings, world_size: int) -> None:
     """The check that needs the model: the objective's settings on the model's σ grid ``sigmas`` (T+1,) with the
     run's :class:`~flowgrpo.sampling.rollout.SamplerSettings`, and the batch layout with the trajectories a
     sample becomes there (:func:`check_batch`), before any evaluation or sampling. Raises ``ValueError``."""
-    check_batch(config, world_size, objective.trajectories_per_sample(sigmas, settings))
+    check_batch(config, world_size, objective.trajectories_per_sample(sigmas, settings), objective)
