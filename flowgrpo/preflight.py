@@ -188,6 +188,79 @@ def _check_grid_batch(config, local: int, per_sample: int) -> None:
                          f"{micro}, or change train.train_batch_size")
 
 
+#: pipelines whose image tokens :func:`check_context_tokens` counts from the folder's configs: a latent of the
+#: VAE's spatial factor, cut into 2×2 patches (FLUX.1 and Qwen-Image pack them; Wan's transformer has patch (1, 2, 2))
+CONTEXT_TOKEN_FAMILIES = ("FluxPipeline", "QwenImagePipeline", "WanPipeline")
+
+
+def _model_folder(pretrained: str) -> Path | None:
+    """The local folder of ``model.pretrained`` (a folder, or a hub id already in the local cache), without
+    downloading anything; None when it is neither (an embedded model, a hub id not cached)."""
+    if Path(pretrained).is_dir():
+        return Path(pretrained)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        index = try_to_load_from_cache(pretrained, "model_index.json")
+    except Exception:  # noqa: BLE001 - not a hub id: the model's own loading reports it
+        return None
+    return Path(index).parent if isinstance(index, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def context_image_tokens(config) -> tuple[int, str] | None:
+    """(image tokens of one sample, how they were counted) for the run's model, read from its folder's
+    ``model_index.json`` and ``vae/config.json`` without loading any weights: ⌊H / f / 2⌋ · ⌊W / f / 2⌋ (· the
+    latent frames of a Wan video, ⌊(F − 1) / t⌋ + 1); f the VAE's spatial factor (its ``scale_factor_spatial``,
+    else FLUX.1: 2^(len(block_out_channels) − 1), Qwen-Image, Wan: 2^len(temperal_downsample)); H × W
+    ``model.height`` × ``model.width`` (FLUX.1: the VAE's ``sample_size`` when unset). None for another family, a
+    folder not on this machine, or a size the configs do not give: the check at the first transformer call
+    (:mod:`flowgrpo.context_parallel`) stays."""
+    folder = _model_folder(config.model.pretrained)
+    if folder is None:
+        return None
+    family = _read_json(folder / "model_index.json").get("_class_name")
+    vae = _read_json(folder / "vae" / "config.json")
+    if family not in CONTEXT_TOKEN_FAMILIES or not vae:
+        return None
+    down = vae.get("temperal_downsample")
+    factor = int(vae.get("scale_factor_spatial") or (2 ** len(down) if isinstance(down, list) else
+                                                     2 ** (len(vae.get("block_out_channels") or [0]) - 1)))
+    m = config.model
+    default = vae.get("sample_size") if family == "FluxPipeline" else None
+    h, w = m.height or default, m.width or default
+    if not h or not w:
+        return None
+    tokens, how = (h // factor // 2) * (w // factor // 2), f"{h}x{w} pixels / VAE factor {factor} / 2x2 patches"
+    if family == "WanPipeline":
+        frames = m.num_frames or 81
+        latent_frames = (frames - 1) // int(vae.get("scale_factor_temporal", 4)) + 1
+        tokens, how = tokens * latent_frames, f"{how} x {latent_frames} latent frames of {frames}"
+    return tokens, how
+
+
+def check_context_tokens(config) -> None:
+    """With ``parallel.context_degree`` C > 1: every transformer call's image tokens split evenly over the C
+    processes of a context group, counted from the config and the model folder before any weights load
+    (:func:`context_image_tokens`). Raises ``ValueError`` naming the count and the settings that make it."""
+    c = config.parallel.context_degree
+    counted = context_image_tokens(config) if c > 1 else None
+    if counted is not None and counted[0] % c:
+        raise ValueError(f"parallel.context_degree={c} splits each transformer call's tokens evenly, but an image of "
+                         f"this run has {counted[0]} tokens ({counted[1]}), not a multiple of {c}; choose "
+                         "model.height and model.width (model.num_frames for a video) that make it one, or "
+                         "parallel.context_degree=1")
+
+
 def check_trackers(trackers) -> None:
     """Every tracker asked for is installed (else a run would go on without it)."""
     missing = [t for t in trackers if importlib.util.find_spec(t) is None]
@@ -310,7 +383,8 @@ def preflight(config, world_size: int | None = None) -> Preflight:
        above the releases' for its SDE kind, and OPD's ``objective.noise_level``
        (:func:`~flowgrpo.sampling.sde.noise_level_warning`);
     2. the per-process batch layout for ``world_size`` processes (:func:`check_batch`; default: the launcher's
-       ``WORLD_SIZE``, else 1);
+       ``WORLD_SIZE``, else 1; DPO's pairs counted), and the image tokens a context group splits
+       (:func:`check_context_tokens`, from the model folder's configs);
     3. reward names and their kwargs, without constructing them (:func:`check_rewards`);
     4. the trackers installed (:func:`check_trackers`);
     5. the output folder free, or the checkpoint to resume there (:func:`check_output_dir`);
@@ -330,6 +404,7 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     for note in filter(None, notes):
         logger.warning("%s", note)
     check_batch(config, world, objective=objective)
+    check_context_tokens(config)
     check_rewards(config.rewards + config.eval_rewards)
     check_trackers(config.logging.trackers)
     check_output_dir(config)

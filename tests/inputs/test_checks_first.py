@@ -244,3 +244,21 @@ def test_a_dataset_image_of_another_size_than_the_models_is_named_by_file_and_li
                                                                  "model.width=8"])
     with pytest.raises(ValueError, match=r"data\.jsonl:1: chosen .* the run needs 8x8"):
         check_dataset(cfg, check_strategies(cfg))
+
+
+# --- context-parallel token counts from the model folder's configs ------------------------------------------------
+
+
+def test_an_image_token_count_the_context_degree_does_not_divide_is_refused_before_the_model_loads(tiny_flux_dir):
+    from flowgrpo.config import build_config
+    from flowgrpo.preflight import preflight
+
+    # the tiny FLUX's VAE has 4 blocks (factor 2^3 = 8) and FLUX packs 2x2 latent patches: 48 px -> 3 x 3 = 9 tokens
+    base = [f"model.pretrained={tiny_flux_dir}", "model.max_sequence_length=16", "parallel.context_degree=2",
+            "parallel.sharding=fsdp2", "rewards=[{name: jpeg_compressibility}]", "data.train_prompts=t2i_compbench"]
+    config = build_config({}, [*base, "model.height=48", "model.width=48"])
+    with pytest.raises(ValueError, match=r"context_degree=2 .* has 9 tokens \(48x48 pixels / VAE factor 8 / 2x2 "
+                                         r"patches\), not a multiple of 2"):
+        preflight(config, world_size=2)
+    preflight(build_config({}, [*base, "model.height=64", "model.width=64"]), world_size=2)  # 4 x 4 = 16 tokens
+    preflight(build_config({}, base), world_size=2)  # unset: the VAE's sample size 64, 16 tokens
