@@ -44,6 +44,16 @@ class CompileConfig(Section):
     fullgraph: bool = Field(False, description="fail on a graph break inside a block instead of splitting it")
 
 
+def _own_units(config) -> bool:
+    """Whether the chosen objective cuts something other than the samples into micro-batches (DPO: its pairs,
+    ``training_units``): the preflight checks its optimizer steps against those
+    (:func:`flowgrpo.preflight.check_batch`)."""
+    from flowgrpo.algo.objectives.base import BaseObjective
+
+    cls = OBJECTIVES.get(config.objective.name)
+    return getattr(cls, "training_units", BaseObjective.training_units) is not BaseObjective.training_units
+
+
 #: the settings of ``model`` that only ``finetune: lora`` reads
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules")
 
@@ -614,7 +624,7 @@ class Config(Section):
                     if self.chunker.multiplies_batch else "")
             raise ValueError(f"train.train_batch_size={tb} must divide the batch B = prompts_per_epoch*group_size = "
                              f"{b}{more}")
-        if (b // tb) % t.optimizer_steps_per_epoch and not self.chunker.multiplies_batch:
+        if (b // tb) % t.optimizer_steps_per_epoch and not self.chunker.multiplies_batch and not _own_units(self):
             raise ValueError(
                 f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
                 f"training micro-batches B / train_batch_size = {b // tb}"

@@ -80,6 +80,13 @@ def test_as_many_optimizer_steps_as_pair_micro_batches_pass_the_check():
     cfg = load_config(dpo, ["train.train_batch_size=8", "train.optimizer_steps_per_epoch=4"])
     with pytest.raises(ValueError, match="exceeds the 2 training micro-batches"):
         check_batch(cfg, 1, objective=check_strategies(cfg))
+    # pairs: all: 28 slots a group x 16 groups = 448 pairs, 28 micro-batches of 16, whatever the 8 micro-batches
+    # the 128 samples would make (the schema counted those)
+    cfg = load_config(dpo, ["objective.pairs=all", "train.optimizer_steps_per_epoch=28"])
+    check_batch(cfg, 1, objective=check_strategies(cfg))
+    cfg = load_config(dpo, ["objective.pairs=all", "train.optimizer_steps_per_epoch=29"])
+    with pytest.raises(ValueError, match="exceeds the 28 training micro-batches"):
+        check_batch(cfg, 1, objective=check_strategies(cfg))
 
 
 # --- metrics.jsonl read tolerantly at resume ----------------------------------------------------------------------
