@@ -376,8 +376,8 @@ def test_batch_layout_is_checked_per_process(tmp_path, tiny_flux_dir, monkeypatc
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("digits*.yaml")) + [REPO / "configs/tiny_jpeg.yaml"])
 def test_shipped_cpu_configs_split_over_two_processes(path):
-    from flowgrpo.config import load_config
     from flowgrpo.algo.objectives import build_objective
+    from flowgrpo.config import load_config
     from flowgrpo.preflight import check_batch
 
     config = load_config(path)  # the README's `torchrun --nproc_per_node 2` command; DPO's counted in pairs
