@@ -114,7 +114,33 @@ def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: f
     return " · ".join(parts)
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a ``metrics.jsonl``."""
+def read_metrics(path: str | Path, *, quiet: bool = False) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (``[]`` when it does not exist), each a JSON object with an integer
+    ``epoch``. A last line that does not parse is the record of a run killed while appending it: it is dropped, with
+    a warning naming the file (none with ``quiet``; a resume rewrites the file without it).
+
+    Raises:
+        ValueError: any other line is not a JSON object with an integer ``epoch``: one line naming the file, the
+            line number and the fix.
+    """
     p = Path(path)
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+    if not p.exists():
+        return []
+    lines = [(i, line) for i, line in enumerate(p.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            if n == len(lines) - 1:
+                if not quiet:
+                    logger.warning("%s: its last line (line %d) is cut off (the run was killed while writing it): "
+                                   "dropped", p, i)
+                break
+            raise ValueError(f"{p}:{i}: not a JSON record ({err}); every line of metrics.jsonl is one epoch's "
+                             "record: delete or repair that line (the checkpoints do not need it)") from None
+        if not isinstance(record, dict) or not isinstance(record.get("epoch"), int):
+            raise ValueError(f"{p}:{i}: not a metrics record (a JSON object with an integer 'epoch'); delete or "
+                             "repair that line (the checkpoints do not need it)")
+        records.append(record)
+    return records

@@ -20,7 +20,9 @@ import torch
 from flowgrpo.algo.objectives import Objective, build_objective
 from flowgrpo.checkpoint_health import resolve_checkpoint
 from flowgrpo.config import ConfigError, build_config, parse_override, read_yaml
+from flowgrpo.data.image_sets import check_dataset_images
 from flowgrpo.data.prompts import PromptSet, load_prompts
+from flowgrpo.metrics import read_metrics
 from flowgrpo.outputs import check_folder
 from flowgrpo.registry import did_you_mean
 from flowgrpo.rewards.compose import ComposedReward
@@ -124,7 +126,7 @@ def check_rewards(specs) -> None:
             raise RewardLoadError(f"reward {spec.name!r}: {err} (rewards[].kwargs); it accepts {allowed}") from None
 
 
-def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
+def check_batch(config, world_size: int, per_sample: int | None = None, objective: Objective | None = None) -> None:
     """The batch layout, per data rank: each of ``world_size`` / ``parallel.context_degree`` data ranks (C
     processes of a context group hold the same samples) samples B/W trajectories in micro-batches
     of ``rollout_batch_size`` and trains them in micro-batches of ``train_batch_size``, cut into
@@ -133,7 +135,8 @@ def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
     ``per_sample``: trajectories a sample becomes (the chunker's ``trajectories_per_sample`` on the model's σ
     grid). A chunker whose count only the grid decides (E-GRPO, ``multiplies_batch``) is checked again once the
     model is loaded, with it: its micro-batches (B/W·k / train_batch_size) must be at least the optimizer steps
-    and split equally into them."""
+    and split equally into them. ``objective``: one whose update cuts something else into micro-batches (DPO's
+    pairs: its ``training_units``) is checked on those, ⌈units / train_batch_size⌉ micro-batches."""
     t, b = config.train, config.batch_size
     context = config.parallel.context_degree
     if world_size % context:
@@ -150,6 +153,17 @@ def check_batch(config, world_size: int, per_sample: int | None = None) -> None:
     if local % tb:
         raise ValueError(f"train.train_batch_size={tb} must divide {where}")
     steps = t.optimizer_steps_per_epoch
+    units = getattr(objective, "training_units", lambda _: None)(local)
+    if units is not None:  # DPO: micro-batches of pairs, the last one possibly smaller
+        count, what = units
+        micro = -(-count // tb)
+        if micro < steps:
+            raise ValueError(f"train.optimizer_steps_per_epoch={steps} exceeds the {micro} training micro-batches "
+                             f"of objective {config.objective.name!r} on each of the {world_size} processes: "
+                             f"{count} {what} of its {local} samples / train.train_batch_size={tb}; lower "
+                             "train.optimizer_steps_per_epoch or train.train_batch_size, or raise "
+                             "train.prompts_per_epoch")
+        return
     if config.chunker.multiplies_batch:  # E-GRPO: the micro-batch count is a multiple only the σ grid decides
         if per_sample is not None:
             _check_grid_batch(config, local, per_sample)
@@ -175,6 +189,79 @@ def _check_grid_batch(config, local: int, per_sample: int) -> None:
                          f"{micro}, or change train.train_batch_size")
 
 
+#: pipelines whose image tokens :func:`check_context_tokens` counts from the folder's configs: a latent of the
+#: VAE's spatial factor, cut into 2×2 patches (FLUX.1 and Qwen-Image pack them; Wan's transformer has patch (1, 2, 2))
+CONTEXT_TOKEN_FAMILIES = ("FluxPipeline", "QwenImagePipeline", "WanPipeline")
+
+
+def _model_folder(pretrained: str) -> Path | None:
+    """The local folder of ``model.pretrained`` (a folder, or a hub id already in the local cache), without
+    downloading anything; None when it is neither (an embedded model, a hub id not cached)."""
+    if Path(pretrained).is_dir():
+        return Path(pretrained)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        index = try_to_load_from_cache(pretrained, "model_index.json")
+    except Exception:  # noqa: BLE001 - not a hub id: the model's own loading reports it
+        return None
+    return Path(index).parent if isinstance(index, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def context_image_tokens(config) -> tuple[int, str] | None:
+    """(image tokens of one sample, how they were counted) for the run's model, read from its folder's
+    ``model_index.json`` and ``vae/config.json`` without loading any weights: ⌊H / f / 2⌋ · ⌊W / f / 2⌋ (· the
+    latent frames of a Wan video, ⌊(F − 1) / t⌋ + 1); f the VAE's spatial factor (its ``scale_factor_spatial``,
+    else FLUX.1: 2^(len(block_out_channels) − 1), Qwen-Image, Wan: 2^len(temperal_downsample)); H × W
+    ``model.height`` × ``model.width`` (FLUX.1: the VAE's ``sample_size`` when unset). None for another family, a
+    folder not on this machine, or a size the configs do not give: the check at the first transformer call
+    (:mod:`flowgrpo.context_parallel`) stays."""
+    folder = _model_folder(config.model.pretrained)
+    if folder is None:
+        return None
+    family = _read_json(folder / "model_index.json").get("_class_name")
+    vae = _read_json(folder / "vae" / "config.json")
+    if family not in CONTEXT_TOKEN_FAMILIES or not vae:
+        return None
+    down = vae.get("temperal_downsample")
+    factor = int(vae.get("scale_factor_spatial") or (2 ** len(down) if isinstance(down, list) else
+                                                     2 ** (len(vae.get("block_out_channels") or [0]) - 1)))
+    m = config.model
+    default = vae.get("sample_size") if family == "FluxPipeline" else None
+    h, w = m.height or default, m.width or default
+    if not h or not w:
+        return None
+    tokens, how = (h // factor // 2) * (w // factor // 2), f"{h}x{w} pixels / VAE factor {factor} / 2x2 patches"
+    if family == "WanPipeline":
+        frames = m.num_frames or 81
+        latent_frames = (frames - 1) // int(vae.get("scale_factor_temporal", 4)) + 1
+        tokens, how = tokens * latent_frames, f"{how} x {latent_frames} latent frames of {frames}"
+    return tokens, how
+
+
+def check_context_tokens(config) -> None:
+    """With ``parallel.context_degree`` C > 1: every transformer call's image tokens split evenly over the C
+    processes of a context group, counted from the config and the model folder before any weights load
+    (:func:`context_image_tokens`). Raises ``ValueError`` naming the count and the settings that make it."""
+    c = config.parallel.context_degree
+    counted = context_image_tokens(config) if c > 1 else None
+    if counted is not None and counted[0] % c:
+        raise ValueError(f"parallel.context_degree={c} splits each transformer call's tokens evenly, but an image of "
+                         f"this run has {counted[0]} tokens ({counted[1]}), not a multiple of {c}; choose "
+                         "model.height and model.width (model.num_frames for a video) that make it one, or "
+                         "parallel.context_degree=1")
+
+
 def check_trackers(trackers) -> None:
     """Every tracker asked for is installed (else a run would go on without it)."""
     missing = [t for t in trackers if importlib.util.find_spec(t) is None]
@@ -189,8 +276,10 @@ def check_output_dir(config) -> None:
     (unless resumed or ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, and one
     that the write rule refuses (:func:`flowgrpo.outputs.check_folder`: a folder holding files flowgrpo did not
     write, one inside another run's weights or checkpoints, or the model's folder or a prompt file; the same for
-    ``model.prompt_embeddings_dir``), before any
-    model loads. Raises CheckpointError / ConfigError / FileExistsError / OutputRefused."""
+    ``model.prompt_embeddings_dir``), before any model loads; a resume reads the run's ``metrics.jsonl``
+    (:func:`~flowgrpo.metrics.read_metrics`: a cut-off last line is dropped with a warning, any other bad line
+    refused naming the file and line). Raises CheckpointError / ConfigError / FileExistsError / OutputRefused /
+    ValueError."""
     out = Path(config.output_dir)
     check_folder_path(out)
     check_folder(out, "output_dir", "run", inputs=(config.model.pretrained, config.data.train_prompts,
@@ -203,6 +292,7 @@ def check_output_dir(config) -> None:
     if config.train.resume_from:
         resolve_checkpoint(config.train.resume_from)
         refuse_changed_evaluation(config)
+        read_metrics(out / "metrics.jsonl")
     elif (out / "config.yaml").exists() and not config.logging.overwrite:
         raise FileExistsError(occupied_message(out))
 
@@ -260,6 +350,37 @@ class Preflight:
     rewards: ComposedReward
     eval_rewards: ComposedReward | None
     origins: list
+    dataset_image: tuple[tuple[int, int], str] | None = None
+
+
+def check_dataset(config, objective: Objective) -> tuple[tuple[int, int], str] | None:
+    """A dataset objective's images (``sft``: each record's ``target``; ``dpo_offline``: its ``chosen`` and
+    ``rejected``: the keys its ``image_key`` gives the G samples of a record), every one opened and its size read
+    (:func:`~flowgrpo.data.image_sets.check_dataset_images`; ``model.width`` × ``model.height`` when both are set,
+    else the first image's). Returns the first image's (size, where) for :func:`check_dataset_size`; None for an
+    objective that samples. Raises ``ValueError`` naming the file and line."""
+    key = getattr(objective, "image_key", None)
+    if key is None:
+        return None
+    m = config.model
+    size = (m.width, m.height) if m.width and m.height else None
+    keys = dict.fromkeys(key(j) for j in range(config.train.group_size))
+    try:
+        return check_dataset_images(config.data.train_prompts, keys, size)
+    except ValueError as err:
+        raise ValueError(f"data.train_prompts (objective {config.objective.name!r}): {err}") from None
+
+
+def check_dataset_size(first: tuple[tuple[int, int], str] | None, adapter) -> None:
+    """The dataset's images (all of one size, :func:`check_dataset`) at the loaded model's ``width`` × ``height``,
+    before any evaluation. Raises ``ValueError`` naming the first image's file and line."""
+    if first is None:
+        return
+    (w, h), where = first
+    if (w, h) != (adapter.width, adapter.height):
+        raise ValueError(f"data.train_prompts: {where} is {w}x{h} (width x height), the model makes "
+                         f"{adapter.width}x{adapter.height} (model.width x model.height); resize the set (python -m "
+                         "flowgrpo.data.image_sets ... --size H W) or set model.height and model.width")
 
 
 def preflight(config, world_size: int | None = None) -> Preflight:
@@ -273,11 +394,13 @@ def preflight(config, world_size: int | None = None) -> Preflight:
        above the releases' for its SDE kind, and OPD's ``objective.noise_level``
        (:func:`~flowgrpo.sampling.sde.noise_level_warning`);
     2. the per-process batch layout for ``world_size`` processes (:func:`check_batch`; default: the launcher's
-       ``WORLD_SIZE``, else 1);
+       ``WORLD_SIZE``, else 1; DPO's pairs counted), and the image tokens a context group splits
+       (:func:`check_context_tokens`, from the model folder's configs);
     3. reward names and their kwargs, without constructing them (:func:`check_rewards`);
     4. the trackers installed (:func:`check_trackers`);
     5. the output folder free, or the checkpoint to resume there (:func:`check_output_dir`);
-    6. the prompt files read (:func:`load_prompt_field`);
+    6. the prompt files read (:func:`load_prompt_field`), and a dataset objective's images, each opened and its
+       size read (:func:`check_dataset`);
     7. the rewards constructed and shown the prompt sets they will score (their ``check_prompts``, an
        evaluation-only reward refused under ``rewards``), and the objective's optional ``check_rewards(rewards)``
        of the constructed optimised rewards (ReFL: its margin against their declared ranges).
@@ -292,20 +415,22 @@ def preflight(config, world_size: int | None = None) -> Preflight:
         notes.append(noise_level_warning("flow_sde", config.objective.noise_level, "objective.noise_level"))
     for note in filter(None, notes):
         logger.warning("%s", note)
-    check_batch(config, world)
+    check_batch(config, world, objective=objective)
+    check_context_tokens(config)
     check_rewards(config.rewards + config.eval_rewards)
     check_trackers(config.logging.trackers)
     check_output_dir(config)
     prompts, eval_prompts = load_prompt_field(config, "train_prompts"), load_prompt_field(config, "eval_prompts")
+    dataset_image = check_dataset(config, objective)
     rewards, eval_rewards, origins = _rewards_for(config, prompts, eval_prompts)
     check = getattr(objective, "check_rewards", None)  # optional: an objective's checks of the rewards it optimises
     if check is not None and rewards is not None:  # (ReFL's margin against their declared ranges)
         check(rewards)
-    return Preflight(objective, prompts, eval_prompts, rewards, eval_rewards, origins)
+    return Preflight(objective, prompts, eval_prompts, rewards, eval_rewards, origins, dataset_image)
 
 
 def check_on_grid(config, objective: Objective, sigmas: torch.Tensor, settings, world_size: int) -> None:
     """The check that needs the model: the objective's settings on the model's σ grid ``sigmas`` (T+1,) with the
     run's :class:`~flowgrpo.sampling.rollout.SamplerSettings`, and the batch layout with the trajectories a
     sample becomes there (:func:`check_batch`), before any evaluation or sampling. Raises ``ValueError``."""
-    check_batch(config, world_size, objective.trajectories_per_sample(sigmas, settings))
+    check_batch(config, world_size, objective.trajectories_per_sample(sigmas, settings), objective)

@@ -27,7 +27,13 @@ from flowgrpo.launch import launcher_words, restore_signals, stop_on_signals, st
 from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.outputs import OutputRefused
-from flowgrpo.preflight import auto_resume_config_file, check_on_grid, preflight, resolve_auto_resume
+from flowgrpo.preflight import (
+    auto_resume_config_file,
+    check_dataset_size,
+    check_on_grid,
+    preflight,
+    resolve_auto_resume,
+)
 from flowgrpo.rewards.base import MissingWeightsError
 from flowgrpo.rewards.compose import OOM_HINT, RewardError
 from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
@@ -148,6 +154,12 @@ def _run(config) -> dict:
     # slower to start sees the main process's config.yaml as another run's
     dist.barrier()
     parallel.check_engine(accelerator, config.parallel)
+    # the rewards' weights before the model's (a build or a download of minutes): a missing one stops the run at
+    # once (MissingWeightsError); before the seed is set, so the model's initialisation draws what it always drew
+    for r in (ready.rewards, ready.eval_rewards):
+        if r is not None:
+            r.setup(accelerator.device)
+            parallel.place_rewards(r, accelerator.device, config.parallel)  # reward models: device or host memory
     set_seed(config.train.seed)
     m = config.model
     fetch_first(m.pretrained, accelerator.is_local_main_process)  # a hub id: one download per machine, then all
@@ -157,16 +169,13 @@ def _run(config) -> dict:
                                      progress=config.logging.progress and accelerator.is_main_process)
     for prompts, setting in ((ready.prompts, "data.train_prompts"), (ready.eval_prompts, "data.eval_prompts")):
         check_condition_images(adapter, prompts, setting)  # an image-to-video or editing model: every image given
+    check_dataset_size(ready.dataset_image, adapter)  # a dataset objective's images at the model's size
     sampling = SamplerSettings.from_config(config.sampling)
     check_on_grid(config, ready.objective, adapter.sigmas(sampling.num_steps), sampling, accelerator.num_processes)
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
     if m.cache_prompt_embeddings:  # each distinct prompt encoded once (flowgrpo.sampling.prompt_cache)
         attach_prompt_cache(adapter, m.pretrained, config.parallel.text_encoders, m.prompt_embeddings_dir)
     _make_trainable(adapter, config, ready.objective)
-    for r in (ready.rewards, ready.eval_rewards):
-        if r is not None:
-            r.setup(accelerator.device)
-            parallel.place_rewards(r, accelerator.device, config.parallel)  # reward models: device or host memory
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_tracker_config(config))
     trainer = Trainer(config, adapter=adapter, rewards=ready.rewards, eval_rewards=ready.eval_rewards,

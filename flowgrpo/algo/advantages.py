@@ -28,8 +28,9 @@ STD_EPS = 1e-4
 
 # An estimator maps (rewards (B,) float64 with NaN, group_ids (B,), global_std, *, ddof, eps) -> advantages (B,)
 # float64, meaningful only on valid samples of groups with spread. Its ``reads`` attribute names the ``algo.*``
-# knobs it reads beyond the shared std settings; the config refuses the others moved from their default (a
-# plugin that declares no ``reads`` may read any).
+# knobs it reads (``std_ddof`` / ``std_eps`` too, when it divides by a std); the config refuses the others moved
+# from their default, except the std settings under ``multi_reward: gdpo``, whose batch renormalisation reads them
+# (a plugin that declares no ``reads`` may read any).
 Estimator = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 
@@ -69,7 +70,7 @@ def _batch_std(r: torch.Tensor, ddof: int = 0) -> torch.Tensor:
     return v.std(correction=ddof) if v.numel() > ddof else torch.zeros((), dtype=r.dtype)
 
 
-@estimator("grpo", reads=("global_std",))
+@estimator("grpo", reads=("global_std", "std_ddof", "std_eps"))
 def grpo(r: torch.Tensor, group_ids: torch.Tensor, global_std: bool = False, *, ddof: int = 0,
          eps: float = STD_EPS) -> torch.Tensor:
     """GRPO (Shao et al., arXiv 2402.03300, Sec. 4.1.2; Flow-GRPO eq. 6): ``(r − mean_g) / (std + eps)``,

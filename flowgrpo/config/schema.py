@@ -8,6 +8,7 @@ name is shorthand for ``{name: ...}``.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
@@ -41,6 +42,25 @@ class CompileConfig(Section):
         "default", description="inductor's mode (CUDA graphs are not offered: the rollout and update shapes vary)"
     )
     fullgraph: bool = Field(False, description="fail on a graph break inside a block instead of splitting it")
+
+
+def _own_units(config) -> bool:
+    """Whether the chosen objective cuts something other than the samples into micro-batches (DPO: its pairs,
+    ``training_units``): the preflight checks its optimizer steps against those
+    (:func:`flowgrpo.preflight.check_batch`)."""
+    from flowgrpo.algo.objectives.base import BaseObjective
+
+    cls = OBJECTIVES.get(config.objective.name)
+    return getattr(cls, "training_units", BaseObjective.training_units) is not BaseObjective.training_units
+
+
+#: the settings of ``model`` that only ``finetune: lora`` reads
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_target_modules")
+
+
+def _override_text(value) -> str:
+    """``value`` as the right-hand side of a ``key=value`` override (YAML flow style: a list as ``[a, b]``)."""
+    return json.dumps(value) if isinstance(value, list) else repr(value)
 
 
 class ModelConfig(Section):
@@ -111,6 +131,21 @@ class ModelConfig(Section):
         "the update (one compiled forward path; flowgrpo.compile states the exactness contract)"
     )
 
+    @model_validator(mode="after")
+    def _check_lora(self) -> ModelConfig:
+        """The ``lora_*`` settings are read only by ``finetune: lora``: one moved from its default with
+        ``finetune: full`` is refused (``ValueError`` naming it, its default and the two ways out)."""
+        if self.finetune == "full":
+            for key in LORA_KEYS:
+                value, default = getattr(self, key), type(self).model_fields[key].get_default(call_default_factory=True)
+                if value != default:
+                    raise ValueError(
+                        f"model.{key}={value!r} is read only with model.finetune=lora, but model.finetune is 'full' "
+                        f"(every weight trains, no adapter): remove the setting (its default is {default!r}: give "
+                        f"model.{key}={_override_text(default)} to drop a config file's value) or set "
+                        "model.finetune=lora")
+        return self
+
 
 
 SdeKindName = registered_name(SDE_KINDS, "sampling.sde_kind")
@@ -136,21 +171,31 @@ def strategy_section(key: str, value):
     return strategy_settings(value, prefix=key, registry=registry, base=base)
 
 
+#: the ``algo.*`` std settings that GDPO's batch renormalisation reads whatever the estimator
+#: (:func:`flowgrpo.algo.advantages.compute_advantages`, ``multi_reward: gdpo``)
+GDPO_READS = ("std_ddof", "std_eps")
+
+
 def _refuse_unread_knobs(algo: AlgoConfig) -> None:
-    """A setting moved from its default that the chosen advantage estimator does not read (its ``reads``) is an
-    error naming the setting, the estimators that read it and the selection; a plugin estimator that declares no
-    ``reads`` may read any of them. Raises ``ValueError``: nothing is silently ignored."""
+    """A setting moved from its default that the chosen advantage estimator does not read (its ``reads``; the
+    std settings also under ``multi_reward: gdpo``) is an error naming the setting, its default, the estimators
+    that read it and the selection; a plugin estimator that declares no ``reads`` may read any of them. Raises
+    ``ValueError``: nothing is silently ignored. The way out is given as an override that puts the setting back at
+    its default, which also clears a value a config file (the embedded default's ``std_eps``) sets."""
     chosen = ESTIMATORS.get(algo.advantage)
     if not hasattr(chosen, "reads"):
         return
+    reads = set(chosen.reads) | (set(GDPO_READS) if algo.multi_reward == "gdpo" else set())
     knobs = sorted({k for n in ESTIMATORS for k in getattr(ESTIMATORS.get(n), "reads", ())})
     for key in knobs:
         value, default = getattr(algo, key), AlgoConfig.model_fields[key].default
         owners = [n for n in ESTIMATORS if key in getattr(ESTIMATORS.get(n), "reads", ())]
-        if key not in chosen.reads and value != default:
+        if key not in reads and value != default:
+            gdpo = " or algo.multi_reward=gdpo" if key in GDPO_READS else ""
             raise ValueError(
-                f"algo.{key}={value!r} is read only by algo.advantage={' / '.join(owners)}, but algo.advantage is "
-                f"{algo.advantage!r}: remove the setting (default {default!r}) or choose {' / '.join(owners)}")
+                f"algo.{key}={value!r} is read only by algo.advantage={' / '.join(owners)}{gdpo}, but "
+                f"algo.advantage is {algo.advantage!r}: remove the setting (its default is {default!r}: give "
+                f"algo.{key}={default!r} to drop a config file's value) or choose {' / '.join(owners)}{gdpo}")
 
 
 class FeatureCacheConfig(Section):
@@ -586,7 +631,7 @@ class Config(Section):
                     if self.chunker.multiplies_batch else "")
             raise ValueError(f"train.train_batch_size={tb} must divide the batch B = prompts_per_epoch*group_size = "
                              f"{b}{more}")
-        if (b // tb) % t.optimizer_steps_per_epoch and not self.chunker.multiplies_batch:
+        if (b // tb) % t.optimizer_steps_per_epoch and not self.chunker.multiplies_batch and not _own_units(self):
             raise ValueError(
                 f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
                 f"training micro-batches B / train_batch_size = {b // tb}"

@@ -51,7 +51,8 @@ from flowgrpo.data.prompts import EMBEDDED
 from flowgrpo.data.text_files import iter_jsonl
 from flowgrpo.outputs import OutputRefused, check_folder, claim_folder
 
-__all__ = ["ImageItem", "PreferencePair", "dataset_folder", "load_image", "record_image", "read_pickapic",
+__all__ = ["ImageItem", "PreferencePair", "check_dataset_images", "dataset_file", "dataset_folder", "load_image",
+           "record_image", "read_pickapic",
            "read_ranked", "read_imagefolder", "write_image_set", "write_preference_set", "main"]
 
 #: the metadata keys of each layout
@@ -121,6 +122,71 @@ def record_image(metadata: dict, key: str, folder: Path) -> Path:
         raise ValueError(f"dataset record {metadata!r} needs a string field {key!r} (an image path relative to the "
                          "dataset file)")
     return (folder / value).resolve()
+
+
+def dataset_file(name_or_path: str) -> Path:
+    """The JSONL file of a dataset (``data.train_prompts``): the path, or the embedded set's file."""
+    return Path(EMBEDDED[name_or_path]()[0]) if name_or_path in EMBEDDED else Path(name_or_path)
+
+
+def _image_size(path: Path) -> tuple[int, int]:
+    """(width, height) of the image file at ``path``, its structure checked (PIL ``verify``: chunks and checksums,
+    no decoding). Raises ``ValueError`` for a missing, empty or unreadable file."""
+    from PIL import Image
+
+    if not path.is_file():
+        raise ValueError("not found" if not path.exists() else "is not a file")
+    if path.stat().st_size == 0:
+        raise ValueError("is empty (0 bytes)")
+    try:
+        with Image.open(path) as img:
+            img.verify()
+            return img.size
+    except (OSError, SyntaxError, ValueError) as err:  # PIL: UnidentifiedImageError, truncated or bad chunks
+        raise ValueError(f"cannot be read as an image ({' '.join(str(err).split()) or type(err).__name__})") from None
+
+
+def check_dataset_images(name_or_path: str, keys: Iterable[str], size: tuple[int, int] | None = None
+                         ) -> tuple[tuple[int, int], str] | None:
+    """Open every image of every record of the dataset ``name_or_path`` (``data.train_prompts``) under each of
+    ``keys`` (``target``; ``chosen`` and ``rejected``) and read its size, before any model loads: one image that
+    cannot be used stops the run at once instead of in the epoch that draws its record.
+
+    Args:
+        name_or_path: the JSONL file (or an embedded set); image paths are relative to its folder.
+        keys: the record fields that hold image paths.
+        size: (width, height) every image must have (``model.width`` × ``model.height``); None: every image the
+            size of the first.
+
+    Returns:
+        ((width, height), where) of the first image (``where``: ``file:line: key 'path'``), for the check against
+        the model's size once it loads; None for a set without records.
+
+    Raises:
+        ValueError: one line ``<file>:<line>: <key> <path> ...`` for a record without the field, a missing, empty
+            or corrupt image, or one of another size (both sizes and the way out).
+    """
+    path, first = dataset_file(name_or_path), None
+    folder = path.resolve().parent
+    for lineno, record in iter_jsonl(path):
+        for key in keys:
+            value = record.get(key) if isinstance(record, dict) else None
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{path}:{lineno}: the record needs a string field {key!r} (an image path relative "
+                                 "to the dataset file)")
+            where = f"{path}:{lineno}: {key} {value!r}"
+            try:
+                got = _image_size((folder / value).resolve())
+            except ValueError as err:
+                raise ValueError(f"{where} ({(folder / value).resolve()}) {err}; fix or remove that record") from None
+            expected = size or (first[0] if first else got)
+            if got != expected:
+                need = (f"the run needs {expected[0]}x{expected[1]} (model.width x model.height)" if size else
+                        f"the set's first image ({first[1]}) is {expected[0]}x{expected[1]}")
+                raise ValueError(f"{where} is {got[0]}x{got[1]} (width x height), {need}; resize the set (python -m "
+                                 "flowgrpo.data.image_sets ... --size H W)")
+            first = first or (got, where)
+    return first
 
 
 # ------------------------------------------------------------------------------------------- public formats

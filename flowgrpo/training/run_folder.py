@@ -167,7 +167,7 @@ class RunFolder:
         ``FileExistsError``."""
         metrics = self.out / "metrics.jsonl"
         if self.cfg.train.resume_from and metrics.exists():
-            kept = [r for r in read_metrics(metrics) if r["epoch"] < epoch]
+            kept = [r for r in read_metrics(metrics, quiet=True) if r["epoch"] < epoch]  # preflight warned
             metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
         elif (self.out / "config.yaml").exists() and not self.cfg.logging.overwrite:
             raise FileExistsError(occupied_message(self.out))

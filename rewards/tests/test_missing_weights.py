@@ -70,12 +70,28 @@ def test_local_paths_keep_their_own_error(tmp_path):
         raise OSError("offline")
 
 
+#: the training script, run with its model load replaced by an exit: the reward's weights are checked before the
+#: base model is built or loaded (minutes on a fresh machine), so the test does not depend on the machine's speed
+SCRIPT = """
+import runpy, sys
+import flowgrpo.runner
+
+def reached(*args, **kwargs):
+    sys.exit("the model load was reached before the reward's weights were checked")
+
+flowgrpo.runner.load_model_from_config = reached
+sys.argv = ["flowgrpo/train.py", *sys.argv[1:]]
+runpy.run_path("flowgrpo/train.py", run_name="__main__")
+"""
+
+
 def test_the_training_script_ends_in_one_line_naming_the_key(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "flowgrpo/train.py", "rewards=[{name: hpsv2}]", f"output_dir={tmp_path / 'r'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
+    proc = subprocess.run(  # no wall-clock limit: nothing slow runs before the reward's check
+        [sys.executable, "-c", SCRIPT, "rewards=[{name: hpsv2}]", f"output_dir={tmp_path / 'r'}"],
+        cwd=REPO, capture_output=True, text=True, env=env,
     )
+    assert "the model load was reached" not in proc.stderr
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -376,10 +376,12 @@ def test_batch_layout_is_checked_per_process(tmp_path, tiny_flux_dir, monkeypatc
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("digits*.yaml")) + [REPO / "configs/tiny_jpeg.yaml"])
 def test_shipped_cpu_configs_split_over_two_processes(path):
+    from flowgrpo.algo.objectives import build_objective
     from flowgrpo.config import load_config
     from flowgrpo.preflight import check_batch
 
-    check_batch(load_config(path), 2)  # the README's `torchrun --nproc_per_node 2` command
+    config = load_config(path)  # the README's `torchrun --nproc_per_node 2` command; DPO's counted in pairs
+    check_batch(config, 2, objective=build_objective(config))
 
 
 @pytest.mark.parametrize("common", ["grpo", "flow_grpo", "flowgrpo"])

@@ -132,6 +132,7 @@ def test_context_parallel_lora_with_checkpointing_equals_one_process(runs):
 
 def test_token_counts_the_degree_does_not_divide_stop_the_run_with_one_line(runs):
     log = (runs / "odd.log").read_text()
-    assert ("ValueError: parallel.context_degree=2 splits each call's tokens evenly: hidden_states of "
-            "FluxTransformer2DModel has 9 tokens, not a multiple of 2") in log
+    # counted from the model folder's configs before any weights load (flowgrpo.preflight.check_context_tokens)
+    assert ("parallel.context_degree=2 splits each transformer call's tokens evenly, but an image of this run has 9 "
+            "tokens (48x48 pixels / VAE factor 8 / 2x2 patches), not a multiple of 2") in log
     assert not (runs / "odd" / "process_0.json").exists()

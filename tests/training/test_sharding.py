@@ -54,6 +54,8 @@ def _config(root: Path, tiny: Path, name: str, **sections) -> Path:
     }
     for key, value in sections.items():
         cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    if cfg["model"].get("finetune") == "full":  # no adapter: a LoRA rank would be refused (not read)
+        cfg["model"].pop("lora_rank")
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -164,6 +164,12 @@ class Objective(Protocol):
         :class:`~flowgrpo.sampling.rollout.SamplerSettings` (``ValueError``), before any sampling; returns how
         many trajectories one requested sample becomes (1 but for E-GRPO's branching)."""
 
+    def training_units(self, local: int) -> tuple[int, str] | None:
+        """Optional (an objective without it: None). What one process's update cuts into micro-batches of
+        ``train_batch_size`` when it is not the process's ``local`` samples: (their count, what they are, for the
+        preflight's message; DPO: its pair slots), known from the config alone. None: the samples (or, for a
+        chunker that multiplies them, its trajectories). Read by :func:`flowgrpo.preflight.check_batch`."""
+
     def rollout(self, adapter, request):
         """The epoch's rollout record for the :class:`~flowgrpo.sampling.rollout.RolloutRequest`."""
 
@@ -255,6 +261,10 @@ class BaseObjective:
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         """One trajectory a sample."""
         return 1
+
+    def training_units(self, local: int) -> tuple[int, str] | None:
+        """The samples themselves (:meth:`Objective.training_units`)."""
+        return None
 
     def update_state(self, work) -> Any:
         """Nothing shared."""

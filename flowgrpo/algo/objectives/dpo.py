@@ -195,6 +195,12 @@ class DPO(ForwardObjective):
         """Every process holds whole groups (a pair is two samples of one group)."""
         self.check_whole_groups("pairs the samples of a group")
 
+    def training_units(self, local: int) -> tuple[int, str]:
+        """The pair slots of a process's ``local`` samples (:func:`pair_slots` of each of its groups), which
+        :meth:`plan` cuts into micro-batches of ``train_batch_size``."""
+        g = self.cfg.train.group_size
+        return local // g * len(pair_slots(g, self.o.pairs)), f"pair slots ({self.o.pairs!r}, G = {g})"
+
     def pairs(self, samples: FinalSamples, advantages: torch.Tensor, valid: torch.Tensor):
         """(chosen, rejected, is_pair) local rows of the epoch's pair slots: by the advantages (online)."""
         return preference_pairs(advantages, samples.group_ids, valid, self.o.pairs)

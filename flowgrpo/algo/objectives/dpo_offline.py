@@ -72,6 +72,10 @@ class DPOOffline(DPO):
         return dataset_rollout(adapter, request, folder=dataset_folder(self.cfg.data.train_prompts),
                                image_key=self.image_key, sigmas=adapter.sigmas(request.settings.num_steps))
 
+    def training_units(self, local: int) -> tuple[int, str]:
+        """A process's ``local`` samples are ``local`` / 2 dataset pairs (:func:`dataset_pairs`)."""
+        return local // 2, "dataset pairs"
+
     def pairs(self, samples: FinalSamples, advantages: torch.Tensor, valid: torch.Tensor):
         """The dataset's pairs (:func:`dataset_pairs`), whatever the rewards."""
         return dataset_pairs(samples.sample_index)
