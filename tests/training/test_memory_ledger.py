@@ -9,6 +9,10 @@ reference crashed on two processes (the processes that built the transformer emp
 float32, the main process in bfloat16). The model has 12 blocks, so one block and its AdamW moments (3 × a block) is
 a quarter of the model: a whole model held by one rank is far outside the bound.
 
+The memory plan (``flowgrpo.plan``) is checked against the ledger: what a rank of the float32 run still holds on its
+device after training equals the plan's resident parts (float32 masters, AdamW's moments, the reference and the EMA
+in shards, the VAE and text encoders whole) within 10 % (measured: 0.02 %).
+
 Every process of a full fine-tune under FSDP2 reads its own shards from the weight files (the transformer is built
 empty everywhere); that the values are the files' is checked where two processes are compared with one
 (``tests/training/test_sharding.py``, ``tests/training/test_context_parallel.py``).
@@ -82,7 +86,8 @@ def _torchrun(n: int, configs: list[Path], root: Path) -> None:
 
 
 def _ledgers(tmp_path_factory, runs: dict, n: int) -> dict[str, list[dict]]:
-    """Run ``runs`` in one ``torchrun`` of ``n`` processes; {run: every rank's ledger}."""
+    """Run ``runs`` in one ``torchrun`` of ``n`` processes; {run: every rank's ledger}, and ``"model"``: the FLUX
+    model's folder."""
     from flowgrpo.models.tiny import build_tiny_flux
     from flowgrpo.models.zoo import build_random_pipeline
 
@@ -92,7 +97,8 @@ def _ledgers(tmp_path_factory, runs: dict, n: int) -> dict[str, list[dict]]:
     if any(v.get("parallel", {}).get("experts") == "shard" for v in runs.values()):
         build_random_pipeline("wan22", root / "wan22", transformer_kwargs={"num_layers": 6})
     _torchrun(n, [_config(root, model, k, v) for k, v in runs.items()], root)
-    return {name: [json.loads((root / name / f"ledger_{r}.json").read_text()) for r in range(n)] for name in runs}
+    out = {name: [json.loads((root / name / f"ledger_{r}.json").read_text()) for r in range(n)] for name in runs}
+    return {**out, "model": model}
 
 
 def _check(name: str, ranks: list[dict]) -> None:
@@ -110,14 +116,45 @@ def _check(name: str, ranks: list[dict]) -> None:
 
 
 # one test per torchrun: a module fixture shared by several tests would run once per xdist worker
+def _planned_resident(model: Path, gpus: int) -> float:
+    """What ``flowgrpo.plan`` says each rank of the ``full_fp32`` run keeps on its device after training (bytes):
+    the float32 masters, AdamW's two moments, the reference and the EMA, each a 1/gpus shard, and the VAE and text
+    encoders whole, from the parameter counts of the model's own modules."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    from flowgrpo.plan import Workload, plan
+    from flowgrpo.plan_families import Sizes
+
+    def count(cls, sub):
+        return sum(p.numel() for p in cls.from_pretrained(model, subfolder=sub).parameters())
+
+    sizes = Sizes(transformer=count(FluxTransformer2DModel, "transformer"), largest_block=0, blocks=0, lora=0,
+                  encoders=count(CLIPTextModel, "text_encoder") + count(T5EncoderModel, "text_encoder_2"),
+                  vae=count(AutoencoderKL, "vae"))
+    w = Workload(family="flux", finetune="full", dtype="float32", height=32, width=32, frames=1,
+                 max_sequence_length=16, train_rows=2, rollout_rows=2, samples=8, steps=3,
+                 gradient_checkpointing=False, reference_copy=True, ema=True, sharding="fsdp2")
+    device = plan(w, gpus, s=sizes).device
+    return sum(device[k] for k in ("weights", "masters", "optimizer", "reference", "ema", "text_encoders", "vae"))
+
+
 def test_two_processes_hold_alike_on_their_devices(tmp_path_factory):
-    for name, ranks in _ledgers(tmp_path_factory, RUNS2, 2).items():
+    ledgers = _ledgers(tmp_path_factory, RUNS2, 2)
+    model = ledgers.pop("model")
+    for name, ranks in ledgers.items():
         _check(name, ranks)
         # no rank reads the whole transformer (full fine-tuning), nor the untrained expert it shards
         assert [r["built_empty"] for r in ranks] == EMPTY.get(name, [["transformer"]] * 2), name
+    # the memory plan's resident parts against what each rank still holds after training, within 10 %
+    planned = _planned_resident(model, 2)
+    for r in ledgers["full_fp32"]:
+        assert abs(r["end"] - planned) <= 0.1 * planned, (r["end"], planned)
 
 
 def test_four_processes_hold_alike_on_their_devices(tmp_path_factory):
-    for name, ranks in _ledgers(tmp_path_factory, RUNS4, 4).items():
+    ledgers = _ledgers(tmp_path_factory, RUNS4, 4)
+    ledgers.pop("model")
+    for name, ranks in ledgers.items():
         _check(name, ranks)
         assert [r["built_empty"] for r in ranks] == [["transformer"]] * 4, name
