@@ -65,7 +65,8 @@ class Evaluation:
         (``eval_sampling.cache``), whose skip decisions depend on the batch: the images are reproduced only by the
         same batching (``flowgrpo sample --batch-size``), and under FSDP2 ranks with other batches would skip other
         blocks and stall each other's collectives; then every data rank makes the whole set, as one process does."""
-        return self.cfg.eval_sampling.cache.name == "none"
+        cache = self.cfg.eval_sampling.cache
+        return cache is None or cache.name == "none"
 
     @torch.no_grad()
     def evaluate(self, tag: str, check: Callable[[float], None]) -> tuple[dict[str, float], torch.Tensor, list[str]]:

@@ -1,6 +1,7 @@
-"""``[torchrun --nproc_per_node W] tests/training/eval_split.py OUT_DIR N CONTEXT``: one evaluation
+"""``[torchrun --nproc_per_node W] tests/training/eval_split.py OUT_DIR N CONTEXT [CACHE]``: one evaluation
 (:meth:`flowgrpo.training.evaluation.Evaluation.evaluate`) of ``N`` prompts ``p0 … p<N-1>`` with the context
-degree ``CONTEXT``, the sampler replaced by a recorder, and writes ``OUT_DIR/rank_<global rank>.json``:
+degree ``CONTEXT`` (and ``eval_sampling.cache.name`` ``CACHE``, default none), the sampler replaced by a
+recorder, and writes ``OUT_DIR/rank_<global rank>.json``:
 
 * ``calls``: each call of the sampler on this process: [its prompts, its seeds, whether it decoded];
 * ``scored``: the prompts the point-wise reward scored on this process; ``whole``: how many images the
@@ -81,12 +82,12 @@ class _Optim:
         return contextlib.nullcontext()
 
 
-def run(out: Path, n: int, context: int) -> None:
+def run(out: Path, n: int, context: int, cache: str = "none") -> None:
     dist.set_context_degree(context)
     evaluation.generate_images = recorder
     cfg = SimpleNamespace(
         data=SimpleNamespace(eval_num_prompts=n), batch_size=n, train=SimpleNamespace(seed=7, rollout_batch_size=2),
-        eval_sampling=SimpleNamespace(num_steps=2, guidance_scale=1.0, cache=SimpleNamespace(name="none")),
+        eval_sampling=SimpleNamespace(num_steps=2, guidance_scale=1.0, cache=SimpleNamespace(name=cache)),
         logging=SimpleNamespace(progress=False))
     prompts = _Prompts(n)
     rewards = ComposedReward({"bright": Brightness(), "spread": Spread()}, {"bright": 1.0, "spread": 1.0})
@@ -105,5 +106,5 @@ if __name__ == "__main__":
 
     if "WORLD_SIZE" in os.environ:
         torch.distributed.init_process_group("gloo")
-    run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    run(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])
     dist.end_worker()

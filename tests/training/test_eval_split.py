@@ -22,12 +22,13 @@ from tests.training.test_distributed import _free_port
 from tests.training.test_sharding import ENV, REPO
 
 
-def _launch(out: Path, n: int, procs: int, context: int = 1) -> list[dict]:
+def _launch(out: Path, n: int, procs: int, context: int = 1, cache: str = "none") -> list[dict]:
+    args = ["tests/training/eval_split.py", str(out), str(n), str(context), cache]
     if procs == 1:
-        cmd = [sys.executable, "tests/training/eval_split.py", str(out), str(n), str(context)]
+        cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
-               _free_port(), "tests/training/eval_split.py", str(out), str(n), str(context)]
+               _free_port(), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(procs)]
@@ -81,6 +82,15 @@ def test_a_rank_without_a_share_keeps_in_step(tmp_path):
     for got in (r0, r1):
         assert got["metrics"]["eval/bright/mean"] == pytest.approx(value(derive_seed(7, "eval", 0)), rel=1e-6)
         assert got["metrics"]["eval/task/count"] == 1.0
+
+
+def test_with_a_feature_cache_every_rank_makes_the_whole_set(tmp_path):
+    """A cache's skipped steps depend on the batch: the set is not split (the one-process batches on every rank,
+    so under FSDP2 every rank skips the same blocks), and each process scores it as one process does."""
+    for got in _launch(tmp_path, 3, 2, cache="first_block"):
+        assert got["calls"] == [[["p0", "p1", "p2"], _seeds([0, 1, 2]), True]]
+        assert got["scored"] == ["p0", "p1", "p2"] and got["whole"] == 3
+        _same_figures(got, 3)
 
 
 @pytest.mark.slow
