@@ -7,7 +7,7 @@ associated with device type cpu"), gloo and MPI take CPU tensors. This module is
 Data ranks. With context parallelism (``parallel.context_degree`` C > 1) the C consecutive global ranks
 ``d·C … d·C + C − 1`` form one context group (the innermost dimension of the device mesh, ``"context"``): they
 split each transformer call's tokens and hold the same samples. The samples are split over the W / C data ranks
-(:func:`data_rank`, :func:`data_world_size`, :func:`local_slice`), and :func:`gather_cat` and
+(:func:`data_rank`, :func:`data_world_size`, :func:`local_slice`, :func:`padded_share`), and :func:`gather_cat` and
 :func:`all_reduce_sum` take each data rank's value once (a context group's C copies are equal); with C = 1 they
 are the plain collectives over all ranks. :func:`rank` and :func:`world_size` stay global (the main process,
 the gradient's mean over every rank that FSDP2 reduces over).
@@ -212,6 +212,31 @@ def end_worker(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def context_leader() -> bool:
+    """Whether this process is the first of its context group (global rank % C = 0): the one that decodes and
+    scores the group's samples where one copy serves (the others hold the same samples); True with C = 1."""
+    return rank() % _CONTEXT == 0
+
+
+def padded_share(total: int) -> tuple[list[int], int]:
+    """This data rank's contiguous share of ``total`` items for work every rank must do in lockstep (under FSDP2
+    each transformer call is a collective), ``total`` need not divide evenly: with k = ceil(``total`` / data
+    ranks), the indices ``d·k … min(d·k + k, total) − 1`` of data rank d, padded to k entries by repeating its last
+    one (index 0 for a rank that has none), and the count of real ones (they come first). Every data rank then
+    makes k results; :func:`gather_cat` of them, cut to the first ``total``, is the items in order (the padding
+    sits at positions ≥ ``total``). The ranks of one context group get the same share.
+
+    Raises:
+        ValueError: ``total`` < 1.
+    """
+    if total < 1:
+        raise ValueError(f"padded_share needs at least one item, got total={total}")
+    k = -(-total // data_world_size())
+    start = data_rank() * k
+    real = list(range(start, min(start + k, total)))
+    return real + [real[-1] if real else 0] * (k - len(real)), len(real)
 
 
 def local_slice(total: int) -> slice:

@@ -347,6 +347,7 @@ def generate_images(
     progress: bool = False,
     metadata: list[dict] | None = None,
     cache=None,
+    decode: bool = True,
 ) -> torch.Tensor:
     """ODE samples, one per (prompt, seed): (B, 3, H, W) float32 in [0, 1] on the CPU.
 
@@ -356,7 +357,9 @@ def generate_images(
 
     The initial noise of image i comes from ``make_generator(seed_i, "eval")``, so an image depends only on its
     prompt and seed, never on the batch it was generated in. ``metadata`` (one dict per prompt) carries the
-    conditioning ``images`` of an image-conditioned (editing) model.
+    conditioning ``images`` of an image-conditioned (editing) model. ``decode=False``: the final latents (B, …)
+    on the CPU instead, not decoded (the other ranks of a context group, whose first rank decodes the group's
+    images: :func:`flowgrpo.dist.context_leader`).
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"generate_images needs one seed per prompt, got {len(prompts)} prompts, {len(seeds)} seeds")
@@ -372,5 +375,5 @@ def generate_images(
         rows = encode_rows(adapter, ps, meta)
         with feature_cache(adapter, cache, num_steps) as state:
             x, _, _ = denoise(adapter, x0, rows, sigmas, settings, no_sde, None, record=False, cache_state=state)
-        out.append(decode_latents(adapter, x, rows).cpu())
+        out.append((decode_latents(adapter, x, rows) if decode else x).cpu())
     return torch.cat(out)

@@ -288,12 +288,13 @@ class Trainer:
         prompts = [self.prompts.prompts[i] for i in pids]
         metadata = [self.prompts.metadata[i] for i in pids]
         handles = []
+        lead = dist.context_leader()  # a context group's first rank scores the group's samples (reward_phase)
 
         def score_in_background(images: torch.Tensor, batch_prompts: list[str], batch_meta: list[dict]) -> None:
             bad = int((~torch.isfinite(images)).sum())
             if bad:  # not scored: the run stops after the rollout (check_images), every process together
                 self._nonfinite += bad
-            else:
+            elif lead:
                 handles.append(self.scorer.submit(images, batch_prompts, batch_meta))
 
         request = RolloutRequest(
@@ -306,16 +307,22 @@ class Trainer:
 
     def reward_phase(self, traj, handles: list) -> tuple[Rewards, torch.Tensor]:
         """Wait for the background scores of the local images (scored during the rollout; a rollout that did not
-        report its micro-batches is scored here), then gather components and group ids of the whole batch."""
-        if sum(h.batch_size for h in handles) == traj.batch_size:
+        report its micro-batches is scored here), then gather components and group ids of the whole batch. In a
+        context group (its ranks hold the same samples) only the first rank scores; the others' NaN placeholders
+        are never gathered (:func:`~flowgrpo.dist.gather_cat` takes a group's copy once)."""
+        lead = dist.context_leader()
+        if not lead:
+            comps = {k: torch.full((traj.batch_size,), float("nan")) for k in self.rewards.rewards}
+        elif sum(h.batch_size for h in handles) == traj.batch_size:
             comps = self.scorer.gather(handles)
         else:
             comps = score_components_named(self.rewards, traj.images, traj.prompts, traj.metadata)
         group_ids = dist.gather_cat(traj.group_ids)
         if self.rewards.group_wise:  # scored now that every group is complete (point-wise ones skipped them)
             _check_whole_groups(traj.group_ids, group_ids, self.rewards.group_wise)
-            comps.update(score_components_named(_only(self.rewards, self.rewards.group_wise), traj.images,
-                                                traj.prompts, traj.metadata, traj.group_ids))
+            if lead:
+                comps.update(score_components_named(_only(self.rewards, self.rewards.group_wise), traj.images,
+                                                    traj.prompts, traj.metadata, traj.group_ids))
         gathered = {k: dist.gather_cat(comps[k]) for k in self.rewards.rewards}
         return compose_rewards(gathered, self.rewards.weights), group_ids
 

@@ -9,6 +9,8 @@ of every process, ``<output_dir>/process_<global rank>.json``:
 * ``optimizer_trains_model``: whether every parameter the optimizer steps is a parameter of the prepared module;
 * ``bytes``: what this process holds of the transformer's weights, the optimizer state, the reference and the EMA;
 * ``packs``: per update, this process's real (not filler) transformer calls of each optimizer step;
+* ``scored``: the images :class:`tests.training.smooth_reward.MeanRed` scored in this process during the run
+  (rollouts and evaluations; None when the run has no such reward);
 * ``loaded``: whether this process read the transformer's weights at start (``read``) or built it on the meta
   device to receive its shards (``empty``), and whether the full fine-tune's reference was built on the meta
   device (``reference_on_meta``; None without a reference).
@@ -91,6 +93,15 @@ def _counting_schedule(schedule):
     return counted
 
 
+def _scored() -> int | None:
+    """The images MeanRed scored since the last report (then reset); None when it was never imported."""
+    module = sys.modules.get("tests.training.smooth_reward")
+    if module is None:
+        return None
+    count, module.SCORED[0] = module.SCORED[0], 0
+    return count
+
+
 def _report(trainer: Trainer) -> dict:
     model_params = {id(p) for p in trainer.optim.model.parameters()}
     trained = [p for g in trainer.optim.optimizer.param_groups for p in g["params"]]
@@ -100,7 +111,7 @@ def _report(trainer: Trainer) -> dict:
             "reference": _elements(trainer.adapter.frozen_reference),
             "optimizer_trains_model": bool(trained) and all(id(p) in model_params for p in trained),
             "bytes": _bytes(trainer),
-            "packs": list(PACKS), "loaded": dict(LOADED)}
+            "packs": list(PACKS), "scored": _scored(), "loaded": dict(LOADED)}
 
 
 def write_report(folder: Path, trainer: Trainer) -> None:

@@ -10,6 +10,9 @@ import torch
 
 from flowgrpo.rewards.base import BaseReward
 
+#: images scored in this process since the last report (``tests/training/sharded_train.py`` reads and resets it)
+SCORED = [0]
+
 
 class MeanRed(BaseReward):
     """(B,) float32: the mean of each image's red channel, in [0, 1]."""
@@ -17,4 +20,5 @@ class MeanRed(BaseReward):
     name = "mean_red"
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        SCORED[0] += images.shape[0]
         return images[:, 0].float().mean((1, 2)).cpu()

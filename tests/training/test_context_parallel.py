@@ -23,7 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.training.test_distributed import _free_port
+from tests.training.test_distributed import _free_port, _same_evaluation
 from tests.training.test_sharding import _assert_same_update, _base, _ckpt, _config, _in_process, _ok, _torchrun
 
 pytestmark = pytest.mark.slow
@@ -96,6 +96,22 @@ def test_context_parallel_epoch_equals_one_process(runs, tiny_flux_dir):
     order = list(torch.load(one / "checkpoints" / "epoch_0" / "optimizer.pt", weights_only=True)["state"])
     _assert_same_update(_ckpt(one, 0, "ema"), _ckpt(two, 0, "ema"),
                         {f"ema.{i}": base[k] for i, k in enumerate(order)}, "EMA after epoch 0")
+
+
+def test_context_group_evaluates_as_one_process(runs):
+    """The context group samples the evaluation set together (one data rank), its first rank decodes and scores,
+    and the figures equal one process's."""
+    _same_evaluation(runs / "one", runs / "two", 2, score=lambda images: images[:, 0].mean((1, 2)))
+    ma, mb = (json.loads((runs / r / "eval_before.json").read_text())["metrics"] for r in ("one", "two"))
+    assert [ma[k] for k in ma] == pytest.approx([mb[k] for k in ma], rel=1e-5)  # a smooth reward: compared too
+
+
+def test_rewards_score_once_per_context_group(runs):
+    """The rollouts' and evaluations' images are scored by the context group's first rank alone, as many as one
+    process scores; the other rank scores none (it holds the same samples)."""
+    one = json.loads((runs / "one" / "process_0.json").read_text())["scored"]
+    two = [json.loads((runs / "two" / f"process_{r}.json").read_text())["scored"] for r in (0, 1)]
+    assert one and two == [one, 0], (one, two)
 
 
 def test_four_processes_make_two_data_ranks_of_two(tmp_path):

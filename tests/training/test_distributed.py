@@ -12,6 +12,7 @@ dividing by the local instead of the global pair count, is off by a factor of 2)
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -41,7 +42,8 @@ def _config(tmp_path: Path, tiny_flux_dir: Path, name: str) -> Path:
                   "lr": 1.0, "adam_eps": 1.0e3, "weight_decay": 0.0},
         "algo": {"clip_range": 1e-2},
         "rewards": [{"name": "jpeg_incompressibility"}],
-        "data": {"train_prompts": str(prompts)},
+        # 3 evaluation images: 2 on rank 0, 1 (and a padding repeat) on rank 1
+        "data": {"train_prompts": str(prompts), "eval_num_prompts": 3},
         "logging": {"progress": False, "save_rollout_stats": True},
     }
     path = tmp_path / f"{name}.yaml"
@@ -68,6 +70,7 @@ def test_two_processes_match_one(tmp_path, tiny_flux_dir):
     a = load_file(tmp_path / "one" / "rollouts" / "epoch_0.safetensors")
     for name in ("two", "fake"):
         _compare(tmp_path, a, name)
+        _same_evaluation(tmp_path / "one", tmp_path / name)
 
 
 def _compare(tmp_path: Path, a: dict, name: str) -> None:
@@ -86,6 +89,29 @@ def _compare(tmp_path: Path, a: dict, name: str) -> None:
     for k in base:
         scale = base[k].abs().max().clamp(min=1e-12)
         assert float((base[k] - other[k]).abs().max() / scale) < 1e-6, k
+
+
+def _jpeg_kb(images: torch.Tensor) -> torch.Tensor:
+    from flowgrpo_rewards.jpeg import jpeg_size_kb
+
+    return jpeg_size_kb(images)
+
+
+def _same_evaluation(one: Path, two: Path, n: int = 3, score=_jpeg_kb) -> None:
+    """The "before" evaluation (the base weights) of a run on 2 processes, each data rank sampling its share of
+    the ``n`` images in its own batches (:meth:`flowgrpo.training.evaluation.Evaluation.evaluate`), equals one
+    process's: the images, whole and in order, to float32 rounding of another batch layout (1e-5 of the [0, 1]
+    range), and each run's figure is ``score`` (the run's one reward, recomputed here) averaged over its own
+    ``n`` images, so the figures differ only through that rounding. (The JPEG size steps by bytes: a rounding-level
+    change of one 8-bit pixel moves it by 1e-3 kB, so two runs' JPEG figures are not compared to each other.)"""
+    ia, ib = (torch.load(r / "eval_images_before.pt", weights_only=True) for r in (one, two))
+    assert ia.shape == ib.shape and ia.shape[0] == n
+    assert float((ia - ib).abs().max()) < 1e-5
+    ma, mb = (json.loads((r / "eval_before.json").read_text())["metrics"] for r in (one, two))
+    assert ma.keys() == mb.keys() and len(ma) == 1
+    (key,) = ma
+    for got, images in ((ma, ia), (mb, ib)):
+        assert got[key] == pytest.approx(float(score(images).mean()), rel=1e-6), (key, got[key])
 
 
 def _free_port() -> str:

@@ -27,7 +27,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.training.test_distributed import _free_port
+from tests.training.test_distributed import _free_port, _same_evaluation
 
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-6
@@ -118,8 +118,9 @@ def runs(tmp_path_factory, tiny_flux_dir) -> Path:
         "one_lora": {},
         "two_lora": {"parallel": SHARDED},
         "nodes_lora": {"parallel": SHARDED},
-        "one_full": _full(),
-        "two_full": {**_full(), "parallel": SHARDED},
+        # 3 evaluation images: under FSDP2 rank 1 samples 1 and a padding repeat (the same calls as rank 0)
+        "one_full": {**_full(), "data": {"eval_num_prompts": 3}},
+        "two_full": {**_full(), "data": {"eval_num_prompts": 3}, "parallel": SHARDED},
         "two_resumed": {**_full(resume_from=str(root / "one_full" / "checkpoints" / "epoch_0")),
                         "parallel": {**SHARDED, "reference": "cpu_offload"}},
         "one_resumed": _full(resume_from=str(root / "two_full" / "checkpoints" / "epoch_0")),
@@ -211,6 +212,13 @@ def test_sharded_full_epoch_equals_one_process(runs, tiny_flux_dir):
     assert rb["policy/logprob_mismatch_max"] == 0.0  # the sharded rollout and update share one forward
     assert abs(ra["policy/grad_norm"] - rb["policy/grad_norm"]) <= RTOL * ra["policy/grad_norm"]
     assert ra["policy/kl_ref"] == rb["policy/kl_ref"] == 0.0  # on-policy: the sharded reference is the base
+
+
+def test_evaluation_split_over_sharded_ranks_equals_one_process(runs):
+    """Each process samples its share of the evaluation set (LoRA: 2 images, 1 each; full fine-tuning: 3, the
+    second share padded so the FSDP2 collectives stay paired) and the figures equal one process's."""
+    _same_evaluation(runs / "one_lora", runs / "two_lora", 2)
+    _same_evaluation(runs / "one_full", runs / "two_full", 3)
 
 
 def test_checkpoints_resume_with_another_process_count(runs):
