@@ -131,6 +131,7 @@ def main(out: Path) -> None:
                    train={**base["train"], "num_epochs": 1, "prompts_per_epoch": 2, "lr": 0.1, "adam_eps": 0.1},
                    data={"train_prompts": str(prompts), "eval_num_prompts": 2})
     video["rewards"] = [{"name": "video_frames", "kwargs": {"base": "jpeg_incompressibility"}}]
+    video["model"].pop("lora_rank", None)  # full fine-tuning reads no LoRA setting (refused when set)
     runs = {rule: _write(out, f"wan_{rule}", _merge(video, parallel={
         "sharding": "fsdp2", "experts": rule, **({"text_encoders": "shard"} if rule == "shard" else {})}))
         for rule in ("device", "shard", "offload")}

@@ -71,7 +71,7 @@ def _config(root: Path, model: Path, finetune: str, dtype: str) -> Path:
     prompts.write_text("a red cube\na blue ball\na green tree\na cat\n")
     cfg = {"output_dir": str(root / "run"),
            "model": {"pretrained": str(model), "max_sequence_length": 16, "height": 32, "width": 32,
-                     "finetune": finetune, "dtype": dtype, "lora_rank": 4},
+                     "finetune": finetune, "dtype": dtype},
            "sampling": {"num_steps": 3}, "eval_sampling": {"num_steps": 2},
            "train": {"num_epochs": 1, "prompts_per_epoch": 4, "group_size": 2, "rollout_batch_size": 2,
                      "train_batch_size": 2, "lr": 1e-5, "ema_decay": 0.9},
@@ -80,8 +80,9 @@ def _config(root: Path, model: Path, finetune: str, dtype: str) -> Path:
            "rewards": [{"name": "jpeg_incompressibility"}],
            "data": {"train_prompts": str(prompts), "eval_num_prompts": 2},
            "logging": {"progress": False}}
-    if finetune != "full":
+    if finetune != "full":  # LoRA (the default) of rank 4; full fine-tuning reads no LoRA setting
         cfg["model"].pop("finetune")
+        cfg["model"]["lora_rank"] = 4
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
