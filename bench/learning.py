@@ -116,8 +116,8 @@ ROWS: dict[str, list[str]] = {
     # training, its deterministic last step left out
     "cps": ["sampling.sde_kind=cps", "sampling.noise_level=0.8", "chunker={name: per_step, drop_last_step: true}"],
     # advantage estimators
-    "dr_grpo": ["algo.advantage=dr_grpo"],
-    "rloo": ["algo.advantage=rloo"],
+    "dr_grpo": ["algo.advantage=dr_grpo", "algo.std_eps=0.0001"],  # the std floor is read by grpo alone
+    "rloo": ["algo.advantage=rloo", "algo.std_eps=0.0001"],
     "grpo_global_std": ["algo.global_std=true"],
     # policy losses (flowgrpo.algo.policy_losses) beside the clipped default; SAPO's temperature ~1/clip_range, since
     # flow-model ratios move ~1e-4 from 1 (the paper's 1.0/1.05 are for LLM token ratios)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -127,8 +128,34 @@ def end_launcher(pid: int | None = None) -> bool:
         return False
     if "accelerate" not in command or "launch" not in command:
         return False
+    _wait_read(sys.stderr)
     os.kill(pid, signal.SIGTERM)
     return True
+
+
+def _wait_read(stream, limit_s: float = 30.0) -> None:
+    """Wait until the launcher has read what this process wrote to ``stream`` (a pipe it copies to its own stderr:
+    the bytes still in the pipe, ``FIONREAD``, reach 0), and a moment more for it to write them out, so that the
+    signal that ends it does not cut the line (its handler raises in the copying thread); at most ``limit_s``
+    seconds, and not at all when ``stream`` is not a pipe."""
+    import fcntl
+    import stat
+    import struct
+    import termios
+    import time
+
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            if struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] == 0:
+                break
+            time.sleep(0.01)
+        time.sleep(0.2)
+    except (OSError, ValueError, AttributeError):
+        return
 
 
 def process_group_kwargs(settings) -> list:

@@ -252,6 +252,17 @@ def test_accelerate_launch_cpu_with_two_processes_refuses_in_one_line(tmp_path):
         proc.stderr[-3000:]
 
 
+def _wait_for_exec(pid: int) -> None:
+    """Until the child has exec'd its command (a forked child shows its parent's command line before that: on a
+    loaded machine the test read pytest's own)."""
+    import psutil
+
+    for _ in range(6000):
+        if "time.sleep" in " ".join(psutil.Process(pid).cmdline()):
+            return
+        __import__("time").sleep(0.01)
+
+
 def test_the_launcher_is_ended_only_when_it_is_accelerates(monkeypatch):
     """:func:`parallel.end_launcher` signals its parent only when that parent's command is accelerate's launch."""
     import signal
@@ -260,9 +271,11 @@ def test_the_launcher_is_ended_only_when_it_is_accelerates(monkeypatch):
 
     killed = []
     monkeypatch.setattr(__import__("os"), "kill", lambda pid, sig: killed.append((pid, sig)))
-    shell = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "accelerate", "launch"])
+    shell = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "accelerate", "launch"])
     try:
+        _wait_for_exec(shell.pid)
+        _wait_for_exec(launcher.pid)
         assert not parallel.end_launcher(shell.pid) and killed == []
         assert parallel.end_launcher(launcher.pid) and killed == [(launcher.pid, signal.SIGTERM)]
         assert not parallel.end_launcher(2**22 + 12345)  # no such process

@@ -40,7 +40,8 @@ def test_hpd_prompts_from_train_test_and_benchmark_files(tmp_path):
     out = tmp_path / "data" / "hpd_train.txt"
     cli_main(["prompts", "hpd", str(tmp_path / "train.json"), "--out", str(out)])
     assert _lines(out) == ["A cat on a sofa", "An old lighthouse at dusk"]
-    cli_main(["prompts", "hpd", str(tmp_path / "test.json"), str(tmp_path / "anime.json"), "--out", str(out)])
+    cli_main(["prompts", "hpd", str(tmp_path / "test.json"), str(tmp_path / "anime.json"), "--out", str(out),
+              "--overwrite"])  # its own file of the call above: replaced only when asked
     assert _lines(out) == ["A red fox", "A girl with a sword"]
 
 

@@ -121,9 +121,10 @@ def test_a_bad_line_before_the_last_names_the_file_the_line_and_the_fix(tmp_path
 
 def test_resume_reads_metrics_before_the_model_loads(tmp_path, monkeypatch, no_model_load):
     import flowgrpo.preflight as preflight
+    from flowgrpo.outputs import claim_folder
 
     out = tmp_path / "run"
-    out.mkdir()
+    claim_folder(out, "run")  # a run's folder (flowgrpo's own), as a resume finds it
     (out / "metrics.jsonl").write_text(_records(0) + "garbage\n" + _records(2))
     monkeypatch.setattr(preflight, "resolve_checkpoint", lambda path: path)  # a checkpoint is not what is tested
     monkeypatch.setattr(preflight, "refuse_changed_evaluation", lambda config: None)
