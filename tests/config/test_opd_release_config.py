@@ -1,6 +1,7 @@
 """configs/sd35_opd.yaml against DiffusionOPD's release (ali-vilab/DiffusionOPD, arXiv 2605.15055; read in an
 unofficial mirror at commit abecb69cfa29, not linked: its later commits carry an installer lure):
-``scripts/train_sd3_opd.py`` (LoRA, EMA, text length, the loss's noise-level branch) and the values of ``config/opd.py`` ``sopd_pickscore`` over ``config/base.py``, written
+``scripts/train_sd3_opd.py`` (LoRA, EMA, text length, the loss's noise-level branch) and the values of
+``config/opd.py`` ``sopd_pickscore`` over ``config/base.py``, written
 here from the release, field by field; the deliberate differences are the config's header (36 prompts x 2 samples for
 72 x 1, the EMA every step, the teacher a whole fused transformer)."""
 
