@@ -121,9 +121,11 @@ def runs(tmp_path_factory, tiny_flux_dir) -> Path:
         # 3 evaluation images: under FSDP2 rank 1 samples 1 and a padding repeat (the same calls as rank 0)
         "one_full": {**_full(), "data": {"eval_num_prompts": 3}},
         "two_full": {**_full(), "data": {"eval_num_prompts": 3}, "parallel": SHARDED},
+        # a resume keeps its run's evaluation (another one is refused): 3 images, as the runs they resume
         "two_resumed": {**_full(resume_from=str(root / "one_full" / "checkpoints" / "epoch_0")),
-                        "parallel": {**SHARDED, "reference": "cpu_offload"}},
-        "one_resumed": _full(resume_from=str(root / "two_full" / "checkpoints" / "epoch_0")),
+                        "data": {"eval_num_prompts": 3}, "parallel": {**SHARDED, "reference": "cpu_offload"}},
+        "one_resumed": {**_full(resume_from=str(root / "two_full" / "checkpoints" / "epoch_0")),
+                        "data": {"eval_num_prompts": 3}},
         "one_fp32": BF16,
         "one_bf16": {**BF16, "model": {"finetune": "full", "dtype": "bfloat16"}},
         "one_bf16_sharded": {**BF16, "model": {"finetune": "full", "dtype": "bfloat16"},
