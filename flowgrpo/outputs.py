@@ -42,6 +42,10 @@ OWN_FILES = (MARKER_FILE, LOCK_FILE)
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "rewards.json", "eval_before.json",
              "eval_images_before.pt", "eval_images_after.pt", "lora", "transformer", "rollouts",
              "samples_latest.png", "reward_curve.png", "before_after.png")
+#: the top-level sections of every resolved config a run has written into its ``config.yaml`` (the config's
+#: ``model_dump``; a hand-written config sets a few and may name a ``base``)
+RESOLVED_SECTIONS = frozenset({"output_dir", "model", "sampling", "eval_sampling", "train", "algo", "chunker",
+                               "objective", "rewards", "eval_rewards", "data", "logging", "parallel"})
 #: the parts of each kind of output another writer may not write into
 OWNED_PARTS = {"run": RUN_FILES}
 
@@ -52,8 +56,8 @@ class OutputRefused(ValueError):
 
 def owner(folder: str | os.PathLike) -> str | None:
     """The kind of flowgrpo output that owns ``folder`` (``"run"``, ``"sample"``, …): its :data:`MARKER_FILE`'s
-    ``kind``, else ``"run"`` for a folder holding a flowgrpo ``config.yaml`` (run folders written before the
-    marker), else None (not flowgrpo's, or absent)."""
+    ``kind``, else ``"run"`` for a folder holding the resolved ``config.yaml`` a run writes
+    (:data:`RESOLVED_SECTIONS`: run folders written before the marker), else None (not flowgrpo's, or absent)."""
     folder = Path(folder)
     try:
         return json.loads((folder / MARKER_FILE).read_text(encoding="utf-8"))["kind"]
@@ -63,9 +67,10 @@ def owner(folder: str | os.PathLike) -> str | None:
         saved = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):
         return None
-    # every config.yaml a run writes has these keys (a run folder of a version without the marker)
-    return "run" if isinstance(saved, dict) and "output_dir" in saved and isinstance(saved.get("train"), dict) \
-        else None
+    # a run folder of a version without the marker: its config.yaml is the resolved config, every section written
+    # out and no base; another tool's config (output_dir and a train section are common) or a user's own flowgrpo
+    # config file placed there is not (a run into such a folder replaced or removed it)
+    return "run" if isinstance(saved, dict) and "base" not in saved and RESOLVED_SECTIONS <= saved.keys() else None
 
 
 def foreign_files(folder: str | os.PathLike) -> list[str]:

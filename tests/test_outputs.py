@@ -20,6 +20,8 @@ from flowgrpo.outputs import (
     unclaim_folder,
 )
 
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
 
 def _users_folder(folder):
     """A folder of a user's own files (named as a run's would be)."""
@@ -58,11 +60,23 @@ def test_a_claimed_folder_is_its_kinds_and_no_other_kinds(tmp_path):
 
 
 def test_a_run_folder_of_an_older_version_is_a_run_and_a_foreign_config_yaml_is_not(tmp_path):
+    from flowgrpo.config import build_config
+
     old = tmp_path / "old"
-    old.mkdir()
-    (old / "config.yaml").write_text(yaml.safe_dump({"output_dir": str(old), "train": {"num_epochs": 2}}))
+    old.mkdir()  # a run of a version without the marker: its config.yaml is the resolved config, every section
+    (old / "config.yaml").write_text(yaml.safe_dump(build_config({"output_dir": str(old)}).model_dump(mode="json")))
     assert owner(old) == "run"
     check_folder(old, "output_dir", "run")
+    # another trainer's config with an output_dir and a train section (a fresh user's trial: a run into it called
+    # it a stopped run, and logging.overwrite=true then removed its checkpoints, config, metrics and summary)
+    trainer = _users_folder(tmp_path / "trainer")
+    (trainer / "config.yaml").write_text(yaml.safe_dump({"output_dir": "./out", "train": {"batch_size": 32}}))
+    assert owner(trainer) is None
+    # the user's own flowgrpo config file kept in the folder it names (the command's input: removed by overwrite)
+    own = _users_folder(tmp_path / "own")
+    (own / "config.yaml").write_text((REPO / "configs" / "tiny_jpeg.yaml").read_text()
+                                     + f"\noutput_dir: {own}\n")
+    assert owner(own) is None
     other = _users_folder(tmp_path / "other")
     (other / "config.yaml").write_text(yaml.safe_dump({"defaults": ["trainer"], "lr": 1e-4}))  # e.g. Hydra's
     assert owner(other) is None
