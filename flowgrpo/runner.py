@@ -315,18 +315,17 @@ def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process:
         sys.exit(2)
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError,
             RemoteRewardError, OutputRefused) as err:  # RemoteRewardError: the reward server is unreachable at setup
-        # a config error or a refused output_dir is the same on every process: rank 0 says it
-        parser.exit(2, f"error: {err}\n" if main_process or not isinstance(err, ConfigError | OutputRefused) else "")
+        _refuse(parser, 2, f"error: {err}\n", main_process)
     except RewardError as err:
         if err.__cause__ is not None and not isinstance(err.__cause__, ValueError | RemoteRewardError
                                                         | torch.OutOfMemoryError):
             raise  # the plugin itself failed: its traceback is what its author needs
         # an impossible score (±inf, wrong shape), the plugin's ValueError, which by the reward contract names
         # bad input (a missing metadata field, a bad image), or a lost reward server: the message says it all
-        parser.exit(2, f"error: {err}\n")
+        _refuse(parser, 2, f"error: {err}\n", main_process)
     except (KeyError, ValueError) as err:
         if not _SETUP_DONE:  # bad input found while setting up (names, prompt files, models): no traceback
-            parser.exit(2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n")
+            _refuse(parser, 2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n", main_process)
         raise
     except TrainingDiverged as err:  # the rule of flowgrpo.divergence: one line, the last checkpoint kept
         parser.exit(1, f"error: {err}\n" if main_process else "")  # every process stops together; one says it
@@ -337,6 +336,24 @@ def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process:
     except KeyboardInterrupt:
         parser.exit(128 + stopping_signal(), _interrupted_line(args, prog) if main_process else "")
     return summary
+
+
+#: how long a process other than the main one waits before it says a refusal of its own (module :func:`_refuse`)
+OTHER_RANK_WAIT_S = 30.0
+
+
+def _refuse(parser: argparse.ArgumentParser, code: int, line: str, main_process: bool) -> None:
+    """End the process with ``line`` said once for the run. The main process says it at once. The checks of the
+    set-up find the same fault on every process, and the launcher (torchrun, accelerate) ends the others as soon
+    as the main process exits with an error, so another process waits :data:`OTHER_RANK_WAIT_S` before it says its
+    line: ended during the wait when the main process refused too (one line in all), it still speaks when the
+    fault was its own (a file its machine lacks), naming its rank."""
+    if main_process:
+        parser.exit(code, line)
+    import time
+
+    time.sleep(OTHER_RANK_WAIT_S)
+    parser.exit(code, f"(rank {os.environ.get('RANK', '?')}) {line}")
 
 
 def _interrupted_line(args, prog: str | None = None) -> str:

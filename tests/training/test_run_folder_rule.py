@@ -13,6 +13,8 @@ import yaml
 
 from tests.tiny_runs import _tiny_overrides
 
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
 USERS_FILES = {"transformer/diffusion_pytorch_model.safetensors": b"user weights", "transformer/config.json": b"{}",
                "lora/pytorch_lora_weights.safetensors": b"user lora", "metrics.jsonl": b'{"user": 1}\n',
                "samples_latest.png": b"user png"}
@@ -96,11 +98,13 @@ def test_a_run_inside_its_own_model_folder_is_refused(tmp_path, tiny_flux_dir, m
     assert sorted(p.name for p in model.iterdir()) == ["model_index.json"]
 
 
-def test_a_refused_output_dir_is_said_by_rank_0_only(tmp_path, tiny_flux_dir, monkeypatch, capsys):
-    """Rank 1 of a two-process launch finds the same refusal in its preflight and stops silently (rank 0 holds
-    the folder's lock and says it)."""
+def test_a_refused_output_dir_is_said_by_rank_0_first(tmp_path, tiny_flux_dir, monkeypatch, capsys):
+    """Rank 1 of a two-process launch finds the same refusal in its preflight and waits before it says it, naming
+    its rank (rank 0 holds the folder's lock and says it at once; the launcher then ends rank 1 during its wait:
+    ``test_a_setup_refusal_is_one_line_on_two_processes``). Its wait is 0 here (no launcher to end it)."""
     import flowgrpo.runner as runner
 
+    monkeypatch.setattr(runner, "OTHER_RANK_WAIT_S", 0.0)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(runner, "Accelerator", lambda *a, **k: pytest.fail("rank 1 went on to set up the run"))
@@ -110,7 +114,7 @@ def test_a_refused_output_dir_is_said_by_rank_0_only(tmp_path, tiny_flux_dir, mo
     folder = _users_folder(tmp_path / "mine")
     code, errors = _train([*_tiny_overrides(tmp_path, tiny_flux_dir), f"output_dir={folder}",
                            "train.rollout_batch_size=2", "train.train_batch_size=2"], monkeypatch, capsys)
-    assert code == 2 and errors == []
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("(rank 1) error: output_dir"), errors
     assert _contents(folder) == USERS_FILES
 
 
@@ -142,3 +146,24 @@ def test_a_prompt_embeddings_dir_of_a_users_files_is_refused(tmp_path, tiny_flux
                                     "made by flowgrpo (it holds 'lora' and 3 more): nothing was written; choose "
                                     "another folder, or empty this one"]
     assert _contents(folder) == USERS_FILES and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_setup_refusal_is_one_line_on_two_processes(tmp_path, tiny_flux_dir):
+    """The real launch (torchrun, 2 processes): a reward whose weights are missing is found by both processes'
+    set-up; the main process says it and the launcher ends the other during its wait, so the run prints it once
+    (a fresh user's trial saw it twice, as every refusal of the set-up)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.training.test_distributed import _free_port
+
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("HPS_V2_CHECKPOINT", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+           "flowgrpo/train.py", *_tiny_overrides(tmp_path, tiny_flux_dir), f"output_dir={tmp_path / 'run'}",
+           "train.rollout_batch_size=2", "train.train_batch_size=2", "rewards=[{name: hpsv2}]"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "error:" in ln and "hpsv2" in ln.lower()]
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr[-3000:]
