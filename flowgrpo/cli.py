@@ -325,10 +325,11 @@ def _plan_arguments(pl: argparse.ArgumentParser) -> argparse.ArgumentParser:
     pl.add_argument("config", help="training config (YAML)")
     pl.add_argument("overrides", nargs="*", help="key=value config overrides (as flowgrpo train takes them)")
     pl.add_argument("--gpus", type=int_in(1), required=True, help="processes, one GPU each")
-    pl.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU in GiB")
+    pl.add_argument("--gpu-memory-gib", type=float_at_least(0.001, "GiB"), default=80.0,
+                    help="memory of one GPU in GiB")
     pl.add_argument("--gpus-per-node", type=int_in(1), default=None,
                     help="processes on one node, for the per-node host memory (default: min(--gpus, 8))")
-    pl.add_argument("--host-gib", type=float, default=1800.0,
+    pl.add_argument("--host-gib", type=float_at_least(0.001, "GiB"), default=1800.0,
                     help="host memory of one node in GiB: a note when a stage needs more (assumed default)")
     return pl
 

@@ -556,4 +556,16 @@ def test_cli_plan_nodes_and_host_memory(capsys):
     assert "Note: the node of rank 0 holds" in out and "above the 50 GiB assumed a node (--host-gib)" in out
     with pytest.raises(SystemExit) as err:
         main(["plan", cfg, "--gpus", "8", "--host-gib", "0"])
-    assert err.value.code == 2 and "--host-gib 0.0 must be positive" in capsys.readouterr().err
+    assert err.value.code == 2 and "argument --host-gib: 0.0 is out of range" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--gpu-memory-gib", "--host-gib"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-5", "0"])
+def test_plan_refuses_a_memory_that_is_not_a_positive_number(option, value, capsys):
+    """``--gpu-memory-gib nan`` printed "Peak 48.5 GiB of nan usable: does NOT fit" and exited 0 (a fresh user's
+    trial); every such value is argparse's one-line usage error naming the option."""
+    from flowgrpo.cli import main
+
+    with pytest.raises(SystemExit) as err:
+        main(["plan", str(REPO / "configs" / "flux_grpo.yaml"), "--gpus", "8", option, value])
+    assert err.value.code == 2 and option in capsys.readouterr().err
