@@ -155,14 +155,15 @@ def check_file(path: str | os.PathLike, what: str, inputs: Iterable = (), overwr
 
 
 def _check_inputs(out: Path, shown: str, inputs: Iterable) -> None:
-    """Refuse an output that is one of ``inputs`` or lies inside one (an output folder that holds an input is
-    non-empty: refused unless flowgrpo's own, whose writer writes only its own names)."""
+    """Refuse an output that is one of ``inputs`` (the same path, a link to it, or a hard link: the same file) or
+    lies inside one (an output folder that holds an input is non-empty: refused unless flowgrpo's own, whose
+    writer writes only its own names)."""
     target = out.resolve()
     for given in inputs:
         if given is None or not Path(given).exists():
             continue
         source = Path(given).resolve()
-        if target == source:
+        if target == source or (target.is_file() and source.is_file() and os.path.samefile(target, source)):
             raise OutputRefused(f"{shown} is also an input of this command ({str(given)!r}): writing would replace "
                                 "it; choose another path")
         if source in target.parents:

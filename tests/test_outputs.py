@@ -135,3 +135,16 @@ def test_a_failed_writer_removes_only_a_folder_it_left_empty(tmp_path):
     (kept / "00000.png").write_bytes(b"x")
     unclaim_folder(kept)
     assert sorted(p.name for p in kept.iterdir()) == [MARKER_FILE, "00000.png"]
+
+
+def test_a_hard_link_to_an_input_is_that_input(tmp_path):
+    """``prompts ocr p2.txt --out hl.txt --overwrite`` with hl.txt a hard link of p2.txt truncated the source to
+    the kept prompts (a fresh user's trial): the same file under another name is refused as the input itself."""
+    import os
+
+    source = tmp_path / "p2.txt"
+    source.write_text("a\nb\n")
+    os.link(source, tmp_path / "hl.txt")
+    with pytest.raises(OutputRefused, match="is also an input of this command"):
+        check_file(tmp_path / "hl.txt", "--out", inputs=[source], overwrite=True)
+    assert source.read_text() == "a\nb\n"
