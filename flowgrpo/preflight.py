@@ -195,10 +195,13 @@ CONTEXT_TOKEN_FAMILIES = ("FluxPipeline", "QwenImagePipeline", "WanPipeline")
 
 
 def _model_folder(pretrained: str) -> Path | None:
-    """The local folder of ``model.pretrained`` (a folder, or a hub id already in the local cache), without
-    downloading anything; None when it is neither (an embedded model, a hub id not cached)."""
+    """The local folder of ``model.pretrained`` (a folder, an embedded model already built into the cache, or a
+    hub id already in the local cache), without building or downloading anything; None otherwise."""
     if Path(pretrained).is_dir():
         return Path(pretrained)
+    built = _embedded_folder(pretrained)
+    if built is not None:
+        return built
     try:
         from huggingface_hub import try_to_load_from_cache
 
@@ -206,6 +209,21 @@ def _model_folder(pretrained: str) -> Path | None:
     except Exception:  # noqa: BLE001 - not a hub id: the model's own loading reports it
         return None
     return Path(index).parent if isinstance(index, str) else None
+
+
+def _embedded_folder(name: str) -> Path | None:
+    """The cache folder of an embedded model (``tiny``, ``digits``) when it is built there already, else None."""
+    if name == "tiny":
+        from flowgrpo.cache import cache_dir
+
+        folder = cache_dir() / "tiny-flux-v1"
+    elif name == "digits":
+        from flowgrpo.tasks.digits.model import default_model_dir
+
+        folder = default_model_dir()
+    else:
+        return None
+    return folder if (folder / "model_index.json").is_file() else None
 
 
 def _read_json(path: Path) -> dict:

@@ -270,3 +270,21 @@ def test_an_image_token_count_the_context_degree_does_not_divide_is_refused_befo
         preflight(config, world_size=2)
     preflight(build_config({}, [*base, "model.height=64", "model.width=64"]), world_size=2)  # 4 x 4 = 16 tokens
     preflight(build_config({}, base), world_size=2)  # unset: the VAE's sample size 64, 16 tokens
+
+
+def test_the_embedded_tiny_model_is_counted_once_it_is_built(tmp_path, monkeypatch):
+    """``model.pretrained: tiny`` (configs/tiny_jpeg.yaml) with an odd token count passed preflight, loaded and
+    sharded the model, then printed a traceback on every rank in the first evaluation (a fresh user's trial): the
+    embedded model's cache folder is read as any folder once it is built (nothing is built by the check)."""
+    from flowgrpo.config import build_config
+    from flowgrpo.models import ensure_tiny_model
+    from flowgrpo.preflight import check_context_tokens
+
+    monkeypatch.setenv("FLOWGRPO_CACHE", str(tmp_path / "cache"))
+    base = ["model.pretrained=tiny", "parallel.context_degree=2", "parallel.sharding=fsdp2",
+            "model.height=48", "model.width=48"]
+    check_context_tokens(build_config({}, base))  # not built yet: left to the first transformer call
+    assert not (tmp_path / "cache" / "tiny-flux-v1").exists()
+    ensure_tiny_model()
+    with pytest.raises(ValueError, match=r"context_degree=2 .* has 9 tokens"):
+        check_context_tokens(build_config({}, base))
