@@ -151,7 +151,7 @@ def install(ledger: DeviceLedger, config_of) -> None:
     ``config_of()``: the running config (its ``parallel`` section decides what is offloaded)."""
     import torch.distributed.fsdp as fsdp
 
-    from flowgrpo import parallel, runner
+    from flowgrpo import parallel
     from flowgrpo.training.loop import Trainer
 
     place_pipeline, prepare_model, place_rewards = (parallel.place_pipeline, parallel.prepare_model,
@@ -208,7 +208,6 @@ def install(ledger: DeviceLedger, config_of) -> None:
 
     parallel.place_pipeline, parallel.prepare_model, parallel.place_rewards = (placed_pipeline, prepared,
                                                                                 rewards_placed)
-    runner.parallel = parallel  # the runner calls them through the module
     fsdp.fully_shard = sharding
     Trainer.fit = fit_counted
 
