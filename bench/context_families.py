@@ -7,7 +7,8 @@ never a test).
 (on the CPU: ``OMP_NUM_THREADS=1 torchrun ...``; gloo.) Each process builds (rank 0; the other waits) and loads the
 family's tiny random pipeline of the conformance suite (``flowgrpo.models.zoo.CASES``), computes the velocity of
 two rows at σ = 0.95 and the gradients of ``mean(v²)`` with the whole transformer, then applies what a run with
-``parallel.sharding: fsdp2, context_degree: 2`` applies (``flowgrpo.context_parallel.check_context``, ``enable_context``
+``parallel.sharding: fsdp2, context_degree: 2`` applies (``flowgrpo.distributed.context_parallel.check_context``,
+``enable_context``
 on the mesh's ``context`` dimension, ``shard`` over the flattened (shard, context) ranks) and computes them again
 (the loss scaled by the world size: FSDP2 averages the ranks' gradients, whose sum is the whole gradient). Per
 family: the transformer's tokens (image, text), max |Δv| / max |v|, the largest gradient gap relative to that
@@ -28,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 
-from flowgrpo import context_parallel, dist, parallel  # noqa: E402
+from flowgrpo import parallel  # noqa: E402
 from flowgrpo.config import ParallelConfig  # noqa: E402
+from flowgrpo.distributed import context_parallel, dist
 from flowgrpo.models import load_model  # noqa: E402
 from flowgrpo.models.zoo import CASES  # noqa: E402
 from flowgrpo.rng import make_generator  # noqa: E402

@@ -70,7 +70,8 @@ def _worker(config: str) -> None:
     """Run the training command on ``config`` with each evaluation timed (the module docstring)."""
     import time
 
-    from flowgrpo import dist, runner
+    from flowgrpo import runner
+    from flowgrpo.distributed import dist
     from flowgrpo.training.evaluation import Evaluation
 
     evaluate, times = Evaluation.evaluate, []

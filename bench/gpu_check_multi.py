@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from gpu_check import FULL, TOY
 
-    from flowgrpo.dist import end_worker
+    from flowgrpo.distributed.dist import end_worker
 
     if args.dry_run:
         dev = torch.device("cpu")

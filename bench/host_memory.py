@@ -87,8 +87,9 @@ def _build(folder: Path):
     import torch
     from diffusers import FluxTransformer2DModel
 
-    from flowgrpo import dist, parallel
+    from flowgrpo import parallel
     from flowgrpo.config import ModelConfig, ParallelConfig
+    from flowgrpo.distributed import dist
     from flowgrpo.ema import EMA
     from flowgrpo.models.empty import empty_components
     from flowgrpo.models.lora import structure_copy
@@ -123,9 +124,10 @@ def worker(folder: Path, out: Path) -> None:
     import torch.distributed.fsdp  # noqa: F401
     from diffusers import FluxTransformer2DModel  # noqa: F401
 
-    from flowgrpo import dist, parallel  # noqa: F401
+    from flowgrpo import parallel  # noqa: F401
     from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
     from flowgrpo.data.prompts import GroupSampler
+    from flowgrpo.distributed import dist
 
     torch.distributed.init_process_group("gloo")
     figures = {"baseline": _hwm_mb()}

@@ -57,7 +57,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowgrpo import dist
 from flowgrpo.checkpoint_health import (
     HEALTH_FILE,
     MANIFEST,
@@ -70,6 +69,7 @@ from flowgrpo.checkpoint_health import (
     resolve_checkpoint,
     rotation_victims,
 )
+from flowgrpo.distributed import dist
 from flowgrpo.settings import flat_dict
 from flowgrpo.state_dicts import (
     full_tensor,

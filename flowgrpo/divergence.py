@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo import dist
+from flowgrpo.distributed import dist
 
 RISE_FACTOR = 1e3
 #: per KL figure, the value below which it is never flagged (rule 2)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from flowgrpo import dist
+from flowgrpo.distributed import dist
 from flowgrpo.records import FinalSamples, Trajectory
 
 KEY = "rollout/x0_norm"

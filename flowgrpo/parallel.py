@@ -43,9 +43,9 @@ One boundary decides it, once, before the first rollout (docs/many_gpus.md, "Wha
 * :func:`gradient_sync` is the accumulation context of one micro-batch (``parallel.gradient_sync``);
   :func:`clip_grad_norm` clips by the global gradient norm, sharded or not; :func:`reshard` frees gathered
   weights around every swap of the shards' values (EMA, old copies), whatever ``reshard_after_forward``.
-* :mod:`flowgrpo.context_parallel` splits each transformer call's tokens over the ``context`` ranks of the
+* :mod:`flowgrpo.distributed.context_parallel` splits each transformer call's tokens over the ``context`` ranks of the
   device mesh (``parallel.context_degree`` > 1) with diffusers' own context parallelism; the ranks of one context
-  group hold the same samples (:mod:`flowgrpo.dist`'s data ranks).
+  group hold the same samples (:mod:`flowgrpo.distributed.dist`'s data ranks).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from flowgrpo import context_parallel, dist
+from flowgrpo.distributed import context_parallel, dist
 from flowgrpo.models.empty import weights_folder
 from flowgrpo.state_dicts import read_own_shards
 

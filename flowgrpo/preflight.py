@@ -243,7 +243,7 @@ def context_image_tokens(config) -> tuple[int, str] | None:
     else FLUX.1: 2^(len(block_out_channels) − 1), Qwen-Image, Wan: 2^len(temperal_downsample)); H × W
     ``model.height`` × ``model.width`` (FLUX.1: the VAE's ``sample_size`` when unset). None for another family, a
     folder not on this machine, or a size the configs do not give: the check at the first transformer call
-    (:mod:`flowgrpo.context_parallel`) stays."""
+    (:mod:`flowgrpo.distributed.context_parallel`) stays."""
     folder = _model_folder(config.model.pretrained)
     if folder is None:
         return None

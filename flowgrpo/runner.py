@@ -18,12 +18,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from flowgrpo import dist, parallel
+from flowgrpo import parallel
 from flowgrpo.checkpoint import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.config.help import help_config, not_read, refused
+from flowgrpo.distributed import dist
+from flowgrpo.distributed.launch import launcher_words, restore_signals, stop_on_signals, stopping_signal
 from flowgrpo.divergence import TrainingDiverged
-from flowgrpo.launch import launcher_words, restore_signals, stop_on_signals, stopping_signal
 from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.outputs import OutputRefused
@@ -359,14 +360,16 @@ def _refuse(parser: argparse.ArgumentParser, code: int, line: str, main_process:
 def _interrupted_line(args, prog: str | None = None) -> str:
     """One line for Ctrl-C: the epoch reached, the checkpoint left, and the command that resumes the run (the
     command as it was started: under ``torchrun`` or ``accelerate launch`` the same launch
-    (:func:`flowgrpo.launch.launcher_words`), else ``flowgrpo train`` from the CLI, else the training script by its
+    (:func:`flowgrpo.distributed.launch.launcher_words`), else ``flowgrpo train`` from the CLI, else the training
+    script by its
     absolute path, which works from any folder)."""
     if _TRAINER is None:
         return "\ninterrupted while setting up; nothing was trained\n"
     ckpt = _TRAINER.out / "checkpoints"
     script = Path(__file__).resolve().parent / "train.py"
     launcher = launcher_words(sys.argv[0]) if sys.argv and sys.argv[0] else []
-    if launcher:  # torchrun / accelerate launch: the same launch (flowgrpo.launch), the CLI's subcommand after it
+    # torchrun / accelerate launch: the same launch (flowgrpo.distributed.launch), the CLI's subcommand after it
+    if launcher:
         command = [*launcher, *(prog.split()[1:] if prog else [])]
     else:
         command = prog.split() if prog else [sys.executable, str(script)]

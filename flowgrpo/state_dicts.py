@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from flowgrpo import dist
+from flowgrpo.distributed import dist
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

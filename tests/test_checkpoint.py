@@ -209,7 +209,8 @@ class _Blocks(torch.nn.Module):
 def sharded_parts():
     """A model sharded with FSDP2 on a one-process group (DTensor parameters: the sharded checkpoint form), AdamW
     stepped once, an EMA; the group is released after the test."""
-    from flowgrpo import dist, parallel
+    from flowgrpo import parallel
+    from flowgrpo.distributed import dist
 
     def make():
         torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""Specification of flowgrpo.launch: the launch a stopped run prints to resume it is the one it was started with
+"""Specification of flowgrpo.distributed.launch: the launch a stopped run prints to resume it is the one it was started
+with
 (torchrun, accelerate launch), read from the launcher's command line or rebuilt from torchrun's variables; and the
 first SIGINT or SIGTERM stops the run through KeyboardInterrupt, the ones after it ignored (issue 54)."""
 
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowgrpo.launch import launcher_words, restore_signals, stop_on_signals, stopping_signal
+from flowgrpo.distributed.launch import launcher_words, restore_signals, stop_on_signals, stopping_signal
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "flowgrpo" / "train.py")
@@ -49,7 +50,7 @@ def test_a_single_process_has_no_launcher():
 
 def test_the_interrupted_line_under_torchrun_resumes_with_the_same_launch(tmp_path, monkeypatch):
     """The resume command under torchrun was ``<python> flowgrpo/train.py …``, one process: it is the launch."""
-    import flowgrpo.launch as launch
+    import flowgrpo.distributed.launch as launch
     import flowgrpo.runner as runner
     from flowgrpo.config import build_config
 

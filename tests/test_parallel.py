@@ -505,7 +505,7 @@ FETCHER = textwrap.dedent("""
     import os, sys
     import torch.distributed
     from diffusers import DiffusionPipeline
-    from flowgrpo import dist
+    from flowgrpo.distributed import dist
     from flowgrpo.models import fetch_first
 
     log = sys.argv[1]

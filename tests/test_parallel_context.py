@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowgrpo import context_parallel, dist
 from flowgrpo.config import ParallelConfig
 from flowgrpo.config.loading import build_config
+from flowgrpo.distributed import context_parallel, dist
 from flowgrpo.preflight import check_batch
 
 CPU = torch.device("cpu")

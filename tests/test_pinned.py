@@ -106,7 +106,7 @@ def test_only_the_main_process_hashes_the_base_model_at_the_end_of_a_run(tmp_pat
     from types import SimpleNamespace
 
     import flowgrpo.pinned
-    from flowgrpo import dist
+    from flowgrpo.distributed import dist
     from flowgrpo.training import report
 
     _pipeline(tmp_path)

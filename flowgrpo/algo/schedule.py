@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowgrpo import dist
+from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, ChunkPlan, Trajectory
 from flowgrpo.sampling.packed_forward import transformer_rows
 

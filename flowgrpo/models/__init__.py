@@ -277,7 +277,7 @@ def fetch_first(pretrained: str, local_main: bool) -> None:
     A download that fails is logged and left to the loading that follows, which reports it as it would have
     (raising here would leave the other processes in the barrier until the collective timeout).
     """
-    from flowgrpo import dist
+    from flowgrpo.distributed import dist
 
     if not dist.is_distributed() or pretrained in EMBEDDED_MODELS or Path(pretrained).exists():
         return  # one process loads as it always did

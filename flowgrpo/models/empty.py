@@ -86,7 +86,7 @@ def weights_folder(source: tuple[str, str]) -> str:
         FileNotFoundError: the folder holds no ``*.safetensors`` file (only the safetensors format can be read a
             slice at a time).
     """
-    from flowgrpo import dist
+    from flowgrpo.distributed import dist
 
     path, subfolder = source
     local = Path(path, subfolder)

@@ -359,7 +359,7 @@ def generate_images(
     prompt and seed, never on the batch it was generated in. ``metadata`` (one dict per prompt) carries the
     conditioning ``images`` of an image-conditioned (editing) model. ``decode=False``: the final latents (B, …)
     on the CPU instead, not decoded (the other ranks of a context group, whose first rank decodes the group's
-    images: :func:`flowgrpo.dist.context_leader`).
+    images: :func:`flowgrpo.distributed.dist.context_leader`).
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"generate_images needs one seed per prompt, got {len(prompts)} prompts, {len(seeds)} seeds")

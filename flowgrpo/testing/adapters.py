@@ -313,7 +313,8 @@ class AdapterConformance:
     def test_fsdp2_shards_the_models_blocks_and_computes_the_same(self, folder, sources):
         from torch.distributed.tensor import DTensor
 
-        from flowgrpo import dist, parallel
+        from flowgrpo import parallel
+        from flowgrpo.distributed import dist
         from flowgrpo.sampling.rollout import encode_rows
         from flowgrpo.state_dicts import full_tensor
 

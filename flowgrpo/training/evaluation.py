@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from flowgrpo import dist
+from flowgrpo.distributed import dist
 from flowgrpo.rewards.base import is_group_wise
 from flowgrpo.rewards.compose import ComposedReward, RewardError, score_components_named
 from flowgrpo.rng import derive_seed
@@ -75,11 +75,12 @@ class Evaluation:
         Every process calls it.
 
         Split over the data ranks (:meth:`splits`): data rank d makes images ``d·k … d·k + k − 1`` of the N, k =
-        ceil(N / data ranks) (:func:`~flowgrpo.dist.padded_share`; the last shares are padded with repeats, so
+        ceil(N / data ranks) (:func:`~flowgrpo.distributed.dist.padded_share`; the last shares are padded with repeats,
+        so
         every rank makes the same transformer calls, and the padding is dropped), in batches of
         ``train.rollout_batch_size``. An image depends only on its prompt and seed, so the images equal one
         process's up to float rounding of another batch layout. In a context group only the first rank decodes
-        and scores (:func:`~flowgrpo.dist.context_leader`). The images are gathered onto every process; each
+        and scores (:func:`~flowgrpo.distributed.dist.context_leader`). The images are gathered onto every process; each
         rank's per-image scores are gathered for the means; whole-set figures (``batch_metrics``) are computed by
         the main process from the gathered images and sent to the others, so every process returns the same.
 

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from flowgrpo import dist
 from flowgrpo.checkpoint_health import checkpoint_folders, is_healthy, mark_unhealthy
+from flowgrpo.distributed import dist
 from flowgrpo.divergence import (
     CollapseWatch,
     DivergenceWatch,

@@ -24,11 +24,11 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from flowgrpo import dist
 from flowgrpo.algo.advantages import solved_group_frac
 from flowgrpo.checkpoint_health import health_record
 from flowgrpo.compile import CompileWatch
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
+from flowgrpo.distributed import dist
 from flowgrpo.divergence import WeightHealth, check_weights
 from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
 from flowgrpo.models import DTYPES
@@ -309,7 +309,7 @@ class Trainer:
         """Wait for the background scores of the local images (scored during the rollout; a rollout that did not
         report its micro-batches is scored here), then gather components and group ids of the whole batch. In a
         context group (its ranks hold the same samples) only the first rank scores; the others' NaN placeholders
-        are never gathered (:func:`~flowgrpo.dist.gather_cat` takes a group's copy once)."""
+        are never gathered (:func:`~flowgrpo.distributed.dist.gather_cat` takes a group's copy once)."""
         lead = dist.context_leader()
         if not lead:
             comps = {k: torch.full((traj.batch_size,), float("nan")) for k in self.rewards.rewards}

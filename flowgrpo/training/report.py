@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowgrpo import dist
+from flowgrpo.distributed import dist
 from flowgrpo.metrics import read_metrics
 from flowgrpo.model_card import pipeline_call, write_model_card
 from flowgrpo.plots import before_after, edits_before_after

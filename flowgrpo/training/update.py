@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from flowgrpo import dist
 from flowgrpo.algo.objectives.base import MicroBatchAt
+from flowgrpo.distributed import dist
 
 __all__ = ["run_update"]
 

@@ -169,9 +169,9 @@ def test_seeded_draws_are_each_rows_own():
 def test_groups_spanning_processes_are_refused(name, why, monkeypatch):
     """3 prompts x G = 2 on 2 data ranks: 3 samples each, a group across both (its pair or group sum would be cut);
     4 prompts: two whole groups each, accepted."""
-    from flowgrpo import dist
     from flowgrpo.algo.objectives import build_objective
     from flowgrpo.config import build_config
+    from flowgrpo.distributed import dist
 
     monkeypatch.setattr(dist, "data_world_size", lambda: 2)
     grid = torch.linspace(1, 0, 4)

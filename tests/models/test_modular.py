@@ -117,7 +117,7 @@ def test_the_distilled_flow_map_jumps_to_the_next_step_of_its_one_grid(tmp_path_
 def test_context_parallelism_is_refused_without_a_split_plan(name, tmp_path_factory):
     """diffusers 0.42.1 declares no ``_cp_plan`` for the FLUX.3 and Qwen-Image 2.1 transformers: a context-parallel
     run is refused in one line, not run unsplit."""
-    from flowgrpo.context_parallel import check_context
+    from flowgrpo.distributed.context_parallel import check_context
 
     adapter = _load(name, tmp_path_factory)
     assert getattr(adapter.transformer, "_cp_plan", None) is None

@@ -1,7 +1,9 @@
 """``torchrun --nproc_per_node 4 tests/training/data_ranks.py OUT_DIR``: each process sets a context degree of 2
-(:func:`flowgrpo.dist.set_context_degree`) and writes ``OUT_DIR/rank_<global rank>.json`` with what
-:mod:`flowgrpo.dist` gives it: ``data_rank``, ``data_world_size``, ``slice`` (its share of 8 items), ``gathered``
-(:func:`~flowgrpo.dist.gather_cat` of ``[10·data_rank + 1]``), ``summed`` (:func:`~flowgrpo.dist.all_reduce_sum`
+(:func:`flowgrpo.distributed.dist.set_context_degree`) and writes ``OUT_DIR/rank_<global rank>.json`` with what
+:mod:`flowgrpo.distributed.dist` gives it: ``data_rank``, ``data_world_size``, ``slice`` (its share of 8 items),
+``gathered``
+(:func:`~flowgrpo.distributed.dist.gather_cat` of ``[10·data_rank + 1]``), ``summed``
+(:func:`~flowgrpo.distributed.dist.all_reduce_sum`
 of ``[1, data_rank]``), and ``refused`` (the message of ``set_context_degree(3)``)."""
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed  # noqa: E402
 
-from flowgrpo import dist  # noqa: E402
+from flowgrpo.distributed import dist  # noqa: E402
 
 if __name__ == "__main__":
     torch.distributed.init_process_group("gloo")

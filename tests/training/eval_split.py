@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from flowgrpo import dist  # noqa: E402
+from flowgrpo.distributed import dist  # noqa: E402
 from flowgrpo.rewards.compose import ComposedReward  # noqa: E402
 from flowgrpo.training import evaluation  # noqa: E402
 

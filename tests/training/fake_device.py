@@ -31,7 +31,7 @@ _MOVES = {"to", "cpu", "cuda", "type"}
 
 def _is_fake(device) -> bool:
     """``meta`` is the fake accelerator; so is ``cuda`` on this CUDA-less machine (code that picks CUDA, such as
-    :func:`flowgrpo.dist.backend_device` under NCCL, lands there)."""
+    :func:`flowgrpo.distributed.dist.backend_device` under NCCL, lands there)."""
     return device is not None and torch.device(device).type in (FAKE.type, "cuda")
 
 

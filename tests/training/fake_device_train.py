@@ -3,7 +3,8 @@ with an NCCL-like process group, on CPU (gloo underneath); several configs run i
 start of the processes, several runs).
 
 The model lives on the fake accelerator of :mod:`fake_device` during training; the process group reports the
-``nccl`` backend, so :func:`flowgrpo.dist.backend_device` decides for CUDA (which the fake accelerator stands in
+``nccl`` backend, so :func:`flowgrpo.distributed.dist.backend_device` decides for CUDA (which the fake accelerator
+stands in
 for); each collective refuses any tensor that is not on the accelerator, as NCCL refuses CPU tensors ("No backend
 type associated with device type cpu"). The data are CPU memory, so gloo does the real reduction and the run's
 results can be compared with a one-process run. An objective's own model (a distillation teacher, built on the

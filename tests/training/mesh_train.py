@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed  # noqa: E402 - after the path set-up
 
-from flowgrpo import dist, parallel, runner  # noqa: E402
+from flowgrpo import parallel, runner  # noqa: E402
 from flowgrpo.config import load_config  # noqa: E402
+from flowgrpo.distributed import dist
 from flowgrpo.training import optim  # noqa: E402
 
 COUNTS: Counter = Counter()

@@ -25,9 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flowgrpo import checkpoint, dist, parallel  # noqa: E402 - after the path set-up
+from flowgrpo import checkpoint, parallel  # noqa: E402 - after the path set-up
 from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy  # noqa: E402
 from flowgrpo.data.prompts import GroupSampler  # noqa: E402
+from flowgrpo.distributed import dist
 from flowgrpo.ema import EMA  # noqa: E402
 from flowgrpo.state_dicts import full_tensor, optimizer_state, trainable_state  # noqa: E402
 

@@ -26,9 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flowgrpo import dist, runner  # noqa: E402 - after the path set-up
+from flowgrpo import runner  # noqa: E402 - after the path set-up
 from flowgrpo.algo.objectives import sde_ratio  # noqa: E402
 from flowgrpo.config import load_config  # noqa: E402
+from flowgrpo.distributed import dist
 from flowgrpo.training.loop import Trainer  # noqa: E402
 
 PACKS: list[list[int]] = []

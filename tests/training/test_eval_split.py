@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flowgrpo import dist
+from flowgrpo.distributed import dist
 from flowgrpo.rng import derive_seed
 from tests.training.eval_split import value
 from tests.training.test_distributed import _free_port

@@ -127,7 +127,7 @@ def test_each_step_back_propagates_its_micro_batches_scaled_to_the_mean_over_its
 def test_the_world_size_scales_each_loss(monkeypatch):
     """On P processes a micro-batch's loss sum is scaled by P / (the step's rows on all processes): DDP's average of
     the gradients over the processes then gives the mean over all the step's rows."""
-    from flowgrpo import dist
+    from flowgrpo.distributed import dist
 
     monkeypatch.setattr(dist, "world_size", lambda: 4)
     optim = RecordingOptim()
@@ -149,7 +149,7 @@ def test_a_last_micro_batch_without_gradient_after_deferred_ones_stops_on_severa
     last backward (DDP's no_sync, FSDP2's deferred reduce-scatter); a last micro-batch with no loss (None: every
     transition on a frozen module) makes no backward, so the step would apply gradients never averaged. It stops, in
     one line, before the optimizer step; a None that is not last, one process, or gradient_sync=micro_batch is fine."""
-    from flowgrpo import dist
+    from flowgrpo.distributed import dist
 
     monkeypatch.setattr(dist, "world_size", lambda: 2)
     optim = RecordingOptim()

@@ -29,10 +29,10 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from flowgrpo import dist
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
 from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName, shared
+from flowgrpo.distributed import dist
 from flowgrpo.records import FinalSamples
 from flowgrpo.rng import make_generator
 

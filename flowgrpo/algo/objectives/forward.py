@@ -42,13 +42,13 @@ import torch
 from pydantic import Field
 from pydantic.fields import FieldInfo
 
-from flowgrpo import dist
 from flowgrpo.algo.chunkers import ChunkerConfig
 from flowgrpo.algo.objectives.base import BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep, _moved
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms
 from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy
 from flowgrpo.algo.policy_losses import PolicyLossConfig
 from flowgrpo.algo.schedule import micro_batches, step_shares
+from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, FinalSamples
 from flowgrpo.sampling.final_rollout import solver_rollout
 from flowgrpo.sampling.solvers import SOLVERS, awm_sa_grid, check_grid, flow_sigmas

@@ -57,11 +57,11 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch.utils.checkpoint import checkpoint
 
-from flowgrpo import dist
 from flowgrpo.algo.objectives.base import OBJECTIVES, ObjectiveConfig
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, sde_ratio_problems
 from flowgrpo.algo.objectives.paths import PathDraw, PathSamples, decode_with_grad, path_rollout
+from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages
 from flowgrpo.rewards.base import differentiable_scores, is_differentiable, typical_range
 from flowgrpo.rng import make_generator

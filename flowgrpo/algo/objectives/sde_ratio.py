@@ -22,12 +22,12 @@ from typing import Literal
 
 import torch
 
-from flowgrpo import dist
 from flowgrpo.algo.chunkers import build_chunker
 from flowgrpo.algo.objectives.base import OBJECTIVES, BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep
 from flowgrpo.algo.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
 from flowgrpo.algo.schedule import StepWork, pair_mask, schedule
 from flowgrpo.compile import training_graph
+from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, ChunkPlan, Trajectory
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.packed_forward import ChunkForward, packed_forward

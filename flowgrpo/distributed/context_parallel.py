@@ -5,7 +5,8 @@ mesh (``parallel.context_degree`` > 1), with diffusers' own implementation (``en
 :func:`check_context` refuses what a model or device cannot run, in one line; :func:`enable_context` splits the
 modules :func:`context_modules` names (every pipeline transformer and a separate frozen reference), before they
 are sharded by :func:`flowgrpo.parallel.prepare_model`; :func:`cpu_accelerator` is the one shim diffusers needs
-on the CPU. The ranks of one context group hold the same samples (:mod:`flowgrpo.dist`'s data ranks), and the
+on the CPU. The ranks of one context group hold the same samples (:mod:`flowgrpo.distributed.dist`'s data ranks), and
+the
 output of each call is gathered, so every rank of a group gets the whole velocity (docs/many_gpus.md, "Context
 parallelism").
 """
