@@ -30,13 +30,13 @@ import torch  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 
 from flowgrpo import parallel  # noqa: E402
+from flowgrpo.checkpoints.state_dicts import full_tensor  # noqa: E402
 from flowgrpo.config import ParallelConfig  # noqa: E402
 from flowgrpo.distributed import context_parallel, dist
 from flowgrpo.models import load_model  # noqa: E402
 from flowgrpo.models.zoo import CASES  # noqa: E402
 from flowgrpo.rng import make_generator  # noqa: E402
 from flowgrpo.sampling.rollout import encode_rows  # noqa: E402
-from flowgrpo.state_dicts import full_tensor  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,7 @@ The model is the tiny FLUX architecture widened to 512 (8 heads of 64; 2 double-
 36.4 M parameters, 145 MB in float32), written once as a diffusers folder (``--width 64``: one head, the CI's dry
 run, ``tests/bench/test_benches.py``). Each process count runs in fresh
 processes, each doing what a ``parallel.sharding=fsdp2`` run does (``flowgrpo.parallel.prepare_model``,
-``flowgrpo.checkpoint``):
+``flowgrpo.checkpoints.save_load``):
 
 * **start**: the main process loads the transformer (``from_pretrained``), the others build it on the meta device
   (``flowgrpo.models.empty``); the frozen reference of a full fine-tune with KL is a copy of its structure on the
@@ -125,7 +125,7 @@ def worker(folder: Path, out: Path) -> None:
     from diffusers import FluxTransformer2DModel  # noqa: F401
 
     from flowgrpo import parallel  # noqa: F401
-    from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
+    from flowgrpo.checkpoints.save_load import load_checkpoint, save_checkpoint
     from flowgrpo.data.prompts import GroupSampler
     from flowgrpo.distributed import dist
 

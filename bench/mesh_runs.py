@@ -30,7 +30,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from flowgrpo.checkpoint import whole_tensors
+from flowgrpo.checkpoints.save_load import whole_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

@@ -115,7 +115,7 @@ def _unfinished_run_hint(run: Path) -> str:
     one ``train.resume_from=auto`` picks named) and the command; empty for a folder that is not a run."""
     if not (run / "config.yaml").is_file():
         return ""
-    from flowgrpo.checkpoint_health import checkpoint_folders, newest_healthy
+    from flowgrpo.checkpoints.health import checkpoint_folders, newest_healthy
 
     done = [p.name for p in reversed(checkpoint_folders(run / "checkpoints"))]
     finish = f"finish it with `flowgrpo train output_dir={run} train.resume_from=auto`, then sample it"

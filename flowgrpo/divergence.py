@@ -28,11 +28,11 @@ way out (a resume from it, or a new start when there is none). A non-finite grad
 way, before the optimizer step (the weights are not updated), and so do images with NaN or infinite values from a
 rollout or an evaluation (weights that diverged past every check, or a checkpoint written by an older version);
 the newest checkpoint, when it holds those weights, is then marked unhealthy
-(:func:`flowgrpo.checkpoint_health.mark_unhealthy`), so that ``train.resume_from=auto`` skips it.
+(:func:`flowgrpo.checkpoints.health.mark_unhealthy`), so that ``train.resume_from=auto`` skips it.
 
 The collapse guard (:class:`CollapseWatch`) is a warning, not a stop: an evaluation figure that falls more than
 ``logging.collapse_fraction`` below the run's best; the best evaluated checkpoint is kept out of the rotation
-(:func:`flowgrpo.checkpoint_health.rotation_victims`).
+(:func:`flowgrpo.checkpoints.health.rotation_victims`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class TrainingDiverged(FloatingPointError):
 def last_checkpoint(checkpoints: str | Path) -> str:
     """What the stop line says about the checkpoints: the newest healthy one (the one ``latest`` names, never
     one marked unhealthy), or that none was written yet."""
-    from flowgrpo.checkpoint_health import newest_healthy
+    from flowgrpo.checkpoints.health import newest_healthy
 
     folder = newest_healthy(checkpoints)
     if folder is not None:
@@ -72,7 +72,7 @@ def stop_line(epoch: int, num_epochs: int, what: str, checkpoints: str | Path) -
     """``epoch E/N: <what>; <last checkpoint>. <the way out>`` with ``epoch`` 0-based (shown 1-based, as the
     epoch lines); the way out is a resume (``train.resume_from=auto`` picks the newest healthy checkpoint) when
     one was written, else a new run."""
-    from flowgrpo.checkpoint_health import newest_healthy
+    from flowgrpo.checkpoints.health import newest_healthy
 
     advice = ("Resume from it (train.resume_from=auto) with a lower train.lr (or a larger algo.kl_beta)"
               if newest_healthy(checkpoints) is not None else
@@ -154,7 +154,7 @@ def check_weights(named: list[tuple[str, torch.Tensor]], epoch: int, num_epochs:
 def run_history(out: str | Path, resume_from: str | None, epoch: int) -> list[dict]:
     """The epoch records before ``epoch`` (0-based) of the run a trainer continues: ``out/metrics.jsonl``, else
     (a resume into a new folder) the ``metrics.jsonl`` of the checkpoint's run folder; none for a fresh run."""
-    from flowgrpo.checkpoint_health import resolve_checkpoint
+    from flowgrpo.checkpoints.health import resolve_checkpoint
     from flowgrpo.metrics import read_metrics
 
     if not resume_from or epoch == 0:

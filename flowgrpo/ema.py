@@ -7,8 +7,8 @@ it holds: on the parameter's device (``parallel.ema=device``) or in host memory 
 copies the process's parameter shards to the host, each swap copies the shadow shards to the device).
 
 Its checkpoint state (:meth:`EMA.state_dict`) is the shadow as each process holds it: a DTensor shard of the
-parameter's layout under FSDP2 (written by each process into its own file, :mod:`flowgrpo.checkpoint`), the whole
-tensor otherwise. Nothing is gathered.
+parameter's layout under FSDP2 (written by each process into its own file, :mod:`flowgrpo.checkpoints.save_load`), the
+whole tensor otherwise. Nothing is gathered.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from flowgrpo.state_dicts import local
+from flowgrpo.checkpoints.state_dicts import local
 
 #: where the shadow lives (``parallel.ema``)
 PLACES = ("device", "cpu")
@@ -77,7 +77,7 @@ class EMA:
         """{``ema.<i>``: float32 shadow of the i-th trained parameter as this process holds it}: a DTensor of the
         parameter's layout (this process's shard, no copy) for a sharded parameter, the whole tensor otherwise.
         Writing a returned tensor in place writes the shadow (a sharded checkpoint loads into it)."""
-        from flowgrpo.state_dicts import dtensor_like
+        from flowgrpo.checkpoints.state_dicts import dtensor_like
 
         return {f"ema.{i}": dtensor_like(s, p) for i, (s, p) in enumerate(zip(self.shadow, self.params,
                                                                               strict=True))}
@@ -88,7 +88,7 @@ class EMA:
         or another shape."""
         from torch.distributed.tensor import DTensor
 
-        from flowgrpo.state_dicts import shard_like
+        from flowgrpo.checkpoints.state_dicts import shard_like
 
         if len(state) != len(self.shadow):
             raise ValueError(f"EMA state holds {len(state)} tensors, the model trains {len(self.shadow)}")

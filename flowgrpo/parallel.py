@@ -37,8 +37,8 @@ One boundary decides it, once, before the first rollout (docs/many_gpus.md, "Wha
   so the on-policy ratio stays exactly 1 whatever the layout of the weights. On several processes no process
   holds the whole transformer: in full fine-tuning every process builds it on the meta device
   (:mod:`flowgrpo.models.empty`) and reads only its own shards from the weight files
-  (:func:`~flowgrpo.state_dicts.read_own_shards`); with LoRA the main process loads it and sends the others their
-  shards, one tensor at a time (:func:`fill_from_main`); the full fine-tune's reference is built on the meta
+  (:func:`~flowgrpo.checkpoints.state_dicts.read_own_shards`); with LoRA the main process loads it and sends the others
+  their shards, one tensor at a time (:func:`fill_from_main`); the full fine-tune's reference is built on the meta
   device too and filled from each process's own policy shards (:func:`copy_shards`), never a whole copy;
 * :func:`gradient_sync` is the accumulation context of one micro-batch (``parallel.gradient_sync``);
   :func:`clip_grad_norm` clips by the global gradient norm, sharded or not; :func:`reshard` frees gathered
@@ -58,9 +58,9 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from flowgrpo.checkpoints.state_dicts import read_own_shards
 from flowgrpo.distributed import context_parallel, dist
 from flowgrpo.models.empty import weights_folder
-from flowgrpo.state_dicts import read_own_shards
 
 logger = logging.getLogger(__name__)
 
@@ -262,8 +262,8 @@ def place_pipeline(adapter, device: torch.device, settings) -> None:
 def place_expert(expert: torch.nn.Module, device: torch.device, settings) -> None:
     """Place the untrained expert by ``settings.experts``: ``shard`` FSDP2 over :func:`fsdp_mesh` on the device
     (reshard after every forward; on several processes it was built empty and each reads its own shards from the
-    weight files, :func:`~flowgrpo.state_dicts.read_own_shards`); ``offload`` whole in host memory, each block
-    copied to ``device`` for its forward and dropped after (diffusers' block-level group offloading, one block a
+    weight files, :func:`~flowgrpo.checkpoints.state_dicts.read_own_shards`); ``offload`` whole in host memory, each
+    block copied to ``device`` for its forward and dropped after (diffusers' block-level group offloading, one block a
     group, on a side stream on CUDA; no collective); ``device`` whole on the device."""
     if settings.experts == "shard":
         files = _files_of(expert)  # built empty (several processes): each reads its own shards from the files
@@ -614,7 +614,7 @@ def fill_from_main(model: torch.nn.Module, whole: dict[str, torch.Tensor] | None
     transformer was built on the meta device and never read the files): each process receives its shard of one
     tensor at a time (a scatter from the main process), and the persistent buffers by broadcast. A collective.
     The main process's dtypes were given to every process before sharding (:func:`_whole_weights`)."""
-    from flowgrpo.state_dicts import local, scatter_from_rank0
+    from flowgrpo.checkpoints.state_dicts import local, scatter_from_rank0
 
     if _on_meta(model):
         _materialize(model, device)
@@ -631,7 +631,7 @@ def copy_shards(policy: torch.nn.Module, reference: torch.nn.Module, device: tor
     device) with ``policy``'s weights as they are now (the base model: before any update or resume), each process
     copying its own shards (cast to the reference's dtype: exact, the policy's float32 masters hold
     ``model.dtype`` values) onto ``device``; nothing is sent."""
-    from flowgrpo.state_dicts import local
+    from flowgrpo.checkpoints.state_dicts import local
 
     _materialize(reference, device)
     weights = dict(policy.named_parameters())

@@ -382,7 +382,7 @@ def stages(w: Workload, lay: Layout, s: Sizes, dev: dict[str, float], host: dict
       without sharding rank 0 gathers the whole float32 trained weights, AdamW's two moments, the EMA and the
       old copy.
     * export (the run's final weights): the transformer is written one file at a time
-      (:func:`~flowgrpo.state_dicts.export_transformer`): rank 0 holds one file's tensors in ``model.dtype``
+      (:func:`~flowgrpo.checkpoints.state_dicts.export_transformer`): rank 0 holds one file's tensors in ``model.dtype``
       (diffusers' files of at most 10 GB) and the float32 tensor being gathered, every other rank that tensor
       (bounded by the largest block); a LoRA: its float32 adapter and its file on rank 0. On the device one
       gathered tensor in float32 (bounded by a block).

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.algo.objectives import Objective, build_objective
-from flowgrpo.checkpoint_health import resolve_checkpoint
+from flowgrpo.checkpoints.health import resolve_checkpoint
 from flowgrpo.config import ConfigError, build_config, parse_override, read_yaml
 from flowgrpo.data.image_sets import check_dataset_images
 from flowgrpo.data.prompts import PromptSet, load_prompts

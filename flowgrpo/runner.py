@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from flowgrpo import parallel
-from flowgrpo.checkpoint import CheckpointError
+from flowgrpo.checkpoints.save_load import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.config.help import help_config, not_read, refused
 from flowgrpo.distributed import dist

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from flowgrpo.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from flowgrpo.checkpoint_health import resolve_checkpoint
+from flowgrpo.checkpoints.health import resolve_checkpoint
+from flowgrpo.checkpoints.save_load import CheckpointError, load_checkpoint, save_checkpoint
 from flowgrpo.config import build_config
 from flowgrpo.data.prompts import GroupSampler
 from flowgrpo.ema import EMA
@@ -296,7 +296,7 @@ def test_a_malformed_list_of_file_sizes_is_a_reason_not_a_crash(tmp_path):
     """``incomplete`` reads ``state.json``'s ``files`` as {relative path: int bytes}; any other shape (a list, a
     size that is a string) makes the checkpoint not intact, in one line, instead of an AttributeError in the
     resume's scan of the checkpoints."""
-    from flowgrpo.checkpoint_health import incomplete, is_healthy
+    from flowgrpo.checkpoints.health import incomplete, is_healthy
 
     folder = tmp_path / "epoch_0"
     folder.mkdir()

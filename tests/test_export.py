@@ -1,4 +1,4 @@
-"""The final transformer of a full fine-tune is written one file at a time (``flowgrpo.state_dicts
+"""The final transformer of a full fine-tune is written one file at a time (``flowgrpo.checkpoints.state_dicts
 .export_transformer``) and is, byte for byte, what diffusers' own ``save_pretrained`` writes: the same file names,
 the same safetensors files (the split into files of at most ``max_shard_size`` by huggingface_hub), the same index
 and ``config.json``. The expected files come from diffusers itself, on a copy of the model cast to the dtype."""
@@ -20,7 +20,7 @@ def _digests(folder: Path) -> dict[str, str]:
 def test_export_writes_what_save_pretrained_writes(tmp_path, tiny_flux_dir, max_size):
     from diffusers import FluxTransformer2DModel
 
-    from flowgrpo.state_dicts import export_transformer
+    from flowgrpo.checkpoints.state_dicts import export_transformer
 
     model = FluxTransformer2DModel.from_pretrained(tiny_flux_dir, subfolder="transformer")
     copy = FluxTransformer2DModel.from_config(model.config)
@@ -35,7 +35,7 @@ def test_export_writes_what_save_pretrained_writes(tmp_path, tiny_flux_dir, max_
 def test_only_the_main_process_writes(tmp_path, tiny_flux_dir):
     from diffusers import FluxTransformer2DModel
 
-    from flowgrpo.state_dicts import export_transformer
+    from flowgrpo.checkpoints.state_dicts import export_transformer
 
     model = FluxTransformer2DModel.from_pretrained(tiny_flux_dir, subfolder="transformer")
     export_transformer(model, tmp_path / "other", torch.float32, main=False)

@@ -1,4 +1,4 @@
-"""Health before a checkpoint, as a kind (flowgrpo.divergence rule 4, flowgrpo.checkpoint_health's health records).
+"""Health before a checkpoint, as a kind (flowgrpo.divergence rule 4, flowgrpo.checkpoints.health's health records).
 
 The statement tested: a checkpoint is written only from weights shown healthy by figures of the weights
 themselves (the norm of the trained weights at most doubled by the epoch's update; a probe forward of the new
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowgrpo.checkpoint_health import (
+from flowgrpo.checkpoints.health import (
     CheckpointError,
     best_checkpoint,
     mark_unhealthy,

@@ -29,7 +29,7 @@ def _fake_run(folder, with_checkpoint: bool) -> dict:
     """A's files: its config, metrics and (optionally) a complete checkpoint; returns their bytes."""
     import torch
 
-    from flowgrpo.checkpoint import save_checkpoint
+    from flowgrpo.checkpoints.save_load import save_checkpoint
     from flowgrpo.config import build_config, save_config
     from flowgrpo.data.prompts import GroupSampler
 

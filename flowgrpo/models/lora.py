@@ -65,7 +65,7 @@ def save_lora(adapter, folder: str | Path, state: dict[str, torch.Tensor] | None
     which ``pipe.transformer.load_lora_adapter(folder, prefix=None)`` reads (:func:`load_lora_into`).
 
     ``state``: the transformer's state by parameter name to take the adapter weights from (a sharded model's
-    gathered whole tensors, :func:`flowgrpo.state_dicts.trainable_state`); default the transformer's own."""
+    gathered whole tensors, :func:`flowgrpo.checkpoints.state_dicts.trainable_state`); default the transformer's own."""
     from peft.utils import get_peft_model_state_dict
 
     tr = adapter.transformer

@@ -314,9 +314,9 @@ class AdapterConformance:
         from torch.distributed.tensor import DTensor
 
         from flowgrpo import parallel
+        from flowgrpo.checkpoints.state_dicts import full_tensor
         from flowgrpo.distributed import dist
         from flowgrpo.sampling.rollout import encode_rows
-        from flowgrpo.state_dicts import full_tensor
 
         c = self.case
         adapter = self.load(folder)

@@ -4,7 +4,7 @@ diverged, applied around the epochs :mod:`flowgrpo.training.loop` runs (the rule
 Owns, for one run: the watch over each epoch's record (:class:`~flowgrpo.divergence.DivergenceWatch`), the weights'
 own figures (:class:`~flowgrpo.divergence.WeightHealth`: measured after each update, probed on resume), the images'
 finiteness (the checkpoint holding weights that made NaN or infinite images is marked unhealthy,
-:func:`~flowgrpo.checkpoint_health.mark_unhealthy`), the evaluation figure ``logging.best_metric`` names and the
+:func:`~flowgrpo.checkpoints.health.mark_unhealthy`), the evaluation figure ``logging.best_metric`` names and the
 collapse guard that watches it (:class:`~flowgrpo.divergence.CollapseWatch`), and the x0-norm drift warning
 (:class:`~flowgrpo.monitors.X0NormWatch`).
 """
@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from flowgrpo.checkpoint_health import checkpoint_folders, is_healthy, mark_unhealthy
+from flowgrpo.checkpoints.health import checkpoint_folders, is_healthy, mark_unhealthy
 from flowgrpo.distributed import dist
 from flowgrpo.divergence import (
     CollapseWatch,

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from flowgrpo.algo.advantages import solved_group_frac
-from flowgrpo.checkpoint_health import health_record
+from flowgrpo.checkpoints.health import health_record
+from flowgrpo.checkpoints.state_dicts import save_final_weights
 from flowgrpo.compile import CompileWatch
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.distributed import dist
@@ -39,7 +40,6 @@ from flowgrpo.rewards.background import AsyncRewardScorer, score_components_name
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rewards.remote import server_metrics
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
-from flowgrpo.state_dicts import save_final_weights
 from flowgrpo.training import report
 from flowgrpo.training.evaluation import Evaluation
 from flowgrpo.training.health_watch import HealthWatch
@@ -115,8 +115,8 @@ class Trainer:
         self.forward_count[1] += 0 if x is None else len(x)  # a batch tensor, or a list of samples (Z-Image)
 
     def save_checkpoint(self, epoch: int, record: dict | None = None) -> None:
-        """Every process takes part (under FSDP2 each writes its own shards, :mod:`flowgrpo.checkpoint`), only
-        from finite weights (:func:`~flowgrpo.divergence.check_weights`) that ``record`` (the epoch's figures,
+        """Every process takes part (under FSDP2 each writes its own shards, :mod:`flowgrpo.checkpoints.save_load`),
+        only from finite weights (:func:`~flowgrpo.divergence.check_weights`) that ``record`` (the epoch's figures,
         already passed by :class:`~flowgrpo.divergence.DivergenceWatch`) showed healthy; its ``health/*``
         figures and evaluation figure go into the checkpoint's ``health.json``."""
         check_weights(self.optim.named_weights(), epoch, self.cfg.train.num_epochs, self.out / "checkpoints")

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from flowgrpo import parallel
-from flowgrpo.checkpoint import load_checkpoint, save_checkpoint
-from flowgrpo.checkpoint_health import resolve_checkpoint
+from flowgrpo.checkpoints.health import resolve_checkpoint
+from flowgrpo.checkpoints.save_load import load_checkpoint, save_checkpoint
 from flowgrpo.divergence import TrainingDiverged, stop_line
 from flowgrpo.ema import EMA
 
@@ -142,7 +142,7 @@ class Optimization:
         """Checkpoint epoch ``epoch`` (weights, optimizer, schedule, EMA, the prompt sampler and the objective's
         state, and its ``health`` record) under ``root``, keeping the newest ``keep`` healthy ones and the best
         evaluated one. Every process calls it; under FSDP2 each writes its own shards (nothing is gathered),
-        otherwise the main one writes (:mod:`flowgrpo.checkpoint`)."""
+        otherwise the main one writes (:mod:`flowgrpo.checkpoints.save_load`)."""
         save_checkpoint(root, epoch, model=self.unwrapped, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                         sampler=sampler, ema=self.ema, keep=keep, objective=objective, health=health)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from flowgrpo.checkpoint_health import resolve_checkpoint
+from flowgrpo.checkpoints.health import resolve_checkpoint
 from flowgrpo.metrics import read_metrics
 from flowgrpo.outputs import RUN_FILES, claim_folder
 from flowgrpo.settings import ConfigError, flat_dict, save_config

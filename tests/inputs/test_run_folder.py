@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from flowgrpo.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from flowgrpo.checkpoints.save_load import CheckpointError, load_checkpoint, save_checkpoint
 from flowgrpo.config import ConfigError, build_config
 from flowgrpo.data.prompts import GroupSampler
 from flowgrpo.metrics import read_metrics
@@ -205,7 +205,7 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
 
 @pytest.mark.slow
 def test_a_checkpoint_of_another_shape_names_the_parameter_and_both_shapes(tmp_path, tiny_flux_dir):
-    from flowgrpo.checkpoint import CheckpointError
+    from flowgrpo.checkpoints.save_load import CheckpointError
     from flowgrpo.runner import run
 
     run(_cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 1}))

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from flowgrpo.checkpoint import whole_tensors
+from flowgrpo.checkpoints.save_load import whole_tensors
 from flowgrpo.config import build_config
 from flowgrpo.metrics import read_metrics
 from tests.training.test_sharding import RTOL, _records

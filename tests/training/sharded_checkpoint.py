@@ -25,12 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flowgrpo import checkpoint, parallel  # noqa: E402 - after the path set-up
+from flowgrpo import parallel  # noqa: E402 - after the path set-up
 from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy  # noqa: E402
+from flowgrpo.checkpoints import save_load
+from flowgrpo.checkpoints.state_dicts import full_tensor, optimizer_state, trainable_state  # noqa: E402
 from flowgrpo.data.prompts import GroupSampler  # noqa: E402
 from flowgrpo.distributed import dist
 from flowgrpo.ema import EMA  # noqa: E402
-from flowgrpo.state_dicts import full_tensor, optimizer_state, trainable_state  # noqa: E402
 
 READS: list[str] = []
 
@@ -116,7 +117,7 @@ def save_gathered(path: Path, state: dict) -> None:
 
 def run_step(root: Path, name: str, model, opt, sched, sampler, ema, objective) -> None:
     step(model, opt, sched, ema, objective)
-    checkpoint.save_checkpoint(root / name, 0, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler,
+    save_load.save_checkpoint(root / name, 0, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler,
                                ema=ema, objective=objective)
     save_gathered(root / f"{name}.expected.safetensors", gathered(model, opt, ema, objective))
 
@@ -135,7 +136,7 @@ def record_reads() -> None:
         READS.append(Path(f).name if isinstance(f, str | os.PathLike) else type(f).__name__)
         return real_load(f, *args, **kwargs)
 
-    checkpoint.load_file = load_file
+    save_load.load_file = load_file
     torch.load = load
 
 
@@ -153,7 +154,7 @@ def main(root: Path, jobs: list[str]) -> None:
         model, opt, sched, sampler, ema, objective = parts(sharded)
         if kind == "resume":
             src = jobs.pop(0)
-            checkpoint.load_checkpoint(root / src, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler,
+            save_load.load_checkpoint(root / src, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler,
                                        ema=ema, objective=objective)
             save_gathered(root / f"{jobs[0]}.loaded.safetensors", gathered(model, opt, ema, objective))
         run_step(root, jobs.pop(0), model, opt, sched, sampler, ema, objective)

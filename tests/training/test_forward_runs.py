@@ -62,7 +62,7 @@ def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir, 
 
 def test_a_checkpoint_without_the_old_copy_is_refused(tmp_path, tiny_flux_dir):
     from flowgrpo.algo.objectives import build_objective
-    from flowgrpo.checkpoint import CheckpointError, _load_objective
+    from flowgrpo.checkpoints.save_load import CheckpointError, _load_objective
 
     class Optim:
         params = [torch.nn.Parameter(torch.ones(2))]

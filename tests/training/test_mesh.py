@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowgrpo.checkpoint import whole_tensors
+from flowgrpo.checkpoints.save_load import whole_tensors
 from tests.training.test_distributed import _free_port
 from tests.training.test_sharding import _config, _full, _in_process
 

@@ -176,7 +176,7 @@ def _base(tiny_flux_dir: Path) -> dict[str, torch.Tensor]:
 
 def _ckpt(run: Path, epoch: int, name: str = "trainable") -> dict:
     """A part of a checkpoint, whole, whatever its form (a sharded run's is one file per process)."""
-    from flowgrpo.checkpoint import whole_tensors
+    from flowgrpo.checkpoints.save_load import whole_tensors
 
     return whole_tensors(run / "checkpoints" / f"epoch_{epoch}")[name]
 

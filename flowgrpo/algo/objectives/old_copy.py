@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flowgrpo.checkpoints.state_dicts import shard_like
 from flowgrpo.parallel import reshard
-from flowgrpo.state_dicts import shard_like
 
 __all__ = ["DecaySchedule", "NFT_DECAY_TYPES", "decay_at", "update_old_copy_", "copy_into_", "OldCopy"]
 
@@ -167,7 +167,7 @@ class OldCopy:
     def state_dict(self, prefix: str = "old_copy") -> dict[str, torch.Tensor]:
         """{``<prefix>.<i>``: float32 old copy of the i-th trained parameter as this process holds it}: the
         shadow itself (no copy; a DTensor shard of a sharded parameter, written by each process into its own
-        checkpoint file and loaded in place, :mod:`flowgrpo.checkpoint`), nothing gathered."""
+        checkpoint file and loaded in place, :mod:`flowgrpo.checkpoints.save_load`), nothing gathered."""
         return {f"{prefix}.{i}": s for i, s in enumerate(self.shadow)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], prefix: str = "old_copy") -> None:

@@ -6,8 +6,8 @@ processes, and what a run writes:
 
 * **sharded** (:func:`sharded_trainable_state`, :func:`sharded_optimizer_state`): ``torch.distributed.checkpoint
   .state_dict`` without ``full_state_dict``: each process's DTensor shards, nothing gathered, for the sharded
-  checkpoint each process writes its own part of (:mod:`flowgrpo.checkpoint`), and loaded back in place (torch's
-  distributed checkpoint reshards: another process count or layout reads the same files);
+  checkpoint each process writes its own part of (:mod:`flowgrpo.checkpoints.save_load`), and loaded back in place
+  (torch's distributed checkpoint reshards: another process count or layout reads the same files);
 * **whole** (:func:`trainable_state`, :func:`optimizer_state`): ``full_state_dict`` with ``cpu_offload``: the
   whole tensors arrive in host memory on the main process (global rank 0) alone, for the final LoRA and the
   checkpoints of unsharded runs; the final transformer of a full fine-tune is written one file at a time

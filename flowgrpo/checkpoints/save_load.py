@@ -28,11 +28,11 @@ included). Every process writes and reads only its own shards, so no process eve
 Both hold ``rng.pt`` (the torch RNG state, ``weights_only=True``) and ``state.json`` (epoch, LR-scheduler and
 prompt-sampler state, and ``files``: every other file's size in bytes, so a file truncated or lost after the write —
 a full disk, a cut copy — is found before a resume picks the checkpoint:
-:func:`~flowgrpo.checkpoint_health.incomplete`). Either form loads into either kind of run (a run resumes with
+:func:`~flowgrpo.checkpoints.health.incomplete`). Either form loads into either kind of run (a run resumes with
 another process count or sharding); a sharded run loading a whole checkpoint (one written before the sharded form
 existed, or by an unsharded run) has the main process alone read the files and send each process its shards, one
-tensor at a time (:mod:`flowgrpo.state_dicts`). Saving and loading are collectives: every process calls them. The
-sharded form needs a file system every process sees (as a multi-node run's output folder is).
+tensor at a time (:mod:`flowgrpo.checkpoints.state_dicts`). Saving and loading are collectives: every process calls
+them. The sharded form needs a file system every process sees (as a multi-node run's output folder is).
 
 The folder is written under a temporary name, made durable (every file fsynced, the sharded ones by the process
 that wrote them and again by the main process) and renamed into place by the main process, and ``latest`` (a text
@@ -43,7 +43,7 @@ and ``latest`` pointing at it. Re-saving an existing epoch (a resumed run) repla
 checkpoint's name.
 
 Which checkpoints a save keeps and a resume picks (health, the file-size check, ``latest``, the rotation) is
-:mod:`flowgrpo.checkpoint_health`."""
+:mod:`flowgrpo.checkpoints.health`."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowgrpo.checkpoint_health import (
+from flowgrpo.checkpoints.health import (
     HEALTH_FILE,
     MANIFEST,
     CheckpointError,
@@ -69,9 +69,7 @@ from flowgrpo.checkpoint_health import (
     resolve_checkpoint,
     rotation_victims,
 )
-from flowgrpo.distributed import dist
-from flowgrpo.settings import flat_dict
-from flowgrpo.state_dicts import (
+from flowgrpo.checkpoints.state_dicts import (
     full_tensor,
     is_sharded,
     load_optimizer_state,
@@ -86,6 +84,8 @@ from flowgrpo.state_dicts import (
     trainable_names,
     trainable_state,
 )
+from flowgrpo.distributed import dist
+from flowgrpo.settings import flat_dict
 
 #: the folder of a sharded checkpoint's tensors (torch's distributed checkpoint) and its optimizer groups' file
 SHARDED = "sharded"
@@ -95,10 +95,10 @@ GROUPS = "optimizer_groups.json"
 def save_checkpoint(root: str | Path, epoch: int, *, model: torch.nn.Module, optimizer, lr_scheduler, sampler,
                     ema=None, keep: int = 2, objective=None, health: dict | None = None) -> Path:
     """Write ``root/epoch_<epoch>`` atomically and point ``root/latest`` at it; keep the newest ``keep`` healthy
-    ones and the best evaluated one (:func:`~flowgrpo.checkpoint_health.rotation_victims`).
+    ones and the best evaluated one (:func:`~flowgrpo.checkpoints.health.rotation_victims`).
     ``objective``: the run's objective, whose ``state_dict()`` (empty: none) is saved.
     ``health``: the health record written as the folder's ``health.json``
-    (:func:`~flowgrpo.checkpoint_health.health_record`).
+    (:func:`~flowgrpo.checkpoints.health.health_record`).
 
     Every process calls it. A sharded model (DTensor parameters): each process writes its own shards into the
     temporary folder, then the main process writes the rest and publishes it. Otherwise the main process writes

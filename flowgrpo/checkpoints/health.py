@@ -1,6 +1,6 @@
 """Checkpoint health, rotation and the resume choice: what a checkpoints root (``<output_dir>/checkpoints``) holds
 as seen from outside its folders, and which of them a save keeps and a resume picks. Writing and reading a
-checkpoint's tensors is :mod:`flowgrpo.checkpoint`.
+checkpoint's tensors is :mod:`flowgrpo.checkpoints.save_load`.
 
 Owns: ``health.json`` (:func:`health_record`, :func:`read_health`, :func:`mark_unhealthy`); the check that a
 folder's files are as written, by the sizes its ``state.json`` lists under :data:`MANIFEST` (:func:`incomplete`);
@@ -29,7 +29,7 @@ from pathlib import Path
 MANIFEST = "files"
 
 #: the checkpoint family's logger (its warnings keep the name they carried before the split)
-logger = logging.getLogger("flowgrpo.checkpoint")
+logger = logging.getLogger("flowgrpo.checkpoints.save_load")
 
 
 class CheckpointError(RuntimeError):
