@@ -54,7 +54,7 @@ def _config(root: Path, tiny: Path, name: str, backend: str, **extra) -> Path:
 
 
 def _report(name: str, out: Path, seconds: float) -> dict:
-    from flowgrpo.metrics import read_metrics
+    from flowgrpo.writing.metrics import read_metrics
 
     recs = read_metrics(out / "metrics.jsonl")
     row = {"row": name, "seconds": round(seconds, 1),
@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     args = parser.parse_args(argv)
     from flowgrpo.models.tiny import build_tiny_flux
-    from flowgrpo.outputs import claim_for_command
+    from flowgrpo.writing.outputs import claim_for_command
 
     root = Path(args.out or tempfile.mkdtemp(prefix="compile_cpu_"))
-    claim_for_command(parser, root, "compile bench", "--out")  # flowgrpo's write rule (flowgrpo.outputs)
+    claim_for_command(parser, root, "compile bench", "--out")  # flowgrpo's write rule (flowgrpo.writing.outputs)
     tiny = root / "tiny_flux"
     if not (tiny / "model_index.json").exists():
         build_tiny_flux(tiny)

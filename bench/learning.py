@@ -73,8 +73,8 @@ from pathlib import Path
 
 import yaml
 
-from flowgrpo.outputs import OutputRefused, check_file, check_folder, claim_folder
 from flowgrpo.tasks.digits.report import QUALITY_JUDGE, QUALITY_RATIOS
+from flowgrpo.writing.outputs import OutputRefused, check_file, check_folder, claim_folder
 
 #: the shipped digits.yaml's settings before the collapse work, written out so the row keeps them whatever the
 #: shipped default becomes
@@ -213,8 +213,8 @@ def meets_bar(fig: dict) -> bool | None:
 def seed_figures(run_dir: Path) -> dict:
     """The figures of one finished run folder (``summary.json`` and ``metrics.jsonl``), see the module docstring.
     Raises ``ValueError`` when the summary has no per-digit diversity (not a digits run)."""
-    from flowgrpo.metrics import read_metrics
     from flowgrpo.tasks.digits.report import per_digit_rows, quality_figures
+    from flowgrpo.writing.metrics import read_metrics
 
     summary = json.loads((run_dir / "summary.json").read_text())
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -513,8 +513,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     shared = [*args.set, *([f"train.num_epochs={args.epochs}"] if args.epochs is not None else []),
               f"logging.eval_every={args.eval_every}"]
     check_rows(parser, args, shared)
-    # flowgrpo's write rule (flowgrpo.outputs): --out empty, absent or this bench's (a folder of an older version
-    # holds only row folders: OWN_NAMES); --json replaced only with --overwrite; before any base model or run
+    # flowgrpo's write rule (flowgrpo.writing.outputs): --out empty, absent or this bench's (a folder of an older
+    # version holds only row folders: OWN_NAMES); --json replaced only with --overwrite; before any base model or run
     try:
         check_folder(args.out, "--out", "learning bench", own_names=OWN_NAMES)
         if args.json:

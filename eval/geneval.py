@@ -33,8 +33,8 @@ from flowgrpo_rewards.geneval.reward import GenEvalScorer, to_pil
 from flowgrpo_rewards.geneval.rules import TASKS, RuleConfig, details, evaluation_metadata, validate_metadata
 
 from flowgrpo.cli import DefaultsHelpFormatter
-from flowgrpo.outputs import check_folder, claim_folder
 from flowgrpo.rewards.base import MissingWeightsError
+from flowgrpo.writing.outputs import check_folder, claim_folder
 
 logger = logging.getLogger("geneval")
 

@@ -128,13 +128,13 @@ def _unfinished_run_hint(run: Path) -> str:
 
 def _sample_inputs(args: argparse.Namespace, s: dict, weights: Path | None) -> list:
     """What ``flowgrpo sample`` reads (the run's config, the weights, the model folder, the prompt file): its
-    ``--out`` may not be or lie inside any of them (:func:`flowgrpo.outputs.check_folder`; the run folder itself
+    ``--out`` may not be or lie inside any of them (:func:`flowgrpo.writing.outputs.check_folder`; the run folder itself
     and its checkpoints are a run's, refused as such, and a new folder beside them, ``RUN/samples``, is fine)."""
     return [Path(args.run) / "config.yaml" if args.run else None, weights, args.model, s["prompt_file"]]
 
 
 def _sample(args: argparse.Namespace) -> None:
-    from flowgrpo.outputs import check_folder, claim_folder, unclaim_folder
+    from flowgrpo.writing.outputs import check_folder, claim_folder, unclaim_folder
 
     s = _sample_settings(args)
     weights = None if args.no_weights else s["weights"]
@@ -190,9 +190,9 @@ def _check_prompts_args(args: argparse.Namespace) -> None:
     """Refuse what ``flowgrpo prompts`` would not honour: ``--per-task`` and ``--seed`` for a set read from files
     (only the geneval generator takes them), sources for geneval, and an ``--out`` whose suffix the prompt loader
     would read in another format than the one written (geneval writes JSONL records, every other set one prompt a
-    line), and an ``--out`` the write rule refuses (:func:`flowgrpo.outputs.check_file`: one of the sources, or an
-    existing file without ``--overwrite``). Each refusal is a ``ValueError``, raised before any source is read."""
-    from flowgrpo.outputs import check_file
+    line), and an ``--out`` the write rule refuses (:func:`flowgrpo.writing.outputs.check_file`: one of the sources, or
+    an existing file without ``--overwrite``). Each refusal is a ``ValueError``, raised before any source is read."""
+    from flowgrpo.writing.outputs import check_file
 
     out = Path(args.out)
     if not out.is_dir():  # a folder: named by the prompt set's writer (it wants a file)

@@ -155,7 +155,7 @@ def run_history(out: str | Path, resume_from: str | None, epoch: int) -> list[di
     """The epoch records before ``epoch`` (0-based) of the run a trainer continues: ``out/metrics.jsonl``, else
     (a resume into a new folder) the ``metrics.jsonl`` of the checkpoint's run folder; none for a fresh run."""
     from flowgrpo.checkpoints.health import resolve_checkpoint
-    from flowgrpo.metrics import read_metrics
+    from flowgrpo.writing.metrics import read_metrics
 
     if not resume_from or epoch == 0:
         return []

@@ -22,14 +22,14 @@ from flowgrpo.checkpoints.health import resolve_checkpoint
 from flowgrpo.config import ConfigError, build_config, parse_override, read_yaml
 from flowgrpo.data.image_sets import check_dataset_images
 from flowgrpo.data.prompts import PromptSet, load_prompts
-from flowgrpo.metrics import read_metrics
-from flowgrpo.outputs import check_folder
 from flowgrpo.registry import did_you_mean
 from flowgrpo.rewards.compose import ComposedReward
 from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
-from flowgrpo.run_lock import check_folder_path
 from flowgrpo.sampling.sde import noise_level_warning
 from flowgrpo.training.run_folder import latest_run_config, occupied_message, refuse_changed_evaluation
+from flowgrpo.writing.metrics import read_metrics
+from flowgrpo.writing.outputs import check_folder
+from flowgrpo.writing.run_lock import check_folder_path
 
 logger = logging.getLogger(__name__)
 
@@ -292,10 +292,10 @@ def check_output_dir(config) -> None:
     """A checkpoint to resume must exist, a resume into its run folder keeps the run's evaluation
     (:func:`~flowgrpo.training.run_folder.refuse_changed_evaluation`), and a folder holding another run is refused
     (unless resumed or ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, and one
-    that the write rule refuses (:func:`flowgrpo.outputs.check_folder`: a folder holding files flowgrpo did not
+    that the write rule refuses (:func:`flowgrpo.writing.outputs.check_folder`: a folder holding files flowgrpo did not
     write, one inside another run's weights or checkpoints, or the model's folder or a prompt file; the same for
     ``model.prompt_embeddings_dir``), before any model loads; a resume reads the run's ``metrics.jsonl``
-    (:func:`~flowgrpo.metrics.read_metrics`: a cut-off last line is dropped with a warning, any other bad line
+    (:func:`~flowgrpo.writing.metrics.read_metrics`: a cut-off last line is dropped with a warning, any other bad line
     refused naming the file and line). Raises CheckpointError / ConfigError / FileExistsError / OutputRefused /
     ValueError."""
     out = Path(config.output_dir)

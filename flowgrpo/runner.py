@@ -27,7 +27,6 @@ from flowgrpo.distributed.launch import launcher_words, restore_signals, stop_on
 from flowgrpo.divergence import TrainingDiverged
 from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
-from flowgrpo.outputs import OutputRefused
 from flowgrpo.preflight import (
     auto_resume_config_file,
     check_dataset_size,
@@ -39,11 +38,12 @@ from flowgrpo.rewards.base import MissingWeightsError
 from flowgrpo.rewards.compose import OOM_HINT, RewardError
 from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
 from flowgrpo.rewards.remote import RemoteRewardError
-from flowgrpo.run_lock import hold_run_folder
 from flowgrpo.sampling.prompt_cache import attach_prompt_cache
 from flowgrpo.sampling.rollout import SamplerSettings, check_condition_images
 from flowgrpo.training.loop import Trainer
 from flowgrpo.training.report import format_report
+from flowgrpo.writing.outputs import OutputRefused
+from flowgrpo.writing.run_lock import hold_run_folder
 
 logger = logging.getLogger(__name__)
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
@@ -126,7 +126,8 @@ def _rewards_help() -> str:
 
 def run(config) -> dict:
     """Build every part from ``config`` and train; returns the summary. The main process holds the run folder's
-    lock (:func:`~flowgrpo.run_lock.hold_run_folder`) from before ``train.resume_from=auto`` reads it to the end.
+    lock (:func:`~flowgrpo.writing.run_lock.hold_run_folder`) from before ``train.resume_from=auto`` reads it to the
+    end.
 
     Raises:
         RunFolderBusy: another live run holds ``output_dir`` (a ``FileExistsError``).

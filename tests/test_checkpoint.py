@@ -14,7 +14,7 @@ from flowgrpo.checkpoints.save_load import CheckpointError, load_checkpoint, sav
 from flowgrpo.config import build_config
 from flowgrpo.data.prompts import GroupSampler
 from flowgrpo.ema import EMA
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 
 
 def _cfg(tmp_path, tiny_flux_dir, name, **train):

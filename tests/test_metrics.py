@@ -1,11 +1,11 @@
-"""The epoch line (flowgrpo.metrics.epoch_line): progress, elapsed time and ETA, the reward, the trained share,
+"""The epoch line (flowgrpo.writing.metrics.epoch_line): progress, elapsed time and ETA, the reward, the trained share,
 the later updates' figures, the first-update mismatch when it is news. Expected values are worked out by hand."""
 
 from __future__ import annotations
 
 
 def test_epoch_line_shows_progress_eta_reward_and_later_updates():
-    from flowgrpo.metrics import epoch_line
+    from flowgrpo.writing.metrics import epoch_line
 
     record = {"reward/total/mean": 0.625, "reward/total/std": 0.25, "adv/kept_frac": 0.75, "plan/trained_frac": 0.5,
               "policy/clipfrac": 0.0, "policy/approx_kl": 0.0, "policy/logprob_mismatch_max": 0.0,

@@ -1,5 +1,5 @@
-"""The write rule (flowgrpo.outputs): a writer writes only into a folder that is absent, empty or flowgrpo's own of
-the same kind, never over a file unasked, never onto its input, never into a part of another run. Each case here
+"""The write rule (flowgrpo.writing.outputs): a writer writes only into a folder that is absent, empty or flowgrpo's
+own of the same kind, never over a file unasked, never onto its input, never into a part of another run. Each case here
 is the rule's promise, stated on folders built by hand; the writers' own tests (tests/cli/test_write_rule.py,
 tests/training/test_run_folder_rule.py, …) check that every writer asks it."""
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from flowgrpo.outputs import (
+from flowgrpo.writing.outputs import (
     MARKER_FILE,
     OutputRefused,
     check_file,

@@ -1,5 +1,5 @@
-"""A run owns its output_dir while it runs (flowgrpo.run_lock): a second run on the folder, started as a fresh run,
-with ``logging.overwrite=true`` or with ``train.resume_from=auto``, is refused naming the live run, before anything
+"""A run owns its output_dir while it runs (flowgrpo.writing.run_lock): a second run on the folder, started as a fresh
+run, with ``logging.overwrite=true`` or with ``train.resume_from=auto``, is refused naming the live run, before anything
 in the folder is read or removed; the lock dies with its process, so a crashed run leaves nothing stale.
 
 Run A is a real second process that holds the folder as the training command does; run B is the training command
@@ -18,7 +18,7 @@ import pytest
 
 HOLDER = textwrap.dedent("""
     import sys
-    from flowgrpo.run_lock import hold_run_folder
+    from flowgrpo.writing.run_lock import hold_run_folder
     with hold_run_folder(sys.argv[1], command="flowgrpo train (run A)"):
         print("held", flush=True)
         sys.stdin.readline()  # until the test closes stdin (or kills this process)
@@ -84,7 +84,7 @@ def test_a_second_run_on_a_live_runs_folder_is_refused_naming_it(run_a, monkeypa
 
 
 def test_a_killed_run_leaves_no_stale_lock(run_a):
-    from flowgrpo.run_lock import RunFolderBusy, hold_run_folder
+    from flowgrpo.writing.run_lock import RunFolderBusy, hold_run_folder
 
     folder, proc = run_a
     with pytest.raises(RunFolderBusy, match=f"PID {proc.pid}"), hold_run_folder(folder):
@@ -101,7 +101,7 @@ def test_a_killed_run_leaves_no_stale_lock(run_a):
 @pytest.fixture
 def on_nfs(tmp_path, monkeypatch):
     """``tmp_path`` as an NFS mount in a fake ``/proc/mounts`` (below a local root), and ``flock`` unusable."""
-    from flowgrpo import run_lock
+    from flowgrpo.writing import run_lock
 
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/export {tmp_path.resolve()} nfs4 rw,vers=4.2 0 0\n")
@@ -115,7 +115,7 @@ def on_nfs(tmp_path, monkeypatch):
 
 
 def test_the_file_system_type_is_the_longest_mount_above_the_path(tmp_path):
-    from flowgrpo.run_lock import file_system_type
+    from flowgrpo.writing.run_lock import file_system_type
 
     mounts = tmp_path / "mounts"
     (tmp_path / "a b" / "c").mkdir(parents=True)
@@ -128,7 +128,7 @@ def test_the_file_system_type_is_the_longest_mount_above_the_path(tmp_path):
 def test_on_a_shared_file_system_the_lock_is_an_exclusive_file_removed_at_the_end(on_nfs):
     import json
 
-    from flowgrpo.run_lock import RunFolderBusy, _acquire, hold_run_folder
+    from flowgrpo.writing.run_lock import RunFolderBusy, _acquire, hold_run_folder
 
     folder = on_nfs
     folder.mkdir()
@@ -144,7 +144,7 @@ def test_a_stale_lock_on_a_shared_file_system_is_replaced_only_when_its_process_
     import json
     import socket
 
-    from flowgrpo.run_lock import RunFolderBusy, hold_run_folder
+    from flowgrpo.writing.run_lock import RunFolderBusy, hold_run_folder
 
     folder = on_nfs
     folder.mkdir()

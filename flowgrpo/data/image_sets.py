@@ -49,7 +49,7 @@ import torch
 
 from flowgrpo.data.prompts import EMBEDDED
 from flowgrpo.data.text_files import iter_jsonl
-from flowgrpo.outputs import OutputRefused, check_folder, claim_folder
+from flowgrpo.writing.outputs import OutputRefused, check_folder, claim_folder
 
 __all__ = ["ImageItem", "PreferencePair", "check_dataset_images", "dataset_file", "dataset_folder", "load_image",
            "record_image", "read_pickapic",
@@ -334,11 +334,11 @@ def write_preference_set(pairs: Iterable[PreferencePair], out_dir: str | Path,
 
     Raises:
         OutputRefused: ``out_dir`` holds files flowgrpo did not write, or other flowgrpo output
-            (:func:`flowgrpo.outputs.check_folder`).
+            (:func:`flowgrpo.writing.outputs.check_folder`).
         ValueError: no pairs, or a pair whose metadata has a ``prompt``, ``chosen`` or ``rejected`` field (it would
             replace the written one)."""
     out = Path(out_dir)
-    check_folder(out, "out_dir", "preference set")  # flowgrpo's write rule (flowgrpo.outputs)
+    check_folder(out, "out_dir", "preference set")  # flowgrpo's write rule (flowgrpo.writing.outputs)
     claim_folder(out, "preference set", "out_dir")
     (out / "images").mkdir(parents=True, exist_ok=True)
     records = []
@@ -360,11 +360,11 @@ def write_image_set(items: Iterable[ImageItem], out_dir: str | Path, size: tuple
 
     Raises:
         OutputRefused: ``out_dir`` holds files flowgrpo did not write, or other flowgrpo output
-            (:func:`flowgrpo.outputs.check_folder`).
+            (:func:`flowgrpo.writing.outputs.check_folder`).
         ValueError: no items, or an item whose metadata has a ``prompt`` or ``target`` field (it would replace the
             written one)."""
     out = Path(out_dir)
-    check_folder(out, "out_dir", "image set")  # flowgrpo's write rule (flowgrpo.outputs)
+    check_folder(out, "out_dir", "image set")  # flowgrpo's write rule (flowgrpo.writing.outputs)
     claim_folder(out, "image set", "out_dir")
     (out / "images").mkdir(parents=True, exist_ok=True)
     records = []

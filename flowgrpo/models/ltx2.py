@@ -54,7 +54,7 @@ import torch
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
 from flowgrpo.models.empty import empty_components
-from flowgrpo.outputs import claim_for_command
+from flowgrpo.writing.outputs import claim_for_command
 
 logger = logging.getLogger(__name__)
 
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.outputs)
+    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.writing.outputs)
     logging.basicConfig(level=logging.INFO)
     logger.info("tiny LTX-2 pipeline saved to %s", build_tiny_ltx2(args.out_dir, args.seed))
 

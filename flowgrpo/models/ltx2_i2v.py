@@ -56,7 +56,7 @@ import torch
 from flowgrpo.models.base import PromptEmbeds, one_image_per_prompt
 from flowgrpo.models.empty import empty_components
 from flowgrpo.models.ltx2 import LTX2Adapter, LTX2Guidance, build_tiny_ltx2
-from flowgrpo.outputs import claim_for_command
+from flowgrpo.writing.outputs import claim_for_command
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.outputs)
+    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.writing.outputs)
     logging.basicConfig(level=logging.INFO)
     logger.info("tiny LTX-2 I2V pipeline saved to %s", build_tiny_ltx2_i2v(args.out_dir, args.seed))
 

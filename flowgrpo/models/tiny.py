@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.outputs import claim_for_command
+from flowgrpo.writing.outputs import claim_for_command
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ import torch
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds
 from flowgrpo.models.empty import empty_components, empty_names
-from flowgrpo.outputs import claim_for_command
+from flowgrpo.writing.outputs import claim_for_command
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", default="wan21", choices=["wan21", "wan22", "ti2v"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.outputs)
+    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.writing.outputs)
     logging.basicConfig(level=logging.INFO)
     logger.info("tiny Wan pipeline saved to %s", build_tiny_wan(args.out_dir, args.seed, variant=args.variant))
 

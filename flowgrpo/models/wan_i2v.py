@@ -44,7 +44,7 @@ import torch
 from flowgrpo.models.base import PromptEmbeds, one_image_per_prompt
 from flowgrpo.models.empty import empty_components, empty_names
 from flowgrpo.models.wan import WanAdapter, _tiny_transformer, _tiny_vae, euler_scheduler
-from flowgrpo.outputs import claim_for_command
+from flowgrpo.writing.outputs import claim_for_command
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", default="wan21", choices=["wan21", "wan22"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.outputs)
+    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.writing.outputs)
     logging.basicConfig(level=logging.INFO)
     logger.info("tiny Wan I2V pipeline saved to %s", build_tiny_wan_i2v(args.out_dir, args.seed,
                                                                        variant=args.variant))

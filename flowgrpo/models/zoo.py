@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flowgrpo.outputs import claim_for_command
+from flowgrpo.writing.outputs import claim_for_command
 
 logger = logging.getLogger(__name__)
 
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--real-size", action="store_true", help="the released transformer's body (REAL_SIZE)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.outputs)
+    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.writing.outputs)
     if args.real_size and args.family not in REAL_SIZE:
         parser.error(f"no real size recorded for {args.family!r}; give --transformer")
     tk = {**(REAL_SIZE[args.family] if args.real_size else {}), **json.loads(args.transformer or "{}")} or None

@@ -23,7 +23,7 @@ On disk (``model.prompt_embeddings_dir``): each row is also written to
 ``<dir>/<identity[:16]>/<sha256 of the key>.safetensors`` (written to a temporary name and renamed, so a reader never
 sees half a file) and read from there when it is not in host memory, so a resumed or later run with the same
 encoders skips the encoders too; ``<dir>`` must be absent, empty or this cache's (:data:`OWN_NAMES`, the rule of
-:mod:`flowgrpo.outputs`). The file holds the row's tensors, the shared tensors (``shared.<name>``) and, in
+:mod:`flowgrpo.writing.outputs`). The file holds the row's tensors, the shared tensors (``shared.<name>``) and, in
 its metadata, the full identity and key, which are checked on reading.
 """
 
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.outputs import claim_folder
 from flowgrpo.records import PromptEmbeds
+from flowgrpo.writing.outputs import claim_folder
 
 #: the names the cache gives the folders of ``model.prompt_embeddings_dir`` (one per encoder identity)
 OWN_NAMES = r"[0-9a-f]{16}"
@@ -156,7 +156,7 @@ class PromptEmbedCache:
         from safetensors.torch import save_file
 
         claim_folder(self.directory.parent, "prompt embeddings", "model.prompt_embeddings_dir")  # checked before
-        self.directory.mkdir(exist_ok=True)  # the run by the preflight (flowgrpo.outputs.check_folder)
+        self.directory.mkdir(exist_ok=True)  # the run by the preflight (flowgrpo.writing.outputs.check_folder)
         tensors = {**{f"row.{k}": v.contiguous() for k, v in self.rows[self._key(key)].items()},
                    **{f"shared.{k}": v.contiguous() for k, v in self.shared.items()}}
         fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")

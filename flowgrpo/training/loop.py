@@ -31,7 +31,6 @@ from flowgrpo.compile import CompileWatch
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.distributed import dist
 from flowgrpo.divergence import WeightHealth, check_weights
-from flowgrpo.metrics import MetricsSink, epoch_line, read_metrics
 from flowgrpo.models import DTYPES
 from flowgrpo.monitors import x0_norm_metrics
 from flowgrpo.plots import reward_curve, sample_grid
@@ -46,6 +45,7 @@ from flowgrpo.training.health_watch import HealthWatch
 from flowgrpo.training.optim import Optimization
 from flowgrpo.training.run_folder import RunFolder
 from flowgrpo.training.update import run_update
+from flowgrpo.writing.metrics import MetricsSink, epoch_line, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train for ``train.num_epochs`` epochs; returns the summary also written to ``summary.json``.
 
-        Logs one line per epoch (:func:`~flowgrpo.metrics.epoch_line`: progress, elapsed time and ETA, reward,
+        Logs one line per epoch (:func:`~flowgrpo.writing.metrics.epoch_line`: progress, elapsed time and ETA, reward,
         trained fraction, the off-policy updates' clip fraction and KL). A resumed run that is already finished
         returns the run's existing summary (or ``{}``) untouched."""
         cfg = self.cfg

@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from flowgrpo.distributed import dist
-from flowgrpo.metrics import read_metrics
 from flowgrpo.model_card import pipeline_call, write_model_card
 from flowgrpo.plots import before_after, edits_before_after
 from flowgrpo.records import GroupTable
 from flowgrpo.sampling.rollout import load_condition_images
+from flowgrpo.writing.metrics import read_metrics
 
 #: the order the phases run in (the summary's ``phase_seconds`` and the report list them so)
 PHASES = ("rollout", "reward", "filter", "advantage", "plan", "recompute", "update", "plots", "eval", "save")

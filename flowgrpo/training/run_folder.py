@@ -15,9 +15,9 @@ import torch
 import yaml
 
 from flowgrpo.checkpoints.health import resolve_checkpoint
-from flowgrpo.metrics import read_metrics
-from flowgrpo.outputs import RUN_FILES, claim_folder
 from flowgrpo.settings import ConfigError, flat_dict, save_config
+from flowgrpo.writing.metrics import read_metrics
+from flowgrpo.writing.outputs import RUN_FILES, claim_folder
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class RunFolder:
             if old:
                 logger.warning("logging.overwrite=true: removed the old run's %s from %s",
                                ", ".join(p.name for p in old), self.out)
-        claim_folder(self.out, "run")  # the preflight checked the folder (flowgrpo.outputs.check_folder)
+        claim_folder(self.out, "run")  # the preflight checked the folder (flowgrpo.writing.outputs.check_folder)
 
     def write_config(self, epoch: int) -> None:
         """``config.yaml`` is the run's original config and is never overwritten: a resume at ``epoch`` warns with

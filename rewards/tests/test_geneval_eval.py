@@ -364,7 +364,7 @@ def test_reward_input_errors():
 
 
 def test_results_never_go_into_the_scored_folder_nor_a_users_folder(tmp_path, capsys):
-    """flowgrpo's write rule (flowgrpo.outputs), checked before any model loads. Before: results.jsonl,
+    """flowgrpo's write rule (flowgrpo.writing.outputs), checked before any model loads. Before: results.jsonl,
     summary.json and summary.md went into the scored image folder (by default) or any --outdir."""
     images = tmp_path / "images"
     write_random_folder(images, first_of_each_task()[:1], samples=1)

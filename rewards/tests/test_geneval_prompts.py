@@ -133,7 +133,7 @@ def test_cli_writes_jsonl(tmp_path):
 
 
 def test_cli_replaces_an_existing_file_only_with_overwrite(tmp_path, capsys):
-    """flowgrpo's write rule (flowgrpo.outputs); before: OUT was replaced without a word."""
+    """flowgrpo's write rule (flowgrpo.writing.outputs); before: OUT was replaced without a word."""
     out = tmp_path / "train.jsonl"
     out.write_text("my own specs\n")
     with pytest.raises(SystemExit) as info:

@@ -11,7 +11,7 @@ import torch
 
 from flowgrpo.algo.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
 from flowgrpo.config import ConfigError, build_config
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 
 
 def test_settings_are_verl_omnis_and_knobs_reach_the_loss():

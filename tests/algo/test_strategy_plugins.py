@@ -8,7 +8,7 @@ import torch
 
 from flowgrpo.algo.policy_losses import POLICY_LOSSES, clipped_terms
 from flowgrpo.config import build_config
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 
 
 def _config(tmp_path, tiny_flux_dir, **algo):

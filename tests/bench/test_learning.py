@@ -219,7 +219,7 @@ def test_repeated_set_combines_and_resume_compares_the_combined_list(learning, t
 
 
 def test_out_and_json_keep_the_write_rule(learning, monkeypatch, capsys, tmp_path):
-    """flowgrpo.outputs: --out is empty, absent or this bench's (an older one holds only row folders); --json is
+    """flowgrpo.writing.outputs: --out is empty, absent or this bench's (an older one holds only row folders); --json is
     replaced only with --overwrite. Before: the bench wrote its row folders into any folder and replaced --json."""
     mine = tmp_path / "mine"
     mine.mkdir()

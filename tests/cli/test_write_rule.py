@@ -1,5 +1,5 @@
 """Every ``flowgrpo`` subcommand that writes, and the module commands that build datasets and models, keep the
-write rule (flowgrpo.outputs): an ``--out`` file is replaced only with ``--overwrite`` and never when it is a
+write rule (flowgrpo.writing.outputs): an ``--out`` file is replaced only with ``--overwrite`` and never when it is a
 source; an output folder is absent, empty or the command's own, never a part of a run (its weights, which
 ``flowgrpo push`` uploads, its checkpoints) nor inside an input. Each refusal is one line (``error: …``, exit status
 2) before any model is built or any source read, and leaves every file as it was.
@@ -148,8 +148,8 @@ def test_sample_writes_into_an_empty_folder_and_again_into_its_own(tmp_path, mon
 def test_dataset_builders_refuse_a_users_folder_and_their_source(tmp_path, capsys):
     from flowgrpo.data.image_sets import ImageItem, write_image_set
     from flowgrpo.data.image_sets import main as image_sets_main
-    from flowgrpo.outputs import OutputRefused
     from flowgrpo.tasks.digits.datasets import main as digits_sets_main
+    from flowgrpo.writing.outputs import OutputRefused
 
     mine = tmp_path / "mine"
     mine.mkdir()

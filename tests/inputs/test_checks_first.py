@@ -97,11 +97,11 @@ def _records(*epochs) -> str:
 
 
 def test_a_cut_last_line_is_dropped_and_said(tmp_path, caplog):
-    from flowgrpo.metrics import read_metrics
+    from flowgrpo.writing.metrics import read_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text(_records(0, 1) + '{"epoch": 2, "reward/me')  # killed while appending epoch 2
-    with caplog.at_level(logging.WARNING, logger="flowgrpo.metrics"):
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.writing.metrics"):
         assert [r["epoch"] for r in read_metrics(path)] == [0, 1]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and str(path) in lines[0] and "line 3" in lines[0] and "dropped" in lines[0]
@@ -109,7 +109,7 @@ def test_a_cut_last_line_is_dropped_and_said(tmp_path, caplog):
 
 @pytest.mark.parametrize("bad", ['{"epoch": 1, "rew', "[1, 2]", '{"reward/mean": 1}'])
 def test_a_bad_line_before_the_last_names_the_file_the_line_and_the_fix(tmp_path, bad):
-    from flowgrpo.metrics import read_metrics
+    from flowgrpo.writing.metrics import read_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text(_records(0) + bad + "\n" + _records(2))
@@ -121,7 +121,7 @@ def test_a_bad_line_before_the_last_names_the_file_the_line_and_the_fix(tmp_path
 
 def test_resume_reads_metrics_before_the_model_loads(tmp_path, monkeypatch, no_model_load):
     import flowgrpo.preflight as preflight
-    from flowgrpo.outputs import claim_folder
+    from flowgrpo.writing.outputs import claim_folder
 
     out = tmp_path / "run"
     claim_folder(out, "run")  # a run's folder (flowgrpo's own), as a resume finds it

@@ -19,7 +19,7 @@ import yaml
 
 from flowgrpo.cli import main as cli_main
 from flowgrpo.config import build_config
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 from tests.tiny_runs import _cfg, _rollouts
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flowgrpo.config import build_config
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 from tests.tiny_runs import _cfg, _rollouts, _tiny_overrides
 
 MOD = __name__  # the stub rewards below are loaded by 'module:attr'

@@ -23,7 +23,7 @@ import yaml
 from flowgrpo.checkpoints.save_load import CheckpointError, load_checkpoint, save_checkpoint
 from flowgrpo.config import ConfigError, build_config
 from flowgrpo.data.prompts import GroupSampler
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 from tests.tiny_runs import _cfg, _tiny_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -184,7 +184,7 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
     run(_cfg(tmp_path, tiny_flux_dir))
     out = tmp_path / "run"
 
-    def stamps():  # the run's files; the lock file (flowgrpo.run_lock) names whichever process holds the folder
+    def stamps():  # the run's files; the lock file (flowgrpo.writing.run_lock) names whichever process holds the folder
         return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".flowgrpo.lock"}
 
     before = stamps()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flowgrpo.config import CompileConfig, build_config
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 
 #: float32 rounding of a few fused layers: eps32 = 1.19e-7 times the accumulated operations' condition; the
 #: velocities here are O(1), so a relative 1e-5 allows ~100 ulps and fails on any wrong computation (a missing

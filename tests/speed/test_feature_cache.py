@@ -90,8 +90,8 @@ def test_bad_cache_settings_are_refused_naming_the_value(cache, match):
 
 
 def test_the_cached_nft_rollout_trains_an_epoch_and_the_update_is_uncached(tmp_path, tiny_flux_dir, monkeypatch):
-    from flowgrpo.metrics import read_metrics
     from flowgrpo.runner import run
+    from flowgrpo.writing.metrics import read_metrics
 
     seen = []  # (gradient enabled, cache enabled) of every velocity
     real = FluxAdapter.velocity

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from flowgrpo.checkpoints.save_load import whole_tensors
 from flowgrpo.config import build_config
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 from tests.training.test_sharding import RTOL, _records
 
 

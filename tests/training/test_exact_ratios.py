@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flowgrpo.config import build_config
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 
 
 def _run(tmp_path, tiny_flux_dir, name, **over):

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowgrpo.config import ConfigError, build_config
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
 from tests.training.objective_runs import assert_resume_equals_whole, tiny_config
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
 from tests.training.objective_runs import assert_resume_equals_whole, tiny_config
 

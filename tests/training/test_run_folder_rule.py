@@ -1,4 +1,4 @@
-"""A run writes only into a folder that is absent, empty or a flowgrpo run's (flowgrpo.outputs), whatever
+"""A run writes only into a folder that is absent, empty or a flowgrpo run's (flowgrpo.writing.outputs), whatever
 ``logging.overwrite`` or ``train.resume_from=auto`` say, and is refused in one line before any model loads.
 
 Before: a first run into a folder holding a user's ``transformer/``, ``lora/``, ``metrics.jsonl`` and

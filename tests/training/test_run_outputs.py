@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flowgrpo.config import build_config
-from flowgrpo.metrics import read_metrics
+from flowgrpo.writing.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

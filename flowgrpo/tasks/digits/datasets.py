@@ -26,8 +26,8 @@ import torch
 
 from flowgrpo.cache import build_once, cache_dir
 from flowgrpo.data.image_sets import ImageItem, PreferencePair, write_image_set, write_preference_set
-from flowgrpo.outputs import OutputRefused, check_folder
 from flowgrpo.tasks.digits.data import PHRASINGS, digit_prompt, digits_to_images, load_digit_split, prompt_records
+from flowgrpo.writing.outputs import OutputRefused, check_folder
 
 __all__ = ["build_real_set", "build_preference_set", "ensure_real_set", "ensure_preference_set", "main"]
 

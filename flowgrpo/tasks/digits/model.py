@@ -54,7 +54,6 @@ import torch
 
 from flowgrpo.cache import build_once, cache_dir
 from flowgrpo.models.tiny import TEXT_DIM, build_text_encoders
-from flowgrpo.outputs import OutputRefused, check_folder
 from flowgrpo.tasks.digits.data import (
     IMAGE_SIZE,
     PHRASINGS,
@@ -63,6 +62,7 @@ from flowgrpo.tasks.digits.data import (
     load_digit_split,
     prompt_records,
 )
+from flowgrpo.writing.outputs import OutputRefused, check_folder
 
 logger = logging.getLogger("flowgrpo.tasks.digits.model")  # also when run as __main__
 
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
               "vae_batch_size": args.vae_batch_size}
     default = recipe == {"vae_steps": VAE_STEPS, "steps": TRANSFORMER_STEPS, "batch_size": BATCH_SIZE,
                          "vae_batch_size": VAE_BATCH_SIZE}
-    if not (target / MARKER_FILE).is_file():  # not a digits model: flowgrpo's write rule (flowgrpo.outputs)
+    if not (target / MARKER_FILE).is_file():  # not a digits model: flowgrpo's write rule (flowgrpo.writing.outputs)
         try:
             check_folder(target, "OUT_DIR", "model")
         except OutputRefused as err:

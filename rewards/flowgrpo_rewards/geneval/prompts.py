@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flowgrpo.outputs import OutputRefused, check_file
 from flowgrpo.text import fold_text
+from flowgrpo.writing.outputs import OutputRefused, check_file
 from flowgrpo_rewards.geneval.rules import COLORS, RELATIONS, TASKS, evaluation_metadata, object_names
 
 logger = logging.getLogger(__name__)
@@ -305,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="a task with fewer distinct prompts than --per-task gives all it has (counting: 160)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT when it exists")
     args = parser.parse_args(argv)
-    try:  # flowgrpo's write rule (flowgrpo.outputs): an existing OUT only with --overwrite
+    try:  # flowgrpo's write rule (flowgrpo.writing.outputs): an existing OUT only with --overwrite
         check_file(args.out, "out", overwrite=args.overwrite)
     except OutputRefused as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")

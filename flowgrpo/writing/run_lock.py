@@ -33,7 +33,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from flowgrpo.outputs import LOCK_FILE, check_folder, claim_folder, foreign_files
+from flowgrpo.writing.outputs import LOCK_FILE, check_folder, claim_folder, foreign_files
 
 try:
     import fcntl
@@ -164,14 +164,14 @@ def _acquire_exclusive(folder: Path, record: str) -> object:
 
 def _acquire(folder: Path, command: str) -> object:
     """Open and lock ``folder/LOCK_FILE`` (created with the folder, which is marked as a run's:
-    :func:`flowgrpo.outputs.claim_folder`); returns the open file holding the lock and whether this call created
+    :func:`flowgrpo.writing.outputs.claim_folder`); returns the open file holding the lock and whether this call created
     ``folder``.
 
     Raises:
         RunFolderBusy: another process holds it.
         FileExistsError: ``folder`` or a folder above it is a file (:func:`check_folder_path`).
         OutputRefused: ``folder`` holds files flowgrpo did not write, or another kind of flowgrpo output
-            (:func:`flowgrpo.outputs.check_folder`; checked before anything is written there).
+            (:func:`flowgrpo.writing.outputs.check_folder`; checked before anything is written there).
         RunFolderUnusable: ``folder`` cannot be made or its lock file cannot be written (the OS's reason).
     """
     check_folder_path(folder)
@@ -222,7 +222,7 @@ def _acquire(folder: Path, command: str) -> object:
 
 def _release(folder: Path, fh, made: bool) -> None:
     """Close the lock file (which releases the lock); a folder this hold created and nothing but flowgrpo's own
-    files (the lock's, the marker: :data:`flowgrpo.outputs.OWN_FILES`) came to live in (a run that stopped at a
+    files (the lock's, the marker: :data:`flowgrpo.writing.outputs.OWN_FILES`) came to live in (a run that stopped at a
     setup error) is removed again, so a refused run leaves nothing."""
     try:
         if getattr(fh, "exclusive", False):  # a shared file system's lock: the file itself

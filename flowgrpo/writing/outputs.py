@@ -34,7 +34,7 @@ import yaml
 
 #: the file flowgrpo writes into a folder it claims; it names the kind of output the folder holds
 MARKER_FILE = ".flowgrpo-output"
-#: the run lock's file (:mod:`flowgrpo.run_lock`)
+#: the run lock's file (:mod:`flowgrpo.writing.run_lock`)
 LOCK_FILE = ".flowgrpo.lock"
 #: files flowgrpo leaves in a folder it claimed: they do not make the folder non-empty
 OWN_FILES = (MARKER_FILE, LOCK_FILE)
