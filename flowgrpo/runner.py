@@ -24,7 +24,6 @@ from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.config.help import help_config, not_read, refused
 from flowgrpo.distributed import dist
 from flowgrpo.distributed.launch import launcher_words, restore_signals, stop_on_signals, stopping_signal
-from flowgrpo.divergence import TrainingDiverged
 from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.preflight import (
@@ -42,6 +41,7 @@ from flowgrpo.sampling.prompt_cache import attach_prompt_cache
 from flowgrpo.sampling.rollout import SamplerSettings, check_condition_images
 from flowgrpo.training.loop import Trainer
 from flowgrpo.training.report import format_report
+from flowgrpo.watch.divergence import TrainingDiverged
 from flowgrpo.writing.outputs import OutputRefused
 from flowgrpo.writing.run_lock import hold_run_folder
 
@@ -329,7 +329,7 @@ def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process:
         if not _SETUP_DONE:  # bad input found while setting up (names, prompt files, models): no traceback
             _refuse(parser, 2, f"error: {err.args[0] if isinstance(err, KeyError) else err}\n", main_process)
         raise
-    except TrainingDiverged as err:  # the rule of flowgrpo.divergence: one line, the last checkpoint kept
+    except TrainingDiverged as err:  # the rule of flowgrpo.watch.divergence: one line, the last checkpoint kept
         parser.exit(1, f"error: {err}\n" if main_process else "")  # every process stops together; one says it
     except torch.OutOfMemoryError as err:  # the rollout, the update, the evaluation: what to change, not a trace
         where = f" ({_TRAINER.stage}, epoch {_TRAINER.epoch + 1})" if _TRAINER is not None else " (setting up)"

@@ -1,4 +1,5 @@
-"""A diverging run keeps its healthy checkpoints and stops in one line naming the divergence (flowgrpo.divergence).
+"""A diverging run keeps its healthy checkpoints and stops in one line naming the divergence
+(flowgrpo.watch.divergence).
 
 The rule: an epoch is unhealthy when an update figure is NaN or infinite, or a KL figure exceeds both its floor
 (approx_kl 1e-2, kl_ref 1.0) and 1000 times its largest earlier value (without one: 1000 times the floor); a
@@ -13,7 +14,7 @@ import math
 import pytest
 import torch
 
-from flowgrpo.divergence import DivergenceWatch, TrainingDiverged, check_weights
+from flowgrpo.watch.divergence import DivergenceWatch, TrainingDiverged, check_weights
 
 
 def test_the_rule_by_hand(tmp_path):

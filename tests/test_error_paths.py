@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flowgrpo.cli import main as cli_main
-from flowgrpo.divergence import DivergenceWatch, TrainingDiverged
+from flowgrpo.watch.divergence import DivergenceWatch, TrainingDiverged
 from tests.tiny_runs import _cfg, _tiny_overrides
 
 REPO = Path(__file__).resolve().parents[1]

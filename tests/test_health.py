@@ -1,4 +1,5 @@
-"""Health before a checkpoint, as a kind (flowgrpo.divergence rule 4, flowgrpo.checkpoints.health's health records).
+"""Health before a checkpoint, as a kind (flowgrpo.watch.divergence rule 4, flowgrpo.checkpoints.health's health
+records).
 
 The statement tested: a checkpoint is written only from weights shown healthy by figures of the weights
 themselves (the norm of the trained weights at most doubled by the epoch's update; a probe forward of the new
@@ -26,7 +27,7 @@ from flowgrpo.checkpoints.health import (
     rotation_victims,
 )
 from flowgrpo.cli import main as cli_main
-from flowgrpo.divergence import DivergenceWatch, WeightHealth
+from flowgrpo.watch.divergence import DivergenceWatch, WeightHealth
 from tests.tiny_runs import _tiny_overrides
 
 
@@ -257,7 +258,7 @@ def test_the_collapse_warning_on_a_hand_made_metric_stream():
     """The issue's digits collapse, as figures: correctness 0.58 at epoch 2, then 0.14. A fall of more than the
     fraction (0.2) below the best is warned, naming the epoch, the figure, its value and the best; smaller falls
     and rises are not."""
-    from flowgrpo.divergence import CollapseWatch
+    from flowgrpo.watch.divergence import CollapseWatch
 
     history = [{"epoch": 0, "eval/c/mean": 0.40}, {"epoch": 1, "eval/c/mean": 0.58}, {"epoch": 2}]
     watch = CollapseWatch("eval/c/mean", 0.2, history)
@@ -278,7 +279,7 @@ def test_the_collapse_warning_says_what_is_kept_only_when_it_is():
     """The warning claimed "the best evaluated checkpoint is kept out of the rotation" also with
     ``logging.keep_best=false``, and when the best was the base model's "before" evaluation, which no checkpoint
     holds (the digits default at train.lr=3e-3 falls below it in its first epochs)."""
-    from flowgrpo.divergence import CollapseWatch
+    from flowgrpo.watch.divergence import CollapseWatch
 
     off = CollapseWatch("eval/c/mean", 0.2, [{"epoch": 0, "eval/c/mean": 0.58}], keep_best=False)
     warning = off.observe({"eval/c/mean": 0.14}, "epoch 5")

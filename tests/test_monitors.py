@@ -1,4 +1,4 @@
-"""The rollout's x0 norm and its drift warning (flowgrpo.monitors). Expected values are computed here by hand from
+"""The rollout's x0 norm and its drift warning (flowgrpo.watch.x0_norm). Expected values are computed here by hand from
 the hand-made latents and streams (DiffusionNFT's x0_norm: the mean of x0^2; here per sample, then over the batch)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def _final(x0: torch.Tensor) -> FinalSamples:
 
 
 def test_x0_norm_of_a_forward_rollout_and_of_a_trajectory():
-    from flowgrpo.monitors import x0_norm_metrics
+    from flowgrpo.watch.x0_norm import x0_norm_metrics
 
     # two samples of 2 x 2 latents: mean x0^2 = (1 + 1 + 1 + 1) / 4 = 1 and (4 + 0 + 0 + 0) / 4 = 1 ... and 9
     x0 = torch.tensor([[[1.0, -1.0], [1.0, 1.0]], [[2.0, 0.0], [0.0, 0.0]], [[3.0, 3.0], [-3.0, 3.0]]])
@@ -45,7 +45,7 @@ def _records(values):
 
 
 def test_a_sustained_drift_warns_once_naming_the_epoch_the_value_and_the_baseline():
-    from flowgrpo.monitors import X0NormWatch
+    from flowgrpo.watch.x0_norm import X0NormWatch
 
     watch = X0NormWatch(window=3, drift=0.25)
     stream = [1.0, 1.0, 1.0, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]
@@ -61,7 +61,7 @@ def test_a_sustained_drift_warns_once_naming_the_epoch_the_value_and_the_baselin
 
 
 def test_a_spike_is_not_a_drift_and_a_fall_is():
-    from flowgrpo.monitors import X0NormWatch
+    from flowgrpo.watch.x0_norm import X0NormWatch
 
     spike = [1.0] * 6 + [1.6] + [1.0] * 5  # one epoch 60% up: the 3-epoch mean reaches 1.2 only
     watch = X0NormWatch(window=3, drift=0.25)
@@ -75,7 +75,7 @@ def test_a_spike_is_not_a_drift_and_a_fall_is():
 
 
 def test_a_resumed_run_keeps_its_baseline_and_bad_settings_are_refused():
-    from flowgrpo.monitors import X0NormWatch
+    from flowgrpo.watch.x0_norm import X0NormWatch
 
     history = _records([1.0, 1.0, 1.0, 1.2, 1.2])[::-1]  # any order; last 2: 1.2, inside x1.25 of 1.0
     watch = X0NormWatch(window=2, drift=0.25, history=history)
@@ -94,7 +94,7 @@ def test_a_drifting_rollout_through_the_metrics_warns():
     """Rollouts whose final latents grow 10% an epoch after 4 steady ones: the record's figure is (scale)^2, so
     with window 2 and f = 0.5 the last two epochs' mean passes 1.5 x the first two's (1.0) at epoch 7."""
     from flowgrpo.config import build_config
-    from flowgrpo.monitors import X0NormWatch, x0_norm_metrics
+    from flowgrpo.watch.x0_norm import X0NormWatch, x0_norm_metrics
 
     cfg = build_config({})
     assert (cfg.logging.x0_norm_window, cfg.logging.x0_norm_drift) == (5, 0.25)  # the defaults

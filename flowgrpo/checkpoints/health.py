@@ -9,7 +9,7 @@ complete folders (:func:`checkpoint_folders`); the rotation (:func:`best_checkpo
 the resume choice (:func:`newest_healthy`, :func:`resolve_checkpoint`); and :class:`CheckpointError`, raised here
 and by the loader.
 
-The trainer writes a checkpoint only from healthy weights (:mod:`flowgrpo.divergence`): every trained parameter
+The trainer writes a checkpoint only from healthy weights (:mod:`flowgrpo.watch.divergence`): every trained parameter
 finite, the epoch's own update figures not flagged (a NaN or infinite figure, or a KL figure beyond both its floor
 and 1000 times its largest earlier value) and the new weights' own figures sound (their norm's growth, a probe
 forward); ``health.json`` records them. A diverging run stops instead, naming the figure and the epoch. A checkpoint
@@ -78,7 +78,7 @@ HEALTH_FILE = "health.json"
 
 def health_record(figures: dict[str, float], best_metric: str | None = None) -> dict:
     """What ``health.json`` holds for a checkpoint written from weights the trainer found healthy: ``healthy``
-    true, the ``health/*`` figures that showed it (:class:`~flowgrpo.divergence.WeightHealth`) and, when the epoch
+    true, the ``health/*`` figures that showed it (:class:`~flowgrpo.watch.divergence.WeightHealth`) and, when the epoch
     was evaluated, the evaluation figure ``best_metric`` and its value (``eval``; higher is better), which
     :func:`rotation_victims` keeps the best of."""
     record: dict = {"healthy": True, "checks": {k: v for k, v in figures.items() if k.startswith("health/")}}

@@ -553,7 +553,7 @@ class LoggingConfig(Section):
         "rollouts/epoch_<N>.safetensors (for analysis and the multi-process equivalence test)"
     )
     x0_norm_window: int = Field(5, ge=1, description="epochs of the x0-norm drift warning's baseline (the run's "
-                                "first) and recent (the last) means of rollout/x0_norm (flowgrpo.monitors)")
+                                "first) and recent (the last) means of rollout/x0_norm (flowgrpo.watch.x0_norm)")
     x0_norm_drift: float = Field(0.25, gt=0, description="warn once when the recent x0 norm leaves "
                                  "[baseline/(1+f), (1+f)*baseline] (DiffusionNFT #47: drifting up, images brighten)")
 

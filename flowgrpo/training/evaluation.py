@@ -4,7 +4,7 @@ Owns the evaluation set (:meth:`Evaluation.eval_set`), its seeds (never a traini
 (per-image means and whole-set figures) and the ``eval (<tag>)`` console line. The loop
 (:mod:`flowgrpo.training.loop`) says when to evaluate (before training, every ``logging.eval_every`` epochs, after);
 every process evaluates together, each data rank sampling its share of the set (:meth:`Evaluation.evaluate`);
-whether the images are finite is the health watch's (:mod:`flowgrpo.training.health_watch`), called back by
+whether the images are finite is the health watch's (:mod:`flowgrpo.watch.run_health`), called back by
 :meth:`Evaluation.evaluate` before any reward scores them.
 """
 
@@ -89,7 +89,7 @@ class Evaluation:
         a per-group ``eval/<group>/<figure>`` …) instead of its per-image mean; the console line leaves the
         per-group figures out. ``check``: called with the count of NaN or infinite values of the whole set's
         images (the same on every process) before any reward scores them (the health watch's
-        :meth:`~flowgrpo.training.health_watch.HealthWatch.check_images`, which stops the run when it is not 0).
+        :meth:`~flowgrpo.watch.run_health.HealthWatch.check_images`, which stops the run when it is not 0).
 
         Raises:
             flowgrpo.rewards.compose.RewardError: a reward failed, on this process or (split) on another one.

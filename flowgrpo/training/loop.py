@@ -11,7 +11,7 @@ end-of-run report :mod:`flowgrpo.training.report`.
 Owns the epoch's phases and their order, the per-epoch records (metrics, plots, rollout statistics, the
 low-signal warning) and the saves. The held-out evaluation is :mod:`flowgrpo.training.evaluation`, the health
 watch (divergence, non-finite images, the resumed weights' probe, the best metric's collapse guard, the x0-norm
-drift) :mod:`flowgrpo.training.health_watch`: the loop says when each runs.
+drift) :mod:`flowgrpo.watch.run_health`: the loop says when each runs.
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from flowgrpo.checkpoints.state_dicts import save_final_weights
 from flowgrpo.compile import CompileWatch
 from flowgrpo.data.prompts import GroupSampler, PromptSet, group_keys
 from flowgrpo.distributed import dist
-from flowgrpo.divergence import WeightHealth, check_weights
 from flowgrpo.models import DTYPES
-from flowgrpo.monitors import x0_norm_metrics
 from flowgrpo.plots import reward_curve, sample_grid
 from flowgrpo.records import Advantages, Rewards
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
@@ -41,10 +39,12 @@ from flowgrpo.rewards.remote import server_metrics
 from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
 from flowgrpo.training import report
 from flowgrpo.training.evaluation import Evaluation
-from flowgrpo.training.health_watch import HealthWatch
 from flowgrpo.training.optim import Optimization
 from flowgrpo.training.run_folder import RunFolder
 from flowgrpo.training.update import run_update
+from flowgrpo.watch.divergence import WeightHealth, check_weights
+from flowgrpo.watch.run_health import HealthWatch
+from flowgrpo.watch.x0_norm import x0_norm_metrics
 from flowgrpo.writing.metrics import MetricsSink, epoch_line, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,8 @@ class Trainer:
 
     def save_checkpoint(self, epoch: int, record: dict | None = None) -> None:
         """Every process takes part (under FSDP2 each writes its own shards, :mod:`flowgrpo.checkpoints.save_load`),
-        only from finite weights (:func:`~flowgrpo.divergence.check_weights`) that ``record`` (the epoch's figures,
-        already passed by :class:`~flowgrpo.divergence.DivergenceWatch`) showed healthy; its ``health/*``
+        only from finite weights (:func:`~flowgrpo.watch.divergence.check_weights`) that ``record`` (the epoch's
+        figures, already passed by :class:`~flowgrpo.watch.divergence.DivergenceWatch`) showed healthy; its ``health/*``
         figures and evaluation figure go into the checkpoint's ``health.json``."""
         check_weights(self.optim.named_weights(), epoch, self.cfg.train.num_epochs, self.out / "checkpoints")
         best = self.health.best_metric if self.cfg.logging.keep_best else None
@@ -266,7 +266,7 @@ class Trainer:
                                  epoch=self.epoch)
         m.log({"rollout/transformer_calls": self.forward_count[0] - calls0,
                "rollout/transformer_rows": self.forward_count[1] - rows0, "rollout/trajectories": traj.batch_size})
-        m.log(x0_norm_metrics(traj))  # rollout/x0_norm and its max (flowgrpo.monitors)
+        m.log(x0_norm_metrics(traj))  # rollout/x0_norm and its max (flowgrpo.watch.x0_norm)
         if truncation is not None:
             cut = dist.all_reduce_sum(torch.tensor([float(truncation.total - cut0)], dtype=torch.float64))
             m.log({"rollout/truncated_prompts": float(cut[0])})

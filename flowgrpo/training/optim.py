@@ -20,8 +20,8 @@ import torch
 from flowgrpo import parallel
 from flowgrpo.checkpoints.health import resolve_checkpoint
 from flowgrpo.checkpoints.save_load import load_checkpoint, save_checkpoint
-from flowgrpo.divergence import TrainingDiverged, stop_line
 from flowgrpo.ema import EMA
+from flowgrpo.watch.divergence import TrainingDiverged, stop_line
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Optimization:
         """Clip, check and apply the accumulated gradient (the update's one host read per step), advance the
         learning-rate schedule and the EMA; returns the gradient norm.
 
-        Raises :class:`~flowgrpo.divergence.TrainingDiverged` (a ``FloatingPointError``) on a non-finite norm,
+        Raises :class:`~flowgrpo.watch.divergence.TrainingDiverged` (a ``FloatingPointError``) on a non-finite norm,
         before the weights change, naming the epoch (``epoch`` 0-based, shown 1-based as the console counts) and
         the last checkpoint or its absence."""
         gn = parallel.clip_grad_norm(self.accelerator, self.params, self.train_cfg.max_grad_norm)

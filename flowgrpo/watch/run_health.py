@@ -1,12 +1,13 @@
 """The run's health watch: the checks that stop a diverging run in one line and keep a resume off weights that
-diverged, applied around the epochs :mod:`flowgrpo.training.loop` runs (the rules are :mod:`flowgrpo.divergence`'s).
+diverged, applied around the epochs :mod:`flowgrpo.training.loop` runs (the rules are
+:mod:`flowgrpo.watch.divergence`'s).
 
-Owns, for one run: the watch over each epoch's record (:class:`~flowgrpo.divergence.DivergenceWatch`), the weights'
-own figures (:class:`~flowgrpo.divergence.WeightHealth`: measured after each update, probed on resume), the images'
-finiteness (the checkpoint holding weights that made NaN or infinite images is marked unhealthy,
+Owns, for one run: the watch over each epoch's record (:class:`~flowgrpo.watch.divergence.DivergenceWatch`), the
+weights' own figures (:class:`~flowgrpo.watch.divergence.WeightHealth`: measured after each update, probed on
+resume), the images' finiteness (the checkpoint holding weights that made NaN or infinite images is marked unhealthy,
 :func:`~flowgrpo.checkpoints.health.mark_unhealthy`), the evaluation figure ``logging.best_metric`` names and the
-collapse guard that watches it (:class:`~flowgrpo.divergence.CollapseWatch`), and the x0-norm drift warning
-(:class:`~flowgrpo.monitors.X0NormWatch`).
+collapse guard that watches it (:class:`~flowgrpo.watch.divergence.CollapseWatch`), and the x0-norm drift warning
+(:class:`~flowgrpo.watch.x0_norm.X0NormWatch`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch
 
 from flowgrpo.checkpoints.health import checkpoint_folders, is_healthy, mark_unhealthy
 from flowgrpo.distributed import dist
-from flowgrpo.divergence import (
+from flowgrpo.rewards.compose import ComposedReward
+from flowgrpo.settings import ConfigError
+from flowgrpo.watch.divergence import (
     CollapseWatch,
     DivergenceWatch,
     TrainingDiverged,
@@ -26,9 +29,7 @@ from flowgrpo.divergence import (
     run_history,
     stop_line,
 )
-from flowgrpo.monitors import X0NormWatch
-from flowgrpo.rewards.compose import ComposedReward
-from flowgrpo.settings import ConfigError
+from flowgrpo.watch.x0_norm import X0NormWatch
 
 #: the loop's logger: the collapse and drift warnings keep the name they carried before the watch had its own module
 logger = logging.getLogger("flowgrpo.training.loop")
@@ -39,7 +40,7 @@ class HealthWatch:
 
     Args:
         config: the validated :class:`~flowgrpo.config.Config` (``train``, ``logging``).
-        adapter: the model adapter; params: the trained parameters (:class:`~flowgrpo.divergence.WeightHealth`).
+        adapter: the model adapter; params: the trained parameters (:class:`~flowgrpo.watch.divergence.WeightHealth`).
         prompts: the training prompt set (its first prompt is the fixed probe's).
         rewards, eval_rewards: the optimised and the evaluation-only rewards (what ``logging.best_metric`` may
             name).
@@ -83,7 +84,7 @@ class HealthWatch:
         return metric
 
     def check_images(self, bad: float, what: str, collective: bool, made_by: int, epoch: int) -> None:
-        """Stop the run (:class:`~flowgrpo.divergence.TrainingDiverged`, one line) when ``bad`` (a count of NaN or
+        """Stop the run (:class:`~flowgrpo.watch.divergence.TrainingDiverged`, one line) when ``bad`` (a count of NaN or
         infinite image values) is not 0: the weights that made the images diverged. ``made_by``: the epoch
         (0-based) after whose update those weights are (-1: the base model's). The newest checkpoint, when it is
         that epoch's (written after the previous epoch, or the one this run resumed from), is marked unhealthy, so
@@ -105,8 +106,8 @@ class HealthWatch:
                                          f"{int(bad)} values of the {what} images are NaN or infinite{marked}", root))
 
     def check_resumed_weights(self, epoch: int) -> None:
-        """A resumed run's weights pass the probe rule (:meth:`~flowgrpo.divergence.WeightHealth.flag`, against the
-        run's first start) before they are trained. A checkpoint without ``health.json`` (older versions) or
+        """A resumed run's weights pass the probe rule (:meth:`~flowgrpo.watch.divergence.WeightHealth.flag`, against
+        the run's first start) before they are trained. A checkpoint without ``health.json`` (older versions) or
         edited by hand may hold weights that diverged past every check yet make finite images: each resume from it
         diverged again in its first epoch and named it intact. It is marked unhealthy (``latest`` pointed back at
         the newest healthy one) and the run stops in one line. ``epoch``: the epoch (0-based) the run resumes at."""
@@ -130,7 +131,8 @@ class HealthWatch:
                                          root))
 
     def check_epoch(self, record: dict, epoch: int) -> None:
-        """An epoch's record, before any save: stop a diverging run (:class:`~flowgrpo.divergence.DivergenceWatch`,
+        """An epoch's record, before any save: stop a diverging run
+        (:class:`~flowgrpo.watch.divergence.DivergenceWatch`,
         one line), then warn of a collapse and of the x0 norm's drift (main process)."""
         self.divergence.check(record, epoch, self.cfg.train.num_epochs, self.out / "checkpoints")
         self.warn_collapse(record, f"epoch {epoch + 1}")
@@ -159,7 +161,7 @@ class HealthWatch:
                           "train.resume_from=auto logging.best_metric=<figure>")
 
     def warn_collapse(self, figures: dict, where: str) -> None:
-        """The collapse guard's warning (:class:`~flowgrpo.divergence.CollapseWatch`), from the main process."""
+        """The collapse guard's warning (:class:`~flowgrpo.watch.divergence.CollapseWatch`), from the main process."""
         warning = self.collapse.observe(figures, where)
         if warning and self.main:
             logger.warning("%s", warning)
