@@ -6,8 +6,8 @@ latents kept on the CPU between phases (a table; never a test).
 
 ``--plan`` allocates nothing: FLUX.1-dev, SD3.5-Medium, Qwen-Image and Wan2.2 A14B built on the meta device, LoRA /
 full fine-tuning on 1 / 8 / 16 GPUs with and without gradient checkpointing, then every shipped config of a
-planned model at 1 to 64 GPUs; the computation is ``flowgrpo.plan`` (``flowgrpo plan CONFIG --gpus N`` for one
-config), the tables ``bench/memory_plan.py``.
+planned model at 1 to 64 GPUs; the computation is ``flowgrpo.memory_plan.estimate`` (``flowgrpo plan CONFIG --gpus N``
+for one config), the tables ``bench/memory_plan.py``.
 
 Each cell runs in a fresh subprocess so peaks do not leak between settings. On a CUDA machine the figure is
 ``torch.cuda.max_memory_allocated`` of the phase; on a CPU machine it is the process's peak resident set

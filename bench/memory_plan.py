@@ -1,4 +1,5 @@
-"""Tables of the per-GPU memory plan (``bench/memory.py --plan``): the computation is :mod:`flowgrpo.plan` (what
+"""Tables of the per-GPU memory plan (``bench/memory.py --plan``): the computation is
+:mod:`flowgrpo.memory_plan.estimate` (what
 ``flowgrpo plan CONFIG --gpus N`` prints for one config), whose docstring states what each part holds.
 
 * :func:`reference_table`: FLUX.1-dev, SD3.5-Medium, Qwen-Image and Wan2.2 A14B, LoRA / full × 1 / 8 / 16 GPUs ×
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from flowgrpo.plan import GIB, Workload, plan, workload_of
-from flowgrpo.plan_families import FAMILIES, PRETRAINED
+from flowgrpo.memory_plan.estimate import GIB, Workload, plan, workload_of
+from flowgrpo.memory_plan.families import FAMILIES, PRETRAINED
 
 
 def reference_workload(family: str, finetune: str, gradient_checkpointing: bool, sharding: str) -> Workload:

@@ -2,7 +2,7 @@
 ``flowgrpo push …``, ``flowgrpo plan …``.
 
 ``flowgrpo plan CONFIG --gpus N`` prints a config's memory per GPU and per rank's host memory by part, and whether
-it fits, under the config's ``parallel`` layout (:mod:`flowgrpo.plan`; nothing is loaded or allocated).
+it fits, under the config's ``parallel`` layout (:mod:`flowgrpo.memory_plan.estimate`; nothing is loaded or allocated).
 
 ``flowgrpo sample`` draws ODE images from a base model plus (optionally) a trained LoRA or full transformer, for
 given prompts and seeds, to compare before and after training. With the run's evaluation settings and seeds it
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as err:  # bad input (sources, an --out that cannot be written): one line
             parser.exit(2, f"flowgrpo prompts: error: {err}\n")
     elif args.command == "plan":
-        from flowgrpo.plan import plan_config, render
+        from flowgrpo.memory_plan.estimate import plan_config, render
 
         try:
             p = plan_config(args.config, args.gpus, args.gpu_memory_gib, args.overrides,

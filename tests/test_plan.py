@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from flowgrpo.plan import GIB, activation_bytes, plan, plan_config
-from flowgrpo.plan_families import COEFFICIENTS, FAMILIES, BlockKind, count_saved_bytes, sizes
+from flowgrpo.memory_plan.estimate import GIB, activation_bytes, plan, plan_config
+from flowgrpo.memory_plan.families import COEFFICIENTS, FAMILIES, BlockKind, count_saved_bytes, sizes
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_plan_activations_agree_with_a_measured_peak(checkpointing, lora):
     19.2 / 72.9 MiB)."""
     from peft import LoraConfig
 
-    from flowgrpo.plan_families import _bf16, _flux1, lora_kinds
+    from flowgrpo.memory_plan.families import _bf16, _flux1, lora_kinds
 
     s_img, s_txt, heads = 1024, 128, 2
     model = _bf16(_flux1(num_layers=2, num_single_layers=4, num_attention_heads=heads, joint_attention_dim=64,
@@ -207,7 +207,7 @@ def test_wan_image_to_video_rows_count_the_released_transformers_and_encoders():
     p22 = plan_config(REPO / "configs" / "wan22_i2v_a14b.yaml", 8, overrides=base)
     assert p22.device["other_expert"] == 2 * count(wan22) and p22.device["masters"] == 4 * count(wan22) / 8
     assert count(wan21) > count(wan22) + 2e9  # the image projections: 2 x 5120² x 40 blocks and more
-    from flowgrpo.plan_families import FAMILIES
+    from flowgrpo.memory_plan.families import FAMILIES
 
     assert FAMILIES["wan21_i2v_14b"].text_tokens(512) == 512 + 257  # the CLIP image tokens join the keys
 
@@ -260,7 +260,7 @@ def test_every_shipped_config_is_planned_or_refused_in_one_line(capsys):
 def test_flux2_klein_rows_count_the_released_sizes():
     """The klein rows are FLUX.2's blocks at klein's depth and width: 9.08 B and 3.88 B parameters (the "9B" and
     "4B" of the names, counted here on the meta device), Qwen3-8B / -4B encoders, true CFG for the base models only."""
-    from flowgrpo.plan_families import PRETRAINED, QWEN3_4B, QWEN3_8B, parameter_count
+    from flowgrpo.memory_plan.families import PRETRAINED, QWEN3_4B, QWEN3_8B, parameter_count
 
     fams = {k: FAMILIES[PRETRAINED[f"black-forest-labs/FLUX.2-klein-{k}"]] for k in ("base-9B", "9B", "base-4B", "4B")}
     assert parameter_count(fams["base-9B"].transformer) == pytest.approx(9.08e9, rel=2e-3)
@@ -415,13 +415,13 @@ def test_stages_of_flux_full_fine_tuning_on_8_gpus():
     steady host parts and DCP's 10 MB copy-ahead plus one tensor; at the export rank 0 holds one 10 GB file and
     the float32 tensor being gathered, the others that tensor (the export is written one file at a time). Per
     node: rank 0 and 7 others. LoRA under FSDP2: rank 0 reads the whole base; without sharding every rank does."""
-    from flowgrpo.plan import Workload, render
+    from flowgrpo.memory_plan.estimate import Workload, render
 
     n = _flux_dev_parameters()
     t5, clip, vae = _flux_frozen_modules()
     assert 4.7e9 < t5 < 4.8e9 and 0.12e9 < clip < 0.13e9
     with torch.device("meta"):
-        from flowgrpo.plan_families import _flux1
+        from flowgrpo.memory_plan.families import _flux1
 
         model = _flux1()
     block = max(sum(p.numel() for p in b.parameters())

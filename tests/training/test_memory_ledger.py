@@ -9,7 +9,8 @@ reference crashed on two processes (the processes that built the transformer emp
 float32, the main process in bfloat16). The model has 12 blocks, so one block and its AdamW moments (3 × a block) is
 a quarter of the model: a whole model held by one rank is far outside the bound.
 
-The memory plan (``flowgrpo.plan``) is checked against the ledger: what a rank of the float32 run still holds on its
+The memory plan (``flowgrpo.memory_plan.estimate``) is checked against the ledger: what a rank of the float32 run still
+holds on its
 device after training equals the plan's resident parts (float32 masters, AdamW's moments, the reference and the EMA
 in shards, the VAE and text encoders whole) within 10 % (measured: 0.02 %).
 
@@ -117,14 +118,15 @@ def _check(name: str, ranks: list[dict]) -> None:
 
 # one test per torchrun: a module fixture shared by several tests would run once per xdist worker
 def _planned_resident(model: Path, gpus: int) -> float:
-    """What ``flowgrpo.plan`` says each rank of the ``full_fp32`` run keeps on its device after training (bytes):
+    """What ``flowgrpo.memory_plan.estimate`` says each rank of the ``full_fp32`` run keeps on its device after
+    training (bytes):
     the float32 masters, AdamW's two moments, the reference and the EMA, each a 1/gpus shard, and the VAE and text
     encoders whole, from the parameter counts of the model's own modules."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
-    from flowgrpo.plan import Workload, plan
-    from flowgrpo.plan_families import Sizes
+    from flowgrpo.memory_plan.estimate import Workload, plan
+    from flowgrpo.memory_plan.families import Sizes
 
     def count(cls, sub):
         return sum(p.numel() for p in cls.from_pretrained(model, subfolder=sub).parameters())

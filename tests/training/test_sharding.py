@@ -325,10 +325,10 @@ def test_bf16_full_fine_tuning_moves_every_weight_as_float32_does(runs, tiny_flu
 
 
 def test_memory_plan_counts_what_each_process_holds(runs, tiny_flux_dir):
-    """``flowgrpo.plan``'s byte rules against the tensors a run holds: float32 weights, Adam's two moments,
-    the reference and the EMA, whole on one process and divided among the processes under FSDP2."""
-    from flowgrpo.plan import Workload, plan
-    from flowgrpo.plan_families import Sizes
+    """``flowgrpo.memory_plan.estimate``'s byte rules against the tensors a run holds: float32 weights, Adam's two
+    moments, the reference and the EMA, whole on one process and divided among the processes under FSDP2."""
+    from flowgrpo.memory_plan.estimate import Workload, plan
+    from flowgrpo.memory_plan.families import Sizes
 
     n = sum(v.numel() for v in _base(tiny_flux_dir).values())
     sizes = Sizes(transformer=n, largest_block=0, blocks=0, lora=0, encoders=0, vae=0)

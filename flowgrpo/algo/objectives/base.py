@@ -227,7 +227,7 @@ class BaseObjective:
     #: whose signal is a dataset, the reward's gradient or a teacher
     trains_on_advantages: ClassVar[bool] = True
     #: the objective keeps an old copy of the trained weights (a float32 shadow made in :meth:`prepare`, sharded
-    #: like them); the memory plan (:mod:`flowgrpo.plan`) counts it
+    #: like them); the memory plan (:mod:`flowgrpo.memory_plan.estimate`) counts it
     uses_old_copy: ClassVar[bool] = False
     #: the objective loads a whole frozen teacher transformer (in ``model.dtype``, on the device); the memory plan
     #: counts it

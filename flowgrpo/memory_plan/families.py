@@ -1,5 +1,5 @@
-"""The released model families' size tables, for the memory plan (:mod:`flowgrpo.plan`): what the plan's arithmetic
-multiplies, and where each figure comes from.
+"""The released model families' size tables, for the memory plan (:mod:`flowgrpo.memory_plan.estimate`): what the
+plan's arithmetic multiplies, and where each figure comes from.
 
 Every released model is built on the meta device from its diffusers configuration (transformers, VAEs) or from
 its text encoder's architecture (T5-XXL, UMT5-XXL, CLIP-L, OpenCLIP bigG; for LTX-2 and HunyuanVideo-1.5 also

@@ -1,7 +1,7 @@
 """Per-GPU and per-rank host memory of a training config on N GPUs, computed without allocating anything
 (``flowgrpo plan CONFIG --gpus N``; ``bench/memory.py --plan`` tabulates it for the shipped configs).
 
-The models' sizes come from :mod:`flowgrpo.plan_families` (meta-device builds of the released models, published
+The models' sizes come from :mod:`flowgrpo.memory_plan.families` (meta-device builds of the released models, published
 counts of the others, the LoRA's size with the config's rank and targets, the activation coefficients); this module
 owns the arithmetic that turns a config and a GPU count into bytes per part and phase (:func:`workload_of`,
 :func:`layout`, :func:`plan`) and its Markdown (:func:`render`). Figures are bytes internally and GiB (2**30 bytes)
@@ -49,10 +49,11 @@ Parts (each "on each GPU" and "host memory per rank"):
   ``train.train_batch_size`` rows (× 2 where true classifier-free guidance runs both branches with gradient):
   without gradient checkpointing Σ over blocks of (a·s_img + b·s_txt)·h bytes, with it each block's input
   (2·s·h) plus one block's (a·s_img + b·s_txt)·h while it is recomputed; a and b per block kind are
-  :data:`~flowgrpo.plan_families.COEFFICIENTS`, counted from the saved tensors of the real block classes
-  (:func:`~flowgrpo.plan_families.count_saved_bytes`); a LoRA's are counted when it is planned, on the narrow model
-  with the config's targets (:func:`~flowgrpo.plan_families.lora_kinds`: a frozen linear's input is kept only where
-  the gradient needs it, and each adapted linear keeps a float32 copy of its input for the float32 adapter);
+  :data:`~flowgrpo.memory_plan.families.COEFFICIENTS`, counted from the saved tensors of the real block classes
+  (:func:`~flowgrpo.memory_plan.families.count_saved_bytes`); a LoRA's are counted when it is planned, on the narrow
+  model
+  with the config's targets (:func:`~flowgrpo.memory_plan.families.lora_kinds`: a frozen linear's input is kept only
+  where the gradient needs it, and each adapted linear keeps a float32 copy of its input for the float32 adapter);
 * transient: FSDP2's gathered weights in ``model.dtype`` (the block computing and the next one prefetched; the
   whole model with ``reshard_after_forward: false``), or autocast's ``model.dtype`` copies of float32 master
   weights without sharding.
@@ -73,7 +74,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from flowgrpo.plan_families import (
+from flowgrpo.memory_plan.families import (
     FAMILIES,
     PRETRAINED,
     REWARD_MODELS,
@@ -470,7 +471,8 @@ def _objective_of(config):
 
 def workload_of(config) -> Workload:
     """The :class:`Workload` of a loaded config. Raises ``ValueError`` naming ``model.pretrained`` when its model
-    is an embedded one (digits, tiny: nothing to plan) or not one of :data:`~flowgrpo.plan_families.PRETRAINED`."""
+    is an embedded one (digits, tiny: nothing to plan) or not one of
+    :data:`~flowgrpo.memory_plan.families.PRETRAINED`."""
     m, t, p = config.model, config.train, config.parallel
     from flowgrpo.models import EMBEDDED_MODELS
 
