@@ -22,10 +22,10 @@ from flowgrpo.checkpoints.health import resolve_checkpoint
 from flowgrpo.config import ConfigError, build_config, parse_override, read_yaml
 from flowgrpo.data.image_sets import check_dataset_images
 from flowgrpo.data.prompts import PromptSet, load_prompts
-from flowgrpo.registry import did_you_mean
 from flowgrpo.rewards.compose import ComposedReward
 from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
 from flowgrpo.sampling.sde import noise_level_warning
+from flowgrpo.strategies.registry import did_you_mean
 from flowgrpo.training.run_folder import latest_run_config, occupied_message, refuse_changed_evaluation
 from flowgrpo.writing.metrics import read_metrics
 from flowgrpo.writing.outputs import check_folder

@@ -68,7 +68,7 @@ def test_the_divergence_stop_advises_a_resume_only_when_a_checkpoint_was_written
 
 
 def test_sample_run_on_an_unfinished_run_names_its_checkpoints(tmp_path, tiny_flux_dir, capsys):
-    from flowgrpo.settings import save_config
+    from flowgrpo.strategies.settings import save_config
 
     cfg = _cfg(tmp_path, tiny_flux_dir)
     run = Path(cfg.output_dir)

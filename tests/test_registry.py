@@ -1,4 +1,5 @@
-"""Specification of the name → object registry of strategies (flowgrpo.registry): names listed, a typo answered
+"""Specification of the name → object registry of strategies (flowgrpo.strategies.registry): names listed, a typo
+answered
 with the registered names and the closest match, a name registered twice refused. Reward discovery is specified in
 tests/rewards/test_registry.py."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowgrpo.registry import Registry
+from flowgrpo.strategies.registry import Registry
 
 
 def test_registry_lists_names_suggests_and_refuses_duplicates():

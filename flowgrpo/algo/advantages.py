@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from flowgrpo.records import Advantages, Rewards
-from flowgrpo.registry import Registry
+from flowgrpo.strategies.registry import Registry
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ import torch
 from pydantic import Field, model_validator
 
 from flowgrpo.records import Advantages, Rewards
-from flowgrpo.registry import Registry
-from flowgrpo.settings import Section, registered_name
+from flowgrpo.strategies.registry import Registry
+from flowgrpo.strategies.settings import Section, registered_name
 
 # A selection maps one group's metric values (n,) float64 (NaN allowed) and G to the kept positions (G,) long.
 Selection = Callable[[torch.Tensor, int], torch.Tensor]

@@ -85,7 +85,7 @@ from flowgrpo.checkpoints.state_dicts import (
     trainable_state,
 )
 from flowgrpo.distributed import dist
-from flowgrpo.settings import flat_dict
+from flowgrpo.strategies.settings import flat_dict
 
 #: the folder of a sharded checkpoint's tensors (torch's distributed checkpoint) and its optimizer groups' file
 SHARDED = "sharded"

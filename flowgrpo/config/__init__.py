@@ -3,7 +3,7 @@
 ``load_config(path, overrides)`` reads a YAML file, applies dotted ``key=value`` overrides, validates every field,
 derives the batch sizes, and raises :class:`ConfigError` with the offending key, what is allowed, and the closest
 valid key for a typo. The sections are in :mod:`.schema`, the reading in :mod:`.loading`, the ``--help`` rows in
-:mod:`.help`; the settings base (:class:`~flowgrpo.settings.Section`) in :mod:`flowgrpo.settings`.
+:mod:`.help`; the settings base (:class:`~flowgrpo.strategies.settings.Section`) in :mod:`flowgrpo.strategies.settings`.
 """
 
 from flowgrpo.config.help import describe_fields
@@ -31,7 +31,7 @@ from flowgrpo.config.schema import (
     SamplingConfig,
     TrainConfig,
 )
-from flowgrpo.settings import Section, flat_dict, save_config
+from flowgrpo.strategies.settings import Section, flat_dict, save_config
 
 __all__ = ["describe_fields", "ALIASES", "MOVED_KEYS", "RENAMED_SECTIONS", "ConfigError", "build_config",
            "load_config", "parse_override", "read_yaml", "SEED_MAX", "AlgoConfig", "CompileConfig", "Config",

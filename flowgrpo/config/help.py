@@ -13,7 +13,7 @@ from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
 from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig
 from flowgrpo.config.loading import ConfigError, load_config
 from flowgrpo.config.schema import STRATEGY_SECTIONS, AlgoConfig, Config, strategy_problems
-from flowgrpo.settings import flat_dict, registered_names, strategy_rows, with_names
+from flowgrpo.strategies.settings import flat_dict, registered_names, strategy_rows, with_names
 
 #: the strategy sections of the schema: (model, field) -> (registry, settings base)
 STRATEGIES = {(Config, "objective"): (OBJECTIVES, ObjectiveConfig), (Config, "chunker"): (CHUNKERS, ChunkerConfig),

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
 from flowgrpo.algo.policy_losses import loss_config_class
 from flowgrpo.config.schema import Config
-from flowgrpo.settings import ConfigError, settings_class
+from flowgrpo.strategies.settings import ConfigError, settings_class
 
 
 def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:

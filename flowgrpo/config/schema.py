@@ -2,8 +2,8 @@
 sizes and states each invariant across sections. YAML is only data; :mod:`flowgrpo.config.loading` reads it.
 
 A *strategy section* (``chunker``, ``objective``, ``algo.policy_loss``, ``algo.group_filter``) is validated against
-the settings model of the strategy its ``name`` selects (:func:`~flowgrpo.settings.strategy_settings`); a plain
-name is shorthand for ``{name: ...}``.
+the settings model of the strategy its ``name`` selects (:func:`~flowgrpo.strategies.settings.strategy_settings`); a
+plain name is shorthand for ``{name: ...}``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig
 from flowgrpo.sampling.feature_cache import check_cache_allowed
 from flowgrpo.sampling.rollout import FINAL_DECODES
 from flowgrpo.sampling.sde import KL_FORMS, SDE_KINDS
-from flowgrpo.settings import Section, registered_name, strategy_settings
+from flowgrpo.strategies.settings import Section, registered_name, strategy_settings
 
 
 class CompileConfig(Section):
@@ -166,7 +166,7 @@ STRATEGY_SECTIONS = {
 
 def strategy_section(key: str, value):
     """The strategy section ``key`` (of :data:`STRATEGY_SECTIONS`) validated from ``value`` (a name or a mapping)
-    against the settings model of the strategy it names (:func:`flowgrpo.settings.strategy_settings`)."""
+    against the settings model of the strategy it names (:func:`flowgrpo.strategies.settings.strategy_settings`)."""
     registry, base = STRATEGY_SECTIONS[key]
     return strategy_settings(value, prefix=key, registry=registry, base=base)
 

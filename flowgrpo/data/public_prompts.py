@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from flowgrpo.data.text_files import iter_jsonl, read_text, read_text_lines
-from flowgrpo.registry import Registry
+from flowgrpo.strategies.registry import Registry
 from flowgrpo.text import quoted_text
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import torch
 from flowgrpo.cache import build_once, cache_dir
 from flowgrpo.models.attention import ATTENTION_BACKENDS
 from flowgrpo.models.tiny import build_tiny_flux
-from flowgrpo.registry import Registry
+from flowgrpo.strategies.registry import Registry
 
 logger = logging.getLogger(__name__)
 

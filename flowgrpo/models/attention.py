@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flowgrpo.registry import Registry
+from flowgrpo.strategies.registry import Registry
 
 ATTENTION_BACKENDS: Registry = Registry("attention backend")
 _FIXED = {

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
-from flowgrpo.registry import did_you_mean
+from flowgrpo.strategies.registry import did_you_mean
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from tqdm.auto import tqdm
 
 from flowgrpo.models.base import decode_latents
 from flowgrpo.records import PromptEmbeds, Trajectory
-from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.feature_cache import feature_cache, ode_step_cache
 from flowgrpo.sampling.sde import SDEStepOutput, sde_step
+from flowgrpo.strategies.registry import Registry
 
 # What the images are decoded from: (x (B, …) at the last step's σ, its velocity v, that σ, the last step's output)
 # -> (B, …) latents.

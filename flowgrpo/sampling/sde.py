@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowgrpo.registry import Registry
+from flowgrpo.strategies.registry import Registry
 
 __all__ = [
     "SDEStepOutput",

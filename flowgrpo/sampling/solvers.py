@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from flowgrpo.registry import Registry
+from flowgrpo.strategies.registry import Registry
 
 __all__ = ["SOLVERS", "SolverStep", "DPMState", "SAState", "solve", "flow_sigmas", "awm_sa_grid", "half_log_snr",
            "check_grid"]

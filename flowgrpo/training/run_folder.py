@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from flowgrpo.checkpoints.health import resolve_checkpoint
-from flowgrpo.settings import ConfigError, flat_dict, save_config
+from flowgrpo.strategies.settings import ConfigError, flat_dict, save_config
 from flowgrpo.writing.metrics import read_metrics
 from flowgrpo.writing.outputs import RUN_FILES, claim_folder
 
@@ -111,7 +111,8 @@ def refuse_changed_evaluation(config) -> None:
     reward curve and time to quality compare as one series; digits: the diversity of a digit from 20 images is off
     by ~0.03, configs/digits.yaml) or into a new folder (the "before" figures and images are the checkpoint's run's,
     ``eval_before.json``, so the before/after table would compare evaluations of different images). Raises
-    :class:`~flowgrpo.settings.ConfigError` naming each changed key, the run's value and the command line's."""
+    :class:`~flowgrpo.strategies.settings.ConfigError` naming each changed key, the run's value and the command
+    line's."""
     if not config.train.resume_from:
         return
     saved = Path(config.output_dir) / "config.yaml"

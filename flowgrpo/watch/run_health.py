@@ -20,7 +20,7 @@ import torch
 from flowgrpo.checkpoints.health import checkpoint_folders, is_healthy, mark_unhealthy
 from flowgrpo.distributed import dist
 from flowgrpo.rewards.compose import ComposedReward
-from flowgrpo.settings import ConfigError
+from flowgrpo.strategies.settings import ConfigError
 from flowgrpo.watch.divergence import (
     CollapseWatch,
     DivergenceWatch,
@@ -48,7 +48,7 @@ class HealthWatch:
         epoch: the epoch (0-based) the run starts or resumes at; guidance_scale: the probe's.
 
     Raises:
-        flowgrpo.settings.ConfigError: ``logging.best_metric`` names no evaluation figure of this run.
+        flowgrpo.strategies.settings.ConfigError: ``logging.best_metric`` names no evaluation figure of this run.
     """
 
     def __init__(self, config, *, adapter, params, prompts, rewards: ComposedReward,

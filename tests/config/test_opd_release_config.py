@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flowgrpo.config import load_config
-from flowgrpo.settings import flat_dict
+from flowgrpo.strategies.settings import flat_dict
 
 REPO = Path(__file__).resolve().parents[2]
 

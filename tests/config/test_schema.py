@@ -150,7 +150,7 @@ def test_the_switch_hint_never_names_the_chosen_strategy():
     "remove the setting") names a strategy that reads the key, never the one already chosen (it used to suggest
     '{name: <the chosen one>}')."""
     from flowgrpo.config.schema import STRATEGY_SECTIONS
-    from flowgrpo.settings import settings_class, strategy_settings
+    from flowgrpo.strategies.settings import settings_class, strategy_settings
 
     checked = 0
     for prefix, (registry, base) in STRATEGY_SECTIONS.items():

@@ -141,7 +141,7 @@ def _every_section() -> set:
     from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
     from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig
     from flowgrpo.config import Config
-    from flowgrpo.settings import settings_class
+    from flowgrpo.strategies.settings import settings_class
 
     def sections(model, seen):
         if model in seen:
@@ -162,7 +162,7 @@ def _every_section() -> set:
 
 
 def test_every_integer_field_refuses_a_boolean_and_takes_an_integer():
-    from flowgrpo.settings import _takes_int
+    from flowgrpo.strategies.settings import _takes_int
 
     checked = 0
     for model in _every_section():
@@ -195,7 +195,7 @@ def test_a_boolean_for_a_float_key_is_refused_naming_the_key(override):
 
 def test_every_float_field_refuses_a_boolean_and_takes_a_number():
     """Every float field of every section and strategy (a boolean once ran as 1.0: train.lr=true)."""
-    from flowgrpo.settings import _takes_float
+    from flowgrpo.strategies.settings import _takes_float
 
     checked = 0
     for model in _every_section():
@@ -219,7 +219,7 @@ def test_a_number_or_string_for_a_boolean_key_is_refused_naming_the_key(override
 
 
 def test_every_boolean_field_refuses_a_number_and_takes_true_and_false():
-    from flowgrpo.settings import _takes_only_bool
+    from flowgrpo.strategies.settings import _takes_only_bool
 
     checked = 0
     for model in _every_section():

@@ -455,7 +455,7 @@ def test_a_resume_with_another_objective_reports_the_switch_first_in_one_line(tm
     """Resuming a dpo run with sde_ratio once buried ``objective.name: 'dpo' -> 'sde_ratio'`` among one
     ``-> (absent)`` line per setting of either objective (issue 54): the switch comes first, one entry counting the
     settings dropped and added; a setting outside the section is still listed by itself."""
-    from flowgrpo.settings import save_config
+    from flowgrpo.strategies.settings import save_config
     from flowgrpo.training.run_folder import changed_settings
 
     dpo = build_config({"objective": {"name": "dpo"}})
@@ -475,7 +475,7 @@ def test_a_resume_into_a_new_folder_with_another_evaluation_size_is_refused(tmp_
     """A resume into a new output_dir takes the "before" figures of the checkpoint's run (its eval_before.json), so
     another data.eval_num_prompts there once mixed evaluation sizes in the before/after table (issue 54): refused,
     naming the key and both values; the same evaluation passes."""
-    from flowgrpo.settings import save_config
+    from flowgrpo.strategies.settings import save_config
     from flowgrpo.training import run_folder
 
     origin = tmp_path / "origin"

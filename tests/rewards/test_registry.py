@@ -1,5 +1,6 @@
 """Specification of reward discovery (flowgrpo.rewards.registry: entry points, ``module:attr`` names, suggestions,
-provenance, load errors). The strategies' registry (flowgrpo.registry) is specified in tests/test_registry.py.
+provenance, load errors). The strategies' registry (flowgrpo.strategies.registry) is specified in
+tests/test_registry.py.
 
 Discovery tests install throw-away plugin distributions (a ``*.dist-info`` folder with ``entry_points.txt`` and a
 module beside it) on ``sys.path``, so the real ``importlib.metadata`` discovery runs; the installed

@@ -13,8 +13,8 @@ A chunker is a registered strategy (:data:`CHUNKERS`) that answers three questio
 
 Each strategy declares its settings as a pydantic model (its ``Config`` attribute, a subclass of
 :class:`ChunkerConfig`); the run config's ``chunker:`` section is validated against the model of the strategy its
-``name`` selects (:func:`~flowgrpo.settings.strategy_settings`), so a knob of another strategy is an error, not
-silently ignored. The chunker is a part of the ``sde_ratio`` objective (:mod:`flowgrpo.algo.objectives`).
+``name`` selects (:func:`~flowgrpo.strategies.settings.strategy_settings`), so a knob of another strategy is an error,
+not silently ignored. The chunker is a part of the ``sde_ratio`` objective (:mod:`flowgrpo.algo.objectives`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 from pydantic import Field
 
 from flowgrpo.records import ChunkPlan, Trajectory
-from flowgrpo.registry import Registry
 from flowgrpo.sampling.rollout import RolloutRequest, rollout
-from flowgrpo.settings import Section, settings_class
+from flowgrpo.strategies.registry import Registry
+from flowgrpo.strategies.settings import Section, settings_class
 
 CHUNKERS: Registry = Registry("chunker")
 

@@ -35,9 +35,9 @@ from flowgrpo.algo.objectives.flow_matching import (
 )
 from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName, shared
 from flowgrpo.algo.objectives.old_copy import DecaySchedule
-from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
-from flowgrpo.settings import registered_name
+from flowgrpo.strategies.registry import Registry
+from flowgrpo.strategies.settings import registered_name
 
 __all__ = ["AWM", "AWMConfig", "AWM_WEIGHTINGS", "AWM_KL_WEIGHTS", "AWM_TIME_TYPES", "awm_log_prob",
            "awm_terms", "awm_train_sigma_indices"]

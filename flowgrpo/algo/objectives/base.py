@@ -51,8 +51,8 @@ from pydantic import Field
 from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.algo.filters import GROUP_FILTERS, FilterResult, advantages_of_kept
 from flowgrpo.records import Advantages, Rewards
-from flowgrpo.registry import Registry
-from flowgrpo.settings import Section, refuse
+from flowgrpo.strategies.registry import Registry
+from flowgrpo.strategies.settings import Section, refuse
 
 OBJECTIVES: Registry = Registry("objective")
 

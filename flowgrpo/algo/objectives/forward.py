@@ -52,7 +52,7 @@ from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, FinalSamples
 from flowgrpo.sampling.final_rollout import solver_rollout
 from flowgrpo.sampling.solvers import SOLVERS, awm_sa_grid, check_grid, flow_sigmas
-from flowgrpo.settings import registered_name
+from flowgrpo.strategies.settings import registered_name
 
 SolverName = registered_name(SOLVERS, "objective.solver")
 

@@ -34,9 +34,9 @@ from flowgrpo.algo.objectives.flow_matching import (
     x0_from_velocity,
 )
 from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName, shared
-from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
-from flowgrpo.settings import registered_name
+from flowgrpo.strategies.registry import Registry
+from flowgrpo.strategies.settings import registered_name
 
 __all__ = [
     "NFT",

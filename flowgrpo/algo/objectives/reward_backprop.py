@@ -65,7 +65,7 @@ from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages
 from flowgrpo.rewards.base import differentiable_scores, is_differentiable, typical_range
 from flowgrpo.rng import make_generator
-from flowgrpo.settings import refuse
+from flowgrpo.strategies.settings import refuse
 
 __all__ = ["RewardBackprop", "RewardBackpropConfig", "VARIANTS", "euler_replay",
            "x0_prediction", "draft_loss", "refl_loss", "refl_step", "check_differentiable_rewards",

@@ -48,8 +48,8 @@ from typing import ClassVar, TypeVar
 import torch
 from pydantic import Field
 
-from flowgrpo.registry import Registry
-from flowgrpo.settings import Section
+from flowgrpo.strategies.registry import Registry
+from flowgrpo.strategies.settings import Section
 
 
 @dataclass(frozen=True)

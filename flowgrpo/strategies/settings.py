@@ -19,7 +19,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 from pydantic_core import PydanticCustomError
 
-from flowgrpo.registry import Registry, did_you_mean
+from flowgrpo.strategies.registry import Registry, did_you_mean
 
 
 def _takes_int(ann) -> bool:
@@ -134,7 +134,7 @@ def settings_class(registry: Registry, name: str, base: type[Section]) -> type[S
 def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Section]) -> Section:
     """Validate a strategy section: ``value`` is a plain strategy name (shorthand for ``{name: value}``) or a
     mapping whose ``name`` (default: ``base``'s) selects the settings model (:func:`settings_class`); an alias of
-    the registry (:meth:`~flowgrpo.registry.Registry.alias`) is replaced by the name it stands for.
+    the registry (:meth:`~flowgrpo.strategies.registry.Registry.alias`) is replaced by the name it stands for.
 
     Args:
         prefix: the section's dotted key (``chunker``, ``algo.policy_loss``), for messages.
