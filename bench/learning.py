@@ -19,12 +19,13 @@ error naming the row, nothing trained.
 Base models (``--base-seed``): without it every run starts from the config's ``model.pretrained`` (the cached
 digits base of pretraining seed 0, or whatever ``--set model.pretrained=…`` names). With ``--base-seed B …`` (each
 in 0 to 2**32 - 1, no repeats) the base is a random draw, a stand-in for another machine's build (an AMD and an
-Intel CPU build different bytes, :mod:`flowgrpo.pinned`): every (row, base, seed) trains from the digits base of
+Intel CPU build different bytes, :mod:`flowgrpo.builds.repeatable`): every (row, base, seed) trains from the digits
+base of
 pretraining seed B (:func:`flowgrpo.tasks.digits.model.ensure_digits_model`, built into the cache first if absent,
 about 5 minutes of one thread each, before any run trains), through ``model.pretrained=<its folder>`` after every
 other override; ``--set model.pretrained=…`` is then refused. Each run's JSON and the per-run table record the base
-seed and its weights' sha256 (:func:`flowgrpo.pinned.weights_digest`), so 3 base seeds × 3 RL seeds come out of
-one command.
+seed and its weights' sha256 (:func:`flowgrpo.builds.repeatable.weights_digest`), so 3 base seeds × 3 RL seeds come out
+of one command.
 
 Per (row, seed) the run folder is ``OUT/<row>/seed<s>/`` (with base seeds ``OUT/<row>/base<b>/seed<s>/``) and its
 figures go to ``OUT/<row>/seed<s>.json`` (``OUT/<row>/base<b>/seed<s>.json``) as soon as the run ends, so an
@@ -377,7 +378,7 @@ def row_config(overrides: list[str], seed: int, run_dir: Path, name: str | None 
 @dataclass(frozen=True)
 class Base:
     """One ``--base-seed`` base model: its pretraining ``seed``, its pipeline ``folder`` and ``sha256``
-    (:func:`flowgrpo.pinned.weights_digest`: component name -> hex digest of its weights)."""
+    (:func:`flowgrpo.builds.repeatable.weights_digest`: component name -> hex digest of its weights)."""
 
     seed: int
     folder: Path
@@ -387,7 +388,7 @@ class Base:
 def locate_base(seed: int) -> Base:
     """The digits base of pretraining ``seed`` (:func:`flowgrpo.tasks.digits.model.ensure_digits_model`: built into
     the cache first if absent, minutes) and its weights' sha256."""
-    from flowgrpo.pinned import weights_digest
+    from flowgrpo.builds.repeatable import weights_digest
     from flowgrpo.tasks.digits.model import ensure_digits_model
 
     folder = Path(ensure_digits_model(seed))

@@ -192,7 +192,7 @@ def generate(adapter, prompts: list[tuple[int, dict]], folder: Path, *, samples:
 
 def tiny_scorer_models() -> tuple[str, str]:
     """(detector folder, CLIP model name) of the tiny random scorer, built once into flowgrpo's cache."""
-    from flowgrpo.cache import cache_dir
+    from flowgrpo.builds.cache_folder import cache_dir
 
     root = cache_dir() / "geneval-tiny-v1"
     det, clip = root / "mask2former", root / "clip"

@@ -214,7 +214,7 @@ def _model_folder(pretrained: str) -> Path | None:
 def _embedded_folder(name: str) -> Path | None:
     """The cache folder of an embedded model (``tiny``, ``digits``) when it is built there already, else None."""
     if name == "tiny":
-        from flowgrpo.cache import cache_dir
+        from flowgrpo.builds.cache_folder import cache_dir
 
         folder = cache_dir() / "tiny-flux-v1"
     elif name == "digits":

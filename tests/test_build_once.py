@@ -1,4 +1,5 @@
-"""``flowgrpo.cache.build_once``: concurrent builders of one artefact build it once (the others wait on the lock)."""
+"""``flowgrpo.builds.cache_folder.build_once``: concurrent builders of one artefact build it once (the others wait on
+the lock)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flowgrpo.cache import build_once
+from flowgrpo.builds.cache_folder import build_once
 
 
 def _slow_build(tmp: Path, log: Path) -> None:
@@ -49,12 +50,12 @@ CHILD = ("import os, pathlib, sys, time; out = pathlib.Path(sys.argv[2]); (out /
 #: build_once -> pretrain_pinned -> run_pinned), with the child's 4-minute pretraining replaced by CHILD (same spawn)
 PARENT = """
 import sys
-import flowgrpo.pinned as pinned
+from flowgrpo.builds import repeatable
 from flowgrpo.tasks.digits.model import ensure_digits_model
-real = pinned.run_pinned
+real = repeatable.run_pinned
 def fake(argv, what):
     real(["-c", sys.argv[2], sys.argv[1], argv[argv.index("--pinned-child") + 1]], what)
-pinned.run_pinned = fake
+repeatable.run_pinned = fake
 ensure_digits_model(0, progress=False)
 """
 
@@ -110,7 +111,7 @@ def test_a_waiter_on_an_unlinked_lock_file_locks_the_path_afresh(tmp_path):
     locked the new file at the same path (else both build, and one removes the other's folder as dead)."""
     import fcntl
 
-    from flowgrpo.cache import _locked
+    from flowgrpo.builds.cache_folder import _locked
 
     path = tmp_path / ".m.lock"
     first = open(path, "a")  # noqa: SIM115

@@ -1,5 +1,5 @@
-"""What a build and a run record of the numerics and the base model's bytes (flowgrpo.pinned, and the report's
-base-model block in flowgrpo.training.report). Expected digests are hashlib's of the bytes written here; the
+"""What a build and a run record of the numerics and the base model's bytes (flowgrpo.builds.repeatable, and the
+report's base-model block in flowgrpo.training.report). Expected digests are hashlib's of the bytes written here; the
 parsed texts are hand-made."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ TORCH_CONFIG = """PyTorch built with:
 
 
 def test_the_cpu_and_the_math_libraries_are_read_from_their_texts():
-    from flowgrpo.pinned import parse_cpuinfo, parse_torch_config
+    from flowgrpo.builds.repeatable import parse_cpuinfo, parse_torch_config
 
     assert parse_cpuinfo(AMD_CPUINFO) == {"vendor": "AuthenticAMD", "model": "AMD EPYC 7B13 64-Core Processor",
                                           "family": "25", "model_number": "1", "isa": ["avx", "avx2", "fma"]}
@@ -45,7 +45,7 @@ def test_the_cpu_and_the_math_libraries_are_read_from_their_texts():
 
 
 def test_numerics_names_this_machines_cpu_and_blas():
-    from flowgrpo.pinned import numerics
+    from flowgrpo.builds.repeatable import numerics
 
     n = numerics()
     assert n["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
@@ -68,7 +68,7 @@ def _pipeline(folder: Path) -> dict[str, bytes]:
 
 
 def test_weights_digest_hashes_the_transformer_and_the_vae(tmp_path):
-    from flowgrpo.pinned import weights_digest
+    from flowgrpo.builds.repeatable import weights_digest
 
     _pipeline(tmp_path)
     assert weights_digest(tmp_path) == {
@@ -105,13 +105,13 @@ def test_only_the_main_process_hashes_the_base_model_at_the_end_of_a_run(tmp_pat
     the value rank 0 would send) and never read the weights."""
     from types import SimpleNamespace
 
-    import flowgrpo.pinned
+    import flowgrpo.builds.repeatable
     from flowgrpo.distributed import dist
     from flowgrpo.training import report
 
     _pipeline(tmp_path)
     hashed = []
-    monkeypatch.setattr(flowgrpo.pinned, "weights_digest", lambda folder: hashed.append(folder) or {})
+    monkeypatch.setattr(flowgrpo.builds.repeatable, "weights_digest", lambda folder: hashed.append(folder) or {})
     sent = {"name": str(tmp_path), "sha256": {"transformer": "rank 0's"}}
     monkeypatch.setattr(dist, "broadcast_object", lambda obj: sent if obj is None else obj)
     run = SimpleNamespace(out=tmp_path, weights_dir=tmp_path / "weights", cfg=SimpleNamespace(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.cache import build_once, cache_dir
+from flowgrpo.builds.cache_folder import build_once, cache_dir
 from flowgrpo.models.attention import ATTENTION_BACKENDS
 from flowgrpo.models.tiny import build_tiny_flux
 from flowgrpo.strategies.registry import Registry

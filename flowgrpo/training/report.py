@@ -58,12 +58,13 @@ DIGEST_MAX_BYTES = 2 * 2**30
 
 def base_model_record(pretrained: str) -> dict:
     """``summary["base_model"]``: ``name`` (``model.pretrained``) and ``machine`` (this process's
-    :func:`~flowgrpo.pinned.numerics`: the numerics the run trained with); for a local folder (an embedded model's
-    cache folder, or a path) also ``path``, ``sha256`` (:func:`~flowgrpo.pinned.weights_digest` of its transformer
-    and VAE, or None above :data:`DIGEST_MAX_BYTES`) and ``built_with``, the ``numerics`` of a build record
+    :func:`~flowgrpo.builds.repeatable.numerics`: the numerics the run trained with); for a local folder (an embedded
+    model's
+    cache folder, or a path) also ``path``, ``sha256`` (:func:`~flowgrpo.builds.repeatable.weights_digest` of its
+    transformer and VAE, or None above :data:`DIGEST_MAX_BYTES`) and ``built_with``, the ``numerics`` of a build record
     ``flowgrpo_*.json`` beside the weights (an embedded model's builder writes one, e.g. the digits model's marker)."""
+    from flowgrpo.builds.repeatable import DIGEST_COMPONENTS, numerics, weights_digest
     from flowgrpo.models import EMBEDDED_MODELS, resolve_pretrained
-    from flowgrpo.pinned import DIGEST_COMPONENTS, numerics, weights_digest
 
     record: dict = {"name": pretrained}
     folder = Path(resolve_pretrained(pretrained)) if pretrained in EMBEDDED_MODELS else Path(pretrained)
@@ -197,8 +198,8 @@ def _quality_lines(summary: dict) -> list[str]:
 
 
 def _numerics_line(n: dict) -> str:
-    """One line of a :func:`~flowgrpo.pinned.numerics` record: CPU, torch's and MKL's instruction sets, the BLAS
-    library and versions, threads, whether pinned."""
+    """One line of a :func:`~flowgrpo.builds.repeatable.numerics` record: CPU, torch's and MKL's instruction sets, the
+    BLAS library and versions, threads, whether pinned."""
     cpu = n.get("cpu") or {}
     parts = [cpu.get("model") or cpu.get("vendor") or n.get("machine", "?")]
     if cpu.get("vendor"):

@@ -16,7 +16,7 @@ builders, ``eval/geneval.py --outdir``; the list is in docs/run_folder.md, "What
 
 Anything else is :class:`OutputRefused` (a ``ValueError``) with one line naming the path, a file found there and
 the remedy. Writers that build into a temporary folder and rename it into place (the cache,
-:func:`flowgrpo.cache.build_once`) never replace an existing folder and need no check.
+:func:`flowgrpo.builds.cache_folder.build_once`) never replace an existing folder and need no check.
 
 This module is the home of the rule because it is the one thing every writer shares; it imports nothing heavy
 (the CLI checks an ``--out`` before torch is imported).

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.cache import build_once, cache_dir
+from flowgrpo.builds.cache_folder import build_once, cache_dir
 from flowgrpo.data.image_sets import ImageItem, PreferencePair, write_image_set, write_preference_set
 from flowgrpo.tasks.digits.data import PHRASINGS, digit_prompt, digits_to_images, load_digit_split, prompt_records
 from flowgrpo.writing.outputs import OutputRefused, check_folder

@@ -9,8 +9,8 @@ Data, splits and prompts: :mod:`flowgrpo.tasks.digits.data`.
 
 Recipe (:func:`pretrain`; the cache is built by :func:`pretrain_pinned`, whose bytes depend only on the seed, the
 library versions and the CPU model, whatever the launcher, core count or load: another CPU, certainly another
-vendor's, may build other bytes, see :mod:`flowgrpo.pinned`; the marker file records the weights' sha256 and the
-build's numerical environment):
+vendor's, may build other bytes, see :mod:`flowgrpo.builds.repeatable`; the marker file records the weights' sha256 and
+the build's numerical environment):
 
 1. frozen random text encoders (:func:`flowgrpo.models.tiny.build_text_encoders`) whose tokenizers know the words
    of the prompts; T5 sequences are :data:`MAX_SEQUENCE_LENGTH` tokens (the pipeline must be called with
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo.cache import build_once, cache_dir
+from flowgrpo.builds.cache_folder import build_once, cache_dir
 from flowgrpo.models.tiny import TEXT_DIM, build_text_encoders
 from flowgrpo.tasks.digits.data import (
     IMAGE_SIZE,
@@ -82,7 +82,7 @@ BATCH_SIZE = 128
 
 # ---------------------------------------------------------------------------------------------- model folder
 def cache_root() -> Path:
-    """The flowgrpo cache folder (:func:`flowgrpo.cache.cache_dir`)."""
+    """The flowgrpo cache folder (:func:`flowgrpo.builds.cache_folder.cache_dir`)."""
     return cache_dir()
 
 
@@ -122,10 +122,10 @@ def ensure_digits_model(seed: int = 0, folder: str | os.PathLike | None = None, 
 
 def pretrain_pinned(out_dir: str | os.PathLike, seed: int = 0, *, progress: bool = True, **recipe: int) -> Path:
     """:func:`pretrain` (``recipe``: its step and batch sizes) in a child process with the pinned numerical
-    environment of :mod:`flowgrpo.pinned` (one thread, AVX2 kernels): the bytes depend only on the seed, the
+    environment of :mod:`flowgrpo.builds.repeatable` (one thread, AVX2 kernels): the bytes depend only on the seed, the
     recipe, the torch and diffusers versions and the CPU model (an Intel Xeon and an AMD EPYC built different
-    bytes; :mod:`flowgrpo.pinned`). Raises ``RuntimeError`` if the child fails."""
-    from flowgrpo.pinned import run_pinned
+    bytes; :mod:`flowgrpo.builds.repeatable`). Raises ``RuntimeError`` if the child fails."""
+    from flowgrpo.builds.repeatable import run_pinned
 
     flags = [f"--{k.replace('_', '-')}={int(v)}" for k, v in _checked_sizes(**recipe).items()]
     run_pinned(["-m", "flowgrpo.tasks.digits.model", "--pinned-child", str(out_dir), f"--seed={int(seed)}", *flags,
@@ -310,12 +310,12 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
     depend on the thread count and the instruction set of the kernels (1 and 2 threads, or AVX2 and AVX-512
     kernels, round differently and give different, equally good, models): the cached model is built by
     :func:`pretrain_pinned`, which pins them. The marker file :data:`MARKER_FILE` is written last and records the
-    numerical environment (:func:`flowgrpo.pinned.numerics`: CPU, instruction sets, BLAS) and ``sha256``, the
-    transformer's and the VAE's weight digests (:func:`flowgrpo.pinned.weights_digest`).
+    numerical environment (:func:`flowgrpo.builds.repeatable.numerics`: CPU, instruction sets, BLAS) and ``sha256``, the
+    transformer's and the VAE's weight digests (:func:`flowgrpo.builds.repeatable.weights_digest`).
     """
     from diffusers import FluxPipeline
 
-    from flowgrpo.pinned import numerics, weights_digest
+    from flowgrpo.builds.repeatable import numerics, weights_digest
 
     sizes = _checked_sizes(vae_steps=vae_steps, steps=steps, batch_size=batch_size, vae_batch_size=vae_batch_size)
     out = Path(out_dir)
