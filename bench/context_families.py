@@ -5,7 +5,8 @@ never a test).
              [--json PATH]
 
 (on the CPU: ``OMP_NUM_THREADS=1 torchrun ...``; gloo.) Each process builds (rank 0; the other waits) and loads the
-family's tiny random pipeline of the conformance suite (``flowgrpo.models.zoo.CASES``), computes the velocity of
+family's tiny random pipeline of the conformance suite (``flowgrpo.models.random_pipelines.CASES``), computes the
+velocity of
 two rows at σ = 0.95 and the gradients of ``mean(v²)`` with the whole transformer, then applies what a run with
 ``parallel.sharding: fsdp2, context_degree: 2`` applies (``flowgrpo.distributed.context_parallel.check_context``,
 ``enable_context``
@@ -34,7 +35,7 @@ from flowgrpo.checkpoints.state_dicts import full_tensor  # noqa: E402
 from flowgrpo.config import ParallelConfig  # noqa: E402
 from flowgrpo.distributed import context_parallel, dist
 from flowgrpo.models import load_model  # noqa: E402
-from flowgrpo.models.zoo import CASES  # noqa: E402
+from flowgrpo.models.random_pipelines import CASES  # noqa: E402
 from flowgrpo.rng import make_generator  # noqa: E402
 from flowgrpo.sampling.rollout import encode_rows  # noqa: E402
 

@@ -39,9 +39,10 @@ blocks, width 3072, 11.9 B transformer parameters; 1-layer CLIP and T5 encoders 
 Each part runs on its own; a failure is recorded in the JSON and the next part runs. ``--dry-run`` runs the same
 code at toy sizes on the CPU (every part; CI runs it).
 
-``--model`` picks a family from :data:`MODELS` (every adapter of ``flowgrpo.models.zoo``). Other families than
-FLUX.1 load the zoo's tiny pipeline (:func:`flowgrpo.models.zoo.build_random_pipeline`, a few MB on disk) through
-``load_model`` and replace its transformer by one of the released width and heads built directly on the GPU in
+``--model`` picks a family from :data:`MODELS` (every adapter of ``flowgrpo.models.random_pipelines``). Other families
+than
+FLUX.1 load the zoo's tiny pipeline (:func:`flowgrpo.models.random_pipelines.build_random_pipeline`, a few MB on disk)
+through ``load_model`` and replace its transformer by one of the released width and heads built directly on the GPU in
 bf16 (:data:`BODIES`: full depth up to 12 B parameters, reduced depth above; FLOPs and activation memory per
 block scale linearly with depth); part (a) calls the family's own pipeline with its conformance-case settings
 (editing families on a generated source image); FLOPs per velocity evaluation are counted once by
@@ -191,7 +192,7 @@ def _flux_cli_folder(c, folder: Path) -> None:
 
 
 #: The transformer body measured per non-FLUX family at real size: the released width and heads
-#: (``zoo.REAL_SIZE``); the depth reduced where the released model is over 12 B parameters, so that the LoRA
+#: (``random_pipelines.REAL_SIZE``); the depth reduced where the released model is over 12 B parameters, so that the LoRA
 #: update without checkpointing fits one 139 GiB GPU (FLOPs and activation memory per block scale linearly in
 #: depth; Qwen-Image-Edit-Plus's 5 k-token sequences under true CFG halve it again); text encoders and VAE stay the
 #: zoo's tiny ones (they run once per prompt or image, not once per step). FLUX.2 [klein] 4B has no zoo entry:
@@ -234,7 +235,7 @@ def _frames(c) -> int | None:
 
 
 def _real_kwargs(name: str, cli: bool) -> dict:
-    from flowgrpo.models.zoo import REAL_SIZE
+    from flowgrpo.models.random_pipelines import REAL_SIZE
 
     base = _KLEIN_4B if name == "flux2_klein" else REAL_SIZE[name]
     return {**base, **BODIES[name][1 if cli else 0]}
@@ -273,7 +274,7 @@ def _set_component(pipe, **modules) -> None:
 
 def _tiny_folder(c, name: str) -> Path:
     """The family's zoo pipeline (tiny transformer, encoders and VAE; a few MB) built once per output folder."""
-    from flowgrpo.models.zoo import build_random_pipeline
+    from flowgrpo.models.random_pipelines import build_random_pipeline
 
     folder = c.out / f"tiny_{name}"
     if not _has_index(folder):
@@ -346,7 +347,7 @@ class Check:
     """Runs the parts, keeping each part's figures or error, and writes them after every part."""
 
     def __init__(self, args) -> None:
-        from flowgrpo.models.zoo import CASES
+        from flowgrpo.models.random_pipelines import CASES
 
         self.args = args
         self.dev = torch.device("cpu" if args.dry_run else "cuda")
@@ -985,7 +986,7 @@ def part_n(c: Check) -> dict:
     from flowgrpo.config import load_config
     from flowgrpo.data.prompts import PromptSet
     from flowgrpo.models.lora import setup_trainable
-    from flowgrpo.models.zoo import REAL_SIZE
+    from flowgrpo.models.random_pipelines import REAL_SIZE
     from flowgrpo.rewards.compose import ComposedReward
     from flowgrpo.training.loop import Trainer
 
@@ -995,7 +996,7 @@ def part_n(c: Check) -> dict:
     body = {**REAL_SIZE["qwenimage"], "num_layers": 60} if full else {}
     sub = Check.__new__(Check)  # the qwenimage family at this check's device, dtype and output folder
     sub.__dict__.update(c.__dict__)
-    from flowgrpo.models.zoo import CASES
+    from flowgrpo.models.random_pipelines import CASES
 
     sub.case = CASES["qwenimage"]
     sub.size = dataclasses.replace(c.size, resolution=res, text_tokens=c.size.text_tokens if full else 64)

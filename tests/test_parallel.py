@@ -334,7 +334,7 @@ def test_offloaded_reward_models_are_on_the_device_only_while_scoring():
 
 @pytest.fixture
 def wan22(tmp_path_factory):
-    from flowgrpo.models.zoo import CASES
+    from flowgrpo.models.random_pipelines import CASES
     from tests.models.test_video_models import _load
 
     case = CASES["wan22"]

@@ -10,7 +10,8 @@ compute the same function and the on-policy ratio is exactly 1.
 
 A new modular flow-matching family is then one small file: a subclass naming its blocks and writing ``velocity``,
 its loader (:func:`load_modular_pipeline`) registered under the ``_class_name`` of the repository's index
-(:mod:`flowgrpo.models`), and a conformance case (:mod:`flowgrpo.models.zoo`). ``docs/new_model.md`` walks through it.
+(:mod:`flowgrpo.models`), and a conformance case (:mod:`flowgrpo.models.random_pipelines`). ``docs/new_model.md`` walks
+through it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Everything Qwen-Image-specific lives here, as ``QwenImagePipeline.__call__`` (di
 * the σ grid ``linspace(1, 1/T, T)`` with the dynamic (resolution-dependent) exponential shift ``mu`` of
   ``calculate_shift(image tokens)`` and the scheduler's terminal stretch (Qwen-Image: ``shift_terminal`` 0.02).
 
-    python -m flowgrpo.models.zoo qwenimage OUT_DIR     # a tiny random QwenImagePipeline folder
+    python -m flowgrpo.models.random_pipelines qwenimage OUT_DIR     # a tiny random QwenImagePipeline folder
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A conformance test class for model adapters: every adapter runs it, so every model is verified the same way.
 
-A new adapter adds one :class:`~flowgrpo.models.zoo.ConformanceCase` to ``flowgrpo.models.zoo.CASES`` (how to
+A new adapter adds one :class:`~flowgrpo.models.random_pipelines.ConformanceCase` to
+``flowgrpo.models.random_pipelines.CASES`` (how to
 build its tiny random pipeline folder and how to call its pipeline) and one line in
 ``tests/models/test_conformance.py``::
 
@@ -53,7 +54,7 @@ from flowgrpo.config import build_config
 from flowgrpo.models import ADAPTERS, load_model, pipeline_class_name
 from flowgrpo.models.base import decode_latents
 from flowgrpo.models.lora import load_lora_into, save_lora, setup_trainable
-from flowgrpo.models.zoo import ConformanceCase
+from flowgrpo.models.random_pipelines import ConformanceCase
 from flowgrpo.runner import run
 from flowgrpo.sampling.packed_forward import chunk_forward
 from flowgrpo.sampling.rollout import (

@@ -444,7 +444,7 @@ def test_packed_forward_of_two_chunks_equals_their_separate_forwards(tiny_flux):
 
 
 def test_pack_fills_calls_in_order_up_to_the_limit():
-    from flowgrpo.algo.schedule import pack as _pack
+    from flowgrpo.algo.microbatches import pack as _pack
 
     items = [("a", 1), ("b", 2), ("c", 1), ("d", 9), ("e", 3), ("f", 2)]
     assert _pack(items, lambda name, cost: cost, 4) == [

@@ -135,8 +135,8 @@ def toy_objective():
 
     from pydantic import Field
 
+    from flowgrpo.algo.microbatches import micro_batches
     from flowgrpo.algo.objectives import OBJECTIVES, BaseObjective, ObjectiveConfig, UpdateStep
-    from flowgrpo.algo.schedule import micro_batches
     from flowgrpo.sampling.rollout import rollout
 
     calls = []

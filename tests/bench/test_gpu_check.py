@@ -60,7 +60,7 @@ def test_counted_flops_of_a_velocity_match_the_flux_model():
 
     from gpu_check import Size, _zoo_flops, build_flux, flux_adapter, flux_flops
 
-    from flowgrpo.models.zoo import CASES
+    from flowgrpo.models.random_pipelines import CASES
 
     size = Size(2, 2, 4, 32, 32, 64, (8, 8, 8, 8), 1, 256, 32, 1, 1, 1)
     pipe = build_flux(size, torch.device("cpu"), torch.float32)

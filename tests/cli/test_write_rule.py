@@ -169,8 +169,8 @@ def test_dataset_builders_refuse_a_users_folder_and_their_source(tmp_path, capsy
 
 def test_model_builders_refuse_a_users_folder_whatever_the_overwrite_option(tmp_path, capsys):
     """``--force`` (now also ``--overwrite``) once removed the folder with shutil.rmtree before building."""
+    from flowgrpo.models.random_pipelines import main as zoo_main
     from flowgrpo.models.tiny import main as tiny_main
-    from flowgrpo.models.zoo import main as zoo_main
     from flowgrpo.tasks.digits.model import main as digits_main
 
     mine = tmp_path / "mine"

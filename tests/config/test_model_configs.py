@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flowgrpo.config import load_config
-from flowgrpo.models.zoo import CASES
+from flowgrpo.models.random_pipelines import CASES
 from flowgrpo.testing.adapters import tiny_folder
 from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
 

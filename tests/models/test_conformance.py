@@ -2,12 +2,12 @@
 pipeline: registry, pipeline parity, SDE at noise 0, exact on-policy log-probs, LoRA round trip through the
 pipeline's loader, one epoch of training with the per_step and chunk strategies.
 
-A new adapter: one case in flowgrpo.models.zoo.CASES and one line here.
+A new adapter: one case in flowgrpo.models.random_pipelines.CASES and one line here.
 """
 
 from __future__ import annotations
 
-from flowgrpo.models.zoo import CASES
+from flowgrpo.models.random_pipelines import CASES
 from flowgrpo.testing.adapters import AdapterConformance
 
 

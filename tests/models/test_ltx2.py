@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from flowgrpo.models.zoo import CASES
+from flowgrpo.models.random_pipelines import CASES
 from flowgrpo.testing.adapters import AdapterConformance
 from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
 

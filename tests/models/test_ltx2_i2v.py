@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from flowgrpo.models.zoo import CASES
+from flowgrpo.models.random_pipelines import CASES
 
 CASE = CASES["ltx2_i2v"]
 

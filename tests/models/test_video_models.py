@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowgrpo.models.zoo import CASES
+from flowgrpo.models.random_pipelines import CASES
 from flowgrpo.testing.adapters import AdapterConformance, tiny_folder
 
 

@@ -89,8 +89,8 @@ def _torchrun(n: int, configs: list[Path], root: Path) -> None:
 def _ledgers(tmp_path_factory, runs: dict, n: int) -> dict[str, list[dict]]:
     """Run ``runs`` in one ``torchrun`` of ``n`` processes; {run: every rank's ledger}, and ``"model"``: the FLUX
     model's folder."""
+    from flowgrpo.models.random_pipelines import build_random_pipeline
     from flowgrpo.models.tiny import build_tiny_flux
-    from flowgrpo.models.zoo import build_random_pipeline
 
     root = tmp_path_factory.mktemp("ledger")
     model = build_tiny_flux(root / "flux12", transformer_kwargs={

@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from flowgrpo.algo.microbatches import step_shares
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
 from flowgrpo.algo.objectives.forward import NO_OLD_COPY_UNREAD, ForwardObjective, ForwardWork, RowDraw
 from flowgrpo.algo.objectives.sft import SigmaDensityConfig, seeded_draws
-from flowgrpo.algo.schedule import step_shares
 from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, FinalSamples
 

@@ -43,11 +43,11 @@ from pydantic import Field
 from pydantic.fields import FieldInfo
 
 from flowgrpo.algo.chunkers import ChunkerConfig
+from flowgrpo.algo.microbatches import micro_batches, step_shares
 from flowgrpo.algo.objectives.base import BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep, _moved
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms
 from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy
 from flowgrpo.algo.policy_losses import PolicyLossConfig
-from flowgrpo.algo.schedule import micro_batches, step_shares
 from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, FinalSamples
 from flowgrpo.sampling.final_rollout import solver_rollout

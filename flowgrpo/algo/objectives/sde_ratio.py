@@ -4,7 +4,7 @@ The rollout samples SDE trajectories recording every transition's log-probabilit
 transitions are stochastic); the chunker's plan picks the trained transitions and groups them into chunks that share
 one importance ratio; the update minimises the registered policy loss (``algo.policy_loss``) of each chunk's ratio
 over the trained (sample, chunk) pairs: the update's optimizer steps are the schedule's packs of micro-batches
-(:mod:`flowgrpo.algo.schedule`), run by the update loop (:mod:`flowgrpo.training.update`). Every log-prob, in
+(:mod:`flowgrpo.algo.microbatches`), run by the update loop (:mod:`flowgrpo.training.update`). Every log-prob, in
 rollout and training, comes from the adapter's ``velocity`` and :func:`~flowgrpo.sampling.sde.sde_step`, so the
 first ratio of an on-policy update is exactly 1 when the training batch layout equals the rollout's
 (``policy/logprob_mismatch_max`` reports it); a chunker that changes the layout (``needs_recompute``),
@@ -23,9 +23,9 @@ from typing import Literal
 import torch
 
 from flowgrpo.algo.chunkers import build_chunker
+from flowgrpo.algo.microbatches import StepWork, pair_mask, schedule
 from flowgrpo.algo.objectives.base import OBJECTIVES, BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep
 from flowgrpo.algo.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
-from flowgrpo.algo.schedule import StepWork, pair_mask, schedule
 from flowgrpo.compile import training_graph
 from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, ChunkPlan, Trajectory
@@ -49,7 +49,7 @@ class SdeRatioWork:
     Attributes:
         traj: the rollout; adv: its advantages (B,) over all processes.
         plan: the chunks and which local samples train them (filtered-out samples deselected).
-        steps: each optimizer step's packed forwards (:func:`~flowgrpo.algo.schedule.schedule`).
+        steps: each optimizer step's packed forwards (:func:`~flowgrpo.algo.microbatches.schedule`).
         old_log_probs: (B_local, T) float32 host, the rollout policy's (rescored by :meth:`SdeRatio.recompute`).
         old_means: (B_local, T, …) rollout-policy transition means, for a loss that reads moments (after the
             recompute), else None.

@@ -8,7 +8,8 @@ Two uses:
   override the tiny transformer's configuration, e.g. the real model's layer count and widths), then load it
   through ``from_pretrained`` like a downloaded folder.
 
-    python -m flowgrpo.models.zoo qwenimage OUT_DIR [--size 64] [--transformer '{"num_layers": 4}'] [--real-size]
+    python -m flowgrpo.models.random_pipelines qwenimage OUT_DIR [--size 64] [--transformer '{"num_layers": 4}']
+    [--real-size]
 """
 
 from __future__ import annotations
