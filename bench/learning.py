@@ -4,7 +4,7 @@
                              [--set KEY=VALUE ...] [--eval-every 5] [--out runs/learning] [--resume] [--json PATH]
 
 Every row starts from the same pretrained base model and changes only the settings named in its row: ``default``
-is the shipped ``flowgrpo/configs/digits.yaml`` as it is when the bench runs; ``per_step_default`` and
+is the shipped ``flowgrpo/tasks/digits/default.yaml`` as it is when the bench runs; ``per_step_default`` and
 ``old_default`` write out the settings that file shipped before (per-step Flow-GRPO with KL beta 0.04, before
 E-GRPO became the default; uncapped ``digit_correctness``, lr 2e-4, clip 2e-4, 80 epochs, before the collapse
 work); the chunker, SDE, estimator, policy-loss and filter rows change the default in one respect (a chunker row

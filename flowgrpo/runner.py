@@ -46,7 +46,7 @@ from flowgrpo.writing.outputs import OutputRefused
 from flowgrpo.writing.run_lock import hold_run_folder
 
 logger = logging.getLogger(__name__)
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "digits.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "tasks" / "digits" / "default.yaml"
 DESCRIPTION = """Train a flow-matching text-to-image or text/image-to-video model with the GRPO family and its kin.
 
     accelerate launch -q flowgrpo/train.py [CONFIG.yaml] [dotted.key=value ...]

@@ -220,7 +220,7 @@ def test_every_shipped_config_is_planned_or_refused_in_one_line(capsys):
     from flowgrpo.config import load_config
 
     planned = refused = 0
-    for path in [*sorted((REPO / "configs").glob("*.yaml")), REPO / "flowgrpo" / "configs" / "digits.yaml"]:
+    for path in [*sorted((REPO / "configs").glob("*.yaml")), REPO / "flowgrpo" / "tasks" / "digits" / "default.yaml"]:
         pretrained = load_config(path).model.pretrained
         for gpus in (1, 8):
             if pretrained in ("digits", "tiny"):

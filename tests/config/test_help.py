@@ -53,7 +53,7 @@ def _help_value(text: str, key: str) -> str:
 def test_train_help_shows_the_values_this_command_uses():
     import yaml
 
-    digits = yaml.safe_load((REPO / "flowgrpo" / "configs" / "digits.yaml").read_text())
+    digits = yaml.safe_load((REPO / "flowgrpo" / "tasks" / "digits" / "default.yaml").read_text())
     out = _run("flowgrpo/train.py", "--help")
     assert out.returncode == 0, out.stderr
     assert _help_value(out.stdout, "train.num_epochs") == str(digits["train"]["num_epochs"])
@@ -137,7 +137,7 @@ def test_help_of_an_objective_the_config_refuses_shows_the_configs_values_and_ma
 
     from flowgrpo.runner import help_text
 
-    digits = yaml.safe_load((REPO / "flowgrpo" / "configs" / "digits.yaml").read_text())
+    digits = yaml.safe_load((REPO / "flowgrpo" / "tasks" / "digits" / "default.yaml").read_text())
     for name in ("nft", "dpo"):
         text = help_text(None, [f"objective={name}"])
         rows = _rows(text)
