@@ -192,8 +192,8 @@ def _flux_cli_folder(c, folder: Path) -> None:
 
 
 #: The transformer body measured per non-FLUX family at real size: the released width and heads
-#: (``random_pipelines.REAL_SIZE``); the depth reduced where the released model is over 12 B parameters, so that the LoRA
-#: update without checkpointing fits one 139 GiB GPU (FLOPs and activation memory per block scale linearly in
+#: (``random_pipelines.REAL_SIZE``); the depth reduced where the released model is over 12 B parameters, so that
+#: the LoRA update without checkpointing fits one 139 GiB GPU (FLOPs and activation memory per block scale linearly in
 #: depth; Qwen-Image-Edit-Plus's 5 k-token sequences under true CFG halve it again); text encoders and VAE stay the
 #: zoo's tiny ones (they run once per prompt or image, not once per step). FLUX.2 [klein] 4B has no zoo entry:
 #: 5 + 20 blocks of 24 heads × 128 (public re-implementations; 3.85 B parameters built, the release says 4 B).

@@ -90,9 +90,9 @@ def _build(folder: Path):
     from flowgrpo import parallel
     from flowgrpo.config import ModelConfig, ParallelConfig
     from flowgrpo.distributed import dist
-    from flowgrpo.ema import EMA
     from flowgrpo.models.empty import empty_components
     from flowgrpo.models.lora import structure_copy
+    from flowgrpo.training.ema import EMA
 
     device = torch.device("cpu")
     if dist.rank() == 0:

@@ -13,7 +13,7 @@ from flowgrpo.checkpoints.health import resolve_checkpoint
 from flowgrpo.checkpoints.save_load import CheckpointError, load_checkpoint, save_checkpoint
 from flowgrpo.config import build_config
 from flowgrpo.data.prompts import GroupSampler
-from flowgrpo.ema import EMA
+from flowgrpo.training.ema import EMA
 from flowgrpo.writing.metrics import read_metrics
 
 

@@ -449,7 +449,7 @@ def test_every_swap_of_sharded_weights_reaches_the_forwards(kind, reshard_after_
     import copy
 
     from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy
-    from flowgrpo.ema import EMA
+    from flowgrpo.training.ema import EMA
 
     torch.manual_seed(0)
     shadow_net = _Net()  # the values the swap puts in

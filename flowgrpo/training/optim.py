@@ -20,7 +20,7 @@ import torch
 from flowgrpo import parallel
 from flowgrpo.checkpoints.health import resolve_checkpoint
 from flowgrpo.checkpoints.save_load import load_checkpoint, save_checkpoint
-from flowgrpo.ema import EMA
+from flowgrpo.training.ema import EMA
 from flowgrpo.watch.divergence import TrainingDiverged, stop_line
 
 logger = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from flowgrpo.distributed import dist
-from flowgrpo.model_card import pipeline_call, write_model_card
 from flowgrpo.plots import before_after, edits_before_after
 from flowgrpo.records import GroupTable
 from flowgrpo.sampling.rollout import load_condition_images
+from flowgrpo.training.model_card import pipeline_call, write_model_card
 from flowgrpo.writing.metrics import read_metrics
 
 #: the order the phases run in (the summary's ``phase_seconds`` and the report list them so)
@@ -158,7 +158,7 @@ def _write_before_after(path: Path, img_before, img_after, captions, meta: list[
 
 
 def write_card(run, summary: dict, *, adapter, prompt: str, tables=()) -> None:
-    """The model card beside the saved weights (:func:`~flowgrpo.model_card.write_model_card`), its figures
+    """The model card beside the saved weights (:func:`~flowgrpo.training.model_card.write_model_card`), its figures
     table without the keys the per-group tables report."""
     write_model_card(run.cfg, summary, run.weights_dir, run.out, pipeline_class=type(adapter.pipe).__name__,
                      prompt=prompt, call=pipeline_call(run.cfg, adapter.height, adapter.width),

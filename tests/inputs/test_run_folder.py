@@ -239,7 +239,7 @@ def _parts(seed=0):
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    from flowgrpo.ema import EMA
+    from flowgrpo.training.ema import EMA
 
     return model, opt, sched, GroupSampler(30, 8, seed), EMA(list(model.parameters()), 0.9)
 

@@ -31,7 +31,7 @@ from flowgrpo.checkpoints import save_load
 from flowgrpo.checkpoints.state_dicts import full_tensor, optimizer_state, trainable_state  # noqa: E402
 from flowgrpo.data.prompts import GroupSampler  # noqa: E402
 from flowgrpo.distributed import dist
-from flowgrpo.ema import EMA  # noqa: E402
+from flowgrpo.training.ema import EMA  # noqa: E402
 
 READS: list[str] = []
 

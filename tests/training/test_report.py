@@ -73,7 +73,7 @@ def _config(**kw):
 def test_model_card_names_base_algorithm_figures_and_loading():
     import yaml
 
-    from flowgrpo.model_card import model_card
+    from flowgrpo.training.model_card import model_card
 
     text = model_card(_config(finetune="lora", lora_rank=32), SUMMARY, pipeline_class="FluxPipeline",
                       repo="me/flux-rl")
@@ -96,7 +96,7 @@ def test_the_model_card_tags_the_task_of_its_pipeline(pipeline, task):
     """A video model's card was tagged text-to-image (issue 54): the tag is the pipeline's task."""
     import yaml
 
-    from flowgrpo.model_card import model_card
+    from flowgrpo.training.model_card import model_card
 
     front = yaml.safe_load(model_card(_config(finetune="lora"), SUMMARY, pipeline_class=pipeline,
                                       repo="me/x").split("---")[1])

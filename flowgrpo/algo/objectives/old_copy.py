@@ -117,7 +117,7 @@ def copy_into_(old: Iterable[torch.Tensor], current: Iterable[torch.Tensor]) -> 
 class OldCopy:
     """The old copy of the trained parameters the training loop keeps: a float32 shadow of each, started as the
     weights themselves, moved by :meth:`update` and swapped into the model for the forwards that use it
-    (:meth:`swapped`), as :class:`flowgrpo.ema.EMA` is for evaluation.
+    (:meth:`swapped`), as :class:`flowgrpo.training.ema.EMA` is for evaluation.
 
     Of sharded (FSDP2) parameters it keeps one shadow shard per parameter shard (the same layout, so an update
     and a swap are local); its checkpoint state is those shards (:meth:`state_dict`), which torch's distributed
