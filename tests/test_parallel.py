@@ -482,7 +482,7 @@ def test_end_worker_flushes_and_skips_the_teardown(tmp_path):
     script = tmp_path / "w.py"
     script.write_text(
         "import atexit, sys, torch.distributed as td\n"
-        "from flowgrpo import dist\n"
+        "from flowgrpo.distributed import dist\n"
         "td.init_process_group('gloo', store=td.HashStore(), rank=0, world_size=1)\n"
         "atexit.register(lambda: print('teardown ran', flush=True))\n"
         "print('figures'); sys.stderr.write('note')\n"

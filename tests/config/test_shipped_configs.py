@@ -179,7 +179,7 @@ def test_every_documented_accelerate_launch_is_quiet():
 
     texts = [REPO / "README.md", REPO / "flowgrpo" / "train.py", REPO / "flowgrpo" / "runner.py",
              *(p for p in (REPO / "docs").glob("*.md") if p.name != "results.md"),  # results: commands as run
-             *(REPO / "configs").rglob("*.yaml"), *(REPO / "flowgrpo" / "configs").glob("*.yaml")]
+             *(REPO / "configs").rglob("*.yaml"), *(REPO / "flowgrpo" / "tasks").rglob("*.yaml")]
     found = 0
     for path in texts:
         for command in re.findall(r"accelerate launch (?:--config_file|--multi_gpu|-q|flowgrpo/train\.py)",
