@@ -139,6 +139,52 @@ def unclaim_folder(folder: str | os.PathLike) -> None:
         pass
 
 
+def written_files(folder: str | os.PathLike) -> list[str]:
+    """The names of the files the last call of the writer of ``folder`` wrote there, as it recorded them in the
+    folder's :data:`MARKER_FILE` (``files``; :func:`record_written`); empty when none are recorded (a folder of an
+    older version, or of a writer that records none)."""
+    try:
+        names = json.loads((Path(folder) / MARKER_FILE).read_text(encoding="utf-8")).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [n for n in names if isinstance(n, str) and n and "/" not in n and n not in OWN_FILES and n != ".."]
+
+
+def record_written(folder: str | os.PathLike, kind: str, names: Iterable[str]) -> None:
+    """Record ``names`` (files directly in ``folder``) as what the writer of ``kind`` wrote there, in the folder's
+    :data:`MARKER_FILE`, replaced atomically (written beside it, then renamed over it)."""
+    folder = Path(folder)
+    tmp = folder / f"{MARKER_FILE}.tmp"
+    tmp.write_text(json.dumps({"kind": kind, "files": sorted(set(names))}) + "\n", encoding="utf-8")
+    os.replace(tmp, folder / MARKER_FILE)
+
+
+def check_written(folder: str | os.PathLike, what: str, own_names: str) -> None:
+    """Refuse to write into ``folder`` (owned by the writer, :func:`check_folder`) when it holds a file named as
+    the writer names its files (the regular expression ``own_names``) that no earlier call recorded writing
+    (:func:`written_files`): the writer could neither replace it (not its own) nor leave it (the folder would mix
+    two calls' outputs). Reads only names. Raises :class:`OutputRefused`."""
+    recorded = set(written_files(folder))
+    for name in foreign_files(folder):
+        if name not in recorded and re.fullmatch(own_names, name):
+            raise OutputRefused(f"{what} {str(folder)!r} holds {name!r}, which no earlier flowgrpo call recorded "
+                                "writing: nothing was written; choose another folder, or move it out of this one")
+
+
+def remove_written(folder: str | os.PathLike, keep: Iterable[str] = ()) -> list[str]:
+    """Remove the files an earlier call recorded writing in ``folder`` (:func:`written_files`), but ``keep``
+    (names the new call writes over); a recorded name that is not a plain file now is left. Returns the names
+    removed."""
+    folder, keep = Path(folder), set(keep)
+    gone = []
+    for name in written_files(folder):
+        path = folder / name
+        if name not in keep and path.is_file() and not path.is_symlink():
+            path.unlink()
+            gone.append(name)
+    return gone
+
+
 def check_file(path: str | os.PathLike, what: str, inputs: Iterable = (), overwrite: bool = False) -> None:
     """Refuse to write the output file ``path`` when it is one of the command's ``inputs`` (whatever
     ``overwrite`` says), lies inside an input folder or another output's part, is a folder, or exists and
