@@ -392,7 +392,8 @@ def _parser() -> argparse.ArgumentParser:
                    f"{d['max_sequence_length']}; with --run: model.max_sequence_length)")
     s.add_argument("--batch-size", type=int_in(1), default=8, help="images a pipeline call")
     s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt): absent, empty or an "
-                   "earlier sample's; never in a run's weights or checkpoints")
+                   "earlier sample's (whose images this call replaces; other files are kept); never in a run's "
+                   "weights or checkpoints")
     pr = sub.add_parser("prompts", help="build a config's prompt file from a local copy of a public prompt set",
                         formatter_class=DefaultsHelpFormatter,
                         description="sets: hpd (HPDv2 train.json/test.json), pickapic (Pick-a-Pic parquet/JSONL/CSV "
