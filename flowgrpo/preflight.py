@@ -314,8 +314,7 @@ def check_output_dir(config) -> None:
         check_folder(config.model.prompt_embeddings_dir, "model.prompt_embeddings_dir", "prompt embeddings",
                      inputs=(config.model.pretrained,), own_names=OWN_NAMES)
     if config.train.resume_from:
-        resolve_checkpoint(config.train.resume_from)
-        refuse_older_resume(config)
+        refuse_older_resume(config, resolve_checkpoint(config.train.resume_from))
         refuse_changed_evaluation(config)
         read_metrics(out / "metrics.jsonl")
     elif (out / "config.yaml").exists() and not config.logging.overwrite:

@@ -73,21 +73,27 @@ def refuse_foreign_run_files(out: str | os.PathLike) -> None:
                             "move it out of the run folder, or choose another output_dir")
 
 
-def refuse_older_resume(config) -> None:
-    """Refuse a resume that would replace newer work in ``output_dir``: its ``checkpoints`` hold a checkpoint a
-    resume would take (:func:`~flowgrpo.checkpoint_health.newest_healthy`) of a later epoch than the one resumed,
-    or its ``summary.json`` says its final weights are of more epochs than the resumed checkpoint's (training from
-    the older one would replace them, the later checkpoints and the records of the epochs after it). A resume from
-    the newest checkpoint (the root ``checkpoints``, ``auto``) passes, extending a finished run included; so does a
-    resume from any checkpoint into another, new ``output_dir``. Reads only ``state.json`` and ``summary.json``.
-    Raises :class:`~flowgrpo.settings.ConfigError` naming what is newer and the remedy."""
-    epoch = _epoch_of(resolve_checkpoint(config.train.resume_from))
+def refuse_older_resume(config, resumed: Path) -> None:
+    """Refuse a resume from checkpoint ``resumed`` (resolved from ``train.resume_from``) that would replace newer
+    work in ``output_dir``: its ``checkpoints`` hold a checkpoint a resume would take
+    (:func:`~flowgrpo.checkpoint_health.newest_healthy`) of a later epoch, or, for a checkpoint folder named
+    itself, its ``summary.json`` says its final weights are of more epochs (training from the older one would
+    replace them, the later checkpoints and the records of the epochs after it). A resume from the newest healthy
+    checkpoint (the root ``checkpoints``, ``auto``) passes, extending a finished run included, and so does one
+    that passes over a damaged or unhealthy newest checkpoint; so does a resume into another, new ``output_dir``.
+    Reads only ``state.json`` and ``summary.json``. Raises :class:`~flowgrpo.settings.ConfigError` naming what is
+    newer and the remedy."""
     root = Path(config.output_dir) / "checkpoints"
     newest = newest_healthy(root) if (root / "latest").is_file() else None
+    named = not (Path(config.train.resume_from) / "latest").is_file()  # a checkpoint folder, not a root
+    done = _summary_epochs(root.parent) if named else 0
+    if newest is None and not done:
+        return
+    epoch = _epoch_of(resumed)
     final = [f"the final {n}" for n in ("lora", "transformer", "summary.json") if (root.parent / n).exists()]
     if newest is not None and _epoch_of(newest) > epoch:
         newer = [repr(str(newest)), *final]
-    elif _summary_epochs(root.parent) > epoch + 1:
+    elif done > epoch + 1:
         newer = final
     else:
         return
@@ -106,8 +112,13 @@ def _summary_epochs(out: Path) -> int:
 
 
 def _epoch_of(checkpoint: Path) -> int:
-    """The epoch of a checkpoint folder (its ``state.json``; resolved checkpoints have one)."""
-    return int(json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))["epoch"])
+    """The epoch of a checkpoint folder (its ``state.json``'s; a resolved checkpoint has one), else of its name
+    ``epoch_<N>``, else -1 (the load reports a checkpoint it cannot read)."""
+    try:
+        return int(json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))["epoch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        name = Path(checkpoint).name
+        return int(name[6:]) if name.startswith("epoch_") and name[6:].isdigit() else -1
 
 
 def latest_run_config(out: str | os.PathLike) -> Path:

@@ -127,11 +127,14 @@ def test_a_resume_from_an_older_checkpoint_into_a_finished_run_is_refused_before
 
 
 def test_final_weights_of_more_epochs_than_the_resumed_checkpoint_refuse_it_too(run_copy, tiny_flux_dir):
-    """The newer checkpoint deleted (to free disk), the final weights of epoch 2 are still newer than epoch_0."""
+    """The newer checkpoint deleted (to free disk), the final weights of epoch 2 are still newer than epoch_0 named
+    as the checkpoint to resume. (A resume from the root takes its newest healthy checkpoint, as before: the
+    designed way on past a damaged newest one.)"""
     out = run_copy / "run"
     shutil.rmtree(out / "checkpoints" / "epoch_1")
     (out / "checkpoints" / "latest").write_text("epoch_0")
-    cfg = _cfg(run_copy, tiny_flux_dir, train={"resume_from": str(out / "checkpoints")})
+    check_output_dir(_cfg(run_copy, tiny_flux_dir, train={"resume_from": str(out / "checkpoints")}))
+    cfg = _cfg(run_copy, tiny_flux_dir, train={"resume_from": str(out / "checkpoints" / "epoch_0")})
     with pytest.raises(ConfigError, match=r"\(epoch_0\) is older than what output_dir holds: the final lora, the "
                                           r"final summary.json; the resume would replace them"):
         check_output_dir(cfg)
