@@ -14,6 +14,10 @@ builders, ``eval/geneval.py --outdir``; the list is in docs/run_folder.md, "What
 - never writes **into a part of another flowgrpo output** (a run's ``transformer/``, ``lora/``, ``checkpoints/``
   …: :data:`RUN_FILES`), which ``flowgrpo push`` uploads or a resume reads.
 
+A writer that writes its folder again (``flowgrpo sample``) records the files it wrote in the marker
+(:func:`record_written`) and removes the earlier call's before writing (:func:`remove_written`), so the folder
+holds one call's outputs; a file named as its files are that no call recorded is refused (:func:`check_written`).
+
 Anything else is :class:`OutputRefused` (a ``ValueError``) with one line naming the path, a file found there and
 the remedy. Writers that build into a temporary folder and rename it into place (the cache,
 :func:`flowgrpo.cache.build_once`) never replace an existing folder and need no check.
