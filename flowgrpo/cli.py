@@ -133,8 +133,12 @@ def _sample_inputs(args: argparse.Namespace, s: dict, weights: Path | None) -> l
     return [Path(args.run) / "config.yaml" if args.run else None, weights, args.model, s["prompt_file"]]
 
 
+#: the names ``flowgrpo sample`` gives its files in ``--out`` (a call that finds one it did not record refuses)
+SAMPLE_NAMES = r"images\.pt|grid\.png|\d{5,}\.(png|gif)"
+
+
 def _sample(args: argparse.Namespace) -> None:
-    from flowgrpo.writing.outputs import check_folder, claim_folder, unclaim_folder
+    from flowgrpo.writing.outputs import check_folder, check_written, claim_folder, unclaim_folder
 
     s = _sample_settings(args)
     weights = None if args.no_weights else s["weights"]
@@ -143,6 +147,7 @@ def _sample(args: argparse.Namespace) -> None:
     out = Path(args.out)
     # before the model is built: a folder that holds other files, lies in the run, or cannot be made fails at once
     check_folder(out, "--out", "sample", inputs=_sample_inputs(args, s, weights))
+    check_written(out, "--out", SAMPLE_NAMES)
     made = claim_folder(out, "sample", "--out")
     try:
         _sample_into(out, args, s, weights)
@@ -154,7 +159,8 @@ def _sample(args: argparse.Namespace) -> None:
 
 def _sample_into(out: Path, args: argparse.Namespace, s: dict, weights: Path | None) -> None:
     """Build the model of the settings ``s``, sample and write images.pt, grid.png and one PNG (GIF) each into
-    ``out``."""
+    ``out``, recorded in its marker (:func:`flowgrpo.writing.outputs.record_written`) and the files an earlier call
+    recorded there removed first: the folder holds one call's images; files flowgrpo did not write are kept."""
     import torch
     from PIL import Image
 
@@ -163,6 +169,7 @@ def _sample_into(out: Path, args: argparse.Namespace, s: dict, weights: Path | N
     from flowgrpo.plots import sample_grid
     from flowgrpo.rng import derive_seed
     from flowgrpo.sampling.rollout import generate_images
+    from flowgrpo.writing.outputs import record_written
 
     ps = load_prompts(s["prompt_file"])
     adapter = s["build"]()
@@ -175,6 +182,8 @@ def _sample_into(out: Path, args: argparse.Namespace, s: dict, weights: Path | N
     metadata = [ps.metadata[i % len(ps)] for i in range(count)]
     images = generate_images(adapter, prompts, seeds, num_steps=s["steps"], guidance_scale=s["guidance"],
                              batch_size=args.batch_size, cache=s["cache"], metadata=metadata)
+    names = ["images.pt", "grid.png", *(f"{i:05d}.{'gif' if img.ndim == 4 else 'png'}" for i, img in enumerate(images))]
+    _replace_written(out, names)
     torch.save(images, out / "images.pt")
     sample_grid(images[:40], [p[:30] for p in prompts[:40]], out / "grid.png", ncols=10)
     for i, img in enumerate(images):
@@ -183,7 +192,19 @@ def _sample_into(out: Path, args: argparse.Namespace, s: dict, weights: Path | N
             frames[0].save(out / f"{i:05d}.gif", save_all=True, append_images=frames[1:], duration=62, loop=0)
         else:
             Image.fromarray(to_uint8(img)).save(out / f"{i:05d}.png")
+    record_written(out, "sample", names)
     logger.info("wrote %d %s to %s", len(images), "videos" if images.ndim == 5 else "images", out)
+
+
+def _replace_written(out: Path, names: list[str]) -> None:
+    """Before ``names`` are written into ``out``: record them with the earlier call's files (so a failure leaves
+    every file flowgrpo wrote recorded), then remove the earlier call's files the new call does not write over."""
+    from flowgrpo.writing.outputs import record_written, remove_written, written_files
+
+    record_written(out, "sample", [*written_files(out), *names])
+    gone = remove_written(out, keep=names)
+    if gone:
+        logger.info("removed %d files of an earlier flowgrpo sample call from %s", len(gone), out)
 
 
 def _check_prompts_args(args: argparse.Namespace) -> None:
@@ -371,7 +392,8 @@ def _parser() -> argparse.ArgumentParser:
                    f"{d['max_sequence_length']}; with --run: model.max_sequence_length)")
     s.add_argument("--batch-size", type=int_in(1), default=8, help="images a pipeline call")
     s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt): absent, empty or an "
-                   "earlier sample's; never in a run's weights or checkpoints")
+                   "earlier sample's (whose images this call replaces; other files are kept); never in a run's "
+                   "weights or checkpoints")
     pr = sub.add_parser("prompts", help="build a config's prompt file from a local copy of a public prompt set",
                         formatter_class=DefaultsHelpFormatter,
                         description="sets: hpd (HPDv2 train.json/test.json), pickapic (Pick-a-Pic parquet/JSONL/CSV "

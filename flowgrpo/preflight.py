@@ -26,7 +26,13 @@ from flowgrpo.rewards.compose import ComposedReward
 from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
 from flowgrpo.sampling.sde import noise_level_warning
 from flowgrpo.strategies.registry import did_you_mean
-from flowgrpo.training.run_folder import latest_run_config, occupied_message, refuse_changed_evaluation
+from flowgrpo.training.run_folder import (
+    latest_run_config,
+    occupied_message,
+    refuse_changed_evaluation,
+    refuse_foreign_run_files,
+    refuse_older_resume,
+)
 from flowgrpo.writing.metrics import read_metrics
 from flowgrpo.writing.outputs import check_folder
 from flowgrpo.writing.run_lock import check_folder_path
@@ -308,11 +314,13 @@ def check_output_dir(config) -> None:
         check_folder(config.model.prompt_embeddings_dir, "model.prompt_embeddings_dir", "prompt embeddings",
                      inputs=(config.model.pretrained,), own_names=OWN_NAMES)
     if config.train.resume_from:
-        resolve_checkpoint(config.train.resume_from)
+        refuse_older_resume(config, resolve_checkpoint(config.train.resume_from))
         refuse_changed_evaluation(config)
         read_metrics(out / "metrics.jsonl")
     elif (out / "config.yaml").exists() and not config.logging.overwrite:
         raise FileExistsError(occupied_message(out))
+    elif config.logging.overwrite:
+        refuse_foreign_run_files(out)
 
 
 def load_prompt_field(config, field: str):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -14,10 +15,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from flowgrpo.checkpoints.health import resolve_checkpoint
+from flowgrpo.checkpoints.health import newest_healthy, resolve_checkpoint
 from flowgrpo.strategies.settings import ConfigError, flat_dict, save_config
 from flowgrpo.writing.metrics import read_metrics
-from flowgrpo.writing.outputs import RUN_FILES, claim_folder
+from flowgrpo.writing.outputs import RUN_FILES, OutputRefused, claim_folder
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,96 @@ EVAL_SETTINGS = ("data.eval_prompts", "data.eval_num_prompts", "eval_sampling.",
 #: of them, the ones that decide which images an evaluation scores (its prompts, their count, its sampler): a
 #: resume into the run's folder cannot change them (:func:`refuse_changed_evaluation`)
 EVAL_IMAGES = ("data.eval_prompts", "data.eval_num_prompts", "eval_sampling.")
+
+_CHECKPOINT_FILE = (r"(trainable|ema|objective)\.safetensors|optimizer\.pt|rng\.pt|state\.json|health\.json|"
+                    r"\.health\.json\.tmp|optimizer_groups\.json|sharded/(__\d+_\d+\.distcp|\.metadata)")
+_CARD = r"README\.md|reward_curve\.png|before_after\.png"  # the model card and its figures (flowgrpo.training.model_card)
+#: the paths a run writes inside its folders (the :data:`~flowgrpo.writing.outputs.RUN_FILES` that are folders), as
+#: regular expressions of a file's path relative to that folder: ``checkpoints/`` (``latest``, each
+#: ``epoch_<N>`` and its temporary, aside and removing forms, flowgrpo.checkpoints.save_load), the final weights
+#: (``transformer/``: diffusers' ``config.json`` and safetensors files; ``lora/``: ``pytorch_lora_weights``),
+#: each with the model card, and ``rollouts/``. ``logging.overwrite`` removes a part only when every file in it is
+#: one of these (:func:`foreign_run_file`)
+RUN_PART_NAMES = {
+    "checkpoints": rf"latest|\.latest\.tmp|\.?epoch_\d+(\.tmp|\.old|\.removing)?/({_CHECKPOINT_FILE})",
+    "transformer": rf"{_CARD}|config\.json|diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors(\.index\.json)?",
+    "lora": rf"{_CARD}|pytorch_lora_weights\.safetensors",
+    "rollouts": r"epoch_\d+\.safetensors",
+}
+
+
+def foreign_run_file(out: str | os.PathLike) -> Path | None:
+    """The first file (sorted) inside a folder of the run in ``out`` (:data:`RUN_PART_NAMES`) that a run does not
+    write there: a user's own file, which ``logging.overwrite`` must not remove; None when there is none. Reads
+    only names."""
+    out = Path(out)
+    for part, names in sorted(RUN_PART_NAMES.items()):
+        folder = out / part
+        if not folder.is_dir():
+            continue
+        for path in sorted(f for f in folder.rglob("*") if not f.is_dir()):
+            if not re.fullmatch(names, path.relative_to(folder).as_posix()):
+                return path
+    return None
+
+
+def refuse_foreign_run_files(out: str | os.PathLike) -> None:
+    """Refuse ``logging.overwrite=true`` on the run in ``out`` when a folder of the run holds a file flowgrpo did
+    not write there (:func:`foreign_run_file`; the files beside the run's own at the top of ``out`` are kept, as
+    always). Raises :class:`~flowgrpo.writing.outputs.OutputRefused` naming the file."""
+    found = foreign_run_file(out)
+    if found is not None:
+        raise OutputRefused(f"logging.overwrite=true would remove {str(found)!r} with the old run's "
+                            f"{found.relative_to(out).parts[0]}/, but flowgrpo did not write it: nothing was removed; "
+                            "move it out of the run folder, or choose another output_dir")
+
+
+def refuse_older_resume(config, resumed: Path) -> None:
+    """Refuse a resume from checkpoint ``resumed`` (resolved from ``train.resume_from``) that would replace newer
+    work in ``output_dir``: its ``checkpoints`` hold a checkpoint a resume would take
+    (:func:`~flowgrpo.checkpoints.health.newest_healthy`) of a later epoch, or, for a checkpoint folder named
+    itself, its ``summary.json`` says its final weights are of more epochs (training from the older one would
+    replace them, the later checkpoints and the records of the epochs after it). A resume from the newest healthy
+    checkpoint (the root ``checkpoints``, ``auto``) passes, extending a finished run included, and so does one
+    that passes over a damaged or unhealthy newest checkpoint; so does a resume into another, new ``output_dir``.
+    Reads only ``state.json`` and ``summary.json``. Raises :class:`~flowgrpo.strategies.settings.ConfigError` naming what is
+    newer and the remedy."""
+    root = Path(config.output_dir) / "checkpoints"
+    newest = newest_healthy(root) if (root / "latest").is_file() else None
+    named = not (Path(config.train.resume_from) / "latest").is_file()  # a checkpoint folder, not a root
+    done = _summary_epochs(root.parent) if named else 0
+    if newest is None and not done:
+        return
+    epoch = _epoch_of(resumed)
+    final = [f"the final {n}" for n in ("lora", "transformer", "summary.json") if (root.parent / n).exists()]
+    if newest is not None and _epoch_of(newest) > epoch:
+        newer = [repr(str(newest)), *final]
+    elif done > epoch + 1:
+        newer = final
+    else:
+        return
+    raise ConfigError(f"train.resume_from={config.train.resume_from} (epoch_{epoch}) is older than what output_dir "
+                      f"holds: {', '.join(newer)}; the resume would replace them, nothing was changed. Resume from the "
+                      f"newest (train.resume_from={root}), or from this one into another output_dir")
+
+
+def _summary_epochs(out: Path) -> int:
+    """The epochs of the finished run in ``out`` (its ``summary.json``'s ``epochs``), 0 when unknown."""
+    try:
+        epochs = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("epochs")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return epochs if type(epochs) is int else 0
+
+
+def _epoch_of(checkpoint: Path) -> int:
+    """The epoch of a checkpoint folder (its ``state.json``'s; a resolved checkpoint has one), else of its name
+    ``epoch_<N>``, else -1 (the load reports a checkpoint it cannot read)."""
+    try:
+        return int(json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))["epoch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        name = Path(checkpoint).name
+        return int(name[6:]) if name.startswith("epoch_") and name[6:].isdigit() else -1
 
 
 def latest_run_config(out: str | os.PathLike) -> Path:
@@ -164,8 +255,9 @@ class RunFolder:
     def claim(self, epoch: int) -> None:
         """Refuse a folder that holds another run; when resuming into it at ``epoch``, drop the records of epochs
         after the checkpoint (a run killed mid-epoch left them), so ``metrics.jsonl`` holds each epoch once; with
-        ``logging.overwrite`` remove every file of the old run (its checkpoints included). Raises
-        ``FileExistsError``."""
+        ``logging.overwrite`` remove every file of the old run (its checkpoints included), refused when one of the
+        run's folders holds a file it did not write (:func:`refuse_foreign_run_files`). Raises
+        ``FileExistsError`` / :class:`~flowgrpo.writing.outputs.OutputRefused`."""
         metrics = self.out / "metrics.jsonl"
         if self.cfg.train.resume_from and metrics.exists():
             kept = [r for r in read_metrics(metrics, quiet=True) if r["epoch"] < epoch]  # preflight warned
@@ -173,6 +265,7 @@ class RunFolder:
         elif (self.out / "config.yaml").exists() and not self.cfg.logging.overwrite:
             raise FileExistsError(occupied_message(self.out))
         elif self.cfg.logging.overwrite:
+            refuse_foreign_run_files(self.out)  # the preflight checked it; the folder is locked since
             old = [self.out / n for n in RUN_FILES if (self.out / n).exists()]
             old += sorted(self.out.glob("config_resumed_at_epoch_*.yaml"))
             for path in old:

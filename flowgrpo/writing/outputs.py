@@ -14,6 +14,10 @@ builders, ``eval/geneval.py --outdir``; the list is in docs/run_folder.md, "What
 - never writes **into a part of another flowgrpo output** (a run's ``transformer/``, ``lora/``, ``checkpoints/``
   …: :data:`RUN_FILES`), which ``flowgrpo push`` uploads or a resume reads.
 
+A writer that writes its folder again (``flowgrpo sample``) records the files it wrote in the marker
+(:func:`record_written`) and removes the earlier call's before writing (:func:`remove_written`), so the folder
+holds one call's outputs; a file named as its files are that no call recorded is refused (:func:`check_written`).
+
 Anything else is :class:`OutputRefused` (a ``ValueError``) with one line naming the path, a file found there and
 the remedy. Writers that build into a temporary folder and rename it into place (the cache,
 :func:`flowgrpo.builds.cache_folder.build_once`) never replace an existing folder and need no check.
@@ -137,6 +141,52 @@ def unclaim_folder(folder: str | os.PathLike) -> None:
         folder.rmdir()
     except OSError:  # another process wrote there meanwhile: leave it
         pass
+
+
+def written_files(folder: str | os.PathLike) -> list[str]:
+    """The names of the files the last call of the writer of ``folder`` wrote there, as it recorded them in the
+    folder's :data:`MARKER_FILE` (``files``; :func:`record_written`); empty when none are recorded (a folder of an
+    older version, or of a writer that records none)."""
+    try:
+        names = json.loads((Path(folder) / MARKER_FILE).read_text(encoding="utf-8")).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [n for n in names if isinstance(n, str) and n and "/" not in n and n not in OWN_FILES and n != ".."]
+
+
+def record_written(folder: str | os.PathLike, kind: str, names: Iterable[str]) -> None:
+    """Record ``names`` (files directly in ``folder``) as what the writer of ``kind`` wrote there, in the folder's
+    :data:`MARKER_FILE`, replaced atomically (written beside it, then renamed over it)."""
+    folder = Path(folder)
+    tmp = folder / f"{MARKER_FILE}.tmp"
+    tmp.write_text(json.dumps({"kind": kind, "files": sorted(set(names))}) + "\n", encoding="utf-8")
+    os.replace(tmp, folder / MARKER_FILE)
+
+
+def check_written(folder: str | os.PathLike, what: str, own_names: str) -> None:
+    """Refuse to write into ``folder`` (owned by the writer, :func:`check_folder`) when it holds a file named as
+    the writer names its files (the regular expression ``own_names``) that no earlier call recorded writing
+    (:func:`written_files`): the writer could neither replace it (not its own) nor leave it (the folder would mix
+    two calls' outputs). Reads only names. Raises :class:`OutputRefused`."""
+    recorded = set(written_files(folder))
+    for name in foreign_files(folder):
+        if name not in recorded and re.fullmatch(own_names, name):
+            raise OutputRefused(f"{what} {str(folder)!r} holds {name!r}, which no earlier flowgrpo call recorded "
+                                "writing: nothing was written; choose another folder, or move it out of this one")
+
+
+def remove_written(folder: str | os.PathLike, keep: Iterable[str] = ()) -> list[str]:
+    """Remove the files an earlier call recorded writing in ``folder`` (:func:`written_files`), but ``keep``
+    (names the new call writes over); a recorded name that is not a plain file now is left. Returns the names
+    removed."""
+    folder, keep = Path(folder), set(keep)
+    gone = []
+    for name in written_files(folder):
+        path = folder / name
+        if name not in keep and path.is_file() and not path.is_symlink():
+            path.unlink()
+            gone.append(name)
+    return gone
 
 
 def check_file(path: str | os.PathLike, what: str, inputs: Iterable = (), overwrite: bool = False) -> None:

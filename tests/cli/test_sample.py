@@ -106,3 +106,38 @@ def test_sample_without_run_applies_its_defaults_and_options(tmp_path, monkeypat
     with pytest.raises(SystemExit):
         cli_main(["sample", "--model", "tiny", "--lora", "x", "--no-weights", "--out", str(tmp_path / "o")])
     assert "--no-weights samples the base model alone, --lora adds weights" in capsys.readouterr().err
+
+
+def test_sample_into_its_own_folder_again_holds_only_the_second_calls_images(run_dir, tmp_path):
+    """Before: a second call with fewer images left the first call's 00002.png beside the new ones, so the
+    folder mixed two calls. A file flowgrpo did not write (the user's notes) is kept."""
+    run, _ = run_dir
+    out = tmp_path / "samples"
+    cli_main(["sample", "--run", str(run), "--no-weights", "--num-steps", "1", "--num-images", "3",
+              "--out", str(out)])
+    (out / "notes.txt").write_text("mine")
+    cli_main(["sample", "--run", str(run), "--no-weights", "--num-steps", "1", "--num-images", "2",
+              "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == [".flowgrpo-output", "00000.png", "00001.png", "grid.png",
+                                                     "images.pt", "notes.txt"]
+    assert len(torch.load(out / "images.pt")) == 2 and (out / "notes.txt").read_text() == "mine"
+
+
+def test_sample_refuses_an_image_it_did_not_write_before_building_the_model(run_dir, tmp_path, capsys, monkeypatch):
+    """A file named as sample names its images but not recorded by an earlier call (a user's own 00005.png, or a
+    folder written by a version that recorded nothing) is neither replaced nor left to mix with the new images."""
+    import flowgrpo.models as models
+
+    run, _ = run_dir
+    out = tmp_path / "samples"
+    out.mkdir()
+    (out / ".flowgrpo-output").write_text('{"kind": "sample"}\n')
+    (out / "00005.png").write_bytes(b"the user's own")
+    monkeypatch.setattr(models, "load_model_from_config", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(SystemExit) as err:
+        cli_main(["sample", "--run", str(run), "--no-weights", "--out", str(out)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert err.value.code == 2 and errors == [
+        f"flowgrpo sample: error: --out {str(out)!r} holds '00005.png', which no earlier flowgrpo call recorded "
+        "writing: nothing was written; choose another folder, or move it out of this one"], errors
+    assert (out / "00005.png").read_bytes() == b"the user's own"

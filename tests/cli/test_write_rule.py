@@ -133,9 +133,11 @@ def test_sample_refuses_a_folder_of_a_users_files_and_inside_its_weights(tmp_pat
 def test_sample_writes_into_an_empty_folder_and_again_into_its_own(tmp_path, monkeypatch):
     """The rule takes what sampling may use: an empty folder, a folder beside the run's own, its own output."""
     import flowgrpo.cli as cli
+    from flowgrpo.writing.outputs import record_written
 
-    def fake_sample(out, args, s, weights):
+    def fake_sample(out, args, s, weights):  # as the writer does: what it writes is recorded in the marker
         (out / "images.pt").write_bytes(b"images")
+        record_written(out, "sample", ["images.pt"])
 
     monkeypatch.setattr(cli, "_sample_into", fake_sample)
     (tmp_path / "empty").mkdir()

@@ -145,7 +145,7 @@ def test_resume_keeps_history_and_records_changed_settings(tmp_path, tiny_flux_d
     from flowgrpo.runner import run
 
     full = tmp_path / "run"
-    first = _cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, train={"num_epochs": 3})
+    first = _cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1}, train={"num_epochs": 2})
     run(first)
     old = yaml.safe_load((full / "config.yaml").read_text())
     del old["logging"]["plot_every"]  # as a run of a version without that setting wrote it
@@ -153,7 +153,8 @@ def test_resume_keeps_history_and_records_changed_settings(tmp_path, tiny_flux_d
     original = (full / "config.yaml").read_text()
     before = {k: v for k, v in json.loads((full / "summary.json").read_text()).items() if k.endswith("_before")}
     assert before
-    # resume from the checkpoint after epoch 1 into the same folder, with another learning rate
+    # resume from the newest checkpoint (after epoch 2 of 2) into the same folder, extended to 3 epochs with another
+    # learning rate (an older checkpoint is refused: flowgrpo.training.run_folder.refuse_older_resume)
     resumed = _cfg(tmp_path, tiny_flux_dir, logging={"save_every": 1},
                    train={"num_epochs": 3, "lr": 5e-3, "resume_from": str(full / "checkpoints" / "epoch_1")})
     with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
