@@ -32,7 +32,8 @@ EVAL_IMAGES = ("data.eval_prompts", "data.eval_num_prompts", "eval_sampling.")
 
 _CHECKPOINT_FILE = (r"(trainable|ema|objective)\.safetensors|optimizer\.pt|rng\.pt|state\.json|health\.json|"
                     r"\.health\.json\.tmp|optimizer_groups\.json|sharded/(__\d+_\d+\.distcp|\.metadata)")
-_CARD = r"README\.md|reward_curve\.png|before_after\.png"  # the model card and its figures (flowgrpo.training.model_card)
+#: the model card and its figures (flowgrpo.training.model_card)
+_CARD = r"README\.md|reward_curve\.png|before_after\.png"
 #: the paths a run writes inside its folders (the :data:`~flowgrpo.writing.outputs.RUN_FILES` that are folders), as
 #: regular expressions of a file's path relative to that folder: ``checkpoints/`` (``latest``, each
 #: ``epoch_<N>`` and its temporary, aside and removing forms, flowgrpo.checkpoints.save_load), the final weights
@@ -81,8 +82,8 @@ def refuse_older_resume(config, resumed: Path) -> None:
     replace them, the later checkpoints and the records of the epochs after it). A resume from the newest healthy
     checkpoint (the root ``checkpoints``, ``auto``) passes, extending a finished run included, and so does one
     that passes over a damaged or unhealthy newest checkpoint; so does a resume into another, new ``output_dir``.
-    Reads only ``state.json`` and ``summary.json``. Raises :class:`~flowgrpo.strategies.settings.ConfigError` naming what is
-    newer and the remedy."""
+    Reads only ``state.json`` and ``summary.json``. Raises :class:`~flowgrpo.strategies.settings.ConfigError`
+    naming what is newer and the remedy."""
     root = Path(config.output_dir) / "checkpoints"
     newest = newest_healthy(root) if (root / "latest").is_file() else None
     named = not (Path(config.train.resume_from) / "latest").is_file()  # a checkpoint folder, not a root
