@@ -16,9 +16,9 @@ import shutil
 import pytest
 
 from flowgrpo.config import ConfigError
-from flowgrpo.writing.outputs import LOCK_FILE, OutputRefused
 from flowgrpo.preflight import check_output_dir
 from flowgrpo.training.run_folder import RunFolder
+from flowgrpo.writing.outputs import LOCK_FILE, OutputRefused
 from tests.tiny_runs import _cfg, _tiny_overrides
 
 
