@@ -59,7 +59,7 @@ def _run(args: list[str], out: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
-        return {"error": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1]}
+        return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
     return {"metrics": _metrics(out / "metrics.jsonl"), "weights": _digest(out)}
 
 
@@ -80,7 +80,7 @@ def _first_difference(a: dict, b: dict) -> str | None:
         names = sorted(set(a["weights"]) ^ set(b["weights"])) or [
             k for k in a["weights"] if a["weights"][k] != b["weights"].get(k)]
         return f"weights differ: {names[0]}"
-    for i, (ra, rb) in enumerate(zip(a["metrics"], b["metrics"])):
+    for i, (ra, rb) in enumerate(zip(a["metrics"], b["metrics"], strict=False)):
         for key in sorted(set(ra) | set(rb)):
             if ra.get(key) != rb.get(key):
                 return f"record {i}: {key} {ra.get(key)!r} vs {rb.get(key)!r}"

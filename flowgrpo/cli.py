@@ -355,15 +355,8 @@ def _plan_arguments(pl: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return pl
 
 
-def _parser() -> argparse.ArgumentParser:
-    """The ``flowgrpo`` command's parser (``train`` is only listed: its own parser is :func:`flowgrpo.runner.main`)."""
-    parser = argparse.ArgumentParser(prog="flowgrpo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="train (same as flowgrpo/train.py; flowgrpo train --help lists the config)",
-                   add_help=False)
-    s = sub.add_parser("sample", help="ODE images (or videos) from a base model plus a trained LoRA",
-                       formatter_class=DefaultsHelpFormatter)
+def _sample_arguments(s: argparse.ArgumentParser) -> None:
+    """The options of ``flowgrpo sample`` (defaults from :data:`SAMPLE_DEFAULTS`, or the run's with ``--run``)."""
     s.add_argument("--run", help="a run folder: model, weights, evaluation settings and seeds from its config.yaml "
                    "(the options below marked 'with --run' replace the run's setting when given)")
     s.add_argument("--model", help="diffusers folder, hub id, 'digits' or 'tiny' (not with --run)")
@@ -394,6 +387,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output folder (PNGs, grid.png, images.pt): absent, empty or an "
                    "earlier sample's (whose images this call replaces; other files are kept); never in a run's "
                    "weights or checkpoints")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``flowgrpo`` command's parser (``train`` is only listed: its own parser is :func:`flowgrpo.runner.main`)."""
+    parser = argparse.ArgumentParser(prog="flowgrpo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train (same as flowgrpo/train.py; flowgrpo train --help lists the config)",
+                   add_help=False)
+    s = sub.add_parser("sample", help="ODE images (or videos) from a base model plus a trained LoRA",
+                       formatter_class=DefaultsHelpFormatter)
+    _sample_arguments(s)
     pr = sub.add_parser("prompts", help="build a config's prompt file from a local copy of a public prompt set",
                         formatter_class=DefaultsHelpFormatter,
                         description="sets: hpd (HPDv2 train.json/test.json), pickapic (Pick-a-Pic parquet/JSONL/CSV "

@@ -521,45 +521,7 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
         for module in (tr, ref) if ref is not None else (tr,):
             compile_regions(module, config.model.compile)
     if settings.sharding == "fsdp2":
-        mesh = device_mesh(device, settings)
-        context = settings.context_degree
-        dist.set_context_degree(context)
-        if context > 1:  # before sharding: diffusers' hooks wrap the plain modules' forwards
-            context_parallel.enable_context(context_parallel.context_modules(adapter), mesh, settings, device)
-        names = getattr(adapter, "shard_blocks", None)
-        units = len(shard_blocks(tr, names))
-        stream = dist.world_size() > 1  # built on the meta device: each process reads or receives its shards
-        files = _files_of(tr) if stream else None
-        dtypes = {n: p.dtype for n, p in tr.named_parameters()}
-        whole = _whole_weights(tr) if stream and files is None else None
-        model = shard(tr, mesh=mesh, param_dtype=compute, reshard=settings.reshard_after_forward,
-                      offload=settings.offload == "cpu",
-                      master_dtype=torch.float32 if compute is not None else None, names=names)
-        if stream:
-            # offloaded shards live in host memory (CPUOffloadPolicy), the rest on the device
-            place = torch.device("cpu") if settings.offload == "cpu" else device
-            if files is not None:
-                _materialize(model, place)
-                folder = weights_folder(files)
-                read_own_shards(model, folder, dtypes)
-                logger.info("each process read its own shards of the transformer from %s", folder)
-            else:
-                fill_from_main(model, whole, place)
-            del whole
-        if ref is not None:
-            offload = settings.reference == "cpu_offload"
-            adapter.frozen_reference = shard(ref, mesh=mesh, param_dtype=None, reshard=True, offload=offload,
-                                             names=names)
-            if _on_meta(ref):
-                copy_shards(model, ref, torch.device("cpu") if offload else device)
-        forward = model
-        r, s, c = mesh.shape
-        logger.info("transformer sharded over %d process(es) (FSDP2, %d blocks; mesh replicate=%d x shard=%d x "
-                    "context=%d%s)", dist.world_size(), units, r, s, c,
-                    "; shards, gradients and optimizer state in host memory" if settings.offload == "cpu" else "")
-        if context > 1:
-            logger.info("context degree %d (%s), %d data rank(s)", context, settings.context_attention,
-                        dist.data_world_size())
+        model = forward = _shard_transformer(adapter, settings, compute, device)
     else:
         if compute is not None:
             tr.to(torch.float32)
@@ -569,6 +531,53 @@ def prepare_model(adapter, accelerator, config) -> torch.nn.Module:
             adapter.frozen_reference = ComputeIn(ref, compute, device.type)
     adapter.compute_dtype = compute
     adapter.forward_module = forward  # forward through the distributed wrapper (gradient sync)
+    return model
+
+
+def _shard_transformer(adapter, settings, compute: torch.dtype | None, device: torch.device) -> torch.nn.Module:
+    """The FSDP2 branch of :func:`prepare_model`: shard ``adapter.transformer`` over the device mesh of
+    ``settings`` (``config.parallel``), context parallelism first when its degree is > 1; with several processes
+    (built on the meta device) each process reads its own shards from the weight files, or receives them from
+    the main process. The frozen reference, if any, is sharded alike (``adapter.frozen_reference`` replaced).
+    Returns the sharded transformer."""
+    tr, ref = adapter.transformer, adapter.frozen_reference
+    mesh = device_mesh(device, settings)
+    context = settings.context_degree
+    dist.set_context_degree(context)
+    if context > 1:  # before sharding: diffusers' hooks wrap the plain modules' forwards
+        context_parallel.enable_context(context_parallel.context_modules(adapter), mesh, settings, device)
+    names = getattr(adapter, "shard_blocks", None)
+    units = len(shard_blocks(tr, names))
+    stream = dist.world_size() > 1  # built on the meta device: each process reads or receives its shards
+    files = _files_of(tr) if stream else None
+    dtypes = {n: p.dtype for n, p in tr.named_parameters()}
+    whole = _whole_weights(tr) if stream and files is None else None
+    model = shard(tr, mesh=mesh, param_dtype=compute, reshard=settings.reshard_after_forward,
+                  offload=settings.offload == "cpu", master_dtype=torch.float32 if compute is not None else None,
+                  names=names)
+    if stream:
+        # offloaded shards live in host memory (CPUOffloadPolicy), the rest on the device
+        place = torch.device("cpu") if settings.offload == "cpu" else device
+        if files is not None:
+            _materialize(model, place)
+            folder = weights_folder(files)
+            read_own_shards(model, folder, dtypes)
+            logger.info("each process read its own shards of the transformer from %s", folder)
+        else:
+            fill_from_main(model, whole, place)
+        del whole
+    if ref is not None:
+        offload = settings.reference == "cpu_offload"
+        adapter.frozen_reference = shard(ref, mesh=mesh, param_dtype=None, reshard=True, offload=offload, names=names)
+        if _on_meta(ref):
+            copy_shards(model, ref, torch.device("cpu") if offload else device)
+    r, s, c = mesh.shape
+    logger.info("transformer sharded over %d process(es) (FSDP2, %d blocks; mesh replicate=%d x shard=%d x "
+                "context=%d%s)", dist.world_size(), units, r, s, c,
+                "; shards, gradients and optimizer state in host memory" if settings.offload == "cpu" else "")
+    if context > 1:
+        logger.info("context degree %d (%s), %d data rank(s)", context, settings.context_attention,
+                    dist.data_world_size())
     return model
 
 

@@ -432,8 +432,6 @@ def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
         CheckpointError: as :func:`load_checkpoint`: a missing file, names or shapes that do not match the model,
             the EMA or the objective, a forbidden global in the metadata, or a corrupt file (naming it).
     """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     folder = p / SHARDED
     meta = _read(folder / ".metadata", _read_metadata)
     for info in {i.relative_path for i in meta.storage_data.values()}:
@@ -441,46 +439,9 @@ def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
             raise CheckpointError(f"checkpoint {str(p)!r} is incomplete: {SHARDED}/{info} is missing")
     stored = meta.state_dict_metadata
     groups = _read(p / GROUPS, lambda f: json.loads(f.read_text(encoding="utf-8")))
-
-    def section(prefix: str) -> dict:
-        return {k[len(prefix) + 1:]: v for k, v in stored.items() if k.startswith(prefix + ".")}
-
-    names, params = trainable_names(model), dict(model.named_parameters())
-    weights = section("model")
-    unknown = sorted(set(weights) - set(params))
-    missing = sorted(k for k in names if k not in weights)
-    if unknown or missing:
-        raise CheckpointError(f"checkpoint {str(p)!r} does not match the model: unknown {unknown[:3]}, "
-                              f"missing {missing[:3]}")
-    for k in names:  # in the model's parameter order: the first mismatch
-        _check_shape(p, k, tuple(weights[k].size), tuple(params[k].shape))
-    target = {"model": sharded_trainable_state(model)}
-    if section("optim"):
-        target["optim"] = optimizer_target(model, optimizer)
-    if ema is not None:
-        if not section("ema"):
-            raise CheckpointError(f"checkpoint {str(p)!r} has no EMA weights but this run uses EMA")
-        target["ema"] = ema.state_dict()
-    held = objective.state_dict() if objective is not None else {}
-    if objective is not None:
-        extra = section("objective")
-        if held and not extra:
-            _no_objective_state(p, objective)
-        if sorted(extra) != sorted(held):
-            raise CheckpointError(f"checkpoint {str(p)!r}: its objective state does not fit objective "
-                                  f"{_objective_name(objective)!r} (the checkpoint holds {sorted(extra)[:3]}, the "
-                                  f"objective keeps {sorted(held)[:3]})")
-        if held:
-            target["objective"] = held
-    flat = flat_dict(target)
-    for key, t in flat.items():
-        info = stored.get(key)
-        if not isinstance(info, TensorStorageMetadata):
-            raise CheckpointError(f"checkpoint {str(p)!r} does not match this run: {key!r} is "
-                                  f"{'missing' if info is None else 'not a tensor'} in {SHARDED}/.metadata")
-        if tuple(info.size) != tuple(t.shape):
-            raise CheckpointError(f"checkpoint {str(p)!r} does not match this run: {key!r} has shape "
-                                  f"{tuple(info.size)} in the checkpoint but {tuple(t.shape)} here")
+    _check_sharded_model(p, _section(stored, "model"), model)
+    target = _sharded_target(p, stored, model=model, optimizer=optimizer, ema=ema, objective=objective)
+    _check_stored_tensors(p, stored, target)
     _read(folder, lambda f: _dcp_load(target, f, meta, no_dist=not dist.is_distributed()))
     load_sharded_trainable_state(model, target["model"])
     try:
@@ -489,8 +450,79 @@ def _load_sharded(p: Path, *, model, optimizer, ema, objective) -> None:
         raise CheckpointError(f"checkpoint {str(p)!r}: {GROUPS} does not match the model ({error_cause(err)})") from err
     if ema is not None:
         ema.load_state_dict(target["ema"])
-    if held:
+    if "objective" in target:
         objective.load_state_dict(target["objective"])
+
+
+def _section(stored: dict, prefix: str) -> dict:
+    """The entries of the sharded metadata ``stored`` (flat key → storage metadata) under ``prefix.``, keyed
+    without it."""
+    return {k[len(prefix) + 1:]: v for k, v in stored.items() if k.startswith(prefix + ".")}
+
+
+def _check_sharded_model(p: Path, weights: dict, model) -> None:
+    """Check that the checkpoint's ``model`` section ``weights`` (name → storage metadata) holds exactly the
+    model's trained parameters with their whole shapes.
+
+    Raises:
+        CheckpointError: unknown or missing names (the first three of each), or the first shape that differs, in
+            the model's parameter order.
+    """
+    names, params = trainable_names(model), dict(model.named_parameters())
+    unknown = sorted(set(weights) - set(params))
+    missing = sorted(k for k in names if k not in weights)
+    if unknown or missing:
+        raise CheckpointError(f"checkpoint {str(p)!r} does not match the model: unknown {unknown[:3]}, "
+                              f"missing {missing[:3]}")
+    for k in names:  # in the model's parameter order: the first mismatch
+        _check_shape(p, k, tuple(weights[k].size), tuple(params[k].shape))
+
+
+def _sharded_target(p: Path, stored: dict, *, model, optimizer, ema, objective) -> dict:
+    """The nested state dict that ``torch.distributed.checkpoint.load`` fills in place: ``model`` (this process's
+    shards), ``optim`` when the checkpoint holds optimizer state, ``ema`` when the run uses EMA and ``objective``
+    when the objective keeps state.
+
+    Raises:
+        CheckpointError: a run with EMA and a checkpoint without, or objective state that does not fit
+            ``objective``.
+    """
+    target = {"model": sharded_trainable_state(model)}
+    if _section(stored, "optim"):
+        target["optim"] = optimizer_target(model, optimizer)
+    if ema is not None:
+        if not _section(stored, "ema"):
+            raise CheckpointError(f"checkpoint {str(p)!r} has no EMA weights but this run uses EMA")
+        target["ema"] = ema.state_dict()
+    if objective is not None:
+        held, extra = objective.state_dict(), _section(stored, "objective")
+        if held and not extra:
+            _no_objective_state(p, objective)
+        if sorted(extra) != sorted(held):
+            raise CheckpointError(f"checkpoint {str(p)!r}: its objective state does not fit objective "
+                                  f"{_objective_name(objective)!r} (the checkpoint holds {sorted(extra)[:3]}, the "
+                                  f"objective keeps {sorted(held)[:3]})")
+        if held:
+            target["objective"] = held
+    return target
+
+
+def _check_stored_tensors(p: Path, stored: dict, target: dict) -> None:
+    """Check that every tensor of ``target`` is a tensor of that shape in the sharded metadata ``stored``.
+
+    Raises:
+        CheckpointError: the first key that is missing, not a tensor, or of another shape.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for key, t in flat_dict(target).items():
+        info = stored.get(key)
+        if not isinstance(info, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {str(p)!r} does not match this run: {key!r} is "
+                                  f"{'missing' if info is None else 'not a tensor'} in {SHARDED}/.metadata")
+        if tuple(info.size) != tuple(t.shape):
+            raise CheckpointError(f"checkpoint {str(p)!r} does not match this run: {key!r} has shape "
+                                  f"{tuple(info.size)} in the checkpoint but {tuple(t.shape)} here")
 
 
 def whole_tensors(path: str | Path) -> dict[str, dict]:

@@ -384,10 +384,25 @@ FAMILIES: dict[str, Family] = {}
 
 
 def _register() -> None:
+    """Fill :data:`FAMILIES` (key → :class:`Family`, in this order) and set each family's ``narrow`` key."""
     c = COEFFICIENTS
+    FAMILIES.update({**_families_flux1_sd3_qwenimage(c), **_families_wan(c), **_families_flux2_flux3_zimage(c),
+                     **_families_ltx2_hunyuan(c)})
+    narrow = {"kontext": "flux", "qwenimage_edit_plus": "qwenimage",
+              **{f"flux2_klein_{k}": "flux2" for k in ("9b", "9b_distilled", "4b", "4b_distilled")},
+              "wan22_a14b": "wan_14b",
+              "wan21_i2v_14b": "wan_14b", "wan22_i2v_a14b": "wan_14b", "flux3_distilled": "flux3",
+              "hunyuan_video15_i2v": "hunyuan_video15"}
+    for key, fam in FAMILIES.items():
+        FAMILIES[key] = dataclasses.replace(fam, narrow=narrow.get(key, key))
+
+
+def _families_flux1_sd3_qwenimage(c: dict) -> dict:
+    """The plan families of FLUX.1, FLUX.1 Kontext, SD3.5 Medium, Qwen-Image and Qwen-Image-Edit-2509: key →
+    :class:`Family` (``c``: :data:`COEFFICIENTS`)."""
     flux_kinds = (BlockKind("double", 19, *c["flux"]["double"]), BlockKind("single", 38, *c["flux"]["single"]))
     clip_t5 = (lambda: _clip(768, 12, 12, False), _t5_xxl)
-    FAMILIES.update({
+    return {
         "flux": Family("FLUX.1-dev", _flux1, clip_t5, _kl_vae, 3072, _image_tokens, _image_latent(16),
                        lambda msl: msl, flux_kinds),
         "kontext": Family("FLUX.1-Kontext-dev", _flux1, clip_t5, _kl_vae, 3072,
@@ -406,6 +421,13 @@ def _register() -> None:
                                       lambda h, w, f: _image_tokens(h, w, f) + 4096, _image_latent(16),
                                       lambda msl: msl, (BlockKind("block", 60, *c["qwenimage"]["block"]),),
                                       true_cfg=True, decode_width=96),
+    }
+
+
+def _families_wan(c: dict) -> dict:
+    """The plan families of Wan2.1/2.2 text- and image-to-video: key → :class:`Family` (``c``:
+    :data:`COEFFICIENTS`)."""
+    return {
         "wan21_1.3b": Family("Wan2.1-T2V-1.3B", lambda: _wan("wan21_1.3b"), (_umt5_xxl,), _wan21_vae, 1536,
                              lambda h, w, f: _wan_frames(f) * (h // 16) * (w // 16),
                              lambda h, w, f: 16 * _wan_frames(f) * (h // 8) * (w // 8), lambda msl: msl,
@@ -437,6 +459,13 @@ def _register() -> None:
                                  lambda h, w, f: 16 * _wan_frames(f) * (h // 8) * (w // 8), lambda msl: msl,
                                  (BlockKind("block", 40, *c["wan_14b"]["block"]),), true_cfg=True, experts=2,
                                  decode_width=96, decode_frames=4, video=True),
+    }
+
+
+def _families_flux2_flux3_zimage(c: dict) -> dict:
+    """The plan families of FLUX.2 (dev and [klein]), FLUX.3, Qwen-Image 2.1 and Z-Image: key → :class:`Family` (``c``:
+    :data:`COEFFICIENTS`)."""
+    return {
         "flux2": Family("FLUX.2-dev", _flux2_dev, (MISTRAL_SMALL_31,), _flux2_vae, 6144, _image_tokens,
                         _image_latent(32), lambda msl: msl,
                         (BlockKind("double", 8, *c["flux2"]["double"]), BlockKind("single", 48,
@@ -465,6 +494,13 @@ def _register() -> None:
                          lambda msl: msl, (BlockKind("noise_refiner", 2, *c["zimage"]["noise_refiner"]),
                                            BlockKind("context_refiner", 2, *c["zimage"]["context_refiner"]),
                                            BlockKind("block", 30, *c["zimage"]["block"])), true_cfg=True),
+    }
+
+
+def _families_ltx2_hunyuan(c: dict) -> dict:
+    """The plan families of LTX-2 and HunyuanVideo-1.5 (text- and image-to-video): key → :class:`Family` (``c``:
+    :data:`COEFFICIENTS`)."""
+    return {
         # LTX-2 (Lightricks/LTX-2, 19 B): the transformer, VAEs and connectors are their diffusers classes'
         # defaults (the release's), Gemma 3 12B its config. Tokens: the video's F'·(H/32)·(W/32) (the audio's
         # ~1 a frame at half width are folded into the coefficient); text 1024 connector tokens by cross-attention.
@@ -495,14 +531,7 @@ def _register() -> None:
                                       lambda h, w, f: 32 * _wan_frames(f) * (h // 16) * (w // 16),
                                       lambda msl: 1000 + 256 + 729, _hunyuan_kinds(), true_cfg=True,
                                       decode_width=128, decode_frames=ALL_FRAMES, video=True, joint_text=True),
-    })
-    narrow = {"kontext": "flux", "qwenimage_edit_plus": "qwenimage",
-              **{f"flux2_klein_{k}": "flux2" for k in ("9b", "9b_distilled", "4b", "4b_distilled")},
-              "wan22_a14b": "wan_14b",
-              "wan21_i2v_14b": "wan_14b", "wan22_i2v_a14b": "wan_14b", "flux3_distilled": "flux3",
-              "hunyuan_video15_i2v": "hunyuan_video15"}
-    for key, fam in FAMILIES.items():
-        FAMILIES[key] = dataclasses.replace(fam, narrow=narrow.get(key, key))
+    }
 
 
 #: a config's model.pretrained → family; configs of other models (the embedded digits and tiny models) are
@@ -668,98 +697,140 @@ def _bf16(model: torch.nn.Module) -> torch.nn.Module:
 def _narrow(family: str, image_tokens: int, text_tokens: int, heads: int):
     """A narrow model of ``family``'s transformer class (``heads`` heads of the real head width, the real MLP
     ratio, few blocks, bf16) and a call of its forward on ``image_tokens`` + ``text_tokens`` tokens of one row;
-    returns (model, call, kind of each block in ``shard_blocks`` order or None: by its attribute name, width)."""
-    bf = torch.bfloat16
+    returns (model, call, kind of each block in ``shard_blocks`` order or None: by its attribute name, width).
+
+    Raises:
+        ValueError: ``image_tokens`` not a square, or a family without a narrow model.
+    """
     side = math.isqrt(image_tokens)
     if side * side != image_tokens:
         raise ValueError(f"image_tokens={image_tokens} must be a square (a square latent)")
+    build = _NARROW.get("wan" if family in WAN else family)
+    if build is None:
+        raise ValueError(f"no narrow model for family {family!r}")
     g = torch.Generator().manual_seed(0)
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(bf)
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
 
-    if family == "flux":
-        m = _bf16(_flux1(num_layers=2, num_single_layers=2, num_attention_heads=heads, joint_attention_dim=64,
-                         pooled_projection_dim=32))
-        return m, lambda: m(hidden_states=rnd(1, image_tokens, 64), encoder_hidden_states=rnd(1, text_tokens, 64),
-                            pooled_projections=rnd(1, 32), timestep=torch.ones(1), guidance=torch.ones(1),
-                            img_ids=torch.zeros(image_tokens, 3), txt_ids=torch.zeros(text_tokens, 3)), \
-            ["double", "double", "single", "single"], 128 * heads
-    if family == "flux2":
-        m = _bf16(_flux2_dev(num_layers=2, num_single_layers=2, num_attention_heads=heads, joint_attention_dim=64,
-                             in_channels=32))
-        return m, lambda: m(hidden_states=rnd(1, image_tokens, 32), encoder_hidden_states=rnd(1, text_tokens, 64),
-                            timestep=torch.ones(1), guidance=torch.ones(1), img_ids=torch.zeros(1, image_tokens, 4),
-                            txt_ids=torch.zeros(1, text_tokens, 4)), ["double", "double", "single", "single"], \
-            128 * heads
-    if family == "sd3":
-        m = _bf16(_sd35_medium(num_layers=4, num_attention_heads=heads, joint_attention_dim=64,
-                               caption_projection_dim=64 * heads, pooled_projection_dim=32, sample_size=2 * side,
-                               pos_embed_max_size=2 * side, dual_attention_layers=(0, 1)))
-        return m, lambda: m(hidden_states=rnd(1, 16, 2 * side, 2 * side), encoder_hidden_states=rnd(1, text_tokens, 64),
-                            pooled_projections=rnd(1, 32), timestep=torch.ones(1)), ["dual", "dual", "joint", "last"], \
-            64 * heads
-    if family == "qwenimage":
-        m = _bf16(_qwen_image(num_layers=2, num_attention_heads=heads, joint_attention_dim=64))
-        return m, lambda: m(hidden_states=rnd(1, image_tokens, 64), encoder_hidden_states=rnd(1, text_tokens, 64),
-                            encoder_hidden_states_mask=torch.ones(1, text_tokens, dtype=torch.long),
-                            timestep=torch.ones(1), img_shapes=[[(1, side, side)]]), ["block", "block"], 128 * heads
-    if family in WAN:
-        ratio = WAN[family]["ffn_dim"] / (128 * WAN[family]["num_attention_heads"])
-        m = _bf16(_wan(family, num_layers=2, num_attention_heads=heads, ffn_dim=round(ratio * 128 * heads),
-                       text_dim=64, in_channels=16, out_channels=16))
-        return m, lambda: m(hidden_states=rnd(1, 16, 1, 2 * side, 2 * side), timestep=torch.ones(1),
-                            encoder_hidden_states=rnd(1, text_tokens, 64)), ["block", "block"], 128 * heads
-    if family == "flux3":
-        m = _bf16(_flux3(num_layers=1, num_single_layers=2, num_attention_heads=heads, joint_attention_dim=64,
-                         in_channels=32, cond_in_channels=32))
-        names = {id(mod): n for n, mod in m.named_modules()}
-        kind = {"mode_blocks.image": "image_mode", "mode_blocks.image_cond": "cond_mode",
-                "txt_mode_blocks": "text_mode", "single_transformer_blocks": "single"}
-        from flowgrpo.parallel import shard_blocks
+    return build(family, side, image_tokens, text_tokens, heads, rnd)
 
-        kinds = [kind[names[id(b)].rsplit(".", 1)[0]] for b in shard_blocks(m)]
-        return m, lambda: m(hidden_states=rnd(1, image_tokens, 32), encoder_hidden_states=rnd(1, text_tokens, 64),
-                            timestep=torch.ones(1), img_ids=torch.zeros(image_tokens, 4),
-                            txt_ids=torch.zeros(text_tokens, 4)), kinds, 128 * heads
-    if family == "qwenimage21":
-        m = _bf16(_qwen_image21(num_layers=2, num_attention_heads=heads, context_in_dim=64, in_channels=64,
-                                out_channels=64))
-        pad = torch.zeros(1, text_tokens + image_tokens // 4, dtype=torch.bool)
-        pad[:, text_tokens:] = True
-        return m, lambda: m(hidden_states=rnd(1, image_tokens, 64), encoder_hidden_states=rnd(1, text_tokens, 64),
-                            timestep=torch.ones(1), img_shapes=[[(1, side, side)]], img_mask=pad), \
-            ["block", "block"], 128 * heads
-    if family == "zimage":
-        m = _bf16(_zimage(n_layers=2, n_refiner_layers=1, dim=128 * heads, n_heads=heads, n_kv_heads=heads,
-                          cap_feat_dim=64))
-        for name, p in m.named_parameters():  # its padding tokens are torch.empty in its constructor
-            if "pad_token" in name:
-                p.data.normal_()
-        return m, lambda: m([rnd(16, 1, 2 * side, 2 * side)], torch.ones(1), [rnd(text_tokens, 64)]), None, 128 * heads
-    if family == "ltx2":
-        # video tokens: one latent frame of side x side; the audio stream a fixed LTX2_NARROW_AUDIO tokens (at half
-        # the video's width); text by cross-attention only, unmasked (a padding mask is a (B, 1, L) bias)
-        m = _bf16(_ltx2(num_layers=2, num_attention_heads=heads, audio_num_attention_heads=heads,
-                        cross_attention_dim=128 * heads, audio_cross_attention_dim=64 * heads, caption_channels=64))
-        a = LTX2_NARROW_AUDIO
-        return m, lambda: m(hidden_states=rnd(1, image_tokens, 128), audio_hidden_states=rnd(1, a, 128),
-                            encoder_hidden_states=rnd(1, text_tokens, 64),
-                            audio_encoder_hidden_states=rnd(1, text_tokens, 64), timestep=torch.ones(1),
-                            sigma=torch.ones(1), num_frames=1, height=side, width=side, audio_num_frames=a,
-                            use_cross_timestep=True, return_dict=False), ["block", "block"], 128 * heads
-    if family == "hunyuan_video15":
-        m = _bf16(_hunyuan_video15(num_layers=2, num_refiner_layers=2, num_attention_heads=heads,
-                                   text_embed_dim=64, text_embed_2_dim=32, image_embed_dim=32))
-        n2, n3 = text_tokens // 4, text_tokens // 4  # glyph and image tokens: shares of the counted text tokens
-        n1 = text_tokens - n2 - n3
-        return m, _without_full_masks(lambda: m(
-            hidden_states=rnd(1, 65, 1, side, side), timestep=torch.ones(1, dtype=bf),
-            encoder_hidden_states=rnd(1, n1, 64),
-            encoder_attention_mask=torch.ones(1, n1), encoder_hidden_states_2=rnd(1, n2, 32),
-            encoder_attention_mask_2=torch.ones(1, n2), image_embeds=rnd(1, n3, 32), return_dict=False)), \
-            ["patch_embed", "refiner", "block", "block"], 128 * heads
-    raise ValueError(f"no narrow model for family {family!r}")
+
+def _narrow_flux(family: str, side: int, image_tokens: int, text_tokens: int, heads: int, rnd: Callable):
+    """:func:`_narrow` of FLUX.1: ``side`` = √image_tokens, ``rnd(*shape)`` a bf16 draw."""
+    m = _bf16(_flux1(num_layers=2, num_single_layers=2, num_attention_heads=heads, joint_attention_dim=64,
+                     pooled_projection_dim=32))
+    return m, lambda: m(hidden_states=rnd(1, image_tokens, 64), encoder_hidden_states=rnd(1, text_tokens, 64),
+                        pooled_projections=rnd(1, 32), timestep=torch.ones(1), guidance=torch.ones(1),
+                        img_ids=torch.zeros(image_tokens, 3), txt_ids=torch.zeros(text_tokens, 3)), \
+        ["double", "double", "single", "single"], 128 * heads
+
+
+def _narrow_flux2(family: str, side: int, image_tokens: int, text_tokens: int, heads: int, rnd: Callable):
+    """:func:`_narrow` of FLUX.2 [dev]: ``side`` = √image_tokens, ``rnd(*shape)`` a bf16 draw."""
+    m = _bf16(_flux2_dev(num_layers=2, num_single_layers=2, num_attention_heads=heads, joint_attention_dim=64,
+                         in_channels=32))
+    return m, lambda: m(hidden_states=rnd(1, image_tokens, 32), encoder_hidden_states=rnd(1, text_tokens, 64),
+                        timestep=torch.ones(1), guidance=torch.ones(1), img_ids=torch.zeros(1, image_tokens, 4),
+                        txt_ids=torch.zeros(1, text_tokens, 4)), ["double", "double", "single", "single"], \
+        128 * heads
+
+
+def _narrow_sd3(family: str, side: int, image_tokens: int, text_tokens: int, heads: int, rnd: Callable):
+    """:func:`_narrow` of SD3.5 Medium: ``side`` = √image_tokens, ``rnd(*shape)`` a bf16 draw."""
+    m = _bf16(_sd35_medium(num_layers=4, num_attention_heads=heads, joint_attention_dim=64,
+                           caption_projection_dim=64 * heads, pooled_projection_dim=32, sample_size=2 * side,
+                           pos_embed_max_size=2 * side, dual_attention_layers=(0, 1)))
+    return m, lambda: m(hidden_states=rnd(1, 16, 2 * side, 2 * side), encoder_hidden_states=rnd(1, text_tokens, 64),
+                        pooled_projections=rnd(1, 32), timestep=torch.ones(1)), ["dual", "dual", "joint", "last"], \
+        64 * heads
+
+
+def _narrow_qwenimage(family: str, side: int, image_tokens: int, text_tokens: int, heads: int, rnd: Callable):
+    """:func:`_narrow` of Qwen-Image: ``side`` = √image_tokens, ``rnd(*shape)`` a bf16 draw."""
+    m = _bf16(_qwen_image(num_layers=2, num_attention_heads=heads, joint_attention_dim=64))
+    return m, lambda: m(hidden_states=rnd(1, image_tokens, 64), encoder_hidden_states=rnd(1, text_tokens, 64),
+                        encoder_hidden_states_mask=torch.ones(1, text_tokens, dtype=torch.long),
+                        timestep=torch.ones(1), img_shapes=[[(1, side, side)]]), ["block", "block"], 128 * heads
+
+
+def _narrow_wan(family: str, side: int, image_tokens: int, text_tokens: int, heads: int, rnd: Callable):
+    """:func:`_narrow` of Wan (``family``: a :data:`WAN` key): ``side`` = √image_tokens, ``rnd(*shape)`` a bf16 draw."""
+    ratio = WAN[family]["ffn_dim"] / (128 * WAN[family]["num_attention_heads"])
+    m = _bf16(_wan(family, num_layers=2, num_attention_heads=heads, ffn_dim=round(ratio * 128 * heads),
+                   text_dim=64, in_channels=16, out_channels=16))
+    return m, lambda: m(hidden_states=rnd(1, 16, 1, 2 * side, 2 * side), timestep=torch.ones(1),
+                        encoder_hidden_states=rnd(1, text_tokens, 64)), ["block", "block"], 128 * heads
+
+
+def _narrow_flux3(family: str, side: int, image_tokens: int, text_tokens: int, heads: int, rnd: Callable):
+    """:func:`_narrow` of FLUX.3: ``side`` = √image_tokens, ``rnd(*shape)`` a bf16 draw."""
+    m = _bf16(_flux3(num_layers=1, num_single_layers=2, num_attention_heads=heads, joint_attention_dim=64,
+                     in_channels=32, cond_in_channels=32))
+    names = {id(mod): n for n, mod in m.named_modules()}
+    kind = {"mode_blocks.image": "image_mode", "mode_blocks.image_cond": "cond_mode",
+            "txt_mode_blocks": "text_mode", "single_transformer_blocks": "single"}
+    from flowgrpo.parallel import shard_blocks
+
+    kinds = [kind[names[id(b)].rsplit(".", 1)[0]] for b in shard_blocks(m)]
+    return m, lambda: m(hidden_states=rnd(1, image_tokens, 32), encoder_hidden_states=rnd(1, text_tokens, 64),
+                        timestep=torch.ones(1), img_ids=torch.zeros(image_tokens, 4),
+                        txt_ids=torch.zeros(text_tokens, 4)), kinds, 128 * heads
+
+
+def _narrow_qwenimage21(family: str, side: int, image_tokens: int, text_tokens: int, heads: int, rnd: Callable):
+    """:func:`_narrow` of Qwen-Image 2.1: ``side`` = √image_tokens, ``rnd(*shape)`` a bf16 draw."""
+    m = _bf16(_qwen_image21(num_layers=2, num_attention_heads=heads, context_in_dim=64, in_channels=64,
+                            out_channels=64))
+    pad = torch.zeros(1, text_tokens + image_tokens // 4, dtype=torch.bool)
+    pad[:, text_tokens:] = True
+    return m, lambda: m(hidden_states=rnd(1, image_tokens, 64), encoder_hidden_states=rnd(1, text_tokens, 64),
+                        timestep=torch.ones(1), img_shapes=[[(1, side, side)]], img_mask=pad), \
+        ["block", "block"], 128 * heads
+
+
+def _narrow_zimage(family: str, side: int, image_tokens: int, text_tokens: int, heads: int, rnd: Callable):
+    """:func:`_narrow` of Z-Image: ``side`` = √image_tokens, ``rnd(*shape)`` a bf16 draw."""
+    m = _bf16(_zimage(n_layers=2, n_refiner_layers=1, dim=128 * heads, n_heads=heads, n_kv_heads=heads,
+                      cap_feat_dim=64))
+    for name, p in m.named_parameters():  # its padding tokens are torch.empty in its constructor
+        if "pad_token" in name:
+            p.data.normal_()
+    return m, lambda: m([rnd(16, 1, 2 * side, 2 * side)], torch.ones(1), [rnd(text_tokens, 64)]), None, 128 * heads
+
+
+def _narrow_ltx2(family: str, side: int, image_tokens: int, text_tokens: int, heads: int, rnd: Callable):
+    """:func:`_narrow` of LTX-2: ``side`` = √image_tokens, ``rnd(*shape)`` a bf16 draw."""
+    # video tokens: one latent frame of side x side; the audio stream a fixed LTX2_NARROW_AUDIO tokens (at half
+    # the video's width); text by cross-attention only, unmasked (a padding mask is a (B, 1, L) bias)
+    m = _bf16(_ltx2(num_layers=2, num_attention_heads=heads, audio_num_attention_heads=heads,
+                    cross_attention_dim=128 * heads, audio_cross_attention_dim=64 * heads, caption_channels=64))
+    a = LTX2_NARROW_AUDIO
+    return m, lambda: m(hidden_states=rnd(1, image_tokens, 128), audio_hidden_states=rnd(1, a, 128),
+                        encoder_hidden_states=rnd(1, text_tokens, 64),
+                        audio_encoder_hidden_states=rnd(1, text_tokens, 64), timestep=torch.ones(1),
+                        sigma=torch.ones(1), num_frames=1, height=side, width=side, audio_num_frames=a,
+                        use_cross_timestep=True, return_dict=False), ["block", "block"], 128 * heads
+
+
+def _narrow_hunyuan_video15(family: str, side: int, image_tokens: int, text_tokens: int, heads: int, rnd: Callable):
+    """:func:`_narrow` of HunyuanVideo-1.5: ``side`` = √image_tokens, ``rnd(*shape)`` a bf16 draw."""
+    m = _bf16(_hunyuan_video15(num_layers=2, num_refiner_layers=2, num_attention_heads=heads,
+                               text_embed_dim=64, text_embed_2_dim=32, image_embed_dim=32))
+    n2, n3 = text_tokens // 4, text_tokens // 4  # glyph and image tokens: shares of the counted text tokens
+    n1 = text_tokens - n2 - n3
+    return m, _without_full_masks(lambda: m(
+        hidden_states=rnd(1, 65, 1, side, side), timestep=torch.ones(1, dtype=torch.bfloat16),
+        encoder_hidden_states=rnd(1, n1, 64),
+        encoder_attention_mask=torch.ones(1, n1), encoder_hidden_states_2=rnd(1, n2, 32),
+        encoder_attention_mask_2=torch.ones(1, n2), image_embeds=rnd(1, n3, 32), return_dict=False)), \
+        ["patch_embed", "refiner", "block", "block"], 128 * heads
+
+
+#: family (Wan's: "wan") → its :func:`_narrow` builder
+_NARROW = {"flux": _narrow_flux, "flux2": _narrow_flux2, "sd3": _narrow_sd3, "qwenimage": _narrow_qwenimage,
+           "wan": _narrow_wan, "flux3": _narrow_flux3, "qwenimage21": _narrow_qwenimage21, "zimage": _narrow_zimage,
+           "ltx2": _narrow_ltx2, "hunyuan_video15": _narrow_hunyuan_video15}
 
 
 #: audio tokens of the narrow LTX-2 model (the released 121 frames at 24 fps have 126, beside 6144 video tokens

@@ -274,32 +274,15 @@ def build_tiny_flux3(out_dir: str | os.PathLike, *, words: Iterable[str] = (), s
         ValueError: ``sample_size`` not a positive multiple of 16.
     """
     from diffusers import Flux3AutoBlocks, Flux3DistilledAutoBlocks, Flux3Transformer2DModel
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
 
     from flowgrpo.models.flux2 import build_flux2_vae
+    from flowgrpo.models.tiny import build_tiny_qwen3vl
     from flowgrpo.models.zimage import build_tiny_qwen3_tokenizer
 
     if sample_size <= 0 or sample_size % 16:
         raise ValueError(f"tiny FLUX.3 sample_size must be a positive multiple of 16, got {sample_size}")
     tok = build_tiny_qwen3_tokenizer(words)
-    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(), video_processor=Qwen3VLVideoProcessor(),
-                                 tokenizer=tok, chat_template=tok.chat_template)
-    vision = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    torch.manual_seed(seed)
-    encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
-        text_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 32, "num_attention_heads": 2,
-                     "num_key_value_heads": 2, "head_dim": 8, "vocab_size": len(tok), "max_position_embeddings": 512,
-                     "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2]}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16,
-                       "deepstack_visual_indexes": []},
-        vision_start_token_id=vision[0], vision_end_token_id=vision[1], image_token_id=vision[2],
-    )).eval()
+    processor, encoder = build_tiny_qwen3vl(tok, num_layers=32, seed=seed)
     torch.manual_seed(seed + 2)
     transformer = Flux3Transformer2DModel(**{
         "in_channels": 16, "cond_in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,

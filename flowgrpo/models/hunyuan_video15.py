@@ -163,29 +163,37 @@ class HunyuanVideo15Adapter(AdapterBase):
 _NAMES = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 
 
-def load_hunyuan_video15_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
-                                 max_sequence_length: int, num_frames: int | None = None,
-                                 guidance_scale_2: float | None = None,
-                                 trained_expert: str = "transformer",
-                                 empty_transformer: bool = False) -> HunyuanVideo15Adapter:
-    """``HunyuanVideo15Pipeline.from_pretrained(path)`` in ``dtype`` in a :class:`HunyuanVideo15Adapter`; the
-    default size is the pipeline's (16:9 at its ``target_size``), 121 frames. The text length is the pipeline's
-    (1000 tokens), whatever ``max_sequence_length`` says.
-
-    Raises:
-        ValueError: ``guidance_scale_2`` or ``trained_expert`` (Wan2.2 settings) given.
-    """
+def load_hunyuan_video15_adapter(path: str, **options) -> HunyuanVideo15Adapter:
+    """``HunyuanVideo15Pipeline.from_pretrained(path)`` in a :class:`HunyuanVideo15Adapter` (``options``: those of
+    :func:`load_hunyuan_video15_pipeline`)."""
     from diffusers import HunyuanVideo15Pipeline
 
+    return load_hunyuan_video15_pipeline(HunyuanVideo15Pipeline, HunyuanVideo15Adapter, path, **options)
+
+
+def load_hunyuan_video15_pipeline(pipeline_class, adapter_class, path: str, *, dtype: torch.dtype,
+                                  height: int | None, width: int | None, max_sequence_length: int,
+                                  num_frames: int | None = None, guidance_scale_2: float | None = None,
+                                  trained_expert: str = "transformer", empty_transformer: bool = False):
+    """``pipeline_class.from_pretrained(path)`` (``HunyuanVideo15Pipeline`` or
+    ``HunyuanVideo15ImageToVideoPipeline``) in ``dtype``, wrapped in ``adapter_class``; the default size is the
+    pipeline's 16:9 bucket at its ``target_size``, 121 frames. The text length is the pipeline's (1000 tokens),
+    whatever ``max_sequence_length`` says. ``empty_transformer``: leave the transformer's weights on the meta
+    device.
+
+    Raises:
+        ValueError: ``guidance_scale_2`` or ``trained_expert`` (Wan2.2 settings) given, or as ``adapter_class``
+            (the image-to-video one refuses a step-distilled model).
+    """
     if guidance_scale_2 is not None or trained_expert != "transformer":
         raise ValueError("model.guidance_scale_2 and model.trained_expert are Wan2.2 settings; HunyuanVideo-1.5 has "
                          "one transformer")
-    pipe = HunyuanVideo15Pipeline.from_pretrained(
+    pipe = pipeline_class.from_pretrained(
         path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else [], dtype))
     if height is None or width is None:
         h, w = pipe.video_processor.calculate_default_height_width(9, 16, pipe.target_size)
         height, width = height or h, width or w
-    return HunyuanVideo15Adapter(pipe, height=height, width=width, num_frames=num_frames or 121)
+    return adapter_class(pipe, height=height, width=width, num_frames=num_frames or 121)
 
 
 class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
@@ -250,28 +258,13 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
         return embeds["cond_latents"].to(self.dtype), embeds["image_embeds"].to(self.dtype)
 
 
-def load_hunyuan_video15_i2v_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
-                                     max_sequence_length: int, num_frames: int | None = None,
-                                     guidance_scale_2: float | None = None, trained_expert: str = "transformer",
-                                     empty_transformer: bool = False) -> HunyuanVideo15I2VAdapter:
-    """``HunyuanVideo15ImageToVideoPipeline.from_pretrained(path)`` in ``dtype`` in a
-    :class:`HunyuanVideo15I2VAdapter`; the default size is the 16:9 bucket of the pipeline's ``target_size``, 121
-    frames; the text length is the pipeline's (1000 tokens).
-
-    Raises:
-        ValueError: ``guidance_scale_2`` or ``trained_expert`` (Wan2.2 settings) given, or a step-distilled model.
-    """
+def load_hunyuan_video15_i2v_adapter(path: str, **options) -> HunyuanVideo15I2VAdapter:
+    """``HunyuanVideo15ImageToVideoPipeline.from_pretrained(path)`` in a :class:`HunyuanVideo15I2VAdapter`
+    (``options``: those of :func:`load_hunyuan_video15_pipeline`)."""
     from diffusers import HunyuanVideo15ImageToVideoPipeline
 
-    if guidance_scale_2 is not None or trained_expert != "transformer":
-        raise ValueError("model.guidance_scale_2 and model.trained_expert are Wan2.2 settings; HunyuanVideo-1.5 has "
-                         "one transformer")
-    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, [trained_expert] if empty_transformer else [], dtype))
-    if height is None or width is None:
-        h, w = pipe.video_processor.calculate_default_height_width(9, 16, pipe.target_size)
-        height, width = height or h, width or w
-    return HunyuanVideo15I2VAdapter(pipe, height=height, width=width, num_frames=num_frames or 121)
+    return load_hunyuan_video15_pipeline(HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15I2VAdapter, path,
+                                         **options)
 
 
 # ---------------------------------------------------------------------------------------------- tiny builder
@@ -300,12 +293,36 @@ def build_tiny_hunyuan_video15(out_dir: str | os.PathLike, seed: int = 0, *, wor
         HunyuanVideo15Pipeline,
         HunyuanVideo15Transformer3DModel,
     )
+
+    if sample_size <= 0 or sample_size % 16:
+        raise ValueError(f"tiny HunyuanVideo-1.5 sample_size must be a positive multiple of 16, got {sample_size}")
+    tok, text, tok_2, glyph = _tiny_text_encoders(words, seed)
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                      spatial_compression_ratio=16, temporal_compression_ratio=4,
+                                      scaling_factor=1.03682)
+    torch.manual_seed(seed + 3)
+    transformer = HunyuanVideo15Transformer3DModel(**{
+        "in_channels": 9, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1,
+        "num_refiner_layers": 1, "mlp_ratio": 2.0, "text_embed_dim": 16, "text_embed_2_dim": 16,
+        "image_embed_dim": 16, "rope_axes_dim": (4, 6, 6), "target_size": 32 if image_to_video else 640,
+        "task_type": "i2v" if image_to_video else "t2v", **(transformer_kwargs or {})})
+    components = dict(text_encoder=text, tokenizer=tok, transformer=transformer, vae=vae,
+                      scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
+                      text_encoder_2=glyph, tokenizer_2=tok_2, guider=ClassifierFreeGuidance(guidance_scale=6.0))
+    pipe = _tiny_i2v_pipeline(components, seed + 4) if image_to_video else HunyuanVideo15Pipeline(**components)
+    out = Path(out_dir)
+    pipe.save_pretrained(out)
+    return out
+
+
+def _tiny_text_encoders(words: Iterable[str], seed: int):
+    """(Qwen tokenizer, Qwen2.5-VL text model, ByT5 tokenizer, ByT5 encoder) of the tiny HunyuanVideo-1.5
+    pipelines (:func:`build_tiny_hunyuan_video15`), seeded with ``seed`` and ``seed + 1``."""
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
     from flowgrpo.models.qwenimage import build_qwen_tokenizer
 
-    if sample_size <= 0 or sample_size % 16:
-        raise ValueError(f"tiny HunyuanVideo-1.5 sample_size must be a positive multiple of 16, got {sample_size}")
     tok = build_qwen_tokenizer(["You are a helpful assistant. Describe the video by detailing the following "
                                 "aspects: main content theme color shape size texture quantity text spatial "
                                 "relationships objects actions events behaviors temporal physical movement changes "
@@ -322,34 +339,20 @@ def build_tiny_hunyuan_video15(out_dir: str | os.PathLike, seed: int = 0, *, wor
     torch.manual_seed(seed + 1)
     glyph = T5EncoderModel(T5Config(vocab_size=len(tok_2), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
                                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
-    torch.manual_seed(seed + 2)
-    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
-                                      spatial_compression_ratio=16, temporal_compression_ratio=4,
-                                      scaling_factor=1.03682)
-    torch.manual_seed(seed + 3)
-    transformer = HunyuanVideo15Transformer3DModel(**{
-        "in_channels": 9, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1,
-        "num_refiner_layers": 1, "mlp_ratio": 2.0, "text_embed_dim": 16, "text_embed_2_dim": 16,
-        "image_embed_dim": 16, "rope_axes_dim": (4, 6, 6), "target_size": 32 if image_to_video else 640,
-        "task_type": "i2v" if image_to_video else "t2v", **(transformer_kwargs or {})})
-    components = dict(text_encoder=text, tokenizer=tok, transformer=transformer, vae=vae,
-                      scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
-                      text_encoder_2=glyph, tokenizer_2=tok_2, guider=ClassifierFreeGuidance(guidance_scale=6.0))
-    if image_to_video:
-        from diffusers import HunyuanVideo15ImageToVideoPipeline
-        from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+    return tok, text, tok_2, glyph
 
-        torch.manual_seed(seed + 4)
-        siglip = SiglipVisionModel(SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                      num_attention_heads=2, image_size=32, patch_size=8)).eval()
-        pipe = HunyuanVideo15ImageToVideoPipeline(
-            image_encoder=siglip, feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}),
-            **components)
-    else:
-        pipe = HunyuanVideo15Pipeline(**components)
-    out = Path(out_dir)
-    pipe.save_pretrained(out)
-    return out
+
+def _tiny_i2v_pipeline(components: dict, seed: int):
+    """A ``HunyuanVideo15ImageToVideoPipeline`` of ``components`` with a 1-layer ``SiglipVisionModel`` of width 16
+    on 32² inputs (seeded with ``seed``) and its ``SiglipImageProcessor``."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(seed)
+    siglip = SiglipVisionModel(SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2, image_size=32, patch_size=8)).eval()
+    return HunyuanVideo15ImageToVideoPipeline(
+        image_encoder=siglip, feature_extractor=SiglipImageProcessor(size={"height": 32, "width": 32}), **components)
 
 
 def build_tiny_hunyuan_video15_i2v(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable[str] = (),

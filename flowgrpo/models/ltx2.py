@@ -54,7 +54,6 @@ import torch
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds, scheduler_sigmas
 from flowgrpo.models.empty import empty_components
-from flowgrpo.writing.outputs import claim_for_command
 
 logger = logging.getLogger(__name__)
 
@@ -336,24 +335,33 @@ class LTX2Adapter(AdapterBase):
         return scheduler_sigmas(self.pipe.scheduler, num_steps, mu=mu)
 
 
-def load_ltx2_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
-                      max_sequence_length: int, num_frames: int | None = None, guidance_scale_2: float | None = None,
-                      trained_expert: str = "transformer", empty_transformer: bool = False) -> LTX2Adapter:
-    """``LTX2Pipeline.from_pretrained(path)`` in ``dtype`` wrapped in an :class:`LTX2Adapter`. Defaults: the
-    pipeline's 512 x 768 and 121 frames.
-
-    Raises:
-        ValueError: as :class:`LTX2Adapter`; ``guidance_scale_2`` or ``trained_expert`` other than
-            ``"transformer"`` (LTX-2 has one transformer).
-    """
+def load_ltx2_adapter(path: str, **options) -> LTX2Adapter:
+    """``LTX2Pipeline.from_pretrained(path)`` wrapped in an :class:`LTX2Adapter` (``options``: those of
+    :func:`load_ltx2_pipeline`)."""
     from diffusers import LTX2Pipeline
 
+    return load_ltx2_pipeline(LTX2Pipeline, LTX2Adapter, path, **options)
+
+
+def load_ltx2_pipeline(pipeline_class, adapter_class, path: str, *, dtype: torch.dtype, height: int | None,
+                       width: int | None, max_sequence_length: int, num_frames: int | None = None,
+                       guidance_scale_2: float | None = None, trained_expert: str = "transformer",
+                       empty_transformer: bool = False):
+    """``pipeline_class.from_pretrained(path)`` (``LTX2Pipeline`` or ``LTX2ImageToVideoPipeline``) in ``dtype``,
+    wrapped in ``adapter_class`` (:class:`LTX2Adapter` or its image-to-video subclass). Defaults: the pipeline's
+    512 x 768 and 121 frames (and, image-to-video, its image CRF). ``empty_transformer``: leave the transformer's
+    weights on the meta device.
+
+    Raises:
+        ValueError: as ``adapter_class``; ``guidance_scale_2`` or ``trained_expert`` other than ``"transformer"``
+            (LTX-2 has one transformer).
+    """
     if guidance_scale_2 is not None or trained_expert != "transformer":
         raise ValueError("LTX-2 has one transformer: model.guidance_scale_2 and model.trained_expert do not apply")
-    pipe = LTX2Pipeline.from_pretrained(
+    pipe = pipeline_class.from_pretrained(
         path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
-    return LTX2Adapter(pipe, height=height or 512, width=width or 768, num_frames=num_frames or 121,
-                       max_sequence_length=max_sequence_length)
+    return adapter_class(pipe, height=height or 512, width=width or 768, num_frames=num_frames or 121,
+                         max_sequence_length=max_sequence_length)
 
 
 # ---------------------------------------------------------------------------------------------- tiny builder
@@ -393,18 +401,36 @@ def build_tiny_ltx2(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterabl
     Raises:
         ValueError: a ``sample_size`` that is not a positive multiple of 8.
     """
-    from diffusers import (
-        AutoencoderKLLTX2Audio,
-        AutoencoderKLLTX2Video,
-        FlowMatchEulerDiscreteScheduler,
-        LTX2Pipeline,
-        LTX2VideoTransformer3DModel,
-    )
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline, LTX2VideoTransformer3DModel
 
     if sample_size <= 0 or sample_size % 8:
         raise ValueError(f"tiny LTX-2 sample_size must be a positive multiple of 8, got {sample_size}")
+    tok, text, connectors = _tiny_text_encoder(words, seed)
+    torch.manual_seed(seed + 2)
+    kwargs = {"in_channels": 8, "out_channels": 8, "num_attention_heads": 2, "attention_head_dim": 8,
+              "cross_attention_dim": 16, "audio_in_channels": 8, "audio_out_channels": 8,
+              "audio_num_attention_heads": 2, "audio_attention_head_dim": 4, "audio_cross_attention_dim": 8,
+              "num_layers": 2, "caption_channels": 16, **(transformer_kwargs or {})}
+    transformer = LTX2VideoTransformer3DModel(**kwargs)
+    vae, audio_vae, vocoder = _tiny_autoencoders(seed + 3)
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                                                base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
+    cls = LTX2Pipeline
+    if image_to_video:
+        from diffusers import LTX2ImageToVideoPipeline as cls
+    pipe = cls(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text, tokenizer=tok,
+               connectors=connectors, transformer=transformer, vocoder=vocoder)
+    out = Path(out_dir)
+    pipe.save_pretrained(out)
+    return out
+
+
+def _tiny_text_encoder(words: Iterable[str], seed: int):
+    """(tokenizer, Gemma 3 encoder, text connectors) of :func:`build_tiny_ltx2`, seeded with ``seed`` and
+    ``seed + 1``."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
     tok = build_gemma_tokenizer(words, model_max_length=32)
     torch.manual_seed(seed)
     text = Gemma3ForConditionalGeneration(Gemma3Config(
@@ -422,48 +448,36 @@ def build_tiny_ltx2(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterabl
         video_connector_num_learnable_registers=8, audio_connector_num_attention_heads=2,
         audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
         audio_connector_num_learnable_registers=8, connector_rope_base_seq_len=32)
-    torch.manual_seed(seed + 2)
-    kwargs = {"in_channels": 8, "out_channels": 8, "num_attention_heads": 2, "attention_head_dim": 8,
-              "cross_attention_dim": 16, "audio_in_channels": 8, "audio_out_channels": 8,
-              "audio_num_attention_heads": 2, "audio_attention_head_dim": 4, "audio_cross_attention_dim": 8,
-              "num_layers": 2, "caption_channels": 16, **(transformer_kwargs or {})}
-    transformer = LTX2VideoTransformer3DModel(**kwargs)
-    torch.manual_seed(seed + 3)
+    return tok, text, connectors
+
+
+def _tiny_autoencoders(seed: int):
+    """(video VAE, audio VAE, vocoder) of :func:`build_tiny_ltx2`, seeded with ``seed`` (the video VAE),
+    ``seed + 1`` (its latent mean and std) and ``seed + 2`` (the audio VAE, then the vocoder)."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+    from diffusers.pipelines.ltx2 import LTX2Vocoder
+
+    torch.manual_seed(seed)
     vae = AutoencoderKLLTX2Video(
         latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 16, 32),
         layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1), timestep_conditioning=True,
         patch_size=1, patch_size_t=1, spatial_compression_ratio=8, temporal_compression_ratio=8)
-    g = torch.Generator().manual_seed(seed + 4)
+    g = torch.Generator().manual_seed(seed + 1)
     vae.latents_mean.copy_(0.1 * torch.randn(vae.latents_mean.shape, generator=g))
     vae.latents_std.copy_(1.0 + 0.2 * torch.rand(vae.latents_std.shape, generator=g))
-    torch.manual_seed(seed + 5)
+    torch.manual_seed(seed + 2)
     audio_vae = AutoencoderKLLTX2Audio(base_channels=8, output_channels=2, ch_mult=(1, 2), num_res_blocks=1,
                                        latent_channels=2, mel_bins=16, resolution=16)
     vocoder = LTX2Vocoder(in_channels=32, hidden_channels=8, out_channels=2, upsample_kernel_sizes=[4, 4],
                           upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1]],
                           output_sampling_rate=16000)
-    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
-                                                base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
-    cls = LTX2Pipeline
-    if image_to_video:
-        from diffusers import LTX2ImageToVideoPipeline as cls
-    pipe = cls(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text, tokenizer=tok,
-               connectors=connectors, transformer=transformer, vocoder=vocoder)
-    out = Path(out_dir)
-    pipe.save_pretrained(out)
-    return out
+    return vae, audio_vae, vocoder
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
+    from flowgrpo.models.tiny import builder_main
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.writing.outputs)
-    logging.basicConfig(level=logging.INFO)
-    logger.info("tiny LTX-2 pipeline saved to %s", build_tiny_ltx2(args.out_dir, args.seed))
+    builder_main(lambda out, words, seed: build_tiny_ltx2(out, seed, words=words), "LTX-2", __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -54,9 +54,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.models.base import PromptEmbeds, one_image_per_prompt
-from flowgrpo.models.empty import empty_components
-from flowgrpo.models.ltx2 import LTX2Adapter, LTX2Guidance, build_tiny_ltx2
-from flowgrpo.writing.outputs import claim_for_command
+from flowgrpo.models.ltx2 import LTX2Adapter, LTX2Guidance, build_tiny_ltx2, load_ltx2_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -199,25 +197,12 @@ class LTX2I2VAdapter(LTX2Adapter):
         return self._decode_video(self._video(self._unflatten(latents)[0], embeds))
 
 
-def load_ltx2_i2v_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
-                          max_sequence_length: int, num_frames: int | None = None,
-                          guidance_scale_2: float | None = None, trained_expert: str = "transformer",
-                          empty_transformer: bool = False) -> LTX2I2VAdapter:
-    """``LTX2ImageToVideoPipeline.from_pretrained(path)`` in ``dtype`` wrapped in an :class:`LTX2I2VAdapter`.
-    Defaults: the pipeline's 512 x 768 and 121 frames; the image CRF the pipeline's default.
-
-    Raises:
-        ValueError: as :class:`LTX2I2VAdapter`; ``guidance_scale_2`` or ``trained_expert`` other than
-            ``"transformer"`` (LTX-2 has one transformer).
-    """
+def load_ltx2_i2v_adapter(path: str, **options) -> LTX2I2VAdapter:
+    """``LTX2ImageToVideoPipeline.from_pretrained(path)`` wrapped in an :class:`LTX2I2VAdapter` (``options``:
+    those of :func:`~flowgrpo.models.ltx2.load_ltx2_pipeline`)."""
     from diffusers import LTX2ImageToVideoPipeline
 
-    if guidance_scale_2 is not None or trained_expert != "transformer":
-        raise ValueError("LTX-2 has one transformer: model.guidance_scale_2 and model.trained_expert do not apply")
-    pipe = LTX2ImageToVideoPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(path, ["transformer"] if empty_transformer else [], dtype))
-    return LTX2I2VAdapter(pipe, height=height or 512, width=width or 768, num_frames=num_frames or 121,
-                          max_sequence_length=max_sequence_length)
+    return load_ltx2_pipeline(LTX2ImageToVideoPipeline, LTX2I2VAdapter, path, **options)
 
 
 def build_tiny_ltx2_i2v(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable[str] = (),
@@ -229,15 +214,9 @@ def build_tiny_ltx2_i2v(out_dir: str | os.PathLike, seed: int = 0, *, words: Ite
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
+    from flowgrpo.models.tiny import builder_main
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.writing.outputs)
-    logging.basicConfig(level=logging.INFO)
-    logger.info("tiny LTX-2 I2V pipeline saved to %s", build_tiny_ltx2_i2v(args.out_dir, args.seed))
+    builder_main(lambda out, words, seed: build_tiny_ltx2_i2v(out, seed, words=words), "LTX-2 I2V", __doc__, argv)
 
 
 if __name__ == "__main__":

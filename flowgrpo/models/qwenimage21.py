@@ -178,15 +178,9 @@ def build_tiny_qwenimage21(out_dir: str | os.PathLike, *, words: Iterable[str] =
         ValueError: ``sample_size`` not a positive multiple of 32.
     """
     from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline, QwenImage21Transformer2DModel
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
 
     from flowgrpo.models.qwenimage import build_qwen_tokenizer, build_tiny_qwen_transformer
+    from flowgrpo.models.tiny import build_tiny_qwen3vl
 
     if sample_size <= 0 or sample_size % 32:
         raise ValueError(f"tiny Qwen-Image 2.1 sample_size must be a positive multiple of 32, got {sample_size}")
@@ -195,18 +189,7 @@ def build_tiny_qwenimage21(out_dir: str | os.PathLike, *, words: Iterable[str] =
     tok = build_qwen_tokenizer([template.format(" ".join(words)), " "])
     tok.add_special_tokens({"additional_special_tokens": ["<|video_pad|>"]}, replace_extra_special_tokens=False)
     tok.chat_template = QWEN3VL_CHAT_TEMPLATE
-    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(), video_processor=Qwen3VLVideoProcessor(),
-                                 tokenizer=tok, chat_template=tok.chat_template)
-    vision = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    torch.manual_seed(seed)
-    encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
-        text_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-                     "num_key_value_heads": 2, "head_dim": 8, "vocab_size": len(tok), "max_position_embeddings": 512,
-                     "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2]}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16,
-                       "deepstack_visual_indexes": []},
-        vision_start_token_id=vision[0], vision_end_token_id=vision[1], image_token_id=vision[2],
-    )).eval()
+    processor, encoder = build_tiny_qwen3vl(tok, num_layers=2, seed=seed)
     torch.manual_seed(seed + 1)
     z = 4
     vae = AutoencoderKLQwenImage21(

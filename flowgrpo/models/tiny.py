@@ -15,7 +15,7 @@ import gzip
 import logging
 import os
 import string
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -140,18 +140,50 @@ def build_tiny_flux(out_dir: str | os.PathLike, *, words: Iterable[str] = (), sa
     return out
 
 
-def builder_main(build, what: str, doc: str, argv: list[str] | None = None) -> None:
-    """The command line of a tiny-model builder: ``OUT_DIR [--prompts FILE] [--seed N]``;
-    ``build(out_dir, words=..., seed=...)`` writes the pipeline."""
+def build_tiny_qwen3vl(tok, *, num_layers: int, seed: int):
+    """(processor, encoder) of a toy Qwen3-VL text encoder around the tokenizer ``tok`` (its chat template is the
+    processor's): a ``Qwen3VLProcessor`` and a random ``Qwen3VLForConditionalGeneration`` of width 16 (2 heads of 8,
+    ``num_layers`` text layers, a 1-block vision tower; seeded with ``seed``), in eval mode."""
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(), video_processor=Qwen3VLVideoProcessor(),
+                                 tokenizer=tok, chat_template=tok.chat_template)
+    vision = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
+    torch.manual_seed(seed)
+    encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": num_layers,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": len(tok),
+                     "max_position_embeddings": 512,
+                     "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16,
+                       "deepstack_visual_indexes": []},
+        vision_start_token_id=vision[0], vision_end_token_id=vision[1], image_token_id=vision[2],
+    )).eval()
+    return processor, encoder
+
+
+def builder_main(build, what: str, doc: str, argv: list[str] | None = None, *, variants: Sequence[str] = ()) -> None:
+    """The command line of a tiny-model builder: ``OUT_DIR [--prompts FILE] [--seed N]``, and ``[--variant V]``
+    when ``variants`` are given (the first is the default); ``build(out_dir, words=..., seed=...)`` (with
+    ``variant=...`` too when ``variants`` are given) writes the pipeline, logged as "tiny ``what`` pipeline"."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
-    parser.add_argument("--prompts", help="a prompt file whose words become T5 pieces")
+    parser.add_argument("--prompts", help="a prompt file whose words become single pieces of the tiny tokenizers")
     parser.add_argument("--seed", type=int, default=0)
+    if variants:
+        parser.add_argument("--variant", default=variants[0], choices=list(variants))
     args = parser.parse_args(argv)
     claim_for_command(parser, args.out_dir, "model", inputs=[args.prompts])  # flowgrpo's write rule
     words = Path(args.prompts).read_text().split() if args.prompts else ()
     logging.basicConfig(level=logging.INFO)
-    logger.info("tiny %s pipeline saved to %s", what, build(args.out_dir, words=words, seed=args.seed))
+    chosen = {"variant": args.variant} if variants else {}
+    logger.info("tiny %s pipeline saved to %s", what, build(args.out_dir, words=words, seed=args.seed, **chosen))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,7 +37,6 @@ import torch
 
 from flowgrpo.models.base import AdapterBase, PromptEmbeds
 from flowgrpo.models.empty import empty_components, empty_names
-from flowgrpo.writing.outputs import claim_for_command
 
 logger = logging.getLogger(__name__)
 
@@ -232,22 +231,36 @@ def euler_scheduler(scheduler):
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=cfg.num_train_timesteps, shift=shift)
 
 
-def load_wan_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
-                     max_sequence_length: int, num_frames: int | None = None, guidance_scale_2: float | None = None,
-                     trained_expert: str = "transformer", empty_transformer: bool = False,
-                     empty_other_expert: bool = False) -> WanAdapter:
-    """``WanPipeline.from_pretrained(path)`` in ``dtype`` with an Euler scheduler (:func:`euler_scheduler`),
-    wrapped in a :class:`WanAdapter`. Defaults: the pipeline's 480 x 832 and 81 frames."""
+def load_wan_adapter(path: str, **options) -> WanAdapter:
+    """``WanPipeline.from_pretrained(path)`` wrapped in a :class:`WanAdapter` (``options``: those of
+    :func:`load_wan_pipeline`)."""
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(
+    return load_wan_pipeline(WanPipeline, WanAdapter, path, **options)
+
+
+def load_wan_pipeline(pipeline_class, adapter_class, path: str, *, dtype: torch.dtype, height: int | None,
+                      width: int | None, max_sequence_length: int, num_frames: int | None = None,
+                      guidance_scale_2: float | None = None, trained_expert: str = "transformer",
+                      empty_transformer: bool = False, empty_other_expert: bool = False):
+    """``pipeline_class.from_pretrained(path)`` (``WanPipeline`` or ``WanImageToVideoPipeline``) in ``dtype`` with
+    an Euler scheduler (:func:`euler_scheduler`), wrapped in ``adapter_class`` (:class:`WanAdapter` or its
+    image-to-video subclass). Defaults: the pipeline's 480 x 832 and 81 frames. ``empty_transformer`` /
+    ``empty_other_expert``: leave the trained / the other expert's weights on the meta device
+    (:func:`~flowgrpo.models.empty.empty_names`).
+
+    Raises:
+        ValueError: as ``adapter_class``, naming the defaults used (and the options that set the size) when
+            a size was not given.
+    """
+    pipe = pipeline_class.from_pretrained(
         path, torch_dtype=dtype, **empty_components(
             path, empty_names(path, trained_expert, empty_transformer, empty_other_expert), dtype))
     pipe.scheduler = euler_scheduler(pipe.scheduler)
     try:
-        return WanAdapter(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,
-                          max_sequence_length=max_sequence_length, guidance_scale_2=guidance_scale_2,
-                          trained_expert=trained_expert)
+        return adapter_class(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,
+                             max_sequence_length=max_sequence_length, guidance_scale_2=guidance_scale_2,
+                             trained_expert=trained_expert)
     except ValueError as err:
         unset = [n for n, v in (("height", height), ("width", width), ("num_frames", num_frames)) if v is None]
         if not unset:
@@ -271,6 +284,20 @@ def _tiny_vae(ti2v: bool, seed: int):
                             temperal_downsample=[False, True, True],
                             latents_mean=[0.1 * (i % 3) - 0.1 for i in range(z)],
                             latents_std=[1.0 + 0.5 * (i % 2) for i in range(z)], **extra)
+
+
+def tiny_text_encoder(words: Iterable[str], seed: int):
+    """(tokenizer, encoder) of the tiny Wan pipelines: an in-memory T5 unigram tokenizer (``words`` become single
+    pieces, 32 tokens at most) and a random ``UMT5EncoderModel`` (2 layers of width 24, seeded with ``seed``)."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from flowgrpo.models.tiny import build_t5_tokenizer
+
+    tok = build_t5_tokenizer(words, model_max_length=32)
+    torch.manual_seed(seed)
+    return tok, UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=24, d_kv=8, d_ff=48, num_layers=2,
+                                            num_heads=2, decoder_start_token_id=0, pad_token_id=0,
+                                            eos_token_id=1)).eval()
 
 
 def _tiny_transformer(in_channels: int, text_dim: int, seed: int, transformer_kwargs: dict | None):
@@ -298,18 +325,12 @@ def build_tiny_wan(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable
         ValueError: an unknown ``variant`` or a ``sample_size`` that is not a positive multiple of 32.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from flowgrpo.models.tiny import build_t5_tokenizer
 
     if variant not in ("wan21", "wan22", "ti2v"):
         raise ValueError(f"variant must be 'wan21', 'wan22' or 'ti2v', got {variant!r}")
     if sample_size <= 0 or sample_size % 32:
         raise ValueError(f"tiny Wan sample_size must be a positive multiple of 32, got {sample_size}")
-    tok = build_t5_tokenizer(words, model_max_length=32)
-    torch.manual_seed(seed)
-    text = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=24, d_kv=8, d_ff=48, num_layers=2, num_heads=2,
-                                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
+    tok, text = tiny_text_encoder(words, seed)
     vae = _tiny_vae(variant == "ti2v", seed + 1)
     channels = vae.config.z_dim
     transformer = _tiny_transformer(channels, 24, seed + 2, transformer_kwargs)
@@ -326,16 +347,10 @@ def build_tiny_wan(out_dir: str | os.PathLike, seed: int = 0, *, words: Iterable
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
+    from flowgrpo.models.tiny import builder_main
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir")
-    parser.add_argument("--variant", default="wan21", choices=["wan21", "wan22", "ti2v"])
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.writing.outputs)
-    logging.basicConfig(level=logging.INFO)
-    logger.info("tiny Wan pipeline saved to %s", build_tiny_wan(args.out_dir, args.seed, variant=args.variant))
+    builder_main(lambda out, words, seed, variant: build_tiny_wan(out, seed, words=words, variant=variant), "Wan",
+                 __doc__, argv, variants=("wan21", "wan22", "ti2v"))
 
 
 if __name__ == "__main__":

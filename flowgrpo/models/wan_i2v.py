@@ -42,9 +42,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.models.base import PromptEmbeds, one_image_per_prompt
-from flowgrpo.models.empty import empty_components, empty_names
-from flowgrpo.models.wan import WanAdapter, _tiny_transformer, _tiny_vae, euler_scheduler
-from flowgrpo.writing.outputs import claim_for_command
+from flowgrpo.models.wan import WanAdapter, _tiny_transformer, _tiny_vae, load_wan_pipeline, tiny_text_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -110,33 +108,12 @@ class WanI2VAdapter(WanAdapter):
         return hidden, ({"encoder_hidden_states_image": embeds["image_embeds"]} if self.image_embeddings else {})
 
 
-def load_wan_i2v_adapter(path: str, *, dtype: torch.dtype, height: int | None, width: int | None,
-                         max_sequence_length: int, num_frames: int | None = None,
-                         guidance_scale_2: float | None = None, trained_expert: str = "transformer",
-                         empty_transformer: bool = False, empty_other_expert: bool = False) -> WanI2VAdapter:
-    """``WanImageToVideoPipeline.from_pretrained(path)`` in ``dtype`` with an Euler scheduler
-    (:func:`~flowgrpo.models.wan.euler_scheduler`), wrapped in a :class:`WanI2VAdapter`. Defaults: the pipeline's
-    480 x 832 and 81 frames.
-
-    Raises:
-        ValueError: as :class:`WanI2VAdapter`, naming the defaults used when a size was not given.
-    """
+def load_wan_i2v_adapter(path: str, **options) -> WanI2VAdapter:
+    """``WanImageToVideoPipeline.from_pretrained(path)`` wrapped in a :class:`WanI2VAdapter` (``options``: those
+    of :func:`~flowgrpo.models.wan.load_wan_pipeline`)."""
     from diffusers import WanImageToVideoPipeline
 
-    pipe = WanImageToVideoPipeline.from_pretrained(
-        path, torch_dtype=dtype, **empty_components(
-            path, empty_names(path, trained_expert, empty_transformer, empty_other_expert), dtype))
-    pipe.scheduler = euler_scheduler(pipe.scheduler)
-    try:
-        return WanI2VAdapter(pipe, height=height or 480, width=width or 832, num_frames=num_frames or 81,
-                             max_sequence_length=max_sequence_length, guidance_scale_2=guidance_scale_2,
-                             trained_expert=trained_expert)
-    except ValueError as err:
-        unset = [n for n, v in (("height", height), ("width", width), ("num_frames", num_frames)) if v is None]
-        if not unset:
-            raise
-        raise ValueError(f"{path}: {err}; {' and '.join(unset)} not given, so the pipeline's defaults (480x832, 81 "
-                         f"frames) were used: give model.{', model.'.join(unset)}") from None
+    return load_wan_pipeline(WanImageToVideoPipeline, WanI2VAdapter, path, **options)
 
 
 # ---------------------------------------------------------------------------------------------- tiny builder
@@ -155,18 +132,13 @@ def build_tiny_wan_i2v(out_dir: str | os.PathLike, seed: int = 0, *, words: Iter
         ValueError: an unknown ``variant`` or a ``sample_size`` that is not a positive multiple of 32.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, UMT5Config, UMT5EncoderModel
-
-    from flowgrpo.models.tiny import build_t5_tokenizer
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     if variant not in ("wan21", "wan22"):
         raise ValueError(f"variant must be 'wan21' or 'wan22', got {variant!r}")
     if sample_size <= 0 or sample_size % 32:
         raise ValueError(f"tiny Wan I2V sample_size must be a positive multiple of 32, got {sample_size}")
-    tok = build_t5_tokenizer(words, model_max_length=32)
-    torch.manual_seed(seed)
-    text = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=24, d_kv=8, d_ff=48, num_layers=2, num_heads=2,
-                                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
+    tok, text = tiny_text_encoder(words, seed)
     vae = _tiny_vae(False, seed + 1)
     z = vae.config.z_dim
     kwargs = {"in_channels": 2 * z + 4, "out_channels": z}
@@ -192,17 +164,10 @@ def build_tiny_wan_i2v(out_dir: str | os.PathLike, seed: int = 0, *, words: Iter
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
+    from flowgrpo.models.tiny import builder_main
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir")
-    parser.add_argument("--variant", default="wan21", choices=["wan21", "wan22"])
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    claim_for_command(parser, args.out_dir, "model")  # flowgrpo's write rule (flowgrpo.writing.outputs)
-    logging.basicConfig(level=logging.INFO)
-    logger.info("tiny Wan I2V pipeline saved to %s", build_tiny_wan_i2v(args.out_dir, args.seed,
-                                                                       variant=args.variant))
+    builder_main(lambda out, words, seed, variant: build_tiny_wan_i2v(out, seed, words=words, variant=variant),
+                 "Wan I2V", __doc__, argv, variants=("wan21", "wan22"))
 
 
 if __name__ == "__main__":

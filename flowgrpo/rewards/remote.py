@@ -227,6 +227,22 @@ class _Server:
             self.client = None
 
 
+@dataclasses.dataclass
+class _Tries:
+    """The state of one logical request's attempts (:meth:`RemoteReward._send`): ``start`` and ``t0`` (the
+    outage's start: the deadline counts from it) in ``time.monotonic`` seconds, rounds waited, attempts made,
+    seconds waited, the largest ``Retry-After`` of the round, the last error, and the servers tried this round."""
+
+    start: float
+    t0: float
+    rounds: int = 0
+    attempts: int = 0
+    waited: float = 0.0
+    retry_after: float | None = None
+    last: str | None = None
+    tried: set = dataclasses.field(default_factory=set)
+
+
 class RemoteReward:
     """A reward served by ``flowgrpo-reward-server`` at ``url`` (see the module docstring for the protocol).
 
@@ -374,37 +390,13 @@ class RemoteReward:
         headers = {"Content-Type": "application/json"} if body is not None else None
         servers = [only] if only is not None else self._servers
         start = time.monotonic()
-        t0 = self._down_since if (self._down_since is not None and only is None) else start
-        rounds, attempts, waited, retry_after = 0, 0, 0.0, None
-        tried: set = set()
-        last = None
+        tries = _Tries(start=start, t0=self._down_since if (self._down_since is not None and only is None) else start)
         while True:
-            srv = self._pick(servers, tried)
+            srv = self._pick(servers, tries.tried)
             if srv is None:  # every server failed in this round
-                elapsed = time.monotonic() - t0
-                wait = self.retry_wait(rounds, retry_after)
-                if (only is not None or (self.retries is not None and rounds >= self.retries)
-                        or elapsed + wait > self.deadline):
-                    if self._down_since is None and only is None:
-                        self._down_since = start
-                    where = ", ".join(s.url + path for s in servers)
-                    raise RemoteRewardError(
-                        f"remote reward at {where} failed after {attempts} attempts; last error: {last} "
-                        f"({elapsed:.1f} s in all, {waited:.1f} s of it waiting to retry; deadline {self.deadline:g} s)"
-                    )
-                log = logger.warning if (rounds + 1) & rounds == 0 else logger.debug  # retries 1, 2, 4, ...
-                log("remote reward %s: %s; retry %d in %.1f s", ", ".join(s.url + path for s in servers), last,
-                    rounds + 1, wait)
-                time.sleep(wait)
-                rounds += 1
-                waited += wait
-                with self._lock:
-                    self.retried += 1
-                    self.waited_s += wait
-                tried.clear()
-                retry_after = None
+                self._end_round(servers, path, only, tries)
                 continue
-            attempts += 1
+            tries.attempts += 1
             sent = time.monotonic()
             try:
                 r, why, after = _attempt(srv.http(), method, srv.url + path, body, headers, RETRY_STATUS)
@@ -412,35 +404,79 @@ class RemoteReward:
                 with self._lock:
                     srv.in_flight -= 1
             if r is None:
-                tried.add(id(srv))
-                last = why if len(servers) == 1 else f"{srv.url}: {why}"
-                retry_after = max(retry_after or 0.0, after or 0.0) or None
-                with self._lock:
-                    srv.failures += 1
-                    if len(self._servers) > 1:
-                        srv.left_out_until = time.monotonic() + self.max_backoff
-                if len(tried) < len(servers):
-                    logger.warning("remote reward %s%s: %s; sending the request to another server", srv.url, path,
-                                   why)
+                self._failed_attempt(srv, servers, path, tries, why, after)
                 continue
-            with self._lock:
-                if path == "/score":
-                    srv.latencies.append(time.monotonic() - sent)
-                srv.left_out_until = 0.0
-            if only is None:
-                self._down_since = None  # a server answered
-            if attempts > 1:
-                logger.info("remote reward %s%s: answered after %d attempts; waited %.1f s", srv.url, path,
-                            attempts, waited)
-            url = srv.url + path
-            if r.status_code != 200:
-                self._raise_for_error(r, url)
-            try:
-                return srv, r.json()
-            except ValueError:
-                raise RemoteRewardError(
-                    f"remote reward at {url} sent a malformed reply (not JSON): {r.text[:200]!r}"
-                ) from None
+            return srv, self._answered(srv, r, path, only, tries, time.monotonic() - sent)
+
+    def _end_round(self, servers: list[_Server], path: str, only: _Server | None, tries: _Tries) -> None:
+        """After a round in which every server of ``servers`` failed: give up (past the deadline or the retries,
+        or for ``only``), or wait the round's backoff and start the next round (``tries`` updated).
+
+        Raises:
+            RemoteRewardError: giving up, naming the attempts, the last error and the seconds spent.
+        """
+        elapsed = time.monotonic() - tries.t0
+        wait = self.retry_wait(tries.rounds, tries.retry_after)
+        if (only is not None or (self.retries is not None and tries.rounds >= self.retries)
+                or elapsed + wait > self.deadline):
+            if self._down_since is None and only is None:
+                self._down_since = tries.start
+            where = ", ".join(s.url + path for s in servers)
+            raise RemoteRewardError(
+                f"remote reward at {where} failed after {tries.attempts} attempts; last error: {tries.last} "
+                f"({elapsed:.1f} s in all, {tries.waited:.1f} s of it waiting to retry; deadline {self.deadline:g} s)"
+            )
+        log = logger.warning if (tries.rounds + 1) & tries.rounds == 0 else logger.debug  # retries 1, 2, 4, ...
+        log("remote reward %s: %s; retry %d in %.1f s", ", ".join(s.url + path for s in servers), tries.last,
+            tries.rounds + 1, wait)
+        time.sleep(wait)
+        tries.rounds += 1
+        tries.waited += wait
+        with self._lock:
+            self.retried += 1
+            self.waited_s += wait
+        tries.tried.clear()
+        tries.retry_after = None
+
+    def _failed_attempt(self, srv: _Server, servers: list[_Server], path: str, tries: _Tries, why: str,
+                        after: float | None) -> None:
+        """Record a failed attempt at ``srv`` (error ``why``, ``Retry-After`` seconds ``after`` or None): in
+        ``tries``, in the server's failure count, and with several servers leave it out for ``max_backoff``."""
+        tries.tried.add(id(srv))
+        tries.last = why if len(servers) == 1 else f"{srv.url}: {why}"
+        tries.retry_after = max(tries.retry_after or 0.0, after or 0.0) or None
+        with self._lock:
+            srv.failures += 1
+            if len(self._servers) > 1:
+                srv.left_out_until = time.monotonic() + self.max_backoff
+        if len(tries.tried) < len(servers):
+            logger.warning("remote reward %s%s: %s; sending the request to another server", srv.url, path, why)
+
+    def _answered(self, srv: _Server, r, path: str, only: _Server | None, tries: _Tries, latency: float):
+        """The decoded JSON of the reply ``r`` that ``srv`` sent after ``latency`` seconds; an answer ends the
+        outage.
+
+        Raises:
+            RemoteRewardError: a status other than 200 (:meth:`_raise_for_error`) or a reply that is not JSON.
+        """
+        with self._lock:
+            if path == "/score":
+                srv.latencies.append(latency)
+            srv.left_out_until = 0.0
+        if only is None:
+            self._down_since = None  # a server answered
+        if tries.attempts > 1:
+            logger.info("remote reward %s%s: answered after %d attempts; waited %.1f s", srv.url, path,
+                        tries.attempts, tries.waited)
+        url = srv.url + path
+        if r.status_code != 200:
+            self._raise_for_error(r, url)
+        try:
+            return r.json()
+        except ValueError:
+            raise RemoteRewardError(
+                f"remote reward at {url} sent a malformed reply (not JSON): {r.text[:200]!r}"
+            ) from None
 
     def server_metrics(self) -> dict[str, float]:
         """Per server ``i`` (its position in ``url``), since the last call: ``server/<i>/latency_s`` (mean seconds

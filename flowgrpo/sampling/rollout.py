@@ -123,14 +123,8 @@ def denoise(
             cache_state.step(float(sigmas[t]))
         if ode_cache is not None:  # off (state dropped) before a velocity that enters a log-prob
             ode_cache.step(float(sigmas[t]), cached=not bool(sde_steps[t]))
-        v = adapter.velocity(x, sigma, embeds, settings.guidance_scale)
-        kind = settings.sde_kind if bool(sde_steps[t]) else "ode"
         prev = x
-        out = sde_step(
-            x, v, sigmas[t].item(), sigmas[t + 1].item(), kind=kind, noise_level=settings.noise_level,
-            generator=list(generators) if generators is not None else None, reduction=settings.logprob_reduction,
-            simplified_log_prob=settings.cps_simplified_logprob, sigma_one_next=guard,
-        )
+        v, out = _transition(adapter, x, sigma, embeds, sigmas, t, settings, bool(sde_steps[t]), generators, guard)
         x = out.next_latents
         log_probs[:, t] = out.log_prob.cpu()
         stochastic[:, t] = (out.std > 0).cpu()
@@ -141,6 +135,21 @@ def denoise(
         return result
     decode = FINAL_DECODES.get(settings.final_decode)
     return (*result, decode(prev, v, sigmas[t_count - 1].item(), out))
+
+
+def _transition(adapter, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds, sigmas: torch.Tensor, t: int,
+                settings: SamplerSettings, stochastic: bool, generators, guard):
+    """Transition ``t`` of :func:`denoise` from ``x`` (B, …) float32 at σ = ``sigmas[t]`` (``sigma``: (B,) on
+    ``x``'s device): the velocity, then an SDE step of ``settings.sde_kind`` (``stochastic``) or an ODE step to
+    ``sigmas[t + 1]``. Returns (velocity, :func:`sde_step`'s output)."""
+    v = adapter.velocity(x, sigma, embeds, settings.guidance_scale)
+    out = sde_step(
+        x, v, sigmas[t].item(), sigmas[t + 1].item(), kind=settings.sde_kind if stochastic else "ode",
+        noise_level=settings.noise_level, generator=list(generators) if generators is not None else None,
+        reduction=settings.logprob_reduction, simplified_log_prob=settings.cps_simplified_logprob,
+        sigma_one_next=guard,
+    )
+    return v, out
 
 
 def load_condition_images(paths) -> list:

@@ -72,22 +72,7 @@ def run_update(objective, adapter, optim, work, *, inner_epochs: int, progress: 
         for inner in range(inner_epochs):
             for u, step in enumerate(steps):
                 items = objective.micro_batches(work, step, inner)
-                deferred = False  # a backward ran whose gradient reduction waits for the step's last one
-                for i, item in enumerate(items):
-                    filler = i >= len(items) - step.fillers
-                    sync = i == len(items) - 1
-                    with optim.accumulating(sync=sync):
-                        loss = objective.loss(adapter, work, item, state, MicroBatchAt(inner, u, filler))
-                        if loss is not None:
-                            optim.backward(loss * (0.0 if filler else dist.world_size() / max(step.rows, 1.0)))
-                            deferred = not (sync or optim.sync_every_micro_batch)
-                if deferred and dist.world_size() > 1:
-                    raise RuntimeError(
-                        f"update pass {inner + 1}, optimizer step {u + 1}: the step's last micro-batch has no gradient "
-                        "(every transition on a frozen module, e.g. Wan2.2's untrained expert), and the earlier "
-                        "ones left their gradient reduction to it (parallel.gradient_sync=step): the processes would "
-                        "step on gradients never averaged; set parallel.gradient_sync=micro_batch, or train only "
-                        "the trained module's steps (chunker)")
+                _backward_step(objective, adapter, optim, work, state, step, items, inner=inner, u=u)
                 if items:
                     norms.append(optim.step(work.epoch))
                 optim.zero_grad()
@@ -101,3 +86,30 @@ def run_update(objective, adapter, optim, work, *, inner_epochs: int, progress: 
         out["policy/grad_norm"] = sum(norms) / len(norms)
     out["train/lr"] = optim.lr
     return out
+
+
+def _backward_step(objective, adapter, optim, work, state, step, items: list, *, inner: int, u: int) -> None:
+    """Back-propagate the losses of one optimizer step's micro-batches ``items``, each in its own accumulation
+    context, scaled by ``world_size / max(step.rows, 1)`` (0 for the step's fillers, its last ``step.fillers``
+    items); ``inner`` and ``u`` (0-based) name the pass and the step.
+
+    Raises:
+        RuntimeError: with several processes, the step's last micro-batch had no loss after an earlier one
+            left its gradient reduction to it (:func:`run_update`).
+    """
+    deferred = False  # a backward ran whose gradient reduction waits for the step's last one
+    for i, item in enumerate(items):
+        filler = i >= len(items) - step.fillers
+        sync = i == len(items) - 1
+        with optim.accumulating(sync=sync):
+            loss = objective.loss(adapter, work, item, state, MicroBatchAt(inner, u, filler))
+            if loss is not None:
+                optim.backward(loss * (0.0 if filler else dist.world_size() / max(step.rows, 1.0)))
+                deferred = not (sync or optim.sync_every_micro_batch)
+    if deferred and dist.world_size() > 1:
+        raise RuntimeError(
+            f"update pass {inner + 1}, optimizer step {u + 1}: the step's last micro-batch has no gradient "
+            "(every transition on a frozen module, e.g. Wan2.2's untrained expert), and the earlier "
+            "ones left their gradient reduction to it (parallel.gradient_sync=step): the processes would "
+            "step on gradients never averaged; set parallel.gradient_sync=micro_batch, or train only "
+            "the trained module's steps (chunker)")

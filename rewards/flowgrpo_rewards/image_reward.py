@@ -363,17 +363,44 @@ def load_image_reward(
     converted, dropped = convert_state_dict(state_dict)
     if dropped:
         logger.info("image_reward: %d checkpoint tensors not used by the score: %s", len(dropped), dropped[:8])
+    head_sizes = _head_sizes(converted, ckpt_path)
+
+    with torch.device("meta"):  # no random init of ~450 M parameters that are overwritten next
+        net = ImageRewardModel(vcfg, tcfg, head_sizes)
+    expected = net.state_dict()
+    _check_fits(converted, expected, ckpt_path)
+    net.load_state_dict({k: converted[k].float() for k in expected}, strict=True, assign=True)
+    # the one non-persistent buffer is not in the checkpoint: rebuild it off the meta device
+    emb = net.text_encoder.embeddings
+    emb.position_ids = torch.arange(tcfg.max_position_embeddings).expand((1, -1))
+    net.vision_model.to(dtype)
+    net.text_encoder.to(dtype)
+    return net.to(device).eval()
+
+
+def _head_sizes(converted: dict, ckpt_path) -> tuple[int, ...]:
+    """The widths of the score head of the converted checkpoint ``converted``: its input, then each linear
+    layer's output.
+
+    Raises:
+        ValueError: not the head's linear layers (not an ImageReward checkpoint).
+    """
     head_keys = sorted(k for k in converted if k.startswith("head.") and k.endswith(".weight"))
     if len(head_keys) != len(_HEAD_LINEAR_INDICES):
         raise ValueError(
             f"{ckpt_path}: expected the head mlp.layers.{{{','.join(map(str, _HEAD_LINEAR_INDICES))}}}.weight, "
             f"found {len(head_keys)} of them; is this an ImageReward checkpoint?"
         )
-    head_sizes = (converted["head.0.weight"].shape[1], *(converted[k].shape[0] for k in head_keys))
+    return (converted["head.0.weight"].shape[1], *(converted[k].shape[0] for k in head_keys))
 
-    with torch.device("meta"):  # no random init of ~450 M parameters that are overwritten next
-        net = ImageRewardModel(vcfg, tcfg, head_sizes)
-    expected = net.state_dict()
+
+def _check_fits(converted: dict, expected: dict, ckpt_path) -> None:
+    """Check that the converted checkpoint's tensors are exactly the model's (``expected``: its state dict), shape
+    for shape.
+
+    Raises:
+        ValueError: missing tensors, shapes that differ, or tensors the architecture does not have (the first 5).
+    """
     missing = sorted(set(expected) - set(converted))
     if missing:
         raise ValueError(f"{ckpt_path}: {len(missing)} tensors missing for this architecture, e.g. {missing[:5]}")
@@ -387,13 +414,6 @@ def load_image_reward(
     unexpected = sorted(set(converted) - set(expected))
     if unexpected:
         raise ValueError(f"{ckpt_path}: tensors this architecture does not have: {unexpected[:5]}")
-    net.load_state_dict({k: converted[k].float() for k in expected}, strict=True, assign=True)
-    # the one non-persistent buffer is not in the checkpoint: rebuild it off the meta device
-    emb = net.text_encoder.embeddings
-    emb.position_ids = torch.arange(tcfg.max_position_embeddings).expand((1, -1))
-    net.vision_model.to(dtype)
-    net.text_encoder.to(dtype)
-    return net.to(device).eval()
 
 
 def load_tokenizer(name_or_path: str = "bert-base-uncased"):

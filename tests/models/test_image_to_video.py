@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flowgrpo.models.random_pipelines import CASES
-from flowgrpo.testing.adapters import AdapterConformance
+from flowgrpo.testing.adapters import AdapterConformance, tiny_folder
 
 
 class TestWan21I2V(AdapterConformance):
@@ -256,3 +256,16 @@ def test_training_without_a_records_first_frame_says_what_to_add_before_anything
                                "has none: write the prompt file as JSONL (.jsonl), one record a line with its image, "
                                f'e.g. {{"prompt": "{missing}", "image": "first_frames/0001.png"}}'), line
         assert not (out / "eval_before.json").exists()  # refused before the first evaluation sampled anything
+
+
+@pytest.mark.parametrize("name", ["wan21", "wan21_i2v"])
+def test_both_wan_loaders_name_the_defaults_and_the_options_when_no_size_was_given(name, tmp_path_factory):
+    """The tiny Wan folders' rotary tables (32 positions) are too short for the pipelines' default 480 x 832: the
+    text-to-video and the image-to-video loaders say alike which sizes were defaulted and how to give them."""
+    from flowgrpo.models import load_model
+
+    with pytest.raises(ValueError) as err:
+        load_model(str(tiny_folder(CASES[name], tmp_path_factory)), height=None, width=None, max_sequence_length=16,
+                   num_frames=5)
+    assert "height and width not given, so the pipeline's defaults (480x832, 81 frames) were used: give --height " \
+           "and --width (model.height, model.width in a config)" in str(err.value)

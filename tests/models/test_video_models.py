@@ -141,3 +141,27 @@ def test_flowgrpo_sample_writes_videos(tmp_path_factory, tmp_path):
     assert videos.shape == (2, 5, 3, 32, 32)
     gif = Image.open(tmp_path / "out" / "00001.gif")
     assert gif.n_frames == 5 and gif.size == (32, 32)
+
+
+def test_the_wan_builder_commands_build_the_variant_they_are_given(tmp_path, capsys):
+    """``python -m flowgrpo.models.wan OUT --variant ti2v`` writes a Wan2.2 TI2V-5B layout (``expand_timesteps``, one
+    expert); ``flowgrpo.models.wan_i2v`` defaults to Wan2.1 I2V (a CLIP image encoder) and refuses a variant it
+    does not build, naming the choices."""
+    import json
+
+    from flowgrpo.models.wan import main as wan_main
+    from flowgrpo.models.wan_i2v import main as wan_i2v_main
+
+    wan_main([str(tmp_path / "ti2v"), "--variant", "ti2v", "--seed", "1"])
+    index = json.loads((tmp_path / "ti2v" / "model_index.json").read_text())
+    assert (index["_class_name"], index["expand_timesteps"], index["transformer_2"]) == ("WanPipeline", True,
+                                                                                         [None, None])
+    wan_i2v_main([str(tmp_path / "i2v")])
+    index = json.loads((tmp_path / "i2v" / "model_index.json").read_text())
+    assert (index["_class_name"], index["image_encoder"]) == ("WanImageToVideoPipeline",
+                                                               ["transformers", "CLIPVisionModel"])
+    with pytest.raises(SystemExit):
+        wan_i2v_main([str(tmp_path / "other"), "--variant", "ti2v"])
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert "--variant: invalid choice: 'ti2v'" in line and "wan21" in line and "wan22" in line
+    assert not (tmp_path / "other").exists()

@@ -361,6 +361,18 @@ def _cached(color_scores: ColorScorer) -> Callable[[str, Sequence[Detection]], l
 # Verdicts
 
 
+def _position_failure(name: str, relation: str, found: Sequence[Detection], targets: Sequence[Detection],
+                      threshold: float) -> str | None:
+    """The original's reason for the first (object, target) pair, objects then targets in order, whose
+    :func:`relative_position` (dead-zone factor ``threshold``) lacks ``relation``; None when every pair has it."""
+    for obj in found:
+        for target_obj in targets:
+            actual = relative_position(obj.box, target_obj.box, threshold)
+            if relation not in actual:
+                return f"expected {name} {relation} target, found {' and '.join(sorted(actual))} target"
+    return None
+
+
 def evaluate(
     objects: Mapping[str, Sequence[Detection]], metadata: Mapping, color_scores: ColorScorer,
     position_threshold: float = 0.1,
@@ -407,16 +419,10 @@ def evaluate(
                     passed = False
                     reasons.append(f"no target for {name} to be {relation}")
                 else:
-                    for obj in found:
-                        for target_obj in targets:
-                            actual = relative_position(obj.box, target_obj.box, position_threshold)
-                            if relation not in actual:
-                                passed = False
-                                found_rel = " and ".join(sorted(actual))
-                                reasons.append(f"expected {name} {relation} target, found {found_rel} target")
-                                break
-                        if not passed:
-                            break
+                    failure = _position_failure(name, relation, found, targets, position_threshold)
+                    if failure is not None:
+                        passed = False
+                        reasons.append(failure)
         correct = correct and passed
         passed_groups.append(found if passed else None)
     for clause in metadata.get("exclude", []):
