@@ -268,16 +268,21 @@ def context_image_tokens(config) -> tuple[int, str] | None:
 
 
 def check_context_tokens(config) -> None:
-    """With ``parallel.context_degree`` C > 1: every transformer call's image tokens split evenly over the C
-    processes of a context group, counted from the config and the model folder before any weights load
-    (:func:`context_image_tokens`). Raises ``ValueError`` naming the count and the settings that make it."""
-    c = config.parallel.context_degree
-    counted = context_image_tokens(config) if c > 1 else None
-    if counted is not None and counted[0] % c:
-        raise ValueError(f"parallel.context_degree={c} splits each transformer call's tokens evenly, but an image of "
-                         f"this run has {counted[0]} tokens ({counted[1]}), not a multiple of {c}; choose "
-                         "model.height and model.width (model.num_frames for a video) that make it one, or "
-                         "parallel.context_degree=1")
+    """With ``parallel.context_degree`` C > 1: the attention heads Ulysses splits and every transformer call's
+    image tokens split evenly over the C processes of a context group, counted from the config and the model
+    folder before any weights load (:func:`context_image_tokens`, the heads from ``transformer/config.json``);
+    the check is :func:`flowgrpo.context_parallel.check_split`, the plan's and the loaded model's too. Raises
+    ``ValueError`` naming the count and the settings that make it."""
+    from flowgrpo.context_parallel import check_split
+
+    p = config.parallel
+    if p.context_degree == 1:
+        return
+    folder = _model_folder(config.model.pretrained)
+    transformer = _read_json(folder / "transformer" / "config.json") if folder is not None else {}
+    family = f"{transformer.get('_class_name', 'the transformer')} ({config.model.pretrained})"
+    check_split(p.context_degree, p.context_attention, family, heads=transformer.get("num_attention_heads"),
+                tokens=context_image_tokens(config))
 
 
 def check_trackers(trackers) -> None:

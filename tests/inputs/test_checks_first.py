@@ -272,6 +272,20 @@ def test_an_image_token_count_the_context_degree_does_not_divide_is_refused_befo
     preflight(build_config({}, base), world_size=2)  # unset: the VAE's sample size 64, 16 tokens
 
 
+def test_attention_heads_ulysses_does_not_divide_are_refused_before_the_model_loads(tiny_flux_dir):
+    """Ulysses splits the attention heads: the tiny FLUX's transformer has 2 (its config.json), so a context degree
+    of 4 is refused by preflight, read from the folder, though its 64 x 64 images' 16 tokens split in four; ring
+    attention splits no heads."""
+    from flowgrpo.config import build_config
+    from flowgrpo.preflight import check_context_tokens
+
+    base = [f"model.pretrained={tiny_flux_dir}", "parallel.context_degree=4", "parallel.sharding=fsdp2"]
+    with pytest.raises(ValueError, match=r"context_degree=4 with ulysses attention splits the attention heads: "
+                                         r"FluxTransformer2DModel \(.*\) has 2, not a multiple of 4"):
+        check_context_tokens(build_config({}, base))
+    check_context_tokens(build_config({}, [*base, "parallel.context_attention=ring", "model.dtype=bfloat16"]))
+
+
 def test_the_embedded_tiny_model_is_counted_once_it_is_built(tmp_path, monkeypatch):
     """``model.pretrained: tiny`` (configs/tiny_jpeg.yaml) with an odd token count passed preflight, loaded and
     sharded the model, then printed a traceback on every rank in the first evaluation (a fresh user's trial): the
