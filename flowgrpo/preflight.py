@@ -29,7 +29,12 @@ from flowgrpo.rewards.compose import ComposedReward
 from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
 from flowgrpo.run_lock import check_folder_path
 from flowgrpo.sampling.sde import noise_level_warning
-from flowgrpo.training.run_folder import latest_run_config, occupied_message, refuse_changed_evaluation
+from flowgrpo.training.run_folder import (
+    latest_run_config,
+    occupied_message,
+    refuse_changed_evaluation,
+    refuse_changed_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -299,10 +304,11 @@ def check_output_dir(config) -> None:
     (unless resumed or ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, and one
     that the write rule refuses (:func:`flowgrpo.outputs.check_folder`: a folder holding files flowgrpo did not
     write, one inside another run's weights or checkpoints, or the model's folder or a prompt file; the same for
-    ``model.prompt_embeddings_dir``), before any model loads; a resume reads the run's ``metrics.jsonl``
-    (:func:`~flowgrpo.metrics.read_metrics`: a cut-off last line is dropped with a warning, any other bad line
-    refused naming the file and line). Raises CheckpointError / ConfigError / FileExistsError / OutputRefused /
-    ValueError."""
+    ``model.prompt_embeddings_dir``), before any model loads; a resume's trained parameters must be the
+    checkpoint's (:func:`~flowgrpo.training.run_folder.refuse_changed_model`); a resume reads the run's
+    ``metrics.jsonl`` (:func:`~flowgrpo.metrics.read_metrics`: a cut-off last line is dropped with a warning,
+    any other bad line refused naming the file and line). Raises CheckpointError / ConfigError /
+    FileExistsError / OutputRefused / ValueError."""
     out = Path(config.output_dir)
     check_folder_path(out)
     check_folder(out, "output_dir", "run", inputs=(config.model.pretrained, config.data.train_prompts,
@@ -314,6 +320,7 @@ def check_output_dir(config) -> None:
                      inputs=(config.model.pretrained,), own_names=OWN_NAMES)
     if config.train.resume_from:
         resolve_checkpoint(config.train.resume_from)
+        refuse_changed_model(config)
         refuse_changed_evaluation(config)
         read_metrics(out / "metrics.jsonl")
     elif (out / "config.yaml").exists() and not config.logging.overwrite:

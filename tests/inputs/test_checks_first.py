@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -128,9 +129,48 @@ def test_resume_reads_metrics_before_the_model_loads(tmp_path, monkeypatch, no_m
     (out / "metrics.jsonl").write_text(_records(0) + "garbage\n" + _records(2))
     monkeypatch.setattr(preflight, "resolve_checkpoint", lambda path: path)  # a checkpoint is not what is tested
     monkeypatch.setattr(preflight, "refuse_changed_evaluation", lambda config: None)
+    monkeypatch.setattr(preflight, "refuse_changed_model", lambda config: None)
     config = load_config(DEFAULT_CONFIG, [f"output_dir={out}", f"train.resume_from={out / 'checkpoints'}"])
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON record"):
         no_model_load(config)
+
+
+def _resumable(tmp_path, monkeypatch, *settings) -> tuple:
+    """A run folder whose saved config has ``settings`` (on the default digits config), its metrics and a
+    checkpoint path (the checkpoint itself is not what is tested); returns (folder, checkpoint)."""
+    import flowgrpo.preflight as preflight
+    from flowgrpo.outputs import claim_folder
+    from flowgrpo.settings import save_config
+    from flowgrpo.training import run_folder
+
+    out = tmp_path / "run"
+    claim_folder(out, "run")
+    save_config(load_config(DEFAULT_CONFIG, [f"output_dir={out}", *settings]), out / "config.yaml")
+    (out / "metrics.jsonl").write_text(_records(0, 1))
+    for module in (preflight, run_folder):
+        monkeypatch.setattr(module, "resolve_checkpoint", lambda path, **_: Path(path))
+    return out, out / "checkpoints" / "epoch_2"
+
+
+def test_a_resume_with_another_finetune_is_refused_before_the_model_loads_naming_the_fix(
+        tmp_path, monkeypatch, no_model_load):
+    """A LoRA checkpoint resumed with ``model.finetune=full`` (or the reverse) once loaded the model, then failed
+    on the first unknown parameter, naming no fix (fresh-user trial): refused first, from the checkpoint's run's
+    config, naming both values, the setting that fixes it and the other way (a new run)."""
+    lora = ["model.finetune=lora", "model.lora_rank=4"]
+    out, ckpt = _resumable(tmp_path, monkeypatch, *lora)
+    resume = [f"output_dir={out}", f"train.resume_from={ckpt}"]
+    with pytest.raises(ConfigError) as info:
+        no_model_load(load_config(DEFAULT_CONFIG, resume))  # digits: full fine-tuning
+    text = str(info.value)
+    assert "model.finetune: 'lora' -> 'full'" in text and "set model.finetune=lora, or start a new run without " \
+        "train.resume_from" in text and "lora_rank" not in text and "\n" not in text, text
+    with pytest.raises(ConfigError, match=r"model.lora_rank: 4 -> 8: .*set model.lora_rank=4, or start a new run"):
+        no_model_load(load_config(DEFAULT_CONFIG, [*resume, "model.finetune=lora", "model.lora_rank=8"]))
+    with pytest.raises(ConfigError, match=r"train.ema_decay=0.9 but the checkpoint's run kept no EMA"):
+        no_model_load(load_config(DEFAULT_CONFIG, [*resume, *lora, "train.ema_decay=0.9"]))
+    with pytest.raises(SlowStepReached):  # the checkpoint's settings: on to the model
+        no_model_load(load_config(DEFAULT_CONFIG, [*resume, *lora]))
 
 
 def test_a_resume_rewrites_metrics_without_the_cut_line(tmp_path):
