@@ -306,7 +306,9 @@ def check_output_dir(config) -> None:
     write, one inside another run's weights or checkpoints, or the model's folder or a prompt file; the same for
     ``model.prompt_embeddings_dir``), before any model loads; a resume's trained parameters must be the
     checkpoint's (:func:`~flowgrpo.training.run_folder.refuse_changed_model`); a resume reads the run's
-    ``metrics.jsonl`` (:func:`~flowgrpo.metrics.read_metrics`: a cut-off last line is dropped with a warning,
+    ``metrics.jsonl`` (the checkpoint's run's when ``output_dir`` has none: the history
+    :func:`~flowgrpo.divergence.run_history` reads, quietly, once the model loads;
+    :func:`~flowgrpo.metrics.read_metrics`: a cut-off last line is dropped with a warning,
     any other bad line refused naming the file and line). Raises CheckpointError / ConfigError /
     FileExistsError / OutputRefused / ValueError."""
     out = Path(config.output_dir)
@@ -322,7 +324,8 @@ def check_output_dir(config) -> None:
         resolve_checkpoint(config.train.resume_from)
         refuse_changed_model(config)
         refuse_changed_evaluation(config)
-        read_metrics(out / "metrics.jsonl")
+        if not read_metrics(out / "metrics.jsonl"):  # a new folder: the run's history is the checkpoint's run's
+            read_metrics(resolve_checkpoint(config.train.resume_from).parent.parent / "metrics.jsonl")
     elif (out / "config.yaml").exists() and not config.logging.overwrite:
         raise FileExistsError(occupied_message(out))
 

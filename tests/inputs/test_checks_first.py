@@ -173,6 +173,35 @@ def test_a_resume_with_another_finetune_is_refused_before_the_model_loads_naming
         no_model_load(load_config(DEFAULT_CONFIG, [*resume, *lora]))
 
 
+@pytest.mark.parametrize("new_folder", [False, True])
+def test_a_cut_last_line_is_said_once_at_a_resume_before_the_model_loads(tmp_path, monkeypatch, caplog, new_folder):
+    """A resume read a cut-off last line of metrics.jsonl in its preflight and again in the run's history (every
+    process), warning each time (fresh-user trial); into a new folder the checkpoint's run's file was read only
+    after the model loaded. Now: one warning, in the preflight (before the model loads); the history reads
+    quietly and the run folder's copy is rewritten without the line."""
+    from flowgrpo.divergence import run_history
+    from flowgrpo.preflight import check_output_dir
+    from flowgrpo.training.run_folder import RunFolder
+
+    import flowgrpo.checkpoint_health as health
+
+    origin, ckpt = _resumable(tmp_path, monkeypatch)
+    monkeypatch.setattr(health, "resolve_checkpoint", lambda path, **_: Path(path))  # run_history's
+    (origin / "metrics.jsonl").write_text(_records(0, 1) + '{"epoch": 2, "reward/me')  # killed while appending
+    out = tmp_path / "new" if new_folder else origin
+    config = load_config(DEFAULT_CONFIG, [f"output_dir={out}", f"train.resume_from={ckpt}"])
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "cut off" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING):
+        check_output_dir(config)
+        assert len(said()) == 1 and said()[0].startswith(f"{origin / 'metrics.jsonl'}: its last line (line 3)")
+        assert [r["epoch"] for r in run_history(out, str(ckpt), 2)] == [0, 1]
+        RunFolder(config).claim(2)
+    assert len(said()) == 1, said()
+
+
 def test_a_resume_rewrites_metrics_without_the_cut_line(tmp_path):
     from flowgrpo.training.run_folder import RunFolder
 
