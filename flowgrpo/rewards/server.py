@@ -96,8 +96,9 @@ def parse_score_request(body: bytes, max_image_pixels: int):
     """(pixels (B, H, W, 3) uint8, prompts, metadata) of a ``POST /score`` body.
 
     Raises:
-        ValueError: not JSON, a missing or mistyped field, lengths that differ, or an image that cannot be
-            decoded (see :func:`~flowgrpo.rewards.wire.decode_png_b64`).
+        ValueError: not JSON (``NaN``, ``Infinity`` and ``-Infinity`` included: Python's ``json`` reads them by
+            default, JSON has no such numbers, :func:`_refuse_constant`), a missing or mistyped field, lengths that
+            differ, or an image that cannot be decoded (see :func:`~flowgrpo.rewards.wire.decode_png_b64`).
     """
     request = read_score_request(body, max_image_pixels)
     return decode_pngs(request.raws, request.width, request.height), request.prompts, request.metadata
@@ -119,6 +120,18 @@ class ScoreRequest:
         return len(self.raws) * self.width * self.height
 
 
+class _NotJsonNumber(ValueError):
+    """A ``NaN`` / ``Infinity`` / ``-Infinity`` in a request body (:func:`_refuse_constant`)."""
+
+
+def _refuse_constant(name: str):
+    """``json.loads``' ``parse_constant``: Python's ``json`` reads ``NaN``, ``Infinity`` and ``-Infinity`` by
+    default, which JSON (RFC 8259) does not allow and a reward's metadata would pass on as a float. Raises
+    :class:`_NotJsonNumber` (a ``ValueError``: the server answers 400) naming it."""
+    raise _NotJsonNumber(f"the request body holds {name}, which is not a JSON number (RFC 8259 has no NaN or "
+                         "Infinity); send finite numbers, or null for a missing value")
+
+
 def read_score_request(body: bytes, max_image_pixels: int, max_images: int | None = None) -> ScoreRequest:
     """The :class:`ScoreRequest` of a ``POST /score`` body; its images' sizes come from their PNG headers
     (:func:`~flowgrpo.rewards.wire.read_png_headers`), so the server can check its decoded-pixel budgets before
@@ -126,11 +139,15 @@ def read_score_request(body: bytes, max_image_pixels: int, max_images: int | Non
 
     Raises:
         TooManyImages: more than ``max_images`` images (None: no limit), before any image is read.
-        ValueError: not JSON, a missing or mistyped field, lengths that differ, or an image header that is not
-            a PNG's, over ``max_image_pixels``, or of another size than the first.
+        ValueError: not JSON (``NaN``, ``Infinity`` and ``-Infinity`` included: Python's ``json`` reads them by
+            default, JSON has no such numbers, :func:`_refuse_constant`), a missing or mistyped field, lengths that
+            differ, or an image header that is not a PNG's, over ``max_image_pixels``, or of another size than the
+            first.
     """
     try:
-        payload = json.loads(body)
+        payload = json.loads(body, parse_constant=_refuse_constant)
+    except _NotJsonNumber as err:
+        raise ValueError(str(err)) from None
     except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"the request body is not valid JSON: {str(err)[:200]}") from None
     if not isinstance(payload, dict):
