@@ -38,9 +38,11 @@ import json
 import logging
 import re
 import socket
+import sys
 import threading
 import time
 import traceback
+from typing import NoReturn
 
 import torch
 
@@ -564,6 +566,13 @@ def _parse_args(argv):
     return p.parse_args(argv)
 
 
+def _refuse(line: str) -> NoReturn:
+    """End the server's start with one line, ``flowgrpo-reward-server: error: …``, exit status 2 (as every
+    flowgrpo command refuses its input)."""
+    sys.stderr.write(f"flowgrpo-reward-server: error: {line}\n")
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``flowgrpo-reward-server``; runs until interrupted (Ctrl-C / SIGTERM)."""
     args = _parse_args(argv)
@@ -574,16 +583,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         kwargs = json.loads(args.kwargs)
     except ValueError as err:
-        raise SystemExit(f"--kwargs must be a JSON object: {err}") from None
+        _refuse(f"--kwargs must be a JSON object: {err}")
     if not isinstance(kwargs, dict):
-        raise SystemExit(f"--kwargs must be a JSON object, got {args.kwargs!r}")
+        _refuse(f"--kwargs must be a JSON object, got {args.kwargs!r}")
     if args.max_request_mb <= 0:
-        raise SystemExit(f"--max-request-mb must be > 0, got {args.max_request_mb}")
+        _refuse(f"--max-request-mb must be > 0, got {args.max_request_mb}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         reward, origin = load_reward(args.reward, **kwargs)
     except (RewardLoadError, ValueError) as err:
-        raise SystemExit(f"flowgrpo-reward-server: {err}") from None
+        _refuse(str(err))
     try:
         serving = ServingConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                                 max_queue_wait=args.max_queue_wait, cross_request_batching=args.cross_request_batching,
@@ -595,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
                          max_request_bytes=int(args.max_request_mb * 2**20), batch_size=args.batch_size,
                          max_image_pixels=args.max_image_pixels, serving=serving, worker_spec=(args.reward, kwargs))
     except ValueError as err:
-        raise SystemExit(f"flowgrpo-reward-server: {err}") from None
+        _refuse(str(err))
     with contextlib.suppress(ValueError):
         if not ipaddress.ip_address(args.host).is_loopback:
             logger.warning("binding %s: the reward server has no authentication; anyone who can reach this "
@@ -603,7 +612,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as err:
-        raise SystemExit(f"flowgrpo-reward-server: cannot listen on {args.host}:{args.port}: {err}") from None
+        _refuse(f"cannot listen on {args.host}:{args.port}: {err}")
     port = sock.getsockname()[1]
     logger.info("flowgrpo-reward-server: serving %r (%s) on http://%s:%d", args.reward, origin.target,
                 f"[{args.host}]" if ":" in args.host else args.host, port)

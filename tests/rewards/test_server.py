@@ -504,3 +504,22 @@ def test_nan_and_infinity_in_the_metadata_are_400_in_one_line(constant):
         assert f"holds {constant}, which is not a JSON number" in error and "\n" not in error
         good = json.dumps({"images": [image], "prompts": ["p"], "metadata": [{"weight": 1.5}]}).encode()
         assert post(srv.url, good).status_code == 200
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--kwargs", "[1]"], "--kwargs must be a JSON object, got '[1]'"),
+    (["--kwargs", "{"], "--kwargs must be a JSON object: "),
+    (["--max-request-mb", "0"], "--max-request-mb must be > 0, got 0.0"),
+    (["--reward", "no_such_reward_anywhere"], "no_such_reward_anywhere"),
+])
+def test_the_server_refuses_its_options_with_one_error_line_and_exit_status_2(capsys, argv, line):
+    """Its refusals once exited 1 with a bare message (``SystemExit(message)``), without the ``error:`` and the
+    status 2 of every other flowgrpo command's."""
+    from flowgrpo.rewards.server import main
+
+    args = ["--reward", "jpeg", *argv] if "--reward" not in argv else argv
+    with pytest.raises(SystemExit) as err:
+        main(args)
+    out = capsys.readouterr().err.splitlines()
+    assert err.value.code == 2 and len(out) == 1 and out[0].startswith("flowgrpo-reward-server: error: ")
+    assert line in out[0], out
