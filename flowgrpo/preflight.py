@@ -386,6 +386,20 @@ class Preflight:
     dataset_image: tuple[tuple[int, int], str] | None = None
 
 
+def check_resumed_sampler(config, prompts: PromptSet) -> None:
+    """A resume draws its prompts on from the checkpoint's sampler: its ``train.prompts_per_epoch``,
+    ``train.seed`` and training prompt count must be the checkpoint's, checked before the model loads by the very
+    check the checkpoint load runs (:meth:`flowgrpo.data.prompts.GroupSampler.load_state_dict`, on the
+    checkpoint's ``state.json``). Raises ``ValueError`` naming what changed."""
+    if not config.train.resume_from:
+        return
+    from flowgrpo.checkpoint import read_checkpoint_state
+    from flowgrpo.data.prompts import GroupSampler
+
+    sampler = GroupSampler(len(prompts), config.train.prompts_per_epoch, config.train.seed)
+    sampler.load_state_dict(read_checkpoint_state(config.train.resume_from)["sampler"])
+
+
 def check_dataset(config, objective: Objective) -> tuple[tuple[int, int], str] | None:
     """A dataset objective's images (``sft``: each record's ``target``; ``dpo_offline``: its ``chosen`` and
     ``rejected``: the keys its ``image_key`` gives the G samples of a record), every one opened and its size read
@@ -427,13 +441,15 @@ def preflight(config, world_size: int | None = None) -> Preflight:
        above the releases' for its SDE kind, and OPD's ``objective.noise_level``
        (:func:`~flowgrpo.sampling.sde.noise_level_warning`);
     2. the per-process batch layout for ``world_size`` processes (:func:`check_batch`; default: the launcher's
-       ``WORLD_SIZE``, else 1; DPO's pairs counted), and the image tokens a context group splits
-       (:func:`check_context_tokens`, from the model folder's configs);
+       ``WORLD_SIZE``, else 1; DPO's pairs counted), and the image tokens and attention heads (Ulysses) a
+       context group splits (:func:`check_context_tokens`, from the model folder's configs);
     3. reward names and their kwargs, without constructing them (:func:`check_rewards`);
     4. the trackers installed (:func:`check_trackers`);
-    5. the output folder free, or the checkpoint to resume there (:func:`check_output_dir`);
-    6. the prompt files read (:func:`load_prompt_field`), and a dataset objective's images, each opened and its
-       size read (:func:`check_dataset`);
+    5. the output folder free, or the checkpoint to resume there, its run's trained-parameter settings
+       (:func:`~flowgrpo.training.run_folder.refuse_changed_model`) (:func:`check_output_dir`);
+    6. the prompt files read (:func:`load_prompt_field`), a resume's prompt sampler against the checkpoint's
+       (:func:`check_resumed_sampler`), and a dataset objective's images, each opened and its size read
+       (:func:`check_dataset`);
     7. the rewards constructed and shown the prompt sets they will score (their ``check_prompts``, an
        evaluation-only reward refused under ``rewards``), and the objective's optional ``check_rewards(rewards)``
        of the constructed optimised rewards (ReFL: its margin against their declared ranges).
@@ -454,6 +470,7 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     check_trackers(config.logging.trackers)
     check_output_dir(config)
     prompts, eval_prompts = load_prompt_field(config, "train_prompts"), load_prompt_field(config, "eval_prompts")
+    check_resumed_sampler(config, prompts)
     dataset_image = check_dataset(config, objective)
     rewards, eval_rewards, origins = _rewards_for(config, prompts, eval_prompts)
     check = getattr(objective, "check_rewards", None)  # optional: an objective's checks of the rewards it optimises

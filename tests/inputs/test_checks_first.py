@@ -138,18 +138,27 @@ def test_resume_reads_metrics_before_the_model_loads(tmp_path, monkeypatch, no_m
 def _resumable(tmp_path, monkeypatch, *settings) -> tuple:
     """A run folder whose saved config has ``settings`` (on the default digits config), its metrics and a
     checkpoint path (the checkpoint itself is not what is tested); returns (folder, checkpoint)."""
+    import flowgrpo.checkpoint as checkpoint
     import flowgrpo.preflight as preflight
+    from flowgrpo.data.prompts import GroupSampler
     from flowgrpo.outputs import claim_folder
     from flowgrpo.settings import save_config
     from flowgrpo.training import run_folder
 
     out = tmp_path / "run"
     claim_folder(out, "run")
-    save_config(load_config(DEFAULT_CONFIG, [f"output_dir={out}", *settings]), out / "config.yaml")
+    config = load_config(DEFAULT_CONFIG, [f"output_dir={out}", *settings])
+    save_config(config, out / "config.yaml")
     (out / "metrics.jsonl").write_text(_records(0, 1))
-    for module in (preflight, run_folder):
+    ckpt = out / "checkpoints" / "epoch_2"
+    ckpt.mkdir(parents=True)  # its state.json: what a save writes after epoch 2 (the sampler 3 epochs on)
+    sampler = GroupSampler(len(preflight.load_prompt_field(config, "train_prompts")), config.train.prompts_per_epoch,
+                           config.train.seed)
+    state = {"epoch": 2, "lr_scheduler": {}, "sampler": {**sampler.state_dict(), "position": 3 * sampler.p}}
+    (ckpt / "state.json").write_text(json.dumps(state))
+    for module in (preflight, run_folder, checkpoint):
         monkeypatch.setattr(module, "resolve_checkpoint", lambda path, **_: Path(path))
-    return out, out / "checkpoints" / "epoch_2"
+    return out, ckpt
 
 
 def test_a_resume_with_another_finetune_is_refused_before_the_model_loads_naming_the_fix(
@@ -173,17 +182,31 @@ def test_a_resume_with_another_finetune_is_refused_before_the_model_loads_naming
         no_model_load(load_config(DEFAULT_CONFIG, [*resume, *lora]))
 
 
+def test_a_resume_with_another_prompt_sampler_is_refused_before_the_model_loads(tmp_path, monkeypatch,
+                                                                                 no_model_load):
+    """``train.prompts_per_epoch``, ``train.seed`` or the training prompt set other than the checkpoint's sampler
+    drew with was refused only once the model had loaded (the checkpoint load's sampler check): now first."""
+    out, ckpt = _resumable(tmp_path, monkeypatch)
+    resume = [f"output_dir={out}", f"train.resume_from={ckpt}"]
+    p = load_config(DEFAULT_CONFIG, []).train.prompts_per_epoch
+    with pytest.raises(ValueError, match=r"cannot change train.prompts_per_epoch.*changed here: train.seed$"):
+        no_model_load(load_config(DEFAULT_CONFIG, [*resume, "train.seed=7"]))
+    with pytest.raises(ValueError, match=rf"prompts_per_epoch={2 * p} .*changed here: train.prompts_per_epoch$"):
+        no_model_load(load_config(DEFAULT_CONFIG, [*resume, f"train.prompts_per_epoch={2 * p}"]))
+    with pytest.raises(SlowStepReached):
+        no_model_load(load_config(DEFAULT_CONFIG, resume))
+
+
 @pytest.mark.parametrize("new_folder", [False, True])
 def test_a_cut_last_line_is_said_once_at_a_resume_before_the_model_loads(tmp_path, monkeypatch, caplog, new_folder):
     """A resume read a cut-off last line of metrics.jsonl in its preflight and again in the run's history (every
     process), warning each time (fresh-user trial); into a new folder the checkpoint's run's file was read only
     after the model loaded. Now: one warning, in the preflight (before the model loads); the history reads
     quietly and the run folder's copy is rewritten without the line."""
+    import flowgrpo.checkpoint_health as health
     from flowgrpo.divergence import run_history
     from flowgrpo.preflight import check_output_dir
     from flowgrpo.training.run_folder import RunFolder
-
-    import flowgrpo.checkpoint_health as health
 
     origin, ckpt = _resumable(tmp_path, monkeypatch)
     monkeypatch.setattr(health, "resolve_checkpoint", lambda path, **_: Path(path))  # run_history's
