@@ -130,13 +130,17 @@ def test_parts_follow_the_mesh_context_and_placements():
     # 16 GPUs as 2 replicas of 8: the same shards per GPU
     p16 = plan_config(cfg, 16, overrides=["parallel.replicate=2"])
     assert p16.device["masters"] == p8.device["masters"] and p16.layout.fsdp == 8
-    # context degree 2 on 8 GPUs: FSDP2 still shards over all 8, each rank keeps half a row's activations
-    pc = plan_config(cfg, 8, overrides=["parallel.context_degree=2"])
+    # context degree 2 on 8 GPUs: FSDP2 still shards over all 8, each rank keeps half a row's activations (at
+    # 736², 46² image tokens: 720² makes 45² = 2025, which two processes cannot split, and the plan refuses)
+    pc = plan_config(cfg, 8, overrides=["parallel.context_degree=2", "model.height=736", "model.width=736"])
     assert pc.device["masters"] == p8.device["masters"] and pc.layout.data == 4
     s_img, s_txt, h = (720 // 16) ** 2, 512, 3072
-    per_row_plain = (19 * (56.2 * s_img + 56.1 * s_txt) + 38 * (50.1 * s_img + 50.1 * s_txt)) * h
-    assert p8.activations_plain == pytest.approx(4 * per_row_plain)
-    assert pc.activations_plain == pytest.approx(2 * per_row_plain)
+
+    def plain(s_img: int) -> float:
+        return (19 * (56.2 * s_img + 56.1 * s_txt) + 38 * (50.1 * s_img + 50.1 * s_txt)) * h
+
+    assert p8.activations_plain == pytest.approx(4 * plain(s_img))
+    assert pc.activations_plain == pytest.approx(2 * plain((736 // 16) ** 2))
     per_row_ckpt = 57 * 2 * (s_img + s_txt) * h + (56.2 * s_img + 56.1 * s_txt) * h
     assert p8.device["activations"] == pytest.approx(4 * per_row_ckpt)
     # offload: trained parameters, grads and Adam in host memory; the EMA on the CPU
