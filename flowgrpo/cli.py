@@ -88,7 +88,7 @@ def _sample_settings(args: argparse.Namespace) -> dict:
                 "prompt_file": args.prompts or cfg.data.eval_prompts or cfg.data.train_prompts,
                 "count": args.num_images or default_count, "cache": cfg.eval_sampling.cache}
     if not args.model:
-        raise SystemExit("flowgrpo sample: give --run RUN_DIR or --model")
+        raise ValueError("give --run RUN_DIR or --model")
     v = {k: getattr(args, k) if _given(args, k) else d for k, d in SAMPLE_DEFAULTS.items()}
     return {"build": lambda: load_model(args.model, dtype=v["dtype"], height=v["height"], width=v["width"],
                                         max_sequence_length=v["max_sequence_length"], num_frames=v["num_frames"]),
@@ -106,7 +106,7 @@ def _load_weights(adapter, weights: Path) -> None:
     elif (weights / "config.json").exists():
         adapter.transformer.load_state_dict(type(adapter.transformer).from_pretrained(weights).state_dict())
     else:
-        raise SystemExit(f"flowgrpo sample: no LoRA or transformer weights in {str(weights)!r}"
+        raise ValueError(f"no LoRA or transformer weights in {str(weights)!r}"
                          + _unfinished_run_hint(weights.parent))
 
 
@@ -143,7 +143,7 @@ def _sample(args: argparse.Namespace) -> None:
     s = _sample_settings(args)
     weights = None if args.no_weights else s["weights"]
     if s["prompt_file"] is None:
-        raise SystemExit("flowgrpo sample: no prompts (give --prompts FILE)")
+        raise ValueError("no prompts (give --prompts FILE)")
     out = Path(args.out)
     # before the model is built: a folder that holds other files, lies in the run, or cannot be made fails at once
     check_folder(out, "--out", "sample", inputs=_sample_inputs(args, s, weights))
@@ -267,6 +267,10 @@ def _prompts(args: argparse.Namespace) -> None:
         raise ValueError(err.args[0]) from None
 
 
+class PushRefused(ValueError):
+    """Why :func:`push_run` uploaded nothing, in one line."""
+
+
 def _hub_errors() -> tuple[type[BaseException], ...]:
     """What a Hub call raises when the Hub cannot be used (offline mode, a refusal, no network), whichever HTTP
     library this huggingface_hub uses."""
@@ -306,7 +310,8 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
     figures) to the Hugging Face Hub repository ``repo_id`` (created when missing; ``private`` creates it
     private, and refuses an existing public one rather than publish into it). ``endpoint`` selects another Hub API
     server (default: huggingface_hub's, i.e. ``HF_ENDPOINT``). Returns the commit URL.
-    Raises ``SystemExit`` with one line when huggingface_hub is missing, the run has no weights, the Hub cannot be
+    Raises :class:`PushRefused` (one line; ``flowgrpo push`` prints it as ``flowgrpo push: error: …``, exit
+    status 2) when huggingface_hub is missing, the run has no weights, the Hub cannot be
     used (offline mode, no network, a refusal, no token), ``private`` cannot be honoured, or ``repo_id`` is not a
     Hub repository id (checked before anything is read or sent)."""
     try:
@@ -314,16 +319,16 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
         from huggingface_hub.errors import HFValidationError
         from huggingface_hub.utils import validate_repo_id
     except ImportError:
-        raise SystemExit('flowgrpo push needs huggingface_hub (pip install "huggingface_hub>=0.20")') from None
+        raise PushRefused('huggingface_hub is not installed (pip install "huggingface_hub>=0.20")') from None
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
-        raise SystemExit(f"flowgrpo push: {repo_id!r} is not a Hub repository id ({str(err).splitlines()[0]}); "
+        raise PushRefused(f"{repo_id!r} is not a Hub repository id ({str(err).splitlines()[0]}); "
                          "write owner/name, e.g. my-user/flux-digits-lora") from None
     run = Path(run)
     weights = next((run / d for d in ("lora", "transformer") if (run / d).is_dir()), None)
     if weights is None:
-        raise SystemExit(f"flowgrpo push: {str(run)!r} holds no lora/ or transformer/ folder (is it a run folder?)")
+        raise PushRefused(f"{str(run)!r} holds no lora/ or transformer/ folder (is it a run folder?)")
     if not (weights / "README.md").exists():
         logger.warning("%s has no model card README.md (runs of older versions): pushing the weights alone", weights)
     api = HfApi(endpoint=endpoint, token=token)
@@ -332,12 +337,12 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         if private and not api.repo_info(repo_id).private:
-            raise SystemExit(f"flowgrpo push: --private, but the Hub repository {repo_id!r} exists and is public; "
+            raise PushRefused(f"--private, but the Hub repository {repo_id!r} exists and is public; "
                              "nothing was uploaded (make it private on the Hub first, or push without --private)")
         info = api.create_commit(repo_id, operations=ops,
                                  commit_message=commit_message or f"flowgrpo run {run.name}")
     except _hub_errors() as err:
-        raise SystemExit(f"flowgrpo push: {_hub_failure(err, repo_id, endpoint)}") from None
+        raise PushRefused(_hub_failure(err, repo_id, endpoint)) from None
     logger.info("pushed %d files of %s to %s", len(ops), weights, info.commit_url)
     return info.commit_url
 
@@ -466,8 +471,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.exit(2, f"flowgrpo plan: error: {err}\n")
         print(render(p, f"{Path(args.config).name} on {args.gpus} GPU{'s' * (args.gpus > 1)}"))  # noqa: T201
     else:
-        print(push_run(args.run, args.repo_id, private=args.private, token=args.token,  # noqa: T201 - the result
-                       endpoint=args.endpoint))
+        try:
+            url = push_run(args.run, args.repo_id, private=args.private, token=args.token, endpoint=args.endpoint)
+        except PushRefused as err:  # no weights, a bad repository id, the Hub unreachable or refusing: one line
+            parser.exit(2, f"flowgrpo push: error: {err}\n")
+        print(url)  # noqa: T201 - the result
 
 
 if __name__ == "__main__":

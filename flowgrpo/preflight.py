@@ -30,6 +30,7 @@ from flowgrpo.training.run_folder import (
     latest_run_config,
     occupied_message,
     refuse_changed_evaluation,
+    refuse_changed_model,
     refuse_foreign_run_files,
     refuse_older_resume,
 )
@@ -274,16 +275,22 @@ def context_image_tokens(config) -> tuple[int, str] | None:
 
 
 def check_context_tokens(config) -> None:
-    """With ``parallel.context_degree`` C > 1: every transformer call's image tokens split evenly over the C
-    processes of a context group, counted from the config and the model folder before any weights load
-    (:func:`context_image_tokens`). Raises ``ValueError`` naming the count and the settings that make it."""
-    c = config.parallel.context_degree
-    counted = context_image_tokens(config) if c > 1 else None
-    if counted is not None and counted[0] % c:
-        raise ValueError(f"parallel.context_degree={c} splits each transformer call's tokens evenly, but an image of "
-                         f"this run has {counted[0]} tokens ({counted[1]}), not a multiple of {c}; choose "
-                         "model.height and model.width (model.num_frames for a video) that make it one, or "
-                         "parallel.context_degree=1")
+    """With ``parallel.context_degree`` C > 1: the attention heads Ulysses splits and every transformer call's
+    image tokens split evenly over the C processes of a context group, counted from the config and the model
+    folder before any weights load (:func:`context_image_tokens`, the heads from ``transformer/config.json``);
+    the check is :func:`flowgrpo.distributed.context_parallel.check_split`, the plan's and the loaded model's too.
+    Raises
+    ``ValueError`` naming the count and the settings that make it."""
+    from flowgrpo.distributed.context_parallel import check_split
+
+    p = config.parallel
+    if p.context_degree == 1:
+        return
+    folder = _model_folder(config.model.pretrained)
+    transformer = _read_json(folder / "transformer" / "config.json") if folder is not None else {}
+    family = f"{transformer.get('_class_name', 'the transformer')} ({config.model.pretrained})"
+    check_split(p.context_degree, p.context_attention, family, heads=transformer.get("num_attention_heads"),
+                tokens=context_image_tokens(config))
 
 
 def check_trackers(trackers) -> None:
@@ -300,10 +307,13 @@ def check_output_dir(config) -> None:
     (unless resumed or ``logging.overwrite``), and so is an ``output_dir`` that is a file or under one, and one
     that the write rule refuses (:func:`flowgrpo.writing.outputs.check_folder`: a folder holding files flowgrpo did not
     write, one inside another run's weights or checkpoints, or the model's folder or a prompt file; the same for
-    ``model.prompt_embeddings_dir``), before any model loads; a resume reads the run's ``metrics.jsonl``
-    (:func:`~flowgrpo.writing.metrics.read_metrics`: a cut-off last line is dropped with a warning, any other bad line
-    refused naming the file and line). Raises CheckpointError / ConfigError / FileExistsError / OutputRefused /
-    ValueError."""
+    ``model.prompt_embeddings_dir``), before any model loads; a resume's trained parameters must be the
+    checkpoint's (:func:`~flowgrpo.training.run_folder.refuse_changed_model`); a resume reads the run's
+    ``metrics.jsonl`` (the checkpoint's run's when ``output_dir`` has none: the history
+    :func:`~flowgrpo.watch.divergence.run_history` reads, quietly, once the model loads;
+    :func:`~flowgrpo.writing.metrics.read_metrics`: a cut-off last line is dropped with a warning,
+    any other bad line refused naming the file and line). Raises CheckpointError / ConfigError /
+    FileExistsError / OutputRefused / ValueError."""
     out = Path(config.output_dir)
     check_folder_path(out)
     check_folder(out, "output_dir", "run", inputs=(config.model.pretrained, config.data.train_prompts,
@@ -314,9 +324,12 @@ def check_output_dir(config) -> None:
         check_folder(config.model.prompt_embeddings_dir, "model.prompt_embeddings_dir", "prompt embeddings",
                      inputs=(config.model.pretrained,), own_names=OWN_NAMES)
     if config.train.resume_from:
-        refuse_older_resume(config, resolve_checkpoint(config.train.resume_from))
+        checkpoint = resolve_checkpoint(config.train.resume_from)
+        refuse_older_resume(config, checkpoint)
+        refuse_changed_model(config)
         refuse_changed_evaluation(config)
-        read_metrics(out / "metrics.jsonl")
+        if not read_metrics(out / "metrics.jsonl"):  # a new folder: the run's history is the checkpoint's run's
+            read_metrics(checkpoint.parent.parent / "metrics.jsonl")
     elif (out / "config.yaml").exists() and not config.logging.overwrite:
         raise FileExistsError(occupied_message(out))
     elif config.logging.overwrite:
@@ -379,6 +392,20 @@ class Preflight:
     dataset_image: tuple[tuple[int, int], str] | None = None
 
 
+def check_resumed_sampler(config, prompts: PromptSet) -> None:
+    """A resume draws its prompts on from the checkpoint's sampler: its ``train.prompts_per_epoch``,
+    ``train.seed`` and training prompt count must be the checkpoint's, checked before the model loads by the very
+    check the checkpoint load runs (:meth:`flowgrpo.data.prompts.GroupSampler.load_state_dict`, on the
+    checkpoint's ``state.json``). Raises ``ValueError`` naming what changed."""
+    if not config.train.resume_from:
+        return
+    from flowgrpo.checkpoints.save_load import read_checkpoint_state
+    from flowgrpo.data.prompts import GroupSampler
+
+    sampler = GroupSampler(len(prompts), config.train.prompts_per_epoch, config.train.seed)
+    sampler.load_state_dict(read_checkpoint_state(config.train.resume_from)["sampler"])
+
+
 def check_dataset(config, objective: Objective) -> tuple[tuple[int, int], str] | None:
     """A dataset objective's images (``sft``: each record's ``target``; ``dpo_offline``: its ``chosen`` and
     ``rejected``: the keys its ``image_key`` gives the G samples of a record), every one opened and its size read
@@ -420,13 +447,15 @@ def preflight(config, world_size: int | None = None) -> Preflight:
        above the releases' for its SDE kind, and OPD's ``objective.noise_level``
        (:func:`~flowgrpo.sampling.sde.noise_level_warning`);
     2. the per-process batch layout for ``world_size`` processes (:func:`check_batch`; default: the launcher's
-       ``WORLD_SIZE``, else 1; DPO's pairs counted), and the image tokens a context group splits
-       (:func:`check_context_tokens`, from the model folder's configs);
+       ``WORLD_SIZE``, else 1; DPO's pairs counted), and the image tokens and attention heads (Ulysses) a
+       context group splits (:func:`check_context_tokens`, from the model folder's configs);
     3. reward names and their kwargs, without constructing them (:func:`check_rewards`);
     4. the trackers installed (:func:`check_trackers`);
-    5. the output folder free, or the checkpoint to resume there (:func:`check_output_dir`);
-    6. the prompt files read (:func:`load_prompt_field`), and a dataset objective's images, each opened and its
-       size read (:func:`check_dataset`);
+    5. the output folder free, or the checkpoint to resume there, its run's trained-parameter settings
+       (:func:`~flowgrpo.training.run_folder.refuse_changed_model`) (:func:`check_output_dir`);
+    6. the prompt files read (:func:`load_prompt_field`), a resume's prompt sampler against the checkpoint's
+       (:func:`check_resumed_sampler`), and a dataset objective's images, each opened and its size read
+       (:func:`check_dataset`);
     7. the rewards constructed and shown the prompt sets they will score (their ``check_prompts``, an
        evaluation-only reward refused under ``rewards``), and the objective's optional ``check_rewards(rewards)``
        of the constructed optimised rewards (ReFL: its margin against their declared ranges).
@@ -447,6 +476,7 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     check_trackers(config.logging.trackers)
     check_output_dir(config)
     prompts, eval_prompts = load_prompt_field(config, "train_prompts"), load_prompt_field(config, "eval_prompts")
+    check_resumed_sampler(config, prompts)
     dataset_image = check_dataset(config, objective)
     rewards, eval_rewards, origins = _rewards_for(config, prompts, eval_prompts)
     check = getattr(objective, "check_rewards", None)  # optional: an objective's checks of the rewards it optimises

@@ -77,11 +77,24 @@ def test_sample_run_on_an_unfinished_run_names_its_checkpoints(tmp_path, tiny_fl
         (run / "checkpoints" / f"epoch_{e}" / "state.json").write_text(json.dumps({"epoch": e}))
     (run / "checkpoints" / "latest").write_text("epoch_1")
     save_config(cfg, run / "config.yaml")
-    code, _ = _exit(capsys, ["sample", "--run", str(run), "--out", str(tmp_path / "out"), "--num-images", "1"])
-    assert code == (f"flowgrpo sample: no LoRA or transformer weights in '{run / 'lora'}': the run stopped before "
+    code, err = _exit(capsys, ["sample", "--run", str(run), "--out", str(tmp_path / "out"), "--num-images", "1"])
+    assert code == 2 and err == [  # every command's refusal: "PROG: error: …", exit status 2
+        f"flowgrpo sample: error: no LoRA or transformer weights in '{run / 'lora'}': the run stopped before "
                        "writing its final weights; its checkpoints: epoch_1, epoch_0 (a resume continues from "
                        f"epoch_1); finish it with `flowgrpo train output_dir={run} train.resume_from=auto`, then "
-                       "sample it")
+                       "sample it"]
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["sample", "--out", "OUT"], "flowgrpo sample: error: give --run RUN_DIR or --model"),
+    (["sample", "--model", "tiny", "--out", "OUT"], "flowgrpo sample: error: no prompts (give --prompts FILE)"),
+])
+def test_sample_refusals_are_one_error_line_with_exit_status_2(tmp_path, capsys, argv, line):
+    """These two once exited 1 with their line but without the ``error:`` every other refusal has (a bare
+    ``SystemExit(message)``); nothing is written."""
+    code, err = _exit(capsys, [str(tmp_path / "o") if a == "OUT" else a for a in argv])
+    assert (code, err) == (2, [line])
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_digits_build_obeys_logging_progress(tmp_path, monkeypatch, capsys):

@@ -130,13 +130,17 @@ def test_parts_follow_the_mesh_context_and_placements():
     # 16 GPUs as 2 replicas of 8: the same shards per GPU
     p16 = plan_config(cfg, 16, overrides=["parallel.replicate=2"])
     assert p16.device["masters"] == p8.device["masters"] and p16.layout.fsdp == 8
-    # context degree 2 on 8 GPUs: FSDP2 still shards over all 8, each rank keeps half a row's activations
-    pc = plan_config(cfg, 8, overrides=["parallel.context_degree=2"])
+    # context degree 2 on 8 GPUs: FSDP2 still shards over all 8, each rank keeps half a row's activations (at
+    # 736², 46² image tokens: 720² makes 45² = 2025, which two processes cannot split, and the plan refuses)
+    pc = plan_config(cfg, 8, overrides=["parallel.context_degree=2", "model.height=736", "model.width=736"])
     assert pc.device["masters"] == p8.device["masters"] and pc.layout.data == 4
     s_img, s_txt, h = (720 // 16) ** 2, 512, 3072
-    per_row_plain = (19 * (56.2 * s_img + 56.1 * s_txt) + 38 * (50.1 * s_img + 50.1 * s_txt)) * h
-    assert p8.activations_plain == pytest.approx(4 * per_row_plain)
-    assert pc.activations_plain == pytest.approx(2 * per_row_plain)
+
+    def plain(s_img: int) -> float:
+        return (19 * (56.2 * s_img + 56.1 * s_txt) + 38 * (50.1 * s_img + 50.1 * s_txt)) * h
+
+    assert p8.activations_plain == pytest.approx(4 * plain(s_img))
+    assert pc.activations_plain == pytest.approx(2 * plain((736 // 16) ** 2))
     per_row_ckpt = 57 * 2 * (s_img + s_txt) * h + (56.2 * s_img + 56.1 * s_txt) * h
     assert p8.device["activations"] == pytest.approx(4 * per_row_ckpt)
     # offload: trained parameters, grads and Adam in host memory; the EMA on the CPU
@@ -268,6 +272,34 @@ def test_flux2_klein_rows_count_the_released_sizes():
     assert fams["base-9B"].encoders == (QWEN3_8B,) and fams["4B"].encoders == (QWEN3_4B,)
     assert [f.true_cfg for f in fams.values()] == [True, False, True, False]
     assert fams["base-9B"].width == 4096 and sum(k.count for k in fams["9B"].kinds) == 8 + 24
+
+
+@pytest.mark.parametrize(("over", "expected"), [
+    # FLUX.1-dev's transformer has 24 attention heads (its released config.json): Ulysses cannot split them 5 ways
+    (["--gpus", "40", "parallel.context_degree=5"],
+     "--gpus 40: the run would not start: parallel.context_degree=5 with ulysses attention splits the attention "
+     "heads: FLUX.1-dev has 24, not a multiple of 5"),
+    # 1008 x 1040 pixels: (1008 / 16) x (1040 / 16) = 63 x 65 = 4095 image tokens, odd
+    (["--gpus", "16", "parallel.context_degree=2", "model.height=1008", "model.width=1040"],
+     "--gpus 16: the run would not start: parallel.context_degree=2 splits each transformer call's tokens evenly, "
+     "but an image of this run has 4095 tokens (1008x1040 of FLUX.1-dev), not a multiple of 2"),
+    # ring attention splits no heads, but 512 x 512 is 32 x 32 = 1024 tokens, not a multiple of 3
+    (["--gpus", "24", "parallel.context_degree=3", "parallel.context_attention=ring"],
+     "has 1024 tokens (512x512 of FLUX.1-dev), not a multiple of 3"),
+])
+def test_cli_plan_refuses_a_context_degree_the_trainer_refuses(over, expected, capsys):
+    """``flowgrpo plan`` said "fits" for a context degree the trainer's preflight refuses (fresh-user trial): it
+    runs the same check (:func:`flowgrpo.distributed.context_parallel.check_split`) on the planned model's heads and
+    tokens."""
+    from flowgrpo.cli import main
+
+    with pytest.raises(SystemExit) as err:
+        main(["plan", str(REPO / "configs" / "flux_grpo.yaml"), "parallel.sharding=fsdp2", *over])
+    line = capsys.readouterr().err
+    assert err.value.code == 2 and line.count("\n") == 1 and expected in line, line
+    main(["plan", str(REPO / "configs" / "flux_grpo.yaml"), "parallel.sharding=fsdp2", "--gpus", "16",
+          "parallel.context_degree=2"])  # 24 heads and 1024 tokens: both split in two
+    assert "context 2" in capsys.readouterr().out
 
 
 def test_cli_plan_prints_the_table_and_refuses_a_bad_layout(capsys):

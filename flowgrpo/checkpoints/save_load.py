@@ -265,6 +265,13 @@ def _read_state(path: Path) -> dict:
     return state
 
 
+def read_checkpoint_state(path: str | Path) -> dict:
+    """The ``state.json`` of the checkpoint ``path`` names (a folder or its ``checkpoints/``: the newest healthy
+    one), read without any tensor: ``epoch``, ``lr_scheduler``, ``sampler`` (what a resume's preflight compares
+    before the model loads). Raises :class:`CheckpointError` as :func:`load_checkpoint`."""
+    return _read(resolve_checkpoint(path) / "state.json", _read_state)
+
+
 def _read(path: Path, read):
     """``read(path)``, every failure to read a checkpoint file reported the same way.
 

@@ -73,11 +73,7 @@ def check_context(adapter, settings, device: torch.device) -> None:
         raise ValueError(f"parallel.context_degree={n}: diffusers' _cp_plan of {family} splits its video tokens "
                          f"but not its {unsplit[0]}, whose attention then mixes whole and split sequences and "
                          "fails; set parallel.context_degree=1")
-    heads = getattr(tr.config, "num_attention_heads", None)
-    if settings.context_attention == "ulysses" and heads is not None and heads % n:
-        raise ValueError(f"parallel.context_degree={n} with ulysses attention splits the attention heads: "
-                         f"{family} has {heads}, not a multiple of {n}; choose a degree that divides {heads} or "
-                         "parallel.context_attention=ring")
+    check_split(n, settings.context_attention, family, heads=getattr(tr.config, "num_attention_heads", None))
     if settings.context_attention == "ring" and "encoder_hidden_states_mask" in _split_names(tr):
         raise ValueError(f"parallel.context_attention=ring with {family}: its text is masked (prompts padded to the "
                          "batch's longest), and the flash kernel of diffusers' ring attention takes no mask; use "
@@ -86,6 +82,32 @@ def check_context(adapter, settings, device: torch.device) -> None:
         raise ValueError("parallel.context_attention=ring on the CPU: diffusers' ring attention needs each block's "
                          "log-sum-exp, which its CPU attention backend (native SDPA) does not return; use "
                          "parallel.context_attention=ulysses")
+
+
+def check_split(degree: int, attention: str, family: str, heads: int | None = None,
+                tokens: tuple[int, str] | None = None) -> None:
+    """The one check of how a context group of ``degree`` processes splits a model, shared by the run's preflight
+    (:func:`flowgrpo.preflight.check_context_tokens`, from the model folder's configs), the loaded model
+    (:func:`check_context`) and the memory plan (:func:`flowgrpo.memory_plan.estimate.plan_config`): Ulysses
+    (``attention``
+    ``"ulysses"``) splits the ``heads`` attention heads of ``family``, and every transformer call's image
+    ``tokens`` (count, how it was counted) split evenly. None: not known here (nothing checked). Nothing to check
+    at degree 1.
+
+    Raises:
+        ValueError: one line naming the degree, the count, and the settings that fix it.
+    """
+    if degree == 1:
+        return
+    if attention == "ulysses" and heads is not None and heads % degree:
+        raise ValueError(f"parallel.context_degree={degree} with ulysses attention splits the attention heads: "
+                         f"{family} has {heads}, not a multiple of {degree}; choose a degree that divides {heads} "
+                         "or parallel.context_attention=ring")
+    if tokens is not None and tokens[0] % degree:
+        raise ValueError(f"parallel.context_degree={degree} splits each transformer call's tokens evenly, but an "
+                         f"image of this run has {tokens[0]} tokens ({tokens[1]}), not a multiple of {degree}; "
+                         "choose model.height and model.width (model.num_frames for a video) that make it one, or "
+                         "parallel.context_degree=1")
 
 
 def context_modules(adapter) -> list[torch.nn.Module]:

@@ -80,6 +80,7 @@ from flowgrpo.memory_plan.families import (
     REWARD_MODELS,
     Family,
     Sizes,
+    attention_heads,
     lora_kinds,
     parameter_count,
     sizes,
@@ -515,17 +516,24 @@ def plan_config(path, gpus: int, gpu_memory_gib: float = 80.0, overrides: list[s
     Raises:
         ValueError: a model outside the plan, a layout that does not divide ``gpus``, a batch the trainer would
             not split over ``gpus`` processes (:func:`flowgrpo.preflight.check_batch`, the trainer's own check),
-            a bad GPU memory.
+            a context degree that does not divide the model's attention heads (Ulysses) or an image's tokens
+            (:func:`flowgrpo.distributed.context_parallel.check_split`, the trainer's own check), a bad GPU memory.
         flowgrpo.config.ConfigError: an invalid config or override.
     """
     from flowgrpo.config import load_config
+    from flowgrpo.distributed.context_parallel import check_split
     from flowgrpo.preflight import check_batch
 
     config = load_config(path, list(overrides))
     work = workload_of(config)
     layout(gpus, work.replicate, work.context_degree, work.sharding)  # the mesh's refusal first
+    fam = FAMILIES[work.family]
+    tokens = (fam.tokens(work.height, work.width, work.frames),
+              f"{work.height}x{work.width}" + (f"x{work.frames} frames" if fam.video else "") + f" of {fam.name}")
     try:
         check_batch(config, gpus)
+        check_split(work.context_degree, config.parallel.context_attention, fam.name,
+                    heads=attention_heads(work.family), tokens=tokens)
     except ValueError as err:
         raise ValueError(f"--gpus {gpus}: the run would not start: {err}") from err
     return plan(work, gpus, gpu_memory_gib, gpus_per_node=gpus_per_node, host_gib=host_gib)

@@ -636,6 +636,18 @@ def sizes(family: str, lora_rank: int = 0, lora_targets: tuple[str, ...] = ()) -
     return out
 
 
+def attention_heads(family: str) -> int | None:
+    """The attention heads of the family's transformer (its config's ``num_attention_heads``, from the
+    meta-device build :func:`sizes` caches), which Ulysses context parallelism splits; None when it gives none."""
+    if family not in _HEADS:
+        with torch.device("meta"):
+            _HEADS[family] = getattr(FAMILIES[family].transformer().config, "num_attention_heads", None)
+    return _HEADS[family]
+
+
+_HEADS: dict = {}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Counting what autograd saves (the source of COEFFICIENTS)
 # ---------------------------------------------------------------------------------------------------------------

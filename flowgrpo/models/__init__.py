@@ -19,7 +19,6 @@ import torch
 
 from flowgrpo.builds.cache_folder import build_once, cache_dir
 from flowgrpo.models.attention import ATTENTION_BACKENDS
-from flowgrpo.models.tiny import build_tiny_flux
 from flowgrpo.strategies.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -132,6 +131,8 @@ for _cls, _target in VIDEO_FAMILIES.items():
 
 def ensure_tiny_model() -> Path:
     """The random tiny FLUX pipeline, built into the cache on first use."""
+    from flowgrpo.models.tiny import build_tiny_flux  # on first use: ``python -m flowgrpo.models.tiny`` runs it once
+
     return build_once(cache_dir() / "tiny-flux-v1", build_tiny_flux)
 
 

@@ -38,9 +38,11 @@ import json
 import logging
 import re
 import socket
+import sys
 import threading
 import time
 import traceback
+from typing import NoReturn
 
 import torch
 
@@ -96,8 +98,9 @@ def parse_score_request(body: bytes, max_image_pixels: int):
     """(pixels (B, H, W, 3) uint8, prompts, metadata) of a ``POST /score`` body.
 
     Raises:
-        ValueError: not JSON, a missing or mistyped field, lengths that differ, or an image that cannot be
-            decoded (see :func:`~flowgrpo.rewards.wire.decode_png_b64`).
+        ValueError: not JSON (``NaN``, ``Infinity`` and ``-Infinity`` included: Python's ``json`` reads them by
+            default, JSON has no such numbers, :func:`_refuse_constant`), a missing or mistyped field, lengths that
+            differ, or an image that cannot be decoded (see :func:`~flowgrpo.rewards.wire.decode_png_b64`).
     """
     request = read_score_request(body, max_image_pixels)
     return decode_pngs(request.raws, request.width, request.height), request.prompts, request.metadata
@@ -119,6 +122,18 @@ class ScoreRequest:
         return len(self.raws) * self.width * self.height
 
 
+class _NotJsonNumber(ValueError):
+    """A ``NaN`` / ``Infinity`` / ``-Infinity`` in a request body (:func:`_refuse_constant`)."""
+
+
+def _refuse_constant(name: str):
+    """``json.loads``' ``parse_constant``: Python's ``json`` reads ``NaN``, ``Infinity`` and ``-Infinity`` by
+    default, which JSON (RFC 8259) does not allow and a reward's metadata would pass on as a float. Raises
+    :class:`_NotJsonNumber` (a ``ValueError``: the server answers 400) naming it."""
+    raise _NotJsonNumber(f"the request body holds {name}, which is not a JSON number (RFC 8259 has no NaN or "
+                         "Infinity); send finite numbers, or null for a missing value")
+
+
 def read_score_request(body: bytes, max_image_pixels: int, max_images: int | None = None) -> ScoreRequest:
     """The :class:`ScoreRequest` of a ``POST /score`` body; its images' sizes come from their PNG headers
     (:func:`~flowgrpo.rewards.wire.read_png_headers`), so the server can check its decoded-pixel budgets before
@@ -126,11 +141,15 @@ def read_score_request(body: bytes, max_image_pixels: int, max_images: int | Non
 
     Raises:
         TooManyImages: more than ``max_images`` images (None: no limit), before any image is read.
-        ValueError: not JSON, a missing or mistyped field, lengths that differ, or an image header that is not
-            a PNG's, over ``max_image_pixels``, or of another size than the first.
+        ValueError: not JSON (``NaN``, ``Infinity`` and ``-Infinity`` included: Python's ``json`` reads them by
+            default, JSON has no such numbers, :func:`_refuse_constant`), a missing or mistyped field, lengths that
+            differ, or an image header that is not a PNG's, over ``max_image_pixels``, or of another size than the
+            first.
     """
     try:
-        payload = json.loads(body)
+        payload = json.loads(body, parse_constant=_refuse_constant)
+    except _NotJsonNumber as err:
+        raise ValueError(str(err)) from None
     except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"the request body is not valid JSON: {str(err)[:200]}") from None
     if not isinstance(payload, dict):
@@ -547,6 +566,13 @@ def _parse_args(argv):
     return p.parse_args(argv)
 
 
+def _refuse(line: str) -> NoReturn:
+    """End the server's start with one line, ``flowgrpo-reward-server: error: …``, exit status 2 (as every
+    flowgrpo command refuses its input)."""
+    sys.stderr.write(f"flowgrpo-reward-server: error: {line}\n")
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``flowgrpo-reward-server``; runs until interrupted (Ctrl-C / SIGTERM)."""
     args = _parse_args(argv)
@@ -557,16 +583,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         kwargs = json.loads(args.kwargs)
     except ValueError as err:
-        raise SystemExit(f"--kwargs must be a JSON object: {err}") from None
+        _refuse(f"--kwargs must be a JSON object: {err}")
     if not isinstance(kwargs, dict):
-        raise SystemExit(f"--kwargs must be a JSON object, got {args.kwargs!r}")
+        _refuse(f"--kwargs must be a JSON object, got {args.kwargs!r}")
     if args.max_request_mb <= 0:
-        raise SystemExit(f"--max-request-mb must be > 0, got {args.max_request_mb}")
+        _refuse(f"--max-request-mb must be > 0, got {args.max_request_mb}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         reward, origin = load_reward(args.reward, **kwargs)
     except (RewardLoadError, ValueError) as err:
-        raise SystemExit(f"flowgrpo-reward-server: {err}") from None
+        _refuse(str(err))
     try:
         serving = ServingConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                                 max_queue_wait=args.max_queue_wait, cross_request_batching=args.cross_request_batching,
@@ -578,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
                          max_request_bytes=int(args.max_request_mb * 2**20), batch_size=args.batch_size,
                          max_image_pixels=args.max_image_pixels, serving=serving, worker_spec=(args.reward, kwargs))
     except ValueError as err:
-        raise SystemExit(f"flowgrpo-reward-server: {err}") from None
+        _refuse(str(err))
     with contextlib.suppress(ValueError):
         if not ipaddress.ip_address(args.host).is_loopback:
             logger.warning("binding %s: the reward server has no authentication; anyone who can reach this "
@@ -586,7 +612,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as err:
-        raise SystemExit(f"flowgrpo-reward-server: cannot listen on {args.host}:{args.port}: {err}") from None
+        _refuse(f"cannot listen on {args.host}:{args.port}: {err}")
     port = sock.getsockname()[1]
     logger.info("flowgrpo-reward-server: serving %r (%s) on http://%s:%d", args.reward, origin.target,
                 f"[{args.host}]" if ":" in args.host else args.host, port)

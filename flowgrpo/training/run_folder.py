@@ -221,6 +221,43 @@ def refuse_changed_evaluation(config) -> None:
                           "(the first of each pair), or evaluate the other way in a new run")
 
 
+#: the settings that decide the trained parameters' names and shapes, which a checkpoint's tensors must match
+#: (:func:`refuse_changed_model`)
+TRAINED_SHAPE = ("model.finetune", "model.lora_rank", "model.lora_target_modules")
+
+
+def refuse_changed_model(config) -> None:
+    """A resume whose trained parameters the checkpoint cannot fill is refused before any model loads (it once
+    loaded the model, then failed on the first unknown parameter, naming no fix), read from the config of the
+    checkpoint's run (its folder's :func:`latest_run_config`; nothing checked where there is none):
+    :data:`TRAINED_SHAPE` (LoRA or full fine-tuning, the LoRA's rank and targets), and ``train.ema_decay`` set
+    where the checkpoint's run kept no EMA (its checkpoint holds no EMA weights). Raises
+    :class:`~flowgrpo.strategies.settings.ConfigError` naming each key, the checkpoint's value and this run's, and the
+    fix."""
+    if not config.train.resume_from:
+        return
+    ckpt = resolve_checkpoint(config.train.resume_from)
+    saved = latest_run_config(ckpt.parent.parent)
+    if not saved.is_file():
+        return
+    old, changed = flat_dict(yaml.safe_load(saved.read_text()) or {}), changed_settings(saved, config)
+    keys = ["model.finetune"] if "model.finetune" in changed else [k for k in TRAINED_SHAPE if k in changed]
+    if keys:  # another kind of fine-tuning: its LoRA settings are beside the point
+        fixes = " and ".join(f"{k}={_override(old.get(k))}" for k in keys)
+        raise ConfigError(f"train.resume_from={str(ckpt)!r} holds the trained weights of another model setting "
+                          f"({'; '.join(changed[k] for k in keys)}: the checkpoint's, then this run's); set {fixes}, "
+                          "or start a new run without train.resume_from")
+    if old.get("train.ema_decay") is None and config.train.ema_decay is not None:
+        raise ConfigError(f"train.resume_from={str(ckpt)!r}: train.ema_decay={config.train.ema_decay} but the "
+                          "checkpoint's run kept no EMA, so its checkpoint holds no EMA weights; set "
+                          "train.ema_decay=null, or start a new run without train.resume_from")
+
+
+def _override(value) -> str:
+    """``value`` as a ``key=value`` override writes it (a list as ``[a,b]``)."""
+    return f"[{','.join(map(str, value))}]" if isinstance(value, list) else str(value)
+
+
 def _same_prompts(saved: Path, prompts: str | None) -> bool:
     """Whether ``prompts`` (a prompt file or embedded set) holds the records of the saved config's
     ``data.eval_prompts`` (the run folder or its prompt file moved, say), or that file can no longer be read (then

@@ -153,14 +153,17 @@ def check_weights(named: list[tuple[str, torch.Tensor]], epoch: int, num_epochs:
 
 def run_history(out: str | Path, resume_from: str | None, epoch: int) -> list[dict]:
     """The epoch records before ``epoch`` (0-based) of the run a trainer continues: ``out/metrics.jsonl``, else
-    (a resume into a new folder) the ``metrics.jsonl`` of the checkpoint's run folder; none for a fresh run."""
+    (a resume into a new folder) the ``metrics.jsonl`` of the checkpoint's run folder; none for a fresh run. Read
+    quietly: the preflight read the same files before the model loaded and warned of a cut-off last line once
+    (:func:`flowgrpo.preflight.check_output_dir`); this runs on every process."""
     from flowgrpo.checkpoints.health import resolve_checkpoint
     from flowgrpo.writing.metrics import read_metrics
 
     if not resume_from or epoch == 0:
         return []
     for folder in (Path(out), resolve_checkpoint(resume_from).parent.parent):
-        records = [r for r in read_metrics(folder / "metrics.jsonl") if r.get("epoch", epoch) < epoch]
+        records = [r for r in read_metrics(folder / "metrics.jsonl", quiet=True)
+                   if r.get("epoch", epoch) < epoch]
         if records:
             return records
     return []

@@ -117,7 +117,8 @@ def epoch_line(record: dict, epoch: int, num_epochs: int, elapsed: float, eta: f
 def read_metrics(path: str | Path, *, quiet: bool = False) -> list[dict]:
     """The records of a ``metrics.jsonl`` (``[]`` when it does not exist), each a JSON object with an integer
     ``epoch``. A last line that does not parse is the record of a run killed while appending it: it is dropped, with
-    a warning naming the file (none with ``quiet``; a resume rewrites the file without it).
+    a warning naming the file (none with ``quiet``: a resume warns once, in its preflight, and the run folder's
+    copy is rewritten without it, :meth:`flowgrpo.training.run_folder.RunFolder.claim`).
 
     Raises:
         ValueError: any other line is not a JSON object with an integer ``epoch``: one line naming the file, the
@@ -135,7 +136,7 @@ def read_metrics(path: str | Path, *, quiet: bool = False) -> list[dict]:
             if n == len(lines) - 1:
                 if not quiet:
                     logger.warning("%s: its last line (line %d) is cut off (the run was killed while writing it): "
-                                   "dropped", p, i)
+                                   "dropped, the records before it kept", p, i)
                 break
             raise ValueError(f"{p}:{i}: not a JSON record ({err}); every line of metrics.jsonl is one epoch's "
                              "record: delete or repair that line (the checkpoints do not need it)") from None

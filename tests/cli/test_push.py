@@ -14,6 +14,16 @@ import pytest
 from flowgrpo.cli import main as cli_main
 
 
+def refused(capsys, argv: list[str]) -> str:
+    """``flowgrpo push`` with ``argv`` refused as every command refuses: exit status 2 and one line
+    ``flowgrpo push: error: …`` on stderr; returns what follows the prefix."""
+    with pytest.raises(SystemExit) as err:
+        cli_main(["push", *argv])
+    line = capsys.readouterr().err
+    assert err.value.code == 2 and line.startswith("flowgrpo push: error: ") and line.count("\n") == 1, line
+    return line.removeprefix("flowgrpo push: error: ").rstrip("\n")
+
+
 # ------------------------------------------------------------------ a stand-in of the Hub's HTTP API
 class _Hub(BaseHTTPRequestHandler):
     """The four endpoints a commit of small files touches: create repo, validate the card's YAML, preupload
@@ -105,18 +115,16 @@ def test_push_uploads_weights_and_card(tmp_path, hub, monkeypatch):
     assert _Hub.calls[0] == "/api/repos/create"
 
 
-def test_push_refuses_a_folder_without_weights(tmp_path, hub):
-    with pytest.raises(SystemExit, match="no lora/ or transformer/"):
-        cli_main(["push", str(tmp_path), "me/x", "--endpoint", hub, "--token", "t"])
+def test_push_refuses_a_folder_without_weights(tmp_path, hub, capsys):
+    assert "no lora/ or transformer/" in refused(capsys, [str(tmp_path), "me/x", "--endpoint", hub, "--token", "t"])
 
 
 @pytest.mark.parametrize("repo_id", ["not a repo id!!", "me/x/y"])
-def test_push_refuses_a_bad_repo_id_in_one_line_before_the_hub_is_called(tmp_path, hub, repo_id):
+def test_push_refuses_a_bad_repo_id_in_one_line_before_the_hub_is_called(tmp_path, hub, repo_id, capsys):
     """Before: a HFValidationError traceback."""
     _Hub.calls.clear()
-    with pytest.raises(SystemExit, match=rf"flowgrpo push: '{re.escape(repo_id)}' is not a Hub repository id \(.*"
-                                         r"write owner/name"):
-        cli_main(["push", str(_a_run(tmp_path)), repo_id, "--endpoint", hub, "--token", "t"])
+    line = refused(capsys, [str(_a_run(tmp_path)), repo_id, "--endpoint", hub, "--token", "t"])
+    assert re.match(rf"'{re.escape(repo_id)}' is not a Hub repository id \(.*write owner/name", line), line
     assert _Hub.calls == []
 
 
@@ -127,7 +135,7 @@ def _a_run(tmp_path):
     return tmp_path / "run"
 
 
-def test_push_private_honoured_or_refused(tmp_path, hub, monkeypatch):
+def test_push_private_honoured_or_refused(tmp_path, hub, monkeypatch, capsys):
     """--private creates the repository private, and refuses an existing public one (create_repo with exist_ok
     leaves its visibility as it is: the weights would have gone public)."""
     pytest.importorskip("huggingface_hub")
@@ -137,9 +145,9 @@ def test_push_private_honoured_or_refused(tmp_path, hub, monkeypatch):
     assert _Hub.private["me/new"] is True and _Hub.repos["me/new"]
     cli_main(["push", str(run), "me/public", "--endpoint", hub, "--token", "t"])
     _Hub.repos["me/public"] = {}
-    with pytest.raises(SystemExit, match="--private, but the Hub repository 'me/public' exists and is public; "
-                                         "nothing was uploaded"):
-        cli_main(["push", str(run), "me/public", "--endpoint", hub, "--token", "t", "--private"])
+    capsys.readouterr()
+    assert refused(capsys, [str(run), "me/public", "--endpoint", hub, "--token", "t", "--private"]).startswith(
+        "--private, but the Hub repository 'me/public' exists and is public; nothing was uploaded")
     assert _Hub.repos["me/public"] == {}
 
 
@@ -147,15 +155,13 @@ def test_push_offline_or_unreachable_is_one_line(tmp_path, monkeypatch, capsys):
     hf = pytest.importorskip("huggingface_hub")
     run = _a_run(tmp_path)
     monkeypatch.setattr(hf.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(SystemExit) as err:
-        cli_main(["push", str(run), "me/x", "--token", "t"])
-    assert str(err.value) == ("flowgrpo push: the Hugging Face Hub cannot be reached: offline mode is on "
-                              "(HF_HUB_OFFLINE=1); unset it to push")
+    assert refused(capsys, [str(run), "me/x", "--token", "t"]) == (
+        "the Hugging Face Hub cannot be reached: offline mode is on (HF_HUB_OFFLINE=1); unset it to push")
     monkeypatch.setattr(hf.constants, "HF_HUB_OFFLINE", False)
     import socket
 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    with pytest.raises(SystemExit, match=rf"^flowgrpo push: {dead} cannot be reached \(\w*ConnectError"):
-        cli_main(["push", str(run), "me/x", "--token", "t", "--endpoint", dead])
+    line = refused(capsys, [str(run), "me/x", "--token", "t", "--endpoint", dead])
+    assert re.match(rf"{dead} cannot be reached \(\w*ConnectError", line), line

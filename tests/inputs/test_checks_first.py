@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -128,9 +129,100 @@ def test_resume_reads_metrics_before_the_model_loads(tmp_path, monkeypatch, no_m
     (out / "metrics.jsonl").write_text(_records(0) + "garbage\n" + _records(2))
     monkeypatch.setattr(preflight, "resolve_checkpoint", lambda path: path)  # a checkpoint is not what is tested
     monkeypatch.setattr(preflight, "refuse_changed_evaluation", lambda config: None)
+    monkeypatch.setattr(preflight, "refuse_changed_model", lambda config: None)
     config = load_config(DEFAULT_CONFIG, [f"output_dir={out}", f"train.resume_from={out / 'checkpoints'}"])
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON record"):
         no_model_load(config)
+
+
+def _resumable(tmp_path, monkeypatch, *settings) -> tuple:
+    """A run folder whose saved config has ``settings`` (on the default digits config), its metrics and a
+    checkpoint path (the checkpoint itself is not what is tested); returns (folder, checkpoint)."""
+    import flowgrpo.checkpoints.save_load as checkpoint
+    import flowgrpo.preflight as preflight
+    from flowgrpo.data.prompts import GroupSampler
+    from flowgrpo.strategies.settings import save_config
+    from flowgrpo.training import run_folder
+    from flowgrpo.writing.outputs import claim_folder
+
+    out = tmp_path / "run"
+    claim_folder(out, "run")
+    config = load_config(DEFAULT_CONFIG, [f"output_dir={out}", *settings])
+    save_config(config, out / "config.yaml")
+    (out / "metrics.jsonl").write_text(_records(0, 1))
+    ckpt = out / "checkpoints" / "epoch_2"
+    ckpt.mkdir(parents=True)  # its state.json: what a save writes after epoch 2 (the sampler 3 epochs on)
+    sampler = GroupSampler(len(preflight.load_prompt_field(config, "train_prompts")), config.train.prompts_per_epoch,
+                           config.train.seed)
+    state = {"epoch": 2, "lr_scheduler": {}, "sampler": {**sampler.state_dict(), "position": 3 * sampler.p}}
+    (ckpt / "state.json").write_text(json.dumps(state))
+    for module in (preflight, run_folder, checkpoint):
+        monkeypatch.setattr(module, "resolve_checkpoint", lambda path, **_: Path(path))
+    return out, ckpt
+
+
+def test_a_resume_with_another_finetune_is_refused_before_the_model_loads_naming_the_fix(
+        tmp_path, monkeypatch, no_model_load):
+    """A LoRA checkpoint resumed with ``model.finetune=full`` (or the reverse) once loaded the model, then failed
+    on the first unknown parameter, naming no fix (fresh-user trial): refused first, from the checkpoint's run's
+    config, naming both values, the setting that fixes it and the other way (a new run)."""
+    lora = ["model.finetune=lora", "model.lora_rank=4"]
+    out, ckpt = _resumable(tmp_path, monkeypatch, *lora)
+    resume = [f"output_dir={out}", f"train.resume_from={ckpt}"]
+    with pytest.raises(ConfigError) as info:
+        no_model_load(load_config(DEFAULT_CONFIG, resume))  # digits: full fine-tuning
+    text = str(info.value)
+    assert "model.finetune: 'lora' -> 'full'" in text and "set model.finetune=lora, or start a new run without " \
+        "train.resume_from" in text and "lora_rank" not in text and "\n" not in text, text
+    with pytest.raises(ConfigError, match=r"model.lora_rank: 4 -> 8: .*set model.lora_rank=4, or start a new run"):
+        no_model_load(load_config(DEFAULT_CONFIG, [*resume, "model.finetune=lora", "model.lora_rank=8"]))
+    with pytest.raises(ConfigError, match=r"train.ema_decay=0.9 but the checkpoint's run kept no EMA"):
+        no_model_load(load_config(DEFAULT_CONFIG, [*resume, *lora, "train.ema_decay=0.9"]))
+    with pytest.raises(SlowStepReached):  # the checkpoint's settings: on to the model
+        no_model_load(load_config(DEFAULT_CONFIG, [*resume, *lora]))
+
+
+def test_a_resume_with_another_prompt_sampler_is_refused_before_the_model_loads(tmp_path, monkeypatch,
+                                                                                 no_model_load):
+    """``train.prompts_per_epoch``, ``train.seed`` or the training prompt set other than the checkpoint's sampler
+    drew with was refused only once the model had loaded (the checkpoint load's sampler check): now first."""
+    out, ckpt = _resumable(tmp_path, monkeypatch)
+    resume = [f"output_dir={out}", f"train.resume_from={ckpt}"]
+    p = load_config(DEFAULT_CONFIG, []).train.prompts_per_epoch
+    with pytest.raises(ValueError, match=r"cannot change train.prompts_per_epoch.*changed here: train.seed$"):
+        no_model_load(load_config(DEFAULT_CONFIG, [*resume, "train.seed=7"]))
+    with pytest.raises(ValueError, match=rf"prompts_per_epoch={2 * p} .*changed here: train.prompts_per_epoch$"):
+        no_model_load(load_config(DEFAULT_CONFIG, [*resume, f"train.prompts_per_epoch={2 * p}"]))
+    with pytest.raises(SlowStepReached):
+        no_model_load(load_config(DEFAULT_CONFIG, resume))
+
+
+@pytest.mark.parametrize("new_folder", [False, True])
+def test_a_cut_last_line_is_said_once_at_a_resume_before_the_model_loads(tmp_path, monkeypatch, caplog, new_folder):
+    """A resume read a cut-off last line of metrics.jsonl in its preflight and again in the run's history (every
+    process), warning each time (fresh-user trial); into a new folder the checkpoint's run's file was read only
+    after the model loaded. Now: one warning, in the preflight (before the model loads); the history reads
+    quietly and the run folder's copy is rewritten without the line."""
+    import flowgrpo.checkpoints.health as health
+    from flowgrpo.preflight import check_output_dir
+    from flowgrpo.training.run_folder import RunFolder
+    from flowgrpo.watch.divergence import run_history
+
+    origin, ckpt = _resumable(tmp_path, monkeypatch)
+    monkeypatch.setattr(health, "resolve_checkpoint", lambda path, **_: Path(path))  # run_history's
+    (origin / "metrics.jsonl").write_text(_records(0, 1) + '{"epoch": 2, "reward/me')  # killed while appending
+    out = tmp_path / "new" if new_folder else origin
+    config = load_config(DEFAULT_CONFIG, [f"output_dir={out}", f"train.resume_from={ckpt}"])
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "cut off" in r.getMessage()]
+
+    with caplog.at_level(logging.WARNING):
+        check_output_dir(config)
+        assert len(said()) == 1 and said()[0].startswith(f"{origin / 'metrics.jsonl'}: its last line (line 3)")
+        assert [r["epoch"] for r in run_history(out, str(ckpt), 2)] == [0, 1]
+        RunFolder(config).claim(2)
+    assert len(said()) == 1, said()
 
 
 def test_a_resume_rewrites_metrics_without_the_cut_line(tmp_path):
@@ -270,6 +362,20 @@ def test_an_image_token_count_the_context_degree_does_not_divide_is_refused_befo
         preflight(config, world_size=2)
     preflight(build_config({}, [*base, "model.height=64", "model.width=64"]), world_size=2)  # 4 x 4 = 16 tokens
     preflight(build_config({}, base), world_size=2)  # unset: the VAE's sample size 64, 16 tokens
+
+
+def test_attention_heads_ulysses_does_not_divide_are_refused_before_the_model_loads(tiny_flux_dir):
+    """Ulysses splits the attention heads: the tiny FLUX's transformer has 2 (its config.json), so a context degree
+    of 4 is refused by preflight, read from the folder, though its 64 x 64 images' 16 tokens split in four; ring
+    attention splits no heads."""
+    from flowgrpo.config import build_config
+    from flowgrpo.preflight import check_context_tokens
+
+    base = [f"model.pretrained={tiny_flux_dir}", "parallel.context_degree=4", "parallel.sharding=fsdp2"]
+    with pytest.raises(ValueError, match=r"context_degree=4 with ulysses attention splits the attention heads: "
+                                         r"FluxTransformer2DModel \(.*\) has 2, not a multiple of 4"):
+        check_context_tokens(build_config({}, base))
+    check_context_tokens(build_config({}, [*base, "parallel.context_attention=ring", "model.dtype=bfloat16"]))
 
 
 def test_the_embedded_tiny_model_is_counted_once_it_is_built(tmp_path, monkeypatch):

@@ -208,10 +208,15 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
 def test_a_checkpoint_of_another_shape_names_the_parameter_and_both_shapes(tmp_path, tiny_flux_dir):
     from flowgrpo.checkpoints.save_load import CheckpointError
     from flowgrpo.runner import run
+    from flowgrpo.strategies.settings import ConfigError
 
     run(_cfg(tmp_path, tiny_flux_dir, train={"num_epochs": 1}))
     other = _cfg(tmp_path, tiny_flux_dir, "rank2", model={"lora_rank": 2},
                  train={"resume_from": str(tmp_path / "run" / "checkpoints")})
+    # the checkpoint's run's config says it first, before the model loads (refuse_changed_model)
+    with pytest.raises(ConfigError, match=r"model.lora_rank: 4 -> 2: .*set model.lora_rank=4"):
+        run(other)
+    (tmp_path / "run" / "config.yaml").unlink()  # without it, the checkpoint's tensors say it once loaded
     with pytest.raises(CheckpointError, match=r"parameter '.*lora_A.*' has shape \(4, \d+\) in the checkpoint but "
                                               r"\(2, \d+\) in the model"):
         run(other)

@@ -486,3 +486,40 @@ def test_refused_bodies_are_released_at_once_not_when_the_garbage_collector_runs
     assert codes == ({413} if kind == "too_many_images" else {400})
     assert held < 2 * len(body), f"{held / 2**20:.1f} MiB more held after 8 more refused bodies of " \
                                  f"{len(body) / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_in_the_metadata_are_400_in_one_line(constant):
+    """Python's json reads NaN, Infinity and -Infinity by default, JSON (RFC 8259) has no such numbers: a request
+    whose metadata holds one once reached the reward as a float; now 400, one line naming it, and nothing scored."""
+    app = create_app(JpegCompressibility(), reward_name="jpeg")
+    image = images_to_png_b64(images_8bit(1))[0]
+    # json.dumps writes a float nan / inf / -inf as these very words (allow_nan, its default)
+    body = json.dumps({"images": [image], "prompts": ["p"], "metadata": [{"weight": float(constant)}]}).encode()
+    assert constant.encode() in body
+    with ServerThread(app) as srv:
+        r = post(srv.url, body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert f"holds {constant}, which is not a JSON number" in error and "\n" not in error
+        good = json.dumps({"images": [image], "prompts": ["p"], "metadata": [{"weight": 1.5}]}).encode()
+        assert post(srv.url, good).status_code == 200
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--kwargs", "[1]"], "--kwargs must be a JSON object, got '[1]'"),
+    (["--kwargs", "{"], "--kwargs must be a JSON object: "),
+    (["--max-request-mb", "0"], "--max-request-mb must be > 0, got 0.0"),
+    (["--reward", "no_such_reward_anywhere"], "no_such_reward_anywhere"),
+])
+def test_the_server_refuses_its_options_with_one_error_line_and_exit_status_2(capsys, argv, line):
+    """Its refusals once exited 1 with a bare message (``SystemExit(message)``), without the ``error:`` and the
+    status 2 of every other flowgrpo command's."""
+    from flowgrpo.rewards.server import main
+
+    args = ["--reward", "jpeg", *argv] if "--reward" not in argv else argv
+    with pytest.raises(SystemExit) as err:
+        main(args)
+    out = capsys.readouterr().err.splitlines()
+    assert err.value.code == 2 and len(out) == 1 and out[0].startswith("flowgrpo-reward-server: error: ")
+    assert line in out[0], out
