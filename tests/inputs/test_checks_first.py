@@ -15,7 +15,7 @@ from flowgrpo.config import ConfigError, load_config
 from flowgrpo.rewards.base import MissingWeightsError
 from flowgrpo.runner import DEFAULT_CONFIG
 
-REPO_CONFIGS = DEFAULT_CONFIG.parents[2] / "configs"
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 class SlowStepReached(AssertionError):
