@@ -41,6 +41,10 @@ class ChunkerConfig(Section):
     #: the rollout draws more than P·G trajectories an epoch, a number only the model's σ grid decides (E-GRPO:
     #: G per prompt and branch step), so the batch checks on B = P·G check only what holds for any multiple of it
     multiplies_batch: ClassVar[bool] = False
+    #: the rollout has runs of ODE steps (velocities that enter no log-prob), on which a feature cache may run
+    #: (:func:`~flowgrpo.sampling.feature_cache.ode_step_cache`; asked by
+    #: :func:`~flowgrpo.sampling.feature_cache.check_cache_allowed`)
+    caches_ode_steps: ClassVar[bool] = False
 
 
 class DropLastConfig(ChunkerConfig):

@@ -157,6 +157,7 @@ class EntropyMergeConfig(ChunkerConfig):
 
     name: Literal["entropy_merge"] = "entropy_merge"
     multiplies_batch: ClassVar[bool] = True  # P·|branch steps|·G trajectories an epoch
+    caches_ode_steps: ClassVar[bool] = True  # the anchor prefix and the ODE continuations
     entropy_threshold: float | None = Field(
         None, description="tau, the entropy per latent dim 0.5*log(2*pi*e*std^2) a merged SDE jump must reach "
         "(E-GRPO Sec. 3.2, divided by the latent size)"

@@ -20,7 +20,7 @@ updated once an epoch with decay min(0.3, 0.001·k), lines 1409–1419).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -254,6 +254,7 @@ class AWMConfig(ForwardConfig):
     """
 
     name: Literal["awm"] = "awm"
+    caches_rollout: ClassVar[bool] = True  # an ODE rollout that keeps only the final latents
     solver: SolverName = shared("solver", "sa_solver")
     solver_noise_level: float = shared("solver_noise_level", 0.4)
     kl_beta: float = shared("kl_beta", 0.001)

@@ -68,6 +68,14 @@ class ObjectiveConfig(Section):
         "or one a plugin registers; a plain name is shorthand for {name: ...}"
     )
 
+    #: the objective's rollout records no log-prob (only its final latent is trained on, with fresh noise and the
+    #: real velocity), so a feature cache (``sampling.cache``) may run on every step of it
+    #: (:func:`~flowgrpo.sampling.feature_cache.check_cache_allowed` asks)
+    caches_rollout: ClassVar[bool] = False
+    #: the objective's rollout is its chunker's (the ``chunker:`` section): a feature cache may then run on the
+    #: chunker's ODE steps when the chunker says it has some (``ChunkerConfig.caches_ode_steps``)
+    rollout_by_chunker: ClassVar[bool] = False
+
     #: fields of this settings model that the objective never reads: field -> why (what it reads instead); one
     #: moved from its default is refused (:meth:`problems`), and ``--help`` shows them as not read
     unread: ClassVar[dict[str, str]] = {}

@@ -18,7 +18,7 @@ under ``policy_later/``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -40,6 +40,7 @@ class SdeRatioConfig(ObjectiveConfig):
     ``algo.policy_loss``, ``algo.clip_range*``, ``algo.kl_*``, ``algo.recompute_old_log_probs``)."""
 
     name: Literal["sde_ratio"] = "sde_ratio"
+    rollout_by_chunker: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
