@@ -96,6 +96,12 @@ class ObjectiveConfig(Section):
                        f"{type(config.algo).model_fields['min_learning_frac'].default!r})")
         return out
 
+    def own_noise(self) -> list[tuple[str, float, str]]:
+        """The SDE noise this objective's own settings give its rollout, beyond ``sampling``'s: (SDE kind, noise
+        level, the setting's dotted key) each, warned about by the preflight like ``sampling.noise_level``
+        (:func:`~flowgrpo.sampling.sde.noise_level_warning`). Here: none."""
+        return []
+
     def check(self, config) -> None:
         """Reject, before any model loads, every problem :meth:`problems` finds, all in one ``ValueError`` (one
         line each)."""
