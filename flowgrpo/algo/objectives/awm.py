@@ -34,7 +34,6 @@ from flowgrpo.algo.objectives.flow_matching import (
     velocity_target,
 )
 from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName, shared
-from flowgrpo.algo.objectives.old_copy import DecaySchedule
 from flowgrpo.registry import Registry
 from flowgrpo.rng import make_generator
 from flowgrpo.settings import registered_name
@@ -284,10 +283,6 @@ class AWMConfig(ForwardConfig):
     time_type: registered_name(AWM_TIME_TYPES, "objective.time_type") = Field(
         "discrete_wo_init", description="AWM time_type: discrete_wo_init (steps 1..), discrete (0..), "
         "discrete_with_init (step 0 and strata)")
-
-    def decay(self) -> DecaySchedule:
-        return DecaySchedule(flat=self.decay_flat, ramp=self.decay_ramp, cap=self.decay_cap,
-                             constant=self.decay_constant)
 
 
 @OBJECTIVES.register("awm")
