@@ -475,13 +475,12 @@ def _objective_of(config):
     import torch
 
     from flowgrpo.algo.objectives import build_objective
-    from flowgrpo.sampling.rollout import SamplerSettings
 
     objective = build_objective(config)
     k = config.model.scheduler_shift or 1.0
     s = torch.linspace(1, 0, config.sampling.num_steps + 1, dtype=torch.float64)
     grid = (k * s / (1 + (k - 1) * s)).float()
-    return objective, objective.trajectories_per_sample(grid, SamplerSettings.from_config(config.sampling))
+    return objective, objective.trajectories_per_sample(grid, config.sampling)
 
 
 def workload_of(config) -> Workload:

@@ -449,6 +449,6 @@ def preflight(config, world_size: int | None = None) -> Preflight:
 
 def check_on_grid(config, objective: Objective, sigmas: torch.Tensor, settings, world_size: int) -> None:
     """The check that needs the model: the objective's settings on the model's σ grid ``sigmas`` (T+1,) with the
-    run's :class:`~flowgrpo.sampling.rollout.SamplerSettings`, and the batch layout with the trajectories a
+    run's :class:`~flowgrpo.config.SamplingConfig`, and the batch layout with the trajectories a
     sample becomes there (:func:`check_batch`), before any evaluation or sampling. Raises ``ValueError``."""
     check_batch(config, world_size, objective.trajectories_per_sample(sigmas, settings), objective)

@@ -58,6 +58,13 @@ RELEASE_NOISE_LEVELS: dict[str, tuple[float, float, str]] = {
 NOISE_LEVEL_WARN_FACTOR = 2.0
 
 
+def sigma_one_next(sampling, sigmas: torch.Tensor) -> float | None:
+    """``sigma_one_next`` for :func:`sde_step` on the grid ``sigmas`` (T+1,) under the run's sampling settings
+    (a :class:`~flowgrpo.config.SamplingConfig`): the grid's σ₁ for ``sigma_one_guard: grid`` (the releases'
+    ``sigmas[1]``), None for ``next`` (each transition's own σ_next) or a one-point grid."""
+    return float(sigmas[1]) if sampling.sigma_one_guard == "grid" and len(sigmas) > 1 else None
+
+
 def noise_level_warning(kind: str, noise_level: float, key: str = "sampling.noise_level") -> str | None:
     """One line, naming the setting ``key``, when ``noise_level`` is more than :data:`NOISE_LEVEL_WARN_FACTOR`
     times the largest value the releases run ``kind`` with (:data:`RELEASE_NOISE_LEVELS`), else None (also for a

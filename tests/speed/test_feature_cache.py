@@ -111,10 +111,11 @@ def test_the_cached_nft_rollout_trains_an_epoch_and_the_update_is_uncached(tmp_p
 
 
 def _request(b: int, steps: int, kind: str = "flow_sde", cache=None):
-    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
+    from flowgrpo.config import SamplingConfig
+    from flowgrpo.sampling.rollout import RolloutRequest
 
     return RolloutRequest(PROMPTS * (b // 2), [{}] * b, torch.tensor([0, 1] * (b // 2)), torch.arange(b) // 2,
-                          settings=SamplerSettings(num_steps=steps, guidance_scale=3.5, sde_kind=kind, noise_level=0.7),
+                          settings=SamplingConfig(num_steps=steps, guidance_scale=3.5, sde_kind=kind, noise_level=0.7),
                           batch_size=b, seed=3, epoch=0, ode_cache=cache)
 
 
@@ -126,10 +127,10 @@ def _at_epoch(request, epoch: int):
 
 def _recomputed(adapter, traj, step: int, shared: bool = False) -> torch.Tensor:
     """The log-probs of every row's transition ``step`` under the training forward (plain transformer)."""
+    from flowgrpo.config import SamplingConfig
     from flowgrpo.sampling.packed_forward import packed_forward
-    from flowgrpo.sampling.rollout import SamplerSettings
 
-    settings = SamplerSettings(num_steps=traj.num_steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
+    settings = SamplingConfig(num_steps=traj.num_steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
     rows = torch.nonzero(traj.stochastic[:, step]).flatten()
     out = packed_forward(adapter, traj, [(rows, (step,))], settings, with_ref=False,
                          shared_inputs=[traj.group_ids[rows]] if shared else None)[0]

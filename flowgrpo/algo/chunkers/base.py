@@ -78,7 +78,7 @@ class Chunker(Protocol):
 
     def validate_grid(self, sigmas: torch.Tensor, settings) -> None:
         """Reject settings that fail on the model's σ grid ``sigmas`` (T+1,) with the run's
-        :class:`~flowgrpo.sampling.rollout.SamplerSettings`: called once the model is loaded, before any
+        :class:`~flowgrpo.config.SamplingConfig`: called once the model is loaded, before any
         evaluation or sampling (the grid depends on the model's scheduler, e.g. its shift).
 
         Raises:

@@ -175,7 +175,7 @@ class Objective(Protocol):
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         """Check the settings on the model's σ grid ``sigmas`` (T+1,) with the run's
-        :class:`~flowgrpo.sampling.rollout.SamplerSettings` (``ValueError``), before any sampling; returns how
+        :class:`~flowgrpo.config.SamplingConfig` (``ValueError``), before any sampling; returns how
         many trajectories one requested sample becomes (1 but for E-GRPO's branching)."""
 
     def training_units(self, local: int) -> tuple[int, str] | None:

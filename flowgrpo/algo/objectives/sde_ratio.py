@@ -31,7 +31,6 @@ from flowgrpo.compile import training_graph
 from flowgrpo.records import Advantages, ChunkPlan, Trajectory
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.packed_forward import ChunkForward, packed_forward
-from flowgrpo.sampling.rollout import SamplerSettings
 from flowgrpo.sampling.sde import SDE_KINDS
 
 
@@ -154,7 +153,7 @@ class SdeRatio(BaseObjective):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.chunker = build_chunker(config.chunker)
-        self.settings = SamplerSettings.from_config(config.sampling)
+        self.settings = config.sampling
         self.policy_loss = POLICY_LOSSES.get(config.algo.policy_loss.name)
         self.loss_settings = LossSettings.from_config(config)
         # a loss that reads the rollout policy's transition means gets them from the recompute pass
