@@ -28,6 +28,7 @@ from pydantic import Field
 from flowgrpo.records import ChunkPlan, Trajectory
 from flowgrpo.registry import Registry
 from flowgrpo.sampling.rollout import RolloutRequest, rollout
+from flowgrpo.sampling.sde import NOISELESS_LAST_STEP
 from flowgrpo.settings import Section, settings_class
 
 CHUNKERS: Registry = Registry("chunker")
@@ -101,16 +102,17 @@ def trainable_steps(traj: Trajectory, drop_last_step: bool = False) -> list[int]
 
 
 def check_trainable(cfg: ChunkerConfig, num_steps: int, sde_kind: str) -> int:
-    """T minus the last transition when it is never trained (``drop_last_step``, or ``cps``, whose last transition
-    is deterministic): the transitions a plan can use.
+    """T minus the last transition when it is never trained (``drop_last_step``, or an SDE kind whose last
+    transition is deterministic, :data:`~flowgrpo.sampling.sde.NOISELESS_LAST_STEP`: cps): the transitions a plan
+    can use.
 
     Raises:
         ValueError: none is left, naming ``sampling.num_steps`` and the setting that removes the last one.
     """
     drop = bool(getattr(cfg, "drop_last_step", False))
-    trainable = num_steps - int(drop or sde_kind == "cps")
+    trainable = num_steps - int(drop or sde_kind in NOISELESS_LAST_STEP)
     if trainable < 1:
-        why = "chunker.drop_last_step=true leaves it out" if drop else "sde_kind 'cps' makes it deterministic"
+        why = "chunker.drop_last_step=true leaves it out" if drop else f"sde_kind {sde_kind!r} makes it deterministic"
         raise ValueError(f"sampling.num_steps={num_steps} leaves no transition to train: the last transition is "
                          f"never trained ({why}); use sampling.num_steps >= 2")
     return trainable
