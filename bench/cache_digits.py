@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from flowgrpo.config import load_config
+from flowgrpo.config import SamplingConfig, load_config
 from flowgrpo.config.schema import FeatureCacheConfig
 from flowgrpo.models import load_model_from_config
 from flowgrpo.runner import quiet_libraries
 from flowgrpo.sampling.final_rollout import solver_rollout
-from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
+from flowgrpo.sampling.rollout import RolloutRequest
 
 CACHES = [("first_block", {"threshold": th}) for th in (0.0, 0.1, 0.2, 0.4)] + [
     ("taylor_seer", {"cache_interval": 2, "disable_cache_before_step": 2}),
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     b = 64
     prompts = [f"the digit {i % 10}" for i in range(b)]
     request = RolloutRequest(prompts, [{}] * b, torch.arange(b) // 8, torch.arange(b) % 8,
-                             settings=SamplerSettings(num_steps=args.steps, guidance_scale=1.0), batch_size=32, seed=0,
+                             settings=SamplingConfig(num_steps=args.steps, guidance_scale=1.0), batch_size=32, seed=0,
                              epoch=0)
     grid = adapter.sigmas(args.steps)
     tail = []  # the last block's output projection: it runs only where the cache computes the remaining blocks

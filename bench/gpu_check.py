@@ -478,12 +478,13 @@ def _pipeline_kwargs(c: Check, n: int) -> dict:
 
 def part_a(c: Check) -> dict:
     """(a) rollout with log-probs vs the family's own ``Pipeline.__call__`` (the conformance case's settings)."""
-    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, load_condition_images, rollout
+    from flowgrpo.config import SamplingConfig
+    from flowgrpo.sampling.rollout import RolloutRequest, load_condition_images, rollout
 
     a, s = c.adapter, c.size
     b, t = s.batch, s.rollout_steps
     ps, meta = _prompts(b), c.metadata(b)
-    settings = SamplerSettings(num_steps=t, guidance_scale=c.case.guidance_scale, sde_kind="flow_sde",
+    settings = SamplingConfig(num_steps=t, guidance_scale=c.case.guidance_scale, sde_kind="flow_sde",
                                noise_level=0.7)
     request = RolloutRequest(ps, meta, torch.arange(b), torch.zeros(b, dtype=torch.long), settings=settings,
                              batch_size=b, seed=0, epoch=0)
@@ -883,12 +884,12 @@ def part_l(c: Check) -> dict:
     the LoRA update of (b) (targets ≤ 0.75× and ≤ 0.8×), the first compiled call of each (compile included), and
     the first update's mismatch compiled: in the rollout's layout (reported) and in recompute mode (must be 0.0)."""
     from flowgrpo.compile import compile_regions
-    from flowgrpo.config import CompileConfig
-    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
+    from flowgrpo.config import CompileConfig, SamplingConfig
+    from flowgrpo.sampling.rollout import RolloutRequest, rollout
 
     a, s = c.adapter, c.size
     b, t = s.batch, s.rollout_steps
-    settings = SamplerSettings(num_steps=t, guidance_scale=c.case.guidance_scale, sde_kind="flow_sde",
+    settings = SamplingConfig(num_steps=t, guidance_scale=c.case.guidance_scale, sde_kind="flow_sde",
                                noise_level=0.7)
     request = RolloutRequest(_prompts(b), c.metadata(b), torch.arange(b), torch.zeros(b, dtype=torch.long),
                              settings=settings, batch_size=b, seed=0, epoch=0)
@@ -939,14 +940,15 @@ CACHE_THRESHOLDS = (0.2, 0.8)
 def part_m(c: Check) -> dict:
     """(m) the cached forward-process rollout (DiffusionNFT's DPM-Solver++(2M), ``sampling.cache`` first_block)
     against uncached: time ratio, largest and mean pixel difference of the decoded images, per threshold."""
+    from flowgrpo.config import SamplingConfig
     from flowgrpo.config.schema import FeatureCacheConfig
     from flowgrpo.sampling.final_rollout import solver_rollout
-    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
+    from flowgrpo.sampling.rollout import RolloutRequest
 
     a, s = c.adapter, c.size
     b, t = s.batch, s.rollout_steps
     request = RolloutRequest(_prompts(b), c.metadata(b), torch.arange(b) // 2, torch.arange(b) % 2,
-                             settings=SamplerSettings(num_steps=t, guidance_scale=c.case.guidance_scale),
+                             settings=SamplingConfig(num_steps=t, guidance_scale=c.case.guidance_scale),
                              batch_size=b, seed=0, epoch=0)
     grid = a.sigmas(t)
 

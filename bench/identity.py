@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: metric keys that measure the machine, not the training (dropped before comparing)
-TIMING_WORDS = ("second", "time", "mem", "rss", "per_s", "throughput", "_ms")
+TIMING_WORDS = ("second", "time", "timing", "mem", "rss", "per_s", "throughput", "_ms")
 
 
 def _jobs(main_epochs: int, config_epochs: int) -> list[tuple[str, list[str]]]:

@@ -32,7 +32,8 @@ dev = "cuda" if cuda else "cpu"
 from flowgrpo.models import load_model
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.models.tiny import build_tiny_flux
-from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
+from flowgrpo.sampling.rollout import RolloutRequest, rollout
+from flowgrpo.config import SamplingConfig
 from flowgrpo.algo.policy_losses import clipped_surrogate
 from flowgrpo.sampling.sde import sde_step
 torch.manual_seed(0)
@@ -47,7 +48,7 @@ def peak():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 base = peak()
 b, t = 16, 8
-s = SamplerSettings(num_steps=t, guidance_scale=3.5)
+s = SamplingConfig(num_steps=t, guidance_scale=3.5)
 traj = rollout(adapter, ["a cat"] * b, [{}] * b, torch.arange(b) // 4, torch.arange(b) % 4, settings=s,
                sde_steps=torch.ones(t, dtype=torch.bool), batch_size=b, seed=0, epoch=0, latents_on_cpu=on_cpu)
 roll = peak()

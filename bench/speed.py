@@ -77,12 +77,12 @@ def main() -> None:
     _stat = STAT[args.stat]
     nan = float("nan")
 
-    from flowgrpo.config import build_config
+    from flowgrpo.config import SamplingConfig, build_config
     from flowgrpo.models import load_model
     from flowgrpo.models.lora import setup_trainable
     from flowgrpo.models.tiny import build_tiny_flux
     from flowgrpo.runner import quiet_libraries
-    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
+    from flowgrpo.sampling.rollout import RolloutRequest, rollout
 
     quiet_libraries()
     torch.manual_seed(0)
@@ -91,7 +91,7 @@ def main() -> None:
     pipe = adapter.pipe
     b, t = args.batch, args.steps
     prompts = [f"a photo of object {i}" for i in range(b)]
-    settings = SamplerSettings(num_steps=t, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
+    settings = SamplingConfig(num_steps=t, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
 
     def ours():
         rollout(adapter, RolloutRequest(prompts, [{}] * b, torch.arange(b), torch.zeros(b, dtype=torch.long),
@@ -166,7 +166,7 @@ def main() -> None:
 
     # (c) epoch scaling: rollout + update for G and T doubled
     def epoch_time(g: int, steps: int) -> float:
-        s = SamplerSettings(num_steps=steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
+        s = SamplingConfig(num_steps=steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
         n = 4 * g
         ps = [prompts[i % b] for i in range(n)]
 
@@ -227,7 +227,7 @@ def main() -> None:
         fa = load_model(str(folder), max_sequence_length=32, height=64, width=64)
         ft = make_trainer(fa, fcfg)
         request = RolloutRequest(prompts, [{}] * b, torch.arange(b) // 2, torch.arange(b) % 2,
-                                 settings=SamplerSettings(num_steps=t, guidance_scale=3.5), batch_size=b, seed=0,
+                                 settings=SamplingConfig(num_steps=t, guidance_scale=3.5), batch_size=b, seed=0,
                                  epoch=0)
         samples = ft.objective.rollout(fa, request)
         fadv = Advantages(values=torch.randn(b), train_mask=torch.ones(b, dtype=torch.bool), zero_spread_frac=0.0,
@@ -242,7 +242,7 @@ def main() -> None:
         from flowgrpo.sampling.final_rollout import solver_rollout
 
         request = RolloutRequest(prompts, [{}] * b, torch.arange(b) // 2, torch.arange(b) % 2,
-                                 settings=SamplerSettings(num_steps=t, guidance_scale=3.5), batch_size=b, seed=0,
+                                 settings=SamplingConfig(num_steps=t, guidance_scale=3.5), batch_size=b, seed=0,
                                  epoch=0)
         grid = adapter.sigmas(t)
         cache = FeatureCacheConfig(name="first_block", kwargs={"threshold": args.cache_threshold})

@@ -466,8 +466,8 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     objective = check_strategies(config)
     notes = [noise_level_warning(config.sampling.sde_kind, config.sampling.noise_level)]
-    if config.objective.name == "opd":  # its own flow_sde noise a (objective.noise_level)
-        notes.append(noise_level_warning("flow_sde", config.objective.noise_level, "objective.noise_level"))
+    # the noise the objective's own settings give its rollout (OPD's flow_sde noise a, objective.noise_level)
+    notes += [noise_level_warning(kind, level, key) for kind, level, key in config.objective.own_noise()]
     for note in filter(None, notes):
         logger.warning("%s", note)
     check_batch(config, world, objective=objective)
@@ -487,6 +487,6 @@ def preflight(config, world_size: int | None = None) -> Preflight:
 
 def check_on_grid(config, objective: Objective, sigmas: torch.Tensor, settings, world_size: int) -> None:
     """The check that needs the model: the objective's settings on the model's σ grid ``sigmas`` (T+1,) with the
-    run's :class:`~flowgrpo.sampling.rollout.SamplerSettings`, and the batch layout with the trajectories a
+    run's :class:`~flowgrpo.config.SamplingConfig`, and the batch layout with the trajectories a
     sample becomes there (:func:`check_batch`), before any evaluation or sampling. Raises ``ValueError``."""
     check_batch(config, world_size, objective.trajectories_per_sample(sigmas, settings), objective)

@@ -38,7 +38,7 @@ from flowgrpo.rewards.compose import OOM_HINT, RewardError
 from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
 from flowgrpo.rewards.remote import RemoteRewardError
 from flowgrpo.sampling.prompt_cache import attach_prompt_cache
-from flowgrpo.sampling.rollout import SamplerSettings, check_condition_images
+from flowgrpo.sampling.rollout import check_condition_images
 from flowgrpo.training.loop import Trainer
 from flowgrpo.training.report import format_report
 from flowgrpo.watch.divergence import TrainingDiverged
@@ -172,7 +172,7 @@ def _run(config) -> dict:
     for prompts, setting in ((ready.prompts, "data.train_prompts"), (ready.eval_prompts, "data.eval_prompts")):
         check_condition_images(adapter, prompts, setting)  # an image-to-video or editing model: every image given
     check_dataset_size(ready.dataset_image, adapter)  # a dataset objective's images at the model's size
-    sampling = SamplerSettings.from_config(config.sampling)
+    sampling = config.sampling
     check_on_grid(config, ready.objective, adapter.sigmas(sampling.num_steps), sampling, accelerator.num_processes)
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
     if m.cache_prompt_embeddings:  # each distinct prompt encoded once (flowgrpo.sampling.prompt_cache)

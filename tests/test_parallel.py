@@ -448,7 +448,8 @@ def test_every_swap_of_sharded_weights_reaches_the_forwards(kind, reshard_after_
     trained weights with reshard_after_forward=false, and the rollout after it on the EMA)."""
     import copy
 
-    from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy
+    from flowgrpo.algo.objectives.nft import NFTConfig
+    from flowgrpo.algo.objectives.old_copy import OldCopy
     from flowgrpo.training.ema import EMA
 
     torch.manual_seed(0)
@@ -463,7 +464,7 @@ def test_every_swap_of_sharded_weights_reaches_the_forwards(kind, reshard_after_
         parallel.shard(model, mesh=parallel.device_mesh(torch.device("cpu")), param_dtype=None,
                        reshard=reshard_after_forward)
         params = list(model.parameters())
-        swap = EMA(params, 0.5) if kind == "ema" else OldCopy(params, DecaySchedule(), model=model)
+        swap = EMA(params, 0.5) if kind == "ema" else OldCopy(params, NFTConfig(), model=model)
         with torch.no_grad():
             for p in params:
                 p.add_(0.5)  # training moved the weights away from the shadow

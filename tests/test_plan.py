@@ -540,9 +540,10 @@ OBJECTIVE_CONFIGS = ("digits", "digits_awm", "digits_dgpo", "digits_dpo", "digit
 @pytest.mark.parametrize("kl", [None, 0.0, 0.04])
 def test_plan_counts_what_the_objective_keeps(name, kl):
     """Full fine-tuning of FLUX.1-dev (FSDP2, 2 GPUs) with each registered objective: the plan counts the frozen
-    reference copy exactly when the objective the trainer builds says it forwards one (``needs_reference``; DPO,
-    DGPO, NFT and AWM with ``algo.kl_beta`` 0 do), the float32 old copy when it keeps one, and OPD's whole teacher
-    (the plan read ``algo.kl_beta > 0`` and missed them)."""
+    reference copy exactly when the objective the trainer builds says it forwards one (``needs_reference``, as
+    runner.py asks it; DPO, DGPO, NFT and AWM with ``algo.kl_beta`` 0 do), the float32 old copy when it keeps one
+    (``uses_old_copy``) and a whole teacher when it loads one (``frozen_teacher``, OPD): each the objective's own
+    answer, never a hand list (the plan read ``algo.kl_beta > 0`` and missed them)."""
     from flowgrpo.algo.objectives import build_objective
     from flowgrpo.config import ConfigError, load_config
 
@@ -561,7 +562,7 @@ def test_plan_counts_what_the_objective_keeps(name, kl):
     p = plan_config(path, 2, overrides=over)  # 2: a count every digits config's batch splits over
     assert p.device["reference"] == (2 * n / 2 if trainer.needs_reference else 0), name
     assert p.device["old_copy"] == (4 * n / 2 if getattr(trainer, "uses_old_copy", False) else 0), name
-    assert p.device["teacher"] == (2 * n if name == "digits_opd" else 0), name
+    assert p.device["teacher"] == (2 * n if getattr(trainer, "frozen_teacher", False) else 0), name
 
 
 def test_every_registered_objective_is_planned_above():

@@ -655,8 +655,8 @@ class Config(Section):
             raise ValueError(f"train.adam_betas must each be in [0, 1), got {list(t.adam_betas)}")
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
-        check_cache_allowed(self.objective.name, self.sampling.cache.name,  # no cached velocity in a log-prob
-                            chunker_name=self.chunker.name)
+        check_cache_allowed(self.objective, self.sampling.cache.name,  # no cached velocity in a log-prob
+                            chunker=self.chunker)
         if self.model.prompt_embeddings_dir is not None and not self.model.cache_prompt_embeddings:
             raise ValueError(f"model.prompt_embeddings_dir={self.model.prompt_embeddings_dir!r} is read only with "
                              "model.cache_prompt_embeddings=true; set it, or remove the folder setting")

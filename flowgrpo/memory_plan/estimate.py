@@ -304,17 +304,31 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
         if v <= 0:
             raise ValueError(f"{name} {v} must be positive")
     lay = layout(gpus, w.replicate, w.context_degree, w.sharding)
-    fam = FAMILIES[w.family]
     s = s or sizes(w.family, w.lora_rank if w.finetune == "lora" else 0, w.lora_targets)
-    half = BYTES[w.dtype]
-    full = w.finetune == "full"
+    dev, host = _held_parts(w, lay, s)
+    cfg_train, plain, ckpt = _working_parts(w, lay, s, dev, host)
+    resident = sum(dev[k] for k in ("weights", "masters", "optimizer", "reference", "ema", "old_copy", "teacher",
+                                    "other_expert", "vae", "rollout_latents", "text_encoders", "reward_models"))
+    phases = _phases(w, lay, s, dev, resident)
+    notes = _notes(w, lay, cfg_train)
+    per_node = min(gpus, gpus_per_node or 8)
+    held = stages(w, lay, s, dev, host, phases, resident)
+    notes += _stage_notes(w, lay, s, held, per_node, host_gib)
+    return Plan(w, lay, dev, host, phases, plain, ckpt, gpu_memory_gib * USABLE * GIB, tuple(notes), held,
+                per_node, host_gib * GIB)
+
+
+def _working_parts(w: Workload, lay: Layout, s: Sizes, dev: dict[str, float],
+                   host: dict[str, float]) -> tuple[int, float, float]:
+    """Fill ``dev`` and ``host`` (bytes by part, :func:`_held_parts`' dicts, in place) with what the phases work
+    on: the VAE and its decode, the rollout latents, the training forward's activations and FSDP2's gathered
+    weights (the module docstring's rules). Returns (rows of a training call per sample, activation bytes without
+    and with gradient checkpointing)."""
+    fam, half, full = FAMILIES[w.family], BYTES[w.dtype], w.finetune == "full"
     img = fam.tokens(w.height, w.width, w.frames)
     txt = fam.text_tokens(w.max_sequence_length)
-    cfg = 2 if (fam.true_cfg and w.guidance_scale > 1) or fam.guided_rows else 1  # rows of one rollout call
     train_scale = w.guidance_scale if w.train_guidance_scale is None else w.train_guidance_scale
     cfg_train = fam.guided_rows or (2 if fam.true_cfg and train_scale > 1 and not w.cfg_detach_uncond else 1)
-    dev, host = _held_parts(w, lay, s)
-    enc, rew = s.encoders * half, sum(n * b for n, b in w.rewards)
     dev["vae"] = s.vae * half
     dev["decode"] = 3 * fam.decode_width * w.height * w.width * 2 * min(w.frames, fam.decode_frames) * w.rollout_rows
     latents = math.ceil(w.samples / lay.data) * (w.steps + 1) * fam.latent(w.height, w.width, w.frames) * 4
@@ -324,28 +338,30 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     plain = activation_bytes(counted, img, txt, False) * rows
     ckpt = activation_bytes(counted, img, txt, True) * rows
     dev["activations"] = ckpt if w.gradient_checkpointing else plain
-    block = 2 * s.largest_block * half
     if w.sharding == "fsdp2":
-        dev["transient"] = block if w.reshard_after_forward else s.transformer * half
+        dev["transient"] = 2 * s.largest_block * half if w.reshard_after_forward else s.transformer * half
     else:
         dev["transient"] = s.transformer * half if full and half < 4 else 0
+    return cfg_train, plain, ckpt
+
+
+def _phases(w: Workload, lay: Layout, s: Sizes, dev: dict[str, float], resident: float) -> dict[str, float]:
+    """Each phase's device peak (bytes): what is ``resident`` plus what the phase works on (``dev``, by part)."""
+    fam, half, full = FAMILIES[w.family], BYTES[w.dtype], w.finetune == "full"
+    img = fam.tokens(w.height, w.width, w.frames)
+    txt = fam.text_tokens(w.max_sequence_length)
+    cfg = 2 if (fam.true_cfg and w.guidance_scale > 1) or fam.guided_rows else 1  # rows of one rollout call
+    block = 2 * s.largest_block * half
     # offloaded weights stream through the device a block at a time (the reference's shards gathered by FSDP2 with
     # the next block prefetched; the offloaded expert's blocks copied one by one)
     streamed = (block if full and w.reference_copy and w.reference == "cpu_offload" else 0) + (
         block / 2 if w.experts == "offload" and fam.experts > 1 else 0)
-    resident = sum(dev[k] for k in ("weights", "masters", "optimizer", "reference", "ema", "old_copy", "teacher",
-                                    "other_expert", "vae", "rollout_latents", "text_encoders", "reward_models"))
     working = 10 * (img + txt) * fam.width * 2 * w.rollout_rows * cfg / lay.context
-    phases = {"update": resident + dev["grads"] + dev["activations"] + dev["transient"] + streamed,
-              "rollout": resident + max(working + dev["transient"] + streamed, dev["decode"]),
-              "encode": resident - dev["text_encoders"] + enc,
-              "score": resident - dev["reward_models"] + rew}
-    notes = _notes(w, lay, cfg_train)
-    per_node = min(gpus, gpus_per_node or 8)
-    held = stages(w, lay, s, dev, host, phases, resident)
-    notes += _stage_notes(w, lay, s, held, per_node, host_gib)
-    return Plan(w, lay, dev, host, phases, plain, ckpt, gpu_memory_gib * USABLE * GIB, tuple(notes), held,
-                per_node, host_gib * GIB)
+    enc, rew = s.encoders * half, sum(n * b for n, b in w.rewards)
+    return {"update": resident + dev["grads"] + dev["activations"] + dev["transient"] + streamed,
+            "rollout": resident + max(working + dev["transient"] + streamed, dev["decode"]),
+            "encode": resident - dev["text_encoders"] + enc,
+            "score": resident - dev["reward_models"] + rew}
 
 
 def _notes(w: Workload, lay: Layout, cfg_train: int) -> list[str]:
@@ -461,13 +477,12 @@ def _objective_of(config):
     import torch
 
     from flowgrpo.algo.objectives import build_objective
-    from flowgrpo.sampling.rollout import SamplerSettings
 
     objective = build_objective(config)
     k = config.model.scheduler_shift or 1.0
     s = torch.linspace(1, 0, config.sampling.num_steps + 1, dtype=torch.float64)
     grid = (k * s / (1 + (k - 1) * s)).float()
-    return objective, objective.trajectories_per_sample(grid, SamplerSettings.from_config(config.sampling))
+    return objective, objective.trajectories_per_sample(grid, config.sampling)
 
 
 def workload_of(config) -> Workload:

@@ -51,13 +51,6 @@ CACHE_CONFIGS = {
     "faster": "FasterCacheConfig",
 }
 
-#: the objectives whose rollout records no log-prob (only its final latent is trained on)
-FORWARD_OBJECTIVES = ("nft", "awm", "dgpo")
-
-#: the SDE-ratio chunkers whose rollout has ODE steps (velocities that enter no log-prob), cached by
-#: :func:`ode_step_cache`: MixGRPO's window and E-GRPO's entropy_merge
-ODE_STEP_CHUNKERS = ("window", "entropy_merge")
-
 #: config fields flowgrpo fills from the sampler (a user value is refused: it would disagree with the sampler)
 _FILLED = {"mag": ("num_inference_steps",), "faster": ("current_timestep_callback",)}
 
@@ -95,26 +88,53 @@ def cache_config(name: str, kwargs: dict, num_steps: int | None = None, timestep
         raise ValueError(f"cache {name!r} refuses {kwargs!r}: {' '.join(str(err).split())}") from None
 
 
-def check_cache_allowed(objective_name: str, cache_name: str, where: str = "sampling.cache",
-                        chunker_name: str | None = None) -> None:
-    """Refuse a feature cache where a cached velocity would enter a log-prob. Allowed: the forward-process
-    objectives (``nft``, ``awm``, ``dgpo``; their rollout records no log-prob) and, on ODE steps only
-    (:func:`ode_step_cache`), the SDE-ratio chunkers of :data:`ODE_STEP_CHUNKERS` with a cache other than ``mag``;
-    every other objective (``dpo``, ``dpo_offline``, ``sft``, ``refl``, ``opd``) is refused. Raises ``ValueError``
-    (one line naming the reason)."""
-    if cache_name == "none" or objective_name in FORWARD_OBJECTIVES:
+def _cachers() -> tuple[str, str, str]:
+    """The registered strategies a feature cache may run with, each as its settings say (their names joined for
+    a message): (objectives whose rollout records no log-prob, objectives whose rollout is their chunker's,
+    chunkers with ODE steps)."""
+    from flowgrpo.algo.chunkers import CHUNKERS
+    from flowgrpo.algo.objectives import OBJECTIVES
+
+    configs = {n: OBJECTIVES.get(n).Config for n in OBJECTIVES}
+    rollout = ", ".join(n for n, c in configs.items() if c.caches_rollout)
+    chunked = ", ".join(n for n, c in configs.items() if c.rollout_by_chunker)
+    steps = " and ".join(n for n in CHUNKERS if CHUNKERS.get(n).Config.caches_ode_steps)
+    return rollout, chunked, steps
+
+
+def check_cache_allowed(objective, cache_name: str, where: str = "sampling.cache", chunker=None) -> None:
+    """Refuse a feature cache where a cached velocity would enter a log-prob; each strategy's settings answer
+    for it, never its name. Allowed: an objective whose rollout records no log-prob (its config's
+    ``caches_rollout``: ``nft``, ``awm``, ``dgpo``) and, on ODE steps only (:func:`ode_step_cache`), an objective
+    whose rollout is its chunker's (``rollout_by_chunker``: ``sde_ratio``) with a chunker that has ODE steps (its
+    config's ``caches_ode_steps``: ``window``, ``entropy_merge``) and a cache other than ``mag``; every other
+    objective (``dpo``, ``dpo_offline``, ``sft``, ``refl``, ``opd``) is refused.
+
+    Args:
+        objective: the run's objective settings (an :class:`~flowgrpo.algo.objectives.ObjectiveConfig`).
+        cache_name: the cache's name (``none``: no cache, always allowed).
+        where: the setting named in the refusal.
+        chunker: the run's chunker settings (a :class:`~flowgrpo.algo.chunkers.ChunkerConfig`), or None.
+
+    Raises:
+        ValueError: one line naming the reason.
+    """
+    if cache_name == "none" or objective.caches_rollout:
         return
-    if objective_name != "sde_ratio":  # no chunker: no ODE steps to cache (dpo, sft, refl, opd, …)
-        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={objective_name!r}: caching is for "
-                         f"the {', '.join(FORWARD_OBJECTIVES)} rollouts (they record no log-prob and train on the "
-                         "final latent alone), the ODE steps of sde_ratio's "
-                         f"{' and '.join(ODE_STEP_CHUNKERS)} chunkers, and eval_sampling.cache")
-    if chunker_name not in ODE_STEP_CHUNKERS:
-        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={objective_name!r} and chunker "
+    name = objective.name
+    if not objective.rollout_by_chunker:  # no chunker: no ODE steps to cache (dpo, sft, refl, opd, …)
+        rollout, chunked, steps = _cachers()
+        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={name!r}: caching is for the "
+                         f"{rollout} rollouts (they record no log-prob and train on the final latent alone), the "
+                         f"ODE steps of {chunked}'s {steps} chunkers, and eval_sampling.cache")
+    chunker_name = None if chunker is None else chunker.name
+    if chunker is None or not chunker.caches_ode_steps:
+        rollout, _, steps = _cachers()
+        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={name!r} and chunker "
                          f"{chunker_name!r}: every step of its rollout is an SDE step whose velocity enters the "
                          "recorded log-probs (the importance ratio), so a cached velocity would bias the ratio; "
-                         "caching is for nft, awm and dgpo rollouts, the ODE steps of the "
-                         f"{' and '.join(ODE_STEP_CHUNKERS)} chunkers, and eval_sampling.cache")
+                         f"caching is for {rollout} rollouts, the ODE steps of the {steps} chunkers, and "
+                         "eval_sampling.cache")
     if cache_name == "mag":
         raise ValueError(f"{where}=mag is refused with chunker {chunker_name!r}: the cache runs on each run of ODE "
                          "steps afresh, and mag maps its calibrated ratios by step index from the run's start; use "

@@ -8,12 +8,15 @@ ratio of an on-policy update is exactly 1 when the layouts agree (``docs/design.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowgrpo.records import Trajectory
-from flowgrpo.sampling.rollout import SamplerSettings
-from flowgrpo.sampling.sde import kl_to_reference, sde_step, transition_moments
+from flowgrpo.sampling.sde import kl_to_reference, sde_step, sigma_one_next, transition_moments
+
+if TYPE_CHECKING:
+    from flowgrpo.config import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class ChunkForward:
 
 
 def packed_forward(adapter, traj: Trajectory, work: list[tuple[torch.Tensor, tuple[int, ...]]],
-                   settings: SamplerSettings, *, with_ref: bool, kl_form: str = "flow_grpo",
+                   settings: SamplingConfig, *, with_ref: bool, kl_form: str = "flow_grpo",
                    shared_inputs: list[torch.Tensor | None] | None = None) -> list[ChunkForward]:
     """One batched forward of several items' transitions: per item (rows, chunk), its log-probs (n, k), KL (n, k)
     or None, and moments.
@@ -72,7 +75,7 @@ def packed_forward(adapter, traj: Trajectory, work: list[tuple[torch.Tensor, tup
     sigma, sigma_next = traj.sigmas.index_select(0, steps_e), traj.sigmas.index_select(0, ends_e)  # (N,) host
     embeds = traj.embeds.index(rows_e.to(traj.embeds.device))
     velocity = _velocity_once_per_input(adapter, x, sigma.to(dev), embeds, traj.guidance_scale, keys)
-    guard = settings.guard(traj.sigmas)
+    guard = sigma_one_next(settings, traj.sigmas)
     # the rollout's sde_step checked every transition of this grid: no σ check per forward
     out = sde_step(x, velocity(), sigma, sigma_next, kind=settings.sde_kind, noise_level=settings.noise_level,
                    next_latents=x_next, reduction=settings.logprob_reduction,
@@ -93,7 +96,7 @@ def packed_forward(adapter, traj: Trajectory, work: list[tuple[torch.Tensor, tup
             for (rows, chunk), *item in zip(work, *parts, strict=True)]
 
 
-def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], settings: SamplerSettings,
+def chunk_forward(adapter, traj: Trajectory, rows: torch.Tensor, chunk: tuple[int, ...], settings: SamplingConfig,
                   *, with_ref: bool, kl_form: str = "flow_grpo", shared_inputs: torch.Tensor | None = None
                   ) -> ChunkForward:
     """:func:`packed_forward` of one item (``rows``' transitions ``chunk``): log-probs (n, k), KL (n, k) or None,

@@ -10,6 +10,7 @@ import contextlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -18,8 +19,11 @@ from flowgrpo.models.base import decode_latents
 from flowgrpo.records import PromptEmbeds, Trajectory
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.feature_cache import feature_cache, ode_step_cache
-from flowgrpo.sampling.sde import SDEStepOutput, sde_step
+from flowgrpo.sampling.sde import SDEStepOutput, sde_step, sigma_one_next
 from flowgrpo.strategies.registry import Registry
+
+if TYPE_CHECKING:
+    from flowgrpo.config import SamplingConfig
 
 # What the images are decoded from: (x (B, …) at the last step's σ, its velocity v, that σ, the last step's output)
 # -> (B, …) latents.
@@ -42,50 +46,12 @@ def _decode_x0_pred(x, v, sigma, out):
     return x - sigma * v
 
 
-@dataclass(frozen=True)
-class SamplerSettings:
-    """How a trajectory is sampled.
-
-    Attributes:
-        num_steps: T.
-        guidance_scale: guidance passed to the adapter's velocity.
-        sde_kind: SDE kind of the stochastic transitions (``ode`` transitions are deterministic).
-        noise_level: a (flow_sde, cps) or η (dance_sde).
-        logprob_reduction, cps_simplified_logprob: log-prob options of :func:`sde_step`.
-        final_decode: a registered :data:`FINAL_DECODES` name: which latents of the last step are decoded.
-        sigma_one_guard: ``grid`` or ``next``, flow_sde's σ = 1 guard (see :meth:`guard`).
-
-    The field names are those of :class:`~flowgrpo.config.SamplingConfig`; :meth:`from_config` builds one.
-    """
-
-    num_steps: int
-    guidance_scale: float
-    sde_kind: str = "flow_sde"
-    noise_level: float = 0.7
-    logprob_reduction: str = "mean"
-    cps_simplified_logprob: bool = False
-    final_decode: str = "sample"
-    sigma_one_guard: str = "grid"
-
-    def guard(self, sigmas: torch.Tensor) -> float | None:
-        """``sigma_one_next`` for :func:`~flowgrpo.sampling.sde.sde_step` on the grid ``sigmas`` (T+1,): its σ₁
-        (``grid``, the releases' ``sigmas[1]``) or None (``next``: each transition's own σ_next)."""
-        if self.sigma_one_guard not in ("grid", "next"):
-            raise ValueError(f"sigma_one_guard must be 'grid' or 'next', got {self.sigma_one_guard!r}")
-        return float(sigmas[1]) if self.sigma_one_guard == "grid" and len(sigmas) > 1 else None
-
-    @classmethod
-    def from_config(cls, sampling) -> SamplerSettings:
-        """The settings of a :class:`~flowgrpo.config.SamplingConfig` (same field names)."""
-        return cls(**{f: getattr(sampling, f) for f in cls.__dataclass_fields__})
-
-
 def denoise(
     adapter,
     latents: torch.Tensor,
     embeds: PromptEmbeds,
     sigmas: torch.Tensor,
-    settings: SamplerSettings,
+    settings: SamplingConfig,
     sde_steps: torch.Tensor,
     generators: Sequence[torch.Generator] | None,
     *,
@@ -116,7 +82,7 @@ def denoise(
     all_x = [x] if record else None
     log_probs = torch.zeros(b, t_count)
     stochastic = torch.zeros(b, t_count, dtype=torch.bool)
-    guard = settings.guard(sigmas)
+    guard = sigma_one_next(settings, sigmas)
     for t in range(t_count):
         sigma = sigmas[t].expand(b).to(x.device)
         if cache_state is not None:
@@ -138,7 +104,7 @@ def denoise(
 
 
 def _transition(adapter, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds, sigmas: torch.Tensor, t: int,
-                settings: SamplerSettings, stochastic: bool, generators, guard):
+                settings: SamplingConfig, stochastic: bool, generators, guard):
     """Transition ``t`` of :func:`denoise` from ``x`` (B, …) float32 at σ = ``sigmas[t]`` (``sigma``: (B,) on
     ``x``'s device): the velocity, then an SDE step of ``settings.sde_kind`` (``stochastic``) or an ODE step to
     ``sigmas[t + 1]``. Returns (velocity, :func:`sde_step`'s output)."""
@@ -233,7 +199,7 @@ class RolloutRequest:
         sample_index: (B,) long index of each sample within its group (0..G−1); with ``prompt_ids``, ``seed``
             and ``epoch`` it seeds the sample's noise, so a sample is the same whichever process or batch
             draws it.
-        settings: how to sample (:class:`SamplerSettings`).
+        settings: how to sample (:class:`~flowgrpo.config.SamplingConfig`).
         batch_size: trajectories per transformer call.
         seed, epoch: the run seed and the epoch, for the noise generators.
         same_noise_in_group: the G samples of a prompt share their initial noise (their SDE noise differs).
@@ -253,7 +219,7 @@ class RolloutRequest:
     metadata: list[dict]
     prompt_ids: torch.Tensor
     sample_index: torch.Tensor
-    settings: SamplerSettings
+    settings: SamplingConfig
     batch_size: int
     seed: int
     epoch: int
@@ -372,7 +338,9 @@ def generate_images(
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"generate_images needs one seed per prompt, got {len(prompts)} prompts, {len(seeds)} seeds")
-    settings = SamplerSettings(num_steps=num_steps, guidance_scale=guidance_scale, sde_kind="ode")
+    from flowgrpo.config import SamplingConfig  # (the config imports the sampler's modules)
+
+    settings = SamplingConfig(num_steps=num_steps, guidance_scale=guidance_scale, sde_kind="ode")
     sigmas = adapter.sigmas(num_steps)
     no_sde = torch.zeros(num_steps, dtype=torch.bool)
     out = []

@@ -28,6 +28,7 @@ __all__ = [
     "SDEStepOutput",
     "SDE_KINDS",
     "RELEASE_NOISE_LEVELS",
+    "NOISELESS_LAST_STEP",
     "noise_level_warning",
     "sde_step",
     "transition_moments",
@@ -53,9 +54,19 @@ RELEASE_NOISE_LEVELS: dict[str, tuple[float, float, str]] = {
     "flow_sde": (0.7, 1.2, "Flow-GRPO: SD3.5 0.7, Qwen-Image 1.2"),
     "dance_sde": (0.3, 1.2, "DanceGRPO's Wan2.1 0.3, verl-omni's Wan2.2 1.2"),
 }
+#: the kinds whose last transition (to σ_next = 0) has std 0 at every noise level, so it is never stochastic and a
+#: chunker never trains it: cps (std σ_next·sin(aπ/2)). A plugin kind of that sort adds its name here.
+NOISELESS_LAST_STEP: set[str] = {"cps"}
 #: :func:`noise_level_warning` warns above this multiple of a kind's largest release value: far enough out that no
 #: release-like setting trips it, near enough to catch a misplaced decimal point (7 typed for 0.7)
 NOISE_LEVEL_WARN_FACTOR = 2.0
+
+
+def sigma_one_next(sampling, sigmas: torch.Tensor) -> float | None:
+    """``sigma_one_next`` for :func:`sde_step` on the grid ``sigmas`` (T+1,) under the run's sampling settings
+    (a :class:`~flowgrpo.config.SamplingConfig`): the grid's σ₁ for ``sigma_one_guard: grid`` (the releases'
+    ``sigmas[1]``), None for ``next`` (each transition's own σ_next) or a one-point grid."""
+    return float(sigmas[1]) if sampling.sigma_one_guard == "grid" and len(sigmas) > 1 else None
 
 
 def noise_level_warning(kind: str, noise_level: float, key: str = "sampling.noise_level") -> str | None:

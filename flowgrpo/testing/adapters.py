@@ -50,21 +50,14 @@ try:
 except ImportError as err:  # pragma: no cover - the class is only useful under pytest
     raise ImportError('flowgrpo.testing.adapters needs pytest: pip install "flowgrpo[test]"') from err
 
-from flowgrpo.config import build_config
+from flowgrpo.config import SamplingConfig, build_config
 from flowgrpo.models import ADAPTERS, load_model, pipeline_class_name
 from flowgrpo.models.base import decode_latents
 from flowgrpo.models.lora import load_lora_into, save_lora, setup_trainable
 from flowgrpo.models.random_pipelines import ConformanceCase
 from flowgrpo.runner import run
 from flowgrpo.sampling.packed_forward import chunk_forward
-from flowgrpo.sampling.rollout import (
-    RolloutRequest,
-    SamplerSettings,
-    denoise,
-    encode_rows,
-    load_condition_images,
-    rollout,
-)
+from flowgrpo.sampling.rollout import RolloutRequest, denoise, encode_rows, load_condition_images, rollout
 from flowgrpo.testing.rewards import default_images
 
 _BUILT: dict[tuple[str, str], Path] = {}
@@ -210,7 +203,7 @@ class AdapterConformance:
         """Our sampler from the adapter's noise: (latents (B, T+1, …), images)."""
         t = self.case.num_steps
         x0 = adapter.initial_latents(len(prompts), _generators(seeds))
-        settings = SamplerSettings(num_steps=t, guidance_scale=guidance, sde_kind=kind, noise_level=noise_level)
+        settings = SamplingConfig(num_steps=t, guidance_scale=guidance, sde_kind=kind, noise_level=noise_level)
         with torch.no_grad():
             embeds = encode_rows(adapter, list(prompts), self.metadata(sources, len(prompts)))
             xs, _, _ = denoise(adapter, x0, embeds, adapter.sigmas(t), settings,
@@ -271,7 +264,7 @@ class AdapterConformance:
 
     def test_on_policy_log_probs_are_exact(self, adapter, sources):
         c = self.case
-        settings = SamplerSettings(num_steps=c.num_steps, guidance_scale=c.guidance_scale, sde_kind="flow_sde",
+        settings = SamplingConfig(num_steps=c.num_steps, guidance_scale=c.guidance_scale, sde_kind="flow_sde",
                                    noise_level=0.7)
         prompts = [c.prompts[0]] * 2 + [c.prompts[1]] * 2
         meta = [m for m in self.metadata(sources) for _ in range(2)]

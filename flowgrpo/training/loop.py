@@ -36,7 +36,7 @@ from flowgrpo.records import Advantages, Rewards
 from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rewards.remote import server_metrics
-from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
+from flowgrpo.sampling.rollout import RolloutRequest
 from flowgrpo.training import report
 from flowgrpo.training.evaluation import Evaluation
 from flowgrpo.training.optim import Optimization
@@ -89,7 +89,7 @@ class Trainer:
         self.epoch = 0  # 0-based: the epoch training (or next to train)
         self.stage = "before"  # "before" (set-up, the evaluation before training), "epochs", "final" (the final
         # evaluation and save): what an interruption report names
-        self.settings = SamplerSettings.from_config(config.sampling)
+        self.settings = config.sampling
         self.metrics = MetricsSink(self.out / "metrics.jsonl", accelerator, self.main)
         self.reward_origins = reward_origins or []
         self.scorer = AsyncRewardScorer(rewards)

@@ -16,10 +16,10 @@ import torch
 
 from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.algo.chunkers import EntropyMerge, build_chunker, chunker_settings, merge_plan, step_entropies
-from flowgrpo.config import build_config
+from flowgrpo.config import SamplingConfig, build_config
 from flowgrpo.records import PromptEmbeds, Rewards
 from flowgrpo.rng import make_generator
-from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
+from flowgrpo.sampling.rollout import RolloutRequest
 
 A = 0.7  # flow_sde noise level a
 
@@ -60,7 +60,7 @@ def _rollout(adapter, *, steps=(0, 1, 4), lengths=(1, 3, 1), num_prompts=2, grou
     pids = torch.tensor([10, 11, 12, 13][:num_prompts]).repeat_interleave(group)
     js = torch.arange(group).repeat(num_prompts)
     prompts = [f"prompt {int(p)}" for p in pids]
-    settings = SamplerSettings(num_steps=num_steps, guidance_scale=1.0, sde_kind=kind, noise_level=A)
+    settings = SamplingConfig(num_steps=num_steps, guidance_scale=1.0, sde_kind=kind, noise_level=A)
     request = RolloutRequest(prompts, [{} for _ in prompts], pids, js, settings=settings, batch_size=batch_size,
                              seed=seed, epoch=epoch)
     traj = chunker.rollout(adapter, request)
@@ -372,7 +372,7 @@ def test_training_forwards_each_shared_anchor_once(tiny_flux):
     assert chunker.shares_inputs
     g = 3
     pids = torch.tensor([0, 1]).repeat_interleave(g)
-    settings = SamplerSettings(num_steps=4, guidance_scale=3.5, sde_kind="flow_sde", noise_level=A)
+    settings = SamplingConfig(num_steps=4, guidance_scale=3.5, sde_kind="flow_sde", noise_level=A)
     request = RolloutRequest(["a red cube"] * g + ["a blue ball"] * g,
                              [{}] * (2 * g), pids, torch.arange(g).repeat(2), settings=settings, batch_size=2 * g,
                              seed=0, epoch=0)
@@ -410,7 +410,7 @@ def test_packed_forward_of_two_chunks_equals_their_separate_forwards(tiny_flux):
 
     chunker = build_chunker(chunker_settings(name="entropy_merge", merge_steps=[0, 1], merge_lengths=[1, 2]))
     g = 3
-    settings = SamplerSettings(num_steps=4, guidance_scale=3.5, sde_kind="flow_sde", noise_level=A)
+    settings = SamplingConfig(num_steps=4, guidance_scale=3.5, sde_kind="flow_sde", noise_level=A)
     request = RolloutRequest(["a red cube"] * g + ["a blue ball"] * g, [{}] * (2 * g),
                              torch.tensor([0, 1]).repeat_interleave(g), torch.arange(g).repeat(2),
                              settings=settings, batch_size=2 * g, seed=0, epoch=0)

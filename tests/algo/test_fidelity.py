@@ -14,9 +14,9 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from flowgrpo.algo.advantages import compute_advantages
-from flowgrpo.config import load_config
+from flowgrpo.config import SamplingConfig, load_config
 from flowgrpo.records import PromptEmbeds, Rewards
-from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
+from flowgrpo.sampling.rollout import RolloutRequest, rollout
 from flowgrpo.sampling.sde import kl_to_reference, transition_moments
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_the_trainer_uses_the_configured_kl_form(tiny_flux):
     from flowgrpo.sampling.packed_forward import chunk_forward
 
     steps = 3
-    settings = SamplerSettings(num_steps=steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
+    settings = SamplingConfig(num_steps=steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
     request = RolloutRequest(["a red cube"] * 2, [{}] * 2, torch.tensor([0, 0]), torch.tensor([0, 1]),
                              settings=settings, batch_size=2, seed=0, epoch=0)
     traj = rollout(tiny_flux, request, torch.ones(steps, dtype=torch.bool))
@@ -155,7 +155,7 @@ class LinearAdapter:
 
 
 def _decode_rollout(final_decode: str, sde_steps: torch.Tensor, kind: str = "dance_sde"):
-    settings = SamplerSettings(num_steps=len(sde_steps), guidance_scale=1.0, sde_kind=kind, noise_level=0.7,
+    settings = SamplingConfig(num_steps=len(sde_steps), guidance_scale=1.0, sde_kind=kind, noise_level=0.7,
                                final_decode=final_decode)
     request = RolloutRequest(["p"] * 2, [{}] * 2, torch.tensor([0, 0]), torch.tensor([0, 1]), settings=settings,
                              batch_size=2, seed=3, epoch=0)
@@ -451,7 +451,7 @@ def _egrpo(adapter, ode_after_jump: str, guard: str, steps=(0, 3), lengths=(3, 2
 
     chunker = build_chunker(chunker_settings("entropy_merge", merge_steps=list(steps), merge_lengths=list(lengths),
                                              ode_after_jump=ode_after_jump))
-    settings = SamplerSettings(num_steps=t_count, guidance_scale=1.0, sde_kind="flow_sde", noise_level=0.7,
+    settings = SamplingConfig(num_steps=t_count, guidance_scale=1.0, sde_kind="flow_sde", noise_level=0.7,
                                sigma_one_guard=guard)
     request = RolloutRequest(["p"] * 2, [{}] * 2, torch.tensor([0, 0]), torch.tensor([0, 1]), settings=settings,
                              batch_size=2, seed=1, epoch=0)
@@ -508,7 +508,7 @@ def test_egrpo_training_scores_a_merged_jump_from_sigma_one_with_the_rollouts_gu
 
     adapter = TanhAdapter()
     traj = _egrpo(adapter, "next_step", guard)
-    settings = SamplerSettings(num_steps=8, guidance_scale=1.0, sde_kind="flow_sde", noise_level=0.7,
+    settings = SamplingConfig(num_steps=8, guidance_scale=1.0, sde_kind="flow_sde", noise_level=0.7,
                                sigma_one_guard=guard)
     with torch.no_grad():
         lp = chunk_forward(adapter, traj, torch.arange(2), (0,), settings, with_ref=False).log_probs

@@ -24,7 +24,7 @@ from flowgrpo.algo.objectives.dgpo import (
 )
 from flowgrpo.algo.objectives.flow_matching import noised
 from flowgrpo.algo.objectives.nft import NFTConfig, nft_terms, nft_train_sigmas, reward_weight
-from flowgrpo.algo.objectives.old_copy import NFT_DECAY_TYPES, DecaySchedule, decay_at, update_old_copy_
+from flowgrpo.algo.objectives.old_copy import NFT_DECAY_TYPES, decay_at, update_old_copy_
 
 
 def _t(*rows):
@@ -42,14 +42,14 @@ def _t(*rows):
     (2, 5000, 0.999),
 ])
 def test_nft_decay_types_by_hand(decay_type, step, expected):
-    assert decay_at(step, NFT_DECAY_TYPES[decay_type]) == pytest.approx(expected, abs=1e-12)
+    assert decay_at(step, NFTConfig(**NFT_DECAY_TYPES[decay_type])) == pytest.approx(expected, abs=1e-12)
 
 
 def test_awm_and_dgpo_decay_and_constant_by_hand():
-    linear = DecaySchedule(flat=0, ramp=0.001, cap=0.3)  # min(0.3, 0.001·k)
+    linear = AWMConfig(decay_flat=0, decay_ramp=0.001, decay_cap=0.3)  # min(0.3, 0.001·k)
     assert [decay_at(k, linear) for k in (0, 1, 100, 300, 301, 9999)] == pytest.approx([0, 0.001, 0.1, 0.3, 0.3, 0.3])
-    assert decay_at(0, DecaySchedule(constant=0.3)) == 0.3
-    assert decay_at(7, DecaySchedule(constant=0.3)) == 0.3
+    assert decay_at(0, AWMConfig(decay_constant=0.3)) == 0.3
+    assert decay_at(7, AWMConfig(decay_constant=0.3)) == 0.3
 
 
 def test_old_copy_update_by_hand():
@@ -70,10 +70,12 @@ def test_old_copy_bad_input():
         update_old_copy_([torch.zeros(2)], [torch.zeros(2)], 1.5)
     with pytest.raises(ValueError, match="holds 1 tensors"):
         update_old_copy_([torch.zeros(2)], [torch.zeros(2), torch.zeros(2)], 0.5)
-    with pytest.raises(ValueError, match="cap must be"):
-        DecaySchedule(cap=1.0)
+    from flowgrpo.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="objective.decay_cap"):  # the config validates the schedule, once
+        build_config({"objective": {"name": "nft", "decay_cap": 1.0}})
     with pytest.raises(ValueError, match="step count"):
-        decay_at(-1, NFT_DECAY_TYPES[1])
+        decay_at(-1, NFTConfig(**NFT_DECAY_TYPES[1]))
 
 
 # ================================================================================================ DiffusionNFT

@@ -121,14 +121,13 @@ def test_every_row_is_a_valid_config(learning):
     from flowgrpo.config import ConfigError, build_config
     from flowgrpo.preflight import check_batch, check_strategies
     from flowgrpo.runner import DEFAULT_CONFIG
-    from flowgrpo.sampling.rollout import SamplerSettings
 
     for name, overrides in learning.ROWS.items():
         cfg = build_config(learning.row_data(name), [*overrides, "logging.eval_every=5"])
         assert cfg.logging.eval_every == 5, name
         objective = check_strategies(cfg)  # what the run checks before loading: the chunker against the SDE kind,
         check_batch(cfg, 1)  # the batch layout, and after loading: the chunker on the digits model's σ grid
-        settings = SamplerSettings.from_config(cfg.sampling)  # (σ_i = 1 − i/T, no shift)
+        settings = cfg.sampling  # (σ_i = 1 − i/T, no shift)
         objective.trajectories_per_sample(torch.linspace(1, 0, settings.num_steps + 1), settings)
     assert build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), learning.OLD_DEFAULT).train.num_epochs == 80
     with pytest.raises(ConfigError):  # the check can fail: a misspelt key is refused

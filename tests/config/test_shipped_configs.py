@@ -150,6 +150,10 @@ def test_opds_own_noise_level_is_warned_too():
     line = noise_level_warning("flow_sde", 9.0, "objective.noise_level")
     assert line.startswith("objective.noise_level=9 is 7.5 times the largest") and "a typo for 0.9?" in line
     assert noise_level_warning("cps", 8.0) is None and noise_level_warning("ode", 8.0) is None
+    # the preflight asks the objective's settings for the noise they give its rollout (never the objective's name)
+    opd = load_config(REPO / "configs" / "digits_opd.yaml", ["objective.noise_level=9.0"])
+    assert [noise_level_warning(*noise) for noise in opd.objective.own_noise()] == [line]
+    assert load_config(REPO / "configs" / "digits.yaml").objective.own_noise() == []
 
 
 def test_a_config_error_under_accelerate_launch_is_our_one_line(tmp_path):

@@ -12,15 +12,16 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
+from flowgrpo.config import SamplingConfig
 from flowgrpo.models.attention import ATTENTION_BACKENDS, AttentionBackendError, attention_context
 from flowgrpo.sampling.packed_forward import chunk_forward
-from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
+from flowgrpo.sampling.rollout import RolloutRequest, rollout
 
 STEPS = 2
 
 
 def _rollout(adapter):
-    settings = SamplerSettings(num_steps=STEPS, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
+    settings = SamplingConfig(num_steps=STEPS, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
     request = RolloutRequest(["a red cube", "two cats"], [{}, {}], torch.tensor([0, 1]), torch.tensor([0, 0]),
                              settings=settings, batch_size=2, seed=0, epoch=0)
     traj = rollout(adapter, request, torch.ones(STEPS, dtype=torch.bool))

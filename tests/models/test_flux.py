@@ -15,11 +15,12 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
+from flowgrpo.config import SamplingConfig
 from flowgrpo.models import load_model
 from flowgrpo.models.lora import save_lora, setup_trainable
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.packed_forward import chunk_forward
-from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, denoise, generate_images, rollout
+from flowgrpo.sampling.rollout import RolloutRequest, denoise, generate_images, rollout
 from flowgrpo.sampling.sde import sde_step
 
 PROMPTS = ["a red cube on a blue table", "two cats"]
@@ -59,7 +60,7 @@ def _noise(adapter, seeds):
 
 
 def _ode(adapter, prompts, latents, steps=STEPS, guidance=GUIDANCE):
-    settings = SamplerSettings(num_steps=steps, guidance_scale=guidance, sde_kind="ode")
+    settings = SamplingConfig(num_steps=steps, guidance_scale=guidance, sde_kind="ode")
     with torch.no_grad():
         x, log_probs, stochastic = denoise(adapter, latents, adapter.encode_prompts(prompts), adapter.sigmas(steps),
                                            settings, torch.zeros(steps, dtype=torch.bool), None)
@@ -125,7 +126,7 @@ def test_generate_images_depend_on_prompt_and_seed_only(tiny_flux, pipe):
 
 @pytest.fixture(scope="module")
 def sde_rollout(tiny_flux):
-    settings = SamplerSettings(num_steps=STEPS, guidance_scale=GUIDANCE, sde_kind="flow_sde", noise_level=0.7)
+    settings = SamplingConfig(num_steps=STEPS, guidance_scale=GUIDANCE, sde_kind="flow_sde", noise_level=0.7)
     prompts = [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
     traj = rollout(tiny_flux, RolloutRequest(prompts, [{}] * 4, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]),
             settings=settings, batch_size=4, seed=0, epoch=0), torch.ones(STEPS, dtype=torch.bool))

@@ -67,8 +67,9 @@ def test_the_conditioning_image_is_a_fixed_input_never_sampled_or_noised(name, f
     log-probs) is the C latent channels alone; two rollouts with different SDE noise differ in the state only."""
     from PIL import Image
 
+    from flowgrpo.config import SamplingConfig
     from flowgrpo.models import load_model
-    from flowgrpo.sampling.rollout import SamplerSettings, denoise, encode_rows
+    from flowgrpo.sampling.rollout import denoise, encode_rows
     from flowgrpo.testing.adapters import tiny_folder
     from flowgrpo.testing.rewards import default_images
 
@@ -88,7 +89,7 @@ def test_the_conditioning_image_is_a_fixed_input_never_sampled_or_noised(name, f
     seen = []
     hook = adapter.transformer.register_forward_pre_hook(
         lambda _m, _a, kw: seen.append(kw["hidden_states"].detach().clone()), with_kwargs=True)
-    settings = SamplerSettings(num_steps=case.num_steps, guidance_scale=case.guidance_scale, sde_kind="flow_sde",
+    settings = SamplingConfig(num_steps=case.num_steps, guidance_scale=case.guidance_scale, sde_kind="flow_sde",
                                noise_level=0.7)
     runs = []
     try:

@@ -34,7 +34,8 @@ def test_the_video_velocity_depends_on_the_audio_state_so_both_are_sampled(tmp_p
     """The state is [video ‖ audio]: changing only its audio part changes the video part of the velocity (the
     transformer's audio-to-video cross-attention), so a video-only state could not reproduce the pipeline; and the
     SDE noises the audio part too (two rollouts with different SDE noise differ in it)."""
-    from flowgrpo.sampling.rollout import SamplerSettings, denoise, encode_rows
+    from flowgrpo.config import SamplingConfig
+    from flowgrpo.sampling.rollout import denoise, encode_rows
 
     _, adapter = _tiny_adapter(tmp_path_factory, monkeypatch)
     case = CASES["ltx2"]
@@ -48,7 +49,7 @@ def test_the_video_velocity_depends_on_the_audio_state_so_both_are_sampled(tmp_p
         vx = adapter.velocity(x, torch.full((2,), 0.8), embeds, case.guidance_scale)
         vy = adapter.velocity(y, torch.full((2,), 0.8), embeds, case.guidance_scale)
     assert float((vx[:, :n_video] - vy[:, :n_video]).abs().max()) > 1e-4
-    settings = SamplerSettings(num_steps=case.num_steps, guidance_scale=case.guidance_scale, sde_kind="flow_sde",
+    settings = SamplingConfig(num_steps=case.num_steps, guidance_scale=case.guidance_scale, sde_kind="flow_sde",
                                noise_level=0.7)
     ends = []
     for seed in (100, 200):

@@ -73,7 +73,8 @@ def test_the_conditioning_frame_is_a_fixed_input_never_in_the_sampled_state(tmp_
     video tokens at video timestep 0, the other tokens at t = 1000·σ > 0, whatever the SDE noise; the sampled state
     (whose transitions carry the log-probs) is the other video tokens and the audio only; two rollouts with other
     SDE noise differ in the state and see the same frame 0; each row sees its own image."""
-    from flowgrpo.sampling.rollout import SamplerSettings, denoise, encode_rows
+    from flowgrpo.config import SamplingConfig
+    from flowgrpo.sampling.rollout import denoise, encode_rows
 
     _, adapter = _adapter(tmp_path_factory)
     adapter.image_crf = 0  # the frame by hand has no H.264 round trip (the suite's parity covers the CRF path)
@@ -87,7 +88,7 @@ def test_the_conditioning_frame_is_a_fixed_input_never_in_the_sampled_state(tmp_
     hook = adapter.transformer.register_forward_pre_hook(
         lambda _m, _a, kw: seen.append((kw["hidden_states"].detach().clone(), kw["timestep"].detach().clone(),
                                         kw["audio_timestep"].detach().clone())), with_kwargs=True)
-    settings = SamplerSettings(num_steps=CASE.num_steps, guidance_scale=CASE.guidance_scale, sde_kind="flow_sde",
+    settings = SamplingConfig(num_steps=CASE.num_steps, guidance_scale=CASE.guidance_scale, sde_kind="flow_sde",
                                noise_level=0.7)
     ends = []
     try:
@@ -125,8 +126,9 @@ def test_decode_puts_the_rows_conditioning_frame_back(tmp_path_factory, tmp_path
     from diffusers import LTX2Pipeline
 
     from flowgrpo.algo.objectives.paths import decode_with_grad
+    from flowgrpo.config import SamplingConfig
     from flowgrpo.models.ltx2 import LTX2Adapter
-    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, decode_and_report, encode_rows
+    from flowgrpo.sampling.rollout import RolloutRequest, decode_and_report, encode_rows
 
     folder, adapter = _adapter(tmp_path_factory)
     paths = _images(tmp_path / "img")
@@ -143,7 +145,7 @@ def test_decode_puts_the_rows_conditioning_frame_back(tmp_path_factory, tmp_path
         adapter.decode(x)
     meta = [{"images": [str(p)]} for p in paths]
     request = RolloutRequest(prompts=[CASE.prompts[0]] * 2, metadata=meta, prompt_ids=torch.tensor([0, 1]),
-                             sample_index=torch.tensor([0, 0]), settings=SamplerSettings(1, guidance_scale=1.0),
+                             sample_index=torch.tensor([0, 0]), settings=SamplingConfig(1, guidance_scale=1.0),
                              batch_size=2, seed=0, epoch=0)
     for rows in (embeds, None):
         got = decode_and_report(adapter, x, request.prompts, meta, request, rows)

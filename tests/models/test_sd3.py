@@ -12,10 +12,10 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-from flowgrpo.config import build_config, load_config
+from flowgrpo.config import SamplingConfig, build_config, load_config
 from flowgrpo.models import load_model
 from flowgrpo.models.sd3 import SD3Adapter, build_tiny_sd3
-from flowgrpo.sampling.rollout import SamplerSettings, denoise
+from flowgrpo.sampling.rollout import denoise
 
 PROMPTS = ["a red cat on a blue chair", "two green dogs"]
 MSL = 12  # T5 tokens
@@ -51,7 +51,7 @@ def _generators(seeds):
 
 def _ode_images(adapter, prompts, seeds, num_steps, guidance):
     x0 = adapter.initial_latents(len(prompts), _generators(seeds))
-    settings = SamplerSettings(num_steps=num_steps, guidance_scale=guidance, sde_kind="ode")
+    settings = SamplingConfig(num_steps=num_steps, guidance_scale=guidance, sde_kind="ode")
     with torch.no_grad():
         x, _, _ = denoise(adapter, x0, adapter.encode_prompts(prompts), adapter.sigmas(num_steps), settings,
                           torch.zeros(num_steps, dtype=torch.bool), None, record=False)

@@ -22,9 +22,10 @@ ROUNDING = 1e-5
 
 
 def _rollout_and_grads(adapter, embeds, x0):
-    from flowgrpo.sampling.rollout import SamplerSettings, denoise
+    from flowgrpo.config import SamplingConfig
+    from flowgrpo.sampling.rollout import denoise
 
-    settings = SamplerSettings(num_steps=3, guidance_scale=3.5)
+    settings = SamplingConfig(num_steps=3, guidance_scale=3.5)
     sigmas = adapter.sigmas(3)
     gens = [torch.Generator().manual_seed(10 + i) for i in range(x0.shape[0])]
     with torch.no_grad():

@@ -111,10 +111,11 @@ def test_the_cached_nft_rollout_trains_an_epoch_and_the_update_is_uncached(tmp_p
 
 
 def _request(b: int, steps: int, kind: str = "flow_sde", cache=None):
-    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
+    from flowgrpo.config import SamplingConfig
+    from flowgrpo.sampling.rollout import RolloutRequest
 
     return RolloutRequest(PROMPTS * (b // 2), [{}] * b, torch.tensor([0, 1] * (b // 2)), torch.arange(b) // 2,
-                          settings=SamplerSettings(num_steps=steps, guidance_scale=3.5, sde_kind=kind, noise_level=0.7),
+                          settings=SamplingConfig(num_steps=steps, guidance_scale=3.5, sde_kind=kind, noise_level=0.7),
                           batch_size=b, seed=3, epoch=0, ode_cache=cache)
 
 
@@ -126,10 +127,10 @@ def _at_epoch(request, epoch: int):
 
 def _recomputed(adapter, traj, step: int, shared: bool = False) -> torch.Tensor:
     """The log-probs of every row's transition ``step`` under the training forward (plain transformer)."""
+    from flowgrpo.config import SamplingConfig
     from flowgrpo.sampling.packed_forward import packed_forward
-    from flowgrpo.sampling.rollout import SamplerSettings
 
-    settings = SamplerSettings(num_steps=traj.num_steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
+    settings = SamplingConfig(num_steps=traj.num_steps, guidance_scale=3.5, sde_kind="flow_sde", noise_level=0.7)
     rows = torch.nonzero(traj.stochastic[:, step]).flatten()
     out = packed_forward(adapter, traj, [(rows, (step,))], settings, with_ref=False,
                          shared_inputs=[traj.group_ids[rows]] if shared else None)[0]
@@ -171,23 +172,64 @@ def test_ode_steps_are_cached_and_every_trained_transition_equals_the_training_f
     assert float((lp - cached.log_probs[rows, 3]).abs().max()) == 0.0
 
 
+def _settings(registry, name: str):
+    """The settings of the registered strategy ``name`` (unvalidated: the cache check reads only its declarations
+    and name)."""
+    return registry.get(name).Config.model_construct(name=name)
+
+
 def test_a_cache_on_ode_steps_is_allowed_for_window_and_entropy_merge_only():
+    from flowgrpo.algo.chunkers import CHUNKERS
+    from flowgrpo.algo.objectives import OBJECTIVES
     from flowgrpo.sampling.feature_cache import check_cache_allowed
 
+    sde_ratio = _settings(OBJECTIVES, "sde_ratio")
     for chunker in ("window", "entropy_merge"):
-        check_cache_allowed("sde_ratio", "first_block", chunker_name=chunker)
+        check_cache_allowed(sde_ratio, "first_block", chunker=_settings(CHUNKERS, chunker))
         with pytest.raises(ValueError, match="mag is refused with chunker") as err:
-            check_cache_allowed("sde_ratio", "mag", chunker_name=chunker)
+            check_cache_allowed(sde_ratio, "mag", chunker=_settings(CHUNKERS, chunker))
         assert "\n" not in str(err.value)
     for chunker in ("per_step", "chunk", "trajectory"):
         with pytest.raises(ValueError, match="every step of its rollout is an SDE step") as err:
-            check_cache_allowed("sde_ratio", "taylor_seer", chunker_name=chunker)
+            check_cache_allowed(sde_ratio, "taylor_seer", chunker=_settings(CHUNKERS, chunker))
         assert "\n" not in str(err.value)
     for objective in ("dpo", "dpo_offline", "sft", "refl", "opd"):  # no chunker of theirs has ODE steps to cache
         for chunker in ("per_step", "window"):
             with pytest.raises(ValueError, match=rf"refused with objective.name='{objective}': caching is for the "
-                                                 "nft, awm, dgpo rollouts") as err:
-                check_cache_allowed(objective, "first_block", chunker_name=chunker)
+                                                 "awm, dgpo, nft rollouts .* the ODE steps of sde_ratio's "
+                                                 "entropy_merge and window chunkers") as err:
+                check_cache_allowed(_settings(OBJECTIVES, objective), "first_block",
+                                    chunker=_settings(CHUNKERS, chunker))
             assert "\n" not in str(err.value) and "SDE step" not in str(err.value)
     for objective in ("nft", "awm", "dgpo"):
-        check_cache_allowed(objective, "mag", chunker_name="per_step")
+        check_cache_allowed(_settings(OBJECTIVES, objective), "mag", chunker=_settings(CHUNKERS, "per_step"))
+
+
+def test_a_plugin_objective_whose_rollout_records_no_log_prob_is_allowed_a_cache():
+    """The objective's settings answer whether its rollout may be cached (``caches_rollout``), never its name: a
+    plugin objective registered here that declares so gets a cache, through the config's own check; one that does
+    not declare it is refused."""
+    from typing import ClassVar, Literal
+
+    from flowgrpo.algo.objectives import OBJECTIVES, BaseObjective, ObjectiveConfig
+
+    class PluginConfig(ObjectiveConfig):
+        name: Literal["test_plugin_final_only"] = "test_plugin_final_only"
+        caches_rollout: ClassVar[bool] = True
+
+    class QuietConfig(ObjectiveConfig):
+        name: Literal["test_plugin_quiet"] = "test_plugin_quiet"
+
+    OBJECTIVES.register("test_plugin_final_only")(type("Plugin", (BaseObjective,), {"Config": PluginConfig}))
+    OBJECTIVES.register("test_plugin_quiet")(type("Quiet", (BaseObjective,), {"Config": QuietConfig}))
+    cache = {"cache": {"name": "first_block", "kwargs": {"threshold": 0.1}}}
+    try:
+        config = build_config({"objective": "test_plugin_final_only", "sampling": cache})
+        assert config.sampling.cache.name == "first_block"
+        with pytest.raises(ConfigError, match="sampling.cache='first_block' is refused with "
+                                              "objective.name='test_plugin_quiet': caching is for the "
+                                              "awm, dgpo, nft, test_plugin_final_only rollouts"):
+            build_config({"objective": "test_plugin_quiet", "sampling": cache})
+    finally:
+        OBJECTIVES.unregister("test_plugin_final_only")
+        OBJECTIVES.unregister("test_plugin_quiet")

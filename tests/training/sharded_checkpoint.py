@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flowgrpo import parallel  # noqa: E402 - after the path set-up
-from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy  # noqa: E402
+from flowgrpo.algo.objectives.nft import NFTConfig  # noqa: E402
+from flowgrpo.algo.objectives.old_copy import OldCopy  # noqa: E402
 from flowgrpo.checkpoints import save_load
 from flowgrpo.checkpoints.state_dicts import full_tensor, optimizer_state, trainable_state  # noqa: E402
 from flowgrpo.data.prompts import GroupSampler  # noqa: E402
@@ -67,7 +68,7 @@ class Objective:
     """The part of a forward-process objective a checkpoint holds: its old copy."""
 
     def __init__(self, params) -> None:
-        self.old = OldCopy(params, DecaySchedule(ramp=0.25, cap=0.5))
+        self.old = OldCopy(params, NFTConfig(decay_ramp=0.25, decay_cap=0.5))
 
     def state_dict(self):
         return self.old.state_dict()

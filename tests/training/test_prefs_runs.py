@@ -109,14 +109,15 @@ def test_pairs_is_online_only():
 
 def test_a_dataset_image_of_another_size_is_refused(tmp_path, tiny_flux_dir, datasets):
     from flowgrpo.algo.objectives import build_objective
+    from flowgrpo.config import SamplingConfig
     from flowgrpo.models import load_model
-    from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings
+    from flowgrpo.sampling.rollout import RolloutRequest
 
     cfg = _config(tmp_path, tiny_flux_dir, datasets, "sft")
     adapter = load_model(str(tiny_flux_dir), max_sequence_length=12, height=64, width=64)
     request = RolloutRequest(prompts=[PROMPTS[0]], metadata=[{"target": "img/0.png"}],
                              prompt_ids=torch.tensor([0]), sample_index=torch.tensor([0]),
-                             settings=SamplerSettings(num_steps=2, guidance_scale=1.0), batch_size=1, seed=0,
+                             settings=SamplingConfig(num_steps=2, guidance_scale=1.0), batch_size=1, seed=0,
                              epoch=0)
     with pytest.raises(ValueError, match=r"img/0.png' is 32x32 .* the run needs 64x64"):
         build_objective(cfg).rollout(adapter, request)

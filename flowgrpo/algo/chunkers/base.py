@@ -27,6 +27,7 @@ from pydantic import Field
 
 from flowgrpo.records import ChunkPlan, Trajectory
 from flowgrpo.sampling.rollout import RolloutRequest, rollout
+from flowgrpo.sampling.sde import NOISELESS_LAST_STEP
 from flowgrpo.strategies.registry import Registry
 from flowgrpo.strategies.settings import Section, settings_class
 
@@ -41,6 +42,10 @@ class ChunkerConfig(Section):
     #: the rollout draws more than P·G trajectories an epoch, a number only the model's σ grid decides (E-GRPO:
     #: G per prompt and branch step), so the batch checks on B = P·G check only what holds for any multiple of it
     multiplies_batch: ClassVar[bool] = False
+    #: the rollout has runs of ODE steps (velocities that enter no log-prob), on which a feature cache may run
+    #: (:func:`~flowgrpo.sampling.feature_cache.ode_step_cache`; asked by
+    #: :func:`~flowgrpo.sampling.feature_cache.check_cache_allowed`)
+    caches_ode_steps: ClassVar[bool] = False
 
 
 class DropLastConfig(ChunkerConfig):
@@ -74,7 +79,7 @@ class Chunker(Protocol):
 
     def validate_grid(self, sigmas: torch.Tensor, settings) -> None:
         """Reject settings that fail on the model's σ grid ``sigmas`` (T+1,) with the run's
-        :class:`~flowgrpo.sampling.rollout.SamplerSettings`: called once the model is loaded, before any
+        :class:`~flowgrpo.config.SamplingConfig`: called once the model is loaded, before any
         evaluation or sampling (the grid depends on the model's scheduler, e.g. its shift).
 
         Raises:
@@ -97,16 +102,17 @@ def trainable_steps(traj: Trajectory, drop_last_step: bool = False) -> list[int]
 
 
 def check_trainable(cfg: ChunkerConfig, num_steps: int, sde_kind: str) -> int:
-    """T minus the last transition when it is never trained (``drop_last_step``, or ``cps``, whose last transition
-    is deterministic): the transitions a plan can use.
+    """T minus the last transition when it is never trained (``drop_last_step``, or an SDE kind whose last
+    transition is deterministic, :data:`~flowgrpo.sampling.sde.NOISELESS_LAST_STEP`: cps): the transitions a plan
+    can use.
 
     Raises:
         ValueError: none is left, naming ``sampling.num_steps`` and the setting that removes the last one.
     """
     drop = bool(getattr(cfg, "drop_last_step", False))
-    trainable = num_steps - int(drop or sde_kind == "cps")
+    trainable = num_steps - int(drop or sde_kind in NOISELESS_LAST_STEP)
     if trainable < 1:
-        why = "chunker.drop_last_step=true leaves it out" if drop else "sde_kind 'cps' makes it deterministic"
+        why = "chunker.drop_last_step=true leaves it out" if drop else f"sde_kind {sde_kind!r} makes it deterministic"
         raise ValueError(f"sampling.num_steps={num_steps} leaves no transition to train: the last transition is "
                          f"never trained ({why}); use sampling.num_steps >= 2")
     return trainable

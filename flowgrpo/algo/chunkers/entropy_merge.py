@@ -16,7 +16,7 @@ from flowgrpo.records import ChunkPlan, PromptEmbeds, Trajectory
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.feature_cache import ode_step_cache
 from flowgrpo.sampling.rollout import RolloutRequest, decode_and_report, denoise, encode_rows
-from flowgrpo.sampling.sde import gaussian_entropy_per_dim, sde_step, transition_moments
+from flowgrpo.sampling.sde import gaussian_entropy_per_dim, sde_step, sigma_one_next, transition_moments
 
 #: SDE kinds ``entropy_merge`` refuses, with the reason.
 _NO_MERGE_KINDS = {
@@ -157,6 +157,7 @@ class EntropyMergeConfig(ChunkerConfig):
 
     name: Literal["entropy_merge"] = "entropy_merge"
     multiplies_batch: ClassVar[bool] = True  # P·|branch steps|·G trajectories an epoch
+    caches_ode_steps: ClassVar[bool] = True  # the anchor prefix and the ODE continuations
     entropy_threshold: float | None = Field(
         None, description="tau, the entropy per latent dim 0.5*log(2*pi*e*std^2) a merged SDE jump must reach "
         "(E-GRPO Sec. 3.2, divided by the latent size)"
@@ -251,11 +252,11 @@ class EntropyMerge(BaseChunker):
 
     def validate_grid(self, sigmas: torch.Tensor, settings) -> None:
         """The entropy rule's branch plan on the model's grid (``ValueError`` when no jump reaches τ)."""
-        self.branch_plan(sigmas, settings.sde_kind, settings.noise_level, settings.guard(sigmas))
+        self.branch_plan(sigmas, settings.sde_kind, settings.noise_level, sigma_one_next(settings, sigmas))
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         """|S|: a sample branches once at every branch step of the plan."""
-        return len(self.branch_plan(sigmas, settings.sde_kind, settings.noise_level, settings.guard(sigmas)))
+        return len(self.branch_plan(sigmas, settings.sde_kind, settings.noise_level, sigma_one_next(settings, sigmas)))
 
     def sde_steps(self, num_steps: int, epoch: int) -> torch.Tensor:
         """(T,) bool, the branch steps; only for hand-set lists (the entropy rule needs the σ grid and the SDE:
@@ -286,7 +287,7 @@ class EntropyMerge(BaseChunker):
         settings = request.settings
         _check_merge_kind(settings.sde_kind)
         sigmas = adapter.sigmas(settings.num_steps)
-        plan = self.branch_plan(sigmas, settings.sde_kind, settings.noise_level, settings.guard(sigmas))
+        plan = self.branch_plan(sigmas, settings.sde_kind, settings.noise_level, sigma_one_next(settings, sigmas))
         anchors = _Anchors.sample(adapter, request, sigmas, plan)
         rows = [(a, k, i) for a, p in enumerate(anchors.prompt_ids) for k in range(len(plan))
                 for i in anchors.members[p]]  # prompt → branch step → sample
@@ -392,7 +393,7 @@ def _branch(adapter, request: RolloutRequest, sigmas: torch.Tensor, plan, anchor
     row_embeds = anchors.embeds.index(row_anchor.to(dev))
     pids, js = request.prompt_ids.tolist(), request.sample_index.tolist()
     no_sde = torch.zeros(t_count, dtype=torch.bool)
-    guard = settings.guard(sigmas)
+    guard = sigma_one_next(settings, sigmas)
     for k, (s, m) in enumerate(tqdm(plan, desc="branches", disable=not request.progress, leave=False)):
         idx_k = [r for r in range(b) if rows[r][1] == k]
         for start in range(0, len(idx_k), request.batch_size):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -15,6 +15,7 @@ class WindowConfig(DropLastConfig):
     """Settings of ``window`` (MixGRPO, arXiv 2507.21802)."""
 
     name: Literal["window"] = "window"
+    caches_ode_steps: ClassVar[bool] = True  # the steps outside the window
     window_size: int = Field(4, ge=1, description="w, SDE steps inside the sliding window")
     window_stride: int = Field(1, ge=1, description="steps the window advances each shift")
     window_shift_every: int = Field(1, ge=1, description="epochs between shifts")

@@ -20,7 +20,7 @@ updated once an epoch with decay min(0.3, 0.001·k), lines 1409–1419).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -34,7 +34,6 @@ from flowgrpo.algo.objectives.flow_matching import (
     velocity_target,
 )
 from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName, shared
-from flowgrpo.algo.objectives.old_copy import DecaySchedule
 from flowgrpo.rng import make_generator
 from flowgrpo.strategies.registry import Registry
 from flowgrpo.strategies.settings import registered_name
@@ -254,6 +253,7 @@ class AWMConfig(ForwardConfig):
     """
 
     name: Literal["awm"] = "awm"
+    caches_rollout: ClassVar[bool] = True  # an ODE rollout that keeps only the final latents
     solver: SolverName = shared("solver", "sa_solver")
     solver_noise_level: float = shared("solver_noise_level", 0.4)
     kl_beta: float = shared("kl_beta", 0.001)
@@ -283,10 +283,6 @@ class AWMConfig(ForwardConfig):
     time_type: registered_name(AWM_TIME_TYPES, "objective.time_type") = Field(
         "discrete_wo_init", description="AWM time_type: discrete_wo_init (steps 1..), discrete (0..), "
         "discrete_with_init (step 0 and strata)")
-
-    def decay(self) -> DecaySchedule:
-        return DecaySchedule(flat=self.decay_flat, ramp=self.decay_ramp, cap=self.decay_cap,
-                             constant=self.decay_constant)
 
 
 @OBJECTIVES.register("awm")

@@ -68,6 +68,14 @@ class ObjectiveConfig(Section):
         "or one a plugin registers; a plain name is shorthand for {name: ...}"
     )
 
+    #: the objective's rollout records no log-prob (only its final latent is trained on, with fresh noise and the
+    #: real velocity), so a feature cache (``sampling.cache``) may run on every step of it
+    #: (:func:`~flowgrpo.sampling.feature_cache.check_cache_allowed` asks)
+    caches_rollout: ClassVar[bool] = False
+    #: the objective's rollout is its chunker's (the ``chunker:`` section): a feature cache may then run on the
+    #: chunker's ODE steps when the chunker says it has some (``ChunkerConfig.caches_ode_steps``)
+    rollout_by_chunker: ClassVar[bool] = False
+
     #: fields of this settings model that the objective never reads: field -> why (what it reads instead); one
     #: moved from its default is refused (:meth:`problems`), and ``--help`` shows them as not read
     unread: ClassVar[dict[str, str]] = {}
@@ -87,6 +95,12 @@ class ObjectiveConfig(Section):
                        "the differences within a group): remove the setting (default "
                        f"{type(config.algo).model_fields['min_learning_frac'].default!r})")
         return out
+
+    def own_noise(self) -> list[tuple[str, float, str]]:
+        """The SDE noise this objective's own settings give its rollout, beyond ``sampling``'s: (SDE kind, noise
+        level, the setting's dotted key) each, warned about by the preflight like ``sampling.noise_level``
+        (:func:`~flowgrpo.sampling.sde.noise_level_warning`). Here: none."""
+        return []
 
     def check(self, config) -> None:
         """Reject, before any model loads, every problem :meth:`problems` finds, all in one ``ValueError`` (one
@@ -161,7 +175,7 @@ class Objective(Protocol):
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         """Check the settings on the model's σ grid ``sigmas`` (T+1,) with the run's
-        :class:`~flowgrpo.sampling.rollout.SamplerSettings` (``ValueError``), before any sampling; returns how
+        :class:`~flowgrpo.config.SamplingConfig` (``ValueError``), before any sampling; returns how
         many trajectories one requested sample becomes (1 but for E-GRPO's branching)."""
 
     def training_units(self, local: int) -> tuple[int, str] | None:

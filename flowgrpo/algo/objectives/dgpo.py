@@ -24,7 +24,7 @@ reference, lines 1122–1124).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -193,6 +193,7 @@ class DGPOConfig(ForwardConfig):
     """
 
     name: Literal["dgpo"] = "dgpo"
+    caches_rollout: ClassVar[bool] = True  # an ODE rollout that keeps only the final latents
     solver: SolverName = shared("solver", "dpmpp_2m")
     grid: Literal["model", "flow_shift"] = shared("grid", "flow_shift")
     kl_beta: float = shared("kl_beta", 0.02)

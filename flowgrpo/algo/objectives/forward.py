@@ -46,7 +46,7 @@ from flowgrpo.algo.chunkers import ChunkerConfig
 from flowgrpo.algo.microbatches import micro_batches, step_shares
 from flowgrpo.algo.objectives.base import BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep, _moved
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms
-from flowgrpo.algo.objectives.old_copy import DecaySchedule, OldCopy
+from flowgrpo.algo.objectives.old_copy import OldCopy
 from flowgrpo.algo.policy_losses import PolicyLossConfig
 from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, FinalSamples
@@ -147,10 +147,6 @@ class ForwardConfig(ObjectiveConfig):
     decay_ramp: float = Field(0.001, ge=0, description="old copy: decay gained per optimizer step after flat")
     decay_cap: float = Field(0.5, ge=0, lt=1, description="old copy: the largest decay (DiffusionNFT decay_type 1: "
                              "0.5; type 2 (OCR): flat 75, ramp 0.0075, cap 0.999; AWM and DGPO: 0.3)")
-
-    def decay(self) -> DecaySchedule:
-        """The old copy's schedule."""
-        return DecaySchedule(flat=self.decay_flat, ramp=self.decay_ramp, cap=self.decay_cap)
 
     def problems(self, config) -> list[str]:
         """:class:`ObjectiveConfig`'s problems (its :attr:`unread` fields), then every setting only the SDE-ratio
@@ -325,7 +321,7 @@ class ForwardObjective(BaseObjective):
         """Keep the optimizer (its step count) and start the old copy as the prepared weights."""
         self.optim = optim
         if self.uses_old_copy:
-            self.old = OldCopy(optim.params, self.o.decay(), model=optim.model)
+            self.old = OldCopy(optim.params, self.o, model=optim.model)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The old copy (float32, as this process holds it: :meth:`OldCopy.state_dict`), or nothing."""

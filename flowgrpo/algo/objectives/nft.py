@@ -20,7 +20,7 @@ over that row's latent dims, floored at ``w_min``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -205,6 +205,7 @@ class NFTConfig(ForwardConfig):
     """
 
     name: Literal["nft"] = "nft"
+    caches_rollout: ClassVar[bool] = True  # an ODE rollout that keeps only the final latents
     solver: SolverName = shared("solver", "dpmpp_2m")
     kl_beta: float = shared("kl_beta", 1e-4)
     decay_cap: float = shared("decay_cap", 0.5)

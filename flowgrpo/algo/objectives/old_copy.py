@@ -24,65 +24,45 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from flowgrpo.checkpoints.state_dicts import shard_like
 from flowgrpo.parallel import reshard
 
-__all__ = ["DecaySchedule", "NFT_DECAY_TYPES", "decay_at", "update_old_copy_", "copy_into_", "OldCopy"]
+__all__ = ["NFT_DECAY_TYPES", "decay_at", "update_old_copy_", "copy_into_", "OldCopy"]
 
 
-@dataclass(frozen=True)
-class DecaySchedule:
-    """``decay(k) = 0 for k < flat, else min((k − flat)·ramp, cap)``; with ``constant`` set, ``decay(k) = constant``.
-
-    Attributes:
-        flat: steps with decay 0 (the old copy follows the weights exactly).
-        ramp: decay gained per step after ``flat``.
-        cap: the largest decay, in [0, 1).
-        constant: a fixed decay in [0, 1) for every step (AWM ``kl_ema_decay_type='constant'``), or None.
-
-    Raises:
-        ValueError: on construction, a negative ``flat`` or ``ramp``, or ``cap``/``constant`` outside [0, 1).
-    """
-
-    flat: int = 0
-    ramp: float = 0.001
-    cap: float = 0.5
-    constant: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.flat < 0 or self.ramp < 0:
-            raise ValueError(f"old-copy decay needs flat >= 0 and ramp >= 0, got flat={self.flat}, ramp={self.ramp}")
-        if not 0.0 <= self.cap < 1.0:
-            raise ValueError(f"old-copy decay cap must be in [0, 1), got {self.cap}")
-        if self.constant is not None and not 0.0 <= self.constant < 1.0:
-            raise ValueError(f"old-copy constant decay must be in [0, 1), got {self.constant}")
-
-
-# DiffusionNFT's ``decay_type`` (config/nft.py: 1 by default, 2 for sd3_ocr) → (flat, ramp, cap), return_decay().
-NFT_DECAY_TYPES: dict[int, DecaySchedule] = {
-    0: DecaySchedule(flat=0, ramp=0.0, cap=0.0),
-    1: DecaySchedule(flat=0, ramp=0.001, cap=0.5),
-    2: DecaySchedule(flat=75, ramp=0.0075, cap=0.999),
+# DiffusionNFT's ``decay_type`` (config/nft.py: 1 by default, 2 for sd3_ocr) → the settings of ``objective:`` that
+# give its schedule (``decay_flat``, ``decay_ramp``, ``decay_cap``), return_decay().
+NFT_DECAY_TYPES: dict[int, dict[str, float]] = {
+    0: {"decay_flat": 0, "decay_ramp": 0.0, "decay_cap": 0.0},
+    1: {"decay_flat": 0, "decay_ramp": 0.001, "decay_cap": 0.5},
+    2: {"decay_flat": 75, "decay_ramp": 0.0075, "decay_cap": 0.999},
 }
 
 
-def decay_at(step: int, schedule: DecaySchedule) -> float:
-    """The decay d ∈ [0, 1) of the old-copy update at optimizer-step count ``step`` (≥ 0).
+def decay_at(step: int, schedule) -> float:
+    """The decay d ∈ [0, 1) of the old-copy update at optimizer-step count ``step`` (≥ 0): ``decay(k) = 0`` for
+    k < flat, else min((k − flat)·ramp, cap); with a constant set, that constant.
+
+    Args:
+        step: the optimizer-step count k.
+        schedule: the objective's validated settings (a :class:`~flowgrpo.algo.objectives.ForwardConfig`):
+            ``decay_flat``, ``decay_ramp``, ``decay_cap`` and, where it has one, ``decay_constant`` (AWM
+            ``kl_ema_decay_type='constant'``; None: the ramp).
 
     Raises:
         ValueError: a negative ``step``.
     """
     if step < 0:
         raise ValueError(f"old-copy decay needs a step count >= 0, got {step}")
-    if schedule.constant is not None:
-        return float(schedule.constant)
-    if step < schedule.flat:
+    constant = getattr(schedule, "decay_constant", None)
+    if constant is not None:
+        return float(constant)
+    if step < schedule.decay_flat:
         return 0.0
-    return min((step - schedule.flat) * schedule.ramp, schedule.cap)
+    return min((step - schedule.decay_flat) * schedule.decay_ramp, schedule.decay_cap)
 
 
 @torch.no_grad()
@@ -125,12 +105,12 @@ class OldCopy:
 
     Args:
         params: the trained parameters of the prepared module (the optimizer's, DTensors under FSDP2).
-        schedule: the decay of :func:`decay_at`.
+        schedule: the objective's settings that give the decay of :func:`decay_at` (``objective.decay_*``).
         model: the prepared module (its FSDP2 units are resharded around a swap, so that no forward reuses
             weights gathered before it), or None.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], schedule: DecaySchedule,
+    def __init__(self, params: Iterable[torch.nn.Parameter], schedule,
                  model: torch.nn.Module | None = None) -> None:
         self.params = list(params)
         self.schedule = schedule

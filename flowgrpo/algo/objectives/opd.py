@@ -196,6 +196,10 @@ class OPDConfig(ObjectiveConfig):
            for k in ("kl_beta", "kl_form")},
     }
 
+    def own_noise(self) -> list[tuple[str, float, str]]:
+        """The student's rollout noise a of its own flow_sde steps (``objective.noise_level``)."""
+        return [("flow_sde", self.noise_level, "objective.noise_level")]
+
     def problems(self, config) -> list[str]:
         """The SDE-ratio settings (:func:`~flowgrpo.algo.objectives.forward.sde_ratio_problems`), one line each."""
         return super().problems(config) + sde_ratio_problems(self, config)

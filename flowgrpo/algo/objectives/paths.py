@@ -17,7 +17,7 @@ import torch
 
 from flowgrpo.algo.objectives.forward import RowDraw
 from flowgrpo.records import FinalSamples
-from flowgrpo.sampling.rollout import RolloutRequest, SamplerSettings, rollout
+from flowgrpo.sampling.rollout import RolloutRequest, rollout
 
 __all__ = ["PathSamples", "PathDraw", "path_rollout", "decode_with_grad"]
 
@@ -55,8 +55,10 @@ def path_rollout(adapter, request: RolloutRequest, *, noise_level: float = 0.0) 
     if noise_level < 0:
         raise ValueError(f"path_rollout: noise_level must be >= 0, got {noise_level}")
     t = request.settings.num_steps
-    settings = SamplerSettings(num_steps=t, guidance_scale=request.settings.guidance_scale,
-                               sde_kind="flow_sde" if noise_level > 0 else "ode", noise_level=float(noise_level))
+    from flowgrpo.config import SamplingConfig  # (the config imports the objectives)
+
+    settings = SamplingConfig(num_steps=t, guidance_scale=request.settings.guidance_scale,
+                              sde_kind="flow_sde" if noise_level > 0 else "ode", noise_level=float(noise_level))
     traj = rollout(adapter, dataclasses.replace(request, settings=settings), torch.full((t,), noise_level > 0))
     return PathSamples(embeds=traj.embeds, images=traj.images, prompts=traj.prompts, metadata=traj.metadata,
                        guidance_scale=traj.guidance_scale, x0=traj.latents[:, -1], initial_noise=traj.latents[:, 0],

@@ -18,7 +18,7 @@ under ``policy_later/``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -31,7 +31,6 @@ from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, ChunkPlan, Trajectory
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.packed_forward import ChunkForward, packed_forward
-from flowgrpo.sampling.rollout import SamplerSettings
 from flowgrpo.sampling.sde import SDE_KINDS
 
 
@@ -40,6 +39,7 @@ class SdeRatioConfig(ObjectiveConfig):
     ``algo.policy_loss``, ``algo.clip_range*``, ``algo.kl_*``, ``algo.recompute_old_log_probs``)."""
 
     name: Literal["sde_ratio"] = "sde_ratio"
+    rollout_by_chunker: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class SdeRatio(BaseObjective):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.chunker = build_chunker(config.chunker)
-        self.settings = SamplerSettings.from_config(config.sampling)
+        self.settings = config.sampling
         self.policy_loss = POLICY_LOSSES.get(config.algo.policy_loss.name)
         self.loss_settings = LossSettings.from_config(config)
         # a loss that reads the rollout policy's transition means gets them from the recompute pass
