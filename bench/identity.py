@@ -22,24 +22,41 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 #: metric keys that measure the machine, not the training (dropped before comparing)
+#: the teacher of digits_opd.yaml: the digits base model's pipeline folder in the cache (built by the main job)
+TEACHER = Path(os.environ.get("FLOWGRPO_CACHE", Path.home() / ".cache" / "flowgrpo")) / "digits-v3-seed0"
 TIMING_WORDS = ("second", "time", "timing", "mem", "rss", "per_s", "throughput", "_ms")
 
 
 def _jobs(main_epochs: int, config_epochs: int) -> list[tuple[str, list[str]]]:
     jobs = [("main job", [f"train.num_epochs={main_epochs}"] if main_epochs != 90 else [])]
     for path in sorted((ROOT / "configs").glob("digits*.yaml")):
-        jobs.append((path.name, [str(path), f"train.num_epochs={config_epochs}"]))
+        extra = [f"objective.teacher={TEACHER}"] if path.name == "digits_opd.yaml" else []
+        jobs.append((path.name, [str(path), f"train.num_epochs={config_epochs}", *extra]))
     return jobs
 
 
 def _digest(folder: Path) -> dict[str, str]:
+    """sha256 of each weight file's content outside ``checkpoints/``: its metadata (sorted) and every tensor's name,
+    dtype, shape and bytes in name order. Not the file's bytes: safetensors writes a header's metadata keys in a
+    per-process order (a LoRA file's ``format`` and ``lora_adapter_metadata`` swap between two runs of one job)."""
+    from safetensors import safe_open
+
     out = {}
     for path in sorted(folder.rglob("*.safetensors")):
         if "checkpoints" in path.relative_to(folder).parts:
             continue
-        out[str(path.relative_to(folder))] = hashlib.sha256(path.read_bytes()).hexdigest()
+        digest = hashlib.sha256()
+        with safe_open(path, "pt") as f:
+            digest.update(json.dumps(f.metadata() or {}, sort_keys=True).encode())
+            for name in sorted(f.keys()):
+                t = f.get_tensor(name).contiguous()
+                digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        out[str(path.relative_to(folder))] = digest.hexdigest()
     return out
 
 
