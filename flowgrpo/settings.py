@@ -1,9 +1,9 @@
 """The settings base every config section and every strategy's settings model derive from, and its helpers.
 
 :class:`Section` refuses unknown keys, validates assignments and never takes a boolean for an integer. A
-*strategy section* (``chunker:``, ``objective:``, ``algo.policy_loss:``, ``algo.group_filter:``) is validated by
-:func:`strategy_settings` against the settings model of the strategy its ``name`` selects, so a knob of another
-strategy is an error naming its owner. This module imports nothing of flowgrpo above the registry.
+*strategy section* (``objective:``, ``objective.chunker:``, ``objective.policy_loss:``, ``group_filter:``) is
+validated by :func:`strategy_settings` against the settings model of the strategy its ``name`` selects, so a knob
+of another strategy is an error naming its owner. This module imports nothing of flowgrpo above the registry.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Sect
     the registry (:meth:`~flowgrpo.registry.Registry.alias`) is replaced by the name it stands for.
 
     Args:
-        prefix: the section's dotted key (``chunker``, ``algo.policy_loss``), for messages.
+        prefix: the section's dotted key (``objective.chunker``, ``group_filter``), for messages.
         registry: the strategies; ``registry.what`` names the kind in messages.
         base: the settings every strategy of the kind has (its ``name`` field's default is the default strategy).
 

@@ -55,9 +55,11 @@ def changed_settings(saved: Path, cfg) -> dict[str, str]:
     strategy changed (``objective.name: 'dpo' -> 'sde_ratio'``; :data:`~flowgrpo.config.schema.STRATEGY_SECTIONS`)
     comes first, as one entry under its ``name`` key that counts the settings of the old strategy dropped and of
     the new one added instead of listing each ``-> (absent)``; its settings that both have are listed as usual."""
+    from flowgrpo.algo.objectives.sde_ratio import NESTED_SECTIONS
+    from flowgrpo.config.loading import upgraded
     from flowgrpo.config.schema import STRATEGY_SECTIONS
 
-    old = flat_dict(yaml.safe_load(saved.read_text()) or {})
+    old = flat_dict(upgraded(yaml.safe_load(saved.read_text()) or {}))  # an earlier version's keys at their homes
     new = flat_dict(cfg.model_dump(mode="json"))
     absent = object()
 
@@ -68,7 +70,7 @@ def changed_settings(saved: Path, cfg) -> dict[str, str]:
                for k in sorted(set(old) | set(new))
                if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
     switched = {}
-    for section in STRATEGY_SECTIONS:
+    for section in [*STRATEGY_SECTIONS, *NESTED_SECTIONS]:
         name = f"{section}.name"
         if name not in changed:
             continue
