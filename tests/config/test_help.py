@@ -179,3 +179,18 @@ def test_help_blames_a_bad_override_not_the_config_file(tmp_path):
     bad.write_text("train: {num_epoch: 3}\n")
     head = help_text(str(bad), ["train.lr=1e-4"]).splitlines()[0]
     assert f"{bad} could not be read" in head and "override" not in head
+
+
+def test_each_shared_knob_is_one_help_row_naming_every_reader():
+    """issue #55: kl_beta, clip_range and timestep_fraction were declared in two to four places (algo.*, chunker.*,
+    objective.*); each is now one key of the objective section, one --help row listing the objectives that read
+    it."""
+    from flowgrpo.config.help import describe_fields
+
+    rows = describe_fields()
+    readers = {"kl_beta": {"sde_ratio", "nft", "awm", "dgpo", "sft"}, "clip_range": {"sde_ratio", "awm", "dgpo"},
+               "timestep_fraction": {"sde_ratio", "nft", "awm", "opd"}}
+    for leaf, objectives in readers.items():
+        (row,) = [r for r in rows if r[0].rsplit(".", 1)[-1] == leaf]
+        assert row[0] == f"objective.{leaf}"
+        assert set(row[2].split("]")[0].lstrip("[").split(", ")) == objectives, row

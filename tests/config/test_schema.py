@@ -167,3 +167,16 @@ def test_the_switch_hint_never_names_the_chosen_strategy():
                 assert f"'{prefix}={{name: {owners[0]}, {key}: 1}}'" in hint, str(err.value)
                 checked += 1
     assert checked > 50
+
+
+def test_the_timestep_fraction_is_the_objectives_and_read_by_its_per_step_chunker():
+    """objective.timestep_fraction (Flow-GRPO's train.timestep_fraction) is the SDE-ratio objective's knob, read by
+    the per_step chunker; moved from its default with a chunker that trains no such fraction it is refused."""
+    from flowgrpo.algo.objectives import build_objective
+
+    cfg = build_config({"objective": {"timestep_fraction": 0.5, "chunker": {"name": "per_step"}}},
+                       ["sampling.num_steps=6"])
+    assert build_objective(cfg).chunker.timestep_fraction == 0.5
+    with pytest.raises(ConfigError, match="objective.timestep_fraction=0.5 is read only with "
+                                          "objective.chunker.name=per_step, but the chunker is 'window'"):
+        build_config({"objective": {"timestep_fraction": 0.5, "chunker": {"name": "window"}}})
