@@ -335,9 +335,9 @@ def _legacy(data: dict, overridden: frozenset[str] = frozenset(), *, quiet: bool
     if data.get("algo") == {}:  # every key of the old section moved (or dropped)
         del data["algo"]
     _drop_unread_filter_defaults(data, overridden)
-    if moved and not quiet:
+    if moved and not quiet:  # issued here (stacklevel 1): Python shows a line once however often a command reads
         warnings.warn("config keys of an earlier version read at their new places (write them there; the old "
-                      f"keys will be removed): {'; '.join(moved)}", FutureWarning, stacklevel=3)
+                      f"keys will be removed): {'; '.join(moved)}", FutureWarning, stacklevel=1)
 
 
 def upgraded(data: dict) -> dict:

@@ -242,24 +242,37 @@ def test_a_moved_key_of_the_sde_ratio_objective_is_refused_for_another_objective
         build_config({**old, "chunker": {"name": "window"}})
 
 
-def test_a_run_folder_of_the_earlier_layout_shows_no_changed_setting(tmp_path):
-    """A resume compares the run's saved config.yaml with the resumed config: an old run folder's keys are read at
-    their new places, so nothing shows as changed (flowgrpo.training.run_folder.changed_settings)."""
-    import yaml
-
-    from flowgrpo.training.run_folder import changed_settings
-
-    cfg = build_config({"objective": {"kl_beta": 0.04, "clip_range": 3e-4, "timestep_fraction": 0.5},
-                        "advantage": {"std_eps": 0.05}})
-    saved = cfg.model_dump(mode="json")  # the resolved config an earlier version wrote: algo and chunker sections
+def _earlier_layout(cfg) -> dict:
+    """The resolved config.yaml an earlier version wrote for ``cfg``: the ``algo`` and ``chunker`` sections (the
+    fraction a key of the per_step chunker only)."""
+    saved = cfg.model_dump(mode="json")
     obj, adv = saved.pop("objective"), saved.pop("advantage")
-    saved["chunker"] = {**obj.pop("chunker"), "timestep_fraction": obj.pop("timestep_fraction")}
+    fraction = obj.pop("timestep_fraction")
+    saved["chunker"] = {**obj.pop("chunker"), **({"timestep_fraction": fraction}
+                                                  if cfg.objective.chunker.name == "per_step" else {})}
     saved["algo"] = {**{k: obj.pop(k) for k in ("clip_range", "clip_range_low", "clip_range_high", "kl_beta",
                                                 "kl_form", "recompute_old_log_probs", "policy_loss")},
                      "advantage": adv.pop("name"), "advantage_clip": adv.pop("clip"), **adv,
                      "group_filter": saved.pop("group_filter")}
     saved["objective"] = obj
-    assert obj == {"name": "sde_ratio"} and saved["algo"]["kl_beta"] == 0.04
+    assert obj == {"name": "sde_ratio"}
+    return saved
+
+
+@pytest.mark.parametrize("chunker", [{"name": "per_step"}, {"name": "trajectory"}])
+def test_a_run_folder_of_the_earlier_layout_shows_no_changed_setting(tmp_path, chunker):
+    """A resume compares the run's saved config.yaml with the resumed config: an old run folder's keys are read at
+    their new places, so nothing shows as changed (flowgrpo.training.run_folder.changed_settings), nor a home the
+    old file had no key for (the fraction of a chunker without one)."""
+    import yaml
+
+    from flowgrpo.training.run_folder import changed_settings
+
+    fraction = {"timestep_fraction": 0.5} if chunker["name"] == "per_step" else {}
+    cfg = build_config({"objective": {"kl_beta": 0.04, "clip_range": 3e-4, "chunker": chunker, **fraction},
+                        "advantage": {"std_eps": 0.05}})
+    saved = _earlier_layout(cfg)
+    assert saved["algo"]["kl_beta"] == 0.04 and ("timestep_fraction" in saved["chunker"]) == bool(fraction)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(saved))
     assert build_config(saved) == cfg
