@@ -180,3 +180,13 @@ def test_the_timestep_fraction_is_the_objectives_and_read_by_its_per_step_chunke
     with pytest.raises(ConfigError, match="objective.timestep_fraction=0.5 is read only with "
                                           "objective.chunker.name=per_step, but the chunker is 'window'"):
         build_config({"objective": {"timestep_fraction": 0.5, "chunker": {"name": "window"}}})
+
+
+def test_the_clip_range_is_one_field_each_objective_defaults_and_sde_ratio_keeps_above_zero():
+    """objective.clip_range is declared once (CLIP_RANGE) for sde_ratio, awm and dgpo, each with its release's
+    default (Flow-GRPO 1e-4, AWM 1, DGPO 1e-2); sde_ratio's clipped surrogate needs epsilon > 0, DGPO's mask takes 0."""
+    assert [build_config({"objective": n}).objective.clip_range for n in ("sde_ratio", "awm", "dgpo")] == [1e-4, 1.0,
+                                                                                                        1e-2]
+    with pytest.raises(ConfigError, match="objective.clip_range"):
+        build_config({"objective": {"clip_range": 0.0}})
+    assert build_config({"objective": {"name": "dgpo", "clip_range": 0.0}}).objective.clip_range == 0.0

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from flowgrpo.algo.objectives.base import OBJECTIVES, TIMESTEP_FRACTION, shared_field
+from flowgrpo.algo.objectives.base import CLIP_RANGE, OBJECTIVES, TIMESTEP_FRACTION, shared_field
 from flowgrpo.algo.objectives.flow_matching import (
     ObjectiveTerms,
     as_row_sigma,
@@ -265,8 +265,7 @@ class AWMConfig(ForwardConfig):
     weighting: registered_name(AWM_WEIGHTINGS, "objective.weighting") = Field(
         "ghuber", description="AWM's log-probability weighting: ghuber, huber, uniform, t, t**2")
     ghuber_power: float = Field(0.25, gt=0, description="AWM: p of the ghuber weighting")
-    clip_range: float = Field(1.0, ge=0, description="the clip: AWM's of its ratio (1; on-policy the ratio is 1), "
-                              "DGPO's of exp(e_old - e) against the old copy (1e-2)")
+    clip_range: float = shared_field(CLIP_RANGE, 1.0)
     kl_weight: registered_name(AWM_KL_WEIGHTS, "objective.kl_weight") = Field(
         "uniform", description="AWM: the reference KL's weight (uniform, elbo)")
     ema_beta: float = Field(1.0, ge=0, description="AWM: weight of the KL to the old copy")

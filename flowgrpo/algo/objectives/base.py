@@ -101,6 +101,13 @@ KL_BETA = Field(0.0, ge=0, description="weight beta of the KL to the reference (
                 "transition means (objective.kl_form); nft, awm, dgpo and sft the velocity-space KL "
                 "mean_dims(v - v_ref)^2 (DiffusionNFT 1e-4, AWM 0.001, DGPO 0.02)")
 
+#: the clip ε of an objective's ratio, declared once for every objective that clips one (each sets its release's
+#: default with :func:`shared_field`)
+CLIP_RANGE = Field(
+    1e-4, ge=0, description="the clip epsilon of the objective's ratio: sde_ratio's clipped surrogate of each chunk's "
+    "importance ratio, both sides (objective.clip_range_low / high set one side; > 0; 1e-4); awm's of its ratio (1; "
+    "on-policy the ratio is 1); dgpo's of exp(e_old - e) against the old copy (1e-2)")
+
 #: the fraction f of a trajectory's steps that train, int(T*f) as the releases count, declared once for every
 #: objective that reads one (each sets its release's default with :func:`shared_field`)
 TIMESTEP_FRACTION = Field(
@@ -112,8 +119,9 @@ TIMESTEP_FRACTION = Field(
 
 
 def shared_field(field: FieldInfo, default) -> FieldInfo:
-    """The shared field ``field`` (:data:`KL_BETA`, :data:`TIMESTEP_FRACTION`) with another default (an
-    objective's release value): the same constraints and description."""
+    """The shared field ``field`` (:data:`KL_BETA`, :data:`CLIP_RANGE`, :data:`TIMESTEP_FRACTION`) with another
+    default (an objective's release value): the same constraints and description (an objective that needs a
+    tighter one adds it to the annotation: ``Annotated[float, Gt(0)]``)."""
     return FieldInfo.merge_field_infos(field, default=default)
 
 

@@ -18,14 +18,16 @@ under ``policy_later/``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+from annotated_types import Gt
 from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
 from flowgrpo import dist
 from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig, build_chunker
 from flowgrpo.algo.objectives.base import (
+    CLIP_RANGE,
     KL_BETA,
     OBJECTIVES,
     TIMESTEP_FRACTION,
@@ -55,7 +57,7 @@ class SdeRatioConfig(ObjectiveConfig):
     ``kl_beta``, ``policy_loss``)."""
 
     name: Literal["sde_ratio"] = "sde_ratio"
-    clip_range: float = Field(1e-4, gt=0, description="sde_ratio: epsilon of the clipped surrogate (both sides)")
+    clip_range: Annotated[float, Gt(0)] = shared_field(CLIP_RANGE, 1e-4)
     clip_range_low: float | None = Field(None, gt=0, description="sde_ratio: epsilon_low (default clip_range)")
     clip_range_high: float | None = Field(None, gt=0, description="sde_ratio: epsilon_high (default clip_range)")
     kl_beta: float = shared_field(KL_BETA, 0.0)
