@@ -72,9 +72,15 @@ def _suggest(parent: str, leaf: str, valid: list[str]) -> str:
     return next((k for k in valid if close and k.rsplit(".", 1)[-1] == close[0]), "")
 
 
+def _strategy_keys() -> list[str]:
+    """Every registered objective's settings as dotted ``objective.*`` keys (a strategy section's keys are its
+    strategies', not its base model's), for suggestions."""
+    return sorted({f"objective.{k}" for n in OBJECTIVES for k in objective_config_class(n).model_fields})
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
-    valid = _valid_keys(Config)
+    valid = _valid_keys(Config) + _strategy_keys()
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":  # locations of list items carry their index: rewards.0.wieght
@@ -205,9 +211,9 @@ def _move_loss_knobs(algo: dict, moved: list[str], overridden: frozenset[str] = 
                                   f"only objective.policy_loss.{key}")
             algo["policy_loss"] = {**section, key: value}
         elif value != loss_config_class(owner).model_fields[key].default or f"algo.{old}" in overridden:
-            raise ConfigError(f"algo.{old}={value!r} is read only by objective.policy_loss={owner}, but the policy "
-                              f"loss is {chosen!r}: remove the setting or choose {owner} (its key is now "
-                              f"objective.policy_loss.{key})")
+            raise ConfigError(f"algo.{old}={value!r} is read only by objective.policy_loss={owner}, but "
+                              f"objective.policy_loss is {chosen!r}: remove the setting or choose {owner} (its key is "
+                              f"now objective.policy_loss.{key})")
 
 
 def _drop_unread_filter_defaults(data: dict, overridden: frozenset[str] = frozenset()) -> None:
