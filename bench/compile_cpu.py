@@ -42,7 +42,7 @@ def _config(root: Path, tiny: Path, name: str, backend: str, **extra) -> Path:
         "sampling": {"num_steps": 3},
         "train": {"num_epochs": extra.pop("epochs", 2), "prompts_per_epoch": 2, "group_size": 2,
                   "rollout_batch_size": extra.pop("rollout_batch_size", 2), "train_batch_size": 2, "lr": 1e-2},
-        "algo": {"recompute_old_log_probs": True},
+        "objective": {"recompute_old_log_probs": True},
         "rewards": [{"name": "jpeg_incompressibility"}],
         "data": {"train_prompts": str(root / "p.txt")},
         "logging": {"progress": False},

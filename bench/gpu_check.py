@@ -536,7 +536,7 @@ def _trainer(c: Check, gradient_checkpointing: bool, train_batch: int, recompute
         "sampling": {"num_steps": s.update_steps, "guidance_scale": c.case.guidance_scale},
         "train": {"prompts_per_epoch": b // 2, "group_size": 2, "rollout_batch_size": b,
                   "train_batch_size": train_batch},
-        "algo": {"recompute_old_log_probs": recompute}, "objective": objective or {},
+        "objective": objective or {"recompute_old_log_probs": recompute},
         "rewards": [{"name": "jpeg_compressibility"}], "logging": {"progress": False},
     })
     if not hasattr(a, "_lora_params"):
@@ -678,7 +678,7 @@ def _cli(c: Check, name: str, launcher: list[str], extra: tuple[str, ...] = (), 
         over += ["model.dtype=float32", "sampling.num_steps=3", "eval_sampling.num_steps=2",
                  f"sampling.guidance_scale={c.case.guidance_scale}"]
         if c.args.model == "flux":  # flux_chunk.yaml's chunks, shrunk to the toy run's trainable transitions
-            over.append("chunker.chunk_sizes=[1,1]")
+            over.append("objective.chunker.chunk_sizes=[1,1]")
     cmd = [*launcher, str(REPO / "flowgrpo" / "train.py"), str(REPO / "configs" / entry.config), *over, *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, **(env or {})})
@@ -700,7 +700,7 @@ def part_f(c: Check) -> dict:
 
 
 #: part (g)'s settings: full fine-tuning under FSDP2, with a sharded KL reference and offloaded text encoders
-SHARDED = ("model.finetune=full", "parallel.sharding=fsdp2", "parallel.text_encoders=offload", "algo.kl_beta=0.01",
+SHARDED = ("model.finetune=full", "parallel.sharding=fsdp2", "parallel.text_encoders=offload", "objective.kl_beta=0.01",
            "train.lr=1e-5")
 
 
@@ -1015,7 +1015,8 @@ def part_n(c: Check) -> dict:
         f"train.group_size={group}", "train.num_epochs=2", "rewards=[{name: jpeg_compressibility}]",
         "data.train_prompts=unused", "data.eval_prompts=null", "logging.trackers=[]", "logging.progress=false",
         f"output_dir={c.out / 'ocr_step'}",
-        *([] if full else ["sampling.num_steps=3", "chunker.window_size=1", "train.optimizer_steps_per_epoch=1"])])
+        *([] if full else ["sampling.num_steps=3", "objective.chunker.window_size=1",
+                           "train.optimizer_steps_per_epoch=1"])])
     setup_trainable(a, finetune="lora", rank=base.model.lora_rank, alpha=base.model.lora_alpha,
                     target_modules=list(base.model.lora_target_modules), need_reference=False,
                     gradient_checkpointing=base.model.gradient_checkpointing)

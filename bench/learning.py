@@ -80,22 +80,24 @@ from flowgrpo.writing.outputs import OutputRefused, check_file, check_folder, cl
 #: the shipped digits.yaml's settings before the collapse work, written out so the row keeps them whatever the
 #: shipped default becomes
 OLD_DEFAULT = [
-    "rewards=[{name: digit_correctness}]", "algo.advantage=grpo", "algo.policy_loss=clipped", "algo.clip_range=2.0e-4",
-    "algo.kl_beta=0", "train.lr=2.0e-4", "train.num_epochs=80", "train.prompts_per_epoch=16", "train.group_size=8",
+    "rewards=[{name: digit_correctness}]", "advantage.name=grpo", "objective.policy_loss=clipped",
+    "objective.clip_range=2.0e-4",
+    "objective.kl_beta=0", "train.lr=2.0e-4", "train.num_epochs=80", "train.prompts_per_epoch=16", "train.group_size=8",
     "train.rollout_batch_size=32", "train.train_batch_size=null", "train.optimizer_steps_per_epoch=2",
-    "chunker={name: per_step}", "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full",
-    "algo.group_filter={name: none}", "algo.std_eps=1.0e-4", "train.lr_schedule=constant", "train.lr_min_ratio=0",
+    "objective.chunker={name: per_step}", "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7",
+    "model.finetune=full",
+    "group_filter={name: none}", "advantage.std_eps=1.0e-4", "train.lr_schedule=constant", "train.lr_min_ratio=0",
 ]
 
 #: the shipped digits.yaml between the collapse work and E-GRPO (Flow-GRPO's per-step chunker, KL beta 0.04, 16
 #: prompts an epoch, 50 epochs), written out so the row keeps it whatever the shipped default becomes
 PER_STEP_DEFAULT = [
-    "rewards=[{name: digit_correctness, kwargs: {cap: 0.8}}]", "algo.advantage=grpo", "algo.policy_loss=clipped",
-    "algo.clip_range=3.0e-4", "algo.kl_beta=0.04", "algo.kl_form=flow_grpo", "train.lr=3.0e-4",
+    "rewards=[{name: digit_correctness, kwargs: {cap: 0.8}}]", "advantage.name=grpo", "objective.policy_loss=clipped",
+    "objective.clip_range=3.0e-4", "objective.kl_beta=0.04", "objective.kl_form=flow_grpo", "train.lr=3.0e-4",
     "train.num_epochs=50", "train.prompts_per_epoch=16", "train.group_size=8", "train.rollout_batch_size=32",
-    "train.train_batch_size=null", "train.optimizer_steps_per_epoch=2", "chunker={name: per_step}",
-    "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full", "algo.group_filter={name: none}",
-    "algo.std_eps=1.0e-4", "train.lr_schedule=constant", "train.lr_min_ratio=0",
+    "train.train_batch_size=null", "train.optimizer_steps_per_epoch=2", "objective.chunker={name: per_step}",
+    "sampling.sde_kind=flow_sde", "sampling.noise_level=0.7", "model.finetune=full", "group_filter={name: none}",
+    "advantage.std_eps=1.0e-4", "train.lr_schedule=constant", "train.lr_min_ratio=0",
 ]
 
 ROWS: dict[str, list[str]] = {
@@ -103,33 +105,34 @@ ROWS: dict[str, list[str]] = {
     "per_step_default": PER_STEP_DEFAULT,
     "old_default": OLD_DEFAULT,
     # chunkers on the default (each replaces the default's whole chunker section)
-    "per_step": ["chunker={name: per_step}"],
-    "chunk": ["chunker={name: chunk, min_chunk_size: 2}"],
-    "chunk_fixed": ["chunker={name: chunk, chunk_sizes: [2, 2, 4]}"],
-    "trajectory": ["chunker={name: trajectory}"],
-    "window": ["chunker={name: window, window_size: 4, window_shift_every: 20}"],
-    "entropy_merge": ["chunker={name: entropy_merge, entropy_threshold: 0.9, sde_fraction: 0.5}"],
+    "per_step": ["objective.chunker={name: per_step}"],
+    "chunk": ["objective.chunker={name: chunk, min_chunk_size: 2}"],
+    "chunk_fixed": ["objective.chunker={name: chunk, chunk_sizes: [2, 2, 4]}"],
+    "trajectory": ["objective.chunker={name: trajectory}"],
+    "window": ["objective.chunker={name: window, window_size: 4, window_shift_every: 20}"],
+    "entropy_merge": ["objective.chunker={name: entropy_merge, entropy_threshold: 0.9, sde_fraction: 0.5}"],
     # SDE kinds on the default
     "flow_sde": ["sampling.sde_kind=flow_sde", "sampling.noise_level=0.7"],
     # DanceGRPO's eta 0.7 reaches at most 0.72 nats per dim in E-GRPO's first four steps: tau 0.3 (jumps (0, 2), (2, 2))
-    "dance_sde": ["sampling.sde_kind=dance_sde", "sampling.noise_level=0.7", "chunker.entropy_threshold=0.3"],
+    "dance_sde": ["sampling.sde_kind=dance_sde", "sampling.noise_level=0.7", "objective.chunker.entropy_threshold=0.3"],
     # E-GRPO refuses CPS (its std shrinks as a jump grows, so a merge lowers the entropy): CPS with per-step
     # training, its deterministic last step left out
-    "cps": ["sampling.sde_kind=cps", "sampling.noise_level=0.8", "chunker={name: per_step, drop_last_step: true}"],
+    "cps": ["sampling.sde_kind=cps", "sampling.noise_level=0.8",
+            "objective.chunker={name: per_step, drop_last_step: true}"],
     # advantage estimators
-    "dr_grpo": ["algo.advantage=dr_grpo", "algo.std_eps=0.0001"],  # the std floor is read by grpo alone
-    "rloo": ["algo.advantage=rloo", "algo.std_eps=0.0001"],
-    "grpo_global_std": ["algo.global_std=true"],
+    "dr_grpo": ["advantage.name=dr_grpo", "advantage.std_eps=0.0001"],  # the std floor is read by grpo alone
+    "rloo": ["advantage.name=rloo", "advantage.std_eps=0.0001"],
+    "grpo_global_std": ["advantage.global_std=true"],
     # policy losses (flowgrpo.algo.policy_losses) beside the clipped default; SAPO's temperature ~1/clip_range, since
     # flow-model ratios move ~1e-4 from 1 (the paper's 1.0/1.05 are for LLM token ratios)
-    "sapo": ["algo.policy_loss={name: sapo, tau_pos: 5000, tau_neg: 5250}"],
-    "dual_clip": ["algo.policy_loss={name: dual_clip, c: 3}"],
-    "grpo_guard": ["algo.policy_loss=grpo_guard"],
+    "sapo": ["objective.policy_loss={name: sapo, tau_pos: 5000, tau_neg: 5250}"],
+    "dual_clip": ["objective.policy_loss={name: dual_clip, c: 3}"],
+    "grpo_guard": ["objective.policy_loss=grpo_guard"],
     # GFPO: draw G' = 16 per prompt, keep the 8 of largest reward spread (PODS max-variance selection)
-    "gfpo": ["train.group_size=16", "algo.group_filter={name: gfpo, keep: 8, select: max_spread}"],
+    "gfpo": ["train.group_size=16", "group_filter={name: gfpo, keep: 8, select: max_spread}"],
     # online difficulty filtering (arXiv 2504.03380): a group trains only while at most 6 of its 8 samples reach
     # the reward's cap
-    "pass_rate": ["algo.group_filter={name: pass_rate, pass_threshold: 0.8, max_pass_rate: 0.75}"],
+    "pass_rate": ["group_filter={name: pass_rate, pass_threshold: 0.8, max_pass_rate: 0.75}"],
     # the forward-process objectives, each its shipped digits config (ROW_BASES), as it is when the bench runs
     "nft": [],
     "awm": [],

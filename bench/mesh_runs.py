@@ -107,7 +107,7 @@ def main(out: Path) -> None:
             "sampling": {"num_steps": 4}, "eval_sampling": {"num_steps": 2},
             "train": {"num_epochs": 2, "prompts_per_epoch": 4, "group_size": 2, "rollout_batch_size": 2, "lr": 1.0,
                       "adam_eps": 1.0e3, "weight_decay": 0.0},
-            "algo": {"clip_range": 1e-2}, "rewards": [{"name": "jpeg_incompressibility"}],
+            "objective": {"clip_range": 1e-2}, "rewards": [{"name": "jpeg_incompressibility"}],
             "data": {"train_prompts": str(prompts), "eval_num_prompts": 4},
             "logging": {"progress": False, "plot_every": 0, "save_every": 1}}
     rows = []

@@ -75,7 +75,7 @@ def _config(root: Path, model: Path, finetune: str, dtype: str) -> Path:
            "sampling": {"num_steps": 3}, "eval_sampling": {"num_steps": 2},
            "train": {"num_epochs": 1, "prompts_per_epoch": 4, "group_size": 2, "rollout_batch_size": 2,
                      "train_batch_size": 2, "lr": 1e-5, "ema_decay": 0.9},
-           "algo": {"kl_beta": 0.01, "clip_range": 1e-2},
+           "objective": {"kl_beta": 0.01, "clip_range": 1e-2},
            "parallel": {"sharding": "fsdp2"},
            "rewards": [{"name": "jpeg_incompressibility"}],
            "data": {"train_prompts": str(prompts), "eval_num_prompts": 2},

@@ -14,7 +14,7 @@ operations), so compiled and eager velocities agree to float32 rounding, not bit
 rollout runs the no-grad (inference) graph and the update the training graph; they are separate compilations, so
 the first update's ``policy/logprob_mismatch_max`` is reported as without compile (0 when the two graphs round
 alike, as on the CPU measured, about float32 rounding otherwise). In recompute mode
-(``algo.recompute_old_log_probs`` or a chunker that needs it) the old log-probs are recomputed by the training
+(``objective.recompute_old_log_probs`` or a chunker that needs it) the old log-probs are recomputed by the training
 graph itself (:func:`training_graph`: gradient recording on, outputs detached, train mode), so the first ratio is
 exactly 1 and the mismatch exactly 0.
 

@@ -171,7 +171,8 @@ def check_batch(config, world_size: int, per_sample: int | None = None, objectiv
                              "train.optimizer_steps_per_epoch or train.train_batch_size, or raise "
                              "train.prompts_per_epoch")
         return
-    if config.chunker.multiplies_batch:  # E-GRPO: the micro-batch count is a multiple only the σ grid decides
+    chunker = getattr(config.objective, "chunker", None)
+    if chunker is not None and chunker.multiplies_batch:  # E-GRPO: only the σ grid decides the micro-batch count
         if per_sample is not None:
             _check_grid_batch(config, local, per_sample)
         return
@@ -190,7 +191,7 @@ def _check_grid_batch(config, local: int, per_sample: int) -> None:
     t, tb = config.train, config.train_batch_size
     micro, steps = local * per_sample // tb, t.optimizer_steps_per_epoch
     where = (f"the {micro} training micro-batches of {local * per_sample} trajectories a process ({local} samples × "
-             f"{per_sample} branch steps of chunker {config.chunker.name!r}) / train.train_batch_size={tb}")
+             f"{per_sample} branch steps of chunker {config.objective.chunker.name!r}) / train.train_batch_size={tb}")
     if micro < steps or micro % steps:
         raise ValueError(f"train.optimizer_steps_per_epoch={steps} must divide {where}; choose a divisor of "
                          f"{micro}, or change train.train_batch_size")

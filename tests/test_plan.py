@@ -541,9 +541,9 @@ OBJECTIVE_CONFIGS = ("digits", "digits_awm", "digits_dgpo", "digits_dpo", "digit
 def test_plan_counts_what_the_objective_keeps(name, kl):
     """Full fine-tuning of FLUX.1-dev (FSDP2, 2 GPUs) with each registered objective: the plan counts the frozen
     reference copy exactly when the objective the trainer builds says it forwards one (``needs_reference``, as
-    runner.py asks it; DPO, DGPO, NFT and AWM with ``algo.kl_beta`` 0 do), the float32 old copy when it keeps one
+    runner.py asks it; DPO, DGPO, NFT and AWM with ``objective.kl_beta`` 0 do), the float32 old copy when it keeps one
     (``uses_old_copy``) and a whole teacher when it loads one (``frozen_teacher``, OPD): each the objective's own
-    answer, never a hand list (the plan read ``algo.kl_beta > 0`` and missed them)."""
+    answer, never a hand list (the plan read ``objective.kl_beta > 0`` and missed them)."""
     from flowgrpo.algo.objectives import build_objective
     from flowgrpo.config import ConfigError, load_config
 
@@ -551,7 +551,7 @@ def test_plan_counts_what_the_objective_keeps(name, kl):
             "parallel.sharding=fsdp2"]
     path = REPO / "configs" / f"{name}.yaml"
     if kl is not None:  # the KL weight where the objective reads it
-        key = "algo.kl_beta" if load_config(path).objective.name == "sde_ratio" else "objective.kl_beta"
+        key = "objective.kl_beta" if load_config(path).objective.name == "sde_ratio" else "objective.kl_beta"
         over.append(f"{key}={kl}")
     try:
         config = load_config(path, over)

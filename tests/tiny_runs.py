@@ -52,7 +52,8 @@ def _rollouts(run: Path, epoch: int) -> dict:
 def _tiny_overrides(tmp_path: Path, tiny_flux_dir: Path) -> list[str]:
     (tmp_path / "p.txt").write_text("a red cube\na blue ball\n")
     return [f"model.pretrained={tiny_flux_dir}", "model.height=32", "model.width=32", "sampling.num_steps=2",
-            "eval_sampling.num_steps=2", "chunker={name: per_step}", "train.prompts_per_epoch=2", "train.group_size=2",
+            "eval_sampling.num_steps=2", "objective.chunker={name: per_step}", "train.prompts_per_epoch=2",
+            "train.group_size=2",
             "train.rollout_batch_size=4", "train.train_batch_size=4", "train.optimizer_steps_per_epoch=1",
             "rewards=[{name: jpeg_compressibility}]",
             "eval_rewards=[]", f"data.train_prompts={tmp_path / 'p.txt'}", f"data.eval_prompts={tmp_path / 'p.txt'}",

@@ -1,11 +1,11 @@
-"""Group-relative advantage estimators (registered; chosen by ``algo.advantage``).
+"""Group-relative advantage estimators (registered; chosen by ``advantage.name``).
 
 All estimators see the rewards of the whole batch (gathered across processes) and the group id of each sample.
 Shared conventions (docs/design.md, "Advantages and loss"):
 
 * ``A = (r − mean) / (std + eps)`` with the population std and eps = 1e-4 by default (Flow-GRPO, arXiv
   2505.05470, eq. 6; its ``np.std``), or the unbiased std (``ddof=1``) and eps = 1e-8 as the DanceGRPO family
-  (DanceGRPO, MixGRPO, GCPO, E-GRPO: ``torch.std()`` + 1e-8) — ``algo.std_ddof`` and ``algo.std_eps``;
+  (DanceGRPO, MixGRPO, GCPO, E-GRPO: ``torch.std()`` + 1e-8) — ``advantage.std_ddof`` and ``advantage.std_eps``;
 * a group whose valid rewards are all equal (max == min, an exact test: float means of equal values are not
   exact) gets advantage exactly 0;
 * a NaN reward is left out of its group's statistics and its sample gets advantage 0 (and no training);
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 STD_EPS = 1e-4
 
 # An estimator maps (rewards (B,) float64 with NaN, group_ids (B,), global_std, *, ddof, eps) -> advantages (B,)
-# float64, meaningful only on valid samples of groups with spread. Its ``reads`` attribute names the ``algo.*``
+# float64, meaningful only on valid samples of groups with spread. Its ``reads`` attribute names the ``advantage.*``
 # knobs it reads (``std_ddof`` / ``std_eps`` too, when it divides by a std); the config refuses the others moved
 # from their default, except the std settings under ``multi_reward: gdpo``, whose batch renormalisation reads them
 # (a plugin that declares no ``reads`` may read any).
@@ -36,7 +36,7 @@ ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 
 
 def estimator(name: str, reads: tuple[str, ...] = ()) -> Callable[[Estimator], Estimator]:
-    """Register an estimator as ``name``, reading the ``algo.*`` knobs ``reads``."""
+    """Register an estimator as ``name``, reading the ``advantage.*`` knobs ``reads``."""
 
     def deco(fn: Estimator) -> Estimator:
         fn.reads = reads

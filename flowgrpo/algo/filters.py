@@ -1,12 +1,12 @@
 """Group filters: which of the G' samples drawn per prompt enter the advantages (a phase between reward and
-advantage; registered strategies chosen by ``algo.group_filter``).
+advantage; registered strategies chosen by ``group_filter``).
 
 GFPO (Group Filtered Policy Optimization, Shrivastava et al., arXiv 2508.09726, its GFPO objective): sample a larger
 group of G' per prompt, keep the subset S of G samples that a metric prefers, and compute the advantages from the
 kept samples only, ``A_i = (r_i − mean_S r) / std_S r`` for i ∈ S and ``A_i = 0`` (no training) outside S. The
 extra cost is the rollout and scoring of G' − G samples per prompt; the rejected samples are not trained.
 
-Selections (``algo.group_filter.select``), each a registered rule over one group's metric values:
+Selections (``group_filter.select``), each a registered rule over one group's metric values:
 
 * ``top``: the G highest (GFPO with a quality metric; NaN ranks last);
 * ``bottom``: the G lowest (GFPO's own use: shortest responses; here e.g. a cost such as file size);
@@ -57,11 +57,11 @@ class FilterResult:
 
 GroupFilter = Callable[[Rewards, torch.Tensor, object], FilterResult]
 GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter")
-SelectionName = registered_name(SELECTIONS, "algo.group_filter.select")
+SelectionName = registered_name(SELECTIONS, "group_filter.select")
 
 
 class GroupFilterConfig(Section):
-    """Settings every group filter has (``algo.group_filter``). A filter with knobs subclasses this, fixes
+    """Settings every group filter has (``group_filter``). A filter with knobs subclasses this, fixes
     ``name`` to its registered name and adds its own fields."""
 
     name: str = Field(
@@ -94,7 +94,7 @@ class MetricFilterConfig(GroupFilterConfig):
     def check(self, config) -> None:
         keys = [r.name.split(":")[-1] for r in config.rewards]  # the names the composition gives the rewards
         if self.metric != "total" and self.metric not in keys:
-            raise ValueError(f"algo.group_filter.metric={self.metric!r} is neither 'total' nor one of the rewards "
+            raise ValueError(f"group_filter.metric={self.metric!r} is neither 'total' nor one of the rewards "
                              f"{keys}; add it to rewards with weight 0")
 
 
@@ -111,12 +111,12 @@ class GfpoConfig(MetricFilterConfig):
     @model_validator(mode="after")
     def _keep_given(self) -> GfpoConfig:
         if self.keep is None:
-            raise ValueError("algo.group_filter.keep is needed for the filter 'gfpo'")
+            raise ValueError("group_filter.keep is needed for the filter 'gfpo'")
         return self
 
     def check(self, config) -> None:
         if self.keep >= config.train.group_size:
-            raise ValueError(f"algo.group_filter.keep={self.keep} must be below train.group_size="
+            raise ValueError(f"group_filter.keep={self.keep} must be below train.group_size="
                              f"{config.train.group_size} (the samples drawn per prompt)")
         super().check(config)
 
@@ -134,9 +134,9 @@ class PassRateConfig(MetricFilterConfig):
     @model_validator(mode="after")
     def _band(self) -> PassRateConfig:
         if self.pass_threshold is None:
-            raise ValueError("algo.group_filter.pass_threshold is needed for the filter 'pass_rate'")
+            raise ValueError("group_filter.pass_threshold is needed for the filter 'pass_rate'")
         if self.min_pass_rate > self.max_pass_rate:
-            raise ValueError(f"algo.group_filter.min_pass_rate={self.min_pass_rate} exceeds max_pass_rate="
+            raise ValueError(f"group_filter.min_pass_rate={self.min_pass_rate} exceeds max_pass_rate="
                              f"{self.max_pass_rate}: no group could train")
         return self
 
@@ -223,7 +223,7 @@ def gfpo_filter(rewards: Rewards, group_ids: torch.Tensor, settings) -> FilterRe
     uniq, counts = torch.unique(group_ids, return_counts=True)
     if bool((counts < settings.keep).any()):
         raise ValueError(f"gfpo keeps {settings.keep} samples per group but some groups have only "
-                         f"{int(counts.min())}; raise train.group_size above algo.group_filter.keep")
+                         f"{int(counts.min())}; raise train.group_size above group_filter.keep")
     for g in uniq:
         members = torch.nonzero(group_ids == g).flatten()
         keep[members[select(metric[members], settings.keep)]] = True

@@ -10,6 +10,7 @@ from flowgrpo.config.help import describe_fields
 from flowgrpo.config.loading import (
     ALIASES,
     MOVED_KEYS,
+    MOVES,
     RENAMED_SECTIONS,
     ConfigError,
     build_config,
@@ -19,7 +20,7 @@ from flowgrpo.config.loading import (
 )
 from flowgrpo.config.schema import (
     SEED_MAX,
-    AlgoConfig,
+    AdvantageConfig,
     CompileConfig,
     Config,
     DataConfig,
@@ -33,7 +34,7 @@ from flowgrpo.config.schema import (
 )
 from flowgrpo.strategies.settings import Section, flat_dict, save_config
 
-__all__ = ["describe_fields", "ALIASES", "MOVED_KEYS", "RENAMED_SECTIONS", "ConfigError", "build_config",
-           "load_config", "parse_override", "read_yaml", "SEED_MAX", "AlgoConfig", "CompileConfig", "Config",
+__all__ = ["describe_fields", "ALIASES", "MOVED_KEYS", "MOVES", "RENAMED_SECTIONS", "ConfigError", "build_config",
+           "load_config", "parse_override", "read_yaml", "SEED_MAX", "AdvantageConfig", "CompileConfig", "Config",
            "DataConfig", "EvalSamplingConfig", "LoggingConfig", "ModelConfig", "ParallelConfig", "RewardSpec",
            "SamplingConfig", "TrainConfig", "Section", "flat_dict", "save_config"]

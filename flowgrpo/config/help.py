@@ -7,18 +7,24 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
-from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
-from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
-from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig
+from flowgrpo.algo.objectives.sde_ratio import NESTED_SECTIONS
 from flowgrpo.config.loading import ConfigError, load_config
-from flowgrpo.config.schema import STRATEGY_SECTIONS, AlgoConfig, Config, strategy_problems
+from flowgrpo.config.schema import STRATEGY_SECTIONS, Config, strategy_problems
 from flowgrpo.strategies.settings import flat_dict, registered_names, strategy_rows, with_names
 
 #: the strategy sections of the schema: (model, field) -> (registry, settings base)
-STRATEGIES = {(Config, "objective"): (OBJECTIVES, ObjectiveConfig), (Config, "chunker"): (CHUNKERS, ChunkerConfig),
-              (AlgoConfig, "policy_loss"): (POLICY_LOSSES, PolicyLossConfig),
-              (AlgoConfig, "group_filter"): (GROUP_FILTERS, GroupFilterConfig)}
+STRATEGIES = {(Config, key): value for key, value in STRATEGY_SECTIONS.items()}
+#: every strategy section by its dotted key, the SDE-ratio objective's own (``objective.chunker``, …) included
+ALL_SECTIONS = {**STRATEGY_SECTIONS, **NESTED_SECTIONS}
+
+
+def _strategy_rows(prefix: str) -> list[tuple[str, str, str]]:
+    """The ``--help`` rows of the strategy section ``prefix`` (of :data:`ALL_SECTIONS`), a strategy section inside
+    it (``objective.chunker``) replaced by its own strategies' rows."""
+    rows = []
+    for row in strategy_rows(prefix, *ALL_SECTIONS[prefix]):
+        rows += _strategy_rows(row[0]) if row[0] in ALL_SECTIONS else [row]
+    return rows
 
 
 def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
@@ -27,7 +33,7 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[t
     for name, f in model.model_fields.items():
         ann = f.annotation
         if (model, name) in STRATEGIES:
-            rows += strategy_rows(prefix + name, *STRATEGIES[model, name])
+            rows += _strategy_rows(prefix + name)
             continue
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows += describe_fields(ann, prefix + name + ".")
@@ -65,14 +71,18 @@ def not_read(config, keys) -> dict[str, str]:
     that its chosen strategy does not have, or has but declares ``unread``: key -> ``"not read by objective
     'refl'"`` (the value shown in place of another strategy's default)."""
     out = {}
-    for prefix in STRATEGY_SECTIONS:
-        section = config
-        for part in prefix.split("."):
-            section = getattr(section, part)
+    for prefix in ALL_SECTIONS:
+        parent, _, leaf = prefix.rpartition(".")
+        holder = _section_of(config, parent + ".x")[0] if parent else config
+        section = getattr(holder, leaf, None)
+        if section is None:  # a strategy section of a strategy not chosen: its parent's marks cover it
+            continue
         cls = type(section)
         for key in keys:
             if key.startswith(prefix + ".") and key != prefix + ".name":
-                field = key[len(prefix) + 1:]
+                field = key[len(prefix) + 1:].split(".")[0]
+                if f"{prefix}.{field}" in ALL_SECTIONS and field in cls.model_fields:
+                    continue  # a strategy section of its own, marked by its own strategy
                 if field not in cls.model_fields or field in getattr(cls, "unread", {}):
                     out[key] = f"not read by {prefix} {section.name!r}"
     return out
@@ -104,7 +114,7 @@ def refused(config, problems: list[tuple[str, list[str]]], keys) -> dict[str, st
     out = {}
     for key in keys:
         for who, line in lines:
-            section = next((p for p in STRATEGY_SECTIONS if key.startswith(p + ".")), None)
+            section = max((p for p in ALL_SECTIONS if key.startswith(p + ".")), key=len, default=None)
             if line.startswith(f"{key}="):
                 owner, field = _section_of(config, key)
                 default = type(owner).model_fields[field].default

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
+from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig, SdeRatioConfig, objective_config_class
 from flowgrpo.algo.policy_losses import loss_config_class
 from flowgrpo.config.schema import Config
 from flowgrpo.strategies.settings import ConfigError, settings_class
@@ -71,9 +72,15 @@ def _suggest(parent: str, leaf: str, valid: list[str]) -> str:
     return next((k for k in valid if close and k.rsplit(".", 1)[-1] == close[0]), "")
 
 
+def _strategy_keys() -> list[str]:
+    """Every registered objective's settings as dotted ``objective.*`` keys (a strategy section's keys are its
+    strategies', not its base model's), for suggestions."""
+    return sorted({f"objective.{k}" for n in OBJECTIVES for k in objective_config_class(n).model_fields})
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
-    valid = _valid_keys(Config)
+    valid = _valid_keys(Config) + _strategy_keys()
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":  # locations of list items carry their index: rewards.0.wieght
@@ -160,65 +167,194 @@ def _renamed(key: str, where: str) -> str:
 
 
 #: the strategy sections: a plain name stands for ``{name: ...}`` (also when an override sets one of its keys)
-STRATEGY_SECTIONS = ("chunker", "objective", "algo.policy_loss", "algo.group_filter")
+STRATEGY_SECTIONS = ("objective", "objective.chunker", "objective.policy_loss", "group_filter", "advantage")
 
-#: knobs that moved into a strategy section: old ``algo`` key -> (owning policy loss, its key there)
+#: knobs of the flat ``algo`` section of earlier versions that moved into a policy loss's own section: old ``algo``
+#: key -> (owning policy loss, its key there)
 MOVED_KEYS = {"sapo_tau_pos": ("sapo", "tau_pos"), "sapo_tau_neg": ("sapo", "tau_neg"),
               "dual_clip_c": ("dual_clip", "c")}
+
+#: keys of earlier versions and where each lives now (each knob has one home): old dotted key -> new dotted key; a
+#: key moved into ``objective.`` is a setting of the SDE-ratio objective, read by no other
+MOVES = {
+    "chunker.timestep_fraction": "objective.timestep_fraction",  # before its section: the objective's own knob
+    **{f"algo.{k}": f"objective.{k}" for k in ("clip_range", "clip_range_low", "clip_range_high", "kl_beta",
+                                               "kl_form", "recompute_old_log_probs", "policy_loss")},
+    "chunker": "objective.chunker",
+    "algo.advantage": "advantage.name", "algo.advantage_clip": "advantage.clip",
+    **{f"algo.{k}": f"advantage.{k}" for k in ("global_std", "multi_reward", "drop_zero_spread_groups",
+                                               "min_learning_frac", "std_ddof", "std_eps")},
+    "algo.group_filter": "group_filter",
+}
 
 
 def _strategy_name(section, default: str) -> str:
     return section if isinstance(section, str) else (section or {}).get("name", default)
 
 
-def _move_loss_knobs(algo: dict, overridden: frozenset[str] = frozenset()) -> None:
+def _move_loss_knobs(algo: dict, moved: list[str], overridden: frozenset[str] = frozenset()) -> None:
     """The flat ``algo.sapo_tau_pos`` / ``sapo_tau_neg`` / ``dual_clip_c`` of configs written before the policy
-    loss had its own section: moved into ``algo.policy_loss`` (with a ``FutureWarning``) when their loss is the
-    chosen one, dropped at their default when a config file gives them (a saved config of that layout lists every
-    key), else refused naming their loss: always when an override sets them (``overridden``: the dotted keys the
-    overrides set; the user asked for a knob the chosen loss does not read)."""
+    loss had its own section: moved into ``algo.policy_loss`` (then to its home, :data:`MOVES`; noted in
+    ``moved``) when their loss is the chosen one, dropped at their default when a config file gives them (a saved
+    config of that layout lists every key), else refused naming their loss: always when an override sets them
+    (``overridden``: the dotted keys the overrides set; the user asked for a knob the chosen loss does not read)."""
     for old in [k for k in MOVED_KEYS if k in algo]:
         owner, key = MOVED_KEYS[old]
         value = algo.pop(old)
         chosen = _strategy_name(algo.get("policy_loss"), "clipped")
         if chosen == owner:
-            warnings.warn(f"algo.{old} is now algo.policy_loss.{key}; the old key will be removed", FutureWarning,
-                          stacklevel=4)
+            moved.append(f"algo.{old} moved to objective.policy_loss.{key}")
             section = algo.get("policy_loss")
             section = {"name": chosen} if isinstance(section, str) else dict(section or {})
             if key in section:
-                raise ConfigError(f"config has both algo.{old} and its new key algo.policy_loss.{key}; keep only "
-                                  f"algo.policy_loss.{key}")
+                raise ConfigError(f"config has both algo.{old} and its new key objective.policy_loss.{key}; keep "
+                                  f"only objective.policy_loss.{key}")
             algo["policy_loss"] = {**section, key: value}
         elif value != loss_config_class(owner).model_fields[key].default or f"algo.{old}" in overridden:
-            raise ConfigError(f"algo.{old}={value!r} is read only by algo.policy_loss={owner}, but algo.policy_loss "
-                              f"is {chosen!r}: remove the setting or choose {owner} (its key is now "
-                              f"algo.policy_loss.{key})")
+            raise ConfigError(f"algo.{old}={value!r} is read only by objective.policy_loss={owner}, but "
+                              f"objective.policy_loss is {chosen!r}: remove the setting or choose {owner} (its key is "
+                              f"now objective.policy_loss.{key})")
 
 
-def _drop_unread_filter_defaults(algo: dict, overridden: frozenset[str] = frozenset()) -> None:
-    """Keys of ``algo.group_filter`` that only other filters read, at those filters' default and not set by an
+def _drop_unread_filter_defaults(data: dict, overridden: frozenset[str] = frozenset()) -> None:
+    """Keys of ``group_filter`` that only other filters read, at those filters' default and not set by an
     override (``overridden``, dotted keys): dropped (configs written before each filter had its own settings list
     every key of every filter); an override's is left for the schema to refuse."""
-    section = algo.get("group_filter")
+    section = data.get("group_filter")
     if not isinstance(section, dict) or section.get("name", "none") not in GROUP_FILTERS:
         return  # the schema names an unknown filter
     own = settings_class(GROUP_FILTERS, section.get("name", "none"), GroupFilterConfig).model_fields
     models = [settings_class(GROUP_FILTERS, n, GroupFilterConfig).model_fields for n in GROUP_FILTERS]
     for key in [k for k in section if k not in own]:
         defaults = [fields[key].default for fields in models if key in fields]
-        if defaults and all(section[key] == d for d in defaults) and f"algo.group_filter.{key}" not in overridden:
+        old = {f"group_filter.{key}", f"algo.group_filter.{key}"}
+        if defaults and all(section[key] == d for d in defaults) and not old & overridden:
             del section[key]
 
 
-def _legacy(data: dict, overridden: frozenset[str] = frozenset()) -> None:
-    """Bring keys of configs written by earlier versions to the schema's places (:data:`MOVED_KEYS`, the
-    all-filters ``group_filter`` section); renamed sections are handled by :func:`build_config`. ``overridden``:
-    the dotted keys the command's overrides set (never dropped as an old file's defaults)."""
+def _pop(data: dict, dotted: str):
+    """Remove and return ``data``'s value at the dotted key; an emptied parent section is removed too."""
+    *parents, leaf = dotted.split(".")
+    node = data
+    for p in parents:
+        node = node[p]
+    value = node.pop(leaf)
+    if parents and not node:
+        _pop(data, ".".join(parents))
+    return value
+
+
+def _has(data: dict, dotted: str) -> bool:
+    node = data
+    for p in dotted.split("."):
+        if not isinstance(node, dict) or p not in node:
+            return False
+        node = node[p]
+    return True
+
+
+def _objective_name(data: dict) -> str:
+    """The objective ``data`` selects (canonical; an unknown name as given, for the schema to refuse)."""
+    name = _strategy_name(data.get("objective"), ObjectiveConfig.model_fields["name"].default)
+    return OBJECTIVES.canonical(name) if isinstance(name, str) else name
+
+
+def _reads(objective: str, key: str) -> bool:
+    """Whether ``objective`` reads the SDE-ratio objective's setting ``key`` (its settings are an
+    :class:`SdeRatioConfig`: the built-in's or a plugin's subclass)."""
+    try:
+        cls = objective_config_class(objective)
+    except (KeyError, TypeError):
+        return True  # an unknown objective: the schema refuses it
+    return issubclass(cls, SdeRatioConfig) and key in cls.model_fields
+
+
+def _at_default(key: str, value) -> bool:
+    """Whether ``value`` is the SDE-ratio objective's default for its setting ``key`` (a strategy section: the
+    default strategy with its defaults), as an old resolved config of another objective lists it."""
+    default = SdeRatioConfig.model_fields[key].get_default(call_default_factory=True)
+    try:
+        return getattr(SdeRatioConfig.model_validate({key: value}), key) == default
+    except ValidationError:
+        return False
+
+
+def _place(data: dict, new: str, value, old: str, given: str) -> None:
+    """Put ``value`` (the old key's) at ``new`` in ``data``: a section is merged with a section already there, a
+    plain value set where there is none. Where both are there, the one an override set wins (``given``: "old",
+    "whole" (an override set ``new`` itself: it replaces the old value), "new" (it set keys of the ``new``
+    section: merged key by key, its keys winning) or "" for neither); raises :class:`ConfigError` when a
+    config file gives both a plain value's keys."""
+    *parents, leaf = new.split(".")
+    node = data
+    for i, p in enumerate(parents):
+        node = _descend(node, p, ".".join(parents[: i + 1]), new)
+    if given == "whole":  # an override set the new key itself: its value replaces the file's old one
+        return
+    here = node.get(leaf)
+    if isinstance(here, str) and new in STRATEGY_SECTIONS:
+        here = {"name": here}
+    if isinstance(value, str) and new in STRATEGY_SECTIONS and isinstance(here, dict):
+        value = {"name": value}
+    if isinstance(here, dict) and isinstance(value, dict):
+        value = _deep_merge(value, here) if given == "new" else _deep_merge(here, value)
+    elif leaf in node and given != "old":
+        if given == "new":
+            return
+        raise ConfigError(f"config has both {old} and its new key {new}; keep only {new}")
+    node[leaf] = value
+
+
+def _move_keys(data: dict, moved: list[str], overridden: frozenset[str]) -> None:
+    """Bring every key of :data:`MOVES` in ``data`` to its home, noting each in ``moved``. A key whose home is the
+    SDE-ratio objective's section, given with another objective: dropped when a config file gives it at its
+    default (an old run folder's resolved config lists every key), else refused in one line."""
+    objective = _objective_name(data)
+    for old, new in MOVES.items():
+        if not _has(data, old):
+            continue
+        value = _pop(data, old)
+        given = "whole" if new in overridden else next(
+            (which for which, key in (("old", old), ("new", new))
+             if key in overridden or any(k.startswith(key + ".") for k in overridden)), "")
+        if new.startswith("objective."):
+            key = new.split(".", 1)[1]
+            if not _reads(objective, key):
+                if given == "old" or not _at_default(key, value):
+                    raise ConfigError(f"{old}={value!r} moved to {new}, a setting of objective sde_ratio, but "
+                                      f"objective.name is {objective!r}, which does not read it: remove the setting")
+                continue
+        _place(data, new, value, old, given)
+        moved.append(f"{old} moved to {new}")
+
+
+def _legacy(data: dict, overridden: frozenset[str] = frozenset(), *, quiet: bool = False) -> None:
+    """Bring keys of configs written by earlier versions to the schema's places (:data:`MOVED_KEYS`, then
+    :data:`MOVES`, the all-filters ``group_filter`` section), with one ``FutureWarning`` line naming every move
+    (none when ``quiet``); renamed sections are handled by :func:`build_config`. ``overridden``: the dotted keys
+    the command's overrides set (never dropped as an old file's defaults)."""
+    moved: list[str] = []
     algo = data.get("algo")
     if isinstance(algo, dict):
-        _move_loss_knobs(algo, overridden)
-        _drop_unread_filter_defaults(algo, overridden)
+        _move_loss_knobs(algo, moved, overridden)
+    _move_keys(data, moved, overridden)
+    if data.get("algo") == {}:  # every key of the old section moved (or dropped)
+        del data["algo"]
+    _drop_unread_filter_defaults(data, overridden)
+    if moved and not quiet:  # issued here (stacklevel 1): Python shows a line once however often a command reads
+        warnings.warn("config keys of an earlier version read at their new places (write them there; the old "
+                      f"keys will be removed): {'; '.join(moved)}", FutureWarning, stacklevel=1)
+
+
+def upgraded(data: dict) -> dict:
+    """A copy of the config dict ``data`` (a run folder's saved ``config.yaml``, say) with the keys of earlier
+    versions at their new places (:func:`_legacy`, no warning): the form a config of this version has.
+    Raises :class:`ConfigError` as :func:`_legacy`."""
+    data = copy.deepcopy(data)
+    for old in [k for k in data if k in RENAMED_SECTIONS]:
+        data.setdefault(RENAMED_SECTIONS[old], data.pop(old))
+    _legacy(data, quiet=True)
+    return data
 
 
 def _descend(node: dict, key: str, path: str, text: str) -> dict:
@@ -261,11 +397,29 @@ def build_config(data: dict | None = None, overrides: list[str] = (), *, strateg
         raise ConfigError(_format_error(err)) from None
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
+def _deep_merge(base: dict, over: dict, prefix: str = "") -> dict:
+    """``over`` merged into ``base`` key by key (sections recursively; lists and values replace). A strategy
+    section (:data:`STRATEGY_SECTIONS`) of ``over`` that names another strategy than ``base``'s replaces it whole:
+    the base's strategy's settings are not the new one's."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        key, here = prefix + k, out.get(k)
+        if isinstance(v, dict) and isinstance(here, dict) and not _switches(key, here, v):
+            out[k] = _deep_merge(here, v, key + ".")
+        else:
+            out[k] = v
     return out
+
+
+def _switches(key: str, base: dict, over: dict) -> bool:
+    """Whether the strategy section ``key`` of ``over`` names another strategy than ``base``'s (a missing name is
+    the kind's default; an alias stands for its name)."""
+    if key not in STRATEGY_SECTIONS or "name" not in over:
+        return False
+    if key == "objective":
+        default = ObjectiveConfig.model_fields["name"].default
+        return OBJECTIVES.canonical(str(over["name"])) != OBJECTIVES.canonical(str(base.get("name", default)))
+    return "name" in base and over["name"] != base["name"]
 
 
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:

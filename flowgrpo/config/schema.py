@@ -1,9 +1,11 @@
 """The schema of a training run: one typed section per concern, and :class:`Config`, which derives the batch
 sizes and states each invariant across sections. YAML is only data; :mod:`flowgrpo.config.loading` reads it.
 
-A *strategy section* (``chunker``, ``objective``, ``algo.policy_loss``, ``algo.group_filter``) is validated against
+A *strategy section* (``objective``, within the SDE-ratio objective ``objective.chunker`` and
+``objective.policy_loss``, and ``group_filter``) is validated against
 the settings model of the strategy its ``name`` selects (:func:`~flowgrpo.strategies.settings.strategy_settings`); a
-plain name is shorthand for ``{name: ...}``.
+plain
+name is shorthand for ``{name: ...}``.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ from typing import Any, Literal
 from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from flowgrpo.algo.advantages import ESTIMATORS
-from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
 from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
-from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig
 from flowgrpo.sampling.feature_cache import check_cache_allowed
 from flowgrpo.sampling.rollout import FINAL_DECODES
-from flowgrpo.sampling.sde import KL_FORMS, SDE_KINDS
+from flowgrpo.sampling.sde import SDE_KINDS
 from flowgrpo.strategies.settings import Section, registered_name, strategy_settings
 
 
@@ -149,17 +149,15 @@ class ModelConfig(Section):
 
 
 SdeKindName = registered_name(SDE_KINDS, "sampling.sde_kind")
-EstimatorName = registered_name(ESTIMATORS, "algo.advantage")
+EstimatorName = registered_name(ESTIMATORS, "advantage.name")
 FinalDecodeName = registered_name(FINAL_DECODES, "sampling.final_decode")
-KlFormName = registered_name(KL_FORMS, "algo.kl_form")
 
 
-#: every strategy section: its dotted key → (the registry its ``name`` selects from, the settings every strategy
-#: of the kind has)
+#: every top-level strategy section: its key → (the registry its ``name`` selects from, the settings every strategy
+#: of the kind has); the SDE-ratio objective's own (``objective.chunker``, ``objective.policy_loss``) are its
+#: settings' (:data:`flowgrpo.algo.objectives.sde_ratio.NESTED_SECTIONS`)
 STRATEGY_SECTIONS = {
-    "algo.policy_loss": (POLICY_LOSSES, PolicyLossConfig),
-    "algo.group_filter": (GROUP_FILTERS, GroupFilterConfig),
-    "chunker": (CHUNKERS, ChunkerConfig),
+    "group_filter": (GROUP_FILTERS, GroupFilterConfig),
     "objective": (OBJECTIVES, ObjectiveConfig),
 }
 
@@ -171,31 +169,31 @@ def strategy_section(key: str, value):
     return strategy_settings(value, prefix=key, registry=registry, base=base)
 
 
-#: the ``algo.*`` std settings that GDPO's batch renormalisation reads whatever the estimator
+#: the ``advantage.*`` std settings that GDPO's batch renormalisation reads whatever the estimator
 #: (:func:`flowgrpo.algo.advantages.compute_advantages`, ``multi_reward: gdpo``)
 GDPO_READS = ("std_ddof", "std_eps")
 
 
-def _refuse_unread_knobs(algo: AlgoConfig) -> None:
+def _refuse_unread_knobs(adv: AdvantageConfig) -> None:
     """A setting moved from its default that the chosen advantage estimator does not read (its ``reads``; the
     std settings also under ``multi_reward: gdpo``) is an error naming the setting, its default, the estimators
     that read it and the selection; a plugin estimator that declares no ``reads`` may read any of them. Raises
     ``ValueError``: nothing is silently ignored. The way out is given as an override that puts the setting back at
     its default, which also clears a value a config file (the embedded default's ``std_eps``) sets."""
-    chosen = ESTIMATORS.get(algo.advantage)
+    chosen = ESTIMATORS.get(adv.name)
     if not hasattr(chosen, "reads"):
         return
-    reads = set(chosen.reads) | (set(GDPO_READS) if algo.multi_reward == "gdpo" else set())
+    reads = set(chosen.reads) | (set(GDPO_READS) if adv.multi_reward == "gdpo" else set())
     knobs = sorted({k for n in ESTIMATORS for k in getattr(ESTIMATORS.get(n), "reads", ())})
     for key in knobs:
-        value, default = getattr(algo, key), AlgoConfig.model_fields[key].default
+        value, default = getattr(adv, key), AdvantageConfig.model_fields[key].default
         owners = [n for n in ESTIMATORS if key in getattr(ESTIMATORS.get(n), "reads", ())]
         if key not in reads and value != default:
-            gdpo = " or algo.multi_reward=gdpo" if key in GDPO_READS else ""
+            gdpo = " or advantage.multi_reward=gdpo" if key in GDPO_READS else ""
             raise ValueError(
-                f"algo.{key}={value!r} is read only by algo.advantage={' / '.join(owners)}{gdpo}, but "
-                f"algo.advantage is {algo.advantage!r}: remove the setting (its default is {default!r}: give "
-                f"algo.{key}={default!r} to drop a config file's value) or choose {' / '.join(owners)}{gdpo}")
+                f"advantage.{key}={value!r} is read only by advantage.name={' / '.join(owners)}{gdpo}, but "
+                f"advantage.name is {adv.name!r}: remove the setting (its default is {default!r}: give "
+                f"advantage.{key}={default!r} to drop a config file's value) or choose {' / '.join(owners)}{gdpo}")
 
 
 class FeatureCacheConfig(Section):
@@ -269,41 +267,23 @@ class EvalSamplingConfig(Section):
     )
 
 
-class AlgoConfig(Section):
-    """Advantages and the policy loss."""
+class AdvantageConfig(Section):
+    """The advantage estimator and its settings (``advantage:``; a plain name is shorthand for ``{name: ...}``),
+    read by every objective that trains on the group advantages."""
 
-    advantage: EstimatorName = Field("grpo", description="the advantage estimator "
-                                     "(flowgrpo.algo.advantages.ESTIMATORS)")
+    name: EstimatorName = Field("grpo", description="the advantage estimator "
+                                "(flowgrpo.algo.advantages.ESTIMATORS)")
     global_std: bool = Field(False, description="grpo: divide by the batch's std instead of each group's")
     multi_reward: Literal["sum_then_normalize", "gdpo", "normalize_then_sum"] = Field(
         "sum_then_normalize", description="several rewards: weighted sum first; gdpo (each normalised in its group, "
         "weighted sum, renormalised over the batch); or normalize_then_sum (gdpo without the batch renormalisation, "
         "MixGRPO's advantage_aggr)"
     )
-    advantage_clip: float = Field(5.0, gt=0, description="advantages clipped to +-this")
+    clip: float = Field(5.0, gt=0, description="advantages clipped to +-this")
     drop_zero_spread_groups: bool = Field(False, description="leave groups with equal rewards out of the update")
     min_learning_frac: float = Field(
         0.1, ge=0, le=1, description="warn (console and metric adv/low_signal) when the fraction of samples with a "
         "learning signal (valid reward, group with spread) falls below this; 0: never"
-    )
-    clip_range: float = Field(1e-4, gt=0, description="epsilon of the clipped surrogate (both sides)")
-    clip_range_low: float | None = Field(None, gt=0, description="epsilon_low (default clip_range)")
-    clip_range_high: float | None = Field(None, gt=0, description="epsilon_high (default clip_range)")
-    kl_beta: float = Field(0.0, ge=0, description="beta of the KL to the reference policy on transition means")
-    policy_loss: SerializeAsAny[PolicyLossConfig] = Field(
-        default_factory=lambda: strategy_section("algo.policy_loss", {}),
-        description="the policy loss and its own settings (one section "
-        "per loss, flowgrpo.algo.policy_losses; a plain name is shorthand for {name: ...})"
-    )
-    group_filter: SerializeAsAny[GroupFilterConfig] = Field(
-        default_factory=lambda: strategy_section("algo.group_filter", {}),
-        description="which samples of each group enter the advantages, "
-        "and the filter's own settings (flowgrpo.algo.filters; a plain name is shorthand for {name: ...})"
-    )
-    kl_form: KlFormName = Field(
-        "flow_grpo", description="registered KL form: flow_grpo (Flow-GRPO's scripts: (mu-mu_ref)^2 / "
-        "(2*std_dev_t^2), std_dev_t = a*sqrt(sigma/(1-sigma)), no dt) or gaussian (exact Gaussian KL with the "
-        "transition std; 1/(sigma-sigma_next) times larger for flow_sde and dance_sde)"
     )
     std_ddof: Literal[0, 1] = Field(
         0, description="delta degrees of freedom of the advantage std: 0 population (Flow-GRPO), 1 unbiased "
@@ -312,17 +292,15 @@ class AlgoConfig(Section):
     std_eps: float = Field(
         1e-4, gt=0, description="added to the advantage std: 1e-4 (Flow-GRPO, GDPO) or 1e-8 (DanceGRPO family)"
     )
-    recompute_old_log_probs: bool = Field(
-        False, description="recompute old log-probs with the training batch layout before the first update"
-    )
 
-    @field_validator("policy_loss", "group_filter", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _strategy_sections(cls, value, info):
-        return strategy_section(f"algo.{info.field_name}", value)
+    def _a_name(cls, value):
+        """A plain estimator name is shorthand for ``{name: ...}``."""
+        return {"name": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _check(self) -> AlgoConfig:
+    def _check(self) -> AdvantageConfig:
         _refuse_unread_knobs(self)
         return self
 
@@ -405,7 +383,7 @@ class ParallelConfig(Section):
         "the backward (least memory); false keeps them until the backward (one all-gather less per block)"
     )
     reference: Literal["device", "cpu_offload"] = Field(
-        "device", description="full fine-tuning with algo.kl_beta > 0: the frozen reference copy on the device "
+        "device", description="full fine-tuning with objective.kl_beta > 0: the frozen reference copy on the device "
         "(sharded like the policy under fsdp2), or its shards in host memory, gathered to the device per forward "
         "(cpu_offload; needs sharding fsdp2)"
     )
@@ -561,16 +539,14 @@ class LoggingConfig(Section):
 def strategy_problems(config) -> list[tuple[str, list[str]]]:
     """What :meth:`Config._derive` refuses through each strategy's checks of the run ``config`` against the other
     sections, as (what, problems), for ``--help`` (a config built with those checks off): the
-    objective's :meth:`~flowgrpo.algo.objectives.base.ObjectiveConfig.problems` (one line each), then the group
-    filter's and the policy loss's ``check`` (a ``ValueError``'s message); a strategy without problems is left
-    out."""
+    objective's :meth:`~flowgrpo.algo.objectives.base.ObjectiveConfig.problems` (one line each; the SDE-ratio
+    objective's include its policy loss's), then the group filter's ``check`` (a ``ValueError``'s message); a
+    strategy without problems is left out."""
     out = [(f"objective {config.objective.name!r} cannot run with this config", config.objective.problems(config))]
-    for what, section in (("algo.group_filter", config.algo.group_filter), ("algo.policy_loss",
-                                                                           config.algo.policy_loss)):
-        try:
-            section.check(config)
-        except ValueError as err:
-            out.append((f"{what} {section.name!r} cannot run with this config", [str(err)]))
+    try:
+        config.group_filter.check(config)
+    except ValueError as err:
+        out.append((f"group_filter {config.group_filter.name!r} cannot run with this config", [str(err)]))
     return [(what, problems) for what, problems in out if problems]
 
 
@@ -586,12 +562,12 @@ class Config(Section):
         description="what the update optimises, and the objective's own "
         "settings (one section per objective; see flowgrpo.algo.objectives)"
     )
-    chunker: SerializeAsAny[ChunkerConfig] = Field(
-        default_factory=lambda: strategy_section("chunker", {}),
-        description="the chunker strategy and its own settings "
-        "(one section per strategy; see flowgrpo.algo.chunkers)"
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    group_filter: SerializeAsAny[GroupFilterConfig] = Field(
+        default_factory=lambda: strategy_section("group_filter", {}),
+        description="which samples of each group enter the advantages, and the filter's own settings "
+        "(flowgrpo.algo.filters; a plain name is shorthand for {name: ...})"
     )
-    algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     rewards: list[RewardSpec] = Field(
@@ -610,7 +586,7 @@ class Config(Section):
             raise ValueError(f"output_dir must name a folder for the run, got {value!r}")
         return value
 
-    @field_validator("chunker", "objective", mode="before")
+    @field_validator("group_filter", "objective", mode="before")
     @classmethod
     def _strategy_sections(cls, value, info):
         return strategy_section(info.field_name, value)
@@ -625,13 +601,15 @@ class Config(Section):
                 f"B = prompts_per_epoch*group_size = {b}"
             )
         tb = self.train_batch_size
+        chunker = getattr(self.objective, "chunker", None)
+        multiplies = chunker is not None and chunker.multiplies_batch
         if b % tb:
-            more = (f" (chunker {self.chunker.name!r} trains each sample as one trajectory per branch step; "
+            more = (f" (chunker {chunker.name!r} trains each sample as one trajectory per branch step; "
                     "train_batch_size must divide the samples, so that every micro-batch holds whole groups)"
-                    if self.chunker.multiplies_batch else "")
+                    if multiplies else "")
             raise ValueError(f"train.train_batch_size={tb} must divide the batch B = prompts_per_epoch*group_size = "
                              f"{b}{more}")
-        if (b // tb) % t.optimizer_steps_per_epoch and not self.chunker.multiplies_batch and not _own_units(self):
+        if (b // tb) % t.optimizer_steps_per_epoch and not multiplies and not _own_units(self):
             raise ValueError(
                 f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
                 f"training micro-batches B / train_batch_size = {b // tb}"
@@ -656,14 +634,13 @@ class Config(Section):
         if not self.rewards:
             raise ValueError("rewards: at least one reward is needed")
         check_cache_allowed(self.objective, self.sampling.cache.name,  # no cached velocity in a log-prob
-                            chunker=self.chunker)
+                            chunker=chunker)
         if self.model.prompt_embeddings_dir is not None and not self.model.cache_prompt_embeddings:
             raise ValueError(f"model.prompt_embeddings_dir={self.model.prompt_embeddings_dir!r} is read only with "
                              "model.cache_prompt_embeddings=true; set it, or remove the folder setting")
         if (info.context or {}).get("strategy_checks", True):  # --help marks their refusals (strategy_problems)
-            self.objective.check(self)  # each strategy's checks against the other sections
-            self.algo.group_filter.check(self)
-            self.algo.policy_loss.check(self)
+            self.objective.check(self)  # each strategy's checks against the other sections (the policy loss's too)
+            self.group_filter.check(self)
         if all(r.weight == 0 for r in self.rewards):
             raise ValueError("every reward in rewards has weight 0: the composed reward would be 0 and nothing "
                              "would be optimised; give at least one a weight")
@@ -685,13 +662,5 @@ class Config(Section):
     @property
     def train_batch_size(self) -> int:
         return self.train.train_batch_size or self.train.rollout_batch_size
-
-    @property
-    def clip_low(self) -> float:
-        return self.algo.clip_range_low if self.algo.clip_range_low is not None else self.algo.clip_range
-
-    @property
-    def clip_high(self) -> float:
-        return self.algo.clip_range_high if self.algo.clip_range_high is not None else self.algo.clip_range
 
 

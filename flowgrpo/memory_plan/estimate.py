@@ -24,7 +24,7 @@ Parts (each "on each GPU" and "host memory per rank"):
   ranks keeps a second copy in its buckets; host with ``offload: cpu``;
 * optimizer: AdamW's two float32 moments; host with ``offload: cpu``;
 * reference: full fine-tuning keeps a frozen copy in ``model.dtype`` when the objective forwards the reference (its
-  ``needs_reference``, as the trainer asks it: the SDE-ratio objective with ``algo.kl_beta`` > 0, DPO and DGPO
+  ``needs_reference``, as the trainer asks it: the SDE-ratio objective with ``objective.kl_beta`` > 0, DPO and DGPO
   always, NFT and AWM with their ``objective.kl_beta`` > 0), sharded like the policy (``parallel.reference:
   cpu_offload``: its shards in host memory); LoRA's reference is the base, adapter off;
 * EMA: a float32 shadow of the trained parameters, sharded like them (``parallel.ema: cpu``: host);

@@ -48,7 +48,7 @@ def packed_forward(adapter, traj: Trajectory, work: list[tuple[torch.Tensor, tup
         work: items (rows, chunk): rows (n,) long sample indices (host), chunk a tuple of k step indices.
         settings: the rollout's SDE settings.
         with_ref: also compute the KL to the reference policy per latent dim
-            (:func:`~flowgrpo.sampling.sde.kl_to_reference` of form ``kl_form``, ``algo.kl_form``).
+            (:func:`~flowgrpo.sampling.sde.kl_to_reference` of form ``kl_form``, ``objective.kl_form``).
         shared_inputs: per item, (n,) long keys or None; rows with equal keys have bit-identical transformer
             inputs at every step of the chunk (E-GRPO: the G samples of a (prompt, branch step) group start their
             jump from one anchor latent), so the transformer runs once per (key, step) and its velocity is shared;

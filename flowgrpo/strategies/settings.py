@@ -1,9 +1,9 @@
 """The settings base every config section and every strategy's settings model derive from, and its helpers.
 
 :class:`Section` refuses unknown keys, validates assignments and never takes a boolean for an integer. A
-*strategy section* (``chunker:``, ``objective:``, ``algo.policy_loss:``, ``algo.group_filter:``) is validated by
-:func:`strategy_settings` against the settings model of the strategy its ``name`` selects, so a knob of another
-strategy is an error naming its owner. This module imports nothing of flowgrpo above the registry.
+*strategy section* (``objective:``, ``objective.chunker:``, ``objective.policy_loss:``, ``group_filter:``) is
+validated by :func:`strategy_settings` against the settings model of the strategy its ``name`` selects, so a knob
+of another strategy is an error naming its owner. This module imports nothing of flowgrpo above the registry.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def strategy_settings(value, *, prefix: str, registry: Registry, base: type[Sect
     the registry (:meth:`~flowgrpo.strategies.registry.Registry.alias`) is replaced by the name it stands for.
 
     Args:
-        prefix: the section's dotted key (``chunker``, ``algo.policy_loss``), for messages.
+        prefix: the section's dotted key (``objective.chunker``, ``group_filter``), for messages.
         registry: the strategies; ``registry.what`` names the kind in messages.
         base: the settings every strategy of the kind has (its ``name`` field's default is the default strategy).
 
@@ -184,7 +184,8 @@ def _foreign_key(prefix: str, key: str, value, name: str, settings: type[Section
 
 def strategy_rows(prefix: str, registry: Registry, base: type[Section]) -> list[tuple[str, str, str]]:
     """``--help`` rows (dotted key, default, description) of a strategy section: every registered strategy's
-    settings, each key marked with the strategies that have it (``name`` shows the default strategy and lists the
+    settings (a key several have: the default strategy's field, else the first's), each key marked with the
+    strategies that have it (``name`` shows the default strategy and lists the
     registered ones; a :func:`registered_name` field lists its registry's names)."""
     owners: dict[str, list[str]] = {}
     fields = {}
@@ -194,6 +195,9 @@ def strategy_rows(prefix: str, registry: Registry, base: type[Section]) -> list[
             if key not in getattr(settings, "unread", {}):  # a field the strategy has but never reads
                 owners.setdefault(key, []).append(strategy)
             fields.setdefault(key, f)
+    if base.model_fields["name"].default in registry:  # a shared field shows the default strategy's default
+        fields.update((k, f) for k, f in settings_class(registry, base.model_fields["name"].default,
+                                                        base).model_fields.items() if k in fields)
     rows = []
     for key, f in fields.items():
         default = repr(base.model_fields["name"].default) if key == "name" else repr(f.default)

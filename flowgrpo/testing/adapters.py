@@ -403,7 +403,7 @@ class AdapterConformance:
         c = self.case
         chunk = f"{{name: chunk, chunk_sizes: [1, {c.num_steps - 1}]}}"
         chunker = "{name: per_step}" if strategy == "per_step" else chunk
-        records = self.run_one_epoch(folder, sources, tmp_path, [f"chunker={chunker}"])
+        records = self.run_one_epoch(folder, sources, tmp_path, [f"objective.chunker={chunker}"])
         assert records[0]["policy/logprob_mismatch_max"] == 0.0
         assert records[0]["adv/abs_mean"] > 0  # the update had a signal
 

@@ -349,7 +349,7 @@ class Trainer:
     def _warn_low_signal(self, epoch: int, adv: Advantages, total: torch.Tensor | None = None,
                          group_ids: torch.Tensor | None = None) -> None:
         """Metric ``adv/low_signal`` (1.0 or 0.0) each epoch; a console warning, with what to change, the first
-        epoch the fraction of samples with a learning signal falls below ``algo.min_learning_frac`` (the epoch
+        epoch the fraction of samples with a learning signal falls below ``advantage.min_learning_frac`` (the epoch
         numbered from 1, as the epoch lines). Only for an objective that trains on the group advantages
         (:attr:`~flowgrpo.algo.objectives.base.Objective.trains_on_advantages`): for the others (a dataset, the
         reward's gradient, a teacher) groups of equal rewards are no lack of signal, and neither is logged.
@@ -358,7 +358,7 @@ class Trainer:
         prompts are solved (a capped reward's steady state) instead of advising a denser reward."""
         if not self._on_advantages:
             return
-        low = adv.learning_frac < self.cfg.algo.min_learning_frac
+        low = adv.learning_frac < self.cfg.advantage.min_learning_frac
         self.metrics.log({"adv/low_signal": float(low)})
         if not low or self._low_signal_warned or not self.main:
             return
@@ -367,22 +367,22 @@ class Trainer:
         if solved is not None and solved >= 0.5:
             logger.warning(
                 "epoch %d: only %.1f%% of the samples carry a learning signal (%.1f%% of the groups have equal "
-                "rewards, %.0f%% of those at the epoch's highest reward; algo.min_learning_frac=%g): those prompts "
-                "are solved. With a capped reward (every sample past the cap scores the same, as the digits task's "
-                "cap 0.8) that is the intended steady state, not a fault; raise the cap or give harder prompts to "
-                "keep training them, or lower algo.min_learning_frac to silence this. Metric adv/low_signal marks "
-                "each such epoch; this warning is shown once.",
+                "rewards, %.0f%% of those at the epoch's highest reward; advantage.min_learning_frac=%g): those "
+                "prompts are solved. With a capped reward (every sample past the cap scores the same, as the digits "
+                "task's cap 0.8) that is the intended steady state, not a fault; raise the cap or give harder prompts "
+                "to keep training them, or lower advantage.min_learning_frac to silence this. Metric adv/low_signal "
+                "marks each such epoch; this warning is shown once.",
                 epoch + 1, 100 * adv.learning_frac, 100 * adv.zero_spread_frac, 100 * solved,
-                self.cfg.algo.min_learning_frac)
+                self.cfg.advantage.min_learning_frac)
             return
         logger.warning(
             "epoch %d: only %.1f%% of the samples carry a learning signal (%.1f%% of the groups have equal rewards, "
-            "%.1f%% of the samples a NaN reward; algo.min_learning_frac=%g): the update moves the policy little or "
-            "not at all. Make the rewards differ within a group: a denser reward (a probability, not a 0/1 "
+            "%.1f%% of the samples a NaN reward; advantage.min_learning_frac=%g): the update moves the policy little "
+            "or not at all. Make the rewards differ within a group: a denser reward (a probability, not a 0/1 "
             "verdict), a larger train.group_size, more sampling.num_steps or a higher sampling.noise_level. "
             "Metric adv/low_signal marks each such epoch; this warning is shown once.",
             epoch + 1, 100 * adv.learning_frac, 100 * adv.zero_spread_frac, 100 * adv.nan_frac,
-            self.cfg.algo.min_learning_frac)
+            self.cfg.advantage.min_learning_frac)
 
     def save_rollout_stats(self, epoch: int, traj, rewards: Rewards, group_ids: torch.Tensor,
                            adv: Advantages) -> None:

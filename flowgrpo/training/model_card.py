@@ -75,6 +75,16 @@ def _card_metadata(m, pipeline_class: str = "FluxPipeline") -> dict:
     return meta
 
 
+def _algorithm(config) -> str:
+    """The card's algorithm line: the SDE-ratio objective's sampler, chunker, advantages, clip range and KL weight,
+    or another objective's name and advantages."""
+    s, o, a = config.sampling, config.objective, config.advantage
+    if getattr(o, "chunker", None) is None:
+        return f"objective `{o.name}`, advantages `{a.name}`"
+    return (f"SDE `{s.sde_kind}` (noise level {s.noise_level:g}, {s.num_steps} steps), chunker\n  `{o.chunker.name}`, "
+            f"advantages `{a.name}`, clip range {o.clip_low:g}/{o.clip_high:g},\n  KL β {o.kl_beta:g}")
+
+
 def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", repo: str = ".",
                figures: tuple[str, ...] = FIGURES, base_folder: str | None = None,
                prompt: str = "a photo of a cat", call: dict | None = None,
@@ -93,7 +103,7 @@ def model_card(config, summary: dict, *, pipeline_class: str = "FluxPipeline", r
         call: the loading code's pipeline-call arguments (default :func:`pipeline_call` of ``config``).
         exclude: summary keys left out of the figures table (a task's per-group figures).
     """
-    m, s, a, t = config.model, config.sampling, config.algo, config.train
+    m, t = config.model, config.train
     base = m.pretrained
     meta = _card_metadata(m, pipeline_class)
     rewards = ", ".join(f"`{r.name}` (weight {r.weight:g})" for r in config.rewards)
@@ -111,9 +121,7 @@ Trained with flowgrpo — GRPO-family reinforcement learning for flow-matching m
 * **Base model:** `{base}` ({pipeline_class}{", built by flowgrpo in " + base_folder if base_folder else ""})
 * **Weights:** {"LoRA (rank " + str(m.lora_rank) + ", alpha " + str(m.lora_alpha) + ")" if m.finetune == "lora"
                 else "the full transformer"}
-* **Algorithm:** SDE `{s.sde_kind}` (noise level {s.noise_level:g}, {s.num_steps} steps), chunker
-  `{config.chunker.name}`, advantages `{a.advantage}`, clip range {config.clip_low:g}/{config.clip_high:g},
-  KL β {a.kl_beta:g}
+* **Algorithm:** {_algorithm(config)}
 * **Training:** {summary.get("epochs", t.num_epochs)} epochs of {t.prompts_per_epoch} prompts × G = {t.group_size},
   AdamW lr {t.lr:g}, seed {t.seed}; prompts `{config.data.train_prompts}`
 * **Rewards optimised:** {rewards}; scored at evaluation only: {evals}

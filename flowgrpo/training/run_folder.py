@@ -146,11 +146,18 @@ def changed_settings(saved: Path, cfg) -> dict[str, str]:
     (``train.resume_from`` left out; a key one of them lacks shows as ``(absent)``). A strategy section whose
     strategy changed (``objective.name: 'dpo' -> 'sde_ratio'``; :data:`~flowgrpo.config.schema.STRATEGY_SECTIONS`)
     comes first, as one entry under its ``name`` key that counts the settings of the old strategy dropped and of
-    the new one added instead of listing each ``-> (absent)``; its settings that both have are listed as usual."""
+    the new one added instead of listing each ``-> (absent)``; its settings that both have are listed as usual. A
+    saved config of the earlier layout (``algo``, ``chunker``) is read with its keys at their new homes
+    (:func:`~flowgrpo.config.loading.upgraded`); a home it did not list (``objective.timestep_fraction`` of a run
+    whose chunker had none) is no change."""
+    from flowgrpo.algo.objectives.sde_ratio import NESTED_SECTIONS
+    from flowgrpo.config.loading import MOVES, upgraded
     from flowgrpo.config.schema import STRATEGY_SECTIONS
 
-    old = flat_dict(yaml.safe_load(saved.read_text()) or {})
+    raw = yaml.safe_load(saved.read_text()) or {}
+    old = flat_dict(upgraded(raw))  # an earlier version's keys at their homes
     new = flat_dict(cfg.model_dump(mode="json"))
+    unlisted = set(MOVES.values()) - set(old) if {"algo", "chunker"} & set(raw) else set()
     absent = object()
 
     def shown(v) -> str:
@@ -158,9 +165,9 @@ def changed_settings(saved: Path, cfg) -> dict[str, str]:
 
     changed = {k: f"{k}: {shown(old.get(k, absent))} -> {shown(new.get(k, absent))}"
                for k in sorted(set(old) | set(new))
-               if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from"}
+               if old.get(k, absent) != new.get(k, absent) and k != "train.resume_from" and k not in unlisted}
     switched = {}
-    for section in STRATEGY_SECTIONS:
+    for section in [*STRATEGY_SECTIONS, *NESTED_SECTIONS]:
         name = f"{section}.name"
         if name not in changed:
             continue

@@ -74,9 +74,9 @@ def stop_line(epoch: int, num_epochs: int, what: str, checkpoints: str | Path) -
     one was written, else a new run."""
     from flowgrpo.checkpoints.health import newest_healthy
 
-    advice = ("Resume from it (train.resume_from=auto) with a lower train.lr (or a larger algo.kl_beta)"
+    advice = ("Resume from it (train.resume_from=auto) with a lower train.lr (or a larger objective.kl_beta)"
               if newest_healthy(checkpoints) is not None else
-              "Start it again with a lower train.lr (or a larger algo.kl_beta): train.resume_from=auto restarts a "
+              "Start it again with a lower train.lr (or a larger objective.kl_beta): train.resume_from=auto restarts a "
               "run that has no checkpoint")
     return f"epoch {epoch + 1}/{num_epochs}: the run diverged: {what}; {last_checkpoint(checkpoints)}. {advice}"
 

@@ -48,8 +48,10 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "rew
              "samples_latest.png", "reward_curve.png", "before_after.png")
 #: the top-level sections of every resolved config a run has written into its ``config.yaml`` (the config's
 #: ``model_dump``; a hand-written config sets a few and may name a ``base``)
-RESOLVED_SECTIONS = frozenset({"output_dir", "model", "sampling", "eval_sampling", "train", "algo", "chunker",
-                               "objective", "rewards", "eval_rewards", "data", "logging", "parallel"})
+#: (the sections every version has written: ``algo`` and ``chunker`` of earlier ones are now ``objective``'s,
+#: ``advantage`` and ``group_filter``)
+RESOLVED_SECTIONS = frozenset({"output_dir", "model", "sampling", "eval_sampling", "train", "objective", "rewards",
+                               "eval_rewards", "data", "logging", "parallel"})
 #: the parts of each kind of output another writer may not write into
 OWNED_PARTS = {"run": RUN_FILES}
 

@@ -267,20 +267,20 @@ def test_per_step_trains_every_step_by_default():
 
 def test_per_step_fraction_first():
     # int(0.5·6) = 3: the first three transitions for every sample (the releases' int(K·fraction))
-    plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.5)).plan(_random_traj(t=6), 0, _gen())
+    plan = build_chunker(chunker_settings(name="per_step"), 0.5).plan(_random_traj(t=6), 0, _gen())
     assert plan.selected.tolist() == [[True] * 3 + [False] * 3] * 3
     # int(0.4·6) = int(2.4) = 2; int(0.1·6) = 0 trains nothing: an error naming the setting
-    plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.4)).plan(_random_traj(t=6), 0, _gen())
+    plan = build_chunker(chunker_settings(name="per_step"), 0.4).plan(_random_traj(t=6), 0, _gen())
     assert plan.selected.sum(1).tolist() == [2, 2, 2]
-    with pytest.raises(ValueError, match="chunker.timestep_fraction=0.1 trains int"):
-        build_chunker(chunker_settings(name="per_step", timestep_fraction=0.1)).plan(_random_traj(t=6), 0, _gen())
+    with pytest.raises(ValueError, match="objective.timestep_fraction=0.1 trains int"):
+        build_chunker(chunker_settings(name="per_step"), 0.1).plan(_random_traj(t=6), 0, _gen())
 
 
 def test_per_step_fraction_random_is_a_uniform_subset_per_sample():
     b, t = 3000, 6
     traj = _traj(torch.randn(b, t + 1, 1, generator=_gen(0)))
-    cfg = chunker_settings(name="per_step", timestep_fraction=0.5, step_selection="random")
-    plan = build_chunker(cfg).plan(traj, 0, _gen(7))
+    cfg = chunker_settings(name="per_step", step_selection="random")
+    plan = build_chunker(cfg, 0.5).plan(traj, 0, _gen(7))
     assert plan.selected.sum(1).tolist() == [3] * b
     assert len({tuple(r.tolist()) for r in plan.selected[:50]}) > 10  # samples differ
     counts = plan.selected.sum(0).double()  # each step is chosen with probability 3/6
@@ -289,10 +289,10 @@ def test_per_step_fraction_random_is_a_uniform_subset_per_sample():
 
 def test_per_step_fraction_count_is_the_releases_int_of_the_float_product():
     # int(0.28·25) = int(7.000000000000001) = 7; int(0.29·100) = int(28.999999999999996) = 28, as the releases count
-    plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.28)).plan(_random_traj(t=25), 0, _gen())
+    plan = build_chunker(chunker_settings(name="per_step"), 0.28).plan(_random_traj(t=25), 0, _gen())
     assert plan.selected.sum(1).tolist() == [7, 7, 7]
     assert 0.29 * 100 < 29
-    plan = build_chunker(chunker_settings(name="per_step", timestep_fraction=0.29)).plan(_random_traj(t=100), 0,
+    plan = build_chunker(chunker_settings(name="per_step"), 0.29).plan(_random_traj(t=100), 0,
                                                                                             _gen())
     assert plan.selected.sum(1).tolist() == [28, 28, 28]
 
@@ -312,10 +312,10 @@ def test_unknown_chunker_suggests():
 # ----------------------------------------------------------------------------------------------- plan/trained_frac
 
 
-def _frac(chunker_kwargs, traj, epoch=0):
+def _frac(chunker_kwargs, traj, epoch=0, timestep_fraction=1.0):
     from flowgrpo.algo.objectives.sde_ratio import SdeRatioWork
 
-    plan = build_chunker(chunker_settings(**chunker_kwargs)).plan(traj, epoch, _gen())
+    plan = build_chunker(chunker_settings(**chunker_kwargs), timestep_fraction).plan(traj, epoch, _gen())
     return SdeRatioWork(traj, None, plan, [], traj.log_probs, None, epoch, False).metrics["plan/trained_frac"]
 
 
@@ -323,7 +323,7 @@ def test_trained_frac_is_the_share_of_the_trajectorys_transitions():
     # the epoch line's "% of steps": the transitions a trained sample trains over T, by hand for every chunker
     t8 = _random_traj(t=8)
     assert _frac({"name": "per_step"}, _random_traj(t=6)) == pytest.approx(1.0)
-    assert _frac({"name": "per_step", "timestep_fraction": 0.5}, _random_traj(t=6)) == pytest.approx(3 / 6)
+    assert _frac({"name": "per_step"}, _random_traj(t=6), timestep_fraction=0.5) == pytest.approx(3 / 6)
     assert _frac({"name": "per_step", "drop_last_step": True}, _random_traj(t=6)) == pytest.approx(5 / 6)
     # chunk: sizes 3 + 4 over the 7 trainable of 8 (last dropped): one chunk of 7 steps or two, all trained: 7/8
     assert _frac({"name": "chunk", "chunk_sizes": [3, 4], "drop_last_step": True}, t8) == pytest.approx(7 / 8)

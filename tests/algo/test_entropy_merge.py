@@ -158,7 +158,7 @@ def test_chunker_construction_checks_the_config():
     with pytest.raises(ValueError, match="merge_lengths needs"):
         chunker_settings(name="entropy_merge", entropy_threshold=1.0, merge_lengths=[2])
     cfg = build_config({"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9, "sde_fraction": 0.5}})
-    assert isinstance(build_chunker(cfg.chunker), EntropyMerge)
+    assert isinstance(build_chunker(cfg.objective.chunker), EntropyMerge)
 
 
 def test_cps_is_rejected_before_any_model_call():
@@ -307,7 +307,7 @@ def test_configs_give_the_released_branch_steps():
     from flowgrpo.config import load_config
 
     cfg = load_config("configs/flux_egrpo.yaml")
-    chunker = build_chunker(cfg.chunker)
+    chunker = build_chunker(cfg.objective.chunker)
     released = [(0, 1), (1, 1), (2, 2), (4, 3)]  # --eta_step_list 0 1 2 4 --eta_step_merge_list 1 1 2 3
     t = torch.linspace(1, 0, 17, dtype=torch.float64)
     assert chunker.branch_plan((3 * t / (1 + 2 * t)).float(), "flow_sde", 0.7) == released  # released grid
@@ -320,7 +320,7 @@ def test_configs_give_the_released_branch_steps():
     assert cfg.train.group_size == 12 and cfg.sampling.num_steps == 16
     assert cfg.train.group_size % cfg.train_batch_size == 0
     digits = load_config("configs/digits_egrpo.yaml")
-    assert isinstance(build_chunker(digits.chunker), EntropyMerge)
+    assert isinstance(build_chunker(digits.objective.chunker), EntropyMerge)
     assert digits.model.pretrained == "digits" and digits.rewards[0].name == "digit_correctness"
 
 

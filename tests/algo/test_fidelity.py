@@ -279,10 +279,10 @@ def test_default_config_is_flow_grpo():
     from flowgrpo.runner import DEFAULT_CONFIG
 
     cfg = load_config()
-    assert (cfg.algo.kl_form, cfg.algo.std_ddof, cfg.algo.std_eps) == ("flow_grpo", 0, 1e-4)
+    assert (cfg.objective.kl_form, cfg.advantage.std_ddof, cfg.advantage.std_eps) == ("flow_grpo", 0, 1e-4)
     assert cfg.sampling.final_decode == "sample"
     digits = load_config(DEFAULT_CONFIG)
-    assert (digits.algo.kl_form, digits.algo.std_ddof, digits.algo.std_eps) == ("flow_grpo", 0, 0.05)
+    assert (digits.objective.kl_form, digits.advantage.std_ddof, digits.advantage.std_eps) == ("flow_grpo", 0, 0.05)
 
 
 # ------------------------------------------------------------------------------------------------ 6. E-GRPO jump std
@@ -322,12 +322,13 @@ def _traj(latents: torch.Tensor, sigmas: torch.Tensor | None = None, stochastic:
     )
 
 
-def _plan(cfg, traj, epoch: int = 0, seed: int = 0, **settings):
-    """The plan of chunker settings ``cfg`` (a settings object, or a name with ``settings``)."""
+def _plan(cfg, traj, epoch: int = 0, seed: int = 0, timestep_fraction: float = 1.0, **settings):
+    """The plan of chunker settings ``cfg`` (a settings object, or a name with ``settings``) under the objective's
+    ``timestep_fraction``."""
     from flowgrpo.algo.chunkers import build_chunker, chunker_settings
 
     cfg = chunker_settings(cfg, **settings) if isinstance(cfg, str) else cfg
-    return build_chunker(cfg).plan(traj, epoch, torch.Generator().manual_seed(seed))
+    return build_chunker(cfg, timestep_fraction).plan(traj, epoch, torch.Generator().manual_seed(seed))
 
 
 # ------------------------------------------------------------------------------------------------ 3. fractions
@@ -335,10 +336,10 @@ def test_a_flow_grpo_port_trains_nine_steps_with_the_releases_kl():
     """Flow-GRPO's geneval_sd3 (timestep_fraction 0.99, beta 0.04, T = 10): train_sd3.py trains steps
     range(int(10 * 0.99)) = 0..8 with kl = mean((mu - mu_ref)^2) / (2 std_dev_t^2)."""
     cfg = load_config(REPO / "configs" / "sd35_grpo.yaml")
-    assert (cfg.chunker.timestep_fraction, cfg.sampling.num_steps, cfg.algo.kl_beta) == (0.99, 10, 0.04)
+    assert (cfg.objective.timestep_fraction, cfg.sampling.num_steps, cfg.objective.kl_beta) == (0.99, 10, 0.04)
     sigmas = _sd35_sigmas(10)
     traj = _traj(torch.randn(2, 11, 4, generator=torch.Generator().manual_seed(0)), sigmas)
-    plan = _plan(cfg.chunker, traj)
+    plan = _plan(cfg.objective.chunker, traj, timestep_fraction=cfg.objective.timestep_fraction)
     release_steps = list(range(int(cfg.sampling.num_steps * 0.99)))
     trained = [plan.chunks[k][0] for k in range(plan.num_chunks) if bool(plan.selected[:, k].all())]
     assert trained == release_steps == list(range(9))
@@ -346,7 +347,7 @@ def test_a_flow_grpo_port_trains_nine_steps_with_the_releases_kl():
     for t in trained:  # and each trained step's KL has the release's magnitude
         s, sn = float(sigmas[t]), float(sigmas[t + 1])
         mean, ref_mean, std = _means(t, s, sn, "flow_sde", cfg.sampling.noise_level)
-        ours = kl_to_reference(mean, ref_mean, std, s, sn, kind="flow_sde", form=cfg.algo.kl_form)
+        ours = kl_to_reference(mean, ref_mean, std, s, sn, kind="flow_sde", form=cfg.objective.kl_form)
         torch.testing.assert_close(ours.double(), _release_flow_grpo_kl(mean, ref_mean, s, sigmas, 0.7), rtol=1e-5,
                                    atol=0)
 
@@ -395,7 +396,7 @@ def test_gcpo_script_trains_two_uniformly_chosen_chunks_per_sample():
     cfg = load_config(REPO / "configs" / "flux_chunk.yaml")
     b = 3000
     traj = _traj(torch.randn(b, 18, 2, generator=torch.Generator().manual_seed(3)))
-    plan = _plan(cfg.chunker, traj, seed=4)
+    plan = _plan(cfg.objective.chunker, traj, seed=4)
     assert plan.chunks == (tuple(range(0, 2)), tuple(range(2, 5)), tuple(range(5, 9)), tuple(range(9, 16)))
     assert plan.selected.sum(1).tolist() == [int(4 * 0.5)] * b
     pairs = torch.tensor([[int(a), int(c)] for a, c in (r.nonzero().flatten().tolist() for r in plan.selected)])
@@ -424,7 +425,7 @@ def test_mixgrpo_window_follows_the_release_until_its_empty_window():
     from flowgrpo.algo.chunkers import build_chunker
 
     cfg = load_config(REPO / "configs" / "flux_mix.yaml")
-    chunker = build_chunker(cfg.chunker)
+    chunker = build_chunker(cfg.objective.chunker)
     t_count = cfg.sampling.num_steps
     release = _release_mixgrpo_windows(t_count, 1300)
     assert release[500] == [20, 21, 22]  # the issue's figure
@@ -434,7 +435,7 @@ def test_mixgrpo_window_follows_the_release_until_its_empty_window():
     assert ours[:first_empty] == release[:first_empty]
     # the release trains nothing for 25 iterations at start T − 2, then rolls back; ours rolls back at once
     assert ours[first_empty : first_empty + 25] == release[first_empty + 25 : first_empty + 50] == [[0, 1, 2, 3]] * 25
-    stay = build_chunker(cfg.chunker.model_copy(update={"window_end": "stay"}))
+    stay = build_chunker(cfg.objective.chunker.model_copy(update={"window_end": "stay"}))
     assert stay.sde_steps(t_count, 500).nonzero().flatten().tolist() == [20, 21, 22, 23]
 
 

@@ -70,11 +70,11 @@ def test_config_checks_keep_and_metric():
     from flowgrpo.config import ConfigError, build_config
 
     with pytest.raises(ConfigError, match="keep=4 must be below train.group_size=4"):
-        build_config({}, ["algo.group_filter.name=gfpo", "algo.group_filter.keep=4"])
+        build_config({}, ["group_filter.name=gfpo", "group_filter.keep=4"])
     with pytest.raises(ConfigError, match="add it to rewards with weight 0"):
-        build_config({}, ["algo.group_filter.name=gfpo", "algo.group_filter.keep=2", "algo.group_filter.metric=x"])
+        build_config({}, ["group_filter.name=gfpo", "group_filter.keep=2", "group_filter.metric=x"])
     with pytest.raises(ConfigError, match="keep is needed"):
-        build_config({}, ["algo.group_filter.name=gfpo"])
+        build_config({}, ["group_filter.name=gfpo"])
 
 
 def test_pass_rate_keeps_whole_groups_of_intermediate_pass_rate():
@@ -101,15 +101,15 @@ def test_pass_rate_config_needs_a_threshold_and_an_ordered_band():
     from flowgrpo.config import ConfigError, build_config
 
     with pytest.raises(ConfigError, match="pass_threshold is needed"):
-        build_config({}, ["algo.group_filter.name=pass_rate"])
+        build_config({}, ["group_filter.name=pass_rate"])
     with pytest.raises(ConfigError, match="min_pass_rate=0.8 exceeds max_pass_rate=0.5"):
-        build_config({}, ["algo.group_filter.name=pass_rate", "algo.group_filter.pass_threshold=1",
-                          "algo.group_filter.min_pass_rate=0.8", "algo.group_filter.max_pass_rate=0.5"])
-    with pytest.raises(ConfigError, match="max_pass_rate=0.5 is read only by algo.group_filter.name=pass_rate"):
-        build_config({}, ["algo.group_filter.max_pass_rate=0.5"])
+        build_config({}, ["group_filter.name=pass_rate", "group_filter.pass_threshold=1",
+                          "group_filter.min_pass_rate=0.8", "group_filter.max_pass_rate=0.5"])
+    with pytest.raises(ConfigError, match="max_pass_rate=0.5 is read only by group_filter.name=pass_rate"):
+        build_config({}, ["group_filter.max_pass_rate=0.5"])
     with pytest.raises(ConfigError, match="pass_threshold=0.5 is read only by"):
-        build_config({}, ["algo.group_filter.name=gfpo", "algo.group_filter.keep=2",
-                          "algo.group_filter.pass_threshold=0.5"])
+        build_config({}, ["group_filter.name=gfpo", "group_filter.keep=2",
+                          "group_filter.pass_threshold=0.5"])
 
 
 def test_learning_frac_under_a_filter_counts_the_kept_share_of_all_samples():

@@ -1,5 +1,6 @@
 """What each objective declares, and what the loop and the config checks make of it: the low-signal warning
-(``algo.min_learning_frac``, metric ``adv/low_signal``) only for an objective that trains on the group advantages."""
+(``advantage.min_learning_frac``, metric ``adv/low_signal``) only for an objective that trains on the group
+advantages."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_low_signal_is_warned_and_logged_only_for_objectives_on_advantages(name,
                      nan_frac=0.0, learning_frac=0.0)
     trainer = SimpleNamespace(_on_advantages=OBJECTIVES.get(name).trains_on_advantages, metrics=_Metrics(),
                               main=True, _low_signal_warned=False,
-                              cfg=SimpleNamespace(algo=SimpleNamespace(min_learning_frac=0.1)))
+                              cfg=SimpleNamespace(advantage=SimpleNamespace(min_learning_frac=0.1)))
     with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         for epoch in range(3):
             Trainer._warn_low_signal(trainer, epoch, adv)
@@ -65,14 +66,14 @@ def test_low_signal_says_solved_when_the_equal_groups_sit_at_the_highest_reward(
     adv = Advantages(values=torch.zeros(12), train_mask=torch.ones(12, dtype=torch.bool), zero_spread_frac=2 / 3,
                      nan_frac=0.0, learning_frac=1 / 3)
     trainer = SimpleNamespace(_on_advantages=True, metrics=_Metrics(), main=True, _low_signal_warned=False,
-                              cfg=SimpleNamespace(algo=SimpleNamespace(min_learning_frac=0.5)))
+                              cfg=SimpleNamespace(advantage=SimpleNamespace(min_learning_frac=0.5)))
     with caplog.at_level(logging.WARNING, logger="flowgrpo.training"):
         Trainer._warn_low_signal(trainer, 66, adv, total, ids)
     (msg,) = [r.getMessage() for r in caplog.records if "carry a learning signal" in r.getMessage()]
     assert msg.startswith("epoch 67: only 33.3% of the samples carry a learning signal (66.7% of the groups")
     if case == "solved":
         assert "100% of those at the epoch's highest reward" in msg and "are solved" in msg
-        assert "denser reward" not in msg and "algo.min_learning_frac" in msg
+        assert "denser reward" not in msg and "advantage.min_learning_frac" in msg
     else:
         assert "denser reward" in msg and "solved" not in msg
 
@@ -80,11 +81,10 @@ def test_low_signal_says_solved_when_the_equal_groups_sit_at_the_highest_reward(
 # ------------------------------------------------------------------------------------------ the refusals, gathered
 from flowgrpo.config import ConfigError, build_config  # noqa: E402
 
-#: a valid value other than the default for every setting only sde_ratio reads (written here, not derived)
+#: a valid value other than the default for every setting of the shared sections only sde_ratio reads (written
+#: here, not derived); its own settings are in its section (objective: {name: sde_ratio, ...})
 SDE_RATIO_MOVED = {"sampling": {"sde_kind": "cps", "noise_level": 0.5, "logprob_reduction": "sum",
-                                "cps_simplified_logprob": True, "sigma_one_guard": "next", "final_decode": "x0_pred"},
-                   "algo": {"clip_range": 1e-3, "clip_range_low": 1e-3, "clip_range_high": 1e-3, "kl_beta": 0.04,
-                            "kl_form": "gaussian", "recompute_old_log_probs": True}}
+                                "cps_simplified_logprob": True, "sigma_one_guard": "next", "final_decode": "x0_pred"}}
 #: a valid value other than the default for every objective.* setting a refusal may name as the fix
 FIX_VALUES = {"solver": "dpmpp_2m", "solver_noise_level": 0.1, "kl_beta": 0.1, "beta_dpo": 50.0, "noise_level": 0.1,
               "reward_scale": 0.5, "refl_margin": 1.5, "teacher": "runs/teacher"}
@@ -108,19 +108,30 @@ def test_every_sde_ratio_setting_is_refused_at_once_one_line_each_naming_a_fix_t
     objective takes (the refl refusal named objective.solver_noise_level, and then refused it)."""
     import re
 
-    text = _error({"objective": name, **SDE_RATIO_MOVED, "chunker": "chunk", "algo": {
-        **SDE_RATIO_MOVED["algo"], "policy_loss": "sapo"}})
+    text = _error({"objective": name, **SDE_RATIO_MOVED})
     lines = [ln.removeprefix("  - ") for ln in text.splitlines()[1:]]
     moved = [f"{sec}.{key}=" for sec, keys in SDE_RATIO_MOVED.items() for key in keys]
-    assert text.splitlines()[0].endswith(f"{len(moved) + 2} settings to change, one a line:"), text
-    assert sorted(ln.split("=")[0] + "=" for ln in lines if "=" in ln.split()[0]) == sorted(moved), text
-    assert any(ln.startswith("chunker 'chunk'") for ln in lines) and any(
-        ln.startswith("algo.policy_loss 'sapo'") for ln in lines), text
-    for ln in lines[:len(moved)]:
+    assert text.splitlines()[0].endswith(f"{len(moved)} settings to change, one a line:"), text
+    assert sorted(ln.split("=")[0] + "=" for ln in lines) == sorted(moved), text
+    for ln in lines:
         assert f"objective.name is {name!r}, which trains on " in ln and TRAINS_ON[name] in ln.split("(")[0], ln
     for key in sorted(set(re.findall(r"objective\.([a-z_]+)", text)) - {"name"}):
         assert key in FIX_VALUES, f"a refusal of {name} names objective.{key}: give it a value in FIX_VALUES"
         build_config({**RUN, "objective": {"name": name, key: FIX_VALUES[key]}})  # the named fix is taken
+
+
+@pytest.mark.parametrize("name", sorted(TRAINS_ON))
+def test_the_sde_ratio_objectives_own_settings_are_not_another_objectives(name):
+    """issue #55: its clip range, KL, chunker and policy loss are keys of its own section, so another objective's
+    section cannot hold them: one line each naming sde_ratio as their reader (the schema's refusal of another
+    strategy's key), with no refusal machinery of their own."""
+    own = {"kl_form": "gaussian", "recompute_old_log_probs": True, "chunker": "chunk", "policy_loss": "sapo",
+           "clip_range_low": 1e-3}
+    text = _error({"objective": {"name": name, **own}})
+    for key, value in own.items():
+        assert f"objective.{key}={value!r} is read only by objective.name=sde_ratio, but objective.name is " \
+               f"{name!r}" in text, text
+    assert build_config({**RUN, "objective": name}).objective.name == name  # the plain name: none of them
 
 
 def test_a_single_problem_stays_one_line():
@@ -172,17 +183,18 @@ def test_fields_an_objective_never_reads_are_refused_when_moved_all_at_once(name
 
 @pytest.mark.parametrize("name", sorted(NOT_ON_ADVANTAGES))
 def test_min_learning_frac_is_refused_where_no_advantage_trains(name):
-    text = _error({"objective": name, "algo": {"min_learning_frac": 0.3}})
-    assert text.startswith(f"algo.min_learning_frac=0.3 is read only by objectives that train on the group "
+    text = _error({"objective": name, "advantage": {"min_learning_frac": 0.3}})
+    assert text.startswith(f"advantage.min_learning_frac=0.3 is read only by objectives that train on the group "
                            f"advantages, but objective {name!r} does not"), text
-    build_config({**RUN, "objective": "dpo", "algo": {"min_learning_frac": 0.3, "clip_range": 1e-4}})
+    build_config({**RUN, "objective": "dpo", "advantage": {"min_learning_frac": 0.3}})
 
 
 @pytest.mark.parametrize("objective", ["nft", "awm", "dgpo"])
 def test_the_command_line_fix_the_refusal_names_builds_a_valid_config(objective):
-    """Switching the embedded default to a forward objective by an override is refused naming each SDE-ratio
-    setting; the refusal's own command-line fixes (``key=default``) then build a config that runs (a fresh-eyes
-    run found "remove the setting" only, which an override cannot do)."""
+    """Switching the embedded default to a forward objective by an override replaces its SDE-ratio section whole
+    (its settings go with it); a rollout setting only the SDE-ratio objective reads is refused naming it, and the
+    refusal's own command-line fix (``key=default``) then builds a config that runs (a fresh-eyes run found "remove
+    the setting" only, which an override cannot do)."""
     import re
 
     import yaml
@@ -191,9 +203,10 @@ def test_the_command_line_fix_the_refusal_names_builds_a_valid_config(objective)
     from flowgrpo.runner import DEFAULT_CONFIG
 
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    assert build_config(data, [f"objective={objective}"]).objective.name == objective
     with pytest.raises(ValueError) as err:
-        build_config(data, [f"objective={objective}"])
+        build_config(data, [f"objective={objective}", "sampling.noise_level=0.5", "sampling.sde_kind=cps"])
     fixes = re.findall(r"set it back on the command line: (\S+)$", str(err.value), flags=re.M)
-    assert len(fixes) == len(str(err.value).splitlines()) - 1 >= 3, str(err.value)
-    cfg = build_config(data, [f"objective={objective}", *fixes])
+    assert len(fixes) == len(str(err.value).splitlines()) - 1 == 2, str(err.value)
+    cfg = build_config(data, [f"objective={objective}", "sampling.noise_level=0.5", "sampling.sde_kind=cps", *fixes])
     assert cfg.objective.name == objective

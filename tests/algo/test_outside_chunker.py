@@ -35,8 +35,9 @@ class EveryOther(BaseChunker):
 
 def test_its_settings_are_validated_by_the_run_config():
     cfg = build_config({"chunker": {"name": "every_other_test", "offset": 1}})
-    assert isinstance(cfg.chunker, EveryOtherConfig) and cfg.chunker.offset == 1
-    with pytest.raises(ConfigError, match="'chunker.ofset' for chunker 'every_other_test'.*did you mean 'offset'"):
+    assert isinstance(cfg.objective.chunker, EveryOtherConfig) and cfg.objective.chunker.offset == 1
+    with pytest.raises(ConfigError,
+                       match="'objective.chunker.ofset' for chunker 'every_other_test'.*did you mean 'offset'"):
         build_config({"chunker": {"name": "every_other_test", "ofset": 1}})
 
 

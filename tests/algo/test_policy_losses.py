@@ -22,12 +22,21 @@ from flowgrpo.algo.policy_losses import (
     POLICY_LOSSES,
     DualClipConfig,
     GrpoGuardConfig,
-    LossSettings,
     PolicyLossInput,
     SapoConfig,
     clipped_surrogate,
     needs_moments,
 )
+
+
+def _settings(clip_low: float = 1e-4, clip_high: float = 1e-4, kl_beta: float = 0.0, loss=None,
+              name: str = "clipped"):
+    """What a policy loss reads: the SDE-ratio objective's section (objective.clip_range_low / high, kl_beta and
+    the loss's own section ``loss``, default: loss ``name`` with its defaults)."""
+    from flowgrpo.algo.objectives import SdeRatioConfig
+
+    return SdeRatioConfig(clip_range_low=clip_low, clip_range_high=clip_high, kl_beta=kl_beta,
+                          policy_loss=loss if loss is not None else name)
 
 
 def _sig(x: float) -> float:
@@ -49,7 +58,7 @@ def test_registry_lists_the_losses_and_rejects_typos():
 
 def test_registered_clipped_equals_the_plain_function():
     inp = _inp([1.0, -2.0, 0.5], [0.3, -0.2, 0.01])
-    s = LossSettings(clip_low=0.1, clip_high=0.2)
+    s = _settings(clip_low=0.1, clip_high=0.2)
     a = POLICY_LOSSES.get("clipped")(inp, s)
     b = clipped_surrogate(inp.new_log_probs, inp.old_log_probs, inp.advantages, clip_low=0.1, clip_high=0.2)
     assert torch.equal(a.loss, b.loss) and torch.equal(a.clipped, b.clipped)
@@ -62,7 +71,7 @@ SAPO_CASES = [  # (A, Δ (one step: r = e^Δ))
 
 def test_sapo_by_the_equation():
     tau_pos, tau_neg = 1.0, 2.0
-    s = LossSettings(loss=SapoConfig(tau_pos=tau_pos, tau_neg=tau_neg))
+    s = _settings(loss=SapoConfig(tau_pos=tau_pos, tau_neg=tau_neg))
     inp = _inp([c[0] for c in SAPO_CASES], [c[1] for c in SAPO_CASES])
     new = inp.new_log_probs.clone().requires_grad_(True)
     terms = POLICY_LOSSES.get("sapo")(PolicyLossInput(new, inp.old_log_probs, inp.advantages), s)
@@ -82,7 +91,7 @@ def test_sapo_by_the_equation():
 
 def test_sapo_rejects_non_positive_temperatures():
     with pytest.raises(ValueError, match="tau_pos=0"):
-        POLICY_LOSSES.get("sapo")(_inp([1.0], [0.0]), LossSettings(loss=SapoConfig.model_construct(tau_pos=0.0)))
+        POLICY_LOSSES.get("sapo")(_inp([1.0], [0.0]), _settings(loss=SapoConfig.model_construct(tau_pos=0.0)))
 
 
 DUAL_CASES = [  # (A, Δ): r = e^Δ, ε = 0.2, c = 3
@@ -96,7 +105,7 @@ DUAL_CASES = [  # (A, Δ): r = e^Δ, ε = 0.2, c = 3
 
 def test_dual_clip_by_the_equation():
     eps, c = 0.2, 3.0
-    s = LossSettings(clip_low=eps, clip_high=eps, loss=DualClipConfig(c=c))
+    s = _settings(clip_low=eps, clip_high=eps, loss=DualClipConfig(c=c))
     inp = _inp([x[0] for x in DUAL_CASES], [x[1] for x in DUAL_CASES])
     new = inp.new_log_probs.clone().requires_grad_(True)
     terms = POLICY_LOSSES.get("dual_clip")(PolicyLossInput(new, inp.old_log_probs, inp.advantages), s)
@@ -116,7 +125,7 @@ def test_dual_clip_by_the_equation():
     with pytest.raises(ValueError, match="greater than 1"):  # the settings refuse it where it enters
         DualClipConfig(c=1.0)
     with pytest.raises(ValueError, match="policy_loss.c must be > 1"):  # and the loss, called without them
-        POLICY_LOSSES.get("dual_clip")(inp, LossSettings(loss=DualClipConfig.model_construct(c=1.0)))
+        POLICY_LOSSES.get("dual_clip")(inp, _settings(loss=DualClipConfig.model_construct(c=1.0)))
 
 
 def _gaussian_pair(n: int, d: int, std: torch.Tensor, drift_scale: float, seed: int):
@@ -140,7 +149,7 @@ def test_grpo_guard_ratio_is_the_drift_projected_on_the_noise():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
     inp = PolicyLossInput(lp_new.float()[:, None], lp_old.float()[:, None], adv, std=std.float()[:, None],
                           dt=dt.float()[:, None], mean_drift_sq=((mu_new - mu_old) ** 2).mean(1).float()[:, None])
-    s = LossSettings(clip_low=1e-4, clip_high=1e-4, loss=GrpoGuardConfig(stats="per_sample"))
+    s = _settings(clip_low=1e-4, clip_high=1e-4, loss=GrpoGuardConfig(stats="per_sample"))
     terms = POLICY_LOSSES.get("grpo_guard")(inp, s)
     ell = (eps * (mu_new - mu_old)).mean(1)  # the normalised log-ratio, independent of std
     torch.testing.assert_close(terms.ratio.double(), torch.exp(ell), rtol=0, atol=2e-6)
@@ -193,11 +202,11 @@ def test_grpo_guard_default_is_the_release_formula_with_one_bias_per_micro_batch
     adv = [1.0, -1.0, 0.3, -0.7, 1.2, -0.4]
     ratios, release = _release_grpo_guard(lp_new, lp_old, mu_new, mu_old, s_t, sqrt_dt, adv, eps)
     inp = PolicyLossInput(lp_new.float()[:, None], lp_old.float()[:, None], torch.tensor(adv), **kw)
-    ours = POLICY_LOSSES.get("grpo_guard")(inp, LossSettings(clip_low=eps, clip_high=eps))
+    ours = POLICY_LOSSES.get("grpo_guard")(inp, _settings(clip_low=eps, clip_high=eps, name="grpo_guard"))
     torch.testing.assert_close(ours.ratio.double(), torch.tensor(ratios, dtype=torch.float64), rtol=0, atol=1e-6)
     assert float(ours.loss.mean()) == pytest.approx(release, rel=1e-5)
     # the per-sample form is another computation: its log-ratios differ by several clip ranges
-    own = POLICY_LOSSES.get("grpo_guard")(inp, LossSettings(clip_low=eps, clip_high=eps,
+    own = POLICY_LOSSES.get("grpo_guard")(inp, _settings(clip_low=eps, clip_high=eps,
                                                             loss=GrpoGuardConfig(stats="per_sample")))
     assert float((own.ratio.double().log() - ours.ratio.double().log()).abs().max()) > 5 * eps
 
@@ -212,7 +221,7 @@ def test_grpo_guard_shares_its_statistics_within_each_group_over_the_trained_pai
     trained = torch.tensor([True, True, False, True, True, True])
     inp = PolicyLossInput(lp_new.float()[:, None], lp_old.float()[:, None], torch.tensor(adv), **kw,
                           trained=trained, groups=torch.tensor([0, 0, 0, 1, 1, 1]))
-    ours = POLICY_LOSSES.get("grpo_guard")(inp, LossSettings(clip_low=eps, clip_high=eps))
+    ours = POLICY_LOSSES.get("grpo_guard")(inp, _settings(clip_low=eps, clip_high=eps, name="grpo_guard"))
     for rows in ([0, 1], [3, 4, 5]):  # each group is the release's micro-batch of its trained pairs
         pick = torch.tensor(rows)
         ratios, release = _release_grpo_guard(lp_new[pick], lp_old[pick], mu_new[pick], mu_old[pick],
@@ -224,29 +233,31 @@ def test_grpo_guard_shares_its_statistics_within_each_group_over_the_trained_pai
     # a group none of whose pairs is trained still gets finite values (the trainer masks them out)
     none = PolicyLossInput(inp.new_log_probs, inp.old_log_probs, inp.advantages, **kw,
                            trained=torch.zeros(n, dtype=torch.bool), groups=inp.groups)
-    assert bool(torch.isfinite(POLICY_LOSSES.get("grpo_guard")(none, LossSettings()).loss).all())
+    assert bool(torch.isfinite(POLICY_LOSSES.get("grpo_guard")(none, _settings(name="grpo_guard")).loss).all())
 
 
 def test_grpo_guard_on_policy_ratio_is_one_and_needs_moments():
     lp = torch.randn(3, 2)
     inp = PolicyLossInput(lp, lp.clone(), torch.tensor([1.0, -1.0, 0.0]), std=torch.full((3, 2), 0.2),
                           dt=torch.full((3, 2), -0.1), mean_drift_sq=torch.zeros(3, 2))
-    terms = POLICY_LOSSES.get("grpo_guard")(inp, LossSettings())
+    terms = POLICY_LOSSES.get("grpo_guard")(inp, _settings(name="grpo_guard"))
     assert torch.equal(terms.ratio, torch.ones(3))
     torch.testing.assert_close(terms.loss, torch.tensor([-10.0, 10.0, 0.0]))  # −A / (−dt)
     with pytest.raises(ValueError, match="needs std, dt and mean_drift_sq"):
-        POLICY_LOSSES.get("grpo_guard")(PolicyLossInput(lp, lp, torch.zeros(3)), LossSettings())
+        POLICY_LOSSES.get("grpo_guard")(PolicyLossInput(lp, lp, torch.zeros(3)),
+                                        _settings(name="grpo_guard"))
     with pytest.raises(ValueError, match="stochastic"):
         POLICY_LOSSES.get("grpo_guard")(PolicyLossInput(lp, lp, torch.zeros(3), std=torch.zeros(3, 2),
                                                         dt=torch.full((3, 2), -0.1),
-                                                        mean_drift_sq=torch.zeros(3, 2)), LossSettings())
+                                                        mean_drift_sq=torch.zeros(3, 2)),
+                                        _settings(name="grpo_guard"))
 
 
 def test_kl_is_added_by_every_loss():
     inp = _inp([1.0, -1.0], [0.0, 0.0], kl_ref=torch.tensor([[0.2], [0.4]]))
     for name in ("clipped", "dual_clip", "sapo"):
-        base = POLICY_LOSSES.get(name)(inp, LossSettings())
-        with_kl = POLICY_LOSSES.get(name)(inp, LossSettings(kl_beta=0.5))
+        base = POLICY_LOSSES.get(name)(inp, _settings(name=name))
+        with_kl = POLICY_LOSSES.get(name)(inp, _settings(kl_beta=0.5, name=name))
         torch.testing.assert_close(with_kl.loss - base.loss, torch.tensor([0.1, 0.2])), name
 
 

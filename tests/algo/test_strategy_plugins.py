@@ -11,17 +11,17 @@ from flowgrpo.config import build_config
 from flowgrpo.writing.metrics import read_metrics
 
 
-def _config(tmp_path, tiny_flux_dir, **algo):
+def _config(tmp_path, tiny_flux_dir, policy_loss="clipped", group_filter="none", **advantage):
     prompts = tmp_path / "train.txt"
     prompts.write_text("a red cube\na blue ball\n")
     return build_config({
         "output_dir": str(tmp_path / "run"),
         "model": {"pretrained": str(tiny_flux_dir), "max_sequence_length": 16, "height": 32, "width": 32},
         "sampling": {"num_steps": 3},
-        "train": {"num_epochs": 1, "prompts_per_epoch": 2, "group_size": algo.pop("group_size", 2),
+        "train": {"num_epochs": 1, "prompts_per_epoch": 2, "group_size": advantage.pop("group_size", 2),
                   "rollout_batch_size": 2, "lr": 1e-2},
-        "rewards": algo.pop("rewards", [{"name": "jpeg_incompressibility"}]),
-        "algo": algo,
+        "rewards": advantage.pop("rewards", [{"name": "jpeg_incompressibility"}]),
+        "objective": {"policy_loss": policy_loss}, "group_filter": group_filter, "advantage": advantage,
         "data": {"train_prompts": str(prompts)},
         "logging": {"progress": False},
     })
@@ -36,7 +36,8 @@ def toy_loss():
         calls.append(inp.new_log_probs.shape)
         delta = inp.new_log_probs - inp.old_log_probs
         loss = -inp.advantages * delta.mean(dim=1)
-        return clipped_terms(inp, settings, loss, torch.exp(delta.mean(1)), torch.zeros_like(loss, dtype=torch.bool))
+        return clipped_terms(inp, settings.kl_beta, loss, torch.exp(delta.mean(1)),
+                             torch.zeros_like(loss, dtype=torch.bool))
 
     POLICY_LOSSES.register("toy_reinforce")(reinforce)
     yield calls
@@ -57,7 +58,7 @@ def test_an_outside_policy_loss_trains_one_epoch(tmp_path, tiny_flux_dir, toy_lo
 def test_unknown_policy_loss_fails_in_the_schema(tmp_path, tiny_flux_dir):
     from flowgrpo.config import ConfigError
 
-    with pytest.raises(ConfigError, match="algo.policy_loss.name: unknown policy loss 'grpo_gaurd'.*did you mean "
+    with pytest.raises(ConfigError, match="objective.policy_loss.name: unknown policy loss 'grpo_gaurd'.*did you mean "
                                           "'grpo_guard'"):
         _config(tmp_path, tiny_flux_dir, policy_loss="grpo_gaurd")
 
@@ -66,11 +67,11 @@ def test_grpo_guard_rejects_non_gaussian_log_probs(tmp_path, tiny_flux_dir):
     from flowgrpo.config import ConfigError
 
     with pytest.raises(ConfigError, match="grpo_guard needs sampling.logprob_reduction=mean"):
-        build_config({"algo": {"policy_loss": "grpo_guard"}, "sampling": {"logprob_reduction": "sum"}})
+        build_config({"objective": {"policy_loss": "grpo_guard"}, "sampling": {"logprob_reduction": "sum"}})
     cfg = _config(tmp_path, tiny_flux_dir, policy_loss="grpo_guard")
     with pytest.raises(ValueError, match="grpo_guard needs sampling.logprob_reduction=mean"):
         cfg.sampling.logprob_reduction = "sum"
-        cfg.algo.policy_loss.check(cfg)  # the loss's own check, which the schema calls
+        cfg.objective.policy_loss.check(cfg)  # the loss's own check, which the schema calls
 
 
 @pytest.mark.slow

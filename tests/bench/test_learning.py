@@ -131,7 +131,7 @@ def test_every_row_is_a_valid_config(learning):
         objective.trajectories_per_sample(torch.linspace(1, 0, settings.num_steps + 1), settings)
     assert build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), learning.OLD_DEFAULT).train.num_epochs == 80
     with pytest.raises(ConfigError):  # the check can fail: a misspelt key is refused
-        build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), ["chunker.nmae=chunk"])
+        build_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), ["objective.chunker.nmae=chunk"])
 
 
 def test_the_per_step_default_row_is_configs_digits_yaml(learning):
@@ -192,15 +192,15 @@ def test_bad_set_is_a_parser_error(learning, monkeypatch, capsys, tmp_path, over
 def test_every_row_is_checked_before_any_training(learning, monkeypatch, capsys, tmp_path):
     # per_step has no entropy_threshold: refused before the default row trains, naming the row and the key
     line = parser_error(learning, monkeypatch, capsys, ["--rows", "default", "per_step", "--seed", "0",
-                                                        "--set", "chunker.entropy_threshold=0.8",
+                                                        "--set", "objective.chunker.entropy_threshold=0.8",
                                                         "--out", str(tmp_path)])
-    assert "row 'per_step'" in line and "chunker.entropy_threshold" in line
+    assert "row 'per_step'" in line and "objective.chunker.entropy_threshold" in line
     assert not (tmp_path / "default").exists()
 
 
 def test_repeated_set_combines_and_resume_compares_the_combined_list(learning, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
-    both = ["train.lr=1.0e-4", "algo.kl_beta=0.01"]
+    both = ["train.lr=1.0e-4", "objective.kl_beta=0.01"]
     fig = learning.seed_figures(fake_run(tmp_path / "r", 0.99, {4: 0.98}))
     (out / "trajectory").mkdir(parents=True)
     path = out / "trajectory" / "seed0.json"

@@ -17,8 +17,8 @@ SD35 = {"model.pretrained": "stabilityai/stable-diffusion-3.5-medium", "model.he
         "model.max_sequence_length": 128, "model.finetune": "lora",
         "model.lora_target_modules": ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                                       "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"],
-        "algo.advantage": "grpo", "algo.std_ddof": 0, "algo.std_eps": 1e-4, "algo.advantage_clip": 5.0,
-        "algo.group_filter.name": "none", "train.inner_epochs": 1, "train.optimizer_steps_per_epoch": 1,
+        "advantage.name": "grpo", "advantage.std_ddof": 0, "advantage.std_eps": 1e-4, "advantage.clip": 5.0,
+        "group_filter.name": "none", "train.inner_epochs": 1, "train.optimizer_steps_per_epoch": 1,
         "train.lr": 3e-4, "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,
         "train.max_grad_norm": 1.0, "train.seed": 42, "objective.adv_clip_max": 5.0,
         "objective.train_guidance_scale": 1.0}
@@ -34,7 +34,7 @@ RELEASES: dict[str, dict[str, object]] = {
         "objective.beta": 1.0, "objective.kl_beta": 1e-4, "objective.adv_mode": "all",   # nft.py 61, 24, 62
         "objective.adaptive_weight_min": 1e-5, "objective.timestep_fraction": 0.99,      # script 945; base.py 87
         "objective.decay_flat": 0, "objective.decay_ramp": 0.001, "objective.decay_cap": 0.5,   # decay_type 1
-        "algo.global_std": True,                                              # base.py 57
+        "advantage.global_std": True,                                              # base.py 57
         "train.prompts_per_epoch": 48, "train.group_size": 24, "batch_size": 48 * 24,
         "train.rollout_batch_size": 9, "train_batch_size": 9, "train.ema_decay": 0.9,
         "logging.eval_every": 10, "logging.save_every": 30,
@@ -52,7 +52,7 @@ RELEASES: dict[str, dict[str, object]] = {
         "objective.decay_flat": 0, "objective.decay_ramp": 0.001, "objective.decay_cap": 0.3,
         "objective.decay_constant": None,
         "objective.train_timesteps": 6, "objective.timestep_fraction": 0.9, "objective.time_type": "discrete_wo_init",
-        "algo.global_std": True,                                              # 72
+        "advantage.global_std": True,                                              # 72
         "train.prompts_per_epoch": 72, "train.group_size": 24, "train.rollout_batch_size": 6, "train_batch_size": 3,
         "train.ema_decay": 0.99, "logging.eval_every": 50, "logging.save_every": 50,
     },
@@ -68,7 +68,7 @@ RELEASES: dict[str, dict[str, object]] = {
         "objective.kl_cfg": 1.0, "objective.num_train_timesteps": 4, "objective.trunc_steps": 4,
         "objective.shared_noise": True, "objective.switch_ema_ref": 500, "objective.timestep_rounding": True,
         "objective.decay_flat": 0, "objective.decay_ramp": 0.001, "objective.decay_cap": 0.3,   # script 1176
-        "algo.global_std": False,                                             # 78
+        "advantage.global_std": False,                                             # 78
         "train.prompts_per_epoch": 8, "train.group_size": 16, "train.rollout_batch_size": 16, "train_batch_size": 16,
         "train.ema_decay": 0.9, "logging.eval_every": 60, "logging.save_every": 60,
     },
@@ -80,7 +80,7 @@ RELEASES: dict[str, dict[str, object]] = {
         "eval_sampling.guidance_scale": 1.0, "objective.solver": "euler", "objective.train_guidance_scale": 1.0,
         "objective.beta": 1.0, "objective.kl_beta": 0.0, "objective.adv_clip_max": 5.0,
         "objective.decay_flat": 0, "objective.decay_ramp": 0.001, "objective.decay_cap": 0.5,
-        "algo.global_std": False, "train.prompts_per_epoch": 48, "train.group_size": 16,
+        "advantage.global_std": False, "train.prompts_per_epoch": 48, "train.group_size": 16,
         "train.rollout_batch_size": 1, "train_batch_size": 1, "train.optimizer_steps_per_epoch": 1,
         "train.lr": 3e-4, "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,
         "train.max_grad_norm": 1.0, "train.seed": 42, "logging.eval_every": 20, "logging.save_every": 20,

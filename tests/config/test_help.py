@@ -121,7 +121,10 @@ def test_help_shows_strategy_settings_the_chosen_strategy_does_not_read_as_not_r
     refl = _rows(help_text("configs/digits_refl.yaml", []))
     assert value(refl, "objective.solver_noise_level") == "not read by objective 'refl'"
     assert value(refl, "objective.k") == "1" and value(refl, "objective.variant") == "draft_k"
-    assert value(refl, "chunker.window_size") == "not read by chunker 'per_step'"
+    assert value(refl, "objective.chunker.window_size") == "not read by objective 'refl'"  # sde_ratio's chunker
+    digits = _rows(help_text(None, []))  # sde_ratio with E-GRPO's chunker: another chunker's setting
+    assert value(digits, "objective.chunker.window_size") == "not read by objective.chunker 'entropy_merge'"
+    assert value(digits, "objective.chunker.sde_fraction") == "0.5"
     sft = _rows(help_text("configs/digits_sft.yaml", []))
     for key in ("solver", "solver_noise_level", "grid", "adv_clip_max", "decay_cap", "pairs"):
         assert value(sft, f"objective.{key}") == "not read by objective 'sft'", key
@@ -130,16 +133,18 @@ def test_help_shows_strategy_settings_the_chosen_strategy_does_not_read_as_not_r
 
 
 def test_help_of_an_objective_the_config_refuses_shows_the_configs_values_and_marks_the_refused_ones():
-    """``objective=nft`` (or dpo) over the digits default, whose SDE-ratio settings the objective refuses: --help
-    showed every row at the schema's default (objective.name 'sde_ratio', model.pretrained 'tiny'); it shows the
-    command's own values, lists the refusals first and marks each refused row with the value it accepts."""
+    """``objective=nft`` (or dpo) over the digits default with a rollout setting only the SDE-ratio objective reads
+    (``sampling.noise_level``): --help showed every row at the schema's default (objective.name 'sde_ratio',
+    model.pretrained 'tiny'); it shows the command's own values, lists the refusals first and marks each refused row
+    with the value it accepts. The SDE-ratio objective's own settings (its clip range, chunker) are its section's,
+    replaced with it: shown as not read, never refused."""
     import yaml
 
     from flowgrpo.runner import help_text
 
     digits = yaml.safe_load((REPO / "flowgrpo" / "tasks" / "digits" / "default.yaml").read_text())
     for name in ("nft", "dpo"):
-        text = help_text(None, [f"objective={name}"])
+        text = help_text(None, [f"objective={name}", "sampling.noise_level=0.5"])
         rows = _rows(text)
 
         def value(key: str) -> str:
@@ -150,14 +155,12 @@ def test_help_of_an_objective_the_config_refuses_shows_the_configs_values_and_ma
         assert value("output_dir") == digits["output_dir"]
         head = text.split("\n  output_dir")[0]
         assert f"this command is refused: objective {name!r} cannot run with this config" in head
-        assert f"- algo.clip_range={digits['algo']['clip_range']!r} is read only by objective.name=sde_ratio" in head
-        assert value("algo.clip_range") == f"REFUSED: {digits['algo']['clip_range']!r} (objective {name!r} accepts " \
-                                           "0.0001)"
-        kl_beta = float(digits["algo"]["kl_beta"])
-        assert value("algo.kl_beta") == f"REFUSED: {kl_beta!r} (objective {name!r} accepts 0.0)"
-        assert value("chunker.name") == f"REFUSED: 'entropy_merge' (objective {name!r} refuses the chunker section)"
-        assert value("chunker.window_size") == "not read by chunker 'entropy_merge'"  # not its setting at all
+        assert "sampling.noise_level=0.5 is read only by objective.name=sde_ratio" in head
+        assert value("sampling.noise_level") == f"REFUSED: 0.5 (objective {name!r} accepts 0.7)"
+        assert value("objective.clip_range") == f"not read by objective {name!r}"  # sde_ratio's own, not a refusal
+        assert value("objective.chunker.name") == f"not read by objective {name!r}"
         assert value("sampling.num_steps") == str(digits["sampling"]["num_steps"])  # read by nft and dpo too
+        assert "this command is refused" not in help_text(None, [f"objective={name}"])  # its own section: runs
     # a config that runs lists no refusal; one with another fault still falls back to the schema's defaults
     assert "this command is refused" not in help_text("configs/digits_nft.yaml", [])
     assert "the override 'train.num_epochs=0' could not be applied" in help_text(None, ["train.num_epochs=0"])
@@ -176,3 +179,19 @@ def test_help_blames_a_bad_override_not_the_config_file(tmp_path):
     bad.write_text("train: {num_epoch: 3}\n")
     head = help_text(str(bad), ["train.lr=1e-4"]).splitlines()[0]
     assert f"{bad} could not be read" in head and "override" not in head
+
+
+def test_each_shared_knob_is_one_help_row_naming_every_reader():
+    """issue #55: kl_beta, clip_range and timestep_fraction were declared in two to four places (algo.*, chunker.*,
+    objective.*); each is now one key of the objective section, one --help row listing the objectives that read
+    it."""
+    from flowgrpo.config.help import describe_fields
+
+    rows = describe_fields()
+    readers = {"kl_beta": {"sde_ratio", "nft", "awm", "dgpo", "sft"}, "clip_range": {"sde_ratio", "awm", "dgpo"},
+               "timestep_fraction": {"sde_ratio", "nft", "awm", "opd"}}
+    defaults = {"kl_beta": "0.0", "clip_range": "0.0001", "timestep_fraction": "1.0"}  # sde_ratio's, the default's
+    for leaf, objectives in readers.items():
+        (row,) = [r for r in rows if r[0].rsplit(".", 1)[-1] == leaf]
+        assert row[0] == f"objective.{leaf}" and row[1] == defaults[leaf], row
+        assert set(row[2].split("]")[0].lstrip("[").split(", ")) == objectives, row

@@ -29,7 +29,7 @@ FLOW_FACTORY_DPO_SD35 = {
     "objective.num_train_timesteps": 1,                               # 81
     "objective.weighting_scheme": "logit_normal", "objective.logit_mean": 0.0, "objective.logit_std": 1.0,  # 75-77
     "objective.train_guidance_scale": 1.0,                            # 96
-    "algo.global_std": False,                                         # 88
+    "advantage.global_std": False,                                         # 88
     "train.prompts_per_epoch": 48, "train.group_size": 4,             # 106, 103
     "train.rollout_batch_size": 24, "train.train_batch_size": 24,     # 101
     "train.optimizer_steps_per_epoch": 1, "train.inner_epochs": 1,    # 109, 111

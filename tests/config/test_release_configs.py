@@ -16,15 +16,15 @@ from flowgrpo.config import load_config
 REPO = Path(__file__).resolve().parents[2]
 
 # every release here trains the SDE-ratio objective with PPO's clipped surrogate and no group filter
-SDE_RATIO_CLIPPED = {"objective.name": "sde_ratio", "algo.policy_loss.name": "clipped",
-                     "algo.group_filter.name": "none"}
+SDE_RATIO_CLIPPED = {"objective.name": "sde_ratio", "objective.policy_loss.name": "clipped",
+                     "group_filter.name": "none"}
 
 # what Flow-Factory's two Wan image-to-video LoRA examples share (examples/grpo/lora/wan2{1,2}/i2v.yaml)
 _FLOW_FACTORY_I2V = {
     "model.num_frames": 5, "model.finetune": "lora", "model.lora_rank": 64, "model.lora_alpha": 128,
     "sampling.sde_kind": "flow_sde", "sampling.noise_level": 0.9, "eval_sampling.num_steps": 28,
-    "algo.advantage": "grpo", "algo.global_std": False, "algo.advantage_clip": 5.0, "algo.clip_range": 1e-4,
-    "algo.kl_beta": 0.0, "train.group_size": 16, "batch_size": 48 * 16, "train.rollout_batch_size": 1,
+    "advantage.name": "grpo", "advantage.global_std": False, "advantage.clip": 5.0, "objective.clip_range": 1e-4,
+    "objective.kl_beta": 0.0, "train.group_size": 16, "batch_size": 48 * 16, "train.rollout_batch_size": 1,
     "train.optimizer_steps_per_epoch": 2, "train.lr": 1e-4, "train.weight_decay": 1e-4,
     "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8, "train.max_grad_norm": 1.0, "train.ema_decay": 0.9,
     "train.seed": 42,
@@ -44,14 +44,15 @@ RELEASES: dict[str, dict[str, object]] = {
         "sampling.sde_kind": "flow_sde", "sampling.noise_level": 0.9,
         "sampling.same_noise_in_group": False,                   # sample.same_latent
         "sampling.final_decode": "sample",
-        "algo.advantage": "grpo", "algo.global_std": True, "algo.std_ddof": 0, "algo.std_eps": 1e-4,
-        "algo.advantage_clip": 5.0, "algo.clip_range": 1e-4, "algo.kl_beta": 0.0,
+        "advantage.name": "grpo", "advantage.global_std": True, "advantage.std_ddof": 0, "advantage.std_eps": 1e-4,
+        "advantage.clip": 5.0, "objective.clip_range": 1e-4, "objective.kl_beta": 0.0,
         "train.group_size": 24, "batch_size": 48 * 24, "train.rollout_batch_size": 3, "train_batch_size": 3,
         "train.optimizer_steps_per_epoch": 2, "train.inner_epochs": 1,
         "train.lr": 3e-4, "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,
         "train.max_grad_norm": 1.0, "train.ema_decay": 0.9, "train.seed": 42,
-        "chunker.name": "per_step", "chunker.timestep_fraction": 0.99, "chunker.drop_last_step": False,
-        "chunker.step_selection": "first", "sampling.sigma_one_guard": "grid",
+        "objective.chunker.name": "per_step", "objective.timestep_fraction": 0.99,
+        "objective.chunker.drop_last_step": False,
+        "objective.chunker.step_selection": "first", "sampling.sigma_one_guard": "grid",
     },
     # yifan123/flow_grpo: config/grpo.py geneval_sd3, config/base.py, scripts/train_sd3.py
     "sd35_grpo": {
@@ -63,14 +64,16 @@ RELEASES: dict[str, dict[str, object]] = {
         "sampling.guidance_scale": 4.5, "eval_sampling.guidance_scale": 4.5,
         "sampling.sde_kind": "flow_sde", "sampling.noise_level": 0.7, "sampling.same_noise_in_group": False,
         "sampling.final_decode": "sample",
-        "algo.advantage": "grpo", "algo.global_std": True, "algo.std_ddof": 0, "algo.std_eps": 1e-4,
-        "algo.advantage_clip": 5.0, "algo.clip_range": 1e-4, "algo.kl_beta": 0.04, "algo.kl_form": "flow_grpo",
+        "advantage.name": "grpo", "advantage.global_std": True, "advantage.std_ddof": 0, "advantage.std_eps": 1e-4,
+        "advantage.clip": 5.0, "objective.clip_range": 1e-4, "objective.kl_beta": 0.04,
+        "objective.kl_form": "flow_grpo",
         "train.group_size": 24, "batch_size": 48 * 24, "train.rollout_batch_size": 9, "train_batch_size": 9,
         "train.optimizer_steps_per_epoch": 2, "train.inner_epochs": 1,
         "train.lr": 3e-4, "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,
         "train.max_grad_norm": 1.0, "train.ema_decay": 0.9, "train.seed": 42,
-        "chunker.name": "per_step", "chunker.timestep_fraction": 0.99, "chunker.drop_last_step": False,
-        "chunker.step_selection": "first",
+        "objective.chunker.name": "per_step", "objective.timestep_fraction": 0.99,
+        "objective.chunker.drop_last_step": False,
+        "objective.chunker.step_selection": "first",
     },
     # xingzhejun/GCPO: scripts/finetune/finetune_hpsv3_chunk.sh, fastvideo/train_grpo_flux_hpsv3.py
     "flux_chunk": {
@@ -80,13 +83,14 @@ RELEASES: dict[str, dict[str, object]] = {
         "sampling.num_steps": 17, "sampling.guidance_scale": 3.5,
         "sampling.sde_kind": "flow_sde", "sampling.noise_level": 0.7,   # --grpo_step_mode flow --eta 0.7
         "sampling.same_noise_in_group": True, "sampling.final_decode": "x0_pred",
-        "algo.advantage": "grpo", "algo.global_std": False, "algo.std_ddof": 1, "algo.std_eps": 1e-8,
-        "algo.advantage_clip": 5.0, "algo.clip_range": 5e-5, "algo.kl_beta": 0.0,
+        "advantage.name": "grpo", "advantage.global_std": False, "advantage.std_ddof": 1, "advantage.std_eps": 1e-8,
+        "advantage.clip": 5.0, "objective.clip_range": 5e-5, "objective.kl_beta": 0.0,
         "train.group_size": 12, "batch_size": 16 * 12, "train.optimizer_steps_per_epoch": 2,
         "train.lr": 1e-5, "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,
         "train.max_grad_norm": 0.01, "train.warmup_steps": 0, "train.seed": 42, "train.num_epochs": 151,
-        "chunker.name": "chunk", "chunker.chunk_sizes": [2, 3, 4, 7], "chunker.drop_last_step": True,
-        "chunker.chunk_fraction": 0.5, "chunker.chunk_selection": "uniform",
+        "objective.chunker.name": "chunk", "objective.chunker.chunk_sizes": [2, 3, 4, 7],
+        "objective.chunker.drop_last_step": True,
+        "objective.chunker.chunk_fraction": 0.5, "objective.chunker.chunk_selection": "uniform",
     },
     # Tencent-Hunyuan/MixGRPO: scripts/finetune/finetune_flux_grpo_MixGRPO.sh, fastvideo/train_grpo_flux.py
     "flux_mix": {
@@ -96,14 +100,14 @@ RELEASES: dict[str, dict[str, object]] = {
         "sampling.num_steps": 25, "sampling.guidance_scale": 3.5,
         "sampling.sde_kind": "flow_sde", "sampling.noise_level": 0.7,   # --flow_grpo_sampling, eta=0.7
         "sampling.same_noise_in_group": True, "sampling.final_decode": "x0_pred",
-        "algo.advantage": "grpo", "algo.multi_reward": "normalize_then_sum",   # advantage_aggr
-        "algo.std_ddof": 1, "algo.std_eps": 1e-8, "algo.advantage_clip": 5.0, "algo.clip_range": 1e-4,
-        "algo.kl_beta": 0.0,
+        "advantage.name": "grpo", "advantage.multi_reward": "normalize_then_sum",   # advantage_aggr
+        "advantage.std_ddof": 1, "advantage.std_eps": 1e-8, "advantage.clip": 5.0, "objective.clip_range": 1e-4,
+        "objective.kl_beta": 0.0,
         "train.group_size": 12, "batch_size": 32 * 12, "train.optimizer_steps_per_epoch": 4,
         "train.lr": 1e-5, "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,
         "train.max_grad_norm": 1.0, "train.warmup_steps": 0, "train.seed": 714, "train.num_epochs": 300,
-        "chunker.name": "window", "chunker.window_size": 4, "chunker.window_stride": 1,
-        "chunker.window_shift_every": 25, "chunker.window_end": "roll_back",
+        "objective.chunker.name": "window", "objective.chunker.window_size": 4, "objective.chunker.window_stride": 1,
+        "objective.chunker.window_shift_every": 25, "objective.chunker.window_end": "roll_back",
     },
     # shengjun-zhang/VisualGRPO: fastvideo/config/config.yaml, algorithm/grpo_merge.yaml,
     # workers/sampler/flux_sampler.py, workers/rollout_buffer.py, scripts/finetune/finetune_g2rpo_hps_merge.sh
@@ -114,11 +118,11 @@ RELEASES: dict[str, dict[str, object]] = {
         "sampling.num_steps": 16, "sampling.guidance_scale": 3.5,
         "sampling.sde_kind": "flow_sde", "sampling.noise_level": 0.7,
         "sampling.same_noise_in_group": True, "sampling.final_decode": "x0_pred",
-        "algo.advantage": "grpo", "algo.std_ddof": 1, "algo.std_eps": 1e-8, "algo.advantage_clip": 5.0,
-        "algo.clip_range": 1e-4, "algo.kl_beta": 0.0,
+        "advantage.name": "grpo", "advantage.std_ddof": 1, "advantage.std_eps": 1e-8, "advantage.clip": 5.0,
+        "objective.clip_range": 1e-4, "objective.kl_beta": 0.0,
         "train.group_size": 12, "train.lr": 2e-6, "train.weight_decay": 1e-4, "train.max_grad_norm": 1.0,
-        "train.warmup_steps": 0, "train.seed": 42, "chunker.name": "entropy_merge",
-        "chunker.ode_after_jump": "next_step", "sampling.sigma_one_guard": "grid",
+        "train.warmup_steps": 0, "train.seed": 42, "objective.chunker.name": "entropy_merge",
+        "objective.chunker.ode_after_jump": "next_step", "sampling.sigma_one_guard": "grid",
     },
     # XueZeyue/DanceGRPO: scripts/finetune/finetune_wan_2_1_grpo.sh, fastvideo/train_grpo_wan_2_1.py
     "wan21_t2v_1.3b_dance": {
@@ -127,10 +131,11 @@ RELEASES: dict[str, dict[str, object]] = {
         "sampling.num_steps": 20, "sampling.guidance_scale": 5.0,                      # --cfg_infer 5.0
         "sampling.sde_kind": "dance_sde", "sampling.noise_level": 0.3, "sampling.same_noise_in_group": True,
         "sampling.final_decode": "x0_pred",                                              # pred_original
-        "chunker.name": "per_step", "chunker.timestep_fraction": 0.6, "chunker.step_selection": "random",
-        "chunker.drop_last_step": True,
-        "algo.advantage": "grpo", "algo.std_ddof": 1, "algo.std_eps": 1e-8, "algo.advantage_clip": 5.0,
-        "algo.clip_range": 1e-4, "algo.kl_beta": 0.0,
+        "objective.chunker.name": "per_step", "objective.timestep_fraction": 0.6,
+        "objective.chunker.step_selection": "random",
+        "objective.chunker.drop_last_step": True,
+        "advantage.name": "grpo", "advantage.std_ddof": 1, "advantage.std_eps": 1e-8, "advantage.clip": 5.0,
+        "objective.clip_range": 1e-4, "objective.kl_beta": 0.0,
         "train.group_size": 12, "batch_size": 16 * 12, "train.optimizer_steps_per_epoch": 1,
         "train.lr": 1e-5, "train.weight_decay": 1e-4, "train.max_grad_norm": 1.0, "train.warmup_steps": 0,
         "train.seed": 42, "train.num_epochs": 1000,
@@ -140,7 +145,7 @@ RELEASES: dict[str, dict[str, object]] = {
         "model.pretrained": "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "model.height": 704, "model.width": 1280,
         "model.num_frames": 9, "model.max_sequence_length": 1024,   # num_frames=8, rounded by WanPipeline to 9
         "sampling.num_steps": 10, "sampling.guidance_scale": 5.0, "eval_sampling.num_steps": 50,
-        "sampling.sde_kind": "dance_sde", "sampling.noise_level": 1.2, "chunker.window_size": 2,
+        "sampling.sde_kind": "dance_sde", "sampling.noise_level": 1.2, "objective.chunker.window_size": 2,
         "train.group_size": 8, "batch_size": 64 * 8, "train.optimizer_steps_per_epoch": 4,   # 64 / mini-batch 16
         "train.lr": 1e-5, "train.weight_decay": 1e-4, "train.seed": 42, "train.num_epochs": 120,
     },
@@ -165,9 +170,10 @@ RELEASES: dict[str, dict[str, object]] = {
         "model.pretrained": "Lightricks/LTX-2", "model.dtype": "bfloat16", "model.height": 512, "model.width": 768,
         "model.num_frames": 121, "model.finetune": "lora", "model.lora_rank": 64, "model.lora_alpha": 128,
         "model.gradient_checkpointing": True, "sampling.num_steps": 30, "sampling.sde_kind": "flow_sde",
-        "sampling.noise_level": 0.7, "eval_sampling.num_steps": 50, "algo.advantage": "grpo",
-        "algo.multi_reward": "gdpo", "algo.global_std": True, "algo.advantage_clip": 5.0, "algo.clip_range": 1e-4,
-        "algo.kl_beta": 0.0, "train.group_size": 16, "batch_size": 16 * 16, "train.rollout_batch_size": 1,
+        "sampling.noise_level": 0.7, "eval_sampling.num_steps": 50, "advantage.name": "grpo",
+        "advantage.multi_reward": "gdpo", "advantage.global_std": True, "advantage.clip": 5.0,
+        "objective.clip_range": 1e-4,
+        "objective.kl_beta": 0.0, "train.group_size": 16, "batch_size": 16 * 16, "train.rollout_batch_size": 1,
         "train.optimizer_steps_per_epoch": 2, "train.lr": 1e-4, "train.weight_decay": 1e-4,
         "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8, "train.max_grad_norm": 1.0,
         "train.ema_decay": 0.9, "train.latents_on_cpu": True, "train.seed": 42, "logging.eval_every": 60,

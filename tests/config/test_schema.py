@@ -14,9 +14,9 @@ def test_defaults_are_valid_and_derive_the_batch_sizes():
     cfg = build_config()
     assert cfg.batch_size == cfg.train.prompts_per_epoch * cfg.train.group_size
     assert cfg.train_batch_size == cfg.train.rollout_batch_size  # train_batch_size defaults to the rollout's
-    assert cfg.clip_low == cfg.clip_high == cfg.algo.clip_range
+    assert cfg.objective.clip_low == cfg.objective.clip_high == cfg.objective.clip_range
     cfg = build_config({"algo": {"clip_range": 1e-4, "clip_range_high": 3e-4}, "train": {"train_batch_size": 4}})
-    assert (cfg.clip_low, cfg.clip_high, cfg.train_batch_size) == (1e-4, 3e-4, 4)
+    assert (cfg.objective.clip_low, cfg.objective.clip_high, cfg.train_batch_size) == (1e-4, 3e-4, 4)
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ def test_defaults_are_valid_and_derive_the_batch_sizes():
         ("sampling.noise_level=-1", "sampling.noise_level"),
         ("model.dtype=float64", "model.dtype"),
         ("train.group_size=1", "train.group_size"),
-        ("chunker.timestep_fraction=1.5", "chunker.timestep_fraction"),
+        ("objective.timestep_fraction=1.5", "objective.timestep_fraction"),
     ],
 )
 def test_bad_value_names_the_field_and_the_value(override, field):
@@ -61,30 +61,32 @@ def test_impossible_batch_combination_names_the_values(overrides, needles):
 def test_each_chunker_has_its_own_section():
     """A knob of another strategy is an error naming its owner (it used to be silently ignored); a typo gets a
     suggestion; the section's values round-trip through the saved YAML."""
-    with pytest.raises(ConfigError, match="chunker.window_size=8 is read only by chunker.name=window, but chunker.name "
-                                          "is 'per_step'"):
-        build_config({"chunker": {"name": "per_step", "window_size": 8}})
+    with pytest.raises(ConfigError, match="objective.chunker.window_size=8 is read only by "
+                                          "objective.chunker.name=window, but objective.chunker.name is 'per_step'"):
+        build_config({"objective": {"chunker": {"name": "per_step", "window_size": 8}}})
     # switching the default's E-GRPO chunker by name alone leaves its knobs: the error says how sections merge
-    with pytest.raises(ConfigError, match=r"replacing the whole section, e.g. the override 'chunker=\{name: "
-                                          r"entropy_merge, entropy_threshold: 0.9\}'.*a plain name"):
-        build_config({"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9}}, ["chunker.name=chunk"])
+    with pytest.raises(ConfigError, match=r"replacing the whole section, e.g. the override 'objective.chunker="
+                                          r"\{name: entropy_merge, entropy_threshold: 0.9\}'.*a plain name"):
+        build_config({"objective": {"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9}}},
+                     ["objective.chunker.name=chunk"])
     assert build_config({"chunker": {"name": "entropy_merge", "entropy_threshold": 0.9}},
-                        ["chunker={name: chunk}"]).chunker.name == "chunk"
+                        ["objective.chunker={name: chunk}"]).objective.chunker.name == "chunk"
     with pytest.raises(ConfigError, match="did you mean 'min_chunk_size'"):
         build_config({"chunker": {"name": "chunk", "min_chunk_sise": 3}})
     with pytest.raises(ConfigError, match="unknown chunker 'per_stp'.*did you mean 'per_step'"):
         build_config({"chunker": {"name": "per_stp"}})
     with pytest.raises(ConfigError, match="exactly one of chunker.entropy_threshold"):
         build_config({"chunker": {"name": "entropy_merge"}})
-    cfg = build_config({"chunker": {"name": "window", "window_size": 3}})
-    assert build_config(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))).chunker == cfg.chunker
+    cfg = build_config({"objective": {"chunker": {"name": "window", "window_size": 3}}})
+    again = build_config(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"))))
+    assert again.objective.chunker == cfg.objective.chunker
 
 
 def test_registered_names_are_checked_by_the_schema():
     with pytest.raises(ConfigError, match="sampling.sde_kind: unknown SDE kind 'flow_sd'.*did you mean 'flow_sde'"):
         build_config({}, ["sampling.sde_kind=flow_sd"])
-    with pytest.raises(ConfigError, match="algo.advantage: unknown advantage estimator 'grp'"):
-        build_config({}, ["algo.advantage=grp"])
+    with pytest.raises(ConfigError, match="advantage.name: unknown advantage estimator 'grp'"):
+        build_config({}, ["advantage.name=grp"])
 
 
 def test_egrpo_optimizer_steps_are_checked_against_its_own_batch():
@@ -108,20 +110,20 @@ def test_a_reward_in_both_lists_is_named_as_such_and_a_repeat_as_a_repeat():
 
 
 def test_losses_and_filters_have_their_own_sections_and_a_plain_name_is_shorthand():
-    """``algo.policy_loss`` and ``algo.group_filter`` are strategy sections as ``chunker`` is: the plain name of
+    """``objective.policy_loss`` and ``group_filter`` are strategy sections as ``chunker`` is: the plain name of
     the shipped configs still reads, a knob goes in its loss's section, an override may set a knob of a section
     given by its name, and the resolved config round-trips through the saved YAML."""
     import yaml
 
     from flowgrpo.algo.policy_losses import SapoConfig
 
-    cfg = build_config({"algo": {"policy_loss": "sapo"}}, ["algo.policy_loss.tau_pos=500"])
-    assert isinstance(cfg.algo.policy_loss, SapoConfig) and cfg.algo.policy_loss.tau_pos == 500.0
-    assert cfg.objective.name == "sde_ratio" and cfg.algo.group_filter.name == "none"
+    cfg = build_config({"algo": {"policy_loss": "sapo"}}, ["objective.policy_loss.tau_pos=500"])
+    assert isinstance(cfg.objective.policy_loss, SapoConfig) and cfg.objective.policy_loss.tau_pos == 500.0
+    assert cfg.objective.name == "sde_ratio" and cfg.group_filter.name == "none"
     again = build_config(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"))))
-    assert again.algo.policy_loss == cfg.algo.policy_loss and again.chunker == cfg.chunker
+    assert again.objective.policy_loss == cfg.objective.policy_loss and again.objective.chunker == cfg.objective.chunker
     with pytest.raises(ConfigError, match="did you mean 'tau_neg'"):
-        build_config({}, ["algo.policy_loss={name: sapo, tau_ng: 2}"])
+        build_config({}, ["objective.policy_loss={name: sapo, tau_ng: 2}"])
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -165,3 +167,26 @@ def test_the_switch_hint_never_names_the_chosen_strategy():
                 assert f"'{prefix}={{name: {owners[0]}, {key}: 1}}'" in hint, str(err.value)
                 checked += 1
     assert checked > 50
+
+
+def test_the_timestep_fraction_is_the_objectives_and_read_by_its_per_step_chunker():
+    """objective.timestep_fraction (Flow-GRPO's train.timestep_fraction) is the SDE-ratio objective's knob, read by
+    the per_step chunker; moved from its default with a chunker that trains no such fraction it is refused."""
+    from flowgrpo.algo.objectives import build_objective
+
+    cfg = build_config({"objective": {"timestep_fraction": 0.5, "chunker": {"name": "per_step"}}},
+                       ["sampling.num_steps=6"])
+    assert build_objective(cfg).chunker.timestep_fraction == 0.5
+    with pytest.raises(ConfigError, match="objective.timestep_fraction=0.5 is read only with "
+                                          "objective.chunker.name=per_step, but the chunker is 'window'"):
+        build_config({"objective": {"timestep_fraction": 0.5, "chunker": {"name": "window"}}})
+
+
+def test_the_clip_range_is_one_field_each_objective_defaults_and_sde_ratio_keeps_above_zero():
+    """objective.clip_range is declared once (CLIP_RANGE) for sde_ratio, awm and dgpo, each with its release's
+    default (Flow-GRPO 1e-4, AWM 1, DGPO 1e-2); sde_ratio's clipped surrogate needs epsilon > 0, DGPO's mask takes 0."""
+    assert [build_config({"objective": n}).objective.clip_range for n in ("sde_ratio", "awm", "dgpo")] == [1e-4, 1.0,
+                                                                                                        1e-2]
+    with pytest.raises(ConfigError, match="objective.clip_range"):
+        build_config({"objective": {"clip_range": 0.0}})
+    assert build_config({"objective": {"name": "dgpo", "clip_range": 0.0}}).objective.clip_range == 0.0

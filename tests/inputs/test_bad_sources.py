@@ -1,6 +1,7 @@
 """A strategy section that is neither a name nor a mapping, and a model path that is a local path that does not
-exist, are refused in one line naming the value (found by a fresh-eyes run: ``chunker=null`` raised a TypeError
-traceback, and ``model.pretrained=/tmp/nomodel`` advised ``hf download /tmp/nomodel``)."""
+exist, are refused in one line naming the value (found by a fresh-eyes run: ``chunker=null``, now
+``objective.chunker=null``, raised a TypeError traceback, and ``model.pretrained=/tmp/nomodel`` advised
+``hf download /tmp/nomodel``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def test_a_strategy_section_that_is_not_a_name_or_mapping_is_refused_in_one_line
 
     data = yaml.safe_load(DEFAULT_CONFIG.read_text())
     with pytest.raises(ValueError) as err:
-        build_config(data, [f"chunker={value}"])
+        build_config(data, [f"objective.chunker={value}"])
     text = str(err.value)
     assert "chunker=" in text and "a chunker section is a name or a mapping" in text and "entropy_merge" in text
 

@@ -240,22 +240,22 @@ def test_a_resume_rewrites_metrics_without_the_cut_line(tmp_path):
 
 @pytest.mark.parametrize("estimator", ["rloo", "dr_grpo"])
 def test_switching_the_default_to_an_estimator_without_std_says_what_std_eps_is_and_how_to_drop_it(estimator):
-    # the embedded default sets algo.std_eps: 0.05 (its schema default is 1e-4); rloo / dr_grpo divide by no std
+    # the embedded default sets advantage.std_eps: 0.05 (its schema default is 1e-4); rloo / dr_grpo divide by no std
     with pytest.raises(ConfigError) as info:
-        load_config(DEFAULT_CONFIG, [f"algo.advantage={estimator}"])
+        load_config(DEFAULT_CONFIG, [f"advantage.name={estimator}"])
     text = str(info.value)
-    assert text.startswith("algo.std_eps=0.05 is read only by algo.advantage=grpo") and "\n" not in text
-    assert f"algo.advantage is '{estimator}'" in text and "algo.std_eps=0.0001" in text and "gdpo" in text
-    config = load_config(DEFAULT_CONFIG, [f"algo.advantage={estimator}", "algo.std_eps=0.0001"])  # the way out
-    assert config.algo.advantage == estimator
+    assert text.startswith("advantage.std_eps=0.05 is read only by advantage.name=grpo") and "\n" not in text
+    assert f"advantage.name is '{estimator}'" in text and "advantage.std_eps=0.0001" in text and "gdpo" in text
+    config = load_config(DEFAULT_CONFIG, [f"advantage.name={estimator}", "advantage.std_eps=0.0001"])  # the way out
+    assert config.advantage.name == estimator
 
 
-@pytest.mark.parametrize("setting", ["algo.std_eps=0.01", "algo.std_ddof=1"])
+@pytest.mark.parametrize("setting", ["advantage.std_eps=0.01", "advantage.std_ddof=1"])
 def test_std_settings_are_refused_with_rloo_and_read_under_gdpo(setting):
     key, value = setting.split("=")
     with pytest.raises(ConfigError, match=rf"^{key}={value} is read only by .*\(its default is "):
         load_config(REPO_CONFIGS / "digits_rloo.yaml", [setting])
-    load_config(REPO_CONFIGS / "digits_rloo.yaml", [setting, "algo.multi_reward=gdpo"])  # GDPO's batch std
+    load_config(REPO_CONFIGS / "digits_rloo.yaml", [setting, "advantage.multi_reward=gdpo"])  # GDPO's batch std
     load_config(REPO_CONFIGS / "digits.yaml", [setting])  # grpo reads both
 
 

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
     (["model.height=0"], "'model.height': Input should be greater than or equal to 1"),
     (["train.learning_rate=1e-4"], "unknown config key 'train.learning_rate'; did you mean 'train.lr'?"),
     (["train.epochs=3"], "did you mean 'train.num_epochs'?"),
-    (["train.kl_beta=0.1"], "did you mean 'algo.kl_beta'?"),
+    (["train.kl_beta=0.1"], "did you mean 'objective.kl_beta'?"),
     (["sampling.eta=0.3"], "did you mean 'sampling.noise_level'?"),
     (["sampling.guidance_scale=.nan"], "finite number"),
     (["rewards=[{name: jpeg_compressibility, weight: 0}]"], "every reward in rewards has weight 0"),
@@ -116,7 +116,7 @@ def test_unreachable_model_fails_at_once_naming_it():
 
 
 @pytest.mark.parametrize("key", ["data.eval_num_prompts", "logging.eval_every", "logging.plot_every",
-                                 "train.num_epochs", "train.train_batch_size", "algo.std_ddof",
+                                 "train.num_epochs", "train.train_batch_size", "advantage.std_ddof",
                                  "train.warmup_steps", "model.height"])
 @pytest.mark.parametrize("value", ["true", "false"])
 def test_a_boolean_for_an_integer_key_is_refused_naming_the_key(key, value):
@@ -125,12 +125,12 @@ def test_a_boolean_for_an_integer_key_is_refused_naming_the_key(key, value):
 
 
 def test_a_boolean_in_a_strategy_integer_or_integer_list_is_refused():
-    with pytest.raises(ConfigError, match=r"'algo.group_filter.keep': an integer is needed, got a boolean"):
-        build_config({}, ["algo.group_filter={name: gfpo, keep: true}"])
-    with pytest.raises(ConfigError, match=r"'chunker.min_chunk_size': an integer is needed, got a boolean"):
-        build_config({}, ["chunker={name: chunk, min_chunk_size: true}"])
-    with pytest.raises(ConfigError, match=r"'chunker.chunk_sizes': an integer is needed, got a boolean"):
-        build_config({}, ["chunker={name: chunk, chunk_sizes: [true, 2]}"])
+    with pytest.raises(ConfigError, match=r"'group_filter.keep': an integer is needed, got a boolean"):
+        build_config({}, ["group_filter={name: gfpo, keep: true}"])
+    with pytest.raises(ConfigError, match=r"'objective.chunker.min_chunk_size': an integer is needed, got a boolean"):
+        build_config({}, ["objective.chunker={name: chunk, min_chunk_size: true}"])
+    with pytest.raises(ConfigError, match=r"'objective.chunker.chunk_sizes': an integer is needed, got a boolean"):
+        build_config({}, ["objective.chunker={name: chunk, chunk_sizes: [true, 2]}"])
 
 
 def _every_section() -> set:
@@ -185,7 +185,7 @@ def test_integers_none_and_the_old_refusals_are_unchanged():
         build_config({}, ["train.num_epochs=abc"])
 
 
-@pytest.mark.parametrize("override", ["train.lr=true", "train.ema_decay=false", "algo.kl_beta=true",
+@pytest.mark.parametrize("override", ["train.lr=true", "train.ema_decay=false", "objective.kl_beta=true",
                                       "train.adam_betas=[true, 0.999]", "model.scheduler_shift=true"])
 def test_a_boolean_for_a_float_key_is_refused_naming_the_key(override):
     key = override.split("=")[0]
@@ -208,9 +208,9 @@ def test_every_float_field_refuses_a_boolean_and_takes_a_number():
     assert build_config({}, ["train.lr=1", "train.adam_betas=[0, 0.9]"]).train.lr == 1.0
 
 
-@pytest.mark.parametrize("override", ["algo.drop_zero_spread_groups=1.0", "sampling.same_noise_in_group=0.0",
-                                      "model.gradient_checkpointing=1", "algo.drop_zero_spread_groups=0",
-                                      "algo.drop_zero_spread_groups='true'"])
+@pytest.mark.parametrize("override", ["advantage.drop_zero_spread_groups=1.0", "sampling.same_noise_in_group=0.0",
+                                      "model.gradient_checkpointing=1", "advantage.drop_zero_spread_groups=0",
+                                      "advantage.drop_zero_spread_groups='true'"])
 def test_a_number_or_string_for_a_boolean_key_is_refused_naming_the_key(override):
     """A boolean takes only true or false (pydantic's lax mode once read 1.0 as true, silently)."""
     key, value = override.split("=")
@@ -230,8 +230,8 @@ def test_every_boolean_field_refuses_a_number_and_takes_true_and_false():
                         model.model_validate({name: bad})
                 checked += 1
     assert checked >= 10
-    c = build_config({}, ["algo.drop_zero_spread_groups=false", "model.gradient_checkpointing=true"])
-    assert c.algo.drop_zero_spread_groups is False and c.model.gradient_checkpointing is True
+    c = build_config({}, ["advantage.drop_zero_spread_groups=false", "model.gradient_checkpointing=true"])
+    assert c.advantage.drop_zero_spread_groups is False and c.model.gradient_checkpointing is True
 
 
 # ------------------------------------------------------------------------------------------ seeds numpy cannot take
@@ -253,10 +253,11 @@ def test_the_seed_range_ends_are_accepted():
 
 @pytest.mark.parametrize("overrides, needle", [
     (["sampling.sde_kind=fow_sde"], "unknown SDE kind 'fow_sde'"),
-    (["algo.advantage=grpoo"], "unknown advantage estimator 'grpoo'"),
-    (["chunker.name=chunk", "chunker.chunk_sizes=[2,3]"], "must be positive and sum to the 8"),
-    (["chunker.name=window", "chunker.window_size=20"], "exceeds sampling.num_steps=8"),
-    (["chunker.name=entropy_merge", "chunker.entropy_threshold=0.9", "sampling.sde_kind=cps"], "cannot use"),
+    (["advantage.name=grpoo"], "unknown advantage estimator 'grpoo'"),
+    (["objective.chunker.name=chunk", "objective.chunker.chunk_sizes=[2,3]"], "must be positive and sum to the 8"),
+    (["objective.chunker.name=window", "objective.chunker.window_size=20"], "exceeds sampling.num_steps=8"),
+    (["objective.chunker.name=entropy_merge", "objective.chunker.entropy_threshold=0.9", "sampling.sde_kind=cps"],
+     "cannot use"),
 ])
 def test_strategy_errors_come_before_any_model_loads(overrides, needle):
     from flowgrpo.preflight import check_strategies
@@ -266,20 +267,23 @@ def test_strategy_errors_come_before_any_model_loads(overrides, needle):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["algo.group_filter.keep=4"], "algo.group_filter.keep=4 is read only by algo.group_filter.name=gfpo, but "
-                                   "algo.group_filter.name is 'none'"),
-    (["algo.group_filter.select=bottom"], "algo.group_filter.select='bottom' is read only by"),
-    (["algo.policy_loss.tau_pos=5000"], "algo.policy_loss.tau_pos=5000 is read only by algo.policy_loss.name=sapo, "
-                                        "but algo.policy_loss.name is 'clipped'"),
-    (["algo.policy_loss={name: sapo, c: 5}"], "algo.policy_loss.c=5 is read only by algo.policy_loss.name=dual_clip, "
-                                              "but algo.policy_loss.name is 'sapo'"),
-    (["algo.sapo_tau_pos=5000"], "algo.sapo_tau_pos=5000 is read only by algo.policy_loss=sapo, but "
-                                 "algo.policy_loss is 'clipped'"),  # the key of earlier versions
-    (["algo.advantage=rloo", "algo.global_std=true"], "algo.global_std=True is read only by algo.advantage=grpo, "
-                                                       "but algo.advantage is 'rloo'"),
+    (["group_filter.keep=4"], "group_filter.keep=4 is read only by group_filter.name=gfpo, but "
+                                   "group_filter.name is 'none'"),
+    (["group_filter.select=bottom"], "group_filter.select='bottom' is read only by"),
+    (["objective.policy_loss.tau_pos=5000"],
+     "objective.policy_loss.tau_pos=5000 is read only by objective.policy_loss.name=sapo, "
+                                        "but objective.policy_loss.name is 'clipped'"),
+    (["objective.policy_loss={name: sapo, c: 5}"],
+     "objective.policy_loss.c=5 is read only by objective.policy_loss.name=dual_clip, "
+                                              "but objective.policy_loss.name is 'sapo'"),
+    (["algo.sapo_tau_pos=5000"], "algo.sapo_tau_pos=5000 is read only by objective.policy_loss=sapo, but "
+                                 "objective.policy_loss is 'clipped'"),  # the key of earlier versions
+    (["advantage.name=rloo", "advantage.global_std=true"],
+     "advantage.global_std=True is read only by advantage.name=grpo, "
+                                                       "but advantage.name is 'rloo'"),
 ])
 def test_a_setting_the_chosen_strategy_does_not_read_is_refused(tmp_path, monkeypatch, capsys, overrides, needle):
-    """Before: ``algo.group_filter.keep=4`` without a filter started an 80-epoch run that never filtered."""
+    """Before: ``group_filter.keep=4`` without a filter started an 80-epoch run that never filtered."""
     import flowgrpo.models as models
     from flowgrpo.train import main
 
@@ -294,10 +298,12 @@ def test_a_setting_the_chosen_strategy_does_not_read_is_refused(tmp_path, monkey
 
 
 @pytest.mark.parametrize("overrides, why", [
-    (["chunker={name: per_step, drop_last_step: true}"], "chunker.drop_last_step=true leaves it out"),
-    (["chunker={name: per_step}", "sampling.sde_kind=cps"], "sde_kind 'cps' makes it deterministic"),
-    (["chunker={name: chunk, drop_last_step: true}"], "chunker.drop_last_step=true leaves it out"),
-    (["chunker={name: trajectory, drop_last_step: true}"], "chunker.drop_last_step=true leaves it out"),
+    (["objective.chunker={name: per_step, drop_last_step: true}"],
+     "objective.chunker.drop_last_step=true leaves it out"),
+    (["objective.chunker={name: per_step}", "sampling.sde_kind=cps"], "sde_kind 'cps' makes it deterministic"),
+    (["objective.chunker={name: chunk, drop_last_step: true}"], "objective.chunker.drop_last_step=true leaves it out"),
+    (["objective.chunker={name: trajectory, drop_last_step: true}"],
+     "objective.chunker.drop_last_step=true leaves it out"),
 ])
 def test_one_step_whose_only_transition_is_never_trained_is_refused_before_loading(tmp_path, monkeypatch, capsys,
                                                                                   overrides, why):
@@ -329,7 +335,7 @@ def test_a_cps_noise_level_above_one_is_refused_before_loading(tmp_path, monkeyp
 
     monkeypatch.setattr(models, "load_model_from_config", no_model)
     with pytest.raises(SystemExit) as info:
-        main(["chunker={name: per_step}", "sampling.sde_kind=cps", f"sampling.noise_level={level}",
+        main(["objective.chunker={name: per_step}", "sampling.sde_kind=cps", f"sampling.noise_level={level}",
               f"output_dir={tmp_path / 'r'}"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
@@ -348,9 +354,9 @@ def test_an_entropy_threshold_no_jump_reaches_is_one_line_before_any_evaluation(
         raise AssertionError("the run started although its chunker cannot plan on the model's grid")
 
     monkeypatch.setattr(Trainer, "fit", no_training)
-    overrides = [o for o in _tiny_overrides(tmp_path, tiny_flux_dir) if not o.startswith("chunker=")]
+    overrides = [o for o in _tiny_overrides(tmp_path, tiny_flux_dir) if not o.startswith("objective.chunker=")]
     with pytest.raises(SystemExit) as info:
-        main([*overrides, "sampling.num_steps=8", "chunker={name: entropy_merge, entropy_threshold: 0.9}",
+        main([*overrides, "sampling.num_steps=8", "objective.chunker={name: entropy_merge, entropy_threshold: 0.9}",
               "sampling.sde_kind=dance_sde", "sampling.noise_level=0.7", "train.num_epochs=1",
               f"output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err

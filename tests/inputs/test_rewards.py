@@ -155,7 +155,7 @@ def test_a_reward_returning_words_is_one_line_naming_it_not_a_traceback(tmp_path
     (tmp_path / "p.txt").write_text("a red cube\na blue ball\n")
     with pytest.raises(SystemExit) as info:
         main([f"model.pretrained={tiny_flux_dir}", "model.height=32", "model.width=32", "sampling.num_steps=2",
-              "eval_sampling.num_steps=2", "chunker={name: per_step}", "train.num_epochs=1",
+              "eval_sampling.num_steps=2", "objective.chunker={name: per_step}", "train.num_epochs=1",
               "train.prompts_per_epoch=2", "train.group_size=2", "train.rollout_batch_size=4",
               "train.train_batch_size=4", "train.optimizer_steps_per_epoch=1",
               f"rewards=[{{name: '{MOD}:Verdicts'}}]", "eval_rewards=[]", f"data.train_prompts={tmp_path / 'p.txt'}",

@@ -195,7 +195,7 @@ def test_one_epoch_of_the_path_and_preference_objectives(family, tmp_path_factor
         f"model.pretrained={folder}", f"model.max_sequence_length={CASE.max_sequence_length}",
         f"model.height={CASE.size}", f"model.width={CASE.size}", f"model.num_frames={CASE.num_frames}",
         "model.lora_rank=4", "model.lora_alpha=8", f"sampling.num_steps={CASE.num_steps}",
-        f"sampling.guidance_scale={CASE.guidance_scale}", objective, "algo.kl_beta=0.0", "train.num_epochs=1",
+        f"sampling.guidance_scale={CASE.guidance_scale}", objective, "objective.kl_beta=0.0", "train.num_epochs=1",
         "train.group_size=2", "train.prompts_per_epoch=2", "train.rollout_batch_size=2", "train.lr=1e-3",
         f"data.train_prompts={_prompt_file(tmp_path)}", f"output_dir={out}", "logging.progress=false",
         "data.eval_num_prompts=2", f"eval_sampling.num_steps={CASE.num_steps}",

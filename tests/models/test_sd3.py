@@ -201,7 +201,7 @@ def test_sd35_config_matches_flow_grpo_and_targets_exist(adapter):
     assert (cfg.sampling.noise_level, cfg.sampling.guidance_scale) == (0.7, 4.5)
     assert cfg.eval_sampling.guidance_scale == 4.5
     assert (cfg.train.group_size, cfg.batch_size, cfg.train.lr) == (24, 48 * 24, 3e-4)
-    assert (cfg.algo.clip_range, cfg.algo.kl_beta, cfg.algo.global_std) == (1e-4, 0.04, True)
+    assert (cfg.objective.clip_range, cfg.objective.kl_beta, cfg.advantage.global_std) == (1e-4, 0.04, True)
     assert (cfg.model.finetune, cfg.model.lora_rank, cfg.model.lora_alpha) == ("lora", 32, 64)
     assert [r.name for r in cfg.rewards] == ["geneval"]
     names = [n for n, _ in adapter.transformer.named_modules()]
@@ -250,7 +250,7 @@ def test_train_lora_through_saved_folder(folder, tmp_path):
 
 
 def test_train_full_with_kl_through_saved_folder(folder, tmp_path):
-    records, out = _train(folder, tmp_path, "model.finetune=full", "algo.kl_beta=0.1")
+    records, out = _train(folder, tmp_path, "model.finetune=full", "objective.kl_beta=0.1")
     assert all("policy/kl_ref" in r for r in records)
     trained = SD3Transformer2DModel.from_pretrained(out / "transformer")
     original = SD3Transformer2DModel.from_pretrained(folder / "transformer")

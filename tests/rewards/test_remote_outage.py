@@ -121,8 +121,8 @@ def test_a_training_run_that_loses_its_reward_server_stops_in_one_line_within_th
                f"model.pretrained={tiny_flux_dir}", "model.height=32", "model.width=32",
                "model.max_sequence_length=16", "sampling.num_steps=2", "eval_sampling.num_steps=2",
                "train.num_epochs=1", "train.prompts_per_epoch=2", "train.group_size=4",
-               "train.rollout_batch_size=2", "train.train_batch_size=2", "chunker={name: per_step}",
-               "algo.kl_beta=0", f"rewards={reward}", "eval_rewards=[]", f"data.train_prompts={prompts}",
+               "train.rollout_batch_size=2", "train.train_batch_size=2", "objective.chunker={name: per_step}",
+               "objective.kl_beta=0", f"rewards={reward}", "eval_rewards=[]", f"data.train_prompts={prompts}",
                "data.eval_prompts=null", "data.eval_num_prompts=2", "logging.progress=false"]
         proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
         lines = [(time.monotonic(), line.rstrip("\n")) for line in proc.stderr]  # each line as it is written

@@ -97,13 +97,15 @@ def test_the_euler_solver_rollout_is_the_ode_rollout(tiny_flux):
 @pytest.mark.parametrize(("section", "value", "owner"), [
     ({"sampling": {"sde_kind": "cps"}}, "sampling.sde_kind='cps'", "objective.solver"),
     ({"sampling": {"noise_level": 0.9}}, "sampling.noise_level=0.9", "objective.solver_noise_level"),
-    ({"algo": {"kl_beta": 0.04}}, "algo.kl_beta=0.04", "objective.kl_beta"),
-    ({"algo": {"clip_range": 1e-3}}, "algo.clip_range=0.001", "objective section"),
-    ({"chunker": {"name": "chunk"}}, "chunker 'chunk'", "objective.*"),
-    ({"algo": {"policy_loss": "sapo"}}, "algo.policy_loss 'sapo'", "objective.*"),
+    ({"objective": {"kl_form": "gaussian"}}, "objective.kl_form='gaussian'", "sde_ratio"),
+    ({"objective": {"chunker": "chunk"}}, "objective.chunker='chunk'", "sde_ratio"),
+    ({"objective": {"policy_loss": "sapo"}}, "objective.policy_loss='sapo'", "sde_ratio"),
 ])
 @pytest.mark.parametrize("name", ["nft", "awm", "dgpo"])
 def test_sde_ratio_settings_are_refused_with_a_forward_objective(name, section, value, owner):
+    """The rollout settings only the SDE-ratio objective reads, and its own settings in a forward objective's
+    section (another objective's keys), are refused in one line naming sde_ratio."""
+    section = {k: {"name": name, **v} if k == "objective" else v for k, v in section.items()}
     with pytest.raises(ConfigError) as err:
         build_config({"objective": name, "train": {"group_size": 4, "rollout_batch_size": 8}, **section})
     (line,) = str(err.value).splitlines()

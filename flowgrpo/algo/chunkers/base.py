@@ -12,9 +12,10 @@ A chunker is a registered strategy (:data:`CHUNKERS`) that answers three questio
   (see ``docs/design.md``, "Exactness").
 
 Each strategy declares its settings as a pydantic model (its ``Config`` attribute, a subclass of
-:class:`ChunkerConfig`); the run config's ``chunker:`` section is validated against the model of the strategy its
-``name`` selects (:func:`~flowgrpo.strategies.settings.strategy_settings`), so a knob of another strategy is an error,
-not silently ignored. The chunker is a part of the ``sde_ratio`` objective (:mod:`flowgrpo.algo.objectives`).
+:class:`ChunkerConfig`); the run config's ``objective.chunker`` section is validated against the model of the strategy
+its ``name`` selects (:func:`~flowgrpo.strategies.settings.strategy_settings`), so a knob of another strategy is an
+error, not
+silently ignored. The chunker is a part of the ``sde_ratio`` objective (:mod:`flowgrpo.algo.objectives`).
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def check_trainable(cfg: ChunkerConfig, num_steps: int, sde_kind: str) -> int:
     drop = bool(getattr(cfg, "drop_last_step", False))
     trainable = num_steps - int(drop or sde_kind in NOISELESS_LAST_STEP)
     if trainable < 1:
-        why = "chunker.drop_last_step=true leaves it out" if drop else f"sde_kind {sde_kind!r} makes it deterministic"
+        why = ("objective.chunker.drop_last_step=true leaves it out" if drop
+               else f"sde_kind {sde_kind!r} makes it deterministic")
         raise ValueError(f"sampling.num_steps={num_steps} leaves no transition to train: the last transition is "
                          f"never trained ({why}); use sampling.num_steps >= 2")
     return trainable
@@ -188,6 +190,8 @@ def chunker_settings(name: str = "per_step", **settings) -> ChunkerConfig:
     return chunker_config_class(name).model_validate({"name": name, **settings})
 
 
-def build_chunker(cfg: ChunkerConfig) -> Chunker:
-    """The chunker named by ``cfg.name``, constructed with its settings."""
-    return CHUNKERS.get(cfg.name)(cfg)
+def build_chunker(cfg: ChunkerConfig, timestep_fraction: float = 1.0) -> Chunker:
+    """The chunker named by ``cfg.name``, constructed with its settings, and with the objective's
+    ``timestep_fraction`` (in (0, 1]) where it reads it (its class's ``reads_timestep_fraction``)."""
+    cls = CHUNKERS.get(cfg.name)
+    return cls(cfg, timestep_fraction) if getattr(cls, "reads_timestep_fraction", False) else cls(cfg)

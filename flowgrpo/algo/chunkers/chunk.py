@@ -44,7 +44,7 @@ class ChunkConfig(DropLastConfig):
 
 def _check_sizes(sizes, trainable: int, where: str) -> None:
     if min(sizes) < 1 or sum(sizes) != trainable:
-        raise ValueError(f"chunker.chunk_sizes {list(sizes)} must be positive and sum to the {trainable} "
+        raise ValueError(f"objective.chunker.chunk_sizes {list(sizes)} must be positive and sum to the {trainable} "
                          f"trainable transitions {where}")
 
 
@@ -157,7 +157,7 @@ class Chunk(BaseChunker):
         if self.cfg.chunk_sizes is not None:
             _check_sizes(self.cfg.chunk_sizes, trainable, f"of {num_steps} steps (sde_kind {sde_kind!r}, "
                          f"drop_last_step {self.cfg.drop_last_step})")
-            release_count(self.cfg.chunk_fraction, len(self.cfg.chunk_sizes), "chunker.chunk_fraction")
+            release_count(self.cfg.chunk_fraction, len(self.cfg.chunk_sizes), "objective.chunker.chunk_fraction")
 
     def chunk_bounds(self, traj: Trajectory) -> tuple[list[tuple[int, ...]], list[int], list[tuple[int, int]]]:
         """(chunks as tuples of transitions, the trainable transitions, chunks as ``[lo, hi)`` into them)."""
@@ -175,7 +175,7 @@ class Chunk(BaseChunker):
         chunks, steps, bounds = self.chunk_bounds(traj)
         k = len(chunks)
         b = traj.batch_size
-        n = release_count(self.cfg.chunk_fraction, k, "chunker.chunk_fraction")
+        n = release_count(self.cfg.chunk_fraction, k, "objective.chunker.chunk_fraction")
         if n == k:
             return make_plan(chunks, torch.ones(b, k, dtype=torch.bool))
         selected = torch.zeros(b, k, dtype=torch.bool)

@@ -97,7 +97,7 @@ def merge_plan(sigmas: torch.Tensor, *, kind: str, noise_level: float, tau: floa
     t_count = len(sigmas) - 1
     if (tau is None) == (steps is None):
         raise ValueError("entropy_merge needs exactly one of chunker.entropy_threshold (the entropy rule) or "
-                         f"chunker.merge_steps (hand-set branch steps); got entropy_threshold={tau}, "
+                         f"objective.chunker.merge_steps (hand-set branch steps); got entropy_threshold={tau}, "
                          f"merge_steps={steps}")
     if steps is not None:
         return _hand_plan(list(steps), [1] * len(steps) if lengths is None else list(lengths), t_count)
@@ -110,8 +110,8 @@ def merge_plan(sigmas: torch.Tensor, *, kind: str, noise_level: float, tau: floa
 def _hand_plan(steps: list[int], lengths: list[int], t_count: int) -> list[tuple[int, int]]:
     """The hand-set (step, length) list after validation (see :func:`merge_plan`)."""
     if not steps or len(lengths) != len(steps):
-        raise ValueError(f"chunker.merge_steps {steps} and merge_lengths {lengths} must be non-empty lists of "
-                         "equal length")
+        raise ValueError(f"objective.chunker.merge_steps {steps} and merge_lengths {lengths} must be non-empty lists "
+                         "of equal length")
     plan = list(zip(steps, lengths, strict=True))
     for k, (s, m) in enumerate(plan):
         if s < 0 or m < 1 or s + m > t_count:
@@ -182,10 +182,10 @@ class EntropyMergeConfig(ChunkerConfig):
     def _one_rule(self) -> EntropyMergeConfig:
         if (self.entropy_threshold is None) == (self.merge_steps is None):
             raise ValueError("chunker 'entropy_merge' needs exactly one of chunker.entropy_threshold (the entropy "
-                             "rule) or chunker.merge_steps (hand-set branch steps); got entropy_threshold="
+                             "rule) or objective.chunker.merge_steps (hand-set branch steps); got entropy_threshold="
                              f"{self.entropy_threshold}, merge_steps={self.merge_steps}")
         if self.merge_lengths is not None and self.merge_steps is None:
-            raise ValueError("chunker.merge_lengths needs chunker.merge_steps")
+            raise ValueError("objective.chunker.merge_lengths needs objective.chunker.merge_steps")
         return self
 
 
@@ -248,7 +248,8 @@ class EntropyMerge(BaseChunker):
     def validate(self, num_steps: int, sde_kind: str) -> None:
         _check_merge_kind(sde_kind)
         if self.cfg.merge_steps is not None and max(self.cfg.merge_steps) >= num_steps:
-            raise ValueError(f"chunker.merge_steps {list(self.cfg.merge_steps)} must be < num_steps {num_steps}")
+            raise ValueError(f"objective.chunker.merge_steps {list(self.cfg.merge_steps)} must be < num_steps "
+                             f"{num_steps}")
 
     def validate_grid(self, sigmas: torch.Tensor, settings) -> None:
         """The entropy rule's branch plan on the model's grid (``ValueError`` when no jump reaches τ)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -16,11 +16,6 @@ class PerStepConfig(DropLastConfig):
     """Settings of ``per_step``."""
 
     name: Literal["per_step"] = "per_step"
-    timestep_fraction: float = Field(
-        1.0, gt=0, le=1, description="int(K*fraction) of the K trainable steps are trained per sample, as the "
-        "releases count: Flow-GRPO config.train.timestep_fraction over all T steps (0.99 of 10 trains 9), "
-        "DanceGRPO --timestep_fraction over T-1 (set drop_last_step)"
-    )
     step_selection: Literal["first", "random"] = Field(
         "first", description="train the first steps of the fraction (Flow-GRPO) or a random subset per sample "
         "(DanceGRPO)"
@@ -31,7 +26,8 @@ class PerStepConfig(DropLastConfig):
 class PerStep(BaseChunker):
     """Every stochastic transition is its own chunk (Flow-GRPO, arXiv 2505.05470, eq. 7; DanceGRPO).
 
-    ``timestep_fraction`` < 1 trains int(K·fraction) of the K trainable transitions per sample (the releases'
+    ``objective.timestep_fraction`` (the objective's, which it reads: ``reads_timestep_fraction``) < 1 trains
+    int(K·fraction) of the K trainable transitions per sample (the releases'
     count, :func:`~flowgrpo.algo.chunkers.base.release_count`): the first ones (``step_selection='first'``,
     Flow-GRPO: K = T, so 0.99 of T = 10 trains steps 0–8) or a uniformly random subset per sample
     (``'random'``, DanceGRPO: its samples drop the last transition, so ``drop_last_step: true`` and
@@ -39,19 +35,24 @@ class PerStep(BaseChunker):
     """
 
     Config = PerStepConfig
+    reads_timestep_fraction: ClassVar[bool] = True
+
+    def __init__(self, cfg: PerStepConfig, timestep_fraction: float = 1.0) -> None:
+        super().__init__(cfg)
+        self.timestep_fraction = timestep_fraction
 
     def validate(self, num_steps: int, sde_kind: str) -> None:
         trainable = base.check_trainable(self.cfg, num_steps, sde_kind)
-        base.release_count(self.cfg.timestep_fraction, trainable, "chunker.timestep_fraction")
+        base.release_count(self.timestep_fraction, trainable, "objective.timestep_fraction")
 
     @property
     def needs_recompute(self) -> bool:  # a random subset per sample forwards fewer rows than the rollout did
-        return self.cfg.step_selection == "random" and self.cfg.timestep_fraction < 1
+        return self.cfg.step_selection == "random" and self.timestep_fraction < 1
 
     def plan(self, traj: Trajectory, epoch: int, generator: torch.Generator) -> ChunkPlan:
         steps = base.trainable_steps(traj, self.cfg.drop_last_step)
         k = len(steps)
-        n = base.release_count(self.cfg.timestep_fraction, k, "chunker.timestep_fraction")
+        n = base.release_count(self.timestep_fraction, k, "objective.timestep_fraction")
         b = traj.batch_size
         selected = torch.zeros(b, k, dtype=torch.bool)
         if self.cfg.step_selection == "first":

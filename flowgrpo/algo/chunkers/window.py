@@ -50,13 +50,13 @@ class SlidingWindow(BaseChunker):
         """
         w, stride, k = self.cfg.window_size, self.cfg.window_stride, epoch // self.cfg.window_shift_every
         if w > num_steps:
-            raise ValueError(f"chunker.window_size={w} exceeds sampling.num_steps={num_steps}")
+            raise ValueError(f"objective.chunker.window_size={w} exceeds sampling.num_steps={num_steps}")
         if self.cfg.window_end == "stay":
             start = min(stride * k, num_steps - w)
             return range(start, start + w)
         last = num_steps - 2  # MixGRPO's max_timesteps: windows end before it
         if last < 1:
-            raise ValueError(f"chunker.window_end=roll_back needs sampling.num_steps >= 3, got {num_steps}")
+            raise ValueError(f"objective.chunker.window_end=roll_back needs sampling.num_steps >= 3, got {num_steps}")
         starts = (last - 1) // stride + 1  # 0, stride, … < last
         start = stride * (k % starts)
         return range(start, min(start + w, last))

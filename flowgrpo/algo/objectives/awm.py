@@ -25,7 +25,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from flowgrpo.algo.objectives.base import OBJECTIVES
+from flowgrpo.algo.objectives.base import CLIP_RANGE, OBJECTIVES, TIMESTEP_FRACTION, shared_field
 from flowgrpo.algo.objectives.flow_matching import (
     ObjectiveTerms,
     as_row_sigma,
@@ -265,17 +265,14 @@ class AWMConfig(ForwardConfig):
     weighting: registered_name(AWM_WEIGHTINGS, "objective.weighting") = Field(
         "ghuber", description="AWM's log-probability weighting: ghuber, huber, uniform, t, t**2")
     ghuber_power: float = Field(0.25, gt=0, description="AWM: p of the ghuber weighting")
-    clip_range: float = Field(1.0, ge=0, description="the clip: AWM's of its ratio (1; on-policy the ratio is 1), "
-                              "DGPO's of exp(e_old - e) against the old copy (1e-2)")
+    clip_range: float = shared_field(CLIP_RANGE, 1.0)
     kl_weight: registered_name(AWM_KL_WEIGHTS, "objective.kl_weight") = Field(
         "uniform", description="AWM: the reference KL's weight (uniform, elbo)")
     ema_beta: float = Field(1.0, ge=0, description="AWM: weight of the KL to the old copy")
     kl_ema_weight: registered_name(AWM_KL_WEIGHTS, "objective.kl_ema_weight") = Field(
         "uniform", description="AWM: the old-copy KL's weight (uniform, elbo)")
     train_timesteps: int = Field(6, ge=1, description="AWM: K training sigmas per micro-batch, shared by its samples")
-    timestep_fraction: float = Field(0.9, gt=0, le=1, description="the training sigmas: DiffusionNFT trains "
-                                     "int(T*f) of the grid's T sigmas per sample (a random subset: 0.99); AWM draws "
-                                     "its strata from the first int(T*f) grid steps (0.9)")
+    timestep_fraction: float = shared_field(TIMESTEP_FRACTION, 0.9)
     shuffle_micro_batches: bool = Field(True, description="AWM: cut the micro-batches (which share their training "
                                         "sigmas) from a seeded permutation of each rollout batch, so they mix "
                                         "prompts as the release's shuffle does (train_sd3_awm.py 1085-1087); "

@@ -47,6 +47,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from pydantic import Field
+from pydantic.fields import FieldInfo
 
 from flowgrpo.algo.advantages import compute_advantages
 from flowgrpo.algo.filters import GROUP_FILTERS, FilterResult, advantages_of_kept
@@ -83,17 +84,17 @@ class ObjectiveConfig(Section):
     def problems(self, config) -> list[str]:
         """Every run setting (``config``, the whole :class:`~flowgrpo.config.Config`) this objective does not read
         or cannot run with, one line each naming the setting, why and what to do (empty: none). Here: a field of
-        :attr:`unread` moved from its default, and ``algo.min_learning_frac`` moved for an objective that does not
+        :attr:`unread` moved from its default, and ``advantage.min_learning_frac`` moved for an objective that does not
         train on the advantages (it is the low-signal warning's threshold, :attr:`Objective.trains_on_advantages`)."""
         out = [f"objective.{key}={getattr(self, key)!r} is not read by objective {self.name!r} ({why}): remove the "
                f"setting (default {type(self).model_fields[key].default!r})"
                for key, why in self.unread.items() if _moved(self, key)]
-        if not getattr(OBJECTIVES.get(self.name), "trains_on_advantages", True) and _moved(config.algo,
+        if not getattr(OBJECTIVES.get(self.name), "trains_on_advantages", True) and _moved(config.advantage,
                                                                                            "min_learning_frac"):
-            out.append(f"algo.min_learning_frac={config.algo.min_learning_frac!r} is read only by objectives that "
-                       f"train on the group advantages, but objective {self.name!r} does not (its signal is not "
-                       "the differences within a group): remove the setting (default "
-                       f"{type(config.algo).model_fields['min_learning_frac'].default!r})")
+            out.append(f"advantage.min_learning_frac={config.advantage.min_learning_frac!r} is read only by "
+                       f"objectives that train on the group advantages, but objective {self.name!r} does not (its "
+                       "signal is not the differences within a group): remove the setting (default "
+                       f"{type(config.advantage).model_fields['min_learning_frac'].default!r})")
         return out
 
     def own_noise(self) -> list[tuple[str, float, str]]:
@@ -106,6 +107,36 @@ class ObjectiveConfig(Section):
         """Reject, before any model loads, every problem :meth:`problems` finds, all in one ``ValueError`` (one
         line each)."""
         refuse(self.problems(config), f"objective {self.name!r} cannot run with this config")
+
+
+#: the weight β of a KL to the reference, declared once for every objective that has one (each sets its default
+#: with :func:`shared_field`): the SDE-ratio objective's on transition means, the others' in velocity space
+KL_BETA = Field(0.0, ge=0, description="weight beta of the KL to the reference (the base model): sde_ratio's on "
+                "transition means (objective.kl_form); nft, awm, dgpo and sft the velocity-space KL "
+                "mean_dims(v - v_ref)^2 (DiffusionNFT 1e-4, AWM 0.001, DGPO 0.02)")
+
+#: the clip ε of an objective's ratio, declared once for every objective that clips one (each sets its release's
+#: default with :func:`shared_field`)
+CLIP_RANGE = Field(
+    1e-4, ge=0, description="the clip epsilon of the objective's ratio: sde_ratio's clipped surrogate of each chunk's "
+    "importance ratio, both sides (objective.clip_range_low / high set one side; > 0; 1e-4); awm's of its ratio (1; "
+    "on-policy the ratio is 1); dgpo's of exp(e_old - e) against the old copy (1e-2)")
+
+#: the fraction f of a trajectory's steps that train, int(T*f) as the releases count, declared once for every
+#: objective that reads one (each sets its release's default with :func:`shared_field`)
+TIMESTEP_FRACTION = Field(
+    1.0, gt=0, le=1, description="the fraction f of the steps that train, int(K*f) as the releases count: "
+    "sde_ratio with chunker per_step, of its K trainable transitions per sample (Flow-GRPO "
+    "config.train.timestep_fraction over all T steps, 0.99 of 10 trains 9; DanceGRPO --timestep_fraction over T-1: "
+    "set objective.chunker.drop_last_step); nft: a random int(T*f) of the grid's T sigmas per sample (0.99); awm: "
+    "its strata from the first int(T*f) grid steps (0.9); opd: the first int(T*f) steps of the student's T (0.99)")
+
+
+def shared_field(field: FieldInfo, default) -> FieldInfo:
+    """The shared field ``field`` (:data:`KL_BETA`, :data:`CLIP_RANGE`, :data:`TIMESTEP_FRACTION`) with another
+    default (an objective's release value): the same constraints and description (an objective that needs a
+    tighter one adds it to the annotation: ``Annotated[float, Gt(0)]``)."""
+    return FieldInfo.merge_field_infos(field, default=default)
 
 
 def _moved(section, key: str) -> bool:
@@ -153,7 +184,7 @@ class Objective(Protocol):
 
     trains_on_advantages: bool
     """Whether the update's signal is the group advantages (a group of equal rewards then trains nothing): the loop
-    measures the share of samples with a learning signal against ``algo.min_learning_frac`` (metric
+    measures the share of samples with a learning signal against ``advantage.min_learning_frac`` (metric
     ``adv/low_signal``, a console warning) only for such an objective (one that does not say: True)."""
 
     def validate(self) -> None:
@@ -227,8 +258,8 @@ class Objective(Protocol):
 
 
 class BaseObjective:
-    """The phases every objective shares: the group filter (``algo.group_filter``) and the advantages
-    (``algo.advantage`` and its settings) from the kept samples; one trajectory a sample; nothing to check; no
+    """The phases every objective shares: the group filter (``group_filter``) and the advantages
+    (``advantage``: the estimator and its settings) from the kept samples; one trajectory a sample; nothing to check; no
     update state, hooks or metrics of its own. A subclass implements ``rollout``, ``plan``, ``recompute``,
     ``update_steps``, ``micro_batches`` and ``loss`` (:class:`Objective`).
 
@@ -249,12 +280,12 @@ class BaseObjective:
 
     def __init__(self, config) -> None:
         self.cfg = config
-        self.group_filter = GROUP_FILTERS.get(config.algo.group_filter.name)
+        self.group_filter = GROUP_FILTERS.get(config.group_filter.name)
 
     @property
     def needs_reference(self) -> bool:
-        """A KL to the reference (``algo.kl_beta`` > 0)."""
-        return self.cfg.algo.kl_beta > 0
+        """No KL to the reference (an objective with one says so)."""
+        return False
 
     def validate(self) -> None:
         """Nothing beyond the schema."""
@@ -296,15 +327,15 @@ class BaseObjective:
 
     def filter_groups(self, rewards: Rewards, group_ids: torch.Tensor) -> FilterResult:
         """The configured group filter (``none``: keep all)."""
-        return self.group_filter(rewards, group_ids, self.cfg.algo.group_filter)
+        return self.group_filter(rewards, group_ids, self.cfg.group_filter)
 
     def advantages(self, rewards: Rewards, group_ids: torch.Tensor, keep: torch.Tensor) -> Advantages:
         """Advantages from the samples the group filter kept (all of them without a filter)."""
-        a = self.cfg.algo
+        a = self.cfg.advantage
 
         def compute(r: Rewards, g: torch.Tensor) -> Advantages:
-            return compute_advantages(r, g, estimator=a.advantage, global_std=a.global_std,
-                                      multi_reward=a.multi_reward, clip=a.advantage_clip,
+            return compute_advantages(r, g, estimator=a.name, global_std=a.global_std,
+                                      multi_reward=a.multi_reward, clip=a.clip,
                                       drop_zero_spread=a.drop_zero_spread_groups, std_ddof=a.std_ddof,
                                       std_eps=a.std_eps)
 

@@ -29,7 +29,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field, model_validator
 
-from flowgrpo.algo.objectives.base import OBJECTIVES
+from flowgrpo.algo.objectives.base import CLIP_RANGE, OBJECTIVES, shared_field
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, noised, velocity_mse, velocity_target
 from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork, RowDraw, SolverName, shared
 from flowgrpo.distributed import dist
@@ -199,8 +199,7 @@ class DGPOConfig(ForwardConfig):
     kl_beta: float = shared("kl_beta", 0.02)
     decay_cap: float = shared("decay_cap", 0.3)
     beta_dpo: float = Field(100.0, ge=0, description="DGPO beta_dpo of the group preference (mode 2b: 2000)")
-    clip_range: float = Field(1e-2, ge=0, description="the clip: AWM's of its ratio (1; on-policy the ratio is 1), "
-                              "DGPO's of exp(e_old - e) against the old copy (1e-2)")
+    clip_range: float = shared_field(CLIP_RANGE, 1e-2)
     clip_dsm: bool = Field(True, description="DGPO: clipped rows' flow-matching error carries no gradient")
     clip_kl: bool = Field(False, description="DGPO: nor their KL")
     use_ema_ref: bool = Field(False, description="DGPO: the preference reference is the old copy (mode 2b)")

@@ -156,9 +156,7 @@ class DPOBaseConfig(SigmaDensityConfig):
     unread: ClassVar[dict[str, str]] = {
         **NO_OLD_COPY_UNREAD, "adv_clip_max": "it orders a group's samples by their advantages and clips none",
         "kl_beta": "its reference enters the loss through objective.beta_dpo"}
-    instead: ClassVar[dict[tuple[str, str], str]] = {
-        ("algo", "kl_beta"): "its reference enters the loss through objective.beta_dpo",
-        ("algo", "kl_form"): "its reference enters the loss through objective.beta_dpo"}
+    instead: ClassVar[dict[tuple[str, str], str]] = {}
 
 
 class DPOConfig(DPOBaseConfig):

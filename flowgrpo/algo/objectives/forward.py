@@ -27,9 +27,11 @@ The epoch (the phases of :mod:`flowgrpo.algo.objectives.base`):
 
 Every draw comes from a generator seeded by (run seed, epoch, pass, what, and the sample, the global micro-batch
 or nothing), so an epoch is the same on any number of processes and any batching that keeps the draws' scope.
-The SDE-ratio family's settings (``chunker``, ``sampling.sde_kind`` and its noise, ``algo.policy_loss``, the clip
-ranges, ``algo.kl_*``) are refused with a forward-process objective, all of them in one error, one line each
-(:func:`sde_ratio_problems`, :meth:`ForwardConfig.problems`).
+The SDE-ratio objective's own settings (its chunker, policy loss, clip ranges and KL) are in its own section
+(``objective: {name: sde_ratio, ...}``), so a forward-process objective cannot be given them; the rollout settings
+of ``sampling`` that only the SDE-ratio objective reads (``sampling.sde_kind`` and its noise, …) are refused with a
+forward-process objective, all of them in one error, one line each (:func:`sde_ratio_problems`,
+:meth:`ForwardConfig.problems`).
 """
 
 from __future__ import annotations
@@ -42,12 +44,18 @@ import torch
 from pydantic import Field
 from pydantic.fields import FieldInfo
 
-from flowgrpo.algo.chunkers import ChunkerConfig
 from flowgrpo.algo.microbatches import micro_batches, step_shares
-from flowgrpo.algo.objectives.base import BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep, _moved
+from flowgrpo.algo.objectives.base import (
+    KL_BETA,
+    BaseObjective,
+    MicroBatchAt,
+    ObjectiveConfig,
+    UpdateStep,
+    _moved,
+    shared_field,
+)
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms
 from flowgrpo.algo.objectives.old_copy import OldCopy
-from flowgrpo.algo.policy_losses import PolicyLossConfig
 from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, FinalSamples
 from flowgrpo.sampling.final_rollout import solver_rollout
@@ -65,12 +73,6 @@ SDE_RATIO_ONLY = {
     ("sampling", "cps_simplified_logprob"): "it computes no log-probabilities",
     ("sampling", "sigma_one_guard"): "its rollout is an ODE solver",
     ("sampling", "final_decode"): "it decodes the solver's final sample",
-    ("algo", "clip_range"): "its loss has its own settings in the objective section",
-    ("algo", "clip_range_low"): "its loss has its own settings in the objective section",
-    ("algo", "clip_range_high"): "its loss has its own settings in the objective section",
-    ("algo", "kl_beta"): "its KL weight to the reference is objective.kl_beta",
-    ("algo", "kl_form"): "its KL to the reference is in velocity space",
-    ("algo", "recompute_old_log_probs"): "it computes no log-probabilities",
 }
 
 #: what a dataset objective (``sft``, ``dpo_offline``) reads in place of the rollout's settings
@@ -83,15 +85,9 @@ DATASET_UNREAD = {k: "it samples nothing: the dataset's images are its samples"
 NO_OLD_COPY_UNREAD = {k: "it keeps no old copy of the weights" for k in ("decay_flat", "decay_ramp", "decay_cap")}
 
 
-def _is_default_strategy(section, base) -> bool:
-    """Whether a strategy section (chunker, policy loss) is its kind's default strategy (``base``'s ``name``
-    default) with that strategy's defaults."""
-    return section.name == base.model_fields["name"].default and section == type(section)()
-
-
 def sde_ratio_problems(objective, config) -> list[str]:
-    """One line for each setting only the SDE-ratio objective reads (:data:`SDE_RATIO_ONLY`, ``chunker``,
-    ``algo.policy_loss``) moved from its default, for the objective settings ``objective`` (an
+    """One line for each ``sampling`` setting only the SDE-ratio objective reads (:data:`SDE_RATIO_ONLY`) moved
+    from its default, for the objective settings ``objective`` (an
     :class:`~flowgrpo.algo.objectives.base.ObjectiveConfig` whose class declares ``trains_on`` and ``instead``, as
     :class:`ForwardConfig` does) in the run config ``config``: who reads it, what the objective trains on and
     reads instead."""
@@ -104,13 +100,6 @@ def sde_ratio_problems(objective, config) -> list[str]:
             out.append(f"{sec}.{key}={getattr(section, key)!r} is read only by objective.name=sde_ratio, but "
                        f"objective.name is {objective.name!r}, which trains on {objective.trains_on} ({why}): remove "
                        f"the setting, or set it back on the command line: {sec}.{key}={default!r}")
-    for sec, what, base in (("chunker", config.chunker, ChunkerConfig),
-                            ("algo.policy_loss", config.algo.policy_loss, PolicyLossConfig)):
-        if not _is_default_strategy(what, base):
-            out.append(f"{sec} {what.name!r} (and its settings) is read only by objective.name=sde_ratio (its SDE "
-                       f"transitions and their ratio loss), but objective.name is {objective.name!r}, whose loss "
-                       f"and training sigmas are its own (objective.*): remove the {sec} section, or set it back on "
-                       f"the command line: {sec}={base.model_fields['name'].default}")
     return out
 
 
@@ -137,8 +126,7 @@ class ForwardConfig(ObjectiveConfig):
         1.0, ge=0, description="guidance of the training forwards, independent of sampling.guidance_scale: 1.0 is "
         "no CFG (the releases' SD3.5 training; SD3's true CFG needs > 1); a guidance-embedding model (FLUX.1-dev) "
         "takes the embedding's value")
-    kl_beta: float = Field(0.0, ge=0, description="weight of the velocity-space KL mean_dims(v - v_ref)^2 to the "
-                           "reference (base model): DiffusionNFT 1e-4, AWM 0.001, DGPO 0.02")
+    kl_beta: float = shared_field(KL_BETA, 0.0)
     adv_clip_max: float = Field(5.0, gt=0, description="advantages clipped to +-c (every release: 5); DiffusionNFT "
                                 "maps them to r = A/(2c) + 1/2 and scales its loss by c, AWM rescales them to "
                                 "+-advantage_max")

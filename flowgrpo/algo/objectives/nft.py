@@ -25,7 +25,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from flowgrpo.algo.objectives.base import OBJECTIVES
+from flowgrpo.algo.objectives.base import OBJECTIVES, TIMESTEP_FRACTION, shared_field
 from flowgrpo.algo.objectives.flow_matching import (
     ObjectiveTerms,
     mean_dims,
@@ -215,9 +215,7 @@ class NFTConfig(ForwardConfig):
         "all", description="DiffusionNFT adv_mode: all, positive_only, negative_only, one_only, binary")
     adaptive_weight_min: float = Field(1e-5, ge=0, description="DiffusionNFT: floor of the adaptive weight "
                                        "mean_dims|x0_hat - x0|")
-    timestep_fraction: float = Field(0.99, gt=0, le=1, description="the training sigmas: DiffusionNFT trains "
-                                     "int(T*f) of the grid's T sigmas per sample (a random subset: 0.99); AWM draws "
-                                     "its strata from the first int(T*f) grid steps (0.9)")
+    timestep_fraction: float = shared_field(TIMESTEP_FRACTION, 0.99)
 
 
 @OBJECTIVES.register("nft")

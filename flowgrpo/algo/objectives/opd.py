@@ -37,7 +37,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from flowgrpo.algo.objectives.base import OBJECTIVES, ObjectiveConfig
+from flowgrpo.algo.objectives.base import OBJECTIVES, TIMESTEP_FRACTION, ObjectiveConfig, shared_field
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, sde_ratio_problems
 from flowgrpo.algo.objectives.paths import PathDraw, PathSamples, path_rollout
@@ -181,8 +181,7 @@ class OPDConfig(ObjectiveConfig):
     noise_level: float = Field(0.0, ge=0, description="on-policy distillation: the student's rollout noise a "
                                "(flow_sde); 0 (the release): Euler steps and the loss 1/2*mean (mu_S - mu_T)^2, "
                                "else the KL (mu_S - mu_T)^2 / (2*(a*sqrt(sigma/(1-sigma)))^2)")
-    timestep_fraction: float = Field(0.99, gt=0, le=1, description="on-policy distillation: the first "
-                                     "int(T*f) steps of the student's T train (the release: 0.99)")
+    timestep_fraction: float = shared_field(TIMESTEP_FRACTION, 0.99)
 
     trains_on: ClassVar[str] = "every step of the student's own rollout path, against the teacher's velocity"
     instead: ClassVar[dict[tuple[str, str], str]] = {
@@ -190,10 +189,6 @@ class OPDConfig(ObjectiveConfig):
         ("sampling", "noise_level"): "its rollout's noise is objective.noise_level",
         ("sampling", "sigma_one_guard"): "its rollout is Euler steps, or flow_sde at objective.noise_level",
         ("sampling", "final_decode"): "it decodes its rollout's final sample",
-        **{("algo", k): "its loss is the distance to the teacher's velocity (objective.teacher)"
-           for k in ("clip_range", "clip_range_low", "clip_range_high")},
-        **{("algo", k): "it has no KL to the base model: its loss is the distance to the teacher's velocity"
-           for k in ("kl_beta", "kl_form")},
     }
 
     def own_noise(self) -> list[tuple[str, float, str]]:

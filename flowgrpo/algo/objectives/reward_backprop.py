@@ -241,9 +241,6 @@ class RewardBackpropConfig(ObjectiveConfig):
         ("sampling", "noise_level"): "its rollout is Euler (ODE) steps, without noise",
         ("sampling", "sigma_one_guard"): "its rollout is Euler (ODE) steps",
         ("sampling", "final_decode"): "it decodes its rollout's final sample",
-        **{("algo", k): "its loss has its own settings: objective.reward_scale, objective.refl_margin"
-           for k in ("clip_range", "clip_range_low", "clip_range_high")},
-        **{("algo", k): "it has no KL to the reference, as the ReFL and DRaFT papers" for k in ("kl_beta", "kl_form")},
     }
 
     def problems(self, config) -> list[str]:

@@ -2,13 +2,13 @@
 
 The rollout samples SDE trajectories recording every transition's log-probability (the chunker decides which
 transitions are stochastic); the chunker's plan picks the trained transitions and groups them into chunks that share
-one importance ratio; the update minimises the registered policy loss (``algo.policy_loss``) of each chunk's ratio
+one importance ratio; the update minimises the registered policy loss (``objective.policy_loss``) of each chunk's ratio
 over the trained (sample, chunk) pairs: the update's optimizer steps are the schedule's packs of micro-batches
 (:mod:`flowgrpo.algo.microbatches`), run by the update loop (:mod:`flowgrpo.training.update`). Every log-prob, in
 rollout and training, comes from the adapter's ``velocity`` and :func:`~flowgrpo.sampling.sde.sde_step`, so the
 first ratio of an on-policy update is exactly 1 when the training batch layout equals the rollout's
 (``policy/logprob_mismatch_max`` reports it); a chunker that changes the layout (``needs_recompute``),
-``algo.recompute_old_log_probs`` or a loss that reads the transition moments rescore the old log-probs under the
+``objective.recompute_old_log_probs`` or a loss that reads the transition moments rescore the old log-probs under the
 training layout first (the ``recompute`` phase).
 
 Only the first optimizer step of the first pass is on-policy; the ratio statistics of the later ones are logged
@@ -18,28 +18,120 @@ under ``policy_later/``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
+from annotated_types import Gt
+from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
-from flowgrpo.algo.chunkers import build_chunker
+from flowgrpo.algo.chunkers import CHUNKERS, ChunkerConfig, build_chunker
 from flowgrpo.algo.microbatches import StepWork, pair_mask, schedule
-from flowgrpo.algo.objectives.base import OBJECTIVES, BaseObjective, MicroBatchAt, ObjectiveConfig, UpdateStep
-from flowgrpo.algo.policy_losses import POLICY_LOSSES, LossSettings, PolicyLossInput, needs_moments
+from flowgrpo.algo.objectives.base import (
+    CLIP_RANGE,
+    KL_BETA,
+    OBJECTIVES,
+    TIMESTEP_FRACTION,
+    BaseObjective,
+    MicroBatchAt,
+    ObjectiveConfig,
+    UpdateStep,
+    shared_field,
+)
+from flowgrpo.algo.policy_losses import POLICY_LOSSES, PolicyLossConfig, PolicyLossInput, needs_moments
 from flowgrpo.compile import training_graph
 from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, ChunkPlan, Trajectory
 from flowgrpo.rng import make_generator
 from flowgrpo.sampling.packed_forward import ChunkForward, packed_forward
-from flowgrpo.sampling.sde import SDE_KINDS
+from flowgrpo.sampling.sde import KL_FORMS, SDE_KINDS
+from flowgrpo.strategies.settings import registered_name, strategy_settings
+
+KlFormName = registered_name(KL_FORMS, "objective.kl_form")
 
 
 class SdeRatioConfig(ObjectiveConfig):
-    """Settings of ``sde_ratio``: its knobs live in the sections it reads (``sampling``, ``chunker``,
-    ``algo.policy_loss``, ``algo.clip_range*``, ``algo.kl_*``, ``algo.recompute_old_log_probs``)."""
+    """Settings of ``sde_ratio`` (``objective: {name: sde_ratio, ...}``), each read by this objective alone: the
+    trust region and KL of the policy loss, the recompute switch, the policy loss's own section and the chunker's.
+    The policy loss reads this section itself (:mod:`flowgrpo.algo.policy_losses`: ``clip_low``, ``clip_high``,
+    ``kl_beta``, ``policy_loss``)."""
 
     name: Literal["sde_ratio"] = "sde_ratio"
     rollout_by_chunker: ClassVar[bool] = True
+    clip_range: Annotated[float, Gt(0)] = shared_field(CLIP_RANGE, 1e-4)
+    clip_range_low: float | None = Field(None, gt=0, description="sde_ratio: epsilon_low (default clip_range)")
+    clip_range_high: float | None = Field(None, gt=0, description="sde_ratio: epsilon_high (default clip_range)")
+    kl_beta: float = shared_field(KL_BETA, 0.0)
+    timestep_fraction: float = shared_field(TIMESTEP_FRACTION, 1.0)
+    kl_form: KlFormName = Field(
+        "flow_grpo", description="sde_ratio: registered KL form of its KL on transition means: flow_grpo "
+        "(Flow-GRPO's scripts: (mu-mu_ref)^2 / (2*std_dev_t^2), std_dev_t = a*sqrt(sigma/(1-sigma)), no dt) or "
+        "gaussian (exact Gaussian KL with the transition std; 1/(sigma-sigma_next) times larger for flow_sde and "
+        "dance_sde)"
+    )
+    recompute_old_log_probs: bool = Field(
+        False, description="sde_ratio: recompute old log-probs with the training batch layout before the first update"
+    )
+    policy_loss: SerializeAsAny[PolicyLossConfig] = Field(
+        default_factory=lambda: _strategy("objective.policy_loss", {}),
+        description="sde_ratio: the policy loss and its own settings (one section per loss, "
+        "flowgrpo.algo.policy_losses; a plain name is shorthand for {name: ...})"
+    )
+    chunker: SerializeAsAny[ChunkerConfig] = Field(
+        default_factory=lambda: _strategy("objective.chunker", {}),
+        description="sde_ratio: the chunker strategy and its own settings (one section per strategy, "
+        "flowgrpo.algo.chunkers; a plain name is shorthand for {name: ...})"
+    )
+
+    @field_validator("policy_loss", "chunker", mode="before")
+    @classmethod
+    def _strategy_sections(cls, value, info):
+        return _strategy(f"objective.{info.field_name}", value)
+
+    @model_validator(mode="after")
+    def _fraction_read(self) -> SdeRatioConfig:
+        """``timestep_fraction`` moved from its default with a chunker that does not read it (one without
+        ``reads_timestep_fraction``): ``ValueError`` naming the chunkers that do."""
+        readers = [n for n in CHUNKERS if getattr(CHUNKERS.get(n), "reads_timestep_fraction", False)]
+        if self.timestep_fraction != 1.0 and self.chunker.name not in readers:
+            raise ValueError(f"objective.timestep_fraction={self.timestep_fraction} is read only with "
+                             f"objective.chunker.name={' / '.join(readers)}, but the chunker is "
+                             f"{self.chunker.name!r}: remove the setting (its default is 1.0) or choose "
+                             f"{' / '.join(readers)}")
+        return self
+
+    @property
+    def clip_low(self) -> float:
+        """ε_low: ``clip_range_low``, else ``clip_range``."""
+        return self.clip_range if self.clip_range_low is None else self.clip_range_low
+
+    @property
+    def clip_high(self) -> float:
+        """ε_high: ``clip_range_high``, else ``clip_range``."""
+        return self.clip_range if self.clip_range_high is None else self.clip_range_high
+
+    def problems(self, config) -> list[str]:
+        """:class:`ObjectiveConfig`'s problems, then the policy loss's ``check`` against the run (a ``ValueError``'s
+        message)."""
+        out = super().problems(config)
+        try:
+            self.policy_loss.check(config)
+        except ValueError as err:
+            out.append(str(err))
+        return out
+
+
+#: the strategy sections inside ``objective:`` (dotted key → the registry its ``name`` selects from, the settings
+#: every strategy of the kind has)
+NESTED_SECTIONS = {"objective.policy_loss": (POLICY_LOSSES, PolicyLossConfig),
+                   "objective.chunker": (CHUNKERS, ChunkerConfig)}
+
+
+def _strategy(key: str, value):
+    """The nested strategy section ``key`` (of :data:`NESTED_SECTIONS`) validated from ``value`` (a name or a
+    mapping) against the settings model of the strategy it names
+    (:func:`flowgrpo.strategies.settings.strategy_settings`)."""
+    registry, base = NESTED_SECTIONS[key]
+    return strategy_settings(value, prefix=key, registry=registry, base=base)
 
 
 @dataclass(frozen=True)
@@ -152,19 +244,24 @@ class SdeRatio(BaseObjective):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self.chunker = build_chunker(config.chunker)
+        self.o: SdeRatioConfig = config.objective
+        self.chunker = build_chunker(self.o.chunker, self.o.timestep_fraction)
         self.settings = config.sampling
-        self.policy_loss = POLICY_LOSSES.get(config.algo.policy_loss.name)
-        self.loss_settings = LossSettings.from_config(config)
+        self.policy_loss = POLICY_LOSSES.get(self.o.policy_loss.name)
         # a loss that reads the rollout policy's transition means gets them from the recompute pass
-        self.needs_recompute = (config.algo.recompute_old_log_probs or self.chunker.needs_recompute
+        self.needs_recompute = (self.o.recompute_old_log_probs or self.chunker.needs_recompute
                                 or needs_moments(self.policy_loss))
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL to the reference (``objective.kl_beta`` > 0)."""
+        return self.o.kl_beta > 0
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """The policy loss's and the chunker's checks against the sampling settings, and some noise to train."""
         cfg = self.cfg
-        cfg.algo.policy_loss.check(cfg)
+        self.o.policy_loss.check(cfg)
         self.chunker.validate(cfg.sampling.num_steps, cfg.sampling.sde_kind)
         self._check_noise()
 
@@ -272,16 +369,16 @@ class SdeRatio(BaseObjective):
         masks, old log-probs) stay on the host and the pack's rows move to the device; statistics accumulate on the
         device (the first pass's first step apart: the on-policy one). None when every transition is on a frozen
         module (Wan2.2's untrained expert): the chunk plan, the same on every process, skips it everywhere."""
-        a, plan, batch = self.cfg.algo, work.plan, state.batch
+        o, plan, batch = self.o, work.plan, state.batch
         acc = state.first if at.inner == 0 and at.step == 0 else state.later
         fwds = packed_forward(adapter, work.traj, [(rows, plan.chunks[k]) for rows, k in pack], self.settings,
-                              with_ref=a.kl_beta > 0, kl_form=a.kl_form,
+                              with_ref=o.kl_beta > 0, kl_form=o.kl_form,
                               shared_inputs=[self._shared_inputs(work.traj, rows) for rows, _ in pack])
         loss_sum = None
         for length in dict.fromkeys(len(plan.chunks[k]) for _, k in pack):  # the chunk lengths, in order
             items = [i for i, (_, k) in enumerate(pack) if len(plan.chunks[k]) == length]
             terms = self.policy_loss(self._loss_input([fwds[i] for i in items], [pack[i] for i in items], work,
-                                                      batch), self.loss_settings)
+                                                      batch), o)
             m = _cat([batch["pair_mask"][r, k] for r, k in (pack[i] for i in items)]).to(terms.loss.device)
             part = (terms.loss * m).sum()
             if not at.filler:

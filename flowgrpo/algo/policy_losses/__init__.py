@@ -1,4 +1,4 @@
-"""Policy losses over chunks: registered strategies chosen by ``algo.policy_loss`` (verl's ``core_algos`` pattern).
+"""Policy losses over chunks: registered strategies chosen by ``objective.policy_loss`` (verl's ``core_algos`` pattern).
 
 ==============  =====================================================================  ===================
 name            what it does                                                           module
@@ -17,7 +17,6 @@ config is built.
 
 from flowgrpo.algo.policy_losses.base import (
     POLICY_LOSSES,
-    LossSettings,
     PairTerms,
     PolicyLoss,
     PolicyLossConfig,
@@ -43,7 +42,7 @@ from flowgrpo.algo.policy_losses.ppo import (
 )
 
 __all__ = [
-    "POLICY_LOSSES", "LossSettings", "PairTerms", "PolicyLoss", "PolicyLossConfig", "PolicyLossInput", "check_input",
+    "POLICY_LOSSES", "PairTerms", "PolicyLoss", "PolicyLossConfig", "PolicyLossInput", "check_input",
     "clipped_terms", "loss_config_class", "needs_moments", "own_settings", "policy_loss",
     "FlowDppoConfig", "dppo_divergence", "flow_dppo_loss",
     "ClippedConfig", "DualClipConfig", "GrpoGuardConfig", "SapoConfig", "clipped_loss", "clipped_surrogate",

@@ -1,7 +1,9 @@
 """What every policy loss shares: its input, its settings, the registry and the helpers a new loss builds on.
 
 Every loss maps one :class:`PolicyLossInput` (N trained (sample, chunk) pairs, each with the log-probs of its k
-chunk steps) and the :class:`LossSettings` to :class:`PairTerms` (per-pair loss with gradient, and detached
+chunk steps) and the validated settings of the SDE-ratio objective (``objective:``, a
+:class:`~flowgrpo.algo.objectives.sde_ratio.SdeRatioConfig`: ``clip_low``, ``clip_high``, ``kl_beta`` and the loss's
+own section ``policy_loss``) to :class:`PairTerms` (per-pair loss with gradient, and detached
 statistics). The trainer averages ``PairTerms.loss`` over the trained pairs of an optimizer step and adds nothing
 else, so a new loss (GSPO-, CISPO-style, …) is one registered function and no trainer edit::
 
@@ -11,7 +13,7 @@ else, so a new loss (GSPO-, CISPO-style, …) is one registered function and no 
     def my_loss(inp, settings):
         ...                                   # return PairTerms(...), e.g. via clipped_terms(...)
 
-or, with a knob (``algo.policy_loss: {name: my_loss, alpha: 0.5}``)::
+or, with a knob (``objective: {name: sde_ratio, policy_loss: {name: my_loss, alpha: 0.5}}``)::
 
     class MyLossConfig(PolicyLossConfig):
         name: Literal["my_loss"] = "my_loss"
@@ -22,20 +24,20 @@ or, with a knob (``algo.policy_loss: {name: my_loss, alpha: 0.5}``)::
         alpha = own_settings(settings, MyLossConfig).alpha
 
 A loss with knobs declares them in its settings model, a subclass of :class:`PolicyLossConfig` registered with
-the function (``@policy_loss(name, MyConfig)``), so a new loss is one file; the run config's ``algo.policy_loss``
-section (or the plain name, shorthand for ``{name: ...}``) is validated against the model of the loss it names,
-and the loss reads its knobs from ``settings.loss``. The model may also set ``needs_moments = True`` (the trainer
-then passes each step's transition std, dt and the squared drift of the transition mean from the rollout
-policy's, recomputing the rollout means before the update, and which pairs are trained and which share a
-micro-batch and chunk) and override ``check(config)`` (raise
-``ValueError`` for run settings it cannot work with; called before any model is loaded).
+the function (``@policy_loss(name, MyConfig)``), so a new loss is one file; the run config's
+``objective.policy_loss`` section (or the plain name, shorthand for ``{name: ...}``) is validated against the model of
+the loss it names, and the loss reads its knobs from ``settings.policy_loss`` (:func:`own_settings`). The model
+may also set ``needs_moments = True`` (the trainer then passes each step's transition std, dt and the squared drift
+of the transition mean from the rollout policy's, recomputing the rollout means before the update, and which pairs
+are trained and which share a micro-batch and chunk) and override ``check(config)`` (raise ``ValueError`` for run
+settings it cannot work with; called before any model is loaded).
 
 Shared definitions, for a pair with advantage A and per-step log-ratios Δ_t = log p_θ − log p_old:
 
     r = exp(mean_{t∈chunk} Δ_t)              (Chunk-GRPO, arXiv 2510.21583, eq. 6; one step: the PPO ratio)
     loss = L(r, A) + β·mean_t KL_t           (Flow-GRPO, arXiv 2505.05470, eq. 11)
 
-where ``KL_t`` is :func:`~flowgrpo.sampling.sde.kl_to_reference` (``algo.kl_form``) to the reference. The
+where ``KL_t`` is :func:`~flowgrpo.sampling.sde.kl_to_reference` (``objective.kl_form``) to the reference. The
 registered ``L`` are in :mod:`.ppo` and :mod:`.dppo`.
 """
 
@@ -43,13 +45,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 from pydantic import Field
 
 from flowgrpo.strategies.registry import Registry
 from flowgrpo.strategies.settings import Section
+
+if TYPE_CHECKING:  # the settings a loss reads: the SDE-ratio objective's section (which imports the losses)
+    from flowgrpo.algo.objectives.sde_ratio import SdeRatioConfig
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ class PolicyLossInput:
 
 
 class PolicyLossConfig(Section):
-    """Settings every policy loss has (``algo.policy_loss``). A loss with knobs subclasses this, fixes ``name``
+    """Settings every policy loss has (``objective.policy_loss``). A loss with knobs subclasses this, fixes ``name``
     to its registered name and adds its own fields."""
 
     name: str = Field(
@@ -120,23 +125,7 @@ class PolicyLossConfig(Section):
         with, before any model loads (``ValueError``); nothing by default."""
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """What a policy loss reads: the shared trust region and KL weight (``algo.clip_range*``, ``algo.kl_beta``)
-    and the selected loss's own settings (``algo.policy_loss``; None: the loss's defaults)."""
-
-    clip_low: float = 1e-4
-    clip_high: float = 1e-4
-    kl_beta: float = 0.0
-    loss: PolicyLossConfig | None = None
-
-    @classmethod
-    def from_config(cls, config) -> LossSettings:
-        return cls(clip_low=config.clip_low, clip_high=config.clip_high, kl_beta=config.algo.kl_beta,
-                   loss=config.algo.policy_loss)
-
-
-PolicyLoss = Callable[[PolicyLossInput, LossSettings], PairTerms]
+PolicyLoss = Callable[[PolicyLossInput, "SdeRatioConfig"], PairTerms]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 C = TypeVar("C", bound=PolicyLossConfig)
 
@@ -156,14 +145,12 @@ def loss_config_class(name: str) -> type[PolicyLossConfig]:
     return getattr(POLICY_LOSSES.get(name), "Config", PolicyLossConfig)
 
 
-def own_settings(settings: LossSettings, config: type[C]) -> C:
-    """A loss's own settings: ``settings.loss`` (an instance of ``config``), or ``config``'s defaults when none
-    is given. Raises ``TypeError`` for another loss's settings."""
-    if settings.loss is None:
-        return config()
-    if not isinstance(settings.loss, config):
-        raise TypeError(f"{config.__name__} settings are needed, got {type(settings.loss).__name__}")
-    return settings.loss
+def own_settings(settings: SdeRatioConfig, config: type[C]) -> C:
+    """A loss's own settings: ``settings.policy_loss`` (an instance of ``config``). Raises ``TypeError`` for
+    another loss's settings."""
+    if not isinstance(settings.policy_loss, config):
+        raise TypeError(f"{config.__name__} settings are needed, got {type(settings.policy_loss).__name__}")
+    return settings.policy_loss
 
 
 def needs_moments(loss: PolicyLoss) -> bool:
@@ -171,23 +158,24 @@ def needs_moments(loss: PolicyLoss) -> bool:
     return getattr(loss, "Config", PolicyLossConfig).needs_moments
 
 
-def check_input(inp: PolicyLossInput, settings: LossSettings) -> None:
+def check_input(inp: PolicyLossInput, clip_low: float = 0.0, clip_high: float = 0.0) -> None:
     """Raise ``ValueError`` on mismatched shapes or negative clip ranges."""
     new, old, adv = inp.new_log_probs, inp.old_log_probs, inp.advantages
     if new.shape != old.shape or new.ndim != 2 or new.shape[0] != adv.shape[0]:
         raise ValueError(f"log-prob shapes {tuple(new.shape)}, {tuple(old.shape)} and advantages "
                          f"{tuple(adv.shape)} disagree")
-    if settings.clip_low < 0 or settings.clip_high < 0:
-        raise ValueError(f"clip ranges must be >= 0, got {settings.clip_low}, {settings.clip_high}")
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got {clip_low}, {clip_high}")
 
 
-def clipped_terms(inp: PolicyLossInput, settings: LossSettings, loss: torch.Tensor, ratio: torch.Tensor,
+def clipped_terms(inp: PolicyLossInput, kl_beta: float, loss: torch.Tensor, ratio: torch.Tensor,
                   clipped: torch.Tensor) -> PairTerms:
     """Assemble :class:`PairTerms` from a loss's per-pair ``loss`` (N,), ``ratio`` (N,) and ``clipped`` (N,) bool:
-    adds β·mean_t KL_t and the shared statistics (helper for registered losses)."""
+    adds β·mean_t KL_t (β = ``kl_beta``, the loss's ``settings.kl_beta``) and the shared statistics (helper for
+    registered losses)."""
     delta = (inp.new_log_probs.float() - inp.old_log_probs.float()).detach()
     kl = torch.zeros_like(ratio) if inp.kl_ref is None else inp.kl_ref.float().mean(dim=1)
-    if inp.kl_ref is not None and settings.kl_beta:
-        loss = loss + settings.kl_beta * kl
+    if inp.kl_ref is not None and kl_beta:
+        loss = loss + kl_beta * kl
     return PairTerms(loss=loss, ratio=ratio.detach(), clipped=clipped.detach(), approx_kl=(0.5 * delta**2).mean(1),
                      kl_ref=kl.detach(), log_ratio_abs_max=delta.abs().amax(dim=1))

@@ -16,23 +16,22 @@ outside the trust region *and* still moving away from the rollout policy:
 Corrective updates (ρ moving back toward 1) always keep their gradient. verl-omni scores one transition per pair;
 for a chunk of k steps (Chunk-GRPO) this module uses the chunk's ratio ρ = exp(mean_t Δ_t), as the other losses,
 and the chunk's mean divergence D = mean_t D_t: for k = 1 both are verl-omni's. Unlike verl-omni's Flow-GRPO loss,
-its DPPO loss does not clip the advantages (ours arrive clipped by ``algo.advantage_clip`` either way).
+its DPPO loss does not clip the advantages (ours arrive clipped by ``advantage.clip`` either way).
 
-Registered as the policy loss ``flow_dppo`` of the SDE-ratio objective (``algo.policy_loss: {name: flow_dppo,
+Registered as the policy loss ``flow_dppo`` of the SDE-ratio objective (``objective.policy_loss: {name: flow_dppo,
 kl_mask_threshold: 1e-5, add_kl_coefficient: true}``); it reads the transition moments (``needs_moments``, as
 ``grpo_guard``), so the rollout policy's means are recomputed before its update, and its KL to the reference is
-the shared ``algo.kl_beta`` (verl-omni: none, 0).
+the objective's ``objective.kl_beta`` (verl-omni: none, 0).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from flowgrpo.algo.policy_losses.base import (
-    LossSettings,
     PairTerms,
     PolicyLossConfig,
     PolicyLossInput,
@@ -41,6 +40,9 @@ from flowgrpo.algo.policy_losses.base import (
     own_settings,
     policy_loss,
 )
+
+if TYPE_CHECKING:
+    from flowgrpo.algo.objectives.sde_ratio import SdeRatioConfig
 
 __all__ = ["FlowDppoConfig", "dppo_divergence", "flow_dppo_loss", "flow_dppo"]
 
@@ -73,14 +75,14 @@ def flow_dppo_loss(inp: PolicyLossInput, config: FlowDppoConfig, *, kl_beta: flo
             for a loss that declares ``needs_moments``).
         config: the validated :class:`FlowDppoConfig` (``kl_mask_threshold``, ``add_kl_coefficient``).
         kl_beta: β of the KL to the reference (verl-omni: ``use_kl_loss: false``, i.e. 0; the trainer passes
-            ``algo.kl_beta``), >= 0.
+            ``objective.kl_beta``), >= 0.
 
     Raises:
         ValueError: missing ``std``/``mean_drift_sq``, a deterministic step, bad shapes or a negative ``kl_beta``.
     """
     if kl_beta < 0:
         raise ValueError(f"Flow-DPPO kl_beta must be >= 0, got {kl_beta}")
-    check_input(inp, LossSettings())
+    check_input(inp)
     if inp.std is None or inp.mean_drift_sq is None:
         raise ValueError("flow_dppo needs std and mean_drift_sq for every step (the trainer passes them when the "
                          "loss declares needs_moments)")
@@ -91,7 +93,7 @@ def flow_dppo_loss(inp: PolicyLossInput, config: FlowDppoConfig, *, kl_beta: flo
     high = div >= config.kl_mask_threshold
     masked = (high & (ratio > 1.0) & (adv > 0)) | (high & (ratio < 1.0) & (adv < 0))
     loss = torch.where(masked.detach(), torch.zeros_like(ratio), -adv * ratio)
-    return clipped_terms(inp, LossSettings(kl_beta=kl_beta), loss, ratio, masked)
+    return clipped_terms(inp, kl_beta, loss, ratio, masked)
 
 
 class FlowDppoConfig(PolicyLossConfig):
@@ -114,7 +116,7 @@ class FlowDppoConfig(PolicyLossConfig):
 
 
 @policy_loss("flow_dppo", FlowDppoConfig)
-def flow_dppo(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
-    """The registered ``flow_dppo`` loss: :func:`flow_dppo_loss` with the run's ``algo.policy_loss`` knobs and
-    ``algo.kl_beta``."""
+def flow_dppo(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
+    """The registered ``flow_dppo`` loss: :func:`flow_dppo_loss` with the run's ``objective.policy_loss`` knobs and
+    ``objective.kl_beta``."""
     return flow_dppo_loss(inp, own_settings(settings, FlowDppoConfig), kl_beta=settings.kl_beta)

@@ -14,7 +14,7 @@
   for ``flow_sde``, ``q_t = √(−dt)``, ``dt = σ_next − σ``) and the squared drift of the transition mean from the
   rollout policy's, ``m_t = mean_d(μ_θ − μ_old)²``:
   ``ℓ_t = (Δ_t + m_t / (2·S_t²))·S_t``, ``r = exp(mean_t ℓ_t)``, ``loss = w·max(−A·r, −A·clip(r))``.
-  With ``algo.policy_loss: {name: grpo_guard, stats: micro_batch}`` (default, the release) the scale, the bias
+  With ``objective.policy_loss: {name: grpo_guard, stats: micro_batch}`` (default, the release) the scale, the bias
   and the weight are one value per micro-batch and step, shared by its trained pairs:
   ``S_t = mean(s_t)·mean(q_t)``, the bias ``mean(m_t) / (2·S_t²)`` and ``w = mean_t 1/mean(q_t)²``, each mean
   over the pairs of the group (:attr:`PolicyLossInput.groups`, the trained ones: :attr:`PolicyLossInput.trained`).
@@ -30,13 +30,12 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from flowgrpo.algo.policy_losses.base import (
-    LossSettings,
     PairTerms,
     PolicyLossConfig,
     PolicyLossInput,
@@ -46,9 +45,12 @@ from flowgrpo.algo.policy_losses.base import (
     policy_loss,
 )
 
+if TYPE_CHECKING:
+    from flowgrpo.algo.objectives.sde_ratio import SdeRatioConfig
+
 
 class ClippedConfig(PolicyLossConfig):
-    """Settings of ``clipped`` (the shared ``algo.clip_range*`` and ``algo.kl_*`` only)."""
+    """Settings of ``clipped`` (none of its own: it reads ``objective.clip_range*`` and ``objective.kl_beta``)."""
 
     name: Literal["clipped"] = "clipped"
 
@@ -87,13 +89,13 @@ class GrpoGuardConfig(PolicyLossConfig):
     def check(self, config) -> None:
         smp = config.sampling
         if smp.logprob_reduction != "mean" or smp.cps_simplified_logprob:
-            raise ValueError("algo.policy_loss=grpo_guard needs sampling.logprob_reduction=mean and "
+            raise ValueError("objective.policy_loss=grpo_guard needs sampling.logprob_reduction=mean and "
                              "sampling.cps_simplified_logprob=false (its ratio normalisation assumes the Gaussian "
                              f"log-density averaged over latent dims); got {smp.logprob_reduction!r}, "
                              f"{smp.cps_simplified_logprob}")
 
 
-def _ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, settings: LossSettings):
+def _ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float):
     """(loss, clipped) of PPO's eq. 7 with asymmetric ε: ``max(−A·r, −A·clip(r))``.
 
     The max itself, not a ``where`` over the clipped flag: where the two terms round to the same float32 value
@@ -101,7 +103,7 @@ def _ppo_clip(ratio: torch.Tensor, adv: torch.Tensor, settings: LossSettings):
     then cut by the clamp), a ``where`` all of it down one, which changes training."""
     neg_adv = -adv
     unclipped = neg_adv * ratio
-    clipped_loss = neg_adv * torch.clamp(ratio, 1.0 - settings.clip_low, 1.0 + settings.clip_high)
+    clipped_loss = neg_adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped_loss), clipped_loss > unclipped
 
 
@@ -110,43 +112,43 @@ def _chunk_ratio(inp: PolicyLossInput) -> torch.Tensor:
 
 
 @policy_loss("clipped", ClippedConfig)
-def clipped_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
+def clipped_loss(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
     """PPO's clipped surrogate with asymmetric ε (module docstring, ``clipped``)."""
-    check_input(inp, settings)
+    check_input(inp, settings.clip_low, settings.clip_high)
     ratio = _chunk_ratio(inp)
-    loss, clipped = _ppo_clip(ratio, inp.advantages.float(), settings)
-    return clipped_terms(inp, settings, loss, ratio, clipped)
+    loss, clipped = _ppo_clip(ratio, inp.advantages.float(), settings.clip_low, settings.clip_high)
+    return clipped_terms(inp, settings.kl_beta, loss, ratio, clipped)
 
 
 @policy_loss("dual_clip", DualClipConfig)
-def dual_clip_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
+def dual_clip_loss(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
     """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729): for A < 0 the loss is at most −c·A, so a ratio far above
     1 + ε cannot produce an unbounded push-down. ``clipped`` also counts pairs held at the lower bound c.
 
     Raises:
         ValueError: c <= 1 (the bound would cut the ordinary clipped region), or bad shapes.
     """
-    check_input(inp, settings)
+    check_input(inp, settings.clip_low, settings.clip_high)
     c = own_settings(settings, DualClipConfig).c
     if c <= 1:
-        raise ValueError(f"algo.policy_loss.c must be > 1, got {c}")
+        raise ValueError(f"objective.policy_loss.c must be > 1, got {c}")
     ratio = _chunk_ratio(inp)
     adv = inp.advantages.float()
-    ppo, clipped = _ppo_clip(ratio, adv, settings)
+    ppo, clipped = _ppo_clip(ratio, adv, settings.clip_low, settings.clip_high)
     bound = -c * adv
     capped = (adv < 0) & (ppo > bound)
     loss = torch.where(capped, bound, ppo)
-    return clipped_terms(inp, settings, loss, ratio, clipped | capped)
+    return clipped_terms(inp, settings.kl_beta, loss, ratio, clipped | capped)
 
 
 @policy_loss("sapo", SapoConfig)
-def sapo_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
+def sapo_loss(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
     """SAPO's soft gate (Gao et al., arXiv 2511.20347): ``−A·(4/τ)·sigmoid(τ(r − 1))``, τ by the sign of A.
 
     Raises:
         ValueError: a temperature <= 0, or bad shapes.
     """
-    check_input(inp, settings)
+    check_input(inp, settings.clip_low, settings.clip_high)
     own = own_settings(settings, SapoConfig)
     if own.tau_pos <= 0 or own.tau_neg <= 0:
         raise ValueError(f"SAPO temperatures must be > 0, got tau_pos={own.tau_pos}, tau_neg={own.tau_neg}")
@@ -156,7 +158,7 @@ def sapo_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     gate = torch.sigmoid(tau * (ratio - 1.0))
     loss = -adv * gate * (4.0 / tau)
     weight = 4.0 * gate * (1.0 - gate)  # d gate-term / d r; 1 on-policy
-    return clipped_terms(inp, settings, loss, ratio, weight < 0.5)
+    return clipped_terms(inp, settings.kl_beta, loss, ratio, weight < 0.5)
 
 
 def group_mean(x: torch.Tensor, groups: torch.Tensor | None, trained: torch.Tensor | None) -> torch.Tensor:
@@ -173,7 +175,7 @@ def group_mean(x: torch.Tensor, groups: torch.Tensor | None, trained: torch.Tens
 
 
 @policy_loss("grpo_guard", GrpoGuardConfig)
-def grpo_guard_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
+def grpo_guard_loss(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
     """GRPO-Guard (Wang et al., arXiv 2510.22319): RatioNorm ``ℓ_t = (Δ_t + m_t/(2·S_t²))·S_t``,
     ``r = exp(mean_t ℓ_t)``, the clipped surrogate on r, re-weighted by ``w`` (module docstring): with
     ``stats: micro_batch`` (:class:`GrpoGuardConfig`) the scale, bias and weight are shared by each group's
@@ -183,7 +185,7 @@ def grpo_guard_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
         ValueError: the input lacks ``std``/``dt``/``mean_drift_sq``, a deterministic step (std = 0, dt = 0) is
             in a chunk, or bad shapes.
     """
-    check_input(inp, settings)
+    check_input(inp, settings.clip_low, settings.clip_high)
     if inp.std is None or inp.dt is None or inp.mean_drift_sq is None:
         raise ValueError("grpo_guard needs std, dt and mean_drift_sq for every step (the trainer passes them when "
                          "the loss declares needs_moments)")
@@ -199,8 +201,8 @@ def grpo_guard_loss(inp: PolicyLossInput, settings: LossSettings) -> PairTerms:
     else:  # per_sample
         scale, bias, weight = std, drift / (2 * std**2), (1.0 / -dt).mean(dim=1)
     ratio = torch.exp(((delta + bias) * scale).mean(dim=1))
-    loss, clipped = _ppo_clip(ratio, inp.advantages.float(), settings)
-    return clipped_terms(inp, settings, weight * loss, ratio, clipped)
+    loss, clipped = _ppo_clip(ratio, inp.advantages.float(), settings.clip_low, settings.clip_high)
+    return clipped_terms(inp, settings.kl_beta, weight * loss, ratio, clipped)
 
 
 def clipped_surrogate(
@@ -224,5 +226,8 @@ def clipped_surrogate(
         ValueError: mismatched shapes or a negative clip range.
     """
     inp = PolicyLossInput(new_log_probs, old_log_probs, advantages, kl_ref=kl_ref)
-    return clipped_loss(inp, LossSettings(clip_low=clip_low, clip_high=clip_high, kl_beta=kl_beta))
+    check_input(inp, clip_low, clip_high)
+    ratio = _chunk_ratio(inp)
+    loss, clipped = _ppo_clip(ratio, inp.advantages.float(), clip_low, clip_high)
+    return clipped_terms(inp, kl_beta, loss, ratio, clipped)
 
