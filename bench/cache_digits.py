@@ -19,9 +19,9 @@ import time
 import torch
 
 from flowgrpo.config import SamplingConfig, load_config
-from flowgrpo.config.schema import FeatureCacheConfig
 from flowgrpo.models import load_model_from_config
 from flowgrpo.runner import quiet_libraries
+from flowgrpo.sampling.config import FeatureCacheConfig
 from flowgrpo.sampling.final_rollout import solver_rollout
 from flowgrpo.sampling.rollout import RolloutRequest
 

@@ -941,7 +941,7 @@ def part_m(c: Check) -> dict:
     """(m) the cached forward-process rollout (DiffusionNFT's DPM-Solver++(2M), ``sampling.cache`` first_block)
     against uncached: time ratio, largest and mean pixel difference of the decoded images, per threshold."""
     from flowgrpo.config import SamplingConfig
-    from flowgrpo.config.schema import FeatureCacheConfig
+    from flowgrpo.sampling.config import FeatureCacheConfig
     from flowgrpo.sampling.final_rollout import solver_rollout
     from flowgrpo.sampling.rollout import RolloutRequest
 

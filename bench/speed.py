@@ -238,7 +238,7 @@ def main() -> None:
     e_ours, e_bare, e_ratio, e_rows = forward_update_times() if "e" in args.parts else (nan, nan, nan, 0)
     # (f) the forward-process rollout with a first-block feature cache vs without
     def cached_rollout_times() -> tuple[float, float, float, float, float]:
-        from flowgrpo.config.schema import FeatureCacheConfig
+        from flowgrpo.sampling.config import FeatureCacheConfig
         from flowgrpo.sampling.final_rollout import solver_rollout
 
         request = RolloutRequest(prompts, [{}] * b, torch.arange(b) // 2, torch.arange(b) % 2,

@@ -16,11 +16,10 @@ from typing import Any, Literal
 from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from flowgrpo.algo.advantages import ESTIMATORS
+from flowgrpo.algo.chunkers import CHUNKERS
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
 from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
-from flowgrpo.sampling.feature_cache import check_cache_allowed
-from flowgrpo.sampling.rollout import FINAL_DECODES
-from flowgrpo.sampling.sde import SDE_KINDS
+from flowgrpo.sampling.config import EvalSamplingConfig, SamplingConfig
 from flowgrpo.strategies.settings import Section, registered_name, strategy_settings
 
 
@@ -148,9 +147,7 @@ class ModelConfig(Section):
 
 
 
-SdeKindName = registered_name(SDE_KINDS, "sampling.sde_kind")
 EstimatorName = registered_name(ESTIMATORS, "advantage.name")
-FinalDecodeName = registered_name(FINAL_DECODES, "sampling.final_decode")
 
 
 #: every top-level strategy section: its key → (the registry its ``name`` selects from, the settings every strategy
@@ -194,77 +191,6 @@ def _refuse_unread_knobs(adv: AdvantageConfig) -> None:
                 f"advantage.{key}={value!r} is read only by advantage.name={' / '.join(owners)}{gdpo}, but "
                 f"advantage.name is {adv.name!r}: remove the setting (its default is {default!r}: give "
                 f"advantage.{key}={default!r} to drop a config file's value) or choose {' / '.join(owners)}{gdpo}")
-
-
-class FeatureCacheConfig(Section):
-    """A diffusers feature cache on the transformer while sampling (flowgrpo.sampling.feature_cache): skipped
-    steps reuse earlier features, so it is allowed only where no log-prob reads the velocity."""
-
-    name: Literal["none", "first_block", "mag", "taylor_seer", "faster"] = Field(
-        "none", description="none; first_block (FirstBlockCacheConfig: skip the other blocks while the first "
-        "block's residual changes by at most threshold, relative), mag (MagCacheConfig), taylor_seer "
-        "(TaylorSeerCacheConfig) or faster (FasterCacheConfig)"
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="the diffusers config's settings, e.g. {threshold: 0.05} for first_block "
-        "(mag's num_inference_steps and faster's timestep callback come from the sampler)"
-    )
-
-    @model_validator(mode="after")
-    def _check_kwargs(self):
-        if self.name == "none":
-            if self.kwargs:
-                raise ValueError(f"cache kwargs {self.kwargs!r} given with name none; set a cache name")
-        else:
-            from flowgrpo.sampling.feature_cache import cache_config
-
-            cache_config(self.name, self.kwargs)
-        return self
-
-
-class SamplingConfig(Section):
-    """How trajectories are sampled for training."""
-
-    num_steps: int = Field(10, ge=1, description="T, denoising steps per trajectory")
-    guidance_scale: float = Field(
-        3.5, ge=0, description="the guidance embedding's input for guidance-distilled models (FLUX.1-dev, FLUX.2), "
-        "the classifier-free guidance scale for the others (SD3.5, Qwen-Image, Wan, LTX-2, ...); per family: "
-        "docs/models.md"
-    )
-    sde_kind: SdeKindName = Field("flow_sde", description="the rollout's SDE kind (flowgrpo.sampling.sde.SDE_KINDS)")
-    noise_level: float = Field(
-        0.7, ge=0, description="SDE noise: a for flow_sde and cps (cps: in [0, 1]), eta for dance_sde"
-    )
-    logprob_reduction: Literal["mean", "sum"] = Field("mean", description="reduce log-probs over latent dims")
-    cps_simplified_logprob: bool = Field(
-        False, description="CPS reference code's -(x-mean)^2 surrogate log-prob (needs a ~1e-5 clip range)"
-    )
-    same_noise_in_group: bool = Field(False, description="all G samples of a group start from one initial noise")
-    sigma_one_guard: Literal["grid", "next"] = Field(
-        "grid", description="flow_sde at sigma = 1, where s = a*sqrt(sigma/(1-sigma)) is infinite: 1-sigma uses the "
-        "grid's second sigma (grid: the releases' sigma_max = sigmas[1]) or the transition's sigma_next (next); "
-        "they differ only on a merged jump from sigma = 1 (E-GRPO)"
-    )
-    final_decode: FinalDecodeName = Field(
-        "sample", description="latents decoded into the rewarded image: sample (the last SDE sample, Flow-GRPO) or "
-        "x0_pred (x - sigma*v predicted at the last step, DanceGRPO/GCPO/MixGRPO/E-GRPO)"
-    )
-    cache: FeatureCacheConfig = Field(
-        default_factory=FeatureCacheConfig, description="feature cache of the rollout: objective nft, awm or dgpo "
-        "(their rollout records no log-prob), or sde_ratio with chunker window or entropy_merge, on their ODE steps "
-        "only (off at every step whose velocity enters a log-prob); refused for the other chunkers; the update's "
-        "forwards are never cached"
-    )
-
-
-class EvalSamplingConfig(Section):
-    """How images are sampled for evaluation (ODE: no noise)."""
-
-    num_steps: int = Field(40, ge=1, description="denoising steps for evaluation images")
-    guidance_scale: float = Field(3.5, ge=0, description="guidance for evaluation images")
-    cache: FeatureCacheConfig = Field(
-        default_factory=FeatureCacheConfig, description="feature cache of the evaluation sampler (any objective)"
-    )
 
 
 class AdvantageConfig(Section):
@@ -548,6 +474,57 @@ def strategy_problems(config) -> list[tuple[str, list[str]]]:
     except ValueError as err:
         out.append((f"group_filter {config.group_filter.name!r} cannot run with this config", [str(err)]))
     return [(what, problems) for what, problems in out if problems]
+
+
+def _cachers() -> tuple[str, str, str]:
+    """The registered strategies a feature cache may run with, each as its settings say (their names joined for
+    a message): (objectives whose rollout records no log-prob, objectives whose rollout is their chunker's,
+    chunkers with ODE steps)."""
+    configs = {n: OBJECTIVES.get(n).Config for n in OBJECTIVES}
+    rollout = ", ".join(n for n, c in configs.items() if c.caches_rollout)
+    chunked = ", ".join(n for n, c in configs.items() if c.rollout_by_chunker)
+    steps = " and ".join(n for n in CHUNKERS if CHUNKERS.get(n).Config.caches_ode_steps)
+    return rollout, chunked, steps
+
+
+def check_cache_allowed(objective, cache_name: str, where: str = "sampling.cache", chunker=None) -> None:
+    """Refuse a feature cache where a cached velocity would enter a log-prob; each strategy's settings answer
+    for it, never its name. Allowed: an objective whose rollout records no log-prob (its config's
+    ``caches_rollout``: ``nft``, ``awm``, ``dgpo``) and, on ODE steps only
+    (:func:`~flowgrpo.sampling.feature_cache.ode_step_cache`), an objective
+    whose rollout is its chunker's (``rollout_by_chunker``: ``sde_ratio``) with a chunker that has ODE steps (its
+    config's ``caches_ode_steps``: ``window``, ``entropy_merge``) and a cache other than ``mag``; every other
+    objective (``dpo``, ``dpo_offline``, ``sft``, ``refl``, ``opd``) is refused.
+
+    Args:
+        objective: the run's objective settings (an :class:`~flowgrpo.algo.objectives.ObjectiveConfig`).
+        cache_name: the cache's name (``none``: no cache, always allowed).
+        where: the setting named in the refusal.
+        chunker: the run's chunker settings (a :class:`~flowgrpo.algo.chunkers.ChunkerConfig`), or None.
+
+    Raises:
+        ValueError: one line naming the reason.
+    """
+    if cache_name == "none" or objective.caches_rollout:
+        return
+    name = objective.name
+    if not objective.rollout_by_chunker:  # no chunker: no ODE steps to cache (dpo, sft, refl, opd, …)
+        rollout, chunked, steps = _cachers()
+        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={name!r}: caching is for the "
+                         f"{rollout} rollouts (they record no log-prob and train on the final latent alone), the "
+                         f"ODE steps of {chunked}'s {steps} chunkers, and eval_sampling.cache")
+    chunker_name = None if chunker is None else chunker.name
+    if chunker is None or not chunker.caches_ode_steps:
+        rollout, _, steps = _cachers()
+        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={name!r} and chunker "
+                         f"{chunker_name!r}: every step of its rollout is an SDE step whose velocity enters the "
+                         "recorded log-probs (the importance ratio), so a cached velocity would bias the ratio; "
+                         f"caching is for {rollout} rollouts, the ODE steps of the {steps} chunkers, and "
+                         "eval_sampling.cache")
+    if cache_name == "mag":
+        raise ValueError(f"{where}=mag is refused with chunker {chunker_name!r}: the cache runs on each run of ODE "
+                         "steps afresh, and mag maps its calibrated ratios by step index from the run's start; use "
+                         "first_block, taylor_seer or faster")
 
 
 class Config(Section):

@@ -88,59 +88,6 @@ def cache_config(name: str, kwargs: dict, num_steps: int | None = None, timestep
         raise ValueError(f"cache {name!r} refuses {kwargs!r}: {' '.join(str(err).split())}") from None
 
 
-def _cachers() -> tuple[str, str, str]:
-    """The registered strategies a feature cache may run with, each as its settings say (their names joined for
-    a message): (objectives whose rollout records no log-prob, objectives whose rollout is their chunker's,
-    chunkers with ODE steps)."""
-    from flowgrpo.algo.chunkers import CHUNKERS
-    from flowgrpo.algo.objectives import OBJECTIVES
-
-    configs = {n: OBJECTIVES.get(n).Config for n in OBJECTIVES}
-    rollout = ", ".join(n for n, c in configs.items() if c.caches_rollout)
-    chunked = ", ".join(n for n, c in configs.items() if c.rollout_by_chunker)
-    steps = " and ".join(n for n in CHUNKERS if CHUNKERS.get(n).Config.caches_ode_steps)
-    return rollout, chunked, steps
-
-
-def check_cache_allowed(objective, cache_name: str, where: str = "sampling.cache", chunker=None) -> None:
-    """Refuse a feature cache where a cached velocity would enter a log-prob; each strategy's settings answer
-    for it, never its name. Allowed: an objective whose rollout records no log-prob (its config's
-    ``caches_rollout``: ``nft``, ``awm``, ``dgpo``) and, on ODE steps only (:func:`ode_step_cache`), an objective
-    whose rollout is its chunker's (``rollout_by_chunker``: ``sde_ratio``) with a chunker that has ODE steps (its
-    config's ``caches_ode_steps``: ``window``, ``entropy_merge``) and a cache other than ``mag``; every other
-    objective (``dpo``, ``dpo_offline``, ``sft``, ``refl``, ``opd``) is refused.
-
-    Args:
-        objective: the run's objective settings (an :class:`~flowgrpo.algo.objectives.ObjectiveConfig`).
-        cache_name: the cache's name (``none``: no cache, always allowed).
-        where: the setting named in the refusal.
-        chunker: the run's chunker settings (a :class:`~flowgrpo.algo.chunkers.ChunkerConfig`), or None.
-
-    Raises:
-        ValueError: one line naming the reason.
-    """
-    if cache_name == "none" or objective.caches_rollout:
-        return
-    name = objective.name
-    if not objective.rollout_by_chunker:  # no chunker: no ODE steps to cache (dpo, sft, refl, opd, …)
-        rollout, chunked, steps = _cachers()
-        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={name!r}: caching is for the "
-                         f"{rollout} rollouts (they record no log-prob and train on the final latent alone), the "
-                         f"ODE steps of {chunked}'s {steps} chunkers, and eval_sampling.cache")
-    chunker_name = None if chunker is None else chunker.name
-    if chunker is None or not chunker.caches_ode_steps:
-        rollout, _, steps = _cachers()
-        raise ValueError(f"{where}={cache_name!r} is refused with objective.name={name!r} and chunker "
-                         f"{chunker_name!r}: every step of its rollout is an SDE step whose velocity enters the "
-                         "recorded log-probs (the importance ratio), so a cached velocity would bias the ratio; "
-                         f"caching is for {rollout} rollouts, the ODE steps of the {steps} chunkers, and "
-                         "eval_sampling.cache")
-    if cache_name == "mag":
-        raise ValueError(f"{where}=mag is refused with chunker {chunker_name!r}: the cache runs on each run of ODE "
-                         "steps afresh, and mag maps its calibrated ratios by step index from the run's start; use "
-                         "first_block, taylor_seer or faster")
-
-
 @dataclass
 class FeatureCache:
     """The open cache of one sampling loop (:func:`feature_cache`): call :meth:`step` before each step's velocity.

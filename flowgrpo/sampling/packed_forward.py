@@ -16,7 +16,7 @@ from flowgrpo.records import Trajectory
 from flowgrpo.sampling.sde import kl_to_reference, sde_step, sigma_one_next, transition_moments
 
 if TYPE_CHECKING:
-    from flowgrpo.config import SamplingConfig
+    from flowgrpo.sampling.config import SamplingConfig
 
 
 @dataclass(frozen=True)

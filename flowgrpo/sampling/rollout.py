@@ -10,7 +10,6 @@ import contextlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -18,32 +17,9 @@ from tqdm.auto import tqdm
 from flowgrpo.models.base import decode_latents
 from flowgrpo.records import PromptEmbeds, Trajectory
 from flowgrpo.rng import make_generator
+from flowgrpo.sampling.config import SamplingConfig
 from flowgrpo.sampling.feature_cache import feature_cache, ode_step_cache
-from flowgrpo.sampling.sde import SDEStepOutput, sde_step, sigma_one_next
-from flowgrpo.strategies.registry import Registry
-
-if TYPE_CHECKING:
-    from flowgrpo.config import SamplingConfig
-
-# What the images are decoded from: (x (B, …) at the last step's σ, its velocity v, that σ, the last step's output)
-# -> (B, …) latents.
-FINAL_DECODES: Registry[Callable[[torch.Tensor, torch.Tensor, float, SDEStepOutput], torch.Tensor]] = Registry(
-    "final decode"
-)
-
-
-@FINAL_DECODES.register("sample")
-def _decode_sample(x, v, sigma, out):
-    """The last transition's sample x_T (Flow-GRPO: its pipeline decodes the final SDE latent)."""
-    return out.next_latents
-
-
-@FINAL_DECODES.register("x0_pred")
-def _decode_x0_pred(x, v, sigma, out):
-    """The clean latent predicted at the last step, ``x̂₀ = x − σ·v`` (DanceGRPO, GCPO, MixGRPO, E-GRPO: their
-    sampler returns ``pred_original_sample`` of the last step). Equals ``sample`` when the last step is an ODE step
-    to σ = 0; differs by the last step's noise (std a·√(σ/(1−σ))·√σ for flow_sde) when it is stochastic."""
-    return x - sigma * v
+from flowgrpo.sampling.sde import FINAL_DECODES, sde_step, sigma_one_next
 
 
 def denoise(
@@ -338,8 +314,6 @@ def generate_images(
     """
     if len(prompts) != len(seeds):
         raise ValueError(f"generate_images needs one seed per prompt, got {len(prompts)} prompts, {len(seeds)} seeds")
-    from flowgrpo.config import SamplingConfig  # (the config imports the sampler's modules)
-
     settings = SamplingConfig(num_steps=num_steps, guidance_scale=guidance_scale, sde_kind="ode")
     sigmas = adapter.sigmas(num_steps)
     no_sde = torch.zeros(num_steps, dtype=torch.bool)

@@ -374,3 +374,24 @@ def sde_step(latents: torch.Tensor, velocity: torch.Tensor, sigma, sigma_next, *
             next_latents = mean
     log_prob = gaussian_log_prob(next_latents, mean, std, reduction=reduction, simplified=simplified_log_prob)
     return SDEStepOutput(next_latents=next_latents.float(), log_prob=log_prob, mean=mean, std=std)
+
+
+#: which latents of a trajectory's last step are decoded into the rewarded image (``sampling.final_decode``): each
+#: maps (x (B, …) at the last step's σ, its velocity v, that σ, the last step's output) to (B, …) latents
+FINAL_DECODES: Registry[Callable[[torch.Tensor, torch.Tensor, float, SDEStepOutput], torch.Tensor]] = Registry(
+    "final decode"
+)
+
+
+@FINAL_DECODES.register("sample")
+def _decode_sample(x, v, sigma, out):
+    """The last transition's sample x_T (Flow-GRPO: its pipeline decodes the final SDE latent)."""
+    return out.next_latents
+
+
+@FINAL_DECODES.register("x0_pred")
+def _decode_x0_pred(x, v, sigma, out):
+    """The clean latent predicted at the last step, ``x̂₀ = x − σ·v`` (DanceGRPO, GCPO, MixGRPO, E-GRPO: their
+    sampler returns ``pred_original_sample`` of the last step). Equals ``sample`` when the last step is an ODE step
+    to σ = 0; differs by the last step's noise (std a·√(σ/(1−σ))·√σ for flow_sde) when it is stochastic."""
+    return x - sigma * v

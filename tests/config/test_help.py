@@ -85,10 +85,11 @@ def test_help_lists_every_registered_name_and_no_stale_list():
     """The strategies, a registered field's names, the model families and the embedded prompt sets are read from
     their registries when --help is shown: a plugin registered now is listed too."""
     from flowgrpo.algo.objectives import OBJECTIVES, SdeRatio
-    from flowgrpo.config.schema import STRATEGY_SECTIONS, SamplingConfig
+    from flowgrpo.config.schema import STRATEGY_SECTIONS
     from flowgrpo.data.prompts import EMBEDDED
     from flowgrpo.models import ADAPTERS, EMBEDDED_MODELS
     from flowgrpo.runner import help_text
+    from flowgrpo.sampling.config import SamplingConfig
     from flowgrpo.sampling.sde import SDE_KINDS
 
     OBJECTIVES.register("help_probe")(SdeRatio)

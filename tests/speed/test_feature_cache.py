@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from flowgrpo.config import ConfigError, build_config
-from flowgrpo.config.schema import FeatureCacheConfig
 from flowgrpo.models.flux import FluxAdapter
+from flowgrpo.sampling.config import FeatureCacheConfig
 from flowgrpo.sampling.feature_cache import feature_cache
 from flowgrpo.sampling.rollout import generate_images
 from tests.training.test_forward_runs import _config
@@ -181,7 +181,7 @@ def _settings(registry, name: str):
 def test_a_cache_on_ode_steps_is_allowed_for_window_and_entropy_merge_only():
     from flowgrpo.algo.chunkers import CHUNKERS
     from flowgrpo.algo.objectives import OBJECTIVES
-    from flowgrpo.sampling.feature_cache import check_cache_allowed
+    from flowgrpo.config.schema import check_cache_allowed
 
     sde_ratio = _settings(OBJECTIVES, "sde_ratio")
     for chunker in ("window", "entropy_merge"):

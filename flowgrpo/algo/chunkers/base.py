@@ -45,7 +45,7 @@ class ChunkerConfig(Section):
     multiplies_batch: ClassVar[bool] = False
     #: the rollout has runs of ODE steps (velocities that enter no log-prob), on which a feature cache may run
     #: (:func:`~flowgrpo.sampling.feature_cache.ode_step_cache`; asked by
-    #: :func:`~flowgrpo.sampling.feature_cache.check_cache_allowed`)
+    #: :func:`~flowgrpo.config.schema.check_cache_allowed`)
     caches_ode_steps: ClassVar[bool] = False
 
 

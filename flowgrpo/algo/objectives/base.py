@@ -71,7 +71,7 @@ class ObjectiveConfig(Section):
 
     #: the objective's rollout records no log-prob (only its final latent is trained on, with fresh noise and the
     #: real velocity), so a feature cache (``sampling.cache``) may run on every step of it
-    #: (:func:`~flowgrpo.sampling.feature_cache.check_cache_allowed` asks)
+    #: (:func:`~flowgrpo.config.schema.check_cache_allowed` asks)
     caches_rollout: ClassVar[bool] = False
     #: the objective's rollout is its chunker's (the ``chunker:`` section): a feature cache may then run on the
     #: chunker's ODE steps when the chunker says it has some (``ChunkerConfig.caches_ode_steps``)

@@ -55,7 +55,7 @@ def path_rollout(adapter, request: RolloutRequest, *, noise_level: float = 0.0) 
     if noise_level < 0:
         raise ValueError(f"path_rollout: noise_level must be >= 0, got {noise_level}")
     t = request.settings.num_steps
-    from flowgrpo.config import SamplingConfig  # (the config imports the objectives)
+    from flowgrpo.sampling.config import SamplingConfig
 
     settings = SamplingConfig(num_steps=t, guidance_scale=request.settings.guidance_scale,
                               sde_kind="flow_sde" if noise_level > 0 else "ode", noise_level=float(noise_level))

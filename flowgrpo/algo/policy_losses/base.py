@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 import torch
 from pydantic import Field
@@ -53,8 +53,16 @@ from pydantic import Field
 from flowgrpo.strategies.registry import Registry
 from flowgrpo.strategies.settings import Section
 
-if TYPE_CHECKING:  # the settings a loss reads: the SDE-ratio objective's section (which imports the losses)
-    from flowgrpo.algo.objectives.sde_ratio import SdeRatioConfig
+
+class LossSection(Protocol):
+    """What a loss reads of the section that holds it: the SDE-ratio objective's
+    (:class:`~flowgrpo.algo.objectives.sde_ratio.SdeRatioConfig`, which imports the losses, so it is named here by
+    what it has): the trust region ε_low/ε_high, the KL weight β and the loss's own settings."""
+
+    clip_low: float
+    clip_high: float
+    kl_beta: float
+    policy_loss: PolicyLossConfig
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,7 @@ class PolicyLossConfig(Section):
         with, before any model loads (``ValueError``); nothing by default."""
 
 
-PolicyLoss = Callable[[PolicyLossInput, "SdeRatioConfig"], PairTerms]
+PolicyLoss = Callable[[PolicyLossInput, LossSection], PairTerms]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 C = TypeVar("C", bound=PolicyLossConfig)
 
@@ -145,7 +153,7 @@ def loss_config_class(name: str) -> type[PolicyLossConfig]:
     return getattr(POLICY_LOSSES.get(name), "Config", PolicyLossConfig)
 
 
-def own_settings(settings: SdeRatioConfig, config: type[C]) -> C:
+def own_settings(settings: LossSection, config: type[C]) -> C:
     """A loss's own settings: ``settings.policy_loss`` (an instance of ``config``). Raises ``TypeError`` for
     another loss's settings."""
     if not isinstance(settings.policy_loss, config):

@@ -26,12 +26,13 @@ the objective's ``objective.kl_beta`` (verl-omni: none, 0).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from flowgrpo.algo.policy_losses.base import (
+    LossSection,
     PairTerms,
     PolicyLossConfig,
     PolicyLossInput,
@@ -40,9 +41,6 @@ from flowgrpo.algo.policy_losses.base import (
     own_settings,
     policy_loss,
 )
-
-if TYPE_CHECKING:
-    from flowgrpo.algo.objectives.sde_ratio import SdeRatioConfig
 
 __all__ = ["FlowDppoConfig", "dppo_divergence", "flow_dppo_loss", "flow_dppo"]
 
@@ -116,7 +114,7 @@ class FlowDppoConfig(PolicyLossConfig):
 
 
 @policy_loss("flow_dppo", FlowDppoConfig)
-def flow_dppo(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
+def flow_dppo(inp: PolicyLossInput, settings: LossSection) -> PairTerms:
     """The registered ``flow_dppo`` loss: :func:`flow_dppo_loss` with the run's ``objective.policy_loss`` knobs and
     ``objective.kl_beta``."""
     return flow_dppo_loss(inp, own_settings(settings, FlowDppoConfig), kl_beta=settings.kl_beta)

@@ -30,12 +30,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from flowgrpo.algo.policy_losses.base import (
+    LossSection,
     PairTerms,
     PolicyLossConfig,
     PolicyLossInput,
@@ -44,9 +45,6 @@ from flowgrpo.algo.policy_losses.base import (
     own_settings,
     policy_loss,
 )
-
-if TYPE_CHECKING:
-    from flowgrpo.algo.objectives.sde_ratio import SdeRatioConfig
 
 
 class ClippedConfig(PolicyLossConfig):
@@ -112,7 +110,7 @@ def _chunk_ratio(inp: PolicyLossInput) -> torch.Tensor:
 
 
 @policy_loss("clipped", ClippedConfig)
-def clipped_loss(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
+def clipped_loss(inp: PolicyLossInput, settings: LossSection) -> PairTerms:
     """PPO's clipped surrogate with asymmetric ε (module docstring, ``clipped``)."""
     check_input(inp, settings.clip_low, settings.clip_high)
     ratio = _chunk_ratio(inp)
@@ -121,7 +119,7 @@ def clipped_loss(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
 
 
 @policy_loss("dual_clip", DualClipConfig)
-def dual_clip_loss(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
+def dual_clip_loss(inp: PolicyLossInput, settings: LossSection) -> PairTerms:
     """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729): for A < 0 the loss is at most −c·A, so a ratio far above
     1 + ε cannot produce an unbounded push-down. ``clipped`` also counts pairs held at the lower bound c.
 
@@ -142,7 +140,7 @@ def dual_clip_loss(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
 
 
 @policy_loss("sapo", SapoConfig)
-def sapo_loss(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
+def sapo_loss(inp: PolicyLossInput, settings: LossSection) -> PairTerms:
     """SAPO's soft gate (Gao et al., arXiv 2511.20347): ``−A·(4/τ)·sigmoid(τ(r − 1))``, τ by the sign of A.
 
     Raises:
@@ -175,7 +173,7 @@ def group_mean(x: torch.Tensor, groups: torch.Tensor | None, trained: torch.Tens
 
 
 @policy_loss("grpo_guard", GrpoGuardConfig)
-def grpo_guard_loss(inp: PolicyLossInput, settings: SdeRatioConfig) -> PairTerms:
+def grpo_guard_loss(inp: PolicyLossInput, settings: LossSection) -> PairTerms:
     """GRPO-Guard (Wang et al., arXiv 2510.22319): RatioNorm ``ℓ_t = (Δ_t + m_t/(2·S_t²))·S_t``,
     ``r = exp(mean_t ℓ_t)``, the clipped surrogate on r, re-weighted by ``w`` (module docstring): with
     ``stats: micro_batch`` (:class:`GrpoGuardConfig`) the scale, bias and weight are shared by each group's
