@@ -38,8 +38,8 @@ NOT_SEARCHED = {"none"}
 #: (module, name) -> why the literal is there
 ALLOWED = {
     # the config's declarations: defaults and the migration of old keys
-    ("flowgrpo/config/schema.py", "flow_sde"): "SamplingConfig.sde_kind's default",
-    ("flowgrpo/config/schema.py", "grpo"): "AlgoConfig.advantage's default",
+    ("flowgrpo/sampling/config.py", "flow_sde"): "SamplingConfig.sde_kind's default",
+    ("flowgrpo/config/schema.py", "grpo"): "AdvantageConfig.name's default",
     ("flowgrpo/config/loading.py", "sapo"): "MOVED_KEYS: the old algo.sapo_* keys move into the sapo loss section",
     ("flowgrpo/config/loading.py", "dual_clip"): "MOVED_KEYS: algo.dual_clip_c moves into the dual_clip section",
     ("flowgrpo/config/loading.py", "clipped"): "algo.policy_loss's default, where the loader reads an unset one",
