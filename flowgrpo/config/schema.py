@@ -570,27 +570,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _derive(self, info: ValidationInfo) -> Config:
-        t = self.train
-        b = t.prompts_per_epoch * t.group_size
-        if b % t.rollout_batch_size:
-            raise ValueError(
-                f"train.rollout_batch_size={t.rollout_batch_size} must divide the batch "
-                f"B = prompts_per_epoch*group_size = {b}"
-            )
-        tb = self.train_batch_size
-        chunker = getattr(self.objective, "chunker", None)
-        multiplies = chunker is not None and chunker.multiplies_batch
-        if b % tb:
-            more = (f" (chunker {chunker.name!r} trains each sample as one trajectory per branch step; "
-                    "train_batch_size must divide the samples, so that every micro-batch holds whole groups)"
-                    if multiplies else "")
-            raise ValueError(f"train.train_batch_size={tb} must divide the batch B = prompts_per_epoch*group_size = "
-                             f"{b}{more}")
-        if (b // tb) % t.optimizer_steps_per_epoch and not multiplies and not _own_units(self):
-            raise ValueError(
-                f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
-                f"training micro-batches B / train_batch_size = {b // tb}"
-            )
+        chunker, t = self._check_batches(), self.train
         if self.model.finetune == "full" and self.model.dtype == "float16":
             raise ValueError("model.dtype=float16 with model.finetune=full: the float32 master weights would "
                              "compute in float16 without loss scaling, whose gradients underflow; use bfloat16")
@@ -621,6 +601,37 @@ class Config(Section):
         if all(r.weight == 0 for r in self.rewards):
             raise ValueError("every reward in rewards has weight 0: the composed reward would be 0 and nothing "
                              "would be optimised; give at least one a weight")
+        self._check_reward_lists()
+        return self
+
+    def _check_batches(self):
+        """B = P·G against the rollout and training batch sizes and the optimizer steps (``ValueError`` naming the
+        setting); returns the SDE-ratio objective's chunker settings, or None for an objective without one."""
+        t = self.train
+        b = t.prompts_per_epoch * t.group_size
+        if b % t.rollout_batch_size:
+            raise ValueError(
+                f"train.rollout_batch_size={t.rollout_batch_size} must divide the batch "
+                f"B = prompts_per_epoch*group_size = {b}"
+            )
+        tb = self.train_batch_size
+        chunker = getattr(self.objective, "chunker", None)
+        multiplies = chunker is not None and chunker.multiplies_batch
+        if b % tb:
+            more = (f" (chunker {chunker.name!r} trains each sample as one trajectory per branch step; "
+                    "train_batch_size must divide the samples, so that every micro-batch holds whole groups)"
+                    if multiplies else "")
+            raise ValueError(f"train.train_batch_size={tb} must divide the batch B = prompts_per_epoch*group_size = "
+                             f"{b}{more}")
+        if (b // tb) % t.optimizer_steps_per_epoch and not multiplies and not _own_units(self):
+            raise ValueError(
+                f"train.optimizer_steps_per_epoch={t.optimizer_steps_per_epoch} must divide the number of "
+                f"training micro-batches B / train_batch_size = {b // tb}"
+            )
+        return chunker
+
+    def _check_reward_lists(self) -> None:
+        """Each reward once, in ``rewards`` or ``eval_rewards`` (``ValueError`` naming the repeated ones)."""
         both = sorted({r.name for r in self.rewards} & {r.name for r in self.eval_rewards})
         if both:
             raise ValueError(f"rewards {both} are in both rewards and eval_rewards: a reward is either optimised "
@@ -629,7 +640,6 @@ class Config(Section):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"rewards: each reward may appear once (in rewards or eval_rewards), repeated: {dup}")
-        return self
 
     @property
     def batch_size(self) -> int:
