@@ -31,6 +31,7 @@ from flowgrpo.training.run_folder import (
     occupied_message,
     refuse_changed_evaluation,
     refuse_changed_model,
+    refuse_foreign_resume,
     refuse_foreign_run_files,
     refuse_older_resume,
 )
@@ -85,7 +86,7 @@ def resolve_auto_resume(config, overrides: list[str] = (), config_file: str | No
         logger.warning("train.resume_from=auto continues the run in %s with its own %s; the config file %s is not "
                        "used (only the command line's overrides apply)", out, saved.name, config_file)
     if has_checkpoint:
-        resumed = build_config(read_yaml(saved), [f"output_dir={out}", *overrides,
+        resumed = build_config(read_yaml(saved), [f"output_dir={out}", "logging.overwrite=false", *overrides,
                                                   f"train.resume_from={out / 'checkpoints'}"])
         logger.info("train.resume_from=auto: continuing %s with its saved %s", out, saved.name)
         return resumed
@@ -325,6 +326,7 @@ def check_output_dir(config) -> None:
                      inputs=(config.model.pretrained,), own_names=OWN_NAMES)
     if config.train.resume_from:
         checkpoint = resolve_checkpoint(config.train.resume_from)
+        refuse_foreign_resume(config, checkpoint)
         refuse_older_resume(config, checkpoint)
         refuse_changed_model(config)
         refuse_changed_evaluation(config)

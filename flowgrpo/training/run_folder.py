@@ -18,7 +18,7 @@ import yaml
 from flowgrpo.checkpoints.health import newest_healthy, resolve_checkpoint
 from flowgrpo.strategies.settings import ConfigError, flat_dict, save_config
 from flowgrpo.writing.metrics import read_metrics
-from flowgrpo.writing.outputs import RUN_FILES, OutputRefused, claim_folder
+from flowgrpo.writing.outputs import RUN_FILES, OutputRefused, claim_folder, foreign_files
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,26 @@ def refuse_foreign_run_files(out: str | os.PathLike) -> None:
         raise OutputRefused(f"logging.overwrite=true would remove {str(found)!r} with the old run's "
                             f"{found.relative_to(out).parts[0]}/, but flowgrpo did not write it: nothing was removed; "
                             "move it out of the run folder, or choose another output_dir")
+
+
+def refuse_foreign_resume(config, resumed: Path) -> None:
+    """Refuse a resume from checkpoint ``resumed`` into an ``output_dir`` that holds another run: a resume writes
+    into its checkpoint's own run folder (the folder above its ``checkpoints``, compared as resolved paths, so a run
+    folder moved or reached through a link is the same run) or into a new or empty folder. A copy of a run folder
+    (``cp -a A B``) is a run of its own: resume it from its own checkpoints (``B/checkpoints``, ``auto``). Also
+    refuses ``logging.overwrite=true`` with ``train.resume_from`` (a resume keeps the run; overwrite removes it).
+    Reads only names. Raises :class:`~flowgrpo.strategies.settings.ConfigError` naming both folders and the
+    remedy."""
+    if config.logging.overwrite:
+        raise ConfigError(f"logging.overwrite=true and train.resume_from={config.train.resume_from} contradict each "
+                          "other (overwrite removes the run a resume continues); drop one of them")
+    out, origin = Path(config.output_dir), Path(resumed).parent.parent
+    if not foreign_files(out) or out.resolve() == origin.resolve():
+        return
+    raise ConfigError(f"train.resume_from={config.train.resume_from} is a checkpoint of the run in {str(origin)!r}, "
+                      f"but output_dir {str(out)!r} holds another run, whose results the resume would replace: "
+                      f"nothing was changed; resume into the checkpoint's run (output_dir={origin}) or into a new "
+                      "folder")
 
 
 def refuse_older_resume(config, resumed: Path) -> None:

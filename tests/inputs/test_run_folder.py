@@ -551,3 +551,36 @@ def test_ctrl_c_under_torchrun_prints_one_line_with_the_torchrun_launch(tmp_path
     lines = [x for x in err.splitlines() if x.startswith("interrupted ")]
     assert len(lines) == 1, err[-3000:]
     assert f"; resume: torchrun --nproc_per_node 2 flowgrpo/train.py {path} train.resume_from=" in lines[0], lines[0]
+
+
+# ------------------------------------------------------------------------------- a resume writes into its own run
+
+
+def _resume_cfg(out, resume_from, **logging_):
+    return build_config({"output_dir": str(out), "train": {"resume_from": str(resume_from)}, "logging": logging_})
+
+
+def test_a_resume_into_another_runs_folder_is_refused_naming_both(tmp_path):
+    from flowgrpo.training.run_folder import refuse_foreign_resume
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    for run_dir in (a, b):
+        (run_dir / "checkpoints" / "epoch_1").mkdir(parents=True)
+        _saved_run_config(run_dir)
+    ckpt = a / "checkpoints" / "epoch_1"
+    with pytest.raises(ConfigError, match=rf"run in '{re.escape(str(a))}'.*output_dir '{re.escape(str(b))}' holds "
+                       rf"another run.*output_dir={re.escape(str(a))}\) or into a new folder"):
+        refuse_foreign_resume(_resume_cfg(b, a / "checkpoints"), ckpt)
+    refuse_foreign_resume(_resume_cfg(a, a / "checkpoints"), ckpt)  # its own run
+    refuse_foreign_resume(_resume_cfg(tmp_path / "new", a / "checkpoints"), ckpt)  # a new folder
+    (tmp_path / "link").symlink_to(a)  # the same run reached another way
+    refuse_foreign_resume(_resume_cfg(tmp_path / "link", tmp_path / "link" / "checkpoints"), ckpt)
+
+
+def test_overwrite_with_a_resume_is_refused_as_a_contradiction(tmp_path):
+    from flowgrpo.training.run_folder import refuse_foreign_resume
+
+    ckpt = tmp_path / "A" / "checkpoints" / "epoch_1"
+    ckpt.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="logging.overwrite=true and train.resume_from=.* contradict"):
+        refuse_foreign_resume(_resume_cfg(tmp_path / "A", ckpt, overwrite=True), ckpt)
