@@ -189,6 +189,25 @@ def remove_written(folder: str | os.PathLike, keep: Iterable[str] = ()) -> list[
     return gone
 
 
+def normal_mode(path: str | os.PathLike) -> None:
+    """Give the file ``path`` the permissions a plain ``open`` would have given it (``0o666`` less the process's
+    umask): a file written through a temporary file (``tempfile.mkstemp``, ``safetensors``' ``save_file``) is made
+    ``0o600``, readable by its owner only, unlike every other file of the output. Call on the written file (before
+    or after its rename into place)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+def save_tensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file(tensors, path, metadata)`` (``tensors``: names to contiguous CPU tensors),
+    then :func:`normal_mode`: every safetensors file flowgrpo writes goes through here."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    normal_mode(path)
+
+
 def check_file(path: str | os.PathLike, what: str, inputs: Iterable = (), overwrite: bool = False) -> None:
     """Refuse to write the output file ``path`` when it is one of the command's ``inputs`` (whatever
     ``overwrite`` says), lies inside an input folder or another output's part, is a folder, or exists and

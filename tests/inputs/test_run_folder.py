@@ -584,3 +584,18 @@ def test_overwrite_with_a_resume_is_refused_as_a_contradiction(tmp_path):
     ckpt.mkdir(parents=True)
     with pytest.raises(ConfigError, match="logging.overwrite=true and train.resume_from=.* contradict"):
         refuse_foreign_resume(_resume_cfg(tmp_path / "A", ckpt, overwrite=True), ckpt)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_checkpoints_files_have_the_mode_a_plain_open_gives(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        folder = _saved(tmp_path)
+        (tmp_path / "plain").write_text("x")  # what a plain open gives, with this umask
+    finally:
+        os.umask(old)
+    want = (tmp_path / "plain").stat().st_mode & 0o777
+    assert want == 0o666 & ~umask
+    modes = {f.name: f.stat().st_mode & 0o777 for f in folder.rglob("*") if f.is_file()}
+    assert {"trainable.safetensors", "ema.safetensors"} <= modes.keys()
+    assert modes == dict.fromkeys(modes, want)
