@@ -33,6 +33,7 @@ from flowgrpo.training.run_folder import (
     refuse_changed_model,
     refuse_foreign_resume,
     refuse_foreign_run_files,
+    refuse_linked_run_files,
     refuse_older_resume,
 )
 from flowgrpo.writing.metrics import read_metrics
@@ -319,6 +320,7 @@ def check_output_dir(config) -> None:
     check_folder_path(out)
     check_folder(out, "output_dir", "run", inputs=(config.model.pretrained, config.data.train_prompts,
                                                     config.data.eval_prompts))
+    refuse_linked_run_files(out)
     if config.model.prompt_embeddings_dir:  # the run's other output folder: the prompt embeddings' cache
         from flowgrpo.sampling.prompt_cache import OWN_NAMES
 

@@ -18,7 +18,7 @@ import yaml
 from flowgrpo.checkpoints.health import newest_healthy, resolve_checkpoint
 from flowgrpo.strategies.settings import ConfigError, flat_dict, save_config
 from flowgrpo.writing.metrics import read_metrics
-from flowgrpo.writing.outputs import RUN_FILES, OutputRefused, claim_folder, foreign_files
+from flowgrpo.writing.outputs import OWN_FILES, RUN_FILES, OutputRefused, claim_folder, foreign_files
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +63,43 @@ def foreign_run_file(out: str | os.PathLike) -> Path | None:
     return None
 
 
+def linked_run_file(out: str | os.PathLike) -> Path | None:
+    """The first symbolic link (sorted) where the run in ``out`` writes, reads to resume or removes: one of
+    :data:`~flowgrpo.writing.outputs.RUN_FILES`, ``config_resumed_at_epoch_*.yaml``, the marker or lock
+    (:data:`~flowgrpo.writing.outputs.OWN_FILES`), or anything inside the run's folders (:data:`RUN_PART_NAMES`);
+    None when there is none. flowgrpo makes no links, so a link is a user's: writing through it would change
+    its target outside the run folder, removing the run's files would fail on it half-way. Reads only names."""
+    out = Path(out)
+    top = [out / n for n in (*RUN_FILES, *OWN_FILES)] + sorted(out.glob("config_resumed_at_epoch_*.yaml"))
+    for path in top:
+        if path.is_symlink():
+            return path
+    for part in sorted(RUN_PART_NAMES):
+        if (out / part).is_dir():
+            inner = sorted(f for f in (out / part).rglob("*") if f.is_symlink())
+            if inner:
+                return inner[0]
+    return None
+
+
+def refuse_linked_run_files(out: str | os.PathLike) -> None:
+    """Refuse a run (fresh, resumed or ``logging.overwrite``) in ``out`` when a path it writes or removes is a
+    symbolic link (:func:`linked_run_file`): the link's target is never written nor removed, and neither is the
+    link. Raises :class:`~flowgrpo.writing.outputs.OutputRefused` naming the link and its target."""
+    found = linked_run_file(out)
+    if found is not None:
+        raise OutputRefused(f"output_dir {str(out)!r}: {str(found)!r} is a symbolic link (to "
+                            f"{os.readlink(found)!r}); flowgrpo writes and removes a run's files only inside its run "
+                            "folder: nothing was changed; put the files themselves there instead of the link, or "
+                            "choose another output_dir")
+
+
 def refuse_foreign_run_files(out: str | os.PathLike) -> None:
     """Refuse ``logging.overwrite=true`` on the run in ``out`` when a folder of the run holds a file flowgrpo did
     not write there (:func:`foreign_run_file`; the files beside the run's own at the top of ``out`` are kept, as
-    always). Raises :class:`~flowgrpo.writing.outputs.OutputRefused` naming the file."""
+    always), or a symbolic link (:func:`refuse_linked_run_files`). Raises
+    :class:`~flowgrpo.writing.outputs.OutputRefused` naming the file."""
+    refuse_linked_run_files(out)
     found = foreign_run_file(out)
     if found is not None:
         raise OutputRefused(f"logging.overwrite=true would remove {str(found)!r} with the old run's "
@@ -317,6 +350,7 @@ class RunFolder:
         run's folders holds a file it did not write (:func:`refuse_foreign_run_files`). Raises
         ``FileExistsError`` / :class:`~flowgrpo.writing.outputs.OutputRefused`."""
         metrics = self.out / "metrics.jsonl"
+        refuse_linked_run_files(self.out)  # the preflight checked it; the folder is locked since
         if self.cfg.train.resume_from and metrics.exists():
             kept = [r for r in read_metrics(metrics, quiet=True) if r["epoch"] < epoch]  # preflight warned
             metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))

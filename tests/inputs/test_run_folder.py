@@ -599,3 +599,57 @@ def test_a_checkpoints_files_have_the_mode_a_plain_open_gives(tmp_path, umask):
     modes = {f.name: f.stat().st_mode & 0o777 for f in folder.rglob("*") if f.is_file()}
     assert {"trainable.safetensors", "ema.safetensors"} <= modes.keys()
     assert modes == dict.fromkeys(modes, want)
+
+
+# --------------------------------------------------------------------- a run never writes or removes through a link
+
+
+def _linked_run(tmp_path, link_name):
+    """A run folder (config.yaml, metrics, a checkpoint, weights) whose ``link_name`` is a link to a user's file or
+    folder of the same kind; returns (run folder, the link's target)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "epoch_0").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("epoch_0")
+    _saved_run_config(run_dir)
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"epoch": 0}) + "\n")
+    mine = tmp_path / "mine"
+    if link_name == "transformer":
+        mine.mkdir()
+        (mine / "config.json").write_text("{}")
+    else:
+        (run_dir / link_name).unlink(missing_ok=True)
+        mine.write_text(json.dumps({"epoch": 7}) + "\n")
+    (run_dir / link_name).symlink_to(mine)
+    return run_dir, mine
+
+
+def _tree(folder):
+    return sorted((str(p.relative_to(folder)), p.is_symlink()) for p in folder.rglob("*"))
+
+
+def test_overwrite_of_a_run_with_a_linked_part_removes_nothing(tmp_path):
+    from flowgrpo.preflight import check_output_dir
+
+    run_dir, mine = _linked_run(tmp_path, "transformer")
+    before = _tree(tmp_path)
+    cfg = build_config({"output_dir": str(run_dir), "logging": {"overwrite": True}})
+    for check in (lambda: check_output_dir(cfg), lambda: _run_folder_of(cfg).claim(0)):
+        with pytest.raises(ValueError, match=rf"'{re.escape(str(run_dir / 'transformer'))}' is a symbolic link "
+                           rf"\(to '{re.escape(str(mine))}'\).*nothing was changed"):
+            check()
+        assert _tree(tmp_path) == before  # every check before anything is removed
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json"])
+def test_a_resume_never_writes_through_a_link(tmp_path, name):
+    run_dir, mine = _linked_run(tmp_path, name)
+    cfg = build_config({"output_dir": str(run_dir), "train": {"resume_from": str(run_dir / "checkpoints")}})
+    with pytest.raises(ValueError, match=rf"'{re.escape(str(run_dir / name))}' is a symbolic link"):
+        _run_folder_of(cfg).claim(0)
+    assert mine.read_text() == json.dumps({"epoch": 7}) + "\n"
+
+
+def _run_folder_of(cfg):
+    from flowgrpo.training.run_folder import RunFolder
+
+    return RunFolder(cfg)

@@ -121,7 +121,7 @@ def test_a_resume_from_an_older_checkpoint_into_a_finished_run_is_refused_before
         check_output_dir(cfg)
     assert str(info.value) == expected
     code, errors = _train([*_tiny_overrides(run_copy, tiny_flux_dir), f"output_dir={out}",
-                           f"train.resume_from={older}", "logging.overwrite=true"], monkeypatch, capsys)
+                           f"train.resume_from={older}"], monkeypatch, capsys)
     assert code == 2 and errors == [f"error: {expected}"], errors
     assert _contents(out) == before
 
