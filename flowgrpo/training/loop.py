@@ -45,7 +45,7 @@ from flowgrpo.watch.divergence import WeightHealth, check_weights
 from flowgrpo.watch.run_health import HealthWatch
 from flowgrpo.watch.x0_norm import x0_norm_metrics
 from flowgrpo.writing.metrics import MetricsSink, epoch_line, read_metrics
-from flowgrpo.writing.outputs import save_tensors
+from flowgrpo.writing.outputs import save_tensors, write_text_file
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class Trainer:
         if self.main:
             self.run.claim(self.epoch)
             self.run.write_config(self.epoch)
-            (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
+            write_text_file(self.out / "rewards.json", json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
         t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
         before, img_before, captions = self.run.before(self.evaluate, self.main)
         self.health.check_best_metric(before)

@@ -18,7 +18,15 @@ import yaml
 from flowgrpo.checkpoints.health import newest_healthy, resolve_checkpoint
 from flowgrpo.strategies.settings import ConfigError, flat_dict, save_config
 from flowgrpo.writing.metrics import read_metrics
-from flowgrpo.writing.outputs import OWN_FILES, RUN_FILES, OutputRefused, claim_folder, foreign_files
+from flowgrpo.writing.outputs import (
+    OWN_FILES,
+    RUN_FILES,
+    OutputRefused,
+    claim_folder,
+    foreign_files,
+    replace_file,
+    write_text_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +361,7 @@ class RunFolder:
         refuse_linked_run_files(self.out)  # the preflight checked it; the folder is locked since
         if self.cfg.train.resume_from and metrics.exists():
             kept = [r for r in read_metrics(metrics, quiet=True) if r["epoch"] < epoch]  # preflight warned
-            metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            write_text_file(metrics, "".join(json.dumps(r) + "\n" for r in kept))
         elif (self.out / "config.yaml").exists() and not self.cfg.logging.overwrite:
             raise FileExistsError(occupied_message(self.out))
         elif self.cfg.logging.overwrite:
@@ -397,8 +405,8 @@ class RunFolder:
         if not self.cfg.train.resume_from:
             before, images, captions = evaluate("before")
             if main:
-                (self.out / "eval_before.json").write_text(json.dumps({"metrics": before, "captions": captions}))
-                torch.save(images, self.out / "eval_images_before.pt")
+                write_text_file(self.out / "eval_before.json", json.dumps({"metrics": before, "captions": captions}))
+                replace_file(self.out / "eval_images_before.pt", lambda tmp: torch.save(images, tmp))
             return before, images, captions
         origin = resolve_checkpoint(self.cfg.train.resume_from).parent.parent
         for folder in (origin, self.out):
@@ -407,8 +415,8 @@ class RunFolder:
                 images = folder / "eval_images_before.pt"
                 img = torch.load(images, weights_only=True) if images.is_file() else torch.empty(0)
                 if main and folder != self.out:
-                    (self.out / "eval_before.json").write_text(json.dumps(rec))
-                    torch.save(img, self.out / "eval_images_before.pt")
+                    write_text_file(self.out / "eval_before.json", json.dumps(rec))
+                    replace_file(self.out / "eval_images_before.pt", lambda tmp, img=img: torch.save(img, tmp))
                 return rec["metrics"], img, rec["captions"]
         logger.warning("no eval_before.json in %s: the base model's 'before' evaluation is not known to this "
                        "resumed run; summary.json reports no 'before' figures", origin)

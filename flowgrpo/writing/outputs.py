@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import yaml
@@ -206,6 +206,44 @@ def save_tensors(tensors: dict, path: str | os.PathLike, metadata: dict | None =
 
     save_file(tensors, path, metadata=metadata)
     normal_mode(path)
+
+
+def replace_file(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
+    """Write the file ``path`` as a new file: ``write(tmp)`` writes a temporary file beside it, which gets the mode
+    a plain open gives (:func:`normal_mode`) and is renamed over ``path``. An existing ``path`` is replaced, never
+    changed in place: a hard link to it (a user's backup, ``st_nlink`` > 1) keeps its content, and a crash leaves
+    the old file whole. ``path`` must not be a symbolic link (the run's files: checked before the run,
+    :func:`flowgrpo.training.run_folder.refuse_linked_run_files`); the temporary is removed when ``write`` fails."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        normal_mode(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_file(path: str | os.PathLike, text: str) -> None:
+    """``text`` (UTF-8) as the new content of ``path``, through :func:`replace_file`."""
+    replace_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def append_text(path: str | os.PathLike, text: str) -> None:
+    """Append ``text`` (UTF-8) to ``path`` (made when absent): in place when the file has one link, else (a hard
+    link shares it, ``st_nlink`` > 1) as a new file holding the old content and ``text``
+    (:func:`replace_file`), so the other link keeps the old content."""
+    path = Path(path)
+    try:
+        shared = path.stat().st_nlink > 1
+    except FileNotFoundError:
+        shared = False
+    if not shared:
+        with path.open("a", encoding="utf-8") as f:
+            f.write(text)
+        return
+    old = path.read_bytes()
+    replace_file(path, lambda tmp: tmp.write_bytes(old + text.encode("utf-8")))
 
 
 def check_file(path: str | os.PathLike, what: str, inputs: Iterable = (), overwrite: bool = False) -> None:

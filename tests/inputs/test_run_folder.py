@@ -653,3 +653,41 @@ def _run_folder_of(cfg):
     from flowgrpo.training.run_folder import RunFolder
 
     return RunFolder(cfg)
+
+
+# ------------------------------------------------------------- a hard-linked copy of a run file keeps its content
+
+
+def test_a_hard_linked_metrics_file_is_never_changed_in_place(tmp_path):
+    from flowgrpo.writing.metrics import MetricsSink
+
+    (tmp_path / "config.yaml").write_text("{}\n")
+    metrics = tmp_path / "metrics.jsonl"
+    old = "".join(json.dumps({"epoch": e}) + "\n" for e in (0, 1, 2))
+    metrics.write_text(old)
+    os.link(metrics, tmp_path / "backup.jsonl")
+    _run_folder(tmp_path, resume_from=str(tmp_path / "checkpoints")).claim(1)  # drops epochs 1 and 2
+    assert (tmp_path / "backup.jsonl").read_text() == old
+    assert [json.loads(x)["epoch"] for x in metrics.read_text().splitlines()] == [0]
+    os.link(metrics, tmp_path / "backup2.jsonl")
+    sink = MetricsSink(metrics)
+    sink.log({"reward/x/mean": 0.5})
+    sink.commit(1)
+    assert (tmp_path / "backup2.jsonl").read_text() == json.dumps({"epoch": 0}) + "\n"
+    assert [json.loads(x)["epoch"] for x in metrics.read_text().splitlines()] == [0, 1]
+    assert metrics.stat().st_nlink == 1
+    sink.commit(2)  # a file of one link is appended to in place
+    assert metrics.stat().st_nlink == 1 and len(metrics.read_text().splitlines()) == 3
+
+
+def test_run_files_are_replaced_not_rewritten(tmp_path):
+    from flowgrpo.writing.outputs import replace_file, write_text_file
+
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+    os.link(path, tmp_path / "backup.json")
+    write_text_file(path, "new")
+    assert (path.read_text(), (tmp_path / "backup.json").read_text()) == ("new", "old")
+    with pytest.raises(RuntimeError):
+        replace_file(path, lambda tmp: (tmp.write_text("half"), (_ for _ in ()).throw(RuntimeError("disk full"))))
+    assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["backup.json", "summary.json"]
