@@ -37,7 +37,7 @@ from flowgrpo.training.run_folder import (
     refuse_older_resume,
 )
 from flowgrpo.writing.metrics import read_metrics
-from flowgrpo.writing.outputs import check_folder
+from flowgrpo.writing.outputs import OutputRefused, check_folder
 from flowgrpo.writing.run_lock import check_folder_path
 
 logger = logging.getLogger(__name__)
@@ -324,6 +324,13 @@ def check_output_dir(config) -> None:
     if config.model.prompt_embeddings_dir:  # the run's other output folder: the prompt embeddings' cache
         from flowgrpo.sampling.prompt_cache import OWN_NAMES
 
+        cache = Path(config.model.prompt_embeddings_dir).resolve()
+        if cache == out.resolve() or cache in out.resolve().parents:
+            raise OutputRefused(f"model.prompt_embeddings_dir {config.model.prompt_embeddings_dir!r} is or holds the "
+                                f"run's output_dir {str(out)!r}, and a folder holds one kind of flowgrpo output (the "
+                                "write rule; another run's folder is refused the same way): nothing was written; give "
+                                "the cache a folder of its own, e.g. model.prompt_embeddings_dir="
+                                f"{out / 'prompt_embeddings'}")
         check_folder(config.model.prompt_embeddings_dir, "model.prompt_embeddings_dir", "prompt embeddings",
                      inputs=(config.model.pretrained,), own_names=OWN_NAMES)
     if config.train.resume_from:

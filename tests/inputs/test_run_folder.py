@@ -691,3 +691,21 @@ def test_run_files_are_replaced_not_rewritten(tmp_path):
     with pytest.raises(RuntimeError):
         replace_file(path, lambda tmp: (tmp.write_text("half"), (_ for _ in ()).throw(RuntimeError("disk full"))))
     assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["backup.json", "summary.json"]
+
+
+@pytest.mark.parametrize("where", ["run", "."])
+def test_the_runs_own_folder_is_refused_as_its_prompt_embeddings_dir(tmp_path, where):
+    from flowgrpo.preflight import check_output_dir
+    from flowgrpo.writing.outputs import OutputRefused
+
+    out = tmp_path / "run"
+    cache = (tmp_path / where).resolve()
+    cfg = build_config({"output_dir": str(out), "model": {"prompt_embeddings_dir": str(cache),
+                                                          "cache_prompt_embeddings": True}})
+    with pytest.raises(OutputRefused, match=rf"prompt_embeddings_dir '{re.escape(str(cache))}' is or holds the run's "
+                       rf"output_dir '{re.escape(str(out))}'.*prompt_embeddings_dir={re.escape(str(out))}/"):
+        check_output_dir(cfg)
+    assert not out.exists()
+    other = build_config({"output_dir": str(out), "model": {"prompt_embeddings_dir": str(out / "embeds"),
+                                                            "cache_prompt_embeddings": True}})
+    check_output_dir(other)  # a folder of its own, even inside the run's
