@@ -201,7 +201,7 @@ def _replace_written(out: Path, names: list[str]) -> None:
     every file flowgrpo wrote recorded), then remove the earlier call's files the new call does not write over."""
     from flowgrpo.writing.outputs import record_written, remove_written, written_files
 
-    record_written(out, "sample", [*written_files(out), *names])
+    record_written(out, "sample", [*written_files(out), *names], unsettled=names)
     gone = remove_written(out, keep=names)
     if gone:
         logger.info("removed %d files of an earlier flowgrpo sample call from %s", len(gone), out)

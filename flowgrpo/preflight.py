@@ -31,11 +31,13 @@ from flowgrpo.training.run_folder import (
     occupied_message,
     refuse_changed_evaluation,
     refuse_changed_model,
+    refuse_foreign_resume,
     refuse_foreign_run_files,
+    refuse_linked_run_files,
     refuse_older_resume,
 )
 from flowgrpo.writing.metrics import read_metrics
-from flowgrpo.writing.outputs import check_folder
+from flowgrpo.writing.outputs import OutputRefused, check_folder
 from flowgrpo.writing.run_lock import check_folder_path
 
 logger = logging.getLogger(__name__)
@@ -85,7 +87,7 @@ def resolve_auto_resume(config, overrides: list[str] = (), config_file: str | No
         logger.warning("train.resume_from=auto continues the run in %s with its own %s; the config file %s is not "
                        "used (only the command line's overrides apply)", out, saved.name, config_file)
     if has_checkpoint:
-        resumed = build_config(read_yaml(saved), [f"output_dir={out}", *overrides,
+        resumed = build_config(read_yaml(saved), [f"output_dir={out}", "logging.overwrite=false", *overrides,
                                                   f"train.resume_from={out / 'checkpoints'}"])
         logger.info("train.resume_from=auto: continuing %s with its saved %s", out, saved.name)
         return resumed
@@ -319,13 +321,22 @@ def check_output_dir(config) -> None:
     check_folder_path(out)
     check_folder(out, "output_dir", "run", inputs=(config.model.pretrained, config.data.train_prompts,
                                                     config.data.eval_prompts))
+    refuse_linked_run_files(out)
     if config.model.prompt_embeddings_dir:  # the run's other output folder: the prompt embeddings' cache
         from flowgrpo.sampling.prompt_cache import OWN_NAMES
 
+        cache = Path(config.model.prompt_embeddings_dir).resolve()
+        if cache == out.resolve() or cache in out.resolve().parents:
+            raise OutputRefused(f"model.prompt_embeddings_dir {config.model.prompt_embeddings_dir!r} is or holds the "
+                                f"run's output_dir {str(out)!r}, and a folder holds one kind of flowgrpo output (the "
+                                "write rule; another run's folder is refused the same way): nothing was written; give "
+                                "the cache a folder of its own, e.g. model.prompt_embeddings_dir="
+                                f"{out / 'prompt_embeddings'}")
         check_folder(config.model.prompt_embeddings_dir, "model.prompt_embeddings_dir", "prompt embeddings",
                      inputs=(config.model.pretrained,), own_names=OWN_NAMES)
     if config.train.resume_from:
         checkpoint = resolve_checkpoint(config.train.resume_from)
+        refuse_foreign_resume(config, checkpoint)
         refuse_older_resume(config, checkpoint)
         refuse_changed_model(config)
         refuse_changed_evaluation(config)

@@ -55,7 +55,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from flowgrpo.checkpoints.health import (
     HEALTH_FILE,
@@ -86,6 +86,7 @@ from flowgrpo.checkpoints.state_dicts import (
 )
 from flowgrpo.distributed import dist
 from flowgrpo.strategies.settings import flat_dict
+from flowgrpo.writing.outputs import save_tensors
 
 #: the folder of a sharded checkpoint's tensors (torch's distributed checkpoint) and its optimizer groups' file
 SHARDED = "sharded"
@@ -153,11 +154,11 @@ def _write_groups(tmp: Path, *, groups: list[dict]) -> None:
 def _write_whole(tmp: Path, *, weights: dict, opt_state: dict, ema_state: dict | None,
                  objective_state: dict | None) -> None:
     """The whole-tensor files of an unsharded run's checkpoint."""
-    save_file(weights, tmp / "trainable.safetensors")
+    save_tensors(weights, tmp / "trainable.safetensors")
     if ema_state is not None:
-        save_file({k: full_tensor(v).cpu().contiguous() for k, v in ema_state.items()}, tmp / "ema.safetensors")
+        save_tensors({k: full_tensor(v).cpu().contiguous() for k, v in ema_state.items()}, tmp / "ema.safetensors")
     if objective_state:
-        save_file({k: full_tensor(v).cpu().contiguous() for k, v in objective_state.items()},
+        save_tensors({k: full_tensor(v).cpu().contiguous() for k, v in objective_state.items()},
                   tmp / "objective.safetensors")
     torch.save(opt_state, tmp / "optimizer.pt")
 

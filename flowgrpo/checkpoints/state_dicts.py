@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from flowgrpo.distributed import dist
+from flowgrpo.writing.outputs import save_tensors
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -266,7 +267,6 @@ def export_transformer(model: torch.nn.Module, folder, dtype: torch.dtype, *, ma
     import json
     from pathlib import Path
 
-    import safetensors.torch
     from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -282,7 +282,7 @@ def export_transformer(model: torch.nn.Module, folder, dtype: torch.dtype, *, ma
     for filename, names in plan.filename_to_tensors.items():
         tensors = {n: _gathered(state[n]).to(dtype).contiguous() for n in names}
         if main:
-            safetensors.torch.save_file(tensors, folder / filename, metadata={"format": "pt"})
+            save_tensors(tensors, folder / filename, metadata={"format": "pt"})
         del tensors
     if main and plan.is_sharded:
         index = {"metadata": dict(plan.metadata), "weight_map": plan.tensor_to_filename}

@@ -49,7 +49,7 @@ import torch
 
 from flowgrpo.data.prompts import EMBEDDED
 from flowgrpo.data.text_files import iter_jsonl
-from flowgrpo.writing.outputs import OutputRefused, check_folder, claim_folder
+from flowgrpo.writing.outputs import OutputRefused, check_folder, claim_folder, normal_mode
 
 __all__ = ["ImageItem", "PreferencePair", "check_dataset_images", "dataset_file", "dataset_folder", "load_image",
            "record_image", "read_pickapic",
@@ -323,6 +323,7 @@ def _write_jsonl(records: list[dict], out: Path) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    normal_mode(tmp)
     os.replace(tmp, out)
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from flowgrpo.writing.outputs import save_tensors
+
 
 def setup_trainable(adapter, *, finetune: str, rank: int, alpha: float, target_modules: list[str],
                     need_reference: bool, gradient_checkpointing: bool = False,
@@ -95,11 +97,10 @@ def _save_transformer_lora(tr, folder: str | Path, layers: dict[str, torch.Tenso
     import json
 
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE
-    from safetensors.torch import save_file
 
     config = _adapter_metadata(tr)
     Path(folder).mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in layers.items()}, str(Path(folder) / LORA_WEIGHT_NAME_SAFE),
+    save_tensors({k: v.contiguous() for k, v in layers.items()}, (Path(folder) / LORA_WEIGHT_NAME_SAFE),
               metadata={"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True)})
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from flowgrpo.records import PromptEmbeds
-from flowgrpo.writing.outputs import claim_folder
+from flowgrpo.writing.outputs import claim_folder, save_tensors
 
 #: the names the cache gives the folders of ``model.prompt_embeddings_dir`` (one per encoder identity)
 OWN_NAMES = r"[0-9a-f]{16}"
@@ -153,8 +153,6 @@ class PromptEmbedCache:
 
     def _write(self, key: Hashable) -> None:
         """The row of ``key`` (and the shared tensors) to its file, atomically (temporary file, then rename)."""
-        from safetensors.torch import save_file
-
         claim_folder(self.directory.parent, "prompt embeddings", "model.prompt_embeddings_dir")  # checked before
         self.directory.mkdir(exist_ok=True)  # the run by the preflight (flowgrpo.writing.outputs.check_folder)
         tensors = {**{f"row.{k}": v.contiguous() for k, v in self.rows[self._key(key)].items()},
@@ -162,7 +160,7 @@ class PromptEmbedCache:
         fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
         os.close(fd)
         try:
-            save_file(tensors, tmp, metadata={"identity": self.identity, "key": json.dumps(key, default=str)})
+            save_tensors(tensors, tmp, metadata={"identity": self.identity, "key": json.dumps(key, default=str)})
             os.replace(tmp, self._path(key))
         finally:
             if os.path.exists(tmp):

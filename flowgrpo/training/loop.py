@@ -22,7 +22,6 @@ import math
 import time
 
 import torch
-from safetensors.torch import save_file
 
 from flowgrpo.algo.advantages import solved_group_frac
 from flowgrpo.checkpoints.health import health_record
@@ -46,6 +45,7 @@ from flowgrpo.watch.divergence import WeightHealth, check_weights
 from flowgrpo.watch.run_health import HealthWatch
 from flowgrpo.watch.x0_norm import x0_norm_metrics
 from flowgrpo.writing.metrics import MetricsSink, epoch_line, read_metrics
+from flowgrpo.writing.outputs import save_tensors, write_text_file
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class Trainer:
         if self.main:
             self.run.claim(self.epoch)
             self.run.write_config(self.epoch)
-            (self.out / "rewards.json").write_text(json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
+            write_text_file(self.out / "rewards.json", json.dumps([o.__dict__ for o in self.reward_origins], indent=1))
         t0 = time.perf_counter()  # the evaluations and the final save are timed here, outside the epochs' records
         before, img_before, captions = self.run.before(self.evaluate, self.main)
         self.health.check_best_metric(before)
@@ -395,7 +395,7 @@ class Trainer:
             return
         folder = self.out / "rollouts"
         folder.mkdir(parents=True, exist_ok=True)
-        save_file({"reward_total": rewards.total.contiguous(), "advantages": adv.values.contiguous(),
+        save_tensors({"reward_total": rewards.total.contiguous(), "advantages": adv.values.contiguous(),
                    "group_ids": group_ids.contiguous(), "train_mask": adv.train_mask.contiguous(),
                    "initial_latents": init.cpu().contiguous(), **extra,
                    **{f"reward/{k}": v.contiguous() for k, v in rewards.components.items()}},

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from flowgrpo.models import EMBEDDED_MODELS, resolve_pretrained
+from flowgrpo.writing.outputs import replace_file, write_text_file
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +166,10 @@ def write_model_card(config, summary: dict, weights_dir: str | Path, run_dir: st
         return None
     figures = tuple(name for name in FIGURES if (run_dir / name).exists())
     for name in figures:
-        shutil.copyfile(run_dir / name, weights_dir / name)
+        replace_file(weights_dir / name, lambda tmp, name=name: shutil.copyfile(run_dir / name, tmp))
     path = weights_dir / "README.md"
     base = config.model.pretrained
     folder = resolve_pretrained(base) if base in EMBEDDED_MODELS else None  # already built for training
-    path.write_text(model_card(config, summary, pipeline_class=pipeline_class, repo=str(weights_dir),
-                               figures=figures, base_folder=folder, prompt=prompt, call=call, exclude=exclude))
+    write_text_file(path, model_card(config, summary, pipeline_class=pipeline_class, repo=str(weights_dir),
+                                     figures=figures, base_folder=folder, prompt=prompt, call=call, exclude=exclude))
     return path

@@ -22,6 +22,7 @@ from flowgrpo.records import GroupTable
 from flowgrpo.sampling.rollout import load_condition_images
 from flowgrpo.training.model_card import pipeline_call, write_model_card
 from flowgrpo.writing.metrics import read_metrics
+from flowgrpo.writing.outputs import replace_file, write_text_file
 
 #: the order the phases run in (the summary's ``phase_seconds`` and the report list them so)
 PHASES = ("rollout", "reward", "filter", "advantage", "plan", "recompute", "update", "plots", "eval", "save")
@@ -136,9 +137,9 @@ def write_summary(run, before, after, img_before, img_after, captions, *, extra_
     tables = report_tables(composed_rewards, summary)
     if main:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
-        (run.out / "summary.json").write_text(json.dumps(clean, indent=1))
+        write_text_file(run.out / "summary.json", json.dumps(clean, indent=1))
         if img_after.numel():  # what `flowgrpo sample --run` reproduces
-            torch.save(img_after, run.out / "eval_images_after.pt")
+            replace_file(run.out / "eval_images_after.pt", lambda tmp: torch.save(img_after, tmp))
         if img_before.numel():
             _write_before_after(run.out / "before_after.png", img_before, img_after, captions, eval_metadata, tables)
     return summary, tables

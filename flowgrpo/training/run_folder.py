@@ -18,7 +18,15 @@ import yaml
 from flowgrpo.checkpoints.health import newest_healthy, resolve_checkpoint
 from flowgrpo.strategies.settings import ConfigError, flat_dict, save_config
 from flowgrpo.writing.metrics import read_metrics
-from flowgrpo.writing.outputs import RUN_FILES, OutputRefused, claim_folder
+from flowgrpo.writing.outputs import (
+    OWN_FILES,
+    RUN_FILES,
+    OutputRefused,
+    claim_folder,
+    foreign_files,
+    replace_file,
+    write_text_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +71,68 @@ def foreign_run_file(out: str | os.PathLike) -> Path | None:
     return None
 
 
+def linked_run_file(out: str | os.PathLike) -> Path | None:
+    """The first symbolic link (sorted) where the run in ``out`` writes, reads to resume or removes: one of
+    :data:`~flowgrpo.writing.outputs.RUN_FILES`, ``config_resumed_at_epoch_*.yaml``, the marker or lock
+    (:data:`~flowgrpo.writing.outputs.OWN_FILES`), or anything inside the run's folders (:data:`RUN_PART_NAMES`);
+    None when there is none. flowgrpo makes no links, so a link is a user's: writing through it would change
+    its target outside the run folder, removing the run's files would fail on it half-way. Reads only names."""
+    out = Path(out)
+    top = [out / n for n in (*RUN_FILES, *OWN_FILES)] + sorted(out.glob("config_resumed_at_epoch_*.yaml"))
+    for path in top:
+        if path.is_symlink():
+            return path
+    for part in sorted(RUN_PART_NAMES):
+        if (out / part).is_dir():
+            inner = sorted(f for f in (out / part).rglob("*") if f.is_symlink())
+            if inner:
+                return inner[0]
+    return None
+
+
+def refuse_linked_run_files(out: str | os.PathLike) -> None:
+    """Refuse a run (fresh, resumed or ``logging.overwrite``) in ``out`` when a path it writes or removes is a
+    symbolic link (:func:`linked_run_file`): the link's target is never written nor removed, and neither is the
+    link. Raises :class:`~flowgrpo.writing.outputs.OutputRefused` naming the link and its target."""
+    found = linked_run_file(out)
+    if found is not None:
+        raise OutputRefused(f"output_dir {str(out)!r}: {str(found)!r} is a symbolic link (to "
+                            f"{os.readlink(found)!r}); flowgrpo writes and removes a run's files only inside its run "
+                            "folder: nothing was changed; put the files themselves there instead of the link, or "
+                            "choose another output_dir")
+
+
 def refuse_foreign_run_files(out: str | os.PathLike) -> None:
     """Refuse ``logging.overwrite=true`` on the run in ``out`` when a folder of the run holds a file flowgrpo did
     not write there (:func:`foreign_run_file`; the files beside the run's own at the top of ``out`` are kept, as
-    always). Raises :class:`~flowgrpo.writing.outputs.OutputRefused` naming the file."""
+    always), or a symbolic link (:func:`refuse_linked_run_files`). Raises
+    :class:`~flowgrpo.writing.outputs.OutputRefused` naming the file."""
+    refuse_linked_run_files(out)
     found = foreign_run_file(out)
     if found is not None:
         raise OutputRefused(f"logging.overwrite=true would remove {str(found)!r} with the old run's "
                             f"{found.relative_to(out).parts[0]}/, but flowgrpo did not write it: nothing was removed; "
                             "move it out of the run folder, or choose another output_dir")
+
+
+def refuse_foreign_resume(config, resumed: Path) -> None:
+    """Refuse a resume from checkpoint ``resumed`` into an ``output_dir`` that holds another run: a resume writes
+    into its checkpoint's own run folder (the folder above its ``checkpoints``, compared as resolved paths, so a run
+    folder moved or reached through a link is the same run) or into a new or empty folder. A copy of a run folder
+    (``cp -a A B``) is a run of its own: resume it from its own checkpoints (``B/checkpoints``, ``auto``). Also
+    refuses ``logging.overwrite=true`` with ``train.resume_from`` (a resume keeps the run; overwrite removes it).
+    Reads only names. Raises :class:`~flowgrpo.strategies.settings.ConfigError` naming both folders and the
+    remedy."""
+    if config.logging.overwrite:
+        raise ConfigError(f"logging.overwrite=true and train.resume_from={config.train.resume_from} contradict each "
+                          "other (overwrite removes the run a resume continues); drop one of them")
+    out, origin = Path(config.output_dir), Path(resumed).parent.parent
+    if not foreign_files(out) or out.resolve() == origin.resolve():
+        return
+    raise ConfigError(f"train.resume_from={config.train.resume_from} is a checkpoint of the run in {str(origin)!r}, "
+                      f"but output_dir {str(out)!r} holds another run, whose results the resume would replace: "
+                      f"nothing was changed; resume into the checkpoint's run (output_dir={origin}) or into a new "
+                      "folder")
 
 
 def refuse_older_resume(config, resumed: Path) -> None:
@@ -304,9 +365,10 @@ class RunFolder:
         run's folders holds a file it did not write (:func:`refuse_foreign_run_files`). Raises
         ``FileExistsError`` / :class:`~flowgrpo.writing.outputs.OutputRefused`."""
         metrics = self.out / "metrics.jsonl"
+        refuse_linked_run_files(self.out)  # the preflight checked it; the folder is locked since
         if self.cfg.train.resume_from and metrics.exists():
             kept = [r for r in read_metrics(metrics, quiet=True) if r["epoch"] < epoch]  # preflight warned
-            metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            write_text_file(metrics, "".join(json.dumps(r) + "\n" for r in kept))
         elif (self.out / "config.yaml").exists() and not self.cfg.logging.overwrite:
             raise FileExistsError(occupied_message(self.out))
         elif self.cfg.logging.overwrite:
@@ -350,8 +412,8 @@ class RunFolder:
         if not self.cfg.train.resume_from:
             before, images, captions = evaluate("before")
             if main:
-                (self.out / "eval_before.json").write_text(json.dumps({"metrics": before, "captions": captions}))
-                torch.save(images, self.out / "eval_images_before.pt")
+                write_text_file(self.out / "eval_before.json", json.dumps({"metrics": before, "captions": captions}))
+                replace_file(self.out / "eval_images_before.pt", lambda tmp: torch.save(images, tmp))
             return before, images, captions
         origin = resolve_checkpoint(self.cfg.train.resume_from).parent.parent
         for folder in (origin, self.out):
@@ -360,8 +422,8 @@ class RunFolder:
                 images = folder / "eval_images_before.pt"
                 img = torch.load(images, weights_only=True) if images.is_file() else torch.empty(0)
                 if main and folder != self.out:
-                    (self.out / "eval_before.json").write_text(json.dumps(rec))
-                    torch.save(img, self.out / "eval_images_before.pt")
+                    write_text_file(self.out / "eval_before.json", json.dumps(rec))
+                    replace_file(self.out / "eval_images_before.pt", lambda tmp, img=img: torch.save(img, tmp))
                 return rec["metrics"], img, rec["captions"]
         logger.warning("no eval_before.json in %s: the base model's 'before' evaluation is not known to this "
                        "resumed run; summary.json reports no 'before' figures", origin)

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from flowgrpo.writing.outputs import append_text
+
 logger = logging.getLogger(__name__)
 
 
@@ -63,8 +65,7 @@ class MetricsSink:
         record = self.pending(epoch)
         self.current = {}
         if self.main:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_text(self.path, json.dumps(record) + "\n")  # a hard-linked copy keeps its content
             if self.accelerator is not None and self.accelerator.trackers:
                 self.accelerator.log({k: v for k, v in record.items() if v is not None and k != "epoch"},
                                      step=epoch)

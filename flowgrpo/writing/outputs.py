@@ -28,10 +28,11 @@ This module is the home of the rule because it is the one thing every writer sha
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import yaml
@@ -156,20 +157,63 @@ def written_files(folder: str | os.PathLike) -> list[str]:
     return [n for n in names if isinstance(n, str) and n and "/" not in n and n not in OWN_FILES and n != ".."]
 
 
-def record_written(folder: str | os.PathLike, kind: str, names: Iterable[str]) -> None:
+def record_written(folder: str | os.PathLike, kind: str, names: Iterable[str], unsettled: Iterable[str] = ()) -> None:
     """Record ``names`` (files directly in ``folder``) as what the writer of ``kind`` wrote there, in the folder's
-    :data:`MARKER_FILE`, replaced atomically (written beside it, then renamed over it)."""
-    folder = Path(folder)
+    :data:`MARKER_FILE` (``files``), with each present file's size and SHA-256 (``content``: name to ``[bytes,
+    hex digest]``; :func:`changed_written` finds a file edited since), but the ``unsettled`` names (about to be
+    written: recorded by name only, so a call that fails half-way leaves them its own). Replaced atomically
+    (written beside it, then renamed over it)."""
+    folder, unsettled = Path(folder), set(unsettled)
+    names = sorted(set(names))
+    content = {n: _fingerprint(folder / n) for n in names if n not in unsettled}
+    record = {"kind": kind, "files": names, "content": {n: v for n, v in content.items() if v is not None}}
     tmp = folder / f"{MARKER_FILE}.tmp"
-    tmp.write_text(json.dumps({"kind": kind, "files": sorted(set(names))}) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
     os.replace(tmp, folder / MARKER_FILE)
+
+
+def _fingerprint(path: Path) -> list | None:
+    """``[size in bytes, SHA-256 hex digest]`` of the plain file ``path``; None for a link or a missing file."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return [path.stat().st_size, digest.hexdigest()]
+
+
+def changed_written(folder: str | os.PathLike) -> list[str]:
+    """The recorded files of ``folder`` (:func:`record_written`) whose size or SHA-256 differs from the recorded
+    one, or that are a link now: edited (or replaced) since flowgrpo wrote them, so no longer flowgrpo's to
+    remove or replace. Sorted names; empty for a marker without ``content`` (an older version's)."""
+    folder = Path(folder)
+    try:
+        content = json.loads((folder / MARKER_FILE).read_text(encoding="utf-8")).get("content", {})
+    except (OSError, ValueError, AttributeError):
+        return []
+    changed = []
+    for name in written_files(folder):
+        path, recorded = folder / name, content.get(name) if isinstance(content, dict) else None
+        if recorded is None or not (path.exists() or path.is_symlink()):
+            continue
+        if path.is_symlink() or path.stat().st_size != recorded[0] or _fingerprint(path) != recorded:
+            changed.append(name)
+    return changed
 
 
 def check_written(folder: str | os.PathLike, what: str, own_names: str) -> None:
     """Refuse to write into ``folder`` (owned by the writer, :func:`check_folder`) when it holds a file named as
     the writer names its files (the regular expression ``own_names``) that no earlier call recorded writing
     (:func:`written_files`): the writer could neither replace it (not its own) nor leave it (the folder would mix
-    two calls' outputs). Reads only names. Raises :class:`OutputRefused`."""
+    two calls' outputs); or a recorded file changed since (:func:`changed_written`: a user's edit, which removing
+    the earlier call's files would lose). Reads names, and the recorded files' sizes and contents. Raises
+    :class:`OutputRefused`."""
+    changed = changed_written(folder)
+    if changed:
+        raise OutputRefused(f"{what} {str(folder)!r} holds {changed[0]!r}, which an earlier flowgrpo call wrote but "
+                            "which was changed since, so it is yours now: nothing was written; move it out of this "
+                            "folder, or choose another folder")
     recorded = set(written_files(folder))
     for name in foreign_files(folder):
         if name not in recorded and re.fullmatch(own_names, name):
@@ -189,6 +233,63 @@ def remove_written(folder: str | os.PathLike, keep: Iterable[str] = ()) -> list[
             path.unlink()
             gone.append(name)
     return gone
+
+
+def normal_mode(path: str | os.PathLike) -> None:
+    """Give the file ``path`` the permissions a plain ``open`` would have given it (``0o666`` less the process's
+    umask): a file written through a temporary file (``tempfile.mkstemp``, ``safetensors``' ``save_file``) is made
+    ``0o600``, readable by its owner only, unlike every other file of the output. Call on the written file (before
+    or after its rename into place)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+def save_tensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file(tensors, path, metadata)`` (``tensors``: names to contiguous CPU tensors),
+    then :func:`normal_mode`: every safetensors file flowgrpo writes goes through here."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    normal_mode(path)
+
+
+def replace_file(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
+    """Write the file ``path`` as a new file: ``write(tmp)`` writes a temporary file beside it, which gets the mode
+    a plain open gives (:func:`normal_mode`) and is renamed over ``path``. An existing ``path`` is replaced, never
+    changed in place: a hard link to it (a user's backup, ``st_nlink`` > 1) keeps its content, and a crash leaves
+    the old file whole. ``path`` must not be a symbolic link (the run's files: checked before the run,
+    :func:`flowgrpo.training.run_folder.refuse_linked_run_files`); the temporary is removed when ``write`` fails."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        normal_mode(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_file(path: str | os.PathLike, text: str) -> None:
+    """``text`` (UTF-8) as the new content of ``path``, through :func:`replace_file`."""
+    replace_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def append_text(path: str | os.PathLike, text: str) -> None:
+    """Append ``text`` (UTF-8) to ``path`` (made when absent): in place when the file has one link, else (a hard
+    link shares it, ``st_nlink`` > 1) as a new file holding the old content and ``text``
+    (:func:`replace_file`), so the other link keeps the old content."""
+    path = Path(path)
+    try:
+        shared = path.stat().st_nlink > 1
+    except FileNotFoundError:
+        shared = False
+    if not shared:
+        with path.open("a", encoding="utf-8") as f:
+            f.write(text)
+        return
+    old = path.read_bytes()
+    replace_file(path, lambda tmp: tmp.write_bytes(old + text.encode("utf-8")))
 
 
 def check_file(path: str | os.PathLike, what: str, inputs: Iterable = (), overwrite: bool = False) -> None:

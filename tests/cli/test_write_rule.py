@@ -146,6 +146,42 @@ def test_sample_writes_into_an_empty_folder_and_again_into_its_own(tmp_path, mon
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == [".flowgrpo-output", "images.pt"]
 
 
+def test_sample_keeps_and_refuses_a_recorded_file_edited_since(tmp_path, monkeypatch, capsys):
+    """A file an earlier call wrote and recorded, then edited by the user (same size, other bytes), is the user's:
+    the next call refuses before building the model and removes nothing. A call that stopped half-way (its names
+    recorded before writing) leaves its files its own."""
+    import flowgrpo.cli as cli
+    from flowgrpo.writing.outputs import record_written
+
+    calls = []
+
+    def fake_sample(out, args, s, weights):  # the writer's order: record the names, write, record the contents
+        calls.append(out)
+        names = ["00000.png", "00001.png"]
+        cli._replace_written(out, names)
+        for n in names:
+            (out / n).write_bytes(f"image{len(calls)} {n}".encode())
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # stopped before recording the contents
+        record_written(out, "sample", names)
+
+    monkeypatch.setattr(cli, "_sample_into", fake_sample)
+    out = tmp_path / "out"
+    argv = ["sample", "--model", "tiny", "--prompts", "digits_eval", "--out", str(out)]
+    cli_main(argv)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(argv)
+    cli_main(argv)  # after a call that stopped half-way
+    assert len(calls) == 3
+    (out / "00001.png").write_bytes(b"mine 1 00001.png")  # the same size: the digest tells
+    line = _refused(argv, capsys)
+    assert line == (f"flowgrpo sample: error: --out {str(out)!r} holds '00001.png', which an earlier flowgrpo call "
+                    "wrote but which was changed since, so it is yours now: nothing was written; move it out of this "
+                    "folder, or choose another folder")
+    assert len(calls) == 3 and (out / "00001.png").read_bytes() == b"mine 1 00001.png"
+    assert (out / "00000.png").read_bytes() == b"image3 00000.png"
+
+
 # ------------------------------------------------------------------------------- dataset and model builders
 def test_dataset_builders_refuse_a_users_folder_and_their_source(tmp_path, capsys):
     from flowgrpo.data.image_sets import ImageItem, write_image_set

@@ -127,7 +127,7 @@ def test_resume_reads_metrics_before_the_model_loads(tmp_path, monkeypatch, no_m
     out = tmp_path / "run"
     claim_folder(out, "run")  # a run's folder (flowgrpo's own), as a resume finds it
     (out / "metrics.jsonl").write_text(_records(0) + "garbage\n" + _records(2))
-    monkeypatch.setattr(preflight, "resolve_checkpoint", lambda path: path)  # a checkpoint is not what is tested
+    monkeypatch.setattr(preflight, "resolve_checkpoint", lambda path: Path(path) / "epoch_1")  # not what is tested
     monkeypatch.setattr(preflight, "refuse_changed_evaluation", lambda config: None)
     monkeypatch.setattr(preflight, "refuse_changed_model", lambda config: None)
     config = load_config(DEFAULT_CONFIG, [f"output_dir={out}", f"train.resume_from={out / 'checkpoints'}"])

@@ -551,3 +551,161 @@ def test_ctrl_c_under_torchrun_prints_one_line_with_the_torchrun_launch(tmp_path
     lines = [x for x in err.splitlines() if x.startswith("interrupted ")]
     assert len(lines) == 1, err[-3000:]
     assert f"; resume: torchrun --nproc_per_node 2 flowgrpo/train.py {path} train.resume_from=" in lines[0], lines[0]
+
+
+# ------------------------------------------------------------------------------- a resume writes into its own run
+
+
+def _resume_cfg(out, resume_from, **logging_):
+    return build_config({"output_dir": str(out), "train": {"resume_from": str(resume_from)}, "logging": logging_})
+
+
+def test_a_resume_into_another_runs_folder_is_refused_naming_both(tmp_path):
+    from flowgrpo.training.run_folder import refuse_foreign_resume
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    for run_dir in (a, b):
+        (run_dir / "checkpoints" / "epoch_1").mkdir(parents=True)
+        _saved_run_config(run_dir)
+    ckpt = a / "checkpoints" / "epoch_1"
+    with pytest.raises(ConfigError, match=rf"run in '{re.escape(str(a))}'.*output_dir '{re.escape(str(b))}' holds "
+                       rf"another run.*output_dir={re.escape(str(a))}\) or into a new folder"):
+        refuse_foreign_resume(_resume_cfg(b, a / "checkpoints"), ckpt)
+    refuse_foreign_resume(_resume_cfg(a, a / "checkpoints"), ckpt)  # its own run
+    refuse_foreign_resume(_resume_cfg(tmp_path / "new", a / "checkpoints"), ckpt)  # a new folder
+    (tmp_path / "link").symlink_to(a)  # the same run reached another way
+    refuse_foreign_resume(_resume_cfg(tmp_path / "link", tmp_path / "link" / "checkpoints"), ckpt)
+
+
+def test_overwrite_with_a_resume_is_refused_as_a_contradiction(tmp_path):
+    from flowgrpo.training.run_folder import refuse_foreign_resume
+
+    ckpt = tmp_path / "A" / "checkpoints" / "epoch_1"
+    ckpt.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="logging.overwrite=true and train.resume_from=.* contradict"):
+        refuse_foreign_resume(_resume_cfg(tmp_path / "A", ckpt, overwrite=True), ckpt)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_checkpoints_files_have_the_mode_a_plain_open_gives(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        folder = _saved(tmp_path)
+        (tmp_path / "plain").write_text("x")  # what a plain open gives, with this umask
+    finally:
+        os.umask(old)
+    want = (tmp_path / "plain").stat().st_mode & 0o777
+    assert want == 0o666 & ~umask
+    modes = {f.name: f.stat().st_mode & 0o777 for f in folder.rglob("*") if f.is_file()}
+    assert {"trainable.safetensors", "ema.safetensors"} <= modes.keys()
+    assert modes == dict.fromkeys(modes, want)
+
+
+# --------------------------------------------------------------------- a run never writes or removes through a link
+
+
+def _linked_run(tmp_path, link_name):
+    """A run folder (config.yaml, metrics, a checkpoint, weights) whose ``link_name`` is a link to a user's file or
+    folder of the same kind; returns (run folder, the link's target)."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "epoch_0").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("epoch_0")
+    _saved_run_config(run_dir)
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"epoch": 0}) + "\n")
+    mine = tmp_path / "mine"
+    if link_name == "transformer":
+        mine.mkdir()
+        (mine / "config.json").write_text("{}")
+    else:
+        (run_dir / link_name).unlink(missing_ok=True)
+        mine.write_text(json.dumps({"epoch": 7}) + "\n")
+    (run_dir / link_name).symlink_to(mine)
+    return run_dir, mine
+
+
+def _tree(folder):
+    return sorted((str(p.relative_to(folder)), p.is_symlink()) for p in folder.rglob("*"))
+
+
+def test_overwrite_of_a_run_with_a_linked_part_removes_nothing(tmp_path):
+    from flowgrpo.preflight import check_output_dir
+
+    run_dir, mine = _linked_run(tmp_path, "transformer")
+    before = _tree(tmp_path)
+    cfg = build_config({"output_dir": str(run_dir), "logging": {"overwrite": True}})
+    for check in (lambda: check_output_dir(cfg), lambda: _run_folder_of(cfg).claim(0)):
+        with pytest.raises(ValueError, match=rf"'{re.escape(str(run_dir / 'transformer'))}' is a symbolic link "
+                           rf"\(to '{re.escape(str(mine))}'\).*nothing was changed"):
+            check()
+        assert _tree(tmp_path) == before  # every check before anything is removed
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json"])
+def test_a_resume_never_writes_through_a_link(tmp_path, name):
+    run_dir, mine = _linked_run(tmp_path, name)
+    cfg = build_config({"output_dir": str(run_dir), "train": {"resume_from": str(run_dir / "checkpoints")}})
+    with pytest.raises(ValueError, match=rf"'{re.escape(str(run_dir / name))}' is a symbolic link"):
+        _run_folder_of(cfg).claim(0)
+    assert mine.read_text() == json.dumps({"epoch": 7}) + "\n"
+
+
+def _run_folder_of(cfg):
+    from flowgrpo.training.run_folder import RunFolder
+
+    return RunFolder(cfg)
+
+
+# ------------------------------------------------------------- a hard-linked copy of a run file keeps its content
+
+
+def test_a_hard_linked_metrics_file_is_never_changed_in_place(tmp_path):
+    from flowgrpo.writing.metrics import MetricsSink
+
+    (tmp_path / "config.yaml").write_text("{}\n")
+    metrics = tmp_path / "metrics.jsonl"
+    old = "".join(json.dumps({"epoch": e}) + "\n" for e in (0, 1, 2))
+    metrics.write_text(old)
+    os.link(metrics, tmp_path / "backup.jsonl")
+    _run_folder(tmp_path, resume_from=str(tmp_path / "checkpoints")).claim(1)  # drops epochs 1 and 2
+    assert (tmp_path / "backup.jsonl").read_text() == old
+    assert [json.loads(x)["epoch"] for x in metrics.read_text().splitlines()] == [0]
+    os.link(metrics, tmp_path / "backup2.jsonl")
+    sink = MetricsSink(metrics)
+    sink.log({"reward/x/mean": 0.5})
+    sink.commit(1)
+    assert (tmp_path / "backup2.jsonl").read_text() == json.dumps({"epoch": 0}) + "\n"
+    assert [json.loads(x)["epoch"] for x in metrics.read_text().splitlines()] == [0, 1]
+    assert metrics.stat().st_nlink == 1
+    sink.commit(2)  # a file of one link is appended to in place
+    assert metrics.stat().st_nlink == 1 and len(metrics.read_text().splitlines()) == 3
+
+
+def test_run_files_are_replaced_not_rewritten(tmp_path):
+    from flowgrpo.writing.outputs import replace_file, write_text_file
+
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+    os.link(path, tmp_path / "backup.json")
+    write_text_file(path, "new")
+    assert (path.read_text(), (tmp_path / "backup.json").read_text()) == ("new", "old")
+    with pytest.raises(RuntimeError):
+        replace_file(path, lambda tmp: (tmp.write_text("half"), (_ for _ in ()).throw(RuntimeError("disk full"))))
+    assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["backup.json", "summary.json"]
+
+
+@pytest.mark.parametrize("where", ["run", "."])
+def test_the_runs_own_folder_is_refused_as_its_prompt_embeddings_dir(tmp_path, where):
+    from flowgrpo.preflight import check_output_dir
+    from flowgrpo.writing.outputs import OutputRefused
+
+    out = tmp_path / "run"
+    cache = (tmp_path / where).resolve()
+    cfg = build_config({"output_dir": str(out), "model": {"prompt_embeddings_dir": str(cache),
+                                                          "cache_prompt_embeddings": True}})
+    with pytest.raises(OutputRefused, match=rf"prompt_embeddings_dir '{re.escape(str(cache))}' is or holds the run's "
+                       rf"output_dir '{re.escape(str(out))}'.*prompt_embeddings_dir={re.escape(str(out))}/"):
+        check_output_dir(cfg)
+    assert not out.exists()
+    other = build_config({"output_dir": str(out), "model": {"prompt_embeddings_dir": str(out / "embeds"),
+                                                            "cache_prompt_embeddings": True}})
+    check_output_dir(other)  # a folder of its own, even inside the run's

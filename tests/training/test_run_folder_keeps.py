@@ -121,7 +121,7 @@ def test_a_resume_from_an_older_checkpoint_into_a_finished_run_is_refused_before
         check_output_dir(cfg)
     assert str(info.value) == expected
     code, errors = _train([*_tiny_overrides(run_copy, tiny_flux_dir), f"output_dir={out}",
-                           f"train.resume_from={older}", "logging.overwrite=true"], monkeypatch, capsys)
+                           f"train.resume_from={older}"], monkeypatch, capsys)
     assert code == 2 and errors == [f"error: {expected}"], errors
     assert _contents(out) == before
 
@@ -160,3 +160,22 @@ def test_a_newer_checkpoint_marked_unhealthy_does_not_block_the_resume_that_pass
     mark_unhealthy(root, root / "epoch_1", "diverged")
     check_output_dir(_cfg(run_copy, tiny_flux_dir, train={"resume_from": str(root)}))
     check_output_dir(_cfg(run_copy, tiny_flux_dir, train={"resume_from": str(root / "epoch_0")}))
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_resume_into_another_runs_folder_is_refused_before_loading(run_copy, tiny_flux_dir, monkeypatch, capsys,
+                                                                     overwrite):
+    """Run B (a copy of A: a run of its own) keeps its results when A's checkpoint is resumed into B's folder."""
+    a, b = run_copy / "run", run_copy / "B"
+    shutil.copytree(a, b, symlinks=True)
+    before = _contents(b)
+    code, errors = _train([*_tiny_overrides(run_copy, tiny_flux_dir), f"output_dir={b}",
+                           f"train.resume_from={a / 'checkpoints'}", "train.num_epochs=7",
+                           *(["logging.overwrite=true"] if overwrite else [])], monkeypatch, capsys)
+    assert code == 2 and len(errors) == 1, errors
+    if overwrite:
+        assert "logging.overwrite=true and train.resume_from=" in errors[0] and "contradict" in errors[0]
+    else:
+        assert f"run in {str(a)!r}, but output_dir {str(b)!r} holds another run" in errors[0]
+        assert f"output_dir={a}) or into a new folder" in errors[0]
+    assert _contents(b) == before
