@@ -85,6 +85,33 @@ def test_sample_run_on_an_unfinished_run_names_its_checkpoints(tmp_path, tiny_fl
                        "sample it"]
 
 
+def test_sample_run_on_a_run_still_training_says_it_is_running(tmp_path, tiny_flux_dir, capsys):
+    """A run that holds its folder's lock is training, not stopped: the line says so (and who holds it) and
+    does not send the user to resume a live run."""
+    import fcntl
+
+    from flowgrpo.strategies.settings import save_config
+    from flowgrpo.writing.outputs import LOCK_FILE
+
+    cfg = _cfg(tmp_path, tiny_flux_dir)
+    run = Path(cfg.output_dir)
+    (run / "checkpoints" / "epoch_0").mkdir(parents=True)
+    (run / "checkpoints" / "epoch_0" / "state.json").write_text(json.dumps({"epoch": 0}))
+    (run / "checkpoints" / "latest").write_text("epoch_0")
+    save_config(cfg, run / "config.yaml")
+    with open(run / LOCK_FILE, "w") as held:  # what a live run holds: an exclusive flock, its record inside
+        held.write(json.dumps({"pid": 4242, "host": "node7"}))
+        held.flush()
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        code, err = _exit(capsys, ["sample", "--run", str(run), "--out", str(tmp_path / "out"), "--num-images", "1"])
+    assert code == 2 and len(err) == 1
+    assert "the run is still training (it holds the run folder's lock: PID 4242 on node7)" in err[0]
+    assert "wait for it to finish, then sample it (checkpoints so far: epoch_0)" in err[0]
+    assert "resume_from" not in err[0] and "stopped" not in err[0]
+    code, err = _exit(capsys, ["sample", "--run", str(run), "--out", str(tmp_path / "out"), "--num-images", "1"])
+    assert "the run stopped before writing its final weights" in err[0]  # the lock released: a stopped run
+
+
 @pytest.mark.parametrize(("argv", "line"), [
     (["sample", "--out", "OUT"], "flowgrpo sample: error: give --run RUN_DIR or --model"),
     (["sample", "--model", "tiny", "--out", "OUT"], "flowgrpo sample: error: no prompts (give --prompts FILE)"),
