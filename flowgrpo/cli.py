@@ -334,6 +334,9 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
         raise PushRefused(f"{repo_id!r} is not a Hub repository id ({str(err).splitlines()[0]}); "
                          "write owner/name, e.g. my-user/flux-digits-lora") from None
     run = Path(run)
+    if not run.is_dir():
+        raise PushRefused(f"{str(run)!r} {'is a file, not' if run.exists() else 'does not exist; give'} a run "
+                          "folder (the output_dir of a finished run, holding lora/ or transformer/)")
     weights = next((run / d for d in ("lora", "transformer") if (run / d).is_dir()), None)
     if weights is None:
         raise PushRefused(f"{str(run)!r} holds no lora/ or transformer/ folder (is it a run folder?)")
