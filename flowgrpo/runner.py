@@ -23,7 +23,13 @@ from flowgrpo.checkpoints.save_load import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.config.help import help_config, not_read, refused
 from flowgrpo.distributed import dist
-from flowgrpo.distributed.launch import launcher_words, restore_signals, stop_on_signals, stopping_signal
+from flowgrpo.distributed.launch import (
+    launch_environment,
+    launcher_words,
+    restore_signals,
+    stop_on_signals,
+    stopping_signal,
+)
 from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.preflight import (
@@ -362,8 +368,9 @@ def _interrupted_line(args, prog: str | None = None) -> str:
     """One line for Ctrl-C: the epoch reached, the checkpoint left, and the command that resumes the run (the
     command as it was started: under ``torchrun`` or ``accelerate launch`` the same launch
     (:func:`flowgrpo.distributed.launch.launcher_words`), else ``flowgrpo train`` from the CLI, else the training
-    script by its
-    absolute path, which works from any folder)."""
+    script by its absolute path, which works from any folder), after the variables the launch needed
+    (``ACCELERATE_USE_CPU=true``, ``CUDA_VISIBLE_DEVICES=…``:
+    :func:`~flowgrpo.distributed.launch.launch_environment`))."""
     if _TRAINER is None:
         return "\ninterrupted while setting up; nothing was trained\n"
     ckpt = _TRAINER.out / "checkpoints"
@@ -374,7 +381,7 @@ def _interrupted_line(args, prog: str | None = None) -> str:
         command = [*launcher, *(prog.split()[1:] if prog else [])]
     else:
         command = prog.split() if prog else [sys.executable, str(script)]
-    words = [*command, *([args.config] if args.config else [])]
+    words = [*launch_environment(), *command, *([args.config] if args.config else [])]  # the launch's variables too
     words += [o for o in args.overrides if not o.startswith("train.resume_from=")]
     n = _TRAINER.cfg.train.num_epochs
     e = _TRAINER.epoch  # 0-based: shown 1-based, as the epoch lines
