@@ -351,16 +351,21 @@ OTHER_RANK_WAIT_S = 30.0
 
 
 def _refuse(parser: argparse.ArgumentParser, code: int, line: str, main_process: bool) -> None:
-    """End the process with ``line`` said once for the run. The main process says it at once. The checks of the
-    set-up find the same fault on every process, and the launcher (torchrun, accelerate) ends the others as soon
-    as the main process exits with an error, so another process waits :data:`OTHER_RANK_WAIT_S` before it says its
-    line: ended during the wait when the main process refused too (one line in all), it still speaks when the
-    fault was its own (a file its machine lacks), naming its rank."""
+    """End the process with ``line`` said once for the run. The checks of the set-up find the same fault on every
+    process: under torchrun every process ends with ``code`` together, the main process saying the line and the
+    others ending quietly (:func:`flowgrpo.distributed.dist.share_refusal`, through the launcher's store, waiting at
+    most :data:`OTHER_RANK_WAIT_S`); another process still speaks, naming its rank, when the main process did not
+    refuse within that time (the fault was its own: a file its machine lacks). Where there is no launcher's store
+    another process waits :data:`OTHER_RANK_WAIT_S` before it speaks (the launcher ends it meanwhile when the main
+    process refused). A stop signal while another process waits (the launcher ending it) ends it quietly, with
+    ``code``."""
+    try:
+        dist.share_refusal(main_process, OTHER_RANK_WAIT_S, code, line)  # ends the process under torchrun
+    except KeyboardInterrupt:  # the launcher's SIGTERM (launch.stop_on_signals): the run is refused, not stopped
+        if not main_process:
+            dist.end_worker(code)
     if main_process:
         parser.exit(code, line)
-    import time
-
-    time.sleep(OTHER_RANK_WAIT_S)
     parser.exit(code, f"(rank {os.environ.get('RANK', '?')}) {line}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -168,3 +169,23 @@ def test_under_two_processes_one_rank_speaks_for_the_run(tmp_path, tiny_flux_dir
     assert out.count("resumed from") == 1, out[-3000:]
     assert out.count("the cosine learning rate follows the run's length") == 1, out[-3000:]
     assert out.count("error: epoch 2/3: the run diverged") == 1, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_refusal_under_torchrun_is_one_line_and_every_rank_exits_with_its_status(tmp_path):
+    """Issue 54, F6: a bad override under ``torchrun --nproc_per_node 2`` (gloo): the line once (rank 0), no
+    traceback of ours (rank 1 once got torchrun's SIGTERM while it slept in ``runner._refuse`` and printed a
+    KeyboardInterrupt traceback), and each rank ends by itself with the refusal's status 2 (torchrun's summary
+    lists every rank's exit code; a rank it had to end shows -15, SIGTERM). torchrun's own summary of a failed
+    launch (its ChildFailedError) remains: torch prints it for any non-zero exit."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+           "flowgrpo/train.py", "configs/tiny_jpeg.yaml", f"output_dir={tmp_path / 'x'}", "algo.clip_rnage=1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    line = "error: unknown config key 'algo.clip_rnage'; did you mean 'algo.clip_range'?"
+    assert proc.returncode != 0 and out.count(line) == 1 and out.count("error: ") == 1, out[-3000:]
+    assert not re.search(r'File ".*/flowgrpo/', out) and "KeyboardInterrupt" not in out, out[-3000:]
+    codes = re.findall(r"exitcode\s+:\s*(-?\d+)", out)  # the summary's rows, "exitcode  : 2"
+    assert sorted(codes) == ["2", "2"], out[-3000:]  # both ranks, each by itself
