@@ -104,6 +104,18 @@ def check_launch(env: Mapping[str, str] | None = None) -> None:
             "flowgrpo/train.py CONFIG (docs/many_gpus.md), or for one process unset MASTER_ADDR")
 
 
+def launched_by_accelerate(pid: int | None = None) -> bool:
+    """Whether process ``pid`` (default: the parent) is accelerate's launcher (its command line holds
+    ``accelerate`` and ``launch``)."""
+    import psutil
+
+    try:
+        command = " ".join(psutil.Process(os.getppid() if pid is None else pid).cmdline())
+    except (psutil.Error, OSError):
+        return False
+    return "accelerate" in command and "launch" in command
+
+
 def end_launcher(pid: int | None = None) -> bool:
     """End accelerate's launcher that started this process, so that a refusal already said stays the last line.
 
@@ -119,14 +131,8 @@ def end_launcher(pid: int | None = None) -> bool:
     """
     import signal
 
-    import psutil
-
     pid = os.getppid() if pid is None else pid
-    try:
-        command = " ".join(psutil.Process(pid).cmdline())
-    except (psutil.Error, OSError):
-        return False
-    if "accelerate" not in command or "launch" not in command:
+    if not launched_by_accelerate(pid):
         return False
     _wait_read(sys.stderr)
     os.kill(pid, signal.SIGTERM)

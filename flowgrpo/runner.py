@@ -358,14 +358,24 @@ def _refuse(parser: argparse.ArgumentParser, code: int, line: str, main_process:
     refuse within that time (the fault was its own: a file its machine lacks). Where there is no launcher's store
     another process waits :data:`OTHER_RANK_WAIT_S` before it speaks (the launcher ends it meanwhile when the main
     process refused). A stop signal while another process waits (the launcher ending it) ends it quietly, with
-    ``code``."""
+    ``code``. Under ``accelerate launch`` (one child) the launcher is ended after the line
+    (:func:`flowgrpo.parallel.end_launcher`), else it follows the line with a traceback; it then exits 143, not
+    ``code``: accelerate 1.16 exits 1 for any failed child and 128 + the signal when ended."""
     try:
         dist.share_refusal(main_process, OTHER_RANK_WAIT_S, code, line)  # ends the process under torchrun
     except KeyboardInterrupt:  # the launcher's SIGTERM (launch.stop_on_signals): the run is refused, not stopped
         if not main_process:
             dist.end_worker(code)
     if main_process:
-        parser.exit(code, line)
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        if parallel.launched_by_accelerate():  # its CalledProcessError traceback would follow the line: end it
+            import signal  # its SIGTERM back to this process (ending its tree) ends it quietly, with code
+
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: dist.end_worker(code))
+            parallel.end_launcher()
+        parser.exit(code)
     parser.exit(code, f"(rank {os.environ.get('RANK', '?')}) {line}")
 
 
