@@ -155,6 +155,7 @@ def _run(config) -> dict:
     (:func:`~flowgrpo.preflight.check_on_grid`)."""
     quiet_libraries()
     parallel.check_launch()  # the processes asked for were started
+    parallel.cpu_without_accelerator()  # torchrun on a machine without a GPU: the CPU and gloo, said in the log
     ready = preflight(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir,
                               kwargs_handlers=parallel.process_group_kwargs(config.parallel))

@@ -611,3 +611,27 @@ def test_no_in_place_operation_touches_a_sharded_flux_blocks_output(tiny_flux_di
         v.square().mean().backward()
     assert any(o._base is not None for o in outputs)  # the view FSDP2 warns about is there
     assert mode.hits == []
+
+
+def test_torchrun_on_a_machine_without_a_gpu_runs_on_the_cpu_and_says_so(monkeypatch, caplog):
+    """Issue 54, F7: torchrun without ACCELERATE_USE_CPU=true on a CPU-only machine failed on every rank with
+    "unknown process-group backend 'undefined'" after the checkpoint loaded; it runs on the CPU with gloo, as
+    accelerate launch --cpu does (checked by hand: a 2-process torchrun of configs/tiny_jpeg.yaml trains)."""
+    import logging
+
+    import torch
+
+    from flowgrpo import parallel
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    env = {"WORLD_SIZE": "2", "RANK": "0"}
+    with caplog.at_level(logging.INFO, logger="flowgrpo.parallel"):
+        assert parallel.cpu_without_accelerator(env) is True
+    assert env["ACCELERATE_USE_CPU"] == "true"
+    assert "no accelerator (GPU) on this machine: the 2 processes run on the CPU with gloo" in caplog.text
+    # a user's own setting, one process, or a machine with a GPU: nothing changes
+    for given in ({"WORLD_SIZE": "2", "ACCELERATE_USE_CPU": "false"}, {"WORLD_SIZE": "1"}, {}):
+        before = dict(given)
+        assert parallel.cpu_without_accelerator(given) is False and given == before
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert parallel.cpu_without_accelerator({"WORLD_SIZE": "2"}) is False
