@@ -189,3 +189,27 @@ def test_a_refusal_under_torchrun_is_one_line_and_every_rank_exits_with_its_stat
     assert not re.search(r'File ".*/flowgrpo/', out) and "KeyboardInterrupt" not in out, out[-3000:]
     codes = re.findall(r"exitcode\s+:\s*(-?\d+)", out)  # the summary's rows, "exitcode  : 2"
     assert sorted(codes) == ["2", "2"], out[-3000:]  # both ranks, each by itself
+
+
+def test_a_checkpoint_of_another_model_is_named_first(tmp_path):
+    """Issue 54, F11: a tiny-model checkpoint resumed onto the digits model was refused about its evaluation
+    settings, then its prompts; the other model is the fault, and is said first."""
+    from flowgrpo.config import build_config
+    from flowgrpo.preflight import preflight
+    from flowgrpo.strategies.settings import ConfigError, save_config
+
+    old = build_config({"output_dir": str(tmp_path / "tiny_run"), "model": {"pretrained": "tiny"},
+                        "train": {"num_epochs": 2}, "data": {"eval_num_prompts": 4}})
+    run = Path(old.output_dir)
+    (run / "checkpoints" / "epoch_0").mkdir(parents=True)
+    (run / "checkpoints" / "epoch_0" / "state.json").write_text(json.dumps({"epoch": 0}))
+    (run / "checkpoints" / "latest").write_text("epoch_0")
+    save_config(old, run / "config.yaml")
+    new = build_config({"output_dir": str(tmp_path / "digits_run"), "model": {"pretrained": "digits"},
+                        "train": {"num_epochs": 2, "resume_from": str(run / "checkpoints")},
+                        "data": {"eval_num_prompts": 8}})
+    with pytest.raises(ConfigError) as err:
+        preflight(new)
+    assert str(err.value).startswith(f"train.resume_from={str(run / 'checkpoints' / 'epoch_0')!r} is a checkpoint of "
+                                     "another model: its run trained model.pretrained=tiny, this run gives "
+                                     "model.pretrained=digits; set model.pretrained=tiny"), str(err.value)
