@@ -320,7 +320,7 @@ def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process:
     except parallel.LaunchRefused as err:  # one process where several were asked for: the line, no launcher's trace
         sys.stderr.write(f"error: {err}\n")
         sys.stderr.flush()
-        parallel.end_launcher()
+        _end_accelerate_launcher(2)
         sys.exit(2)
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError,
             RemoteRewardError, OutputRefused) as err:  # RemoteRewardError: the reward server is unreachable at setup
@@ -370,14 +370,23 @@ def _refuse(parser: argparse.ArgumentParser, code: int, line: str, main_process:
     if main_process:
         sys.stderr.write(line)
         sys.stderr.flush()
-        if parallel.launched_by_accelerate():  # its CalledProcessError traceback would follow the line: end it
-            import signal  # its SIGTERM back to this process (ending its tree) ends it quietly, with code
-
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: dist.end_worker(code))
-            parallel.end_launcher()
+        _end_accelerate_launcher(code)
         parser.exit(code)
     parser.exit(code, f"(rank {os.environ.get('RANK', '?')}) {line}")
+
+
+def _end_accelerate_launcher(code: int) -> None:
+    """Under ``accelerate launch``, end the launcher after a refusal's line (its ``CalledProcessError`` traceback
+    would follow it: :func:`flowgrpo.parallel.end_launcher`); its SIGTERM back to this process (ending its tree)
+    then ends this process quietly with ``code``, not through ``KeyboardInterrupt``
+    (:func:`flowgrpo.distributed.launch.stop_on_signals`). Nothing elsewhere."""
+    if not parallel.launched_by_accelerate():
+        return
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: dist.end_worker(code))
+    parallel.end_launcher()
 
 
 def _interrupted_line(args, prog: str | None = None) -> str:
