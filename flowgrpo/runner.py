@@ -393,7 +393,7 @@ def _interrupted_line(args, prog: str | None = None) -> str:
     """One line for Ctrl-C: the epoch reached, the checkpoint left, and the command that resumes the run (the
     command as it was started: under ``torchrun`` or ``accelerate launch`` the same launch
     (:func:`flowgrpo.distributed.launch.launcher_words`), else ``flowgrpo train`` from the CLI, else the training
-    script by its absolute path, which works from any folder), after the variables the launch needed
+    script by its absolute path, which works from any folder), a launch after the variables it needed
     (``ACCELERATE_USE_CPU=true``, ``CUDA_VISIBLE_DEVICES=…``:
     :func:`~flowgrpo.distributed.launch.launch_environment`))."""
     if _TRAINER is None:
@@ -406,7 +406,8 @@ def _interrupted_line(args, prog: str | None = None) -> str:
         command = [*launcher, *(prog.split()[1:] if prog else [])]
     else:
         command = prog.split() if prog else [sys.executable, str(script)]
-    words = [*launch_environment(), *command, *([args.config] if args.config else [])]  # the launch's variables too
+    env = launch_environment() if launcher else []  # a launch's variables (ACCELERATE_USE_CPU=true torchrun …)
+    words = [*env, *command, *([args.config] if args.config else [])]
     words += [o for o in args.overrides if not o.startswith("train.resume_from=")]
     n = _TRAINER.cfg.train.num_epochs
     e = _TRAINER.epoch  # 0-based: shown 1-based, as the epoch lines

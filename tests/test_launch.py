@@ -88,6 +88,23 @@ def test_the_interrupted_line_under_torchrun_resumes_with_the_same_launch(tmp_pa
                                   f"train.resume_from={tmp_path / 'checkpoints'}")
 
 
+def test_one_process_resumes_without_the_launch_variables(tmp_path, monkeypatch):
+    """Without a launcher the command is the script's; no variable of the environment is put before it."""
+    import flowgrpo.runner as runner
+    from flowgrpo.config import build_config
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("epoch_1\n")
+    cfg = build_config({"output_dir": str(tmp_path), "train": {"num_epochs": 2}})
+    monkeypatch.setattr(runner, "_TRAINER", SimpleNamespace(out=tmp_path, cfg=cfg, epoch=0, stage="epochs"))
+    monkeypatch.setattr(runner.sys, "argv", [SCRIPT, "x=1"])
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_") or k == "TORCHELASTIC_RUN_ID"]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    line = runner._interrupted_line(SimpleNamespace(config=None, overrides=["x=1"]), "flowgrpo train")
+    assert "resume: flowgrpo train x=1 train.resume_from=" in line, line
+
+
 def test_the_first_stop_signal_interrupts_and_the_next_is_ignored():
     replaced = stop_on_signals()
     try:
