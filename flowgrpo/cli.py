@@ -111,13 +111,21 @@ def _load_weights(adapter, weights: Path) -> None:
 
 
 def _unfinished_run_hint(run: Path) -> str:
-    """For a run folder without final weights: the checkpoints a resume could finish it from (newest first, the
-    one ``train.resume_from=auto`` picks named) and the command; empty for a folder that is not a run."""
+    """For a run folder without final weights: a run still training there (it holds the folder's lock,
+    :func:`flowgrpo.writing.run_lock.lock_holder`) is said to be running, with its checkpoints so far; else the
+    checkpoints a resume could finish it from (newest first, the one ``train.resume_from=auto`` picks named) and
+    the command; empty for a folder that is not a run."""
     if not (run / "config.yaml").is_file():
         return ""
     from flowgrpo.checkpoints.health import checkpoint_folders, newest_healthy
+    from flowgrpo.writing.run_lock import lock_holder
 
     done = [p.name for p in reversed(checkpoint_folders(run / "checkpoints"))]
+    holder = lock_holder(run)
+    if holder is not None:  # a live run holds the folder: it has not stopped, it is training
+        return (f": the run is still training (it holds the run folder's lock: {holder}); its final weights are "
+                f"written when it ends: wait for it to finish, then sample it (checkpoints so far: "
+                f"{', '.join(done) or 'none'})")
     finish = f"finish it with `flowgrpo train output_dir={run} train.resume_from=auto`, then sample it"
     if not done:
         return f": the run stopped before its first checkpoint and its final weights; {finish}"
@@ -326,6 +334,9 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
         raise PushRefused(f"{repo_id!r} is not a Hub repository id ({str(err).splitlines()[0]}); "
                          "write owner/name, e.g. my-user/flux-digits-lora") from None
     run = Path(run)
+    if not run.is_dir():
+        raise PushRefused(f"{str(run)!r} {'is a file, not' if run.exists() else 'does not exist; give'} a run "
+                          "folder (the output_dir of a finished run, holding lora/ or transformer/)")
     weights = next((run / d for d in ("lora", "transformer") if (run / d).is_dir()), None)
     if weights is None:
         raise PushRefused(f"{str(run)!r} holds no lora/ or transformer/ folder (is it a run folder?)")

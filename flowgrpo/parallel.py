@@ -78,6 +78,24 @@ class LaunchRefused(ValueError):
     """A launch that started fewer processes than it asked for (:func:`check_launch`)."""
 
 
+def cpu_without_accelerator(env: dict | None = None) -> bool:
+    """Several processes (``WORLD_SIZE`` > 1: torchrun) on a machine with no accelerator and no
+    ``ACCELERATE_USE_CPU`` set: accelerate would pick no process-group backend (``'undefined'``, found only after
+    the model loaded). Sets ``ACCELERATE_USE_CPU=true`` in ``env`` (default ``os.environ``; read by accelerate's
+    ``Accelerator``), so the processes run on the CPU with gloo as ``accelerate launch --cpu`` would, and says so
+    in the log. Returns whether it did."""
+    env = os.environ if env is None else env
+    if int(env.get("WORLD_SIZE", "1")) < 2 or "ACCELERATE_USE_CPU" in env:
+        return False
+    accelerator = getattr(torch, "accelerator", None)
+    if (accelerator.is_available() if accelerator is not None else torch.cuda.is_available()):
+        return False
+    env["ACCELERATE_USE_CPU"] = "true"
+    logger.info("no accelerator (GPU) on this machine: the %s processes run on the CPU with gloo "
+                "(ACCELERATE_USE_CPU=true)", env["WORLD_SIZE"])
+    return True
+
+
 def check_launch(env: Mapping[str, str] | None = None) -> None:
     """Refuse a launch that asked for several processes and started one, with one line naming the way that works.
 
@@ -104,6 +122,18 @@ def check_launch(env: Mapping[str, str] | None = None) -> None:
             "flowgrpo/train.py CONFIG (docs/many_gpus.md), or for one process unset MASTER_ADDR")
 
 
+def launched_by_accelerate(pid: int | None = None) -> bool:
+    """Whether process ``pid`` (default: the parent) is accelerate's launcher (its command line holds
+    ``accelerate`` and ``launch``)."""
+    import psutil
+
+    try:
+        command = " ".join(psutil.Process(os.getppid() if pid is None else pid).cmdline())
+    except (psutil.Error, OSError):
+        return False
+    return "accelerate" in command and "launch" in command
+
+
 def end_launcher(pid: int | None = None) -> bool:
     """End accelerate's launcher that started this process, so that a refusal already said stays the last line.
 
@@ -119,14 +149,8 @@ def end_launcher(pid: int | None = None) -> bool:
     """
     import signal
 
-    import psutil
-
     pid = os.getppid() if pid is None else pid
-    try:
-        command = " ".join(psutil.Process(pid).cmdline())
-    except (psutil.Error, OSError):
-        return False
-    if "accelerate" not in command or "launch" not in command:
+    if not launched_by_accelerate(pid):
         return False
     _wait_read(sys.stderr)
     os.kill(pid, signal.SIGTERM)

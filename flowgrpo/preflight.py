@@ -448,6 +448,33 @@ def check_dataset_size(first: tuple[tuple[int, int], str] | None, adapter) -> No
                          "flowgrpo.data.image_sets ... --size H W) or set model.height and model.width")
 
 
+def refuse_other_model(config) -> None:
+    """A resume from a checkpoint of another model (``model.pretrained`` of the checkpoint's run, its folder's
+    :func:`~flowgrpo.training.run_folder.latest_run_config`, differs: ``tiny`` against ``digits``) is refused
+    first, naming both models: every other setting it would compare (evaluation, prompts, trained parameters)
+    differs because the model does. The same folder under another path passes, and so does a checkpoint's model
+    folder that no longer exists where it was (moved: it cannot be compared). Nothing is checked without a resume
+    or a saved config. Raises :class:`~flowgrpo.strategies.settings.ConfigError`."""
+    if not config.train.resume_from:
+        return
+    ckpt = resolve_checkpoint(config.train.resume_from)
+    saved = latest_run_config(ckpt.parent.parent)
+    if not saved.is_file():
+        return
+    old = ((read_yaml(saved) or {}).get("model") or {}).get("pretrained")
+    new = config.model.pretrained
+    if old is None or str(old) == str(new):
+        return
+    was, now = Path(str(old)), Path(str(new))
+    if was.exists() and now.exists() and was.resolve() == now.resolve():
+        return
+    if not was.exists() and (was.is_absolute() or str(old).startswith(".")):  # moved: cannot be compared
+        return
+    raise ConfigError(f"train.resume_from={str(ckpt)!r} is a checkpoint of another model: its run trained "
+                      f"model.pretrained={old}, this run gives model.pretrained={new}; set "
+                      f"model.pretrained={old} to resume it, or start a new run without train.resume_from")
+
+
 def preflight(config, world_size: int | None = None) -> Preflight:
     """Everything the run will need, checked before any model loads, in this order:
 
@@ -463,7 +490,8 @@ def preflight(config, world_size: int | None = None) -> Preflight:
        context group splits (:func:`check_context_tokens`, from the model folder's configs);
     3. reward names and their kwargs, without constructing them (:func:`check_rewards`);
     4. the trackers installed (:func:`check_trackers`);
-    5. the output folder free, or the checkpoint to resume there, its run's trained-parameter settings
+    5. a resume's checkpoint of this model (:func:`refuse_other_model`); the output folder free, or the checkpoint
+       to resume there, its run's trained-parameter settings
        (:func:`~flowgrpo.training.run_folder.refuse_changed_model`) (:func:`check_output_dir`);
     6. the prompt files read (:func:`load_prompt_field`), a resume's prompt sampler against the checkpoint's
        (:func:`check_resumed_sampler`), and a dataset objective's images, each opened and its size read
@@ -486,6 +514,7 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     check_context_tokens(config)
     check_rewards(config.rewards + config.eval_rewards)
     check_trackers(config.logging.trackers)
+    refuse_other_model(config)  # a checkpoint of another model: said before any setting that differs with it
     check_output_dir(config)
     prompts, eval_prompts = load_prompt_field(config, "train_prompts"), load_prompt_field(config, "eval_prompts")
     check_resumed_sampler(config, prompts)

@@ -23,7 +23,13 @@ from flowgrpo.checkpoints.save_load import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.config.help import help_config, not_read, refused
 from flowgrpo.distributed import dist
-from flowgrpo.distributed.launch import launcher_words, restore_signals, stop_on_signals, stopping_signal
+from flowgrpo.distributed.launch import (
+    launch_environment,
+    launcher_words,
+    restore_signals,
+    stop_on_signals,
+    stopping_signal,
+)
 from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
 from flowgrpo.preflight import (
@@ -149,6 +155,7 @@ def _run(config) -> dict:
     (:func:`~flowgrpo.preflight.check_on_grid`)."""
     quiet_libraries()
     parallel.check_launch()  # the processes asked for were started
+    parallel.cpu_without_accelerator()  # torchrun on a machine without a GPU: the CPU and gloo, said in the log
     ready = preflight(config)
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir,
                               kwargs_handlers=parallel.process_group_kwargs(config.parallel))
@@ -313,7 +320,7 @@ def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process:
     except parallel.LaunchRefused as err:  # one process where several were asked for: the line, no launcher's trace
         sys.stderr.write(f"error: {err}\n")
         sys.stderr.flush()
-        parallel.end_launcher()
+        _end_accelerate_launcher(2)
         sys.exit(2)
     except (ConfigError, RewardLoadError, CheckpointError, FileExistsError, MissingWeightsError,
             RemoteRewardError, OutputRefused) as err:  # RemoteRewardError: the reward server is unreachable at setup
@@ -345,25 +352,50 @@ OTHER_RANK_WAIT_S = 30.0
 
 
 def _refuse(parser: argparse.ArgumentParser, code: int, line: str, main_process: bool) -> None:
-    """End the process with ``line`` said once for the run. The main process says it at once. The checks of the
-    set-up find the same fault on every process, and the launcher (torchrun, accelerate) ends the others as soon
-    as the main process exits with an error, so another process waits :data:`OTHER_RANK_WAIT_S` before it says its
-    line: ended during the wait when the main process refused too (one line in all), it still speaks when the
-    fault was its own (a file its machine lacks), naming its rank."""
+    """End the process with ``line`` said once for the run. The checks of the set-up find the same fault on every
+    process: under torchrun every process ends with ``code`` together, the main process saying the line and the
+    others ending quietly (:func:`flowgrpo.distributed.dist.share_refusal`, through the launcher's store, waiting at
+    most :data:`OTHER_RANK_WAIT_S`); another process still speaks, naming its rank, when the main process did not
+    refuse within that time (the fault was its own: a file its machine lacks). Where there is no launcher's store
+    another process waits :data:`OTHER_RANK_WAIT_S` before it speaks (the launcher ends it meanwhile when the main
+    process refused). A stop signal while another process waits (the launcher ending it) ends it quietly, with
+    ``code``. Under ``accelerate launch`` (one child) the launcher is ended after the line
+    (:func:`flowgrpo.parallel.end_launcher`), else it follows the line with a traceback; it then exits 143, not
+    ``code``: accelerate 1.16 exits 1 for any failed child and 128 + the signal when ended."""
+    try:
+        dist.share_refusal(main_process, OTHER_RANK_WAIT_S, code, line)  # ends the process under torchrun
+    except KeyboardInterrupt:  # the launcher's SIGTERM (launch.stop_on_signals): the run is refused, not stopped
+        if not main_process:
+            dist.end_worker(code)
     if main_process:
-        parser.exit(code, line)
-    import time
-
-    time.sleep(OTHER_RANK_WAIT_S)
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        _end_accelerate_launcher(code)
+        parser.exit(code)
     parser.exit(code, f"(rank {os.environ.get('RANK', '?')}) {line}")
+
+
+def _end_accelerate_launcher(code: int) -> None:
+    """Under ``accelerate launch``, end the launcher after a refusal's line (its ``CalledProcessError`` traceback
+    would follow it: :func:`flowgrpo.parallel.end_launcher`); its SIGTERM back to this process (ending its tree)
+    then ends this process quietly with ``code``, not through ``KeyboardInterrupt``
+    (:func:`flowgrpo.distributed.launch.stop_on_signals`). Nothing elsewhere."""
+    if not parallel.launched_by_accelerate():
+        return
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: dist.end_worker(code))
+    parallel.end_launcher()
 
 
 def _interrupted_line(args, prog: str | None = None) -> str:
     """One line for Ctrl-C: the epoch reached, the checkpoint left, and the command that resumes the run (the
     command as it was started: under ``torchrun`` or ``accelerate launch`` the same launch
     (:func:`flowgrpo.distributed.launch.launcher_words`), else ``flowgrpo train`` from the CLI, else the training
-    script by its
-    absolute path, which works from any folder)."""
+    script by its absolute path, which works from any folder), a launch after the variables it needed
+    (``ACCELERATE_USE_CPU=true``, ``CUDA_VISIBLE_DEVICES=…``:
+    :func:`~flowgrpo.distributed.launch.launch_environment`))."""
     if _TRAINER is None:
         return "\ninterrupted while setting up; nothing was trained\n"
     ckpt = _TRAINER.out / "checkpoints"
@@ -374,7 +406,8 @@ def _interrupted_line(args, prog: str | None = None) -> str:
         command = [*launcher, *(prog.split()[1:] if prog else [])]
     else:
         command = prog.split() if prog else [sys.executable, str(script)]
-    words = [*command, *([args.config] if args.config else [])]
+    env = launch_environment() if launcher else []  # a launch's variables (ACCELERATE_USE_CPU=true torchrun …)
+    words = [*env, *command, *([args.config] if args.config else [])]
     words += [o for o in args.overrides if not o.startswith("train.resume_from=")]
     n = _TRAINER.cfg.train.num_epochs
     e = _TRAINER.epoch  # 0-based: shown 1-based, as the epoch lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 
 import pytest
@@ -40,10 +41,15 @@ def _strip(records):
 
 
 @pytest.mark.slow
-def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, tiny_flux_dir):
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, tiny_flux_dir, caplog):
     from flowgrpo.runner import run
 
-    run(_cfg(tmp_path, tiny_flux_dir, "full"))
+    with caplog.at_level(logging.INFO, logger="flowgrpo.training.loop"):
+        run(_cfg(tmp_path, tiny_flux_dir, "full"))
+    # folders count epochs from 0, the lines from 1: the save line says both (epoch_1 is after "epoch 2/4")
+    saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("saved checkpoint")]
+    assert saved[0] == "saved checkpoint epoch_1 (after epoch 2/4)", saved
+    assert saved[-1] == "saved checkpoint epoch_3 (after epoch 4/4)", saved
     full = _strip(read_metrics(tmp_path / "full" / "metrics.jsonl"))
     ckpt = tmp_path / "full" / "checkpoints" / "epoch_1"
     assert ckpt.is_dir()

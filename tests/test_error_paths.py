@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -85,6 +86,33 @@ def test_sample_run_on_an_unfinished_run_names_its_checkpoints(tmp_path, tiny_fl
                        "sample it"]
 
 
+def test_sample_run_on_a_run_still_training_says_it_is_running(tmp_path, tiny_flux_dir, capsys):
+    """A run that holds its folder's lock is training, not stopped: the line says so (and who holds it) and
+    does not send the user to resume a live run."""
+    import fcntl
+
+    from flowgrpo.strategies.settings import save_config
+    from flowgrpo.writing.outputs import LOCK_FILE
+
+    cfg = _cfg(tmp_path, tiny_flux_dir)
+    run = Path(cfg.output_dir)
+    (run / "checkpoints" / "epoch_0").mkdir(parents=True)
+    (run / "checkpoints" / "epoch_0" / "state.json").write_text(json.dumps({"epoch": 0}))
+    (run / "checkpoints" / "latest").write_text("epoch_0")
+    save_config(cfg, run / "config.yaml")
+    with open(run / LOCK_FILE, "w") as held:  # what a live run holds: an exclusive flock, its record inside
+        held.write(json.dumps({"pid": 4242, "host": "node7"}))
+        held.flush()
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        code, err = _exit(capsys, ["sample", "--run", str(run), "--out", str(tmp_path / "out"), "--num-images", "1"])
+    assert code == 2 and len(err) == 1
+    assert "the run is still training (it holds the run folder's lock: PID 4242 on node7)" in err[0]
+    assert "wait for it to finish, then sample it (checkpoints so far: epoch_0)" in err[0]
+    assert "resume_from" not in err[0] and "stopped" not in err[0]
+    code, err = _exit(capsys, ["sample", "--run", str(run), "--out", str(tmp_path / "out"), "--num-images", "1"])
+    assert "the run stopped before writing its final weights" in err[0]  # the lock released: a stopped run
+
+
 @pytest.mark.parametrize(("argv", "line"), [
     (["sample", "--out", "OUT"], "flowgrpo sample: error: give --run RUN_DIR or --model"),
     (["sample", "--model", "tiny", "--out", "OUT"], "flowgrpo sample: error: no prompts (give --prompts FILE)"),
@@ -141,3 +169,47 @@ def test_under_two_processes_one_rank_speaks_for_the_run(tmp_path, tiny_flux_dir
     assert out.count("resumed from") == 1, out[-3000:]
     assert out.count("the cosine learning rate follows the run's length") == 1, out[-3000:]
     assert out.count("error: epoch 2/3: the run diverged") == 1, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_refusal_under_torchrun_is_one_line_and_every_rank_exits_with_its_status(tmp_path):
+    """Issue 54, F6: a bad override under ``torchrun --nproc_per_node 2`` (gloo): the line once (rank 0), no
+    traceback of ours (rank 1 once got torchrun's SIGTERM while it slept in ``runner._refuse`` and printed a
+    KeyboardInterrupt traceback), and each rank ends by itself with the refusal's status 2 (torchrun's summary
+    lists every rank's exit code; a rank it had to end shows -15, SIGTERM). torchrun's own summary of a failed
+    launch (its ChildFailedError) remains: torch prints it for any non-zero exit."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+           "flowgrpo/train.py", "configs/tiny_jpeg.yaml", f"output_dir={tmp_path / 'x'}", "algo.clip_rnage=1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    line = "error: unknown config key 'algo.clip_rnage'; did you mean 'algo.clip_range'?"
+    assert proc.returncode != 0 and out.count(line) == 1 and out.count("error: ") == 1, out[-3000:]
+    assert not re.search(r'File ".*/flowgrpo/', out) and "KeyboardInterrupt" not in out, out[-3000:]
+    codes = re.findall(r"exitcode\s+:\s*(-?\d+)", out)  # the summary's rows, "exitcode  : 2"
+    assert sorted(codes) == ["2", "2"], out[-3000:]  # both ranks, each by itself
+
+
+def test_a_checkpoint_of_another_model_is_named_first(tmp_path):
+    """Issue 54, F11: a tiny-model checkpoint resumed onto the digits model was refused about its evaluation
+    settings, then its prompts; the other model is the fault, and is said first."""
+    from flowgrpo.config import build_config
+    from flowgrpo.preflight import preflight
+    from flowgrpo.strategies.settings import ConfigError, save_config
+
+    old = build_config({"output_dir": str(tmp_path / "tiny_run"), "model": {"pretrained": "tiny"},
+                        "train": {"num_epochs": 2}, "data": {"eval_num_prompts": 4}})
+    run = Path(old.output_dir)
+    (run / "checkpoints" / "epoch_0").mkdir(parents=True)
+    (run / "checkpoints" / "epoch_0" / "state.json").write_text(json.dumps({"epoch": 0}))
+    (run / "checkpoints" / "latest").write_text("epoch_0")
+    save_config(old, run / "config.yaml")
+    new = build_config({"output_dir": str(tmp_path / "digits_run"), "model": {"pretrained": "digits"},
+                        "train": {"num_epochs": 2, "resume_from": str(run / "checkpoints")},
+                        "data": {"eval_num_prompts": 8}})
+    with pytest.raises(ConfigError) as err:
+        preflight(new)
+    assert str(err.value).startswith(f"train.resume_from={str(run / 'checkpoints' / 'epoch_0')!r} is a checkpoint of "
+                                     "another model: its run trained model.pretrained=tiny, this run gives "
+                                     "model.pretrained=digits; set model.pretrained=tiny"), str(err.value)

@@ -12,7 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowgrpo.distributed.launch import launcher_words, restore_signals, stop_on_signals, stopping_signal
+from flowgrpo.distributed.launch import (
+    launch_environment,
+    launcher_words,
+    restore_signals,
+    stop_on_signals,
+    stopping_signal,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "flowgrpo" / "train.py")
@@ -44,6 +50,15 @@ def test_a_torchrun_launch_is_rebuilt_from_its_variables_when_the_launcher_canno
                                                                        "--nproc_per_node", "2", SCRIPT]
 
 
+def test_an_accelerate_launch_repeats_the_launchers_variables_not_the_ones_it_sets():
+    """accelerate launch --cpu gives its processes ACCELERATE_USE_CPU=True itself (its flag is in the launch
+    words): the variables are the launcher's own environment's, the ones the user set."""
+    mine = {"ACCELERATE_USE_CPU": "True", "ACCELERATE_MIXED_PRECISION": "no", "CUDA_VISIBLE_DEVICES": "1"}
+    users = {"CUDA_VISIBLE_DEVICES": "1", "PATH": "/bin", "ACCELERATE_LOG_LEVEL": "info"}
+    assert launch_environment(mine, parent_env=users) == ["ACCELERATE_LOG_LEVEL=info", "CUDA_VISIBLE_DEVICES=1"]
+    assert launch_environment({**TORCHRUN, "ACCELERATE_USE_CPU": "true", "PATH": "/bin"}) == ["ACCELERATE_USE_CPU=true"]
+
+
 def test_a_single_process_has_no_launcher():
     assert launcher_words(SCRIPT, parent=(["/usr/bin/python3", SCRIPT], REPO), env={}) == []
 
@@ -60,13 +75,34 @@ def test_the_interrupted_line_under_torchrun_resumes_with_the_same_launch(tmp_pa
     args = SimpleNamespace(config="cfg.yaml", overrides=["train.resume_from=old", "x=1"])
     monkeypatch.setattr(runner, "_TRAINER", SimpleNamespace(out=tmp_path, cfg=cfg, epoch=0, stage="epochs"))
     monkeypatch.setattr(runner.sys, "argv", [SCRIPT, "cfg.yaml", "x=1"])
-    for key, value in TORCHRUN.items():
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_") or k.endswith("_VISIBLE_DEVICES")]:
+        monkeypatch.delenv(key)
+    for key, value in {**TORCHRUN, "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "2,3", "HOME": "/h"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(launch, "_parent_command", lambda pid: (["/usr/local/bin/torchrun", "--nproc_per_node", "2",
                                                                  "flowgrpo/train.py", "cfg.yaml", "x=1"], REPO))
     line = runner._interrupted_line(args, None)
-    assert line.rstrip().endswith(f"resume: torchrun --nproc_per_node 2 flowgrpo/train.py cfg.yaml x=1 "
+    # the variables the launch needed come first, as typed: without ACCELERATE_USE_CPU=true a CPU machine fails
+    assert line.rstrip().endswith(f"resume: ACCELERATE_USE_CPU=true CUDA_VISIBLE_DEVICES=2,3 torchrun "
+                                  f"--nproc_per_node 2 flowgrpo/train.py cfg.yaml x=1 "
                                   f"train.resume_from={tmp_path / 'checkpoints'}")
+
+
+def test_one_process_resumes_without_the_launch_variables(tmp_path, monkeypatch):
+    """Without a launcher the command is the script's; no variable of the environment is put before it."""
+    import flowgrpo.runner as runner
+    from flowgrpo.config import build_config
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("epoch_1\n")
+    cfg = build_config({"output_dir": str(tmp_path), "train": {"num_epochs": 2}})
+    monkeypatch.setattr(runner, "_TRAINER", SimpleNamespace(out=tmp_path, cfg=cfg, epoch=0, stage="epochs"))
+    monkeypatch.setattr(runner.sys, "argv", [SCRIPT, "x=1"])
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_") or k == "TORCHELASTIC_RUN_ID"]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    line = runner._interrupted_line(SimpleNamespace(config=None, overrides=["x=1"]), "flowgrpo train")
+    assert "resume: flowgrpo train x=1 train.resume_from=" in line, line
 
 
 def test_the_first_stop_signal_interrupts_and_the_next_is_ignored():

@@ -252,6 +252,29 @@ def test_accelerate_launch_cpu_with_two_processes_refuses_in_one_line(tmp_path):
         proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_a_bad_override_under_accelerate_launch_is_one_line_without_its_traceback(tmp_path):
+    """Issue 54, F15: a refusal of the config under ``accelerate launch`` (no ``-q``) was followed by accelerate's
+    ``CalledProcessError`` traceback repeating the child's stderr. The line is now the last output: the child ends
+    its launcher after it (``parallel.end_launcher``), and the launcher's SIGTERM back ends the child quietly. Its
+    exit status is accelerate's 143 (accelerate 1.16 exits 1 for any failed child, 128 + the signal when ended:
+    the refusal's 2 cannot pass through it)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "flowgrpo/train.py", "configs/tiny_jpeg.yaml", f"output_dir={tmp_path / 'x'}",
+                           "algo.clip_rnage=1"],
+                          cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["error: unknown config key 'algo.clip_rnage'; did you mean 'algo.clip_range'?"], \
+        proc.stderr[-3000:]
+    assert proc.returncode == 143, proc.stderr[-3000:]
+
+
 def _wait_for_exec(pid: int) -> None:
     """Until the child has exec'd its command (a forked child shows its parent's command line before that: on a
     loaded machine the test read pytest's own)."""
@@ -588,3 +611,27 @@ def test_no_in_place_operation_touches_a_sharded_flux_blocks_output(tiny_flux_di
         v.square().mean().backward()
     assert any(o._base is not None for o in outputs)  # the view FSDP2 warns about is there
     assert mode.hits == []
+
+
+def test_torchrun_on_a_machine_without_a_gpu_runs_on_the_cpu_and_says_so(monkeypatch, caplog):
+    """Issue 54, F7: torchrun without ACCELERATE_USE_CPU=true on a CPU-only machine failed on every rank with
+    "unknown process-group backend 'undefined'" after the checkpoint loaded; it runs on the CPU with gloo, as
+    accelerate launch --cpu does (checked by hand: a 2-process torchrun of configs/tiny_jpeg.yaml trains)."""
+    import logging
+
+    import torch
+
+    from flowgrpo import parallel
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    env = {"WORLD_SIZE": "2", "RANK": "0"}
+    with caplog.at_level(logging.INFO, logger="flowgrpo.parallel"):
+        assert parallel.cpu_without_accelerator(env) is True
+    assert env["ACCELERATE_USE_CPU"] == "true"
+    assert "no accelerator (GPU) on this machine: the 2 processes run on the CPU with gloo" in caplog.text
+    # a user's own setting, one process, or a machine with a GPU: nothing changes
+    for given in ({"WORLD_SIZE": "2", "ACCELERATE_USE_CPU": "false"}, {"WORLD_SIZE": "1"}, {}):
+        before = dict(given)
+        assert parallel.cpu_without_accelerator(given) is False and given == before
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert parallel.cpu_without_accelerator({"WORLD_SIZE": "2"}) is False

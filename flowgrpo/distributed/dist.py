@@ -247,3 +247,57 @@ def local_slice(total: int) -> slice:
         raise ValueError(f"{total} items cannot be split evenly over {n} data ranks")
     per = total // n
     return slice(data_rank() * per, (data_rank() + 1) * per)
+
+
+def _launcher_store(timeout_s: float):
+    """A client of the store torchrun's agent serves for its workers (``TORCHELASTIC_USE_AGENT_STORE=True`` at
+    ``MASTER_ADDR:MASTER_PORT``, torch's ``rendezvous._agent_store_serves``): there before any process group, so
+    processes can tell each other things while setting up. None elsewhere (one process, ``accelerate launch``'s
+    single child, a launcher without an agent store) or when it cannot be reached."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("WORLD_SIZE", "1")) < 2:
+        return None
+    import datetime
+
+    try:
+        return torch_dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+    except (KeyError, ValueError, RuntimeError):
+        return None
+
+
+def share_refusal(main_process: bool, wait_s: float, code: int, line: str) -> None:
+    """Every process of a torchrun launch that refuses to run (a bad config found while setting up: each process
+    finds the same fault) ends together with the refusal's exit status ``code``, ``line`` said once (by the main
+    process), through the launcher's store (:func:`_launcher_store`; keys of this launch and restart); no process
+    is left running for torchrun to end with SIGTERM when it sees the first one end.
+
+    The main process waits (at most ``wait_s`` seconds) until every other process has counted itself in, says
+    ``line`` on stderr, gives the cue and ends (:func:`end_worker`); another counts itself in, waits at most
+    ``wait_s`` for the cue and ends quietly. Returns (to say the line itself) only where there is no launcher's
+    store (another process after waiting ``wait_s``: the launcher ends it meanwhile when the main one refused) or
+    for another process whose cue did not come (the fault is its own).
+    """
+    import time
+
+    env = os.environ
+    key = f"flowgrpo/refusal/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = _launcher_store(wait_s)
+    if store is None:
+        if not main_process:
+            time.sleep(wait_s)
+        return
+    try:
+        if not main_process:
+            store.add(f"{key}/others", 1)
+            store.wait([key])  # the store's timeout: wait_s
+            end_worker(code)
+        others, deadline = int(env["WORLD_SIZE"]) - 1, time.monotonic() + wait_s
+        while store.add(f"{key}/others", 0) < others and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (RuntimeError, KeyError, ValueError):  # the cue never came (DistStoreError is a RuntimeError)
+        return
+    sys.stderr.write(line)
+    sys.stderr.flush()
+    store.set(key, "refused")
+    end_worker(code)

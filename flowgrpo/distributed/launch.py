@@ -19,12 +19,17 @@ import os
 import signal
 from pathlib import Path
 
-__all__ = ["launcher_words", "restore_signals", "stop_on_signals", "stopping_signal"]
+__all__ = ["launch_environment", "launcher_words", "restore_signals", "stop_on_signals", "stopping_signal"]
 
 #: the launchers' executables whose name is shown rather than the interpreter running them
 _LAUNCHERS = ("torchrun", "accelerate")
 
 _STOPPED_BY: list[int] = []
+#: the environment variables that decide a launch (which devices, accelerate's settings such as
+#: ``ACCELERATE_USE_CPU``): a resume command repeats them (:func:`launch_environment`)
+_LAUNCH_PREFIXES = ("ACCELERATE_",)
+_LAUNCH_SUFFIXES = ("_VISIBLE_DEVICES",)
+_LAUNCH_NAMES = ("ZE_AFFINITY_MASK",)
 
 
 def _interrupt_once(signum: int, frame) -> None:
@@ -107,3 +112,30 @@ def launcher_words(script: str, *, parent: tuple[list[str], Path] | None = None,
         nodes, per_node = env.get("GROUP_WORLD_SIZE", "1"), env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))
         return ["torchrun", *(["--nnodes", nodes] if nodes != "1" else []), "--nproc_per_node", per_node, script]
     return []
+
+
+def _parent_environment(pid: int) -> dict[str, str] | None:
+    """The environment process ``pid`` was started with (Linux ``/proc``), or None where unreadable."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if b"=" in item)
+    return {k: v for k, _, v in pairs}
+
+
+def launch_environment(env: dict[str, str] | None = None, parent_env: dict[str, str] | None = None) -> list[str]:
+    """The ``NAME=value`` words that start the command resuming this run: the variables that decide a launch
+    (``ACCELERATE_*`` such as ``ACCELERATE_USE_CPU=true``, ``CUDA_VISIBLE_DEVICES`` and the other
+    ``*_VISIBLE_DEVICES``, ``ZE_AFFINITY_MASK``), sorted by name, as the user gave them. Under ``accelerate
+    launch`` they are read from the launcher's own environment (``/proc/<ppid>/environ``; default
+    ``parent_env``), since accelerate sets ``ACCELERATE_*`` variables of its own for its processes (its flags,
+    already in the launch words); none when that cannot be read. Elsewhere (``torchrun``, which adds no such
+    variable, or one process) from this process's ``env`` (default ``os.environ``)."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env and any(k.startswith("ACCELERATE_") for k in env):
+        env = _parent_environment(os.getppid()) if parent_env is None else parent_env
+        if env is None:
+            return []
+    return [f"{k}={v}" for k, v in sorted(env.items())
+            if k.startswith(_LAUNCH_PREFIXES) or k.endswith(_LAUNCH_SUFFIXES) or k in _LAUNCH_NAMES]

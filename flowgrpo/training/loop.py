@@ -38,7 +38,7 @@ from flowgrpo.rewards.remote import server_metrics
 from flowgrpo.sampling.rollout import RolloutRequest
 from flowgrpo.training import report
 from flowgrpo.training.evaluation import Evaluation
-from flowgrpo.training.optim import Optimization
+from flowgrpo.training.optim import Optimization, saved_line
 from flowgrpo.training.run_folder import RunFolder
 from flowgrpo.training.update import run_update
 from flowgrpo.watch.divergence import WeightHealth, check_weights
@@ -124,6 +124,7 @@ class Trainer:
         self.optim.save(self.out / "checkpoints", epoch, sampler=self.sampler,
                         keep=self.cfg.logging.checkpoints_total_limit, objective=self.objective,
                         health=health_record(record or {}, best))
+        logger.info("%s", saved_line(epoch, self.cfg.train.num_epochs))  # epoch_N counts from 0, the lines from 1
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:

@@ -187,3 +187,10 @@ def epoch_lr_factor(epoch: int, num_epochs: int, schedule: str, min_ratio: float
     if schedule == "cosine":
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * epoch / num_epochs))
     raise ValueError(f"train.lr_schedule={schedule!r} is not a schedule: choose constant or cosine")
+
+
+def saved_line(epoch: int, num_epochs: int) -> str:
+    """The console line of the checkpoint of 0-based epoch ``epoch`` (its folder ``epoch_<epoch>``: the names count
+    from 0 and stay so, older runs resume by them), counted from 1 as the epoch lines and the resume line
+    (:func:`resumed_line`): ``saved checkpoint epoch_1 (after epoch 2/3)``."""
+    return f"saved checkpoint epoch_{epoch} (after epoch {epoch + 1}/{num_epochs})"

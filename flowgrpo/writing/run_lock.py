@@ -238,6 +238,29 @@ def _release(folder: Path, fh, made: bool) -> None:
         fh.close()
 
 
+def lock_holder(output_dir: str | os.PathLike) -> str | None:
+    """Who holds the lock of ``output_dir`` now, without taking it: the live run's description (PID, host, start,
+    command) or None when no run holds it (no lock file, a stale one, no ``fcntl``). Reading only: a shared
+    (``LOCK_SH``) non-blocking ``flock`` that fails means a run holds the folder; on a shared file system the lock
+    file's existence with a live holder (:func:`_live`) does."""
+    path = Path(output_dir) / LOCK_FILE
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if file_system_type(path.parent.resolve()) in SHARED_FILE_SYSTEMS:
+            return _describe(text) if _live(json.loads(text) if text.startswith("{") else {}) else None
+        if fcntl is None:  # pragma: no cover - Windows
+            return None
+        with open(path, encoding="utf-8") as fh:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _describe(text)
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 @contextlib.contextmanager
 def hold_run_folder(output_dir: str | os.PathLike, command: str | None = None) -> Iterator[None]:
     """Hold the lock of ``output_dir`` for the ``with`` block (re-entrant within one process: a nested hold of

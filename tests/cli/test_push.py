@@ -119,6 +119,16 @@ def test_push_refuses_a_folder_without_weights(tmp_path, hub, capsys):
     assert "no lora/ or transformer/" in refused(capsys, [str(tmp_path), "me/x", "--endpoint", hub, "--token", "t"])
 
 
+def test_push_of_a_folder_that_does_not_exist_says_so(tmp_path, hub, capsys):
+    """Not "holds no lora/ or transformer/ folder": the folder is not there (a typo), and a file is not a folder."""
+    gone = tmp_path / "runs" / "tpyo"
+    assert refused(capsys, [str(gone), "me/x", "--endpoint", hub, "--token", "t"]).startswith(
+        f"{str(gone)!r} does not exist; give a run folder")
+    (tmp_path / "f").write_text("x")
+    assert refused(capsys, [str(tmp_path / "f"), "me/x", "--endpoint", hub, "--token", "t"]).startswith(
+        f"{str(tmp_path / 'f')!r} is a file, not a run folder")
+
+
 @pytest.mark.parametrize("repo_id", ["not a repo id!!", "me/x/y"])
 def test_push_refuses_a_bad_repo_id_in_one_line_before_the_hub_is_called(tmp_path, hub, repo_id, capsys):
     """Before: a HFValidationError traceback."""
