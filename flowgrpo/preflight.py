@@ -27,6 +27,7 @@ from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_rewa
 from flowgrpo.sampling.sde import noise_level_warning
 from flowgrpo.strategies.registry import did_you_mean
 from flowgrpo.training.run_folder import (
+    checkpoint_run_config,
     latest_run_config,
     occupied_message,
     refuse_changed_evaluation,
@@ -455,12 +456,10 @@ def refuse_other_model(config) -> None:
     differs because the model does. The same folder under another path passes, and so does a checkpoint's model
     folder that no longer exists where it was (moved: it cannot be compared). Nothing is checked without a resume
     or a saved config. Raises :class:`~flowgrpo.strategies.settings.ConfigError`."""
-    if not config.train.resume_from:
+    found = checkpoint_run_config(config)
+    if found is None:
         return
-    ckpt = resolve_checkpoint(config.train.resume_from)
-    saved = latest_run_config(ckpt.parent.parent)
-    if not saved.is_file():
-        return
+    ckpt, saved = found
     old = ((read_yaml(saved) or {}).get("model") or {}).get("pretrained")
     new = config.model.pretrained
     if old is None or str(old) == str(new):

@@ -294,6 +294,16 @@ def refuse_changed_evaluation(config) -> None:
 TRAINED_SHAPE = ("model.finetune", "model.lora_rank", "model.lora_target_modules")
 
 
+def checkpoint_run_config(config) -> tuple[Path, Path] | None:
+    """(the checkpoint folder ``train.resume_from`` names, the saved config of its run: the run folder's
+    :func:`latest_run_config`), or None without a resume or where that run saved no config."""
+    if not config.train.resume_from:
+        return None
+    ckpt = resolve_checkpoint(config.train.resume_from)
+    saved = latest_run_config(ckpt.parent.parent)
+    return (ckpt, saved) if saved.is_file() else None
+
+
 def refuse_changed_model(config) -> None:
     """A resume whose trained parameters the checkpoint cannot fill is refused before any model loads (it once
     loaded the model, then failed on the first unknown parameter, naming no fix), read from the config of the
@@ -302,12 +312,10 @@ def refuse_changed_model(config) -> None:
     where the checkpoint's run kept no EMA (its checkpoint holds no EMA weights). Raises
     :class:`~flowgrpo.strategies.settings.ConfigError` naming each key, the checkpoint's value and this run's, and the
     fix."""
-    if not config.train.resume_from:
+    found = checkpoint_run_config(config)
+    if found is None:
         return
-    ckpt = resolve_checkpoint(config.train.resume_from)
-    saved = latest_run_config(ckpt.parent.parent)
-    if not saved.is_file():
-        return
+    ckpt, saved = found
     old, changed = flat_dict(yaml.safe_load(saved.read_text()) or {}), changed_settings(saved, config)
     keys = ["model.finetune"] if "model.finetune" in changed else [k for k in TRAINED_SHAPE if k in changed]
     if keys:  # another kind of fine-tuning: its LoRA settings are beside the point

@@ -130,6 +130,7 @@ def test_resume_reads_metrics_before_the_model_loads(tmp_path, monkeypatch, no_m
     monkeypatch.setattr(preflight, "resolve_checkpoint", lambda path: Path(path) / "epoch_1")  # not what is tested
     monkeypatch.setattr(preflight, "refuse_changed_evaluation", lambda config: None)
     monkeypatch.setattr(preflight, "refuse_changed_model", lambda config: None)
+    monkeypatch.setattr(preflight, "refuse_other_model", lambda config: None)
     config = load_config(DEFAULT_CONFIG, [f"output_dir={out}", f"train.resume_from={out / 'checkpoints'}"])
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON record"):
         no_model_load(config)
