@@ -33,6 +33,7 @@ from pathlib import Path
 from flowgrpo.data.text_files import iter_jsonl, read_text, read_text_lines
 from flowgrpo.strategies.registry import Registry
 from flowgrpo.text import quoted_text
+from flowgrpo.writing.outputs import write_text_file
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def build_prompt_file(name: str, sources: list[str | Path], out: str | Path) -> 
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("".join(p + "\n" for p in prompts), encoding="utf-8")
+        write_text_file(out, "".join(p + "\n" for p in prompts))  # replaced whole: a hard link keeps the old text
     except OSError as err:  # no permission, a read-only or virtual file system (/sys, /proc)
         raise ValueError(f"--out {str(out)!r} cannot be written: {err.strerror or err} ({err.filename or out}); "
                          "choose a file in a folder you can write to") from None

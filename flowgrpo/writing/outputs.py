@@ -295,13 +295,18 @@ def append_text(path: str | os.PathLike, text: str) -> None:
 def check_file(path: str | os.PathLike, what: str, inputs: Iterable = (), overwrite: bool = False) -> None:
     """Refuse to write the output file ``path`` when it is one of the command's ``inputs`` (whatever
     ``overwrite`` says), lies inside an input folder or another output's part, is a folder, or exists and
-    ``overwrite`` (the command's ``--overwrite``) is not given. Raises :class:`OutputRefused`."""
+    ``overwrite`` (the command's ``--overwrite``) is not given, or is a symbolic link (a link's target is not the
+    command's to replace). The writer then replaces the file whole (:func:`write_text_file`): a hard link to the
+    old file keeps the old content. Raises :class:`OutputRefused`."""
     path = Path(path)
     shown = f"{what} {str(path)!r}"
     _check_inputs(path, shown, inputs)
     _check_parts(path, shown)
     if path.is_dir():
         raise OutputRefused(f"{shown} is a folder; give the file to write")
+    if path.is_symlink():  # --overwrite replaces a file, never what a link points at (another file, elsewhere)
+        raise OutputRefused(f"{shown} is a symbolic link (to {os.readlink(path)!r}): flowgrpo never writes through "
+                            "a link: nothing was written; remove the link or choose another path")
     if path.exists() and not overwrite:
         raise OutputRefused(f"{shown} exists and flowgrpo does not replace a file unasked: nothing was written; "
                             "choose another path, or give --overwrite to replace it")

@@ -13,6 +13,7 @@ Before: ``flowgrpo prompts hpd hpd_test.json --out hpd_test.json`` replaced the 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -222,3 +223,24 @@ def test_model_builders_refuse_a_users_folder_whatever_the_overwrite_option(tmp_
                              "and was not made by flowgrpo (it holds 'model_index.json'): nothing was written; choose "
                              "another folder, or empty this one")
     assert _contents(mine) == {"model_index.json": b"my model"}
+
+
+def test_prompts_overwrite_never_writes_through_a_hard_link_or_a_symbolic_link(tmp_path):
+    """``flowgrpo prompts … --out F --overwrite`` wrote F in place, so a hard-linked backup of F took the new prompts,
+    and through a symbolic link F it replaced the link's target elsewhere (fresh-user trial 2): the file is now
+    replaced whole (a hard link keeps the old text) and a link is refused, nothing written."""
+    from flowgrpo.cli import main
+
+    src = tmp_path / "src.txt"
+    src.write_text('a sign that says "cat"\n')
+    out, backup = tmp_path / "p.txt", tmp_path / "p-backup.txt"
+    out.write_text("keepme\n")
+    os.link(out, backup)
+    main(["prompts", "ocr", str(src), "--out", str(out), "--overwrite"])
+    assert backup.read_text() == "keepme\n" and out.read_text() != "keepme\n"
+    precious, link = tmp_path / "precious.txt", tmp_path / "plink.txt"
+    precious.write_text("precious\n")
+    link.symlink_to(precious)
+    with pytest.raises(SystemExit) as stop:
+        main(["prompts", "ocr", str(src), "--out", str(link), "--overwrite"])
+    assert stop.value.code == 2 and precious.read_text() == "precious\n" and link.is_symlink()

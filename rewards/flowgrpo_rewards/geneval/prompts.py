@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from flowgrpo.text import fold_text
-from flowgrpo.writing.outputs import OutputRefused, check_file
+from flowgrpo.writing.outputs import OutputRefused, check_file, write_text_file
 from flowgrpo_rewards.geneval.rules import COLORS, RELATIONS, TASKS, evaluation_metadata, object_names
 
 logger = logging.getLogger(__name__)
@@ -311,9 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     specs = generate_training_prompts(args.per_task, args.seed, args.tasks, args.max_count, args.allow_fewer)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        for spec in specs:
-            f.write(json.dumps(spec) + "\n")
+    write_text_file(args.out, "".join(json.dumps(spec) + "\n" for spec in specs))  # a hard link keeps the old
     logger.info("wrote %d prompts to %s", len(specs), args.out)
 
 
