@@ -184,7 +184,8 @@ def test_a_refusal_under_torchrun_is_one_line_and_every_rank_exits_with_its_stat
            "flowgrpo/train.py", "configs/tiny_jpeg.yaml", f"output_dir={tmp_path / 'x'}", "algo.clip_rnage=1"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
-    line = "error: unknown config key 'algo.clip_rnage'; did you mean 'algo.clip_range'?"
+    line = ("error: unknown config key 'algo.clip_rnage': the algo section's keys moved (docs"
+            "/configs.md: where each setting lives); did you mean 'objective.clip_range'?")
     assert proc.returncode != 0 and out.count(line) == 1 and out.count("error: ") == 1, out[-3000:]
     assert not re.search(r'File ".*/flowgrpo/', out) and "KeyboardInterrupt" not in out, out[-3000:]
     codes = re.findall(r"exitcode\s+:\s*(-?\d+)", out)  # the summary's rows, "exitcode  : 2"

@@ -58,7 +58,7 @@ def run_a(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.wait(timeout=30)
+        proc.wait(timeout=600)
 
 
 @pytest.mark.parametrize("checkpoint", [True, False], ids=["with_checkpoint", "before_first_checkpoint"])
@@ -90,7 +90,7 @@ def test_a_killed_run_leaves_no_stale_lock(run_a):
     with pytest.raises(RunFolderBusy, match=f"PID {proc.pid}"), hold_run_folder(folder):
         pass
     os.kill(proc.pid, signal.SIGKILL)  # a crash: no clean-up code runs
-    proc.wait(timeout=30)
+    proc.wait(timeout=600)
     with hold_run_folder(folder, command="run B"):  # free at once
         with hold_run_folder(folder):  # re-entrant within the holding process
             pass

@@ -78,12 +78,31 @@ def _strategy_keys() -> list[str]:
     return sorted({f"objective.{k}" for n in OBJECTIVES for k in objective_config_class(n).model_fields})
 
 
+def _moved_section(key: str) -> bool:
+    """Whether ``key`` is a section of earlier versions whose keys all moved (``algo``: :data:`MOVES`)."""
+    return "." not in key and any(old.startswith(key + ".") for old in MOVES)
+
+
+def _moved_section_keys(section: str, given: dict) -> list[str]:
+    """One line per key left in a moved section (a key the moves do not know, a typo of one: ``algo.clip_rnage``),
+    naming the closest moved key's new home."""
+    lines = []
+    for leaf in given:
+        close = difflib.get_close_matches(f"{section}.{leaf}", list(MOVES), n=1, cutoff=0.6)
+        hint = f"; did you mean {MOVES[close[0]]!r}?" if close else ""
+        lines.append(f"unknown config key '{section}.{leaf}': the {section} section's keys moved (docs/configs.md: "
+                     f"where each setting lives){hint}")
+    return lines
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
     valid = _valid_keys(Config) + _strategy_keys()
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":  # locations of list items carry their index: rewards.0.wieght
+        if e["type"] == "extra_forbidden" and _moved_section(loc) and isinstance(e.get("input"), dict):
+            lines.extend(_moved_section_keys(loc, e["input"]))
+        elif e["type"] == "extra_forbidden":  # locations of list items carry their index: rewards.0.wieght
             leaf = str(e["loc"][-1])
             parent = ".".join(str(p) for p in e["loc"][:-1] if not isinstance(p, int))
             close = _suggest(parent, leaf, valid)

@@ -173,7 +173,7 @@ def test_a_config_error_under_accelerate_launch_is_our_one_line(tmp_path):
                                                          os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "-q", "--config_file",
                           str(REPO / "configs" / "accelerate" / "default.yaml"), "flowgrpo/train.py", str(bad)],
-                         capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+                         capture_output=True, text=True, timeout=1800, cwd=REPO, env=env)
     assert out.returncode != 0
     assert out.stderr.strip() == ("error: config field 'train.num_epochs': Input should be greater than or equal to 1 "
                                   "(got -1)"), out.stderr[-2000:]

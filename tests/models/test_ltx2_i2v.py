@@ -145,7 +145,7 @@ def test_decode_puts_the_rows_conditioning_frame_back(tmp_path_factory, tmp_path
         adapter.decode(x)
     meta = [{"images": [str(p)]} for p in paths]
     request = RolloutRequest(prompts=[CASE.prompts[0]] * 2, metadata=meta, prompt_ids=torch.tensor([0, 1]),
-                             sample_index=torch.tensor([0, 0]), settings=SamplingConfig(1, guidance_scale=1.0),
+                             sample_index=torch.tensor([0, 0]), settings=SamplingConfig(num_steps=1, guidance_scale=1.0),  # noqa: E501
                              batch_size=2, seed=0, epoch=0)
     for rows in (embeds, None):
         got = decode_and_report(adapter, x, request.prompts, meta, request, rows)
@@ -195,7 +195,7 @@ def test_one_epoch_of_the_path_and_preference_objectives(family, tmp_path_factor
         f"model.pretrained={folder}", f"model.max_sequence_length={CASE.max_sequence_length}",
         f"model.height={CASE.size}", f"model.width={CASE.size}", f"model.num_frames={CASE.num_frames}",
         "model.lora_rank=4", "model.lora_alpha=8", f"sampling.num_steps={CASE.num_steps}",
-        f"sampling.guidance_scale={CASE.guidance_scale}", objective, "objective.kl_beta=0.0", "train.num_epochs=1",
+        f"sampling.guidance_scale={CASE.guidance_scale}", objective, "train.num_epochs=1",
         "train.group_size=2", "train.prompts_per_epoch=2", "train.rollout_batch_size=2", "train.lr=1e-3",
         f"data.train_prompts={_prompt_file(tmp_path)}", f"output_dir={out}", "logging.progress=false",
         "data.eval_num_prompts=2", f"eval_sampling.num_steps={CASE.num_steps}",

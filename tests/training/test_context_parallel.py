@@ -124,7 +124,7 @@ def test_four_processes_make_two_data_ranks_of_two(tmp_path):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", _free_port(),
            "tests/training/data_ranks.py", str(tmp_path)]
-    _ok(subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300))
+    _ok(subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1800))
     got = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(4)]
     for r, g in enumerate(got):
         d = r // 2

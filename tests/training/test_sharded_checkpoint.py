@@ -50,7 +50,7 @@ def runs(tmp_path_factory) -> Path:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
          str(WORKER), str(root), "resume", "one", "two", "resume", "two", "three"],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     _in_process(root, "resume", "two", "four", "resume", "one", "five", "fsdp2", "resume", "two", "six")
     return root
