@@ -57,7 +57,7 @@ def _good_run(tmp_path, tiny_flux_dir, capsys, extra=()) -> tuple[list[str], obj
     return args, out / "checkpoints"
 
 
-@pytest.mark.parametrize("objective", [[], ["objective.name=nft", "advantage.name=grpo"]],
+@pytest.mark.parametrize("objective", [[], ["objective=nft", "advantage.name=grpo"]],
                          ids=["sde_ratio", "nft"])
 def test_a_diverged_update_that_no_later_step_measures_is_never_checkpointed(tmp_path, tiny_flux_dir, capsys,
                                                                               objective):
