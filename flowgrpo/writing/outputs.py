@@ -240,9 +240,22 @@ def normal_mode(path: str | os.PathLike) -> None:
     umask): a file written through a temporary file (``tempfile.mkstemp``, ``safetensors``' ``save_file``) is made
     ``0o600``, readable by its owner only, unlike every other file of the output. Call on the written file (before
     or after its rename into place)."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the kernel says it (Linux >= 4.7: ``Umask:`` in
+    /proc/self/status), so no file another thread creates meanwhile gets the wrong mode; else set and restored."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    return mask
 
 
 def save_tensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
