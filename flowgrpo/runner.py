@@ -29,6 +29,7 @@ from flowgrpo.distributed.launch import (
     restore_signals,
     stop_on_signals,
     stopping_signal,
+    wait_for_launcher,
 )
 from flowgrpo.models import fetch_first, load_model_from_config
 from flowgrpo.models.lora import setup_trainable
@@ -343,6 +344,8 @@ def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process:
         first = str(err).splitlines()[0] if str(err) else "OutOfMemoryError"
         parser.exit(1, f"error: out of device memory{where}: {first}; {OOM_HINT}\n")
     except KeyboardInterrupt:
+        if main_process and parallel.launched_by_accelerate():
+            wait_for_launcher()  # its copy of our output drops what it read at its own Ctrl-C (launch's docstring)
         parser.exit(128 + stopping_signal(), _interrupted_line(args, prog) if main_process else "")
     return summary
 

@@ -18,6 +18,7 @@ from flowgrpo.distributed.launch import (
     restore_signals,
     stop_on_signals,
     stopping_signal,
+    wait_for_launcher,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,3 +117,26 @@ def test_the_first_stop_signal_interrupts_and_the_next_is_ignored():
     finally:
         restore_signals(replaced)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_ctrl_c_under_accelerate_waits_for_the_launchers_sigterm_before_its_line():
+    """accelerate's launcher drops the chunk of its child's output it has read when its own Ctrl-C is raised (on a
+    loaded machine: the resume line, CI of stop 59); it sends its SIGTERM after it started copying again, so a run
+    stopped by SIGINT says its line once that SIGTERM came. A stop by SIGTERM, or a SIGTERM already come, waits for
+    nothing; with none coming the wait ends at its bound."""
+    import threading
+
+    replaced = stop_on_signals()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert not wait_for_launcher(0.05)  # no SIGTERM: the bound
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()  # the launcher, a moment later
+        assert wait_for_launcher(600.0)  # returns when it comes (never a deadline: the bound is generous)
+        assert stopping_signal() == signal.SIGINT  # the first signal still names the stop (exit status 130)
+        stop_on_signals()  # a new command
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM first: nothing to wait for
+        assert wait_for_launcher(600.0)
+    finally:
+        restore_signals(replaced)

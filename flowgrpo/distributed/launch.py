@@ -11,6 +11,12 @@ sending its child SIGTERM, then SIGKILL after 5 s; torchrun's agent likewise sen
 default SIGTERM ends the process at once, so a run under a launcher died before saying where it stopped:
 :func:`stop_on_signals` makes the first SIGINT or SIGTERM a ``KeyboardInterrupt`` and ignores the ones after it, so
 the run prints its "interrupted …; resume: …" line within the launcher's grace period.
+
+accelerate's launcher also copies its child's error output through a pipe, and a chunk its main thread has read
+when its own ``KeyboardInterrupt`` is raised is dropped: on a loaded machine, where the launcher runs after its child
+has handled the same Ctrl-C, that chunk was the resume line. Under accelerate a run stopped by SIGINT therefore says
+the line once the launcher's SIGTERM has come (:func:`wait_for_launcher`): the launcher sends it after it started
+the thread that copies what follows.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ import os
 import signal
 from pathlib import Path
 
-__all__ = ["launch_environment", "launcher_words", "restore_signals", "stop_on_signals", "stopping_signal"]
+__all__ = ["launch_environment", "launcher_words", "restore_signals", "stop_on_signals", "stopping_signal",
+           "wait_for_launcher"]
 
 #: the launchers' executables whose name is shown rather than the interpreter running them
 _LAUNCHERS = ("torchrun", "accelerate")
+#: the longest a stopped run waits for accelerate's SIGTERM before its line (:func:`wait_for_launcher`); accelerate
+#: kills the child 5 s after that SIGTERM, so the wait takes nothing from that grace period
+LAUNCHER_WAIT_S = 4.0
 
-_STOPPED_BY: list[int] = []
+_STOPPED_BY: list[int] = []  # the stop signals received since stop_on_signals, in order (the first one stopped)
 #: the environment variables that decide a launch (which devices, accelerate's settings such as
 #: ``ACCELERATE_USE_CPU``): a resume command repeats them (:func:`launch_environment`)
 _LAUNCH_PREFIXES = ("ACCELERATE_",)
@@ -35,10 +45,9 @@ _LAUNCH_NAMES = ("ZE_AFFINITY_MASK",)
 def _interrupt_once(signum: int, frame) -> None:
     """The first stop signal raises ``KeyboardInterrupt``; the launcher's SIGTERM that follows a Ctrl-C (or a
     second Ctrl-C) is ignored, so it cannot cut the interrupted line short."""
-    if _STOPPED_BY:
-        return
     _STOPPED_BY.append(signum)
-    raise KeyboardInterrupt
+    if len(_STOPPED_BY) == 1:
+        raise KeyboardInterrupt
 
 
 def stop_on_signals() -> dict:
@@ -62,6 +71,20 @@ def restore_signals(replaced: dict) -> None:
     """Put back the handlers :func:`stop_on_signals` replaced (a command run inside another program)."""
     for sig, handler in replaced.items():
         signal.signal(sig, handler)
+
+
+def wait_for_launcher(seconds: float = LAUNCHER_WAIT_S) -> bool:
+    """After a run stopped by SIGINT, wait until a SIGTERM has come too (accelerate's launcher answers Ctrl-C with
+    one, after it started copying its child's output again: the module docstring), at most ``seconds``; returns
+    whether it came. At once where the stop was not SIGINT or a SIGTERM already came."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while signal.SIGTERM not in _STOPPED_BY and stopping_signal() == signal.SIGINT:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def stopping_signal() -> int:
