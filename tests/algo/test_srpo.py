@@ -266,3 +266,38 @@ def test_a_train_timestep_outside_the_grid_is_refused():
     with pytest.raises(ConfigError, match=r"objective.train_timestep=\[5, 60\] must be 0 <= a < b <= "
                                           r"objective.grid_steps=50"):
         build_config({"objective": {"name": "srpo", "train_timestep": [5, 60]}, "rewards": TEXT})
+
+
+# ------------------------------------------------------------------------------------------------ the configs
+#: configs/flux_srpo.yaml's release values, written from scripts/finetune/SRPO_training_hpsv2.sh ("sh") and
+#: fastvideo/SRPO.py ("py") at 81e5898, not from our config
+FLUX_RELEASE = {
+    "model.pretrained": "black-forest-labs/FLUX.1-dev", "model.height": 720, "model.width": 720,   # sh 18, 36, 37
+    "model.finetune": "full", "model.dtype": "bfloat16",                      # py 772-780; sh 30
+    "sampling.num_steps": 25, "sampling.guidance_scale": 1.0,                 # sh 39, 34
+    "eval_sampling.num_steps": 50, "eval_sampling.guidance_scale": 3.5,       # py 1184-1188, 1171-1176
+    "objective.name": "srpo", "objective.solver": "euler",                    # py 272-285
+    "objective.train_guidance_scale": 3.5,                                    # py 569-573
+    "objective.branches": "both", "objective.relative": True, "objective.noise": "initial",   # py 529-531, 521
+    "objective.timestep_length": 1000, "objective.grid_steps": 50, "objective.train_shift": 3.0,  # sh 50; py 524; sh 46
+    "objective.train_timestep": (5, 25), "objective.groundtruth_ratio": 0.9,  # py 1150-1154, sh 51
+    "objective.discount_pos": (0.1, 0.25), "objective.discount_inv": (0.3, 0.01),   # sh 49, 48
+    "objective.positive_phrases": POS, "objective.negative_phrases": NEG, "objective.margin": 0.7,   # py 65-89, 623
+    "train.num_epochs": 19, "train.train_batch_size": 1, "train.lr": 5e-6, "train.warmup_steps": 0,   # py 861-866; sh
+    "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,   # sh 45; py 777, 779
+    "train.max_grad_norm": 0.1, "train.seed": 42,                             # sh 44, 17
+}
+
+
+def test_flux_srpo_reproduces_the_release():
+    from pathlib import Path
+
+    from flowgrpo.config import load_config
+    from tests.config.test_release_configs import _get
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "flux_srpo.yaml")
+    wrong = {k: (_get(cfg, k), v) for k, v in FLUX_RELEASE.items()
+             if (tuple(_get(cfg, k)) if isinstance(v, tuple) else _get(cfg, k)) != v}
+    assert not wrong, f"(ours, release) {wrong}"
+    assert [(r.name, r.weight, r.kwargs.get("version")) for r in cfg.rewards] == [("hpsv2", 1.0, "v2.1")]
+    assert cfg.batch_size == 32  # 32 samples an optimizer step: the release's 32 GPUs x one image
