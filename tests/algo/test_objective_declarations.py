@@ -16,7 +16,7 @@ from flowgrpo.training.loop import Trainer
 
 #: written here from each objective's loss, not read from the code: whose update the advantages drive
 ON_ADVANTAGES = {"sde_ratio", "nft", "awm", "dgpo", "dpo"}  # dpo: pairs chosen by the advantages
-NOT_ON_ADVANTAGES = {"sft", "dpo_offline", "refl", "opd"}  # a dataset, the reward's gradient, a teacher
+NOT_ON_ADVANTAGES = {"sft", "dpo_offline", "refl", "srpo", "opd"}  # a dataset, the reward's gradient, a teacher
 
 
 def test_every_builtin_objective_declares_whether_it_trains_on_advantages():
