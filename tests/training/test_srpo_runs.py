@@ -90,3 +90,19 @@ def test_a_two_process_epoch_equals_one_process(two_runs):
     assert_two_processes_equal_one(two_runs / "one", two_runs / "two",
                                    rollout_keys=("reward_total", "group_ids", "initial_latents"), rows=16,
                                    figures=("objective/loss", "objective/reward"))
+
+
+@pytest.mark.parametrize("case", ["initial", "fresh", "host_latents"])
+def test_an_epoch_keeps_each_tensor_on_one_device(tmp_path, tiny_flux_dir, monkeypatch, case):
+    """The real trainer's epoch with the model on the fake accelerator of tests/training/fake_device.py (an operation
+    mixing accelerator and host tensors fails as on CUDA): the rollout's initial noise as the prior, a fresh prior
+    drawn on the host, and the rollout's latents kept on the host (``train.latents_on_cpu``); the checkpointed call
+    is checked again when the backward recomputes it."""
+    from flowgrpo.config import build_config
+    from tests.training.test_devices import _run_on_fake_accelerator
+
+    objective = {"name": "srpo", **({"noise": "fresh"} if case == "fresh" else {})}
+    cfg = build_config(_sections(tmp_path, tiny_flux_dir, objective,
+                                 train={"train_batch_size": 1, "latents_on_cpu": case == "host_latents"}))
+    mode = _run_on_fake_accelerator(monkeypatch, cfg)
+    assert mode.syncs and mode.update_reads  # the mode was active through the update

@@ -51,6 +51,7 @@ near the base (no KL), as the release.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -58,8 +59,8 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from pydantic import Field, model_validator
-from torch.utils.checkpoint import checkpoint
 
 from flowgrpo.algo.objectives.base import OBJECTIVES
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, as_row_sigma, noised
@@ -159,7 +160,7 @@ def direct_align(velocity, x0: torch.Tensor, noise: torch.Tensor, sigma_in: floa
     def step(z: torch.Tensor) -> torch.Tensor:
         return z + (sigma_out - sigma_in) * velocity(z, sigma_in).float()
 
-    x_out = checkpoint(step, x_in, use_reentrant=False) if checkpointing else step(x_in)
+    x_out = torch.utils.checkpoint.checkpoint(step, x_in, use_reentrant=False) if checkpointing else step(x_in)
     return (x_out - sigma_out * eps) / (1 - sigma_out)
 
 
@@ -331,8 +332,6 @@ class SRPO(ForwardObjective):
 
     def plan(self, samples: FinalSamples, adv: Advantages, keep: torch.Tensor, epoch: int) -> ForwardWork:
         """The forward family's plan, every sample the group filter keeps trained whatever its advantage."""
-        import dataclasses
-
         return super().plan(samples, dataclasses.replace(adv, train_mask=torch.ones_like(adv.train_mask)), keep,
                             epoch)
 
@@ -377,8 +376,8 @@ class SRPO(ForwardObjective):
             return self.velocity(adapter, z, torch.full((n,), sigma, device=dev), embeds)
 
         x_hat = direct_align(velocity, x0, eps, float(draw.sigma[0]), draw.sigma_out, checkpointing=st.checkpointing)
-        images = (checkpoint(decode_with_grad, adapter, x_hat, embeds, use_reentrant=False) if st.checkpointing
-                  else decode_with_grad(adapter, x_hat, embeds))
+        images = (torch.utils.checkpoint.checkpoint(decode_with_grad, adapter, x_hat, embeds, use_reentrant=False)
+                  if st.checkpointing else decode_with_grad(adapter, x_hat, embeds))
         rows = draw.rows.tolist()
         prompts, meta = [s.prompts[r] for r in rows], [s.metadata[r] for r in rows]
         stats = {}
