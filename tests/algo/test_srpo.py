@@ -286,6 +286,7 @@ FLUX_RELEASE = {
     "train.num_epochs": 19, "train.train_batch_size": 1, "train.lr": 5e-6, "train.warmup_steps": 0,   # py 861-866; sh
     "train.weight_decay": 1e-4, "train.adam_betas": (0.9, 0.999), "train.adam_eps": 1e-8,   # sh 45; py 777, 779
     "train.max_grad_norm": 0.1, "train.seed": 42,                             # sh 44, 17
+    "parallel.sharding": "fsdp2",                                             # py 737-745: FSDP, full shard
 }
 
 
