@@ -301,4 +301,4 @@ def test_flux_srpo_reproduces_the_release():
              if (tuple(_get(cfg, k)) if isinstance(v, tuple) else _get(cfg, k)) != v}
     assert not wrong, f"(ours, release) {wrong}"
     assert [(r.name, r.weight, r.kwargs.get("version")) for r in cfg.rewards] == [("hpsv2", 1.0, "v2.1")]
-    assert cfg.batch_size == 32  # 32 samples an optimizer step: the release's 32 GPUs x one image
+    assert cfg.batch_size == 32  # 32 samples an optimizer step: 32 of the release's GPUs x one image

@@ -10,8 +10,8 @@ release's ``run_sample_step``, SRPO.py:360–397, whose ``flux_step`` ignores ``
 Its final latent is the clean image x₀ and its initial noise is the noise prior ε (SRPO.py:521 ``noise =
 input_latents_new``, the latent the rollout started from); ``objective.noise: fresh`` draws a new ε instead.
 
-**Direct-Align** (the paper's §3: x_t = α_t·x₀ + σ_t·ε_gt, so x₀ = (x_t − σ_t·ε_gt)/α_t; rectified flow α = 1 − σ).
-The training σ's lie on ``sigmas_l``, N = ``timestep_length`` (1000) values linearly spaced between the
+**Direct-Align** (the paper's noise prior: x_t = α_t·x₀ + σ_t·ε_gt, so x₀ = (x_t − σ_t·ε_gt)/α_t; rectified flow
+α = 1 − σ). The training σ's lie on ``sigmas_l``, N = ``timestep_length`` (1000) values linearly spaced between the
 ``train_timestep`` entries (5, 25) of a ``grid_steps``-step (50) grid shifted by ``train_shift`` (3):
 σ(u) = s·u/(1 + (s − 1)·u) of u = linspace(1, 0, G + 1) (SRPO.py:248–249, 524–525, 534). Per micro-batch a
 ``mid`` is drawn uniformly from [5, N − 5] (SRPO.py:864) and a gap k = int((1 − ``groundtruth_ratio``)·N) + 1
@@ -28,7 +28,7 @@ removed (SRPO.py:544–608)::
   σ_out = sigmas_l[N − min(m' + k, N)] (a step *up* in noise with the model's velocity);
   d = linspace(``discount_inv``)[m'] (0.3 → 0.01).
 
-**Semantic Relative Preference** (the paper's §4; SRPO.py:119–156, 222–236, the "CFG-like" form the release uses:
+**Semantic Relative Preference** (SRPO.py:119–156, 222–236, the "CFG-like" form the release uses:
 "(1−k)·neg + k·pos is less stable, we change it to (1+k)·pos − neg"). With the control phrases of optimizer step
 j (1-based, SRPO.py:859): c⁺ = ``positive_phrases``[j mod 4] and c⁻ = ``negative_phrases``[j mod 5], each prefixed
 to the prompt c as ``"<phrase>. <c>"`` (SRPO.py:65–89, 514–517), and R the composed differentiable reward
