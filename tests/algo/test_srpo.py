@@ -209,6 +209,20 @@ def test_a_fresh_noise_prior_is_seeded_by_the_sample_and_used_on_both_sides_of_t
     _close(optim.grads, grads)
 
 
+def test_an_update_with_no_row_inside_the_hinge_is_warned_once(caplog):
+    """Margin −100 under the linear text reward: every relu term is 0 and the gradient 0; one warning line."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.algo.objectives.srpo"):
+        optim, _, _, metrics = _run({"margin": -100.0})
+    assert metrics["objective/active"] == 0.0 and all(g == 0 for grads in optim.grads for g in grads)
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "flowgrpo.algo.objectives.srpo"]
+    assert msg.startswith("objective srpo: no row was inside the hinge in this update") and "\n" not in msg
+    with caplog.at_level(logging.WARNING, logger="flowgrpo.algo.objectives.srpo"):
+        _run({})  # rows inside the hinge: no warning
+    assert len([r for r in caplog.records if r.name == "flowgrpo.algo.objectives.srpo"]) == 1
+
+
 # ------------------------------------------------------------------------------------------------ the pieces
 def test_training_sigmas_and_branches_by_hand():
     st = build_config({"objective": "srpo", "rewards": TEXT}).objective

@@ -72,6 +72,7 @@ from flowgrpo.algo.objectives.forward import (
     RowDraw,
 )
 from flowgrpo.algo.objectives.paths import decode_with_grad
+from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages, FinalSamples
 from flowgrpo.rewards.base import differentiable_scores, is_differentiable
 from flowgrpo.rng import make_generator
@@ -310,6 +311,7 @@ class SRPO(ForwardObjective):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.rewards = None
+        self._warned_inactive = False
 
     def attach(self, adapter, rewards) -> None:
         """Keep the optimised rewards (a set-up :class:`~flowgrpo.rewards.compose.ComposedReward`); each of
@@ -391,6 +393,20 @@ class SRPO(ForwardObjective):
         stats.update(reward=reward.detach(), active=(st.reward_scale * reward.detach() < st.margin).float(),
                      sigma_in=as_row_sigma(draw.sigma[0], n, 1, dev))
         return ObjectiveTerms(loss=srpo_loss(reward, st.margin, st.reward_scale), stats=stats)
+
+    def update_metrics(self, adapter, work: ForwardWork, stats) -> dict[str, float]:
+        """The forward family's metrics (``objective/active``: the share of trained rows, on all processes, inside
+        the hinge); the first update in which no row is (every relu term 0, no gradient: a reward on another scale
+        than the release's, e.g. PickScore without its divisor 20) is warned about in one line on rank 0, once."""
+        out = super().update_metrics(adapter, work, stats)
+        if out.get("objective/active", 1.0) == 0 and not self._warned_inactive:
+            self._warned_inactive = True
+            if dist.rank() == 0:
+                logger.warning("objective srpo: no row was inside the hinge in this update (every s*r >= "
+                               "objective.margin=%g; mean r %.4g): relu(m - s*r) is 0, nothing trained; the release's "
+                               "0.7 is for HPS's cosine and PickScore / 20: set objective.reward_scale or the margin",
+                               self.o.margin, out.get("objective/reward", float("nan")))
+        return out
 
     def reward_total(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """``R = Σ_i w_i·r_i`` over the rewards of non-zero weight, each's differentiable score (a NaN score
