@@ -183,7 +183,8 @@ def test_fields_an_objective_never_reads_are_refused_when_moved_all_at_once(name
 
 @pytest.mark.parametrize("name", sorted(NOT_ON_ADVANTAGES))
 def test_min_learning_frac_is_refused_where_no_advantage_trains(name):
-    text = _error({"objective": name, "advantage": {"min_learning_frac": 0.3}})
+    rewards = {"rewards": [{"name": "hpsv2"}]} if name == "srpo" else {}  # srpo's reward reads the prompt
+    text = _error({"objective": name, "advantage": {"min_learning_frac": 0.3}, **rewards})
     assert text.startswith(f"advantage.min_learning_frac=0.3 is read only by objectives that train on the group "
                            f"advantages, but objective {name!r} does not"), text
     build_config({**RUN, "objective": "dpo", "advantage": {"min_learning_frac": 0.3}})
