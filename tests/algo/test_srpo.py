@@ -316,3 +316,21 @@ def test_flux_srpo_reproduces_the_release():
     assert not wrong, f"(ours, release) {wrong}"
     assert [(r.name, r.weight, r.kwargs.get("version")) for r in cfg.rewards] == [("hpsv2", 1.0, "v2.1")]
     assert cfg.batch_size == 32  # 32 samples an optimizer step: 32 of the release's GPUs x one image
+
+
+def test_a_reward_that_does_not_read_the_prompt_is_refused_through_the_command(tmp_path, capsys):
+    """``flowgrpo train configs/digits_srpo.yaml objective.relative=true objective.branches=both``: the digits reward
+    reads the digit from the metadata, not the prompt: one line naming it, exit 2, nothing written."""
+    from pathlib import Path
+
+    from flowgrpo.cli import main as cli_main
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "digits_srpo.yaml"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["train", str(config), "objective.relative=true", "objective.branches=both",
+                  f"output_dir={tmp_path / 'run'}", "logging.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1, err
+    assert "reward 'digit_correctness' does not read the prompt" in err[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
