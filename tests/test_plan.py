@@ -533,7 +533,7 @@ def test_wan22_a14b_recipe_latents_per_rank_and_node():
 
 #: a shipped config of each registered objective (full fine-tuning), for the test below
 OBJECTIVE_CONFIGS = ("digits", "digits_awm", "digits_dgpo", "digits_dpo", "digits_dpo_offline", "digits_nft",
-                     "digits_opd", "digits_refl", "digits_sft")
+                     "digits_opd", "digits_refl", "digits_sft", "digits_srpo")
 
 
 @pytest.mark.parametrize("name", OBJECTIVE_CONFIGS)

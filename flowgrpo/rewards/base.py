@@ -49,6 +49,9 @@ back to ``images`` (no ``torch.no_grad``, no host copy, no 8-bit rounding). Its 
 ReFL / DRaFT objective (:mod:`flowgrpo.algo.objectives.reward_backprop`) backpropagates through it;
 :func:`is_differentiable` and :func:`differentiable_scores` are the checks and the call.
 
+A reward whose score reads the prompt text declares it: ``text_conditioned = True`` (class attribute); SRPO's relative
+reward (:mod:`flowgrpo.algo.objectives.srpo`) puts control phrases in the prompt, which change only such a score.
+
 A reward may declare the **range of its score**, ``typical_range = (lo, hi)`` (class or instance attribute, floats,
 lo < hi, in the score's own units): its bounds where it has them (a probability: (0, 1)), else where the scores of
 ordinary images lie (PickScore ≈ 18–24), with the source in the reward's docstring. ReFL's hinge relu(m − R) reads

@@ -114,6 +114,8 @@ class ClipScoreReward(BaseReward):
     name = "clip_score"
     #: differentiable in the images with the torch resize (:meth:`score_differentiable`); not with the 8-bit PIL one
     differentiable = True
+    #: the score reads the prompt (the image scored against its text: a control phrase in the prompt changes it)
+    text_conditioned = True
     #: the variant's typical range (module docstring's table), set per instance; None with ``architecture`` (a
     #: stand-in model). Read by ReFL's margin check
     typical_range = None

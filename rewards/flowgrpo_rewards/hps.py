@@ -78,6 +78,8 @@ class HPSv2Reward(BaseReward):
     name = "hpsv2"
     #: the score is differentiable in the images (:meth:`score_differentiable`)
     differentiable = True
+    #: the score reads the prompt (the image scored against its text: a control phrase in the prompt changes it)
+    text_conditioned = True
     #: where the released checkpoints' cosines of ordinary images lie (about 0.2 - 0.35, docs/rewards.md); None
     #: with ``architecture`` (a stand-in model). Read by ReFL's margin check
     typical_range = (0.2, 0.35)

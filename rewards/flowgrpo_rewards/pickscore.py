@@ -63,6 +63,8 @@ class PickScoreReward(BaseReward):
     name = "pickscore"
     #: differentiable in the images with the torch resize (:meth:`score_differentiable`); not with the 8-bit PIL one
     differentiable = True
+    #: the score reads the prompt (the image scored against its text: a control phrase in the prompt changes it)
+    text_conditioned = True
     #: where the released model's scores of ordinary images lie (module docstring: about 18 - 24), divided by
     #: ``divisor``; None with ``architecture`` (a stand-in model of another scale). Read by ReFL's margin check
     typical_range = (18.0, 24.0)

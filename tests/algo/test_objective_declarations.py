@@ -16,7 +16,7 @@ from flowgrpo.training.loop import Trainer
 
 #: written here from each objective's loss, not read from the code: whose update the advantages drive
 ON_ADVANTAGES = {"sde_ratio", "nft", "awm", "dgpo", "dpo"}  # dpo: pairs chosen by the advantages
-NOT_ON_ADVANTAGES = {"sft", "dpo_offline", "refl", "opd"}  # a dataset, the reward's gradient, a teacher
+NOT_ON_ADVANTAGES = {"sft", "dpo_offline", "refl", "srpo", "opd"}  # a dataset, the reward's gradient, a teacher
 
 
 def test_every_builtin_objective_declares_whether_it_trains_on_advantages():
@@ -183,7 +183,8 @@ def test_fields_an_objective_never_reads_are_refused_when_moved_all_at_once(name
 
 @pytest.mark.parametrize("name", sorted(NOT_ON_ADVANTAGES))
 def test_min_learning_frac_is_refused_where_no_advantage_trains(name):
-    text = _error({"objective": name, "advantage": {"min_learning_frac": 0.3}})
+    rewards = {"rewards": [{"name": "hpsv2"}]} if name == "srpo" else {}  # srpo's reward reads the prompt
+    text = _error({"objective": name, "advantage": {"min_learning_frac": 0.3}, **rewards})
     assert text.startswith(f"advantage.min_learning_frac=0.3 is read only by objectives that train on the group "
                            f"advantages, but objective {name!r} does not"), text
     build_config({**RUN, "objective": "dpo", "advantage": {"min_learning_frac": 0.3}})

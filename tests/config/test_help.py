@@ -130,7 +130,7 @@ def test_help_shows_strategy_settings_the_chosen_strategy_does_not_read_as_not_r
     for key in ("solver", "solver_noise_level", "grid", "adv_clip_max", "decay_cap", "pairs"):
         assert value(sft, f"objective.{key}") == "not read by objective 'sft'", key
     assert value(sft, "objective.num_train_timesteps") == "1" and value(sft, "objective.kl_beta") == "0.0"
-    assert "[awm, dgpo, dpo, nft] " in sft["objective.solver"]  # who reads it: not sft, which has it unread
+    assert "[awm, dgpo, dpo, nft, srpo] " in sft["objective.solver"]  # who reads it: not sft, which has it unread
 
 
 def test_help_of_an_objective_the_config_refuses_shows_the_configs_values_and_marks_the_refused_ones():

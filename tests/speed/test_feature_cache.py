@@ -193,7 +193,7 @@ def test_a_cache_on_ode_steps_is_allowed_for_window_and_entropy_merge_only():
         with pytest.raises(ValueError, match="every step of its rollout is an SDE step") as err:
             check_cache_allowed(sde_ratio, "taylor_seer", chunker=_settings(CHUNKERS, chunker))
         assert "\n" not in str(err.value)
-    for objective in ("dpo", "dpo_offline", "sft", "refl", "opd"):  # no chunker of theirs has ODE steps to cache
+    for objective in ("dpo", "dpo_offline", "sft", "refl", "srpo", "opd"):  # no chunker of theirs has ODE steps
         for chunker in ("per_step", "window"):
             with pytest.raises(ValueError, match=rf"refused with objective.name='{objective}': caching is for the "
                                                  "awm, dgpo, nft rollouts .* the ODE steps of sde_ratio's "

@@ -9,6 +9,7 @@ name             what it does                                                   
 ``dgpo``         DGPO: group preference (DPO) on the forward process                          :mod:`.dgpo`
 ``refl``         ReFL / DRaFT: a differentiable reward's gradient through the last steps      :mod:`.reward_backprop`
 ``opd``          on-policy distillation (DiffusionOPD): a teacher scores the student's path   :mod:`.opd`
+``srpo``         SRPO: Direct-Align's one step from the re-noised sample, a relative reward   :mod:`.srpo`
 ``dpo``          Diffusion-DPO, online: pairs chosen by the reward within each group          :mod:`.dpo`
 ``dpo_offline``  Diffusion-DPO, offline: the pairs of a preference dataset                    :mod:`.dpo_offline`
 ``sft``          supervised flow matching on a dataset of (prompt, image)                     :mod:`.sft`
@@ -44,10 +45,11 @@ from flowgrpo.algo.objectives.opd import OPD, OPDConfig
 from flowgrpo.algo.objectives.reward_backprop import RewardBackprop, RewardBackpropConfig
 from flowgrpo.algo.objectives.sde_ratio import SdeRatio, SdeRatioConfig, SdeRatioWork
 from flowgrpo.algo.objectives.sft import SFT, SFTConfig
+from flowgrpo.algo.objectives.srpo import SRPO, SRPOConfig
 
 __all__ = ["OBJECTIVES", "BaseObjective", "Objective", "ObjectiveConfig", "UpdateStep", "MicroBatchAt",
            "build_objective", "objective_config_class",
            "SdeRatio", "SdeRatioConfig", "SdeRatioWork", "ForwardConfig", "ForwardObjective", "ForwardWork",
            "NFT", "NFTConfig", "AWM", "AWMConfig", "DGPO", "DGPOConfig", "RewardBackprop",
            "RewardBackpropConfig", "OPD", "OPDConfig", "DPO", "DPOConfig", "DPOOffline", "DPOOfflineConfig",
-           "SFT", "SFTConfig"]
+           "SFT", "SFTConfig", "SRPO", "SRPOConfig"]
