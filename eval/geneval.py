@@ -34,7 +34,7 @@ from flowgrpo_rewards.geneval.rules import TASKS, RuleConfig, details, evaluatio
 
 from flowgrpo.cli import DefaultsHelpFormatter
 from flowgrpo.rewards.base import MissingWeightsError
-from flowgrpo.writing.outputs import check_folder, claim_folder
+from flowgrpo.writing.outputs import check_folder, claim_folder, write_text_file
 
 logger = logging.getLogger("geneval")
 
@@ -270,9 +270,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     outdir.mkdir(parents=True, exist_ok=True)
     ev.write_results(outdir / "results.jsonl", rows)
     summary = ev.summarize(rows)
-    (outdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    write_text_file(outdir / "summary.json", json.dumps(summary, indent=2) + "\n")
     table = ev.format_summary(summary)
-    (outdir / "summary.md").write_text(table + "\n", encoding="utf-8")
+    write_text_file(outdir / "summary.md", table + "\n")
     print(table)
     print(f"\nresults: {outdir / 'results.jsonl'}")
     return summary

@@ -177,7 +177,7 @@ def _sample_into(out: Path, args: argparse.Namespace, s: dict, weights: Path | N
     from flowgrpo.plots import sample_grid
     from flowgrpo.rng import derive_seed
     from flowgrpo.sampling.rollout import generate_images
-    from flowgrpo.writing.outputs import record_written
+    from flowgrpo.writing.outputs import record_written, replace_file
 
     ps = load_prompts(s["prompt_file"])
     adapter = s["build"]()
@@ -192,14 +192,17 @@ def _sample_into(out: Path, args: argparse.Namespace, s: dict, weights: Path | N
                              batch_size=args.batch_size, cache=s["cache"], metadata=metadata)
     names = ["images.pt", "grid.png", *(f"{i:05d}.{'gif' if img.ndim == 4 else 'png'}" for i, img in enumerate(images))]
     _replace_written(out, names)
-    torch.save(images, out / "images.pt")
+    # every file a new one (replace_file): a hard link to an earlier call's file keeps its content
+    replace_file(out / "images.pt", lambda tmp: torch.save(images, tmp))
     sample_grid(images[:40], [p[:30] for p in prompts[:40]], out / "grid.png", ncols=10)
     for i, img in enumerate(images):
         if img.ndim == 4:  # a video (F, 3, H, W): an animated GIF to look at (images.pt keeps the exact frames)
             frames = [Image.fromarray(a) for a in to_uint8(img)]
-            frames[0].save(out / f"{i:05d}.gif", save_all=True, append_images=frames[1:], duration=62, loop=0)
+            replace_file(out / f"{i:05d}.gif", lambda tmp, f=frames: f[0].save(
+                tmp, format="GIF", save_all=True, append_images=f[1:], duration=62, loop=0))
         else:
-            Image.fromarray(to_uint8(img)).save(out / f"{i:05d}.png")
+            picture = Image.fromarray(to_uint8(img))
+            replace_file(out / f"{i:05d}.png", lambda tmp, p=picture: p.save(tmp, format="PNG"))
     record_written(out, "sample", names)
     logger.info("wrote %d %s to %s", len(images), "videos" if images.ndim == 5 else "images", out)
 

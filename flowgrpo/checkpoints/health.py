@@ -44,11 +44,11 @@ def latest_name(root: Path) -> str | None:
 
 def point_latest(root: Path, name: str) -> None:
     """``root/latest`` names ``name``, replaced atomically (written beside it, then renamed over it)."""
-    pointer = root / ".latest.tmp"
-    pointer.write_text(name)
-    with pointer.open("rb") as fh:
+    tmp = root / ".latest.tmp"
+    tmp.write_text(name)
+    with tmp.open("rb") as fh:
         os.fsync(fh.fileno())
-    os.replace(pointer, root / "latest")
+    os.replace(tmp, root / "latest")
     fsync_dir(root)
 
 

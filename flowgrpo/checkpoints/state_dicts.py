@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from flowgrpo.distributed import dist
-from flowgrpo.writing.outputs import save_tensors
+from flowgrpo.writing.outputs import save_tensors, write_text_file
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -286,8 +286,7 @@ def export_transformer(model: torch.nn.Module, folder, dtype: torch.dtype, *, ma
         del tensors
     if main and plan.is_sharded:
         index = {"metadata": dict(plan.metadata), "weight_map": plan.tensor_to_filename}
-        (folder / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n",
-                                                      encoding="utf-8")
+        write_text_file(folder / SAFE_WEIGHTS_INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _meta_clone(model: torch.nn.Module) -> torch.nn.Module:

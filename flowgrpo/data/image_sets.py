@@ -49,7 +49,7 @@ import torch
 
 from flowgrpo.data.prompts import EMBEDDED
 from flowgrpo.data.text_files import iter_jsonl
-from flowgrpo.writing.outputs import OutputRefused, check_folder, claim_folder, normal_mode
+from flowgrpo.writing.outputs import OutputRefused, check_folder, claim_folder, normal_mode, replace_file
 
 __all__ = ["ImageItem", "PreferencePair", "check_dataset_images", "dataset_file", "dataset_folder", "load_image",
            "record_image", "read_pickapic",
@@ -307,7 +307,7 @@ def _save_png(image: str | bytes, out: Path, size: tuple[int, int] | None) -> No
     img = _open(image)
     if size is not None and img.size != (size[1], size[0]):
         img = img.resize((size[1], size[0]), Image.Resampling.BICUBIC)
-    img.save(out, format="PNG")
+    replace_file(out, lambda tmp: img.save(tmp, format="PNG"))
 
 
 def _check_metadata(metadata: dict, written: tuple[str, ...], i: int) -> None:

@@ -226,7 +226,9 @@ class ConfigError(ValueError):
 
 def save_config(config: BaseModel, path: str | Path) -> None:
     """Write resolved settings (a run's config: every field, defaults included) as YAML."""
-    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    from flowgrpo.writing.outputs import write_text_file
+
+    write_text_file(path, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
 
 
 def flat_dict(d: dict, prefix: str = "") -> dict:

@@ -125,7 +125,7 @@ def claim_folder(folder: str | os.PathLike, kind: str, what: str = "output folde
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / MARKER_FILE).is_file():
-            (folder / MARKER_FILE).write_text(json.dumps({"kind": kind}) + "\n", encoding="utf-8")
+            write_text_file(folder / MARKER_FILE, json.dumps({"kind": kind}) + "\n")
     except OSError as err:
         raise OutputRefused(f"{what} {str(folder)!r} cannot be made: {err.strerror or err} "
                             f"({err.filename or folder}); choose a folder you can write to") from None
@@ -259,12 +259,12 @@ def _umask() -> int:
 
 
 def save_tensors(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """``safetensors.torch.save_file(tensors, path, metadata)`` (``tensors``: names to contiguous CPU tensors),
-    then :func:`normal_mode`: every safetensors file flowgrpo writes goes through here."""
+    """``safetensors.torch.save_file(tensors, path, metadata)`` (``tensors``: names to contiguous CPU tensors) as a
+    new file (:func:`replace_file`: the mode a plain open gives, a hard link to an earlier file keeps its content):
+    every safetensors file flowgrpo writes goes through here."""
     from safetensors.torch import save_file
 
-    save_file(tensors, path, metadata=metadata)
-    normal_mode(path)
+    replace_file(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def replace_file(path: str | os.PathLike, write: Callable[[Path], object]) -> None:

@@ -244,3 +244,21 @@ def test_prompts_overwrite_never_writes_through_a_hard_link_or_a_symbolic_link(t
     with pytest.raises(SystemExit) as stop:
         main(["prompts", "ocr", str(src), "--out", str(link), "--overwrite"])
     assert stop.value.code == 2 and precious.read_text() == "precious\n" and link.is_symlink()
+
+
+def test_sample_writes_each_file_anew_so_a_hard_link_keeps_the_earlier_images(tmp_path):
+    """A second ``flowgrpo sample`` into its own folder once rewrote the PNGs and images.pt in place: a user's hard
+    link to an earlier image (a favourite kept elsewhere) took the new image's bytes (fresh-user trial 4). Each file
+    is now a new one, renamed over the old name."""
+    out = tmp_path / "out"
+    argv = ["sample", "--model", "tiny", "--prompts", "digits_eval", "--out", str(out), "--num-images", "2",
+            "--num-steps", "2"]
+    cli_main(argv)
+    kept = {}
+    for name in ("00000.png", "images.pt", "grid.png"):
+        os.link(out / name, tmp_path / f"kept_{name}")
+        kept[name] = (out / name).read_bytes()
+    cli_main([*argv, "--seed", "5"])
+    for name, before in kept.items():
+        assert (tmp_path / f"kept_{name}").read_bytes() == before, name
+        assert (out / name).read_bytes() != before and (out / name).stat().st_nlink == 1, name

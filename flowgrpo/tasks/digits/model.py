@@ -62,7 +62,7 @@ from flowgrpo.tasks.digits.data import (
     load_digit_split,
     prompt_records,
 )
-from flowgrpo.writing.outputs import OutputRefused, check_folder
+from flowgrpo.writing.outputs import OutputRefused, check_folder, write_text_file
 
 logger = logging.getLogger("flowgrpo.tasks.digits.model")  # also when run as __main__
 
@@ -351,7 +351,7 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
         "guidance_scale": None, "final_vae_loss": vae_loss, "final_transformer_loss": tr_loss,
         "numerics": numerics(), "sha256": weights_digest(out),
     }
-    (out / MARKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    write_text_file(out / MARKER_FILE, json.dumps(info, indent=2) + "\n")
     logger.info("digits pipeline saved to %s (%.1f s in all)", out, time.perf_counter() - t_start)
     return out
 

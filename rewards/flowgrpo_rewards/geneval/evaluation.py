@@ -27,6 +27,7 @@ from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from flowgrpo.writing.outputs import replace_file, write_text_file
 from flowgrpo_rewards.geneval.rules import TASKS, validate_metadata
 
 _SAMPLE = re.compile(r"(\d+)\.png")
@@ -58,7 +59,7 @@ def write_metadata(folder: str | Path, index: int, metadata: Mapping) -> Path:
         raise ValueError(f"prompt {index}: missing field 'prompt'")
     d = prompt_dir(folder, index)
     (d / "samples").mkdir(parents=True, exist_ok=True)
-    (d / "metadata.jsonl").write_text(json.dumps(dict(metadata)) + "\n", encoding="utf-8")
+    write_text_file(d / "metadata.jsonl", json.dumps(dict(metadata)) + "\n")
     return d
 
 
@@ -66,7 +67,7 @@ def write_sample(folder: str | Path, index: int, sample: int, image: Image.Image
     """Save ``image`` as ``<folder>/<index>/samples/<sample as 4 digits>.png``; returns its path."""
     path = prompt_dir(folder, index) / "samples" / f"{sample:04d}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    replace_file(path, lambda tmp: image.save(tmp, format="PNG"))
     return path
 
 
@@ -158,10 +159,8 @@ def result_row(filename: str | Path, index: int, metadata: Mapping, correct: boo
 
 
 def write_results(path: str | Path, rows: Iterable[Mapping]) -> None:
-    """Write ``rows`` as JSON lines."""
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(dict(row)) + "\n")
+    """Write ``rows`` as JSON lines, a new file (:func:`flowgrpo.writing.outputs.write_text_file`)."""
+    write_text_file(path, "".join(json.dumps(dict(row)) + "\n" for row in rows))
 
 
 def read_results(path: str | Path) -> list[dict]:
