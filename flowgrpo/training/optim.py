@@ -222,7 +222,7 @@ class SecondOptimizer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{``<i>.<key>``: the AdamW state of parameter i (host copies), ``steps``: the step count}."""
-        out = {"steps": torch.tensor(self.steps, dtype=torch.int64)}
+        out = {"steps": torch.tensor(float(self.steps), dtype=torch.float64)}
         for i, p in enumerate(self.params):
             for key, value in self.optimizer.state.get(p, {}).items():
                 out[f"{i}.{key}"] = value.detach().cpu().clone()

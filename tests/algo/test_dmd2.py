@@ -14,9 +14,14 @@ SD3.5, the command line, save–kill–resume, two processes) are marked slow.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
 
 from flowgrpo.algo.objectives import build_objective
 from flowgrpo.algo.objectives.dmd2 import dm_gradient, dm_loss, draw_sigmas, fake_score_loss, iteration_schedule
@@ -24,7 +29,15 @@ from flowgrpo.algo.objectives.paths import PathSamples
 from flowgrpo.config import build_config
 from flowgrpo.records import Advantages, PromptEmbeds
 from flowgrpo.training.update import run_update
+from flowgrpo.writing.metrics import read_metrics
+from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
+from tests.training.objective_runs import assert_resume_equals_whole, assert_two_processes_equal_one, tiny_run
 from tests.training.test_forward_update import LR, FakeAdapter, FakeOptim, Lin
+from tests.training.test_path_runs import _teacher
+from tests.training.test_path_sharding import _config as sharding_config
+from tests.training.test_sharding import _free_port, _in_process, _ok, _torchrun
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------- the pure losses
@@ -226,3 +239,99 @@ def test_each_step_of_the_generator_and_the_fake_score_follows_the_release_in_or
     assert metrics["objective/rows"] == 4 and metrics["objective/fake_rows"] == 7
     # the student's forwards at the rollout's guidance, the teacher's at its own, the fake score's at 1
     assert set(adapter.guidances) == {ROLLOUT_G, REAL_G, 1.0}
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def tiny_sd3_dir(tmp_path_factory):
+    """tests/training/conftest.py's tiny SD3.5 pipeline (its tokenizers know the test prompts' words)."""
+    from flowgrpo.models.sd3 import build_tiny_sd3
+
+    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"), seed=0, words="a red cube blue ball".split())
+
+
+def _run_config(tmp_path, model_dir, teacher, out: str = "run", **sections) -> dict:
+    """tests/training/objective_runs.py's one-epoch tiny run (4 samples, 2 iterations of one micro-batch of 2)
+    of DMD2 with ratio 2 (iteration 0: generator and fake score; iteration 1: fake score) and ``teacher``."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a red cube", "digit": 3}\n{"prompt": "a blue ball", "digit": 7}\n')
+    return tiny_run(tmp_path / out, model_dir, {"name": "dmd2", "dfake_gen_update_ratio": 2, "teacher": str(teacher)},
+                    prompts, {"rewards": [{"name": "digit_correctness"}]}, sections)
+
+
+def _check_epoch(rec: dict) -> None:
+    """An epoch of two iterations: one generator step of 2 rows, two fake steps of 2 rows each."""
+    assert rec["objective/rows"] == 2 and rec["objective/fake_rows"] == 4
+    assert rec["policy/grad_norm"] > 0 and rec["objective/fake_grad_norm"] > 0
+    assert rec["objective/loss"] > 0 and rec["objective/fake_loss"] > 0
+
+
+@pytest.mark.slow
+def test_an_epoch_on_the_tiny_sd35_moves_the_student_and_the_fake_score(tmp_path, tiny_sd3_dir):
+    from flowgrpo.runner import run
+
+    run(build_config(_run_config(tmp_path, tiny_sd3_dir, _teacher(tmp_path, tiny_sd3_dir))))
+    rec = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    _check_epoch(rec)
+    assert rec["objective/fake_steps"] == 2
+    # the rollout: T = 3 Euler calls for each of 2 micro-batches; the update: the generator step's forward with
+    # gradient and iteration 1's student output without (iteration 0's fake step reuses the generator's); the
+    # real and fake scores are other modules
+    assert rec["rollout/transformer_calls"] == 6 and rec["update/transformer_calls"] == 2
+    ckpt = tmp_path / "run" / "checkpoints" / "epoch_0"
+    weights = load_file(ckpt / "trainable.safetensors")
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in weights.items())
+    state = load_file(ckpt / "objective.safetensors")
+    teacher = load_file(next((tmp_path / "teacher").glob("*.safetensors")))
+    moved = [k for k in teacher if not torch.equal(state[f"fake.{k}"], teacher[k])]
+    assert moved and float(state["fake_optim.steps"]) == 2  # the fake score trained, from the teacher
+
+
+@pytest.mark.slow
+def test_two_epochs_on_the_tiny_flux_through_the_command(tmp_path):
+    """``python -m flowgrpo.cli train CONFIG`` with ``model.pretrained=tiny`` (the embedded tiny FLUX) and a teacher
+    made from it; the second epoch's first iteration (2) is a generator one again."""
+    from flowgrpo.models import resolve_pretrained
+
+    tiny = Path(resolve_pretrained("tiny"))
+    cfg = _run_config(tmp_path, "tiny", _teacher(tmp_path, tiny))
+    path = tmp_path / "dmd2.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "train", str(path), "train.num_epochs=2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["objective/fake_steps"] for r in recs] == [2, 4]
+    for rec in recs:
+        _check_epoch(rec)
+
+
+@pytest.mark.slow
+def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir):
+    """The fake score's weights, its optimizer's state and its step count (the iteration count) are in the
+    checkpoint: the resumed run's epoch 1 equals the uninterrupted one's to the bit."""
+    teacher = _teacher(tmp_path, tiny_flux_dir)
+    assert_resume_equals_whole(
+        tmp_path, lambda out, **s: build_config(_run_config(tmp_path, tiny_flux_dir, teacher, out, **s)),
+        files=("trainable.safetensors", "objective.safetensors"), figures=("objective/loss", "objective/fake_loss"))
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, tiny_flux_dir) -> Path:
+    root = tmp_path_factory.mktemp("dmd2_sharding")
+    o = {"name": "dmd2", "teacher": str(_teacher(root, tiny_flux_dir))}
+    _in_process(sharding_config(root, tiny_flux_dir, "dmd2_one", o))
+    _ok(_torchrun(["--nproc_per_node", "2", "--master_port", _free_port()],
+                  [sharding_config(root, tiny_flux_dir, "dmd2_two", o)]))
+    return root
+
+
+@pytest.mark.slow
+def test_a_two_process_epoch_equals_one_process(two_process_runs):
+    """8 samples, one iteration (generator step, then fake step) over all of them: the student's and the fake
+    score's weights (the fake score's gradients averaged over the processes by its own optimizer) as one
+    process's."""
+    assert_two_processes_equal_one(two_process_runs / "dmd2_one", two_process_runs / "dmd2_two",
+                                   rollout_keys=("reward_total", "group_ids", "initial_latents"),
+                                   parts=("trainable", "objective"), rows=8,
+                                   figures=("objective/loss", "objective/fake_loss", "objective/fake_grad_norm"))
