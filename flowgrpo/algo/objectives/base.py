@@ -282,6 +282,9 @@ class BaseObjective:
     #: the objective loads a whole frozen teacher transformer (in ``model.dtype``, on the device); the memory plan
     #: counts it
     frozen_teacher: ClassVar[bool] = False
+    #: the objective trains a whole copy of the teacher with its own AdamW (DMD2's fake score, in ``model.dtype`` on
+    #: the device); the memory plan counts it, its gradients and its optimizer's moments
+    trains_teacher_copy: ClassVar[bool] = False
 
     def __init__(self, config) -> None:
         self.cfg = config

@@ -206,6 +206,7 @@ class DMD2(ForwardObjective):
     Config = DMD2Config
     uses_old_copy = False
     frozen_teacher = True  # the real score: a whole transformer on the device (the memory plan counts it)
+    trains_teacher_copy = True  # the fake score: a whole trained copy with its AdamW (the memory plan counts it)
     trains_on_advantages = False  # the teacher and the fake score are the signal, no reward enters
 
     def __init__(self, config) -> None:
