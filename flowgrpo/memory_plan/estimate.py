@@ -32,8 +32,9 @@ Parts (each "on each GPU" and "host memory per rank"):
   ``uses_old_copy``: NFT, AWM, DGPO);
 * teacher: OPD's whole frozen teacher transformer in ``model.dtype`` on the device (the objective's
   ``frozen_teacher``);
-* fake score: DMD2's whole trained copy of the teacher in ``model.dtype`` on the device, with its gradients and
-  AdamW's two moments in the same dtype (4 copies; the objective's ``trains_teacher_copy``), whole on every rank;
+* fake score: DMD2's whole trained copy of the teacher on the device, float32 (computing in ``model.dtype``), with
+  its float32 gradients and AdamW's two moments (16 bytes a weight; the objective's ``trains_teacher_copy``), whole
+  on every rank;
 * other expert (Wan2.2 A14B): the untrained expert in ``model.dtype``: whole (``parallel.experts: device``),
   sharded like the policy (``shard``), or whole in each rank's host memory, each block copied to the device for
   its forward (``offload``);
@@ -283,8 +284,8 @@ def _held_parts(w: Workload, lay: Layout, s: Sizes) -> tuple[dict[str, float], d
         dev["old_copy"] = trained * 4 / f
     if w.teacher:  # load_teacher: the whole transformer, on the device
         dev["teacher"] = s.transformer * half
-    if w.fake_score:  # DMD2's fake score: weights, gradients and AdamW's two moments, whole, in model.dtype
-        dev["fake_score"] = s.transformer * half * 4
+    if w.fake_score:  # DMD2's fake score: float32 weights, gradients and AdamW's two moments, whole
+        dev["fake_score"] = s.transformer * 16
     if fam.experts > 1:
         other = s.transformer * half
         put("other_expert", "host" if w.experts == "offload" else "dev",

@@ -148,7 +148,7 @@ def _setup():
     with torch.no_grad():
         for p, v in zip(obj.teacher.parameters(), (0.9, -0.1, 0.5), strict=True):
             p.fill_(v)
-    obj.fake = copy.deepcopy(obj.teacher).requires_grad_(True)
+    obj.fake = obj.fake_forward = copy.deepcopy(obj.teacher).requires_grad_(True)
     obj.fake_optim = Recording(obj.fake, "fake", log)
     gen = torch.Generator().manual_seed(0)
     latents = torch.randn(B, T + 1, D, generator=gen)
@@ -314,6 +314,24 @@ def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir):
     assert_resume_equals_whole(
         tmp_path, lambda out, **s: build_config(_run_config(tmp_path, tiny_flux_dir, teacher, out, **s)),
         files=("trainable.safetensors", "objective.safetensors"), figures=("objective/loss", "objective/fake_loss"))
+
+
+@pytest.mark.slow
+def test_in_bfloat16_the_fake_score_trains_float32_weights(tmp_path, tiny_flux_dir):
+    """``model.dtype=bfloat16``: the teacher in bfloat16, the fake score float32 master weights computing in bfloat16
+    (the release's float32 fake UNet under autocast): a step of lr 1e-6 still moves it (bfloat16 weights would round
+    most such steps away)."""
+    from flowgrpo.runner import run
+
+    teacher = _teacher(tmp_path, tiny_flux_dir)
+    run(build_config(_run_config(tmp_path, tiny_flux_dir, teacher, model={"dtype": "bfloat16"},
+                                 objective={"fake_lr": 1e-6})))
+    _check_epoch(read_metrics(tmp_path / "run" / "metrics.jsonl")[0])
+    state = load_file(tmp_path / "run" / "checkpoints" / "epoch_0" / "objective.safetensors")
+    weights = load_file(next((tmp_path / "teacher").glob("*.safetensors")))
+    assert all(state[f"fake.{k}"].dtype == torch.float32 for k in weights)
+    moved = sum(not torch.equal(state[f"fake.{k}"], weights[k].to(torch.bfloat16).float()) for k in weights)
+    assert moved > len(weights) // 2, (moved, len(weights))
 
 
 @pytest.fixture(scope="module")

@@ -187,10 +187,10 @@ class DMD2State:
     outputs: dict = field(default_factory=dict)
 
 
-def module_velocity(adapter, module: torch.nn.Module, x: torch.Tensor, sigma: torch.Tensor, embeds,
-                    guidance: float, *, grad: bool) -> torch.Tensor:
-    """The adapter's velocity (n, …) at (x, σ) with ``module`` as its transformer (the real or fake score), with
-    gradient only when ``grad``."""
+def module_velocity(adapter, module, x: torch.Tensor, sigma: torch.Tensor, embeds, guidance: float, *,
+                    grad: bool) -> torch.Tensor:
+    """The adapter's velocity (n, …) at (x, σ) with ``module`` (a transformer, or a callable forwarding one: the
+    real or fake score) as its forward module, with gradient only when ``grad``."""
     from flowgrpo.models.base import _forward_with
 
     with torch.set_grad_enabled(grad), _forward_with(adapter, module):
@@ -213,6 +213,7 @@ class DMD2(ForwardObjective):
         super().__init__(config)
         self.teacher: torch.nn.Module | None = None
         self.fake: torch.nn.Module | None = None
+        self.fake_forward = None  # the fake score's forward (the module, or it computing in model.dtype)
         self.fake_optim = None
 
     @property
@@ -233,7 +234,9 @@ class DMD2(ForwardObjective):
 
     def attach(self, adapter, rewards) -> None:
         """Load the real score (``objective.teacher``, or the run's base model) and make the fake score, a
-        trainable copy of it, with its optimizer."""
+        trainable copy of it, with its optimizer: float32 weights (the release's ``.float()``, ``sd_guidance.py``
+        lines 53–56) computing in ``model.dtype`` under autocast when that is not float32
+        (:class:`~flowgrpo.parallel.ComputeIn`, the release's ``network_context_manager``, line 143)."""
         from flowgrpo.training.optim import SecondOptimizer
 
         if self.o.teacher:
@@ -244,6 +247,12 @@ class DMD2(ForwardObjective):
             base = load_model_from_config(self.cfg.model, progress=False).transformer
             self.teacher = base.to(adapter.device).requires_grad_(False).eval()
         self.fake = copy.deepcopy(self.teacher).requires_grad_(True)
+        self.fake_forward = self.fake
+        compute = next(self.teacher.parameters()).dtype
+        if compute != torch.float32:  # float32 master weights computing in model.dtype, as the release's autocast
+            from flowgrpo.parallel import ComputeIn
+
+            self.fake_forward = ComputeIn(self.fake.to(torch.float32), compute, torch.device(adapter.device).type)
         lr = self.o.fake_lr if self.o.fake_lr is not None else self.cfg.train.lr
         checkpoints = getattr(self.optim, "checkpoints", None)
         self.fake_optim = SecondOptimizer(list(self.fake.parameters()), self.cfg.train, lr=lr, checkpoints=checkpoints)
@@ -316,7 +325,7 @@ class DMD2(ForwardObjective):
         x = noised(generated.detach(), noise, sigma)
         g_real = work.samples.guidance_scale if self.o.real_guidance_scale is None else self.o.real_guidance_scale
         v_real = module_velocity(adapter, self.teacher, x, sigma, embeds, g_real, grad=False)
-        v_fake = module_velocity(adapter, self.fake, x, sigma, embeds, 1.0, grad=False)
+        v_fake = module_velocity(adapter, self.fake_forward, x, sigma, embeds, 1.0, grad=False)
         x0_real, x0_fake = x0_from_velocity(x, v_real, sigma), x0_from_velocity(x, v_fake, sigma)
         grad = dm_gradient(generated, x0_real, x0_fake)
         loss = self.o.dm_loss_weight * dm_loss(generated, grad)
@@ -332,7 +341,7 @@ class DMD2(ForwardObjective):
             generated = self.student_output(adapter, work, draw, embeds, grad=False)
         sigma, noise = draw.sigma.to(dev), draw.noise.to(dev)
         x = noised(generated, noise, sigma)
-        v_fake = module_velocity(adapter, self.fake, x, sigma, embeds, 1.0, grad=True)
+        v_fake = module_velocity(adapter, self.fake_forward, x, sigma, embeds, 1.0, grad=True)
         return ObjectiveTerms(loss=fake_score_loss(v_fake, generated, noise))
 
     def loss(self, adapter, work: ForwardWork, draw: DMDraw, state: DMD2State, at: MicroBatchAt) -> torch.Tensor:
