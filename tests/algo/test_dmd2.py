@@ -34,8 +34,8 @@ from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
 from tests.training.objective_runs import assert_resume_equals_whole, assert_two_processes_equal_one, tiny_run
 from tests.training.test_forward_update import LR, FakeAdapter, FakeOptim, Lin
 from tests.training.test_path_runs import _teacher
-from tests.training.test_path_sharding import _config as sharding_config
-from tests.training.test_sharding import _free_port, _in_process, _ok, _torchrun
+from tests.training.test_sharding import SHARDED, _free_port, _in_process, _ok, _torchrun
+from tests.training.test_sharding import _config as sharding_base
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -334,22 +334,36 @@ def test_in_bfloat16_the_fake_score_trains_float32_weights(tmp_path, tiny_flux_d
     assert moved > len(weights) // 2, (moved, len(weights))
 
 
+def sharding_config(root: Path, tiny: Path, name: str, objective: dict, **sections) -> Path:
+    """tests/training/test_path_sharding.py's run (4 prompts of a digit × G = 2, micro-batches of one group, the
+    digits reward) with ``sections`` (``parallel``) merged."""
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{p}", "digit": {d}}}\n' for p, d in
+                               (("a red cube", 1), ("a blue ball", 4), ("a green tree", 7), ("a red ball", 9))))
+    return sharding_base(root, tiny, name, objective=objective, algo={"clip_range": 1e-4},
+                         train={"prompts_per_epoch": 4, "rollout_batch_size": 2, "train_batch_size": 2},
+                         rewards=[{"name": "digit_correctness"}], data={"train_prompts": str(prompts)}, **sections)
+
+
 @pytest.fixture(scope="module")
 def two_process_runs(tmp_path_factory, tiny_flux_dir) -> Path:
     root = tmp_path_factory.mktemp("dmd2_sharding")
     o = {"name": "dmd2", "teacher": str(_teacher(root, tiny_flux_dir))}
     _in_process(sharding_config(root, tiny_flux_dir, "dmd2_one", o))
-    _ok(_torchrun(["--nproc_per_node", "2", "--master_port", _free_port()],
-                  [sharding_config(root, tiny_flux_dir, "dmd2_two", o)]))
+    two = [sharding_config(root, tiny_flux_dir, "dmd2_two", o),
+           sharding_config(root, tiny_flux_dir, "dmd2_fsdp2", o, parallel=SHARDED)]
+    _ok(_torchrun(["--nproc_per_node", "2", "--master_port", _free_port()], two))
     return root
 
 
 @pytest.mark.slow
-def test_a_two_process_epoch_equals_one_process(two_process_runs):
-    """8 samples, one iteration (generator step, then fake step) over all of them: the student's and the fake
+@pytest.mark.parametrize("two", ["dmd2_two", "dmd2_fsdp2"])
+def test_a_two_process_epoch_equals_one_process(two_process_runs, two):
+    """8 samples, one iteration (generator step, then fake step) over all of them, on two processes (DDP, or the
+    student sharded by FSDP2 with the teacher and the fake score whole on each): the student's and the fake
     score's weights (the fake score's gradients averaged over the processes by its own optimizer) as one
     process's."""
-    assert_two_processes_equal_one(two_process_runs / "dmd2_one", two_process_runs / "dmd2_two",
+    assert_two_processes_equal_one(two_process_runs / "dmd2_one", two_process_runs / two,
                                    rollout_keys=("reward_total", "group_ids", "initial_latents"),
                                    parts=("trainable", "objective"), rows=8,
                                    figures=("objective/loss", "objective/fake_loss", "objective/fake_grad_norm"))
