@@ -266,6 +266,26 @@ def _check_epoch(rec: dict) -> None:
     assert rec["objective/loss"] > 0 and rec["objective/fake_loss"] > 0
 
 
+def test_without_a_teacher_folder_the_teacher_is_the_base_model_and_the_fake_score_a_trainable_copy(tiny_flux_dir):
+    """``objective.teacher`` unset: the real score is a fresh load of ``model.pretrained``'s transformer (frozen, in
+    eval mode), the fake score another module with the same weights, trained; neither is the student."""
+    from flowgrpo.models import load_model_from_config
+
+    cfg = build_config({"model": {"pretrained": str(tiny_flux_dir), "max_sequence_length": 16, "height": 32,
+                                  "width": 32}, "objective": {"name": "dmd2"}})
+    obj = build_objective(cfg)
+    adapter = load_model_from_config(cfg.model, progress=False)
+    obj.attach(adapter, None)
+    student = dict(adapter.transformer.named_parameters())
+    for module, trained in ((obj.teacher, False), (obj.fake, True)):
+        assert module is not adapter.transformer
+        named = dict(module.named_parameters())
+        assert named.keys() == student.keys() and all(torch.equal(named[k], student[k]) for k in named)
+        assert all(p.requires_grad == trained for p in named.values())
+    assert obj.fake is not obj.teacher and obj.fake_optim.params == list(obj.fake.parameters())
+    assert not obj.teacher.training
+
+
 @pytest.mark.slow
 def test_an_epoch_on_the_tiny_sd35_moves_the_student_and_the_fake_score(tmp_path, tiny_sd3_dir):
     from flowgrpo.runner import run
