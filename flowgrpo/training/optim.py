@@ -164,6 +164,83 @@ class Optimization:
         return epoch
 
 
+class SecondOptimizer:
+    """AdamW over parameters an objective trains beside the model (DMD2's fake score, a module the objective builds
+    itself, whole on every process): the same interface as :class:`Optimization` for the update loop
+    (:func:`~flowgrpo.training.update.run_update` applies a step with it when the step's
+    :attr:`~flowgrpo.algo.objectives.base.UpdateStep.optimizer` names it), without EMA, schedule or
+    distributed wrapper. The gradients are averaged over the processes by one all-reduce per step (the loop's
+    world-size factor turns the sum back into the mean over all rows), clipped to ``train.max_grad_norm`` and
+    checked finite before the weights change. Its state (the AdamW moments and the step count) is part of the
+    objective's checkpoint state (:meth:`state_dict`).
+
+    Args:
+        params: the trained parameters (requires_grad). train: the run's ``train`` section (betas, eps, weight
+            decay, max_grad_norm). lr: the learning rate (constant). checkpoints: the run's checkpoint folder
+            (named by a stop on a non-finite gradient).
+    """
+
+    sync_every_micro_batch = True  # nothing is deferred: the all-reduce runs in step()
+
+    def __init__(self, params: list[torch.nn.Parameter], train, *, lr: float, checkpoints: Path) -> None:
+        self.params = list(params)
+        self.checkpoints = checkpoints
+        self.train_cfg = train
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
+                                           weight_decay=train.weight_decay)
+        self.steps = 0  # steps taken (restored by load_state_dict)
+        self.norms: list[float] = []  # the gradient norm of each step taken since the last drain
+
+    def accumulating(self, *, sync: bool):
+        """Nothing to defer (the gradients are reduced in :meth:`step`)."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, epoch: int) -> float:
+        """Average the gradients over the processes, clip, check and apply them; returns the norm before clipping.
+        Raises :class:`~flowgrpo.watch.divergence.TrainingDiverged` on a non-finite norm (weights unchanged)."""
+        from flowgrpo.distributed import dist
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if dist.world_size() > 1:
+            flat = dist.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads])) / dist.world_size()
+            for p, g in zip(self.params, torch.split(flat, [g.numel() for g in grads]), strict=True):
+                p.grad = g.view_as(p).clone()
+        gn = float(torch.nn.utils.clip_grad_norm_(self.params, self.train_cfg.max_grad_norm))
+        if not math.isfinite(gn):
+            raise TrainingDiverged(stop_line(epoch, self.train_cfg.num_epochs, f"the second optimizer's gradient "
+                                             f"norm is {gn} (the weights were not updated)", self.checkpoints))
+        self.optimizer.step()
+        self.steps += 1
+        self.norms.append(gn)
+        return gn
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """{``<i>.<key>``: the AdamW state of parameter i (host copies), ``steps``: the step count}."""
+        out = {"steps": torch.tensor(float(self.steps), dtype=torch.float64)}
+        for i, p in enumerate(self.params):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                out[f"{i}.{key}"] = value.detach().cpu().clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict`'s tensors (``ValueError`` when they name another parameter count)."""
+        index = {int(k.split(".", 1)[0]) for k in state if k != "steps"}
+        if index and max(index) >= len(self.params):
+            raise ValueError(f"second optimizer state names parameter {max(index)}, but only {len(self.params)} "
+                             "are trained")
+        self.steps = int(state.get("steps", torch.tensor(0)))
+        for i, p in enumerate(self.params):
+            entry = {k.split(".", 1)[1]: v for k, v in state.items() if k != "steps" and int(k.split(".", 1)[0]) == i}
+            if entry:
+                self.optimizer.state[p] = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in entry.items()}
+
+
 def resumed_line(checkpoint, epoch: int, num_epochs: int) -> str | None:
     """The console line of a resume from ``checkpoint`` whose next epoch is ``epoch`` (0-based, as
     ``metrics.jsonl``'s ``epoch`` and the checkpoint names: ``epoch_N`` holds the state after 0-based epoch N),

@@ -23,8 +23,10 @@ step's last backward, or after each with ``parallel.gradient_sync=micro_batch``)
 processes, then clips and applies the gradient (:meth:`~flowgrpo.training.optim.Optimization.step`; a step with no
 micro-batch on this process, the same on every process, is skipped) and zeroes it. One attention-kernel scope
 (the adapter's ``attention()``) covers the whole update: every forward, its backward and any checkpoint recompute
-use the same kernels. Metrics: the objective's, ``policy/grad_norm`` (the mean over the steps taken) and
-``train/lr`` (the learning rate of the next step).
+use the same kernels. A step whose :attr:`~flowgrpo.algo.objectives.base.UpdateStep.optimizer` is a second optimizer
+(:class:`~flowgrpo.training.optim.SecondOptimizer`: parameters the objective trains itself) goes through it instead
+of ``optim`` (accumulation, backward, step, zeroing). Metrics: the objective's, ``policy/grad_norm`` (the mean
+over the model's steps taken) and ``train/lr`` (the learning rate of the next step).
 """
 
 from __future__ import annotations
@@ -71,12 +73,13 @@ def run_update(objective, adapter, optim, work, *, inner_epochs: int, progress: 
     with adapter.attention():
         for inner in range(inner_epochs):
             for u, step in enumerate(steps):
+                opt = optim if step.optimizer is None else step.optimizer  # a second optimizer: its own step
                 items = objective.micro_batches(work, step, inner)
-                _backward_step(objective, adapter, optim, work, state, step, items, inner=inner, u=u)
-                if items:
-                    norms.append(optim.step(work.epoch))
-                optim.zero_grad()
-                if items:
+                _backward_step(objective, adapter, opt, work, state, step, items, inner=inner, u=u)
+                norm = opt.step(work.epoch) if items else None
+                opt.zero_grad()
+                if norm is not None and opt is optim:
+                    norms.append(norm)
                     objective.after_step(optim.steps - 1)
                 bar.update(step.progress)
     bar.close()

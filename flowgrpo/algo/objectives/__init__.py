@@ -10,6 +10,7 @@ name             what it does                                                   
 ``refl``         ReFL / DRaFT: a differentiable reward's gradient through the last steps      :mod:`.reward_backprop`
 ``opd``          on-policy distillation (DiffusionOPD): a teacher scores the student's path   :mod:`.opd`
 ``srpo``         SRPO: Direct-Align's one step from the re-noised sample, a relative reward   :mod:`.srpo`
+``dmd2``         DMD2: distribution matching against a teacher and an online fake score       :mod:`.dmd2`
 ``dpo``          Diffusion-DPO, online: pairs chosen by the reward within each group          :mod:`.dpo`
 ``dpo_offline``  Diffusion-DPO, offline: the pairs of a preference dataset                    :mod:`.dpo_offline`
 ``sft``          supervised flow matching on a dataset of (prompt, image)                     :mod:`.sft`
@@ -37,6 +38,7 @@ from flowgrpo.algo.objectives.base import (
     objective_config_class,
 )
 from flowgrpo.algo.objectives.dgpo import DGPO, DGPOConfig
+from flowgrpo.algo.objectives.dmd2 import DMD2, DMD2Config
 from flowgrpo.algo.objectives.dpo import DPO, DPOConfig
 from flowgrpo.algo.objectives.dpo_offline import DPOOffline, DPOOfflineConfig
 from flowgrpo.algo.objectives.forward import ForwardConfig, ForwardObjective, ForwardWork
@@ -52,4 +54,5 @@ __all__ = ["OBJECTIVES", "BaseObjective", "Objective", "ObjectiveConfig", "Updat
            "SdeRatio", "SdeRatioConfig", "SdeRatioWork", "ForwardConfig", "ForwardObjective", "ForwardWork",
            "NFT", "NFTConfig", "AWM", "AWMConfig", "DGPO", "DGPOConfig", "RewardBackprop",
            "RewardBackpropConfig", "OPD", "OPDConfig", "DPO", "DPOConfig", "DPOOffline", "DPOOfflineConfig",
-           "SFT", "SFTConfig", "SRPO", "SRPOConfig"]
+           "SFT", "SFTConfig", "SRPO", "SRPOConfig", "DMD2",
+           "DMD2Config"]

@@ -157,12 +157,17 @@ class UpdateStep:
         progress: progress-bar units of the step (its micro-batches).
         fillers: the last ``fillers`` micro-batches are fillers: forwarded and back-propagated with weight 0 so
             that every process makes the same transformer calls, never recorded.
+        optimizer: None: the run's optimizer applies the step (the trained model's); else a second optimizer
+            the objective keeps for parameters it trains itself
+            (:class:`~flowgrpo.training.optim.SecondOptimizer`: DMD2's fake score). Such a step's gradient
+            norm is not in ``policy/grad_norm`` and :meth:`Objective.after_step` is not called after it.
     """
 
     plan: Any
     rows: float
     progress: int = 1
     fillers: int = 0
+    optimizer: Any = None
 
 
 @dataclass(frozen=True)
@@ -277,6 +282,9 @@ class BaseObjective:
     #: the objective loads a whole frozen teacher transformer (in ``model.dtype``, on the device); the memory plan
     #: counts it
     frozen_teacher: ClassVar[bool] = False
+    #: the objective trains a whole copy of the teacher with its own AdamW (DMD2's fake score, in ``model.dtype`` on
+    #: the device); the memory plan counts it, its gradients and its optimizer's moments
+    trains_teacher_copy: ClassVar[bool] = False
 
     def __init__(self, config) -> None:
         self.cfg = config

@@ -138,6 +138,16 @@ def check_teacher_family(folder: str, path: Path, student: str | None) -> None:
                          f"(model.pretrained): OPD needs a teacher of the student's model family")
 
 
+def _unsharded_class(cls: type) -> type:
+    """The transformer class under FSDP2's: ``fully_shard`` gives the module a class of its own
+    (``FSDPFluxTransformer2DModel``, a subclass of ``FSDPModule`` and the model's class); else ``cls``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if issubclass(cls, FSDPModule):
+        return next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+    return cls
+
+
 def load_teacher(folder: str, adapter, model_config) -> torch.nn.Module:
     """The frozen teacher transformer of ``objective.teacher`` (:func:`teacher_source`), on the adapter's device in
     its dtype, in eval mode, without gradient: a transformer folder loaded with the student transformer's class
@@ -146,7 +156,7 @@ def load_teacher(folder: str, adapter, model_config) -> torch.nn.Module:
     fused into its weights."""
     kind, path = teacher_source(folder)
     if kind == "transformer":
-        cls = type(adapter.transformer)
+        cls = _unsharded_class(type(adapter.transformer))
         check_teacher_family(folder, path, cls.__name__)
         teacher = cls.from_pretrained(str(path), torch_dtype=adapter.dtype)
     else:

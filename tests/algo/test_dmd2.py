@@ -1,0 +1,389 @@
+"""Specification of DMD2 (``objective.name=dmd2``, flowgrpo/algo/objectives/dmd2.py; arXiv 2405.14867, release
+tianweiy/DMD2 ``main/sd_guidance.py`` and ``main/train_sd.py``).
+
+The pure losses against the release's formulas written out here (``compute_distribution_matching_loss`` lines
+235–241: p_real = latents − pred_real_image, p_fake = latents − pred_fake_image, grad = (p_real − p_fake) /
+|p_real|.mean, loss = ½·mse(latents, sg(latents − grad)); ``compute_loss_fake`` line 295 in velocity form); the
+iteration schedule (``train_one_step`` lines 330–408: the generator first when the iteration is a multiple of
+``dfake_gen_update_ratio``, then the fake score); and the update in the loop on a model whose velocity is linear in
+three weights, each optimizer step's gradient (the student's and the fake score's, in the order they are taken)
+against the float64 gradient derived here with both weights tracked by hand. The end-to-end runs (tiny FLUX and
+SD3.5, the command line, save–kill–resume, two processes) are marked slow.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from flowgrpo.algo.objectives import build_objective
+from flowgrpo.algo.objectives.dmd2 import dm_gradient, dm_loss, draw_sigmas, fake_score_loss, iteration_schedule
+from flowgrpo.algo.objectives.paths import PathSamples
+from flowgrpo.config import build_config
+from flowgrpo.records import Advantages, PromptEmbeds
+from flowgrpo.training.update import run_update
+from flowgrpo.writing.metrics import read_metrics
+from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
+from tests.training.objective_runs import assert_resume_equals_whole, assert_two_processes_equal_one, tiny_run
+from tests.training.test_forward_update import LR, FakeAdapter, FakeOptim, Lin
+from tests.training.test_path_runs import _teacher
+from tests.training.test_sharding import SHARDED, _free_port, _in_process, _ok, _torchrun
+from tests.training.test_sharding import _config as sharding_base
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------------------- the pure losses
+def _release_grad(latents, pred_real, pred_fake):
+    """``sd_guidance.py`` lines 235–239, float64."""
+    p_real = latents - pred_real
+    p_fake = latents - pred_fake
+    grad = (p_real - p_fake) / torch.abs(p_real).mean(dim=[1, 2], keepdim=True)
+    return torch.nan_to_num(grad)
+
+
+def test_the_dm_loss_pulls_the_output_along_the_releases_normalised_gradient():
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    real = g + 0.3 * torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    fake = g + 0.5 * torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    real[2] = fake[2] = g[2]  # a row whose predictions are the output itself: 0/0, set to 0 as the release
+    want = _release_grad(g, real, fake)
+    got = dm_gradient(g, real, fake)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert float(want[:2].abs().min()) > 0 and torch.equal(got[2], torch.zeros_like(got[2]))
+    # the loss: ½·mse(latents, sg(latents − grad)) over all elements = the mean over rows of ours; its gradient
+    # with respect to the output is grad / (rows · 20)
+    leaf = g.clone().float().requires_grad_(True)
+    loss = dm_loss(leaf, got).mean()
+    release = 0.5 * torch.nn.functional.mse_loss(g, (g - want).detach())
+    assert float(loss.detach()) == pytest.approx(float(release), rel=1e-5)
+    loss.backward()
+    torch.testing.assert_close(leaf.grad.double(), want / (3 * 20), rtol=1e-5, atol=1e-9)
+
+
+def test_the_fake_score_loss_is_the_flow_matching_error_on_the_detached_output():
+    gen = torch.Generator().manual_seed(1)
+    v, g, eps = (torch.randn(2, 3, 4, generator=gen) for _ in range(3))
+    g.requires_grad_(True)
+    v.requires_grad_(True)
+    got = fake_score_loss(v, g, eps)
+    want = torch.stack([((v[i] - (eps[i] - g[i])) ** 2).mean() for i in range(2)])
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    assert g.grad is None  # no gradient reaches the student through the fake score's loss
+
+
+def test_the_sigmas_are_the_releases_integer_timesteps_as_flow_sigmas():
+    s = draw_sigmas(torch.Generator().manual_seed(0), 4000, 20, 981, 1000)
+    t = (s.double() * 1000).round() - 1
+    assert float(t.min()) == 20 and float(t.max()) == 980  # randint(20, 981): 20 … 980, (t + 1)/1000
+    assert torch.allclose(s.double(), (t + 1) / 1000, atol=1e-7)
+
+
+def test_the_generator_steps_first_on_every_ratio_th_iteration_then_the_fake_score():
+    assert iteration_schedule(0, 4, 2) == [("generator", 0), ("fake", 0), ("fake", 1), ("generator", 2), ("fake", 2),
+                                           ("fake", 3)]
+    # iterations counted across epochs: after 3, iteration 5 (the third of this epoch) is the next generator one
+    assert iteration_schedule(3, 3, 5) == [("fake", 0), ("fake", 1), ("generator", 2), ("fake", 2)]
+    assert iteration_schedule(0, 2, 1) == [("generator", 0), ("fake", 0), ("generator", 1), ("fake", 1)]
+
+
+def test_settings_are_refused_before_any_model_loads():
+    with pytest.raises(ValueError, match="leave no timestep"):
+        build_config({"objective": {"name": "dmd2", "min_step_percent": 0.5, "max_step_percent": 0.4}})
+    cfg = build_config({"objective": {"name": "dmd2"}, "train": {"inner_epochs": 2}})
+    with pytest.raises(ValueError, match=r"train.inner_epochs=2: set it to 1"):
+        build_objective(cfg).validate()
+    with pytest.raises(ValueError, match="is not a folder"):
+        build_objective(build_config({"objective": {"name": "dmd2", "teacher": "/no/such/folder"}})).validate()
+
+
+# ---------------------------------------------------------------------------------------------- the update loop
+B, D, T = 8, 3, 4
+ROLLOUT_G, REAL_G = 3.0, 4.0
+HELD = 7  # a sample the group filter leaves out (keep False)
+
+
+class Recording(FakeOptim):
+    """:class:`FakeOptim` (plain SGD, gradients recorded) that also logs which optimizer stepped, in order."""
+
+    def __init__(self, model, name, log) -> None:
+        super().__init__(model)
+        self.name, self.log, self.norms = name, log, []
+        self.sync_every_micro_batch = True
+
+    def step(self, epoch):
+        norm = super().step(epoch)
+        self.log.append(self.name)
+        return norm
+
+
+def _f(theta, x, sigma, e, g):
+    w, b, c = theta
+    return w * x + b * sigma.reshape(-1, 1) + c * e + 0.05 * g
+
+
+def _values(module):
+    return [float(p.detach()) for p in module.parameters()]
+
+
+def _setup():
+    cfg = build_config({"objective": {"name": "dmd2", "dfake_gen_update_ratio": 2, "real_guidance_scale": REAL_G},
+                        "sampling": {"num_steps": T, "guidance_scale": ROLLOUT_G},
+                        "train": {"prompts_per_epoch": 4, "group_size": 2, "rollout_batch_size": 8,
+                                  "train_batch_size": 2, "optimizer_steps_per_epoch": 4, "seed": 5}})
+    obj = build_objective(cfg)
+    adapter, log = FakeAdapter(), []
+    optim = Recording(adapter.transformer, "generator", log)
+    obj.prepare(optim)
+    obj.teacher = Lin().requires_grad_(False)
+    with torch.no_grad():
+        for p, v in zip(obj.teacher.parameters(), (0.9, -0.1, 0.5), strict=True):
+            p.fill_(v)
+    obj.fake = obj.fake_forward = copy.deepcopy(obj.teacher).requires_grad_(True)
+    obj.fake_optim = Recording(obj.fake, "fake", log)
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn(B, T + 1, D, generator=gen)
+    samples = PathSamples(
+        x0=latents[:, -1], initial_noise=latents[:, 0], sigmas=torch.linspace(1, 0, T + 1),
+        group_ids=torch.tensor([10, 10, 11, 11, 12, 12, 13, 13]), sample_index=torch.tensor([0, 1] * 4),
+        embeds=PromptEmbeds({"e": torch.randn(B, D, generator=gen)}), images=torch.zeros(B, 3, 1, 1),
+        prompts=["p"] * B, metadata=[{}] * B, guidance_scale=ROLLOUT_G, latents=latents)
+    adv = Advantages(values=torch.zeros(B), train_mask=torch.zeros(B, dtype=torch.bool), zero_spread_frac=0.0,
+                     nan_frac=0.0, learning_frac=0.0)
+    draws = []
+    real = obj.draw
+
+    def recording(work, rows, inner, kind):
+        out = real(work, rows, inner, kind)
+        draws.append(out)
+        return out
+
+    obj.draw = recording
+    return obj, adapter, optim, samples, adv, draws
+
+
+def _generator_rows(theta, phi, teacher, s, d):
+    """The release's L_DM of draw ``d``'s rows (float64) with the student's weights ``theta``."""
+    x = s.latents[d.rows, d.step].double()
+    sj = float(s.sigmas[d.step])
+    e = s.embeds["e"][d.rows].double()
+    g = x - sj * _f(theta, x, torch.full((len(d.rows),), sj, dtype=torch.float64), e, ROLLOUT_G)
+    sig = d.sigma.double()
+    xt = (1 - sig.reshape(-1, 1)) * g.detach() + sig.reshape(-1, 1) * d.noise.double()
+    pred_real = xt - sig.reshape(-1, 1) * _f(teacher, xt, sig, e, REAL_G)
+    pred_fake = xt - sig.reshape(-1, 1) * _f(phi, xt, sig, e, 1.0)
+    p_real, p_fake = g.detach() - pred_real, g.detach() - pred_fake
+    grad = torch.nan_to_num((p_real - p_fake) / p_real.abs().mean(dim=1, keepdim=True))
+    return 0.5 * ((g - (g - grad).detach()) ** 2).mean(dim=1)
+
+
+def _fake_rows(theta, phi, s, d):
+    """The fake score's flow-matching loss of draw ``d``'s rows on the output under ``theta`` (detached)."""
+    x = s.latents[d.rows, d.step].double()
+    sj = float(s.sigmas[d.step])
+    e = s.embeds["e"][d.rows].double()
+    g = (x - sj * _f(theta, x, torch.full((len(d.rows),), sj, dtype=torch.float64), e, ROLLOUT_G)).detach()
+    sig = d.sigma.double()
+    xt = (1 - sig.reshape(-1, 1)) * g + sig.reshape(-1, 1) * d.noise.double()
+    return ((_f(phi, xt, sig, e, 1.0) - (d.noise.double() - g)) ** 2).mean(dim=1)
+
+
+def test_each_step_of_the_generator_and_the_fake_score_follows_the_release_in_order():
+    """4 iterations of one micro-batch of 2, ratio 2: generator, fake, fake, generator, fake, fake. Each generator
+    step uses the fake score as the fake steps before it left it; each fake step trains on the student's output
+    from the start of its iteration (before that iteration's generator step); sample 7 (left out) trains nothing."""
+    obj, adapter, optim, s, adv, draws = _setup()
+    keep = torch.ones(B, dtype=torch.bool)
+    keep[HELD] = False
+    work = obj.plan(s, adv, keep, epoch=0)
+    assert work.step_rows == [2.0, 2.0, 2.0, 1.0]
+    theta = torch.tensor(_values(adapter.transformer), dtype=torch.float64)
+    phi = torch.tensor(_values(obj.fake), dtype=torch.float64)
+    teacher = torch.tensor(_values(obj.teacher), dtype=torch.float64)
+    metrics = run_update(obj, adapter, optim, work, inner_epochs=1, progress=False)
+    assert optim.log == ["generator", "fake", "fake", "generator", "fake", "fake"]
+    gen_grads, fake_grads = iter(optim.grads), iter(obj.fake_optim.grads)
+    by_kind = {k: [d for d in draws if d.kind == k] for k in ("generator", "fake")}
+    trained = keep.double()
+    for i in range(4):
+        start = theta.clone()
+        for kind in ("generator", "fake") if i % 2 == 0 else ("fake",):
+            d = by_kind[kind].pop(0)
+            assert d.rows.tolist() == [2 * i, 2 * i + 1]
+            w = trained[d.rows]
+            if kind == "generator":
+                th = theta.clone().requires_grad_(True)
+                loss = (_generator_rows(th, phi, teacher, s, d) * w).sum() / w.sum()
+                (want,) = torch.autograd.grad(loss, th)
+                got = next(gen_grads)
+                theta = theta - LR * torch.tensor(got, dtype=torch.float64)
+            else:
+                ph = phi.clone().requires_grad_(True)
+                loss = (_fake_rows(start, ph, s, d) * w).sum() / w.sum()
+                (want,) = torch.autograd.grad(loss, ph)
+                got = next(fake_grads)
+                phi = phi - LR * torch.tensor(got, dtype=torch.float64)
+            assert got == pytest.approx(want.tolist(), rel=1e-5, abs=1e-8), (i, kind, got, want)
+            assert max(abs(v) for v in got) > 1e-4  # the step moved its weights: the comparison has power
+    assert _values(adapter.transformer) == pytest.approx(theta.tolist(), rel=1e-6)
+    assert _values(obj.fake) == pytest.approx(phi.tolist(), rel=1e-6)
+    assert metrics["objective/rows"] == 4 and metrics["objective/fake_rows"] == 7
+    # the student's forwards at the rollout's guidance, the teacher's at its own, the fake score's at 1
+    assert set(adapter.guidances) == {ROLLOUT_G, REAL_G, 1.0}
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def tiny_sd3_dir(tmp_path_factory):
+    """tests/training/conftest.py's tiny SD3.5 pipeline (its tokenizers know the test prompts' words)."""
+    from flowgrpo.models.sd3 import build_tiny_sd3
+
+    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"), seed=0, words="a red cube blue ball".split())
+
+
+def _run_config(tmp_path, model_dir, teacher, out: str = "run", **sections) -> dict:
+    """tests/training/objective_runs.py's one-epoch tiny run (4 samples, 2 iterations of one micro-batch of 2)
+    of DMD2 with ratio 2 (iteration 0: generator and fake score; iteration 1: fake score) and ``teacher``."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a red cube", "digit": 3}\n{"prompt": "a blue ball", "digit": 7}\n')
+    return tiny_run(tmp_path / out, model_dir, {"name": "dmd2", "dfake_gen_update_ratio": 2, "teacher": str(teacher)},
+                    prompts, {"rewards": [{"name": "digit_correctness"}]}, sections)
+
+
+def _check_epoch(rec: dict) -> None:
+    """An epoch of two iterations: one generator step of 2 rows, two fake steps of 2 rows each."""
+    assert rec["objective/rows"] == 2 and rec["objective/fake_rows"] == 4
+    assert rec["policy/grad_norm"] > 0 and rec["objective/fake_grad_norm"] > 0
+    assert rec["objective/loss"] > 0 and rec["objective/fake_loss"] > 0
+
+
+def test_without_a_teacher_folder_the_teacher_is_the_base_model_and_the_fake_score_a_trainable_copy(tiny_flux_dir):
+    """``objective.teacher`` unset: the real score is a fresh load of ``model.pretrained``'s transformer (frozen, in
+    eval mode), the fake score another module with the same weights, trained; neither is the student."""
+    from flowgrpo.models import load_model_from_config
+
+    cfg = build_config({"model": {"pretrained": str(tiny_flux_dir), "max_sequence_length": 16, "height": 32,
+                                  "width": 32}, "objective": {"name": "dmd2"}})
+    obj = build_objective(cfg)
+    adapter = load_model_from_config(cfg.model, progress=False)
+    obj.attach(adapter, None)
+    student = dict(adapter.transformer.named_parameters())
+    for module, trained in ((obj.teacher, False), (obj.fake, True)):
+        assert module is not adapter.transformer
+        named = dict(module.named_parameters())
+        assert named.keys() == student.keys() and all(torch.equal(named[k], student[k]) for k in named)
+        assert all(p.requires_grad == trained for p in named.values())
+    assert obj.fake is not obj.teacher and obj.fake_optim.params == list(obj.fake.parameters())
+    assert not obj.teacher.training
+
+
+@pytest.mark.slow
+def test_an_epoch_on_the_tiny_sd35_moves_the_student_and_the_fake_score(tmp_path, tiny_sd3_dir):
+    from flowgrpo.runner import run
+
+    run(build_config(_run_config(tmp_path, tiny_sd3_dir, _teacher(tmp_path, tiny_sd3_dir))))
+    rec = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    _check_epoch(rec)
+    assert rec["objective/fake_steps"] == 2
+    # the rollout: T = 3 Euler calls for each of 2 micro-batches; the update: the generator step's forward with
+    # gradient and iteration 1's student output without (iteration 0's fake step reuses the generator's); the
+    # real and fake scores are other modules
+    assert rec["rollout/transformer_calls"] == 6 and rec["update/transformer_calls"] == 2
+    ckpt = tmp_path / "run" / "checkpoints" / "epoch_0"
+    weights = load_file(ckpt / "trainable.safetensors")
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in weights.items())
+    state = load_file(ckpt / "objective.safetensors")
+    teacher = load_file(next((tmp_path / "teacher").glob("*.safetensors")))
+    moved = [k for k in teacher if not torch.equal(state[f"fake.{k}"], teacher[k])]
+    assert moved and float(state["fake_optim.steps"]) == 2  # the fake score trained, from the teacher
+
+
+@pytest.mark.slow
+def test_two_epochs_on_the_tiny_flux_through_the_command(tmp_path):
+    """``python -m flowgrpo.cli train CONFIG`` with ``model.pretrained=tiny`` (the embedded tiny FLUX) and a teacher
+    made from it; the second epoch's first iteration (2) is a generator one again."""
+    from flowgrpo.models import resolve_pretrained
+
+    tiny = Path(resolve_pretrained("tiny"))
+    cfg = _run_config(tmp_path, "tiny", _teacher(tmp_path, tiny))
+    path = tmp_path / "dmd2.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "train", str(path), "train.num_epochs=2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["objective/fake_steps"] for r in recs] == [2, 4]
+    for rec in recs:
+        _check_epoch(rec)
+
+
+@pytest.mark.slow
+def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir):
+    """The fake score's weights, its optimizer's state and its step count (the iteration count) are in the
+    checkpoint: the resumed run's epoch 1 equals the uninterrupted one's to the bit."""
+    teacher = _teacher(tmp_path, tiny_flux_dir)
+    assert_resume_equals_whole(
+        tmp_path, lambda out, **s: build_config(_run_config(tmp_path, tiny_flux_dir, teacher, out, **s)),
+        files=("trainable.safetensors", "objective.safetensors"), figures=("objective/loss", "objective/fake_loss"))
+
+
+@pytest.mark.slow
+def test_in_bfloat16_the_fake_score_trains_float32_weights(tmp_path, tiny_flux_dir):
+    """``model.dtype=bfloat16``: the teacher in bfloat16, the fake score float32 master weights computing in bfloat16
+    (the release's float32 fake UNet under autocast): a step of lr 1e-6 still moves it (bfloat16 weights would round
+    most such steps away)."""
+    from flowgrpo.runner import run
+
+    teacher = _teacher(tmp_path, tiny_flux_dir)
+    run(build_config(_run_config(tmp_path, tiny_flux_dir, teacher, model={"dtype": "bfloat16"},
+                                 objective={"fake_lr": 1e-6})))
+    _check_epoch(read_metrics(tmp_path / "run" / "metrics.jsonl")[0])
+    state = load_file(tmp_path / "run" / "checkpoints" / "epoch_0" / "objective.safetensors")
+    weights = load_file(next((tmp_path / "teacher").glob("*.safetensors")))
+    assert all(state[f"fake.{k}"].dtype == torch.float32 for k in weights)
+    moved = sum(not torch.equal(state[f"fake.{k}"], weights[k].to(torch.bfloat16).float()) for k in weights)
+    assert moved > len(weights) // 2, (moved, len(weights))
+
+
+def sharding_config(root: Path, tiny: Path, name: str, objective: dict, **sections) -> Path:
+    """tests/training/test_path_sharding.py's run (4 prompts of a digit × G = 2, micro-batches of one group, the
+    digits reward) with ``sections`` (``parallel``) merged."""
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{p}", "digit": {d}}}\n' for p, d in
+                               (("a red cube", 1), ("a blue ball", 4), ("a green tree", 7), ("a red ball", 9))))
+    return sharding_base(root, tiny, name, objective=objective, algo={"clip_range": 1e-4},
+                         train={"prompts_per_epoch": 4, "rollout_batch_size": 2, "train_batch_size": 2},
+                         rewards=[{"name": "digit_correctness"}], data={"train_prompts": str(prompts)}, **sections)
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, tiny_flux_dir) -> Path:
+    root = tmp_path_factory.mktemp("dmd2_sharding")
+    o = {"name": "dmd2", "teacher": str(_teacher(root, tiny_flux_dir))}
+    _in_process(sharding_config(root, tiny_flux_dir, "dmd2_one", o))
+    two = [sharding_config(root, tiny_flux_dir, "dmd2_two", o),
+           sharding_config(root, tiny_flux_dir, "dmd2_fsdp2", o, parallel=SHARDED)]
+    _ok(_torchrun(["--nproc_per_node", "2", "--master_port", _free_port()], two))
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("two", ["dmd2_two", "dmd2_fsdp2"])
+def test_a_two_process_epoch_equals_one_process(two_process_runs, two):
+    """8 samples, one iteration (generator step, then fake step) over all of them, on two processes (DDP, or the
+    student sharded by FSDP2 with the teacher and the fake score whole on each): the student's and the fake
+    score's weights (the fake score's gradients averaged over the processes by its own optimizer) as one
+    process's."""
+    assert_two_processes_equal_one(two_process_runs / "dmd2_one", two_process_runs / two,
+                                   rollout_keys=("reward_total", "group_ids", "initial_latents"),
+                                   parts=("trainable", "objective"), rows=8,
+                                   figures=("objective/loss", "objective/fake_loss", "objective/fake_grad_norm"))
