@@ -46,7 +46,7 @@ from typing import NoReturn
 
 import torch
 
-from flowgrpo.argtypes import int_in
+from flowgrpo.argtypes import OneLineParser, int_in
 from flowgrpo.rewards.registry import RewardLoadError, load_reward
 from flowgrpo.rewards.remote import WIRE_VERSION
 from flowgrpo.rewards.serving import (
@@ -527,7 +527,7 @@ class ServerThread:
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="flowgrpo-reward-server",
         description="Serve a registered flowgrpo reward over HTTP (JSON with base64 PNG images; never pickle).",
     )
