@@ -9,7 +9,6 @@ check that needs the model (the objective on the model's σ grid) is :func:`chec
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -23,9 +22,8 @@ from flowgrpo.config import ConfigError, build_config, parse_override, read_yaml
 from flowgrpo.data.image_sets import check_dataset_images
 from flowgrpo.data.prompts import PromptSet, load_prompts
 from flowgrpo.rewards.compose import ComposedReward
-from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
+from flowgrpo.rewards.registry import check_reward_kwargs, load_reward
 from flowgrpo.sampling.sde import noise_level_warning
-from flowgrpo.strategies.registry import did_you_mean
 from flowgrpo.training.run_folder import (
     checkpoint_run_config,
     latest_run_config,
@@ -115,25 +113,10 @@ def check_strategies(config) -> Objective:
 
 def check_rewards(specs) -> None:
     """Resolve every reward name and check its kwargs against the constructor's signature, without constructing
-    it (no weights load). Raises :class:`~flowgrpo.rewards.registry.RewardLoadError` with a suggestion."""
+    it (no weights load; :func:`~flowgrpo.rewards.registry.check_reward_kwargs`, which the reward server shares).
+    Raises :class:`~flowgrpo.rewards.registry.RewardLoadError` with a suggestion."""
     for spec in specs:
-        factory, _ = resolve_reward_factory(spec.name)
-        try:
-            sig = inspect.signature(factory)
-        except (TypeError, ValueError):  # a builtin or C factory: its own call checks the kwargs
-            continue
-        params = sig.parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            continue
-        allowed = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        for key in spec.kwargs:
-            if key not in allowed:
-                raise RewardLoadError(f"reward {spec.name!r} has no keyword argument {key!r} (rewards[].kwargs); "
-                                      f"it accepts {allowed}{did_you_mean(key, allowed)}")
-        try:
-            sig.bind(**spec.kwargs)
-        except TypeError as err:
-            raise RewardLoadError(f"reward {spec.name!r}: {err} (rewards[].kwargs); it accepts {allowed}") from None
+        check_reward_kwargs(spec.name, spec.kwargs, "rewards[].kwargs")
 
 
 def check_batch(config, world_size: int, per_sample: int | None = None, objective: Objective | None = None) -> None:

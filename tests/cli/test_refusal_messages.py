@@ -78,3 +78,21 @@ def test_ocr_still_reads_a_text_file(tmp_path):
     src.write_text('a sign that says "open"\n')
     cli_main(["prompts", "ocr", str(src), "--out", str(tmp_path / "out.txt")])
     assert (tmp_path / "out.txt").read_text() == 'a sign that says "open"\n'
+
+
+def test_reward_server_kwarg_typo_is_named_as_train_names_it(capsys):
+    """Before: the raw TypeError; now the line ``flowgrpo train`` gives for the same typo in rewards[].kwargs."""
+    from flowgrpo.config import RewardSpec
+    from flowgrpo.preflight import check_rewards
+    from flowgrpo.rewards.registry import RewardLoadError
+    from flowgrpo.rewards.server import main as server_main
+
+    with pytest.raises(RewardLoadError) as train_err:
+        check_rewards([RewardSpec(name="jpeg_compressibility", kwargs={"qualty": 5})])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        server_main(["--reward", "jpeg_compressibility", "--kwargs", '{"qualty": 5}'])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.count("\n") == 1, err
+    assert "did you mean 'quality'?" in err and "unexpected keyword" not in err
+    assert str(train_err.value).replace("rewards[].kwargs", "--kwargs") in err
