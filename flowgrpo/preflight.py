@@ -34,6 +34,7 @@ from flowgrpo.training.run_folder import (
     refuse_foreign_run_files,
     refuse_linked_run_files,
     refuse_older_resume,
+    refuse_overwrite_with_resume,
 )
 from flowgrpo.writing.metrics import read_metrics
 from flowgrpo.writing.outputs import OutputRefused, check_folder
@@ -68,11 +69,13 @@ def resolve_auto_resume(config, overrides: list[str] = (), config_file: str | No
     named is then not used (a warning says so): the run continues with its own settings.
 
     Raises:
-        ConfigError: a checkpoint exists but no ``config.yaml`` beside it; or the folder holds a finished run's
+        ConfigError: ``logging.overwrite=true`` with ``auto`` (they contradict each other; said first, quoting
+            ``auto``); a checkpoint exists but no ``config.yaml`` beside it; or the folder holds a finished run's
             results (``summary.json``, the final weights) but no checkpoint to continue from: nothing is removed.
     """
     if config.train.resume_from != "auto":
         return config
+    refuse_overwrite_with_resume(config)  # before anything is said or read: `auto` as typed
     out = Path(config.output_dir)
     has_checkpoint = (out / "checkpoints" / "latest").exists()
     if not has_checkpoint and not (out / "config.yaml").exists():

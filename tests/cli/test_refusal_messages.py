@@ -96,3 +96,21 @@ def test_reward_server_kwarg_typo_is_named_as_train_names_it(capsys):
     assert ended.value.code == 2 and err.count("\n") == 1, err
     assert "did you mean 'quality'?" in err and "unexpected keyword" not in err
     assert str(train_err.value).replace("rewards[].kwargs", "--kwargs") in err
+
+
+def test_overwrite_with_resume_auto_is_refused_first_quoting_auto(tmp_path, caplog):
+    """Before: two INFO lines (the run continued, its saved config) and then the refusal naming the resolved
+    ``RUN/checkpoints`` instead of the ``auto`` typed."""
+    from flowgrpo.config import ConfigError, load_config
+    from flowgrpo.preflight import resolve_auto_resume
+
+    run = _stopped_run(tmp_path / "run")
+    cfg_file = Path(__file__).resolve().parents[2] / "configs" / "tiny_jpeg.yaml"
+    overrides = [f"output_dir={run}", "logging.overwrite=true", "train.resume_from=auto"]
+    (run / "config.yaml").write_text(cfg_file.read_text())
+    config = load_config(cfg_file, overrides)
+    with caplog.at_level("INFO"), pytest.raises(ConfigError) as err:
+        resolve_auto_resume(config, overrides, config_file=str(cfg_file))
+    assert "logging.overwrite=true and train.resume_from=auto contradict" in str(err.value)
+    assert str(run / "checkpoints") not in str(err.value)
+    assert caplog.records == []
