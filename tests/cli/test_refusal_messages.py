@@ -114,3 +114,19 @@ def test_overwrite_with_resume_auto_is_refused_first_quoting_auto(tmp_path, capl
     assert "logging.overwrite=true and train.resume_from=auto contradict" in str(err.value)
     assert str(run / "checkpoints") not in str(err.value)
     assert caplog.records == []
+
+
+def test_a_recorded_file_replaced_by_a_link_is_called_a_link(tmp_path):
+    """Before: a grid.png replaced by a symbolic link was refused as "changed since, so it is yours"."""
+    from flowgrpo.writing.outputs import OutputRefused, check_written, claim_folder, record_written
+
+    out = tmp_path / "out"
+    claim_folder(out, "sample", "--out")
+    (out / "grid.png").write_bytes(b"grid")
+    record_written(out, "sample", ["grid.png"])
+    (out / "grid.png").unlink()
+    (out / "grid.png").symlink_to(tmp_path / "elsewhere.png")
+    with pytest.raises(OutputRefused) as err:
+        check_written(out, "--out", r"grid\.png")
+    assert "'grid.png'" in str(err.value) and "symbolic link" in str(err.value)
+    assert "so it is yours" not in str(err.value)
