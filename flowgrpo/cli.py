@@ -83,6 +83,7 @@ def _sample_settings(args: argparse.Namespace) -> dict:
                              "model")
         cfg = load_config(cfg_path, [f"{RUN_OVERRIDES[k]}={getattr(args, k)}" for k in RUN_OVERRIDES
                                      if _given(args, k)])
+        _check_sample_size(args, cfg.model.pretrained, {"height": cfg.model.height, "width": cfg.model.width})
         default_count = cfg.data.eval_num_prompts if cfg.data.eval_prompts else min(cfg.data.eval_num_prompts,
                                                                                      cfg.batch_size)
         return {"build": lambda: load_model_from_config(cfg.model),  # as training built it (+ the overrides)
@@ -94,11 +95,20 @@ def _sample_settings(args: argparse.Namespace) -> dict:
     if not args.model:
         raise ValueError("give --run RUN_DIR or --model")
     v = {k: getattr(args, k) if _given(args, k) else d for k, d in SAMPLE_DEFAULTS.items()}
+    _check_sample_size(args, args.model, {"height": v["height"], "width": v["width"]})
     return {"build": lambda: load_model(args.model, dtype=v["dtype"], height=v["height"], width=v["width"],
                                         max_sequence_length=v["max_sequence_length"], num_frames=v["num_frames"]),
             "steps": v["num_steps"], "guidance": v["guidance_scale"], "seed": v["seed"],
             "weights": Path(args.lora) if args.lora else None, "prompt_file": args.prompts,
             "count": args.num_images, "cache": None}
+
+
+def _check_sample_size(args: argparse.Namespace, pretrained: str, sizes: dict) -> None:
+    """The family's size rule (:func:`flowgrpo.preflight.check_size`) on the frame size, before the model
+    loads; a size is named as given: ``--height`` when given, else the run's ``model.height``."""
+    from flowgrpo.preflight import check_size
+
+    check_size(pretrained, {(f"--{k}" if _given(args, k) else f"model.{k}"): v for k, v in sizes.items()})
 
 
 def _load_weights(adapter, weights: Path) -> None:
