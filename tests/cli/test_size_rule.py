@@ -82,3 +82,25 @@ def test_train_preflight_refuses_the_size_before_loading(tmp_path, tiny_flux_dir
         preflight(config, world_size=1)
     assert str(err.value).startswith(f"model.height=13: FLUX needs a positive multiple of {step}")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("module", "builder", "truth"), [
+    ("flowgrpo.models.sd3", "build_tiny_sd3", lambda p: p.vae_scale_factor * p.patch_size),
+    ("flowgrpo.models.qwenimage", "build_tiny_qwenimage", lambda p: p.vae_scale_factor * 2),
+    ("flowgrpo.models.wan", "build_tiny_wan",
+     lambda p: p.vae_scale_factor_spatial * p.transformer.config.patch_size[1]),
+    ("flowgrpo.models.ltx2", "build_tiny_ltx2", lambda p: p.vae_spatial_compression_ratio),
+    ("flowgrpo.models.flux2", "build_tiny_flux2_klein", lambda p: p.vae_scale_factor * 2),
+])
+def test_size_rule_is_each_loaded_pipelines(tmp_path, module, builder, truth):
+    """The step read from the folder's configs is the one the loaded diffusers pipeline computes (the adapters'
+    own checks use these attributes)."""
+    import importlib
+
+    import diffusers
+
+    folder = tmp_path / "model"
+    getattr(importlib.import_module(module), builder)(folder)
+    pipe = getattr(diffusers, json.loads((folder / "model_index.json").read_text())["_class_name"]).from_pretrained(
+        folder)
+    assert size_rule(str(folder))[1] == truth(pipe)
