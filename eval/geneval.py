@@ -32,6 +32,7 @@ from flowgrpo_rewards.geneval.detector import DEFAULT_DETECTOR, DEFAULT_SCALE, b
 from flowgrpo_rewards.geneval.reward import GenEvalScorer, to_pil
 from flowgrpo_rewards.geneval.rules import TASKS, RuleConfig, details, evaluation_metadata, validate_metadata
 
+from flowgrpo.argtypes import OneLineParser
 from flowgrpo.cli import DefaultsHelpFormatter
 from flowgrpo.rewards.base import MissingWeightsError
 from flowgrpo.writing.outputs import check_folder, claim_folder, write_text_file
@@ -43,7 +44,7 @@ TINY_IMAGE_SIZE = 64
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
     src = p.add_argument_group("what to evaluate (one of)")
     src.add_argument("--model", help="diffusers folder or hub id (or 'tiny', 'digits') to generate with")
     src.add_argument("--images", type=Path, help="score this existing folder in GenEval's layout instead")

@@ -4,7 +4,22 @@ error naming the option, the value and the allowed range (never a traceback late
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from typing import NoReturn
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``argparse.ArgumentParser`` whose errors are one line, ``PROG: error: MESSAGE`` on stderr, exit status 2,
+    without the usage block argparse prints before it (``--help`` still shows the usage). Subparsers made by
+    ``add_subparsers`` are of this class too (argparse's default ``parser_class`` is the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Write ``PROG: error: MESSAGE`` (newlines in ``message`` joined with "; ") and exit 2."""
+        line = "; ".join(part.strip() for part in message.splitlines() if part.strip())
+        sys.stderr.write(f"{self.prog}: error: {line}\n")
+        sys.stderr.flush()
+        sys.exit(2)
 
 
 def int_in(low: int, high: int | None = None, meaning: str = "") -> Callable[[str], int]:

@@ -17,7 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
-from flowgrpo.argtypes import float_at_least, int_in
+from flowgrpo.argtypes import OneLineParser, float_at_least, int_in
 
 logger = logging.getLogger("flowgrpo.cli")
 # Each subcommand imports its own modules when it runs (deliberately lazy): ``flowgrpo --help`` and ``flowgrpo
@@ -77,8 +77,13 @@ def _sample_settings(args: argparse.Namespace) -> dict:
         cfg_path = Path(args.run) / "config.yaml"
         if not cfg_path.is_file():
             raise ValueError(f"{args.run!r} is not a run folder (no config.yaml in it)")
+        if not _is_run_folder(Path(args.run)):
+            raise ValueError(f"--run {args.run!r} is not a flowgrpo run folder (its config.yaml was not written by "
+                             "flowgrpo train); give the output_dir of a training run, or --model to sample a base "
+                             "model")
         cfg = load_config(cfg_path, [f"{RUN_OVERRIDES[k]}={getattr(args, k)}" for k in RUN_OVERRIDES
                                      if _given(args, k)])
+        _check_sample_size(args, cfg.model.pretrained, {"height": cfg.model.height, "width": cfg.model.width})
         default_count = cfg.data.eval_num_prompts if cfg.data.eval_prompts else min(cfg.data.eval_num_prompts,
                                                                                      cfg.batch_size)
         return {"build": lambda: load_model_from_config(cfg.model),  # as training built it (+ the overrides)
@@ -90,11 +95,20 @@ def _sample_settings(args: argparse.Namespace) -> dict:
     if not args.model:
         raise ValueError("give --run RUN_DIR or --model")
     v = {k: getattr(args, k) if _given(args, k) else d for k, d in SAMPLE_DEFAULTS.items()}
+    _check_sample_size(args, args.model, {"height": v["height"], "width": v["width"]})
     return {"build": lambda: load_model(args.model, dtype=v["dtype"], height=v["height"], width=v["width"],
                                         max_sequence_length=v["max_sequence_length"], num_frames=v["num_frames"]),
             "steps": v["num_steps"], "guidance": v["guidance_scale"], "seed": v["seed"],
             "weights": Path(args.lora) if args.lora else None, "prompt_file": args.prompts,
             "count": args.num_images, "cache": None}
+
+
+def _check_sample_size(args: argparse.Namespace, pretrained: str, sizes: dict) -> None:
+    """The family's size rule (:func:`flowgrpo.preflight.check_size`) on the frame size, before the model
+    loads; a size is named as given: ``--height`` when given, else the run's ``model.height``."""
+    from flowgrpo.preflight import check_size
+
+    check_size(pretrained, {(f"--{k}" if _given(args, k) else f"model.{k}"): v for k, v in sizes.items()})
 
 
 def _load_weights(adapter, weights: Path) -> None:
@@ -110,12 +124,21 @@ def _load_weights(adapter, weights: Path) -> None:
                          + _unfinished_run_hint(weights.parent))
 
 
-def _unfinished_run_hint(run: Path) -> str:
+def _is_run_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a flowgrpo training run's output_dir, by the test ``flowgrpo train`` itself uses to
+    recognise its run folders (:func:`flowgrpo.writing.outputs.owner`: its marker, or a resolved config.yaml)."""
+    from flowgrpo.writing.outputs import owner
+
+    return owner(folder) == "run"
+
+
+def _unfinished_run_hint(run: Path, then: str = "sample it") -> str:
     """For a run folder without final weights: a run still training there (it holds the folder's lock,
     :func:`flowgrpo.writing.run_lock.lock_holder`) is said to be running, with its checkpoints so far; else the
     checkpoints a resume could finish it from (newest first, the one ``train.resume_from=auto`` picks named) and
-    the command; empty for a folder that is not a run."""
-    if not (run / "config.yaml").is_file():
+    the command; ``then`` is what to do after (``"sample it"``, ``"push it"``); empty for a folder that is not a
+    run (:func:`_is_run_folder`). Shared by ``flowgrpo sample`` and ``flowgrpo push``."""
+    if not _is_run_folder(run):
         return ""
     from flowgrpo.checkpoints.health import checkpoint_folders, newest_healthy
     from flowgrpo.writing.run_lock import lock_holder
@@ -124,9 +147,9 @@ def _unfinished_run_hint(run: Path) -> str:
     holder = lock_holder(run)
     if holder is not None:  # a live run holds the folder: it has not stopped, it is training
         return (f": the run is still training (it holds the run folder's lock: {holder}); its final weights are "
-                f"written when it ends: wait for it to finish, then sample it (checkpoints so far: "
+                f"written when it ends: wait for it to finish, then {then} (checkpoints so far: "
                 f"{', '.join(done) or 'none'})")
-    finish = f"finish it with `flowgrpo train output_dir={run} train.resume_from=auto`, then sample it"
+    finish = f"finish it with `flowgrpo train output_dir={run} train.resume_from=auto`, then {then}"
     if not done:
         return f": the run stopped before its first checkpoint and its final weights; {finish}"
     pick = newest_healthy(run / "checkpoints")
@@ -342,7 +365,9 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
                           "folder (the output_dir of a finished run, holding lora/ or transformer/)")
     weights = next((run / d for d in ("lora", "transformer") if (run / d).is_dir()), None)
     if weights is None:
-        raise PushRefused(f"{str(run)!r} holds no lora/ or transformer/ folder (is it a run folder?)")
+        hint = _unfinished_run_hint(run, then="push it")
+        raise PushRefused(f"{str(run)!r} holds no lora/ or transformer/ folder" + (hint or " and is not a flowgrpo "
+                          "run folder; give the output_dir of a finished training run"))
     if not (weights / "README.md").exists():
         logger.warning("%s has no model card README.md (runs of older versions): pushing the weights alone", weights)
     api = HfApi(endpoint=endpoint, token=token)
@@ -410,7 +435,7 @@ def _sample_arguments(s: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     """The ``flowgrpo`` command's parser (``train`` is only listed: its own parser is :func:`flowgrpo.runner.main`)."""
-    parser = argparse.ArgumentParser(prog="flowgrpo", description=__doc__,
+    parser = OneLineParser(prog="flowgrpo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train (same as flowgrpo/train.py; flowgrpo train --help lists the config)",
@@ -453,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
         train_main(argv[1:], prog="flowgrpo train")
         return
     if argv and argv[0] == "plan":  # overrides may follow the options: parsed intermixed, by its own parser
-        args = _plan_arguments(argparse.ArgumentParser(prog="flowgrpo plan", formatter_class=DefaultsHelpFormatter,
+        args = _plan_arguments(OneLineParser(prog="flowgrpo plan", formatter_class=DefaultsHelpFormatter,
                                                        description="per-GPU and host memory of a config on N GPUs, "
                                                        "by part, and whether it fits")).parse_intermixed_args(argv[1:])
         args.command = "plan"

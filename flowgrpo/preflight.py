@@ -9,7 +9,6 @@ check that needs the model (the objective on the model's σ grid) is :func:`chec
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -23,9 +22,8 @@ from flowgrpo.config import ConfigError, build_config, parse_override, read_yaml
 from flowgrpo.data.image_sets import check_dataset_images
 from flowgrpo.data.prompts import PromptSet, load_prompts
 from flowgrpo.rewards.compose import ComposedReward
-from flowgrpo.rewards.registry import RewardLoadError, load_reward, resolve_reward_factory
+from flowgrpo.rewards.registry import check_reward_kwargs, load_reward
 from flowgrpo.sampling.sde import noise_level_warning
-from flowgrpo.strategies.registry import did_you_mean
 from flowgrpo.training.run_folder import (
     checkpoint_run_config,
     latest_run_config,
@@ -36,6 +34,7 @@ from flowgrpo.training.run_folder import (
     refuse_foreign_run_files,
     refuse_linked_run_files,
     refuse_older_resume,
+    refuse_overwrite_with_resume,
 )
 from flowgrpo.writing.metrics import read_metrics
 from flowgrpo.writing.outputs import OutputRefused, check_folder
@@ -70,11 +69,13 @@ def resolve_auto_resume(config, overrides: list[str] = (), config_file: str | No
     named is then not used (a warning says so): the run continues with its own settings.
 
     Raises:
-        ConfigError: a checkpoint exists but no ``config.yaml`` beside it; or the folder holds a finished run's
+        ConfigError: ``logging.overwrite=true`` with ``auto`` (they contradict each other; said first, quoting
+            ``auto``); a checkpoint exists but no ``config.yaml`` beside it; or the folder holds a finished run's
             results (``summary.json``, the final weights) but no checkpoint to continue from: nothing is removed.
     """
     if config.train.resume_from != "auto":
         return config
+    refuse_overwrite_with_resume(config)  # before anything is said or read: `auto` as typed
     out = Path(config.output_dir)
     has_checkpoint = (out / "checkpoints" / "latest").exists()
     if not has_checkpoint and not (out / "config.yaml").exists():
@@ -115,25 +116,10 @@ def check_strategies(config) -> Objective:
 
 def check_rewards(specs) -> None:
     """Resolve every reward name and check its kwargs against the constructor's signature, without constructing
-    it (no weights load). Raises :class:`~flowgrpo.rewards.registry.RewardLoadError` with a suggestion."""
+    it (no weights load; :func:`~flowgrpo.rewards.registry.check_reward_kwargs`, which the reward server shares).
+    Raises :class:`~flowgrpo.rewards.registry.RewardLoadError` with a suggestion."""
     for spec in specs:
-        factory, _ = resolve_reward_factory(spec.name)
-        try:
-            sig = inspect.signature(factory)
-        except (TypeError, ValueError):  # a builtin or C factory: its own call checks the kwargs
-            continue
-        params = sig.parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            continue
-        allowed = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        for key in spec.kwargs:
-            if key not in allowed:
-                raise RewardLoadError(f"reward {spec.name!r} has no keyword argument {key!r} (rewards[].kwargs); "
-                                      f"it accepts {allowed}{did_you_mean(key, allowed)}")
-        try:
-            sig.bind(**spec.kwargs)
-        except TypeError as err:
-            raise RewardLoadError(f"reward {spec.name!r}: {err} (rewards[].kwargs); it accepts {allowed}") from None
+        check_reward_kwargs(spec.name, spec.kwargs, "rewards[].kwargs")
 
 
 def check_batch(config, world_size: int, per_sample: int | None = None, objective: Objective | None = None) -> None:
@@ -245,6 +231,65 @@ def _read_json(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+#: pipeline class prefix -> (the family's name in messages, where its transformer's patch side comes from:
+#: an int, or the key of ``transformer/config.json`` (Wan: ``patch_size`` (t, h, w), its h)); the same rule
+#: each adapter's ``__init__`` applies (``check_image_size``) with the loaded pipeline, its last guard
+SIZE_FAMILIES = (("Flux3", "FLUX.3", 2), ("Flux2", "FLUX.2", 2), ("Flux", "FLUX", 2),
+                 ("StableDiffusion3", "SD3", "patch_size"), ("QwenImage", "Qwen-Image", 2), ("ZImage", "Z-Image", 2),
+                 ("Wan", "Wan", "patch_size"), ("LTX2", "LTX-2", 1))
+
+
+def _vae_spatial_factor(vae: dict) -> int | None:
+    """The VAE's spatial down-sampling factor from its ``config.json``: ``scale_factor_spatial`` (Wan 2.2),
+    ``spatial_compression_ratio`` (LTX-2), 2^len(``temperal_downsample``) (Qwen-Image, Wan 2.1), else
+    2^(len(``block_out_channels``) − 1) (FLUX, SD3, Z-Image), as the pipelines compute ``vae_scale_factor``."""
+    down = vae.get("temperal_downsample")
+    for value in (vae.get("scale_factor_spatial"), vae.get("spatial_compression_ratio"),
+                  2 ** len(down) if isinstance(down, list) else None,
+                  2 ** (len(vae["block_out_channels"]) - 1) if vae.get("block_out_channels") else None):
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def size_rule(pretrained: str) -> tuple[str, int] | None:
+    """(family name, pixel step) of ``model.pretrained``: height and width must be positive multiples of the step
+    (the VAE's spatial factor times the transformer's patch side), read from the model folder's
+    ``model_index.json``, ``vae/config.json`` and ``transformer/config.json`` without loading any weights. None
+    for a family without a rule here or a folder not on this machine (the adapter's own check then refuses)."""
+    folder = _model_folder(pretrained)
+    if folder is None:
+        return None
+    cls = str(_read_json(folder / "model_index.json").get("_class_name")
+              or _read_json(folder / "modular_model_index.json").get("_class_name") or "")
+    family = next((f for f in SIZE_FAMILIES if cls.startswith(f[0])), None)
+    factor = _vae_spatial_factor(_read_json(folder / "vae" / "config.json"))
+    if family is None or factor is None:
+        return None
+    patch = family[2]
+    if isinstance(patch, str):
+        patch = _read_json(folder / "transformer" / "config.json").get(patch)
+        patch = patch[1] if isinstance(patch, list) and len(patch) == 3 else patch
+    return (family[1], factor * patch) if isinstance(patch, int) and patch > 0 else None
+
+
+def check_size(pretrained: str, sizes: dict[str, int | None]) -> None:
+    """Refuse, before the model loads, a size the family of ``pretrained`` cannot make (:func:`size_rule`);
+    ``sizes``: the setting's name as the user gives it (``"model.height"``, ``"--height"``) -> its value (None:
+    the pipeline's default, not checked). Raises ``ValueError``: "model.height=13: FLUX needs a positive
+    multiple of 16"."""
+    given = {k: v for k, v in sizes.items() if v is not None}
+    rule = size_rule(pretrained) if given else None
+    if rule is None:
+        return
+    family, step = rule
+    for name, value in given.items():
+        if value <= 0 or value % step:
+            raise ValueError(f"{name}={value}: {family} needs a positive multiple of {step} (e.g. "
+                             f"{max(step, round(value / step) * step)}; the VAE's factor times the transformer's "
+                             f"patch, {pretrained!r})")
 
 
 def context_image_tokens(config) -> tuple[int, str] | None:
@@ -486,7 +531,8 @@ def preflight(config, world_size: int | None = None) -> Preflight:
        (:func:`~flowgrpo.sampling.sde.noise_level_warning`);
     2. the per-process batch layout for ``world_size`` processes (:func:`check_batch`; default: the launcher's
        ``WORLD_SIZE``, else 1; DPO's pairs counted), and the image tokens and attention heads (Ulysses) a
-       context group splits (:func:`check_context_tokens`, from the model folder's configs);
+       context group splits (:func:`check_context_tokens`, from the model folder's configs), and
+       ``model.height`` / ``model.width`` against the family's size rule (:func:`check_size`);
     3. reward names and their kwargs, without constructing them (:func:`check_rewards`);
     4. the trackers installed (:func:`check_trackers`);
     5. a resume's checkpoint of this model (:func:`refuse_other_model`); the output folder free, or the checkpoint
@@ -510,6 +556,7 @@ def preflight(config, world_size: int | None = None) -> Preflight:
     for note in filter(None, notes):
         logger.warning("%s", note)
     check_batch(config, world, objective=objective)
+    check_size(config.model.pretrained, {"model.height": config.model.height, "model.width": config.model.width})
     check_context_tokens(config)
     check_rewards(config.rewards + config.eval_rewards)
     check_trackers(config.logging.trackers)

@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from flowgrpo import parallel
+from flowgrpo.argtypes import OneLineParser
 from flowgrpo.checkpoints.save_load import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.config.help import help_config, not_read, refused
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     positional = [a for a in argv if not a.startswith("-")]
     config_path = positional[0] if positional and "=" not in positional[0] else None
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog, description=DESCRIPTION, epilog=help_text(config_path, positional) if _wants_help(argv) else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

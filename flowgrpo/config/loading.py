@@ -95,7 +95,41 @@ def _moved_section_keys(section: str, given: dict) -> list[str]:
     return lines
 
 
+def _tuple_length(loc: tuple) -> int | None:
+    """The number of items of the fixed-length tuple field at ``loc`` (a pydantic error's location in
+    :class:`Config`, list indices skipped), or None when the field is not one (or not found in the schema)."""
+    model: Any = Config
+    annotation = None
+    for part in [p for p in loc if not isinstance(p, int)]:
+        fields = getattr(model, "model_fields", None)
+        if not isinstance(fields, dict) or part not in fields:
+            return None
+        annotation = fields[part].annotation
+        model = next((a for a in (annotation, *typing.get_args(annotation))
+                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is not tuple or not args or Ellipsis in args:
+        return None
+    return len(args)
+
+
+def _tuple_count_line(e: dict) -> str | None:
+    """The line for a fixed-length tuple field given too few or too many values (``train.adam_betas=[0.9]``:
+    pydantic says "train.adam_betas.1: Field required"), naming how many it needs; None for other errors."""
+    loc = tuple(e["loc"])
+    if e["type"] == "missing" and loc and isinstance(loc[-1], int):
+        loc = loc[:-1]
+    elif e["type"] != "too_long":
+        return None
+    count = _tuple_length(loc)
+    if count is None:
+        return None
+    return (f"config field {'.'.join(str(p) for p in loc)!r}: needs exactly {count} values, a list like "
+            f"[{', '.join('abcdefgh'[:count])}] (got {e.get('input')!r})")
+
+
 def _format_error(err: ValidationError) -> str:
+    """One line (problems joined with "; ") for the schema's ``err``: each field, what is wrong, what was given."""
     lines = []
     valid = _valid_keys(Config) + _strategy_keys()
     for e in err.errors():
@@ -110,11 +144,13 @@ def _format_error(err: ValidationError) -> str:
                 close = ".".join(str(p) for p in e["loc"][:-1]) + close[len(parent):]  # keep the item's index
             hint = f"; did you mean {close!r}?" if close else ""
             lines.append(f"unknown config key {loc!r}{hint}")
+        elif _tuple_count_line(e):
+            lines.append(_tuple_count_line(e))
         elif e["type"] == "value_error":
             lines.append(str(e["msg"]).removeprefix("Value error, "))
         else:
             lines.append(f"config field {loc!r}: {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
+    return "; ".join(dict.fromkeys(lines))  # said once each
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -160,6 +196,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like dotted.key=value")
     key, value = text.split("=", 1)
+    if not key.strip() or any(not part.strip() for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has no key (or an empty part of one) before '='; it must look like "
+                          f"dotted.key=value, e.g. train.lr=1e-4")
     try:
         parsed = load_yaml(value) if value.strip() else ""
     except DuplicateKeyError as err:

@@ -34,7 +34,6 @@ Command line::
 
 from __future__ import annotations
 
-import argparse
 import base64
 import io
 import json
@@ -47,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowgrpo.argtypes import OneLineParser
 from flowgrpo.data.prompts import EMBEDDED
 from flowgrpo.data.text_files import iter_jsonl
 from flowgrpo.writing.outputs import OutputRefused, check_folder, claim_folder, normal_mode, replace_file
@@ -382,7 +382,7 @@ def write_image_set(items: Iterable[ImageItem], out_dir: str | Path, size: tuple
 
 def main(argv: list[str] | None = None) -> None:
     """Convert a public dataset (``pickapic``, ``ranked``, ``imagefolder``) into our layouts."""
-    ap = argparse.ArgumentParser(prog="python -m flowgrpo.data.image_sets", description=main.__doc__)
+    ap = OneLineParser(prog="python -m flowgrpo.data.image_sets", description=main.__doc__)
     ap.add_argument("format", choices=["pickapic", "ranked", "imagefolder"])
     ap.add_argument("source", help="the .parquet/.jsonl (pickapic), .json/.jsonl (ranked) or folder (imagefolder)")
     ap.add_argument("out", help="the folder to write images/ and data.jsonl into")

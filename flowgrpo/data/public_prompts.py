@@ -132,20 +132,44 @@ def ocr_prompts(sources: list[Path]) -> list[str]:
     return kept
 
 
+#: the file formats (suffixes) each public set's sources come in; a set not listed reads any (a text file: one
+#: prompt a line, or a JSON list, JSONL, CSV or parquet by suffix)
+SOURCE_FORMATS = {"hpd": (".json",), "pickapic": (".parquet", ".jsonl", ".csv")}
+#: what each set's sources are, for the refusal of another file
+SOURCE_KINDS = {"hpd": "HPDv2 JSON (train.json / test.json)", "pickapic": "Pick-a-Pic parquet shards, JSONL or CSV"}
+
+
+def check_sources(name: str, paths: list[Path]) -> None:
+    """Refuse, in one line naming the path, a source of set ``name`` that is a folder, absent, or not of the set's
+    format (:data:`SOURCE_FORMATS`, by suffix: a plain text file is not HPDv2 JSON). Reads no file. Raises
+    ``ValueError``."""
+    if not paths:
+        raise ValueError(f"prompt set {name!r} needs at least one source file")
+    folders = [str(p) for p in paths if p.is_dir()]
+    if folders:
+        raise ValueError(f"prompt set {name!r}: {folders[0]!r} is a folder, not a file; give the dataset's files "
+                         f"themselves (e.g. {folders[0].rstrip('/')}/*{SOURCE_FORMATS.get(name, ('.txt',))[0]})")
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise ValueError(f"prompt set {name!r}: no such file {missing}")
+    formats = SOURCE_FORMATS.get(name)
+    wrong = [p for p in paths if formats and p.suffix.lower() not in formats]
+    if wrong:
+        raise ValueError(f"prompt set {name!r}: {str(wrong[0])!r} is not a {name!r} source; allowed: "
+                         f"{SOURCE_KINDS[name]}, a file ending in {' / '.join(formats)}")
+
+
 def build_prompt_file(name: str, sources: list[str | Path], out: str | Path) -> int:
     """Write the prompts of set ``name`` (:data:`PROMPT_SETS`) read from ``sources`` to ``out``, one a line.
-    Returns the number written. Raises ``ValueError`` for a missing source file, a file without the set's
+    Returns the number written. Raises ``ValueError`` for a missing source file, a folder or a file not of the
+    set's format (:func:`check_sources`), a file without the set's
     field, no prompts at all, or an ``out`` that cannot be written (the OS's reason); ``KeyError`` (with the valid
     names) for an unknown set."""
     build = PROMPT_SETS.get(name)
     if Path(out).is_dir():
         raise ValueError(f"--out {str(out)!r} is a folder; give the prompt file to write (e.g. data/train.txt)")
     paths = [Path(s) for s in sources]
-    if not paths:
-        raise ValueError(f"prompt set {name!r} needs at least one source file")
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise ValueError(f"prompt set {name!r}: no such file {missing}")
+    check_sources(name, paths)
     prompts = build(paths)
     if not prompts:
         raise ValueError(f"prompt set {name!r}: no prompts found in {[str(p) for p in paths]}")

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flowgrpo.argtypes import OneLineParser
 from flowgrpo.writing.outputs import claim_for_command
 
 logger = logging.getLogger(__name__)
@@ -407,7 +408,7 @@ def build_random_pipeline(name: str, out_dir: str | Path, *, sample_size: int | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("family", choices=sorted(BUILDERS))
     parser.add_argument("out_dir")
     parser.add_argument("--size", type=int, default=None, help="native image size in pixels")

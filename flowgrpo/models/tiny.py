@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from flowgrpo.argtypes import OneLineParser
 from flowgrpo.writing.outputs import claim_for_command
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ def builder_main(build, what: str, doc: str, argv: list[str] | None = None, *, v
     """The command line of a tiny-model builder: ``OUT_DIR [--prompts FILE] [--seed N]``, and ``[--variant V]``
     when ``variants`` are given (the first is the default); ``build(out_dir, words=..., seed=...)`` (with
     ``variant=...`` too when ``variants`` are given) writes the pipeline, logged as "tiny ``what`` pipeline"."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--prompts", help="a prompt file whose words become single pieces of the tiny tokenizers")
     parser.add_argument("--seed", type=int, default=0)

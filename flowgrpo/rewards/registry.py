@@ -166,6 +166,31 @@ def _check_factory(name: str, obj, origin: RewardOrigin):
     return obj, origin
 
 
+def check_reward_kwargs(name: str, kwargs: dict, where: str) -> None:
+    """Check ``kwargs`` against the signature of reward ``name``'s factory without calling it (no weights load):
+    an unknown keyword is named with the ones allowed and the closest (``did you mean 'quality'?``), a bad set
+    of them (a required one missing) with the factory's own words; ``where`` names the setting in the message
+    (``"rewards[].kwargs"``, ``"--kwargs"``). A factory without a readable signature, or taking ``**kwargs``,
+    is left to its own call. Raises :class:`RewardLoadError` (also for an unknown ``name``)."""
+    factory, _ = resolve_reward_factory(name)
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C factory: its own call checks the kwargs
+        return
+    params = sig.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    allowed = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in allowed:
+            raise RewardLoadError(f"reward {name!r} has no keyword argument {key!r} ({where}); "
+                                  f"it accepts {allowed}{did_you_mean(key, allowed)}")
+    try:
+        sig.bind(**kwargs)
+    except TypeError as err:
+        raise RewardLoadError(f"reward {name!r}: {err} ({where}); it accepts {allowed}") from None
+
+
 def load_reward(name: str, **kwargs):
     """Construct the reward ``name`` with ``kwargs``; no weights are loaded until its ``setup(device)``.
 

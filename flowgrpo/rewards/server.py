@@ -46,8 +46,8 @@ from typing import NoReturn
 
 import torch
 
-from flowgrpo.argtypes import int_in
-from flowgrpo.rewards.registry import RewardLoadError, load_reward
+from flowgrpo.argtypes import OneLineParser, int_in
+from flowgrpo.rewards.registry import RewardLoadError, check_reward_kwargs, load_reward
 from flowgrpo.rewards.remote import WIRE_VERSION
 from flowgrpo.rewards.serving import (
     Admission,
@@ -527,7 +527,7 @@ class ServerThread:
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="flowgrpo-reward-server",
         description="Serve a registered flowgrpo reward over HTTP (JSON with base64 PNG images; never pickle).",
     )
@@ -590,6 +590,7 @@ def main(argv: list[str] | None = None) -> None:
         _refuse(f"--max-request-mb must be > 0, got {args.max_request_mb}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        check_reward_kwargs(args.reward, kwargs, "--kwargs")  # the check flowgrpo train makes: a typo's nearest
         reward, origin = load_reward(args.reward, **kwargs)
     except (RewardLoadError, ValueError) as err:
         _refuse(str(err))

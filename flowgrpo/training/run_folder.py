@@ -115,6 +115,15 @@ def refuse_foreign_run_files(out: str | os.PathLike) -> None:
                             "move it out of the run folder, or choose another output_dir")
 
 
+def refuse_overwrite_with_resume(config) -> None:
+    """Refuse ``logging.overwrite=true`` with any ``train.resume_from`` (a resume keeps the run; overwrite removes
+    it), quoting ``resume_from`` as given (``auto`` before it is resolved: call this first). Reads nothing.
+    Raises :class:`~flowgrpo.strategies.settings.ConfigError`."""
+    if config.logging.overwrite and config.train.resume_from is not None:
+        raise ConfigError(f"logging.overwrite=true and train.resume_from={config.train.resume_from} contradict each "
+                          "other (overwrite removes the run a resume continues); drop one of them")
+
+
 def refuse_foreign_resume(config, resumed: Path) -> None:
     """Refuse a resume from checkpoint ``resumed`` into an ``output_dir`` that holds another run: a resume writes
     into its checkpoint's own run folder (the folder above its ``checkpoints``, compared as resolved paths, so a run
@@ -123,9 +132,7 @@ def refuse_foreign_resume(config, resumed: Path) -> None:
     refuses ``logging.overwrite=true`` with ``train.resume_from`` (a resume keeps the run; overwrite removes it).
     Reads only names. Raises :class:`~flowgrpo.strategies.settings.ConfigError` naming both folders and the
     remedy."""
-    if config.logging.overwrite:
-        raise ConfigError(f"logging.overwrite=true and train.resume_from={config.train.resume_from} contradict each "
-                          "other (overwrite removes the run a resume continues); drop one of them")
+    refuse_overwrite_with_resume(config)
     out, origin = Path(config.output_dir), Path(resumed).parent.parent
     if not foreign_files(out) or out.resolve() == origin.resolve():
         return

@@ -207,13 +207,15 @@ def check_written(folder: str | os.PathLike, what: str, own_names: str) -> None:
     the writer names its files (the regular expression ``own_names``) that no earlier call recorded writing
     (:func:`written_files`): the writer could neither replace it (not its own) nor leave it (the folder would mix
     two calls' outputs); or a recorded file changed since (:func:`changed_written`: a user's edit, which removing
-    the earlier call's files would lose). Reads names, and the recorded files' sizes and contents. Raises
-    :class:`OutputRefused`."""
+    the earlier call's files would lose; a recorded file replaced by a symbolic link is named as one). Reads
+    names, and the recorded files' sizes and contents. Raises :class:`OutputRefused`."""
     changed = changed_written(folder)
     if changed:
+        path = Path(folder) / changed[0]
+        now = (f"which is a symbolic link now (to {os.readlink(path)!r}), not the file it wrote"
+               if path.is_symlink() else "which was changed since, so it is yours now")
         raise OutputRefused(f"{what} {str(folder)!r} holds {changed[0]!r}, which an earlier flowgrpo call wrote but "
-                            "which was changed since, so it is yours now: nothing was written; move it out of this "
-                            "folder, or choose another folder")
+                            f"{now}: nothing was written; move it out of this folder, or choose another folder")
     recorded = set(written_files(folder))
     for name in foreign_files(folder):
         if name not in recorded and re.fullmatch(own_names, name):

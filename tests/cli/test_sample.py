@@ -95,13 +95,13 @@ def test_sample_without_run_applies_its_defaults_and_options(tmp_path, monkeypat
         raise RuntimeError("stop after the model options")
 
     monkeypatch.setattr(models, "load_model", capture)
-    for extra in ([], ["--dtype", "bfloat16", "--max-sequence-length", "32", "--height", "16", "--width", "24",
+    for extra in ([], ["--dtype", "bfloat16", "--max-sequence-length", "32", "--height", "16", "--width", "32",
                        "--num-frames", "5"]):
         with pytest.raises(RuntimeError, match="stop after"):
             cli_main(["sample", "--model", "tiny", "--prompts", "digits_eval", *extra, "--out", str(tmp_path / "o")])
     assert seen == [("tiny", {"dtype": "float32", "height": None, "width": None, "max_sequence_length": 512,
                               "num_frames": None}),
-                    ("tiny", {"dtype": "bfloat16", "height": 16, "width": 24, "max_sequence_length": 32,
+                    ("tiny", {"dtype": "bfloat16", "height": 16, "width": 32, "max_sequence_length": 32,
                               "num_frames": 5})]
     with pytest.raises(SystemExit):
         cli_main(["sample", "--model", "tiny", "--lora", "x", "--no-weights", "--out", str(tmp_path / "o")])

@@ -18,12 +18,12 @@ Command line (either set; the embedded names build them on first use)::
 
 from __future__ import annotations
 
-import argparse
 import io
 from pathlib import Path
 
 import torch
 
+from flowgrpo.argtypes import OneLineParser
 from flowgrpo.builds.cache_folder import build_once, cache_dir
 from flowgrpo.data.image_sets import ImageItem, PreferencePair, write_image_set, write_preference_set
 from flowgrpo.tasks.digits.data import PHRASINGS, digit_prompt, digits_to_images, load_digit_split, prompt_records
@@ -111,7 +111,7 @@ def ensure_preference_set() -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     """Write the digits task's image set (``real``) or preference set (``pairs``) into a folder."""
-    ap = argparse.ArgumentParser(prog="python -m flowgrpo.tasks.digits.datasets", description=main.__doc__)
+    ap = OneLineParser(prog="python -m flowgrpo.tasks.digits.datasets", description=main.__doc__)
     ap.add_argument("set", choices=["real", "pairs"])
     ap.add_argument("out")
     ap.add_argument("--split", default="train", help="real: the digits split")

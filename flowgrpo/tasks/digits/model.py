@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from flowgrpo.argtypes import OneLineParser
 from flowgrpo.builds.cache_folder import build_once, cache_dir
 from flowgrpo.models.tiny import TEXT_DIM, build_text_encoders
 from flowgrpo.tasks.digits.data import (
@@ -359,7 +360,7 @@ def pretrain(out_dir: str | os.PathLike, seed: int = 0, *, vae_steps: int = VAE_
 def main(argv: list[str] | None = None) -> None:
     """``python -m flowgrpo.tasks.digits.model [OUT_DIR] [--seed S] [--force] [recipe options]``: pretrain the digits
     model into OUT_DIR (default: the cache folder of the seed), unless it is already there."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", nargs="?", help="model folder (default: the cache folder for the seed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overwrite", "--force", dest="force", action="store_true",

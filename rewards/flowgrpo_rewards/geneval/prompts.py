@@ -28,7 +28,6 @@ exists.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import logging
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flowgrpo.argtypes import OneLineParser
 from flowgrpo.text import fold_text
 from flowgrpo.writing.outputs import OutputRefused, check_file, write_text_file
 from flowgrpo_rewards.geneval.rules import COLORS, RELATIONS, TASKS, evaluation_metadata, object_names
@@ -295,7 +295,7 @@ def _in_space(key: tuple, max_count: int) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Write ``per_task`` GenEval-style training prompts of each task to a JSONL file."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="output JSONL file (a GenEval spec with its prompt per line)")
     parser.add_argument("--per-task", type=int, default=1000, help="prompts per task (default 1000)")
     parser.add_argument("--seed", type=int, default=0)
