@@ -1,0 +1,85 @@
+"""``runtime.engine: ray`` with ``max_staleness: 0`` and one rollout worker trains bit for bit the run the training
+process samples itself (``runtime.engine: torchrun``): every metric but the timings, process memory and the engine's
+own ``runtime/…`` figures, the rollouts' saved tensors and the final weights, tensor by tensor; and Ray leaves no
+process behind (docs/async.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowgrpo.config import load_config
+from flowgrpo.runner import DEFAULT_CONFIG, run
+from tests.tiny_runs import _one_thread  # noqa: F401 - autouse: one torch thread (the worker takes the same)
+
+pytest.importorskip("ray")
+
+REPO = Path(__file__).resolve().parents[2]
+#: what differs between two identical runs on different engines: wall-clock times, this process's memory peaks
+#: (Ray's client threads live in it) and the Ray engine's own figures
+VOLATILE = ("timing/", "throughput/", "memory/", "runtime/")
+
+
+def _train(config_file, out: Path, engine: str, *overrides: str) -> Path:
+    run(load_config(config_file, [f"output_dir={out}", f"runtime.engine={engine}", "logging.progress=false",
+                                  "logging.save_rollout_stats=true", *overrides]))
+    return out
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same_tensors(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert torch.equal(a[name], b[name]), name
+
+
+def _no_ray_left() -> None:
+    """No raylet or gcs_server (a local Ray instance's daemons) among this process's descendants once the run
+    has returned (they are given time to exit, not to finish any work)."""
+    kids = [p for p in psutil.Process().children(recursive=True)
+            if any(n in p.name() for n in ("raylet", "gcs_server"))]
+    _, alive = psutil.wait_procs(kids, timeout=60)
+    assert not alive, [p.name() for p in alive]
+
+
+def _compare(torch_run: Path, ray_run: Path, epochs: int, weights: str) -> None:
+    a, b = _records(torch_run), _records(ray_run)
+    assert len(a) == len(b) == epochs
+    assert a == b
+    for e in range(epochs):
+        _same_tensors(load_file(torch_run / "rollouts" / f"epoch_{e}.safetensors"),
+                      load_file(ray_run / "rollouts" / f"epoch_{e}.safetensors"))
+    _same_tensors(load_file(torch_run / weights), load_file(ray_run / weights))
+    ray_records = [json.loads(line) for line in (ray_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["runtime/lag"] for r in ray_records] == [0.0] * epochs  # every group sampled by the trained policy
+    assert all(r["runtime/sync_bytes"] > 0 for r in ray_records)  # weights sent before every epoch's rollout
+
+
+@pytest.mark.slow
+def test_tiny_flux_ray_equals_torchrun(tmp_path):
+    small = ["train.num_epochs=3", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch_size=4",
+             "data.eval_num_prompts=2"]
+    config = REPO / "configs" / "tiny_jpeg.yaml"
+    plain = _train(config, tmp_path / "torchrun", "torchrun", *small)
+    on_ray = _train(config, tmp_path / "ray", "ray", *small)
+    _no_ray_left()
+    _compare(plain, on_ray, 3, "transformer/diffusion_pytorch_model.safetensors")
+
+
+@pytest.mark.slow
+def test_digits_ray_equals_torchrun(tmp_path):
+    small = ["train.num_epochs=3", "data.eval_num_prompts=4"]
+    plain = _train(DEFAULT_CONFIG, tmp_path / "torchrun", "torchrun", *small)
+    on_ray = _train(DEFAULT_CONFIG, tmp_path / "ray", "ray", *small)
+    _no_ray_left()
+    _compare(plain, on_ray, 3, "transformer/diffusion_pytorch_model.safetensors")
