@@ -191,6 +191,8 @@ class RayRollouts:
         self.pending: dict[str, float] = {}  # this epoch's runtime/… figures
         self.lag = 0
         self.last = None  # (version, object ref) of the last weights sent (rank 0): what a restarted worker loads
+        self.replaced = 0  # workers started in place of dead ones
+        self.pids: list[int] = []  # the first workers' process ids (rank 0)
 
     # ------------------------------------------------------------------ the trainer's two calls
     def rollout(self, trainer, prompt_ids: torch.Tensor, request):
@@ -207,7 +209,8 @@ class RayRollouts:
                 self._issue(trainer, t, ids)
         t0 = time.perf_counter()
         results = self._collect(trainer, e) if self.workers is not None else None
-        results = dist.broadcast_object(results)
+        # the versions too: a worker restarted on rank 0 holds another one, and every rank decides the syncs alike
+        results, self.synced = dist.broadcast_object((results, self.synced))
         mine = results[dist.data_rank()]
         self.lag = e - mine["version"]
         self.pending.update({"runtime/lag": float(self.lag), "runtime/version": float(e),
@@ -268,8 +271,8 @@ class RayRollouts:
             trainer.rollout_request(epoch, prompt_ids, slice(r * per, (r + 1) * per)), progress=False)
             for r in range(ranks)}
         self.issued[epoch] = {"requests": requests, "refs": {
-            key: (self._worker_of(*key), self.workers[self._worker_of(*key)].rollout.remote(key, req))
-            for key, req in requests.items()}}
+            key: (w, self.workers[w], self.workers[w].rollout.remote(key, req))
+            for key, req in requests.items() for w in [self._worker_of(*key)]}}
 
     def _sync(self, trainer, workers: list[int], version: int) -> None:
         """Send the trained weights as the rollout uses them to ``workers`` as ``version``; adds the bytes and
@@ -280,37 +283,44 @@ class RayRollouts:
             import ray
 
             self.last = (version, ray.put(state))
-            ray.get([self.workers[w].set_weights.remote(version, self.last[1]) for w in workers])
+            for w in workers:
+                try:
+                    ray.get(self.workers[w].set_weights.remote(version, self.last[1]))
+                except ray.exceptions.RayActorError:  # died since its last request: a new one takes its place
+                    logger.warning("rollout worker %d died; starting a new one", w)
+                    self._replace(w, self.workers[w])
         for w in workers:
             self.synced[w] = version
         self.pending["runtime/sync_bytes"] += float(sum(t.numel() * t.element_size() for t in state.values()))
         self.pending["runtime/sync_seconds"] += time.perf_counter() - t0
 
     def _collect(self, trainer, epoch: int) -> list[dict]:
-        """Epoch ``epoch``'s results in data-rank order (rank 0). A request whose worker died is issued again to a
-        new worker (synced to the trainer's current version): no group is lost or sampled twice."""
+        """Epoch ``epoch``'s results in data-rank order (rank 0). A request whose worker died is issued again, to
+        a new worker loaded with the last weights sent: no group is lost or sampled twice."""
         import ray
 
         issued = self.issued.pop(epoch)
         out = {}
-        for key, (w, ref) in sorted(issued["refs"].items()):
+        for key, (w, handle, ref) in sorted(issued["refs"].items()):
             while key not in out:
                 try:
                     out[key] = ray.get(ref)
-                except ray.exceptions.ActorDiedError:
-                    logger.warning("rollout worker %d died during %s; restarting it and issuing the request again",
-                                   w, key)
-                    ref = self._reissue(w, issued["requests"][key], key)
+                except ray.exceptions.RayActorError:
+                    logger.warning("rollout worker %d died during request %s; issuing it again", w, key)
+                    handle = self._replace(w, handle)
+                    ref = handle.rollout.remote(key, issued["requests"][key])
         return [out[k] for k in sorted(out)]
 
-    def _reissue(self, w: int, request, key):
-        """A new worker ``w`` (the dead one's place) loaded with the last weights sent (the dead one's version or a
-        newer one: no collective is needed), sampling ``request`` again."""
-        self.workers[w] = self.make_worker()
-        version, ref = self.last
-        self.workers[w].set_weights.remote(version, ref)
-        self.synced[w] = version
-        return self.workers[w].rollout.remote(key, request)
+    def _replace(self, w: int, dead):
+        """Worker ``w``'s handle after ``dead`` died: a new worker loaded with the last weights sent (the dead
+        one's version or a newer one; no collective needed), made once however many requests find it dead."""
+        if self.workers[w] is dead:
+            self.workers[w] = self.make_worker()
+            self.replaced += 1
+            version, ref = self.last
+            self.workers[w].set_weights.remote(version, ref)
+            self.synced[w] = version
+        return self.workers[w]
 
 
 def rollout_state(trainer, gather_only: bool = False) -> dict[str, torch.Tensor]:
@@ -341,15 +351,16 @@ def ray_rollouts(config, trainer):
     main = dist.rank() == 0
     started = False
     try:
-        workers, make = None, None
+        workers, make, pids = None, None, []
         if main:
             make = _start_ray(config)
             started = True
             workers = [make() for _ in range(config.runtime.rollout_workers)]
             import ray
 
-            ray.get([w.pid.remote() for w in workers])  # built (a failure to build is raised here, before training)
+            pids = ray.get([w.pid.remote() for w in workers])  # built (a failure to build is raised here, first)
         trainer.rollouts = RayRollouts(config.runtime, config.train.num_epochs, workers, make)
+        trainer.rollouts.pids = pids if main else []
         yield trainer.rollouts
     finally:
         trainer.rollouts = None
