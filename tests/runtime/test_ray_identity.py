@@ -83,3 +83,45 @@ def test_digits_ray_equals_torchrun(tmp_path):
     on_ray = _train(DEFAULT_CONFIG, tmp_path / "ray", "ray", *small)
     _no_ray_left()
     _compare(plain, on_ray, 3, "transformer/diffusion_pytorch_model.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["digits_nft", "digits_awm", "digits_dgpo", "digits_dpo", "digits_chunk",
+                                    "digits_mix", "digits_cps"])
+def test_each_objective_and_chunker_on_ray_equals_torchrun(tmp_path, config):
+    """Every objective that trains from its own rollouts (DiffusionNFT samples with its old copy: the weights sent
+    are the ones it swaps in), and the SDE-ratio objective with other chunkers, two epochs."""
+    small = ["train.num_epochs=2", "data.eval_num_prompts=4"]
+    path = REPO / "configs" / f"{config}.yaml"
+    plain = _train(path, tmp_path / "torchrun", "torchrun", *small)
+    on_ray = _train(path, tmp_path / "ray", "ray", *small)
+    _no_ray_left()
+    _compare(plain, on_ray, 2, "checkpoints/epoch_1/trainable.safetensors")
+
+
+def _torchrun(out: Path, engine: str, *overrides: str) -> Path:
+    """Two CPU processes (gloo) through ``torchrun``; rank 0 drives Ray."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.training.test_distributed import _free_port
+
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
+           "flowgrpo/train.py", str(REPO / "configs" / "tiny_jpeg.yaml"), f"output_dir={out}",
+           f"runtime.engine={engine}", "logging.progress=false", "logging.save_rollout_stats=true", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_two_sharded_processes_on_ray_equal_torchrun(tmp_path):
+    """FSDP2 over two processes: each rank's request is its own share, rank 0 gathers the whole weights from the
+    shards for the sync and hands every rank its record."""
+    small = ["train.num_epochs=2", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch_size=2",
+             "data.eval_num_prompts=2", "parallel.sharding=fsdp2"]
+    plain = _torchrun(tmp_path / "torchrun", "torchrun", *small)
+    on_ray = _torchrun(tmp_path / "ray", "ray", *small)
+    _compare(plain, on_ray, 2, "transformer/diffusion_pytorch_model.safetensors")
