@@ -425,8 +425,9 @@ class RuntimeConfig(Section):
         "epoch e+1 while epoch e trains (the rollout waits, no group is dropped)"
     )
     sync_every: int = Field(
-        1, ge=1, description="ray: send the trained weights to the rollout workers every sync_every versions (a "
-        "sync is forced sooner when a group would lag more than runtime.max_staleness)"
+        1, ge=1, description="ray: send the trained weights to the rollout workers every sync_every versions; an "
+        "epoch sampled ahead waits for a sync when it would lag more than runtime.max_staleness, and the epoch about "
+        "to train forces one"
     )
     address: str | None = Field(
         None, description="ray: the cluster to join (ray start --head's address, or auto); null: the RAY_ADDRESS "

@@ -187,7 +187,8 @@ class RayRollouts:
         self.make_worker = make_worker
         self.n = settings.rollout_workers
         self.synced = [-1] * self.n  # the version each worker holds (-1: none yet), the same on every rank
-        self.issued: dict[int, dict] = {}  # epoch -> {"refs": {(epoch, rank): (worker, ref)}, "requests": …}
+        # epoch -> {"refs": {(epoch, rank): (worker, its handle, ref)}, "requests": {(epoch, rank): request}}
+        self.issued: dict[int, dict] = {}
         self.pending: dict[str, float] = {}  # this epoch's runtime/… figures
         self.lag = 0
         self.last = None  # (version, object ref) of the last weights sent (rank 0): what a restarted worker loads
@@ -202,11 +203,7 @@ class RayRollouts:
         and truncated prompts added to the trainer's counts. Returns the record on the trainer's device."""
         e = trainer.epoch
         self.pending = {"runtime/sync_bytes": 0.0, "runtime/sync_seconds": 0.0}
-        ahead = copy.deepcopy(trainer.sampler)  # positioned after epoch e's draw: the next epochs' prompts
-        for t in range(e, min(e + self.s.max_staleness, self.num_epochs - 1) + 1):
-            ids = prompt_ids if t == e else ahead.next_prompt_ids()
-            if t not in self.issued:
-                self._issue(trainer, t, ids)
+        self.issue_window(trainer, prompt_ids)
         t0 = time.perf_counter()
         results = self._collect(trainer, e) if self.workers is not None else None
         # the versions too: a worker restarted on rank 0 holds another one, and every rank decides the syncs alike
@@ -250,29 +247,45 @@ class RayRollouts:
         shares, so epochs in flight together go to different workers."""
         return (epoch * dist.data_world_size() + rank) % self.n
 
-    def _issue(self, trainer, epoch: int, prompt_ids: torch.Tensor) -> None:
-        """Send the requests of epoch ``epoch`` (one per data rank, keyed (epoch, rank)), each worker synced first
-        where its version is older than the trainer's and a sync is due or the lag would pass
-        ``max_staleness`` (every rank takes part in the sync's gather)."""
+    def issue_window(self, trainer, prompt_ids: torch.Tensor) -> None:
+        """Issue the requests of epochs e … e + S not yet issued (e = ``trainer.epoch``, whose (P,) prompts are
+        ``prompt_ids``; the later epochs' drawn from a copy of the trainer's sampler), in order, stopping at the
+        first epoch sampled ahead that would lag more than S versions on its workers' weights (it waits for a later
+        sync, at the latest its own epoch)."""
+        e = trainer.epoch
+        ahead = copy.deepcopy(trainer.sampler)  # positioned after epoch e's draw: the next epochs' prompts
+        for t in range(e, min(e + self.s.max_staleness, self.num_epochs - 1) + 1):
+            ids = prompt_ids if t == e else ahead.next_prompt_ids()
+            if t not in self.issued and not self._issue(trainer, t, ids):
+                return
+
+    def _issue(self, trainer, epoch: int, prompt_ids: torch.Tensor) -> bool:
+        """Send the requests of epoch ``epoch`` (one per data rank, keyed (epoch, rank)) unless it is sampled
+        ahead and would lag more than ``max_staleness`` (returns False). A worker behind the trainer's version is
+        synced first when it holds no weights sent yet, when a sync is due (``sync_every`` versions since its
+        last), or, for the epoch about to train, when it would lag more than ``max_staleness`` (every rank takes
+        part in the sync's gather)."""
         version = trainer.epoch  # the epoch updates applied so far
         ranks = dist.data_world_size()
         per = len(prompt_ids) * trainer.cfg.train.group_size // ranks
-        stale = []
-        for w in dict.fromkeys(self._worker_of(epoch, r) for r in range(ranks)):
-            due = version - self.synced[w] >= self.s.sync_every or epoch - self.synced[w] > self.s.max_staleness
-            if self.synced[w] < version and due:
-                stale.append(w)
+        workers = list(dict.fromkeys(self._worker_of(epoch, r) for r in range(ranks)))
+        now, limit = epoch == version, self.s.max_staleness
+        stale = [w for w in workers if self.synced[w] < version and (self.synced[w] < 0  # none sent yet
+                 or version - self.synced[w] >= self.s.sync_every or (now and epoch - self.synced[w] > limit))]
         if stale:
             self._sync(trainer, stale, version)
+        if any(epoch - self.synced[w] > limit for w in workers):
+            return False
         if self.workers is None:
             self.issued[epoch] = {}
-            return
+            return True
         requests = {(epoch, r): dataclasses.replace(
             trainer.rollout_request(epoch, prompt_ids, slice(r * per, (r + 1) * per)), progress=False)
             for r in range(ranks)}
         self.issued[epoch] = {"requests": requests, "refs": {
             key: (w, self.workers[w], self.workers[w].rollout.remote(key, req))
             for key, req in requests.items() for w in [self._worker_of(*key)]}}
+        return True
 
     def _sync(self, trainer, workers: list[int], version: int) -> None:
         """Send the trained weights as the rollout uses them to ``workers`` as ``version``; adds the bytes and

@@ -59,3 +59,17 @@ def test_a_killed_worker_is_replaced_and_its_request_sampled_once(tmp_path, monk
     _no_ray_left()
     assert len(engines) == 1 and engines[0].replaced == 1
     _compare(plain, on_ray, 3, "transformer/diffusion_pytorch_model.safetensors")
+
+
+@pytest.mark.slow
+def test_ray_is_shut_down_when_the_run_fails(tmp_path, monkeypatch):
+    def fail(self, upd, work):
+        raise RuntimeError("a fault in the first update")
+
+    monkeypatch.setattr(ray_engine.RayRollouts, "after_update", fail)
+    with pytest.raises(RuntimeError, match="a fault in the first update"):
+        _train(CONFIG, tmp_path / "ray", "ray", *SMALL)
+    import ray
+
+    assert not ray.is_initialized()
+    _no_ray_left()
