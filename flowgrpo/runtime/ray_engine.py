@@ -288,20 +288,17 @@ class RayRollouts:
         return True
 
     def _sync(self, trainer, workers: list[int], version: int) -> None:
-        """Send the trained weights as the rollout uses them to ``workers`` as ``version``; adds the bytes and
-        seconds to this epoch's figures. A collective (every rank gathers; rank 0 sends)."""
+        """Send the trained weights as the rollout uses them to ``workers`` as ``version``; adds the bytes and the
+        seconds of the gather and the put into the object store to this epoch's figures (the workers load them
+        between requests, unwaited). A collective (every rank gathers; rank 0 sends)."""
         t0 = time.perf_counter()
         state = rollout_state(trainer, gather_only=self.workers is None)
         if self.workers is not None:
             import ray
 
             self.last = (version, ray.put(state))
-            for w in workers:
-                try:
-                    ray.get(self.workers[w].set_weights.remote(version, self.last[1]))
-                except ray.exceptions.RayActorError:  # died since its last request: a new one takes its place
-                    logger.warning("rollout worker %d died; starting a new one", w)
-                    self._replace(w, self.workers[w])
+            for w in workers:  # not waited for: a worker takes it before its next request (a dead one's request
+                self.workers[w].set_weights.remote(version, self.last[1])  # fails at _collect, which replaces it)
         for w in workers:
             self.synced[w] = version
         self.pending["runtime/sync_bytes"] += float(sum(t.numel() * t.element_size() for t in state.values()))

@@ -66,14 +66,20 @@ def _compare(torch_run: Path, ray_run: Path, epochs: int, weights: str) -> None:
 
 
 @pytest.mark.slow
-def test_tiny_flux_ray_equals_torchrun(tmp_path):
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_tiny_flux_ray_equals_torchrun(tmp_path, finetune):
     small = ["train.num_epochs=3", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch_size=4",
-             "data.eval_num_prompts=2"]
+             "data.eval_num_prompts=2", f"model.finetune={finetune}"]
     config = REPO / "configs" / "tiny_jpeg.yaml"
     plain = _train(config, tmp_path / "torchrun", "torchrun", *small)
     on_ray = _train(config, tmp_path / "ray", "ray", *small)
     _no_ray_left()
-    _compare(plain, on_ray, 3, "transformer/diffusion_pytorch_model.safetensors")
+    _compare(plain, on_ray, 3, "checkpoints/epoch_2/trainable.safetensors")
+    # what is sent is the trained parameters alone (LoRA: the adapter, not the frozen base), float32
+    trained = load_file(on_ray / "checkpoints" / "epoch_2" / "trainable.safetensors")
+    assert (finetune == "lora") == all("lora" in k for k in trained)
+    sent = {json.loads(line)["runtime/sync_bytes"] for line in (on_ray / "metrics.jsonl").read_text().splitlines()}
+    assert sent == {float(sum(t.numel() * t.element_size() for t in trained.values()))}
 
 
 @pytest.mark.slow
