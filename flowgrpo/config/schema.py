@@ -613,7 +613,8 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _derive(self, info: ValidationInfo) -> Config:
-        if self.runtime.engine == "ray":  # first: the objective's own checks are moot if it cannot run on Ray
+        checks = (info.context or {}).get("strategy_checks", True)  # --help marks their refusals instead
+        if checks and self.runtime.engine == "ray":  # first: the objective's own checks are moot off Ray
             refuse_on_ray(self.objective.name)
         chunker, t = self._check_batches(), self.train
         if self.model.finetune == "full" and self.model.dtype == "float16":
@@ -640,7 +641,7 @@ class Config(Section):
         if self.model.prompt_embeddings_dir is not None and not self.model.cache_prompt_embeddings:
             raise ValueError(f"model.prompt_embeddings_dir={self.model.prompt_embeddings_dir!r} is read only with "
                              "model.cache_prompt_embeddings=true; set it, or remove the folder setting")
-        if (info.context or {}).get("strategy_checks", True):  # --help marks their refusals (strategy_problems)
+        if checks:  # --help marks their refusals (strategy_problems)
             self.objective.check(self)  # each strategy's checks against the other sections (the policy loss's too)
             self.group_filter.check(self)
         if all(r.weight == 0 for r in self.rewards):

@@ -42,3 +42,14 @@ def test_every_registered_objective_is_classified():
     """A new objective must be placed: served by rollout workers, or refused with its reason."""
     assert set(OBJECTIVES.names()) == set(ON_RAY) | set(REFUSED)
     assert not set(ON_RAY) & set(REFUSED)
+
+
+def test_without_ray_installed_the_run_is_refused_in_one_line(monkeypatch):
+    import sys
+
+    from flowgrpo.runtime.ray_engine import check_installed
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(ValueError, match=r"runtime.engine=ray needs Ray .*pip install 'flowgrpo\[ray\]'") as err:
+        check_installed()
+    assert "\n" not in str(err.value)
