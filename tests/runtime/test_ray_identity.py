@@ -92,17 +92,28 @@ def test_digits_ray_equals_torchrun(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["digits_nft", "digits_awm", "digits_dgpo", "digits_dpo", "digits_chunk",
-                                    "digits_mix", "digits_cps"])
-def test_each_objective_and_chunker_on_ray_equals_torchrun(tmp_path, config):
+@pytest.mark.parametrize("config", ["digits_nft", "digits_awm", "digits_dgpo", "digits_dpo", "digits_opd",
+                                    "digits_chunk", "digits_mix", "digits_cps"])
+def test_each_objective_and_chunker_on_ray_equals_torchrun(tmp_path, config, digits_teacher):
     """Every objective that trains from its own rollouts (DiffusionNFT samples with its old copy: the weights sent
-    are the ones it swaps in), and the SDE-ratio objective with other chunkers, two epochs."""
+    are the ones it swaps in; OPD's teacher stays in the training process), and the SDE-ratio objective with other
+    chunkers, two epochs."""
     small = ["train.num_epochs=2", "data.eval_num_prompts=4"]
+    if config == "digits_opd":
+        small.append(f"objective.teacher={digits_teacher}")
     path = REPO / "configs" / f"{config}.yaml"
     plain = _train(path, tmp_path / "torchrun", "torchrun", *small)
     on_ray = _train(path, tmp_path / "ray", "ray", *small)
     _no_ray_left()
     _compare(plain, on_ray, 2, "checkpoints/epoch_1/trainable.safetensors")
+
+
+@pytest.fixture
+def digits_teacher() -> Path:
+    """A teacher for ``digits_opd.yaml``: the digits base model's pipeline folder (cached by the digits runs)."""
+    from flowgrpo.tasks.digits.model import ensure_digits_model
+
+    return ensure_digits_model(progress=False)
 
 
 def _torchrun(out: Path, engine: str, *overrides: str) -> Path:
