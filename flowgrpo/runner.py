@@ -45,6 +45,7 @@ from flowgrpo.rewards.base import MissingWeightsError
 from flowgrpo.rewards.compose import OOM_HINT, RewardError
 from flowgrpo.rewards.registry import RewardLoadError, registered_rewards
 from flowgrpo.rewards.remote import RemoteRewardError
+from flowgrpo.runtime import ray_engine
 from flowgrpo.sampling.prompt_cache import attach_prompt_cache
 from flowgrpo.sampling.rollout import check_condition_images
 from flowgrpo.training.loop import Trainer
@@ -159,6 +160,8 @@ def _run(config) -> dict:
     parallel.check_launch()  # the processes asked for were started
     parallel.cpu_without_accelerator()  # torchrun on a machine without a GPU: the CPU and gloo, said in the log
     ready = preflight(config)
+    if config.runtime.engine == "ray":
+        ray_engine.check_installed()
     accelerator = Accelerator(log_with=config.logging.trackers or None, project_dir=config.output_dir,
                               kwargs_handlers=parallel.process_group_kwargs(config.parallel))
     # every process has checked the run folder (preflight) before the main one writes into it: else a process
@@ -195,7 +198,8 @@ def _run(config) -> dict:
     torch.set_grad_enabled(True)
     global _SETUP_DONE, _TRAINER
     _SETUP_DONE, _TRAINER = True, trainer
-    summary = trainer.fit()
+    with ray_engine.ray_rollouts(config, trainer):  # the rollout workers (runtime.engine=ray), ended on every exit
+        summary = trainer.fit()
     accelerator.end_training()
     parallel.release()
     return summary

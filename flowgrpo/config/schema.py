@@ -19,6 +19,7 @@ from flowgrpo.algo.advantages import ESTIMATORS
 from flowgrpo.algo.chunkers import CHUNKERS
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
 from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
+from flowgrpo.runtime.checks import refuse_on_ray
 from flowgrpo.sampling.config import EvalSamplingConfig, SamplingConfig
 from flowgrpo.strategies.settings import Section, registered_name, strategy_settings
 
@@ -405,6 +406,47 @@ class ParallelConfig(Section):
         return self
 
 
+class RuntimeConfig(Section):
+    """Where the rollout runs (docs/async.md): in the training processes (``torchrun``, the default), or on Ray
+    rollout workers that hold their own copy of the policy while the training processes train (``ray``)."""
+
+    engine: Literal["torchrun", "ray"] = Field(
+        "torchrun", description="torchrun: every training process samples its share of the rollout itself; ray: "
+        "rollout workers (Ray actors) sample it from synced weights while the training processes (launched as "
+        "ever) train; rank 0 drives Ray and hands each rank its share (docs/async.md)"
+    )
+    rollout_workers: int = Field(
+        1, ge=1, description="ray: rollout workers (actors), each holding the policy; an epoch's per-rank shares "
+        "and the epochs in flight (runtime.max_staleness) are spread over them"
+    )
+    max_staleness: int = Field(
+        0, ge=0, description="ray: the most policy versions (epoch updates applied) a group may lag behind the "
+        "policy it trains: 0 samples each epoch from the weights it trains (bit for bit the torchrun run); 1 samples "
+        "epoch e+1 while epoch e trains (the rollout waits, no group is dropped)"
+    )
+    sync_every: int = Field(
+        1, ge=1, description="ray: send the trained weights to the rollout workers every sync_every versions; an "
+        "epoch sampled ahead waits for a sync when it would lag more than runtime.max_staleness, and the epoch about "
+        "to train forces one"
+    )
+    address: str | None = Field(
+        None, description="ray: the cluster to join (ray start --head's address, or auto); null: the RAY_ADDRESS "
+        "environment variable, else a new Ray instance on this machine"
+    )
+
+    @model_validator(mode="after")
+    def _ray_only(self) -> RuntimeConfig:
+        """The Ray settings are refused with ``engine: torchrun`` (``ValueError`` naming the first moved one)."""
+        if self.engine == "ray":
+            return self
+        for key in ("rollout_workers", "max_staleness", "sync_every", "address"):
+            default = type(self).model_fields[key].default
+            if getattr(self, key) != default:
+                raise ValueError(f"runtime.{key}={getattr(self, key)!r} is read only with runtime.engine=ray: set "
+                                 f"runtime.engine=ray, or remove the setting (default {default!r})")
+        return self
+
+
 class RewardSpec(Section):
     """One reward: a registered name (entry point) or 'module:attr', its weight and constructor kwargs."""
 
@@ -547,6 +589,7 @@ class Config(Section):
     )
     train: TrainConfig = Field(default_factory=TrainConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(name="digit_correctness")], description="rewards optimised"
     )
@@ -570,6 +613,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _derive(self, info: ValidationInfo) -> Config:
+        checks = (info.context or {}).get("strategy_checks", True)  # --help marks their refusals instead
+        if checks and self.runtime.engine == "ray":  # first: the objective's own checks are moot off Ray
+            refuse_on_ray(self.objective.name)
         chunker, t = self._check_batches(), self.train
         if self.model.finetune == "full" and self.model.dtype == "float16":
             raise ValueError("model.dtype=float16 with model.finetune=full: the float32 master weights would "
@@ -595,7 +641,7 @@ class Config(Section):
         if self.model.prompt_embeddings_dir is not None and not self.model.cache_prompt_embeddings:
             raise ValueError(f"model.prompt_embeddings_dir={self.model.prompt_embeddings_dir!r} is read only with "
                              "model.cache_prompt_embeddings=true; set it, or remove the folder setting")
-        if (info.context or {}).get("strategy_checks", True):  # --help marks their refusals (strategy_problems)
+        if checks:  # --help marks their refusals (strategy_problems)
             self.objective.check(self)  # each strategy's checks against the other sections (the policy loss's too)
             self.group_filter.check(self)
         if all(r.weight == 0 for r in self.rewards):

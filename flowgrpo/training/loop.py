@@ -98,6 +98,7 @@ class Trainer:
         # whether the objective trains on the group advantages (a plugin objective that does not say: it does)
         self._on_advantages = getattr(objective, "trains_on_advantages", True)
         self.forward_count = [0, 0]  # transformer calls and rows, for the rollout/update cost metrics
+        self.rollouts = None  # None: the rollout runs here; else the engine that samples it (flowgrpo.runtime)
         adapter.transformer.register_forward_pre_hook(self._count_forward, with_kwargs=True)
         if config.train.resume_from:
             self.epoch = self.optim.resume(config.train.resume_from, sampler=self.sampler, objective=objective)
@@ -239,6 +240,8 @@ class Trainer:
                "adv/kept_frac": float(adv.train_mask.double().mean()), "adv/abs_mean": float(adv.values.abs().mean()),
                **work.metrics})
         m.log(upd)
+        if self.rollouts is not None:  # the rollout engine's off-policy figures (flowgrpo.runtime)
+            m.log(self.rollouts.after_update(upd, work))
         if evaluate:
             with m.timed("eval"):
                 m.log(self.evaluate(f"epoch {epoch + 1}")[0])  # 1-based, as the epoch lines
@@ -274,20 +277,9 @@ class Trainer:
         return traj, handles
 
     def rollout_phase(self):
-        """Sample this process's share of the epoch's P×G trajectories (the objective's rollout); each decoded
-        micro-batch is handed to the background reward scorer at once. Returns the rollout record and the score
-        handles in sample order."""
-        t = self.cfg.train
-        prompt_ids = self.sampler.next_prompt_ids()
-        # a prompt drawn twice in one epoch (only when P > the set's size) is two groups with their own noise
-        keys = group_keys(prompt_ids, len(self.prompts))
-        all_keys = keys.repeat_interleave(t.group_size)  # (B,) global layout: groups adjacent
-        all_pids = prompt_ids.repeat_interleave(t.group_size)
-        all_j = torch.arange(t.group_size).repeat(t.prompts_per_epoch)
-        local = dist.local_slice(len(all_pids))
-        pids, js = all_pids[local], all_j[local]
-        prompts = [self.prompts.prompts[i] for i in pids]
-        metadata = [self.prompts.metadata[i] for i in pids]
+        """Sample this process's share of the epoch's P×G trajectories (the objective's rollout, or the rollout
+        source's: :attr:`rollouts`); each decoded micro-batch is handed to the background reward scorer at once.
+        Returns the rollout record and the score handles in sample order."""
         handles = []
         lead = dist.context_leader()  # a context group's first rank scores the group's samples (reward_phase)
 
@@ -298,13 +290,29 @@ class Trainer:
             elif lead:
                 handles.append(self.scorer.submit(images, batch_prompts, batch_meta))
 
-        request = RolloutRequest(
-            prompts=prompts, metadata=metadata, prompt_ids=all_keys[local], sample_index=js, settings=self.settings,
-            batch_size=t.rollout_batch_size, seed=t.seed, epoch=self.epoch,
-            same_noise_in_group=self.cfg.sampling.same_noise_in_group, progress=self.cfg.logging.progress and self.main,
-            on_images=score_in_background, latents_on_cpu=t.latents_on_cpu,
-        )
+        prompt_ids = self.sampler.next_prompt_ids()
+        n = len(prompt_ids) * self.cfg.train.group_size
+        request = self.rollout_request(self.epoch, prompt_ids, dist.local_slice(n), score_in_background)
+        if self.rollouts is not None:  # another engine samples it (flowgrpo.runtime)
+            return self.rollouts.rollout(self, prompt_ids, request), handles
         return self.objective.rollout(self.adapter, request), handles
+
+    def rollout_request(self, epoch: int, prompt_ids: torch.Tensor, local: slice, on_images=None) -> RolloutRequest:
+        """The :class:`RolloutRequest` of epoch ``epoch`` (0-based) for the samples ``local`` of the epoch's
+        global P×G layout (groups adjacent) drawn from the (P,) ``prompt_ids``; ``on_images`` as the request's."""
+        t = self.cfg.train
+        # a prompt drawn twice in one epoch (only when P > the set's size) is two groups with their own noise
+        keys = group_keys(prompt_ids, len(self.prompts))
+        all_keys = keys.repeat_interleave(t.group_size)  # (B,) global layout: groups adjacent
+        all_pids = prompt_ids.repeat_interleave(t.group_size)
+        all_j = torch.arange(t.group_size).repeat(len(prompt_ids))
+        pids, js = all_pids[local], all_j[local]
+        return RolloutRequest(
+            prompts=[self.prompts.prompts[i] for i in pids], metadata=[self.prompts.metadata[i] for i in pids],
+            prompt_ids=all_keys[local], sample_index=js, settings=self.settings, batch_size=t.rollout_batch_size,
+            seed=t.seed, epoch=epoch, same_noise_in_group=self.cfg.sampling.same_noise_in_group,
+            progress=self.cfg.logging.progress and self.main, on_images=on_images, latents_on_cpu=t.latents_on_cpu,
+        )
 
     def reward_phase(self, traj, handles: list) -> tuple[Rewards, torch.Tensor]:
         """Wait for the background scores of the local images (scored during the rollout; a rollout that did not

@@ -1,0 +1,403 @@
+"""Decoupled rollouts on Ray (``runtime.engine: ray``; docs/async.md).
+
+What runs where::
+
+    training processes (torchrun / accelerate, FSDP2 …)          Ray rollout workers (actors)
+    rank 0: RayRollouts ── set_weights(version, state) ──────────▶ RolloutWorker: the policy (same builder)
+            │            ── rollout((epoch, rank), request) ─────▶   objective.rollout(adapter, request)
+            │            ◀── record, images, behaviour log-probs ─┘   (its version recorded)
+            └─ broadcast: each rank takes its own share (dist.local_slice's), scores and trains it
+
+The trainer stays in the launched processes; rank 0 drives Ray. An epoch's rollout is one request per data rank,
+keyed ``(epoch, data rank)``: exactly the request that rank would have sampled itself
+(:meth:`~flowgrpo.training.loop.Trainer.rollout_request`), so with ``runtime.max_staleness: 0`` the records (and the
+run) equal the in-process ones bit for bit. The *version* of the policy is the number of epoch updates applied; a
+group is trained at most ``max_staleness`` versions after the version that sampled it: the requests of epochs
+e … e + S are in flight while epoch e trains (the rollout of a later epoch waits for its version; no group is ever
+dropped). Weights go to the workers through Ray's object store: the trained parameters (LoRA: the adapter only) as
+the rollout uses them (a forward-process objective's old copy swapped in), gathered whole from FSDP2 shards.
+
+Off-policy correction: the SDE-ratio update already takes its importance ratio against the behaviour log-probs the
+record carries (Flow-GRPO, Liu et al. arXiv 2505.05470, eq. 6, PPO's clipped surrogate, Schulman et al. arXiv
+1707.06347): that ratio corrects a stale group. ``objective.recompute_old_log_probs`` rescores those log-probs with
+the trainer's current weights before the update, which drops that correction (the clip is then taken around the
+current policy, as decoupled PPO's proximal policy, Hilton et al. arXiv 2110.00641, without its behaviour weight);
+the metrics say how far apart the two are (``runtime/logprob_gap``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+from flowgrpo.distributed import dist
+
+logger = logging.getLogger(__name__)
+
+
+def check_installed() -> None:
+    """``ValueError`` (one line) when Ray cannot be imported: before any model loads."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"runtime.engine=ray needs Ray ({err}): pip install 'flowgrpo[ray]', or use "
+                         "runtime.engine=torchrun") from None
+
+
+def build_policy(config, device: torch.device):
+    """The rollout policy of ``config`` on one process: the model loaded and made trainable as the runner does
+    (:func:`~flowgrpo.models.load_model_from_config`, the seed set first, the prompt cache, LoRA or full with
+    float32 LoRA weights, float32 masters computing in ``model.dtype``), never sharded. Returns (adapter,
+    objective); the objective samples under whatever weights are loaded (its ``rollout_weights`` swap is the
+    trainer's: the weights sent are already the ones it would swap in)."""
+    from accelerate.utils import set_seed
+
+    from flowgrpo import parallel
+    from flowgrpo.algo.objectives import build_objective
+    from flowgrpo.config.schema import ParallelConfig
+    from flowgrpo.models import load_model_from_config
+    from flowgrpo.runner import _make_trainable, quiet_libraries
+    from flowgrpo.sampling.prompt_cache import attach_prompt_cache
+
+    quiet_libraries()
+    one = config.model_copy(update={"parallel": ParallelConfig()})
+    set_seed(config.train.seed)
+    m = config.model
+    adapter = load_model_from_config(m, progress=False)
+    parallel.place_pipeline(adapter, device, one.parallel)
+    if m.cache_prompt_embeddings:
+        attach_prompt_cache(adapter, m.pretrained, one.parallel.text_encoders, m.prompt_embeddings_dir)
+    objective = build_objective(config)
+    _make_trainable(adapter, one, objective)
+    compute = parallel.master_weights(config)
+    if compute is not None:
+        adapter.transformer.to(torch.float32)
+        adapter.forward_module = parallel.ComputeIn(adapter.transformer, compute, device.type)
+    adapter.compute_dtype = compute
+    if hasattr(objective, "rollout_weights"):
+        objective.rollout_weights = contextlib.nullcontext
+    return adapter, objective
+
+
+class RolloutWorker:
+    """A Ray actor's body: holds the policy and samples requests with it.
+
+    Args:
+        config: the run's :class:`~flowgrpo.config.Config`.
+        threads: torch's thread count, the training process's (CPU float results depend on it).
+    """
+
+    def __init__(self, config, threads: int) -> None:
+        torch.set_num_threads(threads)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.adapter, self.objective = build_policy(config, self.device)
+        self.params = {n: p for n, p in self.adapter.transformer.named_parameters() if p.requires_grad}
+        self.version = -1
+        self.forward = [0, 0]
+        self.adapter.transformer.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        x = kwargs.get("hidden_states", kwargs.get("x", args[0] if args else None))
+        self.forward[0] += 1
+        self.forward[1] += 0 if x is None else len(x)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def set_weights(self, version: int, state: dict[str, torch.Tensor]) -> int:
+        """Load the trained parameters ``state`` ({name: whole tensor}, exactly the trainable ones) as policy
+        version ``version``; ``ValueError`` naming the first missing or extra name."""
+        if set(state) != set(self.params):
+            odd = sorted(set(state) ^ set(self.params))
+            raise ValueError(f"the synced weights do not fit the rollout worker's trainable parameters: {odd[:3]}")
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(state[name])
+        self.version = version
+        return version
+
+    def rollout(self, key: tuple[int, int], request) -> dict:
+        """Sample ``request`` (a :class:`~flowgrpo.sampling.rollout.RolloutRequest` without ``on_images``).
+        Returns ``key``, the ``record`` (tensors on the host), the micro-batches handed to ``on_images``
+        (``calls``: (images, prompts, metadata) each), the transformer ``forward`` (calls, rows), the prompts the
+        text encoders ``truncated`` ({encoder: count}), the policy ``version`` and the ``seconds`` taken."""
+        calls: list = []
+        truncation = getattr(self.adapter, "truncation", None)
+        cut0 = dict(truncation.counts) if truncation is not None else {}
+        f0 = list(self.forward)
+        t0 = time.perf_counter()
+        def on_images(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> None:
+            calls.append((images.cpu(), list(prompts), list(metadata)))
+
+        request = dataclasses.replace(request, on_images=on_images)
+        record = self.objective.rollout(self.adapter, request)
+        cut = {k: v - cut0.get(k, 0) for k, v in (truncation.counts.items() if truncation is not None else ())}
+        record, moved = host_record(record)
+        return {"key": key, "record": record, "moved": moved, "calls": calls, "version": self.version,
+                "forward": (self.forward[0] - f0[0], self.forward[1] - f0[1]), "truncated": cut,
+                "seconds": time.perf_counter() - t0}
+
+
+def host_record(record) -> tuple[object, dict[str, bool]]:
+    """``record`` (a frozen dataclass of tensors and :class:`~flowgrpo.records.PromptEmbeds`) with every tensor on
+    the host, and {field: whether it was on an accelerator}: what :func:`placed_record` puts back on the trainer's
+    device (the record's one device boundary)."""
+    if not dataclasses.is_dataclass(record):
+        return record, {}
+    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.init}
+    moved = {k: _device_of(v).type != "cpu" for k, v in fields.items() if _device_of(v) is not None}
+    return dataclasses.replace(record, **{k: fields[k].to("cpu") for k in moved}), moved
+
+
+def placed_record(record, moved: dict[str, bool], device: torch.device):
+    """:func:`host_record`'s record with the fields that were on an accelerator moved to ``device``."""
+    on_device = {k: getattr(record, k).to(device) for k, was in moved.items() if was}
+    return dataclasses.replace(record, **on_device) if on_device else record
+
+
+def _device_of(value) -> torch.device | None:
+    if isinstance(value, torch.Tensor):
+        return value.device
+    if dataclasses.is_dataclass(value) and hasattr(value, "to") and hasattr(value, "device"):  # PromptEmbeds
+        return value.device
+    return None
+
+
+class RayRollouts:
+    """The trainer's rollout source under Ray (:attr:`~flowgrpo.training.loop.Trainer.rollouts`): every process
+    calls :meth:`rollout` and :meth:`after_update` in step (the weight gather is a collective under FSDP2); only
+    rank 0 holds ``workers`` (actor handles) and talks to Ray.
+
+    Args:
+        settings: the run's ``runtime`` section; num_epochs: ``train.num_epochs``.
+        workers: the rollout workers' actor handles (rank 0), or None (the other ranks).
+        make_worker: ``make_worker()`` → a new actor handle (rank 0): a worker found dead is replaced by it.
+    """
+
+    def __init__(self, settings, num_epochs: int, workers: list | None, make_worker=None) -> None:
+        self.s = settings
+        self.num_epochs = num_epochs
+        self.workers = workers
+        self.make_worker = make_worker
+        self.n = settings.rollout_workers
+        self.synced = [-1] * self.n  # the version each worker holds (-1: none yet), the same on every rank
+        # epoch -> {"refs": {(epoch, rank): (worker, its handle, ref)}, "requests": {(epoch, rank): request}}
+        self.issued: dict[int, dict] = {}
+        self.pending: dict[str, float] = {}  # this epoch's runtime/… figures
+        self.lag = 0
+        self.last = None  # (version, object ref) of the last weights sent (rank 0): what a restarted worker loads
+        self.replaced = 0  # workers started in place of dead ones
+        self.pids: list[int] = []  # the first workers' process ids (rank 0)
+
+    # ------------------------------------------------------------------ the trainer's two calls
+    def rollout(self, trainer, prompt_ids: torch.Tensor, request):
+        """This process's share of epoch ``trainer.epoch``'s rollout: the requests of epochs e … e + S issued
+        (syncing weights where needed), epoch e's records collected, this rank's replayed into
+        ``request.on_images`` (the reward scorer) as the in-process rollout would; the worker's transformer calls
+        and truncated prompts added to the trainer's counts. Returns the record on the trainer's device."""
+        e = trainer.epoch
+        self.pending = {"runtime/sync_bytes": 0.0, "runtime/sync_seconds": 0.0}
+        self.issue_window(trainer, prompt_ids)
+        t0 = time.perf_counter()
+        results = self._collect(trainer, e) if self.workers is not None else None
+        # the versions too: a worker restarted on rank 0 holds another one, and every rank decides the syncs alike
+        results, self.synced = dist.broadcast_object((results, self.synced))
+        mine = results[dist.data_rank()]
+        self.lag = e - mine["version"]
+        self.pending.update({"runtime/lag": float(self.lag), "runtime/version": float(e),
+                             "runtime/wait_seconds": time.perf_counter() - t0,
+                             "runtime/worker_seconds": float(mine["seconds"])})
+        for call in mine["calls"]:
+            request.on_images(*call)
+        trainer.forward_count[0] += mine["forward"][0]
+        trainer.forward_count[1] += mine["forward"][1]
+        truncation = getattr(trainer.adapter, "truncation", None)
+        if truncation is not None:
+            for k, v in mine["truncated"].items():
+                truncation.counts[k] = truncation.counts.get(k, 0) + v
+        trainer.metrics.log(self.pending)
+        return placed_record(mine["record"], mine["moved"], trainer.adapter.device)
+
+    def after_update(self, upd: dict, work) -> dict[str, float]:
+        """The epoch's off-policy figures: ``runtime/ratio_mean`` (the first optimizer step's mean importance
+        ratio against the behaviour log-probs) and ``runtime/logprob_gap`` (max |Δ log p| between the trainer's
+        policy and the behaviour's: the first step's, or the recompute's rescoring when it ran), each where the
+        objective has log-probs."""
+        out = {}
+        if "policy/ratio_mean" in upd:
+            out["runtime/ratio_mean"] = upd["policy/ratio_mean"]
+        behaviour = getattr(getattr(work, "traj", None), "log_probs", None)
+        if getattr(work, "recompute", False) and behaviour is not None:
+            gap = (work.old_log_probs.float() - behaviour.float().to(work.old_log_probs.device)).abs()
+            gap = gap * work.traj.stochastic.to(gap.device)  # deterministic steps carry no log-prob
+            out["runtime/logprob_gap"] = float(dist.all_reduce_max(gap.max().reshape(1).double())[0])
+        elif "policy/logprob_mismatch_max" in upd:
+            out["runtime/logprob_gap"] = upd["policy/logprob_mismatch_max"]
+        return out
+
+    # ------------------------------------------------------------------ requests, weights, results
+    def _worker_of(self, epoch: int, rank: int) -> int:
+        """The worker that samples data rank ``rank``'s share of epoch ``epoch``: round robin over the epochs'
+        shares, so epochs in flight together go to different workers."""
+        return (epoch * dist.data_world_size() + rank) % self.n
+
+    def issue_window(self, trainer, prompt_ids: torch.Tensor) -> None:
+        """Issue the requests of epochs e … e + S not yet issued (e = ``trainer.epoch``, whose (P,) prompts are
+        ``prompt_ids``; the later epochs' drawn from a copy of the trainer's sampler), in order, stopping at the
+        first epoch sampled ahead that would lag more than S versions on its workers' weights (it waits for a later
+        sync, at the latest its own epoch)."""
+        e = trainer.epoch
+        ahead = copy.deepcopy(trainer.sampler)  # positioned after epoch e's draw: the next epochs' prompts
+        for t in range(e, min(e + self.s.max_staleness, self.num_epochs - 1) + 1):
+            ids = prompt_ids if t == e else ahead.next_prompt_ids()
+            if t not in self.issued and not self._issue(trainer, t, ids):
+                return
+
+    def _issue(self, trainer, epoch: int, prompt_ids: torch.Tensor) -> bool:
+        """Send the requests of epoch ``epoch`` (one per data rank, keyed (epoch, rank)) unless it is sampled
+        ahead and would lag more than ``max_staleness`` (returns False). A worker behind the trainer's version is
+        synced first when it holds no weights sent yet, when a sync is due (``sync_every`` versions since its
+        last), or, for the epoch about to train, when it would lag more than ``max_staleness`` (every rank takes
+        part in the sync's gather)."""
+        version = trainer.epoch  # the epoch updates applied so far
+        ranks = dist.data_world_size()
+        per = len(prompt_ids) * trainer.cfg.train.group_size // ranks
+        workers = list(dict.fromkeys(self._worker_of(epoch, r) for r in range(ranks)))
+        now, limit = epoch == version, self.s.max_staleness
+        stale = [w for w in workers if self.synced[w] < version and (self.synced[w] < 0  # none sent yet
+                 or version - self.synced[w] >= self.s.sync_every or (now and epoch - self.synced[w] > limit))]
+        if stale:
+            self._sync(trainer, stale, version)
+        if any(epoch - self.synced[w] > limit for w in workers):
+            return False
+        if self.workers is None:
+            self.issued[epoch] = {}
+            return True
+        requests = {(epoch, r): dataclasses.replace(
+            trainer.rollout_request(epoch, prompt_ids, slice(r * per, (r + 1) * per)), progress=False)
+            for r in range(ranks)}
+        self.issued[epoch] = {"requests": requests, "refs": {
+            key: (w, self.workers[w], self.workers[w].rollout.remote(key, req))
+            for key, req in requests.items() for w in [self._worker_of(*key)]}}
+        return True
+
+    def _sync(self, trainer, workers: list[int], version: int) -> None:
+        """Send the trained weights as the rollout uses them to ``workers`` as ``version``; adds the bytes and the
+        seconds of the gather and the put into the object store to this epoch's figures (the workers load them
+        between requests, unwaited). A collective (every rank gathers; rank 0 sends)."""
+        t0 = time.perf_counter()
+        state = rollout_state(trainer, gather_only=self.workers is None)
+        if self.workers is not None:
+            import ray
+
+            self.last = (version, ray.put(state))
+            for w in workers:  # not waited for: a worker takes it before its next request (a dead one's request
+                self.workers[w].set_weights.remote(version, self.last[1])  # fails at _collect, which replaces it)
+        for w in workers:
+            self.synced[w] = version
+        self.pending["runtime/sync_bytes"] += float(sum(t.numel() * t.element_size() for t in state.values()))
+        self.pending["runtime/sync_seconds"] += time.perf_counter() - t0
+
+    def _collect(self, trainer, epoch: int) -> list[dict]:
+        """Epoch ``epoch``'s results in data-rank order (rank 0). A request whose worker died is issued again, to
+        a new worker loaded with the last weights sent: no group is lost or sampled twice."""
+        import ray
+
+        issued = self.issued.pop(epoch)
+        out = {}
+        for key, (w, handle, ref) in sorted(issued["refs"].items()):
+            while key not in out:
+                try:
+                    out[key] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    logger.warning("rollout worker %d died during request %s; issuing it again", w, key)
+                    handle = self._replace(w, handle)
+                    ref = handle.rollout.remote(key, issued["requests"][key])
+        return [out[k] for k in sorted(out)]
+
+    def _replace(self, w: int, dead):
+        """Worker ``w``'s handle after ``dead`` died: a new worker loaded with the last weights sent (the dead
+        one's version or a newer one; no collective needed), made once however many requests find it dead."""
+        if self.workers[w] is dead:
+            self.workers[w] = self.make_worker()
+            self.replaced += 1
+            version, ref = self.last
+            self.workers[w].set_weights.remote(version, ref)
+            self.synced[w] = version
+        return self.workers[w]
+
+
+def rollout_state(trainer, gather_only: bool = False) -> dict[str, torch.Tensor]:
+    """{name: whole host tensor} of the trained parameters as the rollout samples with them (under the
+    objective's ``rollout_weights``: DiffusionNFT's old copy), FSDP2 shards gathered (a collective: every rank
+    calls it). ``gather_only`` (a rank other than 0): only take part in the gathers; returns {} when nothing is
+    sharded."""
+    from torch.distributed.tensor import DTensor
+
+    named = [(n, p) for n, p in trainer.optim.unwrapped.named_parameters() if p.requires_grad]
+    if gather_only and not any(isinstance(p, DTensor) for _, p in named):
+        return {}
+    scope = getattr(trainer.objective, "rollout_weights", contextlib.nullcontext)
+    with scope(), torch.no_grad():
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+                for n, p in named}
+
+
+@contextlib.contextmanager
+def ray_rollouts(config, trainer):
+    """With ``runtime.engine: ray``: Ray started (rank 0: ``ray.init`` on ``runtime.address``, else
+    ``RAY_ADDRESS``, else a new local instance with no dashboard and the workers' output kept off the console),
+    ``runtime.rollout_workers`` workers made with this process's torch thread count, and ``trainer.rollouts``
+    set, for the block; the workers ended and ``ray.shutdown()`` on every way out. Nothing for ``torchrun``."""
+    if config.runtime.engine != "ray":
+        yield None
+        return
+    main = dist.rank() == 0
+    started = False
+    try:
+        workers, make, pids = None, None, []
+        if main:
+            make = _start_ray(config)
+            started = True
+            workers = [make() for _ in range(config.runtime.rollout_workers)]
+            import ray
+
+            pids = ray.get([w.pid.remote() for w in workers])  # built (a failure to build is raised here, first)
+        trainer.rollouts = RayRollouts(config.runtime, config.train.num_epochs, workers, make)
+        trainer.rollouts.pids = pids if main else []
+        yield trainer.rollouts
+    finally:
+        trainer.rollouts = None
+        if started:
+            _stop_ray()
+
+
+def _start_ray(config):
+    """``ray.init`` as :func:`ray_rollouts` says; returns ``make()`` → a new rollout worker's actor handle."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = config.runtime.address or os.environ.get("RAY_ADDRESS") or "local"
+    local = address == "local"
+    ray.init(address=address, include_dashboard=False if local else None, log_to_driver=False,
+             logging_level=logging.WARNING, num_cpus=config.runtime.rollout_workers + 1 if local else None)
+    threads = torch.get_num_threads()
+    gpus = 1 if torch.cuda.is_available() else 0
+    actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(RolloutWorker)
+    logger.info("Ray: %d rollout worker(s) on %s, max_staleness %d", config.runtime.rollout_workers,
+                "this machine" if local else address, config.runtime.max_staleness)
+    return lambda: actor.remote(config, threads)
+
+
+def _stop_ray() -> None:
+    """End the rollout workers and this process's Ray (a local instance's processes with it)."""
+    import ray
+
+    with contextlib.suppress(Exception):  # already gone: nothing to end
+        ray.shutdown()

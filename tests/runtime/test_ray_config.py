@@ -1,0 +1,55 @@
+"""The ``runtime:`` section: its Ray settings refused without ``engine: ray``, and the objectives a rollout worker
+cannot serve refused in one line naming why, with the config, before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowgrpo.algo.objectives import OBJECTIVES
+from flowgrpo.config import ConfigError, build_config
+from flowgrpo.runtime.checks import ON_RAY, REFUSED
+
+
+def test_defaults_are_the_torchrun_engine():
+    r = build_config({}, []).runtime
+    assert (r.engine, r.rollout_workers, r.max_staleness, r.sync_every, r.address) == ("torchrun", 1, 0, 1, None)
+
+
+@pytest.mark.parametrize("setting", ["runtime.max_staleness=1", "runtime.rollout_workers=2",
+                                     "runtime.sync_every=2", "runtime.address=auto"])
+def test_ray_settings_need_the_ray_engine(setting):
+    with pytest.raises(ConfigError, match=f"{setting.split('=')[0]}=.* is read only with runtime.engine=ray"):
+        build_config({}, [setting])
+    assert build_config({}, ["runtime.engine=ray", setting]).runtime.engine == "ray"
+
+
+@pytest.mark.parametrize("objective, why", [("sft", "samples no rollout"), ("dpo_offline", "samples no rollout"),
+                                            ("refl", "back-propagates the reward")])
+def test_objectives_without_own_rollouts_are_refused(objective, why):
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["runtime.engine=ray", f"objective={objective}"])
+    line = str(err.value)
+    assert f"runtime.engine=ray cannot run objective {objective!r}" in line and why in line
+    assert "\n" not in line.strip()
+
+
+@pytest.mark.parametrize("objective", ["nft", "awm", "dgpo", "dpo", "flow_grpo"])
+def test_objectives_from_their_own_rollouts_run(objective):
+    assert build_config({}, ["runtime.engine=ray", f"objective={objective}"]).runtime.engine == "ray"
+
+
+def test_every_registered_objective_is_classified():
+    """A new objective must be placed: served by rollout workers, or refused with its reason."""
+    assert set(OBJECTIVES.names()) == set(ON_RAY) | set(REFUSED)
+    assert not set(ON_RAY) & set(REFUSED)
+
+
+def test_without_ray_installed_the_run_is_refused_in_one_line(monkeypatch):
+    import sys
+
+    from flowgrpo.runtime.ray_engine import check_installed
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(ValueError, match=r"runtime.engine=ray needs Ray .*pip install 'flowgrpo\[ray\]'") as err:
+        check_installed()
+    assert "\n" not in str(err.value)
