@@ -287,6 +287,8 @@ class AWM(ForwardObjective):
     """AWM (module docstring) in the training loop: the trained weights roll out (on-policy), each micro-batch
     trains K σ's drawn for it (shared by its samples) with fresh ε per (sample, σ), and the old copy, a second KL
     anchor, moves once an epoch after the update (k = optimizer steps so far)."""
+    #: verified with rollout workers (tests/runtime/test_ray_identity.py)
+    rollout_workers_refusal = None
 
     Config = AWMConfig
 

@@ -233,6 +233,8 @@ class DGPO(ForwardObjective):
     ``switch_ema_ref`` steps), the epoch's M σ's are drawn once for every micro-batch and process, a group's rows
     share ε, the group sums are all-reduced (every micro-batch holds whole groups), and the old copy, the clip
     anchor, moves after every optimizer step (k = the steps before it)."""
+    #: verified with rollout workers (tests/runtime/test_ray_identity.py)
+    rollout_workers_refusal = None
 
     Config = DGPOConfig
 

@@ -177,6 +177,8 @@ class DPO(ForwardObjective):
     are the pairs (``x0`` the chosen latents, ``extra["x0_rejected"]`` the rejected ones); each pair draws K σ's
     and one ε per σ, shared by its two images, seeded by (seed, epoch, pass, group, slot); the reference and the
     trained weights each forward the pair's two images in one call."""
+    #: verified with rollout workers (tests/runtime/test_ray_identity.py)
+    rollout_workers_refusal = None
 
     Config = DPOConfig
     uses_old_copy = False

@@ -59,6 +59,8 @@ class DPOOfflineConfig(DPOBaseConfig):
 class DPOOffline(DPO):
     """Offline Diffusion-DPO (module docstring): :class:`~flowgrpo.algo.objectives.dpo.DPO` with the dataset's
     images for a rollout and the dataset's pairs for the plan."""
+    #: why rollout workers (runtime.engine: ray) cannot serve it
+    rollout_workers_refusal = "it trains on a preference dataset and samples no rollout"
 
     Config = DPOOfflineConfig
     trains_on_advantages = False  # the dataset's images (or pairs) are the signal, whatever the rewards

@@ -223,6 +223,8 @@ class NFT(ForwardObjective):
     """DiffusionNFT (module docstring) in the training loop: the old copy rolls out and gives v_old, it moves
     once an epoch after the update (k = optimizer steps so far), each sample trains K = int(T·f) σ's of the grid
     drawn for it alone, with fresh ε per (sample, σ)."""
+    #: verified with rollout workers (tests/runtime/test_ray_identity.py)
+    rollout_workers_refusal = None
 
     Config = NFTConfig
 

@@ -214,6 +214,8 @@ class OPDConfig(ObjectiveConfig):
 class OPD(ForwardObjective):
     """On-policy distillation (module docstring) on the forward family's plan and update loop: per micro-batch one
     draw per trained step j, the student's forward with gradient and the teacher's without."""
+    #: verified with rollout workers (tests/runtime/test_ray_identity.py)
+    rollout_workers_refusal = None
 
     Config = OPDConfig
     uses_old_copy = False

@@ -271,6 +271,10 @@ class RewardBackpropConfig(ObjectiveConfig):
 class RewardBackprop(ForwardObjective):
     """ReFL / DRaFT (module docstring) on the forward family's plan and update loop: one row per (sample, copy),
     the loss of :meth:`terms` averaged over an optimizer step's rows on all processes."""
+    #: why rollout workers (runtime.engine: ray) cannot serve it
+    rollout_workers_refusal = ("its update back-propagates the reward through a sampling chain restarted from the "
+                               "rollout's own path, with no importance ratio to correct a path another copy of the "
+                               "policy sampled")
 
     Config = RewardBackpropConfig
     uses_old_copy = False

@@ -239,6 +239,8 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 class SdeRatio(BaseObjective):
     """The GRPO family's objective (module docstring): the chunker's rollout and plan, an optional recompute, the
     registered policy loss over chunks."""
+    #: verified with rollout workers (tests/runtime/test_ray_identity.py)
+    rollout_workers_refusal = None
 
     Config = SdeRatioConfig
 

@@ -143,6 +143,8 @@ class SFTConfig(SigmaDensityConfig):
 class SFT(ForwardObjective):
     """SFT (module docstring) in the training loop: the epoch's dataset records encoded, K σ's and noises per
     sample seeded by (seed, epoch, pass, the sample), no old copy; the reference is forwarded only for a KL."""
+    #: why rollout workers (runtime.engine: ray) cannot serve it
+    rollout_workers_refusal = "it trains on a dataset and samples no rollout"
 
     Config = SFTConfig
     uses_old_copy = False
