@@ -111,6 +111,22 @@ def _resolve_module_attr(name: str):
     return obj, RewardOrigin(name, name, dist, ver)
 
 
+def weighted_reward_factories(specs) -> list[tuple]:
+    """``(spec, factory)`` for each reward of non-zero weight in ``specs`` (the run's
+    :class:`~flowgrpo.config.RewardSpec` list) whose name resolves, importing only those plugins: what a check of
+    the rewards' declarations reads before anything is constructed (a name that does not resolve is left to the
+    reward check)."""
+    out = []
+    for spec in specs:
+        if spec.weight == 0:
+            continue
+        try:
+            out.append((spec, resolve_reward_factory(spec.name)[0]))
+        except RewardLoadError:
+            continue
+    return out
+
+
 def resolve_reward_factory(name: str):
     """The class/factory for ``name`` and its :class:`RewardOrigin`, importing only that plugin.
 

@@ -190,8 +190,9 @@ def test_each_shared_knob_is_one_help_row_naming_every_reader():
 
     rows = describe_fields()
     readers = {"kl_beta": {"sde_ratio", "nft", "awm", "dgpo", "sft"}, "clip_range": {"sde_ratio", "awm", "dgpo"},
-               "timestep_fraction": {"sde_ratio", "nft", "awm", "opd"}}
-    defaults = {"kl_beta": "0.0", "clip_range": "0.0001", "timestep_fraction": "1.0"}  # sde_ratio's, the default's
+               "timestep_fraction": {"sde_ratio", "nft", "awm", "opd"}, "teacher": {"opd", "dmd2"}}
+    defaults = {"kl_beta": "0.0", "clip_range": "0.0001", "timestep_fraction": "1.0",  # sde_ratio's, the default's
+                "teacher": "None"}
     for leaf, objectives in readers.items():
         (row,) = [r for r in rows if r[0].rsplit(".", 1)[-1] == leaf]
         assert row[0] == f"objective.{leaf}" and row[1] == defaults[leaf], row

@@ -131,11 +131,16 @@ TIMESTEP_FRACTION = Field(
     "set objective.chunker.drop_last_step); nft: a random int(T*f) of the grid's T sigmas per sample (0.99); awm: "
     "its strata from the first int(T*f) grid steps (0.9); opd: the first int(T*f) steps of the student's T (0.99)")
 
+#: the teacher of a distillation objective, declared once for every objective that reads one
+TEACHER = Field(None, description="the teacher a distillation objective reads: a run's output_dir (its transformer/ "
+                "or lora/), a transformer folder, a LoRA folder, or a diffusers pipeline folder; opd: required; dmd2: "
+                "the real score, default the run's base model (model.pretrained)")
+
 
 def shared_field(field: FieldInfo, default) -> FieldInfo:
-    """The shared field ``field`` (:data:`KL_BETA`, :data:`CLIP_RANGE`, :data:`TIMESTEP_FRACTION`) with another
-    default (an objective's release value): the same constraints and description (an objective that needs a
-    tighter one adds it to the annotation: ``Annotated[float, Gt(0)]``)."""
+    """The shared field ``field`` (:data:`KL_BETA`, :data:`CLIP_RANGE`, :data:`TIMESTEP_FRACTION`,
+    :data:`TEACHER`) with another default (an objective's release value): the same constraints and description (an
+    objective that needs a tighter one adds it to the annotation: ``Annotated[float, Gt(0)]``)."""
     return FieldInfo.merge_field_infos(field, default=default)
 
 

@@ -64,7 +64,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field, model_validator
 
-from flowgrpo.algo.objectives.base import OBJECTIVES, MicroBatchAt, ObjectiveConfig, UpdateStep
+from flowgrpo.algo.objectives.base import OBJECTIVES, TEACHER, MicroBatchAt, ObjectiveConfig, UpdateStep
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims, noised, x0_from_velocity
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, _Stats, sde_ratio_problems
 from flowgrpo.algo.objectives.opd import check_teacher_family, load_teacher, student_transformer_class, teacher_source
@@ -124,9 +124,7 @@ class DMD2Config(ObjectiveConfig):
     ``sampling.num_steps``."""
 
     name: Literal["dmd2"] = "dmd2"
-    teacher: str | None = Field(None, description="DMD2: the real score (teacher), a run's output_dir (its "
-                                "transformer/ or lora/), a transformer folder, a LoRA folder, or a diffusers "
-                                "pipeline folder; default the run's base model (model.pretrained)")
+    teacher: str | None = TEACHER
     real_guidance_scale: float | None = Field(None, ge=0, description="DMD2: the real score's guidance (CFG; the "
                                               "release's real_guidance_scale: SDXL 8, SD1.5 1.75); default "
                                               "sampling.guidance_scale")

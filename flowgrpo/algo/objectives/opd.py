@@ -37,7 +37,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from flowgrpo.algo.objectives.base import OBJECTIVES, TIMESTEP_FRACTION, ObjectiveConfig, shared_field
+from flowgrpo.algo.objectives.base import OBJECTIVES, TEACHER, TIMESTEP_FRACTION, ObjectiveConfig, shared_field
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, sde_ratio_problems
 from flowgrpo.algo.objectives.paths import PathDraw, PathSamples, path_rollout
@@ -182,9 +182,7 @@ class OPDConfig(ObjectiveConfig):
     step count is ``sampling.num_steps``."""
 
     name: Literal["opd"] = "opd"
-    teacher: str | None = Field(None, description="on-policy distillation: the teacher, a run's output_dir (its "
-                                "transformer/ or lora/), a transformer folder, a LoRA folder, or a diffusers pipeline "
-                                "folder")
+    teacher: str | None = TEACHER
     teacher_guidance_scale: float | None = Field(None, ge=0, description="on-policy distillation: the teacher's "
                                                  "guidance (the release's per-teacher guidance_scale); default "
                                                  "sampling.guidance_scale")

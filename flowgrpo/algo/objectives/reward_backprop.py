@@ -174,16 +174,10 @@ def differentiable_reward_problems(specs) -> list[str]:
     """One line for each reward of non-zero weight whose plugin declares no differentiable score (its class or
     factory lacks ``differentiable = True``), before anything is constructed. ``specs``: the run's ``rewards``
     (:class:`~flowgrpo.config.RewardSpec`). A name that does not resolve is left to the reward check."""
-    from flowgrpo.rewards.registry import RewardLoadError, resolve_reward_factory
+    from flowgrpo.rewards.registry import weighted_reward_factories
 
     out = []
-    for spec in specs:
-        if spec.weight == 0:
-            continue
-        try:
-            factory, _ = resolve_reward_factory(spec.name)
-        except RewardLoadError:
-            continue
+    for spec, factory in weighted_reward_factories(specs):
         if not is_differentiable(factory):
             out.append(f"objective.name=refl backpropagates the reward's gradient, but reward {spec.name!r} "
                        "declares no differentiable score; use one that does (built in: "

@@ -203,16 +203,10 @@ def srpo_reward_problems(specs, relative: bool) -> list[str]:
     """One line for each reward of non-zero weight (``specs``, the run's ``rewards``) without a differentiable
     score, or, with ``relative``, that does not score the prompt; before anything is constructed (a name that does
     not resolve is left to the reward check)."""
-    from flowgrpo.rewards.registry import RewardLoadError, resolve_reward_factory
+    from flowgrpo.rewards.registry import weighted_reward_factories
 
     out = []
-    for spec in specs:
-        if spec.weight == 0:
-            continue
-        try:
-            factory, _ = resolve_reward_factory(spec.name)
-        except RewardLoadError:
-            continue
+    for spec, factory in weighted_reward_factories(specs):
         if not is_differentiable(factory):
             out.append(f"objective.name=srpo backpropagates the reward's gradient, but reward {spec.name!r} declares "
                        f"no differentiable score; use one of {', '.join(TEXT_CONDITIONED_BUILTINS)}, or give it "
