@@ -20,7 +20,7 @@ import torch
 
 from flowgrpo.config import SamplingConfig, load_config
 from flowgrpo.models import load_model_from_config
-from flowgrpo.runner import quiet_libraries
+from flowgrpo.models.quiet import quiet_libraries
 from flowgrpo.sampling.config import FeatureCacheConfig
 from flowgrpo.sampling.final_rollout import solver_rollout
 from flowgrpo.sampling.rollout import RolloutRequest

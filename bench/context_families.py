@@ -128,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     torch_dist.init_process_group("gloo")
     torch.manual_seed(0)
-    from flowgrpo.runner import quiet_libraries
+    from flowgrpo.models.quiet import quiet_libraries
 
     quiet_libraries()
     rows = []

@@ -1089,7 +1089,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.dry_run and not torch.cuda.is_available():
         parser.exit(2, "error: no CUDA device; use --dry-run for the CPU check at toy sizes\n")
     sys.path.insert(0, str(REPO))
-    from flowgrpo.runner import quiet_libraries
+    from flowgrpo.models.quiet import quiet_libraries
 
     quiet_libraries()
     Check(args).run(args.parts)

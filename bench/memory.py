@@ -24,7 +24,7 @@ import sys
 CHILD = r"""
 import json, resource, sys, tempfile, torch
 from pathlib import Path
-from flowgrpo.runner import quiet_libraries
+from flowgrpo.models.quiet import quiet_libraries
 quiet_libraries()
 size, ckpt, on_cpu = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] == "1"
 cuda = torch.cuda.is_available()

@@ -80,8 +80,8 @@ def main() -> None:
     from flowgrpo.config import SamplingConfig, build_config
     from flowgrpo.models import load_model
     from flowgrpo.models.lora import setup_trainable
+    from flowgrpo.models.quiet import quiet_libraries
     from flowgrpo.models.tiny import build_tiny_flux
-    from flowgrpo.runner import quiet_libraries
     from flowgrpo.sampling.rollout import RolloutRequest, rollout
 
     quiet_libraries()

@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    from flowgrpo.runner import quiet_libraries
+    from flowgrpo.models.quiet import quiet_libraries
 
     quiet_libraries()
     from flowgrpo.config import ConfigError

@@ -11,7 +11,6 @@ import os
 import shlex
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import torch
@@ -33,7 +32,8 @@ from flowgrpo.distributed.launch import (
     wait_for_launcher,
 )
 from flowgrpo.models import fetch_first, load_model_from_config
-from flowgrpo.models.lora import setup_trainable
+from flowgrpo.models.lora import make_trainable
+from flowgrpo.models.quiet import quiet_libraries
 from flowgrpo.preflight import (
     auto_resume_config_file,
     check_dataset_size,
@@ -189,7 +189,7 @@ def _run(config) -> dict:
     parallel.place_pipeline(adapter, accelerator.device, config.parallel)  # what sits on each device
     if m.cache_prompt_embeddings:  # each distinct prompt encoded once (flowgrpo.sampling.prompt_cache)
         attach_prompt_cache(adapter, m.pretrained, config.parallel.text_encoders, m.prompt_embeddings_dir)
-    _make_trainable(adapter, config, ready.objective)
+    make_trainable(adapter, config, ready.objective)
     if accelerator.trackers is not None and config.logging.trackers:
         accelerator.init_trackers("flowgrpo", config=_tracker_config(config))
     trainer = Trainer(config, adapter=adapter, rewards=ready.rewards, eval_rewards=ready.eval_rewards,
@@ -214,55 +214,10 @@ def _built_empty(config, accelerator) -> bool:
     return sharded and (config.model.finetune == "full" or accelerator.process_index != 0)
 
 
-def _make_trainable(adapter, config, objective) -> None:
-    """Make the adapter's transformer trainable (:func:`~flowgrpo.models.lora.setup_trainable`), LoRA weights in
-    float32 whatever the model's dtype. The list of trained parameters is not kept: the optimizer takes them from
-    the prepared module (:func:`~flowgrpo.parallel.trainable_parameters`), and under FSDP2 a list kept here would
-    hold every original, unsharded parameter (the whole model, moved to the device before sharding) for the whole
-    run, on the main process (the others' are on the meta device)."""
-    m = config.model
-    params = setup_trainable(
-        adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
-        need_reference=objective.needs_reference, gradient_checkpointing=m.gradient_checkpointing,
-        sharded=config.parallel.sharding == "fsdp2",
-    )
-    if m.finetune == "lora":
-        for p in params:
-            p.data = p.data.float()
-
-
 def _tracker_config(config) -> dict:
     """The config as the trackers take it: dotted keys, plain values (lists and None as text)."""
     return {k: v if isinstance(v, int | float | str | bool) else str(v)
             for k, v in flat_dict(config.model_dump(mode="json")).items()}
-
-
-LIBRARY_PROGRESS_ENV = "FLOWGRPO_LIBRARY_PROGRESS"
-
-
-def quiet_libraries() -> None:
-    """Keep the console for our metrics: silence the libraries' per-call notices (truncated prompts,
-    deprecations), their progress bars (weight loading, downloads; shown again with ``FLOWGRPO_LIBRARY_PROGRESS=1``)
-    and httpx's line per HTTP request of a remote reward (shown when the root logger is at DEBUG), not their
-    errors."""
-    import diffusers  # heavy: imported only when the command runs
-    import transformers
-
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.set_verbosity_error()
-    if os.environ.get(LIBRARY_PROGRESS_ENV, "0") != "1":
-        diffusers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.disable_progress_bar()
-        try:
-            from huggingface_hub.utils import disable_progress_bars
-        except ImportError:  # pragma: no cover - huggingface_hub comes with diffusers
-            pass
-        else:
-            disable_progress_bars()
-    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        for name in ("httpx", "httpcore"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
 
 
 def print_summary(summary: dict, tables=()) -> None:

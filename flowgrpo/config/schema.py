@@ -19,7 +19,6 @@ from flowgrpo.algo.advantages import ESTIMATORS
 from flowgrpo.algo.chunkers import CHUNKERS
 from flowgrpo.algo.filters import GROUP_FILTERS, GroupFilterConfig
 from flowgrpo.algo.objectives import OBJECTIVES, ObjectiveConfig
-from flowgrpo.runtime.checks import refuse_on_ray
 from flowgrpo.sampling.config import EvalSamplingConfig, SamplingConfig
 from flowgrpo.strategies.settings import Section, registered_name, strategy_settings
 
@@ -614,8 +613,10 @@ class Config(Section):
     @model_validator(mode="after")
     def _derive(self, info: ValidationInfo) -> Config:
         checks = (info.context or {}).get("strategy_checks", True)  # --help marks their refusals instead
-        if checks and self.runtime.engine == "ray":  # first: the objective's own checks are moot off Ray
-            refuse_on_ray(self.objective.name)
+        why = OBJECTIVES.get(self.objective.name).rollout_workers_refusal
+        if checks and self.runtime.engine == "ray" and why is not None:  # first: its own checks are moot off Ray
+            raise ValueError(f"runtime.engine=ray cannot run objective {self.objective.name!r}: {why}; use "
+                             "runtime.engine=torchrun")
         chunker, t = self._check_batches(), self.train
         if self.model.finetune == "full" and self.model.dtype == "float16":
             raise ValueError("model.dtype=float16 with model.finetune=full: the float32 master weights would "

@@ -110,3 +110,19 @@ def _adapter_metadata(tr) -> dict:
     as other bytes by every process."""
     return {k: sorted(v) if isinstance(v, set) else v for k, v in tr.peft_config["default"].to_dict().items()}
 
+
+def make_trainable(adapter, config, objective) -> None:
+    """Make the adapter's transformer trainable (:func:`~flowgrpo.models.lora.setup_trainable`), LoRA weights in
+    float32 whatever the model's dtype. The list of trained parameters is not kept: the optimizer takes them from
+    the prepared module (:func:`~flowgrpo.parallel.trainable_parameters`), and under FSDP2 a list kept here would
+    hold every original, unsharded parameter (the whole model, moved to the device before sharding) for the whole
+    run, on the main process (the others' are on the meta device)."""
+    m = config.model
+    params = setup_trainable(
+        adapter, finetune=m.finetune, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.lora_target_modules,
+        need_reference=objective.needs_reference, gradient_checkpointing=m.gradient_checkpointing,
+        sharded=config.parallel.sharding == "fsdp2",
+    )
+    if m.finetune == "lora":
+        for p in params:
+            p.data = p.data.float()

@@ -62,7 +62,8 @@ def build_policy(config, device: torch.device):
     from flowgrpo.algo.objectives import build_objective
     from flowgrpo.config.schema import ParallelConfig
     from flowgrpo.models import load_model_from_config
-    from flowgrpo.runner import _make_trainable, quiet_libraries
+    from flowgrpo.models.lora import make_trainable
+    from flowgrpo.models.quiet import quiet_libraries
     from flowgrpo.sampling.prompt_cache import attach_prompt_cache
 
     quiet_libraries()
@@ -74,7 +75,7 @@ def build_policy(config, device: torch.device):
     if m.cache_prompt_embeddings:
         attach_prompt_cache(adapter, m.pretrained, one.parallel.text_encoders, m.prompt_embeddings_dir)
     objective = build_objective(config)
-    _make_trainable(adapter, one, objective)
+    make_trainable(adapter, one, objective)
     compute = parallel.master_weights(config)
     if compute is not None:
         adapter.transformer.to(torch.float32)

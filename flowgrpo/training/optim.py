@@ -64,6 +64,12 @@ class Optimization:
                     else None)
 
     # ------------------------------------------------------------------ one optimizer step
+    def second_optimizer(self, params: list[torch.nn.Parameter], *, lr: float) -> SecondOptimizer:
+        """A :class:`SecondOptimizer` over ``params`` (parameters an objective trains beside the model) with this
+        run's ``train`` settings and learning rate ``lr``: how an objective gets one without importing the loop's
+        modules."""
+        return SecondOptimizer(params, self.train_cfg, lr=lr, checkpoints=self.checkpoints)
+
     def begin_epoch(self, epoch: int) -> None:
         """Set the learning rate of epoch ``epoch`` (0-based): ``train.lr`` × the warmup's factor of the next step
         × :func:`epoch_lr_factor` (``train.lr_schedule``), for every step of the epoch."""

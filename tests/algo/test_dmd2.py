@@ -17,6 +17,7 @@ import copy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from flowgrpo.algo.objectives.dmd2 import dm_gradient, dm_loss, draw_sigmas, fak
 from flowgrpo.algo.objectives.paths import PathSamples
 from flowgrpo.config import build_config
 from flowgrpo.records import Advantages, PromptEmbeds
+from flowgrpo.training.optim import SecondOptimizer
 from flowgrpo.training.update import run_update
 from flowgrpo.writing.metrics import read_metrics
 from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
@@ -275,6 +277,8 @@ def test_without_a_teacher_folder_the_teacher_is_the_base_model_and_the_fake_sco
                                   "width": 32}, "objective": {"name": "dmd2"}})
     obj = build_objective(cfg)
     adapter = load_model_from_config(cfg.model, progress=False)
+    obj.prepare(SimpleNamespace(second_optimizer=lambda params, lr: SecondOptimizer(params, cfg.train, lr=lr,
+                                                                                    checkpoints=None)))
     obj.attach(adapter, None)
     student = dict(adapter.transformer.named_parameters())
     for module, trained in ((obj.teacher, False), (obj.fake, True)):

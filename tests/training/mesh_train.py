@@ -31,6 +31,7 @@ import torch.distributed  # noqa: E402 - after the path set-up
 from flowgrpo import parallel, runner  # noqa: E402
 from flowgrpo.config import load_config  # noqa: E402
 from flowgrpo.distributed import dist
+from flowgrpo.models.quiet import quiet_libraries  # noqa: E402
 from flowgrpo.training import optim  # noqa: E402
 
 COUNTS: Counter = Counter()
@@ -96,7 +97,7 @@ if __name__ == "__main__":
     optim.Optimization.backward = _counted_method("backward", optim.Optimization.backward)
     optim.Optimization.step = _counted_method("steps", optim.Optimization.step)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    runner.quiet_libraries()
+    quiet_libraries()
     for path in sys.argv[1:]:
         COUNTS.clear()
         config = load_config(path)

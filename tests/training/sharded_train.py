@@ -30,6 +30,7 @@ from flowgrpo import runner  # noqa: E402 - after the path set-up
 from flowgrpo.algo.objectives import sde_ratio  # noqa: E402
 from flowgrpo.config import load_config  # noqa: E402
 from flowgrpo.distributed import dist
+from flowgrpo.models.quiet import quiet_libraries  # noqa: E402
 from flowgrpo.training.loop import Trainer  # noqa: E402
 
 PACKS: list[list[int]] = []
@@ -131,7 +132,7 @@ if __name__ == "__main__":
     runner.load_model_from_config = _recording_loader(runner.load_model_from_config)
     runner.setup_trainable = _recording_setup(runner.setup_trainable)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    runner.quiet_libraries()
+    quiet_libraries()
     for path in sys.argv[1:]:
         PACKS.clear()
         LOADED.clear()

@@ -105,7 +105,7 @@ def test_the_model_card_tags_the_task_of_its_pipeline(pipeline, task):
 
 
 def test_quiet_libraries_hides_http_request_lines_unless_debugging():
-    from flowgrpo.runner import quiet_libraries
+    from flowgrpo.models.quiet import quiet_libraries
 
     root = logging.getLogger()
     old = root.level

@@ -291,7 +291,7 @@ class BaseObjective:
     #: the device); the memory plan counts it, its gradients and its optimizer's moments
     trains_teacher_copy: ClassVar[bool] = False
     #: why the objective cannot take its rollouts from rollout workers (``runtime.engine: ray``,
-    #: :func:`flowgrpo.runtime.checks.refuse_on_ray`), or None where it can: its update reads only the rollout
+    #: checked with the config), or None where it can: its update reads only the rollout
     #: record, its behaviour log-probs included, and a Ray run of it is tested to equal the torchrun run. An
     #: objective not verified so (a plugin's) is refused with this default
     rollout_workers_refusal: ClassVar[str | None] = "it is not among the objectives verified with rollout workers"

@@ -235,8 +235,6 @@ class DMD2(ForwardObjective):
         trainable copy of it, with its optimizer: float32 weights (the release's ``.float()``, ``sd_guidance.py``
         lines 53–56) computing in ``model.dtype`` under autocast when that is not float32
         (:class:`~flowgrpo.parallel.ComputeIn`, the release's ``network_context_manager``, line 143)."""
-        from flowgrpo.training.optim import SecondOptimizer
-
         if self.o.teacher:
             self.teacher = load_teacher(self.o.teacher, adapter, self.cfg.model)
         else:
@@ -252,8 +250,7 @@ class DMD2(ForwardObjective):
 
             self.fake_forward = ComputeIn(self.fake.to(torch.float32), compute, torch.device(adapter.device).type)
         lr = self.o.fake_lr if self.o.fake_lr is not None else self.cfg.train.lr
-        checkpoints = getattr(self.optim, "checkpoints", None)
-        self.fake_optim = SecondOptimizer(list(self.fake.parameters()), self.cfg.train, lr=lr, checkpoints=checkpoints)
+        self.fake_optim = self.optim.second_optimizer(list(self.fake.parameters()), lr=lr)  # prepare() came first
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         return 1
