@@ -458,7 +458,13 @@ class RunFolder:
                            "stopped during its final evaluation and save; finishing them now", self.out,
                            self.cfg.train.num_epochs, " and no ".join(missing))
             return False
-        logger.warning("%s", finished_line(self.cfg.train.resume_from, epoch, self.cfg.train.num_epochs))
+        line = finished_line(self.cfg.train.resume_from, epoch, self.cfg.train.num_epochs)
+        last = latest_run_config(self.out)
+        unused = [v for k, v in changed_settings(last, self.cfg).items() if k != "train.num_epochs"] \
+            if last.is_file() else []
+        if unused:  # nothing trains, so nothing given is read: said, not silently dropped
+            line += f" The settings given that differ from the run's were not used: {'; '.join(unused)}."
+        logger.warning("%s", line)
         return True
 
 

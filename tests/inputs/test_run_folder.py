@@ -195,7 +195,15 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
     assert any("already finished all 2 epochs (its checkpoint epoch_1 is after epoch 2/2" in r.getMessage()
                for r in caplog.records)  # numbered as the epoch lines, not "after epoch 1" of 2
     assert not any("continuing with epoch" in r.getMessage() for r in caplog.records)  # only the finished line
+    assert not any("were not used" in r.getMessage() for r in caplog.records)  # nothing given differs
     assert summary == json.loads((out / "summary.json").read_text())
+    assert stamps() == before
+    # settings given that nothing reads (trial 4: group_size=16 lr=5 on a finished run) are named, not dropped
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="flowgrpo.training"):
+        run(_cfg(tmp_path, tiny_flux_dir, train={"resume_from": str(out / "checkpoints"), "lr": 5.0}))
+    (line,) = [r.getMessage() for r in caplog.records if "already finished" in r.getMessage()]
+    assert line.endswith("The settings given that differ from the run's were not used: train.lr: 0.01 -> 5.0."), line
     assert stamps() == before
     # a copy of the finished folder resumed in place reports its own files, not the original's
     shutil.copytree(out, tmp_path / "copy")
