@@ -607,3 +607,56 @@ def test_plan_refuses_a_memory_that_is_not_a_positive_number(option, value, caps
     with pytest.raises(SystemExit) as err:
         main(["plan", str(REPO / "configs" / "flux_grpo.yaml"), "--gpus", "8", option, value])
     assert err.value.code == 2 and option in capsys.readouterr().err
+
+
+def test_rollout_workers_hold_the_whole_policy_unsharded(capsys):
+    """runtime.engine=ray: each rollout worker holds the whole policy on a GPU of its own, whatever the training
+    mesh: flux_chunk.yaml (FLUX.1-dev full fine-tuning, bfloat16) keeps float32 masters (4 bytes a parameter, the
+    trainer's, to sample bit for bit as it would) and autocast's bfloat16 copy during a forward (2 bytes), and no
+    gradient, AdamW moment or reference; flux_grpo.yaml's LoRA keeps the bfloat16 base (2 bytes) and its float32
+    adapter. A torchrun plan has no worker."""
+    from flowgrpo.cli import main
+
+    n = _flux_dev_parameters()
+    cfg = REPO / "configs" / "flux_chunk.yaml"
+    assert plan_config(cfg, 8).worker == {}
+    ray = ["runtime.engine=ray", "runtime.rollout_workers=2"]
+    p8, p16 = plan_config(cfg, 8, overrides=ray), plan_config(cfg, 16, overrides=[*ray, "parallel.replicate=2"])
+    w = p8.worker
+    assert (w["masters"], w["transient"], w["weights"]) == (4 * n, 2 * n, 0)
+    assert "grads" not in w and "optimizer" not in w and "reference" not in w
+    assert p16.worker["masters"] == w["masters"]  # not divided by the mesh (the training GPUs' shards are)
+    assert p8.device["masters"] == 4 * n / 8
+    assert w["text_encoders"] == sizes("flux").encoders * 2  # T5-XXL and CLIP-L whole in bfloat16
+    # one request: one data rank's share of the epoch's samples, (T + 1) float32 latents each, as a training GPU's
+    assert w["rollout_latents"] == p8.device["rollout_latents"]
+    held = w["masters"] + w["text_encoders"] + w["vae"] + w["rollout_latents"]
+    assert p8.worker_peak == pytest.approx(held + max(w["sampling"] + 2 * n, w["decode"]))
+    assert p8.worker_peak > 6 * n  # above the 71 GB of FLUX.1-dev's masters and their copy: no 80 GiB GPU holds it
+    assert not p8.fits and p8.peak <= p8.budget  # the training GPUs fit, the workers do not
+    lora = plan_config(REPO / "configs" / "flux_grpo.yaml", 8, overrides=ray).worker
+    assert lora["weights"] == 2 * n and lora["transient"] == 0
+    assert lora["masters"] == 4 * _lora_of("flux_grpo.yaml")
+    main(["plan", str(cfg), "--gpus", "8", *ray])
+    out = capsys.readouterr().out
+    assert "Rollout workers (runtime.engine=ray): 2 Ray actors" in out and "(10 in all;" in out
+    assert f"| trained weights, float32 (LoRA: the adapter; full: the masters) | {4 * n / GIB:.1f} |" in out
+    assert "Peak " in out and "**fits**" in out  # the training GPUs' verdict
+    assert re.search(r"Rollout worker peak [\d.]+ GiB of 76.0 usable: \*\*does NOT fit", out), out
+
+
+def _lora_of(config: str) -> int:
+    """The LoRA parameters of ``config`` counted on the meta-device FLUX.1-dev with peft (rank and targets)."""
+    from peft import LoraConfig
+
+    from flowgrpo.config import load_config
+
+    m = load_config(REPO / "configs" / config).model
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        tr = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+                                    attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                                    pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+        tr.add_adapter(LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=list(m.lora_target_modules)))
+    return sum(p.numel() for name, p in tr.named_parameters() if "lora_" in name)

@@ -69,6 +69,9 @@ at the final export, in host memory (rank 0, each other rank, the node of rank 0
 (:func:`stages`). A plan *fits* a GPU of M GiB when the largest peak stays under 0.95·M (the rest for the CUDA
 context, NCCL buffers and the caching allocator's fragmentation). The model is an estimate to ±20 %
 (``tests/test_plan.py`` compares it with a measured peak); a real run logs ``memory/<phase>_peak_gb``.
+
+With ``runtime.engine: ray`` the plan adds each rollout worker's GPU (:func:`rollout_worker`: the whole policy on
+one process, never sharded; docs/async.md).
 """
 
 from __future__ import annotations
@@ -168,6 +171,7 @@ class Workload:
     experts: str = "device"
     reward_models: str = "device"
     gradient_sync: str = "micro_batch"
+    rollout_workers: int = 0  # runtime.engine=ray: the rollout workers (runtime.rollout_workers); 0 on torchrun
 
 
 #: parts in the order they are printed
@@ -230,14 +234,24 @@ class Plan:
     stages: dict[str, Stage] = field(default_factory=dict)
     ranks_per_node: int = 1
     host_budget: float = HOST_GIB * GIB
+    worker: dict[str, float] = field(default_factory=dict)  # a rollout worker's GPU by part (runtime.engine=ray)
 
     @property
     def peak(self) -> float:
         return max(self.phases.values())
 
     @property
+    def worker_peak(self) -> float:
+        """A rollout worker's device peak (bytes; 0 without rollout workers): :func:`rollout_worker`'s parts."""
+        if not self.worker:
+            return 0.0
+        held = sum(v for k, v in self.worker.items() if k not in ("sampling", "transient", "decode"))
+        return held + max(self.worker["sampling"] + self.worker["transient"], self.worker["decode"])
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.budget
+        """The training GPUs' peak and a rollout worker's both within :attr:`budget`."""
+        return self.peak <= self.budget and self.worker_peak <= self.budget
 
 
 def activation_bytes(fam: Family, image_tokens: int, text_tokens: int, checkpointing: bool) -> float:
@@ -324,7 +338,40 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     held = stages(w, lay, s, dev, host, phases, resident)
     notes += _stage_notes(w, lay, s, held, per_node, host_gib)
     return Plan(w, lay, dev, host, phases, plain, ckpt, gpu_memory_gib * USABLE * GIB, tuple(notes), held,
-                per_node, host_gib * GIB)
+                per_node, host_gib * GIB, rollout_worker(w, lay, s) if w.rollout_workers else {})
+
+
+#: a rollout worker's parts as :func:`render` prints them, in order
+WORKER_LABELS = {"weights": "policy weights (model.dtype)",
+                 "masters": "trained weights, float32 (LoRA: the adapter; full: the masters)",
+                 "text_encoders": "text encoders", "vae": "VAE", "rollout_latents": "rollout latents (one request)",
+                 "transient": "compute-dtype copy of the masters", "sampling": "sampling forward (no grad)",
+                 "decode": "VAE decode"}
+
+
+def rollout_worker(w: Workload, lay: Layout, s: Sizes) -> dict[str, float]:
+    """Bytes on one rollout worker's GPU by part (``runtime.engine: ray``; :mod:`flowgrpo.runtime.ray_engine`'s
+    ``build_policy``): the whole pipeline on one process, never sharded, whatever ``parallel`` says. The
+    policy's weights whole: LoRA's base in ``model.dtype`` with its float32 adapter; full fine-tuning's float32
+    masters where ``model.dtype`` is 16-bit (the trainer's, so that a worker samples bit for bit as the trainer
+    would), with autocast's ``model.dtype`` copy of them during a forward, else the weights in ``model.dtype``;
+    the text encoders and the VAE whole in ``model.dtype``; the latents of one request (one data rank's share of
+    an epoch, ``lay.data`` data ranks: a worker samples one request at a time), float32, (T + 1) a sample; and
+    the larger of the no-grad sampling forward's working set (a micro-batch of ``train.rollout_batch_size``
+    rows, 10·s·h·2 bytes a row, no context split) and the decode's. No optimizer, gradients, reference, EMA, old
+    copy, teacher or reward model: those stay in the training processes."""
+    fam, half, full = FAMILIES[w.family], BYTES[w.dtype], w.finetune == "full"
+    masters = full and half < 4
+    img, txt = fam.tokens(w.height, w.width, w.frames), fam.text_tokens(w.max_sequence_length)
+    cfg = 2 if (fam.true_cfg and w.guidance_scale > 1) or fam.guided_rows else 1
+    latents = math.ceil(w.samples / lay.data) * (w.steps + 1) * fam.latent(w.height, w.width, w.frames) * 4
+    return {"weights": 0.0 if masters else s.transformer * half,
+            "masters": s.transformer * 4 if masters else (0.0 if full else s.lora * 4),
+            "transient": s.transformer * half if masters else 0.0,
+            "text_encoders": s.encoders * half, "vae": s.vae * half, "rollout_latents": latents,
+            "sampling": 10 * (img + txt) * fam.width * 2 * w.rollout_rows * cfg,
+            "decode": 3 * fam.decode_width * w.height * w.width * 2 * min(w.frames, fam.decode_frames)
+            * w.rollout_rows}
 
 
 def _working_parts(w: Workload, lay: Layout, s: Sizes, dev: dict[str, float],
@@ -530,7 +577,8 @@ def workload_of(config) -> Workload:
         sharding=p.sharding, replicate=p.replicate, context_degree=p.context_degree,
         reshard_after_forward=p.reshard_after_forward, offload=p.offload, reference=p.reference, ema_place=p.ema,
         text_encoders=p.text_encoders, experts=p.experts, reward_models=p.reward_models,
-        gradient_sync=p.gradient_sync)
+        gradient_sync=p.gradient_sync,
+        rollout_workers=config.runtime.rollout_workers if config.runtime.engine == "ray" else 0)
 
 
 def plan_config(path, gpus: int, gpu_memory_gib: float = 80.0, overrides: list[str] = (),
@@ -612,8 +660,25 @@ def render(p: Plan, title: str = "") -> str:
     lines += ["", "| phase | device peak (GiB) |", "|---|---|"]
     lines += [f"| {k} | {_gib(v)} |" for k, v in p.phases.items()]
     lines += ["", _stage_table(p)]
-    verdict = "fits" if p.fits else "does NOT fit"
+    verdict = "fits" if p.peak <= p.budget else "does NOT fit"
     lines += ["", f"Peak {_gib(p.peak)} GiB of {_gib(p.budget)} usable ({p.budget / USABLE / GIB:.0f} GiB GPU): "
               f"**{verdict}**."]
     lines += [f"Note: {n}." for n in p.notes]
+    if p.worker:
+        lines += ["", _worker_table(p)]
+    return "\n".join(lines)
+
+
+def _worker_table(p: Plan) -> str:
+    """A rollout worker's GPU (``runtime.engine: ray``; :func:`rollout_worker`), GiB, and whether it fits."""
+    k = p.workload.rollout_workers
+    lines = [f"Rollout workers (runtime.engine=ray): {k} Ray actor{'s' * (k > 1)}, each asking Ray for a GPU of its "
+             f"own beyond the {p.layout.gpus} training GPU{'s' * (p.layout.gpus > 1)} ({p.layout.gpus + k} in all; "
+             "on a GPU a training process also uses, the two peaks add) and holding the whole policy unsharded:",
+             "",
+             "| rollout worker part | on each worker GPU (GiB) |", "|---|---|"]
+    lines += [f"| {WORKER_LABELS[part]} | {_gib(v)} |" for part, v in p.worker.items() if v]
+    verdict = "fits" if p.worker_peak <= p.budget else "does NOT fit (a worker cannot shard: docs/async.md)"
+    lines += [f"| **rollout worker peak** | **{_gib(p.worker_peak)}** |", "",
+              f"Rollout worker peak {_gib(p.worker_peak)} GiB of {_gib(p.budget)} usable: **{verdict}**."]
     return "\n".join(lines)

@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 import time
+import types
 
 import torch
 
@@ -53,7 +54,9 @@ def check_installed() -> None:
 def build_policy(config, device: torch.device):
     """The rollout policy of ``config`` on one process: the model loaded and made trainable as the runner does
     (:func:`~flowgrpo.models.load_model_from_config`, the seed set first, the prompt cache, LoRA or full with
-    float32 LoRA weights, float32 masters computing in ``model.dtype``), never sharded. Returns (adapter,
+    float32 LoRA weights, float32 masters computing in ``model.dtype``), never sharded, without full
+    fine-tuning's frozen reference copy (the rollout never forwards it; ``flowgrpo plan`` counts what a worker
+    holds: :func:`flowgrpo.memory_plan.estimate.rollout_worker`). Returns (adapter,
     objective); the objective samples under whatever weights are loaded (its ``rollout_weights`` swap is the
     trainer's: the weights sent are already the ones it would swap in)."""
     from accelerate.utils import set_seed
@@ -75,7 +78,8 @@ def build_policy(config, device: torch.device):
     if m.cache_prompt_embeddings:
         attach_prompt_cache(adapter, m.pretrained, one.parallel.text_encoders, m.prompt_embeddings_dir)
     objective = build_objective(config)
-    make_trainable(adapter, one, objective)
+    # no frozen reference (full fine-tuning's whole second copy): only the update forwards it, in the trainer
+    make_trainable(adapter, one, types.SimpleNamespace(needs_reference=False))
     compute = parallel.master_weights(config)
     if compute is not None:
         adapter.transformer.to(torch.float32)
