@@ -19,7 +19,6 @@ ROOTS = ("flowgrpo", "eval", "rewards/flowgrpo_rewards")
 ALLOWED = {
     ("flowgrpo/writing/outputs.py", "append_text"): "an append to a file with one link (metrics.jsonl); a shared "
                                                     "one is replaced whole",
-    ("flowgrpo/writing/run_lock.py", "_acquire"): "the run folder's lock file, opened for its lock",
     ("flowgrpo/builds/cache_folder.py", "_locked"): "a build folder's lock file, opened for its lock",
     ("flowgrpo/testing/adapters.py", "sources"): "test fixtures in a test's own folder",
     ("flowgrpo/testing/adapters.py", "run_one_epoch"): "test fixtures in a test's own folder",

@@ -166,3 +166,65 @@ def test_a_stale_lock_on_a_shared_file_system_is_replaced_only_when_its_process_
                                 "started": "2000-01-01T00:00:00+00:00"}))
     with hold_run_folder(folder, command="run D"):
         assert json.loads(lock.read_text())["command"] == "run D"
+
+
+# ----------------------------------------------------------------- the lock file never writes into a file of yours
+def _held(folder):
+    from flowgrpo.writing.run_lock import hold_run_folder
+
+    with hold_run_folder(folder, command="flowgrpo train"):
+        pass
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_lock_file_linked_to_a_users_file_is_refused_and_the_file_kept(tmp_path, link):
+    """Fresh-user trial 5: ``.flowgrpo.lock`` made a link to the user's file (a copied run folder, a tidy-up by hand)
+    took the lock's JSON, opened with ``open(…, "a+")`` (which follows a symbolic link and writes into a hard
+    link), and the refusal then said "nothing was changed"."""
+    from flowgrpo.writing.outputs import OutputRefused
+
+    mine = tmp_path / "precious.txt"
+    mine.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".flowgrpo.lock").symlink_to(mine) if link == "symbolic" else os.link(mine, run / ".flowgrpo.lock")
+    with pytest.raises(OutputRefused, match=r"its lock file '\.flowgrpo\.lock' is a (symbolic link|hard link).*"
+                                            r"nothing was changed"):
+        _held(run)
+    assert mine.read_text() == "precious\n" and sorted(os.listdir(run)) == [".flowgrpo.lock"]
+
+
+def test_a_users_own_file_named_as_the_lock_is_refused_and_kept(tmp_path):
+    """Trial 5: a user's ``.flowgrpo.lock`` in their folder was overwritten, and the run's marker was left there."""
+    from flowgrpo.writing.outputs import OutputRefused
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / ".flowgrpo.lock").write_text("my lock notes\n")
+    with pytest.raises(OutputRefused, match="is not flowgrpo's lock .*nothing was changed"):
+        _held(mine)
+    assert os.listdir(mine) == [".flowgrpo.lock"] and (mine / ".flowgrpo.lock").read_text() == "my lock notes\n"
+
+
+def test_a_refused_run_leaves_an_empty_folder_of_the_users_empty(tmp_path):
+    """A folder that was there and empty: a run refused at set-up (inside the hold) takes back the lock file and
+    the marker it wrote, and leaves a marker that was there (a link: trial 5 found the lock file left behind with
+    "nothing was changed"). A run that wrote its files keeps its lock and marker."""
+    from flowgrpo.writing.run_lock import hold_run_folder
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="a bad prompt file"), hold_run_folder(empty):
+        assert sorted(os.listdir(empty)) == [".flowgrpo-output", ".flowgrpo.lock"]
+        raise ValueError("a bad prompt file")
+    assert os.listdir(empty) == []
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (tmp_path / "precious.txt").write_text("precious\n")
+    (linked / ".flowgrpo-output").symlink_to(tmp_path / "precious.txt")
+    with pytest.raises(ValueError, match="a link"), hold_run_folder(linked):  # the run's check of its files' links
+        raise ValueError("a link among the run's files")
+    assert os.listdir(linked) == [".flowgrpo-output"] and (tmp_path / "precious.txt").read_text() == "precious\n"
+    with hold_run_folder(empty):
+        (empty / "config.yaml").write_text("{}\n")
+    assert sorted(os.listdir(empty)) == [".flowgrpo-output", ".flowgrpo.lock", "config.yaml"]

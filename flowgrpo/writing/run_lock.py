@@ -33,7 +33,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from flowgrpo.writing.outputs import LOCK_FILE, check_folder, claim_folder, foreign_files
+from flowgrpo.writing.outputs import LOCK_FILE, MARKER_FILE, OutputRefused, check_folder, claim_folder, foreign_files
 
 try:
     import fcntl
@@ -182,7 +182,7 @@ def _acquire(folder: Path, command: str) -> object:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         shared = file_system_type(folder) in SHARED_FILE_SYSTEMS
-        fh = None if shared else open(folder / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held open
+        fh, created = (None, False) if shared else _open_lock(folder)
     except OSError as err:
         raise RunFolderUnusable(f"output_dir {str(folder)!r} cannot be used as a run folder: "
                                 f"{err.strerror or err} ({err.filename or folder}); choose a folder you can write to"
@@ -195,6 +195,7 @@ def _acquire(folder: Path, command: str) -> object:
             _release(folder, fh, made)
             raise
         return fh, made
+    marked = (folder / MARKER_FILE).is_file()
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -209,10 +210,15 @@ def _acquire(folder: Path, command: str) -> object:
         fh.close()
         raise
     try:
+        if not created:
+            fh.seek(0)
+            _check_own_lock(folder, fh.read())
         claim_folder(folder, "run")
     except BaseException:
-        fh.close()
+        fh.created = created
+        _release(folder, fh, made)
         raise
+    fh.created, fh.marked = created, not marked  # what this hold wrote: removed again if the run leaves nothing
     fh.seek(0)
     fh.truncate()
     fh.write(record)
@@ -220,14 +226,61 @@ def _acquire(folder: Path, command: str) -> object:
     return fh, made
 
 
+def _open_lock(folder: Path) -> tuple[object, bool]:
+    """Open ``folder/LOCK_FILE`` for reading and writing, made when absent (then ``True``): never through a
+    symbolic link, never a file with another link (a hard link: writing the lock would change the other name's
+    content too). Raises :class:`~flowgrpo.writing.outputs.OutputRefused` for those, before anything is written."""
+    import stat
+
+    path = folder / LOCK_FILE
+    flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    created = True
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        created = False
+        try:
+            fd = os.open(path, flags)
+        except OSError as err:
+            if path.is_symlink():
+                raise OutputRefused(f"output_dir {str(folder)!r}: its lock file {LOCK_FILE!r} is a symbolic link (to "
+                                    f"{os.readlink(path)!r}); flowgrpo writes its lock only into a file of its own: "
+                                    "nothing was changed; remove the link") from err
+            raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        what = f"a hard link ({info.st_nlink} names share it)" if stat.S_ISREG(info.st_mode) else "not a plain file"
+        raise OutputRefused(f"output_dir {str(folder)!r}: its lock file {LOCK_FILE!r} is {what}; writing the lock "
+                            "would change another file: nothing was changed; remove it")
+    return os.fdopen(fd, "r+", encoding="utf-8"), created
+
+
+def _check_own_lock(folder: Path, text: str) -> None:
+    """An existing lock file (not held) is flowgrpo's: empty, or the JSON record a run writes (a ``pid``); else a
+    file of the user's that only shares the name, refused with :class:`~flowgrpo.writing.outputs.OutputRefused`."""
+    try:
+        ours = not text.strip() or "pid" in json.loads(text)
+    except (ValueError, TypeError):
+        ours = False
+    if not ours:
+        raise OutputRefused(f"output_dir {str(folder)!r} holds a file {LOCK_FILE!r} that is not flowgrpo's lock (it "
+                            "holds other text): nothing was changed; move it out of this folder, or choose another")
+
+
 def _release(folder: Path, fh, made: bool) -> None:
     """Close the lock file (which releases the lock); a folder this hold created and nothing but flowgrpo's own
     files (the lock's, the marker: :data:`flowgrpo.writing.outputs.OWN_FILES`) came to live in (a run that stopped at a
-    setup error) is removed again, so a refused run leaves nothing."""
+    setup error) is removed again, and so are the lock file and the marker this hold wrote into a folder that was
+    there (empty), so a refused run leaves nothing."""
     try:
         if getattr(fh, "exclusive", False):  # a shared file system's lock: the file itself
             fh.close()
             (folder / LOCK_FILE).unlink(missing_ok=True)
+        if not made and not foreign_files(folder):
+            wrote = {LOCK_FILE: getattr(fh, "created", False), MARKER_FILE: getattr(fh, "marked", False)}
+            for name in [n for n, mine in wrote.items() if mine]:
+                (folder / name).unlink(missing_ok=True)
         if made and not foreign_files(folder):
             for p in folder.iterdir():
                 p.unlink()
