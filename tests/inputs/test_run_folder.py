@@ -518,9 +518,11 @@ def test_ctrl_c_under_accelerate_launch_prints_the_line_with_the_same_launch(tmp
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     launch = [accelerate, "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
               "--dynamo_backend", "no", "flowgrpo/train.py", str(path)]
+    # the launch's own variables only (an earlier test of this process may have left ACCELERATE_USE_CPU in its
+    # environment: the resume line would then rightly repeat it)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")} | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(launch, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-                            preexec_fn=_default_sigint)
+                            env=env, start_new_session=True, preexec_fn=_default_sigint)
     latest = tmp_path / "run" / "checkpoints" / "latest"
     while not latest.exists() and proc.poll() is None:  # no deadline: as long as the machine takes
         time.sleep(0.5)
