@@ -35,6 +35,7 @@ from flowgrpo.training.run_folder import (
     refuse_linked_run_files,
     refuse_older_resume,
     refuse_overwrite_with_resume,
+    refuse_parts_without_config,
 )
 from flowgrpo.writing.metrics import read_metrics
 from flowgrpo.writing.outputs import OutputRefused, check_folder
@@ -390,8 +391,10 @@ def check_output_dir(config) -> None:
             read_metrics(checkpoint.parent.parent / "metrics.jsonl")
     elif (out / "config.yaml").exists() and not config.logging.overwrite:
         raise FileExistsError(occupied_message(out))
-    elif config.logging.overwrite:
-        refuse_foreign_run_files(out)
+    else:
+        refuse_parts_without_config(out)
+        if config.logging.overwrite:
+            refuse_foreign_run_files(out)
 
 
 def load_prompt_field(config, field: str):

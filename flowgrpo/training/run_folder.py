@@ -115,6 +115,23 @@ def refuse_foreign_run_files(out: str | os.PathLike) -> None:
                             "move it out of the run folder, or choose another output_dir")
 
 
+def refuse_parts_without_config(out: str | os.PathLike) -> None:
+    """Refuse a fresh run or ``logging.overwrite=true`` in ``out`` when a folder of a run there
+    (:data:`RUN_PART_NAMES`: ``checkpoints/``, ``transformer/``, ``lora/``, ``rollouts/``) holds files but ``out``
+    has no ``config.yaml``: a run writes its config before any of them, so they are not a run's (the folder's marker
+    written by hand: fresh-user trial 6), and neither writing nor removing them is flowgrpo's to do. Raises
+    :class:`~flowgrpo.writing.outputs.OutputRefused` naming the first file."""
+    out = Path(out)
+    if (out / "config.yaml").exists():
+        return
+    for part in sorted(RUN_PART_NAMES):
+        found = sorted(f for f in (out / part).rglob("*") if not f.is_dir()) if (out / part).is_dir() else []
+        if found:
+            raise OutputRefused(f"output_dir {str(out)!r} holds {str(found[0])!r} in a run's {part}/ but no "
+                                "config.yaml, which a run writes before any of them: they are not a run's, nothing "
+                                "was written or removed; move them out of the folder, or choose another output_dir")
+
+
 def refuse_overwrite_with_resume(config) -> None:
     """Refuse ``logging.overwrite=true`` with any ``train.resume_from`` (a resume keeps the run; overwrite removes
     it), quoting ``resume_from`` as given (``auto`` before it is resolved: call this first). Reads nothing.
@@ -387,7 +404,8 @@ class RunFolder:
         elif (self.out / "config.yaml").exists() and not self.cfg.logging.overwrite:
             raise FileExistsError(occupied_message(self.out))
         elif self.cfg.logging.overwrite:
-            refuse_foreign_run_files(self.out)  # the preflight checked it; the folder is locked since
+            refuse_parts_without_config(self.out)  # the preflight checked both; the folder is locked since
+            refuse_foreign_run_files(self.out)
             old = [self.out / n for n in RUN_FILES if (self.out / n).exists()]
             old += sorted(self.out.glob("config_resumed_at_epoch_*.yaml"))
             for path in old:
@@ -395,6 +413,8 @@ class RunFolder:
             if old:
                 logger.warning("logging.overwrite=true: removed the old run's %s from %s",
                                ", ".join(p.name for p in old), self.out)
+        if not self.cfg.train.resume_from:
+            refuse_parts_without_config(self.out)
         claim_folder(self.out, "run")  # the preflight checked the folder (flowgrpo.writing.outputs.check_folder)
 
     def write_config(self, epoch: int) -> None:

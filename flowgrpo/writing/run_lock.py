@@ -272,12 +272,12 @@ def _release(folder: Path, fh, made: bool) -> None:
     """Close the lock file (which releases the lock); a folder this hold created and nothing but flowgrpo's own
     files (the lock's, the marker: :data:`flowgrpo.writing.outputs.OWN_FILES`) came to live in (a run that stopped at a
     setup error) is removed again, and so are the lock file and the marker this hold wrote into a folder that was
-    there (empty), so a refused run leaves nothing."""
+    there when no run was written into it (no ``config.yaml``: a refused run), so a refused run leaves nothing."""
     try:
         if getattr(fh, "exclusive", False):  # a shared file system's lock: the file itself
             fh.close()
             (folder / LOCK_FILE).unlink(missing_ok=True)
-        if not made and not foreign_files(folder):
+        if not made and not (folder / "config.yaml").exists():  # no run was written: a refused one
             wrote = {LOCK_FILE: getattr(fh, "created", False), MARKER_FILE: getattr(fh, "marked", False)}
             for name in [n for n, mine in wrote.items() if mine]:
                 (folder / name).unlink(missing_ok=True)

@@ -724,3 +724,26 @@ def test_the_runs_own_folder_is_refused_as_its_prompt_embeddings_dir(tmp_path, w
     other = build_config({"output_dir": str(out), "model": {"prompt_embeddings_dir": str(out / "embeds"),
                                                             "cache_prompt_embeddings": True}})
     check_output_dir(other)  # a folder of its own, even inside the run's
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_run_marker_written_by_hand_does_not_make_a_users_checkpoints_a_runs(tmp_path, monkeypatch, capsys,
+                                                                               overwrite):
+    """Fresh-user trial 6: a folder with ``.flowgrpo-output`` {"kind": "run"} written by hand and the user's own
+    ``checkpoints/latest`` passed as a run folder, and ``logging.overwrite=true`` replaced that file. A run writes
+    config.yaml before any checkpoint, so run parts without it are refused, before any model loads."""
+    import flowgrpo.models as models
+    from flowgrpo.train import main
+
+    monkeypatch.setattr(models, "load_model_from_config", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "mine"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / ".flowgrpo-output").write_text('{"kind": "run"}\n')
+    (out / "checkpoints" / "latest").write_text("x\n")
+    with pytest.raises(SystemExit) as info:
+        main([f"output_dir={out}", *(["logging.overwrite=true"] if overwrite else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1, err
+    assert "holds" in err[0] and "but no config.yaml" in err[0] and "nothing was written or removed" in err[0]
+    assert (out / "checkpoints" / "latest").read_text() == "x\n"
+    assert sorted(os.listdir(out)) == [".flowgrpo-output", "checkpoints"]

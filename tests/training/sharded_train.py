@@ -30,6 +30,7 @@ from flowgrpo import runner  # noqa: E402 - after the path set-up
 from flowgrpo.algo.objectives import sde_ratio  # noqa: E402
 from flowgrpo.config import load_config  # noqa: E402
 from flowgrpo.distributed import dist
+from flowgrpo.models import lora  # noqa: E402
 from flowgrpo.models.quiet import quiet_libraries  # noqa: E402
 from flowgrpo.training.loop import Trainer  # noqa: E402
 
@@ -130,7 +131,7 @@ if __name__ == "__main__":
     PartialState.destroy_process_group = lambda self, group=None: None
     sde_ratio.schedule = _counting_schedule(sde_ratio.schedule)
     runner.load_model_from_config = _recording_loader(runner.load_model_from_config)
-    runner.setup_trainable = _recording_setup(runner.setup_trainable)
+    lora.setup_trainable = _recording_setup(lora.setup_trainable)  # what runner's make_trainable calls
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     quiet_libraries()
     for path in sys.argv[1:]:
