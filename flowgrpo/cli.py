@@ -368,6 +368,10 @@ def push_run(run: str | Path, repo_id: str, *, private: bool = False, token: str
         hint = _unfinished_run_hint(run, then="push it")
         raise PushRefused(f"{str(run)!r} holds no lora/ or transformer/ folder" + (hint or " and is not a flowgrpo "
                           "run folder; give the output_dir of a finished training run"))
+    linked = weights if weights.is_symlink() else next((f for f in sorted(weights.rglob("*")) if f.is_symlink()), None)
+    if linked is not None:  # flowgrpo makes no links: one is a user's, and would upload what it points at
+        raise PushRefused(f"{str(linked)!r} is a symbolic link (to {str(linked.readlink())!r}); flowgrpo pushes only a "
+                          "run's own weights: nothing was sent; put the files themselves there, or push another run")
     if not (weights / "README.md").exists():
         logger.warning("%s has no model card README.md (runs of older versions): pushing the weights alone", weights)
     api = HfApi(endpoint=endpoint, token=token)

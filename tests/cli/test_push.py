@@ -175,3 +175,24 @@ def test_push_offline_or_unreachable_is_one_line(tmp_path, monkeypatch, capsys):
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
     line = refused(capsys, [str(run), "me/x", "--token", "t", "--endpoint", dead])
     assert re.match(rf"{dead} cannot be reached \(\w*ConnectError", line), line
+
+
+@pytest.mark.parametrize("where", ["folder", "file"])
+def test_push_refuses_weights_behind_a_symbolic_link_and_sends_nothing(tmp_path, hub, capsys, where):
+    """Fresh-user trial 6: a run whose transformer/ was a link to a folder outside the run went on to upload what
+    the link points at (training refuses the same folder). flowgrpo makes no links: one is a user's."""
+    pytest.importorskip("huggingface_hub")
+    _Hub.calls.clear()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "pytorch_lora_weights.safetensors").write_bytes(b"not the run's")
+    run = tmp_path / "run"
+    run.mkdir()
+    if where == "folder":
+        (run / "lora").symlink_to(elsewhere)
+    else:
+        (run / "lora").mkdir()
+        (run / "lora" / "pytorch_lora_weights.safetensors").symlink_to(elsewhere / "pytorch_lora_weights.safetensors")
+    line = refused(capsys, [str(run), "me/x", "--endpoint", hub, "--token", "t"])
+    assert "is a symbolic link" in line and "nothing was sent" in line
+    assert _Hub.calls == []
