@@ -196,19 +196,7 @@ def _acquire(folder: Path, command: str) -> object:
             raise
         return fh, made
     marked = (folder / MARKER_FILE).is_file()
-    try:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        holder = _describe(fh.read())
-        fh.close()
-        raise RunFolderBusy(
-            f"output_dir {str(folder)!r} is in use by a run that is still running ({holder}); a second run "
-            "cannot share its folder. Wait for it to finish (or stop it), or give this run another output_dir"
-        ) from None
-    except BaseException:
-        fh.close()
-        raise
+    _flock(folder, fh)
     try:
         if not created:
             fh.seek(0)
@@ -224,6 +212,27 @@ def _acquire(folder: Path, command: str) -> object:
     fh.write(record)
     fh.flush()
     return fh, made
+
+
+def _flock(folder: Path, fh) -> None:
+    """Take the advisory lock on the open lock file ``fh`` without waiting; closes ``fh`` when it cannot.
+
+    Raises:
+        RunFolderBusy: another process holds it (its record named).
+    """
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.seek(0)
+        holder = _describe(fh.read())
+        fh.close()
+        raise RunFolderBusy(
+            f"output_dir {str(folder)!r} is in use by a run that is still running ({holder}); a second run "
+            "cannot share its folder. Wait for it to finish (or stop it), or give this run another output_dir"
+        ) from None
+    except BaseException:
+        fh.close()
+        raise
 
 
 def _open_lock(folder: Path) -> tuple[object, bool]:
