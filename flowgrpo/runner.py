@@ -22,7 +22,7 @@ from flowgrpo.argtypes import OneLineParser
 from flowgrpo.checkpoints.save_load import CheckpointError
 from flowgrpo.config import ConfigError, describe_fields, flat_dict, load_config
 from flowgrpo.config.help import help_config, not_read, refused
-from flowgrpo.distributed import dist
+from flowgrpo.distributed import dist, launch
 from flowgrpo.distributed.launch import (
     launch_environment,
     launcher_words,
@@ -157,8 +157,8 @@ def _run(config) -> dict:
     (:func:`~flowgrpo.preflight.preflight`), the one that needs it right after it loads
     (:func:`~flowgrpo.preflight.check_on_grid`)."""
     quiet_libraries()
-    parallel.check_launch()  # the processes asked for were started
-    parallel.cpu_without_accelerator()  # torchrun on a machine without a GPU: the CPU and gloo, said in the log
+    launch.check_launch()  # the processes asked for were started
+    launch.cpu_without_accelerator()  # torchrun on a machine without a GPU: the CPU and gloo, said in the log
     ready = preflight(config)
     if config.runtime.engine == "ray":
         ray_engine.check_installed()
@@ -278,7 +278,7 @@ def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process:
                              args.overrides)
         with _hold(config.output_dir):  # before anything in the folder is read
             summary = run(resolve_auto_resume(config, args.overrides, config_file=args.config))
-    except parallel.LaunchRefused as err:  # one process where several were asked for: the line, no launcher's trace
+    except launch.LaunchRefused as err:  # one process where several were asked for: the line, no launcher's trace
         sys.stderr.write(f"error: {err}\n")
         sys.stderr.flush()
         _end_accelerate_launcher(2)
@@ -304,7 +304,7 @@ def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process:
         first = str(err).splitlines()[0] if str(err) else "OutOfMemoryError"
         parser.exit(1, f"error: out of device memory{where}: {first}; {OOM_HINT}\n")
     except KeyboardInterrupt:
-        if main_process and parallel.launched_by_accelerate():
+        if main_process and launch.launched_by_accelerate():
             wait_for_launcher()  # its copy of our output drops what it read at its own Ctrl-C (launch's docstring)
         parser.exit(128 + stopping_signal(), _interrupted_line(args, prog) if main_process else "")
     return summary
@@ -323,7 +323,7 @@ def _refuse(parser: argparse.ArgumentParser, code: int, line: str, main_process:
     another process waits :data:`OTHER_RANK_WAIT_S` before it speaks (the launcher ends it meanwhile when the main
     process refused). A stop signal while another process waits (the launcher ending it) ends it quietly, with
     ``code``. Under ``accelerate launch`` (one child) the launcher is ended after the line
-    (:func:`flowgrpo.parallel.end_launcher`), else it follows the line with a traceback; it then exits 143, not
+    (:func:`~flowgrpo.distributed.launch.end_launcher`), else it follows the line with a traceback; it exits 143, not
     ``code``: accelerate 1.16 exits 1 for any failed child and 128 + the signal when ended."""
     try:
         dist.share_refusal(main_process, OTHER_RANK_WAIT_S, code, line)  # ends the process under torchrun
@@ -340,16 +340,16 @@ def _refuse(parser: argparse.ArgumentParser, code: int, line: str, main_process:
 
 def _end_accelerate_launcher(code: int) -> None:
     """Under ``accelerate launch``, end the launcher after a refusal's line (its ``CalledProcessError`` traceback
-    would follow it: :func:`flowgrpo.parallel.end_launcher`); its SIGTERM back to this process (ending its tree)
-    then ends this process quietly with ``code``, not through ``KeyboardInterrupt``
+    would follow it: :func:`~flowgrpo.distributed.launch.end_launcher`); its SIGTERM back to this process (ending
+    its tree) then ends this process quietly with ``code``, not through ``KeyboardInterrupt``
     (:func:`flowgrpo.distributed.launch.stop_on_signals`). Nothing elsewhere."""
-    if not parallel.launched_by_accelerate():
+    if not launch.launched_by_accelerate():
         return
     import signal
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: dist.end_worker(code))
-    parallel.end_launcher()
+    launch.end_launcher()
 
 
 def _interrupted_line(args, prog: str | None = None) -> str:

@@ -25,6 +25,7 @@ import yaml
 
 from flowgrpo import parallel
 from flowgrpo.config import ParallelConfig
+from flowgrpo.distributed import launch
 
 REPO = Path(__file__).resolve().parents[1]
 META = torch.device("meta")
@@ -219,12 +220,12 @@ ACCELERATE_CPU_TWO = {"ACCELERATE_USE_CPU": "True", "ACCELERATE_MIXED_PRECISION"
 
 def test_a_cpu_launch_of_several_processes_that_started_one_is_refused():
     with pytest.raises(ValueError, match="ACCELERATE_USE_CPU=true torchrun --nproc_per_node N") as err:
-        parallel.check_launch(ACCELERATE_CPU_TWO)
+        launch.check_launch(ACCELERATE_CPU_TWO)
     assert "\n" not in str(err.value)
-    parallel.check_launch({**ACCELERATE_CPU_TWO, "WORLD_SIZE": "2", "RANK": "0"})  # torchrun started them
-    parallel.check_launch({**ACCELERATE_CPU_TWO, "OMPI_COMM_WORLD_SIZE": "2"})  # mpirun started them
-    parallel.check_launch({k: v for k, v in ACCELERATE_CPU_TWO.items() if not k.startswith("MASTER")})  # asked 1
-    parallel.check_launch({**ACCELERATE_CPU_TWO, "ACCELERATE_USE_CPU": "False"})  # GPUs: accelerate runs torchrun
+    launch.check_launch({**ACCELERATE_CPU_TWO, "WORLD_SIZE": "2", "RANK": "0"})  # torchrun started them
+    launch.check_launch({**ACCELERATE_CPU_TWO, "OMPI_COMM_WORLD_SIZE": "2"})  # mpirun started them
+    launch.check_launch({k: v for k, v in ACCELERATE_CPU_TWO.items() if not k.startswith("MASTER")})  # asked 1
+    launch.check_launch({**ACCELERATE_CPU_TWO, "ACCELERATE_USE_CPU": "False"})  # GPUs: accelerate runs torchrun
 
 
 @pytest.mark.slow
@@ -256,7 +257,7 @@ def test_accelerate_launch_cpu_with_two_processes_refuses_in_one_line(tmp_path):
 def test_a_bad_override_under_accelerate_launch_is_one_line_without_its_traceback(tmp_path):
     """Issue 54, F15: a refusal of the config under ``accelerate launch`` (no ``-q``) was followed by accelerate's
     ``CalledProcessError`` traceback repeating the child's stderr. The line is now the last output: the child ends
-    its launcher after it (``parallel.end_launcher``), and the launcher's SIGTERM back ends the child quietly. Its
+    its launcher after it (``launch.end_launcher``), and the launcher's SIGTERM back ends the child quietly. Its
     exit status is accelerate's 143 (accelerate 1.16 exits 1 for any failed child, 128 + the signal when ended:
     the refusal's 2 cannot pass through it)."""
     import subprocess
@@ -288,7 +289,7 @@ def _wait_for_exec(pid: int) -> None:
 
 
 def test_the_launcher_is_ended_only_when_it_is_accelerates(monkeypatch):
-    """:func:`parallel.end_launcher` signals its parent only when that parent's command is accelerate's launch."""
+    """:func:`launch.end_launcher` signals its parent only when that parent's command is accelerate's launch."""
     import signal
     import subprocess
     import sys
@@ -300,9 +301,9 @@ def test_the_launcher_is_ended_only_when_it_is_accelerates(monkeypatch):
     try:
         _wait_for_exec(shell.pid)
         _wait_for_exec(launcher.pid)
-        assert not parallel.end_launcher(shell.pid) and killed == []
-        assert parallel.end_launcher(launcher.pid) and killed == [(launcher.pid, signal.SIGTERM)]
-        assert not parallel.end_launcher(2**22 + 12345)  # no such process
+        assert not launch.end_launcher(shell.pid) and killed == []
+        assert launch.end_launcher(launcher.pid) and killed == [(launcher.pid, signal.SIGTERM)]
+        assert not launch.end_launcher(2**22 + 12345)  # no such process
     finally:
         monkeypatch.undo()  # the real os.kill, for Popen.kill
         for p in (shell, launcher):
@@ -622,17 +623,17 @@ def test_torchrun_on_a_machine_without_a_gpu_runs_on_the_cpu_and_says_so(monkeyp
 
     import torch
 
-    from flowgrpo import parallel
+    from flowgrpo.distributed import launch
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     env = {"WORLD_SIZE": "2", "RANK": "0"}
-    with caplog.at_level(logging.INFO, logger="flowgrpo.parallel"):
-        assert parallel.cpu_without_accelerator(env) is True
+    with caplog.at_level(logging.INFO, logger="flowgrpo.distributed.launch"):
+        assert launch.cpu_without_accelerator(env) is True
     assert env["ACCELERATE_USE_CPU"] == "true"
     assert "no accelerator (GPU) on this machine: the 2 processes run on the CPU with gloo" in caplog.text
     # a user's own setting, one process, or a machine with a GPU: nothing changes
     for given in ({"WORLD_SIZE": "2", "ACCELERATE_USE_CPU": "false"}, {"WORLD_SIZE": "1"}, {}):
         before = dict(given)
-        assert parallel.cpu_without_accelerator(given) is False and given == before
+        assert launch.cpu_without_accelerator(given) is False and given == before
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    assert parallel.cpu_without_accelerator({"WORLD_SIZE": "2"}) is False
+    assert launch.cpu_without_accelerator({"WORLD_SIZE": "2"}) is False

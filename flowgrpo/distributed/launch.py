@@ -21,11 +21,17 @@ the thread that copies what follows.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["launch_environment", "launcher_words", "restore_signals", "stop_on_signals", "stopping_signal",
+logger = logging.getLogger(__name__)
+
+__all__ = ["LaunchRefused", "check_launch", "cpu_without_accelerator", "end_launcher", "launch_environment",
+           "launched_by_accelerate", "launcher_words", "restore_signals", "stop_on_signals", "stopping_signal",
            "wait_for_launcher"]
 
 #: the launchers' executables whose name is shown rather than the interpreter running them
@@ -162,3 +168,114 @@ def launch_environment(env: dict[str, str] | None = None, parent_env: dict[str, 
             return []
     return [f"{k}={v}" for k, v in sorted(env.items())
             if k.startswith(_LAUNCH_PREFIXES) or k.endswith(_LAUNCH_SUFFIXES) or k in _LAUNCH_NAMES]
+
+
+_MPI_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+class LaunchRefused(ValueError):
+    """A launch that started fewer processes than it asked for (:func:`check_launch`)."""
+
+
+def cpu_without_accelerator(env: dict | None = None) -> bool:
+    """Several processes (``WORLD_SIZE`` > 1: torchrun) on a machine with no accelerator and no
+    ``ACCELERATE_USE_CPU`` set: accelerate would pick no process-group backend (``'undefined'``, found only after
+    the model loaded). Sets ``ACCELERATE_USE_CPU=true`` in ``env`` (default ``os.environ``; read by accelerate's
+    ``Accelerator``), so the processes run on the CPU with gloo as ``accelerate launch --cpu`` would, and says so
+    in the log. Returns whether it did."""
+    import torch
+
+    env = os.environ if env is None else env
+    if int(env.get("WORLD_SIZE", "1")) < 2 or "ACCELERATE_USE_CPU" in env:
+        return False
+    accelerator = getattr(torch, "accelerator", None)
+    if (accelerator.is_available() if accelerator is not None else torch.cuda.is_available()):
+        return False
+    env["ACCELERATE_USE_CPU"] = "true"
+    logger.info("no accelerator (GPU) on this machine: the %s processes run on the CPU with gloo "
+                "(ACCELERATE_USE_CPU=true)", env["WORLD_SIZE"])
+    return True
+
+
+def check_launch(env: Mapping[str, str] | None = None) -> None:
+    """Refuse a launch that asked for several processes and started one, with one line naming the way that works.
+
+    ``accelerate launch --cpu --num_processes N`` (N > 1) starts a single Python process (accelerate's simple
+    launcher: on the CPU its other processes are MPI's to start, ``--mpirun_hostfile`` or ``mpirun``); that
+    process sees ``MASTER_ADDR`` (set by accelerate only when N > 1 or several machines were asked for) and
+    ``ACCELERATE_USE_CPU`` but no ``WORLD_SIZE``, and would train alone. (A ``MASTER_ADDR`` the shell exported
+    for a one-process CPU launch reads the same; the line says to unset it.)
+
+    Args:
+        env: the environment (default ``os.environ``).
+    Raises:
+        LaunchRefused: (a ``ValueError``) that launch (``ACCELERATE_USE_CPU`` true, ``ACCELERATE_MIXED_PRECISION``
+            and ``MASTER_ADDR`` set by accelerate launch, neither ``WORLD_SIZE`` nor an MPI size); the command
+            says it and ends accelerate's launcher with :func:`end_launcher`.
+    """
+    env = os.environ if env is None else env
+    launched = "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env  # accelerate launch, N > 1
+    on_cpu = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if on_cpu and launched and "WORLD_SIZE" not in env and not any(k in env for k in _MPI_SIZES):
+        raise LaunchRefused(
+            "accelerate launch --cpu with several processes started only this one (accelerate leaves the CPU's "
+            "other processes to MPI); launch with ACCELERATE_USE_CPU=true torchrun --nproc_per_node N "
+            "flowgrpo/train.py CONFIG (docs/many_gpus.md), or for one process unset MASTER_ADDR")
+
+
+def launched_by_accelerate(pid: int | None = None) -> bool:
+    """Whether process ``pid`` (default: the parent) is accelerate's launcher (its command line holds
+    ``accelerate`` and ``launch``)."""
+    import psutil
+
+    try:
+        command = " ".join(psutil.Process(os.getppid() if pid is None else pid).cmdline())
+    except (psutil.Error, OSError):
+        return False
+    return "accelerate" in command and "launch" in command
+
+
+def end_launcher(pid: int | None = None) -> bool:
+    """End accelerate's launcher that started this process, so that a refusal already said stays the last line.
+
+    accelerate's simple launcher (``accelerate launch`` without ``-q``: the CPU launch of :func:`check_launch`)
+    raises ``CalledProcessError`` with its own traceback, which repeats the child's stderr, when its child exits
+    non-zero; on SIGTERM it ends its child and exits 143 without one (``accelerate.commands.launch``'s
+    ``_run_subprocess``). The parent is signalled only when its command line is accelerate's launch.
+
+    Args:
+        pid: the parent process (default ``os.getppid()``).
+    Returns:
+        Whether a launcher was signalled.
+    """
+    pid = os.getppid() if pid is None else pid
+    if not launched_by_accelerate(pid):
+        return False
+    _wait_read(sys.stderr)
+    os.kill(pid, signal.SIGTERM)
+    return True
+
+
+def _wait_read(stream, limit_s: float = 30.0) -> None:
+    """Wait until the launcher has read what this process wrote to ``stream`` (a pipe it copies to its own stderr:
+    the bytes still in the pipe, ``FIONREAD``, reach 0), and a moment more for it to write them out, so that the
+    signal that ends it does not cut the line (its handler raises in the copying thread); at most ``limit_s``
+    seconds, and not at all when ``stream`` is not a pipe."""
+    import fcntl
+    import stat
+    import struct
+    import termios
+    import time
+
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            if struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] == 0:
+                break
+            time.sleep(0.01)
+        time.sleep(0.2)
+    except (OSError, ValueError, AttributeError):
+        return

@@ -93,7 +93,7 @@ def test_digits_ray_equals_torchrun(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["digits_nft", "digits_awm", "digits_dgpo", "digits_dpo", "digits_opd",
-                                    "digits_chunk", "digits_mix", "digits_cps"])
+                                    "digits_dmd2", "digits_srpo", "digits_chunk", "digits_mix", "digits_cps"])
 def test_each_objective_and_chunker_on_ray_equals_torchrun(tmp_path, config, digits_teacher):
     """Every objective that trains from its own rollouts (DiffusionNFT samples with its old copy: the weights sent
     are the ones it swaps in; OPD's teacher stays in the training process), and the SDE-ratio objective with other

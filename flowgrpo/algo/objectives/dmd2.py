@@ -202,6 +202,8 @@ class DMD2(ForwardObjective):
     micro-batch; the fake score is stepped by its own :class:`~flowgrpo.training.optim.SecondOptimizer`."""
 
     Config = DMD2Config
+    #: verified with rollout workers (tests/runtime/test_ray_identity.py)
+    rollout_workers_refusal = None
     uses_old_copy = False
     frozen_teacher = True  # the real score: a whole transformer on the device (the memory plan counts it)
     trains_teacher_copy = True  # the fake score: a whole trained copy with its AdamW (the memory plan counts it)

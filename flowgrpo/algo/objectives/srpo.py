@@ -299,6 +299,8 @@ class SRPO(ForwardObjective):
     of :meth:`terms` averaged over an optimizer step's rows on all processes."""
 
     Config = SRPOConfig
+    #: verified with rollout workers (tests/runtime/test_ray_identity.py)
+    rollout_workers_refusal = None
     uses_old_copy = False
     trains_on_advantages = False  # the reward's gradient is the signal, whatever the group
 
