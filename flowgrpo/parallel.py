@@ -4,9 +4,9 @@ One boundary decides it, once, before the first rollout (docs/many_gpus.md, "Wha
 
 * :func:`flowgrpo.distributed.launch.check_launch` (run first) refuses a launch that asked for several processes
   and started one (``accelerate launch --cpu --num_processes N``: accelerate starts one process on the CPU unless
-  MPI starts the others); :func:`check_engine` refuses accelerate's own FSDP and DeepSpeed engines (accelerate launches the processes
-  and names their devices; the sharding is ours, so that the same code runs under gloo on the CPU and NCCL on
-  CUDA);
+  MPI starts the others); :func:`check_engine` refuses accelerate's own FSDP and DeepSpeed engines (accelerate
+  launches the processes and names their devices; the sharding is ours, so that the same code runs under gloo on
+  the CPU and NCCL on CUDA);
 * :func:`device_mesh` lays the processes out as a named three-dimensional mesh ``("replicate", "shard",
   "context")`` of ``parallel.replicate`` x world/(replicate·context) x ``parallel.context_degree``; FSDP2 shards
   over :func:`fsdp_mesh`, replicate x (shard·context): HSDP across the replica groups (typically nodes), plain

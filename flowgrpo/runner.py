@@ -220,9 +220,10 @@ def _tracker_config(config) -> dict:
             for k, v in flat_dict(config.model_dump(mode="json")).items()}
 
 
-def print_summary(summary: dict, tables=()) -> None:
-    """Print :func:`~flowgrpo.training.report.format_report` (the script's result, on stdout)."""
-    print(format_report(summary, tables))  # noqa: T201 - the script's result table
+def print_summary(summary: dict, tables=(), *, written: bool = True) -> None:
+    """Print :func:`~flowgrpo.training.report.format_report` (the script's result, on stdout); ``written=False``
+    for a run that had already finished (nothing written by this command)."""
+    print(format_report(summary, tables, written=written))  # noqa: T201 - the script's result table
 
 
 class _ErrorsOnly(logging.Filter):
@@ -268,7 +269,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     finally:
         restore_signals(replaced)
     if main_process:
-        print_summary(summary, _TRAINER.tables if _TRAINER is not None else ())
+        trainer = _TRAINER
+        print_summary(summary, trainer.tables if trainer is not None else (),
+                      written=not (trainer is not None and trainer.finished_before))
 
 
 def _main(args, parser: argparse.ArgumentParser, prog: str | None, main_process: bool) -> dict:

@@ -97,6 +97,39 @@ def test_a_killed_run_leaves_no_stale_lock(run_a):
         assert "run B" in (folder / ".flowgrpo.lock").read_text()
 
 
+def test_a_lock_held_by_another_program_is_not_blamed_on_the_last_recorded_run(tmp_path):
+    """Fresh-user trial 7: the lock file keeps the record of the last run that took it (a refused one too); held by
+    another program (``flock`` from a shell) the busy line named that long-ended run as "still running"."""
+    from flowgrpo.writing.run_lock import RunFolderBusy, hold_run_folder, lock_holder
+
+    folder = tmp_path / "run"
+    ended = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from flowgrpo.writing.run_lock import hold_run_folder
+        with hold_run_folder(sys.argv[1], command="run X (ended)"):
+            open(sys.argv[1] + "/config.yaml", "w").close()  # a run was written: its lock file stays
+    """), str(folder)], check=True, timeout=600)
+    assert ended.returncode == 0 and "run X (ended)" in (folder / ".flowgrpo.lock").read_text()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import fcntl, sys
+        fh = open(sys.argv[1] + "/.flowgrpo.lock")
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        print("held", flush=True)
+        sys.stdin.readline()
+    """), str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunFolderBusy) as info, hold_run_folder(folder):
+            pass
+        line = str(info.value)
+        assert "still running" not in line and "is in use (held by another process; the last run recorded" in line
+        assert "run X (ended)" in line and line.count("has ended") == 1
+        assert lock_holder(folder).startswith("held by another process")
+    finally:
+        holder.kill()
+        holder.wait(timeout=600)
+
+
 # ---------------------------------------------------------------- shared file systems (NFS, Lustre, ...)
 @pytest.fixture
 def on_nfs(tmp_path, monkeypatch):

@@ -94,6 +94,7 @@ class Trainer:
         self.reward_origins = reward_origins or []
         self.scorer = AsyncRewardScorer(rewards)
         self.tables: list = []  # the rewards' per-group tables of the final summary (report.report_tables)
+        self.finished_before = False  # the run had finished all its epochs before this command: nothing written
         self._low_signal_warned = False
         # whether the objective trains on the group advantages (a plugin objective that does not say: it does)
         self._on_advantages = getattr(objective, "trains_on_advantages", True)
@@ -172,6 +173,7 @@ class Trainer:
         """The existing summary of a finished run (its ``outputs`` those of this output_dir; a copied run folder's
         summary names the folder it was copied from), or ``{}``."""
         self.scorer.close()
+        self.finished_before = True
         summary = self.out / "summary.json"
         if not summary.is_file():
             return {}

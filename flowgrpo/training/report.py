@@ -233,19 +233,21 @@ def _base_lines(base: dict) -> list[str]:
     return lines
 
 
-def format_report(summary: dict, tables: list[GroupTable] = ()) -> str:
+def format_report(summary: dict, tables: list[GroupTable] = (), *, written: bool = True) -> str:
     """The end-of-run report: where everything was written, the before/after table of the evaluation figures
     (reference figures such as real-data diversity in both columns), each per-group table (``tables``, the
     rewards' :func:`report_tables`; their keys are left out of the main table), the time to quality (a task's
     ``quality_<r>_epoch`` / ``quality_<r>_rl_seconds`` figures, under its ``quality_bar``), the base model (its
     weights' sha256, the numerics it was built and trained with) and the wall time of each phase. ``summary`` is
-    what :func:`write_summary` returns."""
+    what :func:`write_summary` returns; ``written=False`` (a run that had already finished: this command wrote
+    nothing) heads the files "the run's files, unchanged" instead of "written"."""
     blocks = []
     taken = frozenset().union(*(t.keys for t in tables))
     outs = summary.get("outputs", {})
     if outs:
         width = max(map(len, outs))
-        blocks.append("written:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in outs.items()))
+        head = "written:" if written else "the run's files, unchanged (it had already finished):"
+        blocks.append(head + "\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in outs.items()))
     metrics = sorted({k.rsplit("_", 1)[0] for k in summary if k.endswith(("_before", "_after")) and k not in taken})
     if metrics:
         refs = [k for k in summary if k.endswith("_real") and k not in taken]

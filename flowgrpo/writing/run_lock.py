@@ -74,6 +74,19 @@ def _describe(text: str) -> str:
     return ", ".join(parts)
 
 
+def _holder(text: str) -> tuple[str, bool]:
+    """Who holds a lock whose file reads ``text``, for a "busy" line, and whether that is the recorded run: its
+    description (:func:`_describe`), or, when the recorded run's process has ended (:func:`_live`: another program
+    holds the lock, or a run that ended before writing its own record), the record named as a past run's."""
+    try:
+        info = json.loads(text)
+    except ValueError:
+        info = None
+    if isinstance(info, dict) and not _live(info):
+        return f"held by another process; the last run recorded in its lock file, {_describe(text)}, has ended", False
+    return _describe(text), True
+
+
 def check_folder_path(output_dir: str | os.PathLike) -> None:
     """``output_dir`` can be a run folder: it is a folder or can be made one. Raises ``FileExistsError`` when it
     or one of the folders above it is a file."""
@@ -224,10 +237,11 @@ def _flock(folder: Path, fh) -> None:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         fh.seek(0)
-        holder = _describe(fh.read())
+        holder, recorded = _holder(fh.read())
         fh.close()
+        busy = "is in use by a run that is still running" if recorded else "is in use"
         raise RunFolderBusy(
-            f"output_dir {str(folder)!r} is in use by a run that is still running ({holder}); a second run "
+            f"output_dir {str(folder)!r} {busy} ({holder}); a second run "
             "cannot share its folder. Wait for it to finish (or stop it), or give this run another output_dir"
         ) from None
     except BaseException:
@@ -316,7 +330,7 @@ def lock_holder(output_dir: str | os.PathLike) -> str | None:
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                return _describe(text)
+                return _holder(text)[0]
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
     except (OSError, ValueError):
         return None

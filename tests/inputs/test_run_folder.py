@@ -179,8 +179,8 @@ def test_resuming_into_the_folder_drops_records_after_the_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flux_dir, caplog):
-    from flowgrpo.runner import run
+def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flux_dir, caplog, capsys):
+    from flowgrpo.runner import main, run
 
     run(_cfg(tmp_path, tiny_flux_dir))
     out = tmp_path / "run"
@@ -210,6 +210,12 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
     summary = run(_cfg(tmp_path, tiny_flux_dir, "copy", train={"resume_from": str(tmp_path / "copy" / "checkpoints")}))
     written = [v for v in summary["outputs"].values() if isinstance(v, str)]
     assert written and all(v.startswith(str(tmp_path / "copy")) for v in written)
+    # through the command: its report heads the run's files as unchanged, not "written:" (fresh-user trial 7)
+    capsys.readouterr()
+    main([str(out / "config.yaml"), f"train.resume_from={out / 'checkpoints'}"])
+    printed = capsys.readouterr().out
+    assert "the run's files, unchanged (it had already finished):" in printed and "written:" not in printed, printed
+    assert stamps() == before
 
 
 @pytest.mark.slow
