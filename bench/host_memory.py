@@ -42,20 +42,20 @@ REPO = Path(__file__).resolve().parents[1]
 HEAD, DOUBLE, SINGLE = 64, 2, 4
 
 
+def _status_mb(*fields: str) -> tuple[float, ...]:
+    """``fields`` of ``/proc/self/status`` (``VmHWM``: the peak resident set since the last reset; ``VmRSS``: the
+    resident set now), MB, from one read: the kernel reports the peak as at least the resident set of the same read,
+    while two reads let the resident set grow in between (a peak a few KiB below the later resident set)."""
+    values = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    missing = [f for f in fields if f not in values]
+    if missing:
+        raise RuntimeError(f"no {', '.join(missing)} in /proc/self/status (Linux only)")
+    return tuple(int(values[f].split()[0]) / 1024 for f in fields)
+
+
 def _hwm_mb() -> float:
     """Peak resident set since the last reset, MB (``VmHWM``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
-
-
-def _rss_mb() -> float:
-    """Resident set now, MB (``VmRSS``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+    return _status_mb("VmHWM")[0]
 
 
 def _reset_hwm() -> None:
@@ -134,7 +134,7 @@ def worker(folder: Path, out: Path) -> None:
     _reset_hwm()
     t0 = time.perf_counter()
     model, adapter, opt, sched, ema = _build(folder)
-    figures["start"], figures["held"] = _hwm_mb(), _rss_mb()
+    figures["start"], figures["held"] = _status_mb("VmHWM", "VmRSS")
     _reset_hwm()
     ckpt = out / "checkpoints"
     save_checkpoint(ckpt, 0, model=model, optimizer=opt, lr_scheduler=sched, sampler=GroupSampler(4, 2, 0), ema=ema)

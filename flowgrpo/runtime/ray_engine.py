@@ -390,14 +390,33 @@ def _start_ray(config):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     address = config.runtime.address or os.environ.get("RAY_ADDRESS") or "local"
     local = address == "local"
-    ray.init(address=address, include_dashboard=False if local else None, log_to_driver=False,
-             logging_level=logging.WARNING, num_cpus=config.runtime.rollout_workers + 1 if local else None)
+    with _stop_signals_kept():
+        ray.init(address=address, include_dashboard=False if local else None, log_to_driver=False,
+                 logging_level=logging.WARNING, num_cpus=config.runtime.rollout_workers + 1 if local else None)
     threads = torch.get_num_threads()
     gpus = 1 if torch.cuda.is_available() else 0
     actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(RolloutWorker)
     logger.info("Ray: %d rollout worker(s) on %s, max_staleness %d", config.runtime.rollout_workers,
                 "this machine" if local else address, config.runtime.max_staleness)
     return lambda: actor.remote(config, threads)
+
+
+@contextlib.contextmanager
+def _stop_signals_kept():
+    """The block (``ray.init``) leaves this process's SIGINT and SIGTERM handlers as they were: ``ray.init`` (2.60,
+    ``ray/_private/worker.py``) installs a SIGTERM handler of its own that exits, which replaced the run's
+    (:func:`flowgrpo.distributed.launch.stop_on_signals`: a launcher's SIGTERM after Ctrl-C ends the run with its
+    resume line) for the rest of the process."""
+    import signal
+
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:  # None: set outside Python; nothing to put back
+                with contextlib.suppress(ValueError):  # not the main thread: Ray installed nothing either
+                    signal.signal(sig, handler)
 
 
 def _stop_ray() -> None:

@@ -27,8 +27,22 @@ def _records(run_dir):
 
 
 @pytest.mark.slow
-def test_staleness_one_trains_each_epoch_on_the_previous_version(tmp_path):
-    out = _train(CONFIG, tmp_path / "stale", "ray", *SMALL, "runtime.max_staleness=1", "runtime.rollout_workers=2")
+def test_staleness_one_trains_each_epoch_on_the_previous_version(tmp_path, monkeypatch):
+    def ours(signum, frame):  # the run's own stop handler (launch.stop_on_signals) stands in
+        raise AssertionError("not called")
+
+    during, collect = [], ray_engine.RayRollouts._collect
+    monkeypatch.setattr(ray_engine.RayRollouts, "_collect", lambda self, trainer, epoch: (
+        during.append(signal.getsignal(signal.SIGTERM)), collect(self, trainer, epoch))[1])
+    kept = signal.signal(signal.SIGTERM, ours)
+    try:
+        out = _train(CONFIG, tmp_path / "stale", "ray", *SMALL, "runtime.max_staleness=1",
+                     "runtime.rollout_workers=2")
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, kept)
+    # ray.init's own SIGTERM handler (it exits) never replaces the run's, during the run or after it
+    assert during and all(h is ours for h in during) and after is ours
     _no_ray_left()
     records = _records(out)
     assert [r["runtime/lag"] for r in records] == [0.0, 1.0, 1.0]  # epoch 0 from the start weights, then one behind

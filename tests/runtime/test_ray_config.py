@@ -41,7 +41,7 @@ def test_every_registered_objective_is_classified():
     """The objectives verified with rollout workers run; every other one is refused with its reason (a new one by
     default, until a Ray run of it is tested to equal the torchrun run)."""
     served = {n for n in OBJECTIVES.names() if OBJECTIVES.get(n).rollout_workers_refusal is None}
-    assert served == {"sde_ratio", "nft", "awm", "dgpo", "dpo", "opd"}
+    assert served == {"sde_ratio", "nft", "awm", "dgpo", "dpo", "opd", "dmd2", "srpo"}
     assert all(OBJECTIVES.get(n).rollout_workers_refusal for n in set(OBJECTIVES.names()) - served)
 
 
