@@ -23,6 +23,11 @@ record carries (Flow-GRPO, Liu et al. arXiv 2505.05470, eq. 6, PPO's clipped sur
 the trainer's current weights before the update, which drops that correction (the clip is then taken around the
 current policy, as decoupled PPO's proximal policy, Hilton et al. arXiv 2110.00641, without its behaviour weight);
 the metrics say how far apart the two are (``runtime/logprob_gap``).
+
+Reward workers (``runtime.reward_workers`` ≥ 1): actors holding the run's rewards, built once. A rollout worker
+then returns its decoded micro-batches as an object ref of their own, and the request's scoring is issued with the
+request on that ref, so Ray scores the images as soon as they exist while the trainer updates; the trainer
+collects the scores with the record. A dead reward worker is replaced and its scoring issued again.
 """
 
 from __future__ import annotations
