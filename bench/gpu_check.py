@@ -34,7 +34,10 @@ blocks, width 3072, 11.9 B transformer parameters; 1-layer CLIP and T5 encoders 
     differences;
 (n) one epoch at verl-omni's Qwen-Image OCR LoRA configuration (this GPU's share of 32 prompts × 16 images over
     4 GPUs, 512², LoRA r64, the full 60-block Qwen-Image with random weights, a zero reward): images/GPU/s beside
-    verl-omni's 0.305.
+    verl-omni's 0.305;
+(o) Ray (docs/async.md): a ``max_staleness: 1`` run of configs/tiny_jpeg.yaml, the rollout worker on a GPU (two
+    GPUs: the trainer on GPU 0, the worker on GPU 1 under a Ray head started for it; one GPU: shared), with
+    bench/async_ray.py's figures (epoch, rollout and update seconds, the wait, the worker's sampling, the sync).
 
 Each part runs on its own; a failure is recorded in the JSON and the next part runs. ``--dry-run`` runs the same
 code at toy sizes on the CPU (every part; CI runs it).
@@ -60,6 +63,7 @@ import functools
 import importlib
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -1046,8 +1050,58 @@ def part_n(c: Check) -> dict:
             "transformer_parameters": sum(p.numel() for p in a.transformer.parameters())}
 
 
+def _ray_cli() -> list[str]:
+    """Ray's command line (``ray``, else through the interpreter)."""
+    ray = shutil.which("ray")
+    return [ray] if ray else [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def part_o(c: Check) -> dict:
+    """(o) Ray (docs/async.md): one ``max_staleness: 1`` run of configs/tiny_jpeg.yaml through the CLI, the rollout
+    worker on a GPU: with two GPUs the trainer on GPU 0 and a Ray head started on GPU 1 (the worker there), with one
+    both share it (a local Ray instance); the figures of bench/async_ray.py (seconds after the first epoch)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return {"skipped": "Ray is not installed (pip install 'flowgrpo[ray]')"}
+    out_dir = c.out / "ray_staleness_1"
+    over = ["train.num_epochs=4", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch_size=4",
+            "data.eval_num_prompts=2", "runtime.engine=ray", "runtime.max_staleness=1", f"output_dir={out_dir}",
+            "logging.overwrite=true", "logging.progress=false", "logging.trackers=[]"]
+    two = not c.args.dry_run and torch.cuda.device_count() >= 2
+    env = {**os.environ}
+    if two:
+        port = _free_port()
+        subprocess.run([*_ray_cli(), "start", "--head", f"--port={port}", "--num-gpus=1", "--num-cpus=4",
+                        "--include-dashboard=false", "--disable-usage-stats"], check=True, capture_output=True,
+                       timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})  # its workers on GPU 1
+        env.update(CUDA_VISIBLE_DEVICES="0", RAY_ADDRESS=f"127.0.0.1:{port}")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "train", str(REPO / "configs" / "tiny_jpeg.yaml"),
+                               *over], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    finally:
+        if two:  # the head this part started (a machine lent to this check: no other Ray runs there)
+            subprocess.run([*_ray_cli(), "stop", "--force"], capture_output=True, timeout=120)
+    if proc.returncode:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1500:]}")
+    recs = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    later = recs[1:]
+
+    def mean(key: str) -> float:
+        return round(sum(r.get(key) or 0.0 for r in later) / len(later), 3)
+
+    epoch = [sum(v for k, v in r.items() if k.startswith("timing/") and k not in ("timing/eval", "timing/plots",
+                                                                                 "timing/save")) for r in later]
+    return {"gpus": "trainer GPU 0, rollout worker GPU 1" if two else "shared" if c.dev.type == "cuda" else "CPU",
+            "epoch_s": round(sum(epoch) / len(epoch), 3), "rollout_s": mean("timing/rollout"),
+            "update_s": mean("timing/update"), "wait_s": mean("runtime/wait_seconds"),
+            "worker_s": mean("runtime/worker_seconds"), "sync_s": mean("runtime/sync_seconds"),
+            "sync_mb": round(max(r.get("runtime/sync_bytes", 0.0) for r in recs) / 1e6, 2),
+            "lags": str([r.get("runtime/lag") for r in recs])}
+
+
 PARTS = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f, "g": part_g, "h": part_h,
-         "i": part_i, "j": part_j, "k": part_k, "l": part_l, "m": part_m, "n": part_n}
+         "i": part_i, "j": part_j, "k": part_k, "l": part_l, "m": part_m, "n": part_n, "o": part_o}
 
 
 def _fmt(v) -> str:

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check at real size: one script, no network, about 8 minutes on one H200 (see bench/gpu_check.py).
-#   bash bench/gpu_check.sh [--wheels DIR] [--out DIR] [--model NAME] [--parts a b c d e f g h i j k] [--dry-run]
+#   bash bench/gpu_check.sh [--wheels DIR] [--out DIR] [--model NAME] [--parts a b c d e f g h i j k l m n o] [--dry-run]
 # (g) trains under FSDP2 on one GPU, and on two where two or more are present; (h) is the forward-process
 # (DiffusionNFT) update against the bare passes of its draws; (i) sharded save/resume time (one process); (j) the
 # FSDP2 CPU-offload step against none; (k) where several GPUs are visible, torchrun over all of them: an HSDP step
-# and a context-parallel forward/backward (bench/gpu_check_multi.py; the dry run: 2 CPU processes).
+# and a context-parallel forward/backward (bench/gpu_check_multi.py; the dry run: 2 CPU processes); (o) one Ray
+# staleness-1 run of configs/tiny_jpeg.yaml, the rollout worker on a GPU (bench/gpu_check.py's docstring).
 #   NAME: flux (default), sd3, qwenimage, qwenimage_edit_plus, zimage, flux2_klein, flux2, kontext, flux3, qwenimage21
 # --wheels DIR: wheels carried to a bare GPU machine (diffusers, pydantic and its deps, open-clip-torch, ftfy,
 #   wcwidth, and this project's two wheels from `pip wheel --no-deps . ./rewards`), installed offline into

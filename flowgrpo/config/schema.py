@@ -432,13 +432,18 @@ class RuntimeConfig(Section):
         None, description="ray: the cluster to join (ray start --head's address, or auto); null: the RAY_ADDRESS "
         "environment variable, else a new Ray instance on this machine"
     )
+    reward_workers: int = Field(
+        0, ge=0, description="ray: reward workers (actors), each building the rewards once, that score each "
+        "rollout's decoded images as soon as they are sampled (handed over by Ray, not through the trainer) while "
+        "the next rollout runs; 0: the training processes score them (docs/async.md)"
+    )
 
     @model_validator(mode="after")
     def _ray_only(self) -> RuntimeConfig:
         """The Ray settings are refused with ``engine: torchrun`` (``ValueError`` naming the first moved one)."""
         if self.engine == "ray":
             return self
-        for key in ("rollout_workers", "max_staleness", "sync_every", "address"):
+        for key in ("rollout_workers", "max_staleness", "sync_every", "address", "reward_workers"):
             default = type(self).model_fields[key].default
             if getattr(self, key) != default:
                 raise ValueError(f"runtime.{key}={getattr(self, key)!r} is read only with runtime.engine=ray: set "

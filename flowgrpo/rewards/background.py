@@ -74,6 +74,14 @@ class ScoreHandle:
             raise self._scorer.stopped_error(self.index) from None
         return components
 
+    @classmethod
+    def scored(cls, components: dict[str, torch.Tensor], batch_size: int, seconds: float = 0.0) -> ScoreHandle:
+        """A handle already done with ``components`` (name → (B,) float32), scored elsewhere (a Ray reward
+        worker: docs/async.md), so that :meth:`AsyncRewardScorer.gather` takes it with the others."""
+        future: Future = Future()
+        future.set_result((components, seconds))
+        return cls(future, -1, batch_size)
+
     @property
     def seconds(self) -> float:
         """Wall-clock seconds the worker spent scoring this batch (blocks until it is done)."""

@@ -23,6 +23,11 @@ record carries (Flow-GRPO, Liu et al. arXiv 2505.05470, eq. 6, PPO's clipped sur
 the trainer's current weights before the update, which drops that correction (the clip is then taken around the
 current policy, as decoupled PPO's proximal policy, Hilton et al. arXiv 2110.00641, without its behaviour weight);
 the metrics say how far apart the two are (``runtime/logprob_gap``).
+
+Reward workers (``runtime.reward_workers`` ≥ 1): actors holding the run's rewards, built once. A rollout worker
+then returns its decoded micro-batches as an object ref of their own, and the request's scoring is issued with the
+request on that ref, so Ray scores the images as soon as they exist while the trainer updates; the trainer
+collects the scores with the record. A dead reward worker is replaced and its scoring issued again.
 """
 
 from __future__ import annotations
@@ -148,6 +153,51 @@ class RolloutWorker:
                 "forward": (self.forward[0] - f0[0], self.forward[1] - f0[1]), "truncated": cut,
                 "seconds": time.perf_counter() - t0}
 
+    def rollout_parts(self, key: tuple[int, int], request) -> tuple[dict, list]:
+        """:meth:`rollout` in two objects (called with ``num_returns=2``): the result without ``calls``, and the
+        ``calls`` (the decoded micro-batches), which go to a reward worker as an object ref of their own: the
+        images never pass through the trainer."""
+        out = self.rollout(key, request)
+        return out, out.pop("calls")
+
+
+class RewardWorker:
+    """A Ray actor's body: the run's rewards, built once (the registry and factories the trainer uses:
+    :func:`flowgrpo.preflight.build_rewards`) and set up on the CPU, scoring a rollout's decoded micro-batches.
+
+    Args:
+        config: the run's :class:`~flowgrpo.config.Config`.
+        threads: torch's thread count, the training process's (CPU float results depend on it).
+    """
+
+    def __init__(self, config, threads: int) -> None:
+        from flowgrpo.models.quiet import quiet_libraries
+        from flowgrpo.preflight import build_rewards
+
+        quiet_libraries()
+        torch.set_num_threads(threads)
+        self.rewards, _ = build_rewards(config.rewards)
+        self.rewards.setup(torch.device("cpu"))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def score(self, key: tuple[int, int], calls: list) -> dict:
+        """Score ``calls`` ((images, prompts, metadata) each, as the rollout worker decoded them) one by one, as
+        the trainer's background scorer would (:func:`~flowgrpo.rewards.compose.score_components_named`: the
+        point-wise components; group-wise ones are scored by the trainer on whole groups). Returns ``key``, the
+        ``parts`` ((batch size, non-finite values, components or None) per call: a batch holding a non-finite
+        value is not scored, as in the trainer) and the ``seconds`` taken."""
+        from flowgrpo.rewards.compose import score_components_named
+
+        t0 = time.perf_counter()
+        parts = []
+        for images, prompts, metadata in calls:
+            bad = int((~torch.isfinite(images)).sum())
+            parts.append((len(images), bad, None if bad else score_components_named(self.rewards, images, prompts,
+                                                                                     metadata)))
+        return {"key": key, "parts": parts, "seconds": time.perf_counter() - t0}
+
 
 def host_record(record) -> tuple[object, dict[str, bool]]:
     """``record`` (a frozen dataclass of tensors and :class:`~flowgrpo.records.PromptEmbeds`) with every tensor on
@@ -185,27 +235,35 @@ class RayRollouts:
         make_worker: ``make_worker()`` → a new actor handle (rank 0): a worker found dead is replaced by it.
     """
 
-    def __init__(self, settings, num_epochs: int, workers: list | None, make_worker=None) -> None:
+    def __init__(self, settings, num_epochs: int, workers: list | None, make_worker=None,
+                 reward_workers: list | None = None, make_reward_worker=None) -> None:
         self.s = settings
         self.num_epochs = num_epochs
         self.workers = workers
         self.make_worker = make_worker
         self.n = settings.rollout_workers
+        self.reward_workers = reward_workers  # rank 0, with runtime.reward_workers ≥ 1; else None
+        self.make_reward_worker = make_reward_worker
+        self.reward_replaced = 0  # reward workers started in place of dead ones
         self.synced = [-1] * self.n  # the version each worker holds (-1: none yet), the same on every rank
-        # epoch -> {"refs": {(epoch, rank): (worker, its handle, ref)}, "requests": {(epoch, rank): request}}
+        # epoch -> {"refs": {(epoch, rank): (worker, its handle, ref)}, "requests": {(epoch, rank): request},
+        #           with reward workers "calls": {(epoch, rank): the decoded images' ref}, "scores": like "refs"}
         self.issued: dict[int, dict] = {}
         self.pending: dict[str, float] = {}  # this epoch's runtime/… figures
         self.lag = 0
         self.last = None  # (version, object ref) of the last weights sent (rank 0): what a restarted worker loads
         self.replaced = 0  # workers started in place of dead ones
         self.pids: list[int] = []  # the first workers' process ids (rank 0)
+        self.reward_pids: list[int] = []  # the first reward workers' process ids (rank 0)
 
     # ------------------------------------------------------------------ the trainer's two calls
-    def rollout(self, trainer, prompt_ids: torch.Tensor, request):
+    def rollout(self, trainer, prompt_ids: torch.Tensor, request, on_scores=None):
         """This process's share of epoch ``trainer.epoch``'s rollout: the requests of epochs e … e + S issued
         (syncing weights where needed), epoch e's records collected, this rank's replayed into
-        ``request.on_images`` (the reward scorer) as the in-process rollout would; the worker's transformer calls
-        and truncated prompts added to the trainer's counts. Returns the record on the trainer's device."""
+        ``request.on_images`` (the reward scorer) as the in-process rollout would, or, with reward workers, their
+        scores of each micro-batch handed to ``on_scores(batch size, non-finite values, components or None)``;
+        the worker's transformer calls and truncated prompts added to the trainer's counts. Returns the record on
+        the trainer's device."""
         e = trainer.epoch
         self.pending = {"runtime/sync_bytes": 0.0, "runtime/sync_seconds": 0.0}
         self.issue_window(trainer, prompt_ids)
@@ -218,8 +276,14 @@ class RayRollouts:
         self.pending.update({"runtime/lag": float(self.lag), "runtime/version": float(e),
                              "runtime/wait_seconds": time.perf_counter() - t0,
                              "runtime/worker_seconds": float(mine["seconds"])})
-        for call in mine["calls"]:
-            request.on_images(*call)
+        if "parts" in mine:  # scored on a reward worker
+            self.pending.update({"runtime/reward_seconds": float(mine["reward_seconds"]),
+                                 "runtime/reward_wait_seconds": float(mine["reward_wait_seconds"])})
+            for part in mine["parts"]:
+                on_scores(*part)
+        else:
+            for call in mine["calls"]:
+                request.on_images(*call)
         trainer.forward_count[0] += mine["forward"][0]
         trainer.forward_count[1] += mine["forward"][1]
         truncation = getattr(trainer.adapter, "truncation", None)
@@ -287,10 +351,29 @@ class RayRollouts:
         requests = {(epoch, r): dataclasses.replace(
             trainer.rollout_request(epoch, prompt_ids, slice(r * per, (r + 1) * per)), progress=False)
             for r in range(ranks)}
-        self.issued[epoch] = {"requests": requests, "refs": {
-            key: (w, self.workers[w], self.workers[w].rollout.remote(key, req))
-            for key, req in requests.items() for w in [self._worker_of(*key)]}}
+        issued = self.issued[epoch] = {"requests": requests, "refs": {}, "calls": {}, "scores": {}}
+        for key in requests:
+            w = self._worker_of(*key)
+            issued["refs"][key] = (w, self.workers[w], self._send(self.workers[w], key, issued))
         return True
+
+    def _send(self, handle, key: tuple[int, int], issued: dict):
+        """Send request ``key`` to the rollout worker ``handle``; returns its result's ref. With reward workers
+        the decoded images come back as a second ref, handed straight to the request's reward worker (its score
+        is issued now: Ray runs it as soon as the images exist, while the trainer does something else)."""
+        request = issued["requests"][key]
+        if not self.reward_workers:
+            return handle.rollout.remote(key, request)
+        ref, calls = handle.rollout_parts.options(num_returns=2).remote(key, request)
+        r = self._reward_worker_of(*key)
+        issued["calls"][key] = calls
+        issued["scores"][key] = (r, self.reward_workers[r], self.reward_workers[r].score.remote(key, calls))
+        return ref
+
+    def _reward_worker_of(self, epoch: int, rank: int) -> int:
+        """The reward worker that scores data rank ``rank``'s share of epoch ``epoch``: round robin, as
+        :meth:`_worker_of`."""
+        return (epoch * dist.data_world_size() + rank) % len(self.reward_workers)
 
     def _sync(self, trainer, workers: list[int], version: int) -> None:
         """Send the trained weights as the rollout uses them to ``workers`` as ``version``; adds the bytes and the
@@ -310,8 +393,10 @@ class RayRollouts:
         self.pending["runtime/sync_seconds"] += time.perf_counter() - t0
 
     def _collect(self, trainer, epoch: int) -> list[dict]:
-        """Epoch ``epoch``'s results in data-rank order (rank 0). A request whose worker died is issued again, to
-        a new worker loaded with the last weights sent: no group is lost or sampled twice."""
+        """Epoch ``epoch``'s results in data-rank order (rank 0), each with its reward worker's scores when there
+        are reward workers (``parts``, ``reward_seconds``, and ``reward_wait_seconds``: the wait for the scores
+        after the records arrived). A request whose worker died is issued again, to a new worker loaded with the
+        last weights sent, and its scoring with it: no group is lost or sampled twice."""
         import ray
 
         issued = self.issued.pop(epoch)
@@ -323,8 +408,31 @@ class RayRollouts:
                 except ray.exceptions.RayActorError:
                     logger.warning("rollout worker %d died during request %s; issuing it again", w, key)
                     handle = self._replace(w, handle)
-                    ref = handle.rollout.remote(key, issued["requests"][key])
+                    ref = self._send(handle, key, issued)
+        if self.reward_workers:
+            t0 = time.perf_counter()
+            scores = {key: self._scores(key, issued) for key in sorted(out)}
+            for key, scored in scores.items():
+                out[key].update(parts=scored["parts"], reward_seconds=scored["seconds"],
+                                reward_wait_seconds=time.perf_counter() - t0)
         return [out[k] for k in sorted(out)]
+
+    def _scores(self, key: tuple[int, int], issued: dict) -> dict:
+        """Request ``key``'s scores (:meth:`RewardWorker.score`). A reward worker that died is replaced and the
+        scoring issued again on the same images (their ref): no group is lost or scored into the run twice."""
+        import ray
+
+        r, handle, ref = issued["scores"][key]
+        while True:
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayActorError:
+                logger.warning("reward worker %d died while scoring request %s; scoring it again", r, key)
+                if self.reward_workers[r] is handle:
+                    self.reward_workers[r] = self.make_reward_worker()
+                    self.reward_replaced += 1
+                handle = self.reward_workers[r]
+                ref = handle.score.remote(key, issued["calls"][key])
 
     def _replace(self, w: int, dead):
         """Worker ``w``'s handle after ``dead`` died: a new worker loaded with the last weights sent (the dead
@@ -358,24 +466,28 @@ def rollout_state(trainer, gather_only: bool = False) -> dict[str, torch.Tensor]
 def ray_rollouts(config, trainer):
     """With ``runtime.engine: ray``: Ray started (rank 0: ``ray.init`` on ``runtime.address``, else
     ``RAY_ADDRESS``, else a new local instance with no dashboard and the workers' output kept off the console),
-    ``runtime.rollout_workers`` workers made with this process's torch thread count, and ``trainer.rollouts``
-    set, for the block; the workers ended and ``ray.shutdown()`` on every way out. Nothing for ``torchrun``."""
+    ``runtime.rollout_workers`` rollout workers and ``runtime.reward_workers`` reward workers made with this
+    process's torch thread count, and ``trainer.rollouts`` set, for the block; the workers ended and
+    ``ray.shutdown()`` on every way out. Nothing for ``torchrun``."""
     if config.runtime.engine != "ray":
         yield None
         return
     main = dist.rank() == 0
     started = False
     try:
-        workers, make, pids = None, None, []
+        workers, make, pids, scorers, make_scorer, scorer_pids = None, None, [], None, None, []
         if main:
-            make = _start_ray(config)
+            make, make_scorer = _start_ray(config)
             started = True
             workers = [make() for _ in range(config.runtime.rollout_workers)]
+            scorers = [make_scorer() for _ in range(config.runtime.reward_workers)] or None
             import ray
 
-            pids = ray.get([w.pid.remote() for w in workers])  # built (a failure to build is raised here, first)
-        trainer.rollouts = RayRollouts(config.runtime, config.train.num_epochs, workers, make)
-        trainer.rollouts.pids = pids if main else []
+            # built (a failure to build is raised here, first)
+            pids = ray.get([w.pid.remote() for w in workers])
+            scorer_pids = ray.get([w.pid.remote() for w in scorers or ()])
+        trainer.rollouts = RayRollouts(config.runtime, config.train.num_epochs, workers, make, scorers, make_scorer)
+        trainer.rollouts.pids, trainer.rollouts.reward_pids = pids, scorer_pids
         yield trainer.rollouts
     finally:
         trainer.rollouts = None
@@ -384,21 +496,25 @@ def ray_rollouts(config, trainer):
 
 
 def _start_ray(config):
-    """``ray.init`` as :func:`ray_rollouts` says; returns ``make()`` → a new rollout worker's actor handle."""
+    """``ray.init`` as :func:`ray_rollouts` says; returns ``(make, make_reward)``: each ``make()`` → a new
+    rollout worker's actor handle (one GPU where this machine has CUDA, one CPU otherwise), and ``make_reward()``
+    → a new reward worker's (one CPU, no GPU)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    address = config.runtime.address or os.environ.get("RAY_ADDRESS") or "local"
+    r = config.runtime
+    address = r.address or os.environ.get("RAY_ADDRESS") or "local"
     local = address == "local"
     with _stop_signals_kept():
         ray.init(address=address, include_dashboard=False if local else None, log_to_driver=False,
-                 logging_level=logging.WARNING, num_cpus=config.runtime.rollout_workers + 1 if local else None)
+                 logging_level=logging.WARNING, num_cpus=r.rollout_workers + r.reward_workers + 1 if local else None)
     threads = torch.get_num_threads()
     gpus = 1 if torch.cuda.is_available() else 0
     actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(RolloutWorker)
-    logger.info("Ray: %d rollout worker(s) on %s, max_staleness %d", config.runtime.rollout_workers,
-                "this machine" if local else address, config.runtime.max_staleness)
-    return lambda: actor.remote(config, threads)
+    scorer = ray.remote(num_cpus=1, num_gpus=0, max_restarts=0)(RewardWorker)
+    logger.info("Ray: %d rollout worker(s) and %d reward worker(s) on %s, max_staleness %d", r.rollout_workers,
+                r.reward_workers, "this machine" if local else address, r.max_staleness)
+    return lambda: actor.remote(config, threads), lambda: scorer.remote(config, threads)
 
 
 @contextlib.contextmanager

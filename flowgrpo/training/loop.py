@@ -32,7 +32,7 @@ from flowgrpo.distributed import dist
 from flowgrpo.models import DTYPES
 from flowgrpo.plots import reward_curve, sample_grid
 from flowgrpo.records import Advantages, Rewards
-from flowgrpo.rewards.background import AsyncRewardScorer, score_components_named
+from flowgrpo.rewards.background import AsyncRewardScorer, ScoreHandle, score_components_named
 from flowgrpo.rewards.compose import ComposedReward, compose_rewards
 from flowgrpo.rewards.remote import server_metrics
 from flowgrpo.sampling.rollout import RolloutRequest
@@ -292,11 +292,17 @@ class Trainer:
             elif lead:
                 handles.append(self.scorer.submit(images, batch_prompts, batch_meta))
 
+        def scored_elsewhere(batch_size: int, bad: int, components) -> None:  # a Ray reward worker's scores
+            if bad:
+                self._nonfinite += bad
+            elif lead:
+                handles.append(ScoreHandle.scored(components, batch_size))
+
         prompt_ids = self.sampler.next_prompt_ids()
         n = len(prompt_ids) * self.cfg.train.group_size
         request = self.rollout_request(self.epoch, prompt_ids, dist.local_slice(n), score_in_background)
         if self.rollouts is not None:  # another engine samples it (flowgrpo.runtime)
-            return self.rollouts.rollout(self, prompt_ids, request), handles
+            return self.rollouts.rollout(self, prompt_ids, request, scored_elsewhere), handles
         return self.objective.rollout(self.adapter, request), handles
 
     def rollout_request(self, epoch: int, prompt_ids: torch.Tensor, local: slice, on_images=None) -> RolloutRequest:

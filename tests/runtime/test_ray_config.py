@@ -11,11 +11,12 @@ from flowgrpo.config import ConfigError, build_config
 
 def test_defaults_are_the_torchrun_engine():
     r = build_config({}, []).runtime
-    assert (r.engine, r.rollout_workers, r.max_staleness, r.sync_every, r.address) == ("torchrun", 1, 0, 1, None)
+    assert (r.engine, r.rollout_workers, r.max_staleness, r.sync_every, r.address, r.reward_workers) == \
+        ("torchrun", 1, 0, 1, None, 0)
 
 
 @pytest.mark.parametrize("setting", ["runtime.max_staleness=1", "runtime.rollout_workers=2",
-                                     "runtime.sync_every=2", "runtime.address=auto"])
+                                     "runtime.sync_every=2", "runtime.address=auto", "runtime.reward_workers=1"])
 def test_ray_settings_need_the_ray_engine(setting):
     with pytest.raises(ConfigError, match=f"{setting.split('=')[0]}=.* is read only with runtime.engine=ray"):
         build_config({}, [setting])
