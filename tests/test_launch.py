@@ -106,7 +106,28 @@ def test_one_process_resumes_without_the_launch_variables(tmp_path, monkeypatch)
     assert "resume: flowgrpo train x=1 train.resume_from=" in line, line
 
 
-def test_the_first_stop_signal_interrupts_and_the_next_is_ignored():
+@pytest.fixture
+def ctrl_c_delivered():
+    """SIGINT handled as in a terminal's foreground job for the test: a suite started in the background (``… &``)
+    has SIGINT ignored, which stop_on_signals rightly keeps ignored (a background job ignores Ctrl-C)."""
+    kept = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, kept)
+
+
+def test_a_stop_signal_ignored_by_the_job_stays_ignored(ctrl_c_delivered):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's SIGINT
+    replaced = stop_on_signals()
+    try:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.SIGINT not in replaced
+        os.kill(os.getpid(), signal.SIGINT)  # nothing happens
+    finally:
+        restore_signals(replaced)
+
+
+def test_the_first_stop_signal_interrupts_and_the_next_is_ignored(ctrl_c_delivered):
     replaced = stop_on_signals()
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -119,7 +140,7 @@ def test_the_first_stop_signal_interrupts_and_the_next_is_ignored():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_a_ctrl_c_under_accelerate_waits_for_the_launchers_sigterm_before_its_line():
+def test_a_ctrl_c_under_accelerate_waits_for_the_launchers_sigterm_before_its_line(ctrl_c_delivered):
     """accelerate's launcher drops the chunk of its child's output it has read when its own Ctrl-C is raised (on a
     loaded machine: the resume line, CI of stop 59); it sends its SIGTERM after it started copying again, so a run
     stopped by SIGINT says its line once that SIGTERM came. A stop by SIGTERM, or a SIGTERM already come, waits for
