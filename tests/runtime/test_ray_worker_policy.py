@@ -1,4 +1,4 @@
-"""What a rollout worker builds (``flowgrpo.runtime.ray_engine.build_policy``): the policy the trainer samples
+"""What a rollout worker builds (``flowgrpo.runtime.ray_workers.build_policy``): the policy the trainer samples
 with, and nothing the update alone needs: full fine-tuning with a KL to the reference keeps a frozen whole copy of
 the transformer in the trainer (``adapter.frozen_reference``), never on a worker (``flowgrpo plan`` counts none)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from flowgrpo.config import load_config
-from flowgrpo.runtime.ray_engine import build_policy
+from flowgrpo.runtime.ray_workers import build_policy
 from tests.runtime.test_ray_identity import REPO
 
 
