@@ -134,11 +134,13 @@ def _torchrun(out: Path, engine: str, *overrides: str) -> Path:
 
 
 @pytest.mark.slow
-def test_two_sharded_processes_on_ray_equal_torchrun(tmp_path):
-    """FSDP2 over two processes: each rank's request is its own share, rank 0 gathers the whole weights from the
-    shards for the sync and hands every rank its record."""
+@pytest.mark.parametrize("reward_workers", [0, 1])
+def test_two_sharded_processes_on_ray_equal_torchrun(tmp_path, reward_workers):
+    """FSDP2 over two processes through ``flowgrpo/train.py`` under torchrun: each rank's request is its own share,
+    rank 0 gathers the whole weights from the shards for the sync and hands every rank its record (and, with a
+    reward worker, its share's scores)."""
     small = ["train.num_epochs=2", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch_size=2",
              "data.eval_num_prompts=2", "parallel.sharding=fsdp2"]
     plain = _torchrun(tmp_path / "torchrun", "torchrun", *small)
-    on_ray = _torchrun(tmp_path / "ray", "ray", *small)
+    on_ray = _torchrun(tmp_path / "ray", "ray", *small, f"runtime.reward_workers={reward_workers}")
     _compare(plain, on_ray, 2, "transformer/diffusion_pytorch_model.safetensors")
