@@ -534,7 +534,7 @@ def test_wan22_a14b_recipe_latents_per_rank_and_node():
 #: a shipped config of each registered objective (full fine-tuning), for the test below
 OBJECTIVE_CONFIGS = ("digits", "digits_awm", "digits_dgpo", "digits_dpo", "digits_dpo_offline", "digits_nft",
                      "digits_opd", "digits_refl", "digits_sft", "digits_srpo",
-                     "digits_dmd2")
+                     "digits_dmd2", "digits_tdm_r1")
 
 
 @pytest.mark.parametrize("name", OBJECTIVE_CONFIGS)
@@ -544,8 +544,9 @@ def test_plan_counts_what_the_objective_keeps(name, kl):
     reference copy exactly when the objective the trainer builds says it forwards one (``needs_reference``, as
     runner.py asks it; DPO, DGPO, NFT and AWM with ``objective.kl_beta`` 0 do), the float32 old copy when it keeps one
     (``uses_old_copy``), a whole teacher when it loads one (``frozen_teacher``, OPD and DMD2) and a trained copy of it
-    when it keeps one (``trains_teacher_copy``, DMD2's fake score): each the objective's own
-    answer, never a hand list (the plan read ``objective.kl_beta > 0`` and missed them)."""
+    when it keeps one (``trains_teacher_copy``, DMD2's and TDM-R1's fake score), and TDM-R1's surrogate with its slow
+    copy (``surrogate_copies``): each the objective's own answer, never a hand list (the plan read
+    ``objective.kl_beta > 0`` and missed them)."""
     from flowgrpo.algo.objectives import build_objective
     from flowgrpo.config import ConfigError, load_config
 
@@ -567,7 +568,10 @@ def test_plan_counts_what_the_objective_keeps(name, kl):
     assert p.device["teacher"] == (2 * n if getattr(trainer, "frozen_teacher", False) else 0), name
     # DMD2's fake score: a whole float32 copy, its gradients and AdamW's two moments on every rank
     assert p.device["fake_score"] == (4 * 4 * n if getattr(trainer, "trains_teacher_copy", False) else 0), name
-    assert (p.device["fake_score"] > 0) == (name == "digits_dmd2")  # the one shipped objective that keeps one
+    assert (p.device["fake_score"] > 0) == (name in ("digits_dmd2", "digits_tdm_r1"))  # the ones that keep one
+    # TDM-R1's surrogate: another trained copy (16 bytes a weight) and its float32 slow copy (4)
+    assert p.device["surrogate"] == ((16 + 4) * n if getattr(trainer, "surrogate_copies", False) else 0), name
+    assert (p.device["surrogate"] > 0) == (name == "digits_tdm_r1")
 
 
 def test_every_registered_objective_is_planned_above():

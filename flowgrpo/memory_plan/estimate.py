@@ -35,6 +35,8 @@ Parts (each "on each GPU" and "host memory per rank"):
 * fake score: DMD2's whole trained copy of the teacher on the device, float32 (computing in ``model.dtype``), with
   its float32 gradients and AdamW's two moments (16 bytes a weight; the objective's ``trains_teacher_copy``), whole
   on every rank;
+* surrogate reward: TDM-R1's trained copy of the teacher as the fake score (16 bytes a weight) and its float32 slow
+  copy (4 bytes a weight), whole on every rank (the objective's ``surrogate_copies``);
 * other expert (Wan2.2 A14B): the untrained expert in ``model.dtype``: whole (``parallel.experts: device``),
   sharded like the policy (``shard``), or whole in each rank's host memory, each block copied to the device for
   its forward (``offload``);
@@ -157,6 +159,7 @@ class Workload:
     old_copy: bool = False  # the objective keeps a float32 old copy of the trained weights (uses_old_copy)
     teacher: bool = False  # the objective loads a whole frozen teacher transformer (frozen_teacher)
     fake_score: bool = False  # the objective trains a whole copy of the teacher (trains_teacher_copy)
+    surrogate: bool = False  # TDM-R1's surrogate: another trained copy and its frozen slow copy (surrogate_copies)
     ema: bool = False
     latents_on_cpu: bool = False
     rewards: tuple[tuple[int, int], ...] = ()
@@ -176,12 +179,13 @@ class Workload:
 
 #: parts in the order they are printed
 PARTS = ("weights", "masters", "grads", "optimizer", "reference", "ema", "old_copy", "teacher", "fake_score",
-         "other_expert", "text_encoders", "reward_models", "vae", "rollout_latents", "activations", "transient",
-         "decode")
+         "surrogate", "other_expert", "text_encoders", "reward_models", "vae", "rollout_latents", "activations",
+         "transient", "decode")
 LABELS = {"weights": "frozen weights", "masters": "trained weights (float32 masters)", "grads": "gradients",
           "optimizer": "optimizer (AdamW)", "reference": "KL reference", "ema": "EMA",
           "old_copy": "old copy (float32)", "teacher": "teacher (frozen)",
           "fake_score": "fake score (trained copy, gradients, AdamW)",
+          "surrogate": "surrogate reward (trained copy, AdamW; slow copy)",
           "other_expert": "other expert (frozen)", "text_encoders": "text encoders", "reward_models": "reward models",
           "vae": "VAE", "rollout_latents": "rollout latents", "activations": "activations",
           "transient": "gathered weights", "decode": "VAE decode"}
@@ -300,6 +304,8 @@ def _held_parts(w: Workload, lay: Layout, s: Sizes) -> tuple[dict[str, float], d
         dev["teacher"] = s.transformer * half
     if w.fake_score:  # DMD2's fake score: float32 weights, gradients and AdamW's two moments, whole
         dev["fake_score"] = s.transformer * 16
+    if w.surrogate:  # TDM-R1's surrogate as the fake score (16 bytes a weight) and its float32 slow copy (4)
+        dev["surrogate"] = s.transformer * 20
     if fam.experts > 1:
         other = s.transformer * half
         put("other_expert", "host" if w.experts == "offload" else "dev",
@@ -330,8 +336,8 @@ def plan(w: Workload, gpus: int, gpu_memory_gib: float = 80.0, s: Sizes | None =
     dev, host = _held_parts(w, lay, s)
     cfg_train, plain, ckpt = _working_parts(w, lay, s, dev, host)
     resident = sum(dev[k] for k in ("weights", "masters", "optimizer", "reference", "ema", "old_copy", "teacher",
-                                    "fake_score", "other_expert", "vae", "rollout_latents", "text_encoders",
-                                    "reward_models"))
+                                    "fake_score", "surrogate", "other_expert", "vae", "rollout_latents",
+                                    "text_encoders", "reward_models"))
     phases = _phases(w, lay, s, dev, resident)
     notes = _notes(w, lay, cfg_train)
     per_node = min(gpus, gpus_per_node or 8)
@@ -572,7 +578,8 @@ def workload_of(config) -> Workload:
         lora_rank=m.lora_rank, lora_targets=tuple(m.lora_target_modules),
         reference_copy=bool(objective.needs_reference), old_copy=bool(getattr(objective, "uses_old_copy", False)),
         teacher=bool(getattr(objective, "frozen_teacher", False)),
-        fake_score=bool(getattr(objective, "trains_teacher_copy", False)), ema=t.ema_decay is not None,
+        fake_score=bool(getattr(objective, "trains_teacher_copy", False)),
+        surrogate=bool(getattr(objective, "surrogate_copies", False)), ema=t.ema_decay is not None,
         latents_on_cpu=t.latents_on_cpu, rewards=_reward_sizes(unique),
         sharding=p.sharding, replicate=p.replicate, context_degree=p.context_degree,
         reshard_after_forward=p.reshard_after_forward, offload=p.offload, reference=p.reference, ema_place=p.ema,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,11 +65,12 @@ class Optimization:
                     else None)
 
     # ------------------------------------------------------------------ one optimizer step
-    def second_optimizer(self, params: list[torch.nn.Parameter], *, lr: float) -> SecondOptimizer:
+    def second_optimizer(self, params: list[torch.nn.Parameter], *, lr: float,
+                         betas: tuple[float, float] | None = None) -> SecondOptimizer:
         """A :class:`SecondOptimizer` over ``params`` (parameters an objective trains beside the model) with this
-        run's ``train`` settings and learning rate ``lr``: how an objective gets one without importing the loop's
-        modules."""
-        return SecondOptimizer(params, self.train_cfg, lr=lr, checkpoints=self.checkpoints)
+        run's ``train`` settings, learning rate ``lr`` and AdamW ``betas`` (None: ``train.adam_betas``): how an
+        objective gets one without importing the loop's modules."""
+        return SecondOptimizer(params, self.train_cfg, lr=lr, checkpoints=self.checkpoints, betas=betas)
 
     def begin_epoch(self, epoch: int) -> None:
         """Set the learning rate of epoch ``epoch`` (0-based): ``train.lr`` × the warmup's factor of the next step
@@ -183,19 +185,23 @@ class SecondOptimizer:
     Args:
         params: the trained parameters (requires_grad). train: the run's ``train`` section (betas, eps, weight
             decay, max_grad_norm). lr: the learning rate (constant). checkpoints: the run's checkpoint folder
-            (named by a stop on a non-finite gradient).
+            (named by a stop on a non-finite gradient). betas: AdamW's betas (None: ``train.adam_betas``).
     """
 
     sync_every_micro_batch = True  # nothing is deferred: the all-reduce runs in step()
 
-    def __init__(self, params: list[torch.nn.Parameter], train, *, lr: float, checkpoints: Path) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], train, *, lr: float, checkpoints: Path,
+                 betas: tuple[float, float] | None = None) -> None:
         self.params = list(params)
         self.checkpoints = checkpoints
         self.train_cfg = train
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
+        betas = tuple(train.adam_betas) if betas is None else tuple(betas)
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=train.adam_eps,
                                            weight_decay=train.weight_decay)
         self.steps = 0  # steps taken (restored by load_state_dict)
         self.norms: list[float] = []  # the gradient norm of each step taken since the last drain
+        #: called after each step with the steps taken before it (TDM-R1's slow surrogate follows its surrogate)
+        self.on_step: Callable[[int], None] | None = None
 
     def accumulating(self, *, sync: bool):
         """Nothing to defer (the gradients are reduced in :meth:`step`)."""
@@ -221,6 +227,8 @@ class SecondOptimizer:
         self.optimizer.step()
         self.steps += 1
         self.norms.append(gn)
+        if self.on_step is not None:
+            self.on_step(self.steps - 1)
         return gn
 
     def zero_grad(self) -> None:

@@ -189,8 +189,9 @@ def test_each_shared_knob_is_one_help_row_naming_every_reader():
     from flowgrpo.config.help import describe_fields
 
     rows = describe_fields()
-    readers = {"kl_beta": {"sde_ratio", "nft", "awm", "dgpo", "sft"}, "clip_range": {"sde_ratio", "awm", "dgpo"},
-               "timestep_fraction": {"sde_ratio", "nft", "awm", "opd"}, "teacher": {"opd", "dmd2"}}
+    readers = {"kl_beta": {"sde_ratio", "nft", "awm", "dgpo", "sft"},
+               "clip_range": {"sde_ratio", "awm", "dgpo", "tdm_r1"},
+               "timestep_fraction": {"sde_ratio", "nft", "awm", "opd"}, "teacher": {"opd", "dmd2", "tdm_r1"}}
     defaults = {"kl_beta": "0.0", "clip_range": "0.0001", "timestep_fraction": "1.0",  # sde_ratio's, the default's
                 "teacher": "None"}
     for leaf, objectives in readers.items():

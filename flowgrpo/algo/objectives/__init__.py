@@ -11,6 +11,7 @@ name             what it does                                                   
 ``opd``          on-policy distillation (DiffusionOPD): a teacher scores the student's path   :mod:`.opd`
 ``srpo``         SRPO: Direct-Align's one step from the re-noised sample, a relative reward   :mod:`.srpo`
 ``dmd2``         DMD2: distribution matching against a teacher and an online fake score       :mod:`.dmd2`
+``tdm_r1``       TDM-R1: a few-step generator led by a surrogate reward learned from rewards  :mod:`.tdm_r1`
 ``dpo``          Diffusion-DPO, online: pairs chosen by the reward within each group          :mod:`.dpo`
 ``dpo_offline``  Diffusion-DPO, offline: the pairs of a preference dataset                    :mod:`.dpo_offline`
 ``sft``          supervised flow matching on a dataset of (prompt, image)                     :mod:`.sft`
@@ -48,6 +49,7 @@ from flowgrpo.algo.objectives.reward_backprop import RewardBackprop, RewardBackp
 from flowgrpo.algo.objectives.sde_ratio import SdeRatio, SdeRatioConfig, SdeRatioWork
 from flowgrpo.algo.objectives.sft import SFT, SFTConfig
 from flowgrpo.algo.objectives.srpo import SRPO, SRPOConfig
+from flowgrpo.algo.objectives.tdm_r1 import TDMR1, TDMR1Config
 
 __all__ = ["OBJECTIVES", "BaseObjective", "Objective", "ObjectiveConfig", "UpdateStep", "MicroBatchAt",
            "build_objective", "objective_config_class",
@@ -55,4 +57,4 @@ __all__ = ["OBJECTIVES", "BaseObjective", "Objective", "ObjectiveConfig", "Updat
            "NFT", "NFTConfig", "AWM", "AWMConfig", "DGPO", "DGPOConfig", "RewardBackprop",
            "RewardBackpropConfig", "OPD", "OPDConfig", "DPO", "DPOConfig", "DPOOffline", "DPOOfflineConfig",
            "SFT", "SFTConfig", "SRPO", "SRPOConfig", "DMD2",
-           "DMD2Config"]
+           "DMD2Config", "TDMR1", "TDMR1Config"]

@@ -120,7 +120,8 @@ KL_BETA = Field(0.0, ge=0, description="weight beta of the KL to the reference (
 CLIP_RANGE = Field(
     1e-4, ge=0, description="the clip epsilon of the objective's ratio: sde_ratio's clipped surrogate of each chunk's "
     "importance ratio, both sides (objective.clip_range_low / high set one side; > 0; 1e-4); awm's of its ratio (1; "
-    "on-policy the ratio is 1); dgpo's of exp(e_old - e) against the old copy (1e-2)")
+    "on-policy the ratio is 1); dgpo's of exp(e_old - e) against the old copy (1e-2); tdm_r1's of its surrogate's "
+    "exp(e_old - e) against the slow surrogate (1e-3)")
 
 #: the fraction f of a trajectory's steps that train, int(T*f) as the releases count, declared once for every
 #: objective that reads one (each sets its release's default with :func:`shared_field`)
@@ -290,6 +291,9 @@ class BaseObjective:
     #: the objective trains a whole copy of the teacher with its own AdamW (DMD2's fake score, in ``model.dtype`` on
     #: the device); the memory plan counts it, its gradients and its optimizer's moments
     trains_teacher_copy: ClassVar[bool] = False
+    #: the objective trains another copy of the teacher with its AdamW and keeps a float32 slow copy of it (TDM-R1's
+    #: surrogate reward); the memory plan counts them
+    surrogate_copies: ClassVar[bool] = False
     #: why the objective cannot take its rollouts from rollout workers (``runtime.engine: ray``,
     #: checked with the config), or None where it can: its update reads only the rollout
     #: record, its behaviour log-probs included, and a Ray run of it is tested to equal the torchrun run. An

@@ -72,7 +72,8 @@ from flowgrpo.algo.objectives.paths import PathDraw, PathSamples, path_rollout
 from flowgrpo.records import Advantages
 from flowgrpo.rng import make_generator
 
-__all__ = ["DMD2", "DMD2Config", "dm_gradient", "dm_loss", "fake_score_loss", "draw_sigmas", "iteration_schedule"]
+__all__ = ["DMD2", "DMD2Config", "real_score", "trainable_copy", "dm_gradient", "dm_loss", "fake_score_loss",
+           "draw_sigmas", "iteration_schedule"]
 
 
 def dm_gradient(generated: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor) -> torch.Tensor:
@@ -185,6 +186,32 @@ class DMD2State:
     outputs: dict = field(default_factory=dict)
 
 
+def real_score(teacher: str | None, adapter, model_config) -> torch.nn.Module:
+    """The frozen real score: ``objective.teacher`` (:func:`~flowgrpo.algo.objectives.opd.load_teacher`), or with
+    none a fresh load of the run's base model's transformer (``model_config``, the run's ``model`` section), on the
+    adapter's device in its dtype, without gradient, in eval mode."""
+    if teacher:
+        return load_teacher(teacher, adapter, model_config)
+    from flowgrpo.models import load_model_from_config
+
+    base = load_model_from_config(model_config, progress=False).transformer
+    return base.to(adapter.device).requires_grad_(False).eval()
+
+
+def trainable_copy(teacher: torch.nn.Module, device) -> tuple[torch.nn.Module, object]:
+    """(module, forward): a trainable copy of ``teacher`` with float32 weights (DMD2's ``.float()`` fake score,
+    ``sd_guidance.py`` lines 53–56), and what its forwards call: the module itself when the teacher is float32,
+    else the module computing in the teacher's dtype under autocast (:class:`~flowgrpo.parallel.ComputeIn`, the
+    release's ``network_context_manager``, line 143)."""
+    module = copy.deepcopy(teacher).requires_grad_(True)
+    compute = next(teacher.parameters()).dtype
+    if compute == torch.float32:
+        return module, module
+    from flowgrpo.parallel import ComputeIn
+
+    return module, ComputeIn(module.to(torch.float32), compute, torch.device(device).type)
+
+
 def module_velocity(adapter, module, x: torch.Tensor, sigma: torch.Tensor, embeds, guidance: float, *,
                     grad: bool) -> torch.Tensor:
     """The adapter's velocity (n, …) at (x, σ) with ``module`` (a transformer, or a callable forwarding one: the
@@ -233,24 +260,10 @@ class DMD2(ForwardObjective):
                 check_teacher_family(self.o.teacher, path, student_transformer_class(self.cfg.model.pretrained))
 
     def attach(self, adapter, rewards) -> None:
-        """Load the real score (``objective.teacher``, or the run's base model) and make the fake score, a
-        trainable copy of it, with its optimizer: float32 weights (the release's ``.float()``, ``sd_guidance.py``
-        lines 53–56) computing in ``model.dtype`` under autocast when that is not float32
-        (:class:`~flowgrpo.parallel.ComputeIn`, the release's ``network_context_manager``, line 143)."""
-        if self.o.teacher:
-            self.teacher = load_teacher(self.o.teacher, adapter, self.cfg.model)
-        else:
-            from flowgrpo.models import load_model_from_config
-
-            base = load_model_from_config(self.cfg.model, progress=False).transformer
-            self.teacher = base.to(adapter.device).requires_grad_(False).eval()
-        self.fake = copy.deepcopy(self.teacher).requires_grad_(True)
-        self.fake_forward = self.fake
-        compute = next(self.teacher.parameters()).dtype
-        if compute != torch.float32:  # float32 master weights computing in model.dtype, as the release's autocast
-            from flowgrpo.parallel import ComputeIn
-
-            self.fake_forward = ComputeIn(self.fake.to(torch.float32), compute, torch.device(adapter.device).type)
+        """Load the real score (:func:`real_score`) and make the fake score, a trainable copy of it
+        (:func:`trainable_copy`), with its optimizer."""
+        self.teacher = real_score(self.o.teacher, adapter, self.cfg.model)
+        self.fake, self.fake_forward = trainable_copy(self.teacher, adapter.device)
         lr = self.o.fake_lr if self.o.fake_lr is not None else self.cfg.train.lr
         self.fake_optim = self.optim.second_optimizer(list(self.fake.parameters()), lr=lr)  # prepare() came first
 

@@ -75,15 +75,19 @@ def opd_step_loss(mean_student: torch.Tensor, mean_teacher: torch.Tensor, std: t
 def teacher_source(folder: str) -> tuple[str, Path]:
     """What ``objective.teacher`` names: ``("transformer", path)`` for a ``from_pretrained`` transformer folder (a
     full fine-tuning run's ``output_dir/transformer``, or the ``transformer/`` of a pipeline folder or a run folder),
-    ``("lora", path)`` for a LoRA folder (a LoRA run's ``output_dir/lora``, or a run folder holding one).
+    ``("lora", path)`` for a LoRA folder (a LoRA run's ``output_dir/lora``, or a run folder holding one). An embedded
+    model's name (``digits``, ``tiny``: :data:`~flowgrpo.models.EMBEDDED_MODELS`) names its pipeline folder, built
+    and cached on first use.
 
     Raises:
         ValueError: no such folder, or one holding neither (one line naming what was looked for).
     """
-    path = Path(folder).expanduser()
+    from flowgrpo.models import EMBEDDED_MODELS, resolve_pretrained
+
+    path = Path(resolve_pretrained(folder, progress=False) if folder in EMBEDDED_MODELS else folder).expanduser()
     if not path.is_dir():
         raise ValueError(f"objective.teacher={folder!r} is not a folder: give a run's output_dir, its transformer "
-                         "or lora folder, or a diffusers pipeline folder")
+                         "or lora folder, a diffusers pipeline folder or an embedded model's name")
     places = (("transformer", path, "config.json"), ("lora", path, LORA_FILE),
               ("transformer", path / "transformer", "config.json"), ("lora", path / "lora", LORA_FILE))
     for kind, cand, marker in places:
