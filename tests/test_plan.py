@@ -574,6 +574,16 @@ def test_plan_counts_what_the_objective_keeps(name, kl):
     assert (p.device["surrogate"] > 0) == (name == "digits_tdm_r1")
 
 
+def test_tdm_r1s_copies_under_lora_are_lora_adapters():
+    """configs/sd35_tdm_r1.yaml (LoRA): TDM-R1's fake score and surrogate are LoRA adapters on the teacher (its
+    ``lora_copies``), so the plan counts their LoRA weights (16 and 16 + 4 bytes a weight), not whole copies; the
+    release's preset then fits an 80 GB GPU (it did not with whole copies: 153.5 GiB)."""
+    p = plan_config(REPO / "configs" / "sd35_tdm_r1.yaml", 8)
+    lora = sizes(p.workload.family, 32, tuple(p.workload.lora_targets)).lora
+    assert p.device["fake_score"] == 16 * lora and p.device["surrogate"] == 20 * lora
+    assert p.fits
+
+
 def test_every_registered_objective_is_planned_above():
     """The objective test above covers every registered objective (a new one must join it)."""
     from flowgrpo.algo.objectives import OBJECTIVES

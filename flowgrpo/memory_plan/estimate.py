@@ -36,7 +36,9 @@ Parts (each "on each GPU" and "host memory per rank"):
   its float32 gradients and AdamW's two moments (16 bytes a weight; the objective's ``trains_teacher_copy``), whole
   on every rank;
 * surrogate reward: TDM-R1's trained copy of the teacher as the fake score (16 bytes a weight) and its float32 slow
-  copy (4 bytes a weight), whole on every rank (the objective's ``surrogate_copies``);
+  copy (4 bytes a weight), whole on every rank (the objective's ``surrogate_copies``); an objective whose
+  ``lora_copies`` is set (TDM-R1) keeps its fake score and surrogate as LoRA adapters on the teacher under
+  ``model.finetune: lora``: their own weights are the LoRA's;
 * other expert (Wan2.2 A14B): the untrained expert in ``model.dtype``: whole (``parallel.experts: device``),
   sharded like the policy (``shard``), or whole in each rank's host memory, each block copied to the device for
   its forward (``offload``);
@@ -160,6 +162,7 @@ class Workload:
     teacher: bool = False  # the objective loads a whole frozen teacher transformer (frozen_teacher)
     fake_score: bool = False  # the objective trains a whole copy of the teacher (trains_teacher_copy)
     surrogate: bool = False  # TDM-R1's surrogate: another trained copy and its frozen slow copy (surrogate_copies)
+    lora_copies: bool = False  # under LoRA fine-tuning the trained copies are LoRA adapters on the teacher
     ema: bool = False
     latents_on_cpu: bool = False
     rewards: tuple[tuple[int, int], ...] = ()
@@ -302,10 +305,11 @@ def _held_parts(w: Workload, lay: Layout, s: Sizes) -> tuple[dict[str, float], d
         dev["old_copy"] = trained * 4 / f
     if w.teacher:  # load_teacher: the whole transformer, on the device
         dev["teacher"] = s.transformer * half
+    copy = s.lora if (w.lora_copies and not full) else s.transformer  # a trained copy's own weights
     if w.fake_score:  # DMD2's fake score: float32 weights, gradients and AdamW's two moments, whole
-        dev["fake_score"] = s.transformer * 16
+        dev["fake_score"] = copy * 16
     if w.surrogate:  # TDM-R1's surrogate as the fake score (16 bytes a weight) and its float32 slow copy (4)
-        dev["surrogate"] = s.transformer * 20
+        dev["surrogate"] = copy * 20
     if fam.experts > 1:
         other = s.transformer * half
         put("other_expert", "host" if w.experts == "offload" else "dev",
@@ -579,7 +583,8 @@ def workload_of(config) -> Workload:
         reference_copy=bool(objective.needs_reference), old_copy=bool(getattr(objective, "uses_old_copy", False)),
         teacher=bool(getattr(objective, "frozen_teacher", False)),
         fake_score=bool(getattr(objective, "trains_teacher_copy", False)),
-        surrogate=bool(getattr(objective, "surrogate_copies", False)), ema=t.ema_decay is not None,
+        surrogate=bool(getattr(objective, "surrogate_copies", False)),
+        lora_copies=bool(getattr(objective, "lora_copies", False)), ema=t.ema_decay is not None,
         latents_on_cpu=t.latents_on_cpu, rewards=_reward_sizes(unique),
         sharding=p.sharding, replicate=p.replicate, context_degree=p.context_degree,
         reshard_after_forward=p.reshard_after_forward, offload=p.offload, reference=p.reference, ema_place=p.ema,

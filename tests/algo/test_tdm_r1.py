@@ -350,11 +350,12 @@ def tiny_sd3_dir(tmp_path_factory):
 
 def _run_config(tmp_path, model_dir, teacher, out: str = "run", **sections) -> dict:
     """tests/training/objective_runs.py's one-epoch tiny run (4 samples, 2 iterations of one micro-batch of one
-    group, 3 steps, 2 boundaries each) of TDM-R1 against ``teacher``, the reward a 0/1 verdict."""
+    group, 3 steps, 2 boundaries each) of TDM-R1 against ``teacher`` (the strict verdict is all alike on the tiny
+    models' images: the classifier's probability gives the surrogate a signal)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "a red cube", "digit": 3}\n{"prompt": "a blue ball", "digit": 7}\n')
     return tiny_run(tmp_path / out, model_dir, {**TINY, "teacher": str(teacher)}, prompts,
-                    {"rewards": [{"name": "digit_correctness_strict"}], "train": {"train_batch_size": 2}}, sections)
+                    {"rewards": [{"name": "digit_correctness"}], "train": {"train_batch_size": 2}}, sections)
 
 
 def _check_epoch(rec: dict) -> None:
@@ -369,7 +370,7 @@ def _check_epoch(rec: dict) -> None:
 def test_an_epoch_trains_through_the_command(tmp_path, tiny_flux_dir, tiny_sd3_dir, model):
     """``python -m flowgrpo.cli train CONFIG`` on the tiny FLUX and SD3.5 pipelines (LoRA) against a teacher made
     from the pipeline: the generator, the fake score and the surrogate each step twice, the slow surrogate trails
-    the surrogate; the three models and the two optimizers' states are the objective's checkpoint state."""
+    the surrogate; the three LoRA adapters and the two optimizers' states are the objective's checkpoint state."""
     model_dir = tiny_flux_dir if model == "flux" else tiny_sd3_dir
     teacher = _teacher(tmp_path, model_dir)
     path = tmp_path / "tdm_r1.yaml"
@@ -384,9 +385,10 @@ def test_an_epoch_trains_through_the_command(tmp_path, tiny_flux_dir, tiny_sd3_d
     ckpt = tmp_path / "run" / "checkpoints" / "epoch_0"
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in load_file(ckpt / "trainable.safetensors").items())
     state = load_file(ckpt / "objective.safetensors")
-    weights = load_file(next(teacher.glob("*.safetensors")))
-    for name in ("fake", "surrogate", "slow"):
-        assert any(not torch.equal(state[f"{name}.{k}"], weights[k]) for k in weights), name  # trained from it
+    for name in ("fake", "surrogate", "slow"):  # LoRA adapters on the teacher: only their own weights are state
+        mine = {k: v for k, v in state.items() if k.startswith(f"{name}.")}
+        assert mine and all("lora_" in k for k in mine), name
+        assert any("lora_B" in k and v.abs().max() > 0 for k, v in mine.items()), name  # trained from B = 0
     assert float(state["fake_optim.steps"]) == float(state["surrogate_optim.steps"]) == 2
 
 
@@ -428,7 +430,7 @@ def test_a_two_process_epoch_equals_one_process(tmp_path, tiny_flux_dir):
     def config(name):
         return sharding_base(tmp_path, tiny_flux_dir, name, objective=o, algo={"clip_range": 1e-4},
                              train={"prompts_per_epoch": 4, "rollout_batch_size": 2, "train_batch_size": 2},
-                             rewards=[{"name": "digit_correctness_strict"}], data={"train_prompts": str(prompts)})
+                             rewards=[{"name": "digit_correctness"}], data={"train_prompts": str(prompts)})
 
     _in_process(config("one"))
     _ok(_torchrun(["--nproc_per_node", "2", "--master_port", _free_port()], [config("two")]))
@@ -436,3 +438,34 @@ def test_a_two_process_epoch_equals_one_process(tmp_path, tiny_flux_dir):
                                    rollout_keys=("reward_total", "group_ids", "initial_latents"),
                                    parts=("trainable", "objective"), rows=16,
                                    figures=("objective/loss", "objective/fake_loss", "objective/surrogate_loss"))
+
+
+def test_under_lora_the_three_copies_are_adapters_on_the_teachers_own_weights(tiny_flux_dir):
+    """``model.finetune: lora``: the fake score, the surrogate and the slow surrogate share every weight of the
+    teacher (the same tensors: no memory) and add their own LoRA (B = 0: each starts as the teacher); only the LoRA
+    weights of the fake score and the surrogate are trained; the slow surrogate starts as the surrogate."""
+    from types import SimpleNamespace
+
+    from flowgrpo.models import load_model_from_config
+    from flowgrpo.training.optim import SecondOptimizer
+
+    cfg = build_config({"model": {"pretrained": str(tiny_flux_dir), "max_sequence_length": 16, "height": 32,
+                                  "width": 32, "finetune": "lora"}, "objective": TINY})
+    obj = build_objective(cfg)
+    adapter = load_model_from_config(cfg.model, progress=False)
+    obj.prepare(SimpleNamespace(second_optimizer=lambda params, lr, betas=None: SecondOptimizer(
+        params, cfg.train, lr=lr, checkpoints=None, betas=betas)))
+    obj.attach(adapter, None)
+    base = {id(p) for p in obj.teacher.parameters()}
+    for name, trained in (("fake", True), ("surrogate", True), ("slow", False)):
+        module = getattr(obj, name)
+        named = dict(module.named_parameters())
+        lora = {k: p for k, p in named.items() if "lora_" in k}
+        assert lora and all(id(p) in base for k, p in named.items() if "lora_" not in k), name
+        assert all(p.requires_grad == trained for p in lora.values()), name
+        assert not any(p.requires_grad for k, p in named.items() if "lora_" not in k), name
+    assert obj.fake_optim.params == [p for p in obj.fake.parameters() if p.requires_grad]
+    slow, surrogate = dict(obj.slow.named_parameters()), dict(obj.surrogate.named_parameters())
+    assert all(torch.equal(slow[k], surrogate[k]) for k in slow if "lora_" in k)
+    assert obj.surrogate_optim.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    assert not any(p.requires_grad for p in obj.teacher.parameters())

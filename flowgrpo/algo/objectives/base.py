@@ -294,6 +294,9 @@ class BaseObjective:
     #: the objective trains another copy of the teacher with its AdamW and keeps a float32 slow copy of it (TDM-R1's
     #: surrogate reward); the memory plan counts them
     surrogate_copies: ClassVar[bool] = False
+    #: under ``model.finetune: lora`` the objective's trained copies of the teacher are LoRA adapters on the teacher's
+    #: own weights (TDM-R1), not whole copies (DMD2); the memory plan counts their LoRA weights
+    lora_copies: ClassVar[bool] = False
     #: why the objective cannot take its rollouts from rollout workers (``runtime.engine: ray``,
     #: checked with the config), or None where it can: its update reads only the rollout
     #: record, its behaviour log-probs included, and a Ray run of it is tested to equal the torchrun run. An

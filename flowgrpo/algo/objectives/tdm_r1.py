@@ -73,6 +73,7 @@ Fidelity table: docs/fidelity_forward.md, "TDM-R1".
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -221,6 +222,38 @@ def boundary_weights(steps: int) -> torch.Tensor:
     return w / w.sum()
 
 
+def lora_copy(teacher: torch.nn.Module, rank: int, alpha: float, targets) -> torch.nn.Module:
+    """A module sharing ``teacher``'s weights and buffers (the same tensors: no memory) with its own trainable LoRA
+    adapter (rank r, alpha, ``targets``; the student's initialisation, ``init_lora_weights="gaussian"``: B = 0, so
+    it starts as the teacher), as the script's ``fake`` and ``dgpo`` adapters on the base model."""
+    from peft import LoraConfig
+
+    memo = {id(t): t for t in [*teacher.parameters(), *teacher.buffers()]}
+    module = copy.deepcopy(teacher, memo)
+    module.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets)))
+    return module
+
+
+def _own(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a copy holds itself: its LoRA weights (``lora_`` in the name), or every tensor of a whole
+    copy."""
+    named = dict(module.state_dict(keep_vars=True))
+    lora = {k: v for k, v in named.items() if "lora_" in k}
+    return lora or named
+
+
+def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def _copy_trained(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """``dst``'s own tensors set to ``src``'s (the slow surrogate starts as the surrogate)."""
+    theirs = _own(src)
+    for k, t in _own(dst).items():
+        t.copy_(theirs[k])
+
+
 class TDMR1Config(ObjectiveConfig):
     """``objective: {name: tdm_r1, teacher: FOLDER, ...}``: TDM-R1 (module docstring) with the config's OCR preset
     (``general_ocr_sd3_8gpu_G24_4step`` over ``compressibility``) as defaults; the student's step count is
@@ -329,6 +362,7 @@ class TDMR1(ForwardObjective):
     frozen_teacher = True  # the real score: a whole transformer on the device (the memory plan counts it)
     trains_teacher_copy = True  # the fake score: a whole trained copy with its AdamW (the memory plan counts it)
     surrogate_copies = True  # the surrogate (trained, AdamW) and its slow copy (the memory plan counts them)
+    lora_copies = True  # under LoRA fine-tuning the three copies are LoRA adapters on the teacher (attach)
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -374,26 +408,36 @@ class TDMR1(ForwardObjective):
         return self.o.num_train_timesteps
 
     def attach(self, adapter, rewards) -> None:
-        """The real score (:func:`~flowgrpo.algo.objectives.dmd2.real_score`); the fake score and the surrogate,
-        trainable float32 copies of it (:func:`~flowgrpo.algo.objectives.dmd2.trainable_copy`) with their AdamW
-        (learning rate 4·``train.lr`` unless set: the script's generator runs at ``learning_rate / 4``); the slow
-        surrogate, a frozen copy of the surrogate."""
+        """The real score (:func:`~flowgrpo.algo.objectives.dmd2.real_score`); the fake score and the surrogate
+        with their AdamW (learning rate 4·``train.lr`` unless set: the script's generator runs at
+        ``learning_rate / 4``); the slow surrogate, a frozen copy of the surrogate. Under ``model.finetune: lora``
+        the three are LoRA adapters of the model's rank, alpha and targets on the teacher's own (shared, frozen)
+        weights, as the script's adapters (:func:`lora_copy`); under ``full`` whole float32 copies of the teacher
+        (:func:`~flowgrpo.algo.objectives.dmd2.trainable_copy`)."""
         self.teacher = real_score(self.o.teacher, adapter, self.cfg.model)
-        self.fake, self.fake_forward = trainable_copy(self.teacher, adapter.device)
-        self.surrogate, self.surrogate_forward = trainable_copy(self.teacher, adapter.device)
-        self.slow, self.slow_forward = trainable_copy(self.teacher, adapter.device)  # the surrogate as it starts
+        m = self.cfg.model
+        if m.finetune == "lora":
+            for name in ("fake", "surrogate", "slow"):
+                module = lora_copy(self.teacher, m.lora_rank, m.lora_alpha, m.lora_target_modules)
+                setattr(self, name, module)
+                setattr(self, f"{name}_forward", module)
+            _copy_trained(self.slow, self.surrogate)
+        else:
+            self.fake, self.fake_forward = trainable_copy(self.teacher, adapter.device)
+            self.surrogate, self.surrogate_forward = trainable_copy(self.teacher, adapter.device)
+            self.slow, self.slow_forward = trainable_copy(self.teacher, adapter.device)  # the surrogate as it starts
         self.slow.requires_grad_(False)
         lr = 4 * self.cfg.train.lr
-        self.fake_optim = self.optim.second_optimizer(list(self.fake.parameters()), lr=self.o.fake_lr or lr)
-        self.surrogate_optim = self.optim.second_optimizer(list(self.surrogate.parameters()),
-                                                           lr=self.o.surrogate_lr or lr, betas=self.o.surrogate_betas)
+        self.fake_optim = self.optim.second_optimizer(_trained(self.fake), lr=self.o.fake_lr or lr)
+        self.surrogate_optim = self.optim.second_optimizer(_trained(self.surrogate), lr=self.o.surrogate_lr or lr,
+                                                           betas=self.o.surrogate_betas)
         self.surrogate_optim.on_step = self._follow
 
     @torch.no_grad()
     def _follow(self, steps_before: int) -> None:
         """slow ← d·slow + (1 − d)·surrogate, d = min(max, min + 0.001·k) (module docstring)."""
         self.slow_decay = min(self.o.slow_decay_max, self.o.slow_decay_min + 0.001 * steps_before)
-        update_old_copy_(list(self.slow.parameters()), list(self.surrogate.parameters()), self.slow_decay)
+        update_old_copy_(list(_own(self.slow).values()), list(_own(self.surrogate).values()), self.slow_decay)
 
     def rollout(self, adapter, request) -> PathSamples:
         """The generator's own Euler path (no gradient), every latent kept."""
@@ -576,13 +620,14 @@ class TDMR1(ForwardObjective):
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The fake score's, the surrogate's and the slow surrogate's weights (``fake.``, ``surrogate.``,
-        ``slow.``) and the two optimizers' states (``fake_optim.``, ``surrogate_optim.``), whole, on the host."""
+        """The fake score's, the surrogate's and the slow surrogate's own weights (``fake.``, ``surrogate.``,
+        ``slow.``: their LoRA weights, or whole copies) and the two optimizers' states (``fake_optim.``,
+        ``surrogate_optim.``), on the host."""
         if self.fake is None:
             return {}
         out = {}
         for name in ("fake", "surrogate", "slow"):
-            out.update({f"{name}.{k}": v.detach().cpu().clone() for k, v in getattr(self, name).state_dict().items()})
+            out.update({f"{name}.{k}": v.detach().cpu().clone() for k, v in _own(getattr(self, name)).items()})
         for name in ("fake_optim", "surrogate_optim"):
             out.update({f"{name}.{k}": v for k, v in getattr(self, name).state_dict().items()})
         return out
@@ -592,13 +637,14 @@ class TDMR1(ForwardObjective):
         if self.fake is None:
             raise RuntimeError("objective tdm_r1: attach(adapter, rewards) was not called before the resume")
         for name in ("fake", "surrogate", "slow"):
-            module = getattr(self, name)
             weights = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(f"{name}.")}
-            own = module.state_dict()
+            own = _own(getattr(self, name))
             if weights.keys() != own.keys() or any(weights[k].shape != own[k].shape for k in own):
                 raise ValueError(f"the checkpoint's objective state is not a TDM-R1 {name} model of this model (its "
                                  "keys or shapes differ)")
-            module.load_state_dict(weights)
+            with torch.no_grad():
+                for k, t in own.items():
+                    t.copy_(weights[k])
         for name in ("fake_optim", "surrogate_optim"):
             getattr(self, name).load_state_dict({k[len(name) + 1:]: v for k, v in state.items()
                                                  if k.startswith(f"{name}.")})
