@@ -68,7 +68,7 @@ from flowgrpo.algo.objectives.base import OBJECTIVES, TEACHER, MicroBatchAt, Obj
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims, noised, x0_from_velocity
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, _Stats, sde_ratio_problems
 from flowgrpo.algo.objectives.opd import check_teacher_family, load_teacher, student_transformer_class, teacher_source
-from flowgrpo.algo.objectives.paths import PathDraw, PathSamples, path_rollout
+from flowgrpo.algo.objectives.paths import EULER_PATH_INSTEAD, PathDraw, PathSamples, path_rollout
 from flowgrpo.records import Advantages
 from flowgrpo.rng import make_generator
 
@@ -142,12 +142,7 @@ class DMD2Config(ObjectiveConfig):
                                      "are drawn (sigma = (t + 1)/T_train; 1000)")
 
     trains_on: ClassVar[str] = "the student's own rollout path, scored by the teacher and a fake score"
-    instead: ClassVar[dict[tuple[str, str], str]] = {
-        ("sampling", "sde_kind"): "its rollout is Euler steps",
-        ("sampling", "noise_level"): "its rollout is Euler steps",
-        ("sampling", "sigma_one_guard"): "its rollout is Euler steps",
-        ("sampling", "final_decode"): "it decodes its rollout's final sample",
-    }
+    instead: ClassVar[dict[tuple[str, str], str]] = EULER_PATH_INSTEAD
 
     @model_validator(mode="after")
     def _steps_ordered(self):

@@ -19,7 +19,16 @@ from flowgrpo.algo.objectives.forward import RowDraw
 from flowgrpo.records import FinalSamples
 from flowgrpo.sampling.rollout import RolloutRequest, rollout
 
-__all__ = ["PathSamples", "PathDraw", "path_rollout", "decode_with_grad"]
+__all__ = ["PathSamples", "PathDraw", "path_rollout", "decode_with_grad", "EULER_PATH_INSTEAD"]
+
+#: the sampling settings an objective rolling out its own Euler path (:func:`path_rollout`) does not read, and why
+#: (its ``ObjectiveConfig.instead``: DMD2, TDM-R1)
+EULER_PATH_INSTEAD: dict[tuple[str, str], str] = {
+    ("sampling", "sde_kind"): "its rollout is Euler steps",
+    ("sampling", "noise_level"): "its rollout is Euler steps",
+    ("sampling", "sigma_one_guard"): "its rollout is Euler steps",
+    ("sampling", "final_decode"): "it decodes its rollout's final sample",
+}
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims, x0
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, _Stats, sde_ratio_problems
 from flowgrpo.algo.objectives.old_copy import update_old_copy_
 from flowgrpo.algo.objectives.opd import check_teacher_family, student_transformer_class, teacher_source
-from flowgrpo.algo.objectives.paths import PathSamples, path_rollout
+from flowgrpo.algo.objectives.paths import EULER_PATH_INSTEAD, PathSamples, path_rollout
 from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages
 from flowgrpo.rng import make_generator
@@ -297,12 +297,7 @@ class TDMR1Config(ObjectiveConfig):
                                                  "(rl_adam_beta1/2; the generator's, fake score's: train.adam_betas)")
 
     trains_on: ClassVar[str] = "the generator's own rollout path, a teacher, a fake score and a surrogate reward"
-    instead: ClassVar[dict[tuple[str, str], str]] = {
-        ("sampling", "sde_kind"): "its rollout is Euler steps",
-        ("sampling", "noise_level"): "its rollout is Euler steps",
-        ("sampling", "sigma_one_guard"): "its rollout is Euler steps",
-        ("sampling", "final_decode"): "it decodes its rollout's final sample",
-    }
+    instead: ClassVar[dict[tuple[str, str], str]] = EULER_PATH_INSTEAD
 
     @model_validator(mode="after")
     def _meaningful(self) -> TDMR1Config:
