@@ -33,6 +33,7 @@ from flowgrpo.training.run_folder import (
     refuse_foreign_resume,
     refuse_foreign_run_files,
     refuse_linked_run_files,
+    refuse_nothing_to_train,
     refuse_older_resume,
     refuse_overwrite_with_resume,
     refuse_parts_without_config,
@@ -387,6 +388,7 @@ def check_output_dir(config) -> None:
         refuse_older_resume(config, checkpoint)
         refuse_changed_model(config)
         refuse_changed_evaluation(config)
+        refuse_nothing_to_train(config, checkpoint)
         if not read_metrics(out / "metrics.jsonl"):  # a new folder: the run's history is the checkpoint's run's
             read_metrics(checkpoint.parent.parent / "metrics.jsonl")
     elif (out / "config.yaml").exists() and not config.logging.overwrite:

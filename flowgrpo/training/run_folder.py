@@ -353,6 +353,24 @@ def refuse_changed_model(config) -> None:
                           "train.ema_decay=null, or start a new run without train.resume_from")
 
 
+def refuse_nothing_to_train(config, checkpoint: Path) -> None:
+    """A resume into another folder than the checkpoint's run (``output_dir`` a new folder) from a checkpoint that
+    already holds ``train.num_epochs`` epochs or more trains nothing and has no final outputs to finish there: it
+    is refused before any model loads (it once wrote a checkpoint copy and a summary into the new folder, saying
+    it was finishing an interrupted run's outputs). A resume in the run's own folder is :meth:`RunFolder.finished`'s
+    to answer. Raises :class:`~flowgrpo.strategies.settings.ConfigError` naming the epochs and the fix."""
+    match = re.fullmatch(r"epoch_(\d+)", checkpoint.name)
+    if match is None:
+        return
+    done, n = int(match.group(1)) + 1, config.train.num_epochs
+    run = checkpoint.parent.parent
+    if done < n or run.resolve() == Path(config.output_dir).resolve():
+        return
+    raise ConfigError(f"train.resume_from={str(checkpoint)!r} is after epoch {done} of its run ({str(run)!r}), and "
+                      f"train.num_epochs={n}: nothing is left to train into output_dir={config.output_dir!r}; set "
+                      f"train.num_epochs above {done} to train on from it")
+
+
 def _override(value) -> str:
     """``value`` as a ``key=value`` override writes it (a list as ``[a,b]``)."""
     return f"[{','.join(map(str, value))}]" if isinstance(value, list) else str(value)

@@ -418,3 +418,24 @@ def test_the_teacher_family_is_checked_before_any_model_loads_when_the_student_f
     index["transformer"] = ["diffusers", "FluxTransformer2DModel"]
     (tmp_path / "sd3" / "model_index.json").write_text(json.dumps(index))
     build_objective(cfg).validate()
+
+
+@pytest.mark.parametrize("name", ["opd", "dmd2", "tdm_r1"])
+def test_a_lora_teacher_of_another_base_model_is_refused_before_any_model_loads(tmp_path, name):
+    """A LoRA teacher inside a run folder whose config.yaml names another ``model.pretrained`` than the student's is
+    refused by ``validate`` (fresh-user trial 8: a digits LoRA as the teacher of the tiny FLUX loaded the base model,
+    then diffusers' size mismatch surfaced as a traceback); one of the student's base passes."""
+    import yaml
+
+    run = tmp_path / "teacher_run"
+    (run / "lora").mkdir(parents=True)
+    (run / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"pretrained": "digits"}}))
+    objective = {"name": name, "teacher": str(run / "lora")}
+    extra = {"algo": {"clip_range": 1e-4, "kl_beta": 0.0}} if name == "opd" else {}
+    cfg = build_config({"model": {"pretrained": "tiny"}, "objective": objective, **extra})
+    with pytest.raises(ValueError, match=r"is a LoRA of model.pretrained='digits' \(its run's config.yaml\), the "
+                                         r"student is 'tiny'"):
+        build_objective(cfg).validate()
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"pretrained": "tiny"}}))
+    build_objective(cfg).validate()

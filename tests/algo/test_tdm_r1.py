@@ -78,8 +78,13 @@ def test_the_forward_noising_and_the_surrogates_target():
 
 
 def test_settings_are_refused_before_any_model_loads(tmp_path):
-    with pytest.raises(ValueError, match="cfg_reward_scale=3.5 needs the real score's guidance"):
-        build_config({"objective": {"name": "tdm_r1", "real_guidance_scale": 1.0}})
+    for g in (1.0, 1.2, 0.5):  # no guidance, or so near 1 that the division amplifies rounding (trial 8)
+        with pytest.raises(ValueError, match=rf"cfg_reward_scale=3.5 needs .*real_guidance_scale >= 1.5 \(got {g}\)"):
+            build_config({"objective": {"name": "tdm_r1", "real_guidance_scale": g}})
+    for name in ("reward_time_floor", "surrogate_time_floor"):  # named, with the largest allowed (trial 8)
+        with pytest.raises(ValueError, match=rf"objective.{name}=0.999 leaves no time to draw above it: it must be "
+                                             r"below 0.9932"):
+            build_config({"objective": {"name": "tdm_r1", name: 0.999}})
     with pytest.raises(ValueError, match="slow_decay_min=0.5 exceeds"):
         build_config({"objective": {"name": "tdm_r1", "slow_decay_min": 0.5}})
     cfg = build_config({"objective": {"name": "tdm_r1"}, "train": {"inner_epochs": 2}})
@@ -469,3 +474,22 @@ def test_under_lora_the_three_copies_are_adapters_on_the_teachers_own_weights(ti
     assert all(torch.equal(slow[k], surrogate[k]) for k in slow if "lora_" in k)
     assert obj.surrogate_optim.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
     assert not any(p.requires_grad for p in obj.teacher.parameters())
+
+
+def test_a_teacher_whose_velocity_ignores_guidance_is_refused_with_the_guidance_reward():
+    """The guidance reward c·(cond − uncond) on a model sampled without guidance (the digits model: its velocity is
+    the same at every guidance scale) would be 0 at the cost of the guided forwards: refused in one line naming the
+    fix at the first forward (trial 8: ``objective=tdm_r1`` on digits took the SD3.5 preset's 3.5 / 4.5 silently)."""
+
+    class Unguided(Lin):
+        def forward(self, x, sigma, e, g):
+            return super().forward(x, sigma, e, 1.0)
+
+    obj, adapter, *_ = _setup()
+    x, tau, embeds = torch.randn(2, D), torch.full((2,), 0.5), PromptEmbeds({"e": torch.randn(2, D)})
+    cond, guided, uncond = obj._real(adapter, x, tau, embeds)  # Lin: guidance moves the velocity
+    assert not torch.equal(guided, cond) and torch.allclose(uncond, cond - 0.05, atol=1e-6)
+    obj.teacher = Unguided().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"cfg_reward_scale=3.5: the teacher's velocity does not change with "
+                                         r"guidance .*set objective.cfg_reward_scale=0"):
+        obj._real(adapter, x, tau, embeds)

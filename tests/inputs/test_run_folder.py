@@ -216,6 +216,16 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(tmp_path, tiny_flu
     printed = capsys.readouterr().out
     assert "the run's files, unchanged (it had already finished):" in printed and "written:" not in printed, printed
     assert stamps() == before
+    # into a new folder there is nothing to train and no output to finish: refused before any model loads (trial 8:
+    # it said it was finishing an interrupted run's outputs and wrote a checkpoint and a summary there)
+    from flowgrpo.strategies.settings import ConfigError
+
+    elsewhere = _cfg(tmp_path, tiny_flux_dir, "elsewhere", train={"resume_from": str(out / "checkpoints")})
+    with pytest.raises(ConfigError, match=r"is after epoch 2 of its run .*train.num_epochs=2: nothing is left to "
+                                          r"train into output_dir=.*set train.num_epochs above 2"):
+        run(elsewhere)
+    assert not [p for p in (tmp_path / "elsewhere").rglob("*") if p.name != ".flowgrpo.lock"]
+    assert stamps() == before
 
 
 @pytest.mark.slow

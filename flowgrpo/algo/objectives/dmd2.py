@@ -67,7 +67,7 @@ from pydantic import Field, model_validator
 from flowgrpo.algo.objectives.base import OBJECTIVES, TEACHER, MicroBatchAt, ObjectiveConfig, UpdateStep
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims, noised, x0_from_velocity
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, _Stats, sde_ratio_problems
-from flowgrpo.algo.objectives.opd import check_teacher_family, load_teacher, student_transformer_class, teacher_source
+from flowgrpo.algo.objectives.opd import check_teacher, load_teacher
 from flowgrpo.algo.objectives.paths import EULER_PATH_INSTEAD, PathDraw, PathSamples, path_rollout
 from flowgrpo.records import Advantages
 from flowgrpo.rng import make_generator
@@ -250,9 +250,7 @@ class DMD2(ForwardObjective):
             raise ValueError(f"objective.name=dmd2 runs one pass an update (its iterations alternate the generator "
                              f"and the fake score), got train.inner_epochs={self.cfg.train.inner_epochs}: set it to 1")
         if self.o.teacher:
-            kind, path = teacher_source(self.o.teacher)
-            if kind == "transformer":
-                check_teacher_family(self.o.teacher, path, student_transformer_class(self.cfg.model.pretrained))
+            check_teacher(self.o.teacher, self.cfg.model)
 
     def attach(self, adapter, rewards) -> None:
         """Load the real score (:func:`real_score`) and make the fake score, a trainable copy of it

@@ -139,7 +139,34 @@ def check_teacher_family(folder: str, path: Path, student: str | None) -> None:
     teacher = _json_field(path / "config.json", "_class_name")
     if student and isinstance(teacher, str) and teacher != student:
         raise ValueError(f"objective.teacher={folder!r}: teacher family {teacher} vs student family {student} "
-                         f"(model.pretrained): OPD needs a teacher of the student's model family")
+                         f"(model.pretrained): the teacher must be of the student's model family")
+
+
+def check_teacher(folder: str, model_config) -> None:
+    """``objective.teacher`` checked before any model loads (OPD, DMD2, TDM-R1): the folder's layout
+    (:func:`teacher_source`); a transformer's family (:func:`check_teacher_family`); a LoRA inside a run folder
+    trained on another base model than the student's (its run's ``config.yaml``, ``model.pretrained``). Raises
+    ValueError, one line."""
+    kind, path = teacher_source(folder)
+    if kind == "transformer":
+        check_teacher_family(folder, path, student_transformer_class(model_config.pretrained))
+        return
+    base = _run_base(path.parent)
+    if base is not None and base != model_config.pretrained:
+        raise ValueError(f"objective.teacher={folder!r} is a LoRA of model.pretrained={base!r} (its run's "
+                         f"config.yaml), the student is {model_config.pretrained!r}: a LoRA teacher is loaded into "
+                         "the student's base model, so it must be a LoRA of that model")
+
+
+def _run_base(run: Path) -> str | None:
+    """``model.pretrained`` of the run folder ``run`` (its ``config.yaml``), or None when it is not readable."""
+    import yaml
+
+    try:
+        value = yaml.safe_load((run / "config.yaml").read_text())["model"]["pretrained"]
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _unsharded_class(cls: type) -> type:
@@ -168,7 +195,13 @@ def load_teacher(folder: str, adapter, model_config) -> torch.nn.Module:
         from flowgrpo.models.lora import load_lora_into
 
         base = load_model_from_config(model_config, progress=False)
-        load_lora_into(base.pipe, path)
+        try:
+            load_lora_into(base.pipe, path)
+        except (RuntimeError, ValueError, KeyError) as err:  # another model's LoRA: diffusers' size mismatch
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"objective.teacher={folder!r}: its LoRA does not fit model.pretrained="
+                             f"{model_config.pretrained!r} ({first}): give a LoRA trained on the student's base "
+                             "model") from None
         base.transformer.fuse_lora()
         base.transformer.unload_lora()
         teacher = base.transformer
@@ -240,9 +273,7 @@ class OPD(ForwardObjective):
         if not self.o.teacher:
             raise ValueError("objective.name=opd needs objective.teacher: a run's output_dir, its transformer or lora "
                              "folder, or a diffusers pipeline folder")
-        kind, path = teacher_source(self.o.teacher)
-        if kind == "transformer":
-            check_teacher_family(self.o.teacher, path, student_transformer_class(self.cfg.model.pretrained))
+        check_teacher(self.o.teacher, self.cfg.model)
 
     @property
     def needs_reference(self) -> bool:

@@ -95,7 +95,7 @@ from flowgrpo.algo.objectives.dmd2 import module_velocity, real_score, trainable
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims, x0_from_velocity
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, _Stats, sde_ratio_problems
 from flowgrpo.algo.objectives.old_copy import update_old_copy_
-from flowgrpo.algo.objectives.opd import check_teacher_family, student_transformer_class, teacher_source
+from flowgrpo.algo.objectives.opd import check_teacher
 from flowgrpo.algo.objectives.paths import EULER_PATH_INSTEAD, PathSamples, path_rollout
 from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages
@@ -107,6 +107,11 @@ __all__ = ["TDMR1", "TDMR1Config", "shift", "unshift", "draw_time", "renoise", "
 #: the script's time shift s of ``convert``/``inv_convert`` (fixed at 3 in every call) and the gap it leaves above
 #: the next state's time (``+ 20`` on the 0–1000 scale)
 SHIFT, GAP = 3.0, 0.02
+#: the largest time floor that leaves a time to draw: unshift(floor) + GAP < 1
+MAX_TIME_FLOOR = SHIFT * (1 - GAP) / (1 + (SHIFT - 1) * (1 - GAP))
+#: the smallest real-score guidance from which the unconditional prediction is recovered,
+#: (g·v_cond − v_g)/(g − 1): nearer 1 the division amplifies the two forwards' rounding
+MIN_REAL_GUIDANCE = 1.5
 
 
 def shift(u: torch.Tensor, s: float = SHIFT) -> torch.Tensor:
@@ -304,10 +309,15 @@ class TDMR1Config(ObjectiveConfig):
         if self.slow_decay_min > self.slow_decay_max:
             raise ValueError(f"objective.slow_decay_min={self.slow_decay_min} exceeds slow_decay_max="
                              f"{self.slow_decay_max}: the slow surrogate's decay grows from the first to the second")
-        if self.cfg_reward_scale > 0 and self.real_guidance_scale == 1.0:
+        if self.cfg_reward_scale > 0 and self.real_guidance_scale < MIN_REAL_GUIDANCE:
             raise ValueError(f"objective.cfg_reward_scale={self.cfg_reward_scale} needs the real score's guidance "
-                             "(objective.real_guidance_scale != 1) to tell the conditional from the unconditional "
-                             "prediction: set cfg_reward_scale=0 for a model sampled without guidance")
+                             f"objective.real_guidance_scale >= {MIN_REAL_GUIDANCE} (got {self.real_guidance_scale}): "
+                             "the unconditional prediction is recovered dividing by its distance from 1 (the "
+                             "release's 4.5); set cfg_reward_scale=0 for a model sampled without guidance")
+        for name in ("reward_time_floor", "surrogate_time_floor"):
+            if getattr(self, name) >= MAX_TIME_FLOOR:
+                raise ValueError(f"objective.{name}={getattr(self, name)} leaves no time to draw above it: it must "
+                                 f"be below {MAX_TIME_FLOOR:.4f} (shift(1 - {GAP}), the script's time draw)")
         if not all(0 <= b < 1 for b in self.surrogate_betas):
             raise ValueError(f"objective.surrogate_betas must each be in [0, 1), got {list(self.surrogate_betas)}")
         return self
@@ -383,9 +393,7 @@ class TDMR1(ForwardObjective):
             raise ValueError(f"objective tdm_r1 sums the surrogate's preference over each group's rows in a "
                              f"micro-batch: train.train_batch_size={tb} must be a multiple of train.group_size={g}")
         if self.o.teacher:
-            kind, path = teacher_source(self.o.teacher)
-            if kind == "transformer":
-                check_teacher_family(self.o.teacher, path, student_transformer_class(self.cfg.model.pretrained))
+            check_teacher(self.o.teacher, self.cfg.model)
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         """One path a sample; M ≤ N boundaries, and every boundary's times drawable (:func:`draw_time`)."""
@@ -394,8 +402,10 @@ class TDMR1(ForwardObjective):
             raise ValueError(f"objective.num_train_timesteps={self.o.num_train_timesteps} distinct boundaries of a "
                              f"{n}-step student (sampling.num_steps): lower it to <= {n}")
         for j in range(n):
-            for floor in (0.0, self.o.reward_time_floor, self.o.surrogate_time_floor):
-                draw_time(0.0, float(sigmas[j + 1]), floor)
+            if float(sigmas[j + 1]) >= MAX_TIME_FLOOR:
+                raise ValueError(f"objective tdm_r1 draws its times above each step's next state, but the "
+                                 f"{n}-step grid (sampling.num_steps={n}) has sigma={float(sigmas[j + 1]):.4f} after "
+                                 f"step {j}, which leaves none below 1: use fewer sampling steps")
         self.check_whole_groups("sums the surrogate's preference over each group's rows")
         return 1
 
@@ -528,6 +538,11 @@ class TDMR1(ForwardObjective):
         if g == 1.0:
             return cond, cond, cond
         guided = self._velocity(adapter, self.teacher, x, tau, embeds, g).float()
+        if self.o.cfg_reward_scale > 0 and torch.equal(guided, cond):
+            raise ValueError(f"objective.cfg_reward_scale={self.o.cfg_reward_scale}: the teacher's velocity does not "
+                             f"change with guidance (real_guidance_scale={g} gives the conditional prediction: a model "
+                             "sampled without guidance); set objective.cfg_reward_scale=0, real_guidance_scale=1 and "
+                             "surrogate_guidance_scale=1")
         return cond, guided, (g * cond - guided) / (g - 1)
 
     def generator_terms(self, adapter, work: ForwardWork, d: TDMDraw, embeds, state: TDMState) -> ObjectiveTerms:
