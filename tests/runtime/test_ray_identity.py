@@ -82,9 +82,17 @@ def test_tiny_flux_ray_equals_torchrun(tmp_path, finetune):
     assert sent == {float(sum(t.numel() * t.element_size() for t in trained.values()))}
 
 
+#: an epoch of B = 2 prompts x 4 samples (the configs' 64-128): what is compared is every tensor of it, not its size
+SMALL = ["train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch_size=8", "data.eval_num_prompts=4"]
+#: each config's micro-batches and optimizer steps at that size, in the config's own shape: DPO 2 pairs in one
+#: micro-batch; DMD2 its 8 iterations an epoch (the generator steps every 5th: at iterations 0, 5, 10, 15), one
+#: sample each; every other config 2 micro-batches of 4 (the default's E-GRPO: 24 trajectories, 6 of them)
+TRAIN_BATCH = {"digits_dpo": 2, "digits_dmd2": 1}
+
+
 @pytest.mark.slow
 def test_digits_ray_equals_torchrun(tmp_path):
-    small = ["train.num_epochs=3", "data.eval_num_prompts=4"]
+    small = ["train.num_epochs=3", *SMALL, "train.train_batch_size=4"]
     plain = _train(DEFAULT_CONFIG, tmp_path / "torchrun", "torchrun", *small)
     on_ray = _train(DEFAULT_CONFIG, tmp_path / "ray", "ray", *small)
     _no_ray_left()
@@ -98,7 +106,7 @@ def test_each_objective_and_chunker_on_ray_equals_torchrun(tmp_path, config, dig
     """Every objective that trains from its own rollouts (DiffusionNFT samples with its old copy: the weights sent
     are the ones it swaps in; OPD's teacher stays in the training process), and the SDE-ratio objective with other
     chunkers, two epochs."""
-    small = ["train.num_epochs=2", "data.eval_num_prompts=4"]
+    small = ["train.num_epochs=2", *SMALL, f"train.train_batch_size={TRAIN_BATCH.get(config, 4)}"]
     if config == "digits_opd":
         small.append(f"objective.teacher={digits_teacher}")
     path = REPO / "configs" / f"{config}.yaml"
@@ -133,14 +141,31 @@ def _torchrun(out: Path, engine: str, *overrides: str) -> Path:
     return out
 
 
+SHARDED = ["train.num_epochs=2", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch_size=2",
+           "data.eval_num_prompts=2", "parallel.sharding=fsdp2"]
+
+
+@pytest.fixture(scope="module")
+def sharded_torchrun(tmp_path_factory) -> Path:
+    """The two-process torchrun run that both sharded Ray cases are compared with, run once a session: under xdist
+    in the session's folder above the workers' own, the first worker to need it runs it (``build_once``: the
+    other waits on its lock and reads the same folder)."""
+    import os
+
+    from flowgrpo.builds.cache_folder import build_once
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    return build_once(base / "ray_identity_sharded_torchrun", lambda tmp: _torchrun(tmp, "torchrun", *SHARDED),
+                      is_complete=lambda p: (p / "transformer" / "diffusion_pytorch_model.safetensors").is_file())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("reward_workers", [0, 1])
-def test_two_sharded_processes_on_ray_equal_torchrun(tmp_path, reward_workers):
+def test_two_sharded_processes_on_ray_equal_torchrun(tmp_path, reward_workers, sharded_torchrun):
     """FSDP2 over two processes through ``flowgrpo/train.py`` under torchrun: each rank's request is its own share,
     rank 0 gathers the whole weights from the shards for the sync and hands every rank its record (and, with a
     reward worker, its share's scores)."""
-    small = ["train.num_epochs=2", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch_size=2",
-             "data.eval_num_prompts=2", "parallel.sharding=fsdp2"]
-    plain = _torchrun(tmp_path / "torchrun", "torchrun", *small)
-    on_ray = _torchrun(tmp_path / "ray", "ray", *small, f"runtime.reward_workers={reward_workers}")
-    _compare(plain, on_ray, 2, "transformer/diffusion_pytorch_model.safetensors")
+    on_ray = _torchrun(tmp_path / "ray", "ray", *SHARDED, f"runtime.reward_workers={reward_workers}")
+    _compare(sharded_torchrun, on_ray, 2, "transformer/diffusion_pytorch_model.safetensors")

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -116,6 +115,22 @@ class DeviceLedger:
         return {"peak": self.peak, "peak_at": self.peak_at, "end": self.current, "stages": self.stages}
 
 
+def _tensors(tree, out: list) -> list:
+    """``out`` with the tensors in ``tree`` appended, in order: ``tree`` a tensor or nested lists, tuples
+    (named ones too) and dicts of them, what an operation takes and returns. The same tensors as
+    ``torch.utils._pytree.tree_flatten`` finds there, at a fraction of its cost: it ran for every operation of
+    a run and took over half of the ledger's runs' time."""
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            _tensors(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _tensors(x, out)
+    return out
+
+
 class LedgerMode(TorchFunctionMode):
     """Inside it, every output of an operation with a marked tensor operand is marked (a device op's output is on
     the device), and so is an attribute read of a marked tensor (``.grad``, ``.data``). Nothing else changes."""
@@ -128,9 +143,8 @@ class LedgerMode(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if getattr(func, "__name__", "") in ("cpu", "numpy", "tolist", "item"):
             return out
-        tensors = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
-        if any(self.ledger.is_marked(t) for t in tensors):
-            for t in tree_flatten(out)[0]:
+        if any(self.ledger.is_marked(t) for t in _tensors(kwargs or {}, _tensors(args, []))):
+            for t in _tensors(out, []):
                 self.ledger.mark(t)
         return out
 
