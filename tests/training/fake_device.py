@@ -23,6 +23,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tests.training.device_ledger import _tensors  # the operation's tensors, found cheaply
+
 FAKE = torch.device("meta")
 _SYNCS = {"__float__", "__int__", "__bool__", "item", "tolist", "numpy", "__index__"}
 _MOVES = {"to", "cpu", "cuda", "type"}
@@ -178,22 +180,6 @@ class FakeAccelerator(TorchFunctionMode):
         elif out is not src:
             self.on_acc.pop(out, None)
         return out
-
-
-def _tensors(tree, out: list) -> list:
-    """``out`` with the tensors in ``tree`` appended, in order: ``tree`` a tensor or nested lists, tuples (named
-    ones too) and dicts of them, what an operation takes and returns. The same tensors as
-    ``torch.utils._pytree.tree_flatten`` finds there, at a fraction of its cost (it ran for every operation of a
-    run; as in ``tests/training/device_ledger.py``)."""
-    if isinstance(tree, torch.Tensor):
-        out.append(tree)
-    elif isinstance(tree, (list, tuple)):
-        for x in tree:
-            _tensors(x, out)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            _tensors(x, out)
-    return out
 
 
 def _is_dtype_name(a) -> bool:

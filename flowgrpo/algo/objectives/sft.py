@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 import torch
-from diffusers.training_utils import compute_density_for_timestep_sampling
 from pydantic import Field
 
 from flowgrpo.algo.objectives.base import OBJECTIVES
@@ -51,6 +50,8 @@ def train_sigmas(k: int, settings, generator: torch.Generator) -> torch.Tensor:
     """(k,) float32 host training σ's in (0, 1) from the settings' density (``weighting_scheme``, ``logit_mean``,
     ``logit_std``, ``mode_scale`` of a validated :class:`SigmaDensityConfig`), drawn by diffusers'
     ``compute_density_for_timestep_sampling`` with ``generator``."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling  # its import pulls diffusers' models
+
     return compute_density_for_timestep_sampling(settings.weighting_scheme, k, logit_mean=settings.logit_mean,
                                                  logit_std=settings.logit_std, mode_scale=settings.mode_scale,
                                                  generator=generator).float()
