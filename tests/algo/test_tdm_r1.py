@@ -29,9 +29,10 @@ from flowgrpo.config import build_config, load_config
 from flowgrpo.records import Advantages, PromptEmbeds
 from flowgrpo.training.update import run_update
 from flowgrpo.writing.metrics import read_metrics
+from tests.algo.test_dmd2 import Recording as DMD2Recording
 from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
 from tests.training.objective_runs import assert_resume_equals_whole, assert_two_processes_equal_one, tiny_run
-from tests.training.test_forward_update import LR, FakeAdapter, FakeOptim, Lin
+from tests.training.test_forward_update import LR, FakeAdapter, Lin
 from tests.training.test_path_runs import _teacher
 from tests.training.test_sharding import _config as sharding_base
 from tests.training.test_sharding import _free_port, _in_process, _ok, _torchrun
@@ -117,18 +118,16 @@ SETTINGS = {"name": "tdm_r1", "real_guidance_scale": REAL_G, "surrogate_guidance
             "reference_beta": 0.1, "reward_time_floor": 0.3, "surrogate_time_floor": 0.2}
 
 
-class Recording(FakeOptim):
-    """:class:`FakeOptim` (plain SGD, gradients recorded) that logs which optimizer stepped, and calls ``on_step``
-    as :class:`~flowgrpo.training.optim.SecondOptimizer` does."""
+class Recording(DMD2Recording):
+    """tests/algo/test_dmd2.py's recording SGD that also calls ``on_step`` as
+    :class:`~flowgrpo.training.optim.SecondOptimizer` does."""
 
     def __init__(self, model, name, log) -> None:
-        super().__init__(model)
-        self.name, self.log, self.norms, self.on_step = name, log, [], None
-        self.sync_every_micro_batch = True
+        super().__init__(model, name, log)
+        self.on_step = None
 
     def step(self, epoch):
         norm = super().step(epoch)
-        self.log.append(self.name)
         if self.on_step is not None:
             self.on_step(self.steps - 1)
         return norm
@@ -489,7 +488,7 @@ def test_a_teacher_whose_velocity_ignores_guidance_is_refused_with_the_guidance_
     x, tau, embeds = torch.randn(2, D), torch.full((2,), 0.5), PromptEmbeds({"e": torch.randn(2, D)})
     cond, guided, uncond = obj._real(adapter, x, tau, embeds)  # Lin: guidance moves the velocity
     assert not torch.equal(guided, cond) and torch.allclose(uncond, cond - 0.05, atol=1e-6)
-    obj.teacher = Unguided().requires_grad_(False)
+    obj.teacher, obj.guidance_checked = Unguided().requires_grad_(False), False
     with pytest.raises(ValueError, match=r"cfg_reward_scale=3.5: the teacher's velocity does not change with "
                                          r"guidance .*set objective.cfg_reward_scale=0"):
         obj._real(adapter, x, tau, embeds)

@@ -56,7 +56,6 @@ Euler path, the sampler it is evaluated with). Fidelity table: docs/fidelity_for
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -67,13 +66,13 @@ from pydantic import Field, model_validator
 from flowgrpo.algo.objectives.base import OBJECTIVES, TEACHER, MicroBatchAt, ObjectiveConfig, UpdateStep
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims, noised, x0_from_velocity
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, _Stats, sde_ratio_problems
-from flowgrpo.algo.objectives.opd import check_teacher, load_teacher
+from flowgrpo.algo.objectives.opd import check_teacher
 from flowgrpo.algo.objectives.paths import EULER_PATH_INSTEAD, PathDraw, PathSamples, path_rollout
+from flowgrpo.algo.objectives.teacher_copies import module_velocity, real_score, trainable_copy
 from flowgrpo.records import Advantages
 from flowgrpo.rng import make_generator
 
-__all__ = ["DMD2", "DMD2Config", "real_score", "trainable_copy", "dm_gradient", "dm_loss", "fake_score_loss",
-           "draw_sigmas", "iteration_schedule"]
+__all__ = ["DMD2", "DMD2Config", "dm_gradient", "dm_loss", "fake_score_loss", "draw_sigmas", "iteration_schedule"]
 
 
 def dm_gradient(generated: torch.Tensor, x0_real: torch.Tensor, x0_fake: torch.Tensor) -> torch.Tensor:
@@ -179,42 +178,6 @@ class DMD2State:
     generator: _Stats = field(default_factory=_Stats)
     fake: _Stats = field(default_factory=_Stats)
     outputs: dict = field(default_factory=dict)
-
-
-def real_score(teacher: str | None, adapter, model_config) -> torch.nn.Module:
-    """The frozen real score: ``objective.teacher`` (:func:`~flowgrpo.algo.objectives.opd.load_teacher`), or with
-    none a fresh load of the run's base model's transformer (``model_config``, the run's ``model`` section), on the
-    adapter's device in its dtype, without gradient, in eval mode."""
-    if teacher:
-        return load_teacher(teacher, adapter, model_config)
-    from flowgrpo.models import load_model_from_config
-
-    base = load_model_from_config(model_config, progress=False).transformer
-    return base.to(adapter.device).requires_grad_(False).eval()
-
-
-def trainable_copy(teacher: torch.nn.Module, device) -> tuple[torch.nn.Module, object]:
-    """(module, forward): a trainable copy of ``teacher`` with float32 weights (DMD2's ``.float()`` fake score,
-    ``sd_guidance.py`` lines 53–56), and what its forwards call: the module itself when the teacher is float32,
-    else the module computing in the teacher's dtype under autocast (:class:`~flowgrpo.parallel.ComputeIn`, the
-    release's ``network_context_manager``, line 143)."""
-    module = copy.deepcopy(teacher).requires_grad_(True)
-    compute = next(teacher.parameters()).dtype
-    if compute == torch.float32:
-        return module, module
-    from flowgrpo.parallel import ComputeIn
-
-    return module, ComputeIn(module.to(torch.float32), compute, torch.device(device).type)
-
-
-def module_velocity(adapter, module, x: torch.Tensor, sigma: torch.Tensor, embeds, guidance: float, *,
-                    grad: bool) -> torch.Tensor:
-    """The adapter's velocity (n, …) at (x, σ) with ``module`` (a transformer, or a callable forwarding one: the
-    real or fake score) as its forward module, with gradient only when ``grad``."""
-    from flowgrpo.models.base import _forward_with
-
-    with torch.set_grad_enabled(grad), _forward_with(adapter, module):
-        return adapter.velocity(x, sigma, embeds, guidance)
 
 
 @OBJECTIVES.register("dmd2")

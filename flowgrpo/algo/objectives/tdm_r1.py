@@ -6,7 +6,7 @@ blocks are named by its own section comments, its line numbers were not readable
 
 Four models, as the script's one transformer with three LoRA adapters: the **generator** (the trained model, the
 script's ``tdm`` adapter, sampling in ``sampling.num_steps`` steps), the frozen **real score** (the teacher, the
-script's base model with every adapter off; :func:`~flowgrpo.algo.objectives.dmd2.real_score`), the **fake score**
+script's base model with every adapter off; :mod:`~flowgrpo.algo.objectives.teacher_copies`), the **fake score**
 (``fake``, TDM's online score of the generator's samples) and the **surrogate reward** (``dgpo``, a diffusion model
 whose preference, learned from the reward's group advantages, is the reward the generator follows), with a **slow
 surrogate** (``ema_old``) that trails it. The fake score and the surrogate start as the teacher. In the flow
@@ -73,7 +73,6 @@ Fidelity table: docs/fidelity_forward.md, "TDM-R1".
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -91,12 +90,20 @@ from flowgrpo.algo.objectives.base import (
     shared_field,
 )
 from flowgrpo.algo.objectives.dgpo import dgpo_clip_mask, dgpo_group_sums, shared_group_noise
-from flowgrpo.algo.objectives.dmd2 import module_velocity, real_score, trainable_copy
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims, x0_from_velocity
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, _Stats, sde_ratio_problems
 from flowgrpo.algo.objectives.old_copy import update_old_copy_
 from flowgrpo.algo.objectives.opd import check_teacher
 from flowgrpo.algo.objectives.paths import EULER_PATH_INSTEAD, PathSamples, path_rollout
+from flowgrpo.algo.objectives.teacher_copies import (
+    copy_own_tensors,
+    lora_copy,
+    module_velocity,
+    own_tensors,
+    real_score,
+    trainable_copy,
+    trained_parameters,
+)
 from flowgrpo.distributed import dist
 from flowgrpo.records import Advantages
 from flowgrpo.rng import make_generator
@@ -227,38 +234,6 @@ def boundary_weights(steps: int) -> torch.Tensor:
     return w / w.sum()
 
 
-def lora_copy(teacher: torch.nn.Module, rank: int, alpha: float, targets) -> torch.nn.Module:
-    """A module sharing ``teacher``'s weights and buffers (the same tensors: no memory) with its own trainable LoRA
-    adapter (rank r, alpha, ``targets``; the student's initialisation, ``init_lora_weights="gaussian"``: B = 0, so
-    it starts as the teacher), as the script's ``fake`` and ``dgpo`` adapters on the base model."""
-    from peft import LoraConfig
-
-    memo = {id(t): t for t in [*teacher.parameters(), *teacher.buffers()]}
-    module = copy.deepcopy(teacher, memo)
-    module.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets)))
-    return module
-
-
-def _own(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors a copy holds itself: its LoRA weights (``lora_`` in the name), or every tensor of a whole
-    copy."""
-    named = dict(module.state_dict(keep_vars=True))
-    lora = {k: v for k, v in named.items() if "lora_" in k}
-    return lora or named
-
-
-def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in module.parameters() if p.requires_grad]
-
-
-@torch.no_grad()
-def _copy_trained(dst: torch.nn.Module, src: torch.nn.Module) -> None:
-    """``dst``'s own tensors set to ``src``'s (the slow surrogate starts as the surrogate)."""
-    theirs = _own(src)
-    for k, t in _own(dst).items():
-        t.copy_(theirs[k])
-
-
 class TDMR1Config(ObjectiveConfig):
     """``objective: {name: tdm_r1, teacher: FOLDER, ...}``: TDM-R1 (module docstring) with the config's OCR preset
     (``general_ocr_sd3_8gpu_G24_4step`` over ``compressibility``) as defaults; the student's step count is
@@ -375,6 +350,7 @@ class TDMR1(ForwardObjective):
         self.surrogate = self.surrogate_forward = self.surrogate_optim = None
         self.slow = self.slow_forward = None
         self.slow_decay = 0.0
+        self.guidance_checked = False  # the guidance reward's teacher checked (its first forward)
 
     @property
     def needs_reference(self) -> bool:
@@ -413,12 +389,12 @@ class TDMR1(ForwardObjective):
         return self.o.num_train_timesteps
 
     def attach(self, adapter, rewards) -> None:
-        """The real score (:func:`~flowgrpo.algo.objectives.dmd2.real_score`); the fake score and the surrogate
-        with their AdamW (learning rate 4·``train.lr`` unless set: the script's generator runs at
-        ``learning_rate / 4``); the slow surrogate, a frozen copy of the surrogate. Under ``model.finetune: lora``
-        the three are LoRA adapters of the model's rank, alpha and targets on the teacher's own (shared, frozen)
-        weights, as the script's adapters (:func:`lora_copy`); under ``full`` whole float32 copies of the teacher
-        (:func:`~flowgrpo.algo.objectives.dmd2.trainable_copy`)."""
+        """The real score and the trained copies (:mod:`~flowgrpo.algo.objectives.teacher_copies`): the fake
+        score and the surrogate with their AdamW (learning rate 4·``train.lr`` unless set: the script's generator
+        runs at ``learning_rate / 4``); the slow surrogate, a frozen copy of the surrogate. Under ``model.finetune:
+        lora`` the three are LoRA adapters of the model's rank, alpha and targets on the teacher's own (shared,
+        frozen) weights, as the script's adapters (``lora_copy``); under ``full`` whole float32 copies of the
+        teacher (``trainable_copy``)."""
         self.teacher = real_score(self.o.teacher, adapter, self.cfg.model)
         m = self.cfg.model
         if m.finetune == "lora":
@@ -426,23 +402,24 @@ class TDMR1(ForwardObjective):
                 module = lora_copy(self.teacher, m.lora_rank, m.lora_alpha, m.lora_target_modules)
                 setattr(self, name, module)
                 setattr(self, f"{name}_forward", module)
-            _copy_trained(self.slow, self.surrogate)
+            copy_own_tensors(self.slow, self.surrogate)
         else:
             self.fake, self.fake_forward = trainable_copy(self.teacher, adapter.device)
             self.surrogate, self.surrogate_forward = trainable_copy(self.teacher, adapter.device)
             self.slow, self.slow_forward = trainable_copy(self.teacher, adapter.device)  # the surrogate as it starts
         self.slow.requires_grad_(False)
         lr = 4 * self.cfg.train.lr
-        self.fake_optim = self.optim.second_optimizer(_trained(self.fake), lr=self.o.fake_lr or lr)
-        self.surrogate_optim = self.optim.second_optimizer(_trained(self.surrogate), lr=self.o.surrogate_lr or lr,
-                                                           betas=self.o.surrogate_betas)
+        self.fake_optim = self.optim.second_optimizer(trained_parameters(self.fake), lr=self.o.fake_lr or lr)
+        self.surrogate_optim = self.optim.second_optimizer(
+            trained_parameters(self.surrogate), lr=self.o.surrogate_lr or lr, betas=self.o.surrogate_betas)
         self.surrogate_optim.on_step = self._follow
 
     @torch.no_grad()
     def _follow(self, steps_before: int) -> None:
         """slow ← d·slow + (1 − d)·surrogate, d = min(max, min + 0.001·k) (module docstring)."""
         self.slow_decay = min(self.o.slow_decay_max, self.o.slow_decay_min + 0.001 * steps_before)
-        update_old_copy_(list(_own(self.slow).values()), list(_own(self.surrogate).values()), self.slow_decay)
+        slow, surrogate = own_tensors(self.slow), own_tensors(self.surrogate)
+        update_old_copy_(list(slow.values()), list(surrogate.values()), self.slow_decay)
 
     def rollout(self, adapter, request) -> PathSamples:
         """The generator's own Euler path (no gradient), every latent kept."""
@@ -517,9 +494,6 @@ class TDMR1(ForwardObjective):
         return shared_group_noise(tuple(s.x0.shape[1:]), inverse, len(local), gen)
 
     # ------------------------------------------------------------------ the three losses
-    def _velocity(self, adapter, module, x, sigma, embeds, guidance, *, grad: bool = False) -> torch.Tensor:
-        return module_velocity(adapter, module, x, sigma, embeds, guidance, grad=grad)
-
     def _generator_output(self, adapter, work: ForwardWork, d: TDMDraw, embeds, *, grad: bool):
         """(x̂₀, x̂_{j+1}) (n, …) float32 of the generator at its state x_j, at the rollout's guidance."""
         s, j, dev = work.samples, d.step, adapter.device
@@ -534,16 +508,22 @@ class TDMR1(ForwardObjective):
         """The real score's (conditional, guided, unconditional) velocity at (x, τ); the unconditional one
         ``(g·v_cond − v_g)/(g − 1)`` (the conditional itself at g = 1)."""
         g = self.o.real_guidance_scale
-        cond = self._velocity(adapter, self.teacher, x, tau, embeds, 1.0).float()
+        cond = module_velocity(adapter, self.teacher, x, tau, embeds, 1.0).float()
         if g == 1.0:
             return cond, cond, cond
-        guided = self._velocity(adapter, self.teacher, x, tau, embeds, g).float()
-        if self.o.cfg_reward_scale > 0 and torch.equal(guided, cond):
+        guided = module_velocity(adapter, self.teacher, x, tau, embeds, g).float()
+        if self.o.cfg_reward_scale > 0 and not self.guidance_checked:  # once: torch.equal syncs the device
+            self.guidance_checked = True
+            self._check_guidance(cond, guided, g)
+        return cond, guided, (g * cond - guided) / (g - 1)
+
+    def _check_guidance(self, cond: torch.Tensor, guided: torch.Tensor, g: float) -> None:
+        """Refuse the guidance reward when the teacher's velocity does not move with guidance (ValueError)."""
+        if torch.equal(guided, cond):
             raise ValueError(f"objective.cfg_reward_scale={self.o.cfg_reward_scale}: the teacher's velocity does not "
                              f"change with guidance (real_guidance_scale={g} gives the conditional prediction: a model "
                              "sampled without guidance); set objective.cfg_reward_scale=0, real_guidance_scale=1 and "
                              "surrogate_guidance_scale=1")
-        return cond, guided, (g * cond - guided) / (g - 1)
 
     def generator_terms(self, adapter, work: ForwardWork, d: TDMDraw, embeds, state: TDMState) -> ObjectiveTerms:
         """L of the draw's rows (module docstring); the generator's detached outputs kept for the fake step."""
@@ -554,7 +534,7 @@ class TDMR1(ForwardObjective):
         with torch.no_grad():
             x_tau = renoise(x_next.detach(), sn, d.tau, d.noise.to(dev))
             tau = torch.full((n,), d.tau, device=dev)
-            v_fake = self._velocity(adapter, self.fake_forward, x_tau, tau, embeds, 1.0)
+            v_fake = module_velocity(adapter, self.fake_forward, x_tau, tau, embeds, 1.0)
             cond, guided, uncond = self._real(adapter, x_tau, tau, embeds)
             x0_fake, x0_cond = x0_from_velocity(x_tau, v_fake, tau), x0_from_velocity(x_tau, cond, tau)
             kl = x0_cond - x0_fake
@@ -564,9 +544,9 @@ class TDMR1(ForwardObjective):
             if d.step < self.o.trunc_steps:
                 x_d = renoise(x_next.detach(), sn, d.tau_reward, d.reward_noise.to(dev))
                 tau_d = torch.full((n,), d.tau_reward, device=dev)
-                v_s = self._velocity(adapter, self.surrogate_forward, x_d, tau_d, embeds,
+                v_s = module_velocity(adapter, self.surrogate_forward, x_d, tau_d, embeds,
                                      self.o.surrogate_guidance_scale)
-                v_ref = self._velocity(adapter, self.teacher, x_d, tau_d, embeds, 1.0)
+                v_ref = module_velocity(adapter, self.teacher, x_d, tau_d, embeds, 1.0)
                 x0_s = x0_from_velocity(x_d, v_s, tau_d)
                 reward = x0_s - x0_from_velocity(x_d, v_ref, tau_d)
                 wd = mean_dims((x0.detach() - x0_s).abs())
@@ -581,8 +561,8 @@ class TDMR1(ForwardObjective):
         x_tau = renoise(x_next, float(s.sigmas[d.step + 1]), d.tau, d.noise.to(dev))
         tau = torch.full((n,), d.tau, device=dev)
         target = (x_tau - x0) / d.tau
-        v_real = self._velocity(adapter, self.teacher, x_tau, tau, embeds, 1.0)
-        v_fake = self._velocity(adapter, self.fake_forward, x_tau, tau, embeds, 1.0, grad=True)
+        v_real = module_velocity(adapter, self.teacher, x_tau, tau, embeds, 1.0)
+        v_fake = module_velocity(adapter, self.fake_forward, x_tau, tau, embeds, 1.0, grad=True)
         return ObjectiveTerms(loss=fake_loss(v_fake, target, v_real, self.o.fake_reg))
 
     def surrogate_terms(self, adapter, work: ForwardWork, d: TDMDraw, embeds, state: TDMState) -> ObjectiveTerms:
@@ -593,9 +573,9 @@ class TDMR1(ForwardObjective):
         noise = d.noise.to(dev)
         x_tau, target = renoise(x, sn, d.tau, noise), surrogate_target(x, sn, d.tau, noise)
         tau = torch.full((n,), d.tau, device=dev)
-        v_real = self._velocity(adapter, self.teacher, x_tau, tau, embeds, 1.0)
-        v_old = self._velocity(adapter, self.slow_forward, x_tau, tau, embeds, 1.0)
-        v = self._velocity(adapter, self.surrogate_forward, x_tau, tau, embeds, 1.0, grad=True)
+        v_real = module_velocity(adapter, self.teacher, x_tau, tau, embeds, 1.0)
+        v_old = module_velocity(adapter, self.slow_forward, x_tau, tau, embeds, 1.0)
+        v = module_velocity(adapter, self.surrogate_forward, x_tau, tau, embeds, 1.0, grad=True)
         t = s.sigmas.numel() - 1
         weight = (d.step + 1) / t if self.o.time_weighting else 1.0
         x_extra = work.extra
@@ -637,7 +617,7 @@ class TDMR1(ForwardObjective):
             return {}
         out = {}
         for name in ("fake", "surrogate", "slow"):
-            out.update({f"{name}.{k}": v.detach().cpu().clone() for k, v in _own(getattr(self, name)).items()})
+            out.update({f"{name}.{k}": v.detach().cpu().clone() for k, v in own_tensors(getattr(self, name)).items()})
         for name in ("fake_optim", "surrogate_optim"):
             out.update({f"{name}.{k}": v for k, v in getattr(self, name).state_dict().items()})
         return out
@@ -648,7 +628,7 @@ class TDMR1(ForwardObjective):
             raise RuntimeError("objective tdm_r1: attach(adapter, rewards) was not called before the resume")
         for name in ("fake", "surrogate", "slow"):
             weights = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(f"{name}.")}
-            own = _own(getattr(self, name))
+            own = own_tensors(getattr(self, name))
             if weights.keys() != own.keys() or any(weights[k].shape != own[k].shape for k in own):
                 raise ValueError(f"the checkpoint's objective state is not a TDM-R1 {name} model of this model (its "
                                  "keys or shapes differ)")
