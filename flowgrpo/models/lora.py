@@ -84,11 +84,63 @@ def save_lora(adapter, folder: str | Path, state: dict[str, torch.Tensor] | None
 
 def load_lora_into(pipe, folder: str | Path) -> None:
     """Load a LoRA written by :func:`save_lora` into ``pipe``: ``pipe.load_lora_weights`` or, for a pipeline
-    without a LoRA loader, ``pipe.transformer.load_lora_adapter(folder, prefix=None)``."""
+    without a LoRA loader, ``pipe.transformer.load_lora_adapter(folder, prefix=None)``; its tensors are checked
+    against the transformer first (:func:`check_lora_fits`).
+
+    Raises:
+        ValueError: the LoRA names a module the transformer has not, or a shape that does not fit it (one line).
+    """
+    check_lora_fits(pipe.transformer, Path(folder) / "pytorch_lora_weights.safetensors")
     if hasattr(pipe, "load_lora_weights"):
         pipe.load_lora_weights(str(folder))
     else:
         pipe.transformer.load_lora_adapter(str(folder), prefix=None, weight_name="pytorch_lora_weights.safetensors")
+
+
+#: the tensors of a LoRA layer in diffusers' (and peft's) form, by name: the down projection A (r, in_features) and
+#: the up projection B (out_features, r)
+_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def check_lora_fits(transformer: torch.nn.Module, path: str | Path) -> None:
+    """Refuse a LoRA file whose tensors do not fit ``transformer``, before diffusers loads it: diffusers 0.42 loads
+    the tensors of modules the model has not with a warning (a LoRA of a deeper model: its extra blocks dropped),
+    and widens a layer whose LoRA is wider than it (FLUX's loader, made for Control LoRAs: a LoRA of a model with
+    more input channels changed ``x_embedder`` to its width, silently). Only the shapes are read (``safe_open``).
+
+    Checked: the transformer's tensors (the keys under ``transformer.`` of a pipeline LoRA, every key of a
+    transformer's own); for each ``<module>.lora_A.weight`` (r, in) and ``<module>.lora_B.weight`` (out, r): the
+    module exists and is a ``Linear`` of ``in`` → ``out`` features. A file with no key in this form (another
+    trainer's naming, which diffusers converts) is left to diffusers, and so are the shapes of a LoRA on a layer
+    that is not a ``Linear``.
+
+    Raises:
+        ValueError: one line naming the file, the first tensor that does not fit, and why.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    prefixed = any(k.startswith("transformer.") for k in shapes)
+    ours = {k.removeprefix("transformer."): v for k, v in shapes.items()
+            if not prefixed or k.startswith("transformer.")}
+    layers = {k: v for k, v in ours.items() if k.endswith(_LORA_SUFFIXES)}
+    modules = dict(transformer.named_modules())
+    for key, shape in sorted(layers.items()):
+        name, side = key.rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+        module = modules.get(name)
+        module = getattr(module, "base_layer", module)  # a transformer that already has a LoRA adapter
+        if module is None:
+            raise ValueError(f"the LoRA {str(path)!r} does not fit this model: its tensor {key!r} is for the "
+                             f"module {name!r}, which {type(transformer).__name__} has not (a LoRA of another "
+                             "model?)")
+        if not isinstance(module, torch.nn.Linear):  # a LoRA of a convolution: its kernel shapes are diffusers'
+            continue
+        want = (shape[0], module.in_features) if side == "lora_A" else (module.out_features, shape[1])
+        if tuple(shape) != want:
+            raise ValueError(f"the LoRA {str(path)!r} does not fit this model: its tensor {key!r} has shape "
+                             f"{tuple(shape)}, and {name!r} is a Linear of {module.in_features} -> "
+                             f"{module.out_features} features (a LoRA of another model?)")
 
 
 def _save_transformer_lora(tr, folder: str | Path, layers: dict[str, torch.Tensor]) -> None:
