@@ -234,7 +234,8 @@ class DMD2(ForwardObjective):
 
     def validate(self) -> None:
         """One pass an update (the iteration count is the fake optimizer's); the teacher folder's layout and, where
-        the student's class is known from its folder, the teacher's family, before any model loads."""
+        the student's class is known from its folder, the teacher's family; with the GAN term on, every real image
+        opened (:func:`~flowgrpo.data.image_sets.check_dataset_images`); before any model loads."""
         if self.cfg.train.inner_epochs != 1:
             raise ValueError(f"objective.name=dmd2 runs one pass an update (its iterations alternate the generator "
                              f"and the fake score), got train.inner_epochs={self.cfg.train.inner_epochs}: set it to 1")
@@ -242,8 +243,10 @@ class DMD2(ForwardObjective):
             check_teacher(self.o.teacher, self.cfg.model)
         if self.o.gan.on:
             from flowgrpo.data.image_sets import TARGET_KEY, check_dataset_images
+            from flowgrpo.data.prompts import load_prompts
 
             try:
+                load_prompts(self.o.gan.real_images)  # a missing or malformed file, in one line
                 check_dataset_images(self.o.gan.real_images, [TARGET_KEY])
             except ValueError as err:
                 raise ValueError(f"objective.gan.real_images: {err}") from None
@@ -258,13 +261,14 @@ class DMD2(ForwardObjective):
         if self.o.gan.on:
             self.attach_gan(adapter)
             params += list(self.gan_head.parameters())
+            self.real = RealImages(self.o.gan.real_images)
         lr = self.o.fake_lr if self.o.fake_lr is not None else self.cfg.train.lr
         self.fake_optim = self.optim.second_optimizer(params, lr=lr)  # prepare() came first
 
     def attach_gan(self, adapter) -> None:
         """The fake score's feature block (``gan.feature_block``, default the middle of the adapter's
-        :meth:`~flowgrpo.models.base.AdapterBase.feature_blocks`), the head on it (seeded by ``train.seed``) and the
-        real images. Raises ``ValueError`` (one line) for a block index past the model's blocks or a family without
+        :meth:`~flowgrpo.models.base.AdapterBase.feature_blocks`) and the head on it (seeded by ``train.seed``).
+        Raises ``ValueError`` (one line) for a block index past the model's blocks or a family without
         blocks."""
         blocks = adapter.feature_blocks(self.fake)
         k = len(blocks) // 2 if self.o.gan.feature_block is None else self.o.gan.feature_block
@@ -274,7 +278,6 @@ class DMD2(ForwardObjective):
         self.gan_block = blocks[k]
         self.gan_head = make_head(adapter.feature_width(self.fake), derive_seed(self.cfg.train.seed, "dmd2_gan_head"),
                                   adapter.device)
-        self.real = RealImages(self.o.gan.real_images)
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         return 1

@@ -14,8 +14,9 @@ adapter's :meth:`~flowgrpo.models.base.AdapterBase.feature_blocks`), in float32,
 (line 153: timestep 0, the clean image; here σ = 0). The fake score runs without guidance (as all its forwards).
 
 **Head** (``cls_pred_branch``, lines 107–135: strided 4×4 convolutions with GroupNorm(32) and SiLU down to 1×1,
-then a 1×1 convolution to one logit): :class:`ClassifierHead`, Linear + GroupNorm + SiLU on every token, the mean
-over tokens (the spatial reduction to 1×1), Linear + GroupNorm + SiLU, Linear to one logit. A token sequence has
+then a 1×1 convolution to one logit): :class:`ClassifierHead`, Linear on every token + GroupNorm (over a group's
+channels and all tokens) + SiLU, the mean over tokens (the spatial reduction to 1×1), Linear + GroupNorm + SiLU,
+Linear to one logit. A token sequence has
 no common 2-D grid across the adapters (FLUX's packed 2×2 patches, SD3's patches), hence tokens and a mean instead
 of strided convolutions. Float32 weights (the release's ``rep.float()``), PyTorch's default initialisation (the
 release's), seeded by ``train.seed``.
@@ -105,20 +106,24 @@ def draw_gan_sigmas(gen: torch.Generator, n: int, noise_steps: int, num_train_ti
 
 
 class ClassifierHead(torch.nn.Module):
-    """One logit per sample from a block's image tokens (module docstring): (B, L, C) → (B,) float32."""
+    """One logit per sample from a block's image tokens (module docstring): (B, L, C) → (B,), in the head's dtype
+    (float32). The token stage is a 1×1 convolution over the tokens (Linear on each) with GroupNorm over each group's
+    channels and all tokens (as the release's over channels and pixels), SiLU; the mean over tokens; then Linear,
+    GroupNorm, SiLU, Linear to one logit. GroupNorm has 32 groups (the release's) where the width has at least 4
+    channels a group, else fewer."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        groups = math.gcd(32, width)  # the release's GroupNorm(32) where the width allows it
-        self.tokens = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GroupNorm(groups, width),
-                                          torch.nn.SiLU())
+        groups = math.gcd(32, max(width // 4, 1))
+        self.tokens = torch.nn.Linear(width, width)
+        self.tokens_norm = torch.nn.GroupNorm(groups, width)
         self.pooled = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GroupNorm(groups, width),
                                           torch.nn.SiLU(), torch.nn.Linear(width, 1))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        b, length, c = features.shape
-        per_token = self.tokens(features.float().reshape(b * length, c)).reshape(b, length, c)
-        return self.pooled(per_token.mean(dim=1)).squeeze(1)
+        per_token = self.tokens(features).transpose(1, 2)  # (B, C, L): channels first, as GroupNorm reads them
+        per_token = torch.nn.functional.silu(self.tokens_norm(per_token))
+        return self.pooled(per_token.mean(dim=2)).squeeze(1)
 
 
 def make_head(width: int, seed: int, device) -> ClassifierHead:
