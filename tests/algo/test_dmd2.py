@@ -453,6 +453,15 @@ def test_the_head_is_in_the_checkpoint_state_and_a_state_without_it_is_refused()
         fresh.load_state_dict({k: v for k, v in state.items() if not k.startswith("gan_head.")})
 
 
+def test_help_lists_each_gan_setting_with_its_default():
+    from flowgrpo.config.help import describe_fields
+
+    rows = {key: (default, text) for key, default, text in describe_fields()}
+    assert rows["objective.gan.gen_weight"][0] == "0.0" and rows["objective.gan.noise_steps"][0] == "1000"
+    assert rows["objective.gan.real_images"][1].startswith("[dmd2] DMD2 GAN: the real images")
+    assert "objective.gan" not in rows and "objective.chunker.name" in rows  # a strategy section is still its own
+
+
 def test_gan_settings_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"gan.gen_weight=0.01 turns the GAN term on, which needs "
                                          r"objective.gan.real_images"):
