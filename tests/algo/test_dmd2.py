@@ -591,6 +591,22 @@ def _real_set(tmp_path: Path) -> Path:
     return folder / "set.jsonl"
 
 
+def test_real_images_of_another_size_than_the_model_are_refused_before_training(tmp_path, tiny_flux_dir):
+    """The real set's 32×32 images against a 64×64 model: one line when the objective attaches (the image sizes are
+    read by validate, before any model loads; the model's size is known once it loads)."""
+    from flowgrpo.models import load_model_from_config
+
+    gan = {"gen_weight": 0.01, "real_images": str(_real_set(tmp_path))}
+    cfg = build_config({"model": {"pretrained": str(tiny_flux_dir), "max_sequence_length": 16, "height": 64,
+                                  "width": 64}, "objective": {"name": "dmd2", "gan": gan}})
+    obj = build_objective(cfg)
+    obj.validate()
+    obj.prepare(SimpleNamespace(second_optimizer=lambda params, lr: None))
+    with pytest.raises(ValueError, match=r"objective.gan.real_images: .*set.jsonl:1: target '0.png' is 32x32 .*"
+                                         r"the model makes 64x64"):
+        obj.attach(load_model_from_config(cfg.model, progress=False), None)
+
+
 @pytest.mark.slow
 def test_save_kill_resume_with_the_gan_term_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir):
     """The GAN head's weights are in the checkpoint with the fake score's and their optimizer's state (the head's

@@ -226,6 +226,7 @@ class DMD2(ForwardObjective):
         self.gan_head: torch.nn.Module | None = None  # the GAN term's classifier head (objective.gan on)
         self.gan_block: torch.nn.Module | None = None  # the fake score's block the head reads
         self.real: RealImages | None = None
+        self.real_first = None  # the first real image's ((width, height), where), read by validate()
 
     @property
     def needs_reference(self) -> bool:
@@ -247,7 +248,7 @@ class DMD2(ForwardObjective):
 
             try:
                 load_prompts(self.o.gan.real_images)  # a missing or malformed file, in one line
-                check_dataset_images(self.o.gan.real_images, [TARGET_KEY])
+                self.real_first = check_dataset_images(self.o.gan.real_images, [TARGET_KEY])
             except ValueError as err:
                 raise ValueError(f"objective.gan.real_images: {err}") from None
 
@@ -262,6 +263,11 @@ class DMD2(ForwardObjective):
             self.attach_gan(adapter)
             params += list(self.gan_head.parameters())
             self.real = RealImages(self.o.gan.real_images)
+            if self.real_first and self.real_first[0] != (adapter.width, adapter.height):
+                (w, h), where = self.real_first
+                raise ValueError(f"objective.gan.real_images: {where} is {w}x{h} (width x height), the model makes "
+                                 f"{adapter.width}x{adapter.height} (model.width x model.height); resize the set "
+                                 "(python -m flowgrpo.data.image_sets ... --size H W)")
         lr = self.o.fake_lr if self.o.fake_lr is not None else self.cfg.train.lr
         self.fake_optim = self.optim.second_optimizer(params, lr=lr)  # prepare() came first
 
