@@ -347,67 +347,77 @@ def _grads(params):
     return [None if p.grad is None else p.grad.clone() for p in params]
 
 
-def test_the_gan_losses_train_the_generator_through_a_frozen_classifier_and_the_head_on_detached_images():
-    """One generator step's GAN loss and one fake step's classification loss against float64 by hand (the fake
-    score's block-1 features, the head, the softplus forms at the drawn σ and ε): the generator's loss gives the
-    student its gradient and neither the fake score nor the head any (the release's requires_grad_(False)); the
-    classifier's loss gives the head and the fake score theirs and the student none (detached images)."""
+def _gan_case():
+    """:func:`_gan_setup`'s first micro-batch with float64 copies of the fake score and the head, and the student's
+    output G (float64, with gradient to its weights ``theta``) at the micro-batch's step."""
     obj, adapter, work = _gan_setup()
     s, rows = work.samples, work.steps[0][0]
-    embeds, state = s.embeds.index(rows), obj.update_state(work)
-    student, fake, head = (list(m.parameters()) for m in (adapter.transformer, obj.fake, obj.gan_head))
-    fake64, head64 = copy.deepcopy(obj.fake).double(), copy.deepcopy(obj.gan_head).double()
-    e, k = s.embeds["e"][rows].double(), BLOCKS // 2
-    d = obj.draw(work, rows, 0, "generator")
+    c = SimpleNamespace(obj=obj, adapter=adapter, work=work, s=s, rows=rows, embeds=s.embeds.index(rows),
+                        state=obj.update_state(work), e=s.embeds["e"][rows].double(), k=BLOCKS // 2,
+                        fake64=copy.deepcopy(obj.fake).double(), head64=copy.deepcopy(obj.gan_head).double(),
+                        theta=torch.tensor(_values(adapter.transformer), dtype=torch.float64, requires_grad=True))
+    c.draw = obj.draw(work, rows, 0, "generator")
+    x, sj = s.latents[rows, c.draw.step].double(), float(s.sigmas[c.draw.step])
+    c.g = x - sj * _f(c.theta, x, torch.full((2,), sj, dtype=torch.float64), c.e, ROLLOUT_G)
+    return c
+
+
+def _hand_logits(c, x, eps, sig, cond):
+    """The head on block k of the fake score at x noised with ε at σ, float64 by hand."""
+    x_t = (1 - sig.double().reshape(-1, 1)) * x + sig.double().reshape(-1, 1) * eps.double()
+    return c.head64(_features(c.fake64, x_t, sig.double(), cond, c.k))
+
+
+def test_the_generators_gan_loss_moves_the_student_through_a_frozen_classifier():
+    """One generator step's GEN_W·softplus(−D(G)) against float64 by hand (the fake score's block-1 features, the
+    head, at the drawn σ and ε): the student gets its gradient, the fake score and the head none (the release's
+    requires_grad_(False)), and they train again after."""
+    c = _gan_case()
+    d, student = c.draw, list(c.adapter.transformer.parameters())
+    others = list(c.obj.fake.parameters()) + list(c.obj.gan_head.parameters())
     assert d.gan is not None and d.gan.sigma.min() > 0  # noise_steps 1000: σ in (0, 1]
-
-    def logits(x, eps, sig, cond):
-        x_t = (1 - sig.double().reshape(-1, 1)) * x + sig.double().reshape(-1, 1) * eps.double()
-        return head64(_features(fake64, x_t, sig.double(), cond, k))
-
-    # the generator: GEN_W·softplus(−D(G)), G = x_j − σ_j·v_θ(x_j) with gradient
-    theta = torch.tensor(_values(adapter.transformer), dtype=torch.float64, requires_grad=True)
-    x, sj = s.latents[rows, d.step].double(), float(s.sigmas[d.step])
-    g = x - sj * _f(theta, x, torch.full((2,), sj, dtype=torch.float64), e, ROLLOUT_G)
-    want = GEN_W * torch.log1p(torch.exp(-logits(g, d.gan.noise, d.gan.sigma, e)))
-    terms = obj.generator_terms(adapter, work, d, embeds, state)
+    want = GEN_W * torch.log1p(torch.exp(-_hand_logits(c, c.g, d.gan.noise, d.gan.sigma, c.e)))
+    terms = c.obj.generator_terms(c.adapter, c.work, d, c.embeds, c.state)
     torch.testing.assert_close(terms.loss.double(), want.detach(), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(terms.stats["gan_gen_loss"].double(), want.detach() / GEN_W, rtol=1e-5, atol=1e-7)
     terms.loss.sum().backward()
-    (want_grad,) = torch.autograd.grad(want.sum(), theta)
+    (want_grad,) = torch.autograd.grad(want.sum(), c.theta)
     got = torch.stack([p.grad for p in student]).double()
     torch.testing.assert_close(got, want_grad, rtol=1e-4, atol=1e-9)
     assert float(want_grad.abs().min()) > 1e-5  # the GAN loss moves the student: the comparison has power
-    assert _grads(fake + head) == [None] * len(fake + head)  # the classifier took no gradient
-    assert all(p.requires_grad for p in fake + head)  # and trains again after
+    assert _grads(others) == [None] * len(others)  # the classifier took no gradient
+    assert all(p.requires_grad for p in others)  # and trains again after
 
-    # the fake score's step: CLS_W·(softplus(D(sg G)) + softplus(−D(real))) added to its flow-matching loss
-    for p in student:
-        p.grad = None
-    df = obj.draw(work, rows, 0, "fake")
-    fake_params64 = list(fake64.parameters()) + list(head64.parameters())
-    for p in fake_params64:
+
+def test_the_classifiers_loss_trains_the_head_and_the_fake_score_on_detached_images():
+    """One fake step's flow-matching loss + CLS_W·(softplus(D(sg G)) + softplus(−D(real))) against float64 by hand:
+    the head and the fake score up to the feature block get their gradients, the student none."""
+    c = _gan_case()
+    obj, student = c.obj, list(c.adapter.transformer.parameters())
+    fake, head = list(obj.fake.parameters()), list(obj.gan_head.parameters())
+    df = obj.draw(c.work, c.rows, 0, "fake")
+    params64 = list(c.fake64.parameters()) + list(c.head64.parameters())
+    for p in params64:
         p.requires_grad_(True)
-    g0 = g.detach()
-    real = obj.real.latents[df.gan.real_index].double()
-    cls = (torch.log1p(torch.exp(logits(g0, df.gan.noise, df.gan.sigma, e)))
-           + torch.log1p(torch.exp(-logits(real, df.gan.real_noise, df.gan.real_sigma,
-                                            obj.real.e[df.gan.real_index].double()))))
+    g0, index = c.g.detach(), df.gan.real_index
+    cls = (torch.log1p(torch.exp(_hand_logits(c, g0, df.gan.noise, df.gan.sigma, c.e)))
+           + torch.log1p(torch.exp(-_hand_logits(c, obj.real.latents[index].double(), df.gan.real_noise,
+                                                 df.gan.real_sigma, obj.real.e[index].double()))))
     sig = df.sigma.double().reshape(-1, 1)
     x_t = (1 - sig) * g0 + sig * df.noise.double()
-    fm = ((fake64(x_t, df.sigma.double(), e, 1.0) - (df.noise.double() - g0)) ** 2).mean(dim=1)
+    fm = ((c.fake64(x_t, df.sigma.double(), c.e, 1.0) - (df.noise.double() - g0)) ** 2).mean(dim=1)
     want = fm + CLS_W * cls
-    terms = obj.fake_terms(adapter, work, df, embeds, state)
+    terms = obj.fake_terms(c.adapter, c.work, df, c.embeds, c.state)  # no generator step: G computed without grad
     torch.testing.assert_close(terms.loss.double(), want.detach(), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(terms.stats["gan_cls_loss"].double(), cls.detach(), rtol=1e-5, atol=1e-7)
     terms.loss.sum().backward()
-    want_grads = torch.autograd.grad(want.sum(), fake_params64, retain_graph=True)
+    want_grads = torch.autograd.grad(want.sum(), params64, retain_graph=True)
     for p, w in zip(fake + head, want_grads, strict=True):
         torch.testing.assert_close(p.grad.double(), w, rtol=1e-4, atol=1e-9)
     # the classification loss trains the head and the fake score up to the feature block (a, b, c, blocks 0 … k),
     # not after it (block k + 1, the output o): the comparison above has power on both
-    cls_grads = torch.autograd.grad(cls.sum(), fake_params64, allow_unused=True)
-    named = [n for n, _ in fake64.named_parameters()]
+    cls_grads = torch.autograd.grad(cls.sum(), params64, allow_unused=True)
+    k, named = c.k, [n for n, _ in c.fake64.named_parameters()]
     assert named[:4] == ["a", "b", "c", "o"] and named[4 + 2 * (k + 1)] == f"transformer_blocks.{k + 1}.lin.weight"
     assert all(float(gr.abs().min()) > 1e-6 for gr in cls_grads[:3] + (cls_grads[4 + 2 * k],) + cls_grads[-10:])
     assert cls_grads[3] is None and cls_grads[4 + 2 * (k + 1)] is None
