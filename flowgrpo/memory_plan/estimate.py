@@ -34,7 +34,7 @@ Parts (each "on each GPU" and "host memory per rank"):
   ``frozen_teacher``);
 * fake score: DMD2's whole trained copy of the teacher on the device, float32 (computing in ``model.dtype``), with
   its float32 gradients and AdamW's two moments (16 bytes a weight; the objective's ``trains_teacher_copy``), whole
-  on every rank;
+  on every rank; DMD2's optional GAN head (2·C² weights: 0.3 GB with its AdamW for FLUX.1) is not counted;
 * surrogate reward: TDM-R1's trained copy of the teacher as the fake score (16 bytes a weight) and its float32 slow
   copy (4 bytes a weight), whole on every rank (the objective's ``surrogate_copies``); an objective whose
   ``lora_copies`` is set (TDM-R1) keeps its fake score and surrogate as LoRA adapters on the teacher under

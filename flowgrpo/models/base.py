@@ -223,6 +223,33 @@ class AdapterBase:
         finally:
             self._attention_open = False
 
+    #: the transformer's attributes that hold its blocks, in the order its forward runs them (DMD2's GAN head reads
+    #: one block's image tokens, :meth:`feature_blocks`); empty: a family whose blocks are not named here
+    block_lists: tuple[str, ...] = ()
+
+    def feature_blocks(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """The blocks of ``module`` (this family's transformer, or a copy of it) in forward order, each returning
+        ``(encoder_hidden_states, hidden_states)`` (:meth:`block_image_tokens`). Raises ``ValueError`` (one line)
+        for a family without ``block_lists`` or a module without them."""
+        lists = [getattr(module, name, None) for name in self.block_lists]
+        if not self.block_lists or any(blocks is None for blocks in lists):
+            raise ValueError(f"objective.gan needs the transformer blocks of the model, and {type(self).__name__} "
+                             f"names none (block_lists: {list(self.block_lists)}); the GAN term runs on FLUX.1 "
+                             "and SD3 models")
+        return [block for blocks in lists for block in blocks]
+
+    @staticmethod
+    def block_image_tokens(output) -> torch.Tensor:
+        """(B, L, C) the image tokens of a block's output: ``hidden_states``, the second of the
+        ``(encoder_hidden_states, hidden_states)`` pair the FLUX.1 and SD3 blocks return (diffusers 0.42)."""
+        return output[1] if isinstance(output, tuple | list) else output
+
+    @staticmethod
+    def feature_width(module: torch.nn.Module) -> int:
+        """C, the width of ``module``'s block outputs: ``num_attention_heads · attention_head_dim`` of its
+        config (the inner dimension of FLUX.1 and SD3)."""
+        return int(module.config.num_attention_heads) * int(module.config.attention_head_dim)
+
     def reference(self) -> contextlib.AbstractContextManager:
         """The frozen reference policy: the base model with LoRA disabled, or the frozen copy (full
         fine-tuning, created by :func:`flowgrpo.models.lora.setup_trainable` when β > 0)."""

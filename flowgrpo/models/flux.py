@@ -28,6 +28,8 @@ class FluxAdapter(AdapterBase):
         ValueError: a height or width that the VAE and 2×2 packing cannot represent.
     """
 
+    block_lists = ("transformer_blocks", "single_transformer_blocks")  # the double-stream blocks, then the single
+
     def __init__(self, pipe: FluxPipeline, *, height: int, width: int, max_sequence_length: int = 512) -> None:
         step = pipe.vae_scale_factor * 2
         self.check_image_size("FLUX image size", height, width, step)

@@ -57,6 +57,8 @@ class SD3Adapter(AdapterBase):
             ``max_sequence_length`` outside [1, 512] (the pipeline's own limit).
     """
 
+    block_lists = ("transformer_blocks",)  # the joint (MMDiT) blocks
+
     def __init__(self, pipe: StableDiffusion3Pipeline, *, height: int, width: int,
                  max_sequence_length: int = 256, cfg_detach_uncond: bool = False) -> None:
         step = pipe.vae_scale_factor * pipe.patch_size

@@ -182,6 +182,12 @@ def _foreign_key(prefix: str, key: str, value, name: str, settings: type[Section
             f"there a plain name, '{prefix}: {owners[0]}', replaces the base's section)")
 
 
+def _settings_block(annotation) -> bool:
+    """Whether a strategy's field is a block of plain settings (a :class:`Section` without a ``name``: not a nested
+    strategy section such as ``objective.chunker``, which ``--help`` expands by its own registry)."""
+    return isinstance(annotation, type) and issubclass(annotation, Section) and "name" not in annotation.model_fields
+
+
 def strategy_rows(prefix: str, registry: Registry, base: type[Section]) -> list[tuple[str, str, str]]:
     """``--help`` rows (dotted key, default, description) of a strategy section: every registered strategy's
     settings (a key several have: the default strategy's field, else the first's), each key marked with the
@@ -200,8 +206,12 @@ def strategy_rows(prefix: str, registry: Registry, base: type[Section]) -> list[
                                                         base).model_fields.items() if k in fields)
     rows = []
     for key, f in fields.items():
-        default = repr(base.model_fields["name"].default) if key == "name" else repr(f.default)
         where = "" if key == "name" else f"[{', '.join(owners.get(key, []))}] "
+        if _settings_block(f.annotation):  # a block of plain settings (DMD2's gan): a row for each of them
+            rows += [(f"{prefix}.{key}.{k}", repr(sub.get_default(call_default_factory=True)), where + (
+                sub.description or "")) for k, sub in f.annotation.model_fields.items()]
+            continue
+        default = repr(base.model_fields["name"].default) if key == "name" else repr(f.default)
         text = f.description or (base.model_fields[key].description if key in base.model_fields else "") or ""
         names = registry.names() if key == "name" else registered_names(f)
         rows.append((f"{prefix}.{key}", default, where + with_names(text, names)))

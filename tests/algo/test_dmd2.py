@@ -26,8 +26,10 @@ from safetensors.torch import load_file
 
 from flowgrpo.algo.objectives import build_objective
 from flowgrpo.algo.objectives.dmd2 import dm_gradient, dm_loss, draw_sigmas, fake_score_loss, iteration_schedule
+from flowgrpo.algo.objectives.dmd2_gan import classifier_loss, generator_gan_loss
 from flowgrpo.algo.objectives.paths import PathSamples
 from flowgrpo.config import build_config
+from flowgrpo.models.base import AdapterBase
 from flowgrpo.records import Advantages, PromptEmbeds
 from flowgrpo.training.optim import SecondOptimizer
 from flowgrpo.training.update import run_update
@@ -243,6 +245,253 @@ def test_each_step_of_the_generator_and_the_fake_score_follows_the_release_in_or
     assert set(adapter.guidances) == {ROLLOUT_G, REAL_G, 1.0}
 
 
+# ---------------------------------------------------------------------------------------------- the GAN term
+def test_the_gan_losses_are_the_releases_softplus_forms():
+    """``sd_guidance.py`` line 323 (the generator: softplus(−D(G)), large when the classifier calls G generated) and
+    line 391 (the classifier: softplus(D(fake)) + softplus(−D(real)), real labelled 1), float64 by hand."""
+    real = torch.tensor([2.0, -1.0, 0.3], dtype=torch.float64)
+    fake = torch.tensor([-3.0, 0.5, 1.2], dtype=torch.float64)
+    torch.testing.assert_close(generator_gan_loss(fake).double(), torch.log1p(torch.exp(-fake)), rtol=1e-6, atol=0)
+    want = torch.log1p(torch.exp(fake)) + torch.log1p(torch.exp(-real))
+    torch.testing.assert_close(classifier_loss(real, fake).double(), want, rtol=1e-6, atol=0)
+    # a classifier that is right (real high, fake low) has the smaller loss; the generator's is then large
+    assert float(classifier_loss(real[:1], fake[:1])) < float(classifier_loss(fake[:1], real[:1]))
+    assert float(generator_gan_loss(fake[:1])) > float(generator_gan_loss(real[:1]))
+
+
+C, BLOCKS, GEN_W, CLS_W = 4, 3, 0.3, 0.7
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.lin = torch.nn.Linear(C, C)
+        with torch.no_grad():
+            self.lin.weight.copy_(0.5 * torch.randn(C, C, generator=g))
+            self.lin.bias.copy_(0.1 * torch.randn(C, generator=g))
+
+    def forward(self, h):
+        return None, h + torch.tanh(self.lin(h))  # (encoder_hidden_states, hidden_states), as FLUX's blocks
+
+
+class Blocks(torch.nn.Module):
+    """A velocity model of D image tokens of width C through three blocks: token i enters as x_i·a + σ·b + e_i·c,
+    leaves as h_i·o (+ 0.05·guidance)."""
+
+    config = SimpleNamespace(num_attention_heads=2, attention_head_dim=C // 2)
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.a, self.b, self.c, self.o = (torch.nn.Parameter(torch.randn(C, generator=g)) for _ in range(4))
+        self.transformer_blocks = torch.nn.ModuleList(_Block(i) for i in range(BLOCKS))
+
+    def forward(self, x, sigma, e, g):
+        h = x[..., None] * self.a + sigma.reshape(-1, 1, 1) * self.b + e[..., None] * self.c
+        for block in self.transformer_blocks:
+            _, h = block(h)
+        return h @ self.o + 0.05 * g
+
+
+def _features(model, x, sigma, e, k):
+    """Block k's output of ``model`` (float64 copy) at (x, σ), by hand (no hook)."""
+    h = x[..., None] * model.a + sigma.reshape(-1, 1, 1) * model.b + e[..., None] * model.c
+    for block in model.transformer_blocks[:k + 1]:
+        h = h + torch.tanh(block.lin(h))
+    return h
+
+
+class BlockAdapter(FakeAdapter):
+    """:class:`FakeAdapter` whose fake score has blocks (the adapters' lookup of them)."""
+
+    block_lists = ("transformer_blocks",)
+    feature_blocks = AdapterBase.feature_blocks
+    block_image_tokens = staticmethod(AdapterBase.block_image_tokens)
+    feature_width = staticmethod(AdapterBase.feature_width)
+
+
+class _Real:
+    """Stands for :class:`~flowgrpo.algo.objectives.dmd2_gan.RealImages`: 5 real latents with their prompts' e."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(9)
+        self.latents, self.e = torch.randn(5, D, generator=g), torch.randn(5, D, generator=g)
+
+    def __len__(self):
+        return 5
+
+    def batch(self, adapter, index):
+        return self.latents[index], PromptEmbeds({"e": self.e[index]})
+
+
+def _gan_setup(**gan):
+    """:func:`_setup` with the GAN term on, the DM loss weighted 0 (the generator's loss is the GAN loss alone) and a
+    fake score with blocks; returns (objective, adapter, work)."""
+    cfg = build_config({"objective": {"name": "dmd2", "dm_loss_weight": 0.0, "gan": {
+        "gen_weight": GEN_W, "guidance_weight": CLS_W, "real_images": "unused", **gan}},
+        "sampling": {"num_steps": T, "guidance_scale": ROLLOUT_G},
+        "train": {"prompts_per_epoch": 4, "group_size": 2, "rollout_batch_size": 8, "train_batch_size": 2,
+                  "optimizer_steps_per_epoch": 4, "seed": 5}})
+    obj, adapter = build_objective(cfg), BlockAdapter()
+    obj.teacher = Blocks().requires_grad_(False)
+    obj.fake = obj.fake_forward = copy.deepcopy(obj.teacher).requires_grad_(True)
+    obj.attach_gan(adapter)
+    obj.real = _Real()
+    _, _, _, s, adv, _ = _setup()
+    work = obj.plan(s, adv, torch.ones(B, dtype=torch.bool), epoch=0)
+    return obj, adapter, work
+
+
+def _grads(params):
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def _gan_case():
+    """:func:`_gan_setup`'s first micro-batch with float64 copies of the fake score and the head, and the student's
+    output G (float64, with gradient to its weights ``theta``) at the micro-batch's step."""
+    obj, adapter, work = _gan_setup()
+    s, rows = work.samples, work.steps[0][0]
+    c = SimpleNamespace(obj=obj, adapter=adapter, work=work, s=s, rows=rows, embeds=s.embeds.index(rows),
+                        state=obj.update_state(work), e=s.embeds["e"][rows].double(), k=BLOCKS // 2,
+                        fake64=copy.deepcopy(obj.fake).double(), head64=copy.deepcopy(obj.gan_head).double(),
+                        theta=torch.tensor(_values(adapter.transformer), dtype=torch.float64, requires_grad=True))
+    c.draw = obj.draw(work, rows, 0, "generator")
+    x, sj = s.latents[rows, c.draw.step].double(), float(s.sigmas[c.draw.step])
+    c.g = x - sj * _f(c.theta, x, torch.full((2,), sj, dtype=torch.float64), c.e, ROLLOUT_G)
+    return c
+
+
+def _hand_logits(c, x, eps, sig, cond):
+    """The head on block k of the fake score at x noised with ε at σ, float64 by hand."""
+    x_t = (1 - sig.double().reshape(-1, 1)) * x + sig.double().reshape(-1, 1) * eps.double()
+    return c.head64(_features(c.fake64, x_t, sig.double(), cond, c.k))
+
+
+def test_the_generators_gan_loss_moves_the_student_through_a_frozen_classifier():
+    """One generator step's GEN_W·softplus(−D(G)) against float64 by hand (the fake score's block-1 features, the
+    head, at the drawn σ and ε): the student gets its gradient, the fake score and the head none (the release's
+    requires_grad_(False)), and they train again after."""
+    c = _gan_case()
+    d, student = c.draw, list(c.adapter.transformer.parameters())
+    others = list(c.obj.fake.parameters()) + list(c.obj.gan_head.parameters())
+    assert d.gan is not None and d.gan.sigma.min() > 0  # noise_steps 1000: σ in (0, 1]
+    want = GEN_W * torch.log1p(torch.exp(-_hand_logits(c, c.g, d.gan.noise, d.gan.sigma, c.e)))
+    terms = c.obj.generator_terms(c.adapter, c.work, d, c.embeds, c.state)
+    torch.testing.assert_close(terms.loss.double(), want.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(terms.stats["gan_gen_loss"].double(), want.detach() / GEN_W, rtol=1e-5, atol=1e-7)
+    terms.loss.sum().backward()
+    (want_grad,) = torch.autograd.grad(want.sum(), c.theta)
+    got = torch.stack([p.grad for p in student]).double()
+    torch.testing.assert_close(got, want_grad, rtol=1e-4, atol=1e-9)
+    assert float(want_grad.abs().min()) > 1e-5  # the GAN loss moves the student: the comparison has power
+    assert _grads(others) == [None] * len(others)  # the classifier took no gradient
+    assert all(p.requires_grad for p in others)  # and trains again after
+
+
+def test_the_classifiers_loss_trains_the_head_and_the_fake_score_on_detached_images():
+    """One fake step's flow-matching loss + CLS_W·(softplus(D(sg G)) + softplus(−D(real))) against float64 by hand:
+    the head and the fake score up to the feature block get their gradients, the student none."""
+    c = _gan_case()
+    obj, student = c.obj, list(c.adapter.transformer.parameters())
+    fake, head = list(obj.fake.parameters()), list(obj.gan_head.parameters())
+    df = obj.draw(c.work, c.rows, 0, "fake")
+    params64 = list(c.fake64.parameters()) + list(c.head64.parameters())
+    for p in params64:
+        p.requires_grad_(True)
+    g0, index = c.g.detach(), df.gan.real_index
+    cls = (torch.log1p(torch.exp(_hand_logits(c, g0, df.gan.noise, df.gan.sigma, c.e)))
+           + torch.log1p(torch.exp(-_hand_logits(c, obj.real.latents[index].double(), df.gan.real_noise,
+                                                 df.gan.real_sigma, obj.real.e[index].double()))))
+    sig = df.sigma.double().reshape(-1, 1)
+    x_t = (1 - sig) * g0 + sig * df.noise.double()
+    fm = ((c.fake64(x_t, df.sigma.double(), c.e, 1.0) - (df.noise.double() - g0)) ** 2).mean(dim=1)
+    want = fm + CLS_W * cls
+    terms = obj.fake_terms(c.adapter, c.work, df, c.embeds, c.state)  # no generator step: G computed without grad
+    torch.testing.assert_close(terms.loss.double(), want.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(terms.stats["gan_cls_loss"].double(), cls.detach(), rtol=1e-5, atol=1e-7)
+    terms.loss.sum().backward()
+    want_grads = torch.autograd.grad(want.sum(), params64, retain_graph=True)
+    for p, w in zip(fake + head, want_grads, strict=True):
+        torch.testing.assert_close(p.grad.double(), w, rtol=1e-4, atol=1e-9)
+    # the classification loss trains the head and the fake score up to the feature block (a, b, c, blocks 0 … k),
+    # not after it (block k + 1, the output o): the comparison above has power on both
+    cls_grads = torch.autograd.grad(cls.sum(), params64, allow_unused=True)
+    k, named = c.k, [n for n, _ in c.fake64.named_parameters()]
+    assert named[:4] == ["a", "b", "c", "o"] and named[4 + 2 * (k + 1)] == f"transformer_blocks.{k + 1}.lin.weight"
+    assert all(float(gr.abs().min()) > 1e-6 for gr in cls_grads[:3] + (cls_grads[4 + 2 * k],) + cls_grads[-10:])
+    assert cls_grads[3] is None and cls_grads[4 + 2 * (k + 1)] is None
+    assert _grads(student) == [None] * len(student)  # no gradient reaches the student
+
+
+def test_the_gan_term_is_off_by_default_and_on_leaves_the_dmd2_draws_as_they_were():
+    """Default: no head, no GAN draws, no head in the checkpoint state; on: the DM draws (step, σ, ε) are the same
+    numbers (the GAN's come from their own generators) and building the head leaves the global random state."""
+    off, _, _, s, adv, _ = _setup()
+    assert not off.o.gan.on and off.gan_head is None
+    work_off = off.plan(s, adv, torch.ones(B, dtype=torch.bool), epoch=0)
+    on, adapter, work = _gan_setup()
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    on.attach_gan(adapter)  # the head built again
+    assert torch.equal(torch.get_rng_state(), before)
+    for kind in ("generator", "fake"):
+        a, b = off.draw(work_off, work_off.steps[1][0], 0, kind), on.draw(work, work.steps[1][0], 0, kind)
+        assert a.gan is None and b.gan is not None
+        assert a.step == b.step and torch.equal(a.sigma, b.sigma) and torch.equal(a.noise, b.noise)
+    off.fake, off.fake_optim = on.fake, SecondOptimizer(list(on.fake.parameters()), off.cfg.train, lr=LR,
+                                                        checkpoints=None)
+    assert not any(k.startswith("gan_head.") for k in off.state_dict())
+
+
+def test_the_head_is_in_the_checkpoint_state_and_a_state_without_it_is_refused():
+    obj, _, _ = _gan_setup()
+    obj.fake_optim = SecondOptimizer(list(obj.fake.parameters()) + list(obj.gan_head.parameters()), obj.cfg.train,
+                                     lr=LR, checkpoints=None)
+    with torch.no_grad():
+        for p in obj.gan_head.parameters():
+            p.add_(1.0)
+    state = obj.state_dict()
+    assert {k for k in state if k.startswith("gan_head.")} == {f"gan_head.{k}" for k in obj.gan_head.state_dict()}
+    fresh, _, _ = _gan_setup()
+    fresh.fake_optim = SecondOptimizer(list(fresh.fake.parameters()) + list(fresh.gan_head.parameters()),
+                                       fresh.cfg.train, lr=LR, checkpoints=None)
+    assert not torch.equal(fresh.gan_head.tokens.weight, obj.gan_head.tokens.weight)
+    fresh.load_state_dict(state)
+    for a, b in zip(fresh.gan_head.parameters(), obj.gan_head.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="has no GAN head"):
+        fresh.load_state_dict({k: v for k, v in state.items() if not k.startswith("gan_head.")})
+
+
+def test_help_lists_each_gan_setting_with_its_default():
+    from flowgrpo.config.help import describe_fields
+
+    rows = {key: (default, text) for key, default, text in describe_fields()}
+    assert rows["objective.gan.gen_weight"][0] == "0.0" and rows["objective.gan.noise_steps"][0] == "1000"
+    assert rows["objective.gan.real_images"][1].startswith("[dmd2] DMD2 GAN: the real images")
+    assert "objective.gan" not in rows and "objective.chunker.name" in rows  # a strategy section is still its own
+
+
+def test_gan_settings_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"gan.gen_weight=0.01 turns the GAN term on, which needs "
+                                         r"objective.gan.real_images"):
+        build_config({"objective": {"name": "dmd2", "gan": {"gen_weight": 0.01}}})
+    with pytest.raises(ValueError, match=r"noise_steps=2000 is above num_train_timesteps=1000"):
+        build_config({"objective": {"name": "dmd2", "gan": {"noise_steps": 2000}}})
+    on = {"name": "dmd2", "gan": {"gen_weight": 0.01, "real_images": "/no/such/set.jsonl"}}
+    with pytest.raises(ValueError, match=r"objective.gan.real_images: .*no/such/set.jsonl"):
+        build_objective(build_config({"objective": on})).validate()
+    with pytest.raises(ValueError, match=r"feature_block=3 is past the model's blocks: its transformer has 3"):
+        _gan_setup(feature_block=3)
+    from flowgrpo.models.wan import WanAdapter
+
+    with pytest.raises(ValueError, match=r"objective.gan needs the transformer blocks .* WanAdapter names none"):
+        object.__new__(WanAdapter).feature_blocks(Blocks())  # a family whose blocks are not named
+    obj, adapter, _ = _gan_setup(feature_block=0)
+    assert obj.gan_block is obj.fake.transformer_blocks[0]
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def tiny_sd3_dir(tmp_path_factory):
@@ -338,6 +587,68 @@ def test_save_kill_resume_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir):
     assert_resume_equals_whole(
         tmp_path, lambda out, **s: build_config(_run_config(tmp_path, tiny_flux_dir, teacher, out, **s)),
         files=("trainable.safetensors", "objective.safetensors"), figures=("objective/loss", "objective/fake_loss"))
+
+
+def _real_set(tmp_path: Path) -> Path:
+    """An image set of two 32×32 images with the test prompts (the tiny runs' size)."""
+    from PIL import Image
+
+    folder = tmp_path / "real"
+    folder.mkdir()
+    for i, color in enumerate(((200, 30, 30), (30, 30, 200))):
+        Image.new("RGB", (32, 32), color).save(folder / f"{i}.png")
+    (folder / "set.jsonl").write_text('{"prompt": "a red cube", "target": "0.png"}\n'
+                                      '{"prompt": "a blue ball", "target": "1.png"}\n')
+    return folder / "set.jsonl"
+
+
+def test_real_images_of_another_size_than_the_model_are_refused_before_training(tmp_path, tiny_flux_dir):
+    """The real set's 32×32 images against a 64×64 model: one line when the objective attaches (the image sizes are
+    read by validate, before any model loads; the model's size is known once it loads)."""
+    from flowgrpo.models import load_model_from_config
+
+    gan = {"gen_weight": 0.01, "real_images": str(_real_set(tmp_path))}
+    cfg = build_config({"model": {"pretrained": str(tiny_flux_dir), "max_sequence_length": 16, "height": 64,
+                                  "width": 64}, "objective": {"name": "dmd2", "gan": gan}})
+    obj = build_objective(cfg)
+    obj.validate()
+    obj.prepare(SimpleNamespace(second_optimizer=lambda params, lr: None))
+    with pytest.raises(ValueError, match=r"objective.gan.real_images: .*set.jsonl:1: target '0.png' is 32x32 .*"
+                                         r"the model makes 64x64"):
+        obj.attach(load_model_from_config(cfg.model, progress=False), None)
+
+
+@pytest.mark.slow
+def test_save_kill_resume_with_the_gan_term_equals_the_uninterrupted_run(tmp_path, tiny_flux_dir):
+    """The GAN head's weights are in the checkpoint with the fake score's and their optimizer's state (the head's
+    moments among them): with the GAN on, the resumed run's epoch 1 equals the uninterrupted one's to the bit."""
+    teacher, real = _teacher(tmp_path, tiny_flux_dir), _real_set(tmp_path)
+    gan = {"gan": {"gen_weight": 0.5, "real_images": str(real), "noise_steps": 500}}
+    assert_resume_equals_whole(
+        tmp_path, lambda out, **s: build_config(_run_config(tmp_path, tiny_flux_dir, teacher, out,
+                                                            **{**s, "objective": gan})),
+        files=("trainable.safetensors", "objective.safetensors"),
+        figures=("objective/loss", "objective/gan_gen_loss", "objective/fake_gan_cls_loss"))
+
+
+@pytest.mark.slow
+def test_an_epoch_of_the_digits_config_with_the_gan_term_through_the_command(tmp_path):
+    """``configs/digits_dmd2.yaml`` with the GAN term on (the real digits of ``digits_real``) for one small epoch
+    through the command line: both GAN losses logged, the head in the checkpoint, trained by the fake score's
+    optimizer (2 steps)."""
+    proc = subprocess.run([sys.executable, "-m", "flowgrpo.cli", "train", str(REPO / "configs" / "digits_dmd2.yaml"),
+                           f"output_dir={tmp_path / 'run'}", "train.num_epochs=1", "train.prompts_per_epoch=2",
+                           "train.rollout_batch_size=8", "train.optimizer_steps_per_epoch=2",
+                           "data.eval_num_prompts=10", "logging.progress=false", "objective.gan.gen_weight=0.005",
+                           "objective.gan.real_images=digits_real"],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert rec["objective/rows"] == 4 and rec["objective/fake_rows"] == 8 and rec["objective/fake_steps"] == 2
+    assert rec["objective/gan_gen_loss"] > 0 and rec["objective/fake_gan_cls_loss"] > 0
+    assert 0 < rec["objective/fake_gan_real_prob"] < 1 and 0 < rec["objective/fake_gan_fake_prob"] < 1
+    state = load_file(tmp_path / "run" / "checkpoints" / "epoch_0" / "objective.safetensors")
+    assert any(k.startswith("gan_head.") for k in state) and float(state["fake_optim.steps"]) == 2
 
 
 @pytest.mark.slow

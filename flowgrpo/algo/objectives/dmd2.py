@@ -47,9 +47,12 @@ learning rate ``fake_lr``, the release's ``guidance_lr``, equal to ``generator_l
 its gradient clipped to ``train.max_grad_norm`` as the generator's (line 404). The iteration count is the fake
 optimizer's step count (checkpointed with its state and the fake score's weights: ``objective.safetensors``).
 
-Not here: the release's GAN term (``cls_on_clean_image``: a classifier head on the fake score's bottleneck and the
-generator's non-saturating loss, lines 145–165, 312–395): the fake score here is a velocity model of any adapter's
-transformer without a feature hook; the release's regression loss (DMD, dropped in DMD2); its fresh re-noising
+**GAN term** (optional, off by default as in the release: ``objective.gan``, the release's ``cls_on_clean_image``
+and ``gen_cls_loss``, lines 145–165, 312–395): a classifier head on one block of the fake score, trained with it in
+its step, and the generator's non-saturating loss added to its DM loss
+(:mod:`~flowgrpo.algo.objectives.dmd2_gan`).
+
+Not here: the release's regression loss (DMD, dropped in DMD2); its fresh re-noising
 between the generator's steps (``sample_backward`` adds new noise at each step; here the path is the student's
 Euler path, the sampler it is evaluated with). Fidelity table: docs/fidelity_forward.md.
 """
@@ -64,13 +67,24 @@ import torch
 from pydantic import Field, model_validator
 
 from flowgrpo.algo.objectives.base import OBJECTIVES, TEACHER, MicroBatchAt, ObjectiveConfig, UpdateStep
+from flowgrpo.algo.objectives.dmd2_gan import (
+    GanConfig,
+    GanDraw,
+    RealImages,
+    block_features,
+    classifier_loss,
+    draw_gan_sigmas,
+    frozen,
+    generator_gan_loss,
+    make_head,
+)
 from flowgrpo.algo.objectives.flow_matching import ObjectiveTerms, mean_dims, noised, x0_from_velocity
 from flowgrpo.algo.objectives.forward import ForwardObjective, ForwardWork, _Stats, sde_ratio_problems
 from flowgrpo.algo.objectives.opd import check_teacher
 from flowgrpo.algo.objectives.paths import EULER_PATH_INSTEAD, PathDraw, PathSamples, path_rollout
 from flowgrpo.algo.objectives.teacher_copies import module_velocity, real_score, trainable_copy
 from flowgrpo.records import Advantages
-from flowgrpo.rng import make_generator
+from flowgrpo.rng import derive_seed, make_generator
 
 __all__ = ["DMD2", "DMD2Config", "dm_gradient", "dm_loss", "fake_score_loss", "draw_sigmas", "iteration_schedule"]
 
@@ -139,6 +153,8 @@ class DMD2Config(ObjectiveConfig):
                                     "num_train_timesteps (0.98)")
     num_train_timesteps: int = Field(1000, ge=2, description="DMD2: the timestep count T_train whose integers t "
                                      "are drawn (sigma = (t + 1)/T_train; 1000)")
+    gan: GanConfig = Field(default_factory=GanConfig, description="DMD2: the optional GAN term (a classifier head "
+                           "on the fake score, the generator's non-saturating loss); off while gan.gen_weight is 0")
 
     trains_on: ClassVar[str] = "the student's own rollout path, scored by the teacher and a fake score"
     instead: ClassVar[dict[tuple[str, str], str]] = EULER_PATH_INSTEAD
@@ -150,6 +166,12 @@ class DMD2Config(ObjectiveConfig):
             raise ValueError(f"objective.min_step_percent={self.min_step_percent} and max_step_percent="
                              f"{self.max_step_percent} of num_train_timesteps={self.num_train_timesteps} leave no "
                              "timestep: min_step must be below max_step")
+        if self.gan.on and not self.gan.real_images:
+            raise ValueError(f"objective.gan.gen_weight={self.gan.gen_weight} turns the GAN term on, which needs "
+                             "objective.gan.real_images: an image set of {prompt, target} records (e.g. digits_real)")
+        if self.gan.noise_steps > self.num_train_timesteps:
+            raise ValueError(f"objective.gan.noise_steps={self.gan.noise_steps} is above num_train_timesteps="
+                             f"{self.num_train_timesteps}: the classifier's timesteps are drawn below it")
         return self
 
     def dm_steps(self) -> tuple[int, int]:
@@ -165,9 +187,10 @@ class DMD2Config(ObjectiveConfig):
 @dataclass(frozen=True)
 class DMDraw(PathDraw):
     """One micro-batch of a DMD2 step: ``kind`` ``generator`` or ``fake``, the student's step ``step`` (j), the
-    loss's σ (n,) and ε (n, …) (host)."""
+    loss's σ (n,) and ε (n, …) (host); ``gan`` the GAN term's draws (None while it is off)."""
 
     kind: str = "generator"
+    gan: GanDraw | None = None
 
 
 @dataclass
@@ -200,6 +223,10 @@ class DMD2(ForwardObjective):
         self.fake: torch.nn.Module | None = None
         self.fake_forward = None  # the fake score's forward (the module, or it computing in model.dtype)
         self.fake_optim = None
+        self.gan_head: torch.nn.Module | None = None  # the GAN term's classifier head (objective.gan on)
+        self.gan_block: torch.nn.Module | None = None  # the fake score's block the head reads
+        self.real: RealImages | None = None
+        self.real_first = None  # the first real image's ((width, height), where), read by validate()
 
     @property
     def needs_reference(self) -> bool:
@@ -208,20 +235,55 @@ class DMD2(ForwardObjective):
 
     def validate(self) -> None:
         """One pass an update (the iteration count is the fake optimizer's); the teacher folder's layout and, where
-        the student's class is known from its folder, the teacher's family, before any model loads."""
+        the student's class is known from its folder, the teacher's family; with the GAN term on, every real image
+        opened (:func:`~flowgrpo.data.image_sets.check_dataset_images`); before any model loads."""
         if self.cfg.train.inner_epochs != 1:
             raise ValueError(f"objective.name=dmd2 runs one pass an update (its iterations alternate the generator "
                              f"and the fake score), got train.inner_epochs={self.cfg.train.inner_epochs}: set it to 1")
         if self.o.teacher:
             check_teacher(self.o.teacher, self.cfg.model)
+        if self.o.gan.on:
+            from flowgrpo.data.image_sets import TARGET_KEY, check_dataset_images
+            from flowgrpo.data.prompts import load_prompts
+
+            try:
+                load_prompts(self.o.gan.real_images)  # a missing or malformed file, in one line
+                self.real_first = check_dataset_images(self.o.gan.real_images, [TARGET_KEY])
+            except ValueError as err:
+                raise ValueError(f"objective.gan.real_images: {err}") from None
 
     def attach(self, adapter, rewards) -> None:
         """Load the real score (:func:`real_score`) and make the fake score, a trainable copy of it
-        (:func:`trainable_copy`), with its optimizer."""
+        (:func:`trainable_copy`), with its optimizer; with the GAN term on, the classifier head
+        (:meth:`attach_gan`), trained by the same optimizer."""
         self.teacher = real_score(self.o.teacher, adapter, self.cfg.model)
         self.fake, self.fake_forward = trainable_copy(self.teacher, adapter.device)
+        params = list(self.fake.parameters())
+        if self.o.gan.on:
+            self.attach_gan(adapter)
+            params += list(self.gan_head.parameters())
+            self.real = RealImages(self.o.gan.real_images)
+            if self.real_first and self.real_first[0] != (adapter.width, adapter.height):
+                (w, h), where = self.real_first
+                raise ValueError(f"objective.gan.real_images: {where} is {w}x{h} (width x height), the model makes "
+                                 f"{adapter.width}x{adapter.height} (model.width x model.height); resize the set "
+                                 "(python -m flowgrpo.data.image_sets ... --size H W)")
         lr = self.o.fake_lr if self.o.fake_lr is not None else self.cfg.train.lr
-        self.fake_optim = self.optim.second_optimizer(list(self.fake.parameters()), lr=lr)  # prepare() came first
+        self.fake_optim = self.optim.second_optimizer(params, lr=lr)  # prepare() came first
+
+    def attach_gan(self, adapter) -> None:
+        """The fake score's feature block (``gan.feature_block``, default the middle of the adapter's
+        :meth:`~flowgrpo.models.base.AdapterBase.feature_blocks`) and the head on it (seeded by ``train.seed``).
+        Raises ``ValueError`` (one line) for a block index past the model's blocks or a family without
+        blocks."""
+        blocks = adapter.feature_blocks(self.fake)
+        k = len(blocks) // 2 if self.o.gan.feature_block is None else self.o.gan.feature_block
+        if k >= len(blocks):
+            raise ValueError(f"objective.gan.feature_block={k} is past the model's blocks: its transformer has "
+                             f"{len(blocks)} (0 … {len(blocks) - 1}, in forward order)")
+        self.gan_block = blocks[k]
+        self.gan_head = make_head(adapter.feature_width(self.fake), derive_seed(self.cfg.train.seed, "dmd2_gan_head"),
+                                  adapter.device)
 
     def trajectories_per_sample(self, sigmas: torch.Tensor, settings) -> int:
         return 1
@@ -270,7 +332,28 @@ class DMD2(ForwardObjective):
         low, high = self.o.dm_steps() if kind == "generator" else (0, self.o.num_train_timesteps)
         sigma = draw_sigmas(gen, n, low, high, self.o.num_train_timesteps)
         noise = torch.randn((n, *s.x0.shape[1:]), generator=gen)
-        return DMDraw(rows, sigma, noise, step=j, kind=kind)
+        gan = self.gan_draw(work, n, inner, kind, mb) if self.o.gan.on else None
+        return DMDraw(rows, sigma, noise, step=j, kind=kind, gan=gan)
+
+    def gan_draw(self, work: ForwardWork, n: int, inner: int, kind: str, mb: int) -> GanDraw:
+        """The GAN term's σ and ε of the generated images and, for a fake step, the real records and their σ and ε,
+        from their own generator of (seed, epoch, pass, what, the global micro-batch)."""
+        g = make_generator(self.cfg.train.seed, work.epoch, inner, f"dmd2_gan_{kind}", mb)
+        shape, steps, total = (n, *work.samples.x0.shape[1:]), self.o.gan.noise_steps, self.o.num_train_timesteps
+        sigma = draw_gan_sigmas(g, n, steps, total)
+        noise = torch.randn(shape, generator=g)
+        if kind == "generator":
+            return GanDraw(sigma, noise)
+        index = torch.randint(len(self.real), (n,), generator=g)
+        return GanDraw(sigma, noise, index, draw_gan_sigmas(g, n, steps, total), torch.randn(shape, generator=g))
+
+    def logits(self, adapter, x: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, embeds) -> torch.Tensor:
+        """(n,) the classifier's logits of images ``x`` (n, …) noised with ε at σ (host draws): the head on the fake
+        score's feature block (:func:`~flowgrpo.algo.objectives.dmd2_gan.block_features`)."""
+        dev = adapter.device
+        sigma = sigma.to(dev)
+        x = noised(x, noise.to(dev), sigma)
+        return self.gan_head(block_features(adapter, self.fake_forward, self.gan_block, x, sigma, embeds, grad=True))
 
     def student_output(self, adapter, work: ForwardWork, draw: DMDraw, embeds, *, grad: bool) -> torch.Tensor:
         """G = x_j − σ_j·v_θ(x_j, σ_j) (n, …) float32 at the rollout's guidance, from the student's state x_j."""
@@ -283,7 +366,8 @@ class DMD2(ForwardObjective):
 
     def generator_terms(self, adapter, work: ForwardWork, draw: DMDraw, embeds, state: DMD2State) -> ObjectiveTerms:
         """``dm_loss_weight·L_DM`` of the draw's rows (module docstring), with stats ``dm_grad_abs`` (mean |grad|)
-        and ``real_fake_gap`` (mean_dims (x̂₀^fake − x̂₀^real)²); the student's output kept for the fake step."""
+        and ``real_fake_gap`` (mean_dims (x̂₀^fake − x̂₀^real)²); the student's output kept for the fake step. With
+        the GAN term on, plus ``gan.gen_weight·softplus(−D(G))`` (stat ``gan_gen_loss``, unweighted)."""
         dev = adapter.device
         generated = self.student_output(adapter, work, draw, embeds, grad=True)
         state.outputs[_key(draw)] = generated.detach()
@@ -295,12 +379,19 @@ class DMD2(ForwardObjective):
         x0_real, x0_fake = x0_from_velocity(x, v_real, sigma), x0_from_velocity(x, v_fake, sigma)
         grad = dm_gradient(generated, x0_real, x0_fake)
         loss = self.o.dm_loss_weight * dm_loss(generated, grad)
-        return ObjectiveTerms(loss=loss, stats={"dm_grad_abs": mean_dims(grad.abs()),
-                                                "real_fake_gap": mean_dims((x0_fake - x0_real).square())})
+        stats = {"dm_grad_abs": mean_dims(grad.abs()), "real_fake_gap": mean_dims((x0_fake - x0_real).square())}
+        if self.o.gan.on:  # the fake score and the head pass the gradient to G and take none (train_sd.py 369-372)
+            with frozen(self.fake, self.gan_head):
+                gan = generator_gan_loss(self.logits(adapter, generated, draw.gan.noise, draw.gan.sigma, embeds))
+            loss = loss + self.o.gan.gen_weight * gan
+            stats["gan_gen_loss"] = gan.detach()
+        return ObjectiveTerms(loss=loss, stats=stats)
 
     def fake_terms(self, adapter, work: ForwardWork, draw: DMDraw, embeds, state: DMD2State) -> ObjectiveTerms:
         """``L_fake`` of the draw's rows (module docstring) on the student's output of this iteration's generator
-        step (before it), or, with none, the student's output now (no gradient)."""
+        step (before it), or, with none, the student's output now (no gradient); with the GAN term on, plus
+        ``gan.guidance_weight`` times the classifier's loss (stats ``gan_cls_loss``, and the mean sigmoid of the
+        real and generated images' logits ``gan_real_prob``, ``gan_fake_prob``)."""
         dev = adapter.device
         generated = state.outputs.pop(_key(draw), None)
         if generated is None:
@@ -308,7 +399,17 @@ class DMD2(ForwardObjective):
         sigma, noise = draw.sigma.to(dev), draw.noise.to(dev)
         x = noised(generated, noise, sigma)
         v_fake = module_velocity(adapter, self.fake_forward, x, sigma, embeds, 1.0, grad=True)
-        return ObjectiveTerms(loss=fake_score_loss(v_fake, generated, noise))
+        loss = fake_score_loss(v_fake, generated, noise)
+        if not self.o.gan.on:
+            return ObjectiveTerms(loss=loss)
+        g = draw.gan  # the classifier's loss on real and (detached) generated images (train_sd.py lines 398-401)
+        real, real_embeds = self.real.batch(adapter, g.real_index)
+        real_logits = self.logits(adapter, real, g.real_noise, g.real_sigma, real_embeds)
+        fake_logits = self.logits(adapter, generated.detach(), g.noise, g.sigma, embeds)
+        cls = classifier_loss(real_logits, fake_logits)
+        return ObjectiveTerms(loss=loss + self.o.gan.guidance_weight * cls, stats={
+            "gan_cls_loss": cls.detach(), "gan_real_prob": torch.sigmoid(real_logits.detach()),
+            "gan_fake_prob": torch.sigmoid(fake_logits.detach())})
 
     def loss(self, adapter, work: ForwardWork, draw: DMDraw, state: DMD2State, at: MicroBatchAt) -> torch.Tensor:
         """The draw's loss (generator or fake score) summed over its trained rows; its statistics recorded."""
@@ -335,17 +436,19 @@ class DMD2(ForwardObjective):
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The fake score's weights (``fake.<name>``) and its optimizer's state (``fake_optim.<key>``), whole, on the
-        host."""
+        """The fake score's weights (``fake.<name>``), the GAN head's (``gan_head.<name>``, with the GAN term on) and
+        their optimizer's state (``fake_optim.<key>``), whole, on the host."""
         if self.fake is None:
             return {}
         out = {f"fake.{k}": v.detach().cpu().clone() for k, v in self.fake.state_dict().items()}
+        if self.gan_head is not None:
+            out.update({f"gan_head.{k}": v.detach().cpu().clone() for k, v in self.gan_head.state_dict().items()})
         out.update({f"fake_optim.{k}": v for k, v in self.fake_optim.state_dict().items()})
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load :meth:`state_dict`'s tensors into the fake score and its optimizer (``ValueError`` when they are not
-        a DMD2 state of this model)."""
+        """Load :meth:`state_dict`'s tensors into the fake score, the GAN head and their optimizer (``ValueError``
+        when they are not a DMD2 state of this model and GAN setting)."""
         if self.fake is None:
             raise RuntimeError("objective dmd2: attach(adapter, rewards) was not called before the resume")
         weights = {k[len("fake."):]: v for k, v in state.items() if k.startswith("fake.")}
@@ -354,8 +457,24 @@ class DMD2(ForwardObjective):
             raise ValueError("the checkpoint's objective state is not a DMD2 fake score of this model (its keys or "
                              "shapes differ)")
         self.fake.load_state_dict(weights)
+        self.load_head(state)
         self.fake_optim.load_state_dict({k[len("fake_optim."):]: v for k, v in state.items()
                                          if k.startswith("fake_optim.")})
+
+
+    def load_head(self, state: dict[str, torch.Tensor]) -> None:
+        """The GAN head's weights from ``state`` (``ValueError`` when the checkpoint has none and the GAN term is on,
+        or has one and it is off)."""
+        weights = {k[len("gan_head."):]: v for k, v in state.items() if k.startswith("gan_head.")}
+        if self.gan_head is None:
+            if weights:
+                raise ValueError("the checkpoint's DMD2 state has a GAN head, and objective.gan.gen_weight is 0: "
+                                 "resume with the GAN term on (its gan settings) or from another checkpoint")
+            return
+        if weights.keys() != self.gan_head.state_dict().keys():
+            raise ValueError("the checkpoint's DMD2 state has no GAN head of this model (it was saved with "
+                             "objective.gan off or another feature width): resume with its gan settings")
+        self.gan_head.load_state_dict(weights)
 
 
 def _key(draw: DMDraw) -> tuple:
