@@ -683,7 +683,8 @@ def sharding_config(root: Path, tiny: Path, name: str, objective: dict, **sectio
 @pytest.fixture(scope="module")
 def two_process_runs(tmp_path_factory, tiny_flux_dir) -> Path:
     root = tmp_path_factory.mktemp("dmd2_sharding")
-    o = {"name": "dmd2", "teacher": str(_teacher(root, tiny_flux_dir))}
+    gan = {"gen_weight": 0.5, "real_images": str(_real_set(root)), "noise_steps": 500}
+    o = {"name": "dmd2", "teacher": str(_teacher(root, tiny_flux_dir)), "gan": gan}
     _in_process(sharding_config(root, tiny_flux_dir, "dmd2_one", o))
     two = [sharding_config(root, tiny_flux_dir, "dmd2_two", o),
            sharding_config(root, tiny_flux_dir, "dmd2_fsdp2", o, parallel=SHARDED)]
@@ -695,10 +696,13 @@ def two_process_runs(tmp_path_factory, tiny_flux_dir) -> Path:
 @pytest.mark.parametrize("two", ["dmd2_two", "dmd2_fsdp2"])
 def test_a_two_process_epoch_equals_one_process(two_process_runs, two):
     """8 samples, one iteration (generator step, then fake step) over all of them, on two processes (DDP, or the
-    student sharded by FSDP2 with the teacher and the fake score whole on each): the student's and the fake
-    score's weights (the fake score's gradients averaged over the processes by its own optimizer) as one
-    process's."""
+    student sharded by FSDP2 with the teacher and the fake score whole on each), with the GAN term on (its real
+    images drawn per micro-batch, its head trained by the fake score's optimizer): the student's, the fake score's
+    and the head's weights (the fake score's and the head's gradients averaged over the processes by their own
+    optimizer) as one process's. The GAN term off is the same run without its terms (bit for bit the run before
+    it existed: ``test_the_gan_term_is_off_by_default_and_on_leaves_the_dmd2_draws_as_they_were``)."""
     assert_two_processes_equal_one(two_process_runs / "dmd2_one", two_process_runs / two,
                                    rollout_keys=("reward_total", "group_ids", "initial_latents"),
                                    parts=("trainable", "objective"), rows=8,
-                                   figures=("objective/loss", "objective/fake_loss", "objective/fake_grad_norm"))
+                                   figures=("objective/loss", "objective/fake_loss", "objective/fake_grad_norm",
+                                            "objective/gan_gen_loss", "objective/fake_gan_cls_loss"))
