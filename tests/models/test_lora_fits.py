@@ -82,3 +82,19 @@ def test_flowgrpo_sample_refuses_a_lora_of_another_model_in_one_line(tmp_path, c
     assert info.value.code == 2 and len(errors) == 1, errors
     assert "does not fit this model" in errors[0] and "transformer_blocks.1.attn.to_k" in errors[0]
     assert not (tmp_path / "out" / "images.pt").exists()
+
+
+def test_a_bare_lora_teacher_of_another_model_is_refused_in_one_line(tiny_flux_dir, tmp_path):
+    """``objective.teacher`` a LoRA folder without a run's config (no base to compare before the load): the same check
+    at its load, in the teacher's own line."""
+    from flowgrpo.algo.objectives.opd import load_teacher
+    from flowgrpo.config import build_config
+
+    _lora_of(tmp_path / "lora", {"in_channels": 128})
+    cfg = build_config({"model": {"pretrained": str(tiny_flux_dir), "max_sequence_length": 16, "height": 64,
+                                  "width": 64}})
+    with pytest.raises(ValueError) as err:
+        load_teacher(str(tmp_path / "lora"), None, cfg.model)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"objective.teacher={str(tmp_path / 'lora')!r}: its LoRA does not fit")
+    assert "'x_embedder.lora_A.weight' has shape (4, 128)" in line, line
