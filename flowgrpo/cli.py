@@ -118,7 +118,21 @@ def _load_weights(adapter, weights: Path) -> None:
 
         load_lora_into(adapter.pipe, weights)
     elif (weights / "config.json").exists():
-        adapter.transformer.load_state_dict(type(adapter.transformer).from_pretrained(weights).state_dict())
+        from flowgrpo.models.base import config_difference
+
+        cls = type(adapter.transformer)
+        try:
+            theirs = cls.load_config(str(weights))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"the transformer folder {str(weights)!r} has no readable config.json ({err})") from None
+        named = theirs.get("_class_name")
+        differ = config_difference(adapter.transformer.config, theirs)
+        if (named and named != cls.__name__) or differ:
+            why = (f"it is a {named}, the model's transformer a {cls.__name__}" if named and named != cls.__name__
+                   else "its {} is {!r}, the model's {!r}".format(*differ))
+            raise ValueError(f"the weights {str(weights)!r} are another model's transformer ({why}): give the "
+                             "weights of a run on this model (--model)")
+        adapter.transformer.load_state_dict(cls.from_pretrained(weights).state_dict())
     else:
         raise ValueError(f"no LoRA or transformer weights in {str(weights)!r}"
                          + _unfinished_run_hint(weights.parent))

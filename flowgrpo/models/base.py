@@ -98,6 +98,16 @@ def one_image_per_prompt(images, prompts: list[str], family: str) -> list:
     return [imgs[0] for imgs in images]
 
 
+def config_difference(ours, theirs) -> tuple[str, object, object] | None:
+    """The first setting (key, theirs, ours) in which two transformer configs (diffusers ``config`` mappings)
+    disagree, among the keys both hold (``_``-prefixed bookkeeping left out), or None when they agree: the test
+    that a transformer's weights are of the same architecture as ``ours`` (a size, a block count, a width)."""
+    for key in ours:
+        if not key.startswith("_") and key in theirs and theirs[key] != ours[key]:
+            return key, theirs[key], ours[key]
+    return None
+
+
 def check_num_steps(num_steps: int) -> None:
     """The σ grid's input check: ``ValueError`` unless ``num_steps`` >= 1."""
     if num_steps < 1:

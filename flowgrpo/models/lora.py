@@ -102,6 +102,25 @@ def load_lora_into(pipe, folder: str | Path) -> None:
 _LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
+def lora_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes of the safetensors file ``path`` by name, read from its header alone (``safe_open``).
+
+    Raises:
+        ValueError: the file cannot be read as safetensors (empty, truncated, another format; one line).
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    except Exception as err:  # safetensors raises its own SafetensorError (not an OSError) for a bad header
+        if isinstance(err, FileNotFoundError):
+            raise ValueError(f"the LoRA file {str(path)!r} does not exist") from None
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"the LoRA file {str(path)!r} cannot be read as safetensors ({why}): it is empty, cut "
+                         "short or not a LoRA that flowgrpo or diffusers wrote") from None
+
+
 def check_lora_fits(transformer: torch.nn.Module, path: str | Path) -> None:
     """Refuse a LoRA file whose tensors do not fit ``transformer``, before diffusers loads it: diffusers 0.42 loads
     the tensors of modules the model has not with a warning (a LoRA of a deeper model: its extra blocks dropped),
@@ -110,17 +129,16 @@ def check_lora_fits(transformer: torch.nn.Module, path: str | Path) -> None:
 
     Checked: the transformer's tensors (the keys under ``transformer.`` of a pipeline LoRA, every key of a
     transformer's own); for each ``<module>.lora_A.weight`` (r, in) and ``<module>.lora_B.weight`` (out, r): the
-    module exists and is a ``Linear`` of ``in`` → ``out`` features. A file with no key in this form (another
+    module exists and is a ``Linear`` of ``in`` → ``out`` features (the file's header is read by
+    :func:`lora_shapes`). A file with no key in this form (another
     trainer's naming, which diffusers converts) is left to diffusers, and so are the shapes of a LoRA on a layer
     that is not a ``Linear``.
 
     Raises:
-        ValueError: one line naming the file, the first tensor that does not fit, and why.
+        ValueError: one line naming the file, the first tensor that does not fit, and why; or that the file cannot
+        be read (:func:`lora_shapes`).
     """
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as fh:
-        shapes = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    shapes = lora_shapes(path)
     prefixed = any(k.startswith("transformer.") for k in shapes)
     ours = {k.removeprefix("transformer."): v for k, v in shapes.items()
             if not prefixed or k.startswith("transformer.")}

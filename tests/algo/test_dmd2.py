@@ -462,6 +462,13 @@ def test_the_head_is_in_the_checkpoint_state_and_a_state_without_it_is_refused()
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="has no GAN head"):
         fresh.load_state_dict({k: v for k, v in state.items() if not k.startswith("gan_head.")})
+    assert int(state["gan_block"]) == 1  # the middle of three blocks
+    other, _, _ = _gan_setup(feature_block=0)  # the head on another block: its features are not the saved head's
+    other.fake_optim = SecondOptimizer(list(other.fake.parameters()) + list(other.gan_head.parameters()),
+                                       other.cfg.train, lr=LR, checkpoints=None)
+    with pytest.raises(ValueError, match=r"GAN head reads block 1 of the fake score, and objective.gan.feature_block "
+                                         r"gives block 0: resume with feature_block=1"):
+        other.load_state_dict(state)
 
 
 def test_help_lists_each_gan_setting_with_its_default():
@@ -478,7 +485,14 @@ def test_gan_settings_are_refused_in_one_line():
                                          r"objective.gan.real_images"):
         build_config({"objective": {"name": "dmd2", "gan": {"gen_weight": 0.01}}})
     with pytest.raises(ValueError, match=r"noise_steps=2000 is above num_train_timesteps=1000"):
-        build_config({"objective": {"name": "dmd2", "gan": {"noise_steps": 2000}}})
+        build_config({"objective": {"name": "dmd2", "gan": {"noise_steps": 2000, "gen_weight": 0.01,
+                                                            "real_images": "digits_real"}}})
+    for key, value in (("real_images", "digits_real"), ("feature_block", 99), ("noise_steps", 10),
+                       ("guidance_weight", 0.5)):  # nothing read is ignored: with the GAN off, a setting is refused
+        with pytest.raises(ValueError, match=rf"objective.gan.{key}={value!r} is read only with the GAN term on, "
+                                             r"and objective.gan.gen_weight is 0 \(off\)"):
+            build_config({"objective": {"name": "dmd2", "gan": {key: value}}})
+    build_config({"objective": {"name": "dmd2", "gan": {"gen_weight": 0.0, "noise_steps": 1000}}})  # defaults
     on = {"name": "dmd2", "gan": {"gen_weight": 0.01, "real_images": "/no/such/set.jsonl"}}
     with pytest.raises(ValueError, match=r"objective.gan.real_images: .*no/such/set.jsonl"):
         build_objective(build_config({"objective": on})).validate()

@@ -1,4 +1,5 @@
-"""A LoRA of another model is refused in one line before diffusers loads it (:func:`flowgrpo.models.lora.check_lora_fits`).
+"""A LoRA of another model is refused in one line before diffusers loads it
+(:func:`flowgrpo.models.lora.check_lora_fits`).
 
 diffusers 0.42 loaded both of these without an error: the LoRA of a deeper FLUX transformer (its extra block's
 tensors dropped with a warning: a partial LoRA sampled as if whole), and the LoRA of a FLUX transformer with more
@@ -98,3 +99,54 @@ def test_a_bare_lora_teacher_of_another_model_is_refused_in_one_line(tiny_flux_d
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"objective.teacher={str(tmp_path / 'lora')!r}: its LoRA does not fit")
     assert "'x_embedder.lora_A.weight' has shape (4, 128)" in line, line
+
+
+@pytest.mark.parametrize("content", [b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":"], ids=["empty", "cut short"])
+def test_an_unreadable_lora_file_is_refused_in_one_line_as_teacher_before_any_load_and_by_sample(
+        tiny_flux_dir, tmp_path, capsys, monkeypatch, content):
+    """An empty or truncated ``pytorch_lora_weights.safetensors`` was a 34-line traceback (safetensors'
+    ``SafetensorError``) after the student model was built; now one line, the teacher's from its header before
+    anything loads, and ``flowgrpo sample --lora``'s."""
+    import flowgrpo.models as models
+    from flowgrpo.algo.objectives.opd import check_teacher
+    from flowgrpo.cli import main as cli_main
+    from flowgrpo.config import build_config
+
+    (tmp_path / "lora").mkdir()
+    (tmp_path / "lora" / "pytorch_lora_weights.safetensors").write_bytes(content)
+    cfg = build_config({"model": {"pretrained": str(tiny_flux_dir)}})
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load_model_from_config", no_load)
+    with pytest.raises(ValueError) as err:
+        check_teacher(str(tmp_path / "lora"), cfg.model)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"objective.teacher={str(tmp_path / 'lora')!r}: the LoRA file ")
+    assert "cannot be read as safetensors" in line
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as info:
+        cli_main(["sample", "--model", "tiny", "--lora", str(tmp_path / "lora"), "--prompts", "digits_eval",
+                  "--num-images", "1", "--out", str(tmp_path / "out")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert info.value.code == 2 and len(errors) == 1 and "cannot be read as safetensors" in errors[0], errors
+
+
+def test_flowgrpo_sample_refuses_another_models_transformer_folder_in_one_line(tmp_path, capsys):
+    """``--lora`` a full fine-tune's ``transformer/`` folder of another model: a 79-line size-mismatch traceback from
+    ``load_state_dict``; now one line naming the first setting that differs, before its weights load."""
+    from diffusers import FluxTransformer2DModel
+
+    from flowgrpo.cli import main as cli_main
+    from flowgrpo.models.tiny import TEXT_DIM
+
+    FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=2, num_single_layers=1, attention_head_dim=16,
+                           num_attention_heads=2, joint_attention_dim=TEXT_DIM, pooled_projection_dim=TEXT_DIM,
+                           guidance_embeds=True, axes_dims_rope=(4, 6, 6)).save_pretrained(tmp_path / "transformer")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["sample", "--model", "tiny", "--lora", str(tmp_path / "transformer"), "--prompts", "digits_eval",
+                  "--num-images", "1", "--out", str(tmp_path / "out")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert info.value.code == 2 and len(errors) == 1, errors
+    assert "are another model's transformer (its num_layers is 2, the model's 1)" in errors[0], errors

@@ -169,6 +169,11 @@ class DMD2Config(ObjectiveConfig):
         if self.gan.on and not self.gan.real_images:
             raise ValueError(f"objective.gan.gen_weight={self.gan.gen_weight} turns the GAN term on, which needs "
                              "objective.gan.real_images: an image set of {prompt, target} records (e.g. digits_real)")
+        moved = [f"{k}={v!r}" for k, v in self.gan.model_dump().items()
+                 if k != "gen_weight" and v != GanConfig.model_fields[k].default]
+        if not self.gan.on and moved:
+            raise ValueError(f"objective.gan.{moved[0]} is read only with the GAN term on, and objective.gan."
+                             "gen_weight is 0 (off): set gen_weight > 0 (the release's 5e-3) or remove the setting")
         if self.gan.noise_steps > self.num_train_timesteps:
             raise ValueError(f"objective.gan.noise_steps={self.gan.noise_steps} is above num_train_timesteps="
                              f"{self.num_train_timesteps}: the classifier's timesteps are drawn below it")
@@ -225,6 +230,7 @@ class DMD2(ForwardObjective):
         self.fake_optim = None
         self.gan_head: torch.nn.Module | None = None  # the GAN term's classifier head (objective.gan on)
         self.gan_block: torch.nn.Module | None = None  # the fake score's block the head reads
+        self.gan_block_index: int | None = None  # its place among the adapter's feature_blocks
         self.real: RealImages | None = None
         self.real_first = None  # the first real image's ((width, height), where), read by validate()
 
@@ -281,7 +287,7 @@ class DMD2(ForwardObjective):
         if k >= len(blocks):
             raise ValueError(f"objective.gan.feature_block={k} is past the model's blocks: its transformer has "
                              f"{len(blocks)} (0 … {len(blocks) - 1}, in forward order)")
-        self.gan_block = blocks[k]
+        self.gan_block, self.gan_block_index = blocks[k], k
         self.gan_head = make_head(adapter.feature_width(self.fake), derive_seed(self.cfg.train.seed, "dmd2_gan_head"),
                                   adapter.device)
 
@@ -443,6 +449,7 @@ class DMD2(ForwardObjective):
         out = {f"fake.{k}": v.detach().cpu().clone() for k, v in self.fake.state_dict().items()}
         if self.gan_head is not None:
             out.update({f"gan_head.{k}": v.detach().cpu().clone() for k, v in self.gan_head.state_dict().items()})
+            out["gan_block"] = torch.tensor(self.gan_block_index)  # the block the head reads (resume: the same)
         out.update({f"fake_optim.{k}": v for k, v in self.fake_optim.state_dict().items()})
         return out
 
@@ -474,6 +481,11 @@ class DMD2(ForwardObjective):
         if weights.keys() != self.gan_head.state_dict().keys():
             raise ValueError("the checkpoint's DMD2 state has no GAN head of this model (it was saved with "
                              "objective.gan off or another feature width): resume with its gan settings")
+        saved = int(state["gan_block"]) if "gan_block" in state else None
+        if saved != self.gan_block_index:
+            raise ValueError(f"the checkpoint's GAN head reads block {saved} of the fake score, and objective.gan."
+                             f"feature_block gives block {self.gan_block_index}: resume with feature_block={saved} "
+                             "(its weights, guidance_weight and noise_steps may change on a resume)")
         self.gan_head.load_state_dict(weights)
 
 

@@ -145,12 +145,18 @@ def check_teacher_family(folder: str, path: Path, student: str | None) -> None:
 def check_teacher(folder: str, model_config) -> None:
     """``objective.teacher`` checked before any model loads (OPD, DMD2, TDM-R1): the folder's layout
     (:func:`teacher_source`); a transformer's family (:func:`check_teacher_family`); a LoRA inside a run folder
-    trained on another base model than the student's (its run's ``config.yaml``, ``model.pretrained``). Raises
-    ValueError, one line."""
+    trained on another base model than the student's (its run's ``config.yaml``, ``model.pretrained``), or whose file
+    cannot be read (its header). Raises ValueError, one line."""
     kind, path = teacher_source(folder)
     if kind == "transformer":
         check_teacher_family(folder, path, student_transformer_class(model_config.pretrained))
         return
+    from flowgrpo.models.lora import lora_shapes
+
+    try:
+        lora_shapes(path / LORA_FILE)
+    except ValueError as err:
+        raise ValueError(f"objective.teacher={folder!r}: {err}") from None
     base = _run_base(path.parent)
     if base is not None and base != model_config.pretrained:
         raise ValueError(f"objective.teacher={folder!r} is a LoRA of model.pretrained={base!r} (its run's "
@@ -205,12 +211,13 @@ def load_teacher(folder: str, adapter, model_config) -> torch.nn.Module:
         base.transformer.fuse_lora()
         base.transformer.unload_lora()
         teacher = base.transformer
-    student = adapter.transformer.config
-    differ = [k for k in student if not k.startswith("_") and k in teacher.config and teacher.config[k] != student[k]]
+    from flowgrpo.models.base import config_difference
+
+    differ = config_difference(adapter.transformer.config, teacher.config)
     if differ:
-        k = differ[0]
+        k, theirs, ours = differ
         raise ValueError(f"objective.teacher={folder!r} is another architecture than the student: its {k} is "
-                         f"{teacher.config[k]!r}, the student's {student[k]!r}; give a teacher of the student's model")
+                         f"{theirs!r}, the student's {ours!r}; give a teacher of the student's model")
     return teacher.to(adapter.device).requires_grad_(False).eval()
 
 
