@@ -426,10 +426,12 @@ def test_a_lora_teacher_of_another_base_model_is_refused_before_any_model_loads(
     refused by ``validate`` (fresh-user trial 8: a digits LoRA as the teacher of the tiny FLUX loaded the base model,
     then diffusers' size mismatch surfaced as a traceback); one of the student's base passes."""
     import yaml
+    from safetensors.torch import save_file
 
     run = tmp_path / "teacher_run"
     (run / "lora").mkdir(parents=True)
-    (run / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    save_file({"transformer.x_embedder.lora_A.weight": torch.zeros(4, 64)},  # a readable file; its fit is not
+              run / "lora" / "pytorch_lora_weights.safetensors")  # read before the load
     (run / "config.yaml").write_text(yaml.safe_dump({"model": {"pretrained": "digits"}}))
     objective = {"name": name, "teacher": str(run / "lora")}
     extra = {"algo": {"clip_range": 1e-4, "kl_beta": 0.0}} if name == "opd" else {}

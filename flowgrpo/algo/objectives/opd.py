@@ -153,15 +153,15 @@ def check_teacher(folder: str, model_config) -> None:
         return
     from flowgrpo.models.lora import lora_shapes
 
-    try:
-        lora_shapes(path / LORA_FILE)
-    except ValueError as err:
-        raise ValueError(f"objective.teacher={folder!r}: {err}") from None
     base = _run_base(path.parent)
     if base is not None and base != model_config.pretrained:
         raise ValueError(f"objective.teacher={folder!r} is a LoRA of model.pretrained={base!r} (its run's "
                          f"config.yaml), the student is {model_config.pretrained!r}: a LoRA teacher is loaded into "
                          "the student's base model, so it must be a LoRA of that model")
+    try:
+        lora_shapes(path / LORA_FILE)
+    except ValueError as err:
+        raise ValueError(f"objective.teacher={folder!r}: {err}") from None
 
 
 def _run_base(run: Path) -> str | None:
