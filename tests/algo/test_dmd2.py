@@ -154,25 +154,39 @@ def _setup():
             p.fill_(v)
     obj.fake = obj.fake_forward = copy.deepcopy(obj.teacher).requires_grad_(True)
     obj.fake_optim = Recording(obj.fake, "fake", log)
-    gen = torch.Generator().manual_seed(0)
-    latents = torch.randn(B, T + 1, D, generator=gen)
-    samples = PathSamples(
-        x0=latents[:, -1], initial_noise=latents[:, 0], sigmas=torch.linspace(1, 0, T + 1),
-        group_ids=torch.tensor([10, 10, 11, 11, 12, 12, 13, 13]), sample_index=torch.tensor([0, 1] * 4),
-        embeds=PromptEmbeds({"e": torch.randn(B, D, generator=gen)}), images=torch.zeros(B, 3, 1, 1),
-        prompts=["p"] * B, metadata=[{}] * B, guidance_scale=ROLLOUT_G, latents=latents)
+    samples = path_samples(torch.linspace(1, 0, T + 1), ROLLOUT_G)
     adv = Advantages(values=torch.zeros(B), train_mask=torch.zeros(B, dtype=torch.bool), zero_spread_frac=0.0,
                      nan_frac=0.0, learning_frac=0.0)
-    draws = []
-    real = obj.draw
+    return obj, adapter, optim, samples, adv, recorded(obj, "draw")
 
-    def recording(work, rows, inner, kind):
-        out = real(work, rows, inner, kind)
-        draws.append(out)
+
+def path_samples(sigmas: torch.Tensor, guidance_scale: float) -> PathSamples:
+    """B = 8 paths of T + 1 states (len(sigmas)) in D = 3 dimensions, four groups of two, seeded 0: the update-loop
+    tests' rollout (TDM-R1's too)."""
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn(B, len(sigmas), D, generator=gen)
+    return PathSamples(
+        x0=latents[:, -1], initial_noise=latents[:, 0], sigmas=sigmas,
+        group_ids=torch.tensor([10, 10, 11, 11, 12, 12, 13, 13]), sample_index=torch.tensor([0, 1] * 4),
+        embeds=PromptEmbeds({"e": torch.randn(B, D, generator=gen)}), images=torch.zeros(B, 3, 1, 1),
+        prompts=["p"] * B, metadata=[{}] * B, guidance_scale=guidance_scale, latents=latents)
+
+
+def recorded(obj, method: str) -> list:
+    """``obj.<method>`` (a draw method) wrapped so that what it returns is kept, in order, in the list returned here
+    (a list it returns, element by element)."""
+    kept, real = [], getattr(obj, method)
+
+    def recording(*args):
+        out = real(*args)
+        if isinstance(out, list):
+            kept.extend(out)
+        else:
+            kept.append(out)
         return out
 
-    obj.draw = recording
-    return obj, adapter, optim, samples, adv, draws
+    setattr(obj, method, recording)
+    return kept
 
 
 def _generator_rows(theta, phi, teacher, s, d):

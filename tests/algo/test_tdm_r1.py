@@ -23,13 +23,13 @@ import yaml
 from safetensors.torch import load_file
 
 from flowgrpo.algo.objectives import build_objective
-from flowgrpo.algo.objectives.paths import PathSamples
 from flowgrpo.algo.objectives.tdm_r1 import draw_time, renoise, shift, surrogate_target, unshift
 from flowgrpo.config import build_config, load_config
 from flowgrpo.records import Advantages, PromptEmbeds
 from flowgrpo.training.update import run_update
 from flowgrpo.writing.metrics import read_metrics
 from tests.algo.test_dmd2 import Recording as DMD2Recording
+from tests.algo.test_dmd2 import path_samples, recorded
 from tests.tiny_runs import _one_thread  # noqa: F401 - autouse here
 from tests.training.objective_runs import assert_resume_equals_whole, assert_two_processes_equal_one, tiny_run
 from tests.training.test_forward_update import LR, FakeAdapter, Lin
@@ -165,25 +165,10 @@ def _setup():
     obj.slow = obj.slow_forward = _module((0.93, -0.15, 0.52), False)
     obj.fake_optim, obj.surrogate_optim = Recording(obj.fake, "fake", log), Recording(obj.surrogate, "surrogate", log)
     obj.surrogate_optim.on_step = obj._follow
-    gen = torch.Generator().manual_seed(0)
-    latents = torch.randn(B, T + 1, D, generator=gen)
-    samples = PathSamples(
-        x0=latents[:, -1], initial_noise=latents[:, 0], sigmas=torch.tensor([1.0, 0.8, 0.55, 0.3, 0.0]),
-        group_ids=torch.tensor([10, 10, 11, 11, 12, 12, 13, 13]), sample_index=torch.tensor([0, 1] * 4),
-        embeds=PromptEmbeds({"e": torch.randn(B, D, generator=gen)}), images=torch.zeros(B, 3, 1, 1),
-        prompts=["p"] * B, metadata=[{}] * B, guidance_scale=ROLLOUT_G, latents=latents)
+    samples = path_samples(torch.tensor([1.0, 0.8, 0.55, 0.3, 0.0]), ROLLOUT_G)
     adv = Advantages(values=torch.tensor(ADV), train_mask=torch.ones(B, dtype=torch.bool), zero_spread_frac=0.0,
                      nan_frac=0.0, learning_frac=1.0)
-    draws = []
-    real = obj.draws
-
-    def recording(work, rows, inner, kind):
-        out = real(work, rows, inner, kind)
-        draws.extend(out)
-        return out
-
-    obj.draws = recording
-    return obj, adapter, optim, samples, adv, draws
+    return obj, adapter, optim, samples, adv, recorded(obj, "draws")
 
 
 def _ab(sn, tau):

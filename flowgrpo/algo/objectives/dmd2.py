@@ -468,7 +468,6 @@ class DMD2(ForwardObjective):
         self.fake_optim.load_state_dict({k[len("fake_optim."):]: v for k, v in state.items()
                                          if k.startswith("fake_optim.")})
 
-
     def load_head(self, state: dict[str, torch.Tensor]) -> None:
         """The GAN head's weights from ``state`` (``ValueError`` when the checkpoint has none and the GAN term is on,
         or has one and it is off)."""
