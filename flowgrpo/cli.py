@@ -193,6 +193,10 @@ def _sample(args: argparse.Namespace) -> None:
     # before the model is built: a folder that holds other files, lies in the run, or cannot be made fails at once
     check_folder(out, "--out", "sample", inputs=_sample_inputs(args, s, weights))
     check_written(out, "--out", SAMPLE_NAMES)
+    if weights is not None and (weights / "pytorch_lora_weights.safetensors").is_file():
+        from flowgrpo.models.lora import lora_shapes
+
+        lora_shapes(weights / "pytorch_lora_weights.safetensors")  # an unreadable file, before the model builds
     made = claim_folder(out, "sample", "--out")
     try:
         _sample_into(out, args, s, weights)

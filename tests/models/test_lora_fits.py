@@ -126,6 +126,8 @@ def test_an_unreadable_lora_file_is_refused_in_one_line_as_teacher_before_any_lo
     assert "\n" not in line and line.startswith(f"objective.teacher={str(tmp_path / 'lora')!r}: the LoRA file ")
     assert "cannot be read as safetensors" in line
     monkeypatch.undo()
+    for name in ("load_model", "load_model_from_config"):  # sample's check, too, before the model builds
+        monkeypatch.setattr(models, name, no_load)
     with pytest.raises(SystemExit) as info:
         cli_main(["sample", "--model", "tiny", "--lora", str(tmp_path / "lora"), "--prompts", "digits_eval",
                   "--num-images", "1", "--out", str(tmp_path / "out")])
